@@ -1,0 +1,569 @@
+"""Data pipeline for Megatron-style GPT pretraining: pure Python + numpy, no MindSpore.
+
+tokenizer -> tools/preprocess_data.py (.bin/.idx indexed dataset) -> GPTDataset
+(document/sample/shuffle indices) -> MegatronPretrainingSampler (micro-batches per dp rank).
+"""
+import argparse
+import functools
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import struct
+import sys
+import time
+import unicodedata
+
+import numpy as np
+
+
+def _save_atomic(path, write):
+    """Write to a temporary name, then os.replace: readers never see a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def _bytes_to_unicode():
+    """GPT-2's reversible byte -> printable unicode char table (openai/gpt-2 encoder.py)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]  # mapped to chr(256), chr(257), ...
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt2_pattern():
+    r"""openai/gpt-2's pre-tokenization regex written for the stdlib `re`.
+
+    \p{L} = word chars minus digits, '_' and the non-decimal numbers (Nl, No);
+    \p{N} = decimal digits (\d is Unicode Nd) plus Nl and No.
+    """
+    nl_no = "".join(re.escape(chr(c)) for c in range(sys.maxunicode + 1)
+                    if unicodedata.category(chr(c)) in ("Nl", "No"))
+    letter, number, other = rf"[^\W\d_{nl_no}]", rf"[\d{nl_no}]", rf"(?:[^\s\w{nl_no}]|_)"
+    return re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?{letter}+| ?{number}+| ?{other}+|\s+(?!\S)|\s+")
+
+
+class GPT2BPETokenizer:
+    """Megatron's GPT2BPETokenizer: GPT-2 byte-level BPE (same algorithm as openai/gpt-2 encoder.py)."""
+
+    def __init__(self, vocab_file, merge_file):
+        with open(vocab_file, encoding="utf-8") as f:
+            self.encoder = json.load(f)
+        self.decoder = {i: t for t, i in self.encoder.items()}
+        with open(merge_file, encoding="utf-8") as f:
+            merges = [tuple(line.split()) for line in f.read().split("\n")[1:] if line.strip()]
+        self.bpe_ranks = {pair: i for i, pair in enumerate(merges)}
+        self.byte_encoder = _bytes_to_unicode()
+        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
+        self.pattern = _gpt2_pattern()
+        self.cache = {}
+        self.eod = self.encoder["<|endoftext|>"]
+        self.vocab_size = len(self.encoder)
+
+    def _bpe(self, word):
+        """Merge the lowest-ranked adjacent pair until no known merge is left; returns ids."""
+        parts = list(word)
+        while len(parts) > 1:
+            pairs = set(zip(parts, parts[1:]))
+            best = min(pairs, key=lambda p: self.bpe_ranks.get(p, float("inf")))
+            if best not in self.bpe_ranks:
+                break
+            merged, i = [], 0
+            while i < len(parts):
+                if i < len(parts) - 1 and (parts[i], parts[i + 1]) == best:
+                    merged.append(parts[i] + parts[i + 1])
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            parts = merged
+        return [self.encoder[p] for p in parts]
+
+    def encode(self, text):
+        ids = []
+        for word in self.pattern.findall(text):
+            if word not in self.cache:
+                self.cache[word] = self._bpe("".join(self.byte_encoder[b] for b in word.encode("utf-8")))
+            ids.extend(self.cache[word])
+        return ids
+
+    def decode(self, ids):
+        text = "".join(self.decoder[int(i)] for i in ids)
+        return bytearray(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
+
+
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is space-separated ids; eod is the id after the last one."""
+
+    def __init__(self, vocab_size):
+        self.eod = int(vocab_size)
+        self.vocab_size = int(vocab_size) + 1
+
+    def encode(self, text):
+        return [int(x) for x in text.split()]
+
+    def decode(self, ids):
+        return " ".join(str(int(i)) for i in ids)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, eod = 256 (handy for tests and tiny runs)."""
+
+    eod, vocab_size = 256, 257
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, vocab_size=None):
+    """Megatron's build_tokenizer for the three supported --tokenizer-type values."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        if vocab_file is None or merge_file is None:
+            raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file")
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
+    if tokenizer_type == "ByteTokenizer":
+        return ByteTokenizer()
+    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}: use one of GPT2BPETokenizer, NullTokenizer, "
+                     "ByteTokenizer")
+
+
+def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1):
+    """Megatron's _vocab_size_with_padding: round up so each TP shard of the embedding is equal."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-orig_vocab_size // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------- indexed dataset
+
+_INDEX_HEADER = b"MMIDIDX\x00\x00"
+_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+_CODES = {np.dtype(t): c for c, t in _DTYPES.items()}
+
+
+def optimal_dtype(vocab_size):
+    """Megatron's DType.optimal_dtype: the token dtype of the .bin file."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+class IndexedDatasetBuilder:
+    """Megatron's IndexedDatasetBuilder: appends token arrays to .bin, writes the .idx at finalize.
+
+    Both files are written under temporary names and moved into place by finalize().
+    """
+
+    def __init__(self, bin_path, dtype=np.uint16):
+        self.bin_path, self.dtype = bin_path, np.dtype(dtype)
+        self._bin_tmp = f"{bin_path}.tmp{os.getpid()}"
+        self._bin = open(self._bin_tmp, "wb")
+        self.sequence_lengths, self.document_indices = [], [0]
+
+    def add_document(self, tokens, lengths=None):
+        """One document made of len(lengths) sequences (one sequence if lengths is None)."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(arr.tobytes(order="C"))
+        self.sequence_lengths.extend([len(arr)] if lengths is None else lengths)
+        self.document_indices.append(len(self.sequence_lengths))
+
+    def finalize(self, idx_path):
+        self._bin.close()
+        lengths = np.asarray(self.sequence_lengths, dtype=np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)  # byte offset of each sequence in .bin
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        # magic, version 1, dtype code, sequence count, document count (34 bytes), then the arrays
+        header = _INDEX_HEADER + struct.pack("<QBQQ", 1, _CODES[self.dtype], len(lengths), len(self.document_indices))
+        documents = np.asarray(self.document_indices, dtype=np.int64)
+        os.replace(self._bin_tmp, self.bin_path)
+        _save_atomic(idx_path, lambda f: f.write(header + lengths.tobytes() + pointers.tobytes() + documents.tobytes()))
+
+
+class IndexedDataset:
+    """Megatron's (mmap) IndexedDataset read from `<path_prefix>.bin` and `<path_prefix>.idx`."""
+
+    def __init__(self, path_prefix):
+        self.path_prefix = path_prefix
+        idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
+        with open(idx_path, "rb") as f:
+            header = f.read(34)
+        if len(header) < 34 or header[:9] != _INDEX_HEADER:
+            raise ValueError(f"{idx_path}: bad magic or truncated header, not a Megatron MMIDIDX index")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[9:])
+        if version != 1 or code not in _DTYPES:
+            raise ValueError(f"{idx_path}: unsupported version {version} or dtype code {code}")
+        self.dtype = np.dtype(_DTYPES[code])
+        need = 34 + n_seq * 12 + n_doc * 8
+        if os.path.getsize(idx_path) < need:
+            raise ValueError(f"{idx_path}: truncated, {os.path.getsize(idx_path)} bytes but the header implies {need}")
+        idx = np.memmap(idx_path, mode="r", order="C")
+        self.sequence_lengths = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=34)
+        self.sequence_pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq, offset=34 + n_seq * 4)
+        self.document_indices = np.frombuffer(idx, dtype=np.int64, count=n_doc, offset=34 + n_seq * 12)
+        bin_size = os.path.getsize(bin_path)
+        if n_seq and self.sequence_pointers[-1] + int(self.sequence_lengths[-1]) * self.dtype.itemsize > bin_size:
+            raise ValueError(f"{bin_path}: truncated, {bin_size} bytes is shorter than the index says")
+        self._bin = np.memmap(bin_path, mode="r", order="C") if bin_size else np.zeros(0, np.uint8)
+
+    def __len__(self):
+        return len(self.sequence_lengths)
+
+    def get(self, i, offset=0, length=None):
+        """Tokens of sequence i from `offset`, `length` of them (default: to the end)."""
+        if length is None:
+            length = int(self.sequence_lengths[i]) - offset
+        start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
+
+    __getitem__ = get
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_kwargs):
+    """Pool initializer: each worker builds its own tokenizer (Megatron's Encoder.initializer)."""
+    global _worker_tokenizer
+    _worker_tokenizer = build_tokenizer(**tokenizer_kwargs)
+
+
+def _encode_document(texts, append_eod):
+    """texts: one string per json key -> one token list per key."""
+    eod = [_worker_tokenizer.eod] if append_eod else []
+    return [_worker_tokenizer.encode(text) + eod for text in texts], sum(len(t.encode("utf-8")) for t in texts)
+
+
+def _read_documents(path, keys):
+    """Yield one list of strings (one per key) per document: jsonl, or blank-line separated text."""
+    with open(path, encoding="utf-8") as f:
+        if path.endswith((".json", ".jsonl")):
+            for obj in (json.loads(line) for line in f if line.strip()):
+                yield [obj[k] for k in keys]
+        else:
+            yield from ([doc.strip("\n")] for doc in re.split(r"\n\s*\n", f.read()) if doc.strip())
+
+
+def preprocess_main(argv):
+    """Megatron's tools/preprocess_data.py: text -> `<prefix>_<key>_document.{bin,idx}`.
+
+    Each document becomes one sequence. Returns the list of written data prefixes.
+    """
+    p = argparse.ArgumentParser(description="Tokenize text into Megatron .bin/.idx files.")
+    p.add_argument("--input", required=True, help="jsonl, or text with blank-line separated documents")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--tokenizer-type", required=True, choices=["GPT2BPETokenizer", "NullTokenizer", "ByteTokenizer"])
+    p.add_argument("--vocab-file", default=None)
+    p.add_argument("--merge-file", default=None)
+    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--append-eod", action="store_true")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--log-interval", type=int, default=1000)
+    args = p.parse_args(argv)
+
+    keys = args.json_keys if args.input.endswith((".json", ".jsonl")) else ["text"]
+    tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                      merge_file=args.merge_file, vocab_size=args.vocab_size)
+    _init_worker(tok_kwargs)
+    dtype = optimal_dtype(_worker_tokenizer.vocab_size)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
+    builders = [IndexedDatasetBuilder(pre + ".bin", dtype) for pre in prefixes]
+
+    docs = _read_documents(args.input, keys)
+    encode = functools.partial(_encode_document, append_eod=args.append_eod)
+    pool = multiprocessing.Pool(args.workers, _init_worker, (tok_kwargs,)) if args.workers > 1 else None
+    t0, total_bytes = time.time(), 0
+    try:
+        results = pool.imap(encode, docs, chunksize=32) if pool else map(encode, docs)
+        for n, (doc_ids, n_bytes) in enumerate(results, 1):
+            total_bytes += n_bytes
+            for builder, ids in zip(builders, doc_ids):
+                builder.add_document(ids)
+            if n % args.log_interval == 0:
+                dt = time.time() - t0
+                print(f"Processed {n} documents ({n / dt:.1f} docs/s, {total_bytes / dt / 2**20:.2f} MB/s).",
+                      flush=True)
+    finally:
+        if pool:
+            pool.close()
+            pool.join()
+    for builder, pre in zip(builders, prefixes):
+        builder.finalize(pre + ".idx")
+    return prefixes
+
+
+def _sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=None, merge_file=None,
+                        vocab_size=None, append_eod=True, workers=1):
+    """Run preprocess_main unless `<prefix>_text_document.{bin,idx}` already match the source.
+
+    The sidecar `<prefix>_text_document.src.json` holds the sha256 of the source and the
+    tokenizer identity; it is written last, so an interrupted run is redone. Returns the prefix.
+    """
+    prefix = f"{output_prefix}_text_document"
+    sidecar = prefix + ".src.json"
+    identity = {"source_sha256": _sha256(input_path), "tokenizer_type": tokenizer_type,
+                "vocab_sha256": _sha256(vocab_file) if vocab_file else None,
+                "merge_sha256": _sha256(merge_file) if merge_file else None,
+                "vocab_size": vocab_size, "append_eod": bool(append_eod)}
+    try:
+        with open(sidecar) as f:
+            up_to_date = json.load(f) == identity
+    except (OSError, ValueError):
+        up_to_date = False
+    if up_to_date and os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx"):
+        return prefix
+    if os.path.exists(sidecar):
+        os.remove(sidecar)
+    argv = ["--input", input_path, "--output-prefix", output_prefix, "--tokenizer-type", tokenizer_type,
+            "--workers", str(workers)]
+    for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file), ("--vocab-size", vocab_size)):
+        if value is not None:
+            argv += [flag, str(value)]
+    preprocess_main(argv + (["--append-eod"] if append_eod else []))
+    _save_atomic(sidecar, lambda f: f.write(json.dumps(identity, indent=2).encode()))
+    return prefix
+
+
+# ----------------------------------------------------------------------------- GPT dataset
+
+
+def split_document_ranges(num_documents, split="949,50,1"):
+    """Megatron's parse_and_normalize_split + split bookends: 3 contiguous (start, end) document ranges."""
+    weights = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not 0 < len(weights) <= 3 or sum(weights) <= 0:
+        raise ValueError(f"bad --split {split!r}: give up to 3 non-negative weights like 949,50,1")
+    weights += [0.0] * (3 - len(weights))
+    bookends = [0.0] + np.cumsum(np.array(weights) / sum(weights)).tolist()
+    return [(int(round(b * float(num_documents))), int(round(e * float(num_documents))))
+            for b, e in zip(bookends[:-1], bookends[1:])]
+
+
+def build_sample_index(sequence_lengths, document_index, seq_length):
+    """helpers.cpp build_sample_idx (drop_last_partial_sequence, one extra token), vectorised.
+
+    Sample i starts at token i*seq_length of the stream of documents in document_index order;
+    row i = (position in document_index, token offset in that document). [num_samples+1, 2] int32.
+    """
+    doc_lengths = sequence_lengths[document_index].astype(np.int64)
+    doc_starts = np.concatenate([[0], np.cumsum(doc_lengths)[:-1]])
+    num_samples = (int(doc_lengths.sum()) - 1) // seq_length
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    pos = np.searchsorted(doc_starts, starts, side="right") - 1  # last document starting at or before
+    sample_index = np.stack([pos, starts - doc_starts[pos]], axis=1).astype(np.int32)
+    sample_index[0] = 0  # the C++ loop starts at (0, 0) even if document 0 is empty
+    return sample_index
+
+
+def _build_document_index(documents, num_epochs, rng, separate_final_epoch):
+    """gpt_dataset._build_document_index: document ids tiled num_epochs times, shuffled (int32)."""
+    if not separate_final_epoch or num_epochs == 1:
+        doc_idx = np.tile(documents, num_epochs).astype(np.int32)
+        rng.shuffle(doc_idx)
+        return doc_idx
+    first = _build_document_index(documents, num_epochs - 1, rng, False)
+    return np.concatenate([first, _build_document_index(documents, 1, rng, False)])
+
+
+def _build_shuffle_index(num_samples, total_size, rng):
+    """gpt_dataset._build_shuffle_index: shuffle [0, num_samples) and [num_samples, total_size) apart."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate([first, last])
+
+
+def get_ltor_masks_and_position_ids(tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
+    """Megatron's get_ltor_masks_and_position_ids for one sample. tokens: [s].
+
+    Returns loss_mask float32 [s], position_ids int32 [s], attention_mask bool [1, s, s]
+    (True = masked out) or None when reset_attention_mask is off (plain causal mask).
+    A document ends at its EOD token (inclusive); positions after it start again at 0.
+    """
+    s = len(tokens)
+    loss_mask = np.ones(s, dtype=np.float32)
+    if eod_mask_loss:
+        loss_mask[tokens == eod] = 0.0
+    after_eod = np.zeros(s, dtype=np.int64)
+    after_eod[1:] = tokens[:-1] == eod
+    segment = np.cumsum(after_eod)  # [s] document number within the sample
+    position_ids = np.arange(s, dtype=np.int32)
+    if reset_position_ids:
+        seg_start = np.flatnonzero(np.concatenate([[1], after_eod[1:]]))
+        position_ids = (position_ids - seg_start[segment]).astype(np.int32)
+    attention_mask = None
+    if reset_attention_mask:
+        causal = np.tril(np.ones((s, s), dtype=bool))
+        attention_mask = ~(causal & (segment[:, None] == segment[None, :]))[None]
+    return loss_mask, position_ids, attention_mask
+
+
+class GPTDataset:
+    """Megatron-core GPTDataset over the documents `document_ids` of an IndexedDataset.
+
+    Three indices (Megatron's doc_idx / sample_idx / shuffle_idx):
+      document_index [epochs * docs] int32: document ids repeated per epoch and shuffled;
+      sample_index [n + 1, 2] int32: (position in document_index, offset) where sample i starts;
+      shuffle_index [n] uint32: the order in which samples are served.
+    Sample i holds seq_length + 1 tokens, so consecutive samples share one boundary token.
+    With cache_dir set, the indices are saved as .npy there (named by an md5 of the
+    description, like Megatron) and reloaded by later runs; cache_dir=None keeps them in memory.
+    """
+
+    def __init__(self, indexed_dataset, document_ids, num_samples, seq_length, seed, eod, name="train",
+                 cache_dir=None, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
+        self.dataset, self.seq_length, self.eod, self.name = indexed_dataset, seq_length, eod, name
+        self.documents = np.asarray(document_ids, dtype=np.int64)
+        self.mask_options = (reset_position_ids, reset_attention_mask, eod_mask_loss)
+        self.description = json.dumps({
+            "class": "GPTDataset", "dataset_path": getattr(indexed_dataset, "path_prefix", None), "split": name,
+            "documents_md5": hashlib.md5(self.documents.tobytes()).hexdigest(), "num_documents": len(self.documents),
+            "num_samples": num_samples, "sequence_length": seq_length, "random_seed": seed,
+        }, indent=4)
+        paths = []  # {hash}-GPTDataset-{split}-{document,sample,shuffle}_index.npy, description.txt last
+        if cache_dir is not None:
+            base = os.path.join(cache_dir, f"{hashlib.md5(self.description.encode()).hexdigest()}-GPTDataset-{name}")
+            paths = [f"{base}-{k}_index.npy" for k in ("document", "sample", "shuffle")] + [base + "-description.txt"]
+        self.built_anew = not (paths and all(map(os.path.isfile, paths)))
+        if self.built_anew:
+            indices = self._build_indices(num_samples, seed)
+            if paths:
+                os.makedirs(cache_dir, exist_ok=True)
+                for path, arr in zip(paths, indices):
+                    _save_atomic(path, lambda f, a=arr: np.save(f, a))
+                _save_atomic(paths[3], lambda f: f.write(self.description.encode()))
+        else:
+            indices = [np.load(path, mmap_mode="r") for path in paths[:3]]
+        self.document_index, self.sample_index, self.shuffle_index = indices
+
+    def _build_indices(self, num_samples, seed):
+        """gpt_dataset._build_document_sample_shuffle_indices."""
+        lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int32)
+        tokens_per_epoch = int(lengths[self.documents].sum())
+        if tokens_per_epoch < self.seq_length + 1:
+            raise ValueError(f"the {self.name} split has {tokens_per_epoch} tokens in {len(self.documents)} documents, "
+                             f"fewer than seq_length+1={self.seq_length + 1}: lower --seq-length, add data "
+                             "or change --split")
+        num_epochs = 1 if num_samples is None else max(1, -(-(num_samples * self.seq_length + 1) // tokens_per_epoch))
+        separate_final_epoch = False
+        if num_epochs > 1:  # separate the last epoch if it supplies < 80% of an epoch's samples
+            samples_sans_final = ((num_epochs - 1) * tokens_per_epoch - 1) // self.seq_length
+            samples_per_epoch = (tokens_per_epoch - 1) // self.seq_length
+            separate_final_epoch = num_samples - samples_sans_final < int(0.80 * samples_per_epoch)
+        rng = np.random.RandomState(seed)
+        document_index = _build_document_index(self.documents, num_epochs, rng, separate_final_epoch)
+        sample_index = build_sample_index(lengths, document_index, self.seq_length)
+        total = len(sample_index) - 1
+        shuffle_index = _build_shuffle_index(samples_sans_final if separate_final_epoch else total, total, rng)
+        return document_index, sample_index, shuffle_index
+
+    def __len__(self):
+        return len(self.sample_index) - 1
+
+    def get_text(self, j):
+        """The seq_length + 1 tokens of sample j in sample_index order (before the shuffle)."""
+        (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
+        if d0 == d1:
+            return np.asarray(self.dataset.get(self.document_index[d0], offset=o0, length=o1 - o0 + 1), dtype=np.int64)
+        parts = [self.dataset.get(self.document_index[d0], offset=o0)]
+        parts += [self.dataset.get(self.document_index[d]) for d in range(d0 + 1, d1)]
+        parts.append(self.dataset.get(self.document_index[d1], length=o1 + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, i):
+        text = self.get_text(int(self.shuffle_index[i]))  # [s + 1]
+        return _make_sample(text, self.eod, *self.mask_options)
+
+
+def _make_sample(text, eod, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
+    """[s + 1] tokens -> dict(tokens, labels, loss_mask, position_ids[, attention_mask]), each [s]."""
+    tokens, labels = text[:-1].astype(np.int32), text[1:].astype(np.int32)
+    loss_mask, position_ids, attention_mask = get_ltor_masks_and_position_ids(
+        tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss)
+    sample = dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids)
+    if attention_mask is not None:
+        sample["attention_mask"] = attention_mask
+    return sample
+
+
+class MockGPTDataset:
+    """Megatron's --mock-data: random token ids, deterministic per (seed, index)."""
+
+    def __init__(self, num_samples, seq_length, vocab_size, seed):
+        self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.num_samples:
+            raise IndexError(i)
+        rng = np.random.RandomState([self.seed, i])
+        return _make_sample(rng.randint(0, self.vocab_size, size=self.seq_length + 1), eod=-1)
+
+
+def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, cache_dir=None, **mask_options):
+    """BlendedMegatronDatasetBuilder for one data prefix: (train, valid, test) GPTDatasets.
+
+    num_samples: (train, valid, test) samples wanted. A split with no documents or 0 samples is None.
+    """
+    indexed = IndexedDataset(data_prefix)
+    num_docs = len(indexed.document_indices) - 1
+    datasets = []
+    for name, (begin, end), n in zip(("train", "valid", "test"), split_document_ranges(num_docs, split), num_samples):
+        documents = np.arange(begin, end, dtype=np.int32)
+        datasets.append(GPTDataset(indexed, documents, n, seq_length, seed, eod, name, cache_dir, **mask_options)
+                        if end > begin and n else None)
+    return tuple(datasets)
+
+
+# ----------------------------------------------------------------------------- batch sampler
+
+
+class MicroBatchIterator:
+    """MegatronPretrainingSampler + collate: micro-batches of this data-parallel rank.
+
+    Global step k covers samples [c, c + mbs*dp) with c = consumed_samples; rank r takes
+    [c + r*mbs, c + (r+1)*mbs). Each yield is a dict of stacked arrays [mbs, s]. The last
+    incomplete global batch is dropped; there is no wrap-around.
+    """
+
+    def __init__(self, dataset, micro_batch_size, data_parallel_rank=0, data_parallel_size=1, consumed_samples=0):
+        if micro_batch_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"bad sampler setup: micro_batch_size={micro_batch_size}, "
+                             f"data_parallel_rank={data_parallel_rank}, data_parallel_size={data_parallel_size}")
+        self.dataset, self.micro_batch_size = dataset, micro_batch_size
+        self.rank, self.dp = data_parallel_rank, data_parallel_size
+        self.consumed_samples = consumed_samples
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        global_batch = self.micro_batch_size * self.dp
+        if self.consumed_samples + global_batch > len(self.dataset):
+            raise StopIteration
+        start = self.consumed_samples + self.rank * self.micro_batch_size
+        samples = [self.dataset[i] for i in range(start, start + self.micro_batch_size)]
+        self.consumed_samples += global_batch
+        return {k: np.stack([s[k] for s in samples]) for k in samples[0]}

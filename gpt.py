@@ -1,0 +1,372 @@
+"""GPT model in MindSpore PyNative, with Megatron-core's GPTModel semantics.
+
+Activations flow as [s, b, h] (sequence first), as in Megatron, so that sequence parallelism can
+later split dim 0. A model may be one pipeline stage: `pre_process` builds the embedding (input is
+token ids [b, s]), `post_process` the final norm, output layer and loss (input is hidden [s, b, h]).
+
+Every linear layer is a `Linear` built by `make_linear`, so that parallel.py can swap in column- and
+row-parallel versions. Initial weights come from numpy, seeded by the seed and the parameter's
+*global* name (`init_weights`), so a model's start is identical whatever the layout.
+"""
+import math
+import re
+import zlib
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+F32 = ms.float32
+MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic
+
+
+def additive_mask(mask):
+    """bool mask (True = masked) -> additive float bias, far cheaper than masked_fill per layer."""
+    return Tensor(np.where(mask, MASKED, 0.0).astype(np.float32))
+
+
+def _zeros(*shape):
+    return Tensor(np.zeros(shape, np.float32))
+
+
+_matmul_nt = ops.MatMul(transpose_b=True)          # x [n, in] @ W[out, in]^T, no transpose copy
+
+
+def linear(x, weight, bias=None):
+    """x [..., in] -> [..., out]; as a 2-D MatMul, 3x faster on CPU than ops.dense on 3-D."""
+    y = _matmul_nt(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+class Linear(nn.Cell):
+    """y = x W^T + b with W [out, in], the layout of torch and Megatron."""
+
+    def __init__(self, in_features, out_features, bias=True):
+        super().__init__()
+        self.weight = Parameter(_zeros(out_features, in_features), name="weight")
+        self.bias = Parameter(_zeros(out_features), name="bias") if bias else None
+
+    def construct(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+def make_linear(in_features, out_features, bias, kind):
+    """Factory for the model's linears. `kind` is Megatron's role: "column" (qkv, fc1, output
+    layer: output dim may be split over TP) or "row" (proj, fc2: input dim may be split)."""
+    del kind  # one process: both roles are a plain Linear
+    return Linear(in_features, out_features, bias)
+
+
+class LayerNorm(nn.Cell):
+    def __init__(self, hidden, eps):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.ones(hidden, np.float32)), name="weight")
+        self.bias = Parameter(_zeros(hidden), name="bias")
+        self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
+
+    def construct(self, x):
+        return self.norm(x, self.weight, self.bias)[0]
+
+
+class RMSNorm(nn.Cell):
+    """x / sqrt(mean(x^2) + eps) * w (Zhang & Sennrich 2019); ops.rms_norm has no CPU kernel."""
+
+    def __init__(self, hidden, eps):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.ones(hidden, np.float32)), name="weight")
+        self.eps = eps
+
+    def construct(self, x):
+        return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps) * self.weight
+
+
+def make_norm(cfg):
+    if cfg.normalization == "RMSNorm":
+        return RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+    return LayerNorm(cfg.hidden_size, cfg.norm_epsilon)
+
+
+class DropoutRNG:
+    """Named numpy random streams for dropout masks, like Megatron's CUDA RNG tracker: "default"
+    is shared by all tensor-parallel ranks, "model-parallel" differs per TP rank. Host streams keep
+    the state explicit, so a checkpoint stores it and a resumed run draws the same masks."""
+
+    def __init__(self, seed, tp_rank=0):
+        self.streams = {"default": np.random.default_rng(seed),
+                        "model-parallel": np.random.default_rng(seed + 2718 + tp_rank)}
+
+    def mask(self, shape, p, stream="default"):
+        keep = self.streams[stream].random(shape) >= p
+        return Tensor((keep / (1.0 - p)).astype(np.float32))
+
+    def state_dict(self):
+        return {k: g.bit_generator.state for k, g in self.streams.items()}
+
+    def load_state_dict(self, state):
+        for k, s in state.items():
+            self.streams[k].bit_generator.state = s
+
+
+class Dropout(nn.Cell):
+    def __init__(self, p, rng, stream="default"):
+        super().__init__()
+        self.p, self.rng, self.stream = p, rng, stream
+
+    def construct(self, x):
+        if self.p == 0.0 or not self.training:
+            return x
+        return x * self.rng.mask(x.shape, self.p, self.stream)
+
+
+def rotary_tables(max_positions, dim, base):
+    """cos/sin [max_positions, dim] of RoPE (Su et al. 2021), Megatron's non-interleaved layout."""
+    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    freqs = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return Tensor(np.cos(emb).astype(np.float32)), Tensor(np.sin(emb).astype(np.float32))
+
+
+def apply_rotary(x, cos, sin):
+    """x [s, b, n, d]; cos, sin [s, b, 1, d]."""
+    x1, x2 = ops.split(x, x.shape[-1] // 2, axis=-1)
+    return x * cos + ops.cat((-x2, x1), axis=-1) * sin
+
+
+class SelfAttention(nn.Cell):
+    """Causal multi-head attention with grouped query attention (GQA, Ainslie et al. 2023).
+
+    linear_qkv's output is laid out per query group, as in Megatron: for each of the ng groups,
+    its np/ng query heads, then one key head, then one value head (each d wide). Splitting that
+    dimension into equal contiguous pieces hands whole groups to each TP rank."""
+
+    def __init__(self, cfg, rng):
+        super().__init__()
+        self.heads, self.groups = cfg.num_attention_heads, cfg.num_query_groups
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        qkv_out = (self.heads + 2 * self.groups) * self.head_dim
+        self.linear_qkv = make_linear(cfg.hidden_size, qkv_out, cfg.qkv_has_bias, "column")
+        self.linear_proj = make_linear(self.heads * self.head_dim, cfg.hidden_size,
+                                       cfg.out_proj_has_bias, "row")
+        # Local head and group counts: TP may give this rank only some of the groups.
+        self.per_group = self.heads // self.groups
+        self.local_groups = self.linear_qkv.weight.shape[0] // ((self.per_group + 2) * self.head_dim)
+        self.local_heads = self.local_groups * self.per_group
+        self.attention_dropout = Dropout(cfg.attention_dropout_rate, rng, "model-parallel")
+        self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.scores = ops.BatchMatMul(transpose_b=True)     # q k^T without materialising k^T
+
+    def construct(self, x, rope, mask_bias):
+        """x [s, b, h]; rope None or (cos, sin) [s, b, 1, d]; mask_bias [b or 1, 1, s, s] float,
+        0 where attention is allowed and -1e30 where it is masked (added before the softmax)."""
+        s, b, _ = x.shape
+        heads, groups, per_group = self.local_heads, self.local_groups, self.per_group
+        qkv = self.linear_qkv(x).reshape(s, b, groups, (per_group + 2) * self.head_dim)
+        q, k, v = ops.split(qkv, [per_group * self.head_dim, self.head_dim, self.head_dim], axis=-1)
+        q = q.reshape(s, b, heads, self.head_dim)                   # [s, b, n, d]
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)   # k [s, b, g, d]
+        q, k, v = (t.transpose(1, 2, 0, 3) for t in (q, k, v))      # [b, n or g, s, d]
+        if per_group > 1:
+            k, v = ops.repeat_interleave(k, per_group, 1), ops.repeat_interleave(v, per_group, 1)
+        scores = self.scores(q * self.scale, k)                    # [b, n, s, s]
+        if self.softmax_in_fp32:
+            scores = scores.astype(F32)
+        probs = ops.softmax(scores + mask_bias, -1).astype(q.dtype)
+        context = ops.bmm(self.attention_dropout(probs), v)        # [b, n, s, d]
+        return self.linear_proj(context.transpose(2, 0, 1, 3).reshape(s, b, heads * self.head_dim))
+
+
+class MLP(nn.Cell):
+    """fc1 -> activation -> fc2. For SwiGLU (Shazeer 2020) fc1 outputs [gate; up], 2*ffn wide."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.act = cfg.hidden_act
+        fc1_out = cfg.ffn_hidden_size * (2 if self.act == "swiglu" else 1)
+        self.linear_fc1 = make_linear(cfg.hidden_size, fc1_out, cfg.add_bias_linear, "column")
+        self.linear_fc2 = make_linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, "row")
+
+    def construct(self, x):
+        y = self.linear_fc1(x)
+        if self.act == "swiglu":
+            gate, up = ops.chunk(y, 2, axis=-1)
+            y = ops.silu(gate) * up
+        elif self.act == "gelu_tanh":
+            y = ops.gelu(y, approximate="tanh")
+        else:
+            y = ops.gelu(y, approximate="none")
+        return self.linear_fc2(y)
+
+
+class TransformerLayer(nn.Cell):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))). With sandwich norm
+    each sub-layer's output is normed again before the residual add (CogView, PanGu)."""
+
+    def __init__(self, cfg, rng):
+        super().__init__()
+        self.input_layernorm = make_norm(cfg)
+        self.self_attention = SelfAttention(cfg, rng)
+        self.pre_mlp_layernorm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.sandwich = cfg.use_sandwich_norm
+        if self.sandwich:
+            self.post_attention_norm = make_norm(cfg)
+            self.post_mlp_norm = make_norm(cfg)
+        self.hidden_dropout = Dropout(cfg.hidden_dropout_rate, rng)
+        self.fp32_residual = cfg.fp32_residual_connection
+
+    def construct(self, x, rope, mask_bias):
+        residual = x.astype(F32) if self.fp32_residual else x
+        y = self.self_attention(self.input_layernorm(x), rope, mask_bias)
+        if self.sandwich:
+            y = self.post_attention_norm(y)
+        x = residual + self.hidden_dropout(y).astype(residual.dtype)
+        y = self.mlp(self.pre_mlp_layernorm(x))
+        if self.sandwich:
+            y = self.post_mlp_norm(y)
+        return x + self.hidden_dropout(y).astype(x.dtype)
+
+
+def cross_entropy(logits, labels):
+    """Per-token loss [n] from logits [n, V] and labels [n]: logsumexp(z) - z[label]."""
+    z_max = ops.stop_gradient(logits.max(axis=-1, keepdims=True))
+    z = logits - z_max
+    log_sum_exp = ops.log(ops.exp(z).sum(-1))
+    picked = ops.gather_elements(z, 1, labels.reshape(-1, 1)).reshape(-1)
+    return log_sum_exp - picked
+
+
+class GPTModel(nn.Cell):
+    """Layers [layer_offset, layer_offset + num_layers) of a GPT; the whole model by default.
+
+    construct(x, position_ids, attention_mask, labels, loss_mask):
+      x: token ids [b, s] if pre_process, else hidden states [s, b, h] from the previous stage;
+      attention_mask: None (causal) or bool [b, 1, s, s], True = masked (Megatron's convention);
+      returns the mean loss over loss_mask if post_process and labels are given, the logits
+      [b, s, V] if post_process without labels, else hidden states [s, b, h]."""
+
+    def __init__(self, cfg, pre_process=True, post_process=True, layer_offset=0, num_layers=None,
+                 rng=None):
+        super().__init__()
+        self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
+        self.layer_offset = layer_offset
+        self.rng = rng or DropoutRNG(0)
+        h, v = cfg.hidden_size, cfg.padded_vocab_size
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        if pre_process:
+            self.word_embeddings = Parameter(_zeros(v, h), name="word_embeddings")
+            if cfg.position_embedding_type == "absolute":
+                self.position_embeddings = Parameter(_zeros(cfg.max_position_embeddings, h),
+                                                     name="position_embeddings")
+            self.embedding_dropout = Dropout(cfg.hidden_dropout_rate, self.rng)
+        n = cfg.num_layers if num_layers is None else num_layers
+        self.layers = nn.CellList([TransformerLayer(cfg, self.rng) for _ in range(n)])
+        if post_process:
+            self.final_layernorm = make_norm(cfg)
+            if not self.tied or not pre_process:
+                self.output_layer = make_linear(h, v, False, "column")
+        self.rope = None
+        if cfg.position_embedding_type == "rope":
+            self.rope = rotary_tables(cfg.max_position_embeddings, h // cfg.num_attention_heads,
+                                      cfg.rotary_base)
+        self.causal_bias = additive_mask(np.triu(np.ones((1, 1, cfg.seq_length, cfg.seq_length), bool), 1))
+
+    def output_weight(self):
+        return self.word_embeddings if self.tied and self.pre_process else self.output_layer.weight
+
+    def construct(self, x, position_ids, attention_mask=None, labels=None, loss_mask=None):
+        if self.pre_process:
+            tokens = x
+            x = ops.gather(self.word_embeddings, tokens, 0)                   # [b, s, h]
+            if self.cfg.position_embedding_type == "absolute":
+                x = x + ops.gather(self.position_embeddings, position_ids, 0)
+            x = self.embedding_dropout(x.transpose(1, 0, 2))                  # [s, b, h]
+        s = x.shape[0]
+        rope = None
+        if self.rope is not None:                                             # [s, b, 1, d]
+            rope = tuple(ops.gather(t, position_ids, 0).transpose(1, 0, 2).expand_dims(2)
+                         for t in self.rope)
+        if attention_mask is not None:
+            bias = ops.masked_fill(ops.zeros(attention_mask.shape, F32), attention_mask, MASKED)
+        elif s == self.causal_bias.shape[-1]:
+            bias = self.causal_bias
+        else:
+            bias = additive_mask(np.triu(np.ones((1, 1, s, s), bool), 1))
+        for layer in self.layers:
+            x = layer(x, rope, bias)
+        if not self.post_process:
+            return x
+        x = self.final_layernorm(x)
+        logits = linear(x, self.output_weight()).astype(F32)                # [s, b, V]
+        if labels is None:
+            return logits.transpose(1, 0, 2)
+        losses = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
+        mask = loss_mask.T.reshape(-1).astype(F32)
+        return (losses * mask).sum() / ops.maximum(mask.sum(), 1.0)
+
+
+def global_name(name, layer_offset):
+    """Parameter name with the layer index made global ("layers.3." on a stage that starts at 4
+    -> "layers.7."), so every layout seeds and saves a weight under the same name."""
+    return re.sub(r"(^|\.)layers\.(\d+)\.",
+                  lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name)
+
+
+def init_value(name, shape, cfg, seed):
+    """Megatron's initialisation, drawn from a stream keyed by (seed, global name): normal(0, std)
+    for weights and embeddings, std / sqrt(2 * num_layers) for the output projections of each
+    block, zeros for biases, ones for norm weights (post-norm scale for sandwich norms)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name:
+        if leaf == "bias":
+            return np.zeros(shape, np.float32)
+        scale = 1.0
+        if "post_attention_norm" in name:
+            scale = cfg.attn_post_norm_scale
+        elif "post_mlp_norm" in name:
+            scale = cfg.ffn_post_norm_scale
+        return np.full(shape, scale, np.float32)
+    if leaf == "bias":
+        return np.zeros(shape, np.float32)
+    std = cfg.init_method_std
+    if "linear_proj" in name or "linear_fc2" in name:
+        std = std / math.sqrt(2.0 * cfg.num_layers)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return rng.normal(0.0, std, size=shape).astype(np.float32)
+
+
+def init_weights(model, seed):
+    """Fill every parameter of `model` from init_value; the output layer of a stage without the
+    embedding starts as a copy of the word embedding when the two are tied."""
+    for name, p in model.parameters_and_names():
+        gname = global_name(name, model.layer_offset)
+        if model.tied and gname == "output_layer.weight":
+            gname = "word_embeddings"
+        p.set_data(Tensor(init_value(gname, p.shape, model.cfg, seed)))
+
+
+def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, vocab_size=None,
+             rng=None):
+    """Autoregressive sampling from a one-stage model: greedy when temperature == 0, else
+    softmax(logits / temperature) restricted to the top_k tokens. Padded vocabulary entries
+    (ids >= vocab_size) are never sampled. Recomputes the window each step (no KV cache)."""
+    rng = rng or np.random.default_rng(0)
+    model.set_train(False)
+    ids, s = list(prompt_ids), model.cfg.seq_length
+    for _ in range(max_new_tokens):
+        window = ids[-s:]
+        tokens = Tensor(np.array([window], np.int32))
+        positions = Tensor(np.arange(len(window), dtype=np.int32)[None])
+        logits = model(tokens, positions)[0, -1].asnumpy().astype(np.float64)
+        if vocab_size is not None:
+            logits = logits[:vocab_size]
+        if temperature == 0:
+            ids.append(int(logits.argmax()))
+            continue
+        logits = logits / temperature
+        if top_k:
+            logits[logits < np.sort(logits)[-top_k]] = -np.inf
+        probs = np.exp(logits - logits.max())
+        ids.append(int(rng.choice(len(probs), p=probs / probs.sum())))
+    return ids[len(prompt_ids):]

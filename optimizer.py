@@ -1,0 +1,293 @@
+"""Optimizer side of Megatron-style training: schedules, optimizers, clipping, loss scaling.
+
+Mirrors megatron/core/optimizer_param_scheduler.py, megatron/core/optimizer/clip_grads.py
+and megatron/core/optimizer/grad_scaler.py, written with basic MindSpore ops (fp32, PyNative).
+
+Optimizers update a list of fp32 tensors in place with `Tensor.copy_` (the in-place
+arithmetic methods such as `mul_` do not write back on CPU in MindSpore 2.10). Every entry
+may be a Parameter or a plain Tensor, e.g. a flat shard owned by a distributed optimizer.
+"""
+
+import math
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, ops
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+# ----------------------------------------------------------------------------- schedules
+class OptimizerParamScheduler:
+    """Megatron's OptimizerParamScheduler: lr warmup + decay and weight-decay increment.
+
+    `num_steps` counts optimizer iterations. The lr rises linearly from `init_lr` to `max_lr`
+    while num_steps <= lr_warmup_steps, then follows `lr_decay_style` down to `min_lr`
+    (cosine annealing: Loshchilov & Hutter, SGDR), reaching `min_lr` after lr_decay_steps.
+    The weight decay goes from `start_wd` to `end_wd` over `wd_incr_steps`.
+    """
+
+    def __init__(self, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style,
+                 start_wd, end_wd, wd_incr_steps, wd_incr_style, init_lr=0.0):
+        if lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style must be one of {LR_DECAY_STYLES}, got {lr_decay_style!r}")
+        if wd_incr_style not in WD_INCR_STYLES:
+            raise ValueError(f"weight_decay_incr_style must be one of {WD_INCR_STYLES}, got {wd_incr_style!r}")
+        if not 0.0 <= min_lr <= max_lr or init_lr > max_lr:
+            raise ValueError(f"need 0 <= min_lr <= max_lr and init_lr <= max_lr, got "
+                             f"min_lr={min_lr}, max_lr={max_lr}, init_lr={init_lr}")
+        if not 0 <= lr_warmup_steps < lr_decay_steps:
+            raise ValueError(f"need 0 <= lr_warmup_steps < lr_decay_steps, got "
+                             f"{lr_warmup_steps} and {lr_decay_steps}")
+        if not 0.0 <= start_wd <= end_wd:
+            raise ValueError(f"need 0 <= start_wd <= end_wd, got {start_wd} and {end_wd}")
+        if wd_incr_style == "constant" and start_wd != end_wd:
+            raise ValueError("weight_decay_incr_style 'constant' requires start_wd == end_wd")
+        self.init_lr, self.max_lr, self.min_lr = float(init_lr), float(max_lr), float(min_lr)
+        self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
+        self.lr_decay_style = lr_decay_style
+        self.start_wd, self.end_wd = float(start_wd), float(end_wd)
+        self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
+        self.num_steps = 0
+
+    def get_lr(self):
+        """Learning rate at `num_steps` (Megatron get_lr)."""
+        n = self.num_steps
+        if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
+            return self.init_lr + (self.max_lr - self.init_lr) * n / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if n > self.lr_decay_steps:
+            return self.min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            lr = self.max_lr * max(self.lr_warmup_steps, 1) ** 0.5 / max(n, 1) ** 0.5
+            return max(self.min_lr, lr)
+        decay_ratio = (n - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - decay_ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def get_wd(self):
+        """Weight decay at `num_steps` (Megatron get_wd)."""
+        if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
+            return self.end_wd
+        ratio = self.num_steps / self.wd_incr_steps
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def step(self, increment=1):
+        self.num_steps += increment
+
+    def state_dict(self):
+        return {k: getattr(self, k) for k in (
+            "max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
+            "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style", "num_steps")}
+
+    def load_state_dict(self, d):
+        """Checkpoint values win, as with Megatron's default --use-checkpoint-opt_param-scheduler."""
+        for k, v in d.items():
+            setattr(self, k, v)
+
+
+# ----------------------------------------------------------------------------- optimizers
+class _Optimizer:
+    """Shared bookkeeping: params, per-entry weight-decay multipliers, named state tensors."""
+
+    state_names = ()
+
+    def __init__(self, params, wd_mults=None):
+        self.params = list(params)
+        self.wd_mults = [1.0] * len(self.params) if wd_mults is None else [float(m) for m in wd_mults]
+        if len(self.wd_mults) != len(self.params):
+            raise ValueError(f"wd_mults has {len(self.wd_mults)} entries for {len(self.params)} params")
+        self.step_count = 0
+        self.state = {name: [ops.zeros(p.shape, ms.float32) for p in self.params]
+                      for name in self.state_names}
+
+    def state_dict(self):
+        d = {"step": self.step_count}
+        for name, tensors in self.state.items():
+            d.update({f"{name}.{i}": t.asnumpy() for i, t in enumerate(tensors)})
+        return d
+
+    def load_state_dict(self, d):
+        self.step_count = int(d["step"])
+        for name, tensors in self.state.items():
+            for i, t in enumerate(tensors):
+                t.copy_(Tensor(np.asarray(d[f"{name}.{i}"], dtype=np.float32)))
+
+    def state_bytes(self):
+        return sum(t.nbytes for tensors in self.state.values() for t in tensors)
+
+
+class AdamW(_Optimizer):
+    """Adam with decoupled weight decay (Loshchilov & Hutter), = torch AdamW / apex FusedAdam(adam_w_mode)."""
+
+    state_names = ("exp_avg", "exp_avg_sq")
+    decoupled = True
+
+    def __init__(self, params, betas=(0.9, 0.999), eps=1e-8, wd_mults=None):
+        super().__init__(params, wd_mults)
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+
+    def step(self, grads, lr, wd):
+        self.step_count += 1
+        b1, b2, t = self.beta1, self.beta2, self.step_count
+        step_size = lr / (1 - b1 ** t)
+        inv_sqrt_bc2 = 1.0 / math.sqrt(1 - b2 ** t)
+        for p, g, m, v, mult in zip(self.params, grads, self.state["exp_avg"],
+                                    self.state["exp_avg_sq"], self.wd_mults):
+            decay = wd * mult
+            if decay and not self.decoupled:
+                g = g + p * decay                                  # classic L2 penalty
+            m.copy_(m * b1 + g * (1 - b1))
+            v.copy_(v * b2 + g * g * (1 - b2))
+            p_old = p * (1 - lr * decay) if decay and self.decoupled else p
+            p.copy_(p_old - m / (v.sqrt() * inv_sqrt_bc2 + self.eps) * step_size)
+
+
+class Adam(AdamW):
+    """Adam (Kingma & Ba) with weight decay as an L2 term added to the gradient."""
+
+    decoupled = False
+
+
+class SGD(_Optimizer):
+    """SGD with heavy-ball momentum and L2 weight decay, torch.optim.SGD semantics."""
+
+    def __init__(self, params, momentum=0.0, wd_mults=None):
+        self.state_names = ("momentum_buffer",) if momentum else ()
+        super().__init__(params, wd_mults)
+        self.momentum = momentum
+
+    def step(self, grads, lr, wd):
+        bufs = self.state.get("momentum_buffer", [None] * len(self.params))
+        for p, g, buf, mult in zip(self.params, grads, bufs, self.wd_mults):
+            if wd * mult:
+                g = g + p * (wd * mult)
+            if buf is not None:
+                buf.copy_(g if self.step_count == 0 else buf * self.momentum + g)
+                g = buf
+            p.copy_(p - g * lr)
+        self.step_count += 1
+
+
+OPTIMIZERS = {"AdamW": AdamW, "Adam": Adam, "SGD": SGD}
+
+
+def build_optimizer(optimizer_type, params, betas=(0.9, 0.999), eps=1e-8, momentum=0.0,
+                    wd_mults=None):
+    """Megatron's --optimizer switch."""
+    if optimizer_type not in OPTIMIZERS:
+        raise ValueError(f"optimizer_type must be one of {tuple(OPTIMIZERS)}, got {optimizer_type!r}")
+    if optimizer_type == "SGD":
+        return SGD(params, momentum=momentum, wd_mults=wd_mults)
+    return OPTIMIZERS[optimizer_type](params, betas=betas, eps=eps, wd_mults=wd_mults)
+
+
+# ----------------------------------------------------------------------------- clipping
+def grad_norm_sq(grads):
+    """Local sum of squares (Megatron get_grad_norm_fp32 before its all-reduce), as a float."""
+    if not grads:
+        return 0.0
+    return float(ops.addn([(g * g).sum() for g in grads]).asnumpy())
+
+
+def clip_grads_by_global_norm(grads, max_norm, total_norm):
+    """Megatron clip_grad_by_total_norm_fp32: scale by max_norm/(total_norm+1e-6) if that is < 1."""
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        return [g * clip_coeff for g in grads]
+    return list(grads)
+
+
+def clip_grad_norm(grads, max_norm):
+    """Single-process global-norm clipping (--clip-grad); returns (grads, norm before clipping)."""
+    total_norm = math.sqrt(grad_norm_sq(grads))
+    return clip_grads_by_global_norm(grads, max_norm, total_norm), total_norm
+
+
+def clip_grads_by_value(grads, clip_value):
+    """Elementwise clamp of every gradient to [-clip_value, clip_value]."""
+    return [ops.clamp(g, -clip_value, clip_value) for g in grads]
+
+
+# ----------------------------------------------------------------------------- loss scaling
+def grads_are_finite(grads):
+    """True when no gradient holds inf/nan: one isfinite check on the sum of all sums."""
+    if not grads:
+        return True
+    return math.isfinite(float(ops.addn([g.sum() for g in grads]).asnumpy()))
+
+
+class ConstantGradScaler:
+    """Static loss scale for fp16 training (Megatron ConstantGradScaler)."""
+
+    def __init__(self, scale):
+        if scale <= 0.0:
+            raise ValueError(f"loss scale must be > 0, got {scale}")
+        self.scale = float(scale)
+
+    @property
+    def inv_scale(self):
+        return 1.0 / self.scale
+
+    def update(self, found_inf):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+class DynamicGradScaler(ConstantGradScaler):
+    """Dynamic loss scaling (Micikevicius et al., mixed precision; Megatron DynamicGradScaler).
+
+    Multiplies the scale by `backoff_factor` (not below `min_scale`) once `hysteresis`
+    overflowing steps have been seen since the last growth, and by `growth_factor` after
+    `growth_interval` consecutive clean steps.
+    """
+
+    def __init__(self, initial_scale, min_scale, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=1000, hysteresis=2):
+        super().__init__(initial_scale)
+        if not (0.0 < min_scale <= initial_scale and growth_factor > 1.0
+                and 0.0 < backoff_factor < 1.0 and growth_interval > 0 and hysteresis > 0):
+            raise ValueError("need 0 < min_scale <= initial_scale, growth_factor > 1, "
+                             "0 < backoff_factor < 1, growth_interval > 0, hysteresis > 0")
+        self.min_scale = float(min_scale)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.growth_tracker = 0
+        self.hysteresis_tracker = hysteresis
+
+    def update(self, found_inf):
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.growth_tracker = 0
+                self.hysteresis_tracker = self.hysteresis
+                self.scale *= self.growth_factor
+
+    def state_dict(self):
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "hysteresis_tracker": self.hysteresis_tracker}
+
+    def load_state_dict(self, state_dict):
+        self.scale = float(state_dict["scale"])
+        self.growth_tracker = state_dict["growth_tracker"]
+        self.hysteresis_tracker = state_dict["hysteresis_tracker"]

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One entry point (see README.md):
+#   bash run.sh                   set up, tokenize the shipped corpus once, train config.yaml, sample
+#   bash run.sh test              set up, then the test suite
+#   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags -> <prefix>_text_document.bin/.idx
+#   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
+#   bash run.sh [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]   train
+set -euo pipefail
+cd "$(dirname "$0")"
+
+# ---- set-up: a .venv with requirements.txt, made once and refreshed when the file changes
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+stamp=.venv/.requirements.sha256
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+  echo "$want" > "$stamp"
+fi
+export PATH="$PWD/.venv/bin:$PATH"          # msrun starts `python` from PATH
+export GLOG_v="${GLOG_v:-3}"                # MindSpore: errors only on the console
+
+case "${1:-}" in
+  test)
+    shift
+    exec python -m pytest test_all.py "$@"
+    ;;
+  preprocess|generate)
+    exec python train.py "$@"
+    ;;
+esac
+
+# ---- training
+nproc=1
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nproc) nproc="$2"; shift 2 ;;
+    --nproc=*) nproc="${1#--nproc=}"; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+default_run=0
+[ ${#args[@]} -eq 0 ] && default_run=1
+
+python train.py prepare-data
+if [ "$nproc" -gt 1 ]; then
+  port=$((8100 + RANDOM % 800))
+  msrun --worker_num "$nproc" --local_worker_num "$nproc" --master_port "$port" \
+        --log_dir output/msrun_log --join True --cluster_time_out 300 \
+        train.py ${args[@]+"${args[@]}"}
+else
+  python train.py ${args[@]+"${args[@]}"}
+fi
+
+if [ "$default_run" -eq 1 ]; then
+  echo "---- sample from the trained model (bash run.sh generate --load output --prompt ...)"
+  python train.py generate --load output --prompt "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40
+fi

@@ -1,0 +1,1028 @@
+"""The test suite: `bash run.sh test` (or `pytest test_all.py` in the activated venv).
+
+Sections: data (tokenizers, indexed dataset, GPTDataset, sampler), optimizer (schedules, AdamW/Adam/SGD
+against numpy, clipping, loss scaling), model (causality, each architecture option, init, masks),
+config (Megatron flags, one-line errors), training (log format, loss falls on the shipped corpus,
+gradient accumulation, bit-exact resume, checkpoints, generation). All in one process, CPU, fp32.
+"""
+import json
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import mindspore as ms
+from mindspore import Parameter, Tensor
+
+import checkpoint
+import data
+import train
+from config import load_config
+from gpt import DropoutRNG, GPTModel, generate, init_weights
+from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, OptimizerParamScheduler,
+                       SGD, build_optimizer, clip_grad_norm, clip_grads_by_global_norm,
+                       clip_grads_by_value, grad_norm_sq, grads_are_finite)
+
+ms.set_device("CPU")
+
+# ============================================================================ data (data.py)
+HERE = os.path.dirname(os.path.abspath(__file__))
+VOCAB = os.path.join(HERE, "data", "gpt2-vocab.json")
+MERGES = os.path.join(HERE, "data", "gpt2-merges.txt")
+SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return data.GPT2BPETokenizer(VOCAB, MERGES)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def test_gpt2_known_ids(gpt2):
+    assert gpt2.encode("Hello world") == [15496, 995]
+    assert gpt2.encode(" the") == [262]
+    assert gpt2.eod == 50256 and gpt2.vocab_size == 50257
+    assert gpt2.decode([gpt2.eod]) == "<|endoftext|>"
+
+
+def test_gpt2_unicode_round_trip_and_pretokenizer(gpt2):
+    text = "Ünïcode ² 12345 _foo__ émoji 🎉 中文 it's  \n\n  x\t"
+    assert gpt2.decode(gpt2.encode(text)) == text
+    words = gpt2.pattern.findall("it's 12abc ²!! x  y")
+    assert words == ["it", "'s", " 12", "abc", " ²", "!!", " x", " ", " y"]
+
+
+def test_gpt2_tinyshakespeare_nanogpt_counts(gpt2):
+    text = open(SHAKESPEARE, encoding="utf-8").read()
+    n = len(text)
+    train, val = gpt2.encode(text[: int(n * 0.9)]), gpt2.encode(text[int(n * 0.9):])
+    assert (len(train), len(val)) == (301966, 36059)
+    assert gpt2.decode(train) + gpt2.decode(val) == text
+
+
+def test_null_and_byte_tokenizers():
+    null = data.build_tokenizer("NullTokenizer", vocab_size=100)
+    assert null.encode("3 7 99") == [3, 7, 99] and null.decode([3, 7]) == "3 7"
+    assert null.eod == 100 and null.vocab_size == 101
+    byte = data.build_tokenizer("ByteTokenizer")
+    assert byte.encode("aé") == [97, 195, 169] and byte.decode([97, 195, 169, 256]) == "aé"
+    assert byte.eod == 256 and byte.vocab_size == 257
+
+
+def test_build_tokenizer_errors():
+    with pytest.raises(ValueError, match="--vocab-size"):
+        data.build_tokenizer("NullTokenizer")
+    with pytest.raises(ValueError, match="--merge-file"):
+        data.build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB)
+    with pytest.raises(ValueError, match="unknown"):
+        data.build_tokenizer("SentencePiece")
+
+
+def test_pad_vocab_size():
+    assert data.pad_vocab_size(50257) == 50304
+    assert data.pad_vocab_size(50257, 128, 2) == 50432
+    assert data.pad_vocab_size(256, 128, 2) == 256
+    assert data.pad_vocab_size(257, 8) == 264
+
+
+# ----------------------------------------------------------------------------- indexed dataset
+
+
+def _megatron_idx_bytes(code, lengths, itemsize, doc_indices):
+    """The .idx bytes as Megatron's _IndexWriter writes them, built independently with struct."""
+    out = b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code)
+    out += struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(doc_indices))
+    out += b"".join(struct.pack("<i", n) for n in lengths)
+    ptr = 0
+    for n in lengths:
+        out += struct.pack("<q", ptr)
+        ptr += n * itemsize
+    return out + b"".join(struct.pack("<q", d) for d in doc_indices)
+
+
+def test_idx_header_bytes_exact(tmp_path):
+    b = data.IndexedDatasetBuilder(str(tmp_path / "x.bin"), dtype=np.uint16)
+    b.add_document([1, 2, 3])
+    b.add_document([4, 5], lengths=[1, 1])  # one document, two sequences
+    b.finalize(str(tmp_path / "x.idx"))
+    raw = (tmp_path / "x.idx").read_bytes()
+    assert raw[:34] == b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 3, 3)
+    assert raw == _megatron_idx_bytes(8, [3, 1, 1], 2, [0, 1, 3])
+    assert (tmp_path / "x.bin").read_bytes() == np.array([1, 2, 3, 4, 5], np.uint16).tobytes()
+    assert sorted(os.listdir(tmp_path)) == ["x.bin", "x.idx"]  # no temporary files left
+
+
+def test_builder_reader_round_trip(tmp_path):
+    rng = np.random.RandomState(0)
+    docs = [rng.randint(0, 70000, size=n) for n in (5, 0, 17, 1)]
+    b = data.IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=data.optimal_dtype(70000))
+    for d in docs:
+        b.add_document(d)
+    b.finalize(str(tmp_path / "d.idx"))
+    ds = data.IndexedDataset(str(tmp_path / "d"))
+    assert ds.dtype == np.int32 and len(ds) == 4
+    assert ds.sequence_lengths.tolist() == [5, 0, 17, 1]
+    assert ds.sequence_pointers.tolist() == [0, 20, 20, 88]
+    assert ds.document_indices.tolist() == [0, 1, 2, 3, 4]
+    for i, d in enumerate(docs):
+        np.testing.assert_array_equal(ds[i], d)
+    np.testing.assert_array_equal(ds.get(2, offset=3, length=4), docs[2][3:7])
+    np.testing.assert_array_equal(ds.get(2, offset=10), docs[2][10:])
+    assert data.optimal_dtype(50257) == np.uint16
+
+
+def test_reads_megatron_written_files(tmp_path):
+    seqs = [[10, 11, 12, 13], [7], [1, 2]]
+    (tmp_path / "m.idx").write_bytes(_megatron_idx_bytes(4, [4, 1, 2], 4, [0, 2, 3]))
+    (tmp_path / "m.bin").write_bytes(np.array(sum(seqs, []), np.int32).tobytes())
+    ds = data.IndexedDataset(str(tmp_path / "m"))
+    assert ds.dtype == np.int32 and len(ds) == 3
+    assert ds.document_indices.tolist() == [0, 2, 3]
+    assert [ds[i].tolist() for i in range(3)] == seqs
+    assert ds.get(0, offset=1, length=2).tolist() == [11, 12]
+
+
+def test_bad_files_raise_value_error(tmp_path):
+    good = _megatron_idx_bytes(8, [3], 2, [0, 1])
+    (tmp_path / "a.bin").write_bytes(np.arange(3, dtype=np.uint16).tobytes())
+    (tmp_path / "a.idx").write_bytes(b"TNTIDX\x00\x00" + good[8:])
+    with pytest.raises(ValueError, match=r"a\.idx.*bad magic"):
+        data.IndexedDataset(str(tmp_path / "a"))
+    (tmp_path / "a.idx").write_bytes(good[:-4])
+    with pytest.raises(ValueError, match=r"a\.idx.*truncated"):
+        data.IndexedDataset(str(tmp_path / "a"))
+    (tmp_path / "a.idx").write_bytes(good)
+    (tmp_path / "a.bin").write_bytes(b"\x00\x00")
+    with pytest.raises(ValueError, match=r"a\.bin.*truncated"):
+        data.IndexedDataset(str(tmp_path / "a"))
+    with pytest.raises(FileNotFoundError, match="missing"):
+        data.IndexedDataset(str(tmp_path / "missing"))
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+
+def test_preprocess_jsonl_and_text_workers_identical(tmp_path, gpt2):
+    texts = [f"Document number {i}: to be, or not to be{'!' * i}" for i in range(40)]
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t, "title": f"T{i}"}) + "\n" for i, t in enumerate(texts)))
+    plain = tmp_path / "in.txt"
+    plain.write_text("\n\n\n".join(texts) + "\n")
+    common = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", VOCAB, "--merge-file", MERGES, "--append-eod"]
+    outs = {}
+    for src in (jsonl, plain):
+        for w in (1, 2):
+            prefix = str(tmp_path / f"{src.suffix[1:]}{w}")
+            written = data.preprocess_main(["--input", str(src), "--output-prefix", prefix, "--workers", str(w),
+                                            "--log-interval", "7", "--json-keys", "text", "title"] + common)
+            outs[src.suffix, w] = written
+    assert outs[".jsonl", 1] == [str(tmp_path / "jsonl1_text_document"), str(tmp_path / "jsonl1_title_document")]
+    assert outs[".txt", 1] == [str(tmp_path / "txt1_text_document")]
+    read = lambda prefix: (open(prefix + ".bin", "rb").read(), open(prefix + ".idx", "rb").read())
+    for prefix in (outs[".jsonl", 2][0], outs[".txt", 1][0], outs[".txt", 2][0]):
+        assert read(prefix) == read(outs[".jsonl", 1][0])
+    ds = data.IndexedDataset(outs[".txt", 2][0])
+    assert len(ds) == 40 and ds.document_indices.tolist() == list(range(41))
+    for i in (0, 39):
+        assert ds[i].tolist() == gpt2.encode(texts[i]) + [gpt2.eod]
+    titles = data.IndexedDataset(outs[".jsonl", 2][1])
+    assert gpt2.decode(titles[5][:-1]) == "T5"
+
+
+def test_preprocess_null_tokenizer_without_eod(tmp_path):
+    src = tmp_path / "ids.txt"
+    src.write_text("1 2 3\n4\n\n\n5 6\n")
+    (prefix,) = data.preprocess_main(["--input", str(src), "--output-prefix", str(tmp_path / "n"),
+                                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"])
+    ds = data.IndexedDataset(prefix)
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3, 4], [5, 6]]
+
+
+def test_ensure_preprocessed_caches_and_redoes(tmp_path):
+    src = tmp_path / "corpus.txt"
+    src.write_text("hello there\n\ngeneral kenobi\n")
+    kw = dict(tokenizer_type="ByteTokenizer", append_eod=True)
+    prefix = data.ensure_preprocessed(str(src), str(tmp_path / "out" / "c"), **kw)
+    assert prefix == str(tmp_path / "out" / "c_text_document")
+    files = [prefix + ext for ext in (".bin", ".idx", ".src.json")]
+    mtimes = [os.stat(f).st_mtime_ns for f in files]
+    assert data.ensure_preprocessed(str(src), str(tmp_path / "out" / "c"), **kw) == prefix
+    assert [os.stat(f).st_mtime_ns for f in files] == mtimes
+    assert len(data.IndexedDataset(prefix)) == 2
+
+    src.write_text("hello there\n\ngeneral kenobi\n\nyou are a bold one\n")
+    data.ensure_preprocessed(str(src), str(tmp_path / "out" / "c"), **kw)
+    ds = data.IndexedDataset(prefix)
+    assert len(ds) == 3 and ds[2].tolist() == list(b"you are a bold one") + [256]
+    sidecar = json.load(open(prefix + ".src.json"))
+    assert sidecar["tokenizer_type"] == "ByteTokenizer" and len(sidecar["source_sha256"]) == 64
+
+    data.ensure_preprocessed(str(src), str(tmp_path / "out" / "c"), tokenizer_type="ByteTokenizer", append_eod=False)
+    assert data.IndexedDataset(prefix)[2].tolist() == list(b"you are a bold one")
+
+
+# ----------------------------------------------------------------------------- GPT dataset
+
+
+def test_split_document_ranges():
+    assert data.split_document_ranges(1000, "949,50,1") == [(0, 949), (949, 999), (999, 1000)]
+    assert data.split_document_ranges(10, "949,50,1") == [(0, 9), (9, 10), (10, 10)]
+    assert data.split_document_ranges(3, "949,50,1") == [(0, 3), (3, 3), (3, 3)]
+    assert data.split_document_ranges(7, "98,2") == [(0, 7), (7, 7), (7, 7)]
+    assert data.split_document_ranges(20, "0.8/0.1/0.1") == [(0, 16), (16, 18), (18, 20)]
+    assert data.split_document_ranges(5, "1") == [(0, 5), (5, 5), (5, 5)]
+    with pytest.raises(ValueError, match="split"):
+        data.split_document_ranges(5, "0,0,0")
+
+
+def _cpp_build_sample_idx(sizes, doc_idx, seq_length):
+    """Line-by-line port of helpers.cpp build_sample_idx (drop_last, add_extra_token=1)."""
+    num_samples = (int(sizes[doc_idx].sum()) - 1) // seq_length
+    out = np.zeros((num_samples + 1, 2), np.int32)
+    doc_i, offset = 0, 0
+    for s in range(1, num_samples + 1):
+        remaining = seq_length + 1
+        while remaining != 0:
+            doc_length = int(sizes[doc_idx[doc_i]]) - offset
+            remaining -= doc_length
+            if remaining <= 0:
+                offset += remaining + doc_length - 1
+                remaining = 0
+            else:
+                doc_i, offset = doc_i + 1, 0
+        out[s] = doc_i, offset
+    return out
+
+
+def test_build_sample_index_matches_cpp_loop():
+    rng = np.random.RandomState(3)
+    for seq_length in (1, 4, 7, 32):
+        sizes = rng.randint(0, 12, size=30).astype(np.int32)
+        doc_idx = rng.permutation(np.tile(np.arange(30), 2)).astype(np.int32)
+        sizes[doc_idx[0]] = 0  # an empty first document: the C++ loop still starts at (0, 0)
+        np.testing.assert_array_equal(data.build_sample_index(sizes, doc_idx, seq_length),
+                                      _cpp_build_sample_idx(sizes, doc_idx, seq_length))
+
+
+def _toy_indexed(tmp_path, n_docs=30, eod=99, seed=0):
+    """Documents of random length; token = 1000*doc + position, ending with an EOD-like id."""
+    rng = np.random.RandomState(seed)
+    b = data.IndexedDatasetBuilder(str(tmp_path / "toy.bin"), dtype=np.int32)
+    for d in range(n_docs):
+        b.add_document(np.arange(rng.randint(1, 15)) + 1000 * d)
+    b.finalize(str(tmp_path / "toy.idx"))
+    return data.IndexedDataset(str(tmp_path / "toy"))
+
+
+def test_gpt_dataset_samples_overlap_and_cover(tmp_path):
+    ds = _toy_indexed(tmp_path)
+    docs = np.arange(5, 25)
+    g = data.GPTDataset(ds, docs, num_samples=10, seq_length=8, seed=1234, eod=99, name="train")
+    assert len(g) >= 10 and g.document_index.dtype == np.int32 and g.sample_index.shape == (len(g) + 1, 2)
+    assert sorted(g.shuffle_index.tolist()) == list(range(len(g)))
+    assert sorted(g.document_index.tolist()) == sorted(docs.tolist())  # one epoch covers enough
+    texts = [g.get_text(j) for j in range(len(g))]
+    assert all(len(t) == 9 for t in texts)
+    for a, b in zip(texts, texts[1:]):
+        assert a[-1] == b[0]
+    stream = np.concatenate([ds[int(d)] for d in g.document_index])
+    unshuffled = np.concatenate([texts[0]] + [t[1:] for t in texts[1:]])
+    np.testing.assert_array_equal(unshuffled, stream[: len(unshuffled)])
+    assert len(stream) - len(unshuffled) < 8  # only the final partial sample is dropped
+    item = g[3]
+    np.testing.assert_array_equal(item["tokens"], texts[g.shuffle_index[3]][:-1])
+    np.testing.assert_array_equal(item["labels"], texts[g.shuffle_index[3]][1:])
+    assert {k: (v.dtype, v.shape) for k, v in item.items()} == {
+        "tokens": (np.int32, (8,)), "labels": (np.int32, (8,)),
+        "loss_mask": (np.float32, (8,)), "position_ids": (np.int32, (8,))}
+
+
+def test_gpt_dataset_seed_determinism_and_epochs(tmp_path):
+    ds = _toy_indexed(tmp_path)
+    docs = np.arange(0, 10)
+    make = lambda seed, n=12: data.GPTDataset(ds, docs, num_samples=n, seq_length=6, seed=seed, eod=99)
+    a, b, c = make(1), make(1), make(2)
+    for k in ("tokens", "labels"):
+        np.testing.assert_array_equal(np.stack([a[i][k] for i in range(12)]), np.stack([b[i][k] for i in range(12)]))
+    assert not np.array_equal(a.shuffle_index, c.shuffle_index)
+    tokens = lambda g: np.stack([g[i]["tokens"] for i in range(12)])
+    assert not np.array_equal(tokens(a), tokens(c))
+    tokens_per_epoch = int(ds.sequence_lengths[docs].sum())
+    many = make(1, n=3 * tokens_per_epoch // 6)  # needs 4 epochs, the last one small -> separate
+    epochs = len(many.document_index) // len(docs)
+    assert epochs * tokens_per_epoch >= len(many) * 6 + 1 and len(many) >= 3 * tokens_per_epoch // 6
+    last_epoch = many.document_index[-len(docs):]
+    assert sorted(last_epoch.tolist()) == docs.tolist()  # the final epoch was shuffled on its own
+    n_first = ((epochs - 1) * tokens_per_epoch - 1) // 6
+    assert sorted(many.shuffle_index[:n_first].tolist()) == list(range(n_first))
+
+
+def test_gpt_dataset_index_cache(tmp_path):
+    ds = _toy_indexed(tmp_path)
+    cache = tmp_path / "cache"
+    first = data.GPTDataset(ds, np.arange(30), 20, 8, seed=5, eod=99, name="valid", cache_dir=str(cache))
+    files = sorted(os.listdir(cache))
+    assert first.built_anew and len(files) == 4 and all("-GPTDataset-valid-" in f for f in files)
+    mtimes = {f: os.stat(cache / f).st_mtime_ns for f in files}
+    second = data.GPTDataset(ds, np.arange(30), 20, 8, seed=5, eod=99, name="valid", cache_dir=str(cache))
+    assert not second.built_anew
+    assert {f: os.stat(cache / f).st_mtime_ns for f in os.listdir(cache)} == mtimes
+    for k in ("document_index", "sample_index", "shuffle_index"):
+        np.testing.assert_array_equal(getattr(first, k), getattr(second, k))
+    np.testing.assert_array_equal(first[7]["tokens"], second[7]["tokens"])
+    data.GPTDataset(ds, np.arange(30), 20, 8, seed=6, eod=99, name="valid", cache_dir=str(cache))
+    assert len(os.listdir(cache)) == 8  # another seed -> another hash
+
+
+def test_ltor_masks_and_position_ids():
+    eod = 0
+    tokens = np.array([5, 6, eod, 7, 8, 9, eod, 4], np.int32)
+    loss_mask, pos, mask = data.get_ltor_masks_and_position_ids(tokens, eod, False, False, False)
+    assert pos.tolist() == list(range(8)) and loss_mask.tolist() == [1.0] * 8 and mask is None
+    loss_mask, pos, mask = data.get_ltor_masks_and_position_ids(tokens, eod, True, True, True)
+    assert pos.dtype == np.int32 and pos.tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert loss_mask.tolist() == [1, 1, 0, 1, 1, 1, 0, 1]
+    expected = np.ones((8, 8), bool)  # True = masked out
+    for lo, hi in ((0, 3), (3, 7), (7, 8)):
+        for i in range(lo, hi):
+            expected[i, lo: i + 1] = False
+    assert mask.shape == (1, 8, 8) and mask.dtype == bool
+    np.testing.assert_array_equal(mask[0], expected)
+    _, pos, mask = data.get_ltor_masks_and_position_ids(tokens, eod, False, True, False)
+    assert pos.tolist() == list(range(8))
+    np.testing.assert_array_equal(mask[0], expected)
+
+
+def test_gpt_dataset_mask_options(tmp_path):
+    b = data.IndexedDatasetBuilder(str(tmp_path / "e.bin"), dtype=np.uint16)
+    for doc in ([1, 2, 0], [3, 4, 5, 0], [6, 0]):
+        b.add_document(doc)
+    b.finalize(str(tmp_path / "e.idx"))
+    ds = data.IndexedDataset(str(tmp_path / "e"))
+    plain = data.GPTDataset(ds, np.arange(3), 1, 8, seed=0, eod=0)
+    assert "attention_mask" not in plain[0] and plain[0]["loss_mask"].sum() == 8
+    g = data.GPTDataset(ds, np.arange(3), 1, 8, seed=0, eod=0, reset_position_ids=True,
+                        reset_attention_mask=True, eod_mask_loss=True)
+    item = g[0]
+    eods = np.flatnonzero(item["tokens"] == 0)
+    assert len(eods) >= 2 and (item["loss_mask"][eods] == 0).all() and item["loss_mask"].sum() == 8 - len(eods)
+    assert (item["position_ids"][eods[:-1] + 1] == 0).all()
+    assert item["attention_mask"].shape == (1, 8, 8) and item["attention_mask"][0, eods[0] + 1, eods[0]]
+
+
+def test_build_gpt_datasets(tmp_path):
+    ds = _toy_indexed(tmp_path, n_docs=40)
+    train, valid, test = data.build_gpt_datasets(str(tmp_path / "toy"), "90,10,0", 8, 1, (16, 4, 4), eod=99,
+                                                 reset_position_ids=True)
+    assert test is None and len(train) >= 16 and len(valid) >= 4
+    assert sorted(set(train.document_index.tolist())) == list(range(36))
+    assert sorted(set(valid.document_index.tolist())) == list(range(36, 40))
+    assert data.build_gpt_datasets(str(tmp_path / "toy"), "90,10,0", 8, 1, (16, 0, 4), eod=99)[1] is None
+    with pytest.raises(ValueError, match="valid split .*seq-length"):
+        data.build_gpt_datasets(str(tmp_path / "toy"), "95,5,0", 64, 1, (16, 4, 0), eod=99)
+    assert int(ds.sequence_lengths[38:].sum()) < 65 <= int(ds.sequence_lengths[:38].sum())
+
+
+def test_mock_dataset():
+    m = data.MockGPTDataset(10, 16, vocab_size=50, seed=3)
+    assert len(m) == 10
+    a, b = m[4], data.MockGPTDataset(10, 16, vocab_size=50, seed=3)[4]
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    np.testing.assert_array_equal(a["tokens"][1:], a["labels"][:-1])
+    assert not np.array_equal(a["tokens"], m[5]["tokens"])
+    assert a["tokens"].dtype == np.int32 and a["tokens"].shape == (16,) and a["tokens"].max() < 50
+    with pytest.raises(IndexError):
+        m[10]
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+def test_micro_batch_iterator_dp_partition_and_resume():
+    m = data.MockGPTDataset(50, 4, vocab_size=1000, seed=0)
+    mbs, dp = 2, 3
+    per_rank = [list(data.MicroBatchIterator(m, mbs, r, dp)) for r in range(dp)]
+    assert all(len(batches) == 50 // (mbs * dp) for batches in per_rank)  # the last partial global batch dropped
+    for step in range(len(per_rank[0])):
+        global_batch = np.concatenate([per_rank[r][step]["tokens"] for r in range(dp)])
+        assert global_batch.shape == (mbs * dp, 4)
+        expected = np.stack([m[i]["tokens"] for i in range(step * mbs * dp, (step + 1) * mbs * dp)])
+        np.testing.assert_array_equal(global_batch, expected)
+
+    it = data.MicroBatchIterator(m, mbs, 1, dp)
+    for _ in range(3):
+        next(it)
+    assert it.consumed_samples == 3 * mbs * dp
+    resumed = data.MicroBatchIterator(m, mbs, 1, dp, consumed_samples=it.consumed_samples)
+    for x, y in zip(it, resumed):
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+    assert it.consumed_samples == resumed.consumed_samples == 48
+    with pytest.raises(StopIteration):
+        next(resumed)
+    with pytest.raises(ValueError):
+        data.MicroBatchIterator(m, 2, data_parallel_rank=3, data_parallel_size=3)
+
+
+# ============================================================================ optimizer (optimizer.py)
+
+SHAPES = [(4, 3), (5,), (2, 3, 2)]
+WD_MULTS = [1.0, 0.0, 1.0]  # entry 1 acts like a bias/norm: no decay
+
+
+def sched(style, warmup=10, decay=110, **kw):
+    args = dict(max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=warmup, lr_decay_steps=decay,
+                lr_decay_style=style, start_wd=0.1, end_wd=0.1, wd_incr_steps=100,
+                wd_incr_style="constant")
+    args.update(kw)
+    return OptimizerParamScheduler(**args)
+
+
+def lr_at(s, n):
+    s.num_steps = n
+    return s.get_lr()
+
+
+# ----------------------------------------------------------------------------- scheduler
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "inverse-square-root"])
+def test_warmup_is_linear_from_init_lr(style):
+    s = sched(style, init_lr=1e-5)
+    assert lr_at(s, 0) == pytest.approx(1e-5)
+    assert lr_at(s, 5) == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5)
+    assert lr_at(s, 10) == pytest.approx(1e-3)
+
+
+def test_lr_decay_styles_closed_form():
+    # decay window is steps 10..110 (100 steps), max 1e-3, min 1e-4
+    assert lr_at(sched("constant"), 60) == pytest.approx(1e-3)
+    assert lr_at(sched("constant"), 1000) == pytest.approx(1e-3)
+    assert lr_at(sched("linear"), 35) == pytest.approx(1e-3 - 0.25 * 9e-4)   # 25% of decay
+    assert lr_at(sched("linear"), 110) == pytest.approx(1e-4)
+    assert lr_at(sched("cosine"), 60) == pytest.approx((1e-3 + 1e-4) / 2)   # midpoint
+    assert lr_at(sched("cosine"), 35) == pytest.approx(1e-4 + 9e-4 * (1 + math.sqrt(0.5)) / 2)
+    assert lr_at(sched("inverse-square-root"), 40) == pytest.approx(1e-3 * math.sqrt(10 / 40))
+    assert lr_at(sched("inverse-square-root", decay=2000), 1500) == 1e-4  # min_lr floor
+    for style in ("linear", "cosine", "inverse-square-root"):
+        assert lr_at(sched(style), 111) == 1e-4
+        assert lr_at(sched(style), 10_000) == 1e-4
+
+
+def test_step_counts_iterations():
+    s = sched("linear")
+    for _ in range(35):
+        s.step()
+    assert s.num_steps == 35 and s.get_lr() == pytest.approx(1e-3 - 0.25 * 9e-4)
+    s.step(increment=25)
+    assert s.num_steps == 60 and s.get_lr() == pytest.approx(1e-3 - 0.5 * 9e-4)
+
+
+def test_wd_increment_styles():
+    s = sched("cosine", start_wd=0.0, end_wd=0.1, wd_incr_style="linear")
+    s.num_steps = 25
+    assert s.get_wd() == pytest.approx(0.025)
+    s = sched("cosine", start_wd=0.0, end_wd=0.1, wd_incr_style="cosine")
+    s.num_steps = 50
+    assert s.get_wd() == pytest.approx(0.05)
+    s.num_steps = 25
+    assert s.get_wd() == pytest.approx(0.1 * 0.5 * (math.cos(0.75 * math.pi) + 1))
+    s.num_steps = 0
+    assert s.get_wd() == pytest.approx(0.0)
+    s.num_steps = 500
+    assert s.get_wd() == pytest.approx(0.1)
+    s = sched("cosine", start_wd=0.05, end_wd=0.05, wd_incr_style="constant")
+    s.num_steps = 7
+    assert s.get_wd() == 0.05
+
+
+def test_scheduler_validation():
+    with pytest.raises(ValueError, match="lr_decay_style.*inverse-square-root"):
+        sched("exp")
+    with pytest.raises(ValueError, match="weight_decay_incr_style.*linear"):
+        sched("cosine", wd_incr_style="step")
+    with pytest.raises(ValueError, match="start_wd == end_wd"):
+        sched("cosine", start_wd=0.0, end_wd=0.1, wd_incr_style="constant")
+
+
+def test_scheduler_state_dict_round_trip():
+    s = sched("cosine", start_wd=0.0, end_wd=0.1, wd_incr_style="linear")
+    s.step(42)
+    d = s.state_dict()
+    assert all(isinstance(v, (int, float, str)) for v in d.values())
+    t = sched("linear")
+    t.load_state_dict(d)
+    assert (t.num_steps, t.get_lr(), t.get_wd()) == (42, s.get_lr(), s.get_wd())
+
+
+# ----------------------------------------------------------------------------- optimizers
+def np_adam(p, g, m, v, t, lr, wd, mult, b1=0.9, b2=0.999, eps=1e-8, decoupled=True):
+    if decoupled:
+        p = p * (1 - lr * wd * mult)
+    else:
+        g = g + wd * mult * p
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+    return p - lr * m_hat / (np.sqrt(v_hat) + eps), m, v
+
+
+def np_sgd(p, g, buf, t, lr, wd, mult, momentum):
+    g = g + wd * mult * p
+    if momentum:
+        buf = g.copy() if t == 1 else momentum * buf + g
+        g = buf
+    return p - lr * g, buf
+
+
+def make_params(rng):
+    arrs = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    # a Parameter, a plain Tensor (like a distributed-optimizer shard), another Parameter
+    params = [Parameter(Tensor(arrs[0]), name="w0"), Tensor(arrs[1]), Parameter(Tensor(arrs[2]), name="w2")]
+    return arrs, params
+
+
+def rand_grads(rng):
+    return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD"])
+def test_optimizers_match_numpy(name):
+    rng = np.random.default_rng(0)
+    ref, params = make_params(rng)
+    opt = build_optimizer(name, params, betas=(0.8, 0.95), eps=1e-6, momentum=0.9, wd_mults=WD_MULTS)
+    state = [[np.zeros(s, np.float32) for s in SHAPES] for _ in range(2)]
+    lr, wd = 1e-2, 0.1
+    for t in range(1, 6):
+        grads = rand_grads(rng)
+        opt.step([Tensor(g) for g in grads], lr, wd)
+        for i in range(len(SHAPES)):
+            if name == "SGD":
+                ref[i], state[0][i] = np_sgd(ref[i], grads[i], state[0][i], t, lr, wd, WD_MULTS[i], 0.9)
+            else:
+                ref[i], state[0][i], state[1][i] = np_adam(
+                    ref[i], grads[i], state[0][i], state[1][i], t, lr, wd, WD_MULTS[i],
+                    b1=0.8, b2=0.95, eps=1e-6, decoupled=name == "AdamW")
+    for p, r in zip(params, ref):
+        np.testing.assert_allclose(p.asnumpy(), r, rtol=1e-6, atol=1e-7)
+    assert opt.state_dict()["step"] == 5
+
+
+def test_adamw_and_adam_differ_and_wd_mult_zero_is_not_decayed():
+    outs = {}
+    for cls in (AdamW, Adam):
+        for wd in (0.0, 0.5):
+            _, params = make_params(np.random.default_rng(1))
+            opt = cls(params, wd_mults=WD_MULTS)
+            opt.step([Tensor(g) for g in rand_grads(np.random.default_rng(2))], 1e-2, wd)
+            outs[cls.__name__, wd] = [p.asnumpy() for p in params]
+    assert not np.allclose(outs["AdamW", 0.5][0], outs["Adam", 0.5][0])
+    assert not np.allclose(outs["AdamW", 0.5][0], outs["AdamW", 0.0][0])
+    np.testing.assert_array_equal(outs["AdamW", 0.5][1], outs["AdamW", 0.0][1])   # mult 0
+    np.testing.assert_array_equal(outs["Adam", 0.5][1], outs["Adam", 0.0][1])
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD"])
+def test_state_dict_round_trip_continues_identically(name):
+    rng = np.random.default_rng(3)
+    _, pa = make_params(np.random.default_rng(4))
+    a = build_optimizer(name, pa, (0.9, 0.999), 1e-8, 0.9, WD_MULTS)
+    for _ in range(3):
+        a.step([Tensor(g) for g in rand_grads(rng)], 1e-2, 0.1)
+    d = a.state_dict()
+    assert all(isinstance(v, np.ndarray) for k, v in d.items() if k != "step") and d["step"] == 3
+    pb = [Parameter(Tensor(p.asnumpy()), name=f"b{i}") for i, p in enumerate(pa)]
+    b = build_optimizer(name, pb, (0.9, 0.999), 1e-8, 0.9, WD_MULTS)
+    b.load_state_dict(d)
+    for _ in range(2):
+        grads = rand_grads(rng)
+        a.step([Tensor(g) for g in grads], 1e-2, 0.1)
+        b.step([Tensor(g) for g in grads], 1e-2, 0.1)
+    for x, y in zip(pa, pb):
+        np.testing.assert_array_equal(x.asnumpy(), y.asnumpy())
+
+
+def test_state_bytes_and_build_errors():
+    n = sum(int(np.prod(s)) for s in SHAPES)
+    assert AdamW(make_params(np.random.default_rng(0))[1]).state_bytes() == 2 * 4 * n
+    assert SGD(make_params(np.random.default_rng(0))[1], momentum=0.9).state_bytes() == 4 * n
+    assert SGD(make_params(np.random.default_rng(0))[1]).state_bytes() == 0
+    with pytest.raises(ValueError, match="optimizer_type"):
+        build_optimizer("Lion", [], (0.9, 0.999), 1e-8, 0.0, None)
+
+
+# ----------------------------------------------------------------------------- clipping
+def test_clip_grad_norm_above_and_below_threshold():
+    rng = np.random.default_rng(5)
+    g = rand_grads(rng)
+    norm = math.sqrt(sum(float((x.astype(np.float64) ** 2).sum()) for x in g))
+    assert grad_norm_sq([Tensor(x) for x in g]) == pytest.approx(norm ** 2, rel=1e-5)
+
+    clipped, total = clip_grad_norm([Tensor(x) for x in g], max_norm=1.0)
+    assert total == pytest.approx(norm, rel=1e-5) and norm > 1.0
+    new_norm = math.sqrt(sum(float((c.asnumpy().astype(np.float64) ** 2).sum()) for c in clipped))
+    assert new_norm == pytest.approx(1.0, rel=1e-5)
+    np.testing.assert_allclose(clipped[0].asnumpy(), g[0] / (norm + 1e-6), rtol=1e-5)
+
+    kept, _ = clip_grad_norm([Tensor(x) for x in g], max_norm=2 * norm)
+    for k, x in zip(kept, g):
+        np.testing.assert_array_equal(k.asnumpy(), x)
+
+
+def test_clip_by_global_norm_uses_given_total():
+    g = [Tensor(np.full((3,), 2.0, np.float32))]
+    out = clip_grads_by_global_norm(g, max_norm=1.0, total_norm=4.0)  # e.g. norm over all ranks
+    np.testing.assert_allclose(out[0].asnumpy(), 2.0 / (4.0 + 1e-6), rtol=1e-6)
+
+
+def test_clip_grads_by_value():
+    g = [Tensor(np.array([-3.0, -0.5, 0.2, 7.0], np.float32))]
+    np.testing.assert_array_equal(clip_grads_by_value(g, 1.0)[0].asnumpy(),
+                                  np.array([-1.0, -0.5, 0.2, 1.0], np.float32))
+
+
+# ----------------------------------------------------------------------------- loss scaling
+def test_constant_scaler_never_changes():
+    s = ConstantGradScaler(1024.0)
+    s.update(True)
+    assert s.scale == 1024.0 and s.inv_scale == 1 / 1024.0
+
+
+def test_dynamic_scaler_hysteresis_backoff_and_floor():
+    s = DynamicGradScaler(initial_scale=8.0, min_scale=2.0, growth_interval=3, hysteresis=2)
+    s.update(True)
+    assert s.scale == 8.0          # first overflow absorbed by hysteresis
+    s.update(True)
+    assert s.scale == 4.0          # second one halves
+    s.update(True)
+    assert s.scale == 2.0
+    s.update(True)
+    assert s.scale == 2.0 and s.inv_scale == 0.5   # min_scale floor
+
+
+def test_dynamic_scaler_growth_and_state_dict():
+    s = DynamicGradScaler(initial_scale=4.0, min_scale=1.0, growth_interval=3, hysteresis=2)
+    s.update(False); s.update(False)
+    assert s.scale == 4.0
+    s.update(False)
+    assert s.scale == 8.0
+    s.update(True)                 # overflow resets growth tracker
+    s.update(False); s.update(False)
+    assert s.scale == 8.0
+    t = DynamicGradScaler(initial_scale=4.0, min_scale=1.0, growth_interval=3, hysteresis=2)
+    t.load_state_dict(s.state_dict())
+    s.update(False); t.update(False)
+    assert s.scale == t.scale == 16.0
+    s.update(True); t.update(True)  # hysteresis tracker was reset to 2 by the growth
+    assert s.scale == t.scale == 16.0
+
+
+def test_grads_are_finite():
+    ok = [Tensor(np.ones((2, 2), np.float32)), Tensor(np.zeros(3, np.float32))]
+    assert grads_are_finite(ok)
+    for bad in (np.inf, -np.inf, np.nan):
+        arr = np.zeros(3, np.float32)
+        arr[1] = bad
+        assert not grads_are_finite([ok[0], Tensor(arr)])
+
+
+# ============================================================================ model (gpt.py)
+def tiny_cfg(*args):
+    """A small model config through the real loader: 2 layers, hidden 64, 4 heads, seq 16, bytes."""
+    cfg = load_config(os.path.join(HERE, "config.yaml"),
+                      ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                       "--num-attention-heads", "4", "--seq-length", "16", "--tokenizer-type", "ByteTokenizer",
+                       "--init-method-std", "0.05", *args])
+    cfg.model_config.padded_vocab_size = data.pad_vocab_size(257, cfg.model_config.make_vocab_size_divisible_by)
+    return cfg
+
+
+def tiny_model(*args, seed=0):
+    cfg = tiny_cfg(*args)
+    model = GPTModel(cfg.model_config, rng=DropoutRNG(seed))
+    init_weights(model, seed)
+    return cfg, model
+
+
+def random_batch(cfg, b=4, seed=0):
+    s = cfg.model_config.seq_length
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 257, size=(b, s + 1))
+    return {"tokens": tokens[:, :-1].astype(np.int32), "labels": tokens[:, 1:].astype(np.int32),
+            "loss_mask": np.ones((b, s), np.float32),
+            "position_ids": np.tile(np.arange(s, dtype=np.int32), (b, 1))}
+
+
+def logits_of(model, tokens):
+    b, s = tokens.shape
+    positions = Tensor(np.tile(np.arange(s, dtype=np.int32), (b, 1)))
+    return model(Tensor(tokens.astype(np.int32)), positions).asnumpy()
+
+
+VARIANTS = {
+    "gpt2": [],
+    "gqa": ["--group-query-attention", "--num-query-groups", "2"],
+    "rope": ["--position-embedding-type", "rope"],
+    "rmsnorm": ["--normalization", "RMSNorm"],
+    "swiglu": ["--swiglu", "--disable-bias-linear"],
+    "sandwich": ["--use-sandwich-norm", "--attn-post-norm-scale", "0.5", "--ffn-post-norm-scale", "0.5"],
+    "untied": ["--untie-embeddings-and-output-weights"],
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_causality(variant):
+    """Changing a future token changes no earlier logit, and does change its own position's."""
+    cfg, model = tiny_model(*VARIANTS[variant])
+    tokens = random_batch(cfg, b=2)["tokens"]
+    changed = tokens.copy()
+    changed[:, 10] = (changed[:, 10] + 1) % 257
+    a, b = logits_of(model, tokens), logits_of(model, changed)
+    np.testing.assert_array_equal(a[:, :10], b[:, :10])
+    assert np.abs(a[:, 10:] - b[:, 10:]).max() > 1e-6
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_trains(variant):
+    """Each architecture option runs forward/backward and AdamW lowers the loss on a fixed batch."""
+    cfg, model = tiny_model(*VARIANTS[variant], "--lr", "3e-3", "--min-lr", "3e-3", "--lr-warmup-iters", "0",
+                            "--lr-decay-style", "constant", "--train-iters", "12")
+    optim, scheduler, scaler = train.build_optimizer(cfg, model)
+    trainer = train.Trainer(cfg, model, optim, scheduler, scaler)
+    batch = random_batch(cfg)
+    losses = [trainer.train_step([batch])[0] for _ in range(12)]
+    assert all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_variants_have_their_parameters():
+    names = {v: {n for n, _ in tiny_model(*a)[1].parameters_and_names()} for v, a in VARIANTS.items()}
+    assert "position_embeddings" in names["gpt2"] and "position_embeddings" not in names["rope"]
+    assert "layers.0.post_attention_norm.weight" in names["sandwich"]
+    assert "output_layer.weight" in names["untied"] and "output_layer.weight" not in names["gpt2"]
+    assert "layers.0.mlp.linear_fc1.bias" not in names["swiglu"]
+    assert "layers.0.input_layernorm.bias" not in names["rmsnorm"]
+    _, gqa = tiny_model(*VARIANTS["gqa"])
+    # 4 query heads of 16 in 2 groups: (4 + 2 * 2) * 16 rows of qkv
+    assert gqa.layers[0].self_attention.linear_qkv.weight.shape == (128, 64)
+    _, sandwich = tiny_model(*VARIANTS["sandwich"])
+    np.testing.assert_array_equal(sandwich.layers[1].post_mlp_norm.weight.asnumpy(), 0.5)
+
+
+def test_gqa_with_one_group_per_head_equals_mha():
+    """num_query_groups == heads is plain multi-head attention: same weights, same logits."""
+    cfg, mha = tiny_model()
+    _, gqa = tiny_model("--group-query-attention", "--num-query-groups", "4")
+    tokens = random_batch(cfg, b=2)["tokens"]
+    np.testing.assert_array_equal(logits_of(mha, tokens), logits_of(gqa, tokens))
+
+
+def test_init_is_megatron_and_layout_independent():
+    cfg, model = tiny_model()
+    w = {n: p.asnumpy() for n, p in model.parameters_and_names()}
+    std = cfg.model_config.init_method_std
+    assert abs(w["layers.0.self_attention.linear_qkv.weight"].std() - std) < 0.1 * std
+    assert abs(w["layers.0.mlp.linear_fc2.weight"].std() - std / math.sqrt(4)) < 0.1 * std
+    assert not w["layers.0.mlp.linear_fc1.bias"].any()
+    np.testing.assert_array_equal(w["final_layernorm.weight"], 1.0)
+    # a stage holding layer 1 alone (a pipeline's second stage) draws the same layer-1 weights
+    stage = GPTModel(cfg.model_config, pre_process=False, post_process=True, layer_offset=1, num_layers=1)
+    init_weights(stage, 0)
+    got = {n: p.asnumpy() for n, p in stage.parameters_and_names()}
+    np.testing.assert_array_equal(got["layers.0.mlp.linear_fc1.weight"], w["layers.1.mlp.linear_fc1.weight"])
+    np.testing.assert_array_equal(got["output_layer.weight"], w["word_embeddings"])
+
+
+def test_loss_is_masked_mean_of_cross_entropy():
+    cfg, model = tiny_model()
+    batch = random_batch(cfg, b=2)
+    batch["loss_mask"][:, ::3] = 0.0
+    logits = logits_of(model, batch["tokens"]).astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, batch["labels"][..., None].astype(np.int64), -1)[..., 0]
+    expected = (nll * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    got = float(model(*train.to_tensors(batch)).asnumpy())
+    assert abs(got - expected) < 1e-5 * expected
+
+
+def test_reset_masks_make_documents_independent():
+    """With reset_position_ids and reset_attention_mask, the second document's logits equal those
+    of the same document run alone from position 0."""
+    cfg, model = tiny_model()
+    eod = 256
+    doc1, doc2 = [5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    text = np.array(doc1 + [eod] + doc2, np.int64)
+    loss_mask, positions, mask = data.get_ltor_masks_and_position_ids(text, eod, True, True, True)
+    tokens = Tensor(text[None].astype(np.int32))
+    together = model(tokens, Tensor(positions[None].astype(np.int32)), Tensor(mask[None])).asnumpy()
+    alone = logits_of(model, np.array([doc2]))
+    np.testing.assert_allclose(together[0, 7:], alone[0], rtol=1e-5, atol=1e-5)
+    assert loss_mask[6] == 0.0 and positions[7] == 0
+
+
+def test_dropout_is_reproducible_from_rng_state():
+    cfg, model = tiny_model("--hidden-dropout", "0.2", "--attention-dropout", "0.2")
+    batch = train.to_tensors(random_batch(cfg))
+    model.set_train(True)
+    state = model.rng.state_dict()
+    a = float(model(*batch).asnumpy())
+    b = float(model(*batch).asnumpy())
+    model.rng.load_state_dict(state)
+    c = float(model(*batch).asnumpy())
+    model.set_train(False)
+    d, e = float(model(*batch).asnumpy()), float(model(*batch).asnumpy())
+    assert a != b and a == c and d == e
+
+
+def test_generate_greedy_is_deterministic_and_skips_padding():
+    cfg, model = tiny_model()
+    out1 = generate(model, [72, 101], 8, temperature=0, vocab_size=257)
+    out2 = generate(model, [72, 101], 8, temperature=0, vocab_size=257)
+    sampled = generate(model, [72, 101], 30, temperature=1.0, top_k=5, vocab_size=257,
+                       rng=np.random.default_rng(1))
+    assert out1 == out2 and len(out1) == 8
+    assert all(0 <= t < 257 for t in out1 + sampled)
+
+
+# ============================================================================ config
+def test_megatron_flags_and_dotted_overrides_map_to_yaml_keys():
+    cfg = load_config(os.path.join(HERE, "config.yaml"),
+                      ["--num-layers", "3", "--hidden-size=128", "--micro-batch-size", "2",
+                       "--global-batch-size", "8", "--lr", "2e-4", "--min-lr", "1e-5", "--adam-beta2", "0.99",
+                       "--lr-decay-style", "linear", "--clip-grad", "0.5", "--optimizer", "adam",
+                       "--disable-bias-linear", "model_config.num_attention_heads=4",
+                       "training_config.log_interval=7"])
+    m, d, o, t = cfg.model_config, cfg.dataset_config, cfg.optimizer_config, cfg.training_config
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size) == (3, 128, 4, 1024)
+    assert (d.batch_size, d.micro_batch_num, d.global_batch_size) == (2, 4, 8)
+    assert o.learning_rate == 2e-4 and o.betas == [0.9, 0.99] and o.optimizer_type == "AdamW"
+    assert o.learning_rate_scheduler_kwargs.lr_decay_style == "linear"
+    assert t.grad_clip_kwargs.clip_value == 0.5 and t.log_interval == 7
+    assert not (m.add_bias_linear or m.qkv_has_bias or m.out_proj_has_bias)
+
+
+BAD_CONFIGS = [
+    (["--hiden-size", "64"], "unknown flag --hiden-size (did you mean --hidden-size?)"),
+    (["model_config.hiden_size=64"], "unknown key model_config.hiden_size (did you mean model_config.hidden_size?)"),
+    (["--hidden-size", "100", "--num-attention-heads", "8"], "model_config.hidden_size=100 must be divisible"),
+    (["--num-query-groups", "3"], "num_attention_heads=8 must be divisible by num_query_groups=3"),
+    (["--normalization", "RMSnorm"], "model_config.normalization: 'RMSnorm' is not one of LayerNorm, RMSNorm (did you mean RMSNorm?)"),
+    (["--num-layers", "two"], "model_config.num_layers: expected int, got 'two'"),
+    (["--num-layers", "0"], "model_config.num_layers must be positive"),
+    (["--bf16"], "model_config.compute_dtype=bfloat16 (--fp16/--bf16) has no CPU kernels"),
+    (["--fp16"], "model_config.compute_dtype=float16 (--fp16/--bf16) has no CPU kernels"),
+    (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], "set only one of lr_warmup_iters and lr_warmup_fraction"),
+    (["--global-batch-size", "12"], "dataset_config.global_batch_size=12 must be a multiple of"),
+    (["--split", "90,x"], "dataset_config.split='90,x'"),
+    (["--tokenizer-type", "NullTokenizer"], "needs dataset_config.vocab_size (--vocab-size)"),
+    (["--tensor-model-parallel-size", "2"], "parallel_config.tensor_model_parallel_size=2"),
+    (["--min-lr", "1"], "min_lr=1.0 exceeds learning_rate"),
+    (["--data-path", "/nonexistent/corpus"], "dataset_config.data_path=/nonexistent/corpus: /nonexistent/corpus.bin not found"),
+    (["--vocab-file", "/nonexistent/v.json"], "dataset_config.vocab_file=/nonexistent/v.json not found"),
+    (["--mock-data", "--load", "/nonexistent/ckpt"], "no checkpoint in /nonexistent/ckpt"),
+    (["stray"], "unexpected argument 'stray'"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_CONFIGS, ids=[a[0] for a, _ in BAD_CONFIGS])
+def test_bad_config_gives_one_line_error(args, message, capsys, tmp_path):
+    code = train.main(["--config", os.path.join(HERE, "config.yaml"), "--save", str(tmp_path / "out"), *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "out").exists()          # nothing written before the error
+
+
+def test_bad_yaml_section_and_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model_conifg:\n  num_layers: 2\n")
+    assert train.main(["--config", str(bad)]) == 2
+    assert "unknown section model_conifg (did you mean model_config?)" in capsys.readouterr().err
+    bad.write_text("training_config:\n  grad_clip_kwargs:\n    clip_valu: 1.0\n")
+    assert train.main(["--config", str(bad)]) == 2
+    assert "unknown key training_config.grad_clip_kwargs.clip_valu (did you mean clip_value?)" in capsys.readouterr().err
+
+
+def test_bad_config_exit_code_from_the_command_line(tmp_path):
+    result = subprocess.run([sys.executable, "train.py", "--hidden-size", "-4"], cwd=HERE,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: model_config.hidden_size must be positive, got -4"]
+
+
+# ============================================================================ training (train.py)
+def run_training(tmp_path, name, *args):
+    """train.main in this process on the byte-level shipped corpus; returns the train: lines."""
+    out = tmp_path / name
+    code = train.main(["--config", os.path.join(HERE, "config.yaml"), "--save", str(out),
+                       "--data-path", shakespeare_bytes(tmp_path), "--tokenizer-type", "ByteTokenizer",
+                       "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                       "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4",
+                       "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", *args])
+    assert code == 0
+    lines = (out / "log" / "rank_0" / "info.log").read_text().splitlines()
+    return [l for l in lines if l.startswith("train: ")], lines
+
+
+_BYTES = {}
+
+
+def shakespeare_bytes(tmp_path):
+    """The shipped corpus preprocessed with the byte tokenizer (once per session)."""
+    if "prefix" not in _BYTES:
+        folder = tmp_path.parent / "bytes"
+        folder.mkdir(exist_ok=True)
+        _BYTES["prefix"] = data.ensure_preprocessed(SHAKESPEARE, str(folder / "shakespeare"), "ByteTokenizer")
+    return _BYTES["prefix"]
+
+
+def losses_of(lines):
+    return [float(re.search(r"Loss: ([0-9.]+)", l).group(1)) for l in lines]
+
+
+def test_log_line_format(tmp_path):
+    lines, _ = run_training(tmp_path, "fmt", "--train-iters", "2")
+    pattern = (r"train: Epoch:0, Step:\d+, Loss: \d+\.\d{6}, Finite_grads: True, Loss_scale: 1\.0, "
+               r"Learning_rate: \d\.\d{6}e[-+]\d\d, Time: \d+\.\d\d ms, Tokens/s: \d+\.\d$")
+    assert len(lines) == 2 and all(re.match(pattern, l) for l in lines), lines
+
+
+def test_loss_falls_on_shipped_corpus_and_writes_outputs(tmp_path):
+    lines, all_lines = run_training(tmp_path, "falls", "--train-iters", "60", "--lr", "3e-3",
+                                    "--eval-interval", "30", "--eval-iters", "2", "--save-interval", "30")
+    losses = losses_of(lines)
+    assert losses[0] > 5.0 and np.mean(losses[-5:]) < 3.3, losses     # ln(257) = 5.55: bytes learnt
+    assert sum("validation loss at iteration" in l for l in all_lines) == 2
+    assert any("test loss at iteration 60" in l for l in all_lines)
+    out = tmp_path / "falls"
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "60"
+    assert (out / "iter_0000030" / "mp_rank_00" / "model_optim_rng.ckpt").is_file()
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    big = losses_of(run_training(tmp_path, "big", "--train-iters", "4", "--micro-batch-size", "4")[0])
+    acc = losses_of(run_training(tmp_path, "acc", "--train-iters", "4", "--micro-batch-size", "2",
+                                 "--global-batch-size", "4")[0])
+    np.testing.assert_allclose(acc, big, rtol=1e-5)
+
+
+def test_resume_equals_run_that_never_stopped(tmp_path):
+    common = ["--train-iters", "8", "--hidden-dropout", "0.1", "--lr-warmup-iters", "2"]
+    full = run_training(tmp_path, "full", *common)[0]
+    run_training(tmp_path, "first", *common, "--save-interval", "4", "--train-iters", "4",
+                 "--lr-decay-iters", "8")
+    first_dir = tmp_path / "first"
+    resumed = run_training(tmp_path, "resumed", *common, "--load", str(first_dir))[0]
+    assert losses_of(resumed) == losses_of(full)[4:]               # bit for bit
+    assert [l.split(", Time")[0] for l in resumed] == [l.split(", Time")[0] for l in full[4:]]
+
+
+def test_keep_checkpoint_max_and_damaged_checkpoint(tmp_path, capsys):
+    run_training(tmp_path, "keep", "--train-iters", "6", "--save-interval", "2",
+                 "training_config.keep_checkpoint_max=2")
+    out = tmp_path / "keep"
+    assert sorted(p.name for p in out.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
+    weights = out / "iter_0000006" / "mp_rank_00" / "model_optim_rng.ckpt"
+    raw = bytearray(weights.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(checkpoint.CheckpointError, match="model_optim_rng.ckpt is damaged"):
+        checkpoint.load_checkpoint(str(out))
+
+
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
+    run_training(tmp_path, "crash", "--train-iters", "2")
+    out = tmp_path / "crash"
+    (out / ".iter_0000004.tmp" / "mp_rank_00").mkdir(parents=True)        # a save killed midway
+    tensors, meta = checkpoint.load_checkpoint(str(out))
+    assert meta["iteration"] == 2 and "model.word_embeddings" in tensors
+
+
+def test_loss_scaler_skips_a_step_with_nan_gradients():
+    cfg, model = tiny_model()
+    optim, scheduler, _ = train.build_optimizer(cfg, model)
+    scaler = DynamicGradScaler(2.0 ** 16, 1.0, growth_interval=1000, hysteresis=1)
+    trainer = train.Trainer(cfg, model, optim, scheduler, scaler)
+    before = [p.asnumpy().copy() for p in optim.params]
+    poisoned = random_batch(cfg)
+    poisoned["loss_mask"][0, 3] = np.nan                      # gradients become nan
+    _, finite, _ = trainer.train_step([poisoned])
+    assert not finite and scheduler.num_steps == 0 and optim.step_count == 0 and scaler.scale == 2.0 ** 15
+    for b, p in zip(before, optim.params):
+        np.testing.assert_array_equal(b, p.asnumpy())
+    loss, finite, _ = trainer.train_step([random_batch(cfg)])   # the next clean step updates
+    assert finite and np.isfinite(loss) and optim.step_count == 1
+
+
+def test_generate_command_from_checkpoint(tmp_path, capsys):
+    run_training(tmp_path, "gen", "--train-iters", "2")
+    capsys.readouterr()
+    assert train.main(["generate", "--load", str(tmp_path / "gen"), "--prompt", "ROMEO:",
+                       "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:")

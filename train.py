@@ -1,0 +1,416 @@
+"""Pretrain a GPT from one YAML: `python train.py [--config config.yaml] [Megatron flags] [section.key=value]`.
+
+Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `python train.py prepare-data`
+(tokenize the shipped corpus once) and `python train.py generate --load DIR --prompt TEXT`.
+
+One training step (Megatron's train_step, one process):
+  for each of micro_batch_num micro-batches: loss_i * loss_scale / micro_batch_num, backward,
+  gradients summed; then unscale, check inf/nan (skip the step if found), clip, optimizer step
+  with the scheduler's lr and weight decay.
+"""
+import logging
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+import checkpoint
+import data
+from config import ConfigError, load_config, to_dict
+
+log = logging.getLogger("train")
+SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
+
+
+# ----------------------------------------------------------------------------- set-up
+def world_size():
+    return int(os.environ.get("MS_WORKER_NUM", os.environ.get("RANK_SIZE", "1")))
+
+
+def setup_logging(output_dir, rank=0, to_console=True):
+    """Console (the rank that holds the loss) plus output/log/rank_N/{info,error}.log."""
+    folder = os.path.join(output_dir, "log", f"rank_{rank}")
+    os.makedirs(folder, exist_ok=True)
+    log.handlers.clear()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    fmt = logging.Formatter("%(message)s")
+    handlers = [logging.FileHandler(os.path.join(folder, "info.log"))]
+    error_file = logging.FileHandler(os.path.join(folder, "error.log"), delay=True)
+    error_file.setLevel(logging.ERROR)
+    handlers.append(error_file)
+    if to_console:
+        handlers.append(logging.StreamHandler(sys.stdout))
+    for h in handlers:
+        h.setFormatter(fmt)
+        log.addHandler(h)
+
+
+_MINDSPORE_READY = []
+
+
+def setup_mindspore(cfg):
+    """Device, threads and seed; once per process (MindSpore refuses to set threads twice)."""
+    import mindspore as ms
+    ms.set_seed(cfg.training_config.seed)
+    if _MINDSPORE_READY:
+        return
+    _MINDSPORE_READY.append(True)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device(cfg.training_config.device_target)
+    if cfg.training_config.device_target == "CPU":
+        local = int(os.environ.get("MS_LOCAL_WORKER_NUM", os.environ.get("LOCAL_WORKER_NUM", "1")) or 1)
+        threads = cfg.training_config.threads_num or max(1, (os.cpu_count() or 1) // local)
+        ms.device_context.cpu.op_tuning.threads_num(threads)
+
+
+def check_inputs(cfg):
+    """Files the run needs, checked before any work."""
+    d = cfg.dataset_config
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        for key in ("vocab_file", "merge_file"):
+            if not os.path.isfile(getattr(d, key)):
+                raise ConfigError(f"dataset_config.{key}={getattr(d, key)} not found: give the GPT-2 "
+                                  f"{'vocab.json' if key == 'vocab_file' else 'merges.txt'} (--{key.replace('_', '-')})")
+    if not d.mock_data:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(d.data_path + ext):
+                raise ConfigError(f"dataset_config.data_path={d.data_path}: {d.data_path}{ext} not found; "
+                                  "run `bash run.sh preprocess ...` (or `bash run.sh` for the shipped corpus) "
+                                  "or use --mock-data")
+    load = cfg.training_config.load_checkpoint
+    if load:
+        checkpoint.latest_iteration(load)
+
+
+def build_data(cfg, tokenizer):
+    d, t = cfg.dataset_config, cfg.training_config
+    gbs, s = d.global_batch_size, cfg.model_config.seq_length
+    n_train = t.training_iters * gbs
+    n_valid = (t.training_iters // t.eval_interval + 1) * t.eval_iters * gbs
+    n_test = t.eval_iters * gbs
+    if d.mock_data:
+        vocab = d.vocab_size or tokenizer.vocab_size
+        return tuple(data.MockGPTDataset(n, s, vocab, t.seed + i) if n else None
+                     for i, n in enumerate((n_train, n_valid, n_test)))
+    cache = d.data_cache_path or os.path.join(os.path.dirname(d.data_path) or ".", "cache")
+    return data.build_gpt_datasets(d.data_path, d.split, s, t.seed, (n_train, n_valid, n_test),
+                                   tokenizer.eod, cache_dir=cache,
+                                   reset_position_ids=d.reset_position_ids,
+                                   reset_attention_mask=d.reset_attention_mask,
+                                   eod_mask_loss=d.eod_mask_loss)
+
+
+def build_model(cfg, tokenizer):
+    from gpt import DropoutRNG, GPTModel, init_weights
+    m = cfg.model_config
+    if m.vocab_size is None:
+        m.padded_vocab_size = data.pad_vocab_size(tokenizer.vocab_size, m.make_vocab_size_divisible_by)
+    elif m.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model_config.vocab_size={m.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.vocab_size}: raise it or leave it null")
+    else:
+        m.padded_vocab_size = m.vocab_size
+    rng = DropoutRNG(cfg.training_config.seed)
+    model = GPTModel(m, rng=rng)
+    init_weights(model, cfg.training_config.seed)
+    return model, rng
+
+
+def no_weight_decay(name, param):
+    """Megatron: biases and 1-D parameters (norm weights) get no weight decay."""
+    return name.endswith("bias") or len(param.shape) == 1
+
+
+def build_optimizer(cfg, model):
+    import optimizer as opt
+    o, t = cfg.optimizer_config, cfg.training_config
+    named = list(model.parameters_and_names())
+    wd_mults = [0.0 if no_weight_decay(n, p) else 1.0 for n, p in named]
+    optim = opt.build_optimizer(o.optimizer_type, [p for _, p in named], betas=tuple(o.betas), eps=o.eps,
+                                momentum=o.momentum, wd_mults=wd_mults)
+    s = o.learning_rate_scheduler_kwargs
+    scheduler = opt.OptimizerParamScheduler(
+        max_lr=o.learning_rate, min_lr=s.min_lr, lr_warmup_steps=s.lr_warmup_iters,
+        lr_decay_steps=s.lr_decay_iters, lr_decay_style=s.lr_decay_style,
+        start_wd=o.start_weight_decay, end_wd=o.end_weight_decay, wd_incr_steps=t.training_iters,
+        wd_incr_style=o.weight_decay_incr_style)
+    if t.loss_scale is not None:
+        scaler = opt.ConstantGradScaler(t.loss_scale)
+    elif t.fp16:
+        scaler = opt.DynamicGradScaler(t.loss_scale_value, t.min_loss_scale, growth_interval=t.loss_scale_window,
+                                       hysteresis=t.hysteresis)
+    else:
+        scaler = opt.ConstantGradScaler(1.0)
+    return optim, scheduler, scaler
+
+
+# ----------------------------------------------------------------------------- one step
+def to_tensors(batch):
+    """A numpy micro-batch -> model inputs (tokens, position_ids, attention_mask, labels, loss_mask)."""
+    from mindspore import Tensor
+    mask = batch.get("attention_mask")
+    return (Tensor(batch["tokens"]), Tensor(batch["position_ids"]),
+            None if mask is None else Tensor(mask), Tensor(batch["labels"]), Tensor(batch["loss_mask"]))
+
+
+class Trainer:
+    """Forward/backward over micro-batches, then the optimizer step (Megatron train_step)."""
+
+    def __init__(self, cfg, model, optimizer, scheduler, scaler):
+        import mindspore as ms
+        self.cfg, self.model, self.optimizer = cfg, model, optimizer
+        self.scheduler, self.scaler = scheduler, scaler
+        self.params = optimizer.params
+        self.loss_weight = 1.0
+        self.grad_fn = ms.value_and_grad(self._weighted_loss, None, self.params)
+
+    def _weighted_loss(self, *inputs):
+        return self.model(*inputs) * self.loss_weight
+
+    def train_step(self, micro_batches):
+        """Returns (mean loss over micro-batches, grads finite, lr used)."""
+        import optimizer as opt
+        m = len(micro_batches)
+        self.model.set_train(True)
+        self.loss_weight = self.scaler.scale / m
+        losses, acc = [], None
+        for batch in micro_batches:
+            loss, grads = self.grad_fn(*to_tensors(batch))
+            losses.append(float(loss.asnumpy()) / self.loss_weight)
+            acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
+        if self.scaler.scale != 1.0:
+            acc = [g * self.scaler.inv_scale for g in acc]
+        finite = opt.grads_are_finite(acc)
+        self.scaler.update(not finite)
+        lr = self.scheduler.get_lr()
+        if finite:                                   # Megatron skips the update and the scheduler
+            clip = self.cfg.training_config.grad_clip_kwargs
+            if clip.clip_value:
+                if clip.grad_clip_type == "ClipGlobalNorm":
+                    acc, _ = opt.clip_grad_norm(acc, clip.clip_value)
+                else:
+                    acc = opt.clip_grads_by_value(acc, clip.clip_value)
+            self.optimizer.step(acc, lr, self.scheduler.get_wd())
+            self.scheduler.step(1)
+        return sum(losses) / m, finite, lr
+
+
+def evaluate(model, dataset, consumed, iters, cfg):
+    """Mean loss over `iters` global batches of `dataset` starting at sample `consumed`."""
+    model.set_train(False)
+    d = cfg.dataset_config
+    it = data.MicroBatchIterator(dataset, d.batch_size, 0, 1, consumed)
+    losses = []
+    for _ in range(iters * d.micro_batch_num):
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        losses.append(float(model(*to_tensors(batch)).asnumpy()))
+    model.set_train(True)
+    return (sum(losses) / len(losses)) if losses else float("nan")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def checkpoint_tensors(model, optimizer):
+    from gpt import global_name
+    names = [global_name(n, model.layer_offset) for n, _ in model.parameters_and_names()]
+    tensors = {f"model.{n}": p.asnumpy() for n, (_, p) in zip(names, model.parameters_and_names())}
+    state = optimizer.state_dict()
+    for key, value in state.items():
+        if key != "step":
+            name, index = key.rsplit(".", 1)
+            tensors[f"optimizer.{name}.{names[int(index)]}"] = value
+    return tensors, names, state["step"]
+
+
+def save(cfg, iteration, consumed, model, optimizer, scheduler, scaler, rng):
+    t = cfg.training_config
+    tensors, _, step = checkpoint_tensors(model, optimizer)
+    meta = {"iteration": iteration, "consumed_train_samples": consumed, "optimizer_step": step,
+            "opt_param_scheduler": scheduler.state_dict(), "grad_scaler": scaler.state_dict(),
+            "rng_state": rng.state_dict(), "ckpt_format": t.ckpt_format,
+            "layout": {"tp": 1, "pp": 1, "dp": cfg.parallel_config.data_parallel_size},
+            "config": to_dict(cfg)}
+    path = checkpoint.save_checkpoint(t.output_dir, iteration, tensors, meta, t.ckpt_format,
+                                      t.keep_checkpoint_max)
+    log.info(f"saved checkpoint at iteration {iteration} to {path}")
+
+
+def load(cfg, model, optimizer, scheduler, scaler, rng):
+    """Restore from training_config.load_checkpoint; returns (iteration, consumed samples)."""
+    from mindspore import Tensor
+    t = cfg.training_config
+    tensors, meta = checkpoint.load_checkpoint(t.load_checkpoint)
+    _, names, _ = checkpoint_tensors(model, optimizer)
+    for name, (_, p) in zip(names, model.parameters_and_names()):
+        value = tensors.get(f"model.{name}")
+        if value is None or tuple(value.shape) != tuple(p.shape):
+            got = "missing" if value is None else f"shape {tuple(value.shape)}"
+            raise checkpoint.CheckpointError(
+                f"checkpoint {t.load_checkpoint} does not fit the model: model.{name} is {got}, the model "
+                f"wants {tuple(p.shape)}; use the model_config it was saved with")
+        p.set_data(Tensor(value))
+    if t.finetune:
+        log.info(f"loaded weights of iteration {meta['iteration']} from {t.load_checkpoint} (finetune: iteration 0)")
+        return 0, 0
+    if not t.no_load_optim:
+        state = {"step": meta["optimizer_step"]}
+        for key in optimizer.state_dict():
+            if key != "step":
+                name, index = key.rsplit(".", 1)
+                state[key] = tensors[f"optimizer.{name}.{names[int(index)]}"]
+        optimizer.load_state_dict(state)
+        scheduler.load_state_dict(meta["opt_param_scheduler"])
+        scaler.load_state_dict(meta["grad_scaler"])
+    if not t.no_load_rng:
+        rng.load_state_dict(meta["rng_state"])
+    log.info(f"loaded checkpoint of iteration {meta['iteration']} from {t.load_checkpoint}")
+    return meta["iteration"], meta["consumed_train_samples"]
+
+
+# ----------------------------------------------------------------------------- the loop
+def pretrain(cfg):
+    t, d, m = cfg.training_config, cfg.dataset_config, cfg.model_config
+    tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+    train_ds, valid_ds, test_ds = build_data(cfg, tokenizer)
+    setup_mindspore(cfg)
+    model, rng = build_model(cfg, tokenizer)
+    optimizer, scheduler, scaler = build_optimizer(cfg, model)
+    iteration, consumed = 0, 0
+    if t.load_checkpoint:
+        iteration, consumed = load(cfg, model, optimizer, scheduler, scaler, rng)
+    n_params = sum(int(np.prod(p.shape)) for p in optimizer.params)
+    log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
+             f"vocab {m.padded_vocab_size} (padded), {n_params / 1e6:.2f}M parameters; global batch "
+             f"{d.global_batch_size} = {d.batch_size} x {d.micro_batch_num} micro-batches; "
+             f"{len(train_ds)} train samples")
+    trainer = Trainer(cfg, model, optimizer, scheduler, scaler)
+    it = data.MicroBatchIterator(train_ds, d.batch_size, 0, 1, consumed)
+    samples_per_epoch = getattr(train_ds, "samples_per_epoch", None) or len(train_ds)
+    tokens_per_step = d.global_batch_size * m.seq_length
+    window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+    while iteration < t.training_iters:
+        epoch = it.consumed_samples // samples_per_epoch
+        loss, finite, lr = trainer.train_step([next(it) for _ in range(d.micro_batch_num)])
+        iteration += 1
+        window_loss, window_steps = window_loss + loss, window_steps + 1
+        if not finite:
+            log.warning(f"skipped iteration {iteration}: inf/nan gradients; loss scale now {scaler.scale}")
+        if iteration % t.log_interval == 0 or iteration == t.training_iters:
+            elapsed = (time.perf_counter() - window_start) / window_steps
+            log.info(f"train: Epoch:{epoch}, Step:{iteration}, Loss: {window_loss / window_steps:.6f}, "
+                     f"Finite_grads: {finite}, Loss_scale: {scaler.scale}, Learning_rate: {lr:.6e}, "
+                     f"Time: {elapsed * 1000:.2f} ms, Tokens/s: {tokens_per_step / elapsed:.1f}")
+            window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        if valid_ds is not None and t.eval_iters and iteration % t.eval_interval == 0:
+            start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size
+            report("validation", iteration, evaluate(model, valid_ds, start, t.eval_iters, cfg))
+            window_start = time.perf_counter()
+        if t.save_interval and iteration % t.save_interval == 0 and iteration < t.training_iters:
+            save(cfg, iteration, it.consumed_samples, model, optimizer, scheduler, scaler, rng)
+            window_start = time.perf_counter()
+    if not t.save_interval or iteration % t.save_interval == 0 or True:
+        save(cfg, iteration, it.consumed_samples, model, optimizer, scheduler, scaler, rng)
+    if test_ds is not None and t.eval_iters:
+        report("test", iteration, evaluate(model, test_ds, 0, t.eval_iters, cfg))
+    return model
+
+
+def report(split, iteration, loss):
+    ppl = math.exp(min(loss, 20.0))
+    log.info(f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |")
+
+
+# ----------------------------------------------------------------------------- commands
+def _pop(argv, flag, default=None, cast=str):
+    """Remove `flag VALUE` (or flag=VALUE) from argv; return its value."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+            del argv[i:i + 2]
+            return cast(value)
+        if arg.startswith(flag + "="):
+            del argv[i]
+            return cast(arg.split("=", 1)[1])
+    return default
+
+
+def generate_main(argv):
+    """generate --load DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]."""
+    import mindspore as ms
+    from gpt import GPTModel, generate
+    argv = list(argv)
+    load_dir = _pop(argv, "--load")
+    prompt = _pop(argv, "--prompt", "\n")
+    max_new = _pop(argv, "--max-new-tokens", 100, int)
+    temperature = _pop(argv, "--temperature", 1.0, float)
+    top_k = _pop(argv, "--top-k", 0, int)
+    seed = _pop(argv, "--seed", 0, int)
+    if argv:
+        raise ConfigError(f"generate: unknown argument {argv[0]!r} (flags: --load --prompt --max-new-tokens "
+                          "--temperature --top-k --seed)")
+    if not load_dir:
+        raise ConfigError("generate needs --load DIR, a checkpoint folder written by training")
+    tensors, meta = checkpoint.load_checkpoint(load_dir)
+    cfg = load_config_from_meta(meta)
+    d = cfg.dataset_config
+    tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    model = GPTModel(cfg.model_config, pre_process=True, post_process=True)
+    for name, p in model.parameters_and_names():
+        p.set_data(ms.Tensor(tensors[f"model.{name}"]))
+    ids = tokenizer.encode(prompt)
+    out = generate(model, ids, max_new, temperature, top_k, tokenizer.vocab_size, np.random.default_rng(seed))
+    print(prompt + tokenizer.decode(out))
+
+
+def load_config_from_meta(meta):
+    from config import _ns
+    cfg = _ns(meta["config"])
+    return cfg
+
+
+def main(argv):
+    argv = list(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") and "=" not in argv[0] else "train"
+    if command != "train":
+        argv = argv[1:]
+    try:
+        if command == "preprocess":
+            data.preprocess_main(argv)
+            return 0
+        if command == "prepare-data":
+            prefix = data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
+                                              "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
+            print(f"data ready: {prefix}.bin/.idx")
+            return 0
+        if command == "generate":
+            generate_main(argv)
+            return 0
+        if command != "train":
+            raise ConfigError(f"unknown command {command!r}: use train (default), preprocess, prepare-data or generate")
+        config_path = _pop(argv, "--config", "config.yaml")
+        cfg = load_config(config_path, argv, world_size())
+        check_inputs(cfg)
+    except (ConfigError, checkpoint.CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.training_config.output_dir)
+    try:
+        pretrain(cfg)
+    except (ConfigError, checkpoint.CheckpointError) as e:
+        log.error(f"error: {e}")
+        return 2
+    except Exception:
+        log.exception("training failed")
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
