@@ -47,6 +47,7 @@ SCHEMA = {
         },
         "loss_reduction": ("mean", str, ("mean",)),
         "threads_num": (None, int, None),             # CPU kernel threads per worker; null = cores / workers
+        "use_jit": (True, bool, None),                # compile the model with ms.jit when it has no dropout
     },
     "parallel_config": {
         "tensor_model_parallel_size": (1, int, None),
@@ -183,6 +184,7 @@ MEGATRON_FLAGS = {
     "--no-load-rng": ("training_config.no_load_rng", True),
     "--finetune": ("training_config.finetune", True),
     "--fp16": ("training_config.fp16", True),
+    "--no-jit": ("training_config.use_jit", False),
     "--bf16": ("training_config.bf16", True),
     "--loss-scale": "training_config.loss_scale",
     "--initial-loss-scale": "training_config.loss_scale_value",

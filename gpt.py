@@ -33,9 +33,12 @@ _matmul_nt = ops.MatMul(transpose_b=True)          # x [n, in] @ W[out, in]^T, n
 
 
 def linear(x, weight, bias=None):
-    """x [..., in] -> [..., out]; as a 2-D MatMul, 3x faster on CPU than ops.dense on 3-D."""
-    y = _matmul_nt(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
+    """x [..., in] -> [..., out]. A 2-D MatMul plus BiasAdd: on CPU 3x faster than ops.dense on
+    3-D input, and BiasAdd 4x faster than a broadcasting `+ bias`."""
+    y = _matmul_nt(x.reshape(-1, x.shape[-1]), weight)                # [n, out]
+    if bias is not None:
+        y = ops.bias_add(y, bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Cell):
@@ -193,10 +196,16 @@ class MLP(nn.Cell):
             gate, up = ops.chunk(y, 2, axis=-1)
             y = ops.silu(gate) * up
         elif self.act == "gelu_tanh":
-            y = ops.gelu(y, approximate="tanh")
+            y = gelu_tanh(y)
         else:
             y = ops.gelu(y, approximate="none")
         return self.linear_fc2(y)
+
+
+def gelu_tanh(x):
+    """GPT-2's gelu_new, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), written out: on CPU these
+    elementwise ops and their gradients are 4x faster than the GeLU kernel."""
+    return 0.5 * x * (1.0 + ops.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
 class TransformerLayer(nn.Cell):
@@ -229,12 +238,8 @@ class TransformerLayer(nn.Cell):
 
 
 def cross_entropy(logits, labels):
-    """Per-token loss [n] from logits [n, V] and labels [n]: logsumexp(z) - z[label]."""
-    z_max = ops.stop_gradient(logits.max(axis=-1, keepdims=True))
-    z = logits - z_max
-    log_sum_exp = ops.log(ops.exp(z).sum(-1))
-    picked = ops.gather_elements(z, 1, labels.reshape(-1, 1)).reshape(-1)
-    return log_sum_exp - picked
+    """Per-token loss [n] from logits [n, V] and labels [n]: -log_softmax(z)[label]."""
+    return -ops.gather_elements(ops.log_softmax(logits, -1), 1, labels.reshape(-1, 1)).reshape(-1)
 
 
 class GPTModel(nn.Cell):
@@ -293,6 +298,10 @@ class GPTModel(nn.Cell):
             bias = self.causal_bias
         else:
             bias = additive_mask(np.triu(np.ones((1, 1, s, s), bool), 1))
+        # Tile once to [b, n, s, s]: each layer then does a same-shape add, which on CPU is ~10x
+        # cheaper than adding a broadcast [1, 1, s, s] mask.
+        heads = self.layers[0].self_attention.local_heads if len(self.layers) else 1
+        bias = ops.tile(bias, (x.shape[1] // bias.shape[0], heads, 1, 1))
         for layer in self.layers:
             x = layer(x, rope, bias)
         if not self.post_process:
@@ -304,6 +313,20 @@ class GPTModel(nn.Cell):
         losses = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
         mask = loss_mask.T.reshape(-1).astype(F32)
         return (losses * mask).sum() / ops.maximum(mask.sum(), 1.0)
+
+
+class Compiled(nn.Cell):
+    """`model` with its construct compiled by ms.jit into one graph (and so its backward too):
+    on CPU 2-3x faster than op-by-op PyNative. Dropout is not allowed inside: its masks come from
+    host RNG streams, which a graph cannot call, so train.py runs dropout models eagerly."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    @ms.jit
+    def construct(self, *inputs):
+        return self.model(*inputs)
 
 
 def global_name(name, layer_offset):

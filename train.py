@@ -106,11 +106,13 @@ def build_data(cfg, tokenizer):
 def build_model(cfg, tokenizer):
     from gpt import DropoutRNG, GPTModel, init_weights
     m = cfg.model_config
+    d = cfg.dataset_config
+    base_vocab = d.vocab_size if d.mock_data and d.vocab_size else tokenizer.vocab_size
     if m.vocab_size is None:
-        m.padded_vocab_size = data.pad_vocab_size(tokenizer.vocab_size, m.make_vocab_size_divisible_by)
-    elif m.vocab_size < tokenizer.vocab_size:
+        m.padded_vocab_size = data.pad_vocab_size(base_vocab, m.make_vocab_size_divisible_by)
+    elif m.vocab_size < base_vocab:
         raise ConfigError(f"model_config.vocab_size={m.vocab_size} is smaller than the tokenizer's "
-                          f"{tokenizer.vocab_size}: raise it or leave it null")
+                          f"{base_vocab}: raise it or leave it null")
     else:
         m.padded_vocab_size = m.vocab_size
     rng = DropoutRNG(cfg.training_config.seed)
@@ -161,14 +163,18 @@ class Trainer:
 
     def __init__(self, cfg, model, optimizer, scheduler, scaler):
         import mindspore as ms
+        from gpt import Compiled
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
         self.params = optimizer.params
+        m = cfg.model_config
+        self.compiled = cfg.training_config.use_jit and not (m.hidden_dropout_rate or m.attention_dropout_rate)
+        self.forward = Compiled(model) if self.compiled else model
         self.loss_weight = 1.0
         self.grad_fn = ms.value_and_grad(self._weighted_loss, None, self.params)
 
     def _weighted_loss(self, *inputs):
-        return self.model(*inputs) * self.loss_weight
+        return self.forward(*inputs) * self.loss_weight
 
     def train_step(self, micro_batches):
         """Returns (mean loss over micro-batches, grads finite, lr used)."""
@@ -198,8 +204,9 @@ class Trainer:
         return sum(losses) / m, finite, lr
 
 
-def evaluate(model, dataset, consumed, iters, cfg):
-    """Mean loss over `iters` global batches of `dataset` starting at sample `consumed`."""
+def evaluate(model, forward, dataset, consumed, iters, cfg):
+    """Mean loss of `forward` (the model, maybe compiled) over `iters` global batches of `dataset`
+    starting at sample `consumed`."""
     model.set_train(False)
     d = cfg.dataset_config
     it = data.MicroBatchIterator(dataset, d.batch_size, 0, 1, consumed)
@@ -209,7 +216,7 @@ def evaluate(model, dataset, consumed, iters, cfg):
             batch = next(it)
         except StopIteration:
             break
-        losses.append(float(model(*to_tensors(batch)).asnumpy()))
+        losses.append(float(forward(*to_tensors(batch)).asnumpy()))
     model.set_train(True)
     return (sum(losses) / len(losses)) if losses else float("nan")
 
@@ -289,6 +296,8 @@ def pretrain(cfg):
              f"{d.global_batch_size} = {d.batch_size} x {d.micro_batch_num} micro-batches; "
              f"{len(train_ds)} train samples")
     trainer = Trainer(cfg, model, optimizer, scheduler, scaler)
+    log.info("model compiled with ms.jit" if trainer.compiled else
+             "model runs op by op (PyNative)" + (": dropout draws host RNG masks" if t.use_jit else ""))
     it = data.MicroBatchIterator(train_ds, d.batch_size, 0, 1, consumed)
     samples_per_epoch = getattr(train_ds, "samples_per_epoch", None) or len(train_ds)
     tokens_per_step = d.global_batch_size * m.seq_length
@@ -308,15 +317,14 @@ def pretrain(cfg):
             window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
         if valid_ds is not None and t.eval_iters and iteration % t.eval_interval == 0:
             start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size
-            report("validation", iteration, evaluate(model, valid_ds, start, t.eval_iters, cfg))
+            report("validation", iteration, evaluate(model, trainer.forward, valid_ds, start, t.eval_iters, cfg))
             window_start = time.perf_counter()
         if t.save_interval and iteration % t.save_interval == 0 and iteration < t.training_iters:
             save(cfg, iteration, it.consumed_samples, model, optimizer, scheduler, scaler, rng)
             window_start = time.perf_counter()
-    if not t.save_interval or iteration % t.save_interval == 0 or True:
-        save(cfg, iteration, it.consumed_samples, model, optimizer, scheduler, scaler, rng)
+    save(cfg, iteration, it.consumed_samples, model, optimizer, scheduler, scaler, rng)  # always at the end
     if test_ds is not None and t.eval_iters:
-        report("test", iteration, evaluate(model, test_ds, 0, t.eval_iters, cfg))
+        report("test", iteration, evaluate(model, trainer.forward, test_ds, 0, t.eval_iters, cfg))
     return model
 
 
