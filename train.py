@@ -189,14 +189,17 @@ class Trainer:
             acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
         if self.scaler.scale != 1.0:
             acc = [g * self.scaler.inv_scale for g in acc]
-        finite = opt.grads_are_finite(acc)
+        # One reduction serves both checks: the squared norm is inf/nan iff a gradient is (or is
+        # so large that its square overflows, which a loss scaler treats as overflow too).
+        norm_sq = opt.grad_norm_sq(acc)
+        finite = math.isfinite(norm_sq)
         self.scaler.update(not finite)
         lr = self.scheduler.get_lr()
         if finite:                                   # Megatron skips the update and the scheduler
             clip = self.cfg.training_config.grad_clip_kwargs
             if clip.clip_value:
                 if clip.grad_clip_type == "ClipGlobalNorm":
-                    acc, _ = opt.clip_grad_norm(acc, clip.clip_value)
+                    acc = opt.clip_grads_by_global_norm(acc, clip.clip_value, math.sqrt(norm_sq))
                 else:
                     acc = opt.clip_grads_by_value(acc, clip.clip_value)
             self.optimizer.step(acc, lr, self.scheduler.get_wd())
