@@ -413,11 +413,9 @@ def finalize(cfg, world_size=1):
     if t.device_target == "CPU" and m.compute_dtype != "float32":
         raise ConfigError(f"model_config.compute_dtype={m.compute_dtype} (--fp16/--bf16) has no CPU kernels in "
                           "MindSpore 2.10: use float32 on CPU, or training_config.device_target GPU/Ascend")
-    if t.device_target == "CPU" and m.params_dtype != "float32":
-        raise ConfigError(f"model_config.params_dtype={m.params_dtype} is not supported on CPU: use float32")
-    if t.device_target != "CPU" and m.compute_dtype != "float32":
-        raise ConfigError(f"model_config.compute_dtype={m.compute_dtype}: this version computes in float32 "
-                          "only; set compute_dtype float32")
+    if m.params_dtype != "float32":
+        raise ConfigError(f"model_config.params_dtype={m.params_dtype}: parameters are float32 master weights; "
+                          "set compute_dtype (or --fp16/--bf16) for half-precision matmuls")
     if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optimizer_config.betas must be two numbers in [0, 1), got {o.betas}")
     o.betas = [float(b) for b in o.betas]

@@ -25,6 +25,11 @@ def additive_mask(mask):
     return Tensor(np.where(mask, MASKED, 0.0).astype(np.float32))
 
 
+def _cast(t, dtype):
+    """astype only when needed: a same-dtype cast still copies (the whole embedding, for logits)."""
+    return t if t.dtype == dtype else t.astype(dtype)
+
+
 def _zeros(*shape):
     return Tensor(np.zeros(shape, np.float32))
 
@@ -42,22 +47,30 @@ def linear(x, weight, bias=None):
 
 
 class Linear(nn.Cell):
-    """y = x W^T + b with W [out, in], the layout of torch and Megatron."""
+    """y = x W^T + b with W [out, in], the layout of torch and Megatron. Weights are fp32 masters;
+    with a half-precision compute dtype, input and weights are cast for the matmul."""
 
-    def __init__(self, in_features, out_features, bias=True):
+    def __init__(self, in_features, out_features, bias=True, dtype=F32):
         super().__init__()
         self.weight = Parameter(_zeros(out_features, in_features), name="weight")
         self.bias = Parameter(_zeros(out_features), name="bias") if bias else None
+        self.dtype = dtype
 
     def construct(self, x):
-        return linear(x, self.weight, self.bias)
+        if self.dtype == F32:
+            return linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.astype(self.dtype)
+        return linear(x.astype(self.dtype), self.weight.astype(self.dtype), bias)
 
 
-def make_linear(in_features, out_features, bias, kind):
+def make_linear(in_features, out_features, bias, kind, dtype=F32):
     """Factory for the model's linears. `kind` is Megatron's role: "column" (qkv, fc1, output
     layer: output dim may be split over TP) or "row" (proj, fc2: input dim may be split)."""
     del kind  # one process: both roles are a plain Linear
-    return Linear(in_features, out_features, bias)
+    return Linear(in_features, out_features, bias, dtype)
+
+
+DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
 
 class LayerNorm(nn.Cell):
@@ -68,6 +81,8 @@ class LayerNorm(nn.Cell):
         self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
 
     def construct(self, x):
+        if x.dtype != F32:                                      # normalise in fp32
+            return self.norm(x.astype(F32), self.weight, self.bias)[0].astype(x.dtype)
         return self.norm(x, self.weight, self.bias)[0]
 
 
@@ -80,7 +95,8 @@ class RMSNorm(nn.Cell):
         self.eps = eps
 
     def construct(self, x):
-        return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps) * self.weight
+        y = x.astype(F32)                                       # normalise in fp32
+        return (y * ops.rsqrt((y * y).mean(-1, keep_dims=True) + self.eps) * self.weight).astype(x.dtype)
 
 
 def make_norm(cfg):
@@ -147,9 +163,10 @@ class SelfAttention(nn.Cell):
         self.heads, self.groups = cfg.num_attention_heads, cfg.num_query_groups
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         qkv_out = (self.heads + 2 * self.groups) * self.head_dim
-        self.linear_qkv = make_linear(cfg.hidden_size, qkv_out, cfg.qkv_has_bias, "column")
+        dtype = DTYPES[cfg.compute_dtype]
+        self.linear_qkv = make_linear(cfg.hidden_size, qkv_out, cfg.qkv_has_bias, "column", dtype)
         self.linear_proj = make_linear(self.heads * self.head_dim, cfg.hidden_size,
-                                       cfg.out_proj_has_bias, "row")
+                                       cfg.out_proj_has_bias, "row", dtype)
         # Local head and group counts: TP may give this rank only some of the groups.
         self.per_group = self.heads // self.groups
         self.local_groups = self.linear_qkv.weight.shape[0] // ((self.per_group + 2) * self.head_dim)
@@ -187,8 +204,9 @@ class MLP(nn.Cell):
         super().__init__()
         self.act = cfg.hidden_act
         fc1_out = cfg.ffn_hidden_size * (2 if self.act == "swiglu" else 1)
-        self.linear_fc1 = make_linear(cfg.hidden_size, fc1_out, cfg.add_bias_linear, "column")
-        self.linear_fc2 = make_linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, "row")
+        dtype = DTYPES[cfg.compute_dtype]
+        self.linear_fc1 = make_linear(cfg.hidden_size, fc1_out, cfg.add_bias_linear, "column", dtype)
+        self.linear_fc2 = make_linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, "row", dtype)
 
     def construct(self, x):
         y = self.linear_fc1(x)
@@ -259,6 +277,7 @@ class GPTModel(nn.Cell):
         self.rng = rng or DropoutRNG(0)
         h, v = cfg.hidden_size, cfg.padded_vocab_size
         self.tied = not cfg.untie_embeddings_and_output_weights
+        self.dtype = DTYPES[cfg.compute_dtype]
         if pre_process:
             self.word_embeddings = Parameter(_zeros(v, h), name="word_embeddings")
             if cfg.position_embedding_type == "absolute":
@@ -270,7 +289,7 @@ class GPTModel(nn.Cell):
         if post_process:
             self.final_layernorm = make_norm(cfg)
             if not self.tied or not pre_process:
-                self.output_layer = make_linear(h, v, False, "column")
+                self.output_layer = make_linear(h, v, False, "column", self.dtype)
         self.rope = None
         if cfg.position_embedding_type == "rope":
             self.rope = rotary_tables(cfg.max_position_embeddings, h // cfg.num_attention_heads,
@@ -286,7 +305,7 @@ class GPTModel(nn.Cell):
             x = ops.gather(self.word_embeddings, tokens, 0)                   # [b, s, h]
             if self.cfg.position_embedding_type == "absolute":
                 x = x + ops.gather(self.position_embeddings, position_ids, 0)
-            x = self.embedding_dropout(x.transpose(1, 0, 2))                  # [s, b, h]
+            x = _cast(self.embedding_dropout(x.transpose(1, 0, 2)), self.dtype)  # [s, b, h]
         s = x.shape[0]
         rope = None
         if self.rope is not None:                                             # [s, b, 1, d]
@@ -307,7 +326,7 @@ class GPTModel(nn.Cell):
         if not self.post_process:
             return x
         x = self.final_layernorm(x)
-        logits = linear(x, self.output_weight()).astype(F32)                # [s, b, V]
+        logits = _cast(linear(x, _cast(self.output_weight(), x.dtype)), F32)  # [s, b, V]
         if labels is None:
             return logits.transpose(1, 0, 2)
         losses = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
