@@ -43,26 +43,39 @@ def _write_atomic(path, text):
     os.replace(tmp, path)
 
 
-def save_checkpoint(root, iteration, tensors, meta, ckpt_format="ckpt", keep_max=None, shard="mp_rank_00"):
-    """Write `tensors` (name -> numpy array or Tensor) and `meta` (JSON-able dict) as checkpoint
-    `iteration` under `root`, point `latest` at it and keep the newest `keep_max` checkpoints."""
-    os.makedirs(root, exist_ok=True)
+def save_checkpoint(root, iteration, files, meta, ckpt_format="ckpt", keep_max=None, shard="mp_rank_00",
+                    barrier=lambda: None, leader=True):
+    """Write checkpoint `iteration` under `root`. `files` maps a file stem to this rank's tensors
+    (name -> numpy array or Tensor); empty if this rank writes nothing; `meta` (JSON-able, or
+    None) goes to the shard's meta.json. With several ranks every rank calls this: the leader
+    makes the temporary folder, all ranks write their files, then the leader renames it into
+    place, points `latest` at it and keeps the newest `keep_max` checkpoints."""
     final = iteration_dir(root, iteration)
     tmp = os.path.join(root, f".iter_{iteration:07d}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.join(tmp, shard))
-    items = [{"name": k, "data": Parameter(Tensor(np.asarray(v)) if isinstance(v, np.ndarray) else v, name=k)}
-             for k, v in tensors.items()]
+    if leader:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
     ext = "safetensors" if ckpt_format == "safetensors" else "ckpt"
-    ms.save_checkpoint(items, os.path.join(tmp, shard, f"{WEIGHTS}.{ext}"), crc_check=True, format=ckpt_format)
-    _write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _write_atomic(os.path.join(root, LATEST), str(iteration))
-    if keep_max:
-        for old in sorted(saved_iterations(root))[:-keep_max]:
-            shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
+    if files or meta is not None:
+        os.makedirs(os.path.join(tmp, shard), exist_ok=True)
+    for stem, tensors in files.items():
+        items = [{"name": k, "data": Parameter(Tensor(np.asarray(v)) if isinstance(v, np.ndarray) else v, name=k)}
+                 for k, v in tensors.items()]
+        ms.save_checkpoint(items, os.path.join(tmp, shard, f"{stem}.{ext}"), crc_check=True, format=ckpt_format)
+    if meta is not None:
+        _write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
+    barrier()
+    if leader:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(os.path.join(root, LATEST), str(iteration))
+        if keep_max:
+            for old in sorted(saved_iterations(root))[:-keep_max]:
+                shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
+    barrier()
     return final
 
 
@@ -80,24 +93,47 @@ def latest_iteration(root):
     return int(text)
 
 
-def load_checkpoint(root, shard="mp_rank_00", crc_check=True):
-    """(tensors name -> numpy array, meta) of the checkpoint `latest` points at."""
+def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
+    """(tensors name -> numpy array, meta) of the files `stems` of the checkpoint `latest`
+    points at, in this rank's `shard` folder."""
     iteration = latest_iteration(root)
     folder = os.path.join(iteration_dir(root, iteration), shard)
     meta_path = os.path.join(folder, "meta.json")
     if not os.path.isfile(meta_path):
-        raise CheckpointError(f"{meta_path} is missing: the checkpoint of iteration {iteration} is incomplete")
+        raise CheckpointError(f"{meta_path} is missing: the checkpoint of iteration {iteration} is incomplete "
+                              "or was saved with another parallel layout")
     try:
         meta = json.load(open(meta_path))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_path} is damaged: {e}") from None
-    ext = "safetensors" if meta.get("ckpt_format") == "safetensors" else "ckpt"
-    path = os.path.join(folder, f"{WEIGHTS}.{ext}")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} is missing")
-    try:
-        params = ms.load_checkpoint(path, crc_check=crc_check, format=meta.get("ckpt_format", "ckpt"))
-    except Exception as e:                                                   # noqa: BLE001
-        raise CheckpointError(f"{path} is damaged or unreadable ({type(e).__name__}): "
-                              "restore it or load an earlier checkpoint") from None
-    return {k: v.asnumpy() for k, v in params.items()}, meta
+    fmt = meta.get("ckpt_format", "ckpt")
+    tensors = {}
+    for stem in stems:
+        path = os.path.join(folder, f"{stem}.{'safetensors' if fmt == 'safetensors' else 'ckpt'}")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing")
+        try:
+            params = ms.load_checkpoint(path, crc_check=crc_check, format=fmt)
+        except Exception as e:                                               # noqa: BLE001
+            raise CheckpointError(f"{path} is damaged or unreadable ({type(e).__name__}): "
+                                  "restore it or load an earlier checkpoint") from None
+        tensors.update({k: v.asnumpy() for k, v in params.items()})
+    return tensors, meta
+
+
+def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
+    """Full tensors from the per-TP-rank `shards` (list of name -> array, TP rank order). A
+    tensor whose shard is smaller than its full shape was split along that dimension (in
+    `chunks_of(name)` blocks, e.g. 2 for SwiGLU's [gate; up]); the others are replicated."""
+    merged = {}
+    for name, shape in full_shapes.items():
+        parts = [s[name] for s in shards]
+        split = [d for d, (a, b) in enumerate(zip(parts[0].shape, shape)) if a != b]
+        if not split:
+            merged[name] = parts[0]
+            continue
+        dim, chunks = split[0], chunks_of(name)
+        blocks = [np.concatenate([np.split(p, chunks, axis=dim)[c] for p in parts], axis=dim)
+                  for c in range(chunks)]
+        merged[name] = np.concatenate(blocks, axis=dim)
+    return merged

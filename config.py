@@ -46,8 +46,11 @@ SCHEMA = {
             "clip_value": (1.0, float, None),         # 0 disables clipping
         },
         "loss_reduction": ("mean", str, ("mean",)),
+        "use_distributed_optimizer": (False, bool, None),  # ZeRO-1: optimizer state sharded over DP
+        "bucket_size": (None, int, None),             # gradient buffer bucket, elements; null = one bucket
         "threads_num": (None, int, None),             # CPU kernel threads per worker; null = cores / workers
         "use_jit": (True, bool, None),                # compile the model with ms.jit when it has no dropout
+        "log_comm_ledger": (False, bool, None),       # log each step's collectives per group: calls, bytes
     },
     "parallel_config": {
         "tensor_model_parallel_size": (1, int, None),
@@ -57,7 +60,6 @@ SCHEMA = {
         "num_layers_per_virtual_pipeline_stage": (None, int, None),
         "num_layer_list": (None, list, None),
         "sequence_parallel": (False, bool, None),
-        "use_distributed_optimizer": (False, bool, None),
     },
     "model_config": {
         "num_layers": (4, int, None),
@@ -212,7 +214,8 @@ MEGATRON_FLAGS = {
     "--context-parallel-size": "parallel_config.context_parallel_size",
     "--num-layers-per-virtual-pipeline-stage": "parallel_config.num_layers_per_virtual_pipeline_stage",
     "--sequence-parallel": ("parallel_config.sequence_parallel", True),
-    "--use-distributed-optimizer": ("parallel_config.use_distributed_optimizer", True),
+    "--use-distributed-optimizer": ("training_config.use_distributed_optimizer", True),
+    "--ddp-bucket-size": "training_config.bucket_size",
 }
 _MEGATRON_OPTIMIZER = {"adam": "AdamW", "sgd": "SGD"}   # Megatron's "adam" is AdamW
 
@@ -456,23 +459,34 @@ def finalize(cfg, world_size=1):
     for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         if getattr(d, k) and d.mock_data:
             raise ConfigError(f"dataset_config.{k} needs real data with EOD tokens, not mock_data")
-    model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                      * p.context_parallel_size)
-    for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    _positive(p, "parallel_config", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                     "context_parallel_size"])
+    for k in ("pipeline_model_parallel_size", "context_parallel_size",
               "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"):
         v = getattr(p, k)
         if v is not None and v != 1:
-            raise ConfigError(f"parallel_config.{k}={v}: this version trains in one process; "
-                              "set it to 1")
-    if p.sequence_parallel or p.use_distributed_optimizer or p.num_layer_list:
-        raise ConfigError("parallel_config: sequence_parallel, use_distributed_optimizer and num_layer_list "
-                          "need model or data parallelism, which this version does not have yet: unset them")
+            raise ConfigError(f"parallel_config.{k}={v}: pipeline and context parallelism are not in this "
+                              "version yet; set it to 1")
+    if p.num_layer_list:
+        raise ConfigError("parallel_config.num_layer_list needs pipeline parallelism, not in this version yet")
+    tp = p.tensor_model_parallel_size
+    for k in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        if getattr(m, k) % tp:
+            raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by "
+                              f"parallel_config.tensor_model_parallel_size={tp}")
+    if p.sequence_parallel and tp == 1:
+        raise ConfigError("parallel_config.sequence_parallel needs tensor_model_parallel_size > 1")
+    if p.sequence_parallel and m.seq_length % tp:
+        raise ConfigError(f"model_config.seq_length={m.seq_length} is not divisible by "
+                          f"tensor_model_parallel_size={tp}, as sequence_parallel needs")
+    if tp > 1 and m.compute_dtype != "float32":
+        raise ConfigError("tensor parallelism computes in float32 in this version: set compute_dtype float32")
+    model_parallel = tp * p.pipeline_model_parallel_size * p.context_parallel_size
     if world_size % model_parallel:
-        raise ConfigError(f"world size {world_size} is not a multiple of tp*cp*pp={model_parallel}")
+        raise ConfigError(f"world size {world_size} is not a multiple of tensor x context x pipeline "
+                          f"parallel sizes = {model_parallel}: change --nproc or the parallel sizes")
     dp = world_size // model_parallel
-    if dp != 1:
-        raise ConfigError(f"world size {world_size}: this version trains in one process; launch without "
-                          "msrun or with --nproc 1")
+    m.tensor_model_parallel_size, m.sequence_parallel = tp, p.sequence_parallel   # for gpt.py
     per_step = d.batch_size * dp
     if d.global_batch_size is not None:
         if d.global_batch_size % per_step:

@@ -63,11 +63,29 @@ class Linear(nn.Cell):
         return linear(x.astype(self.dtype), self.weight.astype(self.dtype), bias)
 
 
-def make_linear(in_features, out_features, bias, kind, dtype=F32):
-    """Factory for the model's linears. `kind` is Megatron's role: "column" (qkv, fc1, output
-    layer: output dim may be split over TP) or "row" (proj, fc2: input dim may be split)."""
-    del kind  # one process: both roles are a plain Linear
-    return Linear(in_features, out_features, bias, dtype)
+def make_linear(cfg, in_features, out_features, bias, kind, chunks=1):
+    """The model's linears. `kind` is Megatron's role: "column" (qkv, fc1, output layer: the
+    output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the
+    input dim is split). One TP rank: a plain Linear."""
+    if cfg.tensor_model_parallel_size == 1:
+        return Linear(in_features, out_features, bias, DTYPES[cfg.compute_dtype])
+    import parallel
+    if kind == "column":
+        return parallel.ColumnParallelLinear(in_features, out_features, bias,
+                                             sequence_parallel=cfg.sequence_parallel, chunks=chunks)
+    return parallel.RowParallelLinear(in_features, out_features, bias,
+                                      sequence_parallel=cfg.sequence_parallel)
+
+
+class Embedding(nn.Cell):
+    """Word embedding table [V, h]; ids [b, s] -> [b, s, h] (VocabParallelEmbedding under TP)."""
+
+    def __init__(self, num_embeddings, embedding_dim):
+        super().__init__()
+        self.weight = Parameter(_zeros(num_embeddings, embedding_dim), name="weight")
+
+    def construct(self, ids):
+        return ops.gather(self.weight, ids, 0)
 
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
@@ -100,9 +118,13 @@ class RMSNorm(nn.Cell):
 
 
 def make_norm(cfg):
-    if cfg.normalization == "RMSNorm":
-        return RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-    return LayerNorm(cfg.hidden_size, cfg.norm_epsilon)
+    """Norms are replicated over TP. With sequence parallelism each TP rank normalises its own
+    sequence shard, so its weight gradient is partial: marked for an all-reduce over TP."""
+    norm = (RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm)(cfg.hidden_size, cfg.norm_epsilon)
+    if cfg.sequence_parallel:
+        for p in norm.get_parameters():
+            p.sequence_parallel = True
+    return norm
 
 
 class DropoutRNG:
@@ -163,10 +185,9 @@ class SelfAttention(nn.Cell):
         self.heads, self.groups = cfg.num_attention_heads, cfg.num_query_groups
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         qkv_out = (self.heads + 2 * self.groups) * self.head_dim
-        dtype = DTYPES[cfg.compute_dtype]
-        self.linear_qkv = make_linear(cfg.hidden_size, qkv_out, cfg.qkv_has_bias, "column", dtype)
-        self.linear_proj = make_linear(self.heads * self.head_dim, cfg.hidden_size,
-                                       cfg.out_proj_has_bias, "row", dtype)
+        self.linear_qkv = make_linear(cfg, cfg.hidden_size, qkv_out, cfg.qkv_has_bias, "column")
+        self.linear_proj = make_linear(cfg, self.heads * self.head_dim, cfg.hidden_size,
+                                       cfg.out_proj_has_bias, "row")
         # Local head and group counts: TP may give this rank only some of the groups.
         self.per_group = self.heads // self.groups
         self.local_groups = self.linear_qkv.weight.shape[0] // ((self.per_group + 2) * self.head_dim)
@@ -177,11 +198,13 @@ class SelfAttention(nn.Cell):
         self.scores = ops.BatchMatMul(transpose_b=True)     # q k^T without materialising k^T
 
     def construct(self, x, rope, mask_bias):
-        """x [s, b, h]; rope None or (cos, sin) [s, b, 1, d]; mask_bias [b or 1, 1, s, s] float,
-        0 where attention is allowed and -1e30 where it is masked (added before the softmax)."""
-        s, b, _ = x.shape
+        """x [s, b, h] ([s/tp, b, h] with sequence parallelism); rope None or (cos, sin)
+        [s, b, 1, d]; mask_bias [b, n, s, s] float, 0 where attention is allowed and -1e30 where
+        it is masked (added before the softmax)."""
         heads, groups, per_group = self.local_heads, self.local_groups, self.per_group
-        qkv = self.linear_qkv(x).reshape(s, b, groups, (per_group + 2) * self.head_dim)
+        qkv = self.linear_qkv(x)                                    # [s, b, (n + 2g) d / tp]
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.reshape(s, b, groups, (per_group + 2) * self.head_dim)
         q, k, v = ops.split(qkv, [per_group * self.head_dim, self.head_dim, self.head_dim], axis=-1)
         q = q.reshape(s, b, heads, self.head_dim)                   # [s, b, n, d]
         if rope is not None:
@@ -204,9 +227,9 @@ class MLP(nn.Cell):
         super().__init__()
         self.act = cfg.hidden_act
         fc1_out = cfg.ffn_hidden_size * (2 if self.act == "swiglu" else 1)
-        dtype = DTYPES[cfg.compute_dtype]
-        self.linear_fc1 = make_linear(cfg.hidden_size, fc1_out, cfg.add_bias_linear, "column", dtype)
-        self.linear_fc2 = make_linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, "row", dtype)
+        self.linear_fc1 = make_linear(cfg, cfg.hidden_size, fc1_out, cfg.add_bias_linear, "column",
+                                      chunks=2 if self.act == "swiglu" else 1)
+        self.linear_fc2 = make_linear(cfg, cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, "row")
 
     def construct(self, x):
         y = self.linear_fc1(x)
@@ -240,7 +263,9 @@ class TransformerLayer(nn.Cell):
         if self.sandwich:
             self.post_attention_norm = make_norm(cfg)
             self.post_mlp_norm = make_norm(cfg)
-        self.hidden_dropout = Dropout(cfg.hidden_dropout_rate, rng)
+        # Replicated activations share the "default" stream over TP; sequence shards differ.
+        self.hidden_dropout = Dropout(cfg.hidden_dropout_rate, rng,
+                                      "model-parallel" if cfg.sequence_parallel else "default")
         self.fp32_residual = cfg.fp32_residual_connection
 
     def construct(self, x, rope, mask_bias):
@@ -278,35 +303,54 @@ class GPTModel(nn.Cell):
         h, v = cfg.hidden_size, cfg.padded_vocab_size
         self.tied = not cfg.untie_embeddings_and_output_weights
         self.dtype = DTYPES[cfg.compute_dtype]
+        self.tp, self.sequence_parallel = cfg.tensor_model_parallel_size, cfg.sequence_parallel
         if pre_process:
-            self.word_embeddings = Parameter(_zeros(v, h), name="word_embeddings")
+            if self.tp == 1:
+                self.word_embeddings = Embedding(v, h)
+            else:
+                import parallel
+                self.word_embeddings = parallel.VocabParallelEmbedding(v, h)
             if cfg.position_embedding_type == "absolute":
                 self.position_embeddings = Parameter(_zeros(cfg.max_position_embeddings, h),
                                                      name="position_embeddings")
-            self.embedding_dropout = Dropout(cfg.hidden_dropout_rate, self.rng)
+            self.embedding_dropout = Dropout(cfg.hidden_dropout_rate, self.rng,
+                                             "model-parallel" if cfg.sequence_parallel else "default")
         n = cfg.num_layers if num_layers is None else num_layers
         self.layers = nn.CellList([TransformerLayer(cfg, self.rng) for _ in range(n)])
         if post_process:
             self.final_layernorm = make_norm(cfg)
             if not self.tied or not pre_process:
-                self.output_layer = make_linear(h, v, False, "column", self.dtype)
+                self.output_layer = make_linear(cfg, h, v, False, "column")
         self.rope = None
         if cfg.position_embedding_type == "rope":
             self.rope = rotary_tables(cfg.max_position_embeddings, h // cfg.num_attention_heads,
                                       cfg.rotary_base)
         self.causal_bias = additive_mask(np.triu(np.ones((1, 1, cfg.seq_length, cfg.seq_length), bool), 1))
 
-    def output_weight(self):
-        return self.word_embeddings if self.tied and self.pre_process else self.output_layer.weight
+    def logits(self, x):
+        """x [s, b, h] ([s/tp, b, h] under SP) -> logits [s, b, V/tp] in fp32 (Megatron's
+        parallel_lm_logits: the input enters the TP region, the vocabulary stays split)."""
+        if not (self.tied and self.pre_process):
+            return _cast(self.output_layer(x), F32)
+        weight = self.word_embeddings.weight
+        if self.tp > 1:
+            import parallel
+            x = (parallel.gather_from_sequence_parallel_region(x) if self.sequence_parallel
+                 else parallel.copy_to_tensor_model_parallel_region(x))
+        return _cast(linear(x, _cast(weight, x.dtype)), F32)
 
     def construct(self, x, position_ids, attention_mask=None, labels=None, loss_mask=None):
         if self.pre_process:
             tokens = x
-            x = ops.gather(self.word_embeddings, tokens, 0)                   # [b, s, h]
+            x = self.word_embeddings(tokens)                                  # [b, s, h]
             if self.cfg.position_embedding_type == "absolute":
                 x = x + ops.gather(self.position_embeddings, position_ids, 0)
-            x = _cast(self.embedding_dropout(x.transpose(1, 0, 2)), self.dtype)  # [s, b, h]
-        s = x.shape[0]
+            x = x.transpose(1, 0, 2)                                          # [s, b, h]
+            if self.sequence_parallel:
+                import parallel
+                x = parallel.scatter_to_sequence_parallel_region(x)          # [s/tp, b, h]
+            x = _cast(self.embedding_dropout(x), self.dtype)
+        s = position_ids.shape[1]
         rope = None
         if self.rope is not None:                                             # [s, b, 1, d]
             rope = tuple(ops.gather(t, position_ids, 0).transpose(1, 0, 2).expand_dims(2)
@@ -325,11 +369,17 @@ class GPTModel(nn.Cell):
             x = layer(x, rope, bias)
         if not self.post_process:
             return x
-        x = self.final_layernorm(x)
-        logits = _cast(linear(x, _cast(self.output_weight(), x.dtype)), F32)  # [s, b, V]
-        if labels is None:
+        logits = self.logits(self.final_layernorm(x))                         # [s, b, V/tp]
+        if self.tp > 1:
+            import parallel
+            if labels is None:
+                return parallel.gather_from_tensor_model_parallel_region(logits).transpose(1, 0, 2)
+            losses = parallel.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                           labels.T.reshape(-1))
+        elif labels is None:
             return logits.transpose(1, 0, 2)
-        losses = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
+        else:
+            losses = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
         mask = loss_mask.T.reshape(-1).astype(F32)
         return (losses * mask).sum() / ops.maximum(mask.sum(), 1.0)
 
@@ -379,13 +429,27 @@ def init_value(name, shape, cfg, seed):
 
 
 def init_weights(model, seed):
-    """Fill every parameter of `model` from init_value; the output layer of a stage without the
-    embedding starts as a copy of the word embedding when the two are tied."""
+    """Fill every parameter of `model` from init_value: a parameter split over TP draws the full
+    master weight and keeps this rank's slice, so every layout starts from the same model. The
+    output layer of a stage without the embedding starts as a copy of the word embedding when
+    the two are tied."""
+    tp_rank = 0
+    if model.tp > 1:
+        import parallel
+        tp_rank = parallel.get_state().tp_rank
     for name, p in model.parameters_and_names():
         gname = global_name(name, model.layer_offset)
         if model.tied and gname == "output_layer.weight":
-            gname = "word_embeddings"
-        p.set_data(Tensor(init_value(gname, p.shape, model.cfg, seed)))
+            gname = "word_embeddings.weight"
+        dim = getattr(p, "partition_dim", None)
+        if dim is None:
+            value = init_value(gname, p.shape, model.cfg, seed)
+        else:
+            full = list(p.shape)
+            full[dim] *= model.tp
+            value = parallel.shard(init_value(gname, tuple(full), model.cfg, seed), dim, tp_rank,
+                                   model.tp, getattr(p, "partition_chunks", 1))
+        p.set_data(Tensor(value))
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, vocab_size=None,

@@ -291,3 +291,115 @@ class DynamicGradScaler(ConstantGradScaler):
         self.scale = float(state_dict["scale"])
         self.growth_tracker = state_dict["growth_tracker"]
         self.hysteresis_tracker = state_dict["hysteresis_tracker"]
+
+
+# ----------------------------------------------------------------------------- data parallelism
+class GradBuffer:
+    """Megatron's ParamAndGradBuffer, rebuilt each step from the accumulated gradients.
+
+    Parameter i owns elements [offsets[i], offsets[i] + numel_i) of one flat fp32 buffer, in
+    order. The buffer is cut into buckets of about `bucket_size` elements along parameter
+    boundaries, each padded to a multiple of `dp` so that it splits into dp equal shards: the
+    shard a distributed optimizer owns on each rank."""
+
+    def __init__(self, params, dp, bucket_size=None):
+        self.shapes = [tuple(p.shape) for p in params]
+        sizes = [int(np.prod(s)) for s in self.shapes]
+        self.offsets, self.buckets = [], []            # buckets: (start, end) in the buffer
+        start = position = 0
+        for i, n in enumerate(sizes):
+            self.offsets.append(position)
+            position += n
+            last = i == len(sizes) - 1
+            if last or (bucket_size and position - start >= bucket_size):
+                end = start + -(-(position - start) // dp) * dp
+                self.buckets.append((start, end))
+                start = position = end
+        self.numel, self.sizes, self.dp = position, sizes, dp
+
+    def flatten(self, tensors):
+        """list of tensors shaped like the params -> flat [numel], zeros in the padding."""
+        pieces, position = [], 0
+        for t, offset, n in zip(tensors, self.offsets, self.sizes):
+            if offset > position:
+                pieces.append(ops.zeros(offset - position, ms.float32))
+            pieces.append(t.reshape(-1))
+            position = offset + n
+        if self.numel > position:
+            pieces.append(ops.zeros(self.numel - position, ms.float32))
+        return ops.cat(pieces)
+
+    def unflatten(self, flat):
+        """flat [numel] -> new tensors shaped like the params. A slice is a view of the whole
+        buffer in MindSpore, which in-place kernels (copy_) refuse once reshaped: copy it."""
+        return [flat[o:o + n].reshape(s).copy() for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
+
+    def shard_ranges(self, rank):
+        """The (start, end) ranges of the buffer that `rank` owns: its 1/dp of every bucket."""
+        return [(b0 + rank * (b1 - b0) // self.dp, b0 + (rank + 1) * (b1 - b0) // self.dp)
+                for b0, b1 in self.buckets]
+
+
+def all_reduce_grads(buffer, grads, comm, group, size):
+    """Data-parallel gradient reduction: average over `group` (DP x CP), one all-reduce per
+    bucket of the contiguous buffer (Megatron DDP without overlap)."""
+    flat = buffer.flatten(grads)
+    reduced = [comm.all_reduce(flat[b0:b1], group) for b0, b1 in buffer.buckets]
+    return buffer.unflatten(ops.cat(reduced) / size)
+
+
+class DistributedOptimizer:
+    """Megatron's distributed optimizer (ZeRO stage 1, Rajbhandari et al. 2020): each DP rank
+    keeps fp32 parameters and optimizer state for only its 1/dp shard of every bucket.
+
+    step: reduce-scatter the gradient buckets (each rank gets the average of its shard), update
+    the shard with the inner optimizer, all-gather the updated shards into every rank's params.
+    The inner optimizer sees one flat tensor per (parameter, shard) overlap, a "piece", so
+    per-parameter weight-decay multipliers still apply."""
+
+    def __init__(self, make_optimizer, params, wd_mults, comm, group, dp_rank, dp, bucket_size=None):
+        self.params, self.comm, self.group, self.dp = list(params), comm, group, dp
+        self.buffer = GradBuffer(self.params, dp, bucket_size)
+        self.shards = self.buffer.shard_ranges(dp_rank)        # this rank's range in each bucket
+        self.pieces = []                                       # (bucket, param index, start, end)
+        for b, (s0, s1) in enumerate(self.shards):
+            for i, (o, n) in enumerate(zip(self.buffer.offsets, self.buffer.sizes)):
+                lo, hi = max(s0, o), min(s1, o + n)
+                if lo < hi:
+                    self.pieces.append((b, i, lo, hi))
+        flat = self.buffer.flatten(self.params)
+        self.main_params = [flat[lo:hi].copy() for _, _, lo, hi in self.pieces]   # fp32 masters
+        self.inner = make_optimizer(self.main_params, [wd_mults[i] for _, i, _, _ in self.pieces])
+
+    def reload_main_params(self):
+        """Copy the model's parameters into the fp32 master shard (after loading weights)."""
+        flat = self.buffer.flatten(self.params)
+        for (_, _, lo, hi), main in zip(self.pieces, self.main_params):
+            main.copy_(flat[lo:hi].copy())
+
+    @property
+    def step_count(self):
+        return self.inner.step_count
+
+    def reduce_scatter_grads(self, grads):
+        """Full local grads -> this rank's piece of the DP average, one tensor per piece."""
+        flat = self.buffer.flatten(grads)
+        shard = [self.comm.reduce_scatter(flat[b0:b1], self.group) / self.dp for b0, b1 in self.buffer.buckets]
+        return [shard[b][lo - self.shards[b][0]:hi - self.shards[b][0]].copy() for b, _, lo, hi in self.pieces]
+
+    def step(self, grad_pieces, lr, wd):
+        """Update the owned pieces, then all-gather each bucket's shards into the params."""
+        self.inner.step(grad_pieces, lr, wd)
+        buckets = []
+        for b, (s0, s1) in enumerate(self.shards):
+            mine = [v for (pb, _, _, _), v in zip(self.pieces, self.main_params) if pb == b]
+            filled = sum(int(v.shape[0]) for v in mine)
+            if filled < s1 - s0:                               # the bucket's padding
+                mine.append(ops.zeros(s1 - s0 - filled, ms.float32))
+            buckets.append(self.comm.all_gather(ops.cat(mine), self.group))
+        for p, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
+            p.copy_(value)
+
+    def state_bytes(self):
+        """Optimizer state plus fp32 master shard held on this rank."""
+        return self.inner.state_bytes() + sum(t.nbytes for t in self.main_params)

@@ -18,10 +18,13 @@ all-gather-into-tensor, reduce-scatter and point-to-point exchange from them.
 """
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import mindspore as ms
+import mindspore.mint.distributed as dist
 from mindspore import Parameter, Tensor, mint, nn, ops
+from mindspore.communication import create_group, get_rank, init
 
 import gpt
 
@@ -29,7 +32,6 @@ F32 = ms.float32
 
 # ============================================================================ process groups
 _GROUPS = {}        # group name -> (kind, global ranks); every group this process has named
-_CREATED = set()    # names passed to create_group (a name can be created only once per process)
 _STATE = None
 
 
@@ -88,7 +90,6 @@ def _world():
     world = int(os.environ.get("MS_WORKER_NUM", "1"))
     if world == 1:
         return 1, 0
-    from mindspore.communication import get_rank, init
     if "world" not in _GROUPS:
         init()
         _GROUPS["world"] = ("world", list(range(world)))
@@ -98,11 +99,9 @@ def _world():
 def _use_group(kind, ranks):
     """Name the group of `ranks` and create it (once per process) if it has several ranks."""
     name = f"{kind}-" + "-".join(map(str, ranks))
-    _GROUPS[name] = (kind, list(ranks))
-    if len(ranks) > 1 and name not in _CREATED:
-        from mindspore.communication import create_group
+    if len(ranks) > 1 and name not in _GROUPS:          # create_group accepts a name only once
         create_group(name, list(ranks))
-        _CREATED.add(name)
+    _GROUPS[name] = (kind, list(ranks))
     return name
 
 
@@ -188,17 +187,12 @@ class Comm:
     def fallback(self):
         return self.force_fallback or ms.get_context("device_target") == "CPU"
 
-    @staticmethod
-    def _dist():
-        import mindspore.mint.distributed as dist
-        return dist
-
     def all_reduce(self, t, group, op="sum"):
         if len(group_ranks(group)) == 1:
             return t
         self.ledger.add(group, "all_reduce", t)
         out = t.copy()
-        self._dist().all_reduce(out, op=op, group=group)
+        dist.all_reduce(out, op=op, group=group)
         return out
 
     def all_gather(self, t, group, dim=0):
@@ -210,10 +204,10 @@ class Comm:
         dim = dim % t.ndim
         if self.fallback:
             bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(n)]
-            self._dist().all_gather(bufs, t, group=group)
+            dist.all_gather(bufs, t, group=group)
             return mint.cat(bufs, dim)
         out = mint.zeros((n * t.shape[0],) + t.shape[1:], dtype=t.dtype)
-        self._dist().all_gather_into_tensor(out, t.contiguous(), group=group)
+        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
         return out if dim == 0 else mint.cat(mint.chunk(out, n, 0), dim)
 
     def reduce_scatter(self, t, group, dim=0):
@@ -225,11 +219,11 @@ class Comm:
         dim, chunk = dim % t.ndim, t.shape[dim] // n
         if self.fallback:
             total = t.copy()
-            self._dist().all_reduce(total, group=group)
+            dist.all_reduce(total, group=group)
             return total.narrow(dim, group_rank(group) * chunk, chunk).contiguous()
         src = t if dim == 0 else mint.cat(mint.chunk(t, n, dim), 0)      # [n*.., d, ..]
         out = mint.zeros((src.shape[0] // n,) + src.shape[1:], dtype=t.dtype)
-        self._dist().reduce_scatter_tensor(out, src.contiguous(), group=group)
+        dist.reduce_scatter_tensor(out, src.contiguous(), group=group)
         return out
 
     def broadcast(self, t, src_global_rank, group):
@@ -237,7 +231,7 @@ class Comm:
             return t
         self.ledger.add(group, "broadcast", t)
         out = t.copy()
-        self._dist().broadcast(out, src=src_global_rank, group=group)
+        dist.broadcast(out, src=src_global_rank, group=group)
         return out
 
     def exchange(self, t, peer_global_rank):
@@ -245,7 +239,6 @@ class Comm:
         send_forward_recv_backward), on the two ranks' pair group: one all_gather on CPU."""
         group = get_state().pair_groups[peer_global_rank]
         self.ledger.add(group, "exchange", t)
-        dist = self._dist()
         if self.fallback:
             bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(2)]
             dist.all_gather(bufs, t, group=group)
@@ -264,111 +257,66 @@ comm = Comm()
 # ============================================================================ mappings (f, g)
 def _slice(x, dim, group):
     """This rank's contiguous 1/n of x along dim."""
+    dim = dim % x.ndim
     chunk = x.shape[dim] // len(group_ranks(group))
     return x.narrow(dim, group_rank(group) * chunk, chunk).contiguous()
 
 
+def _identity(t, group):
+    return t
+
+
+def _all_reduce(t, group):
+    return comm.all_reduce(t, group)
+
+
+def _reduce_scatter(t, group):                # [s, b, h] -> [s/n, b, h], summed
+    return comm.reduce_scatter(t, group, dim=0)
+
+
+def _all_gather(dim):                         # [.., d, ..] -> [.., n*d, ..]
+    return lambda t, group: comm.all_gather(t, group, dim)
+
+
+def _keep_own(dim):                           # [.., n*d, ..] -> [.., d, ..], no communication
+    return lambda t, group: _slice(t, dim, group)
+
+
 class _Mapping(nn.Cell):
-    def __init__(self, group):
+    """Megatron's autograd functions: `fwd` in construct, `bwd` on the gradient in bprop."""
+
+    def __init__(self, fwd, bwd, group):
         super().__init__()
-        self.group = group
+        self.fwd, self.bwd, self.group = fwd, bwd, group
 
-
-class _CopyToTensorParallel(_Mapping):                       # f
     def construct(self, x):
-        return x
+        return self.fwd(x, self.group)
 
     def bprop(self, x, out, dout):
-        return (comm.all_reduce(dout, self.group),)
-
-
-class _ReduceFromTensorParallel(_Mapping):                   # g
-    def construct(self, x):
-        return comm.all_reduce(x, self.group)
-
-    def bprop(self, x, out, dout):
-        return (dout,)
-
-
-class _GatherFromTensorParallel(_Mapping):                   # [.., h/n] -> [.., h]
-    def construct(self, x):
-        return comm.all_gather(x, self.group, dim=-1)
-
-    def bprop(self, x, out, dout):
-        return (_slice(dout, dout.ndim - 1, self.group),)
-
-
-class _ScatterToTensorParallel(_Mapping):                    # [.., h] -> [.., h/n]
-    def construct(self, x):
-        return _slice(x, x.ndim - 1, self.group)
-
-    def bprop(self, x, out, dout):
-        return (comm.all_gather(dout, self.group, dim=-1),)
-
-
-class _ScatterToSequenceParallel(_Mapping):                  # [s, b, h] -> [s/n, b, h]
-    def construct(self, x):
-        return _slice(x, 0, self.group)
-
-    def bprop(self, x, out, dout):
-        return (comm.all_gather(dout, self.group, dim=0),)
-
-
-class _GatherFromSequenceParallel(_Mapping):                 # f~: [s/n, b, h] -> [s, b, h]
-    def construct(self, x):
-        return comm.all_gather(x, self.group, dim=0)
-
-    def bprop(self, x, out, dout):
-        return (comm.reduce_scatter(dout, self.group, dim=0),)
-
-
-class _ReduceScatterToSequenceParallel(_Mapping):            # g~: [s, b, h] -> [s/n, b, h]
-    def construct(self, x):
-        return comm.reduce_scatter(x, self.group, dim=0)
-
-    def bprop(self, x, out, dout):
-        return (comm.all_gather(dout, self.group, dim=0),)
+        return (self.bwd(dout, self.group),)
 
 
 _CELLS = {}
 
 
-def _mapping(cls, x, group):
-    """Apply mapping `cls` over `group` (default: the current TP group); identity for 1 rank."""
+def _mapping(fwd, bwd, x, group=None):
+    """Apply a mapping over `group` (default: the current TP group); identity for one rank."""
     group = group or get_state().tp_group
     if len(group_ranks(group)) == 1:
         return x
-    if (cls, group) not in _CELLS:
-        _CELLS[(cls, group)] = cls(group)
-    return _CELLS[(cls, group)](x)
+    if (fwd, bwd, group) not in _CELLS:
+        _CELLS[(fwd, bwd, group)] = _Mapping(fwd, bwd, group)
+    return _CELLS[(fwd, bwd, group)](x)
 
 
-def copy_to_tensor_model_parallel_region(x, group=None):
-    return _mapping(_CopyToTensorParallel, x, group)
-
-
-def reduce_from_tensor_model_parallel_region(x, group=None):
-    return _mapping(_ReduceFromTensorParallel, x, group)
-
-
-def gather_from_tensor_model_parallel_region(x, group=None):
-    return _mapping(_GatherFromTensorParallel, x, group)
-
-
-def scatter_to_tensor_model_parallel_region(x, group=None):
-    return _mapping(_ScatterToTensorParallel, x, group)
-
-
-def scatter_to_sequence_parallel_region(x, group=None):
-    return _mapping(_ScatterToSequenceParallel, x, group)
-
-
-def gather_from_sequence_parallel_region(x, group=None):
-    return _mapping(_GatherFromSequenceParallel, x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group=None):
-    return _mapping(_ReduceScatterToSequenceParallel, x, group)
+# Megatron's names, each (x, group=None) -> tensor; partial(_mapping, forward, backward).
+copy_to_tensor_model_parallel_region = partial(_mapping, _identity, _all_reduce)          # f
+reduce_from_tensor_model_parallel_region = partial(_mapping, _all_reduce, _identity)      # g
+gather_from_tensor_model_parallel_region = partial(_mapping, _all_gather(-1), _keep_own(-1))
+scatter_to_tensor_model_parallel_region = partial(_mapping, _keep_own(-1), _all_gather(-1))
+scatter_to_sequence_parallel_region = partial(_mapping, _keep_own(0), _all_gather(0))
+gather_from_sequence_parallel_region = partial(_mapping, _all_gather(0), _reduce_scatter)      # f~
+reduce_scatter_to_sequence_parallel_region = partial(_mapping, _reduce_scatter, _all_gather(0))  # g~
 
 
 # ============================================================================ layers
@@ -432,7 +380,8 @@ class RowParallelLinear(nn.Cell):
         self.group, self.input_is_parallel = state.tp_group, input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.weight = _param((out_features, in_features // state.tp), "weight", 1)
-        self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel) if bias else None
+        self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel) \
+            if bias else None
 
     def construct(self, x):
         if not self.input_is_parallel:

@@ -8,21 +8,27 @@ gradient accumulation, bit-exact resume, checkpoints, generation). All in one pr
 import json
 import math
 import os
+import random
 import re
 import struct
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
 import mindspore as ms
-from mindspore import Parameter, Tensor
+from mindspore import Parameter, Tensor, nn, ops
 
 import checkpoint
 import data
+import gpt
+import parallel
 import train
 from config import load_config
 from gpt import DropoutRNG, GPTModel, generate, init_weights
+from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, comm,
+                      rank_groups, shard, vocab_parallel_cross_entropy)
 from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, OptimizerParamScheduler,
                        SGD, build_optimizer, clip_grad_norm, clip_grads_by_global_norm,
                        clip_grads_by_value, grad_norm_sq)
@@ -795,7 +801,7 @@ def test_init_is_megatron_and_layout_independent():
     init_weights(stage, 0)
     got = {n: p.asnumpy() for n, p in stage.parameters_and_names()}
     np.testing.assert_array_equal(got["layers.0.mlp.linear_fc1.weight"], w["layers.1.mlp.linear_fc1.weight"])
-    np.testing.assert_array_equal(got["output_layer.weight"], w["word_embeddings"])
+    np.testing.assert_array_equal(got["output_layer.weight"], w["word_embeddings.weight"])
 
 
 def test_loss_is_masked_mean_of_cross_entropy():
@@ -881,7 +887,9 @@ BAD_CONFIGS = [
     (["--global-batch-size", "12"], "dataset_config.global_batch_size=12 must be a multiple of"),
     (["--split", "90,x"], "dataset_config.split='90,x'"),
     (["--tokenizer-type", "NullTokenizer"], "needs dataset_config.vocab_size (--vocab-size)"),
-    (["--tensor-model-parallel-size", "2"], "parallel_config.tensor_model_parallel_size=2"),
+    (["--tensor-model-parallel-size", "2"], "world size 1 is not a multiple of tensor x context x pipeline parallel sizes = 2"),
+    (["--pipeline-model-parallel-size", "2"], "parallel_config.pipeline_model_parallel_size=2: pipeline and context"),
+    (["--sequence-parallel"], "parallel_config.sequence_parallel needs tensor_model_parallel_size > 1"),
     (["--min-lr", "1"], "min_lr=1.0 exceeds learning_rate"),
     (["--data-path", "/nonexistent/corpus"], "dataset_config.data_path=/nonexistent/corpus: /nonexistent/corpus.bin not found"),
     (["--vocab-file", "/nonexistent/v.json"], "dataset_config.vocab_file=/nonexistent/v.json not found"),
@@ -1017,7 +1025,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
     out = tmp_path / "crash"
     (out / ".iter_0000004.tmp" / "mp_rank_00").mkdir(parents=True)        # a save killed midway
     tensors, meta = checkpoint.load_checkpoint(str(out))
-    assert meta["iteration"] == 2 and "model.word_embeddings" in tensors
+    assert meta["iteration"] == 2 and "model.word_embeddings.weight" in tensors
 
 
 def test_loss_scaler_skips_a_step_with_nan_gradients():
@@ -1043,3 +1051,383 @@ def test_generate_command_from_checkpoint(tmp_path, capsys):
                        "--max-new-tokens", "12", "--temperature", "0"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:")
+
+
+# ============================================================================ parallel (msrun)
+# The functions below run on every rank of an msrun launch: `python test_all.py RUNS.json`.
+ATOL = 1e-6
+S, B, H, FFN = 4, 2, 8, 16                 # sequence, micro-batch, hidden, ffn (divisible by 4)
+TOY_VOCAB, TOY_PADDED_VOCAB = 250, 256
+
+
+class Checks:
+    """Prints one rank-prefixed PASS/FAIL line per check and remembers the failures."""
+
+    def __init__(self, rank):
+        self.rank, self.failed = rank, []
+
+    def __call__(self, name, ok, detail=""):
+        print(f"[rank {self.rank}] {'PASS' if ok else 'FAIL'} {name}"
+              + (f": {detail}" if detail and not ok else ""), flush=True)
+        if not ok:
+            self.failed.append(name)
+
+    def close(self, name, got, want):
+        got = got.asnumpy() if isinstance(got, Tensor) else np.asarray(got)
+        if got.shape != want.shape:
+            return self(name, False, f"shape {got.shape} != {want.shape}")
+        err = float(np.abs(got - want).max()) if got.size else 0.0
+        return self(name, err <= ATOL, f"max abs error {err:.2e}")
+
+
+def rand(seed, *shape):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# ============================================================================ process groups
+def check_rank_groups(c):
+    """Megatron's "tp-cp-dp-pp" order for 8 ranks, tp2 cp1 pp2 (so dp2), written out by hand."""
+    pp = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    expected = {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "cp": [[r] for r in range(8)],
+                "dp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": pp,
+                "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]], "mp": [[0, 1, 4, 5], [2, 3, 6, 7]],
+                "embedding": pp, "pp_pairs": pp}
+    c("rank_groups(8, tp=2, cp=1, pp=2)", rank_groups(8, 2, 1, 2) == expected)
+    c("rank_groups(8, tp=2, cp=2, pp=1) dp_cp",
+      rank_groups(8, 2, 2, 1)["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]])
+    c("rank_groups(4, 1, 1, 4) pp_pairs", rank_groups(4, 1, 1, 4)["pp_pairs"] == [[0, 1], [1, 2], [2, 3]])
+    try:
+        rank_groups(6, 4, 1, 1)
+        c("rank_groups(6, tp=4) raises ValueError", False)
+    except ValueError:
+        c("rank_groups(6, tp=4) raises ValueError", True)
+    c("shard with chunks=2", shard(np.arange(8)[:, None], 0, 1, 2, chunks=2).ravel().tolist() == [2, 3, 6, 7])
+
+
+def check_state(c, state, tp, cp, pp):
+    r, dp = state.rank, state.world_size // (tp * cp * pp)
+    coords = (state.tp_rank, state.cp_rank, state.dp_rank, state.pp_rank)
+    want = (r % tp, r // tp % cp, r // (tp * cp) % dp, r // (tp * cp * dp))
+    c(f"state coordinates {coords}", coords == want, f"expected {want}")
+    c("state tp group", parallel.group_ranks(state.tp_group) == [r - r % tp + i for i in range(tp)])
+    c("state first/last stage", (state.is_first_stage, state.is_last_stage) == (want[3] == 0, want[3] == pp - 1))
+    c("state embedding group", (state.embedding_group is None) == (pp == 1 or not (
+        state.is_first_stage or state.is_last_stage)))
+    peers = [r + d * tp * cp * dp for d in (-1, 1) if 0 <= want[3] + d < pp]
+    c(f"state pair groups {sorted(state.pair_groups)}", sorted(state.pair_groups) == peers)
+
+
+# ============================================================================ communication
+def check_comm(c, state, kind, group):
+    """Each collective on `group` against its definition, inputs unchanged, and the ledger."""
+    ranks = parallel.group_ranks(group)
+    n, i, me = len(ranks), ranks.index(state.rank), state.rank
+    x = lambda r, *shape: rand(1000 + r, *shape)               # rank r's input
+    comm.ledger.reset()
+    t = Tensor(x(me, 2, 3, 4))                                 # 96 bytes
+    c.close(f"{kind} all_gather dim 0", comm.all_gather(t, group, 0),
+            np.concatenate([x(r, 2, 3, 4) for r in ranks], 0))
+    c.close(f"{kind} all_gather last dim", comm.all_gather(t, group, -1),
+            np.concatenate([x(r, 2, 3, 4) for r in ranks], -1))
+    total = sum(x(r, 2 * n, 3, 4) for r in ranks)
+    c.close(f"{kind} reduce_scatter dim 0", comm.reduce_scatter(Tensor(x(me, 2 * n, 3, 4)), group, 0),
+            np.split(total, n, 0)[i])
+    total = sum(x(r, 3, 2 * n, 4) for r in ranks)
+    c.close(f"{kind} reduce_scatter dim 1", comm.reduce_scatter(Tensor(x(me, 3, 2 * n, 4)), group, 1),
+            np.split(total, n, 1)[i])
+    c.close(f"{kind} all_reduce sum", comm.all_reduce(t, group), sum(x(r, 2, 3, 4) for r in ranks))
+    c.close(f"{kind} all_reduce max", comm.all_reduce(t, group, op="max"),
+            np.max([x(r, 2, 3, 4) for r in ranks], 0))
+    c.close(f"{kind} broadcast from {ranks[-1]}", comm.broadcast(t, ranks[-1], group), x(ranks[-1], 2, 3, 4))
+    c(f"{kind} input unchanged", np.array_equal(t.asnumpy(), x(me, 2, 3, 4)))
+    expected = {(kind, "all_gather"): (2, 2 * 96), (kind, "reduce_scatter"): (2, 2 * n * 96),
+                (kind, "all_reduce"): (2, 2 * 96), (kind, "broadcast"): (1, 96)}
+    c(f"{kind} ledger", comm.ledger.counts() == expected, f"{comm.ledger.counts()} != {expected}")
+    if state.rank == ranks[0] and kind == "tp":
+        print(comm.ledger.report(), flush=True)
+
+
+def check_exchange(c, state):
+    comm.ledger.reset()
+    for peer in state.pair_groups:
+        got = comm.exchange(Tensor(rand(2000 + state.rank, 3, 5)), peer)
+        c.close(f"exchange with rank {peer}", got, rand(2000 + peer, 3, 5))
+    k = len(state.pair_groups)
+    want = {("pp_pair", "exchange"): (k, k * 60)} if k else {}
+    c("exchange ledger", comm.ledger.counts() == want, str(comm.ledger.counts()))
+
+
+# ============================================================================ layers
+class Embedding(nn.Cell):
+    def __init__(self, num_embeddings, embedding_dim):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.zeros((num_embeddings, embedding_dim), np.float32)), name="weight")
+
+    def construct(self, ids):
+        return ops.gather(self.weight, ids, 0)
+
+
+class MLP(nn.Cell):
+    """fc1 -> gelu -> fc2: dense (gpt.Linear) or Column -> Row parallel, same parameter names."""
+
+    def __init__(self, fc1, fc2):
+        super().__init__()
+        self.fc1, self.fc2 = fc1, fc2
+
+    def construct(self, x):
+        return self.fc2(ops.gelu(self.fc1(x)))
+
+
+def load_full_weights(dense, par, state, seed):
+    """Draw each full master weight once; the dense net keeps it, the parallel net its shard."""
+    for (name, pd), (_, pp) in zip(dense.parameters_and_names(), par.parameters_and_names()):
+        full = 0.5 * rand(seed + zlib.crc32(name.encode()), *pd.shape)
+        pd.set_data(Tensor(full))
+        if hasattr(pp, "partition_dim"):
+            full = shard(full, pp.partition_dim, state.tp_rank, state.tp, pp.partition_chunks)
+        pp.set_data(Tensor(full))
+
+
+def check_layer(c, state, label, dense, par, x, in_dim=None, out_dim=None, out_chunks=1,
+                float_input=True, ledger=None):
+    """Forward and gradients of `par` against `dense` on loss = sum(out * R). in_dim / out_dim:
+    the dimension along which the parallel input / output is this rank's slice (None = full).
+    ledger: the expected ((forward counts), (backward counts)) of comm's ledger."""
+    tp, r = state.tp, state.tp_rank
+    cut = lambda a, dim, chunks=1: a if dim is None else shard(a, dim, r, tp, chunks)
+    load_full_weights(dense, par, state, seed=7)
+    y_dense = dense(Tensor(x)).asnumpy()
+    weights = np.random.default_rng(8).standard_normal(y_dense.shape).astype(np.float32)
+    x_par = Tensor(cut(x, in_dim))
+    comm.ledger.reset()
+    c.close(f"{label} forward", par(x_par), cut(y_dense, out_dim, out_chunks))
+    forward = comm.ledger.counts()
+    position = 0 if float_input else None
+    dense_loss = lambda inp: (dense(inp) * Tensor(weights)).sum()
+    par_loss = lambda inp: (par(inp) * Tensor(cut(weights, out_dim, out_chunks))).sum()
+    g_dense = ms.grad(dense_loss, position, dense.trainable_params())(Tensor(x))
+    comm.ledger.reset()
+    g_par = ms.grad(par_loss, position, par.trainable_params())(x_par)
+    total = comm.ledger.counts()
+    if float_input:
+        c.close(f"{label} d_input", g_par[0], cut(g_dense[0].asnumpy(), in_dim))
+        g_dense, g_par = g_dense[1], g_par[1]
+    for (name, p), gp, gd in zip(par.parameters_and_names(), g_par, g_dense):
+        if getattr(p, "sequence_parallel", False):        # partial per TP rank under SP
+            gp = comm.all_reduce(gp, state.tp_group)
+        want = gd.asnumpy()
+        if hasattr(p, "partition_dim"):
+            want = shard(want, p.partition_dim, r, tp, p.partition_chunks)
+        c.close(f"{label} d_{name}", gp, want)
+    if ledger is not None:
+        backward = {k: (v[0] - forward.get(k, (0, 0))[0], v[1] - forward.get(k, (0, 0))[1])
+                    for k, v in total.items() if v != forward.get(k)}
+        c(f"{label} ledger forward {forward}", forward == ledger[0], f"expected {ledger[0]}")
+        c(f"{label} ledger backward {backward}", backward == ledger[1], f"expected {ledger[1]}")
+
+
+def check_layers(c, state):
+    tp = state.tp
+    x = rand(11, S, B, H)
+    full, part = S * B * H * 4, S // tp * B * H * 4              # activation bytes, fp32
+    check_layer(c, state, "column", gpt.Linear(H, FFN), ColumnParallelLinear(H, FFN), x, out_dim=2,
+                ledger=({}, {("tp", "all_reduce"): (1, full)}))
+    check_layer(c, state, "column gather_output", gpt.Linear(H, FFN),
+                ColumnParallelLinear(H, FFN, gather_output=True), x)
+    check_layer(c, state, "column chunks=2", gpt.Linear(H, FFN),
+                ColumnParallelLinear(H, FFN, chunks=2), x, out_dim=2, out_chunks=2)
+    x_wide = rand(12, S, B, FFN)
+    check_layer(c, state, "row", gpt.Linear(FFN, H), RowParallelLinear(FFN, H), x_wide, in_dim=2,
+                ledger=({("tp", "all_reduce"): (1, full)}, {}))
+    check_layer(c, state, "row input_is_parallel=False", gpt.Linear(FFN, H),
+                RowParallelLinear(FFN, H, input_is_parallel=False), x_wide)
+    check_layer(c, state, "mlp", MLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)),
+                MLP(ColumnParallelLinear(H, FFN), RowParallelLinear(FFN, H)), x,
+                ledger=({("tp", "all_reduce"): (1, full)}, {("tp", "all_reduce"): (1, full)}))
+    sp = {("tp", "all_gather"): (1, part), ("tp", "reduce_scatter"): (1, full)}
+    check_layer(c, state, "mlp sequence parallel", MLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)),
+                MLP(ColumnParallelLinear(H, FFN, sequence_parallel=True),
+                    RowParallelLinear(FFN, H, sequence_parallel=True)), x, in_dim=0, out_dim=0,
+                ledger=(sp, sp))
+    ids = np.random.default_rng(13).integers(0, TOY_VOCAB, (B, S)).astype(np.int32)
+    check_layer(c, state, "vocab embedding", Embedding(TOY_PADDED_VOCAB, H),
+                VocabParallelEmbedding(TOY_PADDED_VOCAB, H), ids, float_input=False,
+                ledger=({("tp", "all_reduce"): (1, B * S * H * 4)}, {}))
+    check_mappings(c, state, x)
+    check_cross_entropy(c, state)
+
+
+def check_mappings(c, state, x):
+    """The mappings no layer above uses on its own, against slicing and concatenation."""
+    tp, r, weights = state.tp, state.tp_rank, rand(14, S, B, H)
+    cases = [("scatter_to_tensor_model_parallel_region", None, 2),
+             ("gather_from_tensor_model_parallel_region", 2, None),
+             ("scatter_to_sequence_parallel_region", None, 0),
+             ("gather_from_sequence_parallel_region", 0, None)]
+    for name, in_dim, out_dim in cases:
+        cut = lambda a, dim: a if dim is None else shard(a, dim, r, tp)
+        fn = getattr(parallel, name)
+        c.close(f"{name} forward", fn(Tensor(cut(x, in_dim))), cut(x, out_dim))
+        # loss = sum over ranks of sum(out * weights): its gradient is weights, cut like the input
+        grad = ms.grad(lambda t: (fn(t) * Tensor(cut(weights, out_dim))).sum())(Tensor(cut(x, in_dim)))
+        c.close(f"{name} backward", grad, cut(weights, in_dim) * (tp if out_dim is None and in_dim == 0 else 1))
+
+
+def dense_cross_entropy(logits, labels):
+    """Megatron's formula in one process: log(sum(exp(z - max))) - (z - max)[label]."""
+    z = logits - ops.stop_gradient(logits.max(axis=-1, keepdims=True))
+    return ops.log(ops.exp(z).sum(-1)) - ops.gather_elements(z, 1, labels.reshape(-1, 1)).reshape(-1)
+
+
+def check_cross_entropy(c, state):
+    """Vocabulary 250 padded to 256 (padding columns exist, labels never point into them)."""
+    n = S * B
+    logits = 3.0 * rand(15, n, TOY_PADDED_VOCAB)
+    labels = Tensor(np.random.default_rng(16).integers(0, TOY_VOCAB, n).astype(np.int32))
+    weights = Tensor(rand(17, n))
+    local = Tensor(shard(logits, 1, state.tp_rank, state.tp))
+    comm.ledger.reset()
+    loss = vocab_parallel_cross_entropy(local, labels)
+    c.close("vocab cross-entropy forward", loss, dense_cross_entropy(Tensor(logits), labels).asnumpy())
+    err = float(np.abs(loss.asnumpy() - gpt.cross_entropy(Tensor(logits), labels).asnumpy()).max())
+    c("vocab cross-entropy = gpt.cross_entropy (log_softmax) to 1e-5", err <= 1e-5, f"{err:.2e}")
+    c("vocab cross-entropy ledger forward", comm.ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)},
+      str(comm.ledger.counts()))
+    want = ms.grad(lambda z: (dense_cross_entropy(z, labels) * weights).sum())(Tensor(logits))
+    comm.ledger.reset()
+    got = ms.grad(lambda z: (vocab_parallel_cross_entropy(z, labels) * weights).sum())(local)
+    c.close("vocab cross-entropy d_logits", got, shard(want.asnumpy(), 1, state.tp_rank, state.tp))
+    c("vocab cross-entropy ledger backward (3 forward, none backward)",
+      comm.ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)}, str(comm.ledger.counts()))
+
+
+# ============================================================================ driver
+def layouts(world):
+    """(tp, cp, pp) layouts to check: all-TP, TP x PP, and CP x DP on 4 or more ranks."""
+    out = [(world, 1, 1)]
+    if world % 2 == 0:
+        out.append((world // 2, 1, 2))
+    if world % 4 == 0:
+        out.append((1, 2, 1))
+    return out
+
+
+def run_checks(world):
+    """All checks on this rank (under msrun with `world` workers); returns the failed names."""
+    state = parallel.initialize_model_parallel()
+    c = Checks(state.rank)
+    c(f"world size {state.world_size}", state.world_size == world)
+    check_rank_groups(c)
+    c("CPU uses the fallback collectives", comm.fallback and parallel.Comm(force_fallback=True).fallback)
+    for tp, cp, pp in layouts(world):
+        state = parallel.initialize_model_parallel(tp=tp, pp=pp, cp=cp)
+        print(f"[rank {state.rank}] layout tp={tp} cp={cp} pp={pp} dp={state.dp}", flush=True)
+        if state.rank == 0:
+            print(parallel.grid_table(world, tp, cp, pp), flush=True)
+        check_state(c, state, tp, cp, pp)
+        for kind in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding"):
+            group = getattr(state, f"{kind}_group")
+            if group is not None and len(parallel.group_ranks(group)) > 1:
+                check_comm(c, state, kind, group)
+        check_exchange(c, state)
+        if state.tp > 1:
+            check_layers(c, state)
+    print(f"[rank {state.rank}] {len(c.failed)} check(s) failed" if c.failed
+          else f"[rank {state.rank}] all checks passed", flush=True)
+    return c.failed
+
+
+def launch(workers, log_dir, runs_file):
+    """Run this file under msrun: parallel.py's checks, then the training runs listed in
+    `runs_file`; returns the CompletedProcess (worker output: log_dir/worker_<rank>.log)."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+               GLOG_v="3")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", str(workers),
+           "--local_worker_num", str(workers), "--master_port", str(random.randint(8100, 8900)),
+           "--join", "True", "--cluster_time_out", "120", "--log_dir", log_dir,
+           os.path.abspath(__file__), runs_file]
+    return subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+
+
+PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hidden-size", "64",
+                "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
+                "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "10",
+                "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "2",
+                "training_config.log_comm_ledger=true", "model_config.vocab_size=512"]   # one padding for all
+TP2, SP, DISTOPT = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"], ["--use-distributed-optimizer"]
+LAYOUTS = {2: {"tp2": TP2, "tp2_sp": TP2 + SP, "dp2": [], "dp2_distopt": DISTOPT},
+           4: {"tp2_dp2_sp_distopt": TP2 + SP + DISTOPT}}
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory):
+    """One msrun launch per world size (2, then 4 workers): parallel.py's checks, then every
+    layout of LAYOUTS trains 10 steps; and the same training in this one process."""
+    tmp = tmp_path_factory.mktemp("parallel")
+    prefix = shakespeare_bytes(tmp)
+    common = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix, *PARALLEL_RUN]
+    launches = {}
+    for world, layouts in LAYOUTS.items():
+        runs = [[name, [*common, "--save", str(tmp / name), *args]] for name, args in layouts.items()]
+        (tmp / f"runs{world}.json").write_text(json.dumps(runs))
+        launches[world] = launch(world, str(tmp / f"msrun{world}"), str(tmp / f"runs{world}.json"))
+    assert train.main([*common, "--save", str(tmp / "one")]) == 0
+    return tmp, launches
+
+
+def train_lines(folder, prefix="train: "):
+    return [l for l in (folder / "log" / "rank_0" / "info.log").read_text().splitlines() if l.startswith(prefix)]
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_parallel_checks_pass_under_msrun(parallel_runs, world):
+    """parallel.py on every rank: groups, collectives and their fallbacks, ledger, mappings and
+    layers against their dense equivalents (forward and gradients, atol 1e-6)."""
+    tmp, launches = parallel_runs
+    logs = [(tmp / f"msrun{world}" / f"worker_{r}.log").read_text() for r in range(world)]
+    assert launches[world].returncode == 0, launches[world].stdout[-3000:] + logs[0][-3000:]
+    for rank, text in enumerate(logs):
+        assert f"[rank {rank}] all checks passed" in text
+
+
+@pytest.mark.parametrize("layout", [name for layouts in LAYOUTS.values() for name in layouts])
+def test_layout_trains_like_one_process(parallel_runs, layout):
+    """10 steps of each layout give the one-process losses (fp32, relative 1e-5)."""
+    tmp, _ = parallel_runs
+    one, par = losses_of(train_lines(tmp / "one")), losses_of(train_lines(tmp / layout))
+    assert len(one) == len(par) == 10
+    np.testing.assert_allclose(par, one, rtol=1e-5)
+
+
+def ledger_of(line):
+    """`comm: Step:N, kind op calls bytes, ...` -> {(kind, op): calls}."""
+    items = line.split(", ")[1:]
+    return {(k, op): int(calls) for k, op, calls, _ in (i.split() for i in items)}
+
+
+def test_ledger_counts_match_the_formulas(parallel_runs):
+    """Per step of L layers and m micro-batches. TP: per micro-batch 4L + 5 all-reduces (2 forward
+    and 2 backward per layer, the embedding's forward, the logits' backward, the cross-entropy's
+    three); one more for the gradient norm (mp group). SP: the layers' all-reduces become
+    all-gathers and reduce-scatters (per layer 2 + 2 forward, 2 + 2 backward), plus the
+    embedding scatter and logits gather; the 6L + 2 norm and row-bias gradients are all-reduced."""
+    tmp, _ = parallel_runs
+    L, m = 2, 2
+    tp = ledger_of(train_lines(tmp / "tp2", "comm: ")[1])
+    assert tp == {("tp", "all_reduce"): m * (4 * L + 5), ("mp", "all_reduce"): 1}, tp
+    sp = ledger_of(train_lines(tmp / "tp2_sp", "comm: ")[1])
+    assert sp == {("tp", "all_reduce"): m * 4 + 6 * L + 2, ("tp", "all_gather"): m * (4 * L + 2),
+                  ("tp", "reduce_scatter"): m * (4 * L + 1), ("mp", "all_reduce"): 1}, sp
+    dp = ledger_of(train_lines(tmp / "dp2", "comm: ")[1])
+    assert dp == {("dp_cp", "all_reduce"): 2}, dp           # one bucket, and the logged loss
+    distopt = ledger_of(train_lines(tmp / "dp2_distopt", "comm: ")[1])
+    assert distopt == {("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
+                       ("dp_cp", "all_reduce"): 2}, distopt   # + norm over the shards, and the loss
+
+
+if __name__ == "__main__":
+    failed = run_checks(int(os.environ.get("MS_WORKER_NUM", "1")))
+    for name, args in json.loads(open(sys.argv[1]).read()) if len(sys.argv) > 1 else []:
+        if train.main(args) != 0:
+            failed.append(name)
+    sys.exit(1 if failed else 0)

@@ -59,7 +59,11 @@ def setup_mindspore(cfg):
         return
     _MINDSPORE_READY.append(True)
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    ms.set_device(cfg.training_config.device_target)
+    try:
+        ms.set_device(cfg.training_config.device_target)
+    except RuntimeError:                             # already set (once communication is up)
+        if ms.get_context("device_target") != cfg.training_config.device_target:
+            raise
     if cfg.training_config.device_target == "CPU":
         local = int(os.environ.get("MS_LOCAL_WORKER_NUM", os.environ.get("LOCAL_WORKER_NUM", "1")) or 1)
         threads = cfg.training_config.threads_num or max(1, (os.cpu_count() or 1) // local)
@@ -103,19 +107,22 @@ def build_data(cfg, tokenizer):
                                    eod_mask_loss=d.eod_mask_loss)
 
 
-def build_model(cfg, tokenizer):
+def build_model(cfg, tokenizer, state):
     from gpt import DropoutRNG, GPTModel, init_weights
     m = cfg.model_config
     d = cfg.dataset_config
     base_vocab = d.vocab_size if d.mock_data and d.vocab_size else tokenizer.vocab_size
     if m.vocab_size is None:
-        m.padded_vocab_size = data.pad_vocab_size(base_vocab, m.make_vocab_size_divisible_by)
+        m.padded_vocab_size = data.pad_vocab_size(base_vocab, m.make_vocab_size_divisible_by, state.tp)
     elif m.vocab_size < base_vocab:
         raise ConfigError(f"model_config.vocab_size={m.vocab_size} is smaller than the tokenizer's "
                           f"{base_vocab}: raise it or leave it null")
+    elif m.vocab_size % state.tp:
+        raise ConfigError(f"model_config.vocab_size={m.vocab_size} is not divisible by "
+                          f"tensor_model_parallel_size={state.tp}: leave it null to pad automatically")
     else:
         m.padded_vocab_size = m.vocab_size
-    rng = DropoutRNG(cfg.training_config.seed)
+    rng = DropoutRNG(cfg.training_config.seed, state.tp_rank)
     model = GPTModel(m, rng=rng)
     init_weights(model, cfg.training_config.seed)
     return model, rng
@@ -126,13 +133,24 @@ def no_weight_decay(name, param):
     return name.endswith("bias") or len(param.shape) == 1
 
 
-def build_optimizer(cfg, model):
+def build_optimizer(cfg, model, state=None):
+    """(optimizer, scheduler, loss scaler). With use_distributed_optimizer and several DP ranks
+    the optimizer is a DistributedOptimizer wrapping the chosen one."""
     import optimizer as opt
     o, t = cfg.optimizer_config, cfg.training_config
     named = list(model.parameters_and_names())
     wd_mults = [0.0 if no_weight_decay(n, p) else 1.0 for n, p in named]
-    optim = opt.build_optimizer(o.optimizer_type, [p for _, p in named], betas=tuple(o.betas), eps=o.eps,
-                                momentum=o.momentum, wd_mults=wd_mults)
+
+    def make(params, mults):
+        return opt.build_optimizer(o.optimizer_type, params, betas=tuple(o.betas), eps=o.eps,
+                                   momentum=o.momentum, wd_mults=mults)
+    if state is not None and t.use_distributed_optimizer and state.dp * state.cp > 1:
+        import parallel
+        optim = opt.DistributedOptimizer(make, [p for _, p in named], wd_mults, parallel.comm,
+                                         state.dp_cp_group, state.dp_rank + state.cp_rank * state.dp,
+                                         state.dp * state.cp, t.bucket_size)
+    else:
+        optim = make([p for _, p in named], wd_mults)
     s = o.learning_rate_scheduler_kwargs
     scheduler = opt.OptimizerParamScheduler(
         max_lr=o.learning_rate, min_lr=s.min_lr, lr_warmup_steps=s.lr_warmup_iters,
@@ -161,14 +179,25 @@ def to_tensors(batch):
 class Trainer:
     """Forward/backward over micro-batches, then the optimizer step (Megatron train_step)."""
 
-    def __init__(self, cfg, model, optimizer, scheduler, scaler):
+    def __init__(self, cfg, model, optimizer, scheduler, scaler, state=None):
         import mindspore as ms
+        import optimizer as opt
+        import parallel
         from gpt import Compiled
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
-        self.params = optimizer.params
+        self.state = state or parallel.get_state()
+        self.params = list(model.get_parameters())
+        self.distributed = isinstance(optimizer, opt.DistributedOptimizer)
+        self.dp_size = self.state.dp * self.state.cp
+        self.buffer = opt.GradBuffer(self.params, self.dp_size, cfg.training_config.bucket_size)
+        # Parameters replicated over TP (norms, row biases, position embeddings) count once in
+        # the gradient norm: on TP rank 0 (Megatron's param_is_not_tensor_parallel_duplicate).
+        self.counted = [hasattr(p, "partition_dim") or self.state.tp_rank == 0 for p in self.params]
         m = cfg.model_config
-        self.compiled = cfg.training_config.use_jit and not (m.hidden_dropout_rate or m.attention_dropout_rate)
+        # ms.jit cannot compile host RNG calls (dropout) nor the collectives inside TP layers.
+        self.compiled = (cfg.training_config.use_jit and self.state.tp == 1
+                         and not (m.hidden_dropout_rate or m.attention_dropout_rate))
         self.forward = Compiled(model) if self.compiled else model
         self.loss_weight = 1.0
         self.grad_fn = ms.value_and_grad(self._weighted_loss, None, self.params)
@@ -179,6 +208,8 @@ class Trainer:
     def train_step(self, micro_batches):
         """Returns (mean loss over micro-batches, grads finite, lr used)."""
         import optimizer as opt
+        import parallel
+        parallel.comm.ledger.reset()
         m = len(micro_batches)
         self.model.set_train(True)
         self.loss_weight = self.scaler.scale / m
@@ -189,9 +220,10 @@ class Trainer:
             acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
         if self.scaler.scale != 1.0:
             acc = [g * self.scaler.inv_scale for g in acc]
+        acc, counted = self.reduce_gradients(acc)
         # One reduction serves both checks: the squared norm is inf/nan iff a gradient is (or is
         # so large that its square overflows, which a loss scaler treats as overflow too).
-        norm_sq = opt.grad_norm_sq(acc)
+        norm_sq = self.global_norm_sq([g for g, c in zip(acc, counted) if c])
         finite = math.isfinite(norm_sq)
         self.scaler.update(not finite)
         lr = self.scheduler.get_lr()
@@ -204,15 +236,58 @@ class Trainer:
                     acc = opt.clip_grads_by_value(acc, clip.clip_value)
             self.optimizer.step(acc, lr, self.scheduler.get_wd())
             self.scheduler.step(1)
-        return sum(losses) / m, finite, lr
+        return self.dp_mean(sum(losses) / m), finite, lr
+
+    def reduce_gradients(self, grads):
+        """Megatron's finalize_model_grads: all-reduce over TP the gradients that sequence
+        parallelism leaves partial, then average over DP x CP, as one all-reduce per bucket or,
+        with the distributed optimizer, a reduce-scatter to this rank's shard. Returns the
+        gradients the optimizer takes and, for each, whether it counts in the norm."""
+        import parallel
+        grads = [parallel.comm.all_reduce(g, self.state.tp_group) if getattr(p, "sequence_parallel", False)
+                 else g for g, p in zip(grads, self.params)]
+        if self.distributed:
+            pieces = self.optimizer.reduce_scatter_grads(grads)
+            return pieces, [self.counted[i] for _, i, _, _ in self.optimizer.pieces]
+        if self.dp_size > 1:
+            import optimizer as opt
+            grads = opt.all_reduce_grads(self.buffer, grads, parallel.comm, self.state.dp_cp_group,
+                                         self.dp_size)
+        return grads, self.counted
+
+    def global_norm_sq(self, grads):
+        """Squared norm of the whole model's gradient: local sum, then all-reduced over the
+        ranks that hold different parts (the DP shards with the distributed optimizer, and TP)."""
+        import optimizer as opt
+        import parallel
+        from mindspore import Tensor
+        local = Tensor([opt.grad_norm_sq(grads)], ms_float32())
+        if self.distributed:
+            local = parallel.comm.all_reduce(local, self.state.dp_cp_group)
+        return float(parallel.comm.all_reduce(local, self.state.mp_group).asnumpy()[0])
+
+    def dp_mean(self, value):
+        """A per-rank number averaged over the data-parallel ranks (for the log)."""
+        if self.dp_size == 1:
+            return value
+        import parallel
+        from mindspore import Tensor
+        total = parallel.comm.all_reduce(Tensor([value], ms_float32()), self.state.dp_cp_group)
+        return float(total.asnumpy()[0]) / self.dp_size
 
 
-def evaluate(model, forward, dataset, consumed, iters, cfg):
-    """Mean loss of `forward` (the model, maybe compiled) over `iters` global batches of `dataset`
-    starting at sample `consumed`."""
+def ms_float32():
+    import mindspore as ms
+    return ms.float32
+
+
+def evaluate(trainer, dataset, consumed, iters, cfg):
+    """Mean loss of the trainer's forward (the model, maybe compiled) over `iters` global batches
+    of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
+    model, forward, state = trainer.model, trainer.forward, trainer.state
     model.set_train(False)
     d = cfg.dataset_config
-    it = data.MicroBatchIterator(dataset, d.batch_size, 0, 1, consumed)
+    it = data.MicroBatchIterator(dataset, d.batch_size, state.dp_rank, state.dp, consumed)
     losses = []
     for _ in range(iters * d.micro_batch_num):
         try:
@@ -221,61 +296,118 @@ def evaluate(model, forward, dataset, consumed, iters, cfg):
             break
         losses.append(float(forward(*to_tensors(batch)).asnumpy()))
     model.set_train(True)
-    return (sum(losses) / len(losses)) if losses else float("nan")
+    return trainer.dp_mean(sum(losses) / len(losses)) if losses else float("nan")
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def checkpoint_tensors(model, optimizer):
+def model_tensors(model):
+    """name -> value of this rank's parameters, under their global names."""
     from gpt import global_name
-    names = [global_name(n, model.layer_offset) for n, _ in model.parameters_and_names()]
-    tensors = {f"model.{n}": p.asnumpy() for n, (_, p) in zip(names, model.parameters_and_names())}
-    state = optimizer.state_dict()
+    return {f"model.{global_name(n, model.layer_offset)}": p.asnumpy() for n, p in model.parameters_and_names()}
+
+
+def optimizer_tensors(trainer):
+    """(tensors, step) of the optimizer state: per parameter name, or, for the distributed
+    optimizer, per owned piece (fp32 master shard "main.k" and its moments)."""
+    if trainer.distributed:
+        state = trainer.optimizer.inner.state_dict()
+        tensors = {f"main.{k}": p.asnumpy() for k, p in enumerate(trainer.optimizer.main_params)}
+    else:
+        state = trainer.optimizer.state_dict()
+        tensors = {}
+    names = [n[len("model."):] for n in model_tensors(trainer.model)]
     for key, value in state.items():
         if key != "step":
-            name, index = key.rsplit(".", 1)
-            tensors[f"optimizer.{name}.{names[int(index)]}"] = value
-    return tensors, names, state["step"]
+            kind, index = key.rsplit(".", 1)
+            tensors[f"optimizer.{kind}.{index if trainer.distributed else names[int(index)]}"] = value
+    return tensors, state["step"]
 
 
-def save(cfg, iteration, consumed, model, optimizer, scheduler, scaler, rng):
-    t = cfg.training_config
-    tensors, _, step = checkpoint_tensors(model, optimizer)
-    meta = {"iteration": iteration, "consumed_train_samples": consumed, "optimizer_step": step,
-            "opt_param_scheduler": scheduler.state_dict(), "grad_scaler": scaler.state_dict(),
-            "rng_state": rng.state_dict(), "ckpt_format": t.ckpt_format,
-            "layout": {"tp": 1, "pp": 1, "dp": cfg.parallel_config.data_parallel_size},
-            "config": to_dict(cfg)}
-    path = checkpoint.save_checkpoint(t.output_dir, iteration, tensors, meta, t.ckpt_format,
-                                      t.keep_checkpoint_max)
+def _layout(cfg, trainer):
+    s = trainer.state
+    return {"tp": s.tp, "pp": s.pp, "cp": s.cp, "dp": s.dp, "distributed_optimizer": trainer.distributed}
+
+
+def _barrier(state):
+    """All ranks wait here: a one-element all-reduce on the world group (mint's barrier logs a
+    spurious device error on CPU)."""
+    if state.world_size > 1:
+        import mindspore.mint.distributed as dist
+        from mindspore import Tensor
+        from mindspore.communication import GlobalComm
+        flag = Tensor([0.0], ms_float32())
+        dist.all_reduce(flag, group=GlobalComm.WORLD_COMM_GROUP)
+        flag.asnumpy()                                # PyNative is asynchronous: wait for it
+
+
+def save(cfg, iteration, consumed, trainer, rng):
+    """Megatron layout: mp_rank_TT/ per TP rank, written by its first DP rank; with the
+    distributed optimizer every DP rank adds its own distrib_optim_DDD file."""
+    t, state = cfg.training_config, trainer.state
+    opt_tensors, step = optimizer_tensors(trainer)
+    writer = state.dp_rank == 0 and state.cp_rank == 0
+    files = {}
+    if writer:
+        files[checkpoint.WEIGHTS] = {**model_tensors(trainer.model), **({} if trainer.distributed else opt_tensors)}
+    if trainer.distributed:
+        files[f"distrib_optim_{state.dp_rank + state.cp_rank * state.dp:03d}"] = opt_tensors
+    meta = None
+    if writer:
+        meta = {"iteration": iteration, "consumed_train_samples": consumed, "optimizer_step": step,
+                "opt_param_scheduler": trainer.scheduler.state_dict(),
+                "grad_scaler": trainer.scaler.state_dict(), "rng_state": rng.state_dict(),
+                "ckpt_format": t.ckpt_format, "layout": _layout(cfg, trainer), "config": to_dict(cfg)}
+    shard = checkpoint.shard_name(state.tp_rank, state.pp_rank, state.pp)
+    path = checkpoint.save_checkpoint(t.output_dir, iteration, files, meta, t.ckpt_format, t.keep_checkpoint_max,
+                                      shard, barrier=lambda: _barrier(state), leader=state.rank == 0)
     log.info(f"saved checkpoint at iteration {iteration} to {path}")
 
 
-def load(cfg, model, optimizer, scheduler, scaler, rng):
-    """Restore from training_config.load_checkpoint; returns (iteration, consumed samples)."""
+def load(cfg, trainer, rng):
+    """Restore from training_config.load_checkpoint (same layout); returns (iteration, consumed)."""
     from mindspore import Tensor
-    t = cfg.training_config
-    tensors, meta = checkpoint.load_checkpoint(t.load_checkpoint)
-    _, names, _ = checkpoint_tensors(model, optimizer)
-    for name, (_, p) in zip(names, model.parameters_and_names()):
-        value = tensors.get(f"model.{name}")
-        if value is None or tuple(value.shape) != tuple(p.shape):
-            got = "missing" if value is None else f"shape {tuple(value.shape)}"
+    t, state, model = cfg.training_config, trainer.state, trainer.model
+    shard = checkpoint.shard_name(state.tp_rank, state.pp_rank, state.pp)
+    stems = [checkpoint.WEIGHTS]
+    if trainer.distributed and not (t.finetune or t.no_load_optim):
+        stems.append(f"distrib_optim_{state.dp_rank + state.cp_rank * state.dp:03d}")
+    tensors, meta = checkpoint.load_checkpoint(t.load_checkpoint, shard, stems=stems)
+    if meta.get("layout", _layout(cfg, trainer)) != _layout(cfg, trainer) and not t.finetune:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {t.load_checkpoint} was saved with layout {meta['layout']}, this run is "
+            f"{_layout(cfg, trainer)}: resume with the same layout (or --finetune for the weights of the same TP size)")
+    for name, value in model_tensors(model).items():
+        saved = tensors.get(name)
+        if saved is None or saved.shape != value.shape:
+            got = "missing" if saved is None else f"shape {saved.shape}"
             raise checkpoint.CheckpointError(
-                f"checkpoint {t.load_checkpoint} does not fit the model: model.{name} is {got}, the model "
-                f"wants {tuple(p.shape)}; use the model_config it was saved with")
-        p.set_data(Tensor(value))
+                f"checkpoint {t.load_checkpoint} does not fit the model: {name} is {got}, the model "
+                f"wants {value.shape}; use the model_config it was saved with")
+    for (name, _), p in zip(model_tensors(model).items(), model.get_parameters()):
+        p.set_data(Tensor(tensors[name]))
+    if trainer.distributed:
+        trainer.optimizer.reload_main_params()
     if t.finetune:
         log.info(f"loaded weights of iteration {meta['iteration']} from {t.load_checkpoint} (finetune: iteration 0)")
         return 0, 0
     if not t.no_load_optim:
-        state = {"step": meta["optimizer_step"]}
-        for key in optimizer.state_dict():
-            if key != "step":
-                name, index = key.rsplit(".", 1)
-                state[key] = tensors[f"optimizer.{name}.{names[int(index)]}"]
-        optimizer.load_state_dict(state)
-        scheduler.load_state_dict(meta["opt_param_scheduler"])
-        scaler.load_state_dict(meta["grad_scaler"])
+        saved_opt, step = optimizer_tensors(trainer)
+        state_dict = {"step": meta["optimizer_step"]}
+        names = [n[len("model."):] for n in model_tensors(model)]
+        for key in saved_opt:
+            kind, _, rest = key.partition(".")
+            if kind == "optimizer":
+                sub, ident = rest.rsplit(".", 1) if trainer.distributed else rest.split(".", 1)
+                index = ident if trainer.distributed else names.index(ident)
+                state_dict[f"{sub}.{index}"] = tensors[key]
+        if trainer.distributed:
+            for k, p in enumerate(trainer.optimizer.main_params):
+                p.copy_(Tensor(tensors[f"main.{k}"]))
+            trainer.optimizer.inner.load_state_dict(state_dict)
+        else:
+            trainer.optimizer.load_state_dict(state_dict)
+        trainer.scheduler.load_state_dict(meta["opt_param_scheduler"])
+        trainer.scaler.load_state_dict(meta["grad_scaler"])
     if not t.no_load_rng:
         rng.load_state_dict(meta["rng_state"])
     log.info(f"loaded checkpoint of iteration {meta['iteration']} from {t.load_checkpoint}")
@@ -288,20 +420,30 @@ def pretrain(cfg):
     tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
     train_ds, valid_ds, test_ds = build_data(cfg, tokenizer)
     setup_mindspore(cfg)
-    model, rng = build_model(cfg, tokenizer)
-    optimizer, scheduler, scaler = build_optimizer(cfg, model)
+    import parallel
+    p = cfg.parallel_config
+    state = parallel.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                               p.context_parallel_size)
+    setup_logging(t.output_dir, state.rank, to_console=state.rank == loss_rank(state))
+    if state.world_size > 1:
+        log.info("rank -> tp, cp, dp, pp\n" + parallel.grid_table(state.world_size, state.tp, state.cp, state.pp))
+    model, rng = build_model(cfg, tokenizer, state)
+    optimizer, scheduler, scaler = build_optimizer(cfg, model, state)
+    trainer = Trainer(cfg, model, optimizer, scheduler, scaler, state)
     iteration, consumed = 0, 0
     if t.load_checkpoint:
-        iteration, consumed = load(cfg, model, optimizer, scheduler, scaler, rng)
-    n_params = sum(int(np.prod(p.shape)) for p in optimizer.params)
+        iteration, consumed = load(cfg, trainer, rng)
+    n_params = sum(int(np.prod(p.shape)) for p in model.get_parameters())
     log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
              f"vocab {m.padded_vocab_size} (padded), {n_params / 1e6:.2f}M parameters; global batch "
              f"{d.global_batch_size} = {d.batch_size} x {d.micro_batch_num} micro-batches; "
              f"{len(train_ds)} train samples")
-    trainer = Trainer(cfg, model, optimizer, scheduler, scaler)
-    log.info("model compiled with ms.jit" if trainer.compiled else
-             "model runs op by op (PyNative)" + (": dropout draws host RNG masks" if t.use_jit else ""))
-    it = data.MicroBatchIterator(train_ds, d.batch_size, 0, 1, consumed)
+    log.info(f"optimizer state on rank {state.rank}: {optimizer.state_bytes()} bytes"
+             + (f" (1/{trainer.dp_size} of the moments and fp32 master weights)" if trainer.distributed else
+                " (moments; the fp32 weights are the model's)"))
+    log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
+             + (": dropout or tensor-parallel collectives inside" if t.use_jit else ""))
+    it = data.MicroBatchIterator(train_ds, d.batch_size, state.dp_rank, state.dp, consumed)
     samples_per_epoch = getattr(train_ds, "samples_per_epoch", None) or len(train_ds)
     tokens_per_step = d.global_batch_size * m.seq_length
     window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
@@ -312,6 +454,8 @@ def pretrain(cfg):
         window_loss, window_steps = window_loss + loss, window_steps + 1
         if not finite:
             log.warning(f"skipped iteration {iteration}: inf/nan gradients; loss scale now {scaler.scale}")
+        if t.log_comm_ledger:
+            log.info(f"comm: Step:{iteration}, " + ledger_line())
         if iteration % t.log_interval == 0 or iteration == t.training_iters:
             elapsed = (time.perf_counter() - window_start) / window_steps
             log.info(f"train: Epoch:{epoch}, Step:{iteration}, Loss: {window_loss / window_steps:.6f}, "
@@ -320,15 +464,28 @@ def pretrain(cfg):
             window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
         if valid_ds is not None and t.eval_iters and iteration % t.eval_interval == 0:
             start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size
-            report("validation", iteration, evaluate(model, trainer.forward, valid_ds, start, t.eval_iters, cfg))
+            report("validation", iteration, evaluate(trainer, valid_ds, start, t.eval_iters, cfg))
             window_start = time.perf_counter()
         if t.save_interval and iteration % t.save_interval == 0 and iteration < t.training_iters:
-            save(cfg, iteration, it.consumed_samples, model, optimizer, scheduler, scaler, rng)
+            save(cfg, iteration, it.consumed_samples, trainer, rng)
             window_start = time.perf_counter()
-    save(cfg, iteration, it.consumed_samples, model, optimizer, scheduler, scaler, rng)  # always at the end
+    save(cfg, iteration, it.consumed_samples, trainer, rng)  # always at the end
     if test_ds is not None and t.eval_iters:
-        report("test", iteration, evaluate(model, trainer.forward, test_ds, 0, t.eval_iters, cfg))
+        report("test", iteration, evaluate(trainer, test_ds, 0, t.eval_iters, cfg))
     return model
+
+
+def ledger_line():
+    """This step's collectives so far: `kind op calls bytes` per (group kind, op)."""
+    import parallel
+    counts = parallel.comm.ledger.counts()
+    return ", ".join(f"{kind} {op} {calls} {nbytes}" for (kind, op), (calls, nbytes) in sorted(counts.items()))
+
+
+def loss_rank(state):
+    """The global rank that logs the loss: tp, cp, dp rank 0 of the last pipeline stage (rank
+    order tp-cp-dp-pp, so that is tp*cp*dp*(pp-1))."""
+    return state.tp * state.cp * state.dp * (state.pp - 1)
 
 
 def report(split, iteration, loss):
@@ -368,11 +525,19 @@ def generate_main(argv):
         raise ConfigError("generate needs --load DIR, a checkpoint folder written by training")
     tensors, meta = checkpoint.load_checkpoint(load_dir)
     cfg = load_config_from_meta(meta)
-    d = cfg.dataset_config
+    d, m = cfg.dataset_config, cfg.model_config
     tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
-    model = GPTModel(cfg.model_config, pre_process=True, post_process=True)
+    tp = meta["layout"]["tp"]
+    m.tensor_model_parallel_size, m.sequence_parallel = 1, False           # one process
+    model = GPTModel(m, pre_process=True, post_process=True)
+    if tp > 1:                                        # merge the mp_rank_TT shards
+        shards = [tensors] + [checkpoint.load_checkpoint(load_dir, checkpoint.shard_name(r))[0]
+                              for r in range(1, tp)]
+        full = {f"model.{n}": tuple(p.shape) for n, p in model.parameters_and_names()}
+        swiglu = m.hidden_act == "swiglu"
+        tensors = checkpoint.merge_tensor_parallel(shards, full, lambda n: 2 if swiglu and "linear_fc1" in n else 1)
     for name, p in model.parameters_and_names():
         p.set_data(ms.Tensor(tensors[f"model.{name}"]))
     ids = tokenizer.encode(prompt)
@@ -411,7 +576,6 @@ def main(argv):
     except (ConfigError, checkpoint.CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    setup_logging(cfg.training_config.output_dir)
     try:
         pretrain(cfg)
     except (ConfigError, checkpoint.CheckpointError) as e:
