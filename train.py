@@ -479,7 +479,8 @@ def ledger_line():
     """This step's collectives so far: `kind op calls bytes` per (group kind, op)."""
     import parallel
     counts = parallel.comm.ledger.counts()
-    return ", ".join(f"{kind} {op} {calls} {nbytes}" for (kind, op), (calls, nbytes) in sorted(counts.items()))
+    return ", ".join(f"{kind} {op} {calls} {nbytes}" for (kind, op), (calls, nbytes) in sorted(counts.items())) \
+        or "none"
 
 
 def loss_rank(state):
