@@ -1425,6 +1425,23 @@ def test_ledger_counts_match_the_formulas(parallel_runs):
                        ("dp_cp", "all_reduce"): 2}, distopt   # + norm over the shards, and the loss
 
 
+def test_tensor_parallel_checkpoint_merges_to_the_one_process_model(parallel_runs, capsys):
+    """generate merges the mp_rank_TT shards: TP2's merged weights equal the one-process run's
+    after the same 10 steps (to training's rounding), and it generates from them."""
+    tmp, _ = parallel_runs
+    one, _ = checkpoint.load_checkpoint(str(tmp / "one"))
+    shards = [checkpoint.load_checkpoint(str(tmp / "tp2"), checkpoint.shard_name(r))[0] for r in range(2)]
+    full = {k: v.shape for k, v in one.items() if k.startswith("model.")}
+    assert shards[0]["model.layers.0.self_attention.linear_qkv.weight"].shape == (96, 64)
+    merged = checkpoint.merge_tensor_parallel(shards, full)
+    for name in full:
+        np.testing.assert_allclose(merged[name], one[name], atol=2e-4, err_msg=name)
+    capsys.readouterr()
+    assert train.main(["generate", "--load", str(tmp / "tp2"), "--prompt", "ROMEO:", "--max-new-tokens", "4",
+                       "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+
+
 if __name__ == "__main__":
     failed = run_checks(int(os.environ.get("MS_WORKER_NUM", "1")))
     for name, args in json.loads(open(sys.argv[1]).read()) if len(sys.argv) > 1 else []:

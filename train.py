@@ -542,6 +542,9 @@ def generate_main(argv):
     for name, p in model.parameters_and_names():
         p.set_data(ms.Tensor(tensors[f"model.{name}"]))
     ids = tokenizer.encode(prompt)
+    if max(ids, default=0) >= m.padded_vocab_size:
+        raise ConfigError(f"the prompt's token ids reach {max(ids)}, beyond the model's vocabulary of "
+                          f"{m.padded_vocab_size} (trained on mock data?): use a checkpoint trained with this tokenizer")
     out = generate(model, ids, max_new, temperature, top_k, tokenizer.vocab_size, np.random.default_rng(seed))
     print(prompt + tokenizer.decode(out))
 
