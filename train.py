@@ -18,7 +18,7 @@ import numpy as np
 
 import checkpoint
 import data
-from config import ConfigError, load_config, to_dict
+from config import ConfigError, load_config
 
 log = logging.getLogger("train")
 SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
@@ -299,121 +299,6 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
     return trainer.dp_mean(sum(losses) / len(losses)) if losses else float("nan")
 
 
-# ----------------------------------------------------------------------------- checkpoints
-def model_tensors(model):
-    """name -> value of this rank's parameters, under their global names."""
-    from gpt import global_name
-    return {f"model.{global_name(n, model.layer_offset)}": p.asnumpy() for n, p in model.parameters_and_names()}
-
-
-def optimizer_tensors(trainer):
-    """(tensors, step) of the optimizer state: per parameter name, or, for the distributed
-    optimizer, per owned piece (fp32 master shard "main.k" and its moments)."""
-    if trainer.distributed:
-        state = trainer.optimizer.inner.state_dict()
-        tensors = {f"main.{k}": p.asnumpy() for k, p in enumerate(trainer.optimizer.main_params)}
-    else:
-        state = trainer.optimizer.state_dict()
-        tensors = {}
-    names = [n[len("model."):] for n in model_tensors(trainer.model)]
-    for key, value in state.items():
-        if key != "step":
-            kind, index = key.rsplit(".", 1)
-            tensors[f"optimizer.{kind}.{index if trainer.distributed else names[int(index)]}"] = value
-    return tensors, state["step"]
-
-
-def _layout(cfg, trainer):
-    s = trainer.state
-    return {"tp": s.tp, "pp": s.pp, "cp": s.cp, "dp": s.dp, "distributed_optimizer": trainer.distributed}
-
-
-def _barrier(state):
-    """All ranks wait here: a one-element all-reduce on the world group (mint's barrier logs a
-    spurious device error on CPU)."""
-    if state.world_size > 1:
-        import mindspore.mint.distributed as dist
-        from mindspore import Tensor
-        from mindspore.communication import GlobalComm
-        flag = Tensor([0.0], ms_float32())
-        dist.all_reduce(flag, group=GlobalComm.WORLD_COMM_GROUP)
-        flag.asnumpy()                                # PyNative is asynchronous: wait for it
-
-
-def save(cfg, iteration, consumed, trainer, rng):
-    """Megatron layout: mp_rank_TT/ per TP rank, written by its first DP rank; with the
-    distributed optimizer every DP rank adds its own distrib_optim_DDD file."""
-    t, state = cfg.training_config, trainer.state
-    opt_tensors, step = optimizer_tensors(trainer)
-    writer = state.dp_rank == 0 and state.cp_rank == 0
-    files = {}
-    if writer:
-        files[checkpoint.WEIGHTS] = {**model_tensors(trainer.model), **({} if trainer.distributed else opt_tensors)}
-    if trainer.distributed:
-        files[f"distrib_optim_{state.dp_rank + state.cp_rank * state.dp:03d}"] = opt_tensors
-    meta = None
-    if writer:
-        meta = {"iteration": iteration, "consumed_train_samples": consumed, "optimizer_step": step,
-                "opt_param_scheduler": trainer.scheduler.state_dict(),
-                "grad_scaler": trainer.scaler.state_dict(), "rng_state": rng.state_dict(),
-                "ckpt_format": t.ckpt_format, "layout": _layout(cfg, trainer), "config": to_dict(cfg)}
-    shard = checkpoint.shard_name(state.tp_rank, state.pp_rank, state.pp)
-    path = checkpoint.save_checkpoint(t.output_dir, iteration, files, meta, t.ckpt_format, t.keep_checkpoint_max,
-                                      shard, barrier=lambda: _barrier(state), leader=state.rank == 0)
-    log.info(f"saved checkpoint at iteration {iteration} to {path}")
-
-
-def load(cfg, trainer, rng):
-    """Restore from training_config.load_checkpoint (same layout); returns (iteration, consumed)."""
-    from mindspore import Tensor
-    t, state, model = cfg.training_config, trainer.state, trainer.model
-    shard = checkpoint.shard_name(state.tp_rank, state.pp_rank, state.pp)
-    stems = [checkpoint.WEIGHTS]
-    if trainer.distributed and not (t.finetune or t.no_load_optim):
-        stems.append(f"distrib_optim_{state.dp_rank + state.cp_rank * state.dp:03d}")
-    tensors, meta = checkpoint.load_checkpoint(t.load_checkpoint, shard, stems=stems)
-    if meta.get("layout", _layout(cfg, trainer)) != _layout(cfg, trainer) and not t.finetune:
-        raise checkpoint.CheckpointError(
-            f"checkpoint {t.load_checkpoint} was saved with layout {meta['layout']}, this run is "
-            f"{_layout(cfg, trainer)}: resume with the same layout (or --finetune for the weights of the same TP size)")
-    for name, value in model_tensors(model).items():
-        saved = tensors.get(name)
-        if saved is None or saved.shape != value.shape:
-            got = "missing" if saved is None else f"shape {saved.shape}"
-            raise checkpoint.CheckpointError(
-                f"checkpoint {t.load_checkpoint} does not fit the model: {name} is {got}, the model "
-                f"wants {value.shape}; use the model_config it was saved with")
-    for (name, _), p in zip(model_tensors(model).items(), model.get_parameters()):
-        p.set_data(Tensor(tensors[name]))
-    if trainer.distributed:
-        trainer.optimizer.reload_main_params()
-    if t.finetune:
-        log.info(f"loaded weights of iteration {meta['iteration']} from {t.load_checkpoint} (finetune: iteration 0)")
-        return 0, 0
-    if not t.no_load_optim:
-        saved_opt, step = optimizer_tensors(trainer)
-        state_dict = {"step": meta["optimizer_step"]}
-        names = [n[len("model."):] for n in model_tensors(model)]
-        for key in saved_opt:
-            kind, _, rest = key.partition(".")
-            if kind == "optimizer":
-                sub, ident = rest.rsplit(".", 1) if trainer.distributed else rest.split(".", 1)
-                index = ident if trainer.distributed else names.index(ident)
-                state_dict[f"{sub}.{index}"] = tensors[key]
-        if trainer.distributed:
-            for k, p in enumerate(trainer.optimizer.main_params):
-                p.copy_(Tensor(tensors[f"main.{k}"]))
-            trainer.optimizer.inner.load_state_dict(state_dict)
-        else:
-            trainer.optimizer.load_state_dict(state_dict)
-        trainer.scheduler.load_state_dict(meta["opt_param_scheduler"])
-        trainer.scaler.load_state_dict(meta["grad_scaler"])
-    if not t.no_load_rng:
-        rng.load_state_dict(meta["rng_state"])
-    log.info(f"loaded checkpoint of iteration {meta['iteration']} from {t.load_checkpoint}")
-    return meta["iteration"], meta["consumed_train_samples"]
-
-
 # ----------------------------------------------------------------------------- the loop
 def pretrain(cfg):
     t, d, m = cfg.training_config, cfg.dataset_config, cfg.model_config
@@ -432,7 +317,7 @@ def pretrain(cfg):
     trainer = Trainer(cfg, model, optimizer, scheduler, scaler, state)
     iteration, consumed = 0, 0
     if t.load_checkpoint:
-        iteration, consumed = load(cfg, trainer, rng)
+        iteration, consumed = checkpoint.load_training_state(cfg, trainer, rng)
     n_params = sum(int(np.prod(p.shape)) for p in model.get_parameters())
     log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
              f"vocab {m.padded_vocab_size} (padded), {n_params / 1e6:.2f}M parameters; global batch "
@@ -467,9 +352,9 @@ def pretrain(cfg):
             report("validation", iteration, evaluate(trainer, valid_ds, start, t.eval_iters, cfg))
             window_start = time.perf_counter()
         if t.save_interval and iteration % t.save_interval == 0 and iteration < t.training_iters:
-            save(cfg, iteration, it.consumed_samples, trainer, rng)
+            checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
             window_start = time.perf_counter()
-    save(cfg, iteration, it.consumed_samples, trainer, rng)  # always at the end
+    checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)  # always at the end
     if test_ds is not None and t.eval_iters:
         report("test", iteration, evaluate(trainer, test_ds, 0, t.eval_iters, cfg))
     return model
