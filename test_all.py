@@ -1425,6 +1425,44 @@ def test_ledger_counts_match_the_formulas(parallel_runs):
                        ("dp_cp", "all_reduce"): 2}, distopt   # + norm over the shards, and the loss
 
 
+def test_two_msrun_launches_make_one_job(parallel_runs):
+    """The multi-node form: two msrun launches, --node_rank 0 and 1, join into one DP2 job whose
+    losses equal one process's. The second "node" lives in its own network namespace (a veth
+    pair, 10.213.0.1 <-> 10.213.0.2): msrun starts a scheduler wherever --master_addr is a local
+    address, so two launches on one host's 127.0.0.1 would both try to bind it."""
+    tmp, _ = parallel_runs
+    ns, host_if, node_if = f"gptnode{os.getpid()}", f"gpta{os.getpid() % 100000}", f"gptb{os.getpid() % 100000}"
+    setup = [["ip", "netns", "add", ns], ["ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if],
+             ["ip", "link", "set", node_if, "netns", ns], ["ip", "addr", "add", "10.213.0.1/24", "dev", host_if],
+             ["ip", "link", "set", host_if, "up"],
+             ["ip", "netns", "exec", ns, "ip", "addr", "add", "10.213.0.2/24", "dev", node_if],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", node_if, "up"],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
+    out = tmp / "two_nodes"
+    args = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", shakespeare_bytes(tmp), "--save", str(out),
+            *PARALLEL_RUN]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], GLOG_v="3")
+    port = str(random.randint(8100, 8900))
+    try:
+        for cmd in setup:
+            subprocess.run(cmd, check=True, capture_output=True)
+        nodes = []
+        for node in (0, 1):
+            cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", "2",
+                   "--local_worker_num", "1", "--master_addr", "10.213.0.1", "--master_port", port,
+                   "--node_rank", str(node), "--join", "True", "--cluster_time_out", "120",
+                   "--log_dir", str(tmp / f"node{node}"), "train.py", *args]
+            nodes.append(subprocess.Popen((["ip", "netns", "exec", ns, "env", f"PATH={env['PATH']}"] if node else [])
+                                          + cmd, cwd=HERE, env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+        assert [n.wait(timeout=300) for n in nodes] == [0, 0]
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+    assert "1 -> 0, 0, 1, 0" in (out / "log" / "rank_0" / "info.log").read_text()      # one grid, dp 2
+    np.testing.assert_allclose(losses_of(train_lines(out)), losses_of(train_lines(tmp / "one")), rtol=1e-5)
+
+
 def test_tensor_parallel_checkpoint_merges_to_the_one_process_model(parallel_runs, capsys):
     """generate merges the mp_rank_TT shards: TP2's merged weights equal the one-process run's
     after the same 10 steps (to training's rounding), and it generates from them."""
