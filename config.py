@@ -343,8 +343,9 @@ def _override_warmup(yaml_schedule, raw):
             schedule[other] = cleared
 
 
-def _ns(tree):
-    return SimpleNamespace(**{k: _ns(v) if isinstance(v, dict) else v for k, v in tree.items()})
+def to_namespace(tree):
+    """Plain dicts -> a namespace per section (the inverse of to_dict)."""
+    return SimpleNamespace(**{k: to_namespace(v) if isinstance(v, dict) else v for k, v in tree.items()})
 
 
 def load_config(path="config.yaml", args=(), world_size=1):
@@ -366,7 +367,7 @@ def load_config(path="config.yaml", args=(), world_size=1):
     raw = parse_overrides(list(args), raw)
     _override_warmup(yaml_schedule, raw)
     tree = {s: _merge(SCHEMA[s], raw.get(s), s) for s in SCHEMA}
-    cfg = _ns(tree)
+    cfg = to_namespace(tree)
     finalize(cfg, world_size)
     return cfg
 

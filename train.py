@@ -15,10 +15,15 @@ import sys
 import time
 
 import numpy as np
+import mindspore as ms
+from mindspore import Tensor
 
 import checkpoint
 import data
-from config import ConfigError, load_config
+import optimizer as opt
+import parallel
+from config import ConfigError, load_config, to_namespace
+from gpt import Compiled, DropoutRNG, GPTModel, generate, init_weights
 
 log = logging.getLogger("train")
 SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
@@ -53,7 +58,6 @@ _MINDSPORE_READY = []
 
 def setup_mindspore(cfg):
     """Device, threads and seed; once per process (MindSpore refuses to set threads twice)."""
-    import mindspore as ms
     ms.set_seed(cfg.training_config.seed)
     if _MINDSPORE_READY:
         return
@@ -108,7 +112,6 @@ def build_data(cfg, tokenizer):
 
 
 def build_model(cfg, tokenizer, state):
-    from gpt import DropoutRNG, GPTModel, init_weights
     m = cfg.model_config
     d = cfg.dataset_config
     base_vocab = d.vocab_size if d.mock_data and d.vocab_size else tokenizer.vocab_size
@@ -136,7 +139,6 @@ def no_weight_decay(name, param):
 def build_optimizer(cfg, model, state=None):
     """(optimizer, scheduler, loss scaler). With use_distributed_optimizer and several DP ranks
     the optimizer is a DistributedOptimizer wrapping the chosen one."""
-    import optimizer as opt
     o, t = cfg.optimizer_config, cfg.training_config
     named = list(model.parameters_and_names())
     wd_mults = [0.0 if no_weight_decay(n, p) else 1.0 for n, p in named]
@@ -145,7 +147,6 @@ def build_optimizer(cfg, model, state=None):
         return opt.build_optimizer(o.optimizer_type, params, betas=tuple(o.betas), eps=o.eps,
                                    momentum=o.momentum, wd_mults=mults)
     if state is not None and t.use_distributed_optimizer and state.dp * state.cp > 1:
-        import parallel
         optim = opt.DistributedOptimizer(make, [p for _, p in named], wd_mults, parallel.comm,
                                          state.dp_cp_group, state.dp_rank + state.cp_rank * state.dp,
                                          state.dp * state.cp, t.bucket_size)
@@ -170,7 +171,6 @@ def build_optimizer(cfg, model, state=None):
 # ----------------------------------------------------------------------------- one step
 def to_tensors(batch):
     """A numpy micro-batch -> model inputs (tokens, position_ids, attention_mask, labels, loss_mask)."""
-    from mindspore import Tensor
     mask = batch.get("attention_mask")
     return (Tensor(batch["tokens"]), Tensor(batch["position_ids"]),
             None if mask is None else Tensor(mask), Tensor(batch["labels"]), Tensor(batch["loss_mask"]))
@@ -180,10 +180,6 @@ class Trainer:
     """Forward/backward over micro-batches, then the optimizer step (Megatron train_step)."""
 
     def __init__(self, cfg, model, optimizer, scheduler, scaler, state=None):
-        import mindspore as ms
-        import optimizer as opt
-        import parallel
-        from gpt import Compiled
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
         self.state = state or parallel.get_state()
@@ -207,8 +203,6 @@ class Trainer:
 
     def train_step(self, micro_batches):
         """Returns (mean loss over micro-batches, grads finite, lr used)."""
-        import optimizer as opt
-        import parallel
         parallel.comm.ledger.reset()
         m = len(micro_batches)
         self.model.set_train(True)
@@ -243,14 +237,12 @@ class Trainer:
         parallelism leaves partial, then average over DP x CP, as one all-reduce per bucket or,
         with the distributed optimizer, a reduce-scatter to this rank's shard. Returns the
         gradients the optimizer takes and, for each, whether it counts in the norm."""
-        import parallel
         grads = [parallel.comm.all_reduce(g, self.state.tp_group) if getattr(p, "sequence_parallel", False)
                  else g for g, p in zip(grads, self.params)]
         if self.distributed:
             pieces = self.optimizer.reduce_scatter_grads(grads)
             return pieces, [self.counted[i] for _, i, _, _ in self.optimizer.pieces]
         if self.dp_size > 1:
-            import optimizer as opt
             grads = opt.all_reduce_grads(self.buffer, grads, parallel.comm, self.state.dp_cp_group,
                                          self.dp_size)
         return grads, self.counted
@@ -258,10 +250,7 @@ class Trainer:
     def global_norm_sq(self, grads):
         """Squared norm of the whole model's gradient: local sum, then all-reduced over the
         ranks that hold different parts (the DP shards with the distributed optimizer, and TP)."""
-        import optimizer as opt
-        import parallel
-        from mindspore import Tensor
-        local = Tensor([opt.grad_norm_sq(grads)], ms_float32())
+        local = Tensor([opt.grad_norm_sq(grads)], ms.float32)
         if self.distributed:
             local = parallel.comm.all_reduce(local, self.state.dp_cp_group)
         return float(parallel.comm.all_reduce(local, self.state.mp_group).asnumpy()[0])
@@ -270,15 +259,8 @@ class Trainer:
         """A per-rank number averaged over the data-parallel ranks (for the log)."""
         if self.dp_size == 1:
             return value
-        import parallel
-        from mindspore import Tensor
-        total = parallel.comm.all_reduce(Tensor([value], ms_float32()), self.state.dp_cp_group)
+        total = parallel.comm.all_reduce(Tensor([value], ms.float32), self.state.dp_cp_group)
         return float(total.asnumpy()[0]) / self.dp_size
-
-
-def ms_float32():
-    import mindspore as ms
-    return ms.float32
 
 
 def evaluate(trainer, dataset, consumed, iters, cfg):
@@ -305,7 +287,6 @@ def pretrain(cfg):
     tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
     train_ds, valid_ds, test_ds = build_data(cfg, tokenizer)
     setup_mindspore(cfg)
-    import parallel
     p = cfg.parallel_config
     state = parallel.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                                p.context_parallel_size)
@@ -362,7 +343,6 @@ def pretrain(cfg):
 
 def ledger_line():
     """This step's collectives so far: `kind op calls bytes` per (group kind, op)."""
-    import parallel
     counts = parallel.comm.ledger.counts()
     return ", ".join(f"{kind} {op} {calls} {nbytes}" for (kind, op), (calls, nbytes) in sorted(counts.items())) \
         or "none"
@@ -395,8 +375,6 @@ def _pop(argv, flag, default=None, cast=str):
 
 def generate_main(argv):
     """generate --load DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]."""
-    import mindspore as ms
-    from gpt import GPTModel, generate
     argv = list(argv)
     load_dir = _pop(argv, "--load")
     prompt = _pop(argv, "--prompt", "\n")
@@ -410,7 +388,7 @@ def generate_main(argv):
     if not load_dir:
         raise ConfigError("generate needs --load DIR, a checkpoint folder written by training")
     tensors, meta = checkpoint.load_checkpoint(load_dir)
-    cfg = load_config_from_meta(meta)
+    cfg = to_namespace(meta["config"])
     d, m = cfg.dataset_config, cfg.model_config
     tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -432,12 +410,6 @@ def generate_main(argv):
                           f"{m.padded_vocab_size} (trained on mock data?): use a checkpoint trained with this tokenizer")
     out = generate(model, ids, max_new, temperature, top_k, tokenizer.vocab_size, np.random.default_rng(seed))
     print(prompt + tokenizer.decode(out))
-
-
-def load_config_from_meta(meta):
-    from config import _ns
-    cfg = _ns(meta["config"])
-    return cfg
 
 
 def main(argv):
