@@ -129,6 +129,23 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
     return tensors, meta
 
 
+def load_shards(root):
+    """([tensors of TP rank 0, 1, ...], meta) of the latest checkpoint, whatever its layout: the
+    files of all pipeline stages of a TP rank go into one dict (their names are global)."""
+    folder = iteration_dir(root, latest_iteration(root))
+    single = os.path.isdir(os.path.join(folder, shard_name(0)))
+    first, meta = load_checkpoint(root, shard_name(0) if single else shard_name(0, 0, 2))
+    tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
+    shards = []
+    for tp_rank in range(tp):
+        tensors = {}
+        for pp_rank in range(pp):
+            tensors.update(first if tp_rank == pp_rank == 0 else
+                           load_checkpoint(root, shard_name(tp_rank, pp_rank, pp))[0])
+        shards.append(tensors)
+    return shards, meta
+
+
 def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
     """Full tensors from the per-TP-rank `shards` (list of name -> array, TP rank order). A
     tensor whose shard is smaller than its full shape was split along that dimension (in
@@ -148,10 +165,17 @@ def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
 
 
 # ----------------------------------------------------------------------------- training state
-def model_tensors(model):
-    """name -> value of this rank's parameters, under their global names."""
+def named_parameters(chunks):
+    """("model.<global name>", parameter) of this rank's model chunks. Global names tell the
+    chunks of a virtual pipeline apart (their layer numbers differ)."""
     from gpt import global_name
-    return {f"model.{global_name(n, model.layer_offset)}": p.asnumpy() for n, p in model.parameters_and_names()}
+    return [(f"model.{global_name(n, chunk.layer_offset)}", p) for chunk in chunks
+            for n, p in chunk.parameters_and_names()]
+
+
+def model_tensors(chunks):
+    """name -> value of this rank's parameters, under their global names."""
+    return {name: p.asnumpy() for name, p in named_parameters(chunks)}
 
 
 def optimizer_tensors(trainer):
@@ -163,7 +187,7 @@ def optimizer_tensors(trainer):
     else:
         state = trainer.optimizer.state_dict()
         tensors = {}
-    names = [n[len("model."):] for n in model_tensors(trainer.model)]
+    names = [n[len("model."):] for n, _ in named_parameters(trainer.chunks)]
     for key, value in state.items():
         if key != "step":
             kind, index = key.rsplit(".", 1)
@@ -195,7 +219,7 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     writer = state.dp_rank == 0 and state.cp_rank == 0
     files = {}
     if writer:
-        files[WEIGHTS] = {**model_tensors(trainer.model), **({} if trainer.distributed else opt_tensors)}
+        files[WEIGHTS] = {**model_tensors(trainer.chunks), **({} if trainer.distributed else opt_tensors)}
     if trainer.distributed:
         files[f"distrib_optim_{state.dp_rank + state.cp_rank * state.dp:03d}"] = opt_tensors
     meta = None
@@ -212,7 +236,7 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
 
 def load_training_state(cfg, trainer, rng):
     """Restore from training_config.load_checkpoint (same layout); returns (iteration, consumed)."""
-    t, state, model = cfg.training_config, trainer.state, trainer.model
+    t, state, chunks = cfg.training_config, trainer.state, trainer.chunks
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
     stems = [WEIGHTS]
     if trainer.distributed and not (t.finetune or t.no_load_optim):
@@ -222,14 +246,14 @@ def load_training_state(cfg, trainer, rng):
         raise CheckpointError(
             f"checkpoint {t.load_checkpoint} was saved with layout {meta['layout']}, this run is "
             f"{_layout(cfg, trainer)}: resume with the same layout (or --finetune for the weights of the same TP size)")
-    for name, value in model_tensors(model).items():
+    for name, p in named_parameters(chunks):
         saved = tensors.get(name)
-        if saved is None or saved.shape != value.shape:
+        if saved is None or saved.shape != tuple(p.shape):
             got = "missing" if saved is None else f"shape {saved.shape}"
             raise CheckpointError(
                 f"checkpoint {t.load_checkpoint} does not fit the model: {name} is {got}, the model "
-                f"wants {value.shape}; use the model_config it was saved with")
-    for (name, _), p in zip(model_tensors(model).items(), model.get_parameters()):
+                f"wants {tuple(p.shape)}; use the model_config it was saved with")
+    for name, p in named_parameters(chunks):
         p.set_data(Tensor(tensors[name]))
     if trainer.distributed:
         trainer.optimizer.reload_main_params()
@@ -239,7 +263,7 @@ def load_training_state(cfg, trainer, rng):
     if not t.no_load_optim:
         saved_opt, step = optimizer_tensors(trainer)
         state_dict = {"step": meta["optimizer_step"]}
-        names = [n[len("model."):] for n in model_tensors(model)]
+        names = [n[len("model."):] for n, _ in named_parameters(chunks)]
         for key in saved_opt:
             kind, _, rest = key.partition(".")
             if kind == "optimizer":

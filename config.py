@@ -51,6 +51,7 @@ SCHEMA = {
         "threads_num": (None, int, None),             # CPU kernel threads per worker; null = cores / workers
         "use_jit": (True, bool, None),                # compile the model with ms.jit when it has no dropout
         "log_comm_ledger": (False, bool, None),       # log each step's collectives per group: calls, bytes
+        "pipeline_trace": (False, bool, None),        # time the last step's pipeline passes: timeline + bubble
     },
     "parallel_config": {
         "tensor_model_parallel_size": (1, int, None),
@@ -213,6 +214,7 @@ MEGATRON_FLAGS = {
     "--pipeline-model-parallel-size": "parallel_config.pipeline_model_parallel_size",
     "--context-parallel-size": "parallel_config.context_parallel_size",
     "--num-layers-per-virtual-pipeline-stage": "parallel_config.num_layers_per_virtual_pipeline_stage",
+    "--virtual-pipeline-model-parallel-size": "parallel_config.virtual_pipeline_model_parallel_size",
     "--sequence-parallel": ("parallel_config.sequence_parallel", True),
     "--use-distributed-optimizer": ("training_config.use_distributed_optimizer", True),
     "--ddp-bucket-size": "training_config.bucket_size",
@@ -379,6 +381,46 @@ def _positive(cfg_section, name, keys):
             raise ConfigError(f"{name}.{k} must be positive, got {v}")
 
 
+def _check_pipeline(p, m):
+    """Pipeline and virtual-pipeline sizes against the layers; sets
+    p.virtual_pipeline_model_parallel_size (1 without interleaving)."""
+    pp, layers, where = p.pipeline_model_parallel_size, m.num_layers, "parallel_config"
+    vpp = p.virtual_pipeline_model_parallel_size
+    _positive(p, where, ["virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"])
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        per = p.num_layers_per_virtual_pipeline_stage
+        if layers % (pp * per):
+            raise ConfigError(f"{where}.num_layers_per_virtual_pipeline_stage={per}: model_config.num_layers="
+                              f"{layers} is not divisible by pipeline size {pp} x {per}")
+        if vpp is not None and vpp != layers // (pp * per):
+            raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} disagrees with "
+                              f"num_layers_per_virtual_pipeline_stage={per} ({layers // (pp * per)} chunks): give one")
+        vpp = layers // (pp * per)
+    lst = p.num_layer_list
+    if lst is not None:
+        nested = all(isinstance(c, list) for c in lst)
+        counts = [n for c in lst for n in (c if nested else [c])]
+        if (len(lst) != pp or not all(isinstance(n, int) and n >= 1 for n in counts)
+                or (nested and len({len(c) for c in lst}) != 1)):
+            raise ConfigError(f"{where}.num_layer_list={lst}: give {pp} layer counts, one per pipeline stage "
+                              "(e.g. [3, 1]), or per stage one per virtual chunk (e.g. [[2, 1], [1, 2]]), each >= 1")
+        if sum(counts) != layers:
+            raise ConfigError(f"{where}.num_layer_list={lst} sums to {sum(counts)}, not model_config.num_layers={layers}")
+        chunks = len(lst[0]) if nested else 1
+        if vpp is not None and vpp != chunks:
+            raise ConfigError(f"{where}.num_layer_list={lst} gives {chunks} chunk(s) per stage but "
+                              f"virtual_pipeline_model_parallel_size is {vpp}: make them agree")
+        vpp = chunks
+    vpp = vpp or 1
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1")
+    if lst is None and layers % (pp * vpp):
+        raise ConfigError(f"model_config.num_layers={layers} is not divisible by pipeline_model_parallel_size={pp}"
+                          + (f" x virtual chunks {vpp}" if vpp > 1 else "") + ": change num_layers or give "
+                          "parallel_config.num_layer_list")
+    p.virtual_pipeline_model_parallel_size = vpp
+
+
 def finalize(cfg, world_size=1):
     """Derived values and the checks that involve several keys."""
     m, d, t, o, p = (cfg.model_config, cfg.dataset_config, cfg.training_config,
@@ -462,14 +504,10 @@ def finalize(cfg, world_size=1):
             raise ConfigError(f"dataset_config.{k} needs real data with EOD tokens, not mock_data")
     _positive(p, "parallel_config", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
                                      "context_parallel_size"])
-    for k in ("pipeline_model_parallel_size", "context_parallel_size",
-              "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"):
-        v = getattr(p, k)
-        if v is not None and v != 1:
-            raise ConfigError(f"parallel_config.{k}={v}: pipeline and context parallelism are not in this "
-                              "version yet; set it to 1")
-    if p.num_layer_list:
-        raise ConfigError("parallel_config.num_layer_list needs pipeline parallelism, not in this version yet")
+    if p.context_parallel_size != 1:
+        raise ConfigError(f"parallel_config.context_parallel_size={p.context_parallel_size}: context "
+                          "parallelism is not in this version yet; set it to 1")
+    _check_pipeline(p, m)
     tp = p.tensor_model_parallel_size
     for k in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         if getattr(m, k) % tp:
@@ -495,6 +533,10 @@ def finalize(cfg, world_size=1):
                               f"batch_size * data-parallel size = {per_step}")
         d.micro_batch_num = d.global_batch_size // per_step
     d.global_batch_size = per_step * d.micro_batch_num
+    if p.virtual_pipeline_model_parallel_size > 1 and d.micro_batch_num % p.pipeline_model_parallel_size:
+        raise ConfigError(f"dataset_config.micro_batch_num={d.micro_batch_num} is not divisible by "
+                          f"pipeline_model_parallel_size={p.pipeline_model_parallel_size}, as the interleaved "
+                          "schedule needs: change global_batch_size or batch_size")
     p.data_parallel_size = dp
     if t.eval_iters < 0:
         raise ConfigError("training_config.eval_iters must be >= 0")

@@ -49,7 +49,9 @@ def rank_groups(world_size, tp, cp, pp):
 
     groups = {"tp": along(3), "cp": along(2), "dp": along(1), "pp": along(0),
               "dp_cp": along(1, 2), "mp": along(0, 3)}
+    # adjacent stages, and the ring's wrap-around (last -> first) that interleaving uses
     groups["pp_pairs"] = [g[i:i + 2] for g in groups["pp"] for i in range(pp - 1)]
+    groups["pp_pairs"] += [[g[-1], g[0]] for g in groups["pp"] if pp > 2]
     if pp > 1:
         groups["embedding"] = [[g[0], g[-1]] for g in groups["pp"]]
     return groups

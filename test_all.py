@@ -1095,7 +1095,7 @@ def check_rank_groups(c):
     c("rank_groups(8, tp=2, cp=1, pp=2)", rank_groups(8, 2, 1, 2) == expected)
     c("rank_groups(8, tp=2, cp=2, pp=1) dp_cp",
       rank_groups(8, 2, 2, 1)["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]])
-    c("rank_groups(4, 1, 1, 4) pp_pairs", rank_groups(4, 1, 1, 4)["pp_pairs"] == [[0, 1], [1, 2], [2, 3]])
+    c("rank_groups(4, 1, 1, 4) pp_pairs", rank_groups(4, 1, 1, 4)["pp_pairs"] == [[0, 1], [1, 2], [2, 3], [3, 0]])
     try:
         rank_groups(6, 4, 1, 1)
         c("rank_groups(6, tp=4) raises ValueError", False)
@@ -1113,7 +1113,8 @@ def check_state(c, state, tp, cp, pp):
     c("state first/last stage", (state.is_first_stage, state.is_last_stage) == (want[3] == 0, want[3] == pp - 1))
     c("state embedding group", (state.embedding_group is None) == (pp == 1 or not (
         state.is_first_stage or state.is_last_stage)))
-    peers = [r + d * tp * cp * dp for d in (-1, 1) if 0 <= want[3] + d < pp]
+    ring = {(want[3] + d) % pp for d in (-1, 1)} if pp > 2 else {want[3] + d for d in (-1, 1)}
+    peers = sorted(r + (s - want[3]) * tp * cp * dp for s in ring if 0 <= s < pp)  # wrap: for interleaving
     c(f"state pair groups {sorted(state.pair_groups)}", sorted(state.pair_groups) == peers)
 
 
@@ -1303,12 +1304,12 @@ def check_cross_entropy(c, state):
 
 # ============================================================================ driver
 def layouts(world):
-    """(tp, cp, pp) layouts to check: all-TP, TP x PP, and CP x DP on 4 or more ranks."""
+    """(tp, cp, pp) layouts to check: all-TP, TP x PP, and CP x DP and PP4 on 4 or more ranks."""
     out = [(world, 1, 1)]
     if world % 2 == 0:
         out.append((world // 2, 1, 2))
     if world % 4 == 0:
-        out.append((1, 2, 1))
+        out += [(1, 2, 1), (1, 1, 4)]
     return out
 
 

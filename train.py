@@ -22,10 +22,12 @@ import checkpoint
 import data
 import optimizer as opt
 import parallel
+import pipeline
 from config import ConfigError, load_config, to_namespace
-from gpt import Compiled, DropoutRNG, GPTModel, generate, init_weights
+from gpt import DTYPES, Compiled, DropoutRNG, GPTModel, generate, init_weights
 
 log = logging.getLogger("train")
+PRIME = "'"                   # marks a pass of model chunk 1 ('' chunk 2) in timelines
 SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
 
 
@@ -72,6 +74,10 @@ def setup_mindspore(cfg):
         local = int(os.environ.get("MS_LOCAL_WORKER_NUM", os.environ.get("LOCAL_WORKER_NUM", "1")) or 1)
         threads = cfg.training_config.threads_num or max(1, (os.cpu_count() or 1) // local)
         ms.device_context.cpu.op_tuning.threads_num(threads)
+        # PyNative normally queues ops to dispatch threads; on a few shared CPU cores those threads
+        # contend with the kernels. Launching each op in the caller's thread measured 5.8x faster
+        # op by op, 1.5x compiled, 9x with TP2 on 2 workers (tiny model, 2 cores; README).
+        ms.runtime.launch_blocking()
 
 
 def check_inputs(cfg):
@@ -126,9 +132,18 @@ def build_model(cfg, tokenizer, state):
     else:
         m.padded_vocab_size = m.vocab_size
     rng = DropoutRNG(cfg.training_config.seed, state.tp_rank)
-    model = GPTModel(m, rng=rng)
-    init_weights(model, cfg.training_config.seed)
-    return model, rng
+    p = cfg.parallel_config
+    vpp = p.virtual_pipeline_model_parallel_size
+    split = pipeline.layer_split(m.num_layers, state.pp, vpp, p.num_layer_list)
+    chunks = []
+    for chunk in range(vpp):                         # chunk c is virtual stage c * pp + pp_rank
+        vs = chunk * state.pp + state.pp_rank
+        offset, count = split[vs]
+        model = GPTModel(m, pre_process=vs == 0, post_process=vs == len(split) - 1, layer_offset=offset,
+                         num_layers=count, rng=rng)
+        init_weights(model, cfg.training_config.seed)
+        chunks.append(model)
+    return chunks, rng
 
 
 def no_weight_decay(name, param):
@@ -137,10 +152,12 @@ def no_weight_decay(name, param):
 
 
 def build_optimizer(cfg, model, state=None):
-    """(optimizer, scheduler, loss scaler). With use_distributed_optimizer and several DP ranks
-    the optimizer is a DistributedOptimizer wrapping the chosen one."""
+    """(optimizer, scheduler, loss scaler) for a model or a list of model chunks. With
+    use_distributed_optimizer and several DP ranks the optimizer is a DistributedOptimizer
+    wrapping the chosen one."""
     o, t = cfg.optimizer_config, cfg.training_config
-    named = list(model.parameters_and_names())
+    named = [item for chunk in (model if isinstance(model, list) else [model])
+             for item in chunk.parameters_and_names()]
     wd_mults = [0.0 if no_weight_decay(n, p) else 1.0 for n, p in named]
 
     def make(params, mults):
@@ -177,26 +194,41 @@ def to_tensors(batch):
 
 
 class Trainer:
-    """Forward/backward over micro-batches, then the optimizer step (Megatron train_step)."""
+    """Forward/backward over micro-batches, then the optimizer step (Megatron train_step).
+    `model` is a GPTModel or, with pipeline parallelism, this rank's list of model chunks."""
 
     def __init__(self, cfg, model, optimizer, scheduler, scaler, state=None):
-        self.cfg, self.model, self.optimizer = cfg, model, optimizer
+        self.cfg, self.optimizer = cfg, optimizer
+        self.chunks = model if isinstance(model, list) else [model]
         self.scheduler, self.scaler = scheduler, scaler
         self.state = state or parallel.get_state()
-        self.params = list(model.get_parameters())
+        named = [item for chunk in self.chunks for item in chunk.parameters_and_names()]
+        self.params = [p for _, p in named]
         self.distributed = isinstance(optimizer, opt.DistributedOptimizer)
         self.dp_size = self.state.dp * self.state.cp
         self.buffer = opt.GradBuffer(self.params, self.dp_size, cfg.training_config.bucket_size)
-        # Parameters replicated over TP (norms, row biases, position embeddings) count once in
-        # the gradient norm: on TP rank 0 (Megatron's param_is_not_tensor_parallel_duplicate).
-        self.counted = [hasattr(p, "partition_dim") or self.state.tp_rank == 0 for p in self.params]
+        # Each parameter counts once in the gradient norm: one replicated over TP (norms, row
+        # biases, position embeddings) on TP rank 0 (Megatron's param_is_not_tensor_parallel_
+        # duplicate), and the word embedding on the first stage, not its copy on the last.
+        tied_copy = self.state.pp > 1 and self.chunks[0].tied
+        self.counted = [(hasattr(p, "partition_dim") or self.state.tp_rank == 0)
+                        and not (tied_copy and n == "output_layer.weight") for n, p in named]
         m = cfg.model_config
-        # ms.jit cannot compile host RNG calls (dropout) nor the collectives inside TP layers.
-        self.compiled = (cfg.training_config.use_jit and self.state.tp == 1
+        self.pipeline = pipeline.PipelineRunner(self.chunks, self.state) if self.state.pp > 1 else None
+        seq = m.seq_length // self.state.tp if m.sequence_parallel else m.seq_length
+        self.hidden_shape = (seq, cfg.dataset_config.batch_size, m.hidden_size)   # one pipeline hop
+        self.trace = None                 # a list: the next step records its passes' times
+        # ms.jit cannot compile host RNG calls (dropout) nor the collectives inside TP layers;
+        # pipeline stages replay their recorded forwards op by op.
+        self.compiled = (cfg.training_config.use_jit and self.state.tp == 1 and self.pipeline is None
                          and not (m.hidden_dropout_rate or m.attention_dropout_rate))
-        self.forward = Compiled(model) if self.compiled else model
+        self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
         self.loss_weight = 1.0
         self.grad_fn = ms.value_and_grad(self._weighted_loss, None, self.params)
+
+    def set_train(self, mode):
+        for chunk in self.chunks:
+            chunk.set_train(mode)
 
     def _weighted_loss(self, *inputs):
         return self.forward(*inputs) * self.loss_weight
@@ -205,13 +237,18 @@ class Trainer:
         """Returns (mean loss over micro-batches, grads finite, lr used)."""
         parallel.comm.ledger.reset()
         m = len(micro_batches)
-        self.model.set_train(True)
+        self.set_train(True)
         self.loss_weight = self.scaler.scale / m
-        losses, acc = [], None
-        for batch in micro_batches:
-            loss, grads = self.grad_fn(*to_tensors(batch))
-            losses.append(float(loss.asnumpy()) / self.loss_weight)
-            acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
+        if self.pipeline is not None:       # losses only on the last stage
+            dtype = DTYPES[self.cfg.model_config.compute_dtype]
+            losses, acc = self.pipeline.run([to_tensors(b) for b in micro_batches], self.loss_weight,
+                                            self.hidden_shape, dtype, trace=self.trace)
+        else:
+            losses, acc = [], None
+            for batch in micro_batches:
+                loss, grads = self.grad_fn(*to_tensors(batch))
+                losses.append(float(loss.asnumpy()) / self.loss_weight)
+                acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
         if self.scaler.scale != 1.0:
             acc = [g * self.scaler.inv_scale for g in acc]
         acc, counted = self.reduce_gradients(acc)
@@ -230,7 +267,7 @@ class Trainer:
                     acc = opt.clip_grads_by_value(acc, clip.clip_value)
             self.optimizer.step(acc, lr, self.scheduler.get_wd())
             self.scheduler.step(1)
-        return self.dp_mean(sum(losses) / m), finite, lr
+        return self.dp_mean(sum(losses) / m if losses else 0.0), finite, lr
 
     def reduce_gradients(self, grads):
         """Megatron's finalize_model_grads: all-reduce over TP the gradients that sequence
@@ -239,6 +276,7 @@ class Trainer:
         gradients the optimizer takes and, for each, whether it counts in the norm."""
         grads = [parallel.comm.all_reduce(g, self.state.tp_group) if getattr(p, "sequence_parallel", False)
                  else g for g, p in zip(grads, self.params)]
+        grads = pipeline.all_reduce_tied_embedding(self.chunks, self.params, grads, self.state)
         if self.distributed:
             pieces = self.optimizer.reduce_scatter_grads(grads)
             return pieces, [self.counted[i] for _, i, _, _ in self.optimizer.pieces]
@@ -266,18 +304,26 @@ class Trainer:
 def evaluate(trainer, dataset, consumed, iters, cfg):
     """Mean loss of the trainer's forward (the model, maybe compiled) over `iters` global batches
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
-    model, forward, state = trainer.model, trainer.forward, trainer.state
-    model.set_train(False)
+    state, runner = trainer.state, trainer.pipeline
+    trainer.set_train(False)
     d = cfg.dataset_config
     it = data.MicroBatchIterator(dataset, d.batch_size, state.dp_rank, state.dp, consumed)
     losses = []
-    for _ in range(iters * d.micro_batch_num):
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        losses.append(float(forward(*to_tensors(batch)).asnumpy()))
-    model.set_train(True)
+    for _ in range(iters):
+        batches = [to_tensors(b) for _, b in zip(range(d.micro_batch_num), it)]
+        if runner is None:
+            losses += [float(trainer.forward(*batch).asnumpy()) for batch in batches]
+        elif len(batches) == d.micro_batch_num:       # a pipeline runs whole global batches
+            for chunk in trainer.chunks:
+                chunk.set_grad(False)                 # nothing to record for a backward
+            losses += runner.run(batches, 1.0, trainer.hidden_shape, DTYPES[cfg.model_config.compute_dtype],
+                                 forward_only=True)[0]
+            for chunk in trainer.chunks:
+                chunk.set_grad(True)
+    trainer.set_train(True)
+    if state.pp > 1 and not state.is_last_stage:       # only the last stage has losses
+        trainer.dp_mean(0.0)
+        return float("nan")
     return trainer.dp_mean(sum(losses) / len(losses)) if losses else float("nan")
 
 
@@ -299,7 +345,7 @@ def pretrain(cfg):
     iteration, consumed = 0, 0
     if t.load_checkpoint:
         iteration, consumed = checkpoint.load_training_state(cfg, trainer, rng)
-    n_params = sum(int(np.prod(p.shape)) for p in model.get_parameters())
+    n_params = sum(int(np.prod(p.shape)) for p in trainer.params)
     log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
              f"vocab {m.padded_vocab_size} (padded), {n_params / 1e6:.2f}M parameters; global batch "
              f"{d.global_batch_size} = {d.batch_size} x {d.micro_batch_num} micro-batches; "
@@ -308,15 +354,24 @@ def pretrain(cfg):
              + (f" (1/{trainer.dp_size} of the moments and fp32 master weights)" if trainer.distributed else
                 " (moments; the fp32 weights are the model's)"))
     log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
-             + (": dropout or tensor-parallel collectives inside" if t.use_jit else ""))
+             + (": dropout, tensor-parallel collectives or pipeline stages inside" if t.use_jit else ""))
+    if trainer.pipeline is not None:
+        log.info(f"pipeline stage {state.pp_rank}: " + ", ".join(
+            f"chunk {c} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
+            for c, ch in enumerate(trainer.chunks)))
     it = data.MicroBatchIterator(train_ds, d.batch_size, state.dp_rank, state.dp, consumed)
     samples_per_epoch = getattr(train_ds, "samples_per_epoch", None) or len(train_ds)
     tokens_per_step = d.global_batch_size * m.seq_length
     window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
     while iteration < t.training_iters:
         epoch = it.consumed_samples // samples_per_epoch
+        if t.pipeline_trace and trainer.pipeline is not None and iteration + 1 == t.training_iters:
+            trainer.trace = []                        # time the passes of the last step
         loss, finite, lr = trainer.train_step([next(it) for _ in range(d.micro_batch_num)])
         iteration += 1
+        if trainer.trace is not None:
+            report_pipeline_trace(cfg, trainer)
+            trainer.trace = None
         window_loss, window_steps = window_loss + loss, window_steps + 1
         if not finite:
             log.warning(f"skipped iteration {iteration}: inf/nan gradients; loss scale now {scaler.scale}")
@@ -338,7 +393,36 @@ def pretrain(cfg):
     checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)  # always at the end
     if test_ds is not None and t.eval_iters:
         report("test", iteration, evaluate(trainer, test_ds, 0, t.eval_iters, cfg))
-    return model
+    return trainer.chunks
+
+
+def report_pipeline_trace(cfg, trainer):
+    """Gather the step's pass times over the pipeline; the loss rank writes the timeline (text
+    and SVG under output_dir) and logs the bubble: measured, in the unit-time schedule, in theory."""
+    state = trainer.state
+    traces = pipeline.gather_trace(trainer.trace, state)
+    if state.rank != loss_rank(state):
+        return
+    p, v, m = state.pp, len(trainer.chunks), cfg.dataset_config.micro_batch_num
+    span = max(e for t in traces for *_, e in t)
+    measured = pipeline.bubble_fraction([sum(e - s for *_, s, e in t) for t in traces], span)
+    _, ticks = pipeline.plan(p, m, v)
+    unit = pipeline.bubble_fraction([len(t) for t in ticks], max(t[-1][0] for t in ticks) + 1)
+    peaks = [pipeline.peak_in_flight(pipeline.schedule(p, r, m, v)) for r in range(p)]
+    name = "1F1B" if v == 1 else f"interleaved 1F1B, {v} chunks per stage"
+    timeline = "\n".join(f"rank {r}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
+                                                   for k, mb, c, s, e in t) for r, t in enumerate(traces))
+    text = (f"pipeline schedule: {name}, p={p}, m={m} (unit time)\n{pipeline.schedule_table(ticks)}\n\n"
+            f"measured, ms from the first pass:\n{timeline}\n")
+    path = os.path.join(cfg.training_config.output_dir, "pipeline_timeline")
+    with open(path + ".txt", "w") as f:
+        f.write(text + "\n")
+    with open(path + ".svg", "w") as f:
+        f.write(pipeline.timeline_svg(traces, f"{name}, p={p}, m={m}"))
+    log.info(f"pipeline: bubble (idle / busy) measured {np.mean(measured):.3f} "
+             f"(per stage {', '.join(f'{b:.3f}' for b in measured)}), unit-time schedule {max(unit):.3f}, "
+             f"theory {pipeline.theory_bubble(p, m, v):.3f}; peak micro-batches in flight per stage {peaks}")
+    log.info(f"pipeline: timeline written to {path}.svg and {path}.txt")
 
 
 def ledger_line():
@@ -387,18 +471,16 @@ def generate_main(argv):
                           "--temperature --top-k --seed)")
     if not load_dir:
         raise ConfigError("generate needs --load DIR, a checkpoint folder written by training")
-    tensors, meta = checkpoint.load_checkpoint(load_dir)
+    shards, meta = checkpoint.load_shards(load_dir)
     cfg = to_namespace(meta["config"])
     d, m = cfg.dataset_config, cfg.model_config
     tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
-    tp = meta["layout"]["tp"]
     m.tensor_model_parallel_size, m.sequence_parallel = 1, False           # one process
     model = GPTModel(m, pre_process=True, post_process=True)
-    if tp > 1:                                        # merge the mp_rank_TT shards
-        shards = [tensors] + [checkpoint.load_checkpoint(load_dir, checkpoint.shard_name(r))[0]
-                              for r in range(1, tp)]
+    tensors = shards[0]
+    if len(shards) > 1:                               # merge the mp_rank_TT shards
         full = {f"model.{n}": tuple(p.shape) for n, p in model.parameters_and_names()}
         swiglu = m.hidden_act == "swiglu"
         tensors = checkpoint.merge_tensor_parallel(shards, full, lambda n: 2 if swiglu and "linear_fc1" in n else 1)

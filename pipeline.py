@@ -1,0 +1,280 @@
+"""Pipeline parallelism: 1F1B and interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM"), run for real across msrun workers.
+
+The model is cut into p stages (one per pipeline rank), or with interleaving into p*v virtual
+stages: rank r holds the v model chunks of virtual stages r, r + p, ..., r + (v-1)*p, so an
+activation goes round the ring of ranks v times.
+
+Three layers, each readable on its own:
+  schedule(p, rank, m, v)  the order in which one rank runs forward (F) and backward (B) passes of
+                           its micro-batches, by Megatron's rules (warmup, steady 1F1B, cooldown);
+  plan(p, m, v)            a tick-by-tick simulation of all ranks running their schedules, which
+                           yields, per rank, its passes interleaved with the point-to-point
+                           exchanges they need. Every exchange is a rendezvous of two ranks, and
+                           every rank meets its exchanges in one global order (tick, rank pair), so
+                           no schedule can deadlock, whatever the communication backend;
+  PipelineRunner.run       executes this rank's plan with MindSpore: each F records the chunk's
+                           forward (set_grad), each B replays it through GradOperation with the
+                           received output gradient (sens), oldest micro-batch first per chunk.
+A hop carries the hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism).
+"""
+import time
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, mint, ops
+
+import parallel
+
+
+# ============================================================================ layer assignment
+def layer_split(num_layers, pp, vpp=1, num_layer_list=None):
+    """(offset, count) of the layers of each virtual stage vs = chunk * pp + rank.
+
+    num_layer_list: per rank ([3, 1]) or per rank and chunk ([[2, 1], [1, 2]], the guide's
+    layer_list); layers are dealt out in virtual-stage order."""
+    if num_layer_list is None:
+        counts = [num_layers // (pp * vpp)] * (pp * vpp)
+    else:
+        per_rank = [c if isinstance(c, list) else [c] for c in num_layer_list]
+        counts = [per_rank[vs % pp][vs // pp] for vs in range(pp * vpp)]
+    offsets = np.cumsum([0] + counts[:-1]).tolist()
+    return list(zip(offsets, counts))
+
+
+# ============================================================================ schedules
+def schedule(p, rank, m, v=1, forward_only=False):
+    """This rank's passes, in order: a list of ("F" or "B", micro-batch, chunk).
+
+    v = 1, 1F1B (PipeDream-Flush): warmup = min(p - rank - 1, m) forwards, then one forward and
+      one backward alternately, then the remaining backwards: at most p - rank micro-batches are
+      ever in flight on this rank (instead of m with all-forward-then-all-backward).
+    v > 1, interleaved: the k-th forward runs chunk (k mod pv) // p on micro-batch
+      (k // pv) * p + k mod p, i.e. p micro-batches through chunk 0, the same p through chunk 1,
+      ...; backwards go through the chunks in reverse. Warmup = (p - rank - 1) * 2 + (v - 1) * p
+      passes (all of them when m == p), capped at m * v. Needs m divisible by p."""
+    if forward_only:
+        return [("F", _microbatch(k, p, v), _chunk(k, p, v, True)) for k in range(m * v)]
+    total = m * v
+    if v == 1:
+        warmup = min(p - rank - 1, m)
+    elif m == p:
+        warmup = total
+    else:
+        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    forwards = [("F", _microbatch(k, p, v), _chunk(k, p, v, True)) for k in range(total)]
+    backwards = [("B", _microbatch(k, p, v), _chunk(k, p, v, False)) for k in range(total)]
+    order = forwards[:warmup]
+    for k in range(total - warmup):                  # steady state: one forward, one backward
+        order += [forwards[warmup + k], backwards[k]]
+    return order + backwards[total - warmup:]         # cooldown
+
+
+def _chunk(k, p, v, forward):
+    """Megatron's get_model_chunk_id: the chunk of the k-th forward (or backward) pass."""
+    chunk = (k % (p * v)) // p
+    return chunk if forward else v - 1 - chunk
+
+
+def _microbatch(k, p, v):
+    """The micro-batch of the k-th pass: p consecutive micro-batches per chunk in each group."""
+    return (k // (p * v)) * p + k % p
+
+
+def peak_in_flight(passes):
+    """Most micro-batches forwarded and not yet backwarded at once (activations held)."""
+    held = peak = 0
+    for kind, _, _ in passes:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def plan(p, m, v=1, forward_only=False):
+    """Run all ranks' schedules in lockstep ticks (every pass one tick; a tensor sent in tick t
+    can be used from tick t + 1) and return (steps, ticks):
+
+      steps[rank]: the rank's passes ("F"|"B", micro-batch, chunk) and, after the pass of a tick,
+        its exchanges ("X", peer, sent key or None, received key or None), one per neighbour it
+        trades with in that tick, in increasing (min rank, max rank) order. Keys name tensors:
+        ("act", mb, vs) is the input of virtual stage vs, ("grad", mb, vs) the gradient of its
+        output;
+      ticks[rank]: (tick, kind, micro-batch, chunk) of each pass, the unit-time timeline.
+    A pass waits for its input; if no rank can move, the schedule is wrong and this raises."""
+    last = p * v - 1
+    todo = [schedule(p, r, m, v, forward_only) for r in range(p)]
+    done = [0] * p
+    have = [set() for _ in range(p)]                  # keys delivered to each rank
+    steps, ticks = [[] for _ in range(p)], [[] for _ in range(p)]
+    tick = 0
+    while any(done[r] < len(todo[r]) for r in range(p)):
+        sends = []                                    # (src, dst, key) produced in this tick
+        for r in range(p):
+            if done[r] == len(todo[r]):
+                continue
+            kind, mb, chunk = todo[r][done[r]]
+            vs = chunk * p + r
+            if kind == "F":
+                if vs > 0 and ("act", mb, vs) not in have[r]:
+                    continue
+                if vs < last:
+                    sends.append((r, (vs + 1) % p, ("act", mb, vs + 1)))
+            else:
+                if vs < last and ("grad", mb, vs) not in have[r]:
+                    continue
+                if vs > 0:
+                    sends.append((r, (vs - 1) % p, ("grad", mb, vs - 1)))
+            steps[r].append((kind, mb, chunk))
+            ticks[r].append((tick, kind, mb, chunk))
+            done[r] += 1
+        if not sends and not any(t and t[-1][0] == tick for t in ticks):
+            raise RuntimeError(f"pipeline schedule p={p} m={m} v={v} deadlocks at tick {tick}")
+        for pair in sorted({tuple(sorted((s, d))) for s, d, _ in sends}):
+            for me in pair:
+                peer = pair[1] if me == pair[0] else pair[0]
+                out = next((k for s, d, k in sends if s == me and d == peer), None)
+                inp = next((k for s, d, k in sends if s == peer and d == me), None)
+                steps[me].append(("X", peer, out, inp))
+        for _, dst, key in sends:
+            have[dst].add(key)
+        tick += 1
+    return steps, ticks
+
+
+def schedule_table(ticks):
+    """The unit-time timeline as text: one row per rank, one column per tick; "F3" is the forward
+    of micro-batch 3, "B3" its backward, a trailing "'" marks chunk 1 ('' chunk 2, ...)."""
+    width = max(t[-1][0] for t in ticks if t) + 1
+    rows = []
+    for r, events in enumerate(ticks):
+        cells = ["."] * width
+        for tick, kind, mb, chunk in events:
+            cells[tick] = f"{kind}{mb}" + "'" * chunk
+        rows.append(f"rank {r}: " + " ".join(f"{c:<4}" for c in cells).rstrip())
+    return "\n".join(rows)
+
+
+def bubble_fraction(busy, span):
+    """Idle over busy time (Narayanan's bubble time fraction t_pb / t_id): per rank, with `busy`
+    its pass time and `span` the step's length."""
+    return [(span - b) / b for b in busy]
+
+
+def theory_bubble(p, m, v=1):
+    """(p - 1) / m for 1F1B, (p - 1) / (v m) interleaved."""
+    return (p - 1) / (v * m)
+
+
+# ============================================================================ execution
+class PipelineRunner:
+    """Runs one training step's passes for this rank's model chunks (a list of gpt.GPTModel,
+    chunk c being virtual stage c * pp + pp_rank)."""
+
+    def __init__(self, chunks, state):
+        self.chunks, self.state = chunks, state
+        self.p, self.v, self.rank = state.pp, len(chunks), state.pp_rank
+        self.params = [list(c.get_parameters()) for c in chunks]
+        self.peers = parallel.group_ranks(state.pp_group)          # pp rank -> global rank
+        self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
+        self.grad_params_only = ops.GradOperation(get_by_list=True, sens_param=True)  # token ids in
+        self.plans = {}
+        for chunk in chunks:
+            chunk.set_grad(True)            # record each forward, for its backward to replay
+
+    def run(self, micro_batches, loss_weight, hidden_shape, dtype, forward_only=False, trace=None):
+        """micro_batches: per micro-batch the model inputs (tokens, position_ids, attention_mask,
+        labels, loss_mask). Returns (losses of the last stage, one per micro-batch, else [];
+        gradients of every chunk's parameters, summed over micro-batches, of loss * loss_weight).
+        trace: a list to which each pass appends (kind, micro-batch, chunk, start, end)."""
+        m = len(micro_batches)
+        key = (m, forward_only)
+        if key not in self.plans:
+            self.plans[key] = plan(self.p, m, self.v, forward_only)[0][self.rank]
+        last = self.p * self.v - 1
+        received, outgoing, saved = {}, {}, {}
+        losses = []
+        grads = [[None] * len(ps) for ps in self.params]
+        for step in self.plans[key]:
+            if step[0] == "X":
+                _, peer, out_key, in_key = step
+                # the exchange is symmetric: a rank with nothing to send sends zeros
+                send = outgoing.pop(out_key) if out_key else mint.zeros(hidden_shape, dtype=dtype)
+                got = parallel.comm.exchange(send, self.peers[peer])   # the sent output is freed here
+                if in_key:
+                    received[in_key] = got
+                continue
+            kind, mb, c = step
+            vs = c * self.p + self.rank
+            start = time.time()
+            tokens, position_ids, mask, labels, loss_mask = micro_batches[mb]
+            if kind == "F":
+                x = tokens if vs == 0 else received.pop(("act", mb, vs))
+                args = (x, position_ids, mask) + ((labels, loss_mask) if vs == last else ())
+                out = self.chunks[c](*args)
+                if vs == last:
+                    losses.append(out)
+                else:
+                    outgoing[("act", mb, vs + 1)] = out
+                if not forward_only:
+                    saved[(mb, c)] = args
+            else:
+                args = saved.pop((mb, c))
+                dout = Tensor(loss_weight, ms.float32) if vs == last else received.pop(("grad", mb, vs))
+                if vs == 0:
+                    g_params = self.grad_params_only(self.chunks[c], self.params[c])(*args, dout)
+                else:
+                    g_inputs, g_params = self.grad_with_input(self.chunks[c], self.params[c])(*args, dout)
+                    outgoing[("grad", mb, vs - 1)] = g_inputs[0]
+                grads[c] = [g if a is None else a + g for a, g in zip(grads[c], g_params)]
+            if trace is not None:
+                ms.runtime.synchronize()              # PyNative is asynchronous: time the real work
+                trace.append((kind, mb, c, start, time.time()))
+        return [float(loss.asnumpy()) for loss in losses], [g for chunk in grads for g in chunk]
+
+
+def all_reduce_tied_embedding(chunks, params, grads, state):
+    """With tied embeddings over several stages, the first stage's word embedding and the last
+    stage's output-layer copy see different gradients; Megatron all-reduces the two over the
+    embedding group so both copies take the same step and stay equal."""
+    if state.pp == 1 or not chunks[0].tied:
+        return grads
+    names = {id(p): n for chunk in chunks for n, p in chunk.parameters_and_names()}
+    shared = ("word_embeddings.weight", "output_layer.weight")
+    first, last = chunks[0].pre_process, chunks[-1].post_process
+    return [parallel.comm.all_reduce(g, state.embedding_group)
+            if (first or last) and names[id(p)] in shared else g for g, p in zip(grads, params)]
+
+
+# ============================================================================ timeline
+def gather_trace(trace, state):
+    """Every rank's trace of one step, in pipeline-rank order, with times in seconds from the
+    earliest pass (time.time() is one clock on one machine; across machines roughly aligned)."""
+    rows = np.array([[0.0 if k == "F" else 1.0, mb, c, s, e] for k, mb, c, s, e in trace], np.float64)
+    gathered = parallel.comm.all_gather(Tensor(rows[None]), state.pp_group, dim=0).asnumpy()
+    base = gathered[:, :, 3].min()
+    return [[("F" if k == 0 else "B", int(mb), int(c), float(s - base), float(e - base))
+             for k, mb, c, s, e in ranks] for ranks in gathered]
+
+
+def timeline_svg(traces, title=""):
+    """The measured timeline as an SVG drawing: one row per pipeline rank, a box per pass
+    (forwards blue, backwards green, darker for later chunks), labelled with its micro-batch."""
+    span = max(e for t in traces for *_, e in t)
+    width, row, left = 1000.0, 28, 60
+    scale = (width - left - 10) / span
+    colours = {"F": ["#9ecae1", "#4292c6", "#08519c"], "B": ["#a1d99b", "#41ab5d", "#006d2c"]}
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{row * len(traces) + 40}" '
+           'font-family="monospace" font-size="11">',
+           f'<text x="4" y="14">{title} (time left to right, {span * 1000:.0f} ms)</text>']
+    for r, events in enumerate(traces):
+        y = 24 + r * row
+        out.append(f'<text x="4" y="{y + 17}">rank {r}</text>')
+        for kind, mb, c, s, e in events:
+            x, w = left + s * scale, max((e - s) * scale, 1.0)
+            fill = colours[kind][min(c, 2)]
+            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" fill="{fill}" '
+                       f'stroke="#333" stroke-width="0.5"/>')
+            if w > 12:
+                out.append(f'<text x="{x + 2:.1f}" y="{y + 17}">{kind}{mb}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
