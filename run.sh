@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point (see README.md):
-#   bash run.sh                   set up, tokenize the shipped corpus once, train config.yaml, sample
+#   bash run.sh                   set up, tokenize the shipped corpus once, train config.yaml on 4
+#                                 msrun workers (TP2 x PP2 with sequence parallelism), sample
 #   bash run.sh test              set up, then the test suite
 #   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags -> <prefix>_text_document.bin/.idx
 #   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
@@ -32,7 +33,7 @@ case "${1:-}" in
 esac
 
 # ---- training
-nproc=1
+nproc=""
 args=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -42,7 +43,15 @@ while [ $# -gt 0 ]; do
   esac
 done
 default_run=0
-[ ${#args[@]} -eq 0 ] && default_run=1
+if [ ${#args[@]} -eq 0 ] && [ -z "$nproc" ]; then
+  # the default run: 4 workers, tensor x pipeline parallel with SP, 4 micro-batches of 2 per step
+  # (the same 8 sequences as one process), the last step's pipeline timeline written to output/
+  default_run=1
+  nproc=4
+  args=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+        --micro-batch-size 2 --global-batch-size 8 training_config.pipeline_trace=true)
+fi
+nproc=${nproc:-1}
 
 python train.py prepare-data
 if [ "$nproc" -gt 1 ]; then

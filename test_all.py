@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -24,8 +25,9 @@ import checkpoint
 import data
 import gpt
 import parallel
+import pipeline
 import train
-from config import load_config
+from config import ConfigError, load_config
 from gpt import DropoutRNG, GPTModel, generate, init_weights
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, comm,
                       rank_groups, shard, vocab_parallel_cross_entropy)
@@ -33,7 +35,7 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
                        SGD, build_optimizer, clip_grad_norm, clip_grads_by_global_norm,
                        clip_grads_by_value, grad_norm_sq)
 
-ms.set_device("CPU")
+train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
 
 # ============================================================================ data (data.py)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -888,7 +890,7 @@ BAD_CONFIGS = [
     (["--split", "90,x"], "dataset_config.split='90,x'"),
     (["--tokenizer-type", "NullTokenizer"], "needs dataset_config.vocab_size (--vocab-size)"),
     (["--tensor-model-parallel-size", "2"], "world size 1 is not a multiple of tensor x context x pipeline parallel sizes = 2"),
-    (["--pipeline-model-parallel-size", "2"], "parallel_config.pipeline_model_parallel_size=2: pipeline and context"),
+    (["--pipeline-model-parallel-size", "3"], "model_config.num_layers=4 is not divisible by pipeline_model_parallel_size=3"),
     (["--sequence-parallel"], "parallel_config.sequence_parallel needs tensor_model_parallel_size > 1"),
     (["--min-lr", "1"], "min_lr=1.0 exceeds learning_rate"),
     (["--data-path", "/nonexistent/corpus"], "dataset_config.data_path=/nonexistent/corpus: /nonexistent/corpus.bin not found"),
@@ -1051,6 +1053,87 @@ def test_generate_command_from_checkpoint(tmp_path, capsys):
                        "--max-new-tokens", "12", "--temperature", "0"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:")
+
+
+# ============================================================================ pipeline schedules (pipeline.py)
+def test_1f1b_and_interleaved_orders_follow_megatrons_rules():
+    """p = 2, m = 4, written out from the rules. 1F1B: rank 0 warms up with p - 0 - 1 = 1
+    forward, rank 1 with none. Interleaved (v = 2, ' = chunk 1): rank 0 warms up with
+    (p - 1) * 2 + (v - 1) * p = 4 passes, rank 1 with 2; micro-batches go p at a time through
+    chunk 0, then chunk 1; backwards through the chunks in reverse."""
+    def names(passes):
+        return " ".join(f"{k}{mb}" + "'" * c for k, mb, c in passes)
+    assert names(pipeline.schedule(2, 0, 4)) == "F0 F1 B0 F2 B1 F3 B2 B3"
+    assert names(pipeline.schedule(2, 1, 4)) == "F0 B0 F1 B1 F2 B2 F3 B3"
+    assert names(pipeline.schedule(2, 0, 4, 2)) == "F0 F1 F0' F1' F2 B0' F3 B1' F2' B0 F3' B1 B2' B3' B2 B3"
+    assert names(pipeline.schedule(2, 1, 4, 2)) == "F0 F1 F0' B0' F1' B1' F2 B0 F3 B1 F2' B2' F3' B3' B2 B3"
+    assert names(pipeline.schedule(3, 0, 2)) == "F0 F1 B0 B1"            # m < p: warmup capped at m
+    assert names(pipeline.schedule(2, 0, 3, forward_only=True)) == "F0 F1 F2"
+    # one tick per pass: a stage starts a micro-batch one tick after the previous stage
+    assert pipeline.schedule_table(pipeline.plan(2, 4)[1]) == (
+        "rank 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3\n"
+        "rank 1: .    F0   B0   F1   B1   F2   B2   F3   B3   .")
+
+
+def test_peak_in_flight_is_p_minus_rank():
+    """1F1B holds at most min(p - rank, m) micro-batches' activations on a stage."""
+    for p in range(1, 7):
+        for m in range(1, 11):
+            peaks = [pipeline.peak_in_flight(pipeline.schedule(p, r, m)) for r in range(p)]
+            assert peaks == [min(p - r, m) for r in range(p)], (p, m, peaks)
+
+
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_plan_pairs_every_exchange_and_bubble_matches_theory(v):
+    """For every p <= 6 and m <= 12 (m a multiple of p when interleaved): the simulation ends
+    (no schedule deadlocks); each rank runs its schedule; each of a rank's exchanges meets the
+    peer's matching one, the same number of times in the same order (so blocking two-rank
+    exchanges cannot hang); with unit-time passes the bubble is (p - 1) / (v m) once m >= p."""
+    for p in range(2 if v > 1 else 1, 7):
+        for m in range(1, 13):
+            if v > 1 and m % p:
+                continue
+            steps, ticks = pipeline.plan(p, m, v)
+            for r in range(p):
+                assert [s for s in steps[r] if s[0] != "X"] == pipeline.schedule(p, r, m, v)
+                for peer in {s[1] for s in steps[r] if s[0] == "X"}:
+                    mine = [(s[2], s[3]) for s in steps[r] if s[0] == "X" and s[1] == peer]
+                    theirs = [(s[3], s[2]) for s in steps[peer] if s[0] == "X" and s[1] == r]
+                    assert mine == theirs, (p, m, v, r, peer)
+            span = max(t[-1][0] for t in ticks) + 1
+            bubble = max(pipeline.bubble_fraction([len(t) for t in ticks], span))
+            if m >= p:
+                assert bubble == pytest.approx(pipeline.theory_bubble(p, m, v)), (p, m, v)
+
+
+def test_layer_split():
+    assert pipeline.layer_split(8, 2) == [(0, 4), (4, 4)]
+    assert pipeline.layer_split(8, 2, 2) == [(0, 2), (2, 2), (4, 2), (6, 2)]   # vs = chunk * p + rank
+    assert pipeline.layer_split(4, 2, 1, [3, 1]) == [(0, 3), (3, 1)]
+    # the guide's layer_list, per stage then chunk: rank 0 holds virtual stages 0 and 2
+    assert pipeline.layer_split(6, 2, 2, [[1, 2], [2, 1]]) == [(0, 1), (1, 2), (3, 2), (5, 1)]
+
+
+PIPELINE_CONFIG_ERRORS = [
+    (3, ["--pipeline-model-parallel-size", "3"], "model_config.num_layers=4 is not divisible by pipeline_model_parallel_size=3"),
+    (2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "3"],
+     "not divisible by pipeline_model_parallel_size=2 x virtual chunks 3"),
+    (2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+         "--global-batch-size", "24"], "dataset_config.micro_batch_num=3 is not divisible by pipeline_model_parallel_size=2"),
+    (1, ["--virtual-pipeline-model-parallel-size", "2"], "needs pipeline_model_parallel_size > 1"),
+    (2, ["--pipeline-model-parallel-size", "2", "parallel_config.num_layer_list=[3,2]"], "sums to 5, not model_config.num_layers=4"),
+    (2, ["--pipeline-model-parallel-size", "2", "parallel_config.num_layer_list=[4]"], "give 2 layer counts, one per pipeline stage"),
+    (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+         "--virtual-pipeline-model-parallel-size", "3"], "disagrees with num_layers_per_virtual_pipeline_stage=1 (2 chunks)"),
+    (2, ["--context-parallel-size", "2"], "context parallelism is not in this version yet"),
+]
+
+
+@pytest.mark.parametrize("world,args,message", PIPELINE_CONFIG_ERRORS, ids=[" ".join(a[-2:]) for _, a, _ in PIPELINE_CONFIG_ERRORS])
+def test_invalid_pipeline_layouts_are_refused(world, args, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(os.path.join(HERE, "config.yaml"), args, world)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 # ============================================================================ parallel (msrun)
@@ -1313,6 +1396,63 @@ def layouts(world):
     return out
 
 
+PIPELINE_CHECK_MODEL = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "4", "--hidden-size", "32",
+                        "--ffn-hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+                        "--micro-batch-size", "2", "--global-batch-size", "8", "--init-method-std", "0.05",
+                        "model_config.vocab_size=512"]
+TP2, SP, DISTOPT = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"], ["--use-distributed-optimizer"]
+PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
+VPP2, UNTIED = ["--virtual-pipeline-model-parallel-size", "2"], ["--untie-embeddings-and-output-weights"]
+UNEVEN = ["parallel_config.num_layer_list=[3,1]"]
+PIPELINE_CHECKS = {2: [("pp2", [], PP2), ("pp2 vpp2", [], PP2 + VPP2), ("pp2 untied", UNTIED, PP2),
+                       ("pp2 num_layer_list [3,1]", [], PP2 + UNEVEN)],
+                   4: [("pp4", [], PP4), ("pp4 vpp2 8 layers", ["--num-layers", "8"], PP4 + VPP2),
+                       ("tp2 x pp2 sp", [], TP2 + PP2 + SP)]}
+
+
+def check_pipeline(c, world):
+    """One step of each pipeline layout of PIPELINE_CHECKS[world] (4 micro-batches through the
+    schedule, then the tied-embedding and sequence-parallel reductions) against the one-process
+    model on the same micro-batches: each stage's losses, and every gradient of every rank
+    (its TP slice of the full gradient; the last stage's tied output layer that of the word
+    embedding), relative difference in norm below 1e-5."""
+    tokenizer = data.build_tokenizer("ByteTokenizer", None, None, None)
+    config_path = os.path.join(HERE, "config.yaml")
+    for label, model_args, layout in PIPELINE_CHECKS.get(world, []):
+        ref_cfg = load_config(config_path, PIPELINE_CHECK_MODEL + model_args, world)
+        [ref], _ = train.build_model(ref_cfg, tokenizer, parallel.initialize_model_parallel())
+        batches = [random_batch(ref_cfg, b=2, seed=i) for i in range(4)]
+        ref_names = [n for n, _ in ref.parameters_and_names()]
+        grad_fn = ms.value_and_grad(lambda *inputs: ref(*inputs) / len(batches), None, list(ref.get_parameters()))
+        ref_losses, ref_grads = [], {n: 0.0 for n in ref_names}
+        for batch in batches:
+            loss, grads = grad_fn(*train.to_tensors(batch))
+            ref_losses.append(float(loss.asnumpy()) * len(batches))
+            for n, g in zip(ref_names, grads):
+                ref_grads[n] = ref_grads[n] + g.asnumpy()
+        cfg = load_config(config_path, PIPELINE_CHECK_MODEL + model_args + layout, world)
+        p = cfg.parallel_config
+        state = parallel.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        chunks, _ = train.build_model(cfg, tokenizer, state)
+        trainer = train.Trainer(cfg, chunks, *train.build_optimizer(cfg, chunks), state)
+        losses, grads = trainer.forward_backward(batches)
+        grads, _ = trainer.reduce_gradients(grads)
+        if state.is_last_stage:
+            c(f"{label}: losses", np.allclose(losses, ref_losses, rtol=1e-5), f"{losses} vs {ref_losses}")
+        else:
+            c(f"{label}: no loss before the last stage", losses == [])
+        named = checkpoint.named_parameters(chunks)
+        c(f"{label}: one gradient per parameter", len(grads) == len(named))
+        for (name, param), g in zip(named, grads):
+            name = name[len("model."):]
+            want = ref_grads["word_embeddings.weight" if name == "output_layer.weight" and chunks[0].tied else name]
+            dim = getattr(param, "partition_dim", None)
+            if dim is not None:
+                want = shard(want, dim, state.tp_rank, state.tp, getattr(param, "partition_chunks", 1))
+            rel = np.linalg.norm(g.asnumpy() - want) / max(np.linalg.norm(want), 1e-12)
+            c(f"{label}: gradient of {name}", rel < 1e-5, f"relative difference {rel:.2e}")
+
+
 def run_checks(world):
     """All checks on this rank (under msrun with `world` workers); returns the failed names."""
     state = parallel.initialize_model_parallel()
@@ -1333,6 +1473,7 @@ def run_checks(world):
         check_exchange(c, state)
         if state.tp > 1:
             check_layers(c, state)
+    check_pipeline(c, world)
     print(f"[rank {state.rank}] {len(c.failed)} check(s) failed" if c.failed
           else f"[rank {state.rank}] all checks passed", flush=True)
     return c.failed
@@ -1355,29 +1496,46 @@ PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
                 "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "10",
                 "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "2",
                 "training_config.log_comm_ledger=true", "model_config.vocab_size=512"]   # one padding for all
-TP2, SP, DISTOPT = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"], ["--use-distributed-optimizer"]
-LAYOUTS = {2: {"tp2": TP2, "tp2_sp": TP2 + SP, "dp2": [], "dp2_distopt": DISTOPT},
-           4: {"tp2_dp2_sp_distopt": TP2 + SP + DISTOPT}}
+PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1", "--eval-interval", "5"]
+REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_pp_untied": PIPELINE_RUN + UNTIED,
+              "one_pp8": PIPELINE_RUN + ["--num-layers", "8"]}      # one process, same model and data
+TRACE = ["training_config.pipeline_trace=true"]
+LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP, "one"), "dp2": ([], "one"),
+               "dp2_distopt": (DISTOPT, "one"), "pp2": (PIPELINE_RUN + PP2 + TRACE, "one_pp"),
+               "pp2_vpp2": (PIPELINE_RUN + PP2 + VPP2, "one_pp"),
+               "pp2_untied": (PIPELINE_RUN + UNTIED + PP2, "one_pp_untied"),
+               "pp2_num_layer_list": (PIPELINE_RUN + PP2 + UNEVEN, "one_pp")},
+           4: {"tp2_dp2_sp_distopt": (TP2 + SP + DISTOPT, "one"),
+               "pp4": (PIPELINE_RUN + PP4, "one_pp"),
+               "pp4_vpp2": (PIPELINE_RUN + ["--num-layers", "8"] + PP4 + VPP2, "one_pp8"),
+               "tp2_pp2_sp": (PIPELINE_RUN + TP2 + PP2 + SP, "one_pp"),
+               "dp2_pp2_distopt": (PIPELINE_RUN + PP2 + DISTOPT, "one_pp")}}
 
 
 @pytest.fixture(scope="module")
 def parallel_runs(tmp_path_factory):
     """One msrun launch per world size (2, then 4 workers): parallel.py's checks, then every
-    layout of LAYOUTS trains 10 steps; and the same training in this one process."""
+    layout of LAYOUTS trains 10 steps; and the same trainings in this one process (REFERENCES)."""
     tmp = tmp_path_factory.mktemp("parallel")
     prefix = shakespeare_bytes(tmp)
     common = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix, *PARALLEL_RUN]
     launches = {}
     for world, layouts in LAYOUTS.items():
-        runs = [[name, [*common, "--save", str(tmp / name), *args]] for name, args in layouts.items()]
+        runs = [[name, [*common, "--save", str(tmp / name), *args]] for name, (args, _) in layouts.items()]
         (tmp / f"runs{world}.json").write_text(json.dumps(runs))
         launches[world] = launch(world, str(tmp / f"msrun{world}"), str(tmp / f"runs{world}.json"))
-    assert train.main([*common, "--save", str(tmp / "one")]) == 0
+    for name, args in REFERENCES.items():
+        assert train.main([*common, "--save", str(tmp / name), *args]) == 0
     return tmp, launches
 
 
 def train_lines(folder, prefix="train: "):
-    return [l for l in (folder / "log" / "rank_0" / "info.log").read_text().splitlines() if l.startswith(prefix)]
+    """The lines of the lowest rank that logs them (the loss lives on the last pipeline stage)."""
+    for log in sorted((folder / "log").glob("rank_*/info.log"), key=lambda p: int(p.parent.name[5:])):
+        lines = [l for l in log.read_text().splitlines() if l.startswith(prefix)]
+        if lines:
+            return lines
+    return []
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
@@ -1391,13 +1549,37 @@ def test_parallel_checks_pass_under_msrun(parallel_runs, world):
         assert f"[rank {rank}] all checks passed" in text
 
 
-@pytest.mark.parametrize("layout", [name for layouts in LAYOUTS.values() for name in layouts])
+ALL_LAYOUTS = {name: spec for layouts in LAYOUTS.values() for name, spec in layouts.items()}
+
+
+@pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS))
 def test_layout_trains_like_one_process(parallel_runs, layout):
-    """10 steps of each layout give the one-process losses (fp32, relative 1e-5)."""
+    """10 steps of each layout give the one-process losses (fp32, relative 1e-5), and so do the
+    validation and test losses of the pipeline layouts (forward-only schedules)."""
     tmp, _ = parallel_runs
-    one, par = losses_of(train_lines(tmp / "one")), losses_of(train_lines(tmp / layout))
+    reference = ALL_LAYOUTS[layout][1]
+    one, par = losses_of(train_lines(tmp / reference)), losses_of(train_lines(tmp / layout))
     assert len(one) == len(par) == 10
     np.testing.assert_allclose(par, one, rtol=1e-5)
+    one, par = (train_lines(tmp / name, " validation") + train_lines(tmp / name, " test") for name in (reference, layout))
+    assert len(one) == len(par) == (3 if reference != "one" else 0)
+    value = re.compile(r"lm loss value: (\S+) ")
+    np.testing.assert_allclose([float(value.search(l).group(1)) for l in par],
+                               [float(value.search(l).group(1)) for l in one], rtol=1e-5)
+
+
+def test_pipeline_timeline_and_bubble_figures(parallel_runs):
+    """pp2 traced its last step: a text and an SVG timeline with one box per pass (2 stages x
+    4 micro-batches x forward and backward), and the bubble figures next to the theory."""
+    tmp, _ = parallel_runs
+    line = next(l for l in train_lines(tmp / "pp2", "pipeline: bubble"))
+    assert "unit-time schedule 0.250, theory 0.250; peak micro-batches in flight per stage [2, 1]" in line, line
+    measured = float(re.search(r"measured (\S+) ", line).group(1))
+    assert 0.0 <= measured < 10.0
+    svg = ElementTree.parse(tmp / "pp2" / "pipeline_timeline.svg").getroot()
+    assert len(svg.findall("{http://www.w3.org/2000/svg}rect")) == 2 * 4 * 2
+    text = (tmp / "pp2" / "pipeline_timeline.txt").read_text()
+    assert "rank 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3" in text and "measured" in text
 
 
 def ledger_of(line):
@@ -1464,19 +1646,25 @@ def test_two_msrun_launches_make_one_job(parallel_runs):
     np.testing.assert_allclose(losses_of(train_lines(out)), losses_of(train_lines(tmp / "one")), rtol=1e-5)
 
 
-def test_tensor_parallel_checkpoint_merges_to_the_one_process_model(parallel_runs, capsys):
-    """generate merges the mp_rank_TT shards: TP2's merged weights equal the one-process run's
-    after the same 10 steps (to training's rounding), and it generates from them."""
+@pytest.mark.parametrize("layout", ["tp2", "tp2_pp2_sp", "pp2_vpp2"])
+def test_parallel_checkpoint_merges_to_the_one_process_model(parallel_runs, layout, capsys):
+    """generate unites the pipeline stages' files and merges the mp_rank_TT shards: the merged
+    weights equal the one-process run's after the same 10 steps (to training's rounding); the
+    last stage's copy of a tied embedding stayed equal to the first stage's; it generates."""
     tmp, _ = parallel_runs
-    one, _ = checkpoint.load_checkpoint(str(tmp / "one"))
-    shards = [checkpoint.load_checkpoint(str(tmp / "tp2"), checkpoint.shard_name(r))[0] for r in range(2)]
+    one, _ = checkpoint.load_checkpoint(str(tmp / ALL_LAYOUTS[layout][1]))
+    shards, meta = checkpoint.load_shards(str(tmp / layout))
+    assert len(shards) == meta["layout"]["tp"]
     full = {k: v.shape for k, v in one.items() if k.startswith("model.")}
-    assert shards[0]["model.layers.0.self_attention.linear_qkv.weight"].shape == (96, 64)
     merged = checkpoint.merge_tensor_parallel(shards, full)
     for name in full:
         np.testing.assert_allclose(merged[name], one[name], atol=2e-4, err_msg=name)
+    if meta["layout"]["pp"] > 1:
+        for shard_tensors in shards:
+            np.testing.assert_allclose(shard_tensors["model.output_layer.weight"],
+                                       shard_tensors["model.word_embeddings.weight"], atol=1e-6)
     capsys.readouterr()
-    assert train.main(["generate", "--load", str(tmp / "tp2"), "--prompt", "ROMEO:", "--max-new-tokens", "4",
+    assert train.main(["generate", "--load", str(tmp / layout), "--prompt", "ROMEO:", "--max-new-tokens", "4",
                        "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("ROMEO:")
 

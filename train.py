@@ -58,21 +58,26 @@ def setup_logging(output_dir, rank=0, to_console=True):
 _MINDSPORE_READY = []
 
 
-def setup_mindspore(cfg):
-    """Device, threads and seed; once per process (MindSpore refuses to set threads twice)."""
-    ms.set_seed(cfg.training_config.seed)
+def setup_mindspore(cfg=None):
+    """PyNative on the configured device, CPU threads, seed. The device and threads are set once
+    per process (MindSpore refuses to set threads twice) and before the first op: launch_blocking
+    has no effect once ops have run."""
+    t = cfg.training_config if cfg is not None else None
+    if t is not None:
+        ms.set_seed(t.seed)
     if _MINDSPORE_READY:
         return
     _MINDSPORE_READY.append(True)
+    device = t.device_target if t is not None else "CPU"
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
-        ms.set_device(cfg.training_config.device_target)
+        ms.set_device(device)
     except RuntimeError:                             # already set (once communication is up)
-        if ms.get_context("device_target") != cfg.training_config.device_target:
+        if ms.get_context("device_target") != device:
             raise
-    if cfg.training_config.device_target == "CPU":
+    if device == "CPU":
         local = int(os.environ.get("MS_LOCAL_WORKER_NUM", os.environ.get("LOCAL_WORKER_NUM", "1")) or 1)
-        threads = cfg.training_config.threads_num or max(1, (os.cpu_count() or 1) // local)
+        threads = (t is not None and t.threads_num) or max(1, (os.cpu_count() or 1) // local)
         ms.device_context.cpu.op_tuning.threads_num(threads)
         # PyNative normally queues ops to dispatch threads; on a few shared CPU cores those threads
         # contend with the kernels. Launching each op in the caller's thread measured 5.8x faster
@@ -233,22 +238,28 @@ class Trainer:
     def _weighted_loss(self, *inputs):
         return self.forward(*inputs) * self.loss_weight
 
+    def forward_backward(self, micro_batches):
+        """(loss of each micro-batch, gradients of sum(loss) * scale / m summed over them); with
+        pipeline parallelism through the schedule, and the losses only on the last stage."""
+        m = len(micro_batches)
+        self.loss_weight = self.scaler.scale / m
+        if self.pipeline is not None:
+            dtype = DTYPES[self.cfg.model_config.compute_dtype]
+            return self.pipeline.run([to_tensors(b) for b in micro_batches], self.loss_weight,
+                                     self.hidden_shape, dtype, trace=self.trace)
+        losses, acc = [], None
+        for batch in micro_batches:
+            loss, grads = self.grad_fn(*to_tensors(batch))
+            losses.append(float(loss.asnumpy()) / self.loss_weight)
+            acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
+        return losses, acc
+
     def train_step(self, micro_batches):
         """Returns (mean loss over micro-batches, grads finite, lr used)."""
         parallel.comm.ledger.reset()
         m = len(micro_batches)
         self.set_train(True)
-        self.loss_weight = self.scaler.scale / m
-        if self.pipeline is not None:       # losses only on the last stage
-            dtype = DTYPES[self.cfg.model_config.compute_dtype]
-            losses, acc = self.pipeline.run([to_tensors(b) for b in micro_batches], self.loss_weight,
-                                            self.hidden_shape, dtype, trace=self.trace)
-        else:
-            losses, acc = [], None
-            for batch in micro_batches:
-                loss, grads = self.grad_fn(*to_tensors(batch))
-                losses.append(float(loss.asnumpy()) / self.loss_weight)
-                acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
+        losses, acc = self.forward_backward(micro_batches)
         if self.scaler.scale != 1.0:
             acc = [g * self.scaler.inv_scale for g in acc]
         acc, counted = self.reduce_gradients(acc)
@@ -379,9 +390,10 @@ def pretrain(cfg):
             log.info(f"comm: Step:{iteration}, " + ledger_line())
         if iteration % t.log_interval == 0 or iteration == t.training_iters:
             elapsed = (time.perf_counter() - window_start) / window_steps
-            log.info(f"train: Epoch:{epoch}, Step:{iteration}, Loss: {window_loss / window_steps:.6f}, "
-                     f"Finite_grads: {finite}, Loss_scale: {scaler.scale}, Learning_rate: {lr:.6e}, "
-                     f"Time: {elapsed * 1000:.2f} ms, Tokens/s: {tokens_per_step / elapsed:.1f}")
+            if state.is_last_stage:                   # the loss exists on the last stage only
+                log.info(f"train: Epoch:{epoch}, Step:{iteration}, Loss: {window_loss / window_steps:.6f}, "
+                         f"Finite_grads: {finite}, Loss_scale: {scaler.scale}, Learning_rate: {lr:.6e}, "
+                         f"Time: {elapsed * 1000:.2f} ms, Tokens/s: {tokens_per_step / elapsed:.1f}")
             window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
         if valid_ds is not None and t.eval_iters and iteration % t.eval_interval == 0:
             start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size
@@ -439,6 +451,8 @@ def loss_rank(state):
 
 
 def report(split, iteration, loss):
+    if not parallel.get_state().is_last_stage:        # no loss before the last pipeline stage
+        return
     ppl = math.exp(min(loss, 20.0))
     log.info(f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |")
 
@@ -475,8 +489,7 @@ def generate_main(argv):
     cfg = to_namespace(meta["config"])
     d, m = cfg.dataset_config, cfg.model_config
     tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    ms.set_device("CPU")
+    setup_mindspore()
     m.tensor_model_parallel_size, m.sequence_parallel = 1, False           # one process
     model = GPTModel(m, pre_process=True, post_process=True)
     tensors = shards[0]
