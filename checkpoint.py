@@ -16,12 +16,14 @@ import json
 import logging
 import os
 import shutil
+import sys
 
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor
 
-from config import to_dict
+import parallel
+from config import ConfigError, from_saved, to_dict, to_namespace
 
 log = logging.getLogger("train")
 
@@ -51,13 +53,14 @@ def _write_atomic(path, text):
     os.replace(tmp, path)
 
 
-def save_checkpoint(root, iteration, files, meta, ckpt_format="ckpt", keep_max=None, shard="mp_rank_00",
-                    barrier=lambda: None, leader=True):
-    """Write checkpoint `iteration` under `root`. `files` maps a file stem to this rank's tensors
-    (name -> numpy array or Tensor); empty if this rank writes nothing; `meta` (JSON-able, or
-    None) goes to the shard's meta.json. With several ranks every rank calls this: the leader
-    makes the temporary folder, all ranks write their files, then the leader renames it into
-    place, points `latest` at it and keeps the newest `keep_max` checkpoints."""
+def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, barrier=lambda: None,
+                    leader=True):
+    """Write checkpoint `iteration` under `root`. `shards` maps a shard folder (mp_rank_..) to
+    (files, meta): `files` maps a file stem to tensors (name -> numpy array or Tensor), `meta`
+    (JSON-able, or None) goes to the folder's meta.json. With several ranks every rank calls
+    this with what it writes: the leader makes the temporary folder, all ranks write their
+    files, then the leader renames it into place, points `latest` at it and keeps the newest
+    `keep_max` checkpoints."""
     final = iteration_dir(root, iteration)
     tmp = os.path.join(root, f".iter_{iteration:07d}.tmp")
     if leader:
@@ -66,14 +69,15 @@ def save_checkpoint(root, iteration, files, meta, ckpt_format="ckpt", keep_max=N
         os.makedirs(tmp)
     barrier()
     ext = "safetensors" if ckpt_format == "safetensors" else "ckpt"
-    if files or meta is not None:
-        os.makedirs(os.path.join(tmp, shard), exist_ok=True)
-    for stem, tensors in files.items():
-        items = [{"name": k, "data": Parameter(Tensor(np.asarray(v)) if isinstance(v, np.ndarray) else v, name=k)}
-                 for k, v in tensors.items()]
-        ms.save_checkpoint(items, os.path.join(tmp, shard, f"{stem}.{ext}"), crc_check=True, format=ckpt_format)
-    if meta is not None:
-        _write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
+    for shard, (files, meta) in shards.items():
+        if files or meta is not None:
+            os.makedirs(os.path.join(tmp, shard), exist_ok=True)
+        for stem, tensors in files.items():
+            items = [{"name": k, "data": Parameter(Tensor(np.ascontiguousarray(v)) if isinstance(v, np.ndarray)
+                                                   else v, name=k)} for k, v in tensors.items()]
+            ms.save_checkpoint(items, os.path.join(tmp, shard, f"{stem}.{ext}"), crc_check=True, format=ckpt_format)
+        if meta is not None:
+            _write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
     barrier()
     if leader:
         if os.path.exists(final):
@@ -132,9 +136,7 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
 def load_shards(root):
     """([tensors of TP rank 0, 1, ...], meta) of the latest checkpoint, whatever its layout: the
     files of all pipeline stages of a TP rank go into one dict (their names are global)."""
-    folder = iteration_dir(root, latest_iteration(root))
-    single = os.path.isdir(os.path.join(folder, shard_name(0)))
-    first, meta = load_checkpoint(root, shard_name(0) if single else shard_name(0, 0, 2))
+    first, meta = load_checkpoint(root, _first_shard(root))
     tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
     shards = []
     for tp_rank in range(tp):
@@ -178,26 +180,41 @@ def model_tensors(chunks):
     return {name: p.asnumpy() for name, p in named_parameters(chunks)}
 
 
+def piece_keys(trainer):
+    """One key per piece of the distributed optimizer: "<global name>@<first element>", so that
+    the shards of every DP rank together cover each parameter and can be reassembled."""
+    names = [n[len("model."):] for n, _ in named_parameters(trainer.chunks)]
+    offsets = trainer.optimizer.buffer.offsets
+    return [f"{names[i]}@{lo - offsets[i]}" for _, i, lo, _ in trainer.optimizer.pieces]
+
+
 def optimizer_tensors(trainer):
-    """(tensors, step) of the optimizer state: per parameter name, or, for the distributed
-    optimizer, per owned piece (fp32 master shard "main.k" and its moments)."""
+    """(tensors, step) of the optimizer state: "optimizer.<kind>.<name>" per parameter, or, for
+    the distributed optimizer, per owned piece: fp32 master "main.<name>@<start>" and moments
+    "optimizer.<kind>.<name>@<start>"."""
     if trainer.distributed:
         state = trainer.optimizer.inner.state_dict()
-        tensors = {f"main.{k}": p.asnumpy() for k, p in enumerate(trainer.optimizer.main_params)}
+        keys = piece_keys(trainer)
+        tensors = {f"main.{keys[k]}": p.asnumpy() for k, p in enumerate(trainer.optimizer.main_params)}
     else:
         state = trainer.optimizer.state_dict()
+        keys = [n[len("model."):] for n, _ in named_parameters(trainer.chunks)]
         tensors = {}
-    names = [n[len("model."):] for n, _ in named_parameters(trainer.chunks)]
     for key, value in state.items():
         if key != "step":
             kind, index = key.rsplit(".", 1)
-            tensors[f"optimizer.{kind}.{index if trainer.distributed else names[int(index)]}"] = value
+            tensors[f"optimizer.{kind}.{keys[int(index)]}"] = value
     return tensors, state["step"]
 
 
-def _layout(cfg, trainer):
-    s = trainer.state
-    return {"tp": s.tp, "pp": s.pp, "cp": s.cp, "dp": s.dp, "distributed_optimizer": trainer.distributed}
+def layout_of(cfg):
+    """What a checkpoint's file names and contents depend on."""
+    p, t = cfg.parallel_config, cfg.training_config
+    return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+            "vpp": p.virtual_pipeline_model_parallel_size, "num_layer_list": p.num_layer_list,
+            "cp": p.context_parallel_size, "dp": p.data_parallel_size,
+            "distributed_optimizer": bool(t.use_distributed_optimizer and p.data_parallel_size * p.context_parallel_size > 1),
+            "bucket_size": t.bucket_size}
 
 
 def _barrier(state):
@@ -209,6 +226,12 @@ def _barrier(state):
         flag = Tensor([0.0], ms.float32)
         dist.all_reduce(flag, group=GlobalComm.WORLD_COMM_GROUP)
         flag.asnumpy()                                # PyNative is asynchronous: wait for it
+
+
+def _meta(cfg, iteration, consumed, step, scheduler_state, scaler_state, rng_state):
+    return {"iteration": iteration, "consumed_train_samples": consumed, "optimizer_step": step,
+            "opt_param_scheduler": scheduler_state, "grad_scaler": scaler_state, "rng_state": rng_state,
+            "ckpt_format": cfg.training_config.ckpt_format, "layout": layout_of(cfg), "config": to_dict(cfg)}
 
 
 def save_training_state(cfg, iteration, consumed, trainer, rng):
@@ -224,13 +247,11 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
         files[f"distrib_optim_{state.dp_rank + state.cp_rank * state.dp:03d}"] = opt_tensors
     meta = None
     if writer:
-        meta = {"iteration": iteration, "consumed_train_samples": consumed, "optimizer_step": step,
-                "opt_param_scheduler": trainer.scheduler.state_dict(),
-                "grad_scaler": trainer.scaler.state_dict(), "rng_state": rng.state_dict(),
-                "ckpt_format": t.ckpt_format, "layout": _layout(cfg, trainer), "config": to_dict(cfg)}
+        meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(), trainer.scaler.state_dict(),
+                     rng.state_dict())
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
-    path = save_checkpoint(t.output_dir, iteration, files, meta, t.ckpt_format, t.keep_checkpoint_max,
-                                      shard, barrier=lambda: _barrier(state), leader=state.rank == 0)
+    path = save_checkpoint(t.output_dir, iteration, {shard: (files, meta)}, t.ckpt_format, t.keep_checkpoint_max,
+                           barrier=lambda: _barrier(state), leader=state.rank == 0)
     log.info(f"saved checkpoint at iteration {iteration} to {path}")
 
 
@@ -242,10 +263,12 @@ def load_training_state(cfg, trainer, rng):
     if trainer.distributed and not (t.finetune or t.no_load_optim):
         stems.append(f"distrib_optim_{state.dp_rank + state.cp_rank * state.dp:03d}")
     tensors, meta = load_checkpoint(t.load_checkpoint, shard, stems=stems)
-    if meta.get("layout", _layout(cfg, trainer)) != _layout(cfg, trainer) and not t.finetune:
+    saved_layout, layout = meta.get("layout"), layout_of(cfg)
+    same_model_split = saved_layout and all(saved_layout.get(k) == layout[k] for k in ("tp", "pp", "vpp", "num_layer_list"))
+    if saved_layout != layout and not (t.finetune and same_model_split):
         raise CheckpointError(
-            f"checkpoint {t.load_checkpoint} was saved with layout {meta['layout']}, this run is "
-            f"{_layout(cfg, trainer)}: resume with the same layout (or --finetune for the weights of the same TP size)")
+            f"checkpoint {t.load_checkpoint} was saved with layout {saved_layout}, this run is {layout}: "
+            f"convert it first (python checkpoint.py convert --load {t.load_checkpoint} --save NEW <layout flags>)")
     for name, p in named_parameters(chunks):
         saved = tensors.get(name)
         if saved is None or saved.shape != tuple(p.shape):
@@ -261,18 +284,16 @@ def load_training_state(cfg, trainer, rng):
         log.info(f"loaded weights of iteration {meta['iteration']} from {t.load_checkpoint} (finetune: iteration 0)")
         return 0, 0
     if not t.no_load_optim:
-        saved_opt, step = optimizer_tensors(trainer)
         state_dict = {"step": meta["optimizer_step"]}
-        names = [n[len("model."):] for n, _ in named_parameters(chunks)]
-        for key in saved_opt:
-            kind, _, rest = key.partition(".")
-            if kind == "optimizer":
-                sub, ident = rest.rsplit(".", 1) if trainer.distributed else rest.split(".", 1)
-                index = ident if trainer.distributed else names.index(ident)
-                state_dict[f"{sub}.{index}"] = tensors[key]
+        keys = piece_keys(trainer) if trainer.distributed else [n[len("model."):] for n, _ in named_parameters(chunks)]
+        saved_opt, _ = optimizer_tensors(trainer)
+        kinds = {key.split(".")[1] for key in saved_opt if key.startswith("optimizer.")}
+        for kind in kinds:
+            for index, key in enumerate(keys):
+                state_dict[f"{kind}.{index}"] = tensors[f"optimizer.{kind}.{key}"]
         if trainer.distributed:
-            for k, p in enumerate(trainer.optimizer.main_params):
-                p.copy_(Tensor(tensors[f"main.{k}"]))
+            for key, p in zip(keys, trainer.optimizer.main_params):
+                p.copy_(Tensor(tensors[f"main.{key}"]))
             trainer.optimizer.inner.load_state_dict(state_dict)
         else:
             trainer.optimizer.load_state_dict(state_dict)
@@ -282,3 +303,184 @@ def load_training_state(cfg, trainer, rng):
         rng.load_state_dict(meta["rng_state"])
     log.info(f"loaded checkpoint of iteration {meta['iteration']} from {t.load_checkpoint}")
     return meta["iteration"], meta["consumed_train_samples"]
+
+
+# ----------------------------------------------------------------------------- layout conversion
+def build_rank_chunks(cfg, tp_rank, pp_rank):
+    """The model chunks of one rank of cfg's layout, built in this process (construction needs
+    the sizes and ranks, not the process groups); their values are not initialised."""
+    from gpt import GPTModel
+    from pipeline import layer_split
+    p, m = cfg.parallel_config, cfg.model_config
+    tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    previous = parallel.use_state(parallel.ParallelState(
+        world_size=tp * pp, rank=tp_rank + tp * pp_rank, tp=tp, cp=1, dp=1, pp=pp, tp_rank=tp_rank,
+        cp_rank=0, dp_rank=0, pp_rank=pp_rank, tp_group="", cp_group="", dp_group="", pp_group="",
+        dp_cp_group="", mp_group=""))
+    try:
+        split = layer_split(m.num_layers, pp, vpp, p.num_layer_list)
+        chunks = []
+        for chunk in range(vpp):
+            vs = chunk * pp + pp_rank
+            chunks.append(GPTModel(m, pre_process=vs == 0, post_process=vs == len(split) - 1,
+                                   layer_offset=split[vs][0], num_layers=split[vs][1]))
+        return chunks
+    finally:
+        parallel.use_state(previous)
+
+
+def full_state(root):
+    """(tensors, meta) of the latest checkpoint in `root` as one process would hold them:
+    weights "model.<name>" and, if saved, moments "optimizer.<kind>.<name>", full size, whatever
+    layout wrote them (TP shards merged, stages united, distributed-optimizer pieces joined)."""
+    _, meta = load_checkpoint(root, _first_shard(root), stems=())
+    layout = meta["layout"]
+    cfg = to_namespace(meta["config"])
+    stems = [WEIGHTS] + ([f"distrib_optim_{d:03d}" for d in range(layout["dp"] * layout["cp"])]
+                         if layout["distributed_optimizer"] else [])
+    shards = []
+    for tp_rank in range(layout["tp"]):
+        local = {}
+        for pp_rank in range(layout["pp"]):
+            tensors = load_checkpoint(root, shard_name(tp_rank, pp_rank, layout["pp"]), stems=stems)[0]
+            local.update(_join_pieces(tensors))
+        shards.append(local)
+    m = cfg.model_config
+    m.tensor_model_parallel_size, m.sequence_parallel = 1, False
+    from gpt import GPTModel
+    one = GPTModel(m)                                 # tp 1: its names and full shapes
+    kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")}
+    full_shapes = {}
+    for name, p in one.parameters_and_names():
+        full_shapes[f"model.{name}"] = tuple(p.shape)
+        full_shapes.update({f"optimizer.{kind}.{name}": tuple(p.shape) for kind in kinds})
+    swiglu = m.hidden_act == "swiglu"
+    return merge_tensor_parallel(shards, full_shapes, lambda n: 2 if swiglu and "linear_fc1" in n else 1), meta
+
+
+def _join_pieces(tensors):
+    """Distributed-optimizer pieces "<prefix>.<name>@<start>" (flat) -> "<prefix>.<name>" shaped
+    like the weight "model.<name>" beside them; "main." masters are the fp32 weights again."""
+    pieces = {}
+    for key, value in tensors.items():
+        if "@" in key:
+            base, start = key.rsplit("@", 1)
+            pieces.setdefault(base, []).append((int(start), value))
+    out = {k: v for k, v in tensors.items() if "@" not in k}
+    for base, parts in pieces.items():
+        if base.startswith("main."):
+            continue
+        name = base.split(".", 2)[2]
+        shape = tensors[f"model.{name}"].shape
+        flat = np.concatenate([v for _, v in sorted(parts, key=lambda item: item[0])])
+        if flat.size != int(np.prod(shape)):
+            raise CheckpointError(f"distributed optimizer pieces of {name} cover {flat.size} of "
+                                  f"{int(np.prod(shape))} elements: a distrib_optim file is missing")
+        out[base] = flat.reshape(shape)
+    return out
+
+
+def write_layout(root, tensors, meta, cfg):
+    """Write `tensors` (one-process, from full_state) as checkpoint meta["iteration"] of `root`
+    in cfg's layout: every (TP, stage) folder, and with the distributed optimizer one
+    distrib_optim_DDD file per DP rank holding that rank's pieces, as training would."""
+    from gpt import global_name
+    p = cfg.parallel_config
+    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size * p.context_parallel_size
+    layout = layout_of(cfg)
+    kinds = sorted({k.split(".")[1] for k in tensors if k.startswith("optimizer.")})
+    shards = {}
+    for tp_rank in range(tp):
+        for pp_rank in range(pp):
+            chunks = build_rank_chunks(cfg, tp_rank, pp_rank)
+            names, params, values = [], [], {}
+            for chunk in chunks:
+                for n, param in chunk.parameters_and_names():
+                    name = global_name(n, chunk.layer_offset)
+                    source = "word_embeddings.weight" if chunk.tied and name == "output_layer.weight" else name
+                    for prefix in ["model"] + [f"optimizer.{kind}" for kind in kinds]:
+                        value = tensors[f"{prefix}.{source}"]
+                        dim = getattr(param, "partition_dim", None)
+                        if dim is not None:
+                            value = parallel.shard(value, dim, tp_rank, tp, getattr(param, "partition_chunks", 1))
+                        values[f"{prefix}.{name}"] = value
+                    names.append(name)
+                    params.append(param)
+            files = {WEIGHTS: {k: v for k, v in values.items() if k.startswith("model.")
+                               or not layout["distributed_optimizer"]}}
+            if layout["distributed_optimizer"]:
+                from optimizer import GradBuffer
+                buffer = GradBuffer(params, dp, layout["bucket_size"])
+                for d in range(dp):
+                    piece_tensors = {}
+                    for _, i, lo, hi in buffer.pieces(d):
+                        start, end = lo - buffer.offsets[i], hi - buffer.offsets[i]
+                        key = f"{names[i]}@{start}"
+                        piece_tensors[f"main.{key}"] = values[f"model.{names[i]}"].reshape(-1)[start:end]
+                        for kind in kinds:
+                            piece_tensors[f"optimizer.{kind}.{key}"] = values[f"optimizer.{kind}.{names[i]}"].reshape(-1)[start:end]
+                    files[f"distrib_optim_{d:03d}"] = piece_tensors
+            shards[shard_name(tp_rank, pp_rank, pp)] = (files, dict(
+                meta, layout=layout, config=to_dict(cfg), ckpt_format=cfg.training_config.ckpt_format))
+    return save_checkpoint(root, meta["iteration"], shards, cfg.training_config.ckpt_format)
+
+
+# ----------------------------------------------------------------------------- command line
+def _pop(argv, flag, default=None):
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+            del argv[i:i + 2]
+            return value
+        if arg.startswith(flag + "="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return default
+
+
+def convert_main(argv):
+    """convert --load DIR --save NEW [--nproc N] [layout flags]: the latest checkpoint of DIR,
+    weights and optimizer state, rewritten for N ranks (default 1) in the layout the flags give
+    (--tensor-model-parallel-size, --pipeline-model-parallel-size, --sequence-parallel,
+    --virtual-pipeline-model-parallel-size, parallel_config.num_layer_list=..., --use-distributed-optimizer)."""
+    argv = list(argv)
+    load, save, world = _pop(argv, "--load"), _pop(argv, "--save"), int(_pop(argv, "--nproc", "1"))
+    if not load or not save:
+        raise ConfigError("convert needs --load DIR (a checkpoint) and --save NEW (an empty folder)")
+    if os.path.exists(os.path.join(save, LATEST)):
+        raise ConfigError(f"convert: {save} already holds a checkpoint; give an empty or new folder for --save")
+    latest_iteration(load)
+    _, meta = load_checkpoint(load, _first_shard(load), stems=())
+    padded = meta["config"]["model_config"]["padded_vocab_size"]
+    cfg = from_saved(meta["config"], [f"model_config.vocab_size={padded}", *argv], world)
+    tp = cfg.parallel_config.tensor_model_parallel_size
+    if padded % tp:
+        raise ConfigError(f"the model's vocabulary of {padded} rows (padded) is not divisible by "
+                          f"tensor_model_parallel_size={tp}: choose a TP size that divides it")
+    cfg.training_config.output_dir = save
+    cfg.model_config.padded_vocab_size = padded
+    tensors, meta = full_state(load)
+    path = write_layout(save, tensors, meta, cfg)
+    print(f"converted {load} (iteration {meta['iteration']}, layout {meta['layout']}) to {path}, layout {layout_of(cfg)}")
+
+
+def _first_shard(root):
+    folder = iteration_dir(root, latest_iteration(root))
+    return shard_name(0) if os.path.isdir(os.path.join(folder, shard_name(0))) else shard_name(0, 0, 2)
+
+
+def main(argv):
+    commands = {"convert": convert_main}
+    if not argv or argv[0] not in commands:
+        print(f"usage: python checkpoint.py {{{', '.join(commands)}}} ...", file=sys.stderr)
+        return 2
+    try:
+        commands[argv[0]](argv[1:])
+    except (ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -350,6 +350,28 @@ def to_namespace(tree):
     return SimpleNamespace(**{k: to_namespace(v) if isinstance(v, dict) else v for k, v in tree.items()})
 
 
+def _known(values, schema):
+    """The keys of a saved config tree that the schema has (derived values dropped)."""
+    return {k: _known(v, schema[k]) if isinstance(schema[k], dict) else v
+            for k, v in (values or {}).items() if k in schema}
+
+
+def from_saved(saved, args=(), world_size=1):
+    """The config a checkpoint stored (to_dict), in a new layout: the parallel sizes and the
+    distributed optimizer back to their defaults, then `args` applied, derived and validated."""
+    raw = {section: _known(saved.get(section), schema) for section, schema in SCHEMA.items()}
+    raw["parallel_config"] = {}
+    raw["training_config"].pop("use_distributed_optimizer", None)
+    schedule = raw["optimizer_config"].get("learning_rate_scheduler_kwargs", {})
+    if schedule.get("lr_warmup_fraction") is not None:          # lr_warmup_iters was derived from it
+        schedule.pop("lr_warmup_iters", None)
+    tree = {s: _merge(SCHEMA[s], raw.get(s), s) for s in SCHEMA}
+    raw = parse_overrides(list(args), tree)
+    cfg = to_namespace({s: _merge(SCHEMA[s], raw.get(s), s) for s in SCHEMA})
+    finalize(cfg, world_size)
+    return cfg
+
+
 def load_config(path="config.yaml", args=(), world_size=1):
     """Read the YAML at `path`, apply `args`, fill derived values and validate. Returns a
     namespace with one attribute per section (cfg.model_config.hidden_size, ...)."""

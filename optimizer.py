@@ -339,6 +339,17 @@ class GradBuffer:
         return [(b0 + rank * (b1 - b0) // self.dp, b0 + (rank + 1) * (b1 - b0) // self.dp)
                 for b0, b1 in self.buckets]
 
+    def pieces(self, rank):
+        """(bucket, param index, start, end) of each overlap of a parameter with `rank`'s shard
+        of a bucket, start and end in the buffer: what a distributed optimizer updates."""
+        out = []
+        for b, (s0, s1) in enumerate(self.shard_ranges(rank)):
+            for i, (o, n) in enumerate(zip(self.offsets, self.sizes)):
+                lo, hi = max(s0, o), min(s1, o + n)
+                if lo < hi:
+                    out.append((b, i, lo, hi))
+        return out
+
 
 def all_reduce_grads(buffer, grads, comm, group, size):
     """Data-parallel gradient reduction: average over `group` (DP x CP), one all-reduce per
@@ -361,12 +372,7 @@ class DistributedOptimizer:
         self.params, self.comm, self.group, self.dp = list(params), comm, group, dp
         self.buffer = GradBuffer(self.params, dp, bucket_size)
         self.shards = self.buffer.shard_ranges(dp_rank)        # this rank's range in each bucket
-        self.pieces = []                                       # (bucket, param index, start, end)
-        for b, (s0, s1) in enumerate(self.shards):
-            for i, (o, n) in enumerate(zip(self.buffer.offsets, self.buffer.sizes)):
-                lo, hi = max(s0, o), min(s1, o + n)
-                if lo < hi:
-                    self.pieces.append((b, i, lo, hi))
+        self.pieces = self.buffer.pieces(dp_rank)              # (bucket, param index, start, end)
         flat = self.buffer.flatten(self.params)
         self.main_params = [flat[lo:hi].copy() for _, _, lo, hi in self.pieces]   # fp32 masters
         self.inner = make_optimizer(self.main_params, [wd_mults[i] for _, i, _, _ in self.pieces])

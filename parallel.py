@@ -127,6 +127,14 @@ def initialize_model_parallel(tp=1, pp=1, cp=1):
     return _STATE
 
 
+def use_state(state):
+    """Make `state` the current layout and return the previous one. Building a model needs only
+    the sizes and ranks, so checkpoint conversion builds any rank's model in one process."""
+    global _STATE
+    previous, _STATE = _STATE, state
+    return previous
+
+
 def get_state():
     """The current ParallelState; a one-process layout if initialize was never called."""
     return _STATE if _STATE is not None else initialize_model_parallel()

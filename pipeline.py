@@ -24,6 +24,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, mint, ops
 
+import gpt
 import parallel
 
 
@@ -168,17 +169,18 @@ def theory_bubble(p, m, v=1):
 # ============================================================================ execution
 class PipelineRunner:
     """Runs one training step's passes for this rank's model chunks (a list of gpt.GPTModel,
-    chunk c being virtual stage c * pp + pp_rank)."""
+    chunk c being virtual stage c * pp + pp_rank), each compiled by ms.jit if `compiled`."""
 
-    def __init__(self, chunks, state):
-        self.chunks, self.state = chunks, state
+    def __init__(self, chunks, state, compiled=False):
+        self.chunks = [gpt.Compiled(c) for c in chunks] if compiled else chunks
+        self.state = state
         self.p, self.v, self.rank = state.pp, len(chunks), state.pp_rank
         self.params = [list(c.get_parameters()) for c in chunks]
         self.peers = parallel.group_ranks(state.pp_group)          # pp rank -> global rank
         self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
         self.grad_params_only = ops.GradOperation(get_by_list=True, sens_param=True)  # token ids in
         self.plans = {}
-        for chunk in chunks:
+        for chunk in self.chunks:
             chunk.set_grad(True)            # record each forward, for its backward to replay
 
     def run(self, micro_batches, loss_weight, hidden_shape, dtype, forward_only=False, trace=None):

@@ -5,6 +5,7 @@
 #   bash run.sh test              set up, then the test suite
 #   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags -> <prefix>_text_document.bin/.idx
 #   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
+#   bash run.sh --nproc 1         the same model and data in one process (about 5 minutes)
 #   bash run.sh [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]   train
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -43,13 +44,15 @@ while [ $# -gt 0 ]; do
   esac
 done
 default_run=0
-if [ ${#args[@]} -eq 0 ] && [ -z "$nproc" ]; then
-  # the default run: 4 workers, tensor x pipeline parallel with SP, 4 micro-batches of 2 per step
-  # (the same 8 sequences as one process), the last step's pipeline timeline written to output/
-  default_run=1
-  nproc=4
-  args=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
-        --micro-batch-size 2 --global-batch-size 8 training_config.pipeline_trace=true)
+if [ ${#args[@]} -eq 0 ]; then
+  default_run=1                 # the default run ends with a sample from the trained model
+  if [ -z "$nproc" ]; then
+    # 4 workers: tensor x pipeline parallel with SP, 4 micro-batches of 2 per step (the same 8
+    # sequences as one process); the last step's pipeline timeline is written to output/
+    nproc=4
+    args=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+          --micro-batch-size 2 --global-batch-size 8 training_config.pipeline_trace=true)
+  fi
 fi
 nproc=${nproc:-1}
 

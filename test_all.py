@@ -1009,6 +1009,34 @@ def test_compiled_model_equals_eager(tmp_path):
                                rtol=1e-5)
 
 
+def test_convert_round_trip_and_refusals(tmp_path, capsys):
+    """python checkpoint.py convert: one process -> TP2 x PP2 x DP2 with the distributed optimizer
+    (8 ranks) -> one process gives back every weight and moment exactly; a layout that cannot
+    hold the model, or a --save folder that holds a checkpoint, is refused before anything is
+    written."""
+    run_training(tmp_path, "src", "--train-iters", "3", "--lr-warmup-iters", "1", "--global-batch-size", "8")
+    wide = ["--nproc", "8", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--use-distributed-optimizer"]
+    assert checkpoint.main(["convert", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "wide"), *wide]) == 0
+    stage1 = tmp_path / "wide" / "iter_0000003" / "mp_rank_01_001"
+    assert sorted(p.name for p in stage1.iterdir()) == [
+        "distrib_optim_000.ckpt", "distrib_optim_001.ckpt", "meta.json", "model_optim_rng.ckpt"]
+    assert checkpoint.main(["convert", "--load", str(tmp_path / "wide"), "--save", str(tmp_path / "back")]) == 0
+    a, meta_a = checkpoint.load_checkpoint(str(tmp_path / "src"))
+    b, meta_b = checkpoint.load_checkpoint(str(tmp_path / "back"))
+    assert sorted(a) == sorted(b) and any(k.startswith("optimizer.") for k in a)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert meta_a["opt_param_scheduler"] == meta_b["opt_param_scheduler"] and meta_b["optimizer_step"] == 3
+    capsys.readouterr()
+    assert checkpoint.main(["convert", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "bad"),
+                            "--nproc", "3", "--tensor-model-parallel-size", "3"]) == 2
+    assert "num_attention_heads=4 is not divisible by parallel_config.tensor_model_parallel_size=3" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    assert checkpoint.main(["convert", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "back")]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+
+
 def test_keep_checkpoint_max_and_damaged_checkpoint(tmp_path, capsys):
     run_training(tmp_path, "keep", "--train-iters", "6", "--save-interval", "2",
                  "training_config.keep_checkpoint_max=2")
@@ -1514,18 +1542,40 @@ LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP, "one"), "dp2": ([], "on
 
 @pytest.fixture(scope="module")
 def parallel_runs(tmp_path_factory):
-    """One msrun launch per world size (2, then 4 workers): parallel.py's checks, then every
-    layout of LAYOUTS trains 10 steps; and the same trainings in this one process (REFERENCES)."""
+    """One msrun launch per world size (4, then 2 workers): parallel.py's checks, then every
+    layout of LAYOUTS trains 10 steps, one layout stops after 5 steps and resumes (RESUMED), and
+    checkpoints of step 5 converted from another layout resume (CONVERTED); and the same
+    trainings in this one process (REFERENCES)."""
     tmp = tmp_path_factory.mktemp("parallel")
     prefix = shakespeare_bytes(tmp)
     common = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix, *PARALLEL_RUN]
+    half = ["--train-iters", "5", "--lr-decay-iters", "10"]
+
+    def convert(source, target, *layout):
+        assert checkpoint.main(["convert", "--load", str(tmp / source), "--save", str(tmp / target), *layout]) == 0
+
+    assert train.main([*common, "--save", str(tmp / "one_first"), *half]) == 0
+    convert("one_first", "one_as_tp2_dp2", "--nproc", "4", *TP2, *DISTOPT)
     launches = {}
-    for world, layouts in LAYOUTS.items():
+    for world in (4, 2):
+        layouts = LAYOUTS[world]
         runs = [[name, [*common, "--save", str(tmp / name), *args]] for name, (args, _) in layouts.items()]
+        args = layouts[RESUMED[world]][0]
+        first, resumed = tmp / f"{RESUMED[world]}_first", tmp / f"{RESUMED[world]}_resumed"
+        runs += [["first half", [*common, *args, "--save", str(first), *half]],
+                 ["resumed", [*common, *args, "--load", str(first), "--save", str(resumed)]]]
+        runs += [[run, [*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]]
+                 for run, (source, _, _, args, workers) in CONVERTED.items() if workers == world]
         (tmp / f"runs{world}.json").write_text(json.dumps(runs))
         launches[world] = launch(world, str(tmp / f"msrun{world}"), str(tmp / f"runs{world}.json"))
+        if world == 4:
+            convert("tp2_pp2_sp_first", "tp2_pp2_as_pp2_vpp2", "--nproc", "2", *PP2, *VPP2)
+            convert("tp2_pp2_sp_first", "tp2_pp2_as_one")
     for name, args in REFERENCES.items():
         assert train.main([*common, "--save", str(tmp / name), *args]) == 0
+    for run, (source, _, _, args, workers) in CONVERTED.items():
+        if workers == 1:
+            assert train.main([*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]) == 0
     return tmp, launches
 
 
@@ -1550,6 +1600,14 @@ def test_parallel_checks_pass_under_msrun(parallel_runs, world):
 
 
 ALL_LAYOUTS = {name: spec for layouts in LAYOUTS.values() for name, spec in layouts.items()}
+RESUMED = {2: "dp2_distopt", 4: "tp2_pp2_sp"}      # stopped after 5 of the 10 steps, then resumed
+# run: (converted checkpoint of step 5, its source layout's full run, what changed, the new layout's
+# flags, workers); python checkpoint.py convert rewrites the checkpoint, the run resumes from it
+CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one", "TP1 -> TP2 x DP2, distributed optimizer",
+                                        TP2 + SP + DISTOPT, 4),
+             "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_as_pp2_vpp2", "tp2_pp2_sp", "TP2 x PP2 -> PP2 with VPP2",
+                                     PIPELINE_RUN + PP2 + VPP2, 2),
+             "tp2_pp2_to_one": ("tp2_pp2_as_one", "tp2_pp2_sp", "TP2 x PP2 -> one process", PIPELINE_RUN, 1)}
 
 
 @pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS))
@@ -1566,6 +1624,35 @@ def test_layout_trains_like_one_process(parallel_runs, layout):
     value = re.compile(r"lm loss value: (\S+) ")
     np.testing.assert_allclose([float(value.search(l).group(1)) for l in par],
                                [float(value.search(l).group(1)) for l in one], rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", sorted(RESUMED.values()))
+def test_parallel_resume_is_bit_exact(parallel_runs, layout):
+    """A run stopped after 5 steps and resumed (same layout) logs the same losses as the run that
+    never stopped, and ends with the same weights and optimizer state on every rank, bit for bit."""
+    tmp, _ = parallel_runs
+    full, resumed = tmp / layout, tmp / f"{layout}_resumed"
+    assert losses_of(train_lines(resumed)) == losses_of(train_lines(full))[5:]
+    names = sorted(p.name for p in (full / "iter_0000010").iterdir())
+    assert names == sorted(p.name for p in (resumed / "iter_0000010").iterdir()) and names
+    for shard_name in names:
+        for file in sorted((full / "iter_0000010" / shard_name).glob("*.ckpt")):
+            a = ms.load_checkpoint(str(file))
+            b = ms.load_checkpoint(str(resumed / "iter_0000010" / shard_name / file.name))
+            assert sorted(a) == sorted(b)
+            for key in a:
+                np.testing.assert_array_equal(a[key].asnumpy(), b[key].asnumpy(), err_msg=f"{file.name} {key}")
+
+
+@pytest.mark.parametrize("run", sorted(CONVERTED))
+def test_converted_checkpoint_trains_like_the_original_layout(parallel_runs, run):
+    """A step-5 checkpoint converted to another layout (weights and optimizer state) resumes so
+    that steps 6 to 10 give the original layout's losses (fp32, relative 1e-5)."""
+    tmp, _ = parallel_runs
+    _, original, _, _, _ = CONVERTED[run]
+    resumed, full = losses_of(train_lines(tmp / run)), losses_of(train_lines(tmp / original))
+    assert len(resumed) == 5 and len(full) == 10
+    np.testing.assert_allclose(resumed, full[5:], rtol=1e-5)
 
 
 def test_pipeline_timeline_and_bubble_figures(parallel_runs):

@@ -219,14 +219,14 @@ class Trainer:
         self.counted = [(hasattr(p, "partition_dim") or self.state.tp_rank == 0)
                         and not (tied_copy and n == "output_layer.weight") for n, p in named]
         m = cfg.model_config
-        self.pipeline = pipeline.PipelineRunner(self.chunks, self.state) if self.state.pp > 1 else None
+        # ms.jit cannot compile host RNG calls (dropout) nor the collectives inside TP layers.
+        self.compiled = (cfg.training_config.use_jit and self.state.tp == 1
+                         and not (m.hidden_dropout_rate or m.attention_dropout_rate))
+        self.pipeline = (pipeline.PipelineRunner(self.chunks, self.state, self.compiled)
+                         if self.state.pp > 1 else None)
         seq = m.seq_length // self.state.tp if m.sequence_parallel else m.seq_length
         self.hidden_shape = (seq, cfg.dataset_config.batch_size, m.hidden_size)   # one pipeline hop
         self.trace = None                 # a list: the next step records its passes' times
-        # ms.jit cannot compile host RNG calls (dropout) nor the collectives inside TP layers;
-        # pipeline stages replay their recorded forwards op by op.
-        self.compiled = (cfg.training_config.use_jit and self.state.tp == 1 and self.pipeline is None
-                         and not (m.hidden_dropout_rate or m.attention_dropout_rate))
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
         self.loss_weight = 1.0
         self.grad_fn = ms.value_and_grad(self._weighted_loss, None, self.params)
@@ -325,11 +325,11 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
         if runner is None:
             losses += [float(trainer.forward(*batch).asnumpy()) for batch in batches]
         elif len(batches) == d.micro_batch_num:       # a pipeline runs whole global batches
-            for chunk in trainer.chunks:
+            for chunk in runner.chunks:
                 chunk.set_grad(False)                 # nothing to record for a backward
             losses += runner.run(batches, 1.0, trainer.hidden_shape, DTYPES[cfg.model_config.compute_dtype],
                                  forward_only=True)[0]
-            for chunk in trainer.chunks:
+            for chunk in runner.chunks:
                 chunk.set_grad(True)
     trainer.set_train(True)
     if state.pp > 1 and not state.is_last_stage:       # only the last stage has losses
@@ -358,14 +358,15 @@ def pretrain(cfg):
         iteration, consumed = checkpoint.load_training_state(cfg, trainer, rng)
     n_params = sum(int(np.prod(p.shape)) for p in trainer.params)
     log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
-             f"vocab {m.padded_vocab_size} (padded), {n_params / 1e6:.2f}M parameters; global batch "
+             f"vocab {m.padded_vocab_size} (padded), {n_params / 1e6:.2f}M parameters"
+             f"{' on this rank' if state.world_size > 1 else ''}; global batch "
              f"{d.global_batch_size} = {d.batch_size} x {d.micro_batch_num} micro-batches; "
              f"{len(train_ds)} train samples")
     log.info(f"optimizer state on rank {state.rank}: {optimizer.state_bytes()} bytes"
              + (f" (1/{trainer.dp_size} of the moments and fp32 master weights)" if trainer.distributed else
                 " (moments; the fp32 weights are the model's)"))
     log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
-             + (": dropout, tensor-parallel collectives or pipeline stages inside" if t.use_jit else ""))
+             + (": dropout or tensor-parallel collectives inside" if t.use_jit else ""))
     if trainer.pipeline is not None:
         log.info(f"pipeline stage {state.pp_rank}: " + ", ".join(
             f"chunk {c} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
