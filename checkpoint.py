@@ -133,17 +133,19 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
     return tensors, meta
 
 
-def load_shards(root):
+def load_shards(root, optimizer=False):
     """([tensors of TP rank 0, 1, ...], meta) of the latest checkpoint, whatever its layout: the
-    files of all pipeline stages of a TP rank go into one dict (their names are global)."""
-    first, meta = load_checkpoint(root, _first_shard(root))
-    tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
+    files of all pipeline stages of a TP rank go into one dict (their names are global); with
+    `optimizer`, the distributed optimizer's pieces too, joined per parameter."""
+    _, meta = load_checkpoint(root, _first_shard(root), stems=())
+    layout = meta["layout"]
+    stems = [WEIGHTS] + ([f"distrib_optim_{d:03d}" for d in range(layout["dp"] * layout["cp"])]
+                         if optimizer and layout["distributed_optimizer"] else [])
     shards = []
-    for tp_rank in range(tp):
+    for tp_rank in range(layout["tp"]):
         tensors = {}
-        for pp_rank in range(pp):
-            tensors.update(first if tp_rank == pp_rank == 0 else
-                           load_checkpoint(root, shard_name(tp_rank, pp_rank, pp))[0])
+        for pp_rank in range(layout["pp"]):
+            tensors.update(_join_pieces(load_checkpoint(root, shard_name(tp_rank, pp_rank, layout["pp"]), stems=stems)[0]))
         shards.append(tensors)
     return shards, meta
 
@@ -263,9 +265,10 @@ def load_training_state(cfg, trainer, rng):
     if trainer.distributed and not (t.finetune or t.no_load_optim):
         stems.append(f"distrib_optim_{state.dp_rank + state.cp_rank * state.dp:03d}")
     tensors, meta = load_checkpoint(t.load_checkpoint, shard, stems=stems)
+    weights_only = t.finetune or meta.get("optimizer_step") is None     # --finetune, or imported weights
     saved_layout, layout = meta.get("layout"), layout_of(cfg)
     same_model_split = saved_layout and all(saved_layout.get(k) == layout[k] for k in ("tp", "pp", "vpp", "num_layer_list"))
-    if saved_layout != layout and not (t.finetune and same_model_split):
+    if saved_layout != layout and not (weights_only and same_model_split):
         raise CheckpointError(
             f"checkpoint {t.load_checkpoint} was saved with layout {saved_layout}, this run is {layout}: "
             f"convert it first (python checkpoint.py convert --load {t.load_checkpoint} --save NEW <layout flags>)")
@@ -280,8 +283,9 @@ def load_training_state(cfg, trainer, rng):
         p.set_data(Tensor(tensors[name]))
     if trainer.distributed:
         trainer.optimizer.reload_main_params()
-    if t.finetune:
-        log.info(f"loaded weights of iteration {meta['iteration']} from {t.load_checkpoint} (finetune: iteration 0)")
+    if weights_only:
+        log.info(f"loaded weights of iteration {meta['iteration']} from {t.load_checkpoint} "
+                 f"({'finetune' if t.finetune else 'no optimizer state saved'}: iteration 0)")
         return 0, 0
     if not t.no_load_optim:
         state_dict = {"step": meta["optimizer_step"]}
@@ -329,27 +333,17 @@ def build_rank_chunks(cfg, tp_rank, pp_rank):
         parallel.use_state(previous)
 
 
-def full_state(root):
+def full_state(root, optimizer=True):
     """(tensors, meta) of the latest checkpoint in `root` as one process would hold them:
-    weights "model.<name>" and, if saved, moments "optimizer.<kind>.<name>", full size, whatever
-    layout wrote them (TP shards merged, stages united, distributed-optimizer pieces joined)."""
-    _, meta = load_checkpoint(root, _first_shard(root), stems=())
-    layout = meta["layout"]
-    cfg = to_namespace(meta["config"])
-    stems = [WEIGHTS] + ([f"distrib_optim_{d:03d}" for d in range(layout["dp"] * layout["cp"])]
-                         if layout["distributed_optimizer"] else [])
-    shards = []
-    for tp_rank in range(layout["tp"]):
-        local = {}
-        for pp_rank in range(layout["pp"]):
-            tensors = load_checkpoint(root, shard_name(tp_rank, pp_rank, layout["pp"]), stems=stems)[0]
-            local.update(_join_pieces(tensors))
-        shards.append(local)
-    m = cfg.model_config
+    weights "model.<name>" and, with `optimizer` and if saved, moments "optimizer.<kind>.<name>",
+    full size, whatever layout wrote them (TP shards merged, stages united, distributed-optimizer
+    pieces joined)."""
+    shards, meta = load_shards(root, optimizer)
+    m = to_namespace(meta["config"]).model_config
     m.tensor_model_parallel_size, m.sequence_parallel = 1, False
     from gpt import GPTModel
     one = GPTModel(m)                                 # tp 1: its names and full shapes
-    kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")}
+    kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")} if optimizer else set()
     full_shapes = {}
     for name, p in one.parameters_and_names():
         full_shapes[f"model.{name}"] = tuple(p.shape)
@@ -470,7 +464,8 @@ def _first_shard(root):
 
 
 def main(argv):
-    commands = {"convert": convert_main}
+    import hf_gpt2
+    commands = {"convert": convert_main, "import-hf": hf_gpt2.import_main, "export-hf": hf_gpt2.export_main}
     if not argv or argv[0] not in commands:
         print(f"usage: python checkpoint.py {{{', '.join(commands)}}} ...", file=sys.stderr)
         return 2

@@ -472,6 +472,21 @@ def _pop(argv, flag, default=None, cast=str):
     return default
 
 
+def load_model(load_dir):
+    """(one-process GPTModel, tokenizer, model config) from the latest checkpoint in load_dir,
+    whatever layout saved it."""
+    tensors, meta = checkpoint.full_state(load_dir, optimizer=False)
+    cfg = to_namespace(meta["config"])
+    d, m = cfg.dataset_config, cfg.model_config
+    tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+    setup_mindspore()
+    m.tensor_model_parallel_size, m.sequence_parallel = 1, False           # one process
+    model = GPTModel(m, pre_process=True, post_process=True)
+    for name, p in model.parameters_and_names():
+        p.set_data(ms.Tensor(tensors[f"model.{name}"]))
+    return model, tokenizer, m
+
+
 def generate_main(argv):
     """generate --load DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]."""
     argv = list(argv)
@@ -486,20 +501,7 @@ def generate_main(argv):
                           "--temperature --top-k --seed)")
     if not load_dir:
         raise ConfigError("generate needs --load DIR, a checkpoint folder written by training")
-    shards, meta = checkpoint.load_shards(load_dir)
-    cfg = to_namespace(meta["config"])
-    d, m = cfg.dataset_config, cfg.model_config
-    tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
-    setup_mindspore()
-    m.tensor_model_parallel_size, m.sequence_parallel = 1, False           # one process
-    model = GPTModel(m, pre_process=True, post_process=True)
-    tensors = shards[0]
-    if len(shards) > 1:                               # merge the mp_rank_TT shards
-        full = {f"model.{n}": tuple(p.shape) for n, p in model.parameters_and_names()}
-        swiglu = m.hidden_act == "swiglu"
-        tensors = checkpoint.merge_tensor_parallel(shards, full, lambda n: 2 if swiglu and "linear_fc1" in n else 1)
-    for name, p in model.parameters_and_names():
-        p.set_data(ms.Tensor(tensors[f"model.{name}"]))
+    model, tokenizer, m = load_model(load_dir)
     ids = tokenizer.encode(prompt)
     if max(ids, default=0) >= m.padded_vocab_size:
         raise ConfigError(f"the prompt's token ids reach {max(ids)}, beyond the model's vocabulary of "

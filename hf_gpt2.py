@@ -1,0 +1,152 @@
+"""GPT-2 weights in and out: a Hugging Face GPT-2 directory (config.json + model.safetensors,
+transformers' GPT2LMHeadModel) becomes a checkpoint of this project in any layout, and back.
+
+    python checkpoint.py import-hf HF_DIR --save OUT [--nproc N] [layout flags]
+    python checkpoint.py export-hf --load CKPT --save HF_DIR
+
+Hugging Face's blocks use Conv1D, weights [in, out] (y = x W + b), where this project's linears
+are [out, in]; c_attn's output is [Q | K | V] with the heads in order inside each, where
+linear_qkv is laid out per head [q_i; k_i; v_i] (Megatron's per-group layout, one head per group).
+safetensors comes with MindSpore; torch is not needed.
+"""
+import json
+import os
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from checkpoint import (LATEST, _first_shard, _pop, _write_atomic, full_state, latest_iteration,
+                        layout_of, load_checkpoint, write_layout)
+from config import ConfigError, load_config, to_namespace
+from data import pad_vocab_size
+
+# Hugging Face GPT-2 (transformers' GPT2LMHeadModel) names per block, Conv1D weights [in, out]
+# (y = x W + b), against this project's [out, in]; c_attn's output is [Q | K | V], each head-major.
+HF_BLOCK = {"ln_1": "input_layernorm", "attn.c_attn": "self_attention.linear_qkv",
+            "attn.c_proj": "self_attention.linear_proj", "ln_2": "pre_mlp_layernorm",
+            "mlp.c_fc": "mlp.linear_fc1", "mlp.c_proj": "mlp.linear_fc2"}
+HF_TOP = {"wte.weight": "word_embeddings.weight", "wpe.weight": "position_embeddings",
+          "ln_f.weight": "final_layernorm.weight", "ln_f.bias": "final_layernorm.bias"}
+HF_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def _qkv_from_hf(x, heads):
+    """[Q; K; V] rows (3h, ...) -> per head [q_i; k_i; v_i] (Megatron's layout with one head per group)."""
+    return x.reshape(3, heads, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+
+def _qkv_to_hf(x, heads):
+    return x.reshape(heads, 3, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+
+def hf_to_project(weights, hf_config, padded_vocab):
+    """Hugging Face GPT-2 tensors -> "model.<name>" tensors of this project (vocabulary rows
+    padded with zeros to padded_vocab)."""
+    weights = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in weights.items()}
+    heads, out = hf_config["n_head"], {}
+    for key, value in weights.items():
+        if key in HF_TOP:
+            out[HF_TOP[key]] = value
+        elif key.startswith("h."):
+            _, layer, rest = key.split(".", 2)
+            module, _, leaf = rest.rpartition(".")
+            if module not in HF_BLOCK:                 # attn.bias / attn.masked_bias: causal-mask buffers
+                continue
+            if leaf == "weight" and module not in ("ln_1", "ln_2"):
+                value = value.T                        # Conv1D [in, out] -> [out, in]
+            if module == "attn.c_attn":
+                value = _qkv_from_hf(value, heads)
+            out[f"layers.{layer}.{HF_BLOCK[module]}.{leaf}"] = value
+    vocab = out["word_embeddings.weight"]
+    out["word_embeddings.weight"] = np.concatenate([vocab, np.zeros((padded_vocab - len(vocab), vocab.shape[1]), vocab.dtype)])
+    return {f"model.{k}": np.ascontiguousarray(v, np.float32) for k, v in out.items()}
+
+
+def project_to_hf(tensors, m, vocab_size):
+    """The inverse of hf_to_project: one-process tensors -> Hugging Face GPT-2 names and layouts."""
+    back_top = {v: k for k, v in HF_TOP.items()}
+    back_block = {v: k for k, v in HF_BLOCK.items()}
+    out = {}
+    for key, value in tensors.items():
+        name = key[len("model."):]
+        if not key.startswith("model.") or name == "output_layer.weight":
+            continue
+        if name in back_top:
+            out[back_top[name]] = value[:vocab_size] if name == "word_embeddings.weight" else value
+            continue
+        _, layer, rest = name.split(".", 2)
+        module, _, leaf = rest.rpartition(".")
+        if module == "self_attention.linear_qkv":
+            value = _qkv_to_hf(value, m.num_attention_heads)
+        if leaf == "weight" and "layernorm" not in module:
+            value = value.T
+        out[f"h.{layer}.{back_block[module]}.{leaf}"] = np.ascontiguousarray(value)
+    return out
+
+
+def import_main(argv):
+    """import-hf HF_DIR --save OUT [--nproc N] [layout flags] [flags]: a Hugging Face GPT-2
+    directory (config.json, model.safetensors) as iteration 0 of a checkpoint in any layout."""
+    argv = list(argv)
+    save, world = _pop(argv, "--save"), int(_pop(argv, "--nproc", "1"))
+    if not argv or argv[0].startswith("-") or not save:
+        raise ConfigError("import-hf needs HF_DIR (config.json + model.safetensors) and --save OUT")
+    hf_dir = argv.pop(0)
+    for f in ("config.json", "model.safetensors"):
+        if not os.path.isfile(os.path.join(hf_dir, f)):
+            raise ConfigError(f"import-hf: {os.path.join(hf_dir, f)} not found: give a Hugging Face GPT-2 directory")
+    hf = json.load(open(os.path.join(hf_dir, "config.json")))
+    if hf.get("model_type") != "gpt2" or hf.get("activation_function", "gelu_new") not in HF_ACT:
+        raise ConfigError(f"import-hf: {hf_dir} holds model_type {hf.get('model_type')!r} with activation "
+                          f"{hf.get('activation_function')!r}; only GPT-2 with {', '.join(HF_ACT)} is mapped")
+    if os.path.exists(os.path.join(save, LATEST)):
+        raise ConfigError(f"import-hf: {save} already holds a checkpoint; give an empty or new folder for --save")
+    h = hf["n_embd"]
+    flags = ["--num-layers", str(hf["n_layer"]), "--hidden-size", str(h), "--num-attention-heads", str(hf["n_head"]),
+             "--ffn-hidden-size", str(hf.get("n_inner") or 4 * h), "--seq-length", str(hf["n_positions"]),
+             "--max-position-embeddings", str(hf["n_positions"]), "--norm-epsilon", str(hf.get("layer_norm_epsilon", 1e-5)),
+             f"model_config.hidden_act={HF_ACT[hf.get('activation_function', 'gelu_new')]}",
+             "--position-embedding-type", "absolute", "--normalization", "LayerNorm",
+             "--tokenizer-type", "GPT2BPETokenizer"]
+    cfg = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"), flags + argv, world)
+    m = cfg.model_config
+    padded = pad_vocab_size(hf["vocab_size"], m.make_vocab_size_divisible_by, cfg.parallel_config.tensor_model_parallel_size)
+    m.vocab_size = m.padded_vocab_size = padded
+    cfg.training_config.output_dir = save
+    tensors = hf_to_project(load_file(os.path.join(hf_dir, "model.safetensors")), hf, padded)
+    meta = {"iteration": 0, "consumed_train_samples": 0, "optimizer_step": None, "opt_param_scheduler": None,
+            "grad_scaler": None, "rng_state": None, "imported_from": os.path.abspath(hf_dir)}
+    path = write_layout(save, tensors, meta, cfg)
+    print(f"imported {hf_dir} ({hf['n_layer']} layers, hidden {h}) to {path}, layout {layout_of(cfg)}")
+
+
+def export_main(argv):
+    """export-hf --load CKPT --save HF_DIR: the latest checkpoint as a Hugging Face GPT-2 directory."""
+    argv = list(argv)
+    load, save = _pop(argv, "--load"), _pop(argv, "--save")
+    if argv or not load or not save:
+        raise ConfigError("export-hf needs --load CKPT and --save HF_DIR, nothing else")
+    latest_iteration(load)
+    _, meta = load_checkpoint(load, _first_shard(load), stems=())
+    cfg = to_namespace(meta["config"])
+    m, d = cfg.model_config, cfg.dataset_config
+    differences = [f"{k}={getattr(m, k)}" for k, want in (
+        ("position_embedding_type", "absolute"), ("normalization", "LayerNorm"), ("untie_embeddings_and_output_weights", False),
+        ("use_sandwich_norm", False), ("add_bias_linear", True), ("qkv_has_bias", True), ("out_proj_has_bias", True))
+        if getattr(m, k) != want]
+    if m.hidden_act not in ("gelu_tanh", "gelu") or m.num_query_groups != m.num_attention_heads:
+        differences.append(f"hidden_act={m.hidden_act}, num_query_groups={m.num_query_groups}")
+    if differences:
+        raise ConfigError(f"export-hf: GPT-2 cannot hold this model ({', '.join(differences)})")
+    vocab = 50257 if d.tokenizer_type == "GPT2BPETokenizer" else m.padded_vocab_size
+    tensors, meta = full_state(load, optimizer=False)
+    weights = project_to_hf(tensors, m, vocab)
+    os.makedirs(save, exist_ok=True)
+    save_file(weights, os.path.join(save, "model.safetensors"), metadata={"format": "np"})
+    hf = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": m.num_layers, "n_embd": m.hidden_size,
+          "n_head": m.num_attention_heads, "n_inner": m.ffn_hidden_size, "n_positions": m.max_position_embeddings,
+          "n_ctx": m.max_position_embeddings, "vocab_size": vocab, "layer_norm_epsilon": m.norm_epsilon,
+          "activation_function": "gelu_new" if m.hidden_act == "gelu_tanh" else "gelu", "tie_word_embeddings": True,
+          "bos_token_id": 50256, "eos_token_id": 50256}
+    _write_atomic(os.path.join(save, "config.json"), json.dumps(hf, indent=1))
+    print(f"exported {load} (iteration {meta['iteration']}) to {save}")
