@@ -993,6 +993,25 @@ def test_resume_equals_run_that_never_stopped(tmp_path):
     assert [l.split(", Time")[0] for l in resumed] == [l.split(", Time")[0] for l in full[4:]]
 
 
+def test_finetune_no_load_optim_and_no_load_rng(tmp_path):
+    """As in Megatron: --finetune loads the weights only and starts at iteration 0; --no-load-optim
+    resumes at the saved iteration with a fresh optimizer and schedule; --no-load-rng resumes with
+    fresh dropout streams. Each differs from the run that never stopped where it should."""
+    common = ["--train-iters", "8", "--hidden-dropout", "0.1", "--lr-warmup-iters", "2"]
+    full = losses_of(run_training(tmp_path, "full", *common)[0])
+    run_training(tmp_path, "first", *common, "--save-interval", "4", "--train-iters", "4", "--lr-decay-iters", "8")
+    first = str(tmp_path / "first")
+    fresh = losses_of(run_training(tmp_path, "fresh", *common, "--train-iters", "3")[0])
+    lines, log = run_training(tmp_path, "ft", *common, "--train-iters", "3", "--load", first, "--finetune")
+    assert [l.split(",")[1] for l in lines] == [" Step:1", " Step:2", " Step:3"]
+    assert any("(finetune: iteration 0)" in l for l in log)
+    assert losses_of(lines)[0] < fresh[0] - 0.1                      # the trained weights, not new ones
+    lines, _ = run_training(tmp_path, "no_optim", *common, "--load", first, "--no-load-optim")
+    assert lines[0].split(",")[1] == " Step:5" and losses_of(lines)[1:] != full[5:]
+    lines, _ = run_training(tmp_path, "no_rng", *common, "--load", first, "--no-load-rng")
+    assert lines[0].split(",")[1] == " Step:5" and losses_of(lines) != full[4:]
+
+
 def test_resume_compiled_model_is_bit_exact(tmp_path):
     full = run_training(tmp_path, "cfull", "--train-iters", "6")[0]
     run_training(tmp_path, "cfirst", "--train-iters", "3", "--lr-decay-iters", "6")
