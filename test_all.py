@@ -1630,12 +1630,14 @@ PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
                 "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "10",
                 "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "2",
                 "training_config.log_comm_ledger=true", "model_config.vocab_size=512"]   # one padding for all
-PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1", "--eval-interval", "5"]
+# op by op: compiling each stage costs more than these tiny runs; check_pipeline and pp2 use ms.jit
+PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1", "--eval-interval", "5", "--no-jit"]
+JIT = ["training_config.use_jit=true"]
 REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_pp_untied": PIPELINE_RUN + UNTIED,
               "one_pp8": PIPELINE_RUN + ["--num-layers", "8"]}      # one process, same model and data
 TRACE = ["training_config.pipeline_trace=true"]
 LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP, "one"), "dp2": ([], "one"),
-               "dp2_distopt": (DISTOPT, "one"), "pp2": (PIPELINE_RUN + PP2 + TRACE, "one_pp"),
+               "dp2_distopt": (DISTOPT, "one"), "pp2": (PIPELINE_RUN + PP2 + TRACE + JIT, "one_pp"),
                "pp2_vpp2": (PIPELINE_RUN + PP2 + VPP2, "one_pp"),
                "pp2_untied": (PIPELINE_RUN + UNTIED + PP2, "one_pp_untied"),
                "pp2_num_layer_list": (PIPELINE_RUN + PP2 + UNEVEN, "one_pp")},
