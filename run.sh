@@ -5,7 +5,7 @@
 #   bash run.sh test              set up, then the test suite
 #   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags -> <prefix>_text_document.bin/.idx
 #   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
-#   bash run.sh --nproc 1         the same model and data in one process (about 5 minutes)
+#   bash run.sh --nproc 1         the same model and data in one process (about 6 minutes)
 #   bash run.sh [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]   train
 set -euo pipefail
 cd "$(dirname "$0")"
