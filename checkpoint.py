@@ -23,7 +23,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor
 
 import parallel
-from config import ConfigError, from_saved, to_dict, to_namespace
+from config import ConfigError, from_saved, pop_flag, to_dict, to_namespace
 
 log = logging.getLogger("train")
 
@@ -290,9 +290,7 @@ def load_training_state(cfg, trainer, rng):
     if not t.no_load_optim:
         state_dict = {"step": meta["optimizer_step"]}
         keys = piece_keys(trainer) if trainer.distributed else [n[len("model."):] for n, _ in named_parameters(chunks)]
-        saved_opt, _ = optimizer_tensors(trainer)
-        kinds = {key.split(".")[1] for key in saved_opt if key.startswith("optimizer.")}
-        for kind in kinds:
+        for kind in (trainer.optimizer.inner if trainer.distributed else trainer.optimizer).state:
             for index, key in enumerate(keys):
                 state_dict[f"{kind}.{index}"] = tensors[f"optimizer.{kind}.{key}"]
         if trainer.distributed:
@@ -313,22 +311,15 @@ def load_training_state(cfg, trainer, rng):
 def build_rank_chunks(cfg, tp_rank, pp_rank):
     """The model chunks of one rank of cfg's layout, built in this process (construction needs
     the sizes and ranks, not the process groups); their values are not initialised."""
-    from gpt import GPTModel
-    from pipeline import layer_split
-    p, m = cfg.parallel_config, cfg.model_config
-    tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    from pipeline import build_chunks
+    p = cfg.parallel_config
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     previous = parallel.use_state(parallel.ParallelState(
         world_size=tp * pp, rank=tp_rank + tp * pp_rank, tp=tp, cp=1, dp=1, pp=pp, tp_rank=tp_rank,
         cp_rank=0, dp_rank=0, pp_rank=pp_rank, tp_group="", cp_group="", dp_group="", pp_group="",
         dp_cp_group="", mp_group=""))
     try:
-        split = layer_split(m.num_layers, pp, vpp, p.num_layer_list)
-        chunks = []
-        for chunk in range(vpp):
-            vs = chunk * pp + pp_rank
-            chunks.append(GPTModel(m, pre_process=vs == 0, post_process=vs == len(split) - 1,
-                                   layer_offset=split[vs][0], num_layers=split[vs][1]))
-        return chunks
+        return build_chunks(cfg.model_config, pp, pp_rank, p.virtual_pipeline_model_parallel_size, p.num_layer_list)
     finally:
         parallel.use_state(previous)
 
@@ -420,25 +411,13 @@ def write_layout(root, tensors, meta, cfg):
 
 
 # ----------------------------------------------------------------------------- command line
-def _pop(argv, flag, default=None):
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-            del argv[i:i + 2]
-            return value
-        if arg.startswith(flag + "="):
-            del argv[i]
-            return arg.split("=", 1)[1]
-    return default
-
-
 def convert_main(argv):
     """convert --load DIR --save NEW [--nproc N] [layout flags]: the latest checkpoint of DIR,
     weights and optimizer state, rewritten for N ranks (default 1) in the layout the flags give
     (--tensor-model-parallel-size, --pipeline-model-parallel-size, --sequence-parallel,
     --virtual-pipeline-model-parallel-size, parallel_config.num_layer_list=..., --use-distributed-optimizer)."""
     argv = list(argv)
-    load, save, world = _pop(argv, "--load"), _pop(argv, "--save"), int(_pop(argv, "--nproc", "1"))
+    load, save, world = pop_flag(argv, "--load"), pop_flag(argv, "--save"), int(pop_flag(argv, "--nproc", "1"))
     if not load or not save:
         raise ConfigError("convert needs --load DIR (a checkpoint) and --save NEW (an empty folder)")
     if os.path.exists(os.path.join(save, LATEST)):

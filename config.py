@@ -372,6 +372,19 @@ def from_saved(saved, args=(), world_size=1):
     return cfg
 
 
+def pop_flag(argv, flag, default=None, cast=str):
+    """Remove `flag VALUE` (or flag=VALUE) from argv; return its value."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+            del argv[i:i + 2]
+            return cast(value)
+        if arg.startswith(flag + "="):
+            del argv[i]
+            return cast(arg.split("=", 1)[1])
+    return default
+
+
 def load_config(path="config.yaml", args=(), world_size=1):
     """Read the YAML at `path`, apply `args`, fill derived values and validate. Returns a
     namespace with one attribute per section (cfg.model_config.hidden_size, ...)."""

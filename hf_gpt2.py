@@ -15,9 +15,9 @@ import os
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from checkpoint import (LATEST, _first_shard, _pop, _write_atomic, full_state, latest_iteration,
+from checkpoint import (LATEST, _first_shard, _write_atomic, full_state, latest_iteration,
                         layout_of, load_checkpoint, write_layout)
-from config import ConfigError, load_config, to_namespace
+from config import ConfigError, load_config, pop_flag, to_namespace
 from data import pad_vocab_size
 
 # Hugging Face GPT-2 (transformers' GPT2LMHeadModel) names per block, Conv1D weights [in, out]
@@ -88,7 +88,7 @@ def import_main(argv):
     """import-hf HF_DIR --save OUT [--nproc N] [layout flags] [flags]: a Hugging Face GPT-2
     directory (config.json, model.safetensors) as iteration 0 of a checkpoint in any layout."""
     argv = list(argv)
-    save, world = _pop(argv, "--save"), int(_pop(argv, "--nproc", "1"))
+    save, world = pop_flag(argv, "--save"), int(pop_flag(argv, "--nproc", "1"))
     if not argv or argv[0].startswith("-") or not save:
         raise ConfigError("import-hf needs HF_DIR (config.json + model.safetensors) and --save OUT")
     hf_dir = argv.pop(0)
@@ -123,7 +123,7 @@ def import_main(argv):
 def export_main(argv):
     """export-hf --load CKPT --save HF_DIR: the latest checkpoint as a Hugging Face GPT-2 directory."""
     argv = list(argv)
-    load, save = _pop(argv, "--load"), _pop(argv, "--save")
+    load, save = pop_flag(argv, "--load"), pop_flag(argv, "--save")
     if argv or not load or not save:
         raise ConfigError("export-hf needs --load CKPT and --save HF_DIR, nothing else")
     latest_iteration(load)

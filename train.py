@@ -23,7 +23,7 @@ import data
 import optimizer as opt
 import parallel
 import pipeline
-from config import ConfigError, load_config, to_namespace
+from config import ConfigError, load_config, pop_flag, to_namespace
 from gpt import DTYPES, Compiled, DropoutRNG, GPTModel, generate, init_weights
 
 log = logging.getLogger("train")
@@ -138,16 +138,10 @@ def build_model(cfg, tokenizer, state):
         m.padded_vocab_size = m.vocab_size
     rng = DropoutRNG(cfg.training_config.seed, state.tp_rank)
     p = cfg.parallel_config
-    vpp = p.virtual_pipeline_model_parallel_size
-    split = pipeline.layer_split(m.num_layers, state.pp, vpp, p.num_layer_list)
-    chunks = []
-    for chunk in range(vpp):                         # chunk c is virtual stage c * pp + pp_rank
-        vs = chunk * state.pp + state.pp_rank
-        offset, count = split[vs]
-        model = GPTModel(m, pre_process=vs == 0, post_process=vs == len(split) - 1, layer_offset=offset,
-                         num_layers=count, rng=rng)
-        init_weights(model, cfg.training_config.seed)
-        chunks.append(model)
+    chunks = pipeline.build_chunks(m, state.pp, state.pp_rank, p.virtual_pipeline_model_parallel_size,
+                                   p.num_layer_list, rng)
+    for chunk in chunks:
+        init_weights(chunk, cfg.training_config.seed)
     return chunks, rng
 
 
@@ -459,19 +453,6 @@ def report(split, iteration, loss):
 
 
 # ----------------------------------------------------------------------------- commands
-def _pop(argv, flag, default=None, cast=str):
-    """Remove `flag VALUE` (or flag=VALUE) from argv; return its value."""
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-            del argv[i:i + 2]
-            return cast(value)
-        if arg.startswith(flag + "="):
-            del argv[i]
-            return cast(arg.split("=", 1)[1])
-    return default
-
-
 def load_model(load_dir):
     """(one-process GPTModel, tokenizer, model config) from the latest checkpoint in load_dir,
     whatever layout saved it."""
@@ -490,12 +471,12 @@ def load_model(load_dir):
 def generate_main(argv):
     """generate --load DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]."""
     argv = list(argv)
-    load_dir = _pop(argv, "--load")
-    prompt = _pop(argv, "--prompt", "\n")
-    max_new = _pop(argv, "--max-new-tokens", 100, int)
-    temperature = _pop(argv, "--temperature", 1.0, float)
-    top_k = _pop(argv, "--top-k", 0, int)
-    seed = _pop(argv, "--seed", 0, int)
+    load_dir = pop_flag(argv, "--load")
+    prompt = pop_flag(argv, "--prompt", "\n")
+    max_new = pop_flag(argv, "--max-new-tokens", 100, int)
+    temperature = pop_flag(argv, "--temperature", 1.0, float)
+    top_k = pop_flag(argv, "--top-k", 0, int)
+    seed = pop_flag(argv, "--seed", 0, int)
     if argv:
         raise ConfigError(f"generate: unknown argument {argv[0]!r} (flags: --load --prompt --max-new-tokens "
                           "--temperature --top-k --seed)")
@@ -529,7 +510,7 @@ def main(argv):
             return 0
         if command != "train":
             raise ConfigError(f"unknown command {command!r}: use train (default), preprocess, prepare-data or generate")
-        config_path = _pop(argv, "--config", "config.yaml")
+        config_path = pop_flag(argv, "--config", "config.yaml")
         cfg = load_config(config_path, argv, world_size())
         check_inputs(cfg)
     except (ConfigError, checkpoint.CheckpointError, ValueError, FileNotFoundError) as e:
