@@ -15,6 +15,10 @@ import zlib
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.api import _pynative_executor
+
+import parallel
+from parallel import linear
 
 F32 = ms.float32
 MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic
@@ -32,18 +36,6 @@ def _cast(t, dtype):
 
 def _zeros(*shape):
     return Tensor(np.zeros(shape, np.float32))
-
-
-_matmul_nt = ops.MatMul(transpose_b=True)          # x [n, in] @ W[out, in]^T, no transpose copy
-
-
-def linear(x, weight, bias=None):
-    """x [..., in] -> [..., out]. A 2-D MatMul plus BiasAdd: on CPU 3x faster than ops.dense on
-    3-D input, and BiasAdd 4x faster than a broadcasting `+ bias`."""
-    y = _matmul_nt(x.reshape(-1, x.shape[-1]), weight)                # [n, out]
-    if bias is not None:
-        y = ops.bias_add(y, bias)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Cell):
@@ -69,7 +61,6 @@ def make_linear(cfg, in_features, out_features, bias, kind, chunks=1):
     input dim is split). One TP rank: a plain Linear."""
     if cfg.tensor_model_parallel_size == 1:
         return Linear(in_features, out_features, bias, DTYPES[cfg.compute_dtype])
-    import parallel
     if kind == "column":
         return parallel.ColumnParallelLinear(in_features, out_features, bias,
                                              sequence_parallel=cfg.sequence_parallel, chunks=chunks)
@@ -305,11 +296,7 @@ class GPTModel(nn.Cell):
         self.dtype = DTYPES[cfg.compute_dtype]
         self.tp, self.sequence_parallel = cfg.tensor_model_parallel_size, cfg.sequence_parallel
         if pre_process:
-            if self.tp == 1:
-                self.word_embeddings = Embedding(v, h)
-            else:
-                import parallel
-                self.word_embeddings = parallel.VocabParallelEmbedding(v, h)
+            self.word_embeddings = Embedding(v, h) if self.tp == 1 else parallel.VocabParallelEmbedding(v, h)
             if cfg.position_embedding_type == "absolute":
                 self.position_embeddings = Parameter(_zeros(cfg.max_position_embeddings, h),
                                                      name="position_embeddings")
@@ -325,6 +312,13 @@ class GPTModel(nn.Cell):
         if cfg.position_embedding_type == "rope":
             self.rope = rotary_tables(cfg.max_position_embeddings, h // cfg.num_attention_heads,
                                       cfg.rotary_base)
+        if self.tp > 1:
+            # Megatron's mappings at the model's edges (the layers hold their own)
+            self.scatter_sequence = parallel.Mapping("scatter_to_sequence_parallel_region")
+            self.enter_logits = parallel.Mapping("gather_from_sequence_parallel_region" if self.sequence_parallel
+                                                 else "copy_to_tensor_model_parallel_region")
+            self.gather_logits = parallel.Mapping("gather_from_tensor_model_parallel_region")
+            self.cross_entropy = parallel.VocabParallelCrossEntropy()
         self.causal_bias = additive_mask(np.triu(np.ones((1, 1, cfg.seq_length, cfg.seq_length), bool), 1))
 
     def logits(self, x):
@@ -334,9 +328,7 @@ class GPTModel(nn.Cell):
             return _cast(self.output_layer(x), F32)
         weight = self.word_embeddings.weight
         if self.tp > 1:
-            import parallel
-            x = (parallel.gather_from_sequence_parallel_region(x) if self.sequence_parallel
-                 else parallel.copy_to_tensor_model_parallel_region(x))
+            x = self.enter_logits(x)                                          # [s, b, h]
         return _cast(linear(x, _cast(weight, x.dtype)), F32)
 
     def construct(self, x, position_ids, attention_mask=None, labels=None, loss_mask=None):
@@ -347,8 +339,7 @@ class GPTModel(nn.Cell):
                 x = x + ops.gather(self.position_embeddings, position_ids, 0)
             x = x.transpose(1, 0, 2)                                          # [s, b, h]
             if self.sequence_parallel:
-                import parallel
-                x = parallel.scatter_to_sequence_parallel_region(x)          # [s/tp, b, h]
+                x = self.scatter_sequence(x)                                  # [s/tp, b, h]
             x = _cast(self.embedding_dropout(x), self.dtype)
         s = position_ids.shape[1]
         rope = None
@@ -371,11 +362,9 @@ class GPTModel(nn.Cell):
             return x
         logits = self.logits(self.final_layernorm(x))                         # [s, b, V/tp]
         if self.tp > 1:
-            import parallel
             if labels is None:
-                return parallel.gather_from_tensor_model_parallel_region(logits).transpose(1, 0, 2)
-            losses = parallel.vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                           labels.T.reshape(-1))
+                return self.gather_logits(logits).transpose(1, 0, 2)
+            losses = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
         elif labels is None:
             return logits.transpose(1, 0, 2)
         else:
@@ -385,16 +374,24 @@ class GPTModel(nn.Cell):
 
 
 class Compiled(nn.Cell):
-    """`model` with its construct compiled by ms.jit into one graph (and so its backward too):
-    on CPU 2-3x faster than op-by-op PyNative. Dropout is not allowed inside: its masks come from
-    host RNG streams, which a graph cannot call, so train.py runs dropout models eagerly."""
+    """`model` compiled by ms.jit into one graph (and so its backward too): on CPU 2-3x faster
+    than op-by-op PyNative, tensor-parallel collectives included. Dropout is not allowed inside:
+    its masks come from host RNG streams, which a graph cannot call, so train.py runs dropout
+    models eagerly. The collectives of each compiled graph (one per input shapes, with or
+    without gradients) are counted in parallel.ledger on every call."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
+        self.graph_collectives = {}
+
+    def construct(self, *inputs):
+        key = (_pynative_executor.requires_grad(),
+               tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs))
+        return parallel.ledger.run_compiled(self.graph_collectives, key, lambda: self.graph(*inputs))
 
     @ms.jit
-    def construct(self, *inputs):
+    def graph(self, *inputs):
         return self.model(*inputs)
 
 
@@ -433,10 +430,7 @@ def init_weights(model, seed):
     master weight and keeps this rank's slice, so every layout starts from the same model. The
     output layer of a stage without the embedding starts as a copy of the word embedding when
     the two are tied."""
-    tp_rank = 0
-    if model.tp > 1:
-        import parallel
-        tp_rank = parallel.get_state().tp_rank
+    tp_rank = parallel.get_state().tp_rank if model.tp > 1 else 0
     for name, p in model.parameters_and_names():
         gname = global_name(name, model.layer_offset)
         if model.tied and gname == "output_layer.weight":

@@ -13,20 +13,21 @@ Mappings (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequen
 Each is an nn.Cell with a custom `bprop`, the way autograd goes through a collective in MindSpore.
 Activations are [s, b, h] (sequence first), so sequence parallelism splits dim 0.
 
-On CPU (MCCL) only all_reduce, all_gather(list) and broadcast exist; `Comm` builds
-all-gather-into-tensor, reduce-scatter and point-to-point exchange from them.
+One communication path serves the model op by op and compiled by ms.jit: `Collectives`, a Cell
+per process group. On CPU only the AllReduce primitive compiles (sum, on any group), so all-gather
+is an AllReduce of a zero buffer holding this rank's slice and reduce-scatter an AllReduce that
+keeps this rank's slice; HCCL/NCCL use their native AllGather and ReduceScatter. Pipeline
+exchanges and broadcasts run between compiled calls, with mint.distributed.
 """
 import os
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import mindspore as ms
 import mindspore.mint.distributed as dist
 from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.communication import create_group, get_rank, init
-
-import gpt
+from mindspore.ops import constexpr
 
 F32 = ms.float32
 
@@ -155,24 +156,38 @@ def group_ranks(group):
     return _GROUPS[group][1]
 
 
-def group_rank(group):
-    return group_ranks(group).index(get_state().rank)
-
-
 # ============================================================================ communication
 class Ledger:
-    """Calls and payload bytes (of the input tensor) per (group kind, op)."""
+    """Calls and payload bytes (of the input tensor) per (group kind, op).
+
+    Every collective calls `_record`. Op by op that adds to the ledger at once. Inside ms.jit it
+    runs once, while MindSpore compiles the graph (shapes are known then); gpt.Compiled captures
+    those entries per graph and adds them on every call of it, so the counts stay exact."""
 
     def __init__(self):
         self.entries = {}
+        self.capture = None           # a list while a graph is being compiled
 
     def reset(self):
         self.entries = {}
 
-    def add(self, group, op, t):
-        key = (_GROUPS[group][0], op)
-        calls, nbytes = self.entries.get(key, (0, 0))
-        self.entries[key] = (calls + 1, nbytes + t.nbytes)
+    def add(self, kind, op, nbytes, calls=1):
+        old_calls, old_bytes = self.entries.get((kind, op), (0, 0))
+        self.entries[(kind, op)] = (old_calls + calls, old_bytes + nbytes * calls)
+
+    def run_compiled(self, graph_entries, key, run):
+        """run() calls a compiled graph; graph_entries[key] keeps the collectives recorded when
+        it was compiled, and they are added to the ledger on every call."""
+        self.capture = []
+        try:
+            out = run()
+        finally:
+            captured, self.capture = self.capture, None
+        if captured or key not in graph_entries:       # compiled now (maybe without collectives)
+            graph_entries[key] = captured
+        for kind, op, nbytes in graph_entries[key]:
+            self.add(kind, op, nbytes)
+        return out
 
     def counts(self):
         return dict(self.entries)
@@ -184,72 +199,122 @@ class Ledger:
         return "\n".join(lines)
 
 
+ledger = Ledger()
+
+
+@constexpr
+def _record(kind, op, shape, dtype):
+    """Count one collective: at run time op by op, at compile time inside ms.jit (a constexpr)."""
+    entry = (kind, op, int(np.prod(shape)) * np.dtype(ms.dtype_to_nptype(dtype)).itemsize)
+    if ledger.capture is not None:
+        ledger.capture.append(entry)
+    else:
+        ledger.add(*entry)
+
+
+class Collectives(nn.Cell):
+    """Out-of-place collectives on one process group, the same code op by op and inside ms.jit.
+    A one-rank group returns its input."""
+
+    def __init__(self, group, size, rank, kind):
+        super().__init__()
+        self.kind, self.size, self.rank = kind, size, rank
+        self.native = ms.get_context("device_target") != "CPU"
+        live = size > 1 and group is not None
+        self.sum = ops.AllReduce(group=group) if live else None
+        if live and self.native:
+            self.max = ops.AllReduce(ops.ReduceOp.MAX, group=group)
+            self.gather = ops.AllGather(group=group)
+            self.scatter = ops.ReduceScatter(group=group)
+
+    def all_reduce(self, x):
+        if self.size == 1:
+            return x
+        _record(self.kind, "all_reduce", x.shape, x.dtype)
+        return self.sum(x)
+
+    def all_reduce_max(self, x):
+        """Elementwise max over the group; on CPU the max of the all-gathered values."""
+        if self.size == 1:
+            return x
+        _record(self.kind, "all_reduce", x.shape, x.dtype)
+        if self.native:
+            return self.max(x)
+        return self._gather(x.expand_dims(0), 0).max(axis=0)
+
+    def all_gather(self, x, dim=0):
+        """[.., d, ..] on each of n ranks -> [.., n*d, ..], in group-rank order."""
+        if self.size == 1:
+            return x
+        _record(self.kind, "all_gather", x.shape, x.dtype)
+        return self._gather(x, dim % x.ndim)
+
+    def _gather(self, x, dim):
+        if self.native:
+            out = self.gather(x)                                        # [n*d, ..]
+            return out if dim == 0 else ops.cat(ops.chunk(out, self.size, 0), dim)
+        pieces = [x if i == self.rank else ops.zeros_like(x) for i in range(self.size)]
+        return self.sum(ops.cat(pieces, dim))
+
+    def reduce_scatter(self, x, dim=0):
+        """[.., n*d, ..] on each of n ranks -> this rank's [.., d, ..] slice of the sum."""
+        if self.size == 1:
+            return x
+        _record(self.kind, "reduce_scatter", x.shape, x.dtype)
+        dim = dim % x.ndim
+        if self.native:
+            src = x if dim == 0 else ops.cat(ops.chunk(x, self.size, dim), 0)     # [n*.., d, ..]
+            return self.scatter(src)
+        return ops.split(self.sum(x), x.shape[dim] // self.size, dim)[self.rank]
+
+
+_COLLECTIVES = {}
+
+
+def collectives(group=None):
+    """The Collectives Cell of a group named by this module (default: the current TP group), one
+    per group and process. A model built for a rank of another layout (checkpoint conversion
+    builds them all in one process) gets one that holds no primitives: it is never run."""
+    state = get_state()
+    group = state.tp_group if group is None else group
+    if group not in _GROUPS:
+        return Collectives(None, state.tp, state.tp_rank, "tp")
+    if group not in _COLLECTIVES:
+        kind, ranks = _GROUPS[group]
+        _COLLECTIVES[group] = Collectives(group, len(ranks), ranks.index(state.rank), kind)
+    return _COLLECTIVES[group]
+
+
 class Comm:
-    """Out-of-place collectives on named groups. mint.distributed works in place, so every call
-    hands it a copy or a fresh buffer. `fallback` (CPU, or forced) builds the collectives MCCL
-    lacks from all_reduce, all_gather(list) and broadcast; HCCL/NCCL use the native ones."""
-
-    def __init__(self, force_fallback=False):
-        self.force_fallback = force_fallback
-        self.ledger = Ledger()
-
-    @property
-    def fallback(self):
-        return self.force_fallback or ms.get_context("device_target") == "CPU"
+    """Collectives called between compiled graphs (gradient reduction, the distributed
+    optimizer, pipeline hops), by group name: all_reduce, all_gather and reduce_scatter are the
+    model's Collectives; broadcast and the pipeline's point-to-point exchange use mint.distributed
+    (on CPU an exchange is one all_gather over the two ranks' pair group)."""
 
     def all_reduce(self, t, group, op="sum"):
-        if len(group_ranks(group)) == 1:
-            return t
-        self.ledger.add(group, "all_reduce", t)
-        out = t.copy()
-        dist.all_reduce(out, op=op, group=group)
-        return out
+        c = collectives(group)
+        return c.all_reduce_max(t) if op == "max" else c.all_reduce(t)
 
     def all_gather(self, t, group, dim=0):
-        """[.., d, ..] on each of n ranks -> [.., n*d, ..], in group-rank order."""
-        n = len(group_ranks(group))
-        if n == 1:
-            return t
-        self.ledger.add(group, "all_gather", t)
-        dim = dim % t.ndim
-        if self.fallback:
-            bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(n)]
-            dist.all_gather(bufs, t, group=group)
-            return mint.cat(bufs, dim)
-        out = mint.zeros((n * t.shape[0],) + t.shape[1:], dtype=t.dtype)
-        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-        return out if dim == 0 else mint.cat(mint.chunk(out, n, 0), dim)
+        return collectives(group).all_gather(t, dim)
 
     def reduce_scatter(self, t, group, dim=0):
-        """[.., n*d, ..] on each of n ranks -> this rank's [.., d, ..] slice of the sum."""
-        n = len(group_ranks(group))
-        if n == 1:
-            return t
-        self.ledger.add(group, "reduce_scatter", t)
-        dim, chunk = dim % t.ndim, t.shape[dim] // n
-        if self.fallback:
-            total = t.copy()
-            dist.all_reduce(total, group=group)
-            return total.narrow(dim, group_rank(group) * chunk, chunk).contiguous()
-        src = t if dim == 0 else mint.cat(mint.chunk(t, n, dim), 0)      # [n*.., d, ..]
-        out = mint.zeros((src.shape[0] // n,) + src.shape[1:], dtype=t.dtype)
-        dist.reduce_scatter_tensor(out, src.contiguous(), group=group)
-        return out
+        return collectives(group).reduce_scatter(t, dim)
 
     def broadcast(self, t, src_global_rank, group):
         if len(group_ranks(group)) == 1:
             return t
-        self.ledger.add(group, "broadcast", t)
+        _record(_GROUPS[group][0], "broadcast", t.shape, t.dtype)
         out = t.copy()
         dist.broadcast(out, src=src_global_rank, group=group)
         return out
 
     def exchange(self, t, peer_global_rank):
         """Send t to the peer and return the peer's same-shape tensor (Megatron's
-        send_forward_recv_backward), on the two ranks' pair group: one all_gather on CPU."""
+        send_forward_recv_backward), on the two ranks' pair group."""
         group = get_state().pair_groups[peer_global_rank]
-        self.ledger.add(group, "exchange", t)
-        if self.fallback:
+        _record("pp_pair", "exchange", t.shape, t.dtype)
+        if ms.get_context("device_target") == "CPU":
             bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(2)]
             dist.all_gather(bufs, t, group=group)
             return bufs[group_ranks(group).index(peer_global_rank)]
@@ -265,71 +330,71 @@ comm = Comm()
 
 
 # ============================================================================ mappings (f, g)
-def _slice(x, dim, group):
-    """This rank's contiguous 1/n of x along dim."""
-    dim = dim % x.ndim
-    chunk = x.shape[dim] // len(group_ranks(group))
-    return x.narrow(dim, group_rank(group) * chunk, chunk).contiguous()
+# Each mapping is (forward, backward), functions (collectives, x, dim) -> tensor.
+def _identity(c, x, dim):
+    return x
 
 
-def _identity(t, group):
-    return t
+def _all_reduce(c, x, dim):
+    return c.all_reduce(x)
 
 
-def _all_reduce(t, group):
-    return comm.all_reduce(t, group)
+def _all_gather(c, x, dim):               # [.., d, ..] -> [.., n*d, ..]
+    return c.all_gather(x, dim)
 
 
-def _reduce_scatter(t, group):                # [s, b, h] -> [s/n, b, h], summed
-    return comm.reduce_scatter(t, group, dim=0)
+def _reduce_scatter(c, x, dim):           # [.., n*d, ..] -> [.., d, ..], summed
+    return c.reduce_scatter(x, dim)
 
 
-def _all_gather(dim):                         # [.., d, ..] -> [.., n*d, ..]
-    return lambda t, group: comm.all_gather(t, group, dim)
+def _keep_own(c, x, dim):                 # [.., n*d, ..] -> [.., d, ..], no communication
+    return ops.split(x, x.shape[dim] // c.size, dim)[c.rank]
 
 
-def _keep_own(dim):                           # [.., n*d, ..] -> [.., d, ..], no communication
-    return lambda t, group: _slice(t, dim, group)
+# Megatron's names (megatron/core/tensor_parallel/mappings.py): (forward, backward, dim)
+MAPPINGS = {
+    "copy_to_tensor_model_parallel_region": (_identity, _all_reduce, 0),                 # f
+    "reduce_from_tensor_model_parallel_region": (_all_reduce, _identity, 0),             # g
+    "gather_from_tensor_model_parallel_region": (_all_gather, _keep_own, -1),
+    "scatter_to_tensor_model_parallel_region": (_keep_own, _all_gather, -1),
+    "scatter_to_sequence_parallel_region": (_keep_own, _all_gather, 0),
+    "gather_from_sequence_parallel_region": (_all_gather, _reduce_scatter, 0),           # f~
+    "reduce_scatter_to_sequence_parallel_region": (_reduce_scatter, _all_gather, 0),     # g~
+}
 
 
-class _Mapping(nn.Cell):
-    """Megatron's autograd functions: `fwd` in construct, `bwd` on the gradient in bprop."""
+class Mapping(nn.Cell):
+    """One of Megatron's autograd functions: `forward` in construct, `backward` on the gradient
+    in bprop, over `group` (default: the current TP group); identity for one rank.
+    Call each instance once per model pass: inside ms.jit (MindSpore 2.10) two calls of one
+    custom-bprop Cell in a graph get wrong gradients, so every call site owns its Mapping."""
 
-    def __init__(self, fwd, bwd, group):
+    def __init__(self, name, group=None):
         super().__init__()
-        self.fwd, self.bwd, self.group = fwd, bwd, group
+        self.name = name
+        self.fwd, self.bwd, self.dim = MAPPINGS[name]
+        self.comm = collectives(group)
 
     def construct(self, x):
-        return self.fwd(x, self.group)
+        return self.fwd(self.comm, x, self.dim % x.ndim)
 
     def bprop(self, x, out, dout):
-        return (self.bwd(dout, self.group),)
-
-
-_CELLS = {}
-
-
-def _mapping(fwd, bwd, x, group=None):
-    """Apply a mapping over `group` (default: the current TP group); identity for one rank."""
-    group = group or get_state().tp_group
-    if len(group_ranks(group)) == 1:
-        return x
-    if (fwd, bwd, group) not in _CELLS:
-        _CELLS[(fwd, bwd, group)] = _Mapping(fwd, bwd, group)
-    return _CELLS[(fwd, bwd, group)](x)
-
-
-# Megatron's names, each (x, group=None) -> tensor; partial(_mapping, forward, backward).
-copy_to_tensor_model_parallel_region = partial(_mapping, _identity, _all_reduce)          # f
-reduce_from_tensor_model_parallel_region = partial(_mapping, _all_reduce, _identity)      # g
-gather_from_tensor_model_parallel_region = partial(_mapping, _all_gather(-1), _keep_own(-1))
-scatter_to_tensor_model_parallel_region = partial(_mapping, _keep_own(-1), _all_gather(-1))
-scatter_to_sequence_parallel_region = partial(_mapping, _keep_own(0), _all_gather(0))
-gather_from_sequence_parallel_region = partial(_mapping, _all_gather(0), _reduce_scatter)      # f~
-reduce_scatter_to_sequence_parallel_region = partial(_mapping, _reduce_scatter, _all_gather(0))  # g~
+        return (self.bwd(self.comm, dout, self.dim % dout.ndim),)
 
 
 # ============================================================================ layers
+_matmul_nt = ops.MatMul(transpose_b=True)          # x [n, in] @ W[out, in]^T, no transpose copy
+
+
+def linear(x, weight, bias=None):
+    """x [..., in] -> [..., out]. A 2-D MatMul plus BiasAdd: on CPU 3x faster than ops.dense on
+    3-D input, and BiasAdd 4x faster than a broadcasting `+ bias`."""
+    y = _matmul_nt(x.reshape(-1, x.shape[-1]), weight)                # [n, out]
+    if bias is not None:
+        y = ops.bias_add(y, bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def shard(full, dim, rank, size, chunks=1):
     """This rank's slice of a full master weight along dim. With chunks > 1 (fc1's [gate; up])
     each of the `chunks` blocks is split separately and the slices are concatenated."""
@@ -358,19 +423,16 @@ class ColumnParallelLinear(nn.Cell):
         if out_features % (state.tp * chunks):
             raise ValueError(f"output size {out_features} is not divisible by tp*chunks = "
                              f"{state.tp * chunks}")
-        self.group, self.gather_output = state.tp_group, gather_output
-        self.sequence_parallel = sequence_parallel
+        self.enter = Mapping("gather_from_sequence_parallel_region" if sequence_parallel
+                             else "copy_to_tensor_model_parallel_region")        # f~ or f
+        self.gather_output = Mapping("gather_from_tensor_model_parallel_region") if gather_output else None
         self.weight = _param((out_features // state.tp, in_features), "weight", 0, chunks)
         self.bias = _param((out_features // state.tp,), "bias", 0, chunks) if bias else None
 
     def construct(self, x):
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)     # [s, b, in]
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.group)
-        y = gpt.linear(x, self.weight, self.bias)                        # [s, b, out/tp]
-        if self.gather_output:
-            y = gather_from_tensor_model_parallel_region(y, self.group)  # [s, b, out]
+        y = linear(self.enter(x), self.weight, self.bias)               # [s, b, out/tp]
+        if self.gather_output is not None:
+            y = self.gather_output(y)                                    # [s, b, out]
         return y
 
 
@@ -387,20 +449,17 @@ class RowParallelLinear(nn.Cell):
             raise ValueError(f"input size {in_features} is not divisible by tp = {state.tp}")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel=True")
-        self.group, self.input_is_parallel = state.tp_group, input_is_parallel
-        self.sequence_parallel = sequence_parallel
+        self.scatter_input = None if input_is_parallel else Mapping("scatter_to_tensor_model_parallel_region")
+        self.reduce = Mapping("reduce_scatter_to_sequence_parallel_region" if sequence_parallel
+                              else "reduce_from_tensor_model_parallel_region")   # g~ or g
         self.weight = _param((out_features, in_features // state.tp), "weight", 1)
         self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel) \
             if bias else None
 
     def construct(self, x):
-        if not self.input_is_parallel:
-            x = scatter_to_tensor_model_parallel_region(x, self.group)   # [s, b, in/tp]
-        y = gpt.linear(x, self.weight)                                   # [s, b, out] partial
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # [s/tp, b, out]
-        else:
-            y = reduce_from_tensor_model_parallel_region(y, self.group)
+        if self.scatter_input is not None:
+            x = self.scatter_input(x)                                    # [s, b, in/tp]
+        y = self.reduce(linear(x, self.weight))                          # [s, b, out] or [s/tp, b, out]
         if self.bias is None:
             return y
         return ops.bias_add(y.reshape(-1, y.shape[-1]), self.bias).reshape(y.shape)
@@ -416,57 +475,44 @@ class VocabParallelEmbedding(nn.Cell):
         if num_embeddings % state.tp:
             raise ValueError(f"vocabulary {num_embeddings} is not divisible by tp = {state.tp}")
         per_rank = num_embeddings // state.tp
-        self.group, self.tp = state.tp_group, state.tp
         self.start, self.end = state.tp_rank * per_rank, (state.tp_rank + 1) * per_rank
+        self.reduce = Mapping("reduce_from_tensor_model_parallel_region")
         self.weight = _param((per_rank, embedding_dim), "weight", 0)
 
     def construct(self, ids):
-        if self.tp == 1:
-            return ops.gather(self.weight, ids, 0)
         outside = (ids < self.start) | (ids >= self.end)                 # [b, s]
         local = ops.where(outside, ops.zeros_like(ids), ids - self.start)
         emb = ops.gather(self.weight, local, 0)                          # [b, s, h]
-        emb = ops.masked_fill(emb, outside.expand_dims(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(emb, self.group)
+        emb = emb * (~outside).astype(emb.dtype).expand_dims(-1)
+        return self.reduce(emb)
 
 
-class _VocabParallelCrossEntropy(nn.Cell):
-    """Megatron's vocab-parallel cross-entropy: three all-reduces forward (MAX of the row max,
-    SUM of the target logit, SUM of exp), none backward. Returns (loss [n], logsumexp [n]); the
-    second output is kept for bprop, which rebuilds the softmax from it."""
+def _vocab_target(logits, labels, rank):
+    """(local target index [n], mask [n] True where the label is on another rank) for this
+    rank's logits [n, V/tp]."""
+    per_rank = logits.shape[-1]
+    start = rank * per_rank
+    outside = (labels < start) | (labels >= start + per_rank)
+    return ops.where(outside, ops.zeros_like(labels), labels - start), outside
 
-    def __init__(self, group):
+
+class VocabParallelCrossEntropy(nn.Cell):
+    """Megatron's vocab-parallel cross-entropy from this rank's logits [n, V/tp] (fp32) and the
+    labels [n] (int32) -> loss [n]: three all-reduces forward (MAX of the row max, SUM of exp,
+    SUM of the target logit), none backward. The sums go through g (identity backward), so
+    autodiff yields Megatron's backward, softmax - one_hot on this rank's columns; the max only
+    keeps exp in range and carries no gradient."""
+
+    def __init__(self, group=None):
         super().__init__()
-        self.group = group
-
-    def _target(self, logits, labels):
-        """(local target index [n], mask [n] True where the label is on another rank)."""
-        per_rank = logits.shape[-1]
-        start = group_rank(self.group) * per_rank
-        outside = (labels < start) | (labels >= start + per_rank)
-        return ops.where(outside, ops.zeros_like(labels), labels - start), outside
+        self.comm = collectives(group)
+        self.reduce_sum_exp = Mapping("reduce_from_tensor_model_parallel_region", group)
+        self.reduce_target = Mapping("reduce_from_tensor_model_parallel_region", group)
 
     def construct(self, logits, labels):
-        row_max = comm.all_reduce(logits.max(axis=-1), self.group, op="max")        # [n]
-        z = logits - row_max.expand_dims(-1)                                         # [n, V/tp]
-        local, outside = self._target(logits, labels)
-        predicted = ops.gather_elements(z, 1, local.expand_dims(-1)).squeeze(-1)     # [n]
-        predicted = comm.all_reduce(ops.masked_fill(predicted, outside, 0.0), self.group)
-        sum_exp = comm.all_reduce(ops.exp(z).sum(-1), self.group)                   # [n]
-        log_sum_exp = ops.log(sum_exp)
-        return log_sum_exp - predicted, row_max + log_sum_exp
-
-    def bprop(self, logits, labels, out, dout):
-        softmax = ops.exp(logits - out[1].expand_dims(-1))                           # [n, V/tp]
-        local, outside = self._target(logits, labels)
-        one_hot = ops.one_hot(local, logits.shape[-1], Tensor(1.0, F32), Tensor(0.0, F32))
-        one_hot = one_hot * (~outside).astype(F32).expand_dims(-1)
-        return (softmax - one_hot) * dout[0].expand_dims(-1), ops.zeros_like(labels)
-
-
-def vocab_parallel_cross_entropy(logits, labels, group=None):
-    """Per-token loss [n] from this rank's logits [n, V/tp] (fp32) and labels [n] (int32)."""
-    group = group or get_state().tp_group
-    if (_VocabParallelCrossEntropy, group) not in _CELLS:
-        _CELLS[(_VocabParallelCrossEntropy, group)] = _VocabParallelCrossEntropy(group)
-    return _CELLS[(_VocabParallelCrossEntropy, group)](logits, labels)[0]
+        row_max = self.comm.all_reduce_max(ops.stop_gradient(logits.max(axis=-1)))      # [n]
+        z = logits - row_max.expand_dims(-1)                                             # [n, V/tp]
+        local, outside = _vocab_target(logits, labels, self.comm.rank)
+        predicted = ops.gather_elements(z, 1, local.expand_dims(-1)).squeeze(-1)         # [n]
+        predicted = predicted * (~outside).astype(z.dtype)
+        return ops.log(self.reduce_sum_exp(ops.exp(z).sum(-1))) - self.reduce_target(predicted)

@@ -29,8 +29,8 @@ import pipeline
 import train
 from config import ConfigError, load_config
 from gpt import DropoutRNG, GPTModel, generate, init_weights
-from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, comm,
-                      rank_groups, shard, vocab_parallel_cross_entropy)
+from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
+                      VocabParallelEmbedding, comm, ledger, rank_groups, shard)
 from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, OptimizerParamScheduler,
                        SGD, build_optimizer, clip_grad_norm, clip_grads_by_global_norm,
                        clip_grads_by_value, grad_norm_sq)
@@ -1341,7 +1341,7 @@ def check_comm(c, state, kind, group):
     ranks = parallel.group_ranks(group)
     n, i, me = len(ranks), ranks.index(state.rank), state.rank
     x = lambda r, *shape: rand(1000 + r, *shape)               # rank r's input
-    comm.ledger.reset()
+    ledger.reset()
     t = Tensor(x(me, 2, 3, 4))                                 # 96 bytes
     c.close(f"{kind} all_gather dim 0", comm.all_gather(t, group, 0),
             np.concatenate([x(r, 2, 3, 4) for r in ranks], 0))
@@ -1360,19 +1360,19 @@ def check_comm(c, state, kind, group):
     c(f"{kind} input unchanged", np.array_equal(t.asnumpy(), x(me, 2, 3, 4)))
     expected = {(kind, "all_gather"): (2, 2 * 96), (kind, "reduce_scatter"): (2, 2 * n * 96),
                 (kind, "all_reduce"): (2, 2 * 96), (kind, "broadcast"): (1, 96)}
-    c(f"{kind} ledger", comm.ledger.counts() == expected, f"{comm.ledger.counts()} != {expected}")
+    c(f"{kind} ledger", ledger.counts() == expected, f"{ledger.counts()} != {expected}")
     if state.rank == ranks[0] and kind == "tp":
-        print(comm.ledger.report(), flush=True)
+        print(ledger.report(), flush=True)
 
 
 def check_exchange(c, state):
-    comm.ledger.reset()
+    ledger.reset()
     for peer in state.pair_groups:
         got = comm.exchange(Tensor(rand(2000 + state.rank, 3, 5)), peer)
         c.close(f"exchange with rank {peer}", got, rand(2000 + peer, 3, 5))
     k = len(state.pair_groups)
     want = {("pp_pair", "exchange"): (k, k * 60)} if k else {}
-    c("exchange ledger", comm.ledger.counts() == want, str(comm.ledger.counts()))
+    c("exchange ledger", ledger.counts() == want, str(ledger.counts()))
 
 
 # ============================================================================ layers
@@ -1407,26 +1407,26 @@ def load_full_weights(dense, par, state, seed):
 
 
 def check_layer(c, state, label, dense, par, x, in_dim=None, out_dim=None, out_chunks=1,
-                float_input=True, ledger=None):
+                float_input=True, expected=None):
     """Forward and gradients of `par` against `dense` on loss = sum(out * R). in_dim / out_dim:
     the dimension along which the parallel input / output is this rank's slice (None = full).
-    ledger: the expected ((forward counts), (backward counts)) of comm's ledger."""
+    expected: ((forward counts), (backward counts)) of parallel.ledger."""
     tp, r = state.tp, state.tp_rank
     cut = lambda a, dim, chunks=1: a if dim is None else shard(a, dim, r, tp, chunks)
     load_full_weights(dense, par, state, seed=7)
     y_dense = dense(Tensor(x)).asnumpy()
     weights = np.random.default_rng(8).standard_normal(y_dense.shape).astype(np.float32)
     x_par = Tensor(cut(x, in_dim))
-    comm.ledger.reset()
+    ledger.reset()
     c.close(f"{label} forward", par(x_par), cut(y_dense, out_dim, out_chunks))
-    forward = comm.ledger.counts()
+    forward = ledger.counts()
     position = 0 if float_input else None
     dense_loss = lambda inp: (dense(inp) * Tensor(weights)).sum()
     par_loss = lambda inp: (par(inp) * Tensor(cut(weights, out_dim, out_chunks))).sum()
     g_dense = ms.grad(dense_loss, position, dense.trainable_params())(Tensor(x))
-    comm.ledger.reset()
+    ledger.reset()
     g_par = ms.grad(par_loss, position, par.trainable_params())(x_par)
-    total = comm.ledger.counts()
+    total = ledger.counts()
     if float_input:
         c.close(f"{label} d_input", g_par[0], cut(g_dense[0].asnumpy(), in_dim))
         g_dense, g_par = g_dense[1], g_par[1]
@@ -1437,11 +1437,11 @@ def check_layer(c, state, label, dense, par, x, in_dim=None, out_dim=None, out_c
         if hasattr(p, "partition_dim"):
             want = shard(want, p.partition_dim, r, tp, p.partition_chunks)
         c.close(f"{label} d_{name}", gp, want)
-    if ledger is not None:
+    if expected is not None:
         backward = {k: (v[0] - forward.get(k, (0, 0))[0], v[1] - forward.get(k, (0, 0))[1])
                     for k, v in total.items() if v != forward.get(k)}
-        c(f"{label} ledger forward {forward}", forward == ledger[0], f"expected {ledger[0]}")
-        c(f"{label} ledger backward {backward}", backward == ledger[1], f"expected {ledger[1]}")
+        c(f"{label} ledger forward {forward}", forward == expected[0], f"expected {expected[0]}")
+        c(f"{label} ledger backward {backward}", backward == expected[1], f"expected {expected[1]}")
 
 
 def check_layers(c, state):
@@ -1449,28 +1449,30 @@ def check_layers(c, state):
     x = rand(11, S, B, H)
     full, part = S * B * H * 4, S // tp * B * H * 4              # activation bytes, fp32
     check_layer(c, state, "column", gpt.Linear(H, FFN), ColumnParallelLinear(H, FFN), x, out_dim=2,
-                ledger=({}, {("tp", "all_reduce"): (1, full)}))
+                expected=({}, {("tp", "all_reduce"): (1, full)}))
     check_layer(c, state, "column gather_output", gpt.Linear(H, FFN),
                 ColumnParallelLinear(H, FFN, gather_output=True), x)
     check_layer(c, state, "column chunks=2", gpt.Linear(H, FFN),
                 ColumnParallelLinear(H, FFN, chunks=2), x, out_dim=2, out_chunks=2)
     x_wide = rand(12, S, B, FFN)
     check_layer(c, state, "row", gpt.Linear(FFN, H), RowParallelLinear(FFN, H), x_wide, in_dim=2,
-                ledger=({("tp", "all_reduce"): (1, full)}, {}))
+                expected=({("tp", "all_reduce"): (1, full)}, {}))
     check_layer(c, state, "row input_is_parallel=False", gpt.Linear(FFN, H),
                 RowParallelLinear(FFN, H, input_is_parallel=False), x_wide)
     check_layer(c, state, "mlp", MLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)),
                 MLP(ColumnParallelLinear(H, FFN), RowParallelLinear(FFN, H)), x,
-                ledger=({("tp", "all_reduce"): (1, full)}, {("tp", "all_reduce"): (1, full)}))
+                expected=({("tp", "all_reduce"): (1, full)}, {("tp", "all_reduce"): (1, full)}))
     sp = {("tp", "all_gather"): (1, part), ("tp", "reduce_scatter"): (1, full)}
-    check_layer(c, state, "mlp sequence parallel", MLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)),
-                MLP(ColumnParallelLinear(H, FFN, sequence_parallel=True),
-                    RowParallelLinear(FFN, H, sequence_parallel=True)), x, in_dim=0, out_dim=0,
-                ledger=(sp, sp))
+    for compiled in (False, True):                 # the same Cells op by op and under ms.jit
+        sp_mlp = MLP(ColumnParallelLinear(H, FFN, sequence_parallel=True),
+                     RowParallelLinear(FFN, H, sequence_parallel=True))
+        check_layer(c, state, "mlp sequence parallel" + (" compiled" if compiled else ""),
+                    MLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)), gpt.Compiled(sp_mlp) if compiled else sp_mlp,
+                    x, in_dim=0, out_dim=0, expected=(sp, sp))
     ids = np.random.default_rng(13).integers(0, TOY_VOCAB, (B, S)).astype(np.int32)
     check_layer(c, state, "vocab embedding", Embedding(TOY_PADDED_VOCAB, H),
                 VocabParallelEmbedding(TOY_PADDED_VOCAB, H), ids, float_input=False,
-                ledger=({("tp", "all_reduce"): (1, B * S * H * 4)}, {}))
+                expected=({("tp", "all_reduce"): (1, B * S * H * 4)}, {}))
     check_mappings(c, state, x)
     check_cross_entropy(c, state)
 
@@ -1484,7 +1486,7 @@ def check_mappings(c, state, x):
              ("gather_from_sequence_parallel_region", 0, None)]
     for name, in_dim, out_dim in cases:
         cut = lambda a, dim: a if dim is None else shard(a, dim, r, tp)
-        fn = getattr(parallel, name)
+        fn = parallel.Mapping(name)
         c.close(f"{name} forward", fn(Tensor(cut(x, in_dim))), cut(x, out_dim))
         # loss = sum over ranks of sum(out * weights): its gradient is weights, cut like the input
         grad = ms.grad(lambda t: (fn(t) * Tensor(cut(weights, out_dim))).sum())(Tensor(cut(x, in_dim)))
@@ -1504,19 +1506,20 @@ def check_cross_entropy(c, state):
     labels = Tensor(np.random.default_rng(16).integers(0, TOY_VOCAB, n).astype(np.int32))
     weights = Tensor(rand(17, n))
     local = Tensor(shard(logits, 1, state.tp_rank, state.tp))
-    comm.ledger.reset()
-    loss = vocab_parallel_cross_entropy(local, labels)
+    ledger.reset()
+    cross_entropy = VocabParallelCrossEntropy()
+    loss = cross_entropy(local, labels)
     c.close("vocab cross-entropy forward", loss, dense_cross_entropy(Tensor(logits), labels).asnumpy())
     err = float(np.abs(loss.asnumpy() - gpt.cross_entropy(Tensor(logits), labels).asnumpy()).max())
     c("vocab cross-entropy = gpt.cross_entropy (log_softmax) to 1e-5", err <= 1e-5, f"{err:.2e}")
-    c("vocab cross-entropy ledger forward", comm.ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)},
-      str(comm.ledger.counts()))
+    c("vocab cross-entropy ledger forward", ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)},
+      str(ledger.counts()))
     want = ms.grad(lambda z: (dense_cross_entropy(z, labels) * weights).sum())(Tensor(logits))
-    comm.ledger.reset()
-    got = ms.grad(lambda z: (vocab_parallel_cross_entropy(z, labels) * weights).sum())(local)
+    ledger.reset()
+    got = ms.grad(lambda z: (cross_entropy(z, labels) * weights).sum())(local)
     c.close("vocab cross-entropy d_logits", got, shard(want.asnumpy(), 1, state.tp_rank, state.tp))
     c("vocab cross-entropy ledger backward (3 forward, none backward)",
-      comm.ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)}, str(comm.ledger.counts()))
+      ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)}, str(ledger.counts()))
 
 
 # ============================================================================ driver
@@ -1593,7 +1596,6 @@ def run_checks(world):
     c = Checks(state.rank)
     c(f"world size {state.world_size}", state.world_size == world)
     check_rank_groups(c)
-    c("CPU uses the fallback collectives", comm.fallback and parallel.Comm(force_fallback=True).fallback)
     for tp, cp, pp in layouts(world):
         state = parallel.initialize_model_parallel(tp=tp, pp=pp, cp=cp)
         print(f"[rank {state.rank}] layout tp={tp} cp={cp} pp={pp} dp={state.dp}", flush=True)

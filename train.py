@@ -213,9 +213,8 @@ class Trainer:
         self.counted = [(hasattr(p, "partition_dim") or self.state.tp_rank == 0)
                         and not (tied_copy and n == "output_layer.weight") for n, p in named]
         m = cfg.model_config
-        # ms.jit cannot compile host RNG calls (dropout) nor the collectives inside TP layers.
-        self.compiled = (cfg.training_config.use_jit and self.state.tp == 1
-                         and not (m.hidden_dropout_rate or m.attention_dropout_rate))
+        # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
+        self.compiled = cfg.training_config.use_jit and not (m.hidden_dropout_rate or m.attention_dropout_rate)
         self.pipeline = (pipeline.PipelineRunner(self.chunks, self.state, self.compiled)
                          if self.state.pp > 1 else None)
         seq = m.seq_length // self.state.tp if m.sequence_parallel else m.seq_length
@@ -250,7 +249,7 @@ class Trainer:
 
     def train_step(self, micro_batches):
         """Returns (mean loss over micro-batches, grads finite, lr used)."""
-        parallel.comm.ledger.reset()
+        parallel.ledger.reset()
         m = len(micro_batches)
         self.set_train(True)
         losses, acc = self.forward_backward(micro_batches)
@@ -360,7 +359,7 @@ def pretrain(cfg):
              + (f" (1/{trainer.dp_size} of the moments and fp32 master weights)" if trainer.distributed else
                 " (moments; the fp32 weights are the model's)"))
     log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
-             + (": dropout or tensor-parallel collectives inside" if t.use_jit else ""))
+             + (": dropout inside" if t.use_jit else ""))
     if trainer.pipeline is not None:
         log.info(f"pipeline stage {state.pp_rank}: " + ", ".join(
             f"chunk {c} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
@@ -434,7 +433,7 @@ def report_pipeline_trace(cfg, trainer):
 
 def ledger_line():
     """This step's collectives so far: `kind op calls bytes` per (group kind, op)."""
-    counts = parallel.comm.ledger.counts()
+    counts = parallel.ledger.counts()
     return ", ".join(f"{kind} {op} {calls} {nbytes}" for (kind, op), (calls, nbytes) in sorted(counts.items())) \
         or "none"
 
