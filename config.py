@@ -52,6 +52,23 @@ SCHEMA = {
         "use_jit": (True, bool, None),                # compile the model with ms.jit when it has no dropout
         "log_comm_ledger": (False, bool, None),       # log each step's collectives per group: calls, bytes
         "pipeline_trace": (False, bool, None),        # time the last step's pipeline passes: timeline + bubble
+        "profile": (False, bool, None),               # MindSpore profiler over the steps below
+        "profile_save_path": (None, str, None),       # null = <output_dir>/profile; traces in rank_N/
+        "profile_step_start": (1, int, None),         # first profiled step (Step: as logged)
+        "profile_step_end": (5, int, None),           # profiling stops before this step
+        "profile_ranks": ([0], list, None),           # Megatron --profile-ranks; null = every rank
+        "profile_level": ("level0", str, ("level0", "level1", "level2")),
+        # collected by the Ascend/GPU profiler only; on CPU a value other than the default is named
+        # in one warning line
+        "profile_with_stack": (False, bool, None),
+        "profile_memory": (False, bool, None),
+        "profile_data_process": (False, bool, None),
+        "profile_parallel_strategy": (False, bool, None),
+        "profile_hbm_ddr": (False, bool, None),
+        "profile_pcie": (False, bool, None),
+        "profile_aicore_metrics": (0, int, None),
+        "profile_l2_cache": (False, bool, None),
+        "profile_data_simplification": (True, bool, None),
     },
     "parallel_config": {
         "tensor_model_parallel_size": (1, int, None),
@@ -218,7 +235,15 @@ MEGATRON_FLAGS = {
     "--sequence-parallel": ("parallel_config.sequence_parallel", True),
     "--use-distributed-optimizer": ("training_config.use_distributed_optimizer", True),
     "--ddp-bucket-size": "training_config.bucket_size",
+    "--profile": ("training_config.profile", True),
+    "--profile-step-start": "training_config.profile_step_start",
+    "--profile-step-end": "training_config.profile_step_end",
+    "--profile-ranks": "training_config.profile_ranks",
 }
+# Profiler keys that only the Ascend/GPU profiler collects (the guide's names)
+DEVICE_PROFILE_KEYS = ("profile_level", "profile_with_stack", "profile_memory", "profile_data_process",
+                       "profile_parallel_strategy", "profile_hbm_ddr", "profile_pcie", "profile_aicore_metrics",
+                       "profile_l2_cache", "profile_data_simplification")
 _MEGATRON_OPTIMIZER = {"adam": "AdamW", "sgd": "SGD"}   # Megatron's "adam" is AdamW
 
 
@@ -315,6 +340,11 @@ def parse_overrides(args, raw):
                 inline = args[i]
                 i += 1
             value = yaml.safe_load(inline) if inline != "" else ""
+            if flag == "--profile-ranks" and isinstance(value, int):     # Megatron: --profile-ranks 0 1 ...
+                value = [value]
+                while i < len(args) and args[i].isdigit():
+                    value.append(int(args[i]))
+                    i += 1
             if flag == "--optimizer":
                 value = _MEGATRON_OPTIMIZER.get(str(value).lower(), value)
             if flag in ("--data-path", "--split", "--save", "--load", "--vocab-file", "--merge-file"):
@@ -456,6 +486,22 @@ def _check_pipeline(p, m):
     p.virtual_pipeline_model_parallel_size = vpp
 
 
+def _check_profile(t):
+    """Profiled steps within the run; sets profile_save_path's default."""
+    if t.profile_save_path is None:
+        t.profile_save_path = os.path.join(t.output_dir, "profile")
+    if not t.profile:
+        return
+    if not 1 <= t.profile_step_start < t.profile_step_end:
+        raise ConfigError(f"training_config.profile_step_end={t.profile_step_end} must be after profile_step_start="
+                          f"{t.profile_step_start} (>= 1): profiling stops before step profile_step_end")
+    if t.profile_step_end > t.training_iters + 1:
+        raise ConfigError(f"training_config.profile_step_end={t.profile_step_end} is past the last step "
+                          f"(training_iters={t.training_iters}): lower it to at most {t.training_iters + 1}")
+    if t.profile_ranks is not None and not all(isinstance(r, int) and r >= 0 for r in t.profile_ranks):
+        raise ConfigError(f"training_config.profile_ranks={t.profile_ranks}: give a list of global ranks, e.g. [0, 1]")
+
+
 def finalize(cfg, world_size=1):
     """Derived values and the checks that involve several keys."""
     m, d, t, o, p = (cfg.model_config, cfg.dataset_config, cfg.training_config,
@@ -575,6 +621,7 @@ def finalize(cfg, world_size=1):
     p.data_parallel_size = dp
     if t.eval_iters < 0:
         raise ConfigError("training_config.eval_iters must be >= 0")
+    _check_profile(t)
     c = t.grad_clip_kwargs
     if c.clip_value is not None and c.clip_value < 0:
         raise ConfigError("training_config.grad_clip_kwargs.clip_value must be >= 0 (0 disables clipping)")

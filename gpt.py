@@ -446,6 +446,22 @@ def init_weights(model, seed):
         p.set_data(Tensor(value))
 
 
+def num_floating_point_operations(cfg, batch_size):
+    """Megatron's num_floating_point_operations (megatron/training/training.py): matmul FLOPs of
+    one training iteration of `batch_size` sequences, forward and backward (3 GEMMs per weight:
+    forward, data gradient, weight gradient; 2 FLOPs per multiply-add; Narayanan et al. 2021,
+    appendix). Counts GQA's smaller key/value projections, SwiGLU's third matrix, the full s x s
+    attention scores and the output layer."""
+    h, layers = cfg.hidden_size, cfg.num_layers
+    head_dim = h // cfg.num_attention_heads
+    query_to_hidden = head_dim * cfg.num_attention_heads / h
+    gated = 1.5 if cfg.hidden_act == "swiglu" else 1.0
+    attention = (1 + cfg.num_query_groups / cfg.num_attention_heads + cfg.seq_length / h) * query_to_hidden
+    mlp = cfg.ffn_hidden_size / h * gated
+    logit = cfg.padded_vocab_size / (2 * layers * h)
+    return 12 * batch_size * cfg.seq_length * layers * h * h * (attention + mlp + logit)
+
+
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, vocab_size=None,
              rng=None):
     """Autoregressive sampling from a one-stage model: greedy when temperature == 0, else

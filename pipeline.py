@@ -193,6 +193,7 @@ class PipelineRunner:
         self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
         self.grad_params_only = ops.GradOperation(get_by_list=True, sens_param=True)  # token ids in
         self.plans = {}
+        self.seconds = {"compute": 0.0, "exchange": 0.0}   # this rank's time in passes and in exchanges
         for chunk in self.chunks:
             chunk.set_grad(True)            # record each forward, for its backward to replay
 
@@ -214,13 +215,15 @@ class PipelineRunner:
                 _, peer, out_key, in_key = step
                 # the exchange is symmetric: a rank with nothing to send sends zeros
                 send = outgoing.pop(out_key) if out_key else mint.zeros(hidden_shape, dtype=dtype)
+                start = time.perf_counter()
                 got = parallel.comm.exchange(send, self.peers[peer])   # the sent output is freed here
+                self.seconds["exchange"] += time.perf_counter() - start  # waiting for the peer included
                 if in_key:
                     received[in_key] = got
                 continue
             kind, mb, c = step
             vs = c * self.p + self.rank
-            start = time.time()
+            start, clock = time.time(), time.perf_counter()
             tokens, position_ids, mask, labels, loss_mask = micro_batches[mb]
             if kind == "F":
                 x = tokens if vs == 0 else received.pop(("act", mb, vs))
@@ -244,6 +247,7 @@ class PipelineRunner:
             if trace is not None:
                 ms.runtime.synchronize()              # PyNative is asynchronous: time the real work
                 trace.append((kind, mb, c, start, time.time()))
+            self.seconds["compute"] += time.perf_counter() - clock
         return [float(loss.asnumpy()) for loss in losses], [g for chunk in grads for g in chunk]
 
 
@@ -264,8 +268,12 @@ def all_reduce_tied_embedding(chunks, params, grads, state):
 def gather_trace(trace, state):
     """Every rank's trace of one step, in pipeline-rank order, with times in seconds from the
     earliest pass (time.time() is one clock on one machine; across machines roughly aligned)."""
-    rows = np.array([[0.0 if k == "F" else 1.0, mb, c, s, e] for k, mb, c, s, e in trace], np.float64)
-    gathered = parallel.comm.all_gather(Tensor(rows[None]), state.pp_group, dim=0).asnumpy()
+    # The collectives carry float32: times go as seconds after the first stage's first pass.
+    first = parallel.group_ranks(state.pp_group)[0]
+    origin = float(parallel.comm.broadcast(Tensor([trace[0][3]], ms.float64), first, state.pp_group).asnumpy()[0])
+    rows = np.array([[0.0 if k == "F" else 1.0, mb, c, s - origin, e - origin] for k, mb, c, s, e in trace],
+                    np.float32)
+    gathered = parallel.comm.all_gather(Tensor(rows[None]), state.pp_group, dim=0).asnumpy().astype(np.float64)
     base = gathered[:, :, 3].min()
     return [[("F" if k == 0 else "B", int(mb), int(c), float(s - base), float(e - base))
              for k, mb, c, s, e in ranks] for ranks in gathered]

@@ -5,6 +5,7 @@
 #   bash run.sh test              set up, then the test suite
 #   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags -> <prefix>_text_document.bin/.idx
 #   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
+#   bash run.sh bench ...         tokens/s of one process and the 2-worker layouts, alternating (bench.py)
 #   bash run.sh --nproc 1         the same model and data in one process (about 6 minutes)
 #   bash run.sh [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]   train
 set -euo pipefail
@@ -31,6 +32,10 @@ case "${1:-}" in
   preprocess|generate)
     exec python train.py "$@"
     ;;
+  bench)
+    shift
+    exec python bench.py "$@"
+    ;;
 esac
 
 # ---- training
@@ -47,11 +52,11 @@ default_run=0
 if [ ${#args[@]} -eq 0 ]; then
   default_run=1                 # the default run ends with a sample from the trained model
   if [ -z "$nproc" ]; then
-    # 4 workers: tensor x pipeline parallel with SP, 4 micro-batches of 2 per step (the same 8
-    # sequences as one process); the last step's pipeline timeline is written to output/
+    # 4 workers: tensor x pipeline parallel with SP, compiled; 2 micro-batches of 4 per step (the
+    # same 8 sequences as one process); the last step's pipeline timeline is written to output/
     nproc=4
     args=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
-          --micro-batch-size 2 --global-batch-size 8 training_config.pipeline_trace=true)
+          --micro-batch-size 4 --global-batch-size 8 training_config.pipeline_trace=true)
   fi
 fi
 nproc=${nproc:-1}

@@ -897,6 +897,11 @@ BAD_CONFIGS = [
     (["--vocab-file", "/nonexistent/v.json"], "dataset_config.vocab_file=/nonexistent/v.json not found"),
     (["--mock-data", "--load", "/nonexistent/ckpt"], "no checkpoint in /nonexistent/ckpt"),
     (["stray"], "unexpected argument 'stray'"),
+    (["--profile", "--profile-step-start", "4", "--profile-step-end", "3"],
+     "training_config.profile_step_end=3 must be after profile_step_start=4"),
+    (["--profile", "--train-iters", "5", "--profile-step-end", "9"],
+     "training_config.profile_step_end=9 is past the last step (training_iters=5)"),
+    (["--profile", "--profile-ranks", "x"], "training_config.profile_ranks: expected list, got 'x'"),
 ]
 
 
@@ -959,8 +964,47 @@ def losses_of(lines):
 def test_log_line_format(tmp_path):
     lines, _ = run_training(tmp_path, "fmt", "--train-iters", "2")
     pattern = (r"train: Epoch:0, Step:\d+, Loss: \d+\.\d{6}, Finite_grads: True, Loss_scale: 1\.0, "
-               r"Learning_rate: \d\.\d{6}e[-+]\d\d, Time: \d+\.\d\d ms, Tokens/s: \d+\.\d$")
+               r"Learning_rate: \d\.\d{6}e[-+]\d\d, Time: (\d+\.\d\d) ms, Tokens/s: (\d+\.\d), "
+               r"TFLOP/s: (\d+\.\d{4})$")
     assert len(lines) == 2 and all(re.match(pattern, l) for l in lines), lines
+    cfg = load_config(os.path.join(HERE, "config.yaml"), ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2",
+                      "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+                      "--seq-length", "32", "--micro-batch-size", "4"])
+    cfg.model_config.padded_vocab_size = 384                   # the byte vocabulary 257, padded to 128
+    flops = gpt.num_floating_point_operations(cfg.model_config, 4)
+    for line in lines:                                         # TFLOP/s = FLOPs per step / step time
+        ms_per_step, _, tflops = map(float, re.match(pattern, line).groups())
+        assert abs(tflops - flops / (ms_per_step / 1000) / 1e12) <= 6e-5, line
+
+
+def test_flops_formula_by_hand():
+    """Megatron's FLOPs per iteration against a count of every matmul: forward 2 x m x n x k each,
+    backward twice the forward. GQA (2 query groups for 4 heads) and SwiGLU (three 64 x 96
+    matrices) change the qkv and MLP terms; attention counts the full s x s scores."""
+    cfg = load_config(os.path.join(HERE, "config.yaml"), ["--num-layers", "3", "--hidden-size", "64",
+                      "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "96",
+                      "--swiglu", "--seq-length", "16"]).model_config
+    cfg.padded_vocab_size = 512
+    b, s, h, L, kv = 5, 16, 64, 3, 2 * 16                      # kv: 2 groups x head size 16
+    per_token = (h * (h + 2 * kv)                              # qkv
+                 + 2 * s * h                                   # q k^T and probs @ v (the full s x s)
+                 + h * h                                       # proj
+                 + 3 * h * 96)                                 # SwiGLU: gate, up, down
+    forward = 2 * b * s * (L * per_token + h * 512)            # + the output layer
+    assert gpt.num_floating_point_operations(cfg, b) == pytest.approx(3 * forward, rel=1e-12)
+
+
+def test_profiler_writes_a_trace_and_names_what_cpu_cannot_collect(tmp_path):
+    """--profile traces steps [start, end) of rank 0 into <save>/profile/rank_0; a key only the
+    Ascend/GPU profiler collects is named in one warning; every step logs its timers."""
+    _, lines = run_training(tmp_path, "prof", "--train-iters", "4", "--profile", "--profile-step-start", "2",
+                            "--profile-step-end", "4", "training_config.profile_memory=true")
+    assert sum("profile_memory=True" in l for l in lines) == 1
+    assert any(l.startswith("profile: steps 2-3 traced under") for l in lines), lines
+    traces = list((tmp_path / "prof" / "profile" / "rank_0").glob("*/ASCEND_PROFILER_OUTPUT/trace_view.json"))
+    assert len(traces) == 1 and json.loads(traces[0].read_text())
+    timers = [l for l in lines if l.startswith("timers (ms per step): forward-backward ")]
+    assert len(timers) == 4 and all("grads-reduce" in l and "optimizer" in l for l in timers)
 
 
 def test_loss_falls_on_shipped_corpus_and_writes_outputs(tmp_path):
@@ -1632,14 +1676,13 @@ PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
                 "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "10",
                 "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "2",
                 "training_config.log_comm_ledger=true", "model_config.vocab_size=512"]   # one padding for all
-# op by op: compiling each stage costs more than these tiny runs; check_pipeline and pp2 use ms.jit
-PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1", "--eval-interval", "5", "--no-jit"]
-JIT = ["training_config.use_jit=true"]
+# every layout compiled by ms.jit, as in production
+PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1", "--eval-interval", "5"]
 REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_pp_untied": PIPELINE_RUN + UNTIED,
               "one_pp8": PIPELINE_RUN + ["--num-layers", "8"]}      # one process, same model and data
 TRACE = ["training_config.pipeline_trace=true"]
 LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP, "one"), "dp2": ([], "one"),
-               "dp2_distopt": (DISTOPT, "one"), "pp2": (PIPELINE_RUN + PP2 + TRACE + JIT, "one_pp"),
+               "dp2_distopt": (DISTOPT, "one"), "pp2": (PIPELINE_RUN + PP2 + TRACE, "one_pp"),
                "pp2_vpp2": (PIPELINE_RUN + PP2 + VPP2, "one_pp"),
                "pp2_untied": (PIPELINE_RUN + UNTIED + PP2, "one_pp_untied"),
                "pp2_num_layer_list": (PIPELINE_RUN + PP2 + UNEVEN, "one_pp")},

@@ -23,11 +23,12 @@ import data
 import optimizer as opt
 import parallel
 import pipeline
-from config import ConfigError, load_config, pop_flag, to_namespace
-from gpt import DTYPES, Compiled, DropoutRNG, GPTModel, generate, init_weights
+from config import DEVICE_PROFILE_KEYS, SCHEMA, ConfigError, load_config, pop_flag, to_namespace
+from gpt import DTYPES, Compiled, DropoutRNG, GPTModel, generate, init_weights, num_floating_point_operations
 
 log = logging.getLogger("train")
 PRIME = "'"                   # marks a pass of model chunk 1 ('' chunk 2) in timelines
+TIMERS = ("forward-backward", "grads-reduce", "optimizer")      # the phases of a step, timed
 SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
 
 
@@ -222,6 +223,7 @@ class Trainer:
         self.trace = None                 # a list: the next step records its passes' times
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
         self.loss_weight = 1.0
+        self.seconds = dict.fromkeys(TIMERS, 0.0)       # time per phase since the last log line
         self.grad_fn = ms.value_and_grad(self._weighted_loss, None, self.params)
 
     def set_train(self, mode):
@@ -252,10 +254,13 @@ class Trainer:
         parallel.ledger.reset()
         m = len(micro_batches)
         self.set_train(True)
+        clock = time.perf_counter()
         losses, acc = self.forward_backward(micro_batches)
+        clock = self._lap("forward-backward", clock)
         if self.scaler.scale != 1.0:
             acc = [g * self.scaler.inv_scale for g in acc]
         acc, counted = self.reduce_gradients(acc)
+        clock = self._lap("grads-reduce", clock)
         # One reduction serves both checks: the squared norm is inf/nan iff a gradient is (or is
         # so large that its square overflows, which a loss scaler treats as overflow too).
         norm_sq = self.global_norm_sq([g for g, c in zip(acc, counted) if c])
@@ -271,7 +276,28 @@ class Trainer:
                     acc = opt.clip_grads_by_value(acc, clip.clip_value)
             self.optimizer.step(acc, lr, self.scheduler.get_wd())
             self.scheduler.step(1)
+        self._lap("optimizer", clock)
         return self.dp_mean(sum(losses) / m if losses else 0.0), finite, lr
+
+    def _lap(self, name, since):
+        now = time.perf_counter()
+        self.seconds[name] += now - since
+        return now
+
+    def timers_line(self, steps):
+        """Milliseconds per step in each phase since the last call (Megatron's timers); with
+        pipeline parallelism forward-backward splits into this rank's passes and its exchanges
+        (the wait for the neighbour, so the bubble, included)."""
+        ms_per_step = {k: v * 1000 / steps for k, v in self.seconds.items()}
+        parts = [f"forward-backward {ms_per_step['forward-backward']:.1f}"]
+        if self.pipeline is not None:
+            runner = self.pipeline.seconds
+            parts[0] += (f" (passes {runner['compute'] * 1000 / steps:.1f}, exchanges and waiting "
+                         f"{runner['exchange'] * 1000 / steps:.1f})")
+            self.pipeline.seconds = dict.fromkeys(runner, 0.0)
+        parts += [f"{k} {ms_per_step[k]:.1f}" for k in TIMERS[1:]]
+        self.seconds = dict.fromkeys(TIMERS, 0.0)
+        return "timers (ms per step): " + ", ".join(parts)
 
     def reduce_gradients(self, grads):
         """Megatron's finalize_model_grads: all-reduce over TP the gradients that sequence
@@ -305,6 +331,51 @@ class Trainer:
         return float(total.asnumpy()[0]) / self.dp_size
 
 
+class StepProfiler:
+    """MindSpore's profiler over steps [profile_step_start, profile_step_end) on the ranks of
+    profile_ranks (Megatron's --profile, --profile-step-start/-end, --profile-ranks). Each
+    profiled rank writes <profile_save_path>/rank_N/<host>_<pid>_..._ascend_ms/ASCEND_PROFILER_OUTPUT/
+    trace_view.json (Chrome trace format: Perfetto or chrome://tracing) and per-op CSV summaries."""
+
+    def __init__(self, cfg, rank):
+        t = cfg.training_config
+        self.first, self.end, self.prof = t.profile_step_start, t.profile_step_end, None
+        if not t.profile or (t.profile_ranks is not None and rank not in t.profile_ranks):
+            return
+        P = ms.profiler
+        activities = [P.ProfilerActivity.CPU]
+        options = {}
+        if t.device_target == "CPU":
+            ignored = [k for k in DEVICE_PROFILE_KEYS if getattr(t, k) != SCHEMA["training_config"][k][0]]
+            if ignored:
+                log.warning(f"profile: the CPU profiler cannot collect {', '.join(f'{k}={getattr(t, k)}' for k in ignored)}"
+                            " (Ascend/GPU only); profiling op times only")
+        else:
+            activities.append(P.ProfilerActivity.NPU if t.device_target == "Ascend" else P.ProfilerActivity.GPU)
+            options = dict(with_stack=t.profile_with_stack, profile_memory=t.profile_memory,
+                           data_process=t.profile_data_process, parallel_strategy=t.profile_parallel_strategy,
+                           hbm_ddr=t.profile_hbm_ddr, pcie=t.profile_pcie, experimental_config=P._ExperimentalConfig(
+                               profiler_level=getattr(P.ProfilerLevel, t.profile_level.capitalize()),
+                               aic_metrics=list(P.AicoreMetrics)[t.profile_aicore_metrics], l2_cache=t.profile_l2_cache,
+                               data_simplification=t.profile_data_simplification))
+        self.path = os.path.join(t.profile_save_path, f"rank_{rank}")
+        self.prof = P.profile(activities=activities, start_profile=False,
+                              schedule=P.schedule(wait=0, warmup=0, active=self.end - self.first, repeat=1),
+                              on_trace_ready=P.tensorboard_trace_handler(self.path), **options)
+
+    def before(self, step):
+        if self.prof is not None and step == self.first:
+            self.prof.start()
+
+    def after(self, step):
+        if self.prof is None or not self.first <= step < self.end:
+            return
+        self.prof.step()
+        if step == self.end - 1:
+            self.prof.stop()
+            log.info(f"profile: steps {self.first}-{step} traced under {self.path}")
+
+
 def evaluate(trainer, dataset, consumed, iters, cfg):
     """Mean loss of the trainer's forward (the model, maybe compiled) over `iters` global batches
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
@@ -320,8 +391,10 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
         elif len(batches) == d.micro_batch_num:       # a pipeline runs whole global batches
             for chunk in runner.chunks:
                 chunk.set_grad(False)                 # nothing to record for a backward
+            seconds = dict(runner.seconds)            # the training timers leave evaluation out
             losses += runner.run(batches, 1.0, trainer.hidden_shape, DTYPES[cfg.model_config.compute_dtype],
                                  forward_only=True)[0]
+            runner.seconds = seconds
             for chunk in runner.chunks:
                 chunk.set_grad(True)
     trainer.set_train(True)
@@ -367,13 +440,17 @@ def pretrain(cfg):
     it = data.MicroBatchIterator(train_ds, d.batch_size, state.dp_rank, state.dp, consumed)
     samples_per_epoch = getattr(train_ds, "samples_per_epoch", None) or len(train_ds)
     tokens_per_step = d.global_batch_size * m.seq_length
+    flops_per_step = num_floating_point_operations(m, d.global_batch_size)
+    profiler = StepProfiler(cfg, state.rank)
     window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
     while iteration < t.training_iters:
         epoch = it.consumed_samples // samples_per_epoch
         if t.pipeline_trace and trainer.pipeline is not None and iteration + 1 == t.training_iters:
             trainer.trace = []                        # time the passes of the last step
+        profiler.before(iteration + 1)
         loss, finite, lr = trainer.train_step([next(it) for _ in range(d.micro_batch_num)])
         iteration += 1
+        profiler.after(iteration)
         if trainer.trace is not None:
             report_pipeline_trace(cfg, trainer)
             trainer.trace = None
@@ -387,7 +464,9 @@ def pretrain(cfg):
             if state.is_last_stage:                   # the loss exists on the last stage only
                 log.info(f"train: Epoch:{epoch}, Step:{iteration}, Loss: {window_loss / window_steps:.6f}, "
                          f"Finite_grads: {finite}, Loss_scale: {scaler.scale}, Learning_rate: {lr:.6e}, "
-                         f"Time: {elapsed * 1000:.2f} ms, Tokens/s: {tokens_per_step / elapsed:.1f}")
+                         f"Time: {elapsed * 1000:.2f} ms, Tokens/s: {tokens_per_step / elapsed:.1f}, "
+                         f"TFLOP/s: {flops_per_step / elapsed / state.world_size / 1e12:.4f}")
+            log.info(trainer.timers_line(window_steps))
             window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
         if valid_ds is not None and t.eval_iters and iteration % t.eval_interval == 0:
             start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size

@@ -1,0 +1,158 @@
+"""Training speed of each layout, measured the way the README's performance table is made:
+
+    bash run.sh bench [--repeats 2] [--steps 12] [--torch PYTHON]
+
+Every run trains the benchmark shape (PyTorch nanoGPT-style: 4 layers, hidden 256, 8 heads, ffn
+1024, sequence 256, vocabulary 4096, fp32, global batch 8) on mock data, compiled, and reports the
+tokens/s of its last log window (compilation excluded) and the timers line of the rank that holds
+the loss: where a step's time goes. The runs alternate, `--repeats` rounds of all of them, because
+this machine's speed drifts; the table gives each run's figures per round.
+
+    one                one process, micro-batch 8
+    tp2_sp / dp2 / pp2 2 msrun workers: TP2 + sequence parallel; DP2 (micro-batch 4 each); PP2 with
+                       4 micro-batches of 2 (1F1B); each against `one` (the same model and batch)
+    torch              the same GPT in PyTorch eager (`--torch /path/to/python-with-torch`; torch is
+                       not a dependency: `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy`)
+
+`python bench.py torch-reference` is that PyTorch model; it imports torch only when run.
+"""
+import argparse
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHAPE = {"layers": 4, "hidden": 256, "heads": 8, "ffn": 1024, "seq": 256, "vocab": 4096, "batch": 8}
+MODEL = ["--mock-data", "--vocab-size", str(SHAPE["vocab"]), "--num-layers", str(SHAPE["layers"]),
+         "--hidden-size", str(SHAPE["hidden"]), "--num-attention-heads", str(SHAPE["heads"]),
+         "--ffn-hidden-size", str(SHAPE["ffn"]), "--seq-length", str(SHAPE["seq"]),
+         "--global-batch-size", str(SHAPE["batch"]), "--eval-iters", "0", "--lr-warmup-iters", "1"]
+LAYOUTS = {  # name: (workers, flags)
+    "one": (1, ["--micro-batch-size", "8"]),
+    "tp2_sp": (2, ["--micro-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "dp2": (2, ["--micro-batch-size", "4"]),
+    "pp2": (2, ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"]),
+}
+
+
+def run_layout(name, steps, folder):
+    """(tokens/s of the last log window, TFLOP/s per worker, timers line) of one training run."""
+    workers, flags = LAYOUTS[name]
+    save = os.path.join(folder, f"{name}_{time.time_ns()}")
+    args = ["train.py", *MODEL, *flags, "--train-iters", str(steps), "--log-interval", str(steps // 2),
+            "--save", save, "training_config.save_interval=null"]
+    if workers == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", str(workers),
+               "--local_worker_num", str(workers), "--master_port", str(random.randint(8100, 8900)),
+               "--join", "True", "--log_dir", os.path.join(save, "msrun"), *args]
+    subprocess.run(cmd, cwd=HERE, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    logs = sorted(os.listdir(os.path.join(save, "log")), key=lambda d: int(d[5:]))
+    for rank in logs:                         # the loss (and its train: line) is on the last stage
+        lines = open(os.path.join(save, "log", rank, "info.log")).read().splitlines()
+        train = [i for i, line in enumerate(lines) if line.startswith("train: ")]
+        if train:
+            last = lines[train[-1]]
+            tokens = float(re.search(r"Tokens/s: ([\d.]+)", last).group(1))
+            tflops = float(re.search(r"TFLOP/s: ([\d.]+)", last).group(1))
+            return tokens, tflops, lines[train[-1] + 1].split(": ", 1)[1]
+    raise RuntimeError(f"{name}: no train: line in {save}/log")
+
+
+def run_torch(python, steps):
+    out = subprocess.run([python, os.path.join(HERE, "bench.py"), "torch-reference", "--steps", str(steps)],
+                         check=True, capture_output=True, text=True).stdout
+    return float(re.search(r"tokens/s: ([\d.]+)", out).group(1)), None, "PyTorch eager, forward + backward + AdamW"
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description="Alternating speed benchmark of the parallel layouts.")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12, help="training steps per run (the last half is timed)")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--torch", metavar="PYTHON", help="a python with torch installed: adds the PyTorch reference")
+    a = p.parse_args(argv)
+    runs = a.layouts + (["torch"] if a.torch else [])
+    results = {name: [] for name in runs}
+    with tempfile.TemporaryDirectory() as folder:
+        for _ in range(a.repeats):
+            for name in runs:
+                results[name].append(run_torch(a.torch, a.steps) if name == "torch" else run_layout(name, a.steps, folder))
+    print(f"benchmark shape {SHAPE}, {a.repeats} alternating rounds, {time.strftime('%Y-%m-%d')}")
+    base = [tokens for tokens, _, _ in results.get("one", [])]
+    for name in runs:
+        tokens = [r[0] for r in results[name]]
+        ratio = f"  {'/'.join(f'{t / b:.2f}' for t, b in zip(tokens, base))}x one" if base and name != "one" else ""
+        tflops = "" if results[name][0][1] is None else \
+            f"  TFLOP/s per worker {'/'.join(f'{r[1]:.4f}' for r in results[name])}"
+        print(f"{name:8s} tokens/s {'/'.join(f'{t:.0f}' for t in tokens)}{ratio}{tflops}")
+        print(f"{'':8s} {results[name][-1][2]}")
+
+
+# ----------------------------------------------------------------------------- PyTorch reference
+def torch_reference(argv):
+    """The benchmark shape in PyTorch eager (GPT-2 blocks, tied embedding, AdamW), on random tokens:
+    prints `tokens/s: N` over --steps steps after two warm-up steps."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=5)
+    a = p.parse_args(argv)
+    h, heads, s, b, vocab = SHAPE["hidden"], SHAPE["heads"], SHAPE["seq"], SHAPE["batch"], SHAPE["vocab"]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+            self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+            self.fc1, self.fc2 = nn.Linear(h, SHAPE["ffn"]), nn.Linear(SHAPE["ffn"], h)
+
+        def forward(self, x):
+            q, k, v = (t.view(b, s, heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(h, -1))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, h), nn.Embedding(s, h)
+            self.blocks = nn.ModuleList(Block() for _ in range(SHAPE["layers"]))
+            self.ln = nn.LayerNorm(h)
+
+        def forward(self, idx, targets):
+            x = self.tok(idx) + self.pos(torch.arange(s))
+            for block in self.blocks:
+                x = block(x)
+            logits = self.ln(x) @ self.tok.weight.T
+            return F.cross_entropy(logits.view(-1, vocab), targets.view(-1))
+
+    torch.manual_seed(0)
+    model = GPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx, targets = torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s))
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(idx, targets).backward()
+        optimizer.step()
+
+    for _ in range(2):
+        step()
+    start = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    print(f"tokens/s: {b * s * a.steps / (time.perf_counter() - start):.1f}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["torch-reference"]:
+        torch_reference(sys.argv[2:])
+    else:
+        main(sys.argv[1:])
