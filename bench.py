@@ -15,6 +15,8 @@ this machine's speed drifts; the table gives each run's figures per round.
                        not a dependency: `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy`)
 
 `python bench.py torch-reference` is that PyTorch model; it imports torch only when run.
+`python bench.py matmul-peak` measures this machine's fp32 matmul TFLOP/s with MindSpore (all
+cores): the denominator of the model FLOPs utilisation (MFU) the table reports.
 """
 import argparse
 import os
@@ -70,6 +72,26 @@ def run_torch(python, steps):
     return float(re.search(r"tokens/s: ([\d.]+)", out).group(1)), None, "PyTorch eager, forward + backward + AdamW"
 
 
+def matmul_peak(n=1024, reps=20):
+    """fp32 TFLOP/s of an n x n x n MatMul, MindSpore on every core (compiled, as the model is)."""
+    import numpy as np
+    import mindspore as ms
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    ms.device_context.cpu.op_tuning.threads_num(os.cpu_count() or 1)
+    ms.runtime.launch_blocking()
+    a = ms.Tensor(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32))
+    @ms.jit
+    def matmul(x):
+        return ms.ops.matmul(x, x)
+
+    matmul(a).asnumpy()
+    start = time.perf_counter()
+    for _ in range(reps):
+        matmul(a).asnumpy()
+    print(f"matmul TFLOP/s: {2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12:.4f}")
+
+
 def main(argv):
     p = argparse.ArgumentParser(description="Alternating speed benchmark of the parallel layouts.")
     p.add_argument("--repeats", type=int, default=2)
@@ -79,17 +101,22 @@ def main(argv):
     a = p.parse_args(argv)
     runs = a.layouts + (["torch"] if a.torch else [])
     results = {name: [] for name in runs}
+    peak = float(re.search(r"TFLOP/s: ([\d.]+)", subprocess.run(
+        [sys.executable, __file__, "matmul-peak"], check=True, capture_output=True, text=True).stdout).group(1))
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(a.repeats):
             for name in runs:
                 results[name].append(run_torch(a.torch, a.steps) if name == "torch" else run_layout(name, a.steps, folder))
-    print(f"benchmark shape {SHAPE}, {a.repeats} alternating rounds, {time.strftime('%Y-%m-%d')}")
+    print(f"benchmark shape {SHAPE}, {a.repeats} alternating rounds, {time.strftime('%Y-%m-%d')}; "
+          f"fp32 matmul peak {peak:.4f} TFLOP/s on {os.cpu_count()} cores")
     base = [tokens for tokens, _, _ in results.get("one", [])]
     for name in runs:
         tokens = [r[0] for r in results[name]]
         ratio = f"  {'/'.join(f'{t / b:.2f}' for t, b in zip(tokens, base))}x one" if base and name != "one" else ""
+        workers = LAYOUTS[name][0] if name in LAYOUTS else 1
         tflops = "" if results[name][0][1] is None else \
-            f"  TFLOP/s per worker {'/'.join(f'{r[1]:.4f}' for r in results[name])}"
+            f"  TFLOP/s per worker {'/'.join(f'{r[1]:.4f}' for r in results[name])}" \
+            f" (MFU {'/'.join(f'{r[1] * workers / peak:.0%}' for r in results[name])})"
         print(f"{name:8s} tokens/s {'/'.join(f'{t:.0f}' for t in tokens)}{ratio}{tflops}")
         print(f"{'':8s} {results[name][-1][2]}")
 
@@ -154,5 +181,7 @@ def torch_reference(argv):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["torch-reference"]:
         torch_reference(sys.argv[2:])
+    elif sys.argv[1:2] == ["matmul-peak"]:
+        matmul_peak()
     else:
         main(sys.argv[1:])
