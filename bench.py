@@ -9,8 +9,9 @@ the loss: where a step's time goes. The runs alternate, `--repeats` rounds of al
 this machine's speed drifts; the table gives each run's figures per round.
 
     one                one process, micro-batch 8
-    tp2_sp / dp2 / pp2 2 msrun workers: TP2 + sequence parallel; DP2 (micro-batch 4 each); PP2 with
-                       4 micro-batches of 2 (1F1B); each against `one` (the same model and batch)
+    tp2 / tp2_sp       2 msrun workers: TP2, and TP2 with sequence parallelism
+    dp2 / pp2          2 msrun workers: DP2 (micro-batch 4 each); PP2 with 4 micro-batches of 2 (1F1B)
+                       each against `one` (the same model and global batch)
     torch              the same GPT in PyTorch eager (`--torch /path/to/python-with-torch`; torch is
                        not a dependency: `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy`)
 
@@ -35,6 +36,7 @@ MODEL = ["--mock-data", "--vocab-size", str(SHAPE["vocab"]), "--num-layers", str
          "--global-batch-size", str(SHAPE["batch"]), "--eval-iters", "0", "--lr-warmup-iters", "1"]
 LAYOUTS = {  # name: (workers, flags)
     "one": (1, ["--micro-batch-size", "8"]),
+    "tp2": (2, ["--micro-batch-size", "8", "--tensor-model-parallel-size", "2"]),
     "tp2_sp": (2, ["--micro-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "dp2": (2, ["--micro-batch-size", "4"]),
     "pp2": (2, ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"]),
