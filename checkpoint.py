@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 
 import numpy as np
 import mindspore as ms
@@ -24,6 +23,9 @@ from mindspore import Parameter, Tensor
 
 import parallel
 from config import ConfigError, from_saved, pop_flag, to_dict, to_namespace
+from gpt import GPTModel, global_name
+from optimizer import GradBuffer
+from pipeline import build_chunks
 
 log = logging.getLogger("train")
 
@@ -44,7 +46,7 @@ def shard_name(tp_rank=0, pp_rank=0, pp_size=1):
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def _write_atomic(path, text):
+def write_atomic(path, text):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write(text)
@@ -77,13 +79,13 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, 
                                                    else v, name=k)} for k, v in tensors.items()]
             ms.save_checkpoint(items, os.path.join(tmp, shard, f"{stem}.{ext}"), crc_check=True, format=ckpt_format)
         if meta is not None:
-            _write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
+            write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
     barrier()
     if leader:
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_atomic(os.path.join(root, LATEST), str(iteration))
+        write_atomic(os.path.join(root, LATEST), str(iteration))
         if keep_max:
             for old in sorted(saved_iterations(root))[:-keep_max]:
                 shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
@@ -137,7 +139,7 @@ def load_shards(root, optimizer=False):
     """([tensors of TP rank 0, 1, ...], meta) of the latest checkpoint, whatever its layout: the
     files of all pipeline stages of a TP rank go into one dict (their names are global); with
     `optimizer`, the distributed optimizer's pieces too, joined per parameter."""
-    _, meta = load_checkpoint(root, _first_shard(root), stems=())
+    _, meta = load_checkpoint(root, first_shard(root), stems=())
     layout = meta["layout"]
     stems = [WEIGHTS] + ([f"distrib_optim_{d:03d}" for d in range(layout["dp"] * layout["cp"])]
                          if optimizer and layout["distributed_optimizer"] else [])
@@ -172,7 +174,6 @@ def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
 def named_parameters(chunks):
     """("model.<global name>", parameter) of this rank's model chunks. Global names tell the
     chunks of a virtual pipeline apart (their layer numbers differ)."""
-    from gpt import global_name
     return [(f"model.{global_name(n, chunk.layer_offset)}", p) for chunk in chunks
             for n, p in chunk.parameters_and_names()]
 
@@ -219,17 +220,6 @@ def layout_of(cfg):
             "bucket_size": t.bucket_size}
 
 
-def _barrier(state):
-    """All ranks wait here: a one-element all-reduce on the world group (mint's barrier logs a
-    spurious device error on CPU)."""
-    if state.world_size > 1:
-        import mindspore.mint.distributed as dist
-        from mindspore.communication import GlobalComm
-        flag = Tensor([0.0], ms.float32)
-        dist.all_reduce(flag, group=GlobalComm.WORLD_COMM_GROUP)
-        flag.asnumpy()                                # PyNative is asynchronous: wait for it
-
-
 def _meta(cfg, iteration, consumed, step, scheduler_state, scaler_state, rng_state):
     return {"iteration": iteration, "consumed_train_samples": consumed, "optimizer_step": step,
             "opt_param_scheduler": scheduler_state, "grad_scaler": scaler_state, "rng_state": rng_state,
@@ -253,7 +243,7 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
                      rng.state_dict())
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
     path = save_checkpoint(t.output_dir, iteration, {shard: (files, meta)}, t.ckpt_format, t.keep_checkpoint_max,
-                           barrier=lambda: _barrier(state), leader=state.rank == 0)
+                           barrier=parallel.barrier, leader=state.rank == 0)
     log.info(f"saved checkpoint at iteration {iteration} to {path}")
 
 
@@ -271,7 +261,7 @@ def load_training_state(cfg, trainer, rng):
     if saved_layout != layout and not (weights_only and same_model_split):
         raise CheckpointError(
             f"checkpoint {t.load_checkpoint} was saved with layout {saved_layout}, this run is {layout}: "
-            f"convert it first (python checkpoint.py convert --load {t.load_checkpoint} --save NEW <layout flags>)")
+            f"convert it first (bash run.sh convert --load {t.load_checkpoint} --save NEW <layout flags>)")
     for name, p in named_parameters(chunks):
         saved = tensors.get(name)
         if saved is None or saved.shape != tuple(p.shape):
@@ -311,7 +301,6 @@ def load_training_state(cfg, trainer, rng):
 def build_rank_chunks(cfg, tp_rank, pp_rank):
     """The model chunks of one rank of cfg's layout, built in this process (construction needs
     the sizes and ranks, not the process groups); their values are not initialised."""
-    from pipeline import build_chunks
     p = cfg.parallel_config
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     previous = parallel.use_state(parallel.ParallelState(
@@ -332,7 +321,6 @@ def full_state(root, optimizer=True):
     shards, meta = load_shards(root, optimizer)
     m = to_namespace(meta["config"]).model_config
     m.tensor_model_parallel_size, m.sequence_parallel = 1, False
-    from gpt import GPTModel
     one = GPTModel(m)                                 # tp 1: its names and full shapes
     kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")} if optimizer else set()
     full_shapes = {}
@@ -369,7 +357,6 @@ def write_layout(root, tensors, meta, cfg):
     """Write `tensors` (one-process, from full_state) as checkpoint meta["iteration"] of `root`
     in cfg's layout: every (TP, stage) folder, and with the distributed optimizer one
     distrib_optim_DDD file per DP rank holding that rank's pieces, as training would."""
-    from gpt import global_name
     p = cfg.parallel_config
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size * p.context_parallel_size
     layout = layout_of(cfg)
@@ -394,7 +381,6 @@ def write_layout(root, tensors, meta, cfg):
             files = {WEIGHTS: {k: v for k, v in values.items() if k.startswith("model.")
                                or not layout["distributed_optimizer"]}}
             if layout["distributed_optimizer"]:
-                from optimizer import GradBuffer
                 buffer = GradBuffer(params, dp, layout["bucket_size"])
                 for d in range(dp):
                     piece_tensors = {}
@@ -423,7 +409,7 @@ def convert_main(argv):
     if os.path.exists(os.path.join(save, LATEST)):
         raise ConfigError(f"convert: {save} already holds a checkpoint; give an empty or new folder for --save")
     latest_iteration(load)
-    _, meta = load_checkpoint(load, _first_shard(load), stems=())
+    _, meta = load_checkpoint(load, first_shard(load), stems=())
     padded = meta["config"]["model_config"]["padded_vocab_size"]
     cfg = from_saved(meta["config"], [f"model_config.vocab_size={padded}", *argv], world)
     tp = cfg.parallel_config.tensor_model_parallel_size
@@ -437,24 +423,7 @@ def convert_main(argv):
     print(f"converted {load} (iteration {meta['iteration']}, layout {meta['layout']}) to {path}, layout {layout_of(cfg)}")
 
 
-def _first_shard(root):
+def first_shard(root):
+    """The shard folder holding meta.json of the latest checkpoint: mp_rank_00 or mp_rank_00_000."""
     folder = iteration_dir(root, latest_iteration(root))
     return shard_name(0) if os.path.isdir(os.path.join(folder, shard_name(0))) else shard_name(0, 0, 2)
-
-
-def main(argv):
-    import hf_gpt2
-    commands = {"convert": convert_main, "import-hf": hf_gpt2.import_main, "export-hf": hf_gpt2.export_main}
-    if not argv or argv[0] not in commands:
-        print(f"usage: python checkpoint.py {{{', '.join(commands)}}} ...", file=sys.stderr)
-        return 2
-    try:
-        commands[argv[0]](argv[1:])
-    except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -45,7 +45,6 @@ SCHEMA = {
             "grad_clip_type": ("ClipGlobalNorm", str, ("ClipGlobalNorm", "GradClipByValue")),
             "clip_value": (1.0, float, None),         # 0 disables clipping
         },
-        "loss_reduction": ("mean", str, ("mean",)),
         "use_distributed_optimizer": (False, bool, None),  # ZeRO-1: optimizer state sharded over DP
         "bucket_size": (None, int, None),             # gradient buffer bucket, elements; null = one bucket
         "threads_num": (None, int, None),             # CPU kernel threads per worker; null = cores / workers
@@ -78,6 +77,7 @@ SCHEMA = {
         "num_layers_per_virtual_pipeline_stage": (None, int, None),
         "num_layer_list": (None, list, None),
         "sequence_parallel": (False, bool, None),
+        "pipeline_schedule": ("1f1b", str, ("1f1b", "afab")),   # afab: all forward, all backward (GPipe)
     },
     "model_config": {
         "num_layers": (4, int, None),
@@ -85,7 +85,7 @@ SCHEMA = {
         "ffn_hidden_size": (None, int, None),         # null = 4 * hidden_size
         "num_attention_heads": (8, int, None),
         "group_query_attention": (False, bool, None),
-        "num_query_groups": (None, int, None),        # null = num_attention_heads (no GQA)
+        "num_query_groups": (None, int, None),        # with group_query_attention; null = one per head
         "seq_length": (256, int, None),
         "max_position_embeddings": (None, int, None),  # null = seq_length
         "vocab_size": (None, int, None),              # padded vocabulary; null = from the tokenizer
@@ -392,6 +392,8 @@ def from_saved(saved, args=(), world_size=1):
     raw = {section: _known(saved.get(section), schema) for section, schema in SCHEMA.items()}
     raw["parallel_config"] = {}
     raw["training_config"].pop("use_distributed_optimizer", None)
+    if not raw["model_config"].get("group_query_attention"):
+        raw["model_config"].pop("num_query_groups", None)       # derived: one group per head
     schedule = raw["optimizer_config"].get("learning_rate_scheduler_kwargs", {})
     if schedule.get("lr_warmup_fraction") is not None:          # lr_warmup_iters was derived from it
         schedule.pop("lr_warmup_iters", None)
@@ -514,8 +516,13 @@ def finalize(cfg, world_size=1):
                                      "save_interval", "keep_checkpoint_max", "threads_num"])
     if m.ffn_hidden_size is None:
         m.ffn_hidden_size = 4 * m.hidden_size
-    if m.num_query_groups is None:
+    if m.num_query_groups is not None and not m.group_query_attention:
+        raise ConfigError(f"model_config.num_query_groups={m.num_query_groups} needs group_query_attention=true "
+                          "(--group-query-attention), as in Megatron")
+    if not m.group_query_attention:
         m.num_query_groups = m.num_attention_heads
+    elif m.num_query_groups is None:
+        raise ConfigError("model_config.group_query_attention=true needs num_query_groups (--num-query-groups)")
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     if m.hidden_size % m.num_attention_heads:

@@ -308,6 +308,13 @@ class GPTModel(nn.Cell):
             self.final_layernorm = make_norm(cfg)
             if not self.tied or not pre_process:
                 self.output_layer = make_linear(cfg, h, v, False, "column")
+        if self.tied and parallel.get_state().pp > 1:
+            # Megatron's embedding group: the last stage's output layer is a copy of the first
+            # stage's word embedding; optimizer.finalize_model_grads sums their gradients
+            if pre_process:
+                self.word_embeddings.weight.shared_embedding = True
+            elif post_process:
+                self.output_layer.weight.shared_embedding = True
         self.rope = None
         if cfg.position_embedding_type == "rope":
             self.rope = rotary_tables(cfg.max_position_embeddings, h // cfg.num_attention_heads,

@@ -1,8 +1,8 @@
 """GPT-2 weights in and out: a Hugging Face GPT-2 directory (config.json + model.safetensors,
 transformers' GPT2LMHeadModel) becomes a checkpoint of this project in any layout, and back.
 
-    python checkpoint.py import-hf HF_DIR --save OUT [--nproc N] [layout flags]
-    python checkpoint.py export-hf --load CKPT --save HF_DIR
+    bash run.sh import-hf HF_DIR --save OUT [--nproc N] [layout flags]
+    bash run.sh export-hf --load CKPT --save HF_DIR
 
 Hugging Face's blocks use Conv1D, weights [in, out] (y = x W + b), where this project's linears
 are [out, in]; c_attn's output is [Q | K | V] with the heads in order inside each, where
@@ -15,7 +15,7 @@ import os
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from checkpoint import (LATEST, _first_shard, _write_atomic, full_state, latest_iteration,
+from checkpoint import (LATEST, first_shard, write_atomic, full_state, latest_iteration,
                         layout_of, load_checkpoint, write_layout)
 from config import ConfigError, load_config, pop_flag, to_namespace
 from data import pad_vocab_size
@@ -127,7 +127,7 @@ def export_main(argv):
     if argv or not load or not save:
         raise ConfigError("export-hf needs --load CKPT and --save HF_DIR, nothing else")
     latest_iteration(load)
-    _, meta = load_checkpoint(load, _first_shard(load), stems=())
+    _, meta = load_checkpoint(load, first_shard(load), stems=())
     cfg = to_namespace(meta["config"])
     m, d = cfg.model_config, cfg.dataset_config
     differences = [f"{k}={getattr(m, k)}" for k, want in (
@@ -148,5 +148,5 @@ def export_main(argv):
           "n_ctx": m.max_position_embeddings, "vocab_size": vocab, "layer_norm_epsilon": m.norm_epsilon,
           "activation_function": "gelu_new" if m.hidden_act == "gelu_tanh" else "gelu", "tie_word_embeddings": True,
           "bos_token_id": 50256, "eos_token_id": 50256}
-    _write_atomic(os.path.join(save, "config.json"), json.dumps(hf, indent=1))
+    write_atomic(os.path.join(save, "config.json"), json.dumps(hf, indent=1))
     print(f"exported {load} (iteration {meta['iteration']}) to {save}")

@@ -132,10 +132,11 @@ class AdamW(_Optimizer):
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = True
 
-    def __init__(self, params, betas=(0.9, 0.999), eps=1e-8, wd_mults=None):
+    def __init__(self, params, betas=(0.9, 0.999), eps=1e-8, wd_mults=None, fused=True):
         super().__init__(params, wd_mults)
         self.beta1, self.beta2 = betas
         self.eps = eps
+        self.fused = fused                  # False: the written-out formula (adam_update)
 
     def step(self, grads, lr, wd):
         """Decoupled decay p *= 1 - lr*wd (AdamW) or g += wd*p (Adam), then MindSpore's fused
@@ -154,10 +155,23 @@ class AdamW(_Optimizer):
                 p.copy_(p * (1 - lr * decay))
             elif decay:
                 g = g + p * decay                                  # classic L2 penalty
-            _fused_adam(p, m, v, *args, g)
+            if self.fused:
+                _fused_adam(p, m, v, *args, g)
+            else:
+                adam_update(p, g, m, v, t, lr, b1, b2, self.eps)
 
 
 _fused_adam = ops.Adam()            # updates (param, m, v) in place
+
+
+def adam_update(p, g, m, v, t, lr, beta1, beta2, eps):
+    """The Adam update of step t written out (Kingma & Ba 2015; torch.optim.Adam), in place:
+        m = b1 m + (1 - b1) g,   v = b2 v + (1 - b2) g^2,
+        p = p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+    The fused kernel of AdamW.step computes the same in one pass; the tests hold them equal."""
+    m.copy_(m * beta1 + g * (1 - beta1))
+    v.copy_(v * beta2 + g * g * (1 - beta2))
+    p.copy_(p - (m / (1 - beta1 ** t)) * lr / (ops.sqrt(v / (1 - beta2 ** t)) + eps))
 
 
 class Adam(AdamW):
@@ -351,6 +365,28 @@ class GradBuffer:
         return out
 
 
+def finalize_model_grads(grads, params, comm, state, optimizer, buffer):
+    """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
+    reduction of a step's gradients, in one place, after the last backward:
+      1. sequence parallelism: norm weights and row-parallel biases saw only this rank's shard of
+         the sequence, so their gradients (marked `sequence_parallel`) are all-reduced over TP;
+      2. tied embeddings over pipeline stages: the first stage's word embedding and the last
+         stage's output-layer copy (marked `shared_embedding`) are all-reduced over the embedding
+         group, so both copies take the same step and stay equal;
+      3. data parallelism: averaged over DP x CP, one all-reduce per bucket of the contiguous
+         `buffer`, or, with the distributed optimizer, reduce-scattered to this rank's pieces.
+    `comm` and `state` are parallel.py's. Returns the gradients the optimizer takes."""
+    grads = [comm.all_reduce(g, state.tp_group) if getattr(p, "sequence_parallel", False) else g
+             for g, p in zip(grads, params)]
+    grads = [comm.all_reduce(g, state.embedding_group) if getattr(p, "shared_embedding", False) else g
+             for g, p in zip(grads, params)]
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.reduce_scatter_grads(grads)
+    if state.dp * state.cp > 1:
+        return all_reduce_grads(buffer, grads, comm, state.dp_cp_group, state.dp * state.cp)
+    return grads
+
+
 def all_reduce_grads(buffer, grads, comm, group, size):
     """Data-parallel gradient reduction: average over `group` (DP x CP), one all-reduce per
     bucket of the contiguous buffer (Megatron DDP without overlap)."""
@@ -382,10 +418,6 @@ class DistributedOptimizer:
         flat = self.buffer.flatten(self.params)
         for (_, _, lo, hi), main in zip(self.pieces, self.main_params):
             main.copy_(flat[lo:hi].copy())
-
-    @property
-    def step_count(self):
-        return self.inner.step_count
 
     def reduce_scatter_grads(self, grads):
         """Full local grads -> this rank's piece of the DP average, one tensor per piece."""

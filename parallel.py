@@ -26,7 +26,7 @@ import numpy as np
 import mindspore as ms
 import mindspore.mint.distributed as dist
 from mindspore import Parameter, Tensor, mint, nn, ops
-from mindspore.communication import create_group, get_rank, init
+from mindspore.communication import GlobalComm, create_group, get_rank, init
 from mindspore.ops import constexpr
 
 F32 = ms.float32
@@ -139,6 +139,15 @@ def use_state(state):
 def get_state():
     """The current ParallelState; a one-process layout if initialize was never called."""
     return _STATE if _STATE is not None else initialize_model_parallel()
+
+
+def barrier():
+    """All ranks wait here: a one-element all-reduce on the world group, read back (PyNative is
+    asynchronous; mint's barrier logs a spurious device error on CPU)."""
+    if get_state().world_size > 1:
+        flag = Tensor([0.0], ms.float32)
+        dist.all_reduce(flag, group=GlobalComm.WORLD_COMM_GROUP)
+        flag.asnumpy()
 
 
 def grid_table(world_size, tp, cp, pp):

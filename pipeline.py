@@ -57,8 +57,12 @@ def build_chunks(model_cfg, pp, pp_rank, vpp=1, num_layer_list=None, rng=None):
 
 
 # ============================================================================ schedules
-def schedule(p, rank, m, v=1, forward_only=False):
+def schedule(p, rank, m, v=1, forward_only=False, kind="1f1b"):
     """This rank's passes, in order: a list of ("F" or "B", micro-batch, chunk).
+
+    kind "afab", all forward then all backward (GPipe, Huang et al. 2019): every forward of the
+      step, then every backward in the same order. The naive schedule: the same bubble as 1F1B,
+      but all m micro-batches are in flight at once, so a stage holds m activations.
 
     v = 1, 1F1B (PipeDream-Flush): warmup = min(p - rank - 1, m) forwards, then one forward and
       one backward alternately, then the remaining backwards: at most p - rank micro-batches are
@@ -70,6 +74,9 @@ def schedule(p, rank, m, v=1, forward_only=False):
     if forward_only:
         return [("F", _microbatch(k, p, v), _chunk(k, p, v, True)) for k in range(m * v)]
     total = m * v
+    if kind == "afab":
+        return ([("F", _microbatch(k, p, v), _chunk(k, p, v, True)) for k in range(total)]
+                + [("B", _microbatch(k, p, v), _chunk(k, p, v, False)) for k in range(total)])
     if v == 1:
         warmup = min(p - rank - 1, m)
     elif m == p:
@@ -104,7 +111,7 @@ def peak_in_flight(passes):
     return peak
 
 
-def plan(p, m, v=1, forward_only=False):
+def plan(p, m, v=1, forward_only=False, kind="1f1b"):
     """Run all ranks' schedules in lockstep ticks (every pass one tick; a tensor sent in tick t
     can be used from tick t + 1) and return (steps, ticks):
 
@@ -116,7 +123,7 @@ def plan(p, m, v=1, forward_only=False):
       ticks[rank]: (tick, kind, micro-batch, chunk) of each pass, the unit-time timeline.
     A pass waits for its input; if no rank can move, the schedule is wrong and this raises."""
     last = p * v - 1
-    todo = [schedule(p, r, m, v, forward_only) for r in range(p)]
+    todo = [schedule(p, r, m, v, forward_only, kind) for r in range(p)]
     done = [0] * p
     have = [set() for _ in range(p)]                  # keys delivered to each rank
     steps, ticks = [[] for _ in range(p)], [[] for _ in range(p)]
@@ -184,7 +191,8 @@ class PipelineRunner:
     """Runs one training step's passes for this rank's model chunks (a list of gpt.GPTModel,
     chunk c being virtual stage c * pp + pp_rank), each compiled by ms.jit if `compiled`."""
 
-    def __init__(self, chunks, state, compiled=False):
+    def __init__(self, chunks, state, compiled=False, kind="1f1b"):
+        self.kind = kind                                        # "1f1b" or "afab" (see schedule)
         self.chunks = [gpt.Compiled(c) for c in chunks] if compiled else chunks
         self.state = state
         self.p, self.v, self.rank = state.pp, len(chunks), state.pp_rank
@@ -205,7 +213,7 @@ class PipelineRunner:
         m = len(micro_batches)
         key = (m, forward_only)
         if key not in self.plans:
-            self.plans[key] = plan(self.p, m, self.v, forward_only)[0][self.rank]
+            self.plans[key] = plan(self.p, m, self.v, forward_only, self.kind)[0][self.rank]
         last = self.p * self.v - 1
         received, outgoing, saved = {}, {}, {}
         losses = []
@@ -249,19 +257,6 @@ class PipelineRunner:
                 trace.append((kind, mb, c, start, time.time()))
             self.seconds["compute"] += time.perf_counter() - clock
         return [float(loss.asnumpy()) for loss in losses], [g for chunk in grads for g in chunk]
-
-
-def all_reduce_tied_embedding(chunks, params, grads, state):
-    """With tied embeddings over several stages, the first stage's word embedding and the last
-    stage's output-layer copy see different gradients; Megatron all-reduces the two over the
-    embedding group so both copies take the same step and stay equal."""
-    if state.pp == 1 or not chunks[0].tied:
-        return grads
-    names = {id(p): n for chunk in chunks for n, p in chunk.parameters_and_names()}
-    shared = ("word_embeddings.weight", "output_layer.weight")
-    first, last = chunks[0].pre_process, chunks[-1].post_process
-    return [parallel.comm.all_reduce(g, state.embedding_group)
-            if (first or last) and names[id(p)] in shared else g for g, p in zip(grads, params)]
 
 
 # ============================================================================ timeline

@@ -5,6 +5,7 @@
 #   bash run.sh test              set up, then the test suite
 #   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags -> <prefix>_text_document.bin/.idx
 #   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
+#   bash run.sh convert|import-hf|export-hf ...   checkpoints between layouts, and to and from Hugging Face GPT-2
 #   bash run.sh bench ...         tokens/s of one process and the 2-worker layouts, alternating (bench.py)
 #   bash run.sh --nproc 1         the same model and data in one process (about 6 minutes)
 #   bash run.sh [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]   train
@@ -29,7 +30,7 @@ case "${1:-}" in
     shift
     exec python -m pytest test_all.py "$@"
     ;;
-  preprocess|generate)
+  preprocess|generate|convert|import-hf|export-hf)
     exec python train.py "$@"
     ;;
   bench)

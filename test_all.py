@@ -1,9 +1,24 @@
 """The test suite: `bash run.sh test` (or `pytest test_all.py` in the activated venv).
 
-Sections: data (tokenizers, indexed dataset, GPTDataset, sampler), optimizer (schedules, AdamW/Adam/SGD
-against numpy, clipping, loss scaling), model (causality, each architecture option, init, masks),
-config (Megatron flags, one-line errors), training (log format, loss falls on the shipped corpus,
-gradient accumulation, bit-exact resume, checkpoints, generation). All in one process, CPU, fp32.
+Sections, in the order of the modules' layers (each under a banner below):
+  structure   imports go one way, none inside functions
+  data        data.py: tokenizers, indexed dataset, GPTDataset indices, sampler, preprocessing
+  optimizer   optimizer.py: schedules, AdamW/Adam/SGD against numpy, the fused Adam against the
+              written-out formula, clipping, loss scaling
+  model       gpt.py: causality and training of each architecture option, init, masks, dropout
+  config      config.py: Megatron flags, one-line errors
+  training    train.py: log line (TFLOP/s), FLOPs by hand, profiler, the loss falling on the shipped
+              corpus, gradient accumulation, bit-exact resume, compiled equals eager
+  checkpoint  checkpoint.py, hf_gpt2.py: layout conversion, GPT-2 import/export, pruning, damage,
+              interrupted saves, generation from a checkpoint
+  pipeline    pipeline.py: schedule orders (1F1B, interleaved, all-forward-all-backward), plans,
+              bubble, layer split, refused layouts
+  parallel    parallel.py under msrun (2 and 4 workers): process groups, collectives, layers and
+              mappings against their dense forms, one pytest test per check family
+              (`pytest test_all.py -k column`); then every layout trained and compared with one
+              process, resumes, conversions, the ledger, the timeline, two msrun launches as one job
+The msrun side of the parallel section runs as `python test_all.py RUNS.json` on each worker.
+CPU, fp32.
 """
 import json
 import math
@@ -36,6 +51,42 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
                        clip_grads_by_value, grad_norm_sq)
 
 train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
+
+# ============================================================================ structure
+MODULES = ["config", "data", "optimizer", "parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2", "train", "bench"]
+
+
+def test_imports_go_one_way_and_only_at_the_top():
+    """Every project import is at a module's top level (none inside a function, where ms.jit
+    cannot compile them and a reader does not look), and the import graph has no cycle: layers
+    config, data, optimizer, parallel -> gpt -> pipeline -> checkpoint -> hf_gpt2 -> train."""
+    import ast
+    edges = {}
+    for module in MODULES:
+        tree = ast.parse(open(os.path.join(HERE, module + ".py")).read())
+        top = set(tree.body)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module.split(".")[0]]
+            else:
+                continue
+            for name in set(names) & set(MODULES) - {module}:
+                assert node in top, f"{module}.py:{node.lineno} imports {name} inside a function"
+                edges.setdefault(module, set()).add(name)
+    order = []                                       # depth-first topological sort, cycles fail
+    def visit(module, path=()):
+        assert module not in path, "import cycle: " + " -> ".join(path + (module,))
+        if module not in order:
+            for dependency in sorted(edges.get(module, ())):
+                visit(dependency, path + (module,))
+            order.append(module)
+    for module in MODULES:
+        visit(module)
+    assert order.index("parallel") < order.index("gpt") < order.index("pipeline") < order.index("checkpoint") \
+        < order.index("train"), order
+
 
 # ============================================================================ data (data.py)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -580,6 +631,25 @@ def test_optimizers_match_numpy(name):
     assert opt.state_dict()["step"] == 5
 
 
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_fused_adam_kernel_equals_the_written_out_formula(name):
+    """AdamW.step's fused kernel (eps rescaled) against optimizer.adam_update, the formula written
+    out with MindSpore ops, 5 steps on the same params and gradients, weight decay included."""
+    rng = np.random.default_rng(1)
+    arrs, fused_params = make_params(rng)
+    plain_params = [Tensor(a.copy()) for a in arrs]
+    fused = build_optimizer(name, fused_params, betas=(0.8, 0.95), eps=1e-6, wd_mults=WD_MULTS)
+    plain = build_optimizer(name, plain_params, betas=(0.8, 0.95), eps=1e-6, wd_mults=WD_MULTS)
+    plain.fused = False
+    for _ in range(5):
+        grads = rand_grads(rng)
+        fused.step([Tensor(g) for g in grads], 1e-2, 0.1)
+        plain.step([Tensor(g) for g in grads], 1e-2, 0.1)
+    for a, b, start in zip(fused_params, plain_params, arrs):
+        assert np.abs(b.asnumpy() - start).max() > 1e-3                 # the formula did move them
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6, atol=1e-7)
+
+
 def test_adamw_and_adam_differ_and_wd_mult_zero_is_not_decayed():
     outs = {}
     for cls in (AdamW, Adam):
@@ -858,7 +928,7 @@ def test_generate_greedy_is_deterministic_and_skips_padding():
     assert all(0 <= t < 257 for t in out1 + sampled)
 
 
-# ============================================================================ config
+# ============================================================================ config (config.py)
 def test_megatron_flags_and_dotted_overrides_map_to_yaml_keys():
     cfg = load_config(os.path.join(HERE, "config.yaml"),
                       ["--num-layers", "3", "--hidden-size=128", "--micro-batch-size", "2",
@@ -879,7 +949,9 @@ BAD_CONFIGS = [
     (["--hiden-size", "64"], "unknown flag --hiden-size (did you mean --hidden-size?)"),
     (["model_config.hiden_size=64"], "unknown key model_config.hiden_size (did you mean model_config.hidden_size?)"),
     (["--hidden-size", "100", "--num-attention-heads", "8"], "model_config.hidden_size=100 must be divisible"),
-    (["--num-query-groups", "3"], "num_attention_heads=8 must be divisible by num_query_groups=3"),
+    (["--group-query-attention", "--num-query-groups", "3"], "num_attention_heads=8 must be divisible by num_query_groups=3"),
+    (["--num-query-groups", "2"], "model_config.num_query_groups=2 needs group_query_attention=true"),
+    (["--group-query-attention"], "group_query_attention=true needs num_query_groups"),
     (["--normalization", "RMSnorm"], "model_config.normalization: 'RMSnorm' is not one of LayerNorm, RMSNorm (did you mean RMSNorm?)"),
     (["--num-layers", "two"], "model_config.num_layers: expected int, got 'two'"),
     (["--num-layers", "0"], "model_config.num_layers must be positive"),
@@ -982,7 +1054,8 @@ def test_flops_formula_by_hand():
     backward twice the forward. GQA (2 query groups for 4 heads) and SwiGLU (three 64 x 96
     matrices) change the qkv and MLP terms; attention counts the full s x s scores."""
     cfg = load_config(os.path.join(HERE, "config.yaml"), ["--num-layers", "3", "--hidden-size", "64",
-                      "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "96",
+                      "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+                      "--ffn-hidden-size", "96",
                       "--swiglu", "--seq-length", "16"]).model_config
     cfg.padded_vocab_size = 512
     b, s, h, L, kv = 5, 16, 64, 3, 2 * 16                      # kv: 2 groups x head size 16
@@ -1072,19 +1145,36 @@ def test_compiled_model_equals_eager(tmp_path):
                                rtol=1e-5)
 
 
+def test_loss_scaler_skips_a_step_with_nan_gradients():
+    cfg, model = tiny_model()
+    optim, scheduler, _ = train.build_optimizer(cfg, model)
+    scaler = DynamicGradScaler(2.0 ** 16, 1.0, growth_interval=1000, hysteresis=1)
+    trainer = train.Trainer(cfg, model, optim, scheduler, scaler)
+    before = [p.asnumpy().copy() for p in optim.params]
+    poisoned = random_batch(cfg)
+    poisoned["loss_mask"][0, 3] = np.nan                      # gradients become nan
+    _, finite, _ = trainer.train_step([poisoned])
+    assert not finite and scheduler.num_steps == 0 and optim.step_count == 0 and scaler.scale == 2.0 ** 15
+    for b, p in zip(before, optim.params):
+        np.testing.assert_array_equal(b, p.asnumpy())
+    loss, finite, _ = trainer.train_step([random_batch(cfg)])   # the next clean step updates
+    assert finite and np.isfinite(loss) and optim.step_count == 1
+
+
+# ============================================================================ checkpoint (checkpoint.py, hf_gpt2.py)
 def test_convert_round_trip_and_refusals(tmp_path, capsys):
-    """python checkpoint.py convert: one process -> TP2 x PP2 x DP2 with the distributed optimizer
+    """convert: one process -> TP2 x PP2 x DP2 with the distributed optimizer
     (8 ranks) -> one process gives back every weight and moment exactly; a layout that cannot
     hold the model, or a --save folder that holds a checkpoint, is refused before anything is
     written."""
     run_training(tmp_path, "src", "--train-iters", "3", "--lr-warmup-iters", "1", "--global-batch-size", "8")
     wide = ["--nproc", "8", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--use-distributed-optimizer"]
-    assert checkpoint.main(["convert", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "wide"), *wide]) == 0
+    assert train.main(["convert", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "wide"), *wide]) == 0
     stage1 = tmp_path / "wide" / "iter_0000003" / "mp_rank_01_001"
     assert sorted(p.name for p in stage1.iterdir()) == [
         "distrib_optim_000.ckpt", "distrib_optim_001.ckpt", "meta.json", "model_optim_rng.ckpt"]
-    assert checkpoint.main(["convert", "--load", str(tmp_path / "wide"), "--save", str(tmp_path / "back")]) == 0
+    assert train.main(["convert", "--load", str(tmp_path / "wide"), "--save", str(tmp_path / "back")]) == 0
     a, meta_a = checkpoint.load_checkpoint(str(tmp_path / "src"))
     b, meta_b = checkpoint.load_checkpoint(str(tmp_path / "back"))
     assert sorted(a) == sorted(b) and any(k.startswith("optimizer.") for k in a)
@@ -1092,11 +1182,11 @@ def test_convert_round_trip_and_refusals(tmp_path, capsys):
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
     assert meta_a["opt_param_scheduler"] == meta_b["opt_param_scheduler"] and meta_b["optimizer_step"] == 3
     capsys.readouterr()
-    assert checkpoint.main(["convert", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "bad"),
+    assert train.main(["convert", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "bad"),
                             "--nproc", "3", "--tensor-model-parallel-size", "3"]) == 2
     assert "num_attention_heads=4 is not divisible by parallel_config.tensor_model_parallel_size=3" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
-    assert checkpoint.main(["convert", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "back")]) == 2
+    assert train.main(["convert", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "back")]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
 
 
@@ -1159,7 +1249,7 @@ def test_gpt2_import_generate_and_export(tmp_path, capsys, gpt2):
     ids = gpt2.encode(prompt)
     for out, layout in (("one", []), ("wide", ["--nproc", "4", "--tensor-model-parallel-size", "2",
                                                "--pipeline-model-parallel-size", "2"])):
-        assert checkpoint.main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / out), *layout]) == 0
+        assert train.main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / out), *layout]) == 0
         model, _, _ = train.load_model(str(tmp_path / out))
         ours = logits_of(model, np.array([ids]))[0, :, :50257]
         np.testing.assert_allclose(ours, hf_gpt2_logits(w64, ids, 2, 4), atol=1e-4)
@@ -1170,7 +1260,7 @@ def test_gpt2_import_generate_and_export(tmp_path, capsys, gpt2):
     assert train.main(["generate", "--load", str(tmp_path / "wide"), "--prompt", prompt, "--max-new-tokens", "6",
                        "--temperature", "0"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == prompt + gpt2.decode(greedy[len(ids):])
-    assert checkpoint.main(["export-hf", "--load", str(tmp_path / "wide"), "--save", str(tmp_path / "back")]) == 0
+    assert train.main(["export-hf", "--load", str(tmp_path / "wide"), "--save", str(tmp_path / "back")]) == 0
     from safetensors.numpy import load_file
     back = load_file(str(tmp_path / "back" / "model.safetensors"))
     assert sorted(back) == sorted(k for k in w if not k.endswith(".attn.bias"))       # not the mask buffers
@@ -1182,7 +1272,7 @@ def test_gpt2_import_generate_and_export(tmp_path, capsys, gpt2):
 
 def test_export_refuses_what_gpt2_cannot_hold(tmp_path, capsys):
     run_training(tmp_path, "rope", "--train-iters", "1", "--position-embedding-type", "rope")
-    assert checkpoint.main(["export-hf", "--load", str(tmp_path / "rope"), "--save", str(tmp_path / "hf")]) == 2
+    assert train.main(["export-hf", "--load", str(tmp_path / "rope"), "--save", str(tmp_path / "hf")]) == 2
     assert "GPT-2 cannot hold this model (position_embedding_type=rope)" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
 
@@ -1206,22 +1296,6 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
     (out / ".iter_0000004.tmp" / "mp_rank_00").mkdir(parents=True)        # a save killed midway
     tensors, meta = checkpoint.load_checkpoint(str(out))
     assert meta["iteration"] == 2 and "model.word_embeddings.weight" in tensors
-
-
-def test_loss_scaler_skips_a_step_with_nan_gradients():
-    cfg, model = tiny_model()
-    optim, scheduler, _ = train.build_optimizer(cfg, model)
-    scaler = DynamicGradScaler(2.0 ** 16, 1.0, growth_interval=1000, hysteresis=1)
-    trainer = train.Trainer(cfg, model, optim, scheduler, scaler)
-    before = [p.asnumpy().copy() for p in optim.params]
-    poisoned = random_batch(cfg)
-    poisoned["loss_mask"][0, 3] = np.nan                      # gradients become nan
-    _, finite, _ = trainer.train_step([poisoned])
-    assert not finite and scheduler.num_steps == 0 and optim.step_count == 0 and scaler.scale == 2.0 ** 15
-    for b, p in zip(before, optim.params):
-        np.testing.assert_array_equal(b, p.asnumpy())
-    loss, finite, _ = trainer.train_step([random_batch(cfg)])   # the next clean step updates
-    assert finite and np.isfinite(loss) and optim.step_count == 1
 
 
 def test_generate_command_from_checkpoint(tmp_path, capsys):
@@ -1251,6 +1325,24 @@ def test_1f1b_and_interleaved_orders_follow_megatrons_rules():
     assert pipeline.schedule_table(pipeline.plan(2, 4)[1]) == (
         "rank 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3\n"
         "rank 1: .    F0   B0   F1   B1   F2   B2   F3   B3   .")
+
+
+def test_all_forward_all_backward_is_the_naive_schedule():
+    """GPipe's order (kind="afab"): every forward, then every backward. Same length and bubble as
+    1F1B with unit-time passes, but every micro-batch is in flight at once on every stage
+    (1F1B: min(p - rank, m))."""
+    assert " ".join(f"{k}{mb}" for k, mb, _ in pipeline.schedule(2, 0, 4, kind="afab")) == "F0 F1 F2 F3 B0 B1 B2 B3"
+    assert pipeline.schedule_table(pipeline.plan(2, 4, kind="afab")[1]) == (
+        "rank 0: F0   F1   F2   F3   .    .    B0   B1   B2   B3\n"
+        "rank 1: .    F0   F1   F2   F3   B0   B1   B2   B3   .")
+    for p in range(1, 7):
+        for m in range(1, 11):
+            _, ticks = pipeline.plan(p, m, kind="afab")
+            _, ticks_1f1b = pipeline.plan(p, m)
+            span, span_1f1b = (max(t[-1][0] for t in tk) + 1 for tk in (ticks, ticks_1f1b))
+            assert span == span_1f1b == 2 * (m + p - 1), (p, m)
+            peaks = [pipeline.peak_in_flight(pipeline.schedule(p, r, m, kind="afab")) for r in range(p)]
+            assert peaks == [m] * p
 
 
 def test_peak_in_flight_is_p_minus_rank():
@@ -1314,21 +1406,28 @@ def test_invalid_pipeline_layouts_are_refused(world, args, message):
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-# ============================================================================ parallel (msrun)
+# ============================================================================ parallel (parallel.py, under msrun)
 # The functions below run on every rank of an msrun launch: `python test_all.py RUNS.json`.
 ATOL = 1e-6
 S, B, H, FFN = 4, 2, 8, 16                 # sequence, micro-batch, hidden, ffn (divisible by 4)
 TOY_VOCAB, TOY_PADDED_VOCAB = 250, 256
 
 
+# Each check belongs to a family; pytest has one test per family (test_msrun_checks[column_...]).
+CHECK_FAMILIES = ["process_groups", "collectives", "column_parallel_linear", "row_parallel_linear",
+                  "tensor_parallel_mlp", "sequence_parallel_mlp", "vocab_parallel_embedding", "mappings",
+                  "vocab_parallel_cross_entropy", "pipeline_gradients"]
+
+
 class Checks:
-    """Prints one rank-prefixed PASS/FAIL line per check and remembers the failures."""
+    """Prints one line per check, `[rank R] PASS family: name` (or FAIL, with the detail), and
+    remembers the failures; `family` is set by the caller before each group of checks."""
 
     def __init__(self, rank):
-        self.rank, self.failed = rank, []
+        self.rank, self.failed, self.family = rank, [], "setup"
 
     def __call__(self, name, ok, detail=""):
-        print(f"[rank {self.rank}] {'PASS' if ok else 'FAIL'} {name}"
+        print(f"[rank {self.rank}] {'PASS' if ok else 'FAIL'} {self.family}: {name}"
               + (f": {detail}" if detail and not ok else ""), flush=True)
         if not ok:
             self.failed.append(name)
@@ -1345,9 +1444,10 @@ def rand(seed, *shape):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-# ============================================================================ process groups
+# ---------------------------------------------------------------------------- process groups
 def check_rank_groups(c):
     """Megatron's "tp-cp-dp-pp" order for 8 ranks, tp2 cp1 pp2 (so dp2), written out by hand."""
+    c.family = "process_groups"
     pp = [[0, 4], [1, 5], [2, 6], [3, 7]]
     expected = {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "cp": [[r] for r in range(8)],
                 "dp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": pp,
@@ -1366,6 +1466,7 @@ def check_rank_groups(c):
 
 
 def check_state(c, state, tp, cp, pp):
+    c.family = "process_groups"
     r, dp = state.rank, state.world_size // (tp * cp * pp)
     coords = (state.tp_rank, state.cp_rank, state.dp_rank, state.pp_rank)
     want = (r % tp, r // tp % cp, r // (tp * cp) % dp, r // (tp * cp * dp))
@@ -1379,9 +1480,10 @@ def check_state(c, state, tp, cp, pp):
     c(f"state pair groups {sorted(state.pair_groups)}", sorted(state.pair_groups) == peers)
 
 
-# ============================================================================ communication
+# ---------------------------------------------------------------------------- communication
 def check_comm(c, state, kind, group):
     """Each collective on `group` against its definition, inputs unchanged, and the ledger."""
+    c.family = "collectives"
     ranks = parallel.group_ranks(group)
     n, i, me = len(ranks), ranks.index(state.rank), state.rank
     x = lambda r, *shape: rand(1000 + r, *shape)               # rank r's input
@@ -1410,6 +1512,7 @@ def check_comm(c, state, kind, group):
 
 
 def check_exchange(c, state):
+    c.family = "collectives"
     ledger.reset()
     for peer in state.pair_groups:
         got = comm.exchange(Tensor(rand(2000 + state.rank, 3, 5)), peer)
@@ -1419,8 +1522,8 @@ def check_exchange(c, state):
     c("exchange ledger", ledger.counts() == want, str(ledger.counts()))
 
 
-# ============================================================================ layers
-class Embedding(nn.Cell):
+# ---------------------------------------------------------------------------- layers
+class DenseEmbedding(nn.Cell):
     def __init__(self, num_embeddings, embedding_dim):
         super().__init__()
         self.weight = Parameter(Tensor(np.zeros((num_embeddings, embedding_dim), np.float32)), name="weight")
@@ -1429,7 +1532,7 @@ class Embedding(nn.Cell):
         return ops.gather(self.weight, ids, 0)
 
 
-class MLP(nn.Cell):
+class TwoLayerMLP(nn.Cell):
     """fc1 -> gelu -> fc2: dense (gpt.Linear) or Column -> Row parallel, same parameter names."""
 
     def __init__(self, fc1, fc2):
@@ -1492,6 +1595,7 @@ def check_layers(c, state):
     tp = state.tp
     x = rand(11, S, B, H)
     full, part = S * B * H * 4, S // tp * B * H * 4              # activation bytes, fp32
+    c.family = "column_parallel_linear"
     check_layer(c, state, "column", gpt.Linear(H, FFN), ColumnParallelLinear(H, FFN), x, out_dim=2,
                 expected=({}, {("tp", "all_reduce"): (1, full)}))
     check_layer(c, state, "column gather_output", gpt.Linear(H, FFN),
@@ -1499,22 +1603,26 @@ def check_layers(c, state):
     check_layer(c, state, "column chunks=2", gpt.Linear(H, FFN),
                 ColumnParallelLinear(H, FFN, chunks=2), x, out_dim=2, out_chunks=2)
     x_wide = rand(12, S, B, FFN)
+    c.family = "row_parallel_linear"
     check_layer(c, state, "row", gpt.Linear(FFN, H), RowParallelLinear(FFN, H), x_wide, in_dim=2,
                 expected=({("tp", "all_reduce"): (1, full)}, {}))
     check_layer(c, state, "row input_is_parallel=False", gpt.Linear(FFN, H),
                 RowParallelLinear(FFN, H, input_is_parallel=False), x_wide)
-    check_layer(c, state, "mlp", MLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)),
-                MLP(ColumnParallelLinear(H, FFN), RowParallelLinear(FFN, H)), x,
+    c.family = "tensor_parallel_mlp"
+    check_layer(c, state, "mlp", TwoLayerMLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)),
+                TwoLayerMLP(ColumnParallelLinear(H, FFN), RowParallelLinear(FFN, H)), x,
                 expected=({("tp", "all_reduce"): (1, full)}, {("tp", "all_reduce"): (1, full)}))
     sp = {("tp", "all_gather"): (1, part), ("tp", "reduce_scatter"): (1, full)}
+    c.family = "sequence_parallel_mlp"
     for compiled in (False, True):                 # the same Cells op by op and under ms.jit
-        sp_mlp = MLP(ColumnParallelLinear(H, FFN, sequence_parallel=True),
+        sp_mlp = TwoLayerMLP(ColumnParallelLinear(H, FFN, sequence_parallel=True),
                      RowParallelLinear(FFN, H, sequence_parallel=True))
         check_layer(c, state, "mlp sequence parallel" + (" compiled" if compiled else ""),
-                    MLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)), gpt.Compiled(sp_mlp) if compiled else sp_mlp,
+                    TwoLayerMLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)), gpt.Compiled(sp_mlp) if compiled else sp_mlp,
                     x, in_dim=0, out_dim=0, expected=(sp, sp))
     ids = np.random.default_rng(13).integers(0, TOY_VOCAB, (B, S)).astype(np.int32)
-    check_layer(c, state, "vocab embedding", Embedding(TOY_PADDED_VOCAB, H),
+    c.family = "vocab_parallel_embedding"
+    check_layer(c, state, "vocab embedding", DenseEmbedding(TOY_PADDED_VOCAB, H),
                 VocabParallelEmbedding(TOY_PADDED_VOCAB, H), ids, float_input=False,
                 expected=({("tp", "all_reduce"): (1, B * S * H * 4)}, {}))
     check_mappings(c, state, x)
@@ -1524,6 +1632,7 @@ def check_layers(c, state):
 def check_mappings(c, state, x):
     """The mappings no layer above uses on its own, against slicing and concatenation."""
     tp, r, weights = state.tp, state.tp_rank, rand(14, S, B, H)
+    c.family = "mappings"
     cases = [("scatter_to_tensor_model_parallel_region", None, 2),
              ("gather_from_tensor_model_parallel_region", 2, None),
              ("scatter_to_sequence_parallel_region", None, 0),
@@ -1545,6 +1654,7 @@ def dense_cross_entropy(logits, labels):
 
 def check_cross_entropy(c, state):
     """Vocabulary 250 padded to 256 (padding columns exist, labels never point into them)."""
+    c.family = "vocab_parallel_cross_entropy"
     n = S * B
     logits = 3.0 * rand(15, n, TOY_PADDED_VOCAB)
     labels = Tensor(np.random.default_rng(16).integers(0, TOY_VOCAB, n).astype(np.int32))
@@ -1566,7 +1676,7 @@ def check_cross_entropy(c, state):
       ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)}, str(ledger.counts()))
 
 
-# ============================================================================ driver
+# ============================================================================ msrun driver: layouts trained and compared with one process
 def layouts(world):
     """(tp, cp, pp) layouts to check: all-TP, TP x PP, and CP x DP and PP4 on 4 or more ranks."""
     out = [(world, 1, 1)]
@@ -1597,6 +1707,7 @@ def check_pipeline(c, world):
     model on the same micro-batches: each stage's losses, and every gradient of every rank
     (its TP slice of the full gradient; the last stage's tied output layer that of the word
     embedding), relative difference in norm below 1e-5."""
+    c.family = "pipeline_gradients"
     tokenizer = data.build_tokenizer("ByteTokenizer", None, None, None)
     config_path = os.path.join(HERE, "config.yaml")
     for label, model_args, layout in PIPELINE_CHECKS.get(world, []):
@@ -1684,6 +1795,7 @@ TRACE = ["training_config.pipeline_trace=true"]
 LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP, "one"), "dp2": ([], "one"),
                "dp2_distopt": (DISTOPT, "one"), "pp2": (PIPELINE_RUN + PP2 + TRACE, "one_pp"),
                "pp2_vpp2": (PIPELINE_RUN + PP2 + VPP2, "one_pp"),
+               "pp2_afab": (PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"], "one_pp"),
                "pp2_untied": (PIPELINE_RUN + UNTIED + PP2, "one_pp_untied"),
                "pp2_num_layer_list": (PIPELINE_RUN + PP2 + UNEVEN, "one_pp")},
            4: {"tp2_dp2_sp_distopt": (TP2 + SP + DISTOPT, "one"),
@@ -1705,7 +1817,7 @@ def parallel_runs(tmp_path_factory):
     half = ["--train-iters", "5", "--lr-decay-iters", "10"]
 
     def convert(source, target, *layout):
-        assert checkpoint.main(["convert", "--load", str(tmp / source), "--save", str(tmp / target), *layout]) == 0
+        assert train.main(["convert", "--load", str(tmp / source), "--save", str(tmp / target), *layout]) == 0
 
     assert train.main([*common, "--save", str(tmp / "one_first"), *half]) == 0
     convert("one_first", "one_as_tp2_dp2", "--nproc", "4", *TP2, *DISTOPT)
@@ -1742,9 +1854,8 @@ def train_lines(folder, prefix="train: "):
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_parallel_checks_pass_under_msrun(parallel_runs, world):
-    """parallel.py on every rank: groups, collectives and their fallbacks, ledger, mappings and
-    layers against their dense equivalents (forward and gradients, atol 1e-6)."""
+def test_msrun_launch_passes(parallel_runs, world):
+    """Each msrun launch (2 and 4 workers) ends cleanly: every check and training run passed."""
     tmp, launches = parallel_runs
     logs = [(tmp / f"msrun{world}" / f"worker_{r}.log").read_text() for r in range(world)]
     assert launches[world].returncode == 0, launches[world].stdout[-3000:] + logs[0][-3000:]
@@ -1752,10 +1863,27 @@ def test_parallel_checks_pass_under_msrun(parallel_runs, world):
         assert f"[rank {rank}] all checks passed" in text
 
 
+@pytest.mark.parametrize("family", CHECK_FAMILIES)
+def test_msrun_checks(parallel_runs, family):
+    """parallel.py on every rank of both launches, one family of checks: process groups,
+    collectives (and their CPU constructions) with the ledger, each layer and mapping against its
+    dense equivalent (forward and gradients, atol 1e-6), the pipeline's gradients against one
+    process (relative 1e-5). `pytest test_all.py -k column` runs the column-parallel checks."""
+    tmp, _ = parallel_runs
+    passed = 0
+    for world in sorted(LAYOUTS):
+        for rank in range(world):
+            lines = (tmp / f"msrun{world}" / f"worker_{rank}.log").read_text().splitlines()
+            failed = [l for l in lines if l.startswith(f"[rank {rank}] FAIL {family}: ")]
+            assert not failed, "\n".join(failed)
+            passed += sum(l.startswith(f"[rank {rank}] PASS {family}: ") for l in lines)
+    assert passed > 0, f"no {family} check ran"
+
+
 ALL_LAYOUTS = {name: spec for layouts in LAYOUTS.values() for name, spec in layouts.items()}
 RESUMED = {2: "dp2_distopt", 4: "tp2_pp2_sp"}      # stopped after 5 of the 10 steps, then resumed
 # run: (converted checkpoint of step 5, its source layout's full run, what changed, the new layout's
-# flags, workers); python checkpoint.py convert rewrites the checkpoint, the run resumes from it
+# flags, workers); the convert command rewrites the checkpoint, the run resumes from it
 CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one", "TP1 -> TP2 x DP2, distributed optimizer",
                                         TP2 + SP + DISTOPT, 4),
              "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_as_pp2_vpp2", "tp2_pp2_sp", "TP2 x PP2 -> PP2 with VPP2",

@@ -1,7 +1,8 @@
 """Pretrain a GPT from one YAML: `python train.py [--config config.yaml] [Megatron flags] [section.key=value]`.
 
-Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `python train.py prepare-data`
-(tokenize the shipped corpus once) and `python train.py generate --load DIR --prompt TEXT`.
+Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `prepare-data` (tokenize the
+shipped corpus once), `generate --load DIR --prompt TEXT`, and the checkpoint commands `convert`,
+`import-hf`, `export-hf` (checkpoint.py, hf_gpt2.py).
 
 One training step (Megatron's train_step, one process):
   for each of micro_batch_num micro-batches: loss_i * loss_scale / micro_batch_num, backward,
@@ -20,6 +21,7 @@ from mindspore import Tensor
 
 import checkpoint
 import data
+import hf_gpt2
 import optimizer as opt
 import parallel
 import pipeline
@@ -216,7 +218,8 @@ class Trainer:
         m = cfg.model_config
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
         self.compiled = cfg.training_config.use_jit and not (m.hidden_dropout_rate or m.attention_dropout_rate)
-        self.pipeline = (pipeline.PipelineRunner(self.chunks, self.state, self.compiled)
+        self.pipeline = (pipeline.PipelineRunner(self.chunks, self.state, self.compiled,
+                                                 cfg.parallel_config.pipeline_schedule)
                          if self.state.pp > 1 else None)
         seq = m.seq_length // self.state.tp if m.sequence_parallel else m.seq_length
         self.hidden_shape = (seq, cfg.dataset_config.batch_size, m.hidden_size)   # one pipeline hop
@@ -300,19 +303,11 @@ class Trainer:
         return "timers (ms per step): " + ", ".join(parts)
 
     def reduce_gradients(self, grads):
-        """Megatron's finalize_model_grads: all-reduce over TP the gradients that sequence
-        parallelism leaves partial, then average over DP x CP, as one all-reduce per bucket or,
-        with the distributed optimizer, a reduce-scatter to this rank's shard. Returns the
-        gradients the optimizer takes and, for each, whether it counts in the norm."""
-        grads = [parallel.comm.all_reduce(g, self.state.tp_group) if getattr(p, "sequence_parallel", False)
-                 else g for g, p in zip(grads, self.params)]
-        grads = pipeline.all_reduce_tied_embedding(self.chunks, self.params, grads, self.state)
+        """The gradients the optimizer takes (optimizer.finalize_model_grads: the SP, tied-embedding
+        and DP reductions) and, for each, whether it counts in the norm."""
+        grads = opt.finalize_model_grads(grads, self.params, parallel.comm, self.state, self.optimizer, self.buffer)
         if self.distributed:
-            pieces = self.optimizer.reduce_scatter_grads(grads)
-            return pieces, [self.counted[i] for _, i, _, _ in self.optimizer.pieces]
-        if self.dp_size > 1:
-            grads = opt.all_reduce_grads(self.buffer, grads, parallel.comm, self.state.dp_cp_group,
-                                         self.dp_size)
+            return grads, [self.counted[i] for _, i, _, _ in self.optimizer.pieces]
         return grads, self.counted
 
     def global_norm_sq(self, grads):
@@ -491,10 +486,12 @@ def report_pipeline_trace(cfg, trainer):
     p, v, m = state.pp, len(trainer.chunks), cfg.dataset_config.micro_batch_num
     span = max(e for t in traces for *_, e in t)
     measured = pipeline.bubble_fraction([sum(e - s for *_, s, e in t) for t in traces], span)
-    _, ticks = pipeline.plan(p, m, v)
+    kind = cfg.parallel_config.pipeline_schedule
+    _, ticks = pipeline.plan(p, m, v, kind=kind)
     unit = pipeline.bubble_fraction([len(t) for t in ticks], max(t[-1][0] for t in ticks) + 1)
-    peaks = [pipeline.peak_in_flight(pipeline.schedule(p, r, m, v)) for r in range(p)]
-    name = "1F1B" if v == 1 else f"interleaved 1F1B, {v} chunks per stage"
+    peaks = [pipeline.peak_in_flight(pipeline.schedule(p, r, m, v, kind=kind)) for r in range(p)]
+    name = ("all forward, all backward" if kind == "afab" else "1F1B" if v == 1 else "interleaved 1F1B") \
+        + (f", {v} chunks per stage" if v > 1 else "")
     timeline = "\n".join(f"rank {r}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
                                                    for k, mb, c, s, e in t) for r, t in enumerate(traces))
     text = (f"pipeline schedule: {name}, p={p}, m={m} (unit time)\n{pipeline.schedule_table(ticks)}\n\n"
@@ -569,6 +566,10 @@ def generate_main(argv):
     print(prompt + tokenizer.decode(out))
 
 
+CHECKPOINT_COMMANDS = {"convert": checkpoint.convert_main, "import-hf": hf_gpt2.import_main,
+                       "export-hf": hf_gpt2.export_main}
+
+
 def main(argv):
     argv = list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") and "=" not in argv[0] else "train"
@@ -583,11 +584,15 @@ def main(argv):
                                               "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
             print(f"data ready: {prefix}.bin/.idx")
             return 0
+        if command in CHECKPOINT_COMMANDS:
+            CHECKPOINT_COMMANDS[command](argv)
+            return 0
         if command == "generate":
             generate_main(argv)
             return 0
         if command != "train":
-            raise ConfigError(f"unknown command {command!r}: use train (default), preprocess, prepare-data or generate")
+            raise ConfigError(f"unknown command {command!r}: use train (default), preprocess, prepare-data, generate, "
+                              f"{', '.join(CHECKPOINT_COMMANDS)}")
         config_path = pop_flag(argv, "--config", "config.yaml")
         cfg = load_config(config_path, argv, world_size())
         check_inputs(cfg)
