@@ -23,7 +23,7 @@ from mindspore import Parameter, Tensor
 
 import parallel
 from config import ConfigError, from_saved, pop_flag, to_dict, to_namespace
-from gpt import GPTModel, global_name
+from gpt import global_name
 from optimizer import GradBuffer
 from pipeline import build_chunks
 
@@ -183,31 +183,9 @@ def model_tensors(chunks):
     return {name: p.asnumpy() for name, p in named_parameters(chunks)}
 
 
-def piece_keys(trainer):
-    """One key per piece of the distributed optimizer: "<global name>@<first element>", so that
-    the shards of every DP rank together cover each parameter and can be reassembled."""
-    names = [n[len("model."):] for n, _ in named_parameters(trainer.chunks)]
-    offsets = trainer.optimizer.buffer.offsets
-    return [f"{names[i]}@{lo - offsets[i]}" for _, i, lo, _ in trainer.optimizer.pieces]
-
-
-def optimizer_tensors(trainer):
-    """(tensors, step) of the optimizer state: "optimizer.<kind>.<name>" per parameter, or, for
-    the distributed optimizer, per owned piece: fp32 master "main.<name>@<start>" and moments
-    "optimizer.<kind>.<name>@<start>"."""
-    if trainer.distributed:
-        state = trainer.optimizer.inner.state_dict()
-        keys = piece_keys(trainer)
-        tensors = {f"main.{keys[k]}": p.asnumpy() for k, p in enumerate(trainer.optimizer.main_params)}
-    else:
-        state = trainer.optimizer.state_dict()
-        keys = [n[len("model."):] for n, _ in named_parameters(trainer.chunks)]
-        tensors = {}
-    for key, value in state.items():
-        if key != "step":
-            kind, index = key.rsplit(".", 1)
-            tensors[f"optimizer.{kind}.{keys[int(index)]}"] = value
-    return tensors, state["step"]
+def parameter_names(chunks):
+    """The global names of this rank's parameters, in optimizer order."""
+    return [name[len("model."):] for name, _ in named_parameters(chunks)]
 
 
 def layout_of(cfg):
@@ -230,7 +208,7 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     """Megatron layout: mp_rank_TT/ per TP rank, written by its first DP rank; with the
     distributed optimizer every DP rank adds its own distrib_optim_DDD file."""
     t, state = cfg.training_config, trainer.state
-    opt_tensors, step = optimizer_tensors(trainer)
+    opt_tensors, step = trainer.optimizer.named_state(parameter_names(trainer.chunks))
     writer = state.dp_rank == 0 and state.cp_rank == 0
     files = {}
     if writer:
@@ -278,17 +256,7 @@ def load_training_state(cfg, trainer, rng):
                  f"({'finetune' if t.finetune else 'no optimizer state saved'}: iteration 0)")
         return 0, 0
     if not t.no_load_optim:
-        state_dict = {"step": meta["optimizer_step"]}
-        keys = piece_keys(trainer) if trainer.distributed else [n[len("model."):] for n, _ in named_parameters(chunks)]
-        for kind in (trainer.optimizer.inner if trainer.distributed else trainer.optimizer).state:
-            for index, key in enumerate(keys):
-                state_dict[f"{kind}.{index}"] = tensors[f"optimizer.{kind}.{key}"]
-        if trainer.distributed:
-            for key, p in zip(keys, trainer.optimizer.main_params):
-                p.copy_(Tensor(tensors[f"main.{key}"]))
-            trainer.optimizer.inner.load_state_dict(state_dict)
-        else:
-            trainer.optimizer.load_state_dict(state_dict)
+        trainer.optimizer.load_named_state(tensors, meta["optimizer_step"], parameter_names(chunks))
         trainer.scheduler.load_state_dict(meta["opt_param_scheduler"])
         trainer.scaler.load_state_dict(meta["grad_scaler"])
     if not t.no_load_rng:
@@ -298,17 +266,16 @@ def load_training_state(cfg, trainer, rng):
 
 
 # ----------------------------------------------------------------------------- layout conversion
-def build_rank_chunks(cfg, tp_rank, pp_rank):
-    """The model chunks of one rank of cfg's layout, built in this process (construction needs
-    the sizes and ranks, not the process groups); their values are not initialised."""
-    p = cfg.parallel_config
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+def build_rank_chunks(model_cfg, tp, pp, tp_rank=0, pp_rank=0, vpp=1, num_layer_list=None):
+    """The model chunks (pipeline.build_chunks) of one rank of a tp x pp layout, built in this
+    process: construction needs the sizes and ranks, not the process groups. Values are not
+    initialised. With tp = pp = 1, the one-process model."""
     previous = parallel.use_state(parallel.ParallelState(
         world_size=tp * pp, rank=tp_rank + tp * pp_rank, tp=tp, cp=1, dp=1, pp=pp, tp_rank=tp_rank,
         cp_rank=0, dp_rank=0, pp_rank=pp_rank, tp_group="", cp_group="", dp_group="", pp_group="",
         dp_cp_group="", mp_group=""))
     try:
-        return build_chunks(cfg.model_config, pp, pp_rank, p.virtual_pipeline_model_parallel_size, p.num_layer_list)
+        return build_chunks(model_cfg, pp, pp_rank, vpp, num_layer_list)
     finally:
         parallel.use_state(previous)
 
@@ -320,8 +287,7 @@ def full_state(root, optimizer=True):
     pieces joined)."""
     shards, meta = load_shards(root, optimizer)
     m = to_namespace(meta["config"]).model_config
-    m.tensor_model_parallel_size, m.sequence_parallel = 1, False
-    one = GPTModel(m)                                 # tp 1: its names and full shapes
+    [one] = build_rank_chunks(m, 1, 1)                # one process: its names and full shapes
     kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")} if optimizer else set()
     full_shapes = {}
     for name, p in one.parameters_and_names():
@@ -364,7 +330,8 @@ def write_layout(root, tensors, meta, cfg):
     shards = {}
     for tp_rank in range(tp):
         for pp_rank in range(pp):
-            chunks = build_rank_chunks(cfg, tp_rank, pp_rank)
+            chunks = build_rank_chunks(cfg.model_config, tp, pp, tp_rank, pp_rank,
+                                       p.virtual_pipeline_model_parallel_size, p.num_layer_list)
             names, params, values = [], [], {}
             for chunk in chunks:
                 for n, param in chunk.parameters_and_names():
@@ -384,9 +351,8 @@ def write_layout(root, tensors, meta, cfg):
                 buffer = GradBuffer(params, dp, layout["bucket_size"])
                 for d in range(dp):
                     piece_tensors = {}
-                    for _, i, lo, hi in buffer.pieces(d):
+                    for (_, i, lo, hi), key in zip(buffer.pieces(d), buffer.piece_names(d, names)):
                         start, end = lo - buffer.offsets[i], hi - buffer.offsets[i]
-                        key = f"{names[i]}@{start}"
                         piece_tensors[f"main.{key}"] = values[f"model.{names[i]}"].reshape(-1)[start:end]
                         for kind in kinds:
                             piece_tensors[f"optimizer.{kind}.{key}"] = values[f"optimizer.{kind}.{names[i]}"].reshape(-1)[start:end]

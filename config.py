@@ -613,7 +613,6 @@ def finalize(cfg, world_size=1):
         raise ConfigError(f"world size {world_size} is not a multiple of tensor x context x pipeline "
                           f"parallel sizes = {model_parallel}: change --nproc or the parallel sizes")
     dp = world_size // model_parallel
-    m.tensor_model_parallel_size, m.sequence_parallel = tp, p.sequence_parallel   # for gpt.py
     per_step = d.batch_size * dp
     if d.global_batch_size is not None:
         if d.global_batch_size % per_step:

@@ -15,7 +15,7 @@ import zlib
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.api import _pynative_executor
+from mindspore.graph.api import _pynative_executor
 
 import parallel
 from parallel import linear
@@ -58,14 +58,14 @@ class Linear(nn.Cell):
 def make_linear(cfg, in_features, out_features, bias, kind, chunks=1):
     """The model's linears. `kind` is Megatron's role: "column" (qkv, fc1, output layer: the
     output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the
-    input dim is split). One TP rank: a plain Linear."""
-    if cfg.tensor_model_parallel_size == 1:
+    input dim is split). One TP rank: a plain Linear. The layout comes from parallel.get_state()."""
+    state = parallel.get_state()
+    if state.tp == 1:
         return Linear(in_features, out_features, bias, DTYPES[cfg.compute_dtype])
     if kind == "column":
         return parallel.ColumnParallelLinear(in_features, out_features, bias,
-                                             sequence_parallel=cfg.sequence_parallel, chunks=chunks)
-    return parallel.RowParallelLinear(in_features, out_features, bias,
-                                      sequence_parallel=cfg.sequence_parallel)
+                                             sequence_parallel=state.sequence_parallel, chunks=chunks)
+    return parallel.RowParallelLinear(in_features, out_features, bias, sequence_parallel=state.sequence_parallel)
 
 
 class Embedding(nn.Cell):
@@ -112,7 +112,7 @@ def make_norm(cfg):
     """Norms are replicated over TP. With sequence parallelism each TP rank normalises its own
     sequence shard, so its weight gradient is partial: marked for an all-reduce over TP."""
     norm = (RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm)(cfg.hidden_size, cfg.norm_epsilon)
-    if cfg.sequence_parallel:
+    if parallel.get_state().sequence_parallel:
         for p in norm.get_parameters():
             p.sequence_parallel = True
     return norm
@@ -256,7 +256,7 @@ class TransformerLayer(nn.Cell):
             self.post_mlp_norm = make_norm(cfg)
         # Replicated activations share the "default" stream over TP; sequence shards differ.
         self.hidden_dropout = Dropout(cfg.hidden_dropout_rate, rng,
-                                      "model-parallel" if cfg.sequence_parallel else "default")
+                                      "model-parallel" if parallel.get_state().sequence_parallel else "default")
         self.fp32_residual = cfg.fp32_residual_connection
 
     def construct(self, x, rope, mask_bias):
@@ -294,14 +294,15 @@ class GPTModel(nn.Cell):
         h, v = cfg.hidden_size, cfg.padded_vocab_size
         self.tied = not cfg.untie_embeddings_and_output_weights
         self.dtype = DTYPES[cfg.compute_dtype]
-        self.tp, self.sequence_parallel = cfg.tensor_model_parallel_size, cfg.sequence_parallel
+        state = parallel.get_state()
+        self.tp, self.sequence_parallel = state.tp, state.sequence_parallel
         if pre_process:
             self.word_embeddings = Embedding(v, h) if self.tp == 1 else parallel.VocabParallelEmbedding(v, h)
             if cfg.position_embedding_type == "absolute":
                 self.position_embeddings = Parameter(_zeros(cfg.max_position_embeddings, h),
                                                      name="position_embeddings")
             self.embedding_dropout = Dropout(cfg.hidden_dropout_rate, self.rng,
-                                             "model-parallel" if cfg.sequence_parallel else "default")
+                                             "model-parallel" if self.sequence_parallel else "default")
         n = cfg.num_layers if num_layers is None else num_layers
         self.layers = nn.CellList([TransformerLayer(cfg, self.rng) for _ in range(n)])
         if post_process:

@@ -125,6 +125,17 @@ class _Optimizer:
     def state_bytes(self):
         return sum(t.nbytes for tensors in self.state.values() for t in tensors)
 
+    def named_state(self, names):
+        """(arrays "optimizer.<state>.<name>", step): the state keyed by the names of the tensors
+        it updates, as a checkpoint stores it."""
+        return {f"optimizer.{kind}.{name}": t.asnumpy() for kind, tensors in self.state.items()
+                for name, t in zip(names, tensors)}, self.step_count
+
+    def load_named_state(self, arrays, step, names):
+        """The inverse of named_state."""
+        self.load_state_dict({"step": step, **{f"{kind}.{i}": arrays[f"optimizer.{kind}.{name}"]
+                                              for kind in self.state for i, name in enumerate(names)}})
+
 
 class AdamW(_Optimizer):
     """Adam with decoupled weight decay (Loshchilov & Hutter), = torch AdamW / apex FusedAdam(adam_w_mode)."""
@@ -353,6 +364,11 @@ class GradBuffer:
         return [(b0 + rank * (b1 - b0) // self.dp, b0 + (rank + 1) * (b1 - b0) // self.dp)
                 for b0, b1 in self.buckets]
 
+    def piece_names(self, rank, names):
+        """One name per piece of `rank` (`names`: one per parameter): "<name>@<first element>",
+        so the pieces of every DP rank together cover each parameter and join back."""
+        return [f"{names[i]}@{lo - self.offsets[i]}" for _, i, lo, _ in self.pieces(rank)]
+
     def pieces(self, rank):
         """(bucket, param index, start, end) of each overlap of a parameter with `rank`'s shard
         of a bucket, start and end in the buffer: what a distributed optimizer updates."""
@@ -405,7 +421,7 @@ class DistributedOptimizer:
     per-parameter weight-decay multipliers still apply."""
 
     def __init__(self, make_optimizer, params, wd_mults, comm, group, dp_rank, dp, bucket_size=None):
-        self.params, self.comm, self.group, self.dp = list(params), comm, group, dp
+        self.params, self.comm, self.group, self.dp, self.rank = list(params), comm, group, dp, dp_rank
         self.buffer = GradBuffer(self.params, dp, bucket_size)
         self.shards = self.buffer.shard_ranges(dp_rank)        # this rank's range in each bucket
         self.pieces = self.buffer.pieces(dp_rank)              # (bucket, param index, start, end)
@@ -418,6 +434,21 @@ class DistributedOptimizer:
         flat = self.buffer.flatten(self.params)
         for (_, _, lo, hi), main in zip(self.pieces, self.main_params):
             main.copy_(flat[lo:hi].copy())
+
+    def named_state(self, names):
+        """(arrays, step): this rank's pieces of the fp32 master weights "main.<piece>" and of the
+        inner optimizer's state "optimizer.<state>.<piece>" (`names`: one per parameter)."""
+        pieces = self.buffer.piece_names(self.rank, names)
+        arrays, step = self.inner.named_state(pieces)
+        arrays.update({f"main.{piece}": p.asnumpy() for piece, p in zip(pieces, self.main_params)})
+        return arrays, step
+
+    def load_named_state(self, arrays, step, names):
+        """The inverse of named_state."""
+        pieces = self.buffer.piece_names(self.rank, names)
+        for piece, p in zip(pieces, self.main_params):
+            p.copy_(Tensor(arrays[f"main.{piece}"]))
+        self.inner.load_named_state(arrays, step, pieces)
 
     def reduce_scatter_grads(self, grads):
         """Full local grads -> this rank's piece of the DP average, one tensor per piece."""

@@ -78,6 +78,7 @@ class ParallelState:
     mp_group: str
     embedding_group: str = None
     pair_groups: dict = field(default_factory=dict)      # peer global rank -> 2-rank group name
+    sequence_parallel: bool = False                      # TP layers keep activations [s/tp, b, h]
 
     @property
     def is_first_stage(self):
@@ -88,9 +89,14 @@ class ParallelState:
         return self.pp_rank == self.pp - 1
 
 
+def launched_world_size():
+    """The number of workers msrun started (MS_WORKER_NUM; RANK_SIZE for other launchers), 1 alone."""
+    return int(os.environ.get("MS_WORKER_NUM", os.environ.get("RANK_SIZE", "1")))
+
+
 def _world():
     """(world size, rank) from msrun's environment; init() only when there are several workers."""
-    world = int(os.environ.get("MS_WORKER_NUM", "1"))
+    world = launched_world_size()
     if world == 1:
         return 1, 0
     if "world" not in _GROUPS:
@@ -108,7 +114,7 @@ def _use_group(kind, ranks):
     return name
 
 
-def initialize_model_parallel(tp=1, pp=1, cp=1):
+def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False):
     """Build (or switch to) the layout tp x cp x dp x pp and return this rank's ParallelState."""
     global _STATE
     world, rank = _world()
@@ -124,7 +130,7 @@ def initialize_model_parallel(tp=1, pp=1, cp=1):
         dp_rank=mine["dp"].index(rank), pp_rank=mine["pp"].index(rank),
         tp_group=names["tp"], cp_group=names["cp"], dp_group=names["dp"], pp_group=names["pp"],
         dp_cp_group=names["dp_cp"], mp_group=names["mp"], embedding_group=names.get("embedding"),
-        pair_groups=pairs)
+        pair_groups=pairs, sequence_parallel=sequence_parallel)
     return _STATE
 
 

@@ -1724,7 +1724,8 @@ def check_pipeline(c, world):
                 ref_grads[n] = ref_grads[n] + g.asnumpy()
         cfg = load_config(config_path, PIPELINE_CHECK_MODEL + model_args + layout, world)
         p = cfg.parallel_config
-        state = parallel.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        state = parallel.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                                   sequence_parallel=p.sequence_parallel)
         chunks, _ = train.build_model(cfg, tokenizer, state)
         trainer = train.Trainer(cfg, chunks, *train.build_optimizer(cfg, chunks), state)
         losses, grads = trainer.forward_backward(batches)

@@ -26,7 +26,7 @@ import optimizer as opt
 import parallel
 import pipeline
 from config import DEVICE_PROFILE_KEYS, SCHEMA, ConfigError, load_config, pop_flag, to_namespace
-from gpt import DTYPES, Compiled, DropoutRNG, GPTModel, generate, init_weights, num_floating_point_operations
+from gpt import DTYPES, Compiled, DropoutRNG, generate, init_weights, num_floating_point_operations
 
 log = logging.getLogger("train")
 PRIME = "'"                   # marks a pass of model chunk 1 ('' chunk 2) in timelines
@@ -35,10 +35,6 @@ SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
 
 
 # ----------------------------------------------------------------------------- set-up
-def world_size():
-    return int(os.environ.get("MS_WORKER_NUM", os.environ.get("RANK_SIZE", "1")))
-
-
 def setup_logging(output_dir, rank=0, to_console=True):
     """Console (the rank that holds the loss) plus output/log/rank_N/{info,error}.log."""
     folder = os.path.join(output_dir, "log", f"rank_{rank}")
@@ -221,7 +217,7 @@ class Trainer:
         self.pipeline = (pipeline.PipelineRunner(self.chunks, self.state, self.compiled,
                                                  cfg.parallel_config.pipeline_schedule)
                          if self.state.pp > 1 else None)
-        seq = m.seq_length // self.state.tp if m.sequence_parallel else m.seq_length
+        seq = m.seq_length // self.state.tp if self.state.sequence_parallel else m.seq_length
         self.hidden_shape = (seq, cfg.dataset_config.batch_size, m.hidden_size)   # one pipeline hop
         self.trace = None                 # a list: the next step records its passes' times
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
@@ -407,7 +403,7 @@ def pretrain(cfg):
     setup_mindspore(cfg)
     p = cfg.parallel_config
     state = parallel.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                               p.context_parallel_size)
+                                               p.context_parallel_size, p.sequence_parallel)
     setup_logging(t.output_dir, state.rank, to_console=state.rank == loss_rank(state))
     if state.world_size > 1:
         log.info("rank -> tp, cp, dp, pp\n" + parallel.grid_table(state.world_size, state.tp, state.cp, state.pp))
@@ -536,8 +532,7 @@ def load_model(load_dir):
     d, m = cfg.dataset_config, cfg.model_config
     tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
     setup_mindspore()
-    m.tensor_model_parallel_size, m.sequence_parallel = 1, False           # one process
-    model = GPTModel(m, pre_process=True, post_process=True)
+    [model] = checkpoint.build_rank_chunks(m, 1, 1)                        # one process
     for name, p in model.parameters_and_names():
         p.set_data(ms.Tensor(tensors[f"model.{name}"]))
     return model, tokenizer, m
@@ -594,7 +589,7 @@ def main(argv):
             raise ConfigError(f"unknown command {command!r}: use train (default), preprocess, prepare-data, generate, "
                               f"{', '.join(CHECKPOINT_COMMANDS)}")
         config_path = pop_flag(argv, "--config", "config.yaml")
-        cfg = load_config(config_path, argv, world_size())
+        cfg = load_config(config_path, argv, parallel.launched_world_size())
         check_inputs(cfg)
     except (ConfigError, checkpoint.CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
