@@ -13,13 +13,12 @@ this machine's speed drifts; the table gives each run's figures per round.
     dp2 / pp2          2 msrun workers: DP2 (micro-batch 4 each); PP2 with 4 micro-batches of 2 (1F1B)
                        each against `one` (the same model and global batch)
     torch              the same GPT in PyTorch eager (`--torch /path/to/python-with-torch`; torch is
-                       not a dependency: `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy`)
+                       not a dependency: `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`)
 
 `python bench.py torch-reference` is that PyTorch model; it imports torch only when run.
 `python bench.py matmul-peak` measures this machine's fp32 matmul TFLOP/s with MindSpore (all
 cores): the denominator of the model FLOPs utilisation (MFU) the table reports.
 """
-import argparse
 import os
 import random
 import re
@@ -27,6 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
+
+from config import ConfigError, HelpRequested, parse_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPE = {"layers": 4, "hidden": 256, "heads": 8, "ffn": 1024, "seq": 256, "vocab": 4096, "batch": 8}
@@ -94,13 +96,25 @@ def matmul_peak(n=1024, reps=20):
     print(f"matmul TFLOP/s: {2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12:.4f}")
 
 
+BENCH_FLAGS = {"--repeats": (2, int, "alternating rounds of all runs"),
+               "--steps": (12, int, "training steps per run (the second half is timed)"),
+               "--layouts": (list(LAYOUTS), list, "runs to compare"),
+               "--torch": (None, str, "a python with torch installed: adds the PyTorch reference")}
+
+
 def main(argv):
-    p = argparse.ArgumentParser(description="Alternating speed benchmark of the parallel layouts.")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12, help="training steps per run (the last half is timed)")
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    p.add_argument("--torch", metavar="PYTHON", help="a python with torch installed: adds the PyTorch reference")
-    a = p.parse_args(argv)
+    try:
+        v, _ = parse_command("bench", argv, BENCH_FLAGS, about="Alternating speed benchmark of the layouts.")
+        unknown = [name for name in v["layouts"] if name not in LAYOUTS]
+        if unknown:
+            raise ConfigError(f"bench: unknown layout {unknown[0]!r}: choose from {', '.join(LAYOUTS)}")
+    except HelpRequested as e:
+        print(e)
+        return 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    a = SimpleNamespace(**v)
     runs = a.layouts + (["torch"] if a.torch else [])
     results = {name: [] for name in runs}
     peak = float(re.search(r"TFLOP/s: ([\d.]+)", subprocess.run(
@@ -130,9 +144,7 @@ def torch_reference(argv):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=5)
-    a = p.parse_args(argv)
+    steps = parse_command("torch-reference", argv, {"--steps": (5, int, "timed steps")})[0]["steps"]
     h, heads, s, b, vocab = SHAPE["hidden"], SHAPE["heads"], SHAPE["seq"], SHAPE["batch"], SHAPE["vocab"]
 
     class Block(nn.Module):
@@ -175,15 +187,18 @@ def torch_reference(argv):
     for _ in range(2):
         step()
     start = time.perf_counter()
-    for _ in range(a.steps):
+    for _ in range(steps):
         step()
-    print(f"tokens/s: {b * s * a.steps / (time.perf_counter() - start):.1f}")
+    print(f"tokens/s: {b * s * steps / (time.perf_counter() - start):.1f}")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["torch-reference"]:
-        torch_reference(sys.argv[2:])
+        try:
+            torch_reference(sys.argv[2:])
+        except HelpRequested as e:
+            print(e)
     elif sys.argv[1:2] == ["matmul-peak"]:
         matmul_peak()
     else:
-        main(sys.argv[1:])
+        sys.exit(main(sys.argv[1:]))

@@ -22,7 +22,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor
 
 import parallel
-from config import ConfigError, from_saved, pop_flag, to_dict, to_namespace
+from config import REQUIRED, ConfigError, from_saved, parse_command, to_dict, to_namespace
 from gpt import global_name
 from optimizer import GradBuffer
 from pipeline import build_chunks
@@ -363,15 +363,19 @@ def write_layout(root, tensors, meta, cfg):
 
 
 # ----------------------------------------------------------------------------- command line
+CONVERT_FLAGS = {"--load": (REQUIRED, str, "checkpoint folder (any layout)"),
+                 "--save": (REQUIRED, str, "new or empty folder"),
+                 "--nproc": (1, int, "ranks of the new layout (its data-parallel size follows)")}
+
+
 def convert_main(argv):
     """convert --load DIR --save NEW [--nproc N] [layout flags]: the latest checkpoint of DIR,
     weights and optimizer state, rewritten for N ranks (default 1) in the layout the flags give
     (--tensor-model-parallel-size, --pipeline-model-parallel-size, --sequence-parallel,
     --virtual-pipeline-model-parallel-size, parallel_config.num_layer_list=..., --use-distributed-optimizer)."""
-    argv = list(argv)
-    load, save, world = pop_flag(argv, "--load"), pop_flag(argv, "--save"), int(pop_flag(argv, "--nproc", "1"))
-    if not load or not save:
-        raise ConfigError("convert needs --load DIR (a checkpoint) and --save NEW (an empty folder)")
+    v, argv = parse_command("convert", argv, CONVERT_FLAGS, passthrough="layout flags, as in training",
+                            about="Rewrite the latest checkpoint of --load for another layout.")
+    load, save, world = v["load"], v["save"], v["nproc"]
     if os.path.exists(os.path.join(save, LATEST)):
         raise ConfigError(f"convert: {save} already holds a checkpoint; give an empty or new folder for --save")
     latest_iteration(load)

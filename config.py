@@ -404,17 +404,86 @@ def from_saved(saved, args=(), world_size=1):
     return cfg
 
 
-def pop_flag(argv, flag, default=None, cast=str):
-    """Remove `flag VALUE` (or flag=VALUE) from argv; return its value."""
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-            del argv[i:i + 2]
-            return cast(value)
-        if arg.startswith(flag + "="):
-            del argv[i]
-            return cast(arg.split("=", 1)[1])
-    return default
+# ----------------------------------------------------------------------------- command lines
+REQUIRED = object()
+
+
+class HelpRequested(Exception):
+    """--help or -h: the message is the command's usage; the caller prints it and exits 0."""
+
+
+def parse_command(command, argv, flags, positional=(), passthrough=None, about=""):
+    """Every command's flags through one mechanism. flags: {"--name": (default, type, help)}, the
+    default REQUIRED for a flag that must be given, type bool for a switch, list for one or more
+    values; positional: names of leading arguments. Returns ({name: value} with "--load" ->
+    "load", the arguments left for `passthrough`), refusing an unknown flag with a suggestion
+    unless `passthrough` (a text naming what takes them, e.g. "training flags") is given."""
+    if "--help" in argv or "-h" in argv:
+        words = [command, *positional] + [f"{f} VALUE" for f, spec in flags.items() if spec[0] is REQUIRED]
+        lines = [f"usage: bash run.sh {' '.join(words)} [flags]" + (f" [{passthrough}]" if passthrough else "")]
+        lines += [about] if about else []
+        for flag, (default, typ, text) in flags.items():
+            shown = "required" if default is REQUIRED else f"default {default!r}"
+            lines.append(f"  {flag:22s} {text} ({shown})")
+        raise HelpRequested("\n".join(lines))
+    argv, values, rest = list(argv), {}, []
+    for name in positional:
+        if not argv or argv[0].startswith("-"):
+            raise ConfigError(f"{command} needs {name} first (bash run.sh {command} --help)")
+        values[name.lower()] = argv.pop(0)
+    while argv:
+        arg = argv.pop(0)
+        flag, eq, inline = arg.partition("=")
+        if flag not in flags:
+            if passthrough:
+                rest.append(arg)
+                continue
+            raise ConfigError(f"{command}: unknown argument {arg!r}{_suggest(flag, flags)} (bash run.sh {command} --help)")
+        typ = flags[flag][1]
+        if typ is bool:
+            values[flag[2:].replace("-", "_")] = True
+            continue
+        if typ is list:
+            items = [inline] if eq else []
+            while not eq and argv and not argv[0].startswith("--"):
+                items.append(argv.pop(0))
+            value = items
+        else:
+            if not eq and not argv:
+                raise ConfigError(f"{command}: {flag} needs a value")
+            text = inline if eq else argv.pop(0)
+            try:
+                value = typ(text)
+            except ValueError:
+                raise ConfigError(f"{command}: {flag} expects {typ.__name__}, got {text!r}") from None
+        values[flag[2:].replace("-", "_")] = value
+    for flag, (default, typ, _) in flags.items():
+        key = flag[2:].replace("-", "_")
+        if key not in values:
+            if default is REQUIRED:
+                raise ConfigError(f"{command} needs {flag} (bash run.sh {command} --help)")
+            values[key] = False if typ is bool and default is None else default
+    return values, rest
+
+
+def training_help():
+    """`bash run.sh --help`: the commands, then every Megatron flag with its YAML key and default."""
+    lines = ["usage: bash run.sh [--nproc N] [--config FILE] [Megatron flags] [section.key=VALUE ...]   train",
+             "       bash run.sh COMMAND [flags]   COMMAND: test, bench, preprocess, generate, convert, import-hf,",
+             "                                     export-hf (bash run.sh COMMAND --help)",
+             "--config FILE is config.yaml by default; the defaults below are the schema's (config.py), which",
+             "config.yaml overrides; every key can also be set as section.key=VALUE.",
+             f"  {'flag':40s} {'YAML key':58s} default"]
+    for flag, target in MEGATRON_FLAGS.items():
+        if isinstance(target, str):
+            key = target
+            default = _lookup_default(key)[0] if not key.endswith((".0", ".1")) else "(from betas)"
+        else:
+            pairs = target if isinstance(target, list) else [target]
+            key = ", ".join(f"{k}={v}" for k, v in pairs)
+            default = "switch"
+        lines.append(f"  {flag:40s} {key:58s} {default}")
+    return "\n".join(lines)
 
 
 def load_config(path="config.yaml", args=(), world_size=1):

@@ -3,7 +3,6 @@
 tokenizer -> tools/preprocess_data.py (.bin/.idx indexed dataset) -> GPTDataset
 (document/sample/shuffle indices) -> MegatronPretrainingSampler (micro-batches per dp rank).
 """
-import argparse
 import functools
 import hashlib
 import json
@@ -14,8 +13,11 @@ import struct
 import sys
 import time
 import unicodedata
+from types import SimpleNamespace
 
 import numpy as np
+
+from config import REQUIRED, parse_command
 
 
 def _save_atomic(path, write):
@@ -254,23 +256,27 @@ def _read_documents(path, keys):
             yield from ([doc.strip("\n")] for doc in re.split(r"\n\s*\n", f.read()) if doc.strip())
 
 
+PREPROCESS_FLAGS = {  # Megatron's tools/preprocess_data.py flags
+    "--input": (REQUIRED, str, "jsonl, or text with blank-line separated documents"),
+    "--output-prefix": (REQUIRED, str, "writes <prefix>_<key>_document.bin/.idx"),
+    "--json-keys": (["text"], list, "jsonl keys to tokenize"),
+    "--tokenizer-type": (REQUIRED, str, "GPT2BPETokenizer, NullTokenizer or ByteTokenizer"),
+    "--vocab-file": (None, str, "GPT-2 vocab.json"),
+    "--merge-file": (None, str, "GPT-2 merges.txt"),
+    "--vocab-size": (None, int, "NullTokenizer: ids below it"),
+    "--append-eod": (None, bool, "end every document with the EOD token"),
+    "--workers": (1, int, "tokenizing processes"),
+    "--log-interval": (1000, int, "documents between progress lines"),
+}
+
+
 def preprocess_main(argv):
     """Megatron's tools/preprocess_data.py: text -> `<prefix>_<key>_document.{bin,idx}`.
 
     Each document becomes one sequence. Returns the list of written data prefixes.
     """
-    p = argparse.ArgumentParser(description="Tokenize text into Megatron .bin/.idx files.")
-    p.add_argument("--input", required=True, help="jsonl, or text with blank-line separated documents")
-    p.add_argument("--output-prefix", required=True)
-    p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--tokenizer-type", required=True, choices=["GPT2BPETokenizer", "NullTokenizer", "ByteTokenizer"])
-    p.add_argument("--vocab-file", default=None)
-    p.add_argument("--merge-file", default=None)
-    p.add_argument("--vocab-size", type=int, default=None)
-    p.add_argument("--append-eod", action="store_true")
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--log-interval", type=int, default=1000)
-    args = p.parse_args(argv)
+    v, _ = parse_command("preprocess", argv, PREPROCESS_FLAGS, about="Tokenize text into Megatron .bin/.idx files.")
+    args = SimpleNamespace(**v)
 
     keys = args.json_keys if args.input.endswith((".json", ".jsonl")) else ["text"]
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,

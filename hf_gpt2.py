@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from checkpoint import (LATEST, first_shard, write_atomic, full_state, latest_iteration,
                         layout_of, load_checkpoint, write_layout)
-from config import ConfigError, load_config, pop_flag, to_namespace
+from config import REQUIRED, ConfigError, load_config, parse_command, to_namespace
 from data import pad_vocab_size
 
 # Hugging Face GPT-2 (transformers' GPT2LMHeadModel) names per block, Conv1D weights [in, out]
@@ -87,11 +87,11 @@ def project_to_hf(tensors, m, vocab_size):
 def import_main(argv):
     """import-hf HF_DIR --save OUT [--nproc N] [layout flags] [flags]: a Hugging Face GPT-2
     directory (config.json, model.safetensors) as iteration 0 of a checkpoint in any layout."""
-    argv = list(argv)
-    save, world = pop_flag(argv, "--save"), int(pop_flag(argv, "--nproc", "1"))
-    if not argv or argv[0].startswith("-") or not save:
-        raise ConfigError("import-hf needs HF_DIR (config.json + model.safetensors) and --save OUT")
-    hf_dir = argv.pop(0)
+    v, argv = parse_command("import-hf", argv, {"--save": (REQUIRED, str, "new or empty folder"),
+                                                "--nproc": (1, int, "ranks of the checkpoint's layout")},
+                            positional=("HF_DIR",), passthrough="layout and training flags",
+                            about="A Hugging Face GPT-2 folder (config.json, model.safetensors) as a checkpoint.")
+    hf_dir, save, world = v["hf_dir"], v["save"], v["nproc"]
     for f in ("config.json", "model.safetensors"):
         if not os.path.isfile(os.path.join(hf_dir, f)):
             raise ConfigError(f"import-hf: {os.path.join(hf_dir, f)} not found: give a Hugging Face GPT-2 directory")
@@ -122,10 +122,10 @@ def import_main(argv):
 
 def export_main(argv):
     """export-hf --load CKPT --save HF_DIR: the latest checkpoint as a Hugging Face GPT-2 directory."""
-    argv = list(argv)
-    load, save = pop_flag(argv, "--load"), pop_flag(argv, "--save")
-    if argv or not load or not save:
-        raise ConfigError("export-hf needs --load CKPT and --save HF_DIR, nothing else")
+    v, _ = parse_command("export-hf", argv, {"--load": (REQUIRED, str, "checkpoint folder (any layout)"),
+                                             "--save": (REQUIRED, str, "folder for the Hugging Face files")},
+                         about="The latest checkpoint of --load as a Hugging Face GPT-2 folder.")
+    load, save = v["load"], v["save"]
     latest_iteration(load)
     _, meta = load_checkpoint(load, first_shard(load), stems=())
     cfg = to_namespace(meta["config"])

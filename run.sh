@@ -40,6 +40,11 @@ case "${1:-}" in
 esac
 
 # ---- training
+for arg in "$@"; do
+  case "$arg" in
+    --help|-h) exec python train.py --help ;;         # the commands and every flag, no work done
+  esac
+done
 nproc=""
 args=()
 while [ $# -gt 0 ]; do

@@ -42,7 +42,7 @@ import gpt
 import parallel
 import pipeline
 import train
-from config import ConfigError, load_config
+from config import MEGATRON_FLAGS, ConfigError, load_config
 from gpt import DropoutRNG, GPTModel, generate, init_weights
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
                       VocabParallelEmbedding, comm, ledger, rank_groups, shard)
@@ -994,6 +994,36 @@ def test_bad_yaml_section_and_key(tmp_path, capsys):
     bad.write_text("training_config:\n  grad_clip_kwargs:\n    clip_valu: 1.0\n")
     assert train.main(["--config", str(bad)]) == 2
     assert "unknown key training_config.grad_clip_kwargs.clip_valu (did you mean clip_value?)" in capsys.readouterr().err
+
+
+def test_help_lists_commands_and_flags_without_doing_work(tmp_path, capsys):
+    """`bash run.sh --help` names the commands and every Megatron flag with its YAML key and default,
+    before any set-up work (no data, no output folder)."""
+    result = subprocess.run(["bash", "run.sh", "--help"], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "COMMAND: test, bench, preprocess, generate, convert, import-hf," in result.stdout
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.startswith("  --")}
+    assert rows["--num-layers"] == ["model_config.num_layers", "4"]
+    assert rows["--lr"] == ["optimizer_config.learning_rate", "0.001"]
+    assert set(rows) == set(MEGATRON_FLAGS)
+
+
+@pytest.mark.parametrize("command,flag", [("generate", "--max-new-tokens"), ("convert", "--nproc"),
+                                          ("import-hf", "--save"), ("export-hf", "--load"),
+                                          ("preprocess", "--json-keys")])
+def test_every_command_has_help_and_refuses_unknown_flags(command, flag, capsys):
+    """Each command's --help lists its flags; an unknown flag is one error line with a suggestion
+    (convert and import-hf hand unknown flags to the training parser, which refuses them alike)."""
+    assert train.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: bash run.sh {command}") and f"  {flag} " in out
+    if command in ("convert", "import-hf"):             # flags beyond their own go to training's parser
+        assert train.main([command]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {command} needs ")
+        return
+    assert train.main([command, "--bogus-flag", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {command}: unknown argument '--bogus-flag' (bash run.sh {command} --help)\n", err
 
 
 def test_bad_config_exit_code_from_the_command_line(tmp_path):

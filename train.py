@@ -25,7 +25,8 @@ import hf_gpt2
 import optimizer as opt
 import parallel
 import pipeline
-from config import DEVICE_PROFILE_KEYS, SCHEMA, ConfigError, load_config, pop_flag, to_namespace
+from config import (DEVICE_PROFILE_KEYS, REQUIRED, SCHEMA, ConfigError, HelpRequested, load_config, parse_command,
+                    to_namespace, training_help)
 from gpt import DTYPES, Compiled, DropoutRNG, generate, init_weights, num_floating_point_operations
 
 log = logging.getLogger("train")
@@ -538,20 +539,19 @@ def load_model(load_dir):
     return model, tokenizer, m
 
 
+GENERATE_FLAGS = {"--load": (REQUIRED, str, "checkpoint folder written by training (any layout)"),
+                  "--prompt": ("\n", str, "text to continue"),
+                  "--max-new-tokens": (100, int, "tokens to sample"),
+                  "--temperature": (1.0, float, "softmax temperature; 0 is greedy"),
+                  "--top-k": (0, int, "sample among the k likeliest tokens; 0 keeps all"),
+                  "--seed": (0, int, "sampling seed")}
+
+
 def generate_main(argv):
-    """generate --load DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]."""
-    argv = list(argv)
-    load_dir = pop_flag(argv, "--load")
-    prompt = pop_flag(argv, "--prompt", "\n")
-    max_new = pop_flag(argv, "--max-new-tokens", 100, int)
-    temperature = pop_flag(argv, "--temperature", 1.0, float)
-    top_k = pop_flag(argv, "--top-k", 0, int)
-    seed = pop_flag(argv, "--seed", 0, int)
-    if argv:
-        raise ConfigError(f"generate: unknown argument {argv[0]!r} (flags: --load --prompt --max-new-tokens "
-                          "--temperature --top-k --seed)")
-    if not load_dir:
-        raise ConfigError("generate needs --load DIR, a checkpoint folder written by training")
+    """generate --load DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]."""
+    v, _ = parse_command("generate", argv, GENERATE_FLAGS, about="Sample text from the latest checkpoint of --load.")
+    load_dir, prompt, max_new, temperature, top_k, seed = (v["load"], v["prompt"], v["max_new_tokens"],
+                                                          v["temperature"], v["top_k"], v["seed"])
     model, tokenizer, m = load_model(load_dir)
     ids = tokenizer.encode(prompt)
     if max(ids, default=0) >= m.padded_vocab_size:
@@ -588,9 +588,14 @@ def main(argv):
         if command != "train":
             raise ConfigError(f"unknown command {command!r}: use train (default), preprocess, prepare-data, generate, "
                               f"{', '.join(CHECKPOINT_COMMANDS)}")
-        config_path = pop_flag(argv, "--config", "config.yaml")
-        cfg = load_config(config_path, argv, parallel.launched_world_size())
+        if "--help" in argv or "-h" in argv:
+            raise HelpRequested(training_help())
+        v, argv = parse_command("train", argv, {"--config": ("config.yaml", str, "the YAML")}, passthrough="flags")
+        cfg = load_config(v["config"], argv, parallel.launched_world_size())
         check_inputs(cfg)
+    except HelpRequested as e:
+        print(e)
+        return 0
     except (ConfigError, checkpoint.CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
