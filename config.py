@@ -574,7 +574,7 @@ def _check_profile(t):
 
 
 def finalize(cfg, world_size=1):
-    """Derived values and the checks that involve several keys."""
+    """Derived values and the checks that involve several keys, section by section."""
     m, d, t, o, p = (cfg.model_config, cfg.dataset_config, cfg.training_config,
                      cfg.optimizer_config, cfg.parallel_config)
     _positive(m, "model_config", ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -583,6 +583,17 @@ def finalize(cfg, world_size=1):
     _positive(d, "dataset_config", ["batch_size", "micro_batch_num", "global_batch_size", "vocab_size"])
     _positive(t, "training_config", ["training_iters", "log_interval", "eval_interval",
                                      "save_interval", "keep_checkpoint_max", "threads_num"])
+    _finalize_model(m, t)
+    _finalize_optimizer(o, t)
+    _finalize_dataset(d)
+    _finalize_parallel(p, m, d, world_size)
+    _finalize_training(t)
+    return cfg
+
+
+def _finalize_model(m, t):
+    """Defaults derived from other keys (ffn 4h, one query group per head, positions), shapes that
+    must divide, dropout ranges, and the compute dtype (--fp16/--bf16)."""
     if m.ffn_hidden_size is None:
         m.ffn_hidden_size = 4 * m.hidden_size
     if m.num_query_groups is not None and not m.group_query_attention:
@@ -619,6 +630,10 @@ def finalize(cfg, world_size=1):
     if m.params_dtype != "float32":
         raise ConfigError(f"model_config.params_dtype={m.params_dtype}: parameters are float32 master weights; "
                           "set compute_dtype (or --fp16/--bf16) for half-precision matmuls")
+
+
+def _finalize_optimizer(o, t):
+    """Betas, the weight-decay increment and the lr schedule (warmup in iterations or as a fraction)."""
     if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optimizer_config.betas must be two numbers in [0, 1), got {o.betas}")
     o.betas = [float(b) for b in o.betas]
@@ -645,6 +660,10 @@ def finalize(cfg, world_size=1):
     if s.min_lr > o.learning_rate:
         raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.min_lr={s.min_lr} exceeds "
                           f"learning_rate={o.learning_rate}")
+
+
+def _finalize_dataset(d):
+    """The split weights, and what the tokenizer and mock data need."""
     parts = d.split.replace("/", ",").split(",")
     try:
         weights = [float(x) for x in parts]
@@ -659,6 +678,10 @@ def finalize(cfg, world_size=1):
     for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         if getattr(d, k) and d.mock_data:
             raise ConfigError(f"dataset_config.{k} needs real data with EOD tokens, not mock_data")
+
+
+def _finalize_parallel(p, m, d, world_size):
+    """The layout against the model and the world size; derives data_parallel_size and micro_batch_num."""
     _positive(p, "parallel_config", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
                                      "context_parallel_size"])
     if p.context_parallel_size != 1:
@@ -694,13 +717,16 @@ def finalize(cfg, world_size=1):
                           f"pipeline_model_parallel_size={p.pipeline_model_parallel_size}, as the interleaved "
                           "schedule needs: change global_batch_size or batch_size")
     p.data_parallel_size = dp
+
+
+def _finalize_training(t):
+    """Evaluation, profiling window and clipping."""
     if t.eval_iters < 0:
         raise ConfigError("training_config.eval_iters must be >= 0")
     _check_profile(t)
     c = t.grad_clip_kwargs
     if c.clip_value is not None and c.clip_value < 0:
         raise ConfigError("training_config.grad_clip_kwargs.clip_value must be >= 0 (0 disables clipping)")
-    return cfg
 
 
 def to_dict(ns):
