@@ -28,7 +28,8 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from config import ConfigError, HelpRequested, parse_command
+from cli import HelpRequested, parse_command
+from config import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPE = {"layers": 4, "hidden": 256, "heads": 8, "ffn": 1024, "seq": 256, "vocab": 4096, "batch": 8}

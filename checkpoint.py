@@ -22,7 +22,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor
 
 import parallel
-from config import REQUIRED, ConfigError, from_saved, parse_command, to_dict, to_namespace
+from cli import REQUIRED, from_saved, parse_command
+from config import ConfigError, to_dict, to_namespace
 from gpt import global_name
 from optimizer import GradBuffer
 from pipeline import build_chunks

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from config import REQUIRED, parse_command
+from cli import REQUIRED, parse_command
 
 
 def _save_atomic(path, write):

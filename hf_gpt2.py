@@ -17,7 +17,8 @@ from safetensors.numpy import load_file, save_file
 
 from checkpoint import (LATEST, first_shard, write_atomic, full_state, latest_iteration,
                         layout_of, load_checkpoint, write_layout)
-from config import REQUIRED, ConfigError, load_config, parse_command, to_namespace
+from cli import REQUIRED, load_config, parse_command
+from config import ConfigError, to_namespace
 from data import pad_vocab_size
 
 # Hugging Face GPT-2 (transformers' GPT2LMHeadModel) names per block, Conv1D weights [in, out]

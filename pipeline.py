@@ -162,6 +162,9 @@ def plan(p, m, v=1, forward_only=False, kind="1f1b"):
     return steps, ticks
 
 
+PRIME = "'"                   # marks a pass of model chunk 1 ('' chunk 2) in timelines
+
+
 def schedule_table(ticks):
     """The unit-time timeline as text: one row per rank, one column per tick; "F3" is the forward
     of micro-batch 3, "B3" its backward, a trailing "'" marks chunk 1 ('' chunk 2, ...)."""
@@ -170,7 +173,7 @@ def schedule_table(ticks):
     for r, events in enumerate(ticks):
         cells = ["."] * width
         for tick, kind, mb, chunk in events:
-            cells[tick] = f"{kind}{mb}" + "'" * chunk
+            cells[tick] = f"{kind}{mb}" + PRIME * chunk
         rows.append(f"rank {r}: " + " ".join(f"{c:<4}" for c in cells).rstrip())
     return "\n".join(rows)
 
@@ -272,6 +275,30 @@ def gather_trace(trace, state):
     base = gathered[:, :, 3].min()
     return [[("F" if k == 0 else "B", int(mb), int(c), float(s - base), float(e - base))
              for k, mb, c, s, e in ranks] for ranks in gathered]
+
+
+def write_timeline(traces, m, v, kind, path):
+    """Write a step's measured timeline (gather_trace's `traces`, one per stage) to path.txt, with
+    the unit-time schedule above it, and path.svg; return the bubble line for the log: measured
+    (idle over busy time per stage), in the unit-time schedule, and in theory."""
+    p = len(traces)
+    span = max(e for t in traces for *_, e in t)
+    measured = bubble_fraction([sum(e - s for *_, s, e in t) for t in traces], span)
+    _, ticks = plan(p, m, v, kind=kind)
+    unit = bubble_fraction([len(t) for t in ticks], max(t[-1][0] for t in ticks) + 1)
+    peaks = [peak_in_flight(schedule(p, r, m, v, kind=kind)) for r in range(p)]
+    name = ("all forward, all backward" if kind == "afab" else "1F1B" if v == 1 else "interleaved 1F1B") \
+        + (f", {v} chunks per stage" if v > 1 else "")
+    timeline = "\n".join(f"rank {r}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
+                                                   for k, mb, c, s, e in t) for r, t in enumerate(traces))
+    with open(path + ".txt", "w") as f:
+        f.write(f"pipeline schedule: {name}, p={p}, m={m} (unit time)\n{schedule_table(ticks)}\n\n"
+                f"measured, ms from the first pass:\n{timeline}\n\n")
+    with open(path + ".svg", "w") as f:
+        f.write(timeline_svg(traces, f"{name}, p={p}, m={m}"))
+    return (f"pipeline: bubble (idle / busy) measured {np.mean(measured):.3f} "
+            f"(per stage {', '.join(f'{b:.3f}' for b in measured)}), unit-time schedule {max(unit):.3f}, "
+            f"theory {theory_bubble(p, m, v):.3f}; peak micro-batches in flight per stage {peaks}")
 
 
 def timeline_svg(traces, title=""):

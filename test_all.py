@@ -42,7 +42,8 @@ import gpt
 import parallel
 import pipeline
 import train
-from config import MEGATRON_FLAGS, ConfigError, load_config
+from cli import MEGATRON_FLAGS, load_config
+from config import ConfigError
 from gpt import DropoutRNG, GPTModel, generate, init_weights
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
                       VocabParallelEmbedding, comm, ledger, rank_groups, shard)
@@ -53,7 +54,7 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
 train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
 
 # ============================================================================ structure
-MODULES = ["config", "data", "optimizer", "parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2", "train", "bench"]
+MODULES = ["config", "cli", "data", "optimizer", "parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2", "train", "bench"]
 
 
 def test_imports_go_one_way_and_only_at_the_top():

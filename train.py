@@ -25,12 +25,11 @@ import hf_gpt2
 import optimizer as opt
 import parallel
 import pipeline
-from config import (DEVICE_PROFILE_KEYS, REQUIRED, SCHEMA, ConfigError, HelpRequested, load_config, parse_command,
-                    to_namespace, training_help)
+from cli import REQUIRED, HelpRequested, load_config, parse_command, training_help
+from config import DEVICE_PROFILE_KEYS, SCHEMA, ConfigError, to_namespace
 from gpt import DTYPES, Compiled, DropoutRNG, generate, init_weights, num_floating_point_operations
 
 log = logging.getLogger("train")
-PRIME = "'"                   # marks a pass of model chunk 1 ('' chunk 2) in timelines
 TIMERS = ("forward-backward", "grads-reduce", "optimizer")      # the phases of a step, timed
 SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
 
@@ -476,31 +475,12 @@ def pretrain(cfg):
 def report_pipeline_trace(cfg, trainer):
     """Gather the step's pass times over the pipeline; the loss rank writes the timeline (text
     and SVG under output_dir) and logs the bubble: measured, in the unit-time schedule, in theory."""
-    state = trainer.state
-    traces = pipeline.gather_trace(trainer.trace, state)
-    if state.rank != loss_rank(state):
+    traces = pipeline.gather_trace(trainer.trace, trainer.state)
+    if trainer.state.rank != loss_rank(trainer.state):
         return
-    p, v, m = state.pp, len(trainer.chunks), cfg.dataset_config.micro_batch_num
-    span = max(e for t in traces for *_, e in t)
-    measured = pipeline.bubble_fraction([sum(e - s for *_, s, e in t) for t in traces], span)
-    kind = cfg.parallel_config.pipeline_schedule
-    _, ticks = pipeline.plan(p, m, v, kind=kind)
-    unit = pipeline.bubble_fraction([len(t) for t in ticks], max(t[-1][0] for t in ticks) + 1)
-    peaks = [pipeline.peak_in_flight(pipeline.schedule(p, r, m, v, kind=kind)) for r in range(p)]
-    name = ("all forward, all backward" if kind == "afab" else "1F1B" if v == 1 else "interleaved 1F1B") \
-        + (f", {v} chunks per stage" if v > 1 else "")
-    timeline = "\n".join(f"rank {r}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
-                                                   for k, mb, c, s, e in t) for r, t in enumerate(traces))
-    text = (f"pipeline schedule: {name}, p={p}, m={m} (unit time)\n{pipeline.schedule_table(ticks)}\n\n"
-            f"measured, ms from the first pass:\n{timeline}\n")
     path = os.path.join(cfg.training_config.output_dir, "pipeline_timeline")
-    with open(path + ".txt", "w") as f:
-        f.write(text + "\n")
-    with open(path + ".svg", "w") as f:
-        f.write(pipeline.timeline_svg(traces, f"{name}, p={p}, m={m}"))
-    log.info(f"pipeline: bubble (idle / busy) measured {np.mean(measured):.3f} "
-             f"(per stage {', '.join(f'{b:.3f}' for b in measured)}), unit-time schedule {max(unit):.3f}, "
-             f"theory {pipeline.theory_bubble(p, m, v):.3f}; peak micro-batches in flight per stage {peaks}")
+    log.info(pipeline.write_timeline(traces, cfg.dataset_config.micro_batch_num, len(trainer.chunks),
+                                     cfg.parallel_config.pipeline_schedule, path))
     log.info(f"pipeline: timeline written to {path}.svg and {path}.txt")
 
 
