@@ -383,10 +383,6 @@ def convert_main(argv):
     _, meta = load_checkpoint(load, first_shard(load), stems=())
     padded = meta["config"]["model_config"]["padded_vocab_size"]
     cfg = from_saved(meta["config"], [f"model_config.vocab_size={padded}", *argv], world)
-    tp = cfg.parallel_config.tensor_model_parallel_size
-    if padded % tp:
-        raise ConfigError(f"the model's vocabulary of {padded} rows (padded) is not divisible by "
-                          f"tensor_model_parallel_size={tp}: choose a TP size that divides it")
     cfg.training_config.output_dir = save
     cfg.model_config.padded_vocab_size = padded
     tensors, meta = full_state(load)

@@ -395,6 +395,13 @@ def _finalize_parallel(p, m, d, world_size):
         if getattr(m, k) % tp:
             raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by "
                               f"parallel_config.tensor_model_parallel_size={tp}")
+    if m.vocab_size is not None and m.vocab_size % tp:
+        raise ConfigError(f"model_config.vocab_size={m.vocab_size} is not divisible by "
+                          f"tensor_model_parallel_size={tp}: leave it null to pad automatically")
+    if m.vocab_size is None and m.make_vocab_size_divisible_by % tp:
+        raise ConfigError(f"model_config.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} is not "
+                          f"a multiple of tensor_model_parallel_size={tp}: the padded vocabulary must split "
+                          "into equal shards; use a multiple of it (e.g. 128)")
     if p.sequence_parallel and tp == 1:
         raise ConfigError("parallel_config.sequence_parallel needs tensor_model_parallel_size > 1")
     if p.sequence_parallel and m.seq_length % tp:
@@ -429,6 +436,21 @@ def _finalize_training(t):
     c = t.grad_clip_kwargs
     if c.clip_value is not None and c.clip_value < 0:
         raise ConfigError("training_config.grad_clip_kwargs.clip_value must be >= 0 (0 disables clipping)")
+
+
+def padded_vocab_size(m, tokenizer_vocab_size):
+    """The model's vocabulary rows: model_config.vocab_size if given, else the tokenizer's size
+    rounded up to make_vocab_size_divisible_by (GPT-2's 50,257 -> 50,304). A property of the model,
+    the same in every layout, so a checkpoint converts between layouts and every layout computes the
+    same losses; Megatron rounds up to divisible_by x TP instead, so its padding changes with TP.
+    _finalize_parallel has checked that TP divides the result."""
+    if m.vocab_size is None:
+        multiple = m.make_vocab_size_divisible_by
+        return -(-tokenizer_vocab_size // multiple) * multiple
+    if m.vocab_size < tokenizer_vocab_size:
+        raise ConfigError(f"model_config.vocab_size={m.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer_vocab_size}: raise it or leave it null")
+    return m.vocab_size
 
 
 def to_dict(ns):

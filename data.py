@@ -141,12 +141,6 @@ def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, vocab_size
                      "ByteTokenizer")
 
 
-def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1):
-    """Megatron's _vocab_size_with_padding: round up so each TP shard of the embedding is equal."""
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return -(-orig_vocab_size // multiple) * multiple
-
-
 # ----------------------------------------------------------------------------- indexed dataset
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"

@@ -18,8 +18,7 @@ from safetensors.numpy import load_file, save_file
 from checkpoint import (LATEST, first_shard, write_atomic, full_state, latest_iteration,
                         layout_of, load_checkpoint, write_layout)
 from cli import REQUIRED, load_config, parse_command
-from config import ConfigError, to_namespace
-from data import pad_vocab_size
+from config import ConfigError, padded_vocab_size, to_namespace
 
 # Hugging Face GPT-2 (transformers' GPT2LMHeadModel) names per block, Conv1D weights [in, out]
 # (y = x W + b), against this project's [out, in]; c_attn's output is [Q | K | V], each head-major.
@@ -111,7 +110,7 @@ def import_main(argv):
              "--tokenizer-type", "GPT2BPETokenizer"]
     cfg = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"), flags + argv, world)
     m = cfg.model_config
-    padded = pad_vocab_size(hf["vocab_size"], m.make_vocab_size_divisible_by, cfg.parallel_config.tensor_model_parallel_size)
+    padded = padded_vocab_size(m, hf["vocab_size"])
     m.vocab_size = m.padded_vocab_size = padded
     cfg.training_config.output_dir = save
     tensors = hf_to_project(load_file(os.path.join(hf_dir, "model.safetensors")), hf, padded)

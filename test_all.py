@@ -43,7 +43,7 @@ import parallel
 import pipeline
 import train
 from cli import MEGATRON_FLAGS, load_config
-from config import ConfigError
+from config import ConfigError, padded_vocab_size
 from gpt import DropoutRNG, GPTModel, generate, init_weights
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
                       VocabParallelEmbedding, comm, ledger, rank_groups, shard)
@@ -142,13 +142,6 @@ def test_build_tokenizer_errors():
         data.build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB)
     with pytest.raises(ValueError, match="unknown"):
         data.build_tokenizer("SentencePiece")
-
-
-def test_pad_vocab_size():
-    assert data.pad_vocab_size(50257) == 50304
-    assert data.pad_vocab_size(50257, 128, 2) == 50432
-    assert data.pad_vocab_size(256, 128, 2) == 256
-    assert data.pad_vocab_size(257, 8) == 264
 
 
 # ----------------------------------------------------------------------------- indexed dataset
@@ -770,6 +763,23 @@ def test_grad_norm_sq_detects_inf_and_nan():
         assert not math.isfinite(grad_norm_sq([ok[0], Tensor(arr)]))
 
 
+def test_padded_vocabulary_is_the_models_not_the_layouts():
+    """GPT-2's 50,257 rows pad to 50,304 under every TP size (Megatron's would be 50,432 under TP2),
+    so every layout trains the same model; TP must divide the padded size, checked up front."""
+    config = os.path.join(HERE, "config.yaml")
+    for tp in (1, 2, 4):
+        m = load_config(config, ["--tensor-model-parallel-size", str(tp)], world_size=tp).model_config
+        assert padded_vocab_size(m, 50257) == 50304
+    assert padded_vocab_size(load_config(config, ["--make-vocab-size-divisible-by", "8"]).model_config, 257) == 264
+    assert padded_vocab_size(load_config(config, ["model_config.vocab_size=300"]).model_config, 257) == 300
+    with pytest.raises(ConfigError, match="vocab_size=200 is smaller than the tokenizer's 257"):
+        padded_vocab_size(load_config(config, ["model_config.vocab_size=200"]).model_config, 257)
+    with pytest.raises(ConfigError, match="make_vocab_size_divisible_by=6 is not a multiple of tensor_model_parallel_size=4"):
+        load_config(config, ["--make-vocab-size-divisible-by", "6", "--tensor-model-parallel-size", "4"], world_size=4)
+    with pytest.raises(ConfigError, match="vocab_size=514 is not divisible by tensor_model_parallel_size=4"):
+        load_config(config, ["model_config.vocab_size=514", "--tensor-model-parallel-size", "4"], world_size=4)
+
+
 # ============================================================================ model (gpt.py)
 def tiny_cfg(*args):
     """A small model config through the real loader: 2 layers, hidden 64, 4 heads, seq 16, bytes."""
@@ -777,7 +787,7 @@ def tiny_cfg(*args):
                       ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
                        "--num-attention-heads", "4", "--seq-length", "16", "--tokenizer-type", "ByteTokenizer",
                        "--init-method-std", "0.05", *args])
-    cfg.model_config.padded_vocab_size = data.pad_vocab_size(257, cfg.model_config.make_vocab_size_divisible_by)
+    cfg.model_config.padded_vocab_size = padded_vocab_size(cfg.model_config, 257)
     return cfg
 
 
@@ -1818,7 +1828,7 @@ PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
                 "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
                 "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "10",
                 "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3", "--lr-warmup-iters", "2",
-                "training_config.log_comm_ledger=true", "model_config.vocab_size=512"]   # one padding for all
+                "training_config.log_comm_ledger=true"]
 # every layout compiled by ms.jit, as in production
 PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1", "--eval-interval", "5"]
 REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_pp_untied": PIPELINE_RUN + UNTIED,

@@ -26,7 +26,7 @@ import optimizer as opt
 import parallel
 import pipeline
 from cli import REQUIRED, HelpRequested, load_config, parse_command, training_help
-from config import DEVICE_PROFILE_KEYS, SCHEMA, ConfigError, to_namespace
+from config import DEVICE_PROFILE_KEYS, SCHEMA, ConfigError, padded_vocab_size, to_namespace
 from gpt import DTYPES, Compiled, DropoutRNG, generate, init_weights, num_floating_point_operations
 
 log = logging.getLogger("train")
@@ -124,17 +124,7 @@ def build_data(cfg, tokenizer):
 def build_model(cfg, tokenizer, state):
     m = cfg.model_config
     d = cfg.dataset_config
-    base_vocab = d.vocab_size if d.mock_data and d.vocab_size else tokenizer.vocab_size
-    if m.vocab_size is None:
-        m.padded_vocab_size = data.pad_vocab_size(base_vocab, m.make_vocab_size_divisible_by, state.tp)
-    elif m.vocab_size < base_vocab:
-        raise ConfigError(f"model_config.vocab_size={m.vocab_size} is smaller than the tokenizer's "
-                          f"{base_vocab}: raise it or leave it null")
-    elif m.vocab_size % state.tp:
-        raise ConfigError(f"model_config.vocab_size={m.vocab_size} is not divisible by "
-                          f"tensor_model_parallel_size={state.tp}: leave it null to pad automatically")
-    else:
-        m.padded_vocab_size = m.vocab_size
+    m.padded_vocab_size = padded_vocab_size(m, d.vocab_size if d.mock_data and d.vocab_size else tokenizer.vocab_size)
     rng = DropoutRNG(cfg.training_config.seed, state.tp_rank)
     p = cfg.parallel_config
     chunks = pipeline.build_chunks(m, state.pp, state.pp_rank, p.virtual_pipeline_model_parallel_size,
