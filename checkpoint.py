@@ -66,9 +66,13 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, 
     `keep_max` checkpoints."""
     final = iteration_dir(root, iteration)
     tmp = os.path.join(root, f".iter_{iteration:07d}.tmp")
+    tracked = latest_iteration(root) if os.path.isfile(os.path.join(root, LATEST)) else -1
+    if os.path.exists(final) and iteration <= tracked:   # replacing it, a crash midway would lose it
+        raise CheckpointError(f"{final} already exists: save into an empty folder or continue from it with --load")
     if leader:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)   # left by a save that was killed
+        shutil.rmtree(final, ignore_errors=True)  # beyond `latest`: killed before the tracker moved
         os.makedirs(tmp)
     barrier()
     ext = "safetensors" if ckpt_format == "safetensors" else "ckpt"
@@ -83,12 +87,10 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, 
             write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
     barrier()
     if leader:
-        if os.path.exists(final):
-            shutil.rmtree(final)
         os.replace(tmp, final)
         write_atomic(os.path.join(root, LATEST), str(iteration))
-        if keep_max:
-            for old in sorted(saved_iterations(root))[:-keep_max]:
+        if keep_max:                          # the oldest go, never the one just written
+            for old in sorted(i for i in saved_iterations(root) if i <= iteration)[:-keep_max]:
                 shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
     barrier()
     return final
@@ -96,6 +98,77 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, 
 
 def saved_iterations(root):
     return [int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit()]
+
+
+# the model_config keys that make a checkpoint's model what it is (besides the padded vocabulary)
+ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+                "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base",
+                "normalization", "norm_epsilon", "hidden_act", "qkv_has_bias", "out_proj_has_bias",
+                "add_bias_linear", "untie_embeddings_and_output_weights", "use_sandwich_norm",
+                "attn_post_norm_scale", "ffn_post_norm_scale", "fp32_residual_connection")
+
+
+def saved_config(root):
+    """The config (a dict) the latest checkpoint in root was saved with."""
+    return load_checkpoint(root, first_shard(root), stems=())[1]["config"]
+
+
+def _yaml_value(v):
+    """v as section.key=VALUE text: strings as they are, the rest as JSON, which YAML reads (1e-05
+    needs a dot to be a YAML float)."""
+    text = v if isinstance(v, str) else json.dumps(v)
+    return text.replace("e", ".0e", 1) if isinstance(v, float) and "e" in text and "." not in text else text
+
+
+def checkpoint_args(saved):
+    """Megatron's --use-checkpoint-args: the saved model and tokenizer as section.key=value overrides."""
+    m, d = saved["model_config"], saved["dataset_config"]
+    keys = [k for k in ARCHITECTURE if k != "num_query_groups" or m["group_query_attention"]]
+    return ([f"model_config.{k}={_yaml_value(m[k])}" for k in keys]
+            + [f"model_config.vocab_size={m['padded_vocab_size']}",
+               f"dataset_config.tokenizer_type={d['tokenizer_type']}"])
+
+
+def check_fits(cfg, root):
+    """Before any work: every way the checkpoint in root disagrees with this run, in one line."""
+    saved = saved_config(root)
+    m, t = saved["model_config"], cfg.training_config
+    pairs = [(f"model_config.{k}", m.get(k), getattr(cfg.model_config, k)) for k in ARCHITECTURE]
+    pairs.append(("dataset_config.tokenizer_type", saved["dataset_config"]["tokenizer_type"],
+                  cfg.dataset_config.tokenizer_type))
+    if not (t.finetune or t.no_load_optim):
+        pairs.append(("optimizer_config.optimizer_type", saved["optimizer_config"]["optimizer_type"],
+                      cfg.optimizer_config.optimizer_type))
+    differences = [f"{k} (checkpoint {a}, this run {b})" for k, a, b in pairs if a != b]
+    if differences:
+        raise CheckpointError(f"checkpoint {root} does not match this run: {', '.join(differences)}; give "
+                              "--use-checkpoint-args to take the checkpoint's model, or the same flags")
+
+
+def holds_checkpoint(root):
+    """A tracker or an iteration folder: a checkpoint (perhaps a damaged one) is there."""
+    return os.path.isdir(root) and (os.path.exists(os.path.join(root, LATEST)) or bool(saved_iterations(root)))
+
+
+def check_save_folder(save, load, finetune=False):
+    """Before training: the --save folder holds no checkpoint of another run. One folder holds one
+    run: saving a fresh run beside an older one would let pruning (which keeps the highest
+    iterations) delete the new checkpoints, and `latest` would jump between runs. Continuing the
+    run that is there (--load pointing at the same folder) is the one way to add to it."""
+    if not os.path.isdir(save):
+        if os.path.exists(save):
+            raise CheckpointError(f"training_config.output_dir={save} is a file: give a folder for --save")
+        return
+    saved = saved_iterations(save)
+    if not saved:
+        return
+    if not load or os.path.abspath(load) != os.path.abspath(save):
+        raise CheckpointError(f"training_config.output_dir={save} already holds checkpoints (iterations up to "
+                              f"{max(saved)}) of another run: continue it with --load {save}, or save into an "
+                              "empty folder")
+    if finetune and max(saved) > 0:
+        raise CheckpointError(f"--finetune restarts at iteration 0, below the checkpoints in {save}: "
+                              "save the fine-tuned run into another folder")
 
 
 def latest_iteration(root):

@@ -8,6 +8,7 @@ line and exits non-zero. The command line (Megatron flags, dotted overrides, eve
 --help) is cli.py, which reads the YAML through this schema.
 """
 import difflib
+import math
 import os
 from types import SimpleNamespace
 
@@ -284,7 +285,9 @@ def finalize(cfg, world_size=1):
                                   "make_vocab_size_divisible_by", "norm_epsilon", "init_method_std"])
     _positive(d, "dataset_config", ["batch_size", "micro_batch_num", "global_batch_size", "vocab_size"])
     _positive(t, "training_config", ["training_iters", "log_interval", "eval_interval",
-                                     "save_interval", "keep_checkpoint_max", "threads_num"])
+                                     "keep_checkpoint_max", "threads_num"])
+    if t.save_interval is not None and t.save_interval < 0:
+        raise ConfigError(f"training_config.save_interval must be >= 0 (0: no periodic saves), got {t.save_interval}")
     _finalize_model(m, t)
     _finalize_optimizer(o, t)
     _finalize_dataset(d)
@@ -339,6 +342,9 @@ def _finalize_optimizer(o, t):
     if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optimizer_config.betas must be two numbers in [0, 1), got {o.betas}")
     o.betas = [float(b) for b in o.betas]
+    for k in ("learning_rate", "weight_decay", "eps"):
+        if not math.isfinite(getattr(o, k)) or getattr(o, k) < 0:
+            raise ConfigError(f"optimizer_config.{k} must be a finite number >= 0, got {getattr(o, k)}")
     if o.start_weight_decay is None:
         o.start_weight_decay = o.weight_decay
     if o.end_weight_decay is None:

@@ -24,6 +24,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 export PATH="$PWD/.venv/bin:$PATH"          # msrun starts `python` from PATH
 export GLOG_v="${GLOG_v:-3}"                # MindSpore: errors only on the console
+# msrun stops the other workers as soon as one fails, then its scheduler waits this many seconds
+# for their heartbeats (30 by default) before the job ends
+export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-10}"
 
 case "${1:-}" in
   test)
@@ -66,9 +69,19 @@ if [ ${#args[@]} -eq 0 ]; then
   fi
 fi
 nproc=${nproc:-1}
+case "$nproc" in
+  ''|*[!0-9]*|0*) echo "error: --nproc $nproc: give the number of workers, a whole number from 1" >&2; exit 2 ;;
+esac
+if [ "$default_run" -eq 1 ] && [ -e output/latest_checkpointed_iteration.txt ]; then
+  # the default run is a demonstration: it starts over (train with --save DIR to keep a run)
+  echo "bash run.sh: the previous default run's checkpoints in output/ are replaced"
+  rm -rf output/iter_* output/.iter_* output/latest_checkpointed_iteration.txt
+fi
 
-python train.py prepare-data
 if [ "$nproc" -gt 1 ]; then
+  # the config, the layout for $nproc workers and the input files, checked once in one process
+  # (one error line, exit 2), and the shipped corpus tokenized, before msrun starts the workers
+  python train.py check --nproc "$nproc" ${args[@]+"${args[@]}"}
   port=$((8100 + RANDOM % 800))
   msrun --worker_num "$nproc" --local_worker_num "$nproc" --master_port "$port" \
         --log_dir output/msrun_log --join True --cluster_time_out 300 \

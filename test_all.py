@@ -25,6 +25,7 @@ import math
 import os
 import random
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -978,7 +979,9 @@ BAD_CONFIGS = [
     (["--min-lr", "1"], "min_lr=1.0 exceeds learning_rate"),
     (["--data-path", "/nonexistent/corpus"], "dataset_config.data_path=/nonexistent/corpus: /nonexistent/corpus.bin not found"),
     (["--vocab-file", "/nonexistent/v.json"], "dataset_config.vocab_file=/nonexistent/v.json not found"),
-    (["--mock-data", "--load", "/nonexistent/ckpt"], "no checkpoint in /nonexistent/ckpt"),
+    (["--lr", "-1"], "optimizer_config.learning_rate must be a finite number >= 0, got -1.0"),
+    (["--lr", "nan"], "optimizer_config.learning_rate must be a finite number >= 0, got nan"),
+    (["--save-interval", "-1"], "training_config.save_interval must be >= 0 (0: no periodic saves)"),
     (["stray"], "unexpected argument 'stray'"),
     (["--profile", "--profile-step-start", "4", "--profile-step-end", "3"],
      "training_config.profile_step_end=3 must be after profile_step_start=4"),
@@ -1042,6 +1045,28 @@ def test_bad_config_exit_code_from_the_command_line(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: model_config.hidden_size must be positive, got -4"]
+
+
+@pytest.mark.parametrize("nproc", ["abc", "0", "-2"])
+def test_run_sh_refuses_a_bad_worker_count(nproc, tmp_path):
+    result = subprocess.run(["bash", "run.sh", "--nproc", nproc, "--mock-data", "--save", str(tmp_path / "o")],
+                            cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and not (tmp_path / "o").exists()
+    assert result.stderr.splitlines() == [f"error: --nproc {nproc}: give the number of workers, a whole number from 1"]
+
+
+def test_run_sh_checks_the_config_once_before_msrun(tmp_path):
+    """A layout error with several workers: one line and exit 2 from one process, as with one
+    worker; msrun never starts (the issue: msrun's traceback, the line twice, exit 1)."""
+    result = subprocess.run(["bash", "run.sh", "--nproc", "2", *TINY_RUN, "--num-attention-heads", "1",
+                             "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "o")],
+                            cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "msrun" not in result.stdout + result.stderr
+    assert result.stderr.splitlines() == ["error: model_config.num_attention_heads=1 is not divisible by "
+                                          "parallel_config.tensor_model_parallel_size=2"]
+    assert train.main(["check", "--nproc", "2", *TINY_RUN, "--tensor-model-parallel-size", "2",
+                       "--save", str(tmp_path / "o")]) == 0
+    assert not (tmp_path / "o").exists()
 
 
 # ============================================================================ training (train.py)
@@ -1229,6 +1254,124 @@ def test_convert_round_trip_and_refusals(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
     assert train.main(["convert", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "back")]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- saving safely
+TINY_RUN = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--eval-iters", "0", "--log-interval", "1"]
+
+
+def tiny_run(save, *args):
+    return train.main(["--config", os.path.join(HERE, "config.yaml"), "--save", str(save), *TINY_RUN, *args])
+
+
+def saved(folder):
+    return sorted(checkpoint.saved_iterations(str(folder))), checkpoint.latest_iteration(str(folder))
+
+
+def test_one_folder_holds_one_run(tmp_path, capsys):
+    """The issue's data loss: a fresh run saved beside an older run's higher iterations had its own
+    checkpoint pruned and `latest` pointing at nothing. Now refused before any work; --load of the
+    same folder continues the run; a resumed run with nothing left to train saves nothing;
+    --save-interval 0 means no periodic saves; --finetune into its own folder is refused."""
+    d = tmp_path / "run"
+    assert tiny_run(d, "--train-iters", "6", "--save-interval", "2", "training_config.keep_checkpoint_max=2") == 0
+    assert saved(d) == ([4, 6], 6)
+    before = sorted(p.name for p in d.rglob("*"))
+    capsys.readouterr()
+    assert tiny_run(d, "--train-iters", "2") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds checkpoints (iterations up to 6) of another run: continue it with --load" in err
+    assert sorted(p.name for p in d.rglob("*")) == before                 # nothing touched
+    assert tiny_run(d, "--train-iters", "6", "--load", str(d)) == 0        # already done: no re-save
+    assert saved(d) == ([4, 6], 6)
+    assert tiny_run(d, "--train-iters", "9", "--load", str(d), "--save-interval", "0") == 0
+    assert saved(d) == ([6, 9], 9)                                         # only the final save
+    assert tiny_run(tmp_path / "ft", "--train-iters", "1", "--load", str(d), "--finetune") == 0
+    capsys.readouterr()
+    assert tiny_run(d, "--train-iters", "1", "--load", str(d), "--finetune") == 2
+    assert "--finetune restarts at iteration 0" in capsys.readouterr().err
+    assert tiny_run(d, "--save-interval", "-1") == 2
+
+
+def test_load_of_a_new_folder_starts_from_scratch(tmp_path, capsys):
+    """Megatron's --save X --load X idiom works on the first run: a warning, then iteration 0."""
+    d = tmp_path / "new"
+    assert tiny_run(d, "--train-iters", "2", "--load", str(d)) == 0
+    assert "warning: no checkpoint in --load" in capsys.readouterr().err
+    assert tiny_run(d, "--train-iters", "4", "--load", str(d)) == 0
+    assert saved(d) == ([2, 4], 4)
+    (tmp_path / "file").write_text("x")
+    assert tiny_run(tmp_path / "file", "--train-iters", "1") == 2
+    assert "is a file: give a folder for --save" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_differs_from_the_run_is_named_before_training(tmp_path, capsys):
+    """Every architecture key, the tokenizer and the optimizer compared in one line before any work
+    (a different activation has the same shapes, so the shapes alone did not catch it);
+    --use-checkpoint-args takes the checkpoint's model instead (Megatron)."""
+    d = tmp_path / "a"
+    assert tiny_run(d, "--train-iters", "2") == 0
+    capsys.readouterr()
+    assert tiny_run(tmp_path / "b", "--train-iters", "3", "--load", str(d), "--swiglu", "--hidden-size", "32",
+                    "--optimizer", "sgd") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model_config.hidden_size (checkpoint 64, this run 32)" in err, err
+    assert "model_config.hidden_act (checkpoint gelu_tanh, this run swiglu)" in err
+    assert "optimizer_config.optimizer_type (checkpoint AdamW, this run SGD)" in err
+    assert not (tmp_path / "b").exists()
+    assert tiny_run(tmp_path / "b", "--train-iters", "3", "--load", str(d), "--use-checkpoint-args",
+                    "--hidden-size", "32", "--norm-epsilon", "1e-6") == 0
+    info = (tmp_path / "b" / "log" / "rank_0" / "info.log").read_text()
+    assert "loaded checkpoint of iteration 2" in info and "hidden 64" in info
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_save_killed_at_any_point_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """kill -9 during a save, simulated at each file operation in turn (folder made or removed,
+    tensor file, meta.json, rename, tracker): `latest` always names a whole checkpoint, the old
+    one or the new; saving again then works. A re-save of an iteration `latest` already holds is
+    refused (it would delete a good checkpoint before writing its replacement)."""
+    def tensors(value):
+        return {"mp_rank_00": ({"model_optim_rng": {"w": np.full(4, value, np.float32)}}, {"iteration": value})}
+    ops = [(checkpoint.os, "replace"), (checkpoint.os, "makedirs"), (checkpoint.shutil, "rmtree"),
+           (checkpoint.ms, "save_checkpoint")]
+    for kill_at in range(1, 100):
+        root = str(tmp_path / f"k{kill_at}")
+        checkpoint.save_checkpoint(root, 2, tensors(2.0), keep_max=1)
+        calls = [0]
+
+        def counting(fn):
+            def op(*a, **k):
+                calls[0] += 1
+                if calls[0] == kill_at:
+                    raise Killed
+                return fn(*a, **k)
+            return op
+        with monkeypatch.context() as m:
+            for module, name in ops:
+                m.setattr(module, name, counting(getattr(module, name)))
+            try:
+                checkpoint.save_checkpoint(root, 4, tensors(4.0), keep_max=1)
+                finished = True
+            except Killed:
+                finished = False
+        latest = checkpoint.latest_iteration(root)
+        weights, meta = checkpoint.load_checkpoint(root)
+        assert latest in (2, 4) and meta["iteration"] == latest and weights["w"][0] == latest
+        if finished:
+            break
+        if latest == 2:                                                       # the resumed run saves again
+            checkpoint.save_checkpoint(root, 4, tensors(4.0), keep_max=1)
+            assert saved(root) == ([4], 4)
+    assert 6 <= kill_at < 100                                                 # every operation was tried
+    with pytest.raises(checkpoint.CheckpointError, match="iter_0000004 already exists"):
+        checkpoint.save_checkpoint(root, 4, tensors(5.0))
+    assert checkpoint.load_checkpoint(root)[0]["w"][0] == 4.0
 
 
 # ----------------------------------------------------------------------------- GPT-2 interop
@@ -1903,6 +2046,24 @@ def test_msrun_launch_passes(parallel_runs, world):
     assert launches[world].returncode == 0, launches[world].stdout[-3000:] + logs[0][-3000:]
     for rank, text in enumerate(logs):
         assert f"[rank {rank}] all checks passed" in text
+
+
+def test_a_failing_rank_names_itself_and_stops_the_job(parallel_runs, tmp_path):
+    """Rank 1 alone fails (its shard of a TP2 checkpoint is gone): its own error line reaches the
+    console prefixed by its rank, and the job ends non-zero without a worker's traceback (the issue:
+    a timeout traceback blaming worker 0 after 65 s)."""
+    tmp, _ = parallel_runs
+    damaged = tmp_path / "tp2"
+    shutil.copytree(tmp / "tp2", damaged)
+    shutil.rmtree(damaged / "iter_0000010" / "mp_rank_01")
+    result = subprocess.run(["bash", "run.sh", "--nproc", "2", "--config", os.path.join(HERE, "config.yaml"),
+                             "--data-path", shakespeare_bytes(tmp), *PARALLEL_RUN, *TP2, "--train-iters", "12",
+                             "--load", str(damaged), "--save", str(damaged)],
+                            cwd=HERE, capture_output=True, text=True, timeout=300)
+    console = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert f"[rank 1] error: {damaged}/iter_0000010/mp_rank_01/meta.json is missing" in console, console[-3000:]
+    assert "error: training failed" not in console and "[rank 0] error" not in console, console[-3000:]
 
 
 @pytest.mark.parametrize("family", CHECK_FAMILIES)

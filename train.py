@@ -1,7 +1,8 @@
 """Pretrain a GPT from one YAML: `python train.py [--config config.yaml] [Megatron flags] [section.key=value]`.
 
-Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `prepare-data` (tokenize the
-shipped corpus once), `generate --load DIR --prompt TEXT`, and the checkpoint commands `convert`,
+Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `check --nproc N [flags]`
+(what run.sh runs before msrun: the config, the layout for N workers and the input files, checked in
+one process), `generate --load DIR --prompt TEXT`, and the checkpoint commands `convert`,
 `import-hf`, `export-hf` (checkpoint.py, hf_gpt2.py).
 
 One training step (Megatron's train_step, one process):
@@ -14,6 +15,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 import mindspore as ms
@@ -47,8 +49,10 @@ def setup_logging(output_dir, rank=0, to_console=True):
     error_file = logging.FileHandler(os.path.join(folder, "error.log"), delay=True)
     error_file.setLevel(logging.ERROR)
     handlers.append(error_file)
-    if to_console:
-        handlers.append(logging.StreamHandler(sys.stdout))
+    if to_console:                                   # errors reach the console from main's fail()
+        console = logging.StreamHandler(sys.stdout)
+        console.addFilter(lambda record: record.levelno < logging.ERROR)
+        handlers.append(console)
     for h in handlers:
         h.setFormatter(fmt)
         log.addHandler(h)
@@ -92,15 +96,23 @@ def check_inputs(cfg):
             if not os.path.isfile(getattr(d, key)):
                 raise ConfigError(f"dataset_config.{key}={getattr(d, key)} not found: give the GPT-2 "
                                   f"{'vocab.json' if key == 'vocab_file' else 'merges.txt'} (--{key.replace('_', '-')})")
+    shipped = d.data_path == SHIPPED_CORPUS[1] + "_text_document"
+    if not d.mock_data and shipped and parallel.launched_world_size() == 1:   # tokenized on first use
+        data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
+                                 "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
     if not d.mock_data:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(d.data_path + ext):
                 raise ConfigError(f"dataset_config.data_path={d.data_path}: {d.data_path}{ext} not found; "
                                   "run `bash run.sh preprocess ...` (or `bash run.sh` for the shipped corpus) "
                                   "or use --mock-data")
-    load = cfg.training_config.load_checkpoint
-    if load:
-        checkpoint.latest_iteration(load)
+    t = cfg.training_config
+    if t.load_checkpoint and not checkpoint.holds_checkpoint(t.load_checkpoint):
+        print(f"warning: no checkpoint in --load {t.load_checkpoint}: training starts from scratch", file=sys.stderr)
+        t.load_checkpoint = ""                       # Megatron: a new folder means a new run
+    if t.load_checkpoint:
+        checkpoint.check_fits(cfg, t.load_checkpoint)
+    checkpoint.check_save_folder(t.output_dir, t.load_checkpoint, t.finetune)
 
 
 def build_data(cfg, tokenizer):
@@ -403,6 +415,7 @@ def pretrain(cfg):
     iteration, consumed = 0, 0
     if t.load_checkpoint:
         iteration, consumed = checkpoint.load_training_state(cfg, trainer, rng)
+    start_iteration = iteration
     n_params = sum(int(np.prod(p.shape)) for p in trainer.params)
     log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
              f"vocab {m.padded_vocab_size} (padded), {n_params / 1e6:.2f}M parameters"
@@ -456,7 +469,8 @@ def pretrain(cfg):
         if t.save_interval and iteration % t.save_interval == 0 and iteration < t.training_iters:
             checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
             window_start = time.perf_counter()
-    checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)  # always at the end
+    if iteration > start_iteration:                   # at the end, unless nothing was trained
+        checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
     if test_ds is not None and t.eval_iters:
         report("test", iteration, evaluate(trainer, test_ds, 0, t.eval_iters, cfg))
     return trainer.chunks
@@ -544,25 +558,34 @@ def main(argv):
         if command == "preprocess":
             data.preprocess_main(argv)
             return 0
-        if command == "prepare-data":
-            prefix = data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
-                                              "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
-            print(f"data ready: {prefix}.bin/.idx")
-            return 0
         if command in CHECKPOINT_COMMANDS:
             CHECKPOINT_COMMANDS[command](argv)
             return 0
         if command == "generate":
             generate_main(argv)
             return 0
-        if command != "train":
-            raise ConfigError(f"unknown command {command!r}: use train (default), preprocess, prepare-data, generate, "
+        if command not in ("train", "check"):
+            raise ConfigError(f"unknown command {command!r}: use train (default), check, preprocess, generate, "
                               f"{', '.join(CHECKPOINT_COMMANDS)}")
-        if "--help" in argv or "-h" in argv:
+        if command == "train" and ("--help" in argv or "-h" in argv):
             raise HelpRequested(training_help())
-        v, argv = parse_command("train", argv, {"--config": ("config.yaml", str, "the YAML")}, passthrough="flags")
-        cfg = load_config(v["config"], argv, parallel.launched_world_size())
+        flags = {"--config": ("config.yaml", str, "the YAML"),
+                 "--use-checkpoint-args": (None, bool, "the model and tokenizer of the --load checkpoint")}
+        if command == "check":
+            flags["--nproc"] = (1, int, "the number of workers msrun will start")
+        v, argv = parse_command(command, argv, flags, passthrough="training flags",
+                                about="Check a training command for --nproc workers in one process, as run.sh "
+                                      "does before msrun starts them." if command == "check" else "")
+        world = v.get("nproc", parallel.launched_world_size())
+        if world < 1:
+            raise ConfigError(f"--nproc {world}: give the number of workers, 1 or more")
+        cfg = load_config(v["config"], argv, world)
+        load = cfg.training_config.load_checkpoint
+        if v["use_checkpoint_args"] and load and checkpoint.holds_checkpoint(load):   # Megatron: the checkpoint's win
+            cfg = load_config(v["config"], argv + checkpoint.checkpoint_args(checkpoint.saved_config(load)), world)
         check_inputs(cfg)
+        if command == "check":
+            return 0
     except HelpRequested as e:
         print(e)
         return 0
@@ -571,13 +594,31 @@ def main(argv):
         return 2
     try:
         pretrain(cfg)
-    except (ConfigError, checkpoint.CheckpointError) as e:
-        log.error(f"error: {e}")
+    except (ConfigError, checkpoint.CheckpointError, OSError) as e:      # expected: one line, the fix in it
+        fail(expected_message(e))
         return 2
-    except Exception:
-        log.exception("training failed")
-        raise
+    except Exception:                                                    # a bug: its traceback, once
+        fail(f"training failed: {traceback.format_exc()}")
+        return 1
     return 0
+
+
+def expected_message(e):
+    if isinstance(e, OSError):                      # an unwritable or full --save, a vanished file
+        return f"{e.filename or 'a file'}: {e.strerror or e}; free space, fix the permissions or choose another --save"
+    return str(e)
+
+
+def fail(message):
+    """An error on any worker: the rank's error.log and one line on the console (msrun shows every
+    worker's console), prefixed by the rank when there are several, so the cause is where the user looks."""
+    if os.environ.get("MS_ROLE") == "MS_SCHED":    # msrun's scheduler process: it only relays a worker's failure
+        return
+    if log.handlers:
+        log.error(f"error: {message}")
+    world = parallel.launched_world_size()
+    prefix = f"[rank {int(os.environ.get('RANK_ID', 0))}] " if world > 1 else ""
+    print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
