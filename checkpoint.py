@@ -331,12 +331,29 @@ def load_training_state(cfg, trainer, rng):
         return 0, 0
     if not t.no_load_optim:
         trainer.optimizer.load_named_state(tensors, meta["optimizer_step"], parameter_names(chunks))
-        trainer.scheduler.load_state_dict(meta["opt_param_scheduler"])
+        _load_scheduler(cfg.optimizer_config, trainer.scheduler, meta["opt_param_scheduler"])
         trainer.scaler.load_state_dict(meta["grad_scaler"])
     if not t.no_load_rng:
         rng.load_state_dict(meta["rng_state"])
     log.info(f"loaded checkpoint of iteration {meta['iteration']} from {t.load_checkpoint}")
     return meta["iteration"], meta["consumed_train_samples"]
+
+
+def _load_scheduler(o, scheduler, saved):
+    """Megatron's rules when the run's lr schedule differs from the checkpoint's: override -> this
+    run's, use_checkpoint -> the checkpoint's (named in a warning), neither -> refused."""
+    override, differ = o.override_opt_param_scheduler, scheduler.differences(saved)
+    if differ and not (override or o.use_checkpoint_opt_param_scheduler):
+        raise CheckpointError("the learning-rate schedule differs from the checkpoint's: " + _pairs(differ)
+                              + "; give --use-checkpoint-opt_param-scheduler or --override-opt_param-scheduler")
+    scheduler.load_state_dict(saved, override)
+    if differ:
+        log.warning(f"learning-rate schedule: {'this run' if override else 'the checkpoint'}'s values kept: "
+                    + _pairs(differ) + ("" if override else "; --override-opt_param-scheduler takes this run's"))
+
+
+def _pairs(differ):
+    return ", ".join(f"{k} (checkpoint {a}, this run {b})" for k, a, b in differ)
 
 
 # ----------------------------------------------------------------------------- layout conversion

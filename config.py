@@ -34,6 +34,9 @@ SCHEMA = {
         "no_load_optim": (False, bool, None),
         "no_load_rng": (False, bool, None),
         "finetune": (False, bool, None),
+        "exit_interval": (None, int, None),           # Megatron: save and stop when iteration % N == 0
+        "exit_duration_in_mins": (None, float, None),  # save and stop after this much wall time
+        "exit_signal_handler": (False, bool, None),   # save and stop on SIGTERM (e.g. a job's time limit)
         "fp16": (False, bool, None),
         "bf16": (False, bool, None),
         "loss_scale": (None, float, None),            # static scale; null = dynamic under fp16
@@ -136,6 +139,8 @@ SCHEMA = {
         "betas": ([0.9, 0.95], list, None),
         "eps": (1e-8, float, None),
         "momentum": (0.9, float, None),               # SGD
+        "use_checkpoint_opt_param_scheduler": (True, bool, None),  # resuming: the checkpoint's lr schedule
+        "override_opt_param_scheduler": (False, bool, None),       # resuming: this run's lr schedule (wins)
         "learning_rate_scheduler_kwargs": {
             "lr_decay_style": ("cosine", str, ("constant", "linear", "cosine", "inverse-square-root")),
             "lr_warmup_iters": (0, int, None),
@@ -436,6 +441,10 @@ def _finalize_parallel(p, m, d, world_size):
 
 def _finalize_training(t):
     """Evaluation, profiling window and clipping."""
+    if t.exit_interval is not None and t.exit_interval <= 0:
+        raise ConfigError(f"training_config.exit_interval must be positive, got {t.exit_interval}")
+    if t.exit_duration_in_mins is not None and not t.exit_duration_in_mins > 0:
+        raise ConfigError(f"training_config.exit_duration_in_mins must be positive, got {t.exit_duration_in_mins}")
     if t.eval_iters < 0:
         raise ConfigError("training_config.eval_iters must be >= 0")
     _check_profile(t)

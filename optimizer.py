@@ -89,10 +89,17 @@ class OptimizerParamScheduler:
             "max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
             "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style", "num_steps")}
 
-    def load_state_dict(self, d):
-        """Checkpoint values win, as with Megatron's default --use-checkpoint-opt_param-scheduler."""
+    def differences(self, d):
+        """[(key, checkpoint value, this run's)] of the schedule's values (not the step count)."""
+        return [(k, v, getattr(self, k)) for k, v in d.items() if k != "num_steps" and v != getattr(self, k)]
+
+    def load_state_dict(self, d, override=False):
+        """The step count is the checkpoint's; the schedule's values (lr, warmup, decay, weight
+        decay) are the checkpoint's, or this run's with `override` (Megatron's
+        --override-opt_param-scheduler)."""
         for k, v in d.items():
-            setattr(self, k, v)
+            if k == "num_steps" or not override:
+                setattr(self, k, v)
 
 
 # ----------------------------------------------------------------------------- optimizers

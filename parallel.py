@@ -156,6 +156,15 @@ def barrier():
         flag.asnumpy()
 
 
+def any_rank(flag):
+    """True on every rank when `flag` is true on any (a one-element all-reduce on the world group)."""
+    if get_state().world_size == 1:
+        return bool(flag)
+    count = Tensor([float(bool(flag))], ms.float32)
+    dist.all_reduce(count, group=GlobalComm.WORLD_COMM_GROUP)
+    return bool(count.asnumpy()[0] > 0)
+
+
 def grid_table(world_size, tp, cp, pp):
     """One line per rank: its coordinates in the tp-cp-dp-pp grid."""
     dp = world_size // (tp * cp * pp)

@@ -26,6 +26,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -1256,7 +1257,7 @@ def test_convert_round_trip_and_refusals(tmp_path, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
 
 
-# ----------------------------------------------------------------------------- saving safely
+# ----------------------------------------------------------------------------- saving, stopping, resuming
 TINY_RUN = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--eval-iters", "0", "--log-interval", "1"]
@@ -1325,6 +1326,54 @@ def test_a_checkpoint_that_differs_from_the_run_is_named_before_training(tmp_pat
                     "--hidden-size", "32", "--norm-epsilon", "1e-6") == 0
     info = (tmp_path / "b" / "log" / "rank_0" / "info.log").read_text()
     assert "loaded checkpoint of iteration 2" in info and "hidden 64" in info
+
+
+def tiny_losses(folder):
+    lines = (folder / "log" / "rank_0" / "info.log").read_text().splitlines()
+    return {int(re.search(r"Step:(\d+)", l).group(1)): l.split("Loss: ")[1].split(",")[0]
+            for l in lines if l.startswith("train: ")}
+
+
+@pytest.mark.parametrize("how", ["--exit-interval", "--exit-duration-in-mins", "--exit-signal-handler"])
+def test_a_stopped_job_resumes_bit_identical(how, tmp_path, monkeypatch, capsys):
+    """Megatron's three ways to stop a job (after a step, it saves, then exits 0) and a resumed job
+    whose losses equal an uninterrupted run's, bit for bit (one process; TP2 x PP2 in the msrun runs)."""
+    run = ["--train-iters", "6", "--hidden-dropout", "0.1"]
+    assert tiny_run(tmp_path / "whole", *run) == 0
+    if how == "--exit-signal-handler":                # SIGTERM arrives during the third step
+        step = train.Trainer.train_step
+        def train_step(self, micro_batches, calls=[]):
+            calls.append(1)
+            if len(calls) == 3:
+                signal.raise_signal(signal.SIGTERM)
+            return step(self, micro_batches)
+        monkeypatch.setattr(train.Trainer, "train_step", train_step)
+    stop = {"--exit-interval": [how, "3"], "--exit-duration-in-mins": [how, "1e-9"], "--exit-signal-handler": [how]}
+    d = tmp_path / "stopped"
+    assert tiny_run(d, *run, *stop[how]) == 0
+    stopped_at = {"--exit-interval": 3, "--exit-duration-in-mins": 1, "--exit-signal-handler": 3}[how]
+    assert saved(d) == ([stopped_at], stopped_at)
+    assert f"exiting at iteration {stopped_at}" in (d / "log" / "rank_0" / "info.log").read_text()
+    monkeypatch.undo()
+    assert tiny_run(d, *run, "--load", str(d)) == 0
+    whole, resumed = tiny_losses(tmp_path / "whole"), tiny_losses(d)
+    assert sorted(resumed) == list(range(1, 7)) and resumed == whole
+
+
+def test_resumed_learning_rate_schedule_follows_megatrons_rules(tmp_path, capsys):
+    """Resuming with another --train-iters changes the schedule's decay length: the checkpoint's
+    schedule is kept and named in a warning (the guide's default use_checkpoint_opt_param_scheduler),
+    --override-opt_param-scheduler takes this run's, and with neither the run is refused."""
+    d = tmp_path / "a"
+    assert tiny_run(d, "--train-iters", "2") == 0
+    assert tiny_run(d, "--train-iters", "4", "--load", str(d)) == 0
+    info = (d / "log" / "rank_0" / "info.log").read_text()
+    assert "learning-rate schedule: the checkpoint's values kept: lr_decay_steps (checkpoint 2, this run 4)" in info
+    assert tiny_run(d, "--train-iters", "6", "--load", str(d), "--override-opt_param-scheduler") == 0
+    assert "this run's values kept: lr_decay_steps (checkpoint 2, this run 6)" in (d / "log" / "rank_0" / "info.log").read_text()
+    capsys.readouterr()
+    assert tiny_run(d, "--train-iters", "8", "--load", str(d), "optimizer_config.use_checkpoint_opt_param_scheduler=false") == 2
+    assert "the learning-rate schedule differs from the checkpoint's: lr_decay_steps (checkpoint 6, this run 8)" in capsys.readouterr().err
 
 
 class Killed(Exception):
@@ -2012,8 +2061,13 @@ def parallel_runs(tmp_path_factory):
         runs = [[name, [*common, "--save", str(tmp / name), *args]] for name, (args, _) in layouts.items()]
         args = layouts[RESUMED[world]][0]
         first, resumed = tmp / f"{RESUMED[world]}_first", tmp / f"{RESUMED[world]}_resumed"
-        runs += [["first half", [*common, *args, "--save", str(first), *half]],
+        stop = ["--exit-interval", "5"] if world == 4 else half       # TP2 x PP2: Megatron's --exit-interval
+        runs += [["first half", [*common, *args, "--save", str(first), *stop]],
                  ["resumed", [*common, *args, "--load", str(first), "--save", str(resumed)]]]
+        for how, (flags, sigterm_step, _) in (STOPPED.items() if world == 4 else ()):
+            first, resumed = tmp / f"stopped_{how}", tmp / f"stopped_{how}_resumed"
+            runs += [[f"stopped by {how}", [*common, *args, "--save", str(first), *flags], sigterm_step],
+                     [f"{how}: resumed", [*common, *args, "--load", str(first), "--save", str(resumed)]]]
         runs += [[run, [*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]]
                  for run, (source, _, _, args, workers) in CONVERTED.items() if workers == world]
         (tmp / f"runs{world}.json").write_text(json.dumps(runs))
@@ -2085,6 +2139,10 @@ def test_msrun_checks(parallel_runs, family):
 
 ALL_LAYOUTS = {name: spec for layouts in LAYOUTS.values() for name, spec in layouts.items()}
 RESUMED = {2: "dp2_distopt", 4: "tp2_pp2_sp"}      # stopped after 5 of the 10 steps, then resumed
+# TP2 x PP2 stopped as Megatron stops a job: (flags, the step during which rank 0 alone gets SIGTERM,
+# the step it stops after), then resumed
+STOPPED = {"exit_duration": (["--exit-duration-in-mins", "1e-9"], None, 1),
+           "signal": (["--exit-signal-handler"], 3, 3)}
 # run: (converted checkpoint of step 5, its source layout's full run, what changed, the new layout's
 # flags, workers); the convert command rewrites the checkpoint, the run resumes from it
 CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one", "TP1 -> TP2 x DP2, distributed optimizer",
@@ -2117,15 +2175,31 @@ def test_parallel_resume_is_bit_exact(parallel_runs, layout):
     tmp, _ = parallel_runs
     full, resumed = tmp / layout, tmp / f"{layout}_resumed"
     assert losses_of(train_lines(resumed)) == losses_of(train_lines(full))[5:]
-    names = sorted(p.name for p in (full / "iter_0000010").iterdir())
-    assert names == sorted(p.name for p in (resumed / "iter_0000010").iterdir()) and names
+    assert_same_checkpoints(full / "iter_0000010", resumed / "iter_0000010")
+
+
+def assert_same_checkpoints(a_dir, b_dir):
+    """Every shard file of the two iteration folders holds the same tensors, bit for bit."""
+    names = sorted(p.name for p in a_dir.iterdir())
+    assert names == sorted(p.name for p in b_dir.iterdir()) and names
     for shard_name in names:
-        for file in sorted((full / "iter_0000010" / shard_name).glob("*.ckpt")):
-            a = ms.load_checkpoint(str(file))
-            b = ms.load_checkpoint(str(resumed / "iter_0000010" / shard_name / file.name))
+        for file in sorted((a_dir / shard_name).glob("*.ckpt")):
+            a, b = ms.load_checkpoint(str(file)), ms.load_checkpoint(str(b_dir / shard_name / file.name))
             assert sorted(a) == sorted(b)
             for key in a:
                 np.testing.assert_array_equal(a[key].asnumpy(), b[key].asnumpy(), err_msg=f"{file.name} {key}")
+
+
+@pytest.mark.parametrize("how", sorted(STOPPED))
+def test_parallel_stopped_job_resumes_bit_exact(parallel_runs, how):
+    """TP2 x PP2 stopped by --exit-duration-in-mins, or by SIGTERM on rank 0 alone (every rank stops
+    after the same step), then resumed: the losses of the run that never stopped, bit for bit."""
+    tmp, _ = parallel_runs
+    stopped_at = STOPPED[how][2]
+    assert checkpoint.latest_iteration(str(tmp / f"stopped_{how}")) == stopped_at
+    assert losses_of(train_lines(tmp / f"stopped_{how}")) == losses_of(train_lines(tmp / "tp2_pp2_sp"))[:stopped_at]
+    assert losses_of(train_lines(tmp / f"stopped_{how}_resumed")) == losses_of(train_lines(tmp / "tp2_pp2_sp"))[stopped_at:]
+    assert_same_checkpoints(tmp / "tp2_pp2_sp" / "iter_0000010", tmp / f"stopped_{how}_resumed" / "iter_0000010")
 
 
 @pytest.mark.parametrize("run", sorted(CONVERTED))
@@ -2242,7 +2316,16 @@ def test_parallel_checkpoint_merges_to_the_one_process_model(parallel_runs, layo
 
 if __name__ == "__main__":
     failed = run_checks(int(os.environ.get("MS_WORKER_NUM", "1")))
-    for name, args in json.loads(open(sys.argv[1]).read()) if len(sys.argv) > 1 else []:
+    for name, args, *sigterm_step in json.loads(open(sys.argv[1]).read()) if len(sys.argv) > 1 else []:
+        step = train.Trainer.train_step
+        if sigterm_step and sigterm_step[0] and int(os.environ.get("RANK_ID", 0)) == 0:
+            def train_step(self, micro_batches, calls=[]):    # SIGTERM to rank 0 alone, during that step
+                calls.append(1)
+                if len(calls) == sigterm_step[0]:
+                    signal.raise_signal(signal.SIGTERM)
+                return step(self, micro_batches)
+            train.Trainer.train_step = train_step
         if train.main(args) != 0:
             failed.append(name)
+        train.Trainer.train_step = step
     sys.exit(1 if failed else 0)

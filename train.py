@@ -13,6 +13,7 @@ One training step (Megatron's train_step, one process):
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -399,6 +400,7 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
 
 # ----------------------------------------------------------------------------- the loop
 def pretrain(cfg):
+    started = time.time()
     t, d, m = cfg.training_config, cfg.dataset_config, cfg.model_config
     tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
     train_ds, valid_ds, test_ds = build_data(cfg, tokenizer)
@@ -415,7 +417,10 @@ def pretrain(cfg):
     iteration, consumed = 0, 0
     if t.load_checkpoint:
         iteration, consumed = checkpoint.load_training_state(cfg, trainer, rng)
-    start_iteration = iteration
+    last_saved = iteration
+    if t.exit_signal_handler:                         # noted here, acted on between steps
+        _SIGTERM.clear()
+        signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.append(signum))
     n_params = sum(int(np.prod(p.shape)) for p in trainer.params)
     log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
              f"vocab {m.padded_vocab_size} (padded), {n_params / 1e6:.2f}M parameters"
@@ -468,12 +473,34 @@ def pretrain(cfg):
             window_start = time.perf_counter()
         if t.save_interval and iteration % t.save_interval == 0 and iteration < t.training_iters:
             checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
-            window_start = time.perf_counter()
-    if iteration > start_iteration:                   # at the end, unless nothing was trained
+            last_saved, window_start = iteration, time.perf_counter()
+        reason = exit_reason(t, iteration, started)
+        if reason:
+            if last_saved != iteration:
+                checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
+            log.info(f"exiting at iteration {iteration}: {reason}; continue with --load {t.output_dir}")
+            return trainer.chunks
+    if iteration > last_saved:                        # at the end, unless nothing was trained
         checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
     if test_ds is not None and t.eval_iters:
         report("test", iteration, evaluate(trainer, test_ds, 0, t.eval_iters, cfg))
     return trainer.chunks
+
+
+_SIGTERM = []
+
+
+def exit_reason(t, iteration, started):
+    """Megatron's ways to end a job early (the caller saves first): --exit-interval, SIGTERM on any
+    rank with --exit-signal-handler, --exit-duration-in-mins of wall time on any rank. The ranks
+    agree through one all-reduce, so they all stop after the same step. None: go on."""
+    if t.exit_interval and iteration % t.exit_interval == 0:
+        return f"--exit-interval {t.exit_interval}"
+    if t.exit_signal_handler and parallel.any_rank(bool(_SIGTERM)):
+        return "SIGTERM received (--exit-signal-handler)"
+    if t.exit_duration_in_mins and parallel.any_rank(time.time() - started > 60 * t.exit_duration_in_mins):
+        return f"--exit-duration-in-mins {t.exit_duration_in_mins} reached"
+    return None
 
 
 def report_pipeline_trace(cfg, trainer):
