@@ -18,14 +18,31 @@ from types import SimpleNamespace
 import numpy as np
 
 from cli import REQUIRED, parse_command
+from config import ConfigError
 
 
 def _save_atomic(path, write):
-    """Write to a temporary name, then os.replace: readers never see a half-written file."""
+    """Write to a temporary name, then os.replace: readers never see a half-written file,
+    and a failed write leaves nothing behind."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _read_lines(path):
+    """The lines of a UTF-8 text file; a byte that is not UTF-8 raises ConfigError naming its line."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # such a byte -> a lone surrogate
+        for n, line in enumerate(f, 1):
+            bad = re.search("[\udc80-\udcff]", line)
+            if bad:
+                raise ConfigError(f"{path}:{n}: byte {ord(bad.group()) - 0xdc00:#04x} is not UTF-8: save the file "
+                                  "as UTF-8")
+            yield line
 
 # ----------------------------------------------------------------------------- tokenizers
 
@@ -54,17 +71,27 @@ class GPT2BPETokenizer:
     """Megatron's GPT2BPETokenizer: GPT-2 byte-level BPE (same algorithm as openai/gpt-2 encoder.py)."""
 
     def __init__(self, vocab_file, merge_file):
-        with open(vocab_file, encoding="utf-8") as f:
-            self.encoder = json.load(f)
+        try:
+            self.encoder = json.loads("".join(_read_lines(vocab_file)))
+            self.eod = self.encoder["<|endoftext|>"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError(f"{vocab_file}: not a JSON object of token ids with \"<|endoftext|>\": give GPT-2's "
+                              "vocab.json (--vocab-file)") from None
         self.decoder = {i: t for t, i in self.encoder.items()}
-        with open(merge_file, encoding="utf-8") as f:
-            merges = [tuple(line.split()) for line in f.read().split("\n")[1:] if line.strip()]
-        self.bpe_ranks = {pair: i for i, pair in enumerate(merges)}
+        # line 1 is the "#version" header; each other line is two tokens whose join is in the vocab
+        merges = [(n, tuple(line.split())) for n, line in enumerate(_read_lines(merge_file), 1)
+                  if n > 1 and line.strip()]
+        for n, pair in merges:
+            if len(pair) != 2 or "".join(pair) not in self.encoder:
+                raise ConfigError(f"{merge_file}:{n}: {' '.join(pair)!r} is not two tokens of {vocab_file} joined: "
+                                  "give the merges.txt of this vocab (--merge-file)")
+        if not merges:
+            raise ConfigError(f"{merge_file}: no merges after line 1: give GPT-2's merges.txt (--merge-file)")
+        self.bpe_ranks = {pair: i for i, (_, pair) in enumerate(merges)}
         self.byte_encoder = _bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         self.pattern = _gpt2_pattern()
         self.cache = {}
-        self.eod = self.encoder["<|endoftext|>"]
         self.vocab_size = len(self.encoder)
 
     def _bpe(self, word):
@@ -129,16 +156,16 @@ def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, vocab_size
     """Megatron's build_tokenizer for the three supported --tokenizer-type values."""
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is None or merge_file is None:
-            raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file")
+            raise ConfigError("GPT2BPETokenizer needs --vocab-file and --merge-file")
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
-            raise ValueError("NullTokenizer needs --vocab-size")
+            raise ConfigError("NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
-    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}: use one of GPT2BPETokenizer, NullTokenizer, "
-                     "ByteTokenizer")
+    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}: use one of GPT2BPETokenizer, NullTokenizer, "
+                      "ByteTokenizer")
 
 
 # ----------------------------------------------------------------------------- indexed dataset
@@ -156,7 +183,8 @@ def optimal_dtype(vocab_size):
 class IndexedDatasetBuilder:
     """Megatron's IndexedDatasetBuilder: appends token arrays to .bin, writes the .idx at finalize.
 
-    Both files are written under temporary names and moved into place by finalize().
+    Both files are written under temporary names and moved into place by finalize(); discard()
+    removes them instead.
     """
 
     def __init__(self, bin_path, dtype=np.uint16):
@@ -183,6 +211,11 @@ class IndexedDatasetBuilder:
         os.replace(self._bin_tmp, self.bin_path)
         _save_atomic(idx_path, lambda f: f.write(header + lengths.tobytes() + pointers.tobytes() + documents.tobytes()))
 
+    def discard(self):
+        self._bin.close()
+        if os.path.exists(self._bin_tmp):
+            os.remove(self._bin_tmp)
+
 
 class IndexedDataset:
     """Megatron's (mmap) IndexedDataset read from `<path_prefix>.bin` and `<path_prefix>.idx`."""
@@ -190,24 +223,26 @@ class IndexedDataset:
     def __init__(self, path_prefix):
         self.path_prefix = path_prefix
         idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
+        fix = f"re-run preprocess to rebuild {path_prefix}.bin/.idx"
         with open(idx_path, "rb") as f:
             header = f.read(34)
         if len(header) < 34 or header[:9] != _INDEX_HEADER:
-            raise ValueError(f"{idx_path}: bad magic or truncated header, not a Megatron MMIDIDX index")
+            raise ConfigError(f"{idx_path}: bad magic or truncated header, not a Megatron MMIDIDX index: {fix}")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[9:])
         if version != 1 or code not in _DTYPES:
-            raise ValueError(f"{idx_path}: unsupported version {version} or dtype code {code}")
+            raise ConfigError(f"{idx_path}: unsupported version {version} or dtype code {code}: {fix}")
         self.dtype = np.dtype(_DTYPES[code])
         need = 34 + n_seq * 12 + n_doc * 8
         if os.path.getsize(idx_path) < need:
-            raise ValueError(f"{idx_path}: truncated, {os.path.getsize(idx_path)} bytes but the header implies {need}")
+            raise ConfigError(f"{idx_path}: truncated, {os.path.getsize(idx_path)} bytes but the header implies "
+                              f"{need}: {fix}")
         idx = np.memmap(idx_path, mode="r", order="C")
         self.sequence_lengths = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=34)
         self.sequence_pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq, offset=34 + n_seq * 4)
         self.document_indices = np.frombuffer(idx, dtype=np.int64, count=n_doc, offset=34 + n_seq * 12)
         bin_size = os.path.getsize(bin_path)
         if n_seq and self.sequence_pointers[-1] + int(self.sequence_lengths[-1]) * self.dtype.itemsize > bin_size:
-            raise ValueError(f"{bin_path}: truncated, {bin_size} bytes is shorter than the index says")
+            raise ConfigError(f"{bin_path}: truncated, {bin_size} bytes is shorter than the index says: {fix}")
         self._bin = np.memmap(bin_path, mode="r", order="C") if bin_size else np.zeros(0, np.uint8)
 
     def __len__(self):
@@ -234,20 +269,42 @@ def _init_worker(tokenizer_kwargs):
     _worker_tokenizer = build_tokenizer(**tokenizer_kwargs)
 
 
-def _encode_document(texts, append_eod):
-    """texts: one string per json key -> one token list per key."""
+def _encode_document(document, append_eod):
+    """("path:line", one string per json key) -> one token list per key, and the bytes read."""
+    where, texts = document
     eod = [_worker_tokenizer.eod] if append_eod else []
-    return [_worker_tokenizer.encode(text) + eod for text in texts], sum(len(t.encode("utf-8")) for t in texts)
+    try:
+        return [_worker_tokenizer.encode(text) + eod for text in texts], sum(len(t.encode("utf-8")) for t in texts)
+    except ValueError as e:  # NullTokenizer: a word that is not an integer id
+        raise ConfigError(f"{where}: {e}: NullTokenizer reads space-separated integer ids") from None
+
+
+def _json_texts(line, keys, where):
+    """One jsonl line -> its strings under `keys`; anything else raises ConfigError naming the line."""
+    try:
+        obj = json.loads(line.rstrip("\n"))  # a value missing at the end: its column, not "line 2 column 1"
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: invalid JSON ({e.msg}, column {e.colno}): write one JSON object per line") \
+            from None
+    missing = [k for k in keys if not isinstance(obj, dict) or not isinstance(obj.get(k), str)]
+    if missing:
+        raise ConfigError(f"{where}: no string under {missing[0]!r} in {line.strip()[:60]}: fix the line or name "
+                          "the keys to read with --json-keys")
+    return [obj[k] for k in keys]
 
 
 def _read_documents(path, keys):
-    """Yield one list of strings (one per key) per document: jsonl, or blank-line separated text."""
-    with open(path, encoding="utf-8") as f:
-        if path.endswith((".json", ".jsonl")):
-            for obj in (json.loads(line) for line in f if line.strip()):
-                yield [obj[k] for k in keys]
-        else:
-            yield from ([doc.strip("\n")] for doc in re.split(r"\n\s*\n", f.read()) if doc.strip())
+    """Yield ("path:line", one string per key) per document: jsonl, or blank-line separated text."""
+    if path.endswith((".json", ".jsonl")):
+        for n, line in enumerate(_read_lines(path), 1):
+            if line.strip():
+                yield f"{path}:{n}", _json_texts(line, keys, f"{path}:{n}")
+        return
+    n = 1
+    for piece in re.split(r"(\n\s*\n)", "".join(_read_lines(path))):  # documents and the separators between them
+        if piece.strip():  # not a separator nor an empty document
+            yield f"{path}:{n}", [piece.strip("\n")]
+        n += piece.count("\n")
 
 
 PREPROCESS_FLAGS = {  # Megatron's tools/preprocess_data.py flags
@@ -279,12 +336,12 @@ def preprocess_main(argv):
     dtype = optimal_dtype(_worker_tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
-    builders = [IndexedDatasetBuilder(pre + ".bin", dtype) for pre in prefixes]
 
     docs = _read_documents(args.input, keys)
     encode = functools.partial(_encode_document, append_eod=args.append_eod)
     pool = multiprocessing.Pool(args.workers, _init_worker, (tok_kwargs,)) if args.workers > 1 else None
-    t0, total_bytes = time.time(), 0
+    builders = [IndexedDatasetBuilder(pre + ".bin", dtype) for pre in prefixes]
+    t0, total_bytes, n = time.time(), 0, 0
     try:
         results = pool.imap(encode, docs, chunksize=32) if pool else map(encode, docs)
         for n, (doc_ids, n_bytes) in enumerate(results, 1):
@@ -295,12 +352,20 @@ def preprocess_main(argv):
                 dt = time.time() - t0
                 print(f"Processed {n} documents ({n / dt:.1f} docs/s, {total_bytes / dt / 2**20:.2f} MB/s).",
                       flush=True)
-    finally:
+        if n == 0:
+            raise ConfigError(f"{args.input}: no documents: give jsonl (one JSON object per line) or text "
+                              "(documents separated by blank lines)")
+        for builder, pre in zip(builders, prefixes):
+            builder.finalize(pre + ".idx")
+    except BaseException:  # a bad line, Ctrl-C: stop the workers (they may be reading ahead), keep no half file
         if pool:
-            pool.close()
-            pool.join()
-    for builder, pre in zip(builders, prefixes):
-        builder.finalize(pre + ".idx")
+            pool.terminate()
+        for builder in builders:
+            builder.discard()
+        raise
+    if pool:
+        pool.close()
+        pool.join()
     return prefixes
 
 
@@ -461,9 +526,9 @@ class GPTDataset:
         lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int32)
         tokens_per_epoch = int(lengths[self.documents].sum())
         if tokens_per_epoch < self.seq_length + 1:
-            raise ValueError(f"the {self.name} split has {tokens_per_epoch} tokens in {len(self.documents)} documents, "
-                             f"fewer than seq_length+1={self.seq_length + 1}: lower --seq-length, add data "
-                             "or change --split")
+            raise ConfigError(f"{self.dataset.path_prefix}.bin: the {self.name} split has {tokens_per_epoch} tokens "
+                              f"in {len(self.documents)} documents, fewer than seq_length+1={self.seq_length + 1}: "
+                              "lower --seq-length, add data or change --split")
         num_epochs = 1 if num_samples is None else max(1, -(-(num_samples * self.seq_length + 1) // tokens_per_epoch))
         separate_final_epoch = False
         if num_epochs > 1:  # separate the last epoch if it supplies < 80% of an epoch's samples
@@ -525,7 +590,8 @@ class MockGPTDataset:
 def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, cache_dir=None, **mask_options):
     """BlendedMegatronDatasetBuilder for one data prefix: (train, valid, test) GPTDatasets.
 
-    num_samples: (train, valid, test) samples wanted. A split with no documents or 0 samples is None.
+    num_samples: (train, valid, test) samples wanted. A valid or test split with no documents or
+    0 samples is None; a train split without enough tokens raises ConfigError.
     """
     indexed = IndexedDataset(data_prefix)
     num_docs = len(indexed.document_indices) - 1
@@ -533,7 +599,7 @@ def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, c
     for name, (begin, end), n in zip(("train", "valid", "test"), split_document_ranges(num_docs, split), num_samples):
         documents = np.arange(begin, end, dtype=np.int32)
         datasets.append(GPTDataset(indexed, documents, n, seq_length, seed, eod, name, cache_dir, **mask_options)
-                        if end > begin and n else None)
+                        if name == "train" or end > begin and n else None)
     return tuple(datasets)
 
 

@@ -146,6 +146,22 @@ def test_build_tokenizer_errors():
         data.build_tokenizer("SentencePiece")
 
 
+def test_gpt2_tokenizer_refuses_bad_vocab_and_merges_naming_the_file(tmp_path):
+    bad = tmp_path / "bad"
+    for content, message in ((b'{"a": 0}', ': not a JSON object of token ids with "<|endoftext|>"'),
+                             (b"not json", ": not a JSON object"), (b'["<|endoftext|>"]', ": not a JSON object"),
+                             (b'{"\xff": 0}', ":1: byte 0xff is not UTF-8")):
+        bad.write_bytes(content)
+        with pytest.raises(ConfigError, match=re.escape(str(bad) + message)):
+            data.build_tokenizer("GPT2BPETokenizer", str(bad), MERGES)
+    for content, message in (("#version: 0.2\nĠ t\nx y z\n", ":3: 'x y z' is not two tokens"),
+                             ("#version: 0.2\nĠ t\nqqqq zzzz\n", ":3: 'qqqq zzzz' is not two tokens"),
+                             ("#version: 0.2\n\n", ": no merges after line 1")):
+        bad.write_text(content, encoding="utf-8")
+        with pytest.raises(ConfigError, match=re.escape(str(bad) + message)):
+            data.build_tokenizer("GPT2BPETokenizer", VOCAB, str(bad))
+
+
 # ----------------------------------------------------------------------------- indexed dataset
 
 
@@ -203,21 +219,37 @@ def test_reads_megatron_written_files(tmp_path):
     assert ds.get(0, offset=1, length=2).tolist() == [11, 12]
 
 
-def test_bad_files_raise_value_error(tmp_path):
+def test_damaged_indexed_dataset_names_the_file_and_the_fix(tmp_path):
     good = _megatron_idx_bytes(8, [3], 2, [0, 1])
+    fix = "re-run preprocess to rebuild " + re.escape(str(tmp_path / "a") + ".bin/.idx")
     (tmp_path / "a.bin").write_bytes(np.arange(3, dtype=np.uint16).tobytes())
     (tmp_path / "a.idx").write_bytes(b"TNTIDX\x00\x00" + good[8:])
-    with pytest.raises(ValueError, match=r"a\.idx.*bad magic"):
+    with pytest.raises(ConfigError, match=r"a\.idx: bad magic.*" + fix):
+        data.IndexedDataset(str(tmp_path / "a"))
+    (tmp_path / "a.idx").write_bytes(good[:20])
+    with pytest.raises(ConfigError, match=r"a\.idx: bad magic or truncated header.*" + fix):
         data.IndexedDataset(str(tmp_path / "a"))
     (tmp_path / "a.idx").write_bytes(good[:-4])
-    with pytest.raises(ValueError, match=r"a\.idx.*truncated"):
+    with pytest.raises(ConfigError, match=r"a\.idx: truncated.*" + fix):
         data.IndexedDataset(str(tmp_path / "a"))
     (tmp_path / "a.idx").write_bytes(good)
     (tmp_path / "a.bin").write_bytes(b"\x00\x00")
-    with pytest.raises(ValueError, match=r"a\.bin.*truncated"):
+    with pytest.raises(ConfigError, match=r"a\.bin: truncated.*" + fix):
         data.IndexedDataset(str(tmp_path / "a"))
     with pytest.raises(FileNotFoundError, match="missing"):
         data.IndexedDataset(str(tmp_path / "missing"))
+
+
+def test_failed_data_writes_leave_no_temporary_file(tmp_path):
+    def fail(f):
+        f.write(b"half")
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        data._save_atomic(str(tmp_path / "x.idx"), fail)
+    b = data.IndexedDatasetBuilder(str(tmp_path / "y.bin"))
+    b.add_document([1, 2])
+    b.discard()
+    assert os.listdir(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------- preprocessing
@@ -257,6 +289,49 @@ def test_preprocess_null_tokenizer_without_eod(tmp_path):
                                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"])
     ds = data.IndexedDataset(prefix)
     assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3, 4], [5, 6]]
+
+
+BAD_INPUTS = {  # file name, bytes, extra flags, the message after "<tmp_path>/<file name>"
+    "empty": ("in.jsonl", b"\n  \n", [], ": no documents"),
+    "empty text": ("in.txt", b"\n\n", [], ": no documents"),
+    "missing key": ("in.jsonl", b'{"text": "a"}\n\n{"txt": "b"}\n', [],
+                    """:3: no string under 'text' in {"txt": "b"}"""),
+    "second key": ("in.jsonl", b'{"text": "a", "t": "b"}\n', ["--json-keys", "text", "title"],
+                   ":1: no string under 'title'"),
+    "not a string": ("in.jsonl", b'{"text": "a"}\n{"text": 5}\n', [], """:2: no string under 'text' in {"text": 5}"""),
+    "not an object": ("in.jsonl", b'{"text": "a"}\n["a"]\n', [], ":2: no string under 'text' in [\"a\"]"),
+    "invalid JSON": ("in.jsonl", b'{"text": "a"}\n{"text": \n', [], ":2: invalid JSON (Expecting value, column 10)"),
+    "not UTF-8 jsonl": ("in.jsonl", b'{"text": "a"}\n{"text": "\xff"}\n', [], ":2: byte 0xff is not UTF-8"),
+    "not UTF-8 text": ("in.txt", b"abc\n\nd\xc3\n", [], ":3: byte 0xc3 is not UTF-8"),
+    "not an id": ("in.txt", b"1 2\n\n3\n4 x\n", ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
+                  ":3: invalid literal for int() with base 10: 'x'"),
+}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_preprocess_bad_input_names_file_and_line_and_leaves_nothing(tmp_path, case, workers):
+    name, content, flags, message = BAD_INPUTS[case]
+    src = tmp_path / name
+    src.write_bytes(content)
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "out" / "p"), "--json-keys", "text",
+            "--tokenizer-type", "ByteTokenizer", "--workers", str(workers), *flags]
+    with pytest.raises(ConfigError, match="^" + re.escape(str(src) + message)):
+        data.preprocess_main(argv)
+    assert os.listdir(tmp_path / "out") == []  # no .bin.tmp<pid>, no half .idx
+
+
+def test_preprocess_command_bad_line_is_one_line_exit_2(tmp_path):
+    """Through `train.py preprocess` with a worker pool reading ahead: one line, no traceback."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(500)) + '{"txt": "x"}\n')
+    result = subprocess.run([sys.executable, "train.py", "preprocess", "--input", str(src), "--output-prefix",
+                             str(tmp_path / "p"), "--tokenizer-type", "ByteTokenizer", "--workers", "2"],
+                            cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"""error: {src}:501: no string under 'text' in {{"txt": "x"}}: fix the """
+                                          "line or name the keys to read with --json-keys"], result.stderr
+    assert os.listdir(tmp_path) == ["in.jsonl"]
 
 
 def test_ensure_preprocessed_caches_and_redoes(tmp_path):
@@ -442,6 +517,33 @@ def test_build_gpt_datasets(tmp_path):
     with pytest.raises(ValueError, match="valid split .*seq-length"):
         data.build_gpt_datasets(str(tmp_path / "toy"), "95,5,0", 64, 1, (16, 4, 0), eod=99)
     assert int(ds.sequence_lengths[38:].sum()) < 65 <= int(ds.sequence_lengths[:38].sum())
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "toy.bin")) + ": the train split has 0 tokens"):
+        data.build_gpt_datasets(str(tmp_path / "toy"), "0,1,0", 8, 1, (16, 4, 0), eod=99)
+
+
+@pytest.mark.parametrize("case", ["vocab", "idx", "no documents", "few tokens"])
+def test_training_data_errors_are_one_line_exit_2(tmp_path, case):
+    """Errors found while training builds its tokenizer and datasets: one line naming the file, exit 2."""
+    b = data.IndexedDatasetBuilder(str(tmp_path / "d.bin"))
+    for doc in {"no documents": [], "few tokens": [[1, 2, 3]]}.get(case, [list(range(200))] * 3):
+        b.add_document(doc)
+    b.finalize(str(tmp_path / "d.idx"))
+    flags = ["--tokenizer-type", "ByteTokenizer"]
+    if case == "vocab":
+        (tmp_path / "vocab.json").write_text('{"a": 0}')
+        flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "vocab.json"),
+                 "--merge-file", MERGES]
+        expected = f"{tmp_path / 'vocab.json'}: not a JSON object of token ids"
+    elif case == "idx":
+        (tmp_path / "d.idx").write_bytes((tmp_path / "d.idx").read_bytes()[:-8])
+        expected = f"{tmp_path / 'd.idx'}: truncated"
+    else:
+        expected = f"{tmp_path / 'd.bin'}: the train split has {0 if case == 'no documents' else 3} tokens"
+    result = subprocess.run([sys.executable, "train.py", "--data-path", str(tmp_path / "d"), "--seq-length", "64",
+                             "--save", str(tmp_path / "out"), *flags], cwd=HERE, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("error: " + expected), result.stderr
 
 
 def test_mock_dataset():
