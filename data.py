@@ -10,15 +10,14 @@ import multiprocessing
 import os
 import re
 import struct
-import sys
 import time
-import unicodedata
 from types import SimpleNamespace
 
 import numpy as np
 
 from cli import REQUIRED, parse_command
 from config import ConfigError
+from tokenizer import build_tokenizer, read_lines
 
 
 def _save_atomic(path, write):
@@ -32,140 +31,6 @@ def _save_atomic(path, write):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def _read_lines(path):
-    """The lines of a UTF-8 text file; a byte that is not UTF-8 raises ConfigError naming its line."""
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # such a byte -> a lone surrogate
-        for n, line in enumerate(f, 1):
-            bad = re.search("[\udc80-\udcff]", line)
-            if bad:
-                raise ConfigError(f"{path}:{n}: byte {ord(bad.group()) - 0xdc00:#04x} is not UTF-8: save the file "
-                                  "as UTF-8")
-            yield line
-
-# ----------------------------------------------------------------------------- tokenizers
-
-
-def _bytes_to_unicode():
-    """GPT-2's reversible byte -> printable unicode char table (openai/gpt-2 encoder.py)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]  # mapped to chr(256), chr(257), ...
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
-
-
-@functools.lru_cache(maxsize=None)
-def _gpt2_pattern():
-    r"""openai/gpt-2's pre-tokenization regex written for the stdlib `re`.
-
-    \p{L} = word chars minus digits, '_' and the non-decimal numbers (Nl, No);
-    \p{N} = decimal digits (\d is Unicode Nd) plus Nl and No.
-    """
-    nl_no = "".join(re.escape(chr(c)) for c in range(sys.maxunicode + 1)
-                    if unicodedata.category(chr(c)) in ("Nl", "No"))
-    letter, number, other = rf"[^\W\d_{nl_no}]", rf"[\d{nl_no}]", rf"(?:[^\s\w{nl_no}]|_)"
-    return re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?{letter}+| ?{number}+| ?{other}+|\s+(?!\S)|\s+")
-
-
-class GPT2BPETokenizer:
-    """Megatron's GPT2BPETokenizer: GPT-2 byte-level BPE (same algorithm as openai/gpt-2 encoder.py)."""
-
-    def __init__(self, vocab_file, merge_file):
-        try:
-            self.encoder = json.loads("".join(_read_lines(vocab_file)))
-            self.eod = self.encoder["<|endoftext|>"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ConfigError(f"{vocab_file}: not a JSON object of token ids with \"<|endoftext|>\": give GPT-2's "
-                              "vocab.json (--vocab-file)") from None
-        self.decoder = {i: t for t, i in self.encoder.items()}
-        # line 1 is the "#version" header; each other line is two tokens whose join is in the vocab
-        merges = [(n, tuple(line.split())) for n, line in enumerate(_read_lines(merge_file), 1)
-                  if n > 1 and line.strip()]
-        for n, pair in merges:
-            if len(pair) != 2 or "".join(pair) not in self.encoder:
-                raise ConfigError(f"{merge_file}:{n}: {' '.join(pair)!r} is not two tokens of {vocab_file} joined: "
-                                  "give the merges.txt of this vocab (--merge-file)")
-        if not merges:
-            raise ConfigError(f"{merge_file}: no merges after line 1: give GPT-2's merges.txt (--merge-file)")
-        self.bpe_ranks = {pair: i for i, (_, pair) in enumerate(merges)}
-        self.byte_encoder = _bytes_to_unicode()
-        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
-        self.pattern = _gpt2_pattern()
-        self.cache = {}
-        self.vocab_size = len(self.encoder)
-
-    def _bpe(self, word):
-        """Merge the lowest-ranked adjacent pair until no known merge is left; returns ids."""
-        parts = list(word)
-        while len(parts) > 1:
-            pairs = set(zip(parts, parts[1:]))
-            best = min(pairs, key=lambda p: self.bpe_ranks.get(p, float("inf")))
-            if best not in self.bpe_ranks:
-                break
-            merged, i = [], 0
-            while i < len(parts):
-                if i < len(parts) - 1 and (parts[i], parts[i + 1]) == best:
-                    merged.append(parts[i] + parts[i + 1])
-                    i += 2
-                else:
-                    merged.append(parts[i])
-                    i += 1
-            parts = merged
-        return [self.encoder[p] for p in parts]
-
-    def encode(self, text):
-        ids = []
-        for word in self.pattern.findall(text):
-            if word not in self.cache:
-                self.cache[word] = self._bpe("".join(self.byte_encoder[b] for b in word.encode("utf-8")))
-            ids.extend(self.cache[word])
-        return ids
-
-    def decode(self, ids):
-        text = "".join(self.decoder[int(i)] for i in ids)
-        return bytearray(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
-
-
-class NullTokenizer:
-    """Megatron's NullTokenizer: text is space-separated ids; eod is the id after the last one."""
-
-    def __init__(self, vocab_size):
-        self.eod = int(vocab_size)
-        self.vocab_size = int(vocab_size) + 1
-
-    def encode(self, text):
-        return [int(x) for x in text.split()]
-
-    def decode(self, ids):
-        return " ".join(str(int(i)) for i in ids)
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, eod = 256 (handy for tests and tiny runs)."""
-
-    eod, vocab_size = 256, 257
-
-    def encode(self, text):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids):
-        return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, vocab_size=None):
-    """Megatron's build_tokenizer for the three supported --tokenizer-type values."""
-    if tokenizer_type == "GPT2BPETokenizer":
-        if vocab_file is None or merge_file is None:
-            raise ConfigError("GPT2BPETokenizer needs --vocab-file and --merge-file")
-        return GPT2BPETokenizer(vocab_file, merge_file)
-    if tokenizer_type == "NullTokenizer":
-        if vocab_size is None:
-            raise ConfigError("NullTokenizer needs --vocab-size")
-        return NullTokenizer(vocab_size)
-    if tokenizer_type == "ByteTokenizer":
-        return ByteTokenizer()
-    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}: use one of GPT2BPETokenizer, NullTokenizer, "
-                      "ByteTokenizer")
 
 
 # ----------------------------------------------------------------------------- indexed dataset
@@ -296,12 +161,12 @@ def _json_texts(line, keys, where):
 def _read_documents(path, keys):
     """Yield ("path:line", one string per key) per document: jsonl, or blank-line separated text."""
     if path.endswith((".json", ".jsonl")):
-        for n, line in enumerate(_read_lines(path), 1):
+        for n, line in enumerate(read_lines(path), 1):
             if line.strip():
                 yield f"{path}:{n}", _json_texts(line, keys, f"{path}:{n}")
         return
     n = 1
-    for piece in re.split(r"(\n\s*\n)", "".join(_read_lines(path))):  # documents and the separators between them
+    for piece in re.split(r"(\n\s*\n)", "".join(read_lines(path))):  # documents and the separators between them
         if piece.strip():  # not a separator nor an empty document
             yield f"{path}:{n}", [piece.strip("\n")]
         n += piece.count("\n")

@@ -46,6 +46,7 @@ import pipeline
 import train
 from cli import MEGATRON_FLAGS, load_config
 from config import ConfigError, padded_vocab_size
+from tokenizer import GPT2BPETokenizer, build_tokenizer
 from gpt import DropoutRNG, GPTModel, generate, init_weights
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
                       VocabParallelEmbedding, comm, ledger, rank_groups, shard)
@@ -56,7 +57,7 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
 train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
 
 # ============================================================================ structure
-MODULES = ["config", "cli", "data", "optimizer", "parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2", "train", "bench"]
+MODULES = ["config", "cli", "tokenizer", "data", "optimizer", "parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2", "train", "bench"]
 
 
 def test_imports_go_one_way_and_only_at_the_top():
@@ -100,7 +101,7 @@ SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
 
 @pytest.fixture(scope="module")
 def gpt2():
-    return data.GPT2BPETokenizer(VOCAB, MERGES)
+    return GPT2BPETokenizer(VOCAB, MERGES)
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -129,21 +130,21 @@ def test_gpt2_tinyshakespeare_nanogpt_counts(gpt2):
 
 
 def test_null_and_byte_tokenizers():
-    null = data.build_tokenizer("NullTokenizer", vocab_size=100)
+    null = build_tokenizer("NullTokenizer", vocab_size=100)
     assert null.encode("3 7 99") == [3, 7, 99] and null.decode([3, 7]) == "3 7"
     assert null.eod == 100 and null.vocab_size == 101
-    byte = data.build_tokenizer("ByteTokenizer")
+    byte = build_tokenizer("ByteTokenizer")
     assert byte.encode("aé") == [97, 195, 169] and byte.decode([97, 195, 169, 256]) == "aé"
     assert byte.eod == 256 and byte.vocab_size == 257
 
 
 def test_build_tokenizer_errors():
     with pytest.raises(ValueError, match="--vocab-size"):
-        data.build_tokenizer("NullTokenizer")
+        build_tokenizer("NullTokenizer")
     with pytest.raises(ValueError, match="--merge-file"):
-        data.build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB)
+        build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB)
     with pytest.raises(ValueError, match="unknown"):
-        data.build_tokenizer("SentencePiece")
+        build_tokenizer("SentencePiece")
 
 
 def test_gpt2_tokenizer_refuses_bad_vocab_and_merges_naming_the_file(tmp_path):
@@ -153,13 +154,13 @@ def test_gpt2_tokenizer_refuses_bad_vocab_and_merges_naming_the_file(tmp_path):
                              (b'{"\xff": 0}', ":1: byte 0xff is not UTF-8")):
         bad.write_bytes(content)
         with pytest.raises(ConfigError, match=re.escape(str(bad) + message)):
-            data.build_tokenizer("GPT2BPETokenizer", str(bad), MERGES)
+            build_tokenizer("GPT2BPETokenizer", str(bad), MERGES)
     for content, message in (("#version: 0.2\nĠ t\nx y z\n", ":3: 'x y z' is not two tokens"),
                              ("#version: 0.2\nĠ t\nqqqq zzzz\n", ":3: 'qqqq zzzz' is not two tokens"),
                              ("#version: 0.2\n\n", ": no merges after line 1")):
         bad.write_text(content, encoding="utf-8")
         with pytest.raises(ConfigError, match=re.escape(str(bad) + message)):
-            data.build_tokenizer("GPT2BPETokenizer", VOCAB, str(bad))
+            build_tokenizer("GPT2BPETokenizer", VOCAB, str(bad))
 
 
 # ----------------------------------------------------------------------------- indexed dataset
@@ -2043,7 +2044,7 @@ def check_pipeline(c, world):
     (its TP slice of the full gradient; the last stage's tied output layer that of the word
     embedding), relative difference in norm below 1e-5."""
     c.family = "pipeline_gradients"
-    tokenizer = data.build_tokenizer("ByteTokenizer", None, None, None)
+    tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
     config_path = os.path.join(HERE, "config.yaml")
     for label, model_args, layout in PIPELINE_CHECKS.get(world, []):
         ref_cfg = load_config(config_path, PIPELINE_CHECK_MODEL + model_args, world)

@@ -31,6 +31,7 @@ import pipeline
 from cli import REQUIRED, HelpRequested, load_config, parse_command, training_help
 from config import DEVICE_PROFILE_KEYS, SCHEMA, ConfigError, padded_vocab_size, to_namespace
 from gpt import DTYPES, Compiled, DropoutRNG, generate, init_weights, num_floating_point_operations
+from tokenizer import build_tokenizer
 
 log = logging.getLogger("train")
 TIMERS = ("forward-backward", "grads-reduce", "optimizer")      # the phases of a step, timed
@@ -402,7 +403,7 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
 def pretrain(cfg):
     started = time.time()
     t, d, m = cfg.training_config, cfg.dataset_config, cfg.model_config
-    tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
     train_ds, valid_ds, test_ds = build_data(cfg, tokenizer)
     setup_mindspore(cfg)
     p = cfg.parallel_config
@@ -542,7 +543,7 @@ def load_model(load_dir):
     tensors, meta = checkpoint.full_state(load_dir, optimizer=False)
     cfg = to_namespace(meta["config"])
     d, m = cfg.dataset_config, cfg.model_config
-    tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
     setup_mindspore()
     [model] = checkpoint.build_rank_chunks(m, 1, 1)                        # one process
     for name, p in model.parameters_and_names():
