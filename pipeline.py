@@ -18,6 +18,7 @@ Three layers, each readable on its own:
                            received output gradient (sens), oldest micro-batch first per chunk.
 A hop carries the hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism).
 """
+import math
 import time
 
 import numpy as np
@@ -166,7 +167,7 @@ PRIME = "'"                   # marks a pass of model chunk 1 ('' chunk 2) in ti
 
 
 def schedule_table(ticks):
-    """The unit-time timeline as text: one row per rank, one column per tick; "F3" is the forward
+    """The unit-time timeline as text: one row per pipeline stage, one column per tick; "F3" is the forward
     of micro-batch 3, "B3" its backward, a trailing "'" marks chunk 1 ('' chunk 2, ...)."""
     width = max(t[-1][0] for t in ticks if t) + 1
     rows = []
@@ -174,7 +175,7 @@ def schedule_table(ticks):
         cells = ["."] * width
         for tick, kind, mb, chunk in events:
             cells[tick] = f"{kind}{mb}" + PRIME * chunk
-        rows.append(f"rank {r}: " + " ".join(f"{c:<4}" for c in cells).rstrip())
+        rows.append(f"stage {r}: " + " ".join(f"{c:<4}" for c in cells).rstrip())
     return "\n".join(rows)
 
 
@@ -256,7 +257,8 @@ class PipelineRunner:
                     outgoing[("grad", mb, vs - 1)] = g_inputs[0]
                 grads[c] = [g if a is None else a + g for a, g in zip(grads[c], g_params)]
             if trace is not None:
-                ms.runtime.synchronize()              # PyNative is asynchronous: time the real work
+                if ms.get_context("device_target") != "CPU":   # on CPU ops run in this thread (launch_blocking)
+                    ms.runtime.synchronize()          # PyNative is asynchronous: time the real work
                 trace.append((kind, mb, c, start, time.time()))
             self.seconds["compute"] += time.perf_counter() - clock
         return [float(loss.asnumpy()) for loss in losses], [g for chunk in grads for g in chunk]
@@ -277,7 +279,7 @@ def gather_trace(trace, state):
              for k, mb, c, s, e in ranks] for ranks in gathered]
 
 
-def write_timeline(traces, m, v, kind, path):
+def write_timeline(traces, m, v, kind, path, ranks_per_stage=1):
     """Write a step's measured timeline (gather_trace's `traces`, one per stage) to path.txt, with
     the unit-time schedule above it, and path.svg; return the bubble line for the log: measured
     (idle over busy time per stage), in the unit-time schedule, and in theory."""
@@ -289,37 +291,68 @@ def write_timeline(traces, m, v, kind, path):
     peaks = [peak_in_flight(schedule(p, r, m, v, kind=kind)) for r in range(p)]
     name = ("all forward, all backward" if kind == "afab" else "1F1B" if v == 1 else "interleaved 1F1B") \
         + (f", {v} chunks per stage" if v > 1 else "")
-    timeline = "\n".join(f"rank {r}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
-                                                   for k, mb, c, s, e in t) for r, t in enumerate(traces))
+    stages = [stage_label(r, ranks_per_stage) for r in range(p)]
+    timeline = "\n".join(f"{stages[r]}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
+                                                      for k, mb, c, s, e in t) for r, t in enumerate(traces))
     with open(path + ".txt", "w") as f:
         f.write(f"pipeline schedule: {name}, p={p}, m={m} (unit time)\n{schedule_table(ticks)}\n\n"
-                f"measured, ms from the first pass:\n{timeline}\n\n")
+                f"measured, ms from the first pass ({NOTATION}):\n{timeline}\n\n")
     with open(path + ".svg", "w") as f:
-        f.write(timeline_svg(traces, f"{name}, p={p}, m={m}"))
+        f.write(timeline_svg(traces, f"{name}, p={p}, m={m}", stages))
     return (f"pipeline: bubble (idle / busy) measured {np.mean(measured):.3f} "
             f"(per stage {', '.join(f'{b:.3f}' for b in measured)}), unit-time schedule {max(unit):.3f}, "
             f"theory {theory_bubble(p, m, v):.3f}; peak micro-batches in flight per stage {peaks}")
 
 
-def timeline_svg(traces, title=""):
-    """The measured timeline as an SVG drawing: one row per pipeline rank, a box per pass
-    (forwards blue, backwards green, darker for later chunks), labelled with its micro-batch."""
+NOTATION = "F3 = forward of micro-batch 3, B3 = its backward, F3' = the same on the stage's second model chunk"
+
+
+def stage_label(stage, ranks_per_stage):
+    """Stage s holds global ranks s*n .. s*n+n-1 (pp is the outermost grid dimension)."""
+    first, last = stage * ranks_per_stage, (stage + 1) * ranks_per_stage - 1
+    return f"stage {stage} (rank {first})" if first == last else f"stage {stage} (ranks {first}-{last})"
+
+
+def timeline_svg(traces, title, stages):
+    """The measured timeline as an SVG drawing: one row per pipeline stage, a box per pass, every
+    box labelled (F/B, micro-batch, a prime per later chunk), forwards blue and backwards green,
+    darker for later chunks; a legend and a time axis in ms."""
     span = max(e for t in traces for *_, e in t)
-    width, row, left = 1000.0, 28, 60
-    scale = (width - left - 10) / span
+    width, row, left, top = 1100.0, 28, 150, 44
+    scale = (width - left - 20) / span
     colours = {"F": ["#9ecae1", "#4292c6", "#08519c"], "B": ["#a1d99b", "#41ab5d", "#006d2c"]}
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{row * len(traces) + 40}" '
-           'font-family="monospace" font-size="11">',
-           f'<text x="4" y="14">{title} (time left to right, {span * 1000:.0f} ms)</text>']
+    chunks = max(c for t in traces for *_, c, _, _ in t) + 1
+    height = top + row * len(traces) + 40
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" '
+           'font-family="monospace" font-size="11">', f'<text x="4" y="14">{title}: measured, one step</text>']
+    legend = [(f"{word}{f' chunk {c} ({k}{PRIME * c})' if chunks > 1 else ''}", colours[k][min(c, 2)])
+              for k, word in (("F", "forward"), ("B", "backward")) for c in range(chunks)]
+    for i, (text, fill) in enumerate(legend):
+        out.append(f'<rect x="{4 + i * 150}" y="21" width="12" height="12" fill="{fill}" stroke="#333" stroke-width="0.5"/>'
+                   f'<text x="{20 + i * 150}" y="31">{text}</text>')
     for r, events in enumerate(traces):
-        y = 24 + r * row
-        out.append(f'<text x="4" y="{y + 17}">rank {r}</text>')
+        y = top + r * row
+        out.append(f'<text x="4" y="{y + 17}">{stages[r]}</text>')
         for kind, mb, c, s, e in events:
             x, w = left + s * scale, max((e - s) * scale, 1.0)
-            fill = colours[kind][min(c, 2)]
-            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" fill="{fill}" '
-                       f'stroke="#333" stroke-width="0.5"/>')
-            if w > 12:
-                out.append(f'<text x="{x + 2:.1f}" y="{y + 17}">{kind}{mb}</text>')
+            label = f"{kind}{mb}{PRIME * c}"
+            size = min(11.0, max(5.0, 1.6 * w / len(label)))      # shrink the label to fit a narrow box
+            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" fill="{colours[kind][min(c, 2)]}" '
+                       f'stroke="#333" stroke-width="0.5"><title>{label}: {s * 1e3:.1f}-{e * 1e3:.1f} ms</title></rect>'
+                       f'<text x="{x + 1:.1f}" y="{y + 16}" font-size="{size:.1f}">{label}</text>')
+    axis = top + row * len(traces) + 4
+    step = _tick_ms(span * 1e3)
+    out.append(f'<line x1="{left}" y1="{axis}" x2="{left + span * scale:.1f}" y2="{axis}" stroke="#333"/>')
+    for i in range(int(span * 1e3 // step) + 1):
+        x = left + i * step / 1e3 * scale
+        out.append(f'<line x1="{x:.1f}" y1="{axis}" x2="{x:.1f}" y2="{axis + 4}" stroke="#333"/>'
+                   f'<text x="{x:.1f}" y="{axis + 16}" text-anchor="middle">{i * step:g}</text>')
+    out.append(f'<text x="{left + span * scale:.1f}" y="{axis + 30}" text-anchor="end">ms from the first pass</text>')
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _tick_ms(span_ms):
+    """A round tick interval giving about 5-10 ticks over span_ms."""
+    step = 10 ** math.floor(math.log10(max(span_ms, 1e-3) / 5))
+    return next(k * step for k in (1, 2, 5, 10) if span_ms / (k * step) <= 10)

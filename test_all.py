@@ -1659,8 +1659,8 @@ def test_1f1b_and_interleaved_orders_follow_megatrons_rules():
     assert names(pipeline.schedule(2, 0, 3, forward_only=True)) == "F0 F1 F2"
     # one tick per pass: a stage starts a micro-batch one tick after the previous stage
     assert pipeline.schedule_table(pipeline.plan(2, 4)[1]) == (
-        "rank 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3\n"
-        "rank 1: .    F0   B0   F1   B1   F2   B2   F3   B3   .")
+        "stage 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3\n"
+        "stage 1: .    F0   B0   F1   B1   F2   B2   F3   B3   .")
 
 
 def test_all_forward_all_backward_is_the_naive_schedule():
@@ -1669,8 +1669,8 @@ def test_all_forward_all_backward_is_the_naive_schedule():
     (1F1B: min(p - rank, m))."""
     assert " ".join(f"{k}{mb}" for k, mb, _ in pipeline.schedule(2, 0, 4, kind="afab")) == "F0 F1 F2 F3 B0 B1 B2 B3"
     assert pipeline.schedule_table(pipeline.plan(2, 4, kind="afab")[1]) == (
-        "rank 0: F0   F1   F2   F3   .    .    B0   B1   B2   B3\n"
-        "rank 1: .    F0   F1   F2   F3   B0   B1   B2   B3   .")
+        "stage 0: F0   F1   F2   F3   .    .    B0   B1   B2   B3\n"
+        "stage 1: .    F0   F1   F2   F3   B0   B1   B2   B3   .")
     for p in range(1, 7):
         for m in range(1, 11):
             _, ticks = pipeline.plan(p, m, kind="afab")
@@ -2325,9 +2325,15 @@ def test_pipeline_timeline_and_bubble_figures(parallel_runs):
     measured = float(re.search(r"measured (\S+) ", line).group(1))
     assert 0.0 <= measured < 10.0
     svg = ElementTree.parse(tmp / "pp2" / "pipeline_timeline.svg").getroot()
-    assert len(svg.findall("{http://www.w3.org/2000/svg}rect")) == 2 * 4 * 2
+    ns = "{http://www.w3.org/2000/svg}"
+    boxes = [r for r in svg.iter(ns + "rect") if r.find(ns + "title") is not None]
+    texts = [t.text for t in svg.iter(ns + "text")]
+    assert len(boxes) == 2 * 4 * 2                                   # every pass, and a label on each
+    assert sorted(t for t in texts if re.fullmatch(r"[FB]\d'*", t)) == sorted(f"{k}{mb}" for k in "FB" for mb in range(4)) * 2
+    assert {"forward", "backward", "stage 0 (rank 0)", "stage 1 (rank 1)", "ms from the first pass"} <= set(texts)
     text = (tmp / "pp2" / "pipeline_timeline.txt").read_text()
-    assert "rank 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3" in text and "measured" in text
+    assert "stage 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3" in text and "measured" in text
+    assert "F3' = the same on the stage's second model chunk" in text
 
 
 def ledger_of(line):

@@ -411,7 +411,7 @@ def pretrain(cfg):
                                                p.context_parallel_size, p.sequence_parallel)
     setup_logging(t.output_dir, state.rank, to_console=state.rank == loss_rank(state))
     if state.world_size > 1:
-        log.info("rank -> tp, cp, dp, pp\n" + parallel.grid_table(state.world_size, state.tp, state.cp, state.pp))
+        log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp))
     model, rng = build_model(cfg, tokenizer, state)
     optimizer, scheduler, scaler = build_optimizer(cfg, model, state)
     trainer = Trainer(cfg, model, optimizer, scheduler, scaler, state)
@@ -442,7 +442,8 @@ def pretrain(cfg):
     tokens_per_step = d.global_batch_size * m.seq_length
     flops_per_step = num_floating_point_operations(m, d.global_batch_size)
     profiler = StepProfiler(cfg, state.rank)
-    window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+    window_loss, window_steps, window_timed, window_start = 0.0, 0, 0, time.perf_counter()
+    first_iteration = iteration + 1
     while iteration < t.training_iters:
         epoch = it.consumed_samples // samples_per_epoch
         if t.pipeline_trace and trainer.pipeline is not None and iteration + 1 == t.training_iters:
@@ -454,20 +455,25 @@ def pretrain(cfg):
         if trainer.trace is not None:
             report_pipeline_trace(cfg, trainer)
             trainer.trace = None
-        window_loss, window_steps = window_loss + loss, window_steps + 1
+        window_loss, window_steps, window_timed = window_loss + loss, window_steps + 1, window_timed + 1
+        if iteration == first_iteration:              # ms.jit compiles the graphs during the first step
+            first_seconds = time.perf_counter() - window_start
+            log.info(f"step {iteration}: {first_seconds:.1f} s with compilation and warm-up "
+                     "(left out of the Time: averages)")
+            window_timed, window_start = 0, time.perf_counter()
         if not finite:
             log.warning(f"skipped iteration {iteration}: inf/nan gradients; loss scale now {scaler.scale}")
         if t.log_comm_ledger:
             log.info(f"comm: Step:{iteration}, " + ledger_line())
         if iteration % t.log_interval == 0 or iteration == t.training_iters:
-            elapsed = (time.perf_counter() - window_start) / window_steps
+            elapsed = (time.perf_counter() - window_start) / window_timed if window_timed else first_seconds
             if state.is_last_stage:                   # the loss exists on the last stage only
                 log.info(f"train: Epoch:{epoch}, Step:{iteration}, Loss: {window_loss / window_steps:.6f}, "
                          f"Finite_grads: {finite}, Loss_scale: {scaler.scale}, Learning_rate: {lr:.6e}, "
                          f"Time: {elapsed * 1000:.2f} ms, Tokens/s: {tokens_per_step / elapsed:.1f}, "
                          f"TFLOP/s: {flops_per_step / elapsed / state.world_size / 1e12:.4f}")
             log.info(trainer.timers_line(window_steps))
-            window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            window_loss, window_steps, window_timed, window_start = 0.0, 0, 0, time.perf_counter()
         if valid_ds is not None and t.eval_iters and iteration % t.eval_interval == 0:
             start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size
             report("validation", iteration, evaluate(trainer, valid_ds, start, t.eval_iters, cfg))
@@ -512,7 +518,8 @@ def report_pipeline_trace(cfg, trainer):
         return
     path = os.path.join(cfg.training_config.output_dir, "pipeline_timeline")
     log.info(pipeline.write_timeline(traces, cfg.dataset_config.micro_batch_num, len(trainer.chunks),
-                                     cfg.parallel_config.pipeline_schedule, path))
+                                     cfg.parallel_config.pipeline_schedule, path,
+                                     trainer.state.world_size // trainer.state.pp))
     log.info(f"pipeline: timeline written to {path}.svg and {path}.txt")
 
 
