@@ -1,8 +1,8 @@
 """Pretrain a GPT from one YAML: `python train.py [--config config.yaml] [Megatron flags] [section.key=value]`.
 
 Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `prepare-data` (tokenize the
-shipped corpus once), `generate --load DIR --prompt TEXT`, and the checkpoint commands `convert`,
-`import-hf`, `export-hf` (checkpoint.py, hf_gpt2.py).
+shipped corpus once), `generate --load DIR --prompt TEXT` (sample.py), and the checkpoint commands
+`convert`, `import-hf`, `export-hf` (checkpoint.py, hf_gpt2.py).
 
 One training step (Megatron's train_step, one process):
   for each of micro_batch_num micro-batches: loss_i * loss_scale / micro_batch_num, backward,
@@ -25,9 +25,10 @@ import hf_gpt2
 import optimizer as opt
 import parallel
 import pipeline
-from cli import REQUIRED, HelpRequested, load_config, parse_command, training_help
-from config import DEVICE_PROFILE_KEYS, SCHEMA, ConfigError, padded_vocab_size, to_namespace
-from gpt import DTYPES, Compiled, DropoutRNG, generate, init_weights, num_floating_point_operations
+import sample
+from cli import HelpRequested, load_config, parse_command, training_help
+from config import DEVICE_PROFILE_KEYS, SCHEMA, ConfigError, padded_vocab_size
+from gpt import DTYPES, Compiled, DropoutRNG, init_weights, num_floating_point_operations
 
 log = logging.getLogger("train")
 TIMERS = ("forward-backward", "grads-reduce", "optimizer")      # the phases of a step, timed
@@ -495,42 +496,6 @@ def report(split, iteration, loss):
 
 
 # ----------------------------------------------------------------------------- commands
-def load_model(load_dir):
-    """(one-process GPTModel, tokenizer, model config) from the latest checkpoint in load_dir,
-    whatever layout saved it."""
-    tensors, meta = checkpoint.full_state(load_dir, optimizer=False)
-    cfg = to_namespace(meta["config"])
-    d, m = cfg.dataset_config, cfg.model_config
-    tokenizer = data.build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
-    setup_mindspore()
-    [model] = checkpoint.build_rank_chunks(m, 1, 1)                        # one process
-    for name, p in model.parameters_and_names():
-        p.set_data(ms.Tensor(tensors[f"model.{name}"]))
-    return model, tokenizer, m
-
-
-GENERATE_FLAGS = {"--load": (REQUIRED, str, "checkpoint folder written by training (any layout)"),
-                  "--prompt": ("\n", str, "text to continue"),
-                  "--max-new-tokens": (100, int, "tokens to sample"),
-                  "--temperature": (1.0, float, "softmax temperature; 0 is greedy"),
-                  "--top-k": (0, int, "sample among the k likeliest tokens; 0 keeps all"),
-                  "--seed": (0, int, "sampling seed")}
-
-
-def generate_main(argv):
-    """generate --load DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]."""
-    v, _ = parse_command("generate", argv, GENERATE_FLAGS, about="Sample text from the latest checkpoint of --load.")
-    load_dir, prompt, max_new, temperature, top_k, seed = (v["load"], v["prompt"], v["max_new_tokens"],
-                                                          v["temperature"], v["top_k"], v["seed"])
-    model, tokenizer, m = load_model(load_dir)
-    ids = tokenizer.encode(prompt)
-    if max(ids, default=0) >= m.padded_vocab_size:
-        raise ConfigError(f"the prompt's token ids reach {max(ids)}, beyond the model's vocabulary of "
-                          f"{m.padded_vocab_size} (trained on mock data?): use a checkpoint trained with this tokenizer")
-    out = generate(model, ids, max_new, temperature, top_k, tokenizer.vocab_size, np.random.default_rng(seed))
-    print(prompt + tokenizer.decode(out))
-
-
 CHECKPOINT_COMMANDS = {"convert": checkpoint.convert_main, "import-hf": hf_gpt2.import_main,
                        "export-hf": hf_gpt2.export_main}
 
@@ -553,7 +518,8 @@ def main(argv):
             CHECKPOINT_COMMANDS[command](argv)
             return 0
         if command == "generate":
-            generate_main(argv)
+            setup_mindspore()                         # the device and threads the model runs on
+            sample.generate_main(argv)
             return 0
         if command != "train":
             raise ConfigError(f"unknown command {command!r}: use train (default), preprocess, prepare-data, generate, "
