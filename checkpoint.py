@@ -467,6 +467,10 @@ def convert_main(argv):
     v, argv = parse_command("convert", argv, CONVERT_FLAGS, passthrough="layout flags, as in training",
                             about="Rewrite the latest checkpoint of --load for another layout.")
     load, save, world = v["load"], v["save"], v["nproc"]
+    if world < 1:
+        raise ConfigError(f"convert: --nproc must be a positive number of ranks, got {world}")
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"convert: --save {save} is a file; give a new or empty folder")
     if os.path.exists(os.path.join(save, LATEST)):
         raise ConfigError(f"convert: {save} already holds a checkpoint; give an empty or new folder for --save")
     latest_iteration(load)

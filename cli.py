@@ -274,8 +274,9 @@ def training_help():
     lines = ["usage: bash run.sh [--nproc N] [--config FILE] [Megatron flags] [section.key=VALUE ...]   train",
              "       bash run.sh COMMAND [flags]   COMMAND: test, bench, preprocess, generate, convert, import-hf,",
              "                                     export-hf (bash run.sh COMMAND --help)",
-             "--config FILE is config.yaml by default; the defaults below are the schema's (config.py), which",
-             "config.yaml overrides; every key can also be set as section.key=VALUE.",
+             "--config FILE is layered over the project's config.yaml (FILE's keys replace config.yaml's); the",
+             "defaults below are the schema's (config.py), which config.yaml overrides; every key can also be",
+             "set as section.key=VALUE.",
              f"  {'flag':40s} {'YAML key':58s} default"]
     for flag, target in MEGATRON_FLAGS.items():
         if isinstance(target, str):
@@ -289,22 +290,59 @@ def training_help():
     return "\n".join(lines)
 
 
-def load_config(path="config.yaml", args=(), world_size=1):
-    """Read the YAML at `path`, apply `args`, fill derived values and validate. Returns a
-    namespace with one attribute per section (cfg.model_config.hidden_size, ...)."""
-    if not os.path.exists(path):
-        raise ConfigError(f"config file {path} not found: pass --config PATH or run from the project folder")
+PROJECT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
+
+
+def read_yaml(path):
+    """The sections of the YAML file at `path`, or one line naming the file and what is wrong."""
+    if not os.path.isfile(path):
+        problem = "is a directory" if os.path.isdir(path) else "not found"
+        raise ConfigError(f"config file {path} {problem}: pass --config FILE (a YAML file) or run from the project folder")
     try:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected the sections {', '.join(SCHEMA)}")
+        raise ConfigError(f"{path}: expected a mapping of the sections {', '.join(SCHEMA)}, got {raw!r:.40}")
     for section in raw:
         if section not in SCHEMA:
-            raise ConfigError(f"unknown section {section}{suggest(section, SCHEMA)}")
-    yaml_schedule = dict((raw.get("optimizer_config") or {}).get("learning_rate_scheduler_kwargs") or {})
+            raise ConfigError(f"{path}: unknown section {section}{suggest(section, SCHEMA)}")
+    _check_sections(path, raw, SCHEMA, "")
+    return raw
+
+
+def _check_sections(path, tree, schema, where):
+    """Every section and sub-section given is a mapping (or empty): parse_overrides writes into them."""
+    for key, spec in schema.items():
+        value = tree.get(key)
+        if isinstance(spec, dict) and value is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: section {where}{key} must be a mapping of keys, got {value!r:.40}")
+            _check_sections(path, value, spec, f"{where}{key}.")
+
+
+def _layer(base, over):
+    """`base` with `over`'s keys replacing its own, sub-section by sub-section (lists and values whole)."""
+    out = dict(base)
+    for key, value in over.items():
+        nested = isinstance(base.get(key), dict) and isinstance(value, (dict, type(None)))
+        out[key] = _layer(base[key], value or {}) if nested else value
+    return out
+
+
+def _schedule(raw):
+    return (raw.get("optimizer_config") or {}).get("learning_rate_scheduler_kwargs") or {}
+
+
+def load_config(path="config.yaml", args=(), world_size=1):
+    """The project's config.yaml with the YAML at `path` layered over it (its keys replace
+    config.yaml's, so a partial file keeps the rest), then `args` applied, derived values filled
+    and validated. Returns a namespace with one attribute per section (cfg.model_config.hidden_size, ...)."""
+    base = read_yaml(PROJECT_CONFIG)
+    raw = _layer(base, read_yaml(path))
+    _override_warmup(_schedule(base), raw)             # the file's warmup choice replaces config.yaml's
+    yaml_schedule = dict(_schedule(raw))
     raw = parse_overrides(list(args), raw)
     _override_warmup(yaml_schedule, raw)
     tree = {s: merge(SCHEMA[s], raw.get(s), s) for s in SCHEMA}

@@ -471,10 +471,12 @@ def num_floating_point_operations(cfg, batch_size):
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, vocab_size=None,
-             rng=None):
+             rng=None, on_token=None):
     """Autoregressive sampling from a one-stage model: greedy when temperature == 0, else
     softmax(logits / temperature) restricted to the top_k tokens. Padded vocabulary entries
-    (ids >= vocab_size) are never sampled. Recomputes the window each step (no KV cache)."""
+    (ids >= vocab_size) are never sampled. Recomputes the window each step (no KV cache); the
+    window slides over the last seq_length tokens, so any number can be sampled. Returns the new
+    ids; `on_token(id)` is called with each as it is sampled (to stream them)."""
     rng = rng or np.random.default_rng(0)
     model.set_train(False)
     ids, s = list(prompt_ids), model.cfg.seq_length
@@ -487,10 +489,12 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, vocab_
             logits = logits[:vocab_size]
         if temperature == 0:
             ids.append(int(logits.argmax()))
-            continue
-        logits = logits / temperature
-        if top_k:
-            logits[logits < np.sort(logits)[-top_k]] = -np.inf
-        probs = np.exp(logits - logits.max())
-        ids.append(int(rng.choice(len(probs), p=probs / probs.sum())))
+        else:
+            logits = logits / temperature
+            if top_k:
+                logits[logits < np.sort(logits)[-top_k]] = -np.inf
+            probs = np.exp(logits - logits.max())
+            ids.append(int(rng.choice(len(probs), p=probs / probs.sum())))
+        if on_token is not None:
+            on_token(ids[-1])
     return ids[len(prompt_ids):]

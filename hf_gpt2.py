@@ -11,11 +11,13 @@ safetensors comes with MindSpore; torch is not needed.
 """
 import json
 import os
+import shutil
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from checkpoint import (LATEST, first_shard, write_atomic, full_state, latest_iteration,
+from checkpoint import (LATEST, build_rank_chunks, first_shard, write_atomic, full_state, latest_iteration,
                         layout_of, load_checkpoint, write_layout)
 from cli import REQUIRED, load_config, parse_command
 from config import ConfigError, padded_vocab_size, to_namespace
@@ -28,6 +30,9 @@ HF_BLOCK = {"ln_1": "input_layernorm", "attn.c_attn": "self_attention.linear_qkv
 HF_TOP = {"wte.weight": "word_embeddings.weight", "wpe.weight": "position_embeddings",
           "ln_f.weight": "final_layernorm.weight", "ln_f.bias": "final_layernorm.bias"}
 HF_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+HF_NEEDED = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")     # config.json keys without a default
+HF_DROPOUT = 0.1                                 # transformers' GPT2Config default for the *_pdrop keys
+PROJECT = os.path.dirname(os.path.abspath(__file__))
 
 
 def _qkv_from_hf(x, heads):
@@ -57,8 +62,9 @@ def hf_to_project(weights, hf_config, padded_vocab):
             if module == "attn.c_attn":
                 value = _qkv_from_hf(value, heads)
             out[f"layers.{layer}.{HF_BLOCK[module]}.{leaf}"] = value
-    vocab = out["word_embeddings.weight"]
-    out["word_embeddings.weight"] = np.concatenate([vocab, np.zeros((padded_vocab - len(vocab), vocab.shape[1]), vocab.dtype)])
+    vocab = out.get("word_embeddings.weight")
+    if vocab is not None and len(vocab) == hf_config["vocab_size"]:        # else check_weights names it
+        out["word_embeddings.weight"] = np.concatenate([vocab, np.zeros((padded_vocab - len(vocab), vocab.shape[1]), vocab.dtype)])
     return {f"model.{k}": np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
@@ -84,6 +90,34 @@ def project_to_hf(tensors, m, vocab_size):
     return out
 
 
+def read_hf_config(hf_dir):
+    """The config.json of a Hugging Face GPT-2 directory, checked: JSON, GPT-2, the keys without a default."""
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        hf = json.load(open(path))
+    except ValueError as e:                            # not JSON, or not UTF-8
+        raise ConfigError(f"import-hf: {path} is not JSON ({e}): give transformers' config.json") from None
+    hf = hf if isinstance(hf, dict) else {}
+    if hf.get("model_type") != "gpt2" or hf.get("activation_function", "gelu_new") not in HF_ACT:
+        raise ConfigError(f"import-hf: {path} holds model_type {hf.get('model_type')!r} with activation "
+                          f"{hf.get('activation_function')!r}; only GPT-2 with {', '.join(HF_ACT)} is mapped")
+    missing = [k for k in HF_NEEDED if k not in hf]
+    if missing:
+        raise ConfigError(f"import-hf: {path} lacks {', '.join(missing)}: give the GPT-2 model's own config.json")
+    return hf
+
+
+def check_weights(tensors, m, path):
+    """One line naming the first weight of the model (built from config.json) that `path` lacks or
+    holds in another shape."""
+    [one] = build_rank_chunks(m, 1, 1)
+    for name, p in one.parameters_and_names():
+        got = tensors.get(f"model.{name}")
+        if got is None or got.shape != tuple(p.shape):
+            raise ConfigError(f"import-hf: {path} does not fit config.json: {name} is "
+                              f"{'missing' if got is None else got.shape}, config.json makes it {tuple(p.shape)}")
+
+
 def import_main(argv):
     """import-hf HF_DIR --save OUT [--nproc N] [layout flags] [flags]: a Hugging Face GPT-2
     directory (config.json, model.safetensors) as iteration 0 of a checkpoint in any layout."""
@@ -92,40 +126,67 @@ def import_main(argv):
                             positional=("HF_DIR",), passthrough="layout and training flags",
                             about="A Hugging Face GPT-2 folder (config.json, model.safetensors) as a checkpoint.")
     hf_dir, save, world = v["hf_dir"], v["save"], v["nproc"]
+    if world < 1:
+        raise ConfigError(f"import-hf: --nproc must be a positive number of ranks, got {world}")
     for f in ("config.json", "model.safetensors"):
         if not os.path.isfile(os.path.join(hf_dir, f)):
             raise ConfigError(f"import-hf: {os.path.join(hf_dir, f)} not found: give a Hugging Face GPT-2 directory")
-    hf = json.load(open(os.path.join(hf_dir, "config.json")))
-    if hf.get("model_type") != "gpt2" or hf.get("activation_function", "gelu_new") not in HF_ACT:
-        raise ConfigError(f"import-hf: {hf_dir} holds model_type {hf.get('model_type')!r} with activation "
-                          f"{hf.get('activation_function')!r}; only GPT-2 with {', '.join(HF_ACT)} is mapped")
+    hf = read_hf_config(hf_dir)
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"import-hf: --save {save} is a file; give a new or empty folder")
     if os.path.exists(os.path.join(save, LATEST)):
         raise ConfigError(f"import-hf: {save} already holds a checkpoint; give an empty or new folder for --save")
     h = hf["n_embd"]
+    drop = {k: hf.get(k, HF_DROPOUT) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
     flags = ["--num-layers", str(hf["n_layer"]), "--hidden-size", str(h), "--num-attention-heads", str(hf["n_head"]),
              "--ffn-hidden-size", str(hf.get("n_inner") or 4 * h), "--seq-length", str(hf["n_positions"]),
              "--max-position-embeddings", str(hf["n_positions"]), "--norm-epsilon", str(hf.get("layer_norm_epsilon", 1e-5)),
              f"model_config.hidden_act={HF_ACT[hf.get('activation_function', 'gelu_new')]}",
              "--position-embedding-type", "absolute", "--normalization", "LayerNorm",
+             "--hidden-dropout", str(drop["resid_pdrop"]), "--attention-dropout", str(drop["attn_pdrop"]),
              "--tokenizer-type", "GPT2BPETokenizer"]
-    cfg = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml"), flags + argv, world)
+    cfg = load_config(os.path.join(PROJECT, "config.yaml"), flags + argv, world)
     m = cfg.model_config
     padded = padded_vocab_size(m, hf["vocab_size"])
     m.vocab_size = m.padded_vocab_size = padded
     cfg.training_config.output_dir = save
-    tensors = hf_to_project(load_file(os.path.join(hf_dir, "model.safetensors")), hf, padded)
+    weights_path = os.path.join(hf_dir, "model.safetensors")
+    try:
+        weights = load_file(weights_path)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"import-hf: {weights_path} is damaged or truncated ({e}): download it again") from None
+    tensors = hf_to_project(weights, hf, padded)
+    check_weights(tensors, m, weights_path)
+    if drop["embd_pdrop"] != drop["resid_pdrop"]:        # Megatron drops out the embeddings at hidden_dropout
+        print(f"import-hf: embd_pdrop={drop['embd_pdrop']} not kept: the embeddings' dropout is "
+              f"hidden_dropout_rate={m.hidden_dropout_rate} (resid_pdrop)")
     meta = {"iteration": 0, "consumed_train_samples": 0, "optimizer_step": None, "opt_param_scheduler": None,
             "grad_scaler": None, "rng_state": None, "imported_from": os.path.abspath(hf_dir)}
     path = write_layout(save, tensors, meta, cfg)
     print(f"imported {hf_dir} ({hf['n_layer']} layers, hidden {h}) to {path}, layout {layout_of(cfg)}")
 
 
+def gpt2_tokenizer_files(d):
+    """{name in a Hugging Face folder: file} of the GPT-2 BPE files a checkpoint was trained with:
+    its dataset_config's, or the project's copies when those paths do not resolve from here."""
+    files = {}
+    for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
+        found = [f for f in (getattr(d, key), os.path.join(PROJECT, "data", "gpt2-" + name)) if f and os.path.isfile(f)]
+        if not found:
+            raise ConfigError(f"export-hf: dataset_config.{key}={getattr(d, key)} not found, nor the project's data/gpt2-{name}")
+        files[name] = found[0]
+    return files
+
+
 def export_main(argv):
-    """export-hf --load CKPT --save HF_DIR: the latest checkpoint as a Hugging Face GPT-2 directory."""
+    """export-hf --load CKPT --save HF_DIR: the latest checkpoint as a Hugging Face GPT-2 directory,
+    with the tokenizer files transformers' AutoTokenizer reads when the model used GPT-2's BPE."""
     v, _ = parse_command("export-hf", argv, {"--load": (REQUIRED, str, "checkpoint folder (any layout)"),
                                              "--save": (REQUIRED, str, "folder for the Hugging Face files")},
                          about="The latest checkpoint of --load as a Hugging Face GPT-2 folder.")
     load, save = v["load"], v["save"]
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"export-hf: --save {save} is a file; give a new or existing folder")
     latest_iteration(load)
     _, meta = load_checkpoint(load, first_shard(load), stems=())
     cfg = to_namespace(meta["config"])
@@ -138,7 +199,9 @@ def export_main(argv):
         differences.append(f"hidden_act={m.hidden_act}, num_query_groups={m.num_query_groups}")
     if differences:
         raise ConfigError(f"export-hf: GPT-2 cannot hold this model ({', '.join(differences)})")
-    vocab = 50257 if d.tokenizer_type == "GPT2BPETokenizer" else m.padded_vocab_size
+    gpt2_bpe = d.tokenizer_type == "GPT2BPETokenizer"
+    tokenizer_files = gpt2_tokenizer_files(d) if gpt2_bpe else {}
+    vocab = 50257 if gpt2_bpe else m.padded_vocab_size
     tensors, meta = full_state(load, optimizer=False)
     weights = project_to_hf(tensors, m, vocab)
     os.makedirs(save, exist_ok=True)
@@ -147,6 +210,15 @@ def export_main(argv):
           "n_head": m.num_attention_heads, "n_inner": m.ffn_hidden_size, "n_positions": m.max_position_embeddings,
           "n_ctx": m.max_position_embeddings, "vocab_size": vocab, "layer_norm_epsilon": m.norm_epsilon,
           "activation_function": "gelu_new" if m.hidden_act == "gelu_tanh" else "gelu", "tie_word_embeddings": True,
-          "bos_token_id": 50256, "eos_token_id": 50256}
+          "bos_token_id": 50256, "eos_token_id": 50256, "resid_pdrop": m.hidden_dropout_rate,
+          "embd_pdrop": m.hidden_dropout_rate, "attn_pdrop": m.attention_dropout_rate}
     write_atomic(os.path.join(save, "config.json"), json.dumps(hf, indent=1))
-    print(f"exported {load} (iteration {meta['iteration']}) to {save}")
+    if gpt2_bpe:                                       # what transformers' AutoTokenizer reads
+        for name, source in tokenizer_files.items():
+            shutil.copyfile(source, os.path.join(save, name))
+        special = {k: "<|endoftext|>" for k in ("bos_token", "eos_token", "unk_token")}
+        write_atomic(os.path.join(save, "special_tokens_map.json"), json.dumps(special, indent=1))
+        write_atomic(os.path.join(save, "tokenizer_config.json"), json.dumps(
+            {"tokenizer_class": "GPT2Tokenizer", "model_max_length": m.max_position_embeddings, **special}, indent=1))
+    print(f"exported {load} (iteration {meta['iteration']}) to {save}"
+          + ("" if gpt2_bpe else f"; no tokenizer files: {d.tokenizer_type} has no transformers counterpart"))

@@ -43,6 +43,7 @@ import data
 import gpt
 import parallel
 import pipeline
+import sample
 import train
 from cli import MEGATRON_FLAGS, load_config
 from config import ConfigError, padded_vocab_size
@@ -57,7 +58,8 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
 train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
 
 # ============================================================================ structure
-MODULES = ["config", "cli", "tokenizer", "data", "optimizer", "parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2", "train", "bench"]
+MODULES = ["config", "cli", "tokenizer", "data", "optimizer", "parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2",
+           "sample", "profiler", "train", "bench"]
 
 
 def test_imports_go_one_way_and_only_at_the_top():
@@ -1114,6 +1116,46 @@ def test_bad_yaml_section_and_key(tmp_path, capsys):
     assert "unknown key training_config.grad_clip_kwargs.clip_valu (did you mean clip_value?)" in capsys.readouterr().err
 
 
+def one_line_error(capsys, argv, *names):
+    """train.main(argv) ends with exit code 2 and one `error: ` line on stderr naming each of `names`,
+    before printing anything."""
+    code = train.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert all(name in err for name in names) and out == "", (err, out)
+
+
+BAD_CONFIG_FILES = {"directory": (None, "is a directory"), "missing": (None, "not found"),
+                    "list": ("- a\n- b\n", "expected a mapping of the sections"),
+                    "scalar_section": ("model_config: 3\n", "section model_config must be a mapping of keys, got 3"),
+                    "scalar_subsection": ("training_config:\n  grad_clip_kwargs: 3\n",
+                                          "section training_config.grad_clip_kwargs must be a mapping")}
+
+
+@pytest.mark.parametrize("kind", BAD_CONFIG_FILES)
+def test_bad_config_file_gives_one_line_naming_it(kind, tmp_path, capsys):
+    text, message = BAD_CONFIG_FILES[kind]
+    path = tmp_path / "my.yaml"
+    if kind == "directory":
+        path.mkdir()
+    elif text is not None:
+        path.write_text(text)
+    one_line_error(capsys, ["--config", str(path)], str(path), message)
+
+
+def test_config_file_is_layered_on_config_yaml(tmp_path):
+    """--config FILE overrides config.yaml's keys and keeps the others (not the schema's defaults); a
+    warmup given in FILE replaces config.yaml's lr_warmup_fraction as a command-line one would."""
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("training_config:\n  training_iters: 7\nmodel_config:\noptimizer_config:\n"
+                       "  learning_rate_scheduler_kwargs:\n    lr_warmup_iters: 2\n")
+    cfg = load_config(str(partial))
+    m, t, s = cfg.model_config, cfg.training_config, cfg.optimizer_config.learning_rate_scheduler_kwargs
+    assert t.training_iters == 7 and t.keep_checkpoint_max == 2                  # FILE's, config.yaml's
+    assert (m.seq_length, m.hidden_size, cfg.dataset_config.tokenizer_type) == (128, 256, "GPT2BPETokenizer")
+    assert (s.lr_warmup_iters, s.lr_warmup_fraction, s.lr_decay_style) == (2, None, "cosine")
+
+
 def test_help_lists_commands_and_flags_without_doing_work(tmp_path, capsys):
     """`bash run.sh --help` names the commands and every Megatron flag with its YAML key and default,
     before any set-up work (no data, no output folder)."""
@@ -1586,7 +1628,7 @@ def test_gpt2_import_generate_and_export(tmp_path, capsys, gpt2):
     for out, layout in (("one", []), ("wide", ["--nproc", "4", "--tensor-model-parallel-size", "2",
                                                "--pipeline-model-parallel-size", "2"])):
         assert train.main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / out), *layout]) == 0
-        model, _, _ = train.load_model(str(tmp_path / out))
+        model, _, _ = sample.load_model(str(tmp_path / out))
         ours = logits_of(model, np.array([ids]))[0, :, :50257]
         np.testing.assert_allclose(ours, hf_gpt2_logits(w64, ids, 2, 4), atol=1e-4)
     greedy = list(ids)
@@ -1613,6 +1655,83 @@ def test_export_refuses_what_gpt2_cannot_hold(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("command", ["convert", "import-hf"])
+@pytest.mark.parametrize("nproc", ["abc", "0"])
+def test_convert_and_import_refuse_a_bad_nproc(command, nproc, tiny_checkpoint, tmp_path, capsys):
+    source = ["--load", tiny_checkpoint] if command == "convert" else [str(tmp_path)]
+    one_line_error(capsys, [command, *source, "--save", str(tmp_path / "out"), "--nproc", nproc], f"{command}: --nproc")
+    assert not (tmp_path / "out").exists()
+
+
+def _break(folder, kind):
+    config = json.loads((folder / "config.json").read_text())
+    if kind == "not_json":
+        (folder / "config.json").write_text("{n_layer: 2")
+    elif kind == "missing_key":
+        del config["n_head"]
+        (folder / "config.json").write_text(json.dumps(config))
+    elif kind == "other_shapes":
+        config["n_embd"] = 32
+        (folder / "config.json").write_text(json.dumps(config))
+    else:
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:2000])
+
+
+HF_BREAKS = {"not_json": ("config.json", "is not JSON"), "missing_key": ("config.json", "lacks n_head"),
+             "other_shapes": ("model.safetensors", "does not fit config.json: position_embeddings is (16, 16)"),
+             "truncated": ("model.safetensors", "is damaged or truncated")}
+
+
+@pytest.mark.parametrize("kind", HF_BREAKS)
+def test_import_hf_refuses_a_broken_directory_naming_the_file(kind, tmp_path, capsys):
+    tiny_hf_gpt2(tmp_path / "hf", layers=1, hidden=16, heads=2, positions=16, vocab=300)
+    _break(tmp_path / "hf", kind)
+    name, message = HF_BREAKS[kind]
+    one_line_error(capsys, ["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "out")],
+                   str(tmp_path / "hf" / name), message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_hf_maps_dropout(tmp_path, capsys):
+    """resid_pdrop -> hidden_dropout_rate, attn_pdrop -> attention_dropout_rate (GPT2Config's 0.1 when
+    absent); an embd_pdrop other than resid_pdrop is named, Megatron having one rate for both."""
+    tiny_hf_gpt2(tmp_path / "hf", layers=1, hidden=16, heads=2, positions=16, vocab=300)
+    assert train.main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "default")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, resid_pdrop=0.2, attn_pdrop=0.3, embd_pdrop=0.05)))
+    capsys.readouterr()
+    assert train.main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "set")]) == 0
+    assert "embd_pdrop=0.05 not kept: the embeddings' dropout is hidden_dropout_rate=0.2" in capsys.readouterr().out
+    for out, rates in (("default", (0.1, 0.1)), ("set", (0.2, 0.3))):
+        m = checkpoint.load_checkpoint(str(tmp_path / out), stems=())[1]["config"]["model_config"]
+        assert (m["hidden_dropout_rate"], m["attention_dropout_rate"]) == rates
+
+
+def test_export_hf_refuses_a_file_and_writes_the_tokenizer(tmp_path, tiny_checkpoint, capsys):
+    """export-hf writes vocab.json, merges.txt (the checkpoint's GPT-2 files), tokenizer_config.json and
+    special_tokens_map.json, what transformers' AutoTokenizer reads; a ByteTokenizer model gets none;
+    --save naming a file is refused before any work."""
+    (tmp_path / "file").write_text("")
+    one_line_error(capsys, ["export-hf", "--load", tiny_checkpoint, "--save", str(tmp_path / "file")],
+                   f"--save {tmp_path / 'file'} is a file")
+    tiny_hf_gpt2(tmp_path / "hf", layers=1, hidden=16, heads=2, positions=16)
+    assert train.main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
+    assert train.main(["export-hf", "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "back")]) == 0
+    back = tmp_path / "back"
+    assert (back / "vocab.json").read_bytes() == open(VOCAB, "rb").read()
+    assert (back / "merges.txt").read_bytes() == open(MERGES, "rb").read()
+    assert json.loads((back / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "GPT2Tokenizer", "model_max_length": 16, "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    assert json.loads((back / "special_tokens_map.json").read_text())["eos_token"] == "<|endoftext|>"
+    assert json.loads((back / "config.json").read_text())["resid_pdrop"] == 0.1
+    capsys.readouterr()
+    assert train.main(["export-hf", "--load", tiny_checkpoint, "--save", str(tmp_path / "bytes")]) == 0
+    assert "no tokenizer files: ByteTokenizer" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "bytes").iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_keep_checkpoint_max_and_damaged_checkpoint(tmp_path, capsys):
     run_training(tmp_path, "keep", "--train-iters", "6", "--save-interval", "2",
                  "training_config.keep_checkpoint_max=2")
@@ -1632,6 +1751,79 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
     (out / ".iter_0000004.tmp" / "mp_rank_00").mkdir(parents=True)        # a save killed midway
     tensors, meta = checkpoint.load_checkpoint(str(out))
     assert meta["iteration"] == 2 and "model.word_embeddings.weight" in tensors
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """Two steps of a tiny byte-level model on mock data (seq_length 16): a checkpoint for the commands' tests."""
+    out = tmp_path_factory.mktemp("tiny") / "ckpt"
+    assert train.main(["--config", os.path.join(HERE, "config.yaml"), "--save", str(out), "--mock-data",
+                       "--vocab-size", "257", "--tokenizer-type", "ByteTokenizer", "--num-layers", "1",
+                       "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "2",
+                       "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+                       "--train-iters", "2", "--eval-iters", "0"]) == 0
+    return str(out)
+
+
+BAD_GENERATE = [(["--temperature", "-1"], "--temperature must be >= 0"), (["--temperature", "nan"], "--temperature"),
+                (["--top-k", "-3"], "--top-k must be 0"), (["--top-k", "300"], "up to the vocabulary's 257, got 300"),
+                (["--max-new-tokens", "-5"], "--max-new-tokens must be positive"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+                (["--seed", "-1"], "--seed must be >= 0"),
+                (["--tokenizer-type", "GPT2BPETokenizer"], "the tokenizer's 50257 tokens do not fit the model's vocabulary of 384"),
+                (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/v.json"], "/nonexistent/v.json"),
+                (["--tokenizer-type", "Bogus"], "unknown --tokenizer-type 'Bogus'"),
+                (["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--prompt", "hello"], "--prompt 'hello'"),
+                (["--load", "/nonexistent/ckpt"], "no checkpoint in /nonexistent/ckpt")]
+
+
+@pytest.mark.parametrize("args,message", BAD_GENERATE, ids=[" ".join(a) for a, _ in BAD_GENERATE])
+def test_generate_refuses_bad_flags_in_one_line(tiny_checkpoint, args, message, capsys):
+    one_line_error(capsys, ["generate", "--load", tiny_checkpoint, *args], message)
+
+
+def test_generate_command_line_error_has_no_traceback(tiny_checkpoint):
+    result = subprocess.run([sys.executable, "train.py", "generate", "--load", tiny_checkpoint, "--top-k", "100000"],
+                            cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == ["error: generate: --top-k must be 0 (all tokens) up to the vocabulary's 257, "
+                                          "got 100000"]
+
+
+def test_generate_streams_slides_past_seq_length_and_takes_tokenizer_flags(tiny_checkpoint, capsys):
+    """gpt.generate hands each token to on_token as sampled and slides its window past seq_length
+    (16 here); an empty prompt starts from the end-of-document token; the tokenizer flags replace
+    the checkpoint's (NullTokenizer ids, their spaces kept across streamed pieces)."""
+    model, tokenizer, m = sample.load_model(tiny_checkpoint)
+    seen = []
+    out = generate(model, [72, 101], 3 * m.seq_length, temperature=1.0, top_k=5, vocab_size=257,
+                   rng=np.random.default_rng(0), on_token=seen.append)
+    assert seen == out and len(out) == 3 * m.seq_length
+    assert train.main(["generate", "--load", tiny_checkpoint, "--prompt", "", "--max-new-tokens", "40"]) == 0
+    assert train.main(["generate", "--load", tiny_checkpoint, "--prompt", "1 2", "--max-new-tokens", "5",
+                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out.splitlines()[-1].split(" ")
+    assert printed[:2] == ["1", "2"] and len(printed) == 7 and all(0 <= int(i) <= 200 for i in printed)
+
+
+def test_text_stream_prints_whole_characters_as_one_decode_would(gpt2, capsys):
+    """Multi-byte characters split over byte-level tokens come out whole; the pieces printed add up
+    to one decode of all the tokens, for GPT-2 BPE, bytes and NullTokenizer's space-separated ids."""
+    for tokenizer, text in ((gpt2, "h\u00e9llo \u65e5\u672c\u8a9e \U0001F389 done"),
+                            (data.ByteTokenizer(), "d\u00e9j\u00e0 \u65e5\u672c"), (data.NullTokenizer(50), "1 2 3 4 5")):
+        ids = tokenizer.encode(text)
+        stream = sample.TextStream(tokenizer, ids[:1])
+        pieces = []
+        for token in ids[1:]:
+            stream(token)
+            pieces.append(capsys.readouterr().out)
+        stream.close()
+        assert "".join(pieces) + capsys.readouterr().out == tokenizer.decode(ids)[len(tokenizer.decode(ids[:1])):]
+        assert "\ufffd" not in "".join(pieces)
+    stream = sample.TextStream(data.ByteTokenizer(), [104])
+    stream(0xE6)                                          # the first byte of a 3-byte character: held back
+    assert capsys.readouterr().out == ""
+    stream.close()                                        # ... and printed (replaced) at the end
+    assert capsys.readouterr().out == "\ufffd"
 
 
 def test_generate_command_from_checkpoint(tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `check --nproc N [flags]`
 (what run.sh runs before msrun: the config, the layout for N workers and the input files, checked in
-one process), `generate --load DIR --prompt TEXT`, and the checkpoint commands `convert`,
+one process), `generate --load DIR --prompt TEXT` (sample.py), and the checkpoint commands `convert`,
 `import-hf`, `export-hf` (checkpoint.py, hf_gpt2.py).
 
 One training step (Megatron's train_step, one process):
@@ -28,9 +28,11 @@ import hf_gpt2
 import optimizer as opt
 import parallel
 import pipeline
-from cli import REQUIRED, HelpRequested, load_config, parse_command, training_help
-from config import DEVICE_PROFILE_KEYS, SCHEMA, ConfigError, padded_vocab_size, to_namespace
-from gpt import DTYPES, Compiled, DropoutRNG, generate, init_weights, num_floating_point_operations
+import sample
+from cli import HelpRequested, load_config, parse_command, training_help
+from config import ConfigError, padded_vocab_size
+from gpt import DTYPES, Compiled, DropoutRNG, init_weights, num_floating_point_operations
+from profiler import StepProfiler
 from tokenizer import build_tokenizer
 
 log = logging.getLogger("train")
@@ -326,51 +328,6 @@ class Trainer:
         return float(total.asnumpy()[0]) / self.dp_size
 
 
-class StepProfiler:
-    """MindSpore's profiler over steps [profile_step_start, profile_step_end) on the ranks of
-    profile_ranks (Megatron's --profile, --profile-step-start/-end, --profile-ranks). Each
-    profiled rank writes <profile_save_path>/rank_N/<host>_<pid>_..._ascend_ms/ASCEND_PROFILER_OUTPUT/
-    trace_view.json (Chrome trace format: Perfetto or chrome://tracing) and per-op CSV summaries."""
-
-    def __init__(self, cfg, rank):
-        t = cfg.training_config
-        self.first, self.end, self.prof = t.profile_step_start, t.profile_step_end, None
-        if not t.profile or (t.profile_ranks is not None and rank not in t.profile_ranks):
-            return
-        P = ms.profiler
-        activities = [P.ProfilerActivity.CPU]
-        options = {}
-        if t.device_target == "CPU":
-            ignored = [k for k in DEVICE_PROFILE_KEYS if getattr(t, k) != SCHEMA["training_config"][k][0]]
-            if ignored:
-                log.warning(f"profile: the CPU profiler cannot collect {', '.join(f'{k}={getattr(t, k)}' for k in ignored)}"
-                            " (Ascend/GPU only); profiling op times only")
-        else:
-            activities.append(P.ProfilerActivity.NPU if t.device_target == "Ascend" else P.ProfilerActivity.GPU)
-            options = dict(with_stack=t.profile_with_stack, profile_memory=t.profile_memory,
-                           data_process=t.profile_data_process, parallel_strategy=t.profile_parallel_strategy,
-                           hbm_ddr=t.profile_hbm_ddr, pcie=t.profile_pcie, experimental_config=P._ExperimentalConfig(
-                               profiler_level=getattr(P.ProfilerLevel, t.profile_level.capitalize()),
-                               aic_metrics=list(P.AicoreMetrics)[t.profile_aicore_metrics], l2_cache=t.profile_l2_cache,
-                               data_simplification=t.profile_data_simplification))
-        self.path = os.path.join(t.profile_save_path, f"rank_{rank}")
-        self.prof = P.profile(activities=activities, start_profile=False,
-                              schedule=P.schedule(wait=0, warmup=0, active=self.end - self.first, repeat=1),
-                              on_trace_ready=P.tensorboard_trace_handler(self.path), **options)
-
-    def before(self, step):
-        if self.prof is not None and step == self.first:
-            self.prof.start()
-
-    def after(self, step):
-        if self.prof is None or not self.first <= step < self.end:
-            return
-        self.prof.step()
-        if step == self.end - 1:
-            self.prof.stop()
-            log.info(f"profile: steps {self.first}-{step} traced under {self.path}")
-
-
 def evaluate(trainer, dataset, consumed, iters, cfg):
     """Mean loss of the trainer's forward (the model, maybe compiled) over `iters` global batches
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
@@ -544,42 +501,6 @@ def report(split, iteration, loss):
 
 
 # ----------------------------------------------------------------------------- commands
-def load_model(load_dir):
-    """(one-process GPTModel, tokenizer, model config) from the latest checkpoint in load_dir,
-    whatever layout saved it."""
-    tensors, meta = checkpoint.full_state(load_dir, optimizer=False)
-    cfg = to_namespace(meta["config"])
-    d, m = cfg.dataset_config, cfg.model_config
-    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
-    setup_mindspore()
-    [model] = checkpoint.build_rank_chunks(m, 1, 1)                        # one process
-    for name, p in model.parameters_and_names():
-        p.set_data(ms.Tensor(tensors[f"model.{name}"]))
-    return model, tokenizer, m
-
-
-GENERATE_FLAGS = {"--load": (REQUIRED, str, "checkpoint folder written by training (any layout)"),
-                  "--prompt": ("\n", str, "text to continue"),
-                  "--max-new-tokens": (100, int, "tokens to sample"),
-                  "--temperature": (1.0, float, "softmax temperature; 0 is greedy"),
-                  "--top-k": (0, int, "sample among the k likeliest tokens; 0 keeps all"),
-                  "--seed": (0, int, "sampling seed")}
-
-
-def generate_main(argv):
-    """generate --load DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]."""
-    v, _ = parse_command("generate", argv, GENERATE_FLAGS, about="Sample text from the latest checkpoint of --load.")
-    load_dir, prompt, max_new, temperature, top_k, seed = (v["load"], v["prompt"], v["max_new_tokens"],
-                                                          v["temperature"], v["top_k"], v["seed"])
-    model, tokenizer, m = load_model(load_dir)
-    ids = tokenizer.encode(prompt)
-    if max(ids, default=0) >= m.padded_vocab_size:
-        raise ConfigError(f"the prompt's token ids reach {max(ids)}, beyond the model's vocabulary of "
-                          f"{m.padded_vocab_size} (trained on mock data?): use a checkpoint trained with this tokenizer")
-    out = generate(model, ids, max_new, temperature, top_k, tokenizer.vocab_size, np.random.default_rng(seed))
-    print(prompt + tokenizer.decode(out))
-
-
 CHECKPOINT_COMMANDS = {"convert": checkpoint.convert_main, "import-hf": hf_gpt2.import_main,
                        "export-hf": hf_gpt2.export_main}
 
@@ -597,7 +518,8 @@ def main(argv):
             CHECKPOINT_COMMANDS[command](argv)
             return 0
         if command == "generate":
-            generate_main(argv)
+            setup_mindspore()                         # the device and threads the model runs on
+            sample.generate_main(argv)
             return 0
         if command not in ("train", "check"):
             raise ConfigError(f"unknown command {command!r}: use train (default), check, preprocess, generate, "
