@@ -47,7 +47,7 @@ import sample
 import train
 from cli import MEGATRON_FLAGS, load_config
 from config import ConfigError, padded_vocab_size
-from tokenizer import GPT2BPETokenizer, build_tokenizer
+from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
 from gpt import DropoutRNG, GPTModel, generate, init_weights
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
                       VocabParallelEmbedding, comm, ledger, rank_groups, shard)
@@ -1809,7 +1809,7 @@ def test_text_stream_prints_whole_characters_as_one_decode_would(gpt2, capsys):
     """Multi-byte characters split over byte-level tokens come out whole; the pieces printed add up
     to one decode of all the tokens, for GPT-2 BPE, bytes and NullTokenizer's space-separated ids."""
     for tokenizer, text in ((gpt2, "h\u00e9llo \u65e5\u672c\u8a9e \U0001F389 done"),
-                            (data.ByteTokenizer(), "d\u00e9j\u00e0 \u65e5\u672c"), (data.NullTokenizer(50), "1 2 3 4 5")):
+                            (ByteTokenizer(), "d\u00e9j\u00e0 \u65e5\u672c"), (NullTokenizer(50), "1 2 3 4 5")):
         ids = tokenizer.encode(text)
         stream = sample.TextStream(tokenizer, ids[:1])
         pieces = []
@@ -1819,7 +1819,7 @@ def test_text_stream_prints_whole_characters_as_one_decode_would(gpt2, capsys):
         stream.close()
         assert "".join(pieces) + capsys.readouterr().out == tokenizer.decode(ids)[len(tokenizer.decode(ids[:1])):]
         assert "\ufffd" not in "".join(pieces)
-    stream = sample.TextStream(data.ByteTokenizer(), [104])
+    stream = sample.TextStream(ByteTokenizer(), [104])
     stream(0xE6)                                          # the first byte of a 3-byte character: held back
     assert capsys.readouterr().out == ""
     stream.close()                                        # ... and printed (replaced) at the end
