@@ -2521,7 +2521,7 @@ def test_pipeline_timeline_and_bubble_figures(parallel_runs):
     boxes = [r for r in svg.iter(ns + "rect") if r.find(ns + "title") is not None]
     texts = [t.text for t in svg.iter(ns + "text")]
     assert len(boxes) == 2 * 4 * 2                                   # every pass, and a label on each
-    assert sorted(t for t in texts if re.fullmatch(r"[FB]\d'*", t)) == sorted(f"{k}{mb}" for k in "FB" for mb in range(4)) * 2
+    assert sorted(t for t in texts if re.fullmatch(r"[FB]\d'*", t)) == sorted([f"{k}{mb}" for k in "FB" for mb in range(4)] * 2)
     assert {"forward", "backward", "stage 0 (rank 0)", "stage 1 (rank 1)", "ms from the first pass"} <= set(texts)
     text = (tmp / "pp2" / "pipeline_timeline.txt").read_text()
     assert "stage 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3" in text and "measured" in text
