@@ -75,16 +75,11 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, 
         shutil.rmtree(final, ignore_errors=True)  # beyond `latest`: killed before the tracker moved
         os.makedirs(tmp)
     barrier()
-    ext = "safetensors" if ckpt_format == "safetensors" else "ckpt"
-    for shard, (files, meta) in shards.items():
-        if files or meta is not None:
-            os.makedirs(os.path.join(tmp, shard), exist_ok=True)
-        for stem, tensors in files.items():
-            items = [{"name": k, "data": Parameter(Tensor(np.ascontiguousarray(v)) if isinstance(v, np.ndarray)
-                                                   else v, name=k)} for k, v in tensors.items()]
-            ms.save_checkpoint(items, os.path.join(tmp, shard, f"{stem}.{ext}"), crc_check=True, format=ckpt_format)
-        if meta is not None:
-            write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
+    try:
+        _write_shards(tmp, shards, ckpt_format)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)        # a failed save leaves nothing half-written
+        raise
     barrier()
     if leader:
         os.replace(tmp, final)
@@ -94,6 +89,24 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, 
                 shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
     barrier()
     return final
+
+
+def _write_shards(tmp, shards, ckpt_format):
+    """Each shard folder's tensor files (CRC-checked) and meta.json, under the temporary folder."""
+    ext = "safetensors" if ckpt_format == "safetensors" else "ckpt"
+    for shard, (files, meta) in shards.items():
+        if files or meta is not None:
+            os.makedirs(os.path.join(tmp, shard), exist_ok=True)
+        for stem, tensors in files.items():
+            items = [{"name": k, "data": Parameter(Tensor(np.ascontiguousarray(v)) if isinstance(v, np.ndarray)
+                                                   else v, name=k)} for k, v in tensors.items()]
+            path = os.path.join(tmp, shard, f"{stem}.{ext}")
+            try:
+                ms.save_checkpoint(items, path, crc_check=True, format=ckpt_format)
+            except RuntimeError as e:                # MindSpore's own error for a full disk or a bad folder
+                raise OSError(None, f"writing failed ({str(e).splitlines()[0]})", path) from None
+        if meta is not None:
+            write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
 
 
 def saved_iterations(root):

@@ -35,6 +35,7 @@ from xml.etree import ElementTree
 
 import numpy as np
 import pytest
+import yaml
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
@@ -1451,6 +1452,30 @@ def test_load_of_a_new_folder_starts_from_scratch(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert tiny_run(tmp_path / "file", "--train-iters", "1") == 2
     assert "is a file: give a folder for --save" in capsys.readouterr().err
+    effective = yaml.safe_load((d / "effective_config.yaml").read_text())      # written beside the checkpoints
+    assert effective["model_config"]["hidden_size"] == 64 and effective["training_config"]["training_iters"] == 4
+
+
+def test_a_failed_save_is_one_line_and_the_last_checkpoint_stays(tmp_path, monkeypatch, capsys):
+    """A full disk (MindSpore raises RuntimeError from save_checkpoint) ends the run with one line
+    naming the file and the fix, exit 2; the previous checkpoint is still the latest."""
+    d = tmp_path / "run"
+    assert tiny_run(d, "--train-iters", "2") == 0
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("Write failed: No space left on device\nC++ stack ...")
+    monkeypatch.setattr(checkpoint.ms, "save_checkpoint", full_disk)
+    capsys.readouterr()
+    assert tiny_run(d, "--train-iters", "4", "--load", str(d)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model_optim_rng.ckpt: writing failed (Write failed: No space left on device); " \
+        "free space, fix the permissions or choose another --save" in err, err
+    assert saved(d) == ([2], 2) and not list(d.glob(".iter_*"))             # no temporary folder left
+
+
+def test_an_empty_split_is_named(tmp_path):
+    _, lines = run_training(tmp_path, "nosplit", "--train-iters", "1", "--split", "100,0,0")
+    assert "no validation loss: the validation part of --split 100,0,0 holds no documents" in lines
+    assert "no test loss: the test part of --split 100,0,0 holds no documents" in lines
 
 
 def test_a_checkpoint_that_differs_from_the_run_is_named_before_training(tmp_path, capsys):

@@ -19,6 +19,7 @@ import time
 import traceback
 
 import numpy as np
+import yaml
 import mindspore as ms
 from mindspore import Tensor
 
@@ -30,7 +31,7 @@ import parallel
 import pipeline
 import sample
 from cli import HelpRequested, load_config, parse_command, training_help
-from config import ConfigError, padded_vocab_size
+from config import ConfigError, padded_vocab_size, to_dict
 from gpt import DTYPES, Compiled, DropoutRNG, init_weights, num_floating_point_operations
 from profiler import StepProfiler
 from tokenizer import build_tokenizer
@@ -385,6 +386,13 @@ def pretrain(cfg):
              f"{' on this rank' if state.world_size > 1 else ''}; global batch "
              f"{d.global_batch_size} = {d.batch_size} x {d.micro_batch_num} micro-batches; "
              f"{len(train_ds)} train samples")
+    for name, dataset in (("validation", valid_ds), ("test", test_ds)):
+        if dataset is None and t.eval_iters and not d.mock_data:
+            log.info(f"no {name} loss: the {name} part of --split {d.split} holds no documents")
+    if state.rank == 0:                               # every key as this run uses it, defaults filled in
+        path = os.path.join(t.output_dir, "effective_config.yaml")
+        checkpoint.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        log.info(f"config: {path}")
     log.info(f"optimizer state on rank {state.rank}: {optimizer.state_bytes()} bytes"
              + (f" (1/{trainer.dp_size} of the moments and fp32 master weights)" if trainer.distributed else
                 " (moments; the fp32 weights are the model's)"))
