@@ -83,9 +83,11 @@ if [ "$nproc" -gt 1 ]; then
   # (one error line, exit 2), and the shipped corpus tokenized, before msrun starts the workers
   python train.py check --nproc "$nproc" ${args[@]+"${args[@]}"}
   port=$((8100 + RANDOM % 800))
+  # msrun relays every worker's console; MindSpore's "[INFO] DISTRIBUTED ... Event base dispatch
+  # success!" lines are not news, so they are dropped (pipefail keeps msrun's exit code)
   msrun --worker_num "$nproc" --local_worker_num "$nproc" --master_port "$port" \
         --log_dir output/msrun_log --join True --cluster_time_out 300 \
-        train.py ${args[@]+"${args[@]}"}
+        train.py ${args[@]+"${args[@]}"} 2>&1 | { grep --line-buffered -v '^\[INFO\] DISTRIBUTED' || true; }
 else
   python train.py ${args[@]+"${args[@]}"}
 fi

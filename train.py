@@ -300,10 +300,14 @@ class Trainer:
             runner = self.pipeline.seconds
             parts[0] += (f" (passes {runner['compute'] * 1000 / steps:.1f}, exchanges and waiting "
                          f"{runner['exchange'] * 1000 / steps:.1f})")
-            self.pipeline.seconds = dict.fromkeys(runner, 0.0)
         parts += [f"{k} {ms_per_step[k]:.1f}" for k in TIMERS[1:]]
-        self.seconds = dict.fromkeys(TIMERS, 0.0)
+        self.reset_timers()
         return "timers (ms per step): " + ", ".join(parts)
+
+    def reset_timers(self):
+        self.seconds = dict.fromkeys(TIMERS, 0.0)
+        if self.pipeline is not None:
+            self.pipeline.seconds = dict.fromkeys(self.pipeline.seconds, 0.0)
 
     def reduce_gradients(self, grads):
         """The gradients the optimizer takes (optimizer.finalize_model_grads: the SP, tied-embedding
@@ -421,23 +425,24 @@ def pretrain(cfg):
             report_pipeline_trace(cfg, trainer)
             trainer.trace = None
         window_loss, window_steps, window_timed = window_loss + loss, window_steps + 1, window_timed + 1
-        if iteration == first_iteration:              # ms.jit compiles the graphs during the first step
-            first_seconds = time.perf_counter() - window_start
-            log.info(f"step {iteration}: {first_seconds:.1f} s with compilation and warm-up "
-                     "(left out of the Time: averages)")
+        log_now = iteration % t.log_interval == 0 or iteration == t.training_iters
+        if iteration == first_iteration and not log_now:   # ms.jit compiles the graphs during the first step
+            log.info(f"step {iteration}: {time.perf_counter() - window_start:.1f} s with compilation and "
+                     "warm-up (left out of the Time: and timers averages)")
+            trainer.reset_timers()
             window_timed, window_start = 0, time.perf_counter()
         if not finite:
             log.warning(f"skipped iteration {iteration}: inf/nan gradients; loss scale now {scaler.scale}")
         if t.log_comm_ledger:
             log.info(f"comm: Step:{iteration}, " + ledger_line())
-        if iteration % t.log_interval == 0 or iteration == t.training_iters:
-            elapsed = (time.perf_counter() - window_start) / window_timed if window_timed else first_seconds
+        if log_now:
+            elapsed = (time.perf_counter() - window_start) / window_timed
             if state.is_last_stage:                   # the loss exists on the last stage only
                 log.info(f"train: Epoch:{epoch}, Step:{iteration}, Loss: {window_loss / window_steps:.6f}, "
                          f"Finite_grads: {finite}, Loss_scale: {scaler.scale}, Learning_rate: {lr:.6e}, "
                          f"Time: {elapsed * 1000:.2f} ms, Tokens/s: {tokens_per_step / elapsed:.1f}, "
                          f"TFLOP/s: {flops_per_step / elapsed / state.world_size / 1e12:.4f}")
-            log.info(trainer.timers_line(window_steps))
+            log.info(trainer.timers_line(window_timed))
             window_loss, window_steps, window_timed, window_start = 0.0, 0, 0, time.perf_counter()
         if valid_ds is not None and t.eval_iters and iteration % t.eval_interval == 0:
             start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size
