@@ -85,9 +85,23 @@ if [ "$nproc" -gt 1 ]; then
   port=$((8100 + RANDOM % 800))
   # msrun relays every worker's console; MindSpore's "[INFO] DISTRIBUTED ... Event base dispatch
   # success!" lines are not news, so they are dropped (pipefail keeps msrun's exit code)
-  msrun --worker_num "$nproc" --local_worker_num "$nproc" --master_port "$port" \
-        --log_dir output/msrun_log --join True --cluster_time_out 300 \
-        train.py ${args[@]+"${args[@]}"} 2>&1 | { grep --line-buffered -v '^\[INFO\] DISTRIBUTED' || true; }
+  logs=output/msrun_log
+  export RUN_SH_PID_DIR=$logs/pids            # each worker writes rank_N.pid
+  rm -rf "$RUN_SH_PID_DIR" && mkdir -p "$RUN_SH_PID_DIR"
+  if ! msrun --worker_num "$nproc" --local_worker_num "$nproc" --master_port "$port" \
+        --log_dir "$logs" --join True --cluster_time_out 300 \
+        train.py ${args[@]+"${args[@]}"} 2>&1 | { grep --line-buffered -v '^\[INFO\] DISTRIBUTED' || true; } \
+        | tee "$logs/console.log"; then
+    # a worker killed from outside (kill -9, out of memory) prints nothing: msrun names its pid
+    dead=$(sed -n 's/.*Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\..*/\1 \2/p' \
+           "$logs/console.log" | head -1)
+    if [ -n "$dead" ]; then
+      set -- $dead
+      rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null | sed 's/.*rank_\([0-9]*\)\.pid/\1/' || true)
+      echo "error: rank ${rank:-?} (pid $1) was killed by signal $2; its log: $logs/worker_${rank:-N}.log" >&2
+    fi
+    exit 1
+  fi
 else
   python train.py ${args[@]+"${args[@]}"}
 fi

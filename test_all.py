@@ -23,6 +23,7 @@ CPU, fp32.
 import json
 import math
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -30,6 +31,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from xml.etree import ElementTree
 
@@ -2438,6 +2440,25 @@ def test_a_failing_rank_names_itself_and_stops_the_job(parallel_runs, tmp_path):
     assert result.returncode != 0
     assert f"[rank 1] error: {damaged}/iter_0000010/mp_rank_01/meta.json is missing" in console, console[-3000:]
     assert "error: training failed" not in console and "[rank 0] error" not in console, console[-3000:]
+
+
+def test_a_killed_worker_is_named_by_its_rank(tmp_path):
+    """kill -9 of one worker (as the out-of-memory killer does): it prints nothing and msrun names
+    only its process id; run.sh names its rank from the pid each worker wrote, and the job ends."""
+    save = tmp_path / "run"
+    job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", *TINY_RUN, "--tensor-model-parallel-size", "2",
+                            "--train-iters", "100000", "--save", str(save)],
+                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = save / "log" / "rank_0" / "info.log"
+    for _ in range(300):                                        # until the first step is logged
+        if log.exists() and "train: " in log.read_text() or job.poll() is not None:
+            break
+        time.sleep(0.5)
+    pid = int((pathlib.Path(HERE) / "output" / "msrun_log" / "pids" / "rank_1.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    console, _ = job.communicate(timeout=180)
+    assert job.returncode == 1
+    assert f"error: rank 1 (pid {pid}) was killed by signal 9; its log: output/msrun_log/worker_1.log" in console, console[-2000:]
 
 
 @pytest.mark.parametrize("family", CHECK_FAMILIES)

@@ -562,6 +562,9 @@ def main(argv):
     except (ConfigError, checkpoint.CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    pid_dir = os.environ.get("RUN_SH_PID_DIR")       # run.sh names a worker killed from outside by its rank
+    if pid_dir and os.environ.get("MS_ROLE") == "MS_WORKER":
+        checkpoint.write_atomic(os.path.join(pid_dir, f"rank_{os.environ['RANK_ID']}.pid"), str(os.getpid()))
     try:
         pretrain(cfg)
     except (ConfigError, checkpoint.CheckpointError, OSError) as e:      # expected: one line, the fix in it
