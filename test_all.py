@@ -2424,9 +2424,6 @@ def test_msrun_launch_passes(parallel_runs, world):
         assert f"[rank {rank}] all checks passed" in text
 
 
-QUICK_TIMEOUT = dict(os.environ, MS_NODE_TIMEOUT="3")     # the scheduler gives up on the dead sooner
-
-
 def test_a_failing_rank_names_itself_and_stops_the_job(parallel_runs, tmp_path):
     """Rank 1 alone fails (its shard of a TP2 checkpoint is gone): its own error line reaches the
     console prefixed by its rank, and the job ends non-zero without a worker's traceback (the issue:
@@ -2438,7 +2435,7 @@ def test_a_failing_rank_names_itself_and_stops_the_job(parallel_runs, tmp_path):
     result = subprocess.run(["bash", "run.sh", "--nproc", "2", "--config", os.path.join(HERE, "config.yaml"),
                              "--data-path", shakespeare_bytes(tmp), *PARALLEL_RUN, *TP2, "--train-iters", "12",
                              "--load", str(damaged), "--save", str(damaged)],
-                            cwd=HERE, capture_output=True, text=True, timeout=300, env=QUICK_TIMEOUT)
+                            cwd=HERE, capture_output=True, text=True, timeout=300)
     console = result.stdout + result.stderr
     assert result.returncode != 0
     assert f"[rank 1] error: {damaged}/iter_0000010/mp_rank_01/meta.json is missing" in console, console[-3000:]
@@ -2451,7 +2448,7 @@ def test_a_killed_worker_is_named_by_its_rank(tmp_path):
     save = tmp_path / "run"
     job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", *TINY_RUN, "--tensor-model-parallel-size", "2",
                             "--train-iters", "100000", "--save", str(save)],
-                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=QUICK_TIMEOUT)
+                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = save / "log" / "rank_0" / "info.log"
     for _ in range(300):                                        # until the first step is logged
         if log.exists() and "train: " in log.read_text() or job.poll() is not None:
