@@ -127,10 +127,9 @@ def saved_config(root):
 
 
 def _yaml_value(v):
-    """v as section.key=VALUE text: strings as they are, the rest as JSON, which YAML reads (1e-05
-    needs a dot to be a YAML float)."""
-    text = v if isinstance(v, str) else json.dumps(v)
-    return text.replace("e", ".0e", 1) if isinstance(v, float) and "e" in text and "." not in text else text
+    """v as section.key=VALUE text: strings as they are, the rest as JSON, which YAML reads
+    (config.merge turns a float YAML read as text, 1e-05, back into a float)."""
+    return v if isinstance(v, str) else json.dumps(v)
 
 
 def checkpoint_args(saved):
