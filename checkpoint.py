@@ -300,7 +300,7 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     if writer:
         files[WEIGHTS] = {**model_tensors(trainer.chunks), **({} if trainer.distributed else opt_tensors)}
     if trainer.distributed:
-        files[f"distrib_optim_{state.dp_rank + state.cp_rank * state.dp:03d}"] = opt_tensors
+        files[f"distrib_optim_{state.dp_cp_rank:03d}"] = opt_tensors
     meta = None
     if writer:
         meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(), trainer.scaler.state_dict(),
@@ -317,12 +317,14 @@ def load_training_state(cfg, trainer, rng):
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
     stems = [WEIGHTS]
     if trainer.distributed and not (t.finetune or t.no_load_optim):
-        stems.append(f"distrib_optim_{state.dp_rank + state.cp_rank * state.dp:03d}")
+        stems.append(f"distrib_optim_{state.dp_cp_rank:03d}")
     tensors, meta = load_checkpoint(t.load_checkpoint, shard, stems=stems)
     weights_only = t.finetune or meta.get("optimizer_step") is None     # --finetune, or imported weights
     saved_layout, layout = meta.get("layout"), layout_of(cfg)
     same_model_split = saved_layout and all(saved_layout.get(k) == layout[k] for k in ("tp", "pp", "vpp", "num_layer_list"))
-    if saved_layout != layout and not (weights_only and same_model_split):
+    # Without the distributed optimizer's shards every DP and CP rank holds the same state (as in Megatron)
+    unsharded = same_model_split and not (saved_layout["distributed_optimizer"] or layout["distributed_optimizer"])
+    if saved_layout != layout and not ((weights_only or unsharded) and same_model_split):
         raise CheckpointError(
             f"checkpoint {t.load_checkpoint} was saved with layout {saved_layout}, this run is {layout}: "
             f"convert it first (bash run.sh convert --load {t.load_checkpoint} --save NEW <layout flags>)")

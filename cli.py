@@ -100,6 +100,9 @@ MEGATRON_FLAGS = {
     "--tensor-model-parallel-size": "parallel_config.tensor_model_parallel_size",
     "--pipeline-model-parallel-size": "parallel_config.pipeline_model_parallel_size",
     "--context-parallel-size": "parallel_config.context_parallel_size",
+    "--context-parallel-algo": "parallel_config.context_parallel_algo",       # MindSpeed
+    "--ulysses-degree-in-cp": "parallel_config.ulysses_degree_in_cp",         # MindSpeed
+    "--cp-comm-type": "parallel_config.context_parallel_algo",                # Megatron-core, mapped below
     "--num-layers-per-virtual-pipeline-stage": "parallel_config.num_layers_per_virtual_pipeline_stage",
     "--virtual-pipeline-model-parallel-size": "parallel_config.virtual_pipeline_model_parallel_size",
     "--sequence-parallel": ("parallel_config.sequence_parallel", True),
@@ -111,6 +114,9 @@ MEGATRON_FLAGS = {
     "--profile-ranks": "training_config.profile_ranks",
 }
 _MEGATRON_OPTIMIZER = {"adam": "AdamW", "sgd": "SGD"}   # Megatron's "adam" is AdamW
+# Megatron-core's --cp-comm-type -> MindSpeed's algorithm: p2p and all_gather are both ring attention
+_CP_COMM_TYPES = {"p2p": "megatron_cp_algo", "all_gather": "megatron_cp_algo", "a2a": "ulysses_cp_algo",
+                  "a2a+p2p": "hybrid_cp_algo"}
 
 
 def _set(tree, dotted, value):
@@ -155,6 +161,10 @@ def parse_overrides(args, raw):
                     i += 1
             if flag == "--optimizer":
                 value = _MEGATRON_OPTIMIZER.get(str(value).lower(), value)
+            if flag == "--cp-comm-type":
+                if value not in _CP_COMM_TYPES:
+                    raise ConfigError(f"--cp-comm-type {value}: use one of {', '.join(_CP_COMM_TYPES)}")
+                value = _CP_COMM_TYPES[value]
             if flag in ("--data-path", "--split", "--save", "--load", "--vocab-file", "--merge-file"):
                 value = str(inline)
             if target.endswith((".betas.0", ".betas.1")):

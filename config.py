@@ -76,6 +76,8 @@ SCHEMA = {
         "tensor_model_parallel_size": (1, int, None),
         "pipeline_model_parallel_size": (1, int, None),
         "context_parallel_size": (1, int, None),
+        "context_parallel_algo": ("ulysses_cp_algo", str, ("ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo")),
+        "ulysses_degree_in_cp": (None, int, None),    # hybrid_cp_algo: Ulysses group size within cp
         "virtual_pipeline_model_parallel_size": (None, int, None),
         "num_layers_per_virtual_pipeline_stage": (None, int, None),
         "num_layer_list": (None, list, None),
@@ -397,9 +399,7 @@ def _finalize_parallel(p, m, d, world_size):
     """The layout against the model and the world size; derives data_parallel_size and micro_batch_num."""
     _positive(p, "parallel_config", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
                                      "context_parallel_size"])
-    if p.context_parallel_size != 1:
-        raise ConfigError(f"parallel_config.context_parallel_size={p.context_parallel_size}: context "
-                          "parallelism is not in this version yet; set it to 1")
+    _check_context_parallel(p, m, d)
     _check_pipeline(p, m)
     tp = p.tensor_model_parallel_size
     for k in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
@@ -437,6 +437,40 @@ def _finalize_parallel(p, m, d, world_size):
                           f"pipeline_model_parallel_size={p.pipeline_model_parallel_size}, as the interleaved "
                           "schedule needs: change global_batch_size or batch_size")
     p.data_parallel_size = dp
+
+
+def _check_context_parallel(p, m, d):
+    """Context parallelism (context_parallel.py): cp = ring x ulysses; sets ulysses_degree_in_cp."""
+    cp, tp, algo = p.context_parallel_size, p.tensor_model_parallel_size, p.context_parallel_algo
+    if algo == "hybrid_cp_algo":
+        u = p.ulysses_degree_in_cp
+        if u is None or u < 1 or cp % u:
+            raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u}: hybrid_cp_algo needs a divisor of "
+                              f"context_parallel_size={cp} (--ulysses-degree-in-cp)")
+    elif p.ulysses_degree_in_cp not in (None, cp if algo == "ulysses_cp_algo" else 1):
+        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={p.ulysses_degree_in_cp} is for "
+                          f"context_parallel_algo=hybrid_cp_algo; leave it null with {algo}")
+    else:
+        p.ulysses_degree_in_cp = cp if algo == "ulysses_cp_algo" else 1
+    if cp == 1:
+        return
+    u, ring = p.ulysses_degree_in_cp, cp // p.ulysses_degree_in_cp
+    for k in ("num_attention_heads", "num_query_groups"):
+        if getattr(m, k) % (tp * u):
+            raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by tensor_model_parallel_size x "
+                              f"Ulysses degree = {tp} x {u}: Ulysses splits the heads over both "
+                              f"(change the sizes, or context_parallel_algo=megatron_cp_algo)")
+    pieces = 2 * cp if ring > 1 else cp
+    if m.seq_length % pieces:
+        raise ConfigError(f"model_config.seq_length={m.seq_length} is not divisible by {pieces}: context parallelism "
+                          + ("cuts it into 2 x context_parallel_size chunks (the ring's load balancing)" if ring > 1
+                             else "splits it over context_parallel_size ranks"))
+    if p.sequence_parallel and (m.seq_length // cp) % tp:
+        raise ConfigError(f"model_config.seq_length={m.seq_length}: a cp rank's {m.seq_length // cp} tokens are not "
+                          f"divisible by tensor_model_parallel_size={tp}, as sequence_parallel needs")
+    if ring > 1 and d.reset_attention_mask:
+        raise ConfigError("dataset_config.reset_attention_mask does not work with ring attention "
+                          f"({algo}): use context_parallel_algo=ulysses_cp_algo, or reset_position_ids alone")
 
 
 def _finalize_training(t):

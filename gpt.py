@@ -17,6 +17,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.graph.api import _pynative_executor
 
+import context_parallel
 import parallel
 from parallel import linear
 
@@ -164,12 +165,42 @@ def apply_rotary(x, cos, sin):
     return x * cos + ops.cat((-x2, x1), axis=-1) * sin
 
 
+class CoreAttention(nn.Cell):
+    """softmax(q k^T / sqrt(d) + mask) v over one whole sequence (Megatron's core attention):
+    scores, softmax, dropout, weighted sum. With grouped query attention each key/value head
+    serves `per_group` consecutive query heads."""
+
+    def __init__(self, cfg, rng, per_group):
+        super().__init__()
+        self.per_group = per_group
+        self.dropout = Dropout(cfg.attention_dropout_rate, rng, "model-parallel")
+        self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
+        self.scale = 1.0 / math.sqrt(cfg.hidden_size // cfg.num_attention_heads)
+        self.scores = ops.BatchMatMul(transpose_b=True)     # q k^T without materialising k^T
+
+    def to_heads(self, x, repeat):
+        """[s, b, g, d] -> [b, g * repeat, s, d], each head repeated `repeat` times (GQA)."""
+        x = x.transpose(1, 2, 0, 3)
+        return ops.repeat_interleave(x, repeat, 1) if repeat > 1 else x
+
+    def construct(self, q, k, v, mask_bias):
+        """q [s, b, n, d], k, v [s, b, g, d], mask_bias [b, n, s, s] (0 where attention is allowed,
+        -1e30 where masked) -> context [s, b, n, d]."""
+        q, k, v = self.to_heads(q, 1), self.to_heads(k, self.per_group), self.to_heads(v, self.per_group)
+        scores = self.scores(q * self.scale, k)                    # [b, n, s, s]
+        if self.softmax_in_fp32:
+            scores = scores.astype(F32)
+        probs = ops.softmax(scores + mask_bias, -1).astype(q.dtype)
+        return ops.bmm(self.dropout(probs), v).transpose(2, 0, 1, 3)   # [s, b, n, d]
+
+
 class SelfAttention(nn.Cell):
     """Causal multi-head attention with grouped query attention (GQA, Ainslie et al. 2023).
 
     linear_qkv's output is laid out per query group, as in Megatron: for each of the ng groups,
     its np/ng query heads, then one key head, then one value head (each d wide). Splitting that
-    dimension into equal contiguous pieces hands whole groups to each TP rank."""
+    dimension into equal contiguous pieces hands whole groups to each TP rank. With context
+    parallelism the core attention runs across the cp ranks (context_parallel.py)."""
 
     def __init__(self, cfg, rng):
         super().__init__()
@@ -183,15 +214,16 @@ class SelfAttention(nn.Cell):
         self.per_group = self.heads // self.groups
         self.local_groups = self.linear_qkv.weight.shape[0] // ((self.per_group + 2) * self.head_dim)
         self.local_heads = self.local_groups * self.per_group
-        self.attention_dropout = Dropout(cfg.attention_dropout_rate, rng, "model-parallel")
-        self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
-        self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.scores = ops.BatchMatMul(transpose_b=True)     # q k^T without materialising k^T
+        self.core_attention = CoreAttention(cfg, rng, self.per_group)
+        state = parallel.get_state()
+        if state.cp > 1:
+            self.core_attention = context_parallel.ContextParallelAttention(self.core_attention, state)
+        self.core_heads = self.local_heads // state.cp_ulysses    # heads in a core attention (Ulysses: fewer)
 
     def construct(self, x, rope, mask_bias):
-        """x [s, b, h] ([s/tp, b, h] with sequence parallelism); rope None or (cos, sin)
-        [s, b, 1, d]; mask_bias [b, n, s, s] float, 0 where attention is allowed and -1e30 where
-        it is masked (added before the softmax)."""
+        """x [s, b, h] ([s/tp, b, h] with sequence parallelism; s is this cp rank's share); rope None
+        or (cos, sin) [s, b, 1, d]; mask_bias [b, n, s', s'] float for the core attention's heads
+        and sequence, 0 where attention is allowed and -1e30 where it is masked."""
         heads, groups, per_group = self.local_heads, self.local_groups, self.per_group
         qkv = self.linear_qkv(x)                                    # [s, b, (n + 2g) d / tp]
         s, b = qkv.shape[0], qkv.shape[1]
@@ -200,15 +232,8 @@ class SelfAttention(nn.Cell):
         q = q.reshape(s, b, heads, self.head_dim)                   # [s, b, n, d]
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)   # k [s, b, g, d]
-        q, k, v = (t.transpose(1, 2, 0, 3) for t in (q, k, v))      # [b, n or g, s, d]
-        if per_group > 1:
-            k, v = ops.repeat_interleave(k, per_group, 1), ops.repeat_interleave(v, per_group, 1)
-        scores = self.scores(q * self.scale, k)                    # [b, n, s, s]
-        if self.softmax_in_fp32:
-            scores = scores.astype(F32)
-        probs = ops.softmax(scores + mask_bias, -1).astype(q.dtype)
-        context = ops.bmm(self.attention_dropout(probs), v)        # [b, n, s, d]
-        return self.linear_proj(context.transpose(2, 0, 1, 3).reshape(s, b, heads * self.head_dim))
+        context = self.core_attention(q, k, v, mask_bias)           # [s, b, n, d]
+        return self.linear_proj(context.reshape(s, b, heads * self.head_dim))
 
 
 class MLP(nn.Cell):
@@ -327,7 +352,16 @@ class GPTModel(nn.Cell):
                                                  else "copy_to_tensor_model_parallel_region")
             self.gather_logits = parallel.Mapping("gather_from_tensor_model_parallel_region")
             self.cross_entropy = parallel.VocabParallelCrossEntropy()
-        self.causal_bias = additive_mask(np.triu(np.ones((1, 1, cfg.seq_length, cfg.seq_length), bool), 1))
+        self.cp, self.cp_ulysses = state.cp, state.cp_ulysses
+        if post_process and self.cp > 1:
+            # Megatron's loss_func: each cp rank has part of every sequence's tokens, so the loss sum
+            # (forward all-reduce, backward identity: g over the CP group) and the token count are
+            # summed over CP before dividing; each rank's gradient is then its tokens' share
+            self.reduce_loss = parallel.Mapping("reduce_from_tensor_model_parallel_region", state.cp_group)
+            self.count_tokens = parallel.collectives(state.cp_group)
+        # the core attention's tokens: the sequence, or a ring rank's share (context_parallel.py)
+        length = cfg.seq_length // state.cp_ring
+        self.causal_bias = additive_mask(np.triu(np.ones((1, 1, length, length), bool), 1))
 
     def logits(self, x):
         """x [s, b, h] ([s/tp, b, h] under SP) -> logits [s, b, V/tp] in fp32 (Megatron's
@@ -349,7 +383,7 @@ class GPTModel(nn.Cell):
             if self.sequence_parallel:
                 x = self.scatter_sequence(x)                                  # [s/tp, b, h]
             x = _cast(self.embedding_dropout(x), self.dtype)
-        s = position_ids.shape[1]
+        s = position_ids.shape[1] * self.cp_ulysses            # Ulysses attends over its group's tokens
         rope = None
         if self.rope is not None:                                             # [s, b, 1, d]
             rope = tuple(ops.gather(t, position_ids, 0).transpose(1, 0, 2).expand_dims(2)
@@ -362,7 +396,7 @@ class GPTModel(nn.Cell):
             bias = additive_mask(np.triu(np.ones((1, 1, s, s), bool), 1))
         # Tile once to [b, n, s, s]: each layer then does a same-shape add, which on CPU is ~10x
         # cheaper than adding a broadcast [1, 1, s, s] mask.
-        heads = self.layers[0].self_attention.local_heads if len(self.layers) else 1
+        heads = self.layers[0].self_attention.core_heads if len(self.layers) else 1
         bias = ops.tile(bias, (x.shape[1] // bias.shape[0], heads, 1, 1))
         for layer in self.layers:
             x = layer(x, rope, bias)
@@ -378,7 +412,10 @@ class GPTModel(nn.Cell):
         else:
             losses = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
         mask = loss_mask.T.reshape(-1).astype(F32)
-        return (losses * mask).sum() / ops.maximum(mask.sum(), 1.0)
+        total, count = (losses * mask).sum().reshape(1), mask.sum().reshape(1)
+        if self.cp > 1:
+            total, count = self.reduce_loss(total), self.count_tokens.all_reduce(ops.stop_gradient(count))
+        return (total / ops.maximum(count, 1.0)).reshape(())
 
 
 class Compiled(nn.Cell):

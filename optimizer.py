@@ -396,8 +396,10 @@ def finalize_model_grads(grads, params, comm, state, optimizer, buffer):
       2. tied embeddings over pipeline stages: the first stage's word embedding and the last
          stage's output-layer copy (marked `shared_embedding`) are all-reduced over the embedding
          group, so both copies take the same step and stay equal;
-      3. data parallelism: averaged over DP x CP, one all-reduce per bucket of the contiguous
-         `buffer`, or, with the distributed optimizer, reduce-scattered to this rank's pieces.
+      3. data parallelism: summed over CP (each cp rank's gradient is its tokens' share of the
+         loss, see gpt.GPTModel) and averaged over DP, one all-reduce over the DP x CP group per
+         bucket of the contiguous `buffer`, or, with the distributed optimizer, reduce-scattered
+         to this rank's pieces.
     `comm` and `state` are parallel.py's. Returns the gradients the optimizer takes."""
     grads = [comm.all_reduce(g, state.tp_group) if getattr(p, "sequence_parallel", False) else g
              for g, p in zip(grads, params)]
@@ -406,29 +408,31 @@ def finalize_model_grads(grads, params, comm, state, optimizer, buffer):
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.reduce_scatter_grads(grads)
     if state.dp * state.cp > 1:
-        return all_reduce_grads(buffer, grads, comm, state.dp_cp_group, state.dp * state.cp)
+        return all_reduce_grads(buffer, grads, comm, state.dp_cp_group, state.dp)
     return grads
 
 
-def all_reduce_grads(buffer, grads, comm, group, size):
-    """Data-parallel gradient reduction: average over `group` (DP x CP), one all-reduce per
-    bucket of the contiguous buffer (Megatron DDP without overlap)."""
+def all_reduce_grads(buffer, grads, comm, group, mean_over):
+    """Data-parallel gradient reduction: summed over `group` (DP x CP) and divided by `mean_over`
+    (DP), one all-reduce per bucket of the contiguous buffer (Megatron DDP without overlap)."""
     flat = buffer.flatten(grads)
     reduced = [comm.all_reduce(flat[b0:b1], group) for b0, b1 in buffer.buckets]
-    return buffer.unflatten(ops.cat(reduced) / size)
+    return buffer.unflatten(ops.cat(reduced) / mean_over)
 
 
 class DistributedOptimizer:
     """Megatron's distributed optimizer (ZeRO stage 1, Rajbhandari et al. 2020): each DP rank
     keeps fp32 parameters and optimizer state for only its 1/dp shard of every bucket.
 
-    step: reduce-scatter the gradient buckets (each rank gets the average of its shard), update
+    step: reduce-scatter the gradient buckets over the DP x CP `group` (each rank gets its shard,
+    summed and divided by `mean_over`, the DP size; see finalize_model_grads), update
     the shard with the inner optimizer, all-gather the updated shards into every rank's params.
     The inner optimizer sees one flat tensor per (parameter, shard) overlap, a "piece", so
     per-parameter weight-decay multipliers still apply."""
 
-    def __init__(self, make_optimizer, params, wd_mults, comm, group, dp_rank, dp, bucket_size=None):
+    def __init__(self, make_optimizer, params, wd_mults, comm, group, dp_rank, dp, bucket_size=None, mean_over=None):
         self.params, self.comm, self.group, self.dp, self.rank = list(params), comm, group, dp, dp_rank
+        self.mean_over = dp if mean_over is None else mean_over
         self.buffer = GradBuffer(self.params, dp, bucket_size)
         self.shards = self.buffer.shard_ranges(dp_rank)        # this rank's range in each bucket
         self.pieces = self.buffer.pieces(dp_rank)              # (bucket, param index, start, end)
@@ -460,7 +464,7 @@ class DistributedOptimizer:
     def reduce_scatter_grads(self, grads):
         """Full local grads -> this rank's piece of the DP average, one tensor per piece."""
         flat = self.buffer.flatten(grads)
-        shard = [self.comm.reduce_scatter(flat[b0:b1], self.group) / self.dp for b0, b1 in self.buffer.buckets]
+        shard = [self.comm.reduce_scatter(flat[b0:b1], self.group) / self.mean_over for b0, b1 in self.buffer.buckets]
         return [shard[b][lo - self.shards[b][0]:hi - self.shards[b][0]].copy() for b, _, lo, hi in self.pieces]
 
     def step(self, grad_pieces, lr, wd):

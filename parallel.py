@@ -36,8 +36,10 @@ _GROUPS = {}        # group name -> (kind, global ranks); every group this proce
 _STATE = None
 
 
-def rank_groups(world_size, tp, cp, pp):
-    """kind -> list of rank lists, for the layout tp x cp x dp x pp (dp = world / (tp*cp*pp))."""
+def rank_groups(world_size, tp, cp, pp, ulysses=None):
+    """kind -> list of rank lists, for the layout tp x cp x dp x pp (dp = world / (tp*cp*pp)).
+    Context parallelism as ring x ulysses (context_parallel.py): "cp_ulysses" groups are runs of
+    `ulysses` adjacent cp ranks (default: all of them), "cp_ring" groups the ranks `ulysses` apart."""
     if world_size % (tp * cp * pp):
         raise ValueError(f"world size {world_size} is not a multiple of tp*cp*pp = {tp * cp * pp}")
     dp = world_size // (tp * cp * pp)
@@ -50,6 +52,9 @@ def rank_groups(world_size, tp, cp, pp):
 
     groups = {"tp": along(3), "cp": along(2), "dp": along(1), "pp": along(0),
               "dp_cp": along(1, 2), "mp": along(0, 3)}
+    ulysses = cp if ulysses is None else ulysses
+    groups["cp_ulysses"] = [g[i:i + ulysses] for g in groups["cp"] for i in range(0, cp, ulysses)]
+    groups["cp_ring"] = [g[i::ulysses] for g in groups["cp"] for i in range(ulysses)]
     # adjacent stages, and the ring's wrap-around (last -> first) that interleaving uses
     groups["pp_pairs"] = [g[i:i + 2] for g in groups["pp"] for i in range(pp - 1)]
     groups["pp_pairs"] += [[g[-1], g[0]] for g in groups["pp"] if pp > 2]
@@ -79,6 +84,18 @@ class ParallelState:
     embedding_group: str = None
     pair_groups: dict = field(default_factory=dict)      # peer global rank -> 2-rank group name
     sequence_parallel: bool = False                      # TP layers keep activations [s/tp, b, h]
+    cp_ulysses: int = 1                                  # cp = ring x ulysses (context_parallel.py)
+    cp_ulysses_group: str = None
+    cp_ring_group: str = None
+
+    @property
+    def dp_cp_rank(self):
+        """This rank's place in its dp_cp group (cp ranks adjacent): the distributed optimizer's shard."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def cp_ring(self):
+        return self.cp // self.cp_ulysses
 
     @property
     def is_first_stage(self):
@@ -114,13 +131,19 @@ def _use_group(kind, ranks):
     return name
 
 
-def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False):
-    """Build (or switch to) the layout tp x cp x dp x pp and return this rank's ParallelState."""
+def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses=None):
+    """Build (or switch to) the layout tp x cp x dp x pp and return this rank's ParallelState;
+    `ulysses` (default cp) is the Ulysses degree within cp (context_parallel.py)."""
     global _STATE
     world, rank = _world()
-    groups = rank_groups(world, tp, cp, pp)
+    ulysses = cp if ulysses is None else ulysses
+    groups = rank_groups(world, tp, cp, pp, ulysses)
     mine = {kind: next((g for g in gs if rank in g), None) for kind, gs in groups.items()
             if kind != "pp_pairs"}
+    # A CP subgroup that is the whole CP group is that group (no second communicator).
+    for kind in ("cp_ulysses", "cp_ring"):
+        if mine[kind] == mine["cp"]:
+            mine.pop(kind)
     names = {kind: _use_group(kind, g) for kind, g in mine.items() if g is not None}
     pairs = {next(r for r in g if r != rank): _use_group("pp_pair", g)
              for g in groups["pp_pairs"] if rank in g}
@@ -130,7 +153,8 @@ def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False):
         dp_rank=mine["dp"].index(rank), pp_rank=mine["pp"].index(rank),
         tp_group=names["tp"], cp_group=names["cp"], dp_group=names["dp"], pp_group=names["pp"],
         dp_cp_group=names["dp_cp"], mp_group=names["mp"], embedding_group=names.get("embedding"),
-        pair_groups=pairs, sequence_parallel=sequence_parallel)
+        pair_groups=pairs, sequence_parallel=sequence_parallel, cp_ulysses=ulysses,
+        cp_ulysses_group=names.get("cp_ulysses", names["cp"]), cp_ring_group=names.get("cp_ring", names["cp"]))
     return _STATE
 
 
@@ -250,6 +274,8 @@ class Collectives(nn.Cell):
             self.max = ops.AllReduce(ops.ReduceOp.MAX, group=group)
             self.gather = ops.AllGather(group=group)
             self.scatter = ops.ReduceScatter(group=group)
+            self.alltoall = {dims: ops.AlltoAll(size, dims[0], dims[1], group=group)
+                             for dims in ((2, 0), (0, 2))}       # Ulysses: [s, b, heads, d]
 
     def all_reduce(self, x):
         if self.size == 1:
@@ -279,6 +305,20 @@ class Collectives(nn.Cell):
             return out if dim == 0 else ops.cat(ops.chunk(out, self.size, 0), dim)
         pieces = [x if i == self.rank else ops.zeros_like(x) for i in range(self.size)]
         return self.sum(ops.cat(pieces, dim))
+
+    def all_to_all(self, x, scatter_dim, gather_dim):
+        """Piece j (of n) of x along scatter_dim goes to rank j; the pieces received are joined
+        along gather_dim in rank order: [.., n*a, .., c, ..] -> [.., a, .., n*c, ..]. On CPU an
+        all-gather along gather_dim then keeping this rank's piece of scatter_dim (n times the
+        traffic of a real all-to-all)."""
+        if self.size == 1:
+            return x
+        _record(self.kind, "all_to_all", x.shape, x.dtype)
+        scatter_dim, gather_dim = scatter_dim % x.ndim, gather_dim % x.ndim
+        if self.native:
+            return self.alltoall[(scatter_dim, gather_dim)](x)
+        whole = self._gather(x, gather_dim)
+        return ops.split(whole, x.shape[scatter_dim] // self.size, scatter_dim)[self.rank]
 
     def reduce_scatter(self, x, dim=0):
         """[.., n*d, ..] on each of n ranks -> this rank's [.., d, ..] slice of the sum."""
@@ -375,6 +415,14 @@ def _keep_own(c, x, dim):                 # [.., n*d, ..] -> [.., d, ..], no com
     return ops.split(x, x.shape[dim] // c.size, dim)[c.rank]
 
 
+def _sequence_to_heads(c, x, dim):        # [s/n, b, heads, d] -> [s, b, heads/n, d]
+    return c.all_to_all(x, 2, 0)
+
+
+def _heads_to_sequence(c, x, dim):        # [s, b, heads/n, d] -> [s/n, b, heads, d]
+    return c.all_to_all(x, 0, 2)
+
+
 # Megatron's names (megatron/core/tensor_parallel/mappings.py): (forward, backward, dim)
 MAPPINGS = {
     "copy_to_tensor_model_parallel_region": (_identity, _all_reduce, 0),                 # f
@@ -384,6 +432,9 @@ MAPPINGS = {
     "scatter_to_sequence_parallel_region": (_keep_own, _all_gather, 0),
     "gather_from_sequence_parallel_region": (_all_gather, _reduce_scatter, 0),           # f~
     "reduce_scatter_to_sequence_parallel_region": (_reduce_scatter, _all_gather, 0),     # g~
+    # DeepSpeed-Ulysses (context_parallel.py): each all-to-all's backward is the other one
+    "all_to_all_sequence_to_heads": (_sequence_to_heads, _heads_to_sequence, 0),
+    "all_to_all_heads_to_sequence": (_heads_to_sequence, _sequence_to_heads, 0),
 }
 
 

@@ -61,7 +61,7 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
 train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
 
 # ============================================================================ structure
-MODULES = ["config", "cli", "tokenizer", "data", "optimizer", "parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2",
+MODULES = ["config", "cli", "tokenizer", "data", "optimizer", "parallel", "context_parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2",
            "sample", "profiler", "train", "bench"]
 
 

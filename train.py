@@ -24,6 +24,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 import checkpoint
+import context_parallel
 import data
 import hf_gpt2
 import optimizer as opt
@@ -170,8 +171,8 @@ def build_optimizer(cfg, model, state=None):
                                    momentum=o.momentum, wd_mults=mults)
     if state is not None and t.use_distributed_optimizer and state.dp * state.cp > 1:
         optim = opt.DistributedOptimizer(make, [p for _, p in named], wd_mults, parallel.comm,
-                                         state.dp_cp_group, state.dp_rank + state.cp_rank * state.dp,
-                                         state.dp * state.cp, t.bucket_size)
+                                         state.dp_cp_group, state.dp_cp_rank, state.dp * state.cp, t.bucket_size,
+                                         mean_over=state.dp)
     else:
         optim = make([p for _, p in named], wd_mults)
     s = o.learning_rate_scheduler_kwargs
@@ -191,8 +192,11 @@ def build_optimizer(cfg, model, state=None):
 
 
 # ----------------------------------------------------------------------------- one step
-def to_tensors(batch):
-    """A numpy micro-batch -> model inputs (tokens, position_ids, attention_mask, labels, loss_mask)."""
+def to_tensors(batch, state=None):
+    """A numpy micro-batch -> model inputs (tokens, position_ids, attention_mask, labels, loss_mask),
+    with context parallelism this cp rank's share of the sequence."""
+    if state is not None:
+        batch = context_parallel.get_batch_on_this_cp_rank(batch, state)
     mask = batch.get("attention_mask")
     return (Tensor(batch["tokens"]), Tensor(batch["position_ids"]),
             None if mask is None else Tensor(mask), Tensor(batch["labels"]), Tensor(batch["loss_mask"]))
@@ -224,7 +228,7 @@ class Trainer:
         self.pipeline = (pipeline.PipelineRunner(self.chunks, self.state, self.compiled,
                                                  cfg.parallel_config.pipeline_schedule)
                          if self.state.pp > 1 else None)
-        seq = m.seq_length // self.state.tp if self.state.sequence_parallel else m.seq_length
+        seq = m.seq_length // self.state.cp // (self.state.tp if self.state.sequence_parallel else 1)
         self.hidden_shape = (seq, cfg.dataset_config.batch_size, m.hidden_size)   # one pipeline hop
         self.trace = None                 # a list: the next step records its passes' times
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
@@ -246,11 +250,11 @@ class Trainer:
         self.loss_weight = self.scaler.scale / m
         if self.pipeline is not None:
             dtype = DTYPES[self.cfg.model_config.compute_dtype]
-            return self.pipeline.run([to_tensors(b) for b in micro_batches], self.loss_weight,
+            return self.pipeline.run([to_tensors(b, self.state) for b in micro_batches], self.loss_weight,
                                      self.hidden_shape, dtype, trace=self.trace)
         losses, acc = [], None
         for batch in micro_batches:
-            loss, grads = self.grad_fn(*to_tensors(batch))
+            loss, grads = self.grad_fn(*to_tensors(batch, self.state))
             losses.append(float(loss.asnumpy()) / self.loss_weight)
             acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
         return losses, acc
@@ -342,7 +346,7 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
     it = data.MicroBatchIterator(dataset, d.batch_size, state.dp_rank, state.dp, consumed)
     losses = []
     for _ in range(iters):
-        batches = [to_tensors(b) for _, b in zip(range(d.micro_batch_num), it)]
+        batches = [to_tensors(b, state) for _, b in zip(range(d.micro_batch_num), it)]
         if runner is None:
             losses += [float(trainer.forward(*batch).asnumpy()) for batch in batches]
         elif len(batches) == d.micro_batch_num:       # a pipeline runs whole global batches
@@ -370,7 +374,7 @@ def pretrain(cfg):
     setup_mindspore(cfg)
     p = cfg.parallel_config
     state = parallel.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                               p.context_parallel_size, p.sequence_parallel)
+                                               p.context_parallel_size, p.sequence_parallel, p.ulysses_degree_in_cp)
     setup_logging(t.output_dir, state.rank, to_console=state.rank == loss_rank(state))
     if state.world_size > 1:
         log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp))

@@ -1,0 +1,163 @@
+"""Context parallelism: every micro-batch's sequence is split over the cp ranks of a group, and
+attention, the one place where tokens meet, is computed across them. Everything else in a layer
+(norms, MLP, dropout, residuals) works token by token and needs nothing. Three algorithms, named as
+MindSpeed names them (parallel_config.context_parallel_algo):
+
+  ulysses_cp_algo   DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all before core attention
+                    swaps the sequence split for a head split, so each rank attends over the whole
+                    sequence with 1/cp of the heads; a second all-to-all swaps back.
+  megatron_cp_algo  ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers";
+                    Megatron-core's context parallelism): each rank keeps its queries and meets the
+                    keys and values of every rank block by block; the partial softmaxes are merged
+                    by their log-sum-exp (online softmax, Milakov & Gimelshein 2018).
+  hybrid_cp_algo    USP (Fang & Zhao 2024, "A Unified Sequence Parallelism Approach"): Ulysses
+                    inside groups of ulysses_degree_in_cp adjacent cp ranks, the ring across them.
+One description covers all three: cp = ring x ulysses, cp_rank = ring_rank * ulysses + ulysses_rank
+(ulysses = cp: Ulysses alone; ulysses = 1: the ring alone).
+
+Which tokens a rank holds (get_batch_on_this_cp_rank): with a ring the sequence is cut into
+2 x ring chunks and ring rank r keeps chunks r and 2*ring-1-r. Under the causal mask a query attends
+only to earlier keys, so contiguous pieces would give the last rank ring times the work of the first;
+the zig-zag pairs an early chunk with a late one and every rank does the same work (Megatron's load
+balancing). Each Ulysses rank then keeps a contiguous 1/ulysses of that, so the Ulysses all-to-all
+gives back the ring rank's two chunks in order. Positions (absolute embeddings and RoPE) follow the
+tokens: position_ids are sliced with them.
+
+The ring, here: keys and values are all-gathered over the ring group (Megatron-core's
+cp_comm_type=all_gather) and then processed block by block, as a ring would receive them. On the
+CPU there is no send/recv and the pipeline's pairwise exchange (mint.distributed) cannot be
+compiled by ms.jit, while an all-gather can (an AllReduce on CPU) and its backward is a
+reduce-scatter. The price: each rank holds the whole sequence's K and V during a layer, where a
+true ring holds two blocks, and no transfer overlaps compute.
+"""
+import numpy as np
+import mindspore as ms
+from mindspore import nn, ops
+
+from parallel import Mapping
+
+F32 = ms.float32
+_scores = ops.BatchMatMul(transpose_b=True)            # q k^T without materialising k^T
+
+
+# ============================================================================ the split
+def cp_token_indices(seq_length, cp, cp_rank, ulysses):
+    """Positions [seq_length / cp] of the tokens that cp rank `cp_rank` holds (see above)."""
+    ring, ring_rank, ulysses_rank = cp // ulysses, cp_rank // ulysses, cp_rank % ulysses
+    positions = np.arange(seq_length)
+    if ring > 1:
+        chunks = np.split(positions, 2 * ring)
+        positions = np.concatenate([chunks[ring_rank], chunks[2 * ring - 1 - ring_rank]])
+    return np.split(positions, ulysses)[ulysses_rank]
+
+
+def get_batch_on_this_cp_rank(batch, state):
+    """Megatron's get_batch_on_this_cp_rank: tokens, labels, loss mask and position ids [b, s] ->
+    this rank's [b, s/cp]. An attention mask [b, 1, s, s] stays whole: only Ulysses takes one
+    (config.py refuses reset_attention_mask with a ring), and it attends over the whole sequence."""
+    if state.cp == 1:
+        return batch
+    keep = cp_token_indices(batch["tokens"].shape[1], state.cp, state.cp_rank, state.cp_ulysses)
+    return {k: v if k == "attention_mask" else v[:, keep] for k, v in batch.items()}
+
+
+def attention_work(seq_length, ring, balanced=True):
+    """Query-key pairs each ring rank computes under the causal mask (the attention work), with the
+    zig-zag split or with contiguous pieces: README's load-balance table."""
+    work = []
+    for r in range(ring):
+        mine = cp_token_indices(seq_length, ring, r, 1) if balanced else np.split(np.arange(seq_length), ring)[r]
+        work.append(int((mine + 1).sum()))             # the query at position p sees p + 1 keys
+    return work
+
+
+# ============================================================================ attention
+def attention_block(q, k, v, bias, dropout):
+    """One block of attention with its log-sum-exp: q [b, n, sq, d] (already scaled by 1/sqrt(d)),
+    k, v [b, n, sk, d], bias None or [b, n, sq, sk] -> (softmax(q k^T + bias) v [b, n, sq, d],
+    logsumexp of the scores [b, n, sq, 1]). The max only keeps exp in range (no gradient)."""
+    scores = _scores(q, k).astype(F32)
+    if bias is not None:
+        scores = scores + bias
+    top = ops.stop_gradient(scores.max(axis=-1, keepdims=True))
+    weights = ops.exp(scores - top)
+    total = weights.sum(-1, keepdims=True)
+    out = ops.bmm(dropout((weights / total).astype(q.dtype)), v)
+    return out, top + ops.log(total)
+
+
+def merge(a, b):
+    """Two attentions of the same queries over disjoint sets of keys -> the attention over both:
+    each weighted by its share exp(lse_i - lse) of the total softmax mass (online softmax)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    high = ops.maximum(lse_a, lse_b)
+    lse = high + ops.log(ops.exp(lse_a - high) + ops.exp(lse_b - high))
+    return ops.exp(lse_a - lse) * out_a + ops.exp(lse_b - lse) * out_b, lse
+
+
+def _halves(part, c):
+    """(out, lse) of 2c queries -> the same of the first c and of the last c queries."""
+    out, lse = part
+    return (out[:, :, :c], lse[:, :, :c]), (out[:, :, c:], lse[:, :, c:])
+
+
+class RingAttention(nn.Cell):
+    """Ring attention over the zig-zag split. This rank (ring rank r) holds queries, keys and values
+    of chunks r and 2R-1-r (c tokens each); ring rank j holds chunks j and 2R-1-j. Causally, chunk a
+    attends chunk b fully if b < a, with the causal mask if b == a, not at all if b > a, so against
+    rank j's block:
+      j == r: both local chunks, the local causal mask;
+      j <  r: both local chunks against chunk j only (2c x c);
+      j >  r: only local chunk 2R-1-r, against both of rank j's chunks (c x 2c).
+    Every rank computes the same number of scores; blocks that would be masked out are skipped."""
+
+    def __init__(self, core, state):
+        super().__init__()
+        self.core, self.ring, self.rank = core, state.cp_ring, state.cp_rank // state.cp_ulysses
+        # keys and values of the whole ring, rank order; backward: reduce-scatter of their gradients
+        self.gather_keys = Mapping("gather_from_sequence_parallel_region", state.cp_ring_group)
+        self.gather_values = Mapping("gather_from_sequence_parallel_region", state.cp_ring_group)
+
+    def construct(self, q, k, v, bias):
+        """q [S, b, n, d], k, v [S, b, g, d] (S = 2c local tokens), bias [b, n, S, S] the causal
+        mask of the local tokens -> context [S, b, n, d]."""
+        core, S = self.core, q.shape[0]
+        c = S // 2
+        keys, values = self.gather_keys(k), self.gather_values(v)             # [R*S, b, g, d]
+        q = core.to_heads(q * core.scale, 1)                                   # [b, n, S, d]
+        first = second = None                        # (out, lse) of local chunks r and 2R-1-r
+        for j in [self.rank] + [j for j in range(self.ring) if j != self.rank]:
+            k_j = core.to_heads(keys[j * S:(j + 1) * S], core.per_group)     # [b, n, S, d]
+            v_j = core.to_heads(values[j * S:(j + 1) * S], core.per_group)
+            if j == self.rank:
+                first, second = _halves(attention_block(q, k_j, v_j, bias, core.dropout), c)
+            elif j < self.rank:
+                a, b = _halves(attention_block(q, k_j[:, :, :c], v_j[:, :, :c], None, core.dropout), c)
+                first, second = merge(first, a), merge(second, b)
+            else:
+                second = merge(second, attention_block(q[:, :, c:], k_j, v_j, None, core.dropout))
+        return ops.cat((first[0], second[0]), 2).transpose(2, 0, 1, 3)         # [S, b, n, d]
+
+
+class ContextParallelAttention(nn.Cell):
+    """Core attention across the cp ranks: Ulysses all-to-alls (if ulysses > 1) around the ring
+    (if ring > 1) or around `core`, the one-sequence attention of gpt.py.
+    q [s/cp, b, n, d], k, v [s/cp, b, g, d] -> [s/cp, b, n, d] (n, g: this TP rank's heads)."""
+
+    def __init__(self, core, state):
+        super().__init__()
+        self.ulysses = state.cp_ulysses
+        if self.ulysses > 1:
+            group = state.cp_ulysses_group
+            self.scatter_q, self.scatter_k, self.scatter_v = (
+                Mapping("all_to_all_sequence_to_heads", group) for _ in range(3))
+            self.gather_context = Mapping("all_to_all_heads_to_sequence", group)
+        self.attend = RingAttention(core, state) if state.cp_ring > 1 else core
+
+    def construct(self, q, k, v, bias):
+        if self.ulysses > 1:       # heads and groups split in the same contiguous order: they stay paired
+            q, k, v = self.scatter_q(q), self.scatter_k(k), self.scatter_v(v)   # [s/ring, b, n/u, d]
+        context = self.attend(q, k, v, bias)
+        if self.ulysses > 1:
+            context = self.gather_context(context)                             # [s/cp, b, n, d]
+        return context
