@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 import zlib
+from types import SimpleNamespace
 from xml.etree import ElementTree
 
 import numpy as np
@@ -42,6 +43,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 import checkpoint
+import context_parallel
 import data
 import gpt
 import parallel
@@ -981,6 +983,50 @@ def test_gqa_with_one_group_per_head_equals_mha():
     np.testing.assert_array_equal(logits_of(mha, tokens), logits_of(gqa, tokens))
 
 
+def test_context_parallel_split_written_out():
+    """Which positions each cp rank holds, by hand for 16 tokens: Ulysses contiguous quarters...;
+    the ring's 2 x cp chunks of 4 zig-zagged (rank 0: chunks 0 and 3); hybrid ulysses 2 x ring 2:
+    ring rank 0 holds chunks 0 and 3, its two Ulysses ranks a contiguous half each."""
+    idx = lambda cp, rank, ulysses: context_parallel.cp_token_indices(16, cp, rank, ulysses).tolist()
+    r = lambda a, b: list(range(a, b))
+    assert [idx(2, k, 2) for k in range(2)] == [r(0, 8), r(8, 16)]
+    assert [idx(2, k, 1) for k in range(2)] == [r(0, 4) + r(12, 16), r(4, 12)]
+    assert [idx(4, k, 2) for k in range(4)] == [r(0, 4), r(12, 16), r(4, 8), r(8, 12)]
+    batch = {"tokens": np.arange(32).reshape(2, 16), "attention_mask": np.zeros((2, 1, 16, 16), bool)}
+    state = SimpleNamespace(cp=2, cp_rank=1, cp_ulysses=1)
+    part = context_parallel.get_batch_on_this_cp_rank(batch, state)
+    assert part["tokens"].tolist() == [r(4, 12), r(20, 28)] and part["attention_mask"].shape == (2, 1, 16, 16)
+
+
+def test_zig_zag_balances_the_causal_attention_work():
+    """Query-key pairs per ring rank under the causal mask, 8 tokens over 2 ranks, by hand:
+    contiguous halves 1+2+3+4 = 10 and 5+6+7+8 = 26; zig-zag (positions 0,1,6,7 and 2..5) 18 each."""
+    assert context_parallel.attention_work(8, 2, balanced=False) == [10, 26]
+    assert context_parallel.attention_work(8, 2) == [18, 18]
+    assert len(set(context_parallel.attention_work(64, 4))) == 1
+
+
+def test_online_softmax_merge_equals_one_softmax():
+    """Attention over keys split in two blocks, merged by log-sum-exp, equals softmax attention
+    over all keys, in value and in every gradient (ring attention's step)."""
+    q, k, v = (Tensor(rand(seed, 2, 3, 5, 4)) for seed in (1, 2, 3))
+    keep = lambda x: x
+
+    def whole(q, k, v):
+        return ops.bmm(ops.softmax(ops.BatchMatMul(transpose_b=True)(q, k), -1), v)
+
+    def merged(q, k, v):
+        a = context_parallel.attention_block(q, k[:, :, :2], v[:, :, :2], None, keep)
+        b = context_parallel.attention_block(q, k[:, :, 2:], v[:, :, 2:], None, keep)
+        return context_parallel.merge(a, b)[0]
+
+    np.testing.assert_allclose(merged(q, k, v).asnumpy(), whole(q, k, v).asnumpy(), atol=1e-5)
+    weights = Tensor(rand(4, 2, 3, 5, 4))
+    grads = [ms.grad(lambda *x: (f(*x) * weights).sum(), (0, 1, 2))(q, k, v) for f in (merged, whole)]
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), atol=1e-5)
+
+
 def test_init_is_megatron_and_layout_independent():
     cfg, model = tiny_model()
     w = {n: p.asnumpy() for n, p in model.parameters_and_names()}
@@ -1092,6 +1138,21 @@ BAD_CONFIGS = [
     (["--lr", "nan"], "optimizer_config.learning_rate must be a finite number >= 0, got nan"),
     (["--save-interval", "-1"], "training_config.save_interval must be >= 0 (0: no periodic saves)"),
     (["stray"], "unexpected argument 'stray'"),
+    (["--context-parallel-size", "2"], "world size 1 is not a multiple of tensor x context x pipeline parallel sizes = 2"),
+    (["--context-parallel-size", "3"], "model_config.num_attention_heads=8 is not divisible by tensor_model_parallel_size x "
+                                       "Ulysses degree = 1 x 3"),
+    (["--context-parallel-size", "2", "--group-query-attention", "--num-query-groups", "1"],
+     "model_config.num_query_groups=1 is not divisible by tensor_model_parallel_size x Ulysses degree = 1 x 2"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--seq-length", "126"],
+     "model_config.seq_length=126 is not divisible by 4: context parallelism cuts it into 2 x context_parallel_size chunks"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "130"],
+     "a cp rank's 65 tokens are not divisible by tensor_model_parallel_size=2, as sequence_parallel needs"),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "3"],
+     "parallel_config.ulysses_degree_in_cp=3: hybrid_cp_algo needs a divisor of context_parallel_size=4"),
+    (["--ulysses-degree-in-cp", "2"], "parallel_config.ulysses_degree_in_cp=2 is for context_parallel_algo=hybrid_cp_algo"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "ring"], "--cp-comm-type ring: use one of p2p, all_gather, a2a, a2a+p2p"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--reset-attention-mask"],
+     "dataset_config.reset_attention_mask does not work with ring attention (megatron_cp_algo)"),
     (["--profile", "--profile-step-start", "4", "--profile-step-end", "3"],
      "training_config.profile_step_end=3 must be after profile_step_start=4"),
     (["--profile", "--train-iters", "5", "--profile-step-end", "9"],
@@ -1971,7 +2032,7 @@ TOY_VOCAB, TOY_PADDED_VOCAB = 250, 256
 # Each check belongs to a family; pytest has one test per family (test_msrun_checks[column_...]).
 CHECK_FAMILIES = ["process_groups", "collectives", "column_parallel_linear", "row_parallel_linear",
                   "tensor_parallel_mlp", "sequence_parallel_mlp", "vocab_parallel_embedding", "mappings",
-                  "vocab_parallel_cross_entropy", "pipeline_gradients"]
+                  "vocab_parallel_cross_entropy", "layout_gradients"]
 
 
 class Checks:
@@ -2012,6 +2073,9 @@ def check_rank_groups(c):
     c("rank_groups(8, tp=2, cp=2, pp=1) dp_cp",
       rank_groups(8, 2, 2, 1)["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]])
     c("rank_groups(4, 1, 1, 4) pp_pairs", rank_groups(4, 1, 1, 4)["pp_pairs"] == [[0, 1], [1, 2], [2, 3], [3, 0]])
+    hybrid = rank_groups(8, 2, 4, 1, ulysses=2)      # cp groups [0,2,4,6] and [1,3,5,7]: ulysses 2 x ring 2
+    c("rank_groups(8, tp=2, cp=4, ulysses=2) cp_ulysses", hybrid["cp_ulysses"] == [[0, 2], [4, 6], [1, 3], [5, 7]])
+    c("rank_groups(8, tp=2, cp=4, ulysses=2) cp_ring", hybrid["cp_ring"] == [[0, 4], [2, 6], [1, 5], [3, 7]])
     try:
         rank_groups(6, 4, 1, 1)
         c("rank_groups(6, tp=4) raises ValueError", False)
@@ -2054,13 +2118,17 @@ def check_comm(c, state, kind, group):
     total = sum(x(r, 3, 2 * n, 4) for r in ranks)
     c.close(f"{kind} reduce_scatter dim 1", comm.reduce_scatter(Tensor(x(me, 3, 2 * n, 4)), group, 1),
             np.split(total, n, 1)[i])
+    pieces = [np.split(x(r, 2 * n, 3, 4), n, 0)[i] for r in ranks]   # rank r's piece i, joined on dim 2
+    c.close(f"{kind} all_to_all", parallel.collectives(group).all_to_all(Tensor(x(me, 2 * n, 3, 4)), 0, 2),
+            np.concatenate(pieces, 2))
     c.close(f"{kind} all_reduce sum", comm.all_reduce(t, group), sum(x(r, 2, 3, 4) for r in ranks))
     c.close(f"{kind} all_reduce max", comm.all_reduce(t, group, op="max"),
             np.max([x(r, 2, 3, 4) for r in ranks], 0))
     c.close(f"{kind} broadcast from {ranks[-1]}", comm.broadcast(t, ranks[-1], group), x(ranks[-1], 2, 3, 4))
     c(f"{kind} input unchanged", np.array_equal(t.asnumpy(), x(me, 2, 3, 4)))
     expected = {(kind, "all_gather"): (2, 2 * 96), (kind, "reduce_scatter"): (2, 2 * n * 96),
-                (kind, "all_reduce"): (2, 2 * 96), (kind, "broadcast"): (1, 96)}
+                (kind, "all_reduce"): (2, 2 * 96), (kind, "broadcast"): (1, 96),
+                (kind, "all_to_all"): (1, 2 * n * 96)}
     c(f"{kind} ledger", ledger.counts() == expected, f"{ledger.counts()} != {expected}")
     if state.rank == ranks[0] and kind == "tp":
         print(ledger.report(), flush=True)
@@ -2250,25 +2318,53 @@ TP2, SP, DISTOPT = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"
 PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
 VPP2, UNTIED = ["--virtual-pipeline-model-parallel-size", "2"], ["--untie-embeddings-and-output-weights"]
 UNEVEN = ["parallel_config.num_layer_list=[3,1]"]
-PIPELINE_CHECKS = {2: [("pp2", [], PP2), ("pp2 vpp2", [], PP2 + VPP2), ("pp2 untied", UNTIED, PP2),
-                       ("pp2 num_layer_list [3,1]", [], PP2 + UNEVEN)],
+# context parallelism: Megatron's and MindSpeed's flags; models with RoPE and GQA (8 heads, 4 groups)
+CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
+RING, HYBRID2 = ["--cp-comm-type", "p2p"], ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"]
+ROPE_GQA = ["--use-rotary-position-embeddings", "--num-attention-heads", "8", "--group-query-attention",
+            "--num-query-groups", "4"]
+DOCUMENTS = "documents"        # batches of several documents: reset position ids and attention mask
+GRADIENT_CHECKS = {2: [("pp2", [], PP2), ("pp2 vpp2", [], PP2 + VPP2), ("pp2 untied", UNTIED, PP2),
+                       ("pp2 num_layer_list [3,1]", [], PP2 + UNEVEN),
+                       ("cp2 ulysses, documents", ROPE_GQA + [DOCUMENTS], CP2), ("cp2 ring", ROPE_GQA, CP2 + RING)],
                    4: [("pp4", [], PP4), ("pp4 vpp2 8 layers", ["--num-layers", "8"], PP4 + VPP2),
-                       ("tp2 x pp2 sp", [], TP2 + PP2 + SP)]}
+                       ("tp2 x pp2 sp", [], TP2 + PP2 + SP), ("cp2 ulysses x tp2 sp", ROPE_GQA, CP2 + TP2 + SP),
+                       ("cp2 ring x pp2 vpp2", ROPE_GQA, CP2 + RING + PP2 + VPP2),
+                       ("cp4 hybrid (ulysses 2 x ring 2)", ROPE_GQA, CP4 + HYBRID2),
+                       ("cp2 ring x dp2 untied", ROPE_GQA + UNTIED, CP2 + RING)]}
 
 
-def check_pipeline(c, world):
-    """One step of each pipeline layout of PIPELINE_CHECKS[world] (4 micro-batches through the
-    schedule, then the tied-embedding and sequence-parallel reductions) against the one-process
-    model on the same micro-batches: each stage's losses, and every gradient of every rank
-    (its TP slice of the full gradient; the last stage's tied output layer that of the word
-    embedding), relative difference in norm below 1e-5."""
-    c.family = "pipeline_gradients"
+def check_batches(cfg, documents):
+    """4 micro-batches of 2 sequences; the first tokens of each are left out of the loss (so the cp
+    ranks hold different token counts); with `documents`, EOD tokens cut each sequence into
+    documents whose positions restart and which do not see each other (reset_* in Megatron)."""
+    batches = [random_batch(cfg, b=2, seed=i) for i in range(4)]
+    for batch in batches:
+        batch["loss_mask"][0, :3] = 0.0
+        if documents:
+            eod = 0
+            batch["tokens"][:, [5, 11]] = eod
+            parts = [data.get_ltor_masks_and_position_ids(t, eod, True, True, False) for t in batch["tokens"]]
+            batch["position_ids"] = np.stack([p[1] for p in parts])
+            batch["attention_mask"] = np.stack([p[2] for p in parts])
+    return batches
+
+
+def check_gradients(c, world):
+    """One step of each layout of GRADIENT_CHECKS[world] (4 micro-batches through the schedule,
+    then the tied-embedding, sequence-parallel and DP x CP reductions) against the one-process
+    model on the same micro-batches: each stage's losses, and every gradient of every rank (its
+    TP slice of the full gradient; the last stage's tied output layer that of the word
+    embedding), relative difference in norm below 1e-5. Every DP rank takes the same batches."""
+    c.family = "layout_gradients"
     tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
     config_path = os.path.join(HERE, "config.yaml")
-    for label, model_args, layout in PIPELINE_CHECKS.get(world, []):
+    for label, model_args, layout in GRADIENT_CHECKS.get(world, []):
+        documents = DOCUMENTS in model_args
+        model_args = [a for a in model_args if a != DOCUMENTS]
         ref_cfg = load_config(config_path, PIPELINE_CHECK_MODEL + model_args, world)
         [ref], _ = train.build_model(ref_cfg, tokenizer, parallel.initialize_model_parallel())
-        batches = [random_batch(ref_cfg, b=2, seed=i) for i in range(4)]
+        batches = check_batches(ref_cfg, documents)
         ref_names = [n for n, _ in ref.parameters_and_names()]
         grad_fn = ms.value_and_grad(lambda *inputs: ref(*inputs) / len(batches), None, list(ref.get_parameters()))
         ref_losses, ref_grads = [], {n: 0.0 for n in ref_names}
@@ -2280,7 +2376,7 @@ def check_pipeline(c, world):
         cfg = load_config(config_path, PIPELINE_CHECK_MODEL + model_args + layout, world)
         p = cfg.parallel_config
         state = parallel.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                                   sequence_parallel=p.sequence_parallel)
+                                                   p.context_parallel_size, p.sequence_parallel, p.ulysses_degree_in_cp)
         chunks, _ = train.build_model(cfg, tokenizer, state)
         trainer = train.Trainer(cfg, chunks, *train.build_optimizer(cfg, chunks), state)
         losses, grads = trainer.forward_backward(batches)
@@ -2318,9 +2414,9 @@ def run_checks(world):
             if group is not None and len(parallel.group_ranks(group)) > 1:
                 check_comm(c, state, kind, group)
         check_exchange(c, state)
-        if state.tp > 1:
+        if state.tp == world > 1:                      # the layers once per launch, split over all ranks
             check_layers(c, state)
-    check_pipeline(c, world)
+    check_gradients(c, world)
     print(f"[rank {state.rank}] {len(c.failed)} check(s) failed" if c.failed
           else f"[rank {state.rank}] all checks passed", flush=True)
     return c.failed
@@ -2346,19 +2442,23 @@ PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
 # every layout compiled by ms.jit, as in production
 PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1", "--eval-interval", "5"]
 REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_pp_untied": PIPELINE_RUN + UNTIED,
-              "one_pp8": PIPELINE_RUN + ["--num-layers", "8"]}      # one process, same model and data
+              "one_rope_gqa": ROPE_GQA}      # one process, same model and data
 TRACE = ["training_config.pipeline_trace=true"]
 LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP, "one"), "dp2": ([], "one"),
                "dp2_distopt": (DISTOPT, "one"), "pp2": (PIPELINE_RUN + PP2 + TRACE, "one_pp"),
                "pp2_vpp2": (PIPELINE_RUN + PP2 + VPP2, "one_pp"),
                "pp2_afab": (PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"], "one_pp"),
                "pp2_untied": (PIPELINE_RUN + UNTIED + PP2, "one_pp_untied"),
-               "pp2_num_layer_list": (PIPELINE_RUN + PP2 + UNEVEN, "one_pp")},
+               "pp2_num_layer_list": (PIPELINE_RUN + PP2 + UNEVEN, "one_pp"),
+               "cp2_ulysses": (ROPE_GQA + CP2, "one_rope_gqa"), "cp2_ring": (ROPE_GQA + CP2 + RING, "one_rope_gqa")},
            4: {"tp2_dp2_sp_distopt": (TP2 + SP + DISTOPT, "one"),
                "pp4": (PIPELINE_RUN + PP4, "one_pp"),
-               "pp4_vpp2": (PIPELINE_RUN + ["--num-layers", "8"] + PP4 + VPP2, "one_pp8"),
                "tp2_pp2_sp": (PIPELINE_RUN + TP2 + PP2 + SP, "one_pp"),
-               "dp2_pp2_distopt": (PIPELINE_RUN + PP2 + DISTOPT, "one_pp")}}
+               "dp2_pp2_distopt": (PIPELINE_RUN + PP2 + DISTOPT, "one_pp"),
+               "cp2_ulysses_tp2_sp": (ROPE_GQA + CP2 + TP2 + SP, "one_rope_gqa"),
+               "cp2_ring_pp2": (ROPE_GQA + CP2 + RING + PP2, "one_rope_gqa"),
+               "cp4_hybrid": (ROPE_GQA + CP4 + HYBRID2, "one_rope_gqa"),
+               "cp2_ring_dp2_distopt": (ROPE_GQA + CP2 + RING + DISTOPT, "one_rope_gqa")}}
 
 
 @pytest.fixture(scope="module")
@@ -2376,20 +2476,23 @@ def parallel_runs(tmp_path_factory):
         assert train.main(["convert", "--load", str(tmp / source), "--save", str(tmp / target), *layout]) == 0
 
     assert train.main([*common, "--save", str(tmp / "one_first"), *half]) == 0
+    assert train.main([*common, *ROPE_GQA, "--save", str(tmp / "one_rope_gqa_first"), *half]) == 0
     convert("one_first", "one_as_tp2_dp2", "--nproc", "4", *TP2, *DISTOPT)
+    convert("one_rope_gqa_first", "one_rope_gqa_as_cp2_dp2", "--nproc", "4", *CP2, *RING, *DISTOPT)
     launches = {}
     for world in (4, 2):
         layouts = LAYOUTS[world]
         runs = [[name, [*common, "--save", str(tmp / name), *args]] for name, (args, _) in layouts.items()]
         args = layouts[RESUMED[world]][0]
-        first, resumed = tmp / f"{RESUMED[world]}_first", tmp / f"{RESUMED[world]}_resumed"
-        stop = ["--exit-interval", "5"] if world == 4 else half       # TP2 x PP2: Megatron's --exit-interval
-        runs += [["first half", [*common, *args, "--save", str(first), *stop]],
-                 ["resumed", [*common, *args, "--load", str(first), "--save", str(resumed)]]]
-        for how, (flags, sigterm_step, _) in (STOPPED.items() if world == 4 else ()):
-            first, resumed = tmp / f"stopped_{how}", tmp / f"stopped_{how}_resumed"
-            runs += [[f"stopped by {how}", [*common, *args, "--save", str(first), *flags], sigterm_step],
-                     [f"{how}: resumed", [*common, *args, "--load", str(first), "--save", str(resumed)]]]
+        if world == 4:
+            previous = []
+            for name, flags, sigterm_step, _ in STOP_CHAIN:
+                runs.append([name, [*common, *args, *previous, "--save", str(tmp / name), *flags], sigterm_step])
+                previous = ["--load", str(tmp / name)]
+        else:
+            first, resumed = tmp / f"{RESUMED[world]}_first", tmp / f"{RESUMED[world]}_resumed"
+            runs += [["first half", [*common, *args, "--save", str(first), *half]],
+                     ["resumed", [*common, *args, "--load", str(first), "--save", str(resumed)]]]
         runs += [[run, [*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]]
                  for run, (source, _, _, args, workers) in CONVERTED.items() if workers == world]
         (tmp / f"runs{world}.json").write_text(json.dumps(runs))
@@ -2480,17 +2583,26 @@ def test_msrun_checks(parallel_runs, family):
 
 ALL_LAYOUTS = {name: spec for layouts in LAYOUTS.values() for name, spec in layouts.items()}
 RESUMED = {2: "dp2_distopt", 4: "tp2_pp2_sp"}      # stopped after 5 of the 10 steps, then resumed
-# TP2 x PP2 stopped as Megatron stops a job: (flags, the step during which rank 0 alone gets SIGTERM,
-# the step it stops after), then resumed
-STOPPED = {"exit_duration": (["--exit-duration-in-mins", "1e-9"], None, 1),
-           "signal": (["--exit-signal-handler"], 3, 3)}
-# run: (converted checkpoint of step 5, its source layout's full run, what changed, the new layout's
-# flags, workers); the convert command rewrites the checkpoint, the run resumes from it
+# TP2 x PP2 stopped as Megatron stops a job, each run resuming the one before (the last two are
+# RESUMED[4]): (run, flags, the step of the run during which rank 0 alone gets SIGTERM, the
+# iteration it stops after)
+STOP_CHAIN = [("stopped_exit_duration", ["--exit-duration-in-mins", "1e-9"], None, 1),
+              ("stopped_signal", ["--exit-signal-handler"], 2, 3),
+              ("tp2_pp2_sp_first", ["--exit-interval", "5"], None, 5),
+              ("tp2_pp2_sp_resumed", [], None, 10)]
+# run: (checkpoint of step 5 it resumes from, its source layout's full run, what changed, the new
+# layout's flags, workers); the convert command rewrote the checkpoint, except where the layouts
+# differ only in DP and CP without the distributed optimizer: the same files serve both
 CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one", "TP1 -> TP2 x DP2, distributed optimizer",
                                         TP2 + SP + DISTOPT, 4),
              "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_as_pp2_vpp2", "tp2_pp2_sp", "TP2 x PP2 -> PP2 with VPP2",
                                      PIPELINE_RUN + PP2 + VPP2, 2),
-             "tp2_pp2_to_one": ("tp2_pp2_as_one", "tp2_pp2_sp", "TP2 x PP2 -> one process", PIPELINE_RUN, 1)}
+             "tp2_pp2_to_one": ("tp2_pp2_as_one", "tp2_pp2_sp", "TP2 x PP2 -> one process", PIPELINE_RUN, 1),
+             "one_to_cp2_ring_dp2_distopt": ("one_rope_gqa_as_cp2_dp2", "one_rope_gqa",
+                                             "one process -> CP2 x DP2, distributed optimizer",
+                                             ROPE_GQA + CP2 + RING + DISTOPT, 4),
+             "one_to_cp2_ulysses": ("one_rope_gqa_first", "one_rope_gqa", "one process -> CP2, no conversion",
+                                    ROPE_GQA + CP2, 2)}
 
 
 @pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS))
@@ -2531,16 +2643,19 @@ def assert_same_checkpoints(a_dir, b_dir):
                 np.testing.assert_array_equal(a[key].asnumpy(), b[key].asnumpy(), err_msg=f"{file.name} {key}")
 
 
-@pytest.mark.parametrize("how", sorted(STOPPED))
-def test_parallel_stopped_job_resumes_bit_exact(parallel_runs, how):
-    """TP2 x PP2 stopped by --exit-duration-in-mins, or by SIGTERM on rank 0 alone (every rank stops
-    after the same step), then resumed: the losses of the run that never stopped, bit for bit."""
+@pytest.mark.parametrize("stop", range(len(STOP_CHAIN) - 1))
+def test_parallel_stopped_job_resumes_bit_exact(parallel_runs, stop):
+    """TP2 x PP2 stopped by --exit-duration-in-mins, by SIGTERM on rank 0 alone (every rank stops
+    after the same step) and by --exit-interval, each run resuming the one before: every stop
+    leaves its checkpoint and the losses are those of the run that never stopped, bit for bit."""
     tmp, _ = parallel_runs
-    stopped_at = STOPPED[how][2]
-    assert checkpoint.latest_iteration(str(tmp / f"stopped_{how}")) == stopped_at
-    assert losses_of(train_lines(tmp / f"stopped_{how}")) == losses_of(train_lines(tmp / "tp2_pp2_sp"))[:stopped_at]
-    assert losses_of(train_lines(tmp / f"stopped_{how}_resumed")) == losses_of(train_lines(tmp / "tp2_pp2_sp"))[stopped_at:]
-    assert_same_checkpoints(tmp / "tp2_pp2_sp" / "iter_0000010", tmp / f"stopped_{how}_resumed" / "iter_0000010")
+    full = losses_of(train_lines(tmp / "tp2_pp2_sp"))
+    name, _, _, stopped_at = STOP_CHAIN[stop]
+    begun_at = STOP_CHAIN[stop - 1][3] if stop else 0
+    assert checkpoint.latest_iteration(str(tmp / name)) == stopped_at
+    assert losses_of(train_lines(tmp / name)) == full[begun_at:stopped_at]
+    resumed, _, _, resumed_to = STOP_CHAIN[stop + 1]
+    assert losses_of(train_lines(tmp / resumed)) == full[stopped_at:resumed_to]
 
 
 @pytest.mark.parametrize("run", sorted(CONVERTED))
