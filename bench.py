@@ -11,6 +11,7 @@ this machine's speed drifts; the table gives each run's figures per round.
     one                one process, micro-batch 8
     tp2 / tp2_sp       2 msrun workers: TP2, and TP2 with sequence parallelism
     dp2 / pp2          2 msrun workers: DP2 (micro-batch 4 each); PP2 with 4 micro-batches of 2 (1F1B)
+    cp2 / cp2_ring     2 msrun workers: CP2, Ulysses and ring attention (128 tokens of each sequence each)
                        each against `one` (the same model and global batch)
     torch              the same GPT in PyTorch eager (`--torch /path/to/python-with-torch`; torch is
                        not a dependency: `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`)
@@ -43,6 +44,8 @@ LAYOUTS = {  # name: (workers, flags)
     "tp2_sp": (2, ["--micro-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "dp2": (2, ["--micro-batch-size", "4"]),
     "pp2": (2, ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "cp2": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2"]),
+    "cp2_ring": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
 }
 
 

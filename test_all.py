@@ -2068,7 +2068,8 @@ def check_rank_groups(c):
     expected = {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "cp": [[r] for r in range(8)],
                 "dp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": pp,
                 "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]], "mp": [[0, 1, 4, 5], [2, 3, 6, 7]],
-                "embedding": pp, "pp_pairs": pp}
+                "embedding": pp, "pp_pairs": pp, "cp_ulysses": [[r] for r in range(8)],
+                "cp_ring": [[r] for r in range(8)]}
     c("rank_groups(8, tp=2, cp=1, pp=2)", rank_groups(8, 2, 1, 2) == expected)
     c("rank_groups(8, tp=2, cp=2, pp=1) dp_cp",
       rank_groups(8, 2, 2, 1)["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]])
@@ -2128,7 +2129,7 @@ def check_comm(c, state, kind, group):
     c(f"{kind} input unchanged", np.array_equal(t.asnumpy(), x(me, 2, 3, 4)))
     expected = {(kind, "all_gather"): (2, 2 * 96), (kind, "reduce_scatter"): (2, 2 * n * 96),
                 (kind, "all_reduce"): (2, 2 * 96), (kind, "broadcast"): (1, 96),
-                (kind, "all_to_all"): (1, 2 * n * 96)}
+                (kind, "all_to_all"): (1, n * 96)}
     c(f"{kind} ledger", ledger.counts() == expected, f"{ledger.counts()} != {expected}")
     if state.rank == ranks[0] and kind == "tp":
         print(ledger.report(), flush=True)
@@ -2323,22 +2324,23 @@ CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 RING, HYBRID2 = ["--cp-comm-type", "p2p"], ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"]
 ROPE_GQA = ["--use-rotary-position-embeddings", "--num-attention-heads", "8", "--group-query-attention",
             "--num-query-groups", "4"]
+CP_CHECK = ROPE_GQA + ["--num-layers", "2"]       # gradient checks: 2 layers, 2 micro-batches
 DOCUMENTS = "documents"        # batches of several documents: reset position ids and attention mask
 GRADIENT_CHECKS = {2: [("pp2", [], PP2), ("pp2 vpp2", [], PP2 + VPP2), ("pp2 untied", UNTIED, PP2),
                        ("pp2 num_layer_list [3,1]", [], PP2 + UNEVEN),
-                       ("cp2 ulysses, documents", ROPE_GQA + [DOCUMENTS], CP2), ("cp2 ring", ROPE_GQA, CP2 + RING)],
+                       ("cp2 ulysses, documents", CP_CHECK + [DOCUMENTS], CP2), ("cp2 ring", CP_CHECK, CP2 + RING)],
                    4: [("pp4", [], PP4), ("pp4 vpp2 8 layers", ["--num-layers", "8"], PP4 + VPP2),
-                       ("tp2 x pp2 sp", [], TP2 + PP2 + SP), ("cp2 ulysses x tp2 sp", ROPE_GQA, CP2 + TP2 + SP),
+                       ("tp2 x pp2 sp", [], TP2 + PP2 + SP), ("cp2 ulysses x tp2 sp", CP_CHECK, CP2 + TP2 + SP),
                        ("cp2 ring x pp2 vpp2", ROPE_GQA, CP2 + RING + PP2 + VPP2),
-                       ("cp4 hybrid (ulysses 2 x ring 2)", ROPE_GQA, CP4 + HYBRID2),
-                       ("cp2 ring x dp2 untied", ROPE_GQA + UNTIED, CP2 + RING)]}
+                       ("cp4 hybrid (ulysses 2 x ring 2)", CP_CHECK, CP4 + HYBRID2),
+                       ("cp2 ring x dp2 untied", CP_CHECK + UNTIED, CP2 + RING)]}
 
 
-def check_batches(cfg, documents):
-    """4 micro-batches of 2 sequences; the first tokens of each are left out of the loss (so the cp
-    ranks hold different token counts); with `documents`, EOD tokens cut each sequence into
+def check_batches(cfg, count, documents):
+    """`count` micro-batches of 2 sequences; the first tokens of each are left out of the loss (so
+    the cp ranks hold different token counts); with `documents`, EOD tokens cut each sequence into
     documents whose positions restart and which do not see each other (reset_* in Megatron)."""
-    batches = [random_batch(cfg, b=2, seed=i) for i in range(4)]
+    batches = [random_batch(cfg, b=2, seed=i) for i in range(count)]
     for batch in batches:
         batch["loss_mask"][0, :3] = 0.0
         if documents:
@@ -2351,7 +2353,7 @@ def check_batches(cfg, documents):
 
 
 def check_gradients(c, world):
-    """One step of each layout of GRADIENT_CHECKS[world] (4 micro-batches through the schedule,
+    """One step of each layout of GRADIENT_CHECKS[world] (4 micro-batches through the schedule, 2 with CP,
     then the tied-embedding, sequence-parallel and DP x CP reductions) against the one-process
     model on the same micro-batches: each stage's losses, and every gradient of every rank (its
     TP slice of the full gradient; the last stage's tied output layer that of the word
@@ -2364,7 +2366,7 @@ def check_gradients(c, world):
         model_args = [a for a in model_args if a != DOCUMENTS]
         ref_cfg = load_config(config_path, PIPELINE_CHECK_MODEL + model_args, world)
         [ref], _ = train.build_model(ref_cfg, tokenizer, parallel.initialize_model_parallel())
-        batches = check_batches(ref_cfg, documents)
+        batches = check_batches(ref_cfg, 2 if "--context-parallel-size" in layout else 4, documents)
         ref_names = [n for n, _ in ref.parameters_and_names()]
         grad_fn = ms.value_and_grad(lambda *inputs: ref(*inputs) / len(batches), None, list(ref.get_parameters()))
         ref_losses, ref_grads = [], {n: 0.0 for n in ref_names}
@@ -2441,14 +2443,12 @@ PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
                 "training_config.log_comm_ledger=true"]
 # every layout compiled by ms.jit, as in production
 PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1", "--eval-interval", "5"]
-REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_pp_untied": PIPELINE_RUN + UNTIED,
-              "one_rope_gqa": ROPE_GQA}      # one process, same model and data
+REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_rope_gqa": ROPE_GQA}     # one process, same model and data
 TRACE = ["training_config.pipeline_trace=true"]
 LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP, "one"), "dp2": ([], "one"),
                "dp2_distopt": (DISTOPT, "one"), "pp2": (PIPELINE_RUN + PP2 + TRACE, "one_pp"),
                "pp2_vpp2": (PIPELINE_RUN + PP2 + VPP2, "one_pp"),
                "pp2_afab": (PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"], "one_pp"),
-               "pp2_untied": (PIPELINE_RUN + UNTIED + PP2, "one_pp_untied"),
                "pp2_num_layer_list": (PIPELINE_RUN + PP2 + UNEVEN, "one_pp"),
                "cp2_ulysses": (ROPE_GQA + CP2, "one_rope_gqa"), "cp2_ring": (ROPE_GQA + CP2 + RING, "one_rope_gqa")},
            4: {"tp2_dp2_sp_distopt": (TP2 + SP + DISTOPT, "one"),
@@ -2713,6 +2713,27 @@ def test_ledger_counts_match_the_formulas(parallel_runs):
     distopt = ledger_of(train_lines(tmp / "dp2_distopt", "comm: ")[1])
     assert distopt == {("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
                        ("dp_cp", "all_reduce"): 2}, distopt   # + norm over the shards, and the loss
+
+
+def test_context_parallel_ledger_matches_the_formulas(parallel_runs):
+    """Per step of L layers and m micro-batches, fp32, each cp rank holding q and the context
+    [s/cp, b, n, d] and k, v [s/cp, b, g, d]: Ulysses runs 4 all-to-alls per layer forward (q, k, v,
+    context) and 4 backward, of the same sizes; the ring all-gathers k and v forward and
+    reduce-scatters their gradients [s, b, g, d] backward; both sum the loss and the token count
+    over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP: the gradient bucket and the
+    logged loss."""
+    tmp, _ = parallel_runs
+    L, m, s, b, n, g, d, cp = 2, 2, 32, 4, 8, 4, 8, 2
+    q, kv = 4 * s // cp * b * n * d, 4 * s // cp * b * g * d
+    common = {("cp", "all_reduce"): (2 * m, 2 * m * 4), ("dp_cp", "all_reduce"): (2, None)}
+    ulysses = {("cp", "all_to_all"): (8 * m * L, 2 * m * L * (2 * q + 2 * kv)), **common}
+    ring = {("cp", "all_gather"): (2 * m * L, 2 * m * L * kv), ("cp", "reduce_scatter"): (2 * m * L, 2 * m * L * cp * kv),
+            **common}
+    for run, want in (("cp2_ulysses", ulysses), ("cp2_ring", ring)):
+        items = (i.split() for i in train_lines(tmp / run, "comm: ")[1].split(", ")[1:])
+        got = {(kind, op): (int(calls), int(nbytes) if want.get((kind, op), (0, 0))[1] is not None else None)
+               for kind, op, calls, nbytes in items}
+        assert got == want, (run, got)
 
 
 def test_two_msrun_launches_make_one_job(parallel_runs):
