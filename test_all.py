@@ -13,6 +13,8 @@ Sections, in the order of the modules' layers (each under a banner below):
               interrupted saves, generation from a checkpoint
   pipeline    pipeline.py: schedule orders (1F1B, interleaved, all-forward-all-backward), plans,
               bubble, layer split, refused layouts
+  memory      memory.py: parameters per stage by hand and against the model, activations, the
+              estimate against the measured peak, `plan`, presets, recompute and MindFormers keys
   parallel    parallel.py under msrun (2 and 4 workers): process groups, collectives, layers and
               mappings against their dense forms, one pytest test per check family
               (`pytest test_all.py -k column`); then every layout trained and compared with one
@@ -61,8 +63,8 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
 train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
 
 # ============================================================================ structure
-MODULES = ["config", "cli", "tokenizer", "data", "optimizer", "parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2",
-           "sample", "profiler", "train", "bench"]
+MODULES = ["config", "cli", "tokenizer", "data", "optimizer", "parallel", "gpt", "pipeline", "memory", "checkpoint",
+           "hf_gpt2", "sample", "profiler", "train", "bench"]
 
 
 def test_imports_go_one_way_and_only_at_the_top():
