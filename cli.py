@@ -116,8 +116,9 @@ MEGATRON_FLAGS = {
 }
 _MEGATRON_OPTIMIZER = {"adam": "AdamW", "sgd": "SGD"}   # Megatron's "adam" is AdamW
 
-# MindFormers' parallel keys (the GPT2-13B guide's run_gpt2_13b.yaml) -> this project's key, or a
-# one-line pointer to the key to use instead. In a YAML or as section.key=value.
+# MindFormers' parallel keys (the GPT2-13B guide's run_gpt2_13b.yaml) -> this project's key, or
+# (the one value that needs nothing here, a pointer to what to use instead). In a YAML or as
+# section.key=value.
 MINDFORMERS_KEYS = {
     "parallel_config.data_parallel": "parallel_config.data_parallel_size",
     "parallel_config.model_parallel": "parallel_config.tensor_model_parallel_size",
@@ -127,11 +128,17 @@ MINDFORMERS_KEYS = {
     "parallel_config.use_seq_parallel": "parallel_config.sequence_parallel",
     "recompute_config.recompute": "parallel_config.recompute",
     "recompute_config.select_recompute": "parallel_config.select_recompute",
-    "parallel_config.vocab_emb_dp": "the embedding is always split over the vocabulary by tensor parallelism "
-                                    "(Megatron's VocabParallelEmbedding); remove the key",
-    "parallel_config.gradient_aggregation_group": "gradients are reduced in buckets of "
-                                                  "training_config.bucket_size elements (--ddp-bucket-size); "
-                                                  "use that instead",
+    "parallel_config.vocab_emb_dp": (False, "the embedding is always split over the vocabulary by tensor "
+                                            "parallelism (Megatron's VocabParallelEmbedding); remove the key"),
+    "parallel_config.gradient_aggregation_group": (None, "gradients are reduced in buckets of "
+                                                         "training_config.bucket_size elements (--ddp-bucket-size); "
+                                                         "use that instead"),
+    "recompute_config.mp_comm_recompute": (False, "communication is not recomputed here; remove the key"),
+    "recompute_config.parallel_optimizer_comm_recompute": (False, "communication is not recomputed here; "
+                                                                  "remove the key"),
+    "recompute_config.recompute_slice_activation": (False, "a recomputed layer keeps its input as it receives "
+                                                           "it, [s/tp, b, h] under sequence parallelism "
+                                                           "(--sequence-parallel); remove the key"),
 }
 
 
@@ -149,15 +156,15 @@ def _set(tree, dotted, value):
 
 
 def _mindformers_target(dotted, value, where):
-    """This project's key for MindFormers' key `dotted`, or None when nothing is to be set
-    (vocab_emb_dp: false is what this project does); a key without a counterpart is refused with
-    its pointer, `where` naming the file or the command line."""
+    """This project's key for MindFormers' key `dotted`, or None when nothing is to be set (e.g.
+    vocab_emb_dp: false, which is what this project does); any other value of a key without a
+    counterpart is refused with its pointer, `where` naming the file or the command line."""
     target = MINDFORMERS_KEYS[dotted]
-    if " " not in target:
+    if isinstance(target, str):
         return target
-    if dotted.endswith(".vocab_emb_dp") and value is False:
+    if value is target[0]:
         return None
-    raise ConfigError(f"{where}: {dotted} (MindFormers) is not a key here: {target}")
+    raise ConfigError(f"{where}: {dotted}={value} (MindFormers) is not a key here: {target[1]}")
 
 
 def mindformers_keys(raw, where):
@@ -244,10 +251,12 @@ def _known(values, schema):
 
 
 def from_saved(saved, args=(), world_size=1):
-    """The config a checkpoint stored (to_dict), in a new layout: the parallel sizes and the
-    distributed optimizer back to their defaults, then `args` applied, derived and validated."""
+    """The config a checkpoint stored (to_dict), in a new layout: the parallel sizes, recompute and
+    the distributed optimizer back to their defaults, then `args` applied, derived and validated."""
     raw = {section: _known(saved.get(section), schema) for section, schema in SCHEMA.items()}
     raw["parallel_config"] = {}
+    for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        raw["model_config"].pop(key, None)              # the run's choice for its layout, not the model's
     raw["training_config"].pop("use_distributed_optimizer", None)
     if not raw["model_config"].get("group_query_attention"):
         raw["model_config"].pop("num_query_groups", None)       # derived: one group per head

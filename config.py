@@ -489,6 +489,7 @@ def _finalize_recompute(m, p):
     elif p.recompute not in (None, False):
         m.recompute_granularity = "full"
         m.recompute_method, m.recompute_num_layers = ("uniform", 1) if p.recompute is True else ("block", p.recompute)
+    p.recompute = p.select_recompute = None          # mapped: the run's config holds Megatron's keys alone
     where = "model_config.recompute_"
     if m.recompute_granularity is None:
         if megatron:

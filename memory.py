@@ -32,8 +32,8 @@ from config import ConfigError, padded_vocab_size
 from tokenizer import build_tokenizer
 
 BYTES = 4                                   # float32
-GB = 1024 ** 3
-MB = 1024 ** 2
+GIB = 1024 ** 3
+MIB = 1024 ** 2
 # MLP activation tensors the backward keeps, in units of [s, b, ffn/tp]: GELU keeps its input and
 # output (fc2's input); the written-out tanh form 0.5 x (1 + tanh(0.798 (x + 0.0447 x^3))) keeps
 # x, 0.0447 x, 0.0447 x^2, the tanh, 1 + tanh, 0.5 x and the output; SwiGLU keeps the gate, the
@@ -185,8 +185,9 @@ def chunk_activations(m, p, b, layers, embeds, has_loss, recomputed):
     if embeds:                                                    # token and position ids (int32)
         kept += 2 * b * m.seq_length // p.context_parallel_size + (x // sp if m.hidden_dropout_rate else 0)
     if has_loss:                                                  # final norm and output-layer inputs, logits and their softmax
-        kept += x // sp + x + 2 * b * m.seq_length * m.padded_vocab_size // (p.context_parallel_size
-                                                                              * p.tensor_model_parallel_size)
+        norm = 1 if m.normalization == "LayerNorm" else 2
+        kept += norm * x // sp + x + 2 * b * m.seq_length * m.padded_vocab_size // (p.context_parallel_size
+                                                                                     * p.tensor_model_parallel_size)
     return kept, working
 
 
@@ -221,20 +222,20 @@ def in_flight(cfg, rank):
 def stage_activations(cfg, rank):
     """Activation elements on a rank of pipeline stage `rank`: (kept, transient, in flight).
     kept: the in-flight chunk forwards times the largest chunk's kept activations (exact for
-    equal chunks). transient: the causal-mask bias tiled to [b, n/tp, s, s] once per forward
-    (gpt.GPTModel.construct), one layer's core-attention temporaries (CORE_TEMPORARIES) and the
-    gradients of one layer's kept tensors during its backward, plus the recompute working set."""
+    equal chunks). transient, beside them: the causal-mask bias tiled to [b, n/tp, s, s] once per
+    forward (gpt.GPTModel.construct), then the larger of two moments of the backward: the loss's,
+    with the logits' gradient [s, b, V/tp] (last stage), and a layer's, with its core attention's
+    temporaries (CORE_TEMPORARIES), the gradients of its kept tensors and the recompute working set."""
     m, p, b = cfg.model_config, cfg.parallel_config, cfg.dataset_config.batch_size
     chunks = [chunk_activations(m, p, b, *chunk, n)
               for chunk, n in zip(stage_chunks(m, p)[rank], recomputed_layers(m, p, rank))]
-    count = in_flight(cfg, rank)
-    rows = layer_activations(m, p, b)
-    cp, _, ring = cp_split(p)
-    scores = b * m.num_attention_heads * m.seq_length ** 2 // (p.tensor_model_parallel_size * cp)
+    tp, (cp, _, ring) = p.tensor_model_parallel_size, cp_split(p)
+    scores = b * m.num_attention_heads * m.seq_length ** 2 // (tp * cp)
     mask = scores // ring                                         # [b, n/(tp u), s/r, s/r]
-    layer = sum(e for _, e, _ in rows)
-    transient = mask + CORE_TEMPORARIES * scores + layer + max(w for _, w in chunks)
-    return count * max(k for k, _ in chunks), transient, count
+    layer = CORE_TEMPORARIES * scores + sum(e for _, e, _ in layer_activations(m, p, b)) + max(w for _, w in chunks)
+    logits = b * m.seq_length * m.padded_vocab_size // (cp * tp) if any(c[2] for c in stage_chunks(m, p)[rank]) else 0
+    count = in_flight(cfg, rank)
+    return count * max(k for k, _ in chunks), mask + max(layer, logits), count
 
 
 # ============================================================================ communication
@@ -319,13 +320,21 @@ def flops_per_iteration(cfg):
 # ============================================================================ per rank
 def stage_memory(cfg, rank):
     """Elements on a rank of pipeline stage `rank`: a namespace of parameters, gradients,
-    optimizer, activations (kept), transient, in_flight and peak (their sum)."""
+    optimizer, activations (kept), transient (see stage_activations), in_flight, dynamic (what
+    the step allocates: the larger of its two phases) and peak (weights + optimizer + dynamic).
+    The backward phase holds the activations and the gradients, twice P with several
+    micro-batches (their running sum and this micro-batch's); the update phase, activations gone,
+    holds 3P while a micro-batch's gradients are added to the sum (old sum, new, sum), else 2P
+    while clipping copies them (1P without clipping). The data-parallel reduction's flat buffers
+    (optimizer.GradBuffer) are not counted."""
     params = stage_parameters(cfg, rank)
     kept, transient, count = stage_activations(cfg, rank)
     optim = optimizer_elements(cfg, params)
+    several = cfg.dataset_config.micro_batch_num > 1
+    clip = bool(cfg.training_config.grad_clip_kwargs.clip_value)
+    dynamic = max((2 if several else 1) * params + kept + transient, (3 if several else 1 + clip) * params)
     return SimpleNamespace(parameters=params, gradients=params, optimizer=optim, activations=kept,
-                           transient=transient, in_flight=count,
-                           peak=2 * params + optim + kept + transient)
+                           transient=transient, in_flight=count, dynamic=dynamic, peak=params + optim + dynamic)
 
 
 def recompute_text(m):
@@ -337,11 +346,11 @@ def recompute_text(m):
 
 
 def gib(elements):
-    return f"{elements * BYTES / GB:.2f} GB"
+    return f"{elements * BYTES / GIB:.2f} GiB"
 
 
 def mib(elements):
-    return f"{elements * BYTES / MB:.1f} MB"
+    return f"{elements * BYTES / MIB:.1f} MiB"
 
 
 class RankReport:
@@ -349,8 +358,8 @@ class RankReport:
     Measured: the growth of this process's resident memory from just before the first step to
     its high-water mark (Linux VmHWM, reset then through /proc/self/clear_refs), so MindSpore's
     own few hundred MB, the data and the model built before the loop are left out; the estimate
-    to compare with it is gradients + activations + transient (weights and optimizer state exist
-    before the loop)."""
+    to compare with it is stage_memory's `dynamic` (weights and optimizer state exist before the
+    loop)."""
 
     def __init__(self, cfg, state, counted_parameters, optimizer_bytes):
         self.cfg, self.state = cfg, state
@@ -366,7 +375,7 @@ class RankReport:
                 if compiled else "")
         return (f"memory: estimate for rank {self.state.rank} (stage {self.state.pp_rank}): parameters "
                 f"{mem.parameters} (the model holds {self.counted}), weights {mib(mem.parameters)}, gradients "
-                f"{mib(mem.gradients)}, optimizer {mib(mem.optimizer)} (measured {self.optimizer_bytes / MB:.1f} MB), "
+                f"{mib(mem.gradients)}, optimizer {mib(mem.optimizer)} (measured {self.optimizer_bytes / MIB:.1f} MiB), "
                 f"activations {mib(mem.activations)} ({mem.in_flight} micro-batch(es) in flight, "
                 f"{recompute_text(m)}) + transient {mib(mem.transient)}, peak {mib(mem.peak)}{note}; "
                 f"FLOPs per iteration {model_flops:.3e} (+ recompute {extra:.3e})")
@@ -377,12 +386,10 @@ class RankReport:
         reset_peak()
 
     def measured(self):
-        mem = self.mem
-        growth = peak_rss_bytes() - self.start
-        estimate = (mem.gradients + mem.activations + mem.transient) * BYTES
-        return (f"memory: measured peak growth {growth / MB:.1f} MB (resident memory, from the first step), "
-                f"estimate {estimate / MB:.1f} MB (gradients + activations + transient), "
-                f"measured / estimate {growth / estimate:.2f}")
+        growth, estimate = peak_rss_bytes() - self.start, self.mem.dynamic * BYTES
+        return (f"memory: measured peak growth {growth / MIB:.1f} MiB (resident memory, from the first step), "
+                f"estimate {estimate / MIB:.1f} MiB (what the step allocates: gradients, activations, "
+                f"transient), measured / estimate {growth / estimate:.2f}")
 
 
 def _status(key):
@@ -410,11 +417,11 @@ def reset_peak():
 # ============================================================================ bash run.sh plan
 PLAN_FLAGS = {"--config": ("config.yaml", str, "the YAML (presets in configs/)"),
               "--world-size": (REQUIRED, int, "the number of ranks to plan for"),
-              "--memory-per-device": (None, float, "GB per device: list the layouts whose peak fits")}
+              "--memory-per-device": (None, float, "GiB per device: list the layouts whose peak fits")}
 
 
 def plan_main(argv):
-    """`bash run.sh plan [--config FILE] --world-size N [--memory-per-device GB] [training flags]`."""
+    """`bash run.sh plan [--config FILE] --world-size N [--memory-per-device GIB] [training flags]`."""
     v, rest = parse_command("plan", argv, PLAN_FLAGS, passthrough="training flags",
                             about="Memory, communication and FLOPs per rank of a layout, from the config "
                                   "alone: nothing is allocated, no worker started.")
@@ -451,7 +458,7 @@ def plan_lines(cfg, world):
     for rank in range(pp):
         comm = communication(cfg, rank)
         lines.append(f"plan: stage {rank} communication per step: " + (", ".join(
-            f"{kind} {op} x{calls} {nbytes / MB:.1f} MB" for (kind, op), (calls, nbytes) in sorted(comm.items()))
+            f"{kind} {op} x{calls} {nbytes / MIB:.1f} MiB" for (kind, op), (calls, nbytes) in sorted(comm.items()))
             or "none"))
     if cp > 1:
         lines.append("plan: context-parallel collectives are not counted yet")
@@ -464,10 +471,10 @@ def plan_lines(cfg, world):
     return lines
 
 
-def fit_lines(given, path, argv, world, gigabytes):
+def fit_lines(given, path, argv, world, gibibytes):
     """Every TP x PP layout of `world` ranks the config `given` admits (DP the rest, CP, the micro-
     batch and the global batch as given; a num_layer_list only at its own pipeline size), with its
-    largest stage's peak against `gigabytes` per device, smallest peak first."""
+    largest stage's peak against `gibibytes` per device, smallest peak first."""
     rows = []
     for tp in range(1, world + 1):
         for pp in range(1, world // tp + 1):
@@ -484,9 +491,9 @@ def fit_lines(given, path, argv, world, gigabytes):
             except ConfigError:
                 continue                                          # the model cannot be cut so
             cfg.model_config.padded_vocab_size = vocab_rows(cfg)
-            peak = max(stage_memory(cfg, r).peak for r in range(pp)) * BYTES / GB
+            peak = max(stage_memory(cfg, r).peak for r in range(pp)) * BYTES / GIB
             rows.append((peak, f"TP{tp} x PP{pp} x DP{cfg.parallel_config.data_parallel_size}"))
-    lines = [f"plan: layouts of {world} ranks by peak per device (--memory-per-device {gigabytes:g} GB):"]
-    lines += [f"plan:   {name:22s} peak {peak:9.2f} GB  {'fits' if peak <= gigabytes else 'does not fit'}"
+    lines = [f"plan: layouts of {world} ranks by peak per device (--memory-per-device {gibibytes:g} GiB):"]
+    lines += [f"plan:   {name:22s} peak {peak:9.2f} GiB  {'fits' if peak <= gibibytes else 'does not fit'}"
               for peak, name in sorted(rows)]
     return lines
