@@ -466,6 +466,21 @@ def stage_layer_counts(p, m):
     return [c if isinstance(c, list) else [c] for c in p.num_layer_list]
 
 
+def recompute_counts(p, m):
+    """Per pipeline stage, for each of its model chunks, how many layers full recompute rebuilds
+    (after _finalize_recompute): uniform, all of them (in groups of recompute_num_layers); block,
+    the first recompute_num_layers (a number, or a list per stage or per stage and chunk); none
+    without full recompute. E.g. [[2, 0], [1, 1]] for block [[2, 0], [1, 1]] over 2 stages x 2 chunks."""
+    counts, n = stage_layer_counts(p, m), m.recompute_num_layers
+    if m.recompute_granularity != "full":
+        return [[0] * len(c) for c in counts]
+    if m.recompute_method == "uniform":
+        return counts
+    if isinstance(n, list):
+        return [c if isinstance(c, list) else [c] for c in n]
+    return [[n] * len(c) for c in counts]
+
+
 def _finalize_recompute(m, p):
     """The guide's parallel_config.recompute / select_recompute mapped onto Megatron's
     model_config.recompute_granularity, recompute_method and recompute_num_layers, then Megatron's

@@ -21,14 +21,12 @@ master weight and two moments); here 16, or 8 + 12 / (dp x cp) with the distribu
 """
 import math
 import re
-import resource
-import sys
 from types import SimpleNamespace
 
 import gpt
 import pipeline
 from cli import REQUIRED, load_config, parse_command
-from config import ConfigError, padded_vocab_size
+from config import ConfigError, padded_vocab_size, recompute_counts
 from tokenizer import build_tokenizer
 
 BYTES = 4                                   # float32
@@ -191,21 +189,6 @@ def chunk_activations(m, p, b, layers, embeds, has_loss, recomputed):
     return kept, working
 
 
-def recomputed_layers(m, p, rank):
-    """Per chunk of pipeline rank `rank`, the layers full recompute recomputes (block: the first N
-    of the chunk, N per stage and chunk from a list; uniform: all)."""
-    chunks = stage_chunks(m, p)[rank]
-    n = m.recompute_num_layers
-    if m.recompute_granularity != "full":
-        return [0] * len(chunks)
-    if m.recompute_method == "uniform":
-        return [layers for layers, _, _ in chunks]
-    if isinstance(n, list):
-        per_stage = n[rank]
-        return per_stage if isinstance(per_stage, list) else [per_stage]
-    return [n] * len(chunks)
-
-
 def in_flight(cfg, rank):
     """Micro-batches whose activations pipeline rank `rank` holds at once: the peak of its
     schedule (1F1B: min(p - rank, m); interleaved: Megatron's warmup; afab: m), counted in model
@@ -228,7 +211,7 @@ def stage_activations(cfg, rank):
     temporaries (CORE_TEMPORARIES), the gradients of its kept tensors and the recompute working set."""
     m, p, b = cfg.model_config, cfg.parallel_config, cfg.dataset_config.batch_size
     chunks = [chunk_activations(m, p, b, *chunk, n)
-              for chunk, n in zip(stage_chunks(m, p)[rank], recomputed_layers(m, p, rank))]
+              for chunk, n in zip(stage_chunks(m, p)[rank], recompute_counts(p, m)[rank])]
     tp, (cp, _, ring) = p.tensor_model_parallel_size, cp_split(p)
     scores = b * m.num_attention_heads * m.seq_length ** 2 // (tp * cp)
     mask = scores // ring                                         # [b, n/(tp u), s/r, s/r]
@@ -313,7 +296,7 @@ def flops_per_iteration(cfg):
     per_layer = gpt.num_floating_point_operations(one_more, batch) - model
     if m.recompute_granularity == "selective":
         return model, m.num_layers * 4 * batch * m.seq_length ** 2 * m.hidden_size
-    recomputed = sum(sum(recomputed_layers(m, p, r)) for r in range(p.pipeline_model_parallel_size))
+    recomputed = sum(sum(chunks) for chunks in recompute_counts(p, m))
     return model, recomputed * per_layer / 3
 
 
@@ -393,6 +376,7 @@ class RankReport:
 
 
 def _status(key):
+    """A size in bytes from /proc/self/status (given there in KiB)."""
     with open("/proc/self/status") as f:
         return int(re.search(rf"{key}:\s+(\d+)", f.read()).group(1)) * 1024
 
@@ -403,9 +387,9 @@ def rss_bytes():
 
 
 def peak_rss_bytes():
-    """The resident high-water mark since the last reset_peak (else since the start; getrusage's
-    ru_maxrss cannot be reset)."""
-    return _status("VmHWM") if sys.platform.startswith("linux") else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The resident high-water mark since the last reset_peak (Linux; getrusage's ru_maxrss
+    cannot be reset)."""
+    return _status("VmHWM")
 
 
 def reset_peak():
@@ -472,8 +456,9 @@ def plan_lines(cfg, world):
 
 
 def fit_lines(given, path, argv, world, gibibytes):
-    """Every TP x PP layout of `world` ranks the config `given` admits (DP the rest, CP, the micro-
-    batch and the global batch as given; a num_layer_list only at its own pipeline size), with its
+    """Every TP x PP layout of `world` ranks the config `given` admits (DP the rest, whatever
+    data_parallel_size says; CP, the micro-batch size and the global batch, or the micro-batch
+    count, as given; a num_layer_list only at its own pipeline size), with its
     largest stage's peak against `gibibytes` per device, smallest peak first."""
     rows = []
     for tp in range(1, world + 1):
@@ -481,7 +466,7 @@ def fit_lines(given, path, argv, world, gibibytes):
             if world % (tp * pp):
                 continue
             layout = [f"parallel_config.tensor_model_parallel_size={tp}",
-                      f"parallel_config.pipeline_model_parallel_size={pp}"]
+                      f"parallel_config.pipeline_model_parallel_size={pp}", "parallel_config.data_parallel_size=null"]
             if tp == 1:
                 layout.append("parallel_config.sequence_parallel=false")
             if pp != given.parallel_config.pipeline_model_parallel_size:

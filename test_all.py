@@ -53,7 +53,7 @@ import pipeline
 import sample
 import train
 from cli import MEGATRON_FLAGS, load_config
-from config import ConfigError, padded_vocab_size
+from config import ConfigError, padded_vocab_size, recompute_counts
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
 from gpt import DropoutRNG, GPTModel, generate, init_weights
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
@@ -2263,20 +2263,23 @@ def test_recompute_keys_follow_megatrons_rules(args, message, capsys, tmp_path):
 def test_recompute_keys_map_the_guides_and_megatrons_flags():
     """The guide's parallel_config.recompute (true: every layer; N: the first N of each stage; a list:
     per stage) and select_recompute onto Megatron's model_config.recompute_* (Megatron's flags
-    set those directly)."""
+    set those directly); recompute_counts gives the layers rebuilt per stage and chunk."""
     def keys(world, *args):
-        m = load_config(os.path.join(HERE, "config.yaml"), list(args), world).model_config
-        return m.recompute_granularity, m.recompute_method, m.recompute_num_layers
-    assert keys(1) == (None, None, None)
-    assert keys(1, "parallel_config.recompute=true") == ("full", "uniform", 1)
-    assert keys(1, "parallel_config.recompute=2") == ("full", "block", 2)
-    assert keys(2, "parallel_config.recompute=[2,1]", "--pipeline-model-parallel-size", "2") == ("full", "block", [2, 1])
+        cfg = load_config(os.path.join(HERE, "config.yaml"), list(args), world)
+        m = cfg.model_config
+        return m.recompute_granularity, m.recompute_method, m.recompute_num_layers, recompute_counts(cfg.parallel_config, m)
+    assert keys(1) == (None, None, None, [[0]])
+    assert keys(1, "parallel_config.recompute=true") == ("full", "uniform", 1, [[4]])
+    assert keys(1, "parallel_config.recompute=2") == ("full", "block", 2, [[2]])
+    assert keys(2, "parallel_config.recompute=[2,1]", "--pipeline-model-parallel-size", "2") == \
+        ("full", "block", [2, 1], [[2], [1]])
     assert keys(2, "parallel_config.recompute=[[1,0],[1,1]]", "--pipeline-model-parallel-size", "2",
-                "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "16") == ("full", "block", [[1, 0], [1, 1]])
-    assert keys(1, "parallel_config.select_recompute=true") == ("selective", None, None)
-    assert keys(1, "--recompute-activations") == ("selective", None, None)
+                "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "16") == \
+        ("full", "block", [[1, 0], [1, 1]], [[1, 0], [1, 1]])
+    assert keys(1, "parallel_config.select_recompute=true") == ("selective", None, None, [[0]])
+    assert keys(1, "--recompute-activations") == ("selective", None, None, [[0]])
     assert keys(1, "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
-                "2") == ("full", "uniform", 2)
+                "2") == ("full", "uniform", 2, [[4]])
 
 
 def test_mindformers_keys_are_mapped_or_refused(tmp_path, capsys):
