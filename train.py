@@ -398,8 +398,8 @@ def pretrain(cfg):
         path = os.path.join(t.output_dir, "effective_config.yaml")
         checkpoint.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
         log.info(f"config: {path}")
-    report = memory.RankReport(cfg, state, n_params, optimizer.state_bytes())
-    log.info(report.startup(trainer.compiled))
+    estimate = memory.RankReport(cfg, state, n_params, optimizer.state_bytes())
+    log.info(estimate.startup(trainer.compiled))
     log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
              + (": dropout inside" if t.use_jit else ""))
     if trainer.pipeline is not None:
@@ -413,7 +413,7 @@ def pretrain(cfg):
     profiler = StepProfiler(cfg, state.rank)
     window_loss, window_steps, window_timed, window_start = 0.0, 0, 0, time.perf_counter()
     first_iteration = iteration + 1
-    report.begin()                                    # the measured peak counts from here
+    estimate.begin()                                  # the measured peak counts from here
     while iteration < t.training_iters:
         epoch = it.consumed_samples // samples_per_epoch
         if t.pipeline_trace and trainer.pipeline is not None and iteration + 1 == t.training_iters:
@@ -458,7 +458,7 @@ def pretrain(cfg):
                 checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
             log.info(f"exiting at iteration {iteration}: {reason}; continue with --load {t.output_dir}")
             return trainer.chunks
-    log.info(report.measured())
+    log.info(estimate.measured())
     if iteration > last_saved:                        # at the end, unless nothing was trained
         checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
     if test_ds is not None and t.eval_iters:
