@@ -149,8 +149,8 @@ def layer_activations(m, p, b):
             ("softmax output [b, n/tp, s, s]", scores, True),
             ("proj input [s, b, h/tp]", x // tp, False),
             ("MLP activations [s, b, ffn/tp]", MLP_KEPT[m.hidden_act] * x * m.ffn_hidden_size // (h * tp), False)]
-    if m.position_embedding_type == "rope":                       # x and the rotated half, times cos and sin
-        rows.append(("q and k before and after RoPE [s, b, n + g, h/n]", 2 * (n + g) * x // (n * tp), False))
+    if m.position_embedding_type == "rope":                       # x cos + rotate_half(x) sin keeps both factors
+        rows.append(("q and k and their rotated halves (RoPE) [s, b, n + g, h/n]", 2 * (n + g) * x // (n * tp), False))
     if m.attention_dropout_rate:
         rows.append(("attention dropout mask and output [b, n/tp, s, s]", 2 * scores, True))
     if m.hidden_dropout_rate:
