@@ -43,6 +43,10 @@ MEGATRON_FLAGS = {
     "--init-method-std": "model_config.init_method_std",
     "--no-attention-softmax-in-fp32": ("model_config.attention_softmax_in_fp32", False),
     "--fp32-residual-connection": ("model_config.fp32_residual_connection", True),
+    "--recompute-granularity": "model_config.recompute_granularity",
+    "--recompute-method": "model_config.recompute_method",
+    "--recompute-num-layers": "model_config.recompute_num_layers",
+    "--recompute-activations": ("model_config.recompute_granularity", "selective"),   # Megatron's shorthand
     "--micro-batch-size": "dataset_config.batch_size",
     "--global-batch-size": "dataset_config.global_batch_size",
     "--data-path": "dataset_config.data_path",
@@ -118,6 +122,31 @@ _MEGATRON_OPTIMIZER = {"adam": "AdamW", "sgd": "SGD"}   # Megatron's "adam" is A
 _CP_COMM_TYPES = {"p2p": "megatron_cp_algo", "all_gather": "megatron_cp_algo", "a2a": "ulysses_cp_algo",
                   "a2a+p2p": "hybrid_cp_algo"}
 
+# MindFormers' parallel keys (the GPT2-13B guide's run_gpt2_13b.yaml) -> this project's key, or
+# (the one value that needs nothing here, a pointer to what to use instead). In a YAML or as
+# section.key=value.
+MINDFORMERS_KEYS = {
+    "parallel_config.data_parallel": "parallel_config.data_parallel_size",
+    "parallel_config.model_parallel": "parallel_config.tensor_model_parallel_size",
+    "parallel_config.pipeline_stage": "parallel_config.pipeline_model_parallel_size",
+    "parallel_config.micro_batch_num": "dataset_config.micro_batch_num",
+    "parallel_config.optimizer_shard": "training_config.use_distributed_optimizer",
+    "parallel_config.use_seq_parallel": "parallel_config.sequence_parallel",
+    "recompute_config.recompute": "parallel_config.recompute",
+    "recompute_config.select_recompute": "parallel_config.select_recompute",
+    "parallel_config.vocab_emb_dp": (False, "the embedding is always split over the vocabulary by tensor "
+                                            "parallelism (Megatron's VocabParallelEmbedding); remove the key"),
+    "parallel_config.gradient_aggregation_group": (None, "gradients are reduced in buckets of "
+                                                         "training_config.bucket_size elements (--ddp-bucket-size); "
+                                                         "use that instead"),
+    "recompute_config.mp_comm_recompute": (False, "communication is not recomputed here; remove the key"),
+    "recompute_config.parallel_optimizer_comm_recompute": (False, "communication is not recomputed here; "
+                                                                  "remove the key"),
+    "recompute_config.recompute_slice_activation": (False, "a recomputed layer keeps its input as it receives "
+                                                           "it, [s/tp, b, h] under sequence parallelism "
+                                                           "(--sequence-parallel); remove the key"),
+}
+
 
 def _set(tree, dotted, value):
     *parents, leaf = dotted.split(".")
@@ -130,6 +159,34 @@ def _set(tree, dotted, value):
         node[int(leaf)] = value
     else:
         node[leaf] = value
+
+
+def _mindformers_target(dotted, value, where):
+    """This project's key for MindFormers' key `dotted`, or None when nothing is to be set (e.g.
+    vocab_emb_dp: false, which is what this project does); any other value of a key without a
+    counterpart is refused with its pointer, `where` naming the file or the command line."""
+    target = MINDFORMERS_KEYS[dotted]
+    if isinstance(target, str):
+        return target
+    if value is target[0]:
+        return None
+    raise ConfigError(f"{where}: {dotted}={value} (MindFormers) is not a key here: {target[1]}")
+
+
+def mindformers_keys(raw, where):
+    """Move MindFormers' keys in the raw YAML tree `raw` onto this project's (MINDFORMERS_KEYS)."""
+    for dotted in MINDFORMERS_KEYS:
+        section, key = dotted.split(".")
+        values = raw.get(section)
+        if not isinstance(values, dict) or key not in values:
+            continue
+        value = values.pop(key)
+        if section not in SCHEMA and not values:
+            raw.pop(section)                              # recompute_config: MindFormers' own section
+        target = _mindformers_target(dotted, value, where)
+        if target:
+            _set(raw, target, value)
+    return raw
 
 
 def parse_overrides(args, raw):
@@ -173,6 +230,10 @@ def parse_overrides(args, raw):
             _set(raw, target, value)
         elif "=" in arg:
             key, _, text = arg.partition("=")
+            if key in MINDFORMERS_KEYS:
+                key = _mindformers_target(key, yaml.safe_load(text), "command line")
+                if key is None:
+                    continue
             keys = set(all_keys())
             if key not in keys:
                 raise ConfigError(f"unknown key {key}{suggest(key, keys)}")
@@ -200,10 +261,12 @@ def _known(values, schema):
 
 
 def from_saved(saved, args=(), world_size=1):
-    """The config a checkpoint stored (to_dict), in a new layout: the parallel sizes and the
-    distributed optimizer back to their defaults, then `args` applied, derived and validated."""
+    """The config a checkpoint stored (to_dict), in a new layout: the parallel sizes, recompute and
+    the distributed optimizer back to their defaults, then `args` applied, derived and validated."""
     raw = {section: _known(saved.get(section), schema) for section, schema in SCHEMA.items()}
     raw["parallel_config"] = {}
+    for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        raw["model_config"].pop(key, None)              # the run's choice for its layout, not the model's
     raw["training_config"].pop("use_distributed_optimizer", None)
     if not raw["model_config"].get("group_query_attention"):
         raw["model_config"].pop("num_query_groups", None)       # derived: one group per head
@@ -283,7 +346,7 @@ def training_help():
     """`bash run.sh --help`: the commands, then every Megatron flag with its YAML key and default."""
     lines = ["usage: bash run.sh [--nproc N] [--config FILE] [Megatron flags] [section.key=VALUE ...]   train",
              "       bash run.sh COMMAND [flags]   COMMAND: test, bench, preprocess, generate, convert, import-hf,",
-             "                                     export-hf (bash run.sh COMMAND --help)",
+             "                                     export-hf, plan (bash run.sh COMMAND --help)",
              "--config FILE is layered over the project's config.yaml (FILE's keys replace config.yaml's); the",
              "defaults below are the schema's (config.py), which config.yaml overrides; every key can also be",
              "set as section.key=VALUE.",
@@ -315,6 +378,7 @@ def read_yaml(path):
         raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of the sections {', '.join(SCHEMA)}, got {raw!r:.40}")
+    mindformers_keys(raw, path)
     for section in raw:
         if section not in SCHEMA:
             raise ConfigError(f"{path}: unknown section {section}{suggest(section, SCHEMA)}")

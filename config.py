@@ -83,6 +83,12 @@ SCHEMA = {
         "num_layer_list": (None, list, None),
         "sequence_parallel": (False, bool, None),
         "pipeline_schedule": ("1f1b", str, ("1f1b", "afab")),   # afab: all forward, all backward (GPipe)
+        "data_parallel_size": (None, int, None),      # null = world / (tp x cp x pp); if given, checked against it
+        # the guide's recompute keys, mapped onto model_config.recompute_* (see _finalize_recompute):
+        # true = every layer (full, uniform, 1); N = the first N layers of each stage (full, block);
+        # a list = per stage (or per stage and chunk, as num_layer_list) the layers recomputed
+        "recompute": (None, (bool, int, list), None),
+        "select_recompute": (None, (bool, list), None),  # true = selective: the core attention of every layer
     },
     "model_config": {
         "num_layers": (4, int, None),
@@ -114,6 +120,12 @@ SCHEMA = {
         "fp32_residual_connection": (False, bool, None),
         "params_dtype": ("float32", str, ("float32", "float16", "bfloat16")),
         "compute_dtype": ("float32", str, ("float32", "float16", "bfloat16")),
+        # Megatron's activation recompute (--recompute-granularity/-method/-num-layers): full recomputes
+        # whole layers from their kept input, selective only the core attention (scores, softmax,
+        # dropout, weighted sum); checked by Megatron's rules in _finalize_recompute
+        "recompute_granularity": (None, str, ("full", "selective")),
+        "recompute_method": (None, str, ("uniform", "block")),    # uniform: groups of N; block: first N per stage
+        "recompute_num_layers": (None, (int, list), None),        # block also takes a per-stage list
     },
     "dataset_config": {
         "data_path": ("data/tinyshakespeare_text_document", str, None),
@@ -183,8 +195,9 @@ def _check_value(path, value, spec):
         value = float(value)
     if typ is int and isinstance(value, float) and value.is_integer():
         value = int(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"{path}: expected {typ.__name__}, got {value!r}")
+    kinds = typ if isinstance(typ, tuple) else (typ,)          # a key may take several types
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ConfigError(f"{path}: expected {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
     if choices and value not in choices:
         raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(str, choices))}"
                           + suggest(str(value), map(str, choices)))
@@ -401,6 +414,7 @@ def _finalize_parallel(p, m, d, world_size):
                                      "context_parallel_size"])
     _check_context_parallel(p, m, d)
     _check_pipeline(p, m)
+    _finalize_recompute(m, p)
     tp = p.tensor_model_parallel_size
     for k in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         if getattr(m, k) % tp:
@@ -425,6 +439,10 @@ def _finalize_parallel(p, m, d, world_size):
         raise ConfigError(f"world size {world_size} is not a multiple of tensor x context x pipeline "
                           f"parallel sizes = {model_parallel}: change --nproc or the parallel sizes")
     dp = world_size // model_parallel
+    if p.data_parallel_size not in (None, dp):
+        raise ConfigError(f"parallel_config.data_parallel_size={p.data_parallel_size}, but world size {world_size} / "
+                          f"(tensor x context x pipeline parallel sizes {model_parallel}) = {dp}: the data-parallel "
+                          "size follows from the number of workers; change --nproc or leave it null")
     per_step = d.batch_size * dp
     if d.global_batch_size is not None:
         if d.global_batch_size % per_step:
@@ -471,6 +489,91 @@ def _check_context_parallel(p, m, d):
     if ring > 1 and d.reset_attention_mask:
         raise ConfigError("dataset_config.reset_attention_mask does not work with ring attention "
                           f"({algo}): use context_parallel_algo=ulysses_cp_algo, or reset_position_ids alone")
+
+
+def stage_layer_counts(p, m):
+    """Per pipeline stage, the layers of each of its model chunks (after _check_pipeline), e.g.
+    [[2, 2], [2, 2]] for 8 layers, pp 2, vpp 2; [[3], [1]] for num_layer_list [3, 1]."""
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    if p.num_layer_list is None:
+        return [[m.num_layers // (pp * vpp)] * vpp for _ in range(pp)]
+    return [c if isinstance(c, list) else [c] for c in p.num_layer_list]
+
+
+def recompute_counts(p, m):
+    """Per pipeline stage, for each of its model chunks, how many layers full recompute rebuilds
+    (after _finalize_recompute): uniform, all of them (in groups of recompute_num_layers); block,
+    the first recompute_num_layers (a number, or a list per stage or per stage and chunk); none
+    without full recompute. E.g. [[2, 0], [1, 1]] for block [[2, 0], [1, 1]] over 2 stages x 2 chunks."""
+    counts, n = stage_layer_counts(p, m), m.recompute_num_layers
+    if m.recompute_granularity != "full":
+        return [[0] * len(c) for c in counts]
+    if m.recompute_method == "uniform":
+        return counts
+    if isinstance(n, list):
+        return [c if isinstance(c, list) else [c] for c in n]
+    return [[n] * len(c) for c in counts]
+
+
+def _finalize_recompute(m, p):
+    """The guide's parallel_config.recompute / select_recompute mapped onto Megatron's
+    model_config.recompute_granularity, recompute_method and recompute_num_layers, then Megatron's
+    rules for them (megatron/core/transformer/transformer_config.py, training/arguments.py):
+    selective takes no method and no count; full needs a method and recompute_num_layers, which
+    for uniform divides the layers of every stage (and chunk) and for block is at most their number."""
+    guide = [k for k in ("recompute", "select_recompute") if getattr(p, k) not in (None, False)]
+    megatron = [k for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")
+                if getattr(m, k) is not None]
+    if guide and megatron:
+        raise ConfigError(f"parallel_config.{guide[0]} and model_config.{megatron[0]} both set recompute: give the "
+                          "guide's parallel_config keys or Megatron's model_config.recompute_* keys, not both")
+    if len(guide) == 2:
+        raise ConfigError("parallel_config.recompute and select_recompute are both set: a run has one granularity, "
+                          "full (recompute) or selective (select_recompute)")
+    if p.select_recompute not in (None, False):
+        if p.select_recompute is not True:
+            raise ConfigError(f"parallel_config.select_recompute={p.select_recompute}: per-stage lists are not "
+                              "supported; give true (the core attention of every layer is recomputed)")
+        m.recompute_granularity = "selective"
+    elif p.recompute not in (None, False):
+        m.recompute_granularity = "full"
+        m.recompute_method, m.recompute_num_layers = ("uniform", 1) if p.recompute is True else ("block", p.recompute)
+    p.recompute = p.select_recompute = None          # mapped: the run's config holds Megatron's keys alone
+    where = "model_config.recompute_"
+    if m.recompute_granularity is None:
+        if megatron:
+            raise ConfigError(f"model_config.{megatron[0]} needs {where}granularity=full (--recompute-granularity)")
+        return
+    if m.recompute_granularity == "selective":
+        if m.recompute_method is not None or m.recompute_num_layers is not None:
+            raise ConfigError(f"{where}granularity=selective takes no recompute_method or recompute_num_layers "
+                              "(Megatron): it recomputes the core attention of every layer; remove them")
+        return
+    n, counts = m.recompute_num_layers, stage_layer_counts(p, m)
+    if m.recompute_method is None:
+        raise ConfigError(f"{where}granularity=full needs {where}method uniform or block (--recompute-method)")
+    if n is None:
+        raise ConfigError(f"{where}granularity=full needs {where}num_layers (--recompute-num-layers), between 1 "
+                          f"and the {min(min(c) for c in counts)} layers of a pipeline stage")
+    if isinstance(n, list):
+        nested = all(isinstance(c, list) for c in n)
+        shaped = [c if nested else [c] for c in n]
+        if (m.recompute_method != "block" or [len(c) for c in shaped] != [len(c) for c in counts]
+                or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= total
+                           for c, cc in zip(shaped, counts) for k, total in zip(c, cc))):
+            raise ConfigError(f"{where}num_layers={n}: a list takes recompute_method=block and gives per pipeline "
+                              f"stage (or per stage and chunk) at most its layers {counts}")
+        return
+    if n < 1:
+        raise ConfigError(f"{where}num_layers={n} must be at least 1")
+    for stage, chunk_counts in enumerate(counts):
+        for layers in chunk_counts:
+            if m.recompute_method == "uniform" and layers % n:
+                raise ConfigError(f"{where}num_layers={n} does not divide the {layers} layers of pipeline stage "
+                                  f"{stage}: uniform recomputes them in groups of {n}")
+            if m.recompute_method == "block" and n > layers:
+                raise ConfigError(f"{where}num_layers={n} exceeds the {layers} layers of pipeline stage {stage}: "
+                                  "block recomputes the first N layers of each stage")
 
 
 def _finalize_training(t):

@@ -7,6 +7,8 @@
 #   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
 #   bash run.sh convert|import-hf|export-hf ...   checkpoints between layouts, and to and from Hugging Face GPT-2
 #   bash run.sh bench ...         tokens/s of one process and the 2-worker layouts, alternating (bench.py)
+#   bash run.sh plan ...          --world-size N [--config FILE] [--memory-per-device GB]: memory,
+#                                 communication and FLOPs per rank, nothing allocated (memory.py)
 #   bash run.sh --nproc 1         the same model and data in one process (about 6 minutes)
 #   bash run.sh [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]   train
 set -euo pipefail
@@ -33,7 +35,7 @@ case "${1:-}" in
     shift
     exec python -m pytest test_all.py "$@"
     ;;
-  preprocess|generate|convert|import-hf|export-hf)
+  preprocess|generate|convert|import-hf|export-hf|plan)
     exec python train.py "$@"
     ;;
   bench)

@@ -13,6 +13,8 @@ Sections, in the order of the modules' layers (each under a banner below):
               interrupted saves, generation from a checkpoint
   pipeline    pipeline.py: schedule orders (1F1B, interleaved, all-forward-all-backward), plans,
               bubble, layer split, refused layouts
+  memory      memory.py: parameters per stage by hand and against the model, activations, the
+              estimate against the measured peak, `plan`, presets, recompute and MindFormers keys
   parallel    parallel.py under msrun (2 and 4 workers): process groups, collectives, layers and
               mappings against their dense forms, one pytest test per check family
               (`pytest test_all.py -k column`); then every layout trained and compared with one
@@ -42,16 +44,18 @@ import yaml
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
+import bench
 import checkpoint
 import context_parallel
 import data
 import gpt
+import memory
 import parallel
 import pipeline
 import sample
 import train
 from cli import MEGATRON_FLAGS, load_config
-from config import ConfigError, padded_vocab_size
+from config import ConfigError, padded_vocab_size, recompute_counts
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
 from gpt import DropoutRNG, GPTModel, generate, init_weights
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
@@ -63,8 +67,8 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
 train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
 
 # ============================================================================ structure
-MODULES = ["config", "cli", "tokenizer", "data", "optimizer", "parallel", "context_parallel", "gpt", "pipeline", "checkpoint", "hf_gpt2",
-           "sample", "profiler", "train", "bench"]
+MODULES = ["config", "cli", "tokenizer", "data", "optimizer", "parallel", "context_parallel", "gpt", "pipeline", "memory",
+           "checkpoint", "hf_gpt2", "sample", "profiler", "train", "bench"]
 
 
 def test_imports_go_one_way_and_only_at_the_top():
@@ -2058,6 +2062,311 @@ class Checks:
 
 def rand(seed, *shape):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- memory and plan
+# memory.py and `bash run.sh plan`: counts written out here from the architecture, checked
+# against the formulas, the model's own parameters and, for activations, the measured peak.
+PLAN_TINY = ["--num-layers", "4", "--hidden-size", "8", "--ffn-hidden-size", "16", "--num-attention-heads", "2",
+             "--seq-length", "16", "--tokenizer-type", "ByteTokenizer"]
+
+
+def plan_lines(capsys, *argv):
+    assert train.main(["plan", *argv]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_plan_counts_a_small_models_parameters_per_stage_by_hand(capsys):
+    """4 layers, hidden 8, 2 heads, ffn 16, biases, LayerNorm, absolute positions over 16 tokens,
+    tied embeddings, the byte vocabulary (257) padded to 384 rows; TP2 x PP2, counted by hand."""
+    h, f, v, s = 8, 16, 384, 16
+    layer = {"two LayerNorms": 2 * 2 * h, "qkv": h * 3 * h + 3 * h, "proj": h * h + h,
+             "fc1": h * f + f, "fc2": f * h + h}
+    # on a TP rank: qkv and fc1 (weights and biases) and proj's and fc2's weights are halved; the
+    # norms and proj's and fc2's biases (added after the reduction) are whole
+    per_tp_rank = (layer["two LayerNorms"] + layer["qkv"] // 2 + h * h // 2 + h + layer["fc1"] // 2
+                   + f * h // 2 + h)
+    assert (sum(layer.values()), per_tp_rank) == (600, 324)
+    total = 4 * 600 + v * h + s * h + 2 * h              # + word and position embeddings, final norm
+    stage0 = 2 * per_tp_rank + v * h // 2 + s * h        # layers 0-1, half the vocabulary, positions
+    stage1 = 2 * per_tp_rank + 2 * h + v * h // 2        # layers 2-3, final norm, the tied output-layer copy
+    out = plan_lines(capsys, *PLAN_TINY, "--world-size", "4", "--tensor-model-parallel-size", "2",
+                     "--pipeline-model-parallel-size", "2")
+    assert out[0].startswith(f"plan: parameters {total} (")
+    assert [l.split(" (")[0] for l in out if " parameters per rank " in l] == [
+        f"plan: stage 0 parameters per rank {stage0}", f"plan: stage 1 parameters per rank {stage1}"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_memory_parameter_counts_equal_the_models_own(variant):
+    """Per stage and TP rank, the formula's parameters equal those of the chunks the rank builds
+    (checkpoint.build_rank_chunks), for every architecture option and TP, PP, VPP and an uneven
+    layer split; each stage's rank holds them, and one process holds total_parameters."""
+    for tp, pp, layout in ((1, 1, []), (2, 2, []), (1, 2, ["--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "16"]),
+                           (2, 2, ["parallel_config.num_layer_list=[3,1]"])):
+        cfg = load_config(os.path.join(HERE, "config.yaml"), [*PLAN_TINY, "--hidden-size", "64",
+                          "--num-attention-heads", "4", *VARIANTS[variant], "--tensor-model-parallel-size", str(tp),
+                          "--pipeline-model-parallel-size", str(pp), *layout], tp * pp)
+        m, p = cfg.model_config, cfg.parallel_config
+        m.padded_vocab_size = padded_vocab_size(m, 257)
+        for stage in range(pp):
+            for tp_rank in range(tp):
+                chunks = checkpoint.build_rank_chunks(m, tp, pp, tp_rank, stage, p.virtual_pipeline_model_parallel_size,
+                                                      p.num_layer_list)
+                held = sum(int(np.prod(q.shape)) for c in chunks for q in c.get_parameters())
+                assert memory.stage_parameters(cfg, stage) == held, (variant, tp, pp, layout, stage)
+        if tp == pp == 1:
+            assert memory.total_parameters(m) == held
+
+
+def test_memory_activations_per_layer_by_hand():
+    """One layer, micro-batch b = 2, s = 16, h = 8, 2 heads, ffn 16, TP2 with SP, gelu_tanh; x = b s h
+    = 256 (the layer's hidden states), scores b n s^2 / tp = 512. Then recompute, the pipeline's
+    micro-batches in flight, and the context-parallel terms (a hand-set cp: loading cp > 1 comes
+    with issue 14)."""
+    cfg = load_config(os.path.join(HERE, "config.yaml"), [*PLAN_TINY, "--micro-batch-size", "2",
+                      "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)
+    m, p = cfg.model_config, cfg.parallel_config
+    x, scores = 2 * 16 * 8, 2 * 2 * 16 * 16 // 2
+    layer = (2 * x // 2            # input and pre-MLP LayerNorm inputs, [s/tp, b, h] under SP
+             + 2 * x               # qkv and fc1 inputs, all-gathered to [s, b, h]
+             + 3 * x // 2          # q (scaled), k, v of this rank's head
+             + scores              # softmax output
+             + x // 2              # proj input
+             + 7 * 2 * 16 * 16 // 2)  # gelu_tanh's seven [s, b, ffn/tp] tensors
+    assert sum(e for _, e, _ in memory.layer_activations(m, p, 2)) == layer == 3584
+    core = 3 * x // 2 + scores
+    chunk = (4, False, False, 0)                          # 4 layers, neither first nor last chunk
+    assert memory.chunk_activations(m, p, 2, *chunk) == (4 * layer, 0)
+    m.recompute_granularity = "selective"                 # keeps q, k, v instead of the core attention
+    assert memory.chunk_activations(m, p, 2, *chunk) == (4 * (layer - core + 3 * x // 2), core)
+    m.recompute_granularity, m.recompute_method, m.recompute_num_layers = "full", "uniform", 2
+    assert memory.chunk_activations(m, p, 2, *chunk) == (2 * x // 2, 2 * layer)   # 2 groups' inputs kept
+    m.recompute_method, m.recompute_num_layers = "block", 1
+    assert memory.chunk_activations(m, p, 2, 4, False, False, 1) == (x // 2 + 3 * layer, layer)
+    m.recompute_granularity = m.recompute_method = m.recompute_num_layers = None
+    p.context_parallel_size = p.ulysses_degree_in_cp = 2  # Ulysses: every term halves
+    assert sum(e for _, e, _ in memory.layer_activations(m, p, 2)) == layer // 2
+    p.ulysses_degree_in_cp = 1                            # the ring: k and v of the whole sequence
+    assert sum(e for _, e, _ in memory.layer_activations(m, p, 2)) == layer // 2 + 2 * (x // 2) // 2
+    pp2 = load_config(os.path.join(HERE, "config.yaml"), [*PLAN_TINY, "--pipeline-model-parallel-size", "2",
+                      "--micro-batch-size", "2", "--global-batch-size", "8"], 2)
+    assert [memory.in_flight(pp2, r) for r in (0, 1)] == [2, 1]         # 1F1B: min(p - rank, m)
+    pp2.parallel_config.pipeline_schedule = "afab"
+    assert [memory.in_flight(pp2, r) for r in (0, 1)] == [4, 4]         # every micro-batch
+    pp2.parallel_config.pipeline_schedule = "1f1b"
+    pp2.model_config.padded_vocab_size = 384
+    kept, _, count = memory.stage_activations(pp2, 0)
+    assert (count, kept) == (2, 2 * memory.chunk_activations(pp2.model_config, pp2.parallel_config, 2, 2, True, False, 0)[0])
+
+
+def test_memory_estimate_matches_the_measured_peak(tmp_path):
+    """A run whose memory is mostly activations (6 layers, 8 heads over 256 tokens, op by op): the
+    growth of resident memory from the first step to its peak is within 25% of the estimate of
+    what the step allocates (measured 0.91-1.21 over nine configurations, README)."""
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "train.py", "--mock-data", "--vocab-size", "256", "--tokenizer-type",
+                             "NullTokenizer", "--no-jit", "--num-layers", "6", "--hidden-size", "64",
+                             "--ffn-hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+                             "--micro-batch-size", "8", "--train-iters", "2", "--eval-iters", "0", "--save", str(out)],
+                            cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    start = next(l for l in result.stdout.splitlines() if l.startswith("memory: estimate for rank 0"))
+    counted, held = re.search(r"parameters (\d+) \(the model holds (\d+)\)", start).groups()
+    assert counted == held
+    gradients, activations = (float(re.search(rf"{k} ([0-9.]+) MiB", start).group(1)) for k in ("gradients", "activations"))
+    assert activations > 20 * gradients                           # activations dominate
+    end = next(l for l in result.stdout.splitlines() if l.startswith("memory: measured peak growth"))
+    ratio = float(end.rsplit(" ", 1)[1])
+    assert 0.75 <= ratio <= 1.25, end
+
+
+def test_plan_allocates_nothing_and_prints_the_readme_output(tmp_path, capsys):
+    """`plan` of PanGu 38B on 128 ranks builds no model and no process group, and its process stays
+    small (MindSpore imported, nothing allocated: well under one stage's 4.9 GiB of weights). Its
+    output is README's, line for line."""
+    script = ("import sys, gpt, memory, parallel, train\n"
+              "def refuse(*a, **k): raise AssertionError('plan built a model or process groups')\n"
+              "gpt.GPTModel.__init__ = parallel.initialize_model_parallel = refuse\n"
+              "code = train.main(['plan', '--config', 'configs/pangu_38b.yaml', '--world-size', '128',"
+              " '--memory-per-device', '64'])\n"
+              "print('resident peak', memory.peak_rss_bytes()); sys.exit(code)\n")
+    started = time.time()
+    result = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert time.time() - started < 60
+    # VmHWM, this process's own (getrusage's maxrss keeps the forking pytest's across exec)
+    assert int(result.stdout.split("resident peak ")[1]) < 1024 ** 3
+    readme = open(os.path.join(HERE, "README.md")).read()
+    lines = plan_lines(capsys, "--config", "configs/pangu_38b.yaml", "--world-size", "128")
+    assert [l for l in lines if " parameters per rank " in l][3].startswith("plan: stage 3 parameters per rank ")
+    missing = [l for l in lines if l not in readme]
+    assert not missing, missing
+
+
+def test_plan_help_and_one_line_errors(capsys):
+    assert train.main(["plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: bash run.sh plan --world-size VALUE") and "  --memory-per-device " in out
+    for argv, message in ((["plan"], "error: plan needs --world-size (bash run.sh plan --help)"),
+                          (["plan", "--world-size", "0"], "error: plan needs --world-size N, the number of ranks"),
+                          (["plan", "--world-size", "2", "--bogus", "1"], "error: unknown flag --bogus"),
+                          (["plan", "--world-size", "3", "--tensor-model-parallel-size", "2"],
+                           "error: world size 3 is not a multiple of tensor x context x pipeline parallel sizes = 2")):
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(message), err
+
+
+def test_plan_lists_the_layouts_that_fit(capsys):
+    """--memory-per-device: every TP x PP layout of the world size that the model admits, by peak."""
+    out = plan_lines(capsys, *PLAN_TINY, "--world-size", "4", "--memory-per-device", "0.0001")
+    layouts = [l.split()[1] for l in out if l.startswith("plan:   TP")]
+    assert sorted(layouts) == ["TP1", "TP1", "TP1", "TP2", "TP2"]   # TP4 cannot split 2 heads; PP3 4 layers
+    assert sum("peak" in l and " fits" in l for l in out) == 0 and "does not fit" in out[-1]
+    peaks = [float(re.search(r"peak +([0-9.]+) GiB", l).group(1)) for l in out if l.startswith("plan:   TP")]
+    assert peaks == sorted(peaks)
+
+
+def test_plan_communication_follows_the_ledger_formulas():
+    """Calls per step as test_ledger_counts_match_the_formulas counts them (L = 2 layers, m = 2
+    micro-batches), and the bytes of DP2's gradient all-reduce and logged loss that README's
+    ledger table measured for the bench shape (17,094,660 B: 4.27M parameters and 4 bytes)."""
+    L, m = 2, 2
+
+    def calls(world, *args):
+        cfg = load_config(os.path.join(HERE, "config.yaml"), [*PLAN_TINY, "--num-layers", str(L), "--micro-batch-size",
+                          "2", "--global-batch-size", str(2 * m * world), *args], 2 * world)
+        cfg.model_config.padded_vocab_size = 384
+        return {k: c for k, (c, _) in memory.communication(cfg, 0).items()}
+    assert calls(1, "--tensor-model-parallel-size", "2") == {("tp", "all_reduce"): m * (4 * L + 5), ("mp", "all_reduce"): 1}
+    assert calls(1, "--tensor-model-parallel-size", "2", "--sequence-parallel") == {
+        ("tp", "all_reduce"): m * 4 + 6 * L + 2, ("tp", "all_gather"): m * (4 * L + 2),
+        ("tp", "reduce_scatter"): m * (4 * L + 1), ("mp", "all_reduce"): 1}
+    assert calls(1) == {("dp_cp", "all_reduce"): 2}
+    assert calls(1, "--use-distributed-optimizer") == {("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
+                                                       ("dp_cp", "all_reduce"): 2}
+    shape = load_config(os.path.join(HERE, "config.yaml"), [*bench.MODEL, "--micro-batch-size", "8",
+                        "--global-batch-size", "16"], 2)
+    shape.model_config.padded_vocab_size = memory.vocab_rows(shape)
+    assert memory.communication(shape, 0) == {("dp_cp", "all_reduce"): (2, 17_094_660)}
+
+
+def test_plan_flops_add_the_recomputed_forward():
+    """Recompute adds forward passes: full, a third of each recomputed layer's forward + backward
+    (the model's FLOPs without the output layer's 6 B s h V, over 3, per recomputed layer share);
+    selective, the core attention's two batched matmuls, 4 B s^2 h per layer."""
+    def flops(*args):
+        cfg = load_config(os.path.join(HERE, "config.yaml"), [*PLAN_TINY, "--global-batch-size", "8", *args])
+        cfg.model_config.padded_vocab_size = 384
+        return memory.flops_per_iteration(cfg), gpt.num_floating_point_operations(cfg.model_config, 8)
+    (model, extra), megatron = flops()
+    assert (model, extra) == (megatron, 0)
+    layers = model - 6 * 8 * 16 * 8 * 384                       # without the output layer's 6 B s h V
+    assert flops("parallel_config.recompute=true")[0][1] == pytest.approx(layers / 3)
+    assert flops("parallel_config.recompute=1")[0][1] == pytest.approx(layers / 3 / 4)  # block: 1 of 4 layers
+    assert flops("parallel_config.select_recompute=true")[0][1] == 4 * 4 * 8 * 16 * 16 * 8
+
+
+PRESETS = {  # world size, parameters: Hugging Face's published counts plus the padded rows (50,257 -> 50,304)
+    "gpt2_124m": (8, 124_439_808 + 47 * 768), "gpt2_355m": (8, 354_823_168 + 47 * 1024),
+    "gpt2_774m": (8, 774_030_080 + 47 * 1280), "gpt2_1.5b": (8, 1_557_611_200 + 47 * 1600),
+    "llama2_7b": (64, 6_738_415_616),                        # meta-llama/Llama-2-7b-hf
+    # Narayanan et al. 2021: 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)), plus the final LayerNorm
+    "gpt2_13b": (32, 12 * 40 * 5120 ** 2 + 13 * 40 * 5120 + (50304 + 2048) * 5120 + 2 * 5120),
+    # per layer: qkv of 48 + 2 x 8 heads of 128, proj, SwiGLU's three matrices, four RMSNorms; then
+    # the untied embedding and output layer, and the final RMSNorm
+    "pangu_38b": (128, 62 * (6144 * 64 * 128 + 6144 ** 2 + 3 * 6144 * 27648 + 4 * 6144) + 2 * 165664 * 6144 + 6144),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_load_and_have_their_published_parameter_counts(preset, capsys):
+    world, count = PRESETS[preset]
+    path = os.path.join(HERE, "configs", preset + ".yaml")
+    assert open(path).readline().startswith("# ")                # the source, named at the top
+    out = plan_lines(capsys, "--config", path, "--world-size", str(world))
+    assert out[0].startswith(f"plan: parameters {count} (")
+    if preset == "pangu_38b":                                     # the guide's layout
+        assert "TP8 x CP1 x PP4 x DP4 = 128 ranks" in out[1] and "full recompute, uniform, 1" in out[1]
+        assert [re.search(r"layers (\[\d+\])", l).group(1) for l in out if " parameters per rank " in l] == \
+            ["[16]", "[16]", "[16]", "[14]"]
+
+
+RECOMPUTE_ERRORS = [
+    (["--recompute-granularity", "full"], "model_config.recompute_granularity=full needs "
+                                          "model_config.recompute_method uniform or block"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "needs model_config.recompute_num_layers (--recompute-num-layers), between 1 and the 4 layers"),
+    (["--recompute-granularity", "selective", "--recompute-method", "block"],
+     "recompute_granularity=selective takes no recompute_method or recompute_num_layers"),
+    (["--recompute-method", "block"], "model_config.recompute_method needs model_config.recompute_granularity=full"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"],
+     "recompute_num_layers=3 does not divide the 4 layers of pipeline stage 0"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "5"],
+     "recompute_num_layers=5 exceeds the 4 layers of pipeline stage 0"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "0"],
+     "recompute_num_layers=0 must be at least 1"),
+    (["--recompute-granularity", "fulll"], "recompute_granularity: 'fulll' is not one of full, selective (did you mean full?)"),
+    (["parallel_config.recompute=true", "parallel_config.select_recompute=true"], "both set: a run has one granularity"),
+    (["parallel_config.recompute=2", "--recompute-granularity", "full"], "give the guide's parallel_config keys or"),
+    (["parallel_config.select_recompute=[1,1]"], "per-stage lists are not supported; give true"),
+    (["parallel_config.recompute=[3,1]", "--pipeline-model-parallel-size", "2"],
+     "a list takes recompute_method=block and gives per pipeline stage (or per stage and chunk) at most its layers [[2], [2]]"),
+]
+
+
+@pytest.mark.parametrize("args,message", RECOMPUTE_ERRORS, ids=[" ".join(a) for a, _ in RECOMPUTE_ERRORS])
+def test_recompute_keys_follow_megatrons_rules(args, message, capsys, tmp_path):
+    world = 2 if "--pipeline-model-parallel-size" in args else 1
+    one_line_error(capsys, ["check", "--nproc", str(world), "--save", str(tmp_path / "o"), *args], message)
+
+
+def test_recompute_keys_map_the_guides_and_megatrons_flags():
+    """The guide's parallel_config.recompute (true: every layer; N: the first N of each stage; a list:
+    per stage) and select_recompute onto Megatron's model_config.recompute_* (Megatron's flags
+    set those directly); recompute_counts gives the layers rebuilt per stage and chunk."""
+    def keys(world, *args):
+        cfg = load_config(os.path.join(HERE, "config.yaml"), list(args), world)
+        m = cfg.model_config
+        return m.recompute_granularity, m.recompute_method, m.recompute_num_layers, recompute_counts(cfg.parallel_config, m)
+    assert keys(1) == (None, None, None, [[0]])
+    assert keys(1, "parallel_config.recompute=true") == ("full", "uniform", 1, [[4]])
+    assert keys(1, "parallel_config.recompute=2") == ("full", "block", 2, [[2]])
+    assert keys(2, "parallel_config.recompute=[2,1]", "--pipeline-model-parallel-size", "2") == \
+        ("full", "block", [2, 1], [[2], [1]])
+    assert keys(2, "parallel_config.recompute=[[1,0],[1,1]]", "--pipeline-model-parallel-size", "2",
+                "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "16") == \
+        ("full", "block", [[1, 0], [1, 1]], [[1, 0], [1, 1]])
+    assert keys(1, "parallel_config.select_recompute=true") == ("selective", None, None, [[0]])
+    assert keys(1, "--recompute-activations") == ("selective", None, None, [[0]])
+    assert keys(1, "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
+                "2") == ("full", "uniform", 2, [[4]])
+
+
+def test_mindformers_keys_are_mapped_or_refused(tmp_path, capsys):
+    """The GPT2-13B guide's MindFormers keys in a YAML (and as section.key=value): mapped onto this
+    project's keys, or refused in one line naming the key to use instead."""
+    path = tmp_path / "mindformers.yaml"
+    path.write_text("parallel_config:\n  data_parallel: 2\n  model_parallel: 2\n  pipeline_stage: 1\n"
+                    "  micro_batch_num: 3\n  optimizer_shard: true\n  use_seq_parallel: true\n  vocab_emb_dp: false\n"
+                    "recompute_config:\n  recompute: true\n  mp_comm_recompute: false\n")
+    cfg = load_config(str(path), [], 4)
+    p, m = cfg.parallel_config, cfg.model_config
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size) == (2, 1, 2)
+    assert (p.sequence_parallel, cfg.training_config.use_distributed_optimizer) == (True, True)
+    assert cfg.dataset_config.micro_batch_num == 3 and m.recompute_granularity == "full"
+    assert load_config(str(path), ["recompute_config.recompute=false"], 4).model_config.recompute_granularity is None
+    for given, wanted, message in (
+            ("vocab_emb_dp: false", "vocab_emb_dp: true", "parallel_config.vocab_emb_dp=True (MindFormers) is not a "
+                                                          "key here: the embedding is always split over the vocabulary"),
+            ("pipeline_stage: 1", "gradient_aggregation_group: 4", "training_config.bucket_size elements "
+                                                                   "(--ddp-bucket-size); use that instead"),
+            ("data_parallel: 2", "data_parallel: 4", "parallel_config.data_parallel_size=4, but world size 4 / "
+                                                     "(tensor x context x pipeline parallel sizes 2) = 2")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(path.read_text().replace(given, wanted))
+        one_line_error(capsys, ["check", "--nproc", "4", "--config", str(bad), "--save", str(tmp_path / "o")], message)
 
 
 # ---------------------------------------------------------------------------- process groups

@@ -3,7 +3,7 @@
 Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `check --nproc N [flags]`
 (what run.sh runs before msrun: the config, the layout for N workers and the input files, checked in
 one process), `generate --load DIR --prompt TEXT` (sample.py), and the checkpoint commands `convert`,
-`import-hf`, `export-hf` (checkpoint.py, hf_gpt2.py).
+`import-hf`, `export-hf` (checkpoint.py, hf_gpt2.py), and `plan --world-size N` (memory.py).
 
 One training step (Megatron's train_step, one process):
   for each of micro_batch_num micro-batches: loss_i * loss_scale / micro_batch_num, backward,
@@ -27,6 +27,7 @@ import checkpoint
 import context_parallel
 import data
 import hf_gpt2
+import memory
 import optimizer as opt
 import parallel
 import pipeline
@@ -401,9 +402,8 @@ def pretrain(cfg):
         path = os.path.join(t.output_dir, "effective_config.yaml")
         checkpoint.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
         log.info(f"config: {path}")
-    log.info(f"optimizer state on rank {state.rank}: {optimizer.state_bytes()} bytes"
-             + (f" (1/{trainer.dp_size} of the moments and fp32 master weights)" if trainer.distributed else
-                " (moments; the fp32 weights are the model's)"))
+    estimate = memory.RankReport(cfg, state, n_params, optimizer.state_bytes())
+    log.info(estimate.startup(trainer.compiled))
     log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
              + (": dropout inside" if t.use_jit else ""))
     if trainer.pipeline is not None:
@@ -417,6 +417,7 @@ def pretrain(cfg):
     profiler = StepProfiler(cfg, state.rank)
     window_loss, window_steps, window_timed, window_start = 0.0, 0, 0, time.perf_counter()
     first_iteration = iteration + 1
+    estimate.begin()                                  # the measured peak counts from here
     while iteration < t.training_iters:
         epoch = it.consumed_samples // samples_per_epoch
         if t.pipeline_trace and trainer.pipeline is not None and iteration + 1 == t.training_iters:
@@ -461,6 +462,7 @@ def pretrain(cfg):
                 checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
             log.info(f"exiting at iteration {iteration}: {reason}; continue with --load {t.output_dir}")
             return trainer.chunks
+    log.info(estimate.measured())
     if iteration > last_saved:                        # at the end, unless nothing was trained
         checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
     if test_ds is not None and t.eval_iters:
@@ -518,8 +520,8 @@ def report(split, iteration, loss):
 
 
 # ----------------------------------------------------------------------------- commands
-CHECKPOINT_COMMANDS = {"convert": checkpoint.convert_main, "import-hf": hf_gpt2.import_main,
-                       "export-hf": hf_gpt2.export_main}
+COMMANDS = {"convert": checkpoint.convert_main, "import-hf": hf_gpt2.import_main,
+            "export-hf": hf_gpt2.export_main, "plan": memory.plan_main}     # their own flags, no MindSpore set-up
 
 
 def main(argv):
@@ -531,8 +533,8 @@ def main(argv):
         if command == "preprocess":
             data.preprocess_main(argv)
             return 0
-        if command in CHECKPOINT_COMMANDS:
-            CHECKPOINT_COMMANDS[command](argv)
+        if command in COMMANDS:
+            COMMANDS[command](argv)
             return 0
         if command == "generate":
             setup_mindspore()                         # the device and threads the model runs on
@@ -540,7 +542,7 @@ def main(argv):
             return 0
         if command not in ("train", "check"):
             raise ConfigError(f"unknown command {command!r}: use train (default), check, preprocess, generate, "
-                              f"{', '.join(CHECKPOINT_COMMANDS)}")
+                              f"{', '.join(COMMANDS)}")
         if command == "train" and ("--help" in argv or "-h" in argv):
             raise HelpRequested(training_help())
         flags = {"--config": ("config.yaml", str, "the YAML"),

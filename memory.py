@@ -1,0 +1,484 @@
+"""Memory, communication and FLOPs of a layout, per rank, from the config alone: `bash run.sh plan`
+(any model, any world size, in seconds, nothing allocated) and the start-up report of a training
+run (`RankReport`), whose end logs the measured peak beside it.
+
+This CPU build keeps everything in float32 (4 bytes a value: weights, gradients, optimizer state,
+activations, and the dropout masks, which are float32 tensors drawn by numpy), so the accounting
+counts elements and multiplies by 4:
+
+  weights      P: the parameters on the rank (its pipeline chunks, its TP shard of each split
+               weight; a tied output layer on the last stage is a copy of the word embedding)
+  gradients    P: one fp32 gradient per parameter, summed over the step's micro-batches
+  optimizer    AdamW/Adam 2P (two moments), SGD P (momentum) or 0; with the distributed optimizer
+               each of the dp x cp ranks keeps 1/(dp x cp) of the moments plus an fp32 master copy of
+               that piece (optimizer.DistributedOptimizer.state_bytes): (2 + 1) P / (dp x cp)
+  activations  what the backward keeps of each micro-batch in flight (`layer_activations`, after
+               Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+               Models", Table 2, written for this code), plus the working set of one layer's backward
+
+Megatron's theoretical_memory_usage.py counts 18 bytes per parameter (fp16 weight, fp32 gradient,
+master weight and two moments); here 16, or 8 + 12 / (dp x cp) with the distributed optimizer.
+"""
+import math
+import re
+from types import SimpleNamespace
+
+import gpt
+import pipeline
+from cli import REQUIRED, load_config, parse_command
+from config import ConfigError, padded_vocab_size, recompute_counts
+from tokenizer import build_tokenizer
+
+BYTES = 4                                   # float32
+GIB = 1024 ** 3
+MIB = 1024 ** 2
+# MLP activation tensors the backward keeps, in units of [s, b, ffn/tp]: GELU keeps its input and
+# output (fc2's input); the written-out tanh form 0.5 x (1 + tanh(0.798 (x + 0.0447 x^3))) keeps
+# x, 0.0447 x, 0.0447 x^2, the tanh, 1 + tanh, 0.5 x and the output; SwiGLU keeps the gate, the
+# up projection, silu(gate) and the output
+MLP_KEPT = {"gelu": 2, "gelu_tanh": 7, "swiglu": 4}
+# Temporaries of one layer's core attention, in units of its scores [b, n/tp, s, s]: the forward's
+# scores and scores + mask; the backward's gradient of the softmax output, the softmax gradient's
+# three intermediates, the scores' gradient and its transpose (for the key gradient)
+CORE_TEMPORARIES = 8
+
+
+# ============================================================================ the model's shapes
+def vocab_rows(cfg):
+    """The padded vocabulary, as train.build_model derives it (the tokenizer read, not the data)."""
+    m, d = cfg.model_config, cfg.dataset_config
+    if m.vocab_size is not None:
+        return m.vocab_size
+    size = d.vocab_size if d.mock_data and d.vocab_size else \
+        build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size).vocab_size
+    return padded_vocab_size(m, size)
+
+
+def cp_split(p):
+    """(cp, Ulysses degree, ring size): cp = ring x ulysses. Until context parallelism lands
+    (issue 14, which adds ulysses_degree_in_cp: cp for Ulysses, 1 for the ring) cp is 1."""
+    cp = p.context_parallel_size
+    ulysses = getattr(p, "ulysses_degree_in_cp", None) or cp
+    return cp, ulysses, cp // ulysses
+
+
+def stage_chunks(m, p):
+    """Per pipeline rank, its model chunks as (layers, embeds, has the loss), from
+    pipeline.layer_split: chunk c of rank r is virtual stage c * pp + r."""
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    split = pipeline.layer_split(m.num_layers, pp, vpp, p.num_layer_list)
+    last = len(split) - 1
+    return [[(split[c * pp + r][1], c * pp + r == 0, c * pp + r == last) for c in range(vpp)]
+            for r in range(pp)]
+
+
+# ============================================================================ parameters
+def layer_parameters(m, tp=1):
+    """One transformer layer on a TP rank: the column-parallel qkv and fc1 and the row-parallel
+    proj and fc2 weights split over tp (with qkv's and fc1's biases); norms and the row-parallel
+    biases (added after the reduction) replicated."""
+    h, d = m.hidden_size, m.hidden_size // m.num_attention_heads
+    norm = h * (2 if m.normalization == "LayerNorm" else 1)
+    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d              # GQA: n query, g key, g value heads
+    fc1 = m.ffn_hidden_size * (2 if m.hidden_act == "swiglu" else 1)       # SwiGLU: [gate; up]
+    split = (h * qkv + qkv * m.qkv_has_bias + m.num_attention_heads * d * h
+             + h * fc1 + fc1 * m.add_bias_linear + m.ffn_hidden_size * h)
+    return (2 + 2 * m.use_sandwich_norm) * norm + split // tp + h * (m.out_proj_has_bias + m.add_bias_linear)
+
+
+def chunk_parameters(m, tp, layers, embeds, has_loss):
+    """A model chunk (gpt.GPTModel) on a TP rank: its layers; the vocabulary-parallel word
+    embedding and the absolute position embeddings if it embeds; the final norm and the output
+    layer if it has the loss (the word embedding itself when tied in the same chunk, else a copy)."""
+    h, v = m.hidden_size, m.padded_vocab_size
+    count = layers * layer_parameters(m, tp)
+    if embeds:
+        count += v * h // tp + (m.max_position_embeddings * h if m.position_embedding_type == "absolute" else 0)
+    if has_loss:
+        count += h * (2 if m.normalization == "LayerNorm" else 1)
+        if m.untie_embeddings_and_output_weights or not embeds:
+            count += v * h // tp
+    return count
+
+
+def total_parameters(m):
+    """The model's parameters, each counted once (one process)."""
+    return chunk_parameters(m, 1, m.num_layers, True, True)
+
+
+def stage_parameters(cfg, rank):
+    """Parameters on each TP rank of pipeline rank `rank` (every TP rank holds as many)."""
+    m, p = cfg.model_config, cfg.parallel_config
+    return sum(chunk_parameters(m, p.tensor_model_parallel_size, *chunk)
+               for chunk in stage_chunks(m, p)[rank])
+
+
+def optimizer_elements(cfg, params):
+    """fp32 values of optimizer state on a rank holding `params` parameters (see the module doc)."""
+    o, t, p = cfg.optimizer_config, cfg.training_config, cfg.parallel_config
+    per_param = 0 if o.optimizer_type == "SGD" and not o.momentum else 1 if o.optimizer_type == "SGD" else 2
+    shards = p.data_parallel_size * p.context_parallel_size
+    if t.use_distributed_optimizer and shards > 1:
+        return math.ceil((per_param + 1) * params / shards)
+    return per_param * params
+
+
+# ============================================================================ activations
+def layer_activations(m, p, b):
+    """What the backward keeps of one transformer layer for one micro-batch on one rank:
+    [(tensor, elements, in the core attention)]. s = seq_length, h hidden, n heads, g query groups,
+    f ffn, tp, cp; x = b s h / cp, the layer's hidden states on a cp rank, whole over TP.
+
+    Sequence parallelism keeps the norms' inputs and the dropout masks at [s/tp, b, h]; the inputs
+    of qkv and fc1 are all-gathered to [s, b, h], and their matmuls keep the gathered copy (Megatron
+    keeps the shard and gathers again in the backward). The core attention's scores on a rank are
+    [b, n/tp, s, s] / cp whatever the algorithm: Ulysses attends over the whole sequence with
+    n/(tp cp) heads, the ring over its s/cp queries and every key (the whole sequence's K and V
+    all-gathered: ring x the Ulysses shapes). Selective recompute keeps the core attention's inputs
+    (q, k, v) instead of its inside."""
+    h, n, g = m.hidden_size, m.num_attention_heads, m.num_query_groups
+    tp = p.tensor_model_parallel_size
+    cp, _, ring = cp_split(p)
+    sp = tp if p.sequence_parallel else 1
+    x = b * m.seq_length * h // cp
+    scores = b * n * m.seq_length * m.seq_length // (tp * cp)
+    norm = 1 if m.normalization == "LayerNorm" else 2           # RMSNorm, written out, also keeps x / rms
+    rows = [("norm inputs [s/tp (SP), b, h]", (2 + 2 * m.use_sandwich_norm) * norm * x // sp, False),
+            ("qkv and fc1 inputs [s, b, h]", 2 * x, False),
+            ("q scaled, k and v repeated per query head [b, n/tp, s, h/n]", (1 + 2 * ring) * x // tp, True),
+            ("softmax output [b, n/tp, s, s]", scores, True),
+            ("proj input [s, b, h/tp]", x // tp, False),
+            ("MLP activations [s, b, ffn/tp]", MLP_KEPT[m.hidden_act] * x * m.ffn_hidden_size // (h * tp), False)]
+    if m.position_embedding_type == "rope":                       # x cos + rotate_half(x) sin keeps both factors
+        rows.append(("q and k and their rotated halves (RoPE) [s, b, n + g, h/n]", 2 * (n + g) * x // (n * tp), False))
+    if m.attention_dropout_rate:
+        rows.append(("attention dropout mask and output [b, n/tp, s, s]", 2 * scores, True))
+    if m.hidden_dropout_rate:
+        rows.append(("hidden dropout masks [s/tp (SP), b, h]", 2 * x // sp, False))
+    if m.recompute_granularity == "selective":
+        rows.append(("q, k, v kept for the recomputed core attention", (n + 2 * g) * x // (n * tp), False))
+    return rows
+
+
+def chunk_activations(m, p, b, layers, embeds, has_loss, recomputed):
+    """(kept per micro-batch, recompute working set) of a chunk of `layers` layers of which full
+    recompute recomputes `recomputed`: uniform keeps the input [s/tp (SP), b, h] of each group of
+    recompute_num_layers layers and rebuilds one group at a time; block keeps the input of each of
+    its first `recomputed` layers and rebuilds one at a time; selective keeps every layer but its
+    core attention and rebuilds one layer's."""
+    rows = layer_activations(m, p, b)
+    full = sum(e for _, e, _ in rows)
+    core = sum(e for _, e, inside in rows if inside)
+    x = b * m.seq_length * m.hidden_size // p.context_parallel_size
+    sp = p.tensor_model_parallel_size if p.sequence_parallel else 1
+    if m.recompute_granularity == "selective":
+        kept, working = layers * (full - core), core
+    elif m.recompute_granularity == "full" and m.recompute_method == "uniform":
+        group = m.recompute_num_layers
+        kept, working = -(-layers // group) * x // sp, group * full
+    elif m.recompute_granularity == "full":
+        kept, working = recomputed * x // sp + (layers - recomputed) * full, full if recomputed else 0
+    else:
+        kept, working = layers * full, 0
+    if embeds:                                                    # token and position ids (int32)
+        kept += 2 * b * m.seq_length // p.context_parallel_size + (x // sp if m.hidden_dropout_rate else 0)
+    if has_loss:                                                  # final norm and output-layer inputs, logits and their softmax
+        norm = 1 if m.normalization == "LayerNorm" else 2
+        kept += norm * x // sp + x + 2 * b * m.seq_length * m.padded_vocab_size // (p.context_parallel_size
+                                                                                     * p.tensor_model_parallel_size)
+    return kept, working
+
+
+def in_flight(cfg, rank):
+    """Micro-batches whose activations pipeline rank `rank` holds at once: the peak of its
+    schedule (1F1B: min(p - rank, m); interleaved: Megatron's warmup; afab: m), counted in model
+    chunks; one without a pipeline (each micro-batch's backward follows its forward)."""
+    p = cfg.parallel_config
+    if p.pipeline_model_parallel_size == 1:
+        return 1
+    return pipeline.peak_in_flight(pipeline.schedule(p.pipeline_model_parallel_size, rank,
+                                                     cfg.dataset_config.micro_batch_num,
+                                                     p.virtual_pipeline_model_parallel_size,
+                                                     kind=p.pipeline_schedule))
+
+
+def stage_activations(cfg, rank):
+    """Activation elements on a rank of pipeline stage `rank`: (kept, transient, in flight).
+    kept: the in-flight chunk forwards times the largest chunk's kept activations (exact for
+    equal chunks). transient, beside them: the causal-mask bias tiled to [b, n/tp, s, s] once per
+    forward (gpt.GPTModel.construct), then the larger of two moments of the backward: the loss's,
+    with the logits' gradient [s, b, V/tp] (last stage), and a layer's, with its core attention's
+    temporaries (CORE_TEMPORARIES), the gradients of its kept tensors and the recompute working set."""
+    m, p, b = cfg.model_config, cfg.parallel_config, cfg.dataset_config.batch_size
+    chunks = [chunk_activations(m, p, b, *chunk, n)
+              for chunk, n in zip(stage_chunks(m, p)[rank], recompute_counts(p, m)[rank])]
+    tp, (cp, _, ring) = p.tensor_model_parallel_size, cp_split(p)
+    scores = b * m.num_attention_heads * m.seq_length ** 2 // (tp * cp)
+    mask = scores // ring                                         # [b, n/(tp u), s/r, s/r]
+    layer = CORE_TEMPORARIES * scores + sum(e for _, e, _ in layer_activations(m, p, b)) + max(w for _, w in chunks)
+    logits = b * m.seq_length * m.padded_vocab_size // (cp * tp) if any(c[2] for c in stage_chunks(m, p)[rank]) else 0
+    count = in_flight(cfg, rank)
+    return count * max(k for k, _ in chunks), mask + max(layer, logits), count
+
+
+# ============================================================================ communication
+def communication(cfg, rank):
+    """Collectives per step on a rank of pipeline stage `rank`, as parallel.ledger counts them
+    ({(group kind, op): (calls, bytes of the input tensors)}), by the formulas
+    test_ledger_counts_match_the_formulas checks: per micro-batch, tensor parallelism all-reduces
+    [s, b, h] 4 times a layer, once for the embedding and once for the logits' gradient, plus the
+    cross-entropy's 3 of [s, b]; with sequence parallelism those of the layers and edges become
+    all-gathers of [s/tp, b, h] and reduce-scatters of [s, b, h], and the norms' and row biases'
+    gradients are all-reduced each step. Data parallelism: each gradient bucket all-reduced (or
+    reduce-scattered and all-gathered by the distributed optimizer) and the logged loss; the
+    pipeline: the plan's exchanges of [s (/tp under SP), b, h], and the tied embedding's gradient
+    between the first and last stage. Context parallelism's collectives are not counted yet."""
+    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, pp, mb = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, d.micro_batch_num
+    cp = p.context_parallel_size
+    chunks = stage_chunks(m, p)[rank]
+    layers = sum(c[0] for c in chunks)
+    first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
+    hidden = BYTES * d.batch_size * m.seq_length * m.hidden_size // cp     # [s, b, h]
+    tokens = BYTES * d.batch_size * m.seq_length // cp                     # [s, b]
+    out = {}
+
+    def add(kind, op, calls, nbytes):
+        if calls:
+            old = out.get((kind, op), (0, 0))
+            out[(kind, op)] = (old[0] + calls, old[1] + nbytes)
+    if tp > 1 and not p.sequence_parallel:
+        edges = 4 * layers + first + last
+        add("tp", "all_reduce", mb * edges, mb * edges * hidden)
+    if tp > 1 and p.sequence_parallel:
+        gathers, scatters = 4 * layers + first + last, 4 * layers + last
+        add("tp", "all_gather", mb * gathers, mb * gathers * hidden // tp)
+        add("tp", "reduce_scatter", mb * scatters, mb * scatters * hidden)
+        add("tp", "all_reduce", mb * first, mb * first * hidden)
+        norm = 2 if m.normalization == "LayerNorm" else 1
+        marked = layers * ((2 + 2 * m.use_sandwich_norm) * norm + m.out_proj_has_bias + m.add_bias_linear) + last * norm
+        add("tp", "all_reduce", marked, marked * BYTES * m.hidden_size)
+    if tp > 1 and last:
+        add("tp", "all_reduce", 3 * mb, 3 * mb * tokens)          # max, sum of exp, target logit
+    if tp * pp > 1:
+        add("mp", "all_reduce", 1, BYTES)                         # the gradient norm
+    params = stage_parameters(cfg, rank)
+    shards = p.data_parallel_size * cp
+    if shards > 1:
+        buckets = math.ceil(params / cfg.training_config.bucket_size) if cfg.training_config.bucket_size else 1
+        if cfg.training_config.use_distributed_optimizer:
+            add("dp_cp", "reduce_scatter", buckets, BYTES * params)
+            add("dp_cp", "all_gather", buckets, BYTES * params // shards)
+            add("dp_cp", "all_reduce", 1, BYTES)                  # the norm over the shards
+        else:
+            add("dp_cp", "all_reduce", buckets, BYTES * params)
+        add("dp_cp", "all_reduce", 1, BYTES)                      # the logged loss
+    if pp > 1:
+        hops = sum(step[0] == "X" for step in pipeline.plan(pp, mb, p.virtual_pipeline_model_parallel_size,
+                                                             kind=p.pipeline_schedule)[0][rank])
+        add("pp_pair", "exchange", hops, hops * hidden // (tp if p.sequence_parallel else 1))
+        if (first or last) and not m.untie_embeddings_and_output_weights:
+            add("embedding", "all_reduce", 1, BYTES * m.padded_vocab_size * m.hidden_size // tp)
+    return out
+
+
+# ============================================================================ FLOPs
+def flops_per_iteration(cfg):
+    """(model FLOPs, recompute FLOPs) of one iteration of the global batch: Megatron's
+    num_floating_point_operations (gpt.py), and the forward passes recompute adds: full, one
+    forward (a third of forward + backward) of every recomputed layer; selective, the core
+    attention's two batched matmuls, 2 x 2 b s^2 n (h/n) per layer and sequence."""
+    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    batch = d.global_batch_size
+    model = gpt.num_floating_point_operations(m, batch)
+    # one layer's FLOPs: the formula's layer term is linear in num_layers, its output layer is not
+    one_more = SimpleNamespace(**{**vars(m), "num_layers": m.num_layers + 1})
+    per_layer = gpt.num_floating_point_operations(one_more, batch) - model
+    if m.recompute_granularity == "selective":
+        return model, m.num_layers * 4 * batch * m.seq_length ** 2 * m.hidden_size
+    recomputed = sum(sum(chunks) for chunks in recompute_counts(p, m))
+    return model, recomputed * per_layer / 3
+
+
+# ============================================================================ per rank
+def stage_memory(cfg, rank):
+    """Elements on a rank of pipeline stage `rank`: a namespace of parameters, gradients,
+    optimizer, activations (kept), transient (see stage_activations), in_flight, dynamic (what
+    the step allocates: the larger of its two phases) and peak (weights + optimizer + dynamic).
+    The backward phase holds the activations and the gradients, twice P with several
+    micro-batches (their running sum and this micro-batch's); the update phase, activations gone,
+    holds 3P while a micro-batch's gradients are added to the sum (old sum, new, sum), else 2P
+    while clipping copies them (1P without clipping). The data-parallel reduction's flat buffers
+    (optimizer.GradBuffer) are not counted."""
+    params = stage_parameters(cfg, rank)
+    kept, transient, count = stage_activations(cfg, rank)
+    optim = optimizer_elements(cfg, params)
+    several = cfg.dataset_config.micro_batch_num > 1
+    clip = bool(cfg.training_config.grad_clip_kwargs.clip_value)
+    dynamic = max((2 if several else 1) * params + kept + transient, (3 if several else 1 + clip) * params)
+    return SimpleNamespace(parameters=params, gradients=params, optimizer=optim, activations=kept,
+                           transient=transient, in_flight=count, dynamic=dynamic, peak=params + optim + dynamic)
+
+
+def recompute_text(m):
+    if m.recompute_granularity is None:
+        return "no recompute"
+    if m.recompute_granularity == "selective":
+        return "selective recompute (core attention)"
+    return f"full recompute, {m.recompute_method}, {m.recompute_num_layers}"
+
+
+def gib(elements):
+    return f"{elements * BYTES / GIB:.2f} GiB"
+
+
+def mib(elements):
+    return f"{elements * BYTES / MIB:.1f} MiB"
+
+
+class RankReport:
+    """The start-up report of a training rank and, at the end, the measured peak beside it.
+    Measured: the growth of this process's resident memory from just before the first step to
+    its high-water mark (Linux VmHWM, reset then through /proc/self/clear_refs), so MindSpore's
+    own few hundred MB, the data and the model built before the loop are left out; the estimate
+    to compare with it is stage_memory's `dynamic` (weights and optimizer state exist before the
+    loop)."""
+
+    def __init__(self, cfg, state, counted_parameters, optimizer_bytes):
+        self.cfg, self.state = cfg, state
+        self.mem = stage_memory(cfg, state.pp_rank)
+        self.counted, self.optimizer_bytes = counted_parameters, optimizer_bytes
+        self.start = None
+
+    def startup(self, compiled):
+        """The estimate, with the model's own parameter count and optimizer bytes beside it."""
+        mem, m = self.mem, self.cfg.model_config
+        model_flops, extra = flops_per_iteration(self.cfg)
+        note = ("; compiled by ms.jit: a CPU graph keeps every intermediate, several times this (README)"
+                if compiled else "")
+        return (f"memory: estimate for rank {self.state.rank} (stage {self.state.pp_rank}): parameters "
+                f"{mem.parameters} (the model holds {self.counted}), weights {mib(mem.parameters)}, gradients "
+                f"{mib(mem.gradients)}, optimizer {mib(mem.optimizer)} (measured {self.optimizer_bytes / MIB:.1f} MiB), "
+                f"activations {mib(mem.activations)} ({mem.in_flight} micro-batch(es) in flight, "
+                f"{recompute_text(m)}) + transient {mib(mem.transient)}, peak {mib(mem.peak)}{note}; "
+                f"FLOPs per iteration {model_flops:.3e} (+ recompute {extra:.3e})")
+
+    def begin(self):
+        """Just before the first step: note the resident memory and reset the high-water mark."""
+        self.start = rss_bytes()
+        reset_peak()
+
+    def measured(self):
+        growth, estimate = peak_rss_bytes() - self.start, self.mem.dynamic * BYTES
+        return (f"memory: measured peak growth {growth / MIB:.1f} MiB (resident memory, from the first step), "
+                f"estimate {estimate / MIB:.1f} MiB (what the step allocates: gradients, activations, "
+                f"transient), measured / estimate {growth / estimate:.2f}")
+
+
+def _status(key):
+    """A size in bytes from /proc/self/status (given there in KiB)."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{key}:\s+(\d+)", f.read()).group(1)) * 1024
+
+
+def rss_bytes():
+    """This process's resident memory now (Linux)."""
+    return _status("VmRSS")
+
+
+def peak_rss_bytes():
+    """The resident high-water mark since the last reset_peak (Linux; getrusage's ru_maxrss
+    cannot be reset)."""
+    return _status("VmHWM")
+
+
+def reset_peak():
+    """Reset VmHWM to the current resident memory (Linux 4.0+: write 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# ============================================================================ bash run.sh plan
+PLAN_FLAGS = {"--config": ("config.yaml", str, "the YAML (presets in configs/)"),
+              "--world-size": (REQUIRED, int, "the number of ranks to plan for"),
+              "--memory-per-device": (None, float, "GiB per device: list the layouts whose peak fits")}
+
+
+def plan_main(argv):
+    """`bash run.sh plan [--config FILE] --world-size N [--memory-per-device GIB] [training flags]`."""
+    v, rest = parse_command("plan", argv, PLAN_FLAGS, passthrough="training flags",
+                            about="Memory, communication and FLOPs per rank of a layout, from the config "
+                                  "alone: nothing is allocated, no worker started.")
+    if v["world_size"] < 1:
+        raise ConfigError("plan needs --world-size N, the number of ranks (1 or more)")
+    cfg = load_config(v["config"], rest, v["world_size"])
+    cfg.model_config.padded_vocab_size = vocab_rows(cfg)
+    for line in plan_lines(cfg, v["world_size"]):
+        print(line)
+    if v["memory_per_device"] is not None:
+        for line in fit_lines(cfg, v["config"], rest, v["world_size"], v["memory_per_device"]):
+            print(line)
+
+
+def plan_lines(cfg, world):
+    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    cp = p.context_parallel_size
+    total = total_parameters(m)
+    lines = [f"plan: parameters {total} ({total / 1e9:.3f} B: {m.num_layers} layers of {layer_parameters(m)}, "
+             f"vocabulary {m.padded_vocab_size} x hidden {m.hidden_size})",
+             f"plan: layout TP{tp} x CP{cp} x PP{pp}{f' (VPP{vpp})' if vpp > 1 else ''} x DP{p.data_parallel_size} "
+             f"= {world} ranks; {d.micro_batch_num} micro-batch(es) of {d.batch_size} x {m.seq_length} tokens "
+             f"(global batch {d.global_batch_size}); {'sequence parallel; ' if p.sequence_parallel else ''}"
+             f"{'distributed optimizer; ' if cfg.training_config.use_distributed_optimizer else ''}{recompute_text(m)}"]
+    for rank in range(pp):
+        mem = stage_memory(cfg, rank)
+        per_layer = sum(e for _, e, _ in layer_activations(m, p, d.batch_size))
+        lines.append(f"plan: stage {rank} parameters per rank {mem.parameters} ({mem.parameters / 1e9:.3f} B; "
+                     f"layers {[c[0] for c in stage_chunks(m, p)[rank]]}): weights {gib(mem.parameters)}, gradients "
+                     f"{gib(mem.gradients)}, optimizer {gib(mem.optimizer)}, activations {gib(mem.activations)} "
+                     f"({mem.in_flight} in flight; a layer {mib(per_layer)} per micro-batch) + transient "
+                     f"{gib(mem.transient)}, peak {gib(mem.peak)}")
+    for rank in range(pp):
+        comm = communication(cfg, rank)
+        lines.append(f"plan: stage {rank} communication per step: " + (", ".join(
+            f"{kind} {op} x{calls} {nbytes / MIB:.1f} MiB" for (kind, op), (calls, nbytes) in sorted(comm.items()))
+            or "none"))
+    if cp > 1:
+        lines.append("plan: context-parallel collectives are not counted yet")
+    if pp > 1:
+        lines.append(f"plan: pipeline bubble (p - 1) / (v m) = {pipeline.theory_bubble(pp, d.micro_batch_num, vpp):.3f}"
+                     f" ({p.pipeline_schedule})")
+    model, extra = flops_per_iteration(cfg)
+    lines.append(f"plan: FLOPs per iteration {model:.3e} (Megatron's model FLOPs) + recompute {extra:.3e}; "
+                 f"per rank {(model + extra) / world:.3e}")
+    return lines
+
+
+def fit_lines(given, path, argv, world, gibibytes):
+    """Every TP x PP layout of `world` ranks the config `given` admits (DP the rest, whatever
+    data_parallel_size says; CP, the micro-batch size and the global batch, or the micro-batch
+    count, as given; a num_layer_list only at its own pipeline size), with its
+    largest stage's peak against `gibibytes` per device, smallest peak first."""
+    rows = []
+    for tp in range(1, world + 1):
+        for pp in range(1, world // tp + 1):
+            if world % (tp * pp):
+                continue
+            layout = [f"parallel_config.tensor_model_parallel_size={tp}",
+                      f"parallel_config.pipeline_model_parallel_size={pp}", "parallel_config.data_parallel_size=null"]
+            if tp == 1:
+                layout.append("parallel_config.sequence_parallel=false")
+            if pp != given.parallel_config.pipeline_model_parallel_size:
+                layout.append("parallel_config.num_layer_list=null")
+            try:
+                cfg = load_config(path, list(argv) + layout, world)
+            except ConfigError:
+                continue                                          # the model cannot be cut so
+            cfg.model_config.padded_vocab_size = vocab_rows(cfg)
+            peak = max(stage_memory(cfg, r).peak for r in range(pp)) * BYTES / GIB
+            rows.append((peak, f"TP{tp} x PP{pp} x DP{cfg.parallel_config.data_parallel_size}"))
+    lines = [f"plan: layouts of {world} ranks by peak per device (--memory-per-device {gibibytes:g} GiB):"]
+    lines += [f"plan:   {name:22s} peak {peak:9.2f} GiB  {'fits' if peak <= gibibytes else 'does not fit'}"
+              for peak, name in sorted(rows)]
+    return lines
