@@ -155,6 +155,12 @@ def check_fits(cfg, root):
     if differences:
         raise CheckpointError(f"checkpoint {root} does not match this run: {', '.join(differences)}; give "
                               "--use-checkpoint-args to take the checkpoint's model, or the same flags")
+    batch = saved["dataset_config"].get("global_batch_size")
+    if not t.finetune and batch not in (None, cfg.dataset_config.global_batch_size):
+        # the data's samples are counted in global batches (consumed samples, the dataset's size)
+        raise CheckpointError(f"checkpoint {root} was trained with global batch {batch}, this run's is "
+                              f"{cfg.dataset_config.global_batch_size}: give --global-batch-size {batch} (and a "
+                              "--micro-batch-size that divides it), or --finetune to start a new run from its weights")
 
 
 def holds_checkpoint(root):

@@ -8,6 +8,7 @@ Every linear layer is a `Linear` built by `make_linear`, so that parallel.py can
 row-parallel versions. Initial weights come from numpy, seeded by the seed and the parameter's
 *global* name (`init_weights`), so a model's start is identical whatever the layout.
 """
+import contextlib
 import math
 import re
 import zlib
@@ -218,6 +219,8 @@ class SelfAttention(nn.Cell):
         state = parallel.get_state()
         if state.cp > 1:
             self.core_attention = context_parallel.ContextParallelAttention(self.core_attention, state)
+        if cfg.recompute_granularity == "selective":      # Korthikanti et al.: the s x s part, CP's too
+            self.core_attention.recompute(use_reentrant=False, context_fn=replay_dropout(rng))
         self.core_heads = self.local_heads // state.cp_ulysses    # heads in a core attention (Ulysses: fewer)
 
     def construct(self, x, rope, mask_bias):
@@ -263,6 +266,58 @@ def gelu_tanh(x):
     """GPT-2's gelu_new, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), written out: on CPU these
     elementwise ops and their gradients are 4x faster than the GeLU kernel."""
     return 0.5 * x * (1.0 + ops.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def replay_dropout(rng):
+    """context_fn for Cell.recompute(use_reentrant=False): MindSpore's recompute replays only its own
+    RNG, so the numpy dropout streams are replayed here. The forward notes their state, the
+    recomputation starts from it (the same masks), then restores the state training has reached."""
+    def context_fn():
+        saved = {}
+
+        @contextlib.contextmanager
+        def forward():
+            saved.update(rng.state_dict())
+            yield
+
+        @contextlib.contextmanager
+        def recompute():
+            now = rng.state_dict()
+            rng.load_state_dict(saved)
+            try:
+                yield
+            finally:
+                rng.load_state_dict(now)
+        return forward(), recompute()
+    return context_fn
+
+
+class RecomputedLayers(nn.Cell):
+    """Consecutive transformer layers recomputed as one (Megatron's full recompute): the forward
+    keeps only the group's input; the backward runs the group's forward again to get the rest."""
+
+    def __init__(self, layers, rng):
+        super().__init__()
+        self.members = nn.CellList(layers)          # the model's own layers: their names stay layers.i
+        self.recompute(use_reentrant=False, context_fn=replay_dropout(rng))
+
+    def construct(self, x, rope, mask_bias):
+        for layer in self.members:
+            x = layer(x, rope, mask_bias)
+        return x
+
+
+def recompute_blocks(cfg, layers, rng, rebuilt):
+    """The units a model chunk runs, in order (Megatron's recompute_granularity=full): uniform,
+    groups of recompute_num_layers layers, every group recomputed; block, the first `rebuilt`
+    layers of the chunk (config.recompute_counts) recomputed one by one, the others kept."""
+    if cfg.recompute_granularity != "full" or not len(layers):
+        return layers
+    layers = list(layers)
+    if cfg.recompute_method == "uniform":
+        per = cfg.recompute_num_layers
+        return nn.CellList([RecomputedLayers(layers[i:i + per], rng) for i in range(0, len(layers), per)])
+    return nn.CellList([RecomputedLayers([layer], rng) for layer in layers[:rebuilt]] + layers[rebuilt:])
 
 
 class TransformerLayer(nn.Cell):
@@ -311,7 +366,7 @@ class GPTModel(nn.Cell):
       [b, s, V] if post_process without labels, else hidden states [s, b, h]."""
 
     def __init__(self, cfg, pre_process=True, post_process=True, layer_offset=0, num_layers=None,
-                 rng=None):
+                 rng=None, recomputed_layers=None):
         super().__init__()
         self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
         self.layer_offset = layer_offset
@@ -330,6 +385,9 @@ class GPTModel(nn.Cell):
                                              "model-parallel" if self.sequence_parallel else "default")
         n = cfg.num_layers if num_layers is None else num_layers
         self.layers = nn.CellList([TransformerLayer(cfg, self.rng) for _ in range(n)])
+        # full recompute (block): how many of this chunk's first layers, by default recompute_num_layers
+        rebuilt = cfg.recompute_num_layers if recomputed_layers is None else recomputed_layers
+        self.blocks = recompute_blocks(cfg, self.layers, self.rng, rebuilt)
         if post_process:
             self.final_layernorm = make_norm(cfg)
             if not self.tied or not pre_process:
@@ -398,8 +456,8 @@ class GPTModel(nn.Cell):
         # cheaper than adding a broadcast [1, 1, s, s] mask.
         heads = self.layers[0].self_attention.core_heads if len(self.layers) else 1
         bias = ops.tile(bias, (x.shape[1] // bias.shape[0], heads, 1, 1))
-        for layer in self.layers:
-            x = layer(x, rope, bias)
+        for block in self.blocks:                                             # layers, or recomputed groups
+            x = block(x, rope, bias)
         if not self.post_process:
             return x
         logits = self.logits(self.final_layernorm(x))                         # [s, b, V/tp]

@@ -55,10 +55,10 @@ def vocab_rows(cfg):
 
 
 def cp_split(p):
-    """(cp, Ulysses degree, ring size): cp = ring x ulysses. Until context parallelism lands
-    (issue 14, which adds ulysses_degree_in_cp: cp for Ulysses, 1 for the ring) cp is 1."""
+    """(cp, Ulysses degree, ring size): cp = ring x ulysses (config sets ulysses_degree_in_cp: cp for
+    Ulysses, 1 for the ring, the hybrid's own value)."""
     cp = p.context_parallel_size
-    ulysses = getattr(p, "ulysses_degree_in_cp", None) or cp
+    ulysses = p.ulysses_degree_in_cp
     return cp, ulysses, cp // ulysses
 
 
@@ -232,7 +232,10 @@ def communication(cfg, rank):
     gradients are all-reduced each step. Data parallelism: each gradient bucket all-reduced (or
     reduce-scattered and all-gathered by the distributed optimizer) and the logged loss; the
     pipeline: the plan's exchanges of [s (/tp under SP), b, h], and the tied embedding's gradient
-    between the first and last stage. Context parallelism's collectives are not counted yet."""
+    between the first and last stage. Context parallelism (context_parallel.py), per layer and
+    micro-batch with a = b s / cp tokens on a rank: Ulysses 4 all-to-alls of q, k, v and the context
+    forward and 4 backward; the ring all-gathers k and v [a, g d / tp] forward and reduce-scatters
+    their ring-times-larger gradients backward; the loss and token count are all-reduced over CP."""
     m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
     tp, pp, mb = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, d.micro_batch_num
     cp = p.context_parallel_size
@@ -260,6 +263,17 @@ def communication(cfg, rank):
         add("tp", "all_reduce", marked, marked * BYTES * m.hidden_size)
     if tp > 1 and last:
         add("tp", "all_reduce", 3 * mb, 3 * mb * tokens)          # max, sum of exp, target logit
+    if cp > 1:
+        _, ulysses, ring = cp_split(p)
+        q = BYTES * d.batch_size * m.seq_length // cp * m.hidden_size // tp
+        kv = q * m.num_query_groups // m.num_attention_heads
+        if ulysses > 1:
+            add("cp" if ring == 1 else "cp_ulysses", "all_to_all", 8 * mb * layers, 2 * mb * layers * (2 * q + 2 * kv))
+        if ring > 1:
+            kind = "cp" if ulysses == 1 else "cp_ring"
+            add(kind, "all_gather", 2 * mb * layers, 2 * mb * layers * kv)
+            add(kind, "reduce_scatter", 2 * mb * layers, 2 * mb * layers * ring * kv)
+        add("cp", "all_reduce", 2 * mb * last, 2 * mb * last * BYTES)
     if tp * pp > 1:
         add("mp", "all_reduce", 1, BYTES)                         # the gradient norm
     params = stage_parameters(cfg, rank)
@@ -444,8 +458,6 @@ def plan_lines(cfg, world):
         lines.append(f"plan: stage {rank} communication per step: " + (", ".join(
             f"{kind} {op} x{calls} {nbytes / MIB:.1f} MiB" for (kind, op), (calls, nbytes) in sorted(comm.items()))
             or "none"))
-    if cp > 1:
-        lines.append("plan: context-parallel collectives are not counted yet")
     if pp > 1:
         lines.append(f"plan: pipeline bubble (p - 1) / (v m) = {pipeline.theory_bubble(pp, d.micro_batch_num, vpp):.3f}"
                      f" ({p.pipeline_schedule})")

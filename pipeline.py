@@ -44,16 +44,18 @@ def layer_split(num_layers, pp, vpp=1, num_layer_list=None):
     return list(zip(offsets, counts))
 
 
-def build_chunks(model_cfg, pp, pp_rank, vpp=1, num_layer_list=None, rng=None):
+def build_chunks(model_cfg, pp, pp_rank, vpp=1, num_layer_list=None, rng=None, recomputed=None):
     """This pipeline rank's model chunks (gpt.GPTModel, weights not initialised): chunk c is
-    virtual stage c * pp + pp_rank; the first virtual stage embeds, the last has the loss."""
+    virtual stage c * pp + pp_rank; the first virtual stage embeds, the last has the loss.
+    recomputed: per chunk, the layers full recompute rebuilds (config.recompute_counts)."""
     split = layer_split(model_cfg.num_layers, pp, vpp, num_layer_list)
     chunks = []
     for chunk in range(vpp):
         vs = chunk * pp + pp_rank
         offset, count = split[vs]
         chunks.append(gpt.GPTModel(model_cfg, pre_process=vs == 0, post_process=vs == len(split) - 1,
-                                   layer_offset=offset, num_layers=count, rng=rng))
+                                   layer_offset=offset, num_layers=count, rng=rng,
+                                   recomputed_layers=None if recomputed is None else recomputed[chunk]))
     return chunks
 
 

@@ -33,7 +33,7 @@ import parallel
 import pipeline
 import sample
 from cli import HelpRequested, load_config, parse_command, training_help
-from config import ConfigError, padded_vocab_size, to_dict
+from config import ConfigError, padded_vocab_size, recompute_counts, to_dict
 from gpt import DTYPES, Compiled, DropoutRNG, init_weights, num_floating_point_operations
 from profiler import StepProfiler
 from tokenizer import build_tokenizer
@@ -147,7 +147,7 @@ def build_model(cfg, tokenizer, state):
     rng = DropoutRNG(cfg.training_config.seed, state.tp_rank)
     p = cfg.parallel_config
     chunks = pipeline.build_chunks(m, state.pp, state.pp_rank, p.virtual_pipeline_model_parallel_size,
-                                   p.num_layer_list, rng)
+                                   p.num_layer_list, rng, recompute_counts(p, m)[state.pp_rank])
     for chunk in chunks:
         init_weights(chunk, cfg.training_config.seed)
     return chunks, rng
