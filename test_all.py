@@ -2056,7 +2056,6 @@ PIPELINE_CONFIG_ERRORS = [
     (2, ["--pipeline-model-parallel-size", "2", "parallel_config.num_layer_list=[4]"], "give 2 layer counts, one per pipeline stage"),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
          "--virtual-pipeline-model-parallel-size", "3"], "disagrees with num_layers_per_virtual_pipeline_stage=1 (2 chunks)"),
-    (2, ["--context-parallel-size", "2"], "context parallelism is not in this version yet"),
 ]
 
 
@@ -2972,14 +2971,15 @@ CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one", "TP1 -> TP2 x D
 @pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS))
 def test_layout_trains_like_one_process(parallel_runs, layout):
     """10 steps of each layout give the one-process losses (fp32, relative 1e-5), and so do the
-    validation and test losses of the pipeline layouts (forward-only schedules)."""
+    validation and test losses of the pipeline layouts (forward-only schedules; the others do not
+    evaluate)."""
     tmp, _ = parallel_runs
     reference = ALL_LAYOUTS[layout][1]
     one, par = losses_of(train_lines(tmp / reference)), losses_of(train_lines(tmp / layout))
     assert len(one) == len(par) == 10
     np.testing.assert_allclose(par, one, rtol=1e-5)
     one, par = (train_lines(tmp / name, " validation") + train_lines(tmp / name, " test") for name in (reference, layout))
-    assert len(one) == len(par) == (3 if reference != "one" else 0)
+    assert len(one) == len(par) == (3 if reference == "one_pp" else 0)
     value = re.compile(r"lm loss value: (\S+) ")
     np.testing.assert_allclose([float(value.search(l).group(1)) for l in par],
                                [float(value.search(l).group(1)) for l in one], rtol=1e-5)
