@@ -219,8 +219,11 @@ class SelfAttention(nn.Cell):
         state = parallel.get_state()
         if state.cp > 1:
             self.core_attention = context_parallel.ContextParallelAttention(self.core_attention, state)
-        if cfg.recompute_granularity == "selective":      # Korthikanti et al.: the s x s part, CP's too
-            self.core_attention.recompute(use_reentrant=False, context_fn=replay_dropout(rng))
+        if cfg.recompute_granularity == "selective":      # Korthikanti et al.: the s x s part
+            # with CP, what runs between the Ulysses all-to-alls (the ring's gathers included):
+            # MindSpore 2.10's recompute fails when a custom-bprop Cell gives the block's output
+            inner = self.core_attention.attend if state.cp > 1 else self.core_attention
+            inner.recompute(use_reentrant=False, context_fn=replay_dropout(rng))
         self.core_heads = self.local_heads // state.cp_ulysses    # heads in a core attention (Ulysses: fewer)
 
     def construct(self, x, rope, mask_bias):

@@ -2685,12 +2685,15 @@ CP_CHECK = ROPE_GQA + ["--num-layers", "2"]       # gradient checks: 2 layers, 2
 DOCUMENTS = "documents"        # batches of several documents: reset position ids and attention mask
 GRADIENT_CHECKS = {2: [("pp2", [], PP2), ("pp2 vpp2", [], PP2 + VPP2), ("pp2 untied", UNTIED, PP2),
                        ("pp2 num_layer_list [3,1]", [], PP2 + UNEVEN),
-                       ("cp2 ulysses, documents", CP_CHECK + [DOCUMENTS], CP2), ("cp2 ring", CP_CHECK, CP2 + RING)],
+                       ("cp2 ulysses, documents", CP_CHECK + [DOCUMENTS], CP2), ("cp2 ring, selective recompute", CP_CHECK, CP2 + RING + RECOMPUTE["selective"])],
                    4: [("pp4", [], PP4), ("pp4 vpp2 8 layers", ["--num-layers", "8"], PP4 + VPP2),
-                       ("tp2 x pp2 sp", [], TP2 + PP2 + SP), ("cp2 ulysses x tp2 sp", CP_CHECK, CP2 + TP2 + SP),
+                       ("tp2 x pp2 sp", [], TP2 + PP2 + SP),
+                       ("cp2 ulysses x tp2 sp, selective recompute", CP_CHECK, CP2 + TP2 + SP + RECOMPUTE["selective"]),
                        ("cp2 ring x pp2 vpp2", ROPE_GQA, CP2 + RING + PP2 + VPP2),
-                       ("cp4 hybrid (ulysses 2 x ring 2)", CP_CHECK, CP4 + HYBRID2),
-                       ("cp2 ring x dp2 untied", CP_CHECK + UNTIED, CP2 + RING)]}
+                       ("cp4 hybrid (ulysses 2 x ring 2), full recompute", CP_CHECK,
+                        CP4 + HYBRID2 + RECOMPUTE["full uniform 2"]),
+                       ("cp2 ring x dp2 untied, full block recompute", CP_CHECK + UNTIED,
+                        CP2 + RING + RECOMPUTE["full block 1"])]}
 
 
 def check_batches(cfg, count, documents):
@@ -2714,7 +2717,8 @@ def check_gradients(c, world):
     then the tied-embedding, sequence-parallel and DP x CP reductions) against the one-process
     model on the same micro-batches: each stage's losses, and every gradient of every rank (its
     TP slice of the full gradient; the last stage's tied output layer that of the word
-    embedding), relative difference in norm below 1e-5. Every DP rank takes the same batches."""
+    embedding), relative difference in norm below 1e-5. Every DP rank takes the same batches.
+    Some layouts also recompute (the reference does not): recompute changes no gradient."""
     c.family = "layout_gradients"
     tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
     config_path = os.path.join(HERE, "config.yaml")
