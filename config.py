@@ -459,30 +459,23 @@ def _finalize_parallel(p, m, d, world_size):
 
 def _check_context_parallel(p, m, d):
     """Context parallelism (context_parallel.py): cp = ring x ulysses; sets ulysses_degree_in_cp."""
-    cp, tp, algo = p.context_parallel_size, p.tensor_model_parallel_size, p.context_parallel_algo
-    if algo == "hybrid_cp_algo":
-        u = p.ulysses_degree_in_cp
-        if u is None or u < 1 or cp % u:
-            raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u}: hybrid_cp_algo needs a divisor of "
-                              f"context_parallel_size={cp} (--ulysses-degree-in-cp)")
-    elif p.ulysses_degree_in_cp not in (None, cp if algo == "ulysses_cp_algo" else 1):
-        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={p.ulysses_degree_in_cp} is for "
-                          f"context_parallel_algo=hybrid_cp_algo; leave it null with {algo}")
-    else:
-        p.ulysses_degree_in_cp = cp if algo == "ulysses_cp_algo" else 1
-    if cp == 1:
-        return
-    u, ring = p.ulysses_degree_in_cp, cp // p.ulysses_degree_in_cp
+    cp, tp, algo, u = p.context_parallel_size, p.tensor_model_parallel_size, p.context_parallel_algo, p.ulysses_degree_in_cp
+    if algo == "hybrid_cp_algo" and (u is None or u < 1 or cp % u):
+        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u}: hybrid_cp_algo needs a divisor of "
+                          f"context_parallel_size={cp} (--ulysses-degree-in-cp)")
+    if algo != "hybrid_cp_algo" and u not in (None, cp if algo == "ulysses_cp_algo" else 1):
+        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u} is for context_parallel_algo=hybrid_cp_algo; "
+                          f"leave it null with {algo}")
+    u = p.ulysses_degree_in_cp = u if algo == "hybrid_cp_algo" else cp if algo == "ulysses_cp_algo" else 1
+    ring = cp // u
     for k in ("num_attention_heads", "num_query_groups"):
-        if getattr(m, k) % (tp * u):
-            raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by tensor_model_parallel_size x "
-                              f"Ulysses degree = {tp} x {u}: Ulysses splits the heads over both "
-                              f"(change the sizes, or context_parallel_algo=megatron_cp_algo)")
-    pieces = 2 * cp if ring > 1 else cp
+        if cp > 1 and getattr(m, k) % (tp * u):
+            raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by tensor_model_parallel_size x Ulysses "
+                              f"degree = {tp} x {u}: Ulysses splits the heads over both (or use megatron_cp_algo)")
+    pieces, how = (2 * cp, "cuts it into 2 x context_parallel_size chunks (the ring's load balancing)") if ring > 1 \
+        else (cp, "splits it over context_parallel_size ranks")
     if m.seq_length % pieces:
-        raise ConfigError(f"model_config.seq_length={m.seq_length} is not divisible by {pieces}: context parallelism "
-                          + ("cuts it into 2 x context_parallel_size chunks (the ring's load balancing)" if ring > 1
-                             else "splits it over context_parallel_size ranks"))
+        raise ConfigError(f"model_config.seq_length={m.seq_length} is not divisible by {pieces}: context parallelism {how}")
     if p.sequence_parallel and (m.seq_length // cp) % tp:
         raise ConfigError(f"model_config.seq_length={m.seq_length}: a cp rank's {m.seq_length // cp} tokens are not "
                           f"divisible by tensor_model_parallel_size={tp}, as sequence_parallel needs")

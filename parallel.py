@@ -240,6 +240,11 @@ class Ledger:
     def counts(self):
         return dict(self.entries)
 
+    def line(self):
+        """`kind op calls bytes` per (group kind, op), for the log; "none" when empty."""
+        return ", ".join(f"{kind} {op} {calls} {nbytes}"
+                         for (kind, op), (calls, nbytes) in sorted(self.entries.items())) or "none"
+
     def report(self):
         lines = [f"{'group':>10} {'op':>15} {'calls':>7} {'bytes':>12}"]
         for (kind, op), (calls, nbytes) in sorted(self.entries.items()):

@@ -439,7 +439,7 @@ def pretrain(cfg):
         if not finite:
             log.warning(f"skipped iteration {iteration}: inf/nan gradients; loss scale now {scaler.scale}")
         if t.log_comm_ledger:
-            log.info(f"comm: Step:{iteration}, " + ledger_line())
+            log.info(f"comm: Step:{iteration}, " + parallel.ledger.line())
         if log_now:
             elapsed = (time.perf_counter() - window_start) / window_timed
             if state.is_last_stage:                   # the loss exists on the last stage only
@@ -497,13 +497,6 @@ def report_pipeline_trace(cfg, trainer):
                                      cfg.parallel_config.pipeline_schedule, path,
                                      trainer.state.world_size // trainer.state.pp))
     log.info(f"pipeline: timeline written to {path}.svg and {path}.txt")
-
-
-def ledger_line():
-    """This step's collectives so far: `kind op calls bytes` per (group kind, op)."""
-    counts = parallel.ledger.counts()
-    return ", ".join(f"{kind} {op} {calls} {nbytes}" for (kind, op), (calls, nbytes) in sorted(counts.items())) \
-        or "none"
 
 
 def loss_rank(state):
