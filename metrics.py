@@ -94,6 +94,7 @@ class Metrics:
         _write_atomic(self.svg, loss_svg(self.records))
 
     def close(self):
+        """Close metrics.jsonl and the event file (loss.svg is closed after each drawing)."""
         os.close(self._fd)
         if self.events is not None:
             self.events.close()
@@ -279,6 +280,7 @@ class EventFile:
         self._file.flush()
 
     def close(self):
+        """Close the file (every event is already flushed)."""
         self._file.close()
 
 
@@ -300,6 +302,8 @@ def _event(step, what):
 
 
 def _key(field, wire_type):
+    """A field's key: its number and wire type (0 varint, 1 fixed64, 2 length-delimited,
+    5 fixed32)."""
     return _varint(field << 3 | wire_type)
 
 
