@@ -142,15 +142,20 @@ def checkpoint_args(saved):
 
 
 def check_fits(cfg, root):
-    """Before any work: every way the checkpoint in root disagrees with this run, in one line."""
-    saved = saved_config(root)
+    """Before any work: every way the checkpoint in root disagrees with this run, in one line.
+    Its optimizer state, when loaded, is of its optimizer and its parameters' precision (half
+    precision keeps float32 main params beside the state)."""
+    _, meta = load_checkpoint(root, first_shard(root), stems=())
+    saved = meta["config"]
     m, t = saved["model_config"], cfg.training_config
     pairs = [(f"model_config.{k}", m.get(k), getattr(cfg.model_config, k)) for k in ARCHITECTURE]
     pairs.append(("dataset_config.tokenizer_type", saved["dataset_config"]["tokenizer_type"],
                   cfg.dataset_config.tokenizer_type))
-    if not (t.finetune or t.no_load_optim):
+    if not (t.finetune or t.no_load_optim or meta.get("optimizer_step") is None):
         pairs.append(("optimizer_config.optimizer_type", saved["optimizer_config"]["optimizer_type"],
                       cfg.optimizer_config.optimizer_type))
+        pairs.append(("model_config.params_dtype (--fp16/--bf16)", m.get("params_dtype") or "float32",
+                      cfg.model_config.params_dtype))
     differences = [f"{k} (checkpoint {a}, this run {b})" for k, a, b in pairs if a != b]
     if differences:
         raise CheckpointError(f"checkpoint {root} does not match this run: {', '.join(differences)}; give "
@@ -342,9 +347,8 @@ def load_training_state(cfg, trainer, rng):
                 f"checkpoint {t.load_checkpoint} does not fit the model: {name} is {got}, the model "
                 f"wants {tuple(p.shape)}; use the model_config it was saved with")
     for name, p in named_parameters(chunks):
-        p.set_data(Tensor(tensors[name]))
-    if trainer.distributed:
-        trainer.optimizer.reload_main_params()
+        p.set_data(Tensor(tensors[name]))                  # in the parameter's own dtype
+    trainer.optimizer.reload_main_params()
     if weights_only:
         log.info(f"loaded weights of iteration {meta['iteration']} from {t.load_checkpoint} "
                  f"({'finetune' if t.finetune else 'no optimizer state saved'}: iteration 0)")
@@ -393,24 +397,26 @@ def build_rank_chunks(model_cfg, tp, pp, tp_rank=0, pp_rank=0, vpp=1, num_layer_
 
 def full_state(root, optimizer=True):
     """(tensors, meta) of the latest checkpoint in `root` as one process would hold them:
-    weights "model.<name>" and, with `optimizer` and if saved, moments "optimizer.<kind>.<name>",
-    full size, whatever layout wrote them (TP shards merged, stages united, distributed-optimizer
-    pieces joined)."""
+    weights "model.<name>" and, with `optimizer` and if saved, moments "optimizer.<kind>.<name>"
+    and float32 main params "main.<name>", full size, whatever layout wrote them (TP shards merged,
+    stages united, distributed-optimizer pieces joined)."""
     shards, meta = load_shards(root, optimizer)
     m = to_namespace(meta["config"]).model_config
     [one] = build_rank_chunks(m, 1, 1)                # one process: its names and full shapes
     kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")} if optimizer else set()
+    prefixes = ["model"] + [f"optimizer.{kind}" for kind in kinds]
+    if optimizer and any(k.startswith("main.") for k in shards[0]):
+        prefixes.append("main")                        # float32 main params, kept beside half weights
     full_shapes = {}
     for name, p in one.parameters_and_names():
-        full_shapes[f"model.{name}"] = tuple(p.shape)
-        full_shapes.update({f"optimizer.{kind}.{name}": tuple(p.shape) for kind in kinds})
+        full_shapes.update({f"{prefix}.{name}": tuple(p.shape) for prefix in prefixes})
     swiglu = m.hidden_act == "swiglu"
     return merge_tensor_parallel(shards, full_shapes, lambda n: 2 if swiglu and "linear_fc1" in n else 1), meta
 
 
 def _join_pieces(tensors):
     """Distributed-optimizer pieces "<prefix>.<name>@<start>" (flat) -> "<prefix>.<name>" shaped
-    like the weight "model.<name>" beside them; "main." masters are the fp32 weights again."""
+    like the weight "model.<name>" beside them (prefix "main" or "optimizer.<kind>")."""
     pieces = {}
     for key, value in tensors.items():
         if "@" in key:
@@ -418,9 +424,7 @@ def _join_pieces(tensors):
             pieces.setdefault(base, []).append((int(start), value))
     out = {k: v for k, v in tensors.items() if "@" not in k}
     for base, parts in pieces.items():
-        if base.startswith("main."):
-            continue
-        name = base.split(".", 2)[2]
+        name = base.split(".", 1)[1] if base.startswith("main.") else base.split(".", 2)[2]
         shape = tensors[f"model.{name}"].shape
         flat = np.concatenate([v for _, v in sorted(parts, key=lambda item: item[0])])
         if flat.size != int(np.prod(shape)):
@@ -430,44 +434,68 @@ def _join_pieces(tensors):
     return out
 
 
+def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
+    """(names, params, values) of one rank's model chunks: the global name of each parameter, the
+    parameter, and for each of `prefixes` ("model", "main", "optimizer.<kind>") its value from the
+    one-process `tensors`, this TP rank's shard of it (a tied output layer copies the embedding)."""
+    names, params, values = [], [], {}
+    for chunk in chunks:
+        for n, param in chunk.parameters_and_names():
+            name = global_name(n, chunk.layer_offset)
+            source = "word_embeddings.weight" if chunk.tied and name == "output_layer.weight" else name
+            for prefix in prefixes:
+                value = tensors[f"{prefix}.{source}"]
+                dim = getattr(param, "partition_dim", None)
+                if dim is not None:
+                    value = parallel.shard(value, dim, tp_rank, tp, getattr(param, "partition_chunks", 1))
+                values[f"{prefix}.{name}"] = value
+            names.append(name)
+            params.append(param)
+    return names, params, values
+
+
+def _distrib_optim_files(values, names, params, dp, bucket_size, kinds):
+    """{distrib_optim_DDD: that DP rank's pieces of the float32 main params and the state}."""
+    buffer, files = GradBuffer(params, dp, bucket_size), {}
+    for d in range(dp):
+        pieces = {}
+        for (_, i, lo, hi), key in zip(buffer.pieces(d), buffer.piece_names(d, names)):
+            start, end = lo - buffer.offsets[i], hi - buffer.offsets[i]
+            for prefix in ["main"] + [f"optimizer.{kind}" for kind in kinds]:
+                pieces[f"{prefix}.{key}"] = values[f"{prefix}.{names[i]}"].reshape(-1)[start:end]
+        files[f"distrib_optim_{d:03d}"] = pieces
+    return files
+
+
 def write_layout(root, tensors, meta, cfg):
     """Write `tensors` (one-process, from full_state) as checkpoint meta["iteration"] of `root`
     in cfg's layout: every (TP, stage) folder, and with the distributed optimizer one
-    distrib_optim_DDD file per DP rank holding that rank's pieces, as training would."""
-    p = cfg.parallel_config
+    distrib_optim_DDD file per DP rank holding that rank's pieces, as training would. Weights are
+    stored in the run's params_dtype; float32 main params ("main.<name>", the weights themselves
+    when `tensors` has none) where the optimizer keeps copies: half-precision parameters, or
+    the distributed optimizer's pieces."""
+    p, m = cfg.parallel_config, cfg.model_config
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size * p.context_parallel_size
     layout = layout_of(cfg)
     kinds = sorted({k.split(".")[1] for k in tensors if k.startswith("optimizer.")})
+    tensors = dict(tensors)
+    for key in [k for k in tensors if k.startswith("model.")]:
+        tensors.setdefault("main." + key[len("model."):], tensors[key].astype(np.float32))
+        if m.params_dtype in ("float32", "float16"):           # numpy has no bfloat16: kept as saved
+            tensors[key] = tensors[key].astype(m.params_dtype)
     shards = {}
     for tp_rank in range(tp):
         for pp_rank in range(pp):
-            chunks = build_rank_chunks(cfg.model_config, tp, pp, tp_rank, pp_rank,
-                                       p.virtual_pipeline_model_parallel_size, p.num_layer_list)
-            names, params, values = [], [], {}
-            for chunk in chunks:
-                for n, param in chunk.parameters_and_names():
-                    name = global_name(n, chunk.layer_offset)
-                    source = "word_embeddings.weight" if chunk.tied and name == "output_layer.weight" else name
-                    for prefix in ["model"] + [f"optimizer.{kind}" for kind in kinds]:
-                        value = tensors[f"{prefix}.{source}"]
-                        dim = getattr(param, "partition_dim", None)
-                        if dim is not None:
-                            value = parallel.shard(value, dim, tp_rank, tp, getattr(param, "partition_chunks", 1))
-                        values[f"{prefix}.{name}"] = value
-                    names.append(name)
-                    params.append(param)
-            files = {WEIGHTS: {k: v for k, v in values.items() if k.startswith("model.")
-                               or not layout["distributed_optimizer"]}}
+            chunks = build_rank_chunks(m, tp, pp, tp_rank, pp_rank, p.virtual_pipeline_model_parallel_size,
+                                       p.num_layer_list)
+            prefixes = ["model", "main"] + [f"optimizer.{kind}" for kind in kinds]
+            names, params, values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)
+            # half-precision parameters keep float32 copies in the optimizer (with its state)
+            own_main = m.params_dtype != "float32" and not layout["distributed_optimizer"] and bool(kinds)
+            files = {WEIGHTS: {k: v for k, v in values.items() if k.startswith("model.") or (
+                not layout["distributed_optimizer"] and (k.startswith("optimizer.") or own_main))}}
             if layout["distributed_optimizer"]:
-                buffer = GradBuffer(params, dp, layout["bucket_size"])
-                for d in range(dp):
-                    piece_tensors = {}
-                    for (_, i, lo, hi), key in zip(buffer.pieces(d), buffer.piece_names(d, names)):
-                        start, end = lo - buffer.offsets[i], hi - buffer.offsets[i]
-                        piece_tensors[f"main.{key}"] = values[f"model.{names[i]}"].reshape(-1)[start:end]
-                        for kind in kinds:
-                            piece_tensors[f"optimizer.{kind}.{key}"] = values[f"optimizer.{kind}.{names[i]}"].reshape(-1)[start:end]
-                    files[f"distrib_optim_{d:03d}"] = piece_tensors
+                files.update(_distrib_optim_files(values, names, params, dp, layout["bucket_size"], kinds))
             shards[shard_name(tp_rank, pp_rank, pp)] = (files, dict(
                 meta, layout=layout, config=to_dict(cfg), ckpt_format=cfg.training_config.ckpt_format))
     return save_checkpoint(root, meta["iteration"], shards, cfg.training_config.ckpt_format)

@@ -37,9 +37,14 @@ SCHEMA = {
         "exit_interval": (None, int, None),           # Megatron: save and stop when iteration % N == 0
         "exit_duration_in_mins": (None, float, None),  # save and stop after this much wall time
         "exit_signal_handler": (False, bool, None),   # save and stop on SIGTERM (e.g. a job's time limit)
+        # Megatron's --fp16/--bf16: compute in half precision with half-precision parameters and
+        # float32 main params in the optimizer (see _finalize_precision)
         "fp16": (False, bool, None),
         "bf16": (False, bool, None),
-        "loss_scale": (None, float, None),            # static scale; null = dynamic under fp16
+        # gradients of half-precision parameters summed over micro-batches and reduced over DP in
+        # float32 (Megatron's --accumulate-allreduce-grads-in-fp32; forced on by bf16)
+        "accumulate_allreduce_grads_in_fp32": (False, bool, None),
+        "loss_scale": (None, float, None),            # static scale; null = dynamic under float16
         "loss_scale_value": (2.0 ** 32, float, None),  # Megatron --initial-loss-scale
         "min_loss_scale": (1.0, float, None),
         "loss_scale_window": (1000, int, None),
@@ -117,9 +122,14 @@ SCHEMA = {
         "hidden_dropout_rate": (0.0, float, None),
         "init_method_std": (0.02, float, None),
         "attention_softmax_in_fp32": (True, bool, None),
+        # Megatron: q k^T divided by the layer number in half precision, multiplied back in the
+        # float32 softmax (keeps deep layers' scores in float16's range)
+        "apply_query_key_layer_scaling": (False, bool, None),
+        "fp16_lm_cross_entropy": (False, bool, None),  # the loss on float16 logits (Megatron, --fp16)
         "fp32_residual_connection": (False, bool, None),
-        "params_dtype": ("float32", str, ("float32", "float16", "bfloat16")),
-        "compute_dtype": ("float32", str, ("float32", "float16", "bfloat16")),
+        # null: what --fp16/--bf16 give (Megatron), else float32 (see _finalize_precision)
+        "params_dtype": (None, str, ("float32", "float16", "bfloat16")),
+        "compute_dtype": (None, str, ("float32", "float16", "bfloat16")),
         # Megatron's activation recompute (--recompute-granularity/-method/-num-layers): full recomputes
         # whole layers from their kept input, selective only the core attention (scores, softmax,
         # dropout, weighted sum); checked by Megatron's rules in _finalize_recompute
@@ -308,7 +318,8 @@ def finalize(cfg, world_size=1):
                                      "keep_checkpoint_max", "threads_num"])
     if t.save_interval is not None and t.save_interval < 0:
         raise ConfigError(f"training_config.save_interval must be >= 0 (0: no periodic saves), got {t.save_interval}")
-    _finalize_model(m, t)
+    _finalize_model(m)
+    _finalize_precision(m, t)
     _finalize_optimizer(o, t)
     _finalize_dataset(d)
     _finalize_parallel(p, m, d, world_size)
@@ -316,9 +327,9 @@ def finalize(cfg, world_size=1):
     return cfg
 
 
-def _finalize_model(m, t):
+def _finalize_model(m):
     """Defaults derived from other keys (ffn 4h, one query group per head, positions), shapes that
-    must divide, dropout ranges, and the compute dtype (--fp16/--bf16)."""
+    must divide, dropout ranges."""
     if m.ffn_hidden_size is None:
         m.ffn_hidden_size = 4 * m.hidden_size
     if m.num_query_groups is not None and not m.group_query_attention:
@@ -345,16 +356,35 @@ def _finalize_model(m, t):
     for k in ("attention_dropout_rate", "hidden_dropout_rate"):
         if not 0.0 <= getattr(m, k) < 1.0:
             raise ConfigError(f"model_config.{k} must be in [0, 1), got {getattr(m, k)}")
+
+
+def _finalize_precision(m, t):
+    """The dtypes of a run. Megatron's --fp16/--bf16 (training_config.fp16/bf16) compute in half
+    precision with half-precision parameters (Megatron's Float16Module), the optimizer updating
+    float32 copies of them (optimizer.MixedPrecisionOptimizer). The guides' MindSpore keys can also
+    keep float32 parameters and compute in half precision (params_dtype float32, compute_dtype
+    float16): each matmul casts its weights. Half-precision parameters compute in their own dtype;
+    bfloat16 accumulates and reduces gradients in float32 (Megatron's rule)."""
     if t.fp16 and t.bf16:
         raise ConfigError("training_config.fp16 and bf16 are both set: choose one")
-    if t.fp16 or t.bf16:
-        m.compute_dtype = "float16" if t.fp16 else "bfloat16"
-    if t.device_target == "CPU" and m.compute_dtype != "float32":
-        raise ConfigError(f"model_config.compute_dtype={m.compute_dtype} (--fp16/--bf16) has no CPU kernels in "
-                          "MindSpore 2.10: use float32 on CPU, or training_config.device_target GPU/Ascend")
-    if m.params_dtype != "float32":
-        raise ConfigError(f"model_config.params_dtype={m.params_dtype}: parameters are float32 master weights; "
-                          "set compute_dtype (or --fp16/--bf16) for half-precision matmuls")
+    flag = "float16" if t.fp16 else "bfloat16" if t.bf16 else None
+    if flag and m.compute_dtype not in (None, flag):
+        raise ConfigError(f"training_config.{'fp16' if t.fp16 else 'bf16'} computes in {flag}, but "
+                          f"model_config.compute_dtype is {m.compute_dtype}: give one of them")
+    m.compute_dtype = m.compute_dtype or flag or "float32"
+    m.params_dtype = m.params_dtype or flag or "float32"
+    if m.params_dtype not in ("float32", m.compute_dtype):
+        raise ConfigError(f"model_config.params_dtype={m.params_dtype} with compute_dtype={m.compute_dtype}: "
+                          "half-precision parameters compute in their own dtype; set compute_dtype to it "
+                          "(--fp16/--bf16), or params_dtype float32")
+    if m.compute_dtype == "bfloat16":
+        t.accumulate_allreduce_grads_in_fp32 = True
+    if m.fp16_lm_cross_entropy and m.compute_dtype != "float16":
+        raise ConfigError("model_config.fp16_lm_cross_entropy (--fp16-lm-cross-entropy) needs float16 "
+                          "compute (--fp16), as in Megatron")
+    if m.apply_query_key_layer_scaling and not m.attention_softmax_in_fp32:
+        raise ConfigError("model_config.apply_query_key_layer_scaling scales the scores back inside a "
+                          "float32 softmax: remove --no-attention-softmax-in-fp32 (Megatron forces it)")
 
 
 def _finalize_optimizer(o, t):
@@ -432,8 +462,6 @@ def _finalize_parallel(p, m, d, world_size):
     if p.sequence_parallel and m.seq_length % tp:
         raise ConfigError(f"model_config.seq_length={m.seq_length} is not divisible by "
                           f"tensor_model_parallel_size={tp}, as sequence_parallel needs")
-    if tp > 1 and m.compute_dtype != "float32":
-        raise ConfigError("tensor parallelism computes in float32 in this version: set compute_dtype float32")
     model_parallel = tp * p.pipeline_model_parallel_size * p.context_parallel_size
     if world_size % model_parallel:
         raise ConfigError(f"world size {world_size} is not a multiple of tensor x context x pipeline "
@@ -581,6 +609,14 @@ def _finalize_training(t):
     c = t.grad_clip_kwargs
     if c.clip_value is not None and c.clip_value < 0:
         raise ConfigError("training_config.grad_clip_kwargs.clip_value must be >= 0 (0 disables clipping)")
+
+
+def main_grad_dtype(cfg):
+    """The dtype in which a step's gradients are summed over micro-batches and reduced over DP
+    (Megatron's main_grad): float32 with accumulate_allreduce_grads_in_fp32 (forced by bfloat16),
+    else the parameters' dtype (so float32 for float32 parameters)."""
+    m, t = cfg.model_config, cfg.training_config
+    return "float32" if t.accumulate_allreduce_grads_in_fp32 else m.params_dtype
 
 
 def padded_vocab_size(m, tokenizer_vocab_size):

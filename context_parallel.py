@@ -34,7 +34,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops
 
-from parallel import Mapping
+from parallel import Mapping, cast
 
 F32 = ms.float32
 _scores = ops.BatchMatMul(transpose_b=True)            # q k^T without materialising k^T
@@ -72,11 +72,15 @@ def attention_work(seq_length, ring, balanced=True):
 
 
 # ============================================================================ attention
-def attention_block(q, k, v, bias, dropout):
+def attention_block(q, k, v, bias, dropout, softmax_scale=1.0):
     """One block of attention with its log-sum-exp: q [b, n, sq, d] (already scaled by 1/sqrt(d)),
     k, v [b, n, sk, d], bias None or [b, n, sq, sk] -> (softmax(q k^T + bias) v [b, n, sq, d],
-    logsumexp of the scores [b, n, sq, 1]). The max only keeps exp in range (no gradient)."""
+    logsumexp of the scores [b, n, sq, 1]). The scores, softmax and merges are float32 whatever
+    the compute dtype; softmax_scale multiplies them there (gpt.CoreAttention's query-key layer
+    scaling). The max only keeps exp in range (no gradient)."""
     scores = _scores(q, k).astype(F32)
+    if softmax_scale != 1.0:
+        scores = scores * softmax_scale
     if bias is not None:
         scores = scores + bias
     top = ops.stop_gradient(scores.max(axis=-1, keepdims=True))
@@ -91,8 +95,8 @@ def merge(a, b):
     each weighted by its share exp(lse_i - lse) of the total softmax mass (online softmax)."""
     (out_a, lse_a), (out_b, lse_b) = a, b
     high = ops.maximum(lse_a, lse_b)
-    lse = high + ops.log(ops.exp(lse_a - high) + ops.exp(lse_b - high))
-    return ops.exp(lse_a - lse) * out_a + ops.exp(lse_b - lse) * out_b, lse
+    lse = high + ops.log(ops.exp(lse_a - high) + ops.exp(lse_b - high))       # float32
+    return cast(ops.exp(lse_a - lse) * out_a + ops.exp(lse_b - lse) * out_b, out_a.dtype), lse
 
 
 def _halves(part, c):
@@ -130,13 +134,16 @@ class RingAttention(nn.Cell):
             k_j = core.to_heads(keys[j * S:(j + 1) * S], core.per_group)     # [b, n, S, d]
             v_j = core.to_heads(values[j * S:(j + 1) * S], core.per_group)
             if j == self.rank:
-                first, second = _halves(attention_block(q, k_j, v_j, bias, core.dropout), c)
+                first, second = _halves(self.block(q, k_j, v_j, bias), c)
             elif j < self.rank:
-                a, b = _halves(attention_block(q, k_j[:, :, :c], v_j[:, :, :c], None, core.dropout), c)
+                a, b = _halves(self.block(q, k_j[:, :, :c], v_j[:, :, :c], None), c)
                 first, second = merge(first, a), merge(second, b)
             else:
-                second = merge(second, attention_block(q[:, :, c:], k_j, v_j, None, core.dropout))
+                second = merge(second, self.block(q[:, :, c:], k_j, v_j, None))
         return ops.cat((first[0], second[0]), 2).transpose(2, 0, 1, 3)         # [S, b, n, d]
+
+    def block(self, q, k, v, bias):
+        return attention_block(q, k, v, bias, self.core.dropout, self.core.softmax_scale)
 
 
 class ContextParallelAttention(nn.Cell):

@@ -20,7 +20,7 @@ from mindspore.graph.api import _pynative_executor
 
 import context_parallel
 import parallel
-from parallel import linear
+from parallel import cast, linear
 
 F32 = ms.float32
 MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic
@@ -31,18 +31,13 @@ def additive_mask(mask):
     return Tensor(np.where(mask, MASKED, 0.0).astype(np.float32))
 
 
-def _cast(t, dtype):
-    """astype only when needed: a same-dtype cast still copies (the whole embedding, for logits)."""
-    return t if t.dtype == dtype else t.astype(dtype)
-
-
 def _zeros(*shape):
     return Tensor(np.zeros(shape, np.float32))
 
 
 class Linear(nn.Cell):
-    """y = x W^T + b with W [out, in], the layout of torch and Megatron. Weights are fp32 masters;
-    with a half-precision compute dtype, input and weights are cast for the matmul."""
+    """y = x W^T + b with W [out, in], the layout of torch and Megatron, computed in `dtype` (the
+    compute dtype: float32 parameters are cast to it for the matmul, half ones are already)."""
 
     def __init__(self, in_features, out_features, bias=True, dtype=F32):
         super().__init__()
@@ -51,23 +46,21 @@ class Linear(nn.Cell):
         self.dtype = dtype
 
     def construct(self, x):
-        if self.dtype == F32:
-            return linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.astype(self.dtype)
-        return linear(x.astype(self.dtype), self.weight.astype(self.dtype), bias)
+        return linear(x, self.weight, self.bias, self.dtype)
 
 
 def make_linear(cfg, in_features, out_features, bias, kind, chunks=1):
     """The model's linears. `kind` is Megatron's role: "column" (qkv, fc1, output layer: the
     output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the
     input dim is split). One TP rank: a plain Linear. The layout comes from parallel.get_state()."""
-    state = parallel.get_state()
+    state, dtype = parallel.get_state(), DTYPES[cfg.compute_dtype]
     if state.tp == 1:
-        return Linear(in_features, out_features, bias, DTYPES[cfg.compute_dtype])
+        return Linear(in_features, out_features, bias, dtype)
     if kind == "column":
-        return parallel.ColumnParallelLinear(in_features, out_features, bias,
-                                             sequence_parallel=state.sequence_parallel, chunks=chunks)
-    return parallel.RowParallelLinear(in_features, out_features, bias, sequence_parallel=state.sequence_parallel)
+        return parallel.ColumnParallelLinear(in_features, out_features, bias, sequence_parallel=
+                                             state.sequence_parallel, chunks=chunks, dtype=dtype)
+    return parallel.RowParallelLinear(in_features, out_features, bias,
+                                      sequence_parallel=state.sequence_parallel, dtype=dtype)
 
 
 class Embedding(nn.Cell):
@@ -84,6 +77,12 @@ class Embedding(nn.Cell):
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
 
+def hidden_dtype(cfg):
+    """The dtype of the hidden states [s, b, h] between layers and pipeline stages: the compute
+    dtype, or float32 with fp32_residual_connection (Megatron keeps the residual stream in fp32)."""
+    return F32 if cfg.fp32_residual_connection else DTYPES[cfg.compute_dtype]
+
+
 class LayerNorm(nn.Cell):
     def __init__(self, hidden, eps):
         super().__init__()
@@ -92,9 +91,9 @@ class LayerNorm(nn.Cell):
         self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
 
     def construct(self, x):
-        if x.dtype != F32:                                      # normalise in fp32
-            return self.norm(x.astype(F32), self.weight, self.bias)[0].astype(x.dtype)
-        return self.norm(x, self.weight, self.bias)[0]
+        """Normalised in float32 whatever x's dtype (Megatron's fused LayerNorm), returned in it."""
+        y = self.norm(cast(x, F32), cast(self.weight, F32), cast(self.bias, F32))[0]
+        return cast(y, x.dtype)
 
 
 class RMSNorm(nn.Cell):
@@ -106,8 +105,9 @@ class RMSNorm(nn.Cell):
         self.eps = eps
 
     def construct(self, x):
-        y = x.astype(F32)                                       # normalise in fp32
-        return (y * ops.rsqrt((y * y).mean(-1, keep_dims=True) + self.eps) * self.weight).astype(x.dtype)
+        y = cast(x, F32)                                       # normalise in fp32
+        y = y * ops.rsqrt((y * y).mean(-1, keep_dims=True) + self.eps) * cast(self.weight, F32)
+        return cast(y, x.dtype)
 
 
 def make_norm(cfg):
@@ -129,9 +129,10 @@ class DropoutRNG:
         self.streams = {"default": np.random.default_rng(seed),
                         "model-parallel": np.random.default_rng(seed + 2718 + tp_rank)}
 
-    def mask(self, shape, p, stream="default"):
+    def mask(self, shape, p, stream="default", dtype=F32):
+        """keep / (1 - p) for each element, in the activations' `dtype`."""
         keep = self.streams[stream].random(shape) >= p
-        return Tensor((keep / (1.0 - p)).astype(np.float32))
+        return Tensor((keep / (1.0 - p)).astype(ms.dtype_to_nptype(dtype)))
 
     def state_dict(self):
         return {k: g.bit_generator.state for k, g in self.streams.items()}
@@ -149,7 +150,7 @@ class Dropout(nn.Cell):
     def construct(self, x):
         if self.p == 0.0 or not self.training:
             return x
-        return x * self.rng.mask(x.shape, self.p, self.stream)
+        return x * self.rng.mask(x.shape, self.p, self.stream, x.dtype)
 
 
 def rotary_tables(max_positions, dim, base):
@@ -169,14 +170,19 @@ def apply_rotary(x, cos, sin):
 class CoreAttention(nn.Cell):
     """softmax(q k^T / sqrt(d) + mask) v over one whole sequence (Megatron's core attention):
     scores, softmax, dropout, weighted sum. With grouped query attention each key/value head
-    serves `per_group` consecutive query heads."""
+    serves `per_group` consecutive query heads. The scores are computed in the compute dtype and
+    the softmax runs in float32 unless attention_softmax_in_fp32 is off; Megatron's
+    apply_query_key_layer_scaling divides q k^T by the layer number (1-based) in half precision,
+    where deep layers' scores could overflow, and multiplies it back in the float32 softmax."""
 
-    def __init__(self, cfg, rng, per_group):
+    def __init__(self, cfg, rng, per_group, layer_number=1):
         super().__init__()
         self.per_group = per_group
         self.dropout = Dropout(cfg.attention_dropout_rate, rng, "model-parallel")
         self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
-        self.scale = 1.0 / math.sqrt(cfg.hidden_size // cfg.num_attention_heads)
+        coeff = layer_number if cfg.apply_query_key_layer_scaling else 1
+        self.scale = 1.0 / (math.sqrt(cfg.hidden_size // cfg.num_attention_heads) * coeff)
+        self.softmax_scale = float(coeff)                    # applied to the float32 scores
         self.scores = ops.BatchMatMul(transpose_b=True)     # q k^T without materialising k^T
 
     def to_heads(self, x, repeat):
@@ -191,7 +197,10 @@ class CoreAttention(nn.Cell):
         scores = self.scores(q * self.scale, k)                    # [b, n, s, s]
         if self.softmax_in_fp32:
             scores = scores.astype(F32)
-        probs = ops.softmax(scores + mask_bias, -1).astype(q.dtype)
+            if self.softmax_scale != 1.0:
+                scores = scores * self.softmax_scale
+        # in float16 the -1e30 of a masked score becomes -inf: exp gives 0 all the same
+        probs = ops.softmax(scores + cast(mask_bias, scores.dtype), -1).astype(q.dtype)
         return ops.bmm(self.dropout(probs), v).transpose(2, 0, 1, 3)   # [s, b, n, d]
 
 
@@ -203,7 +212,7 @@ class SelfAttention(nn.Cell):
     dimension into equal contiguous pieces hands whole groups to each TP rank. With context
     parallelism the core attention runs across the cp ranks (context_parallel.py)."""
 
-    def __init__(self, cfg, rng):
+    def __init__(self, cfg, rng, layer_number=1):
         super().__init__()
         self.heads, self.groups = cfg.num_attention_heads, cfg.num_query_groups
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -215,7 +224,7 @@ class SelfAttention(nn.Cell):
         self.per_group = self.heads // self.groups
         self.local_groups = self.linear_qkv.weight.shape[0] // ((self.per_group + 2) * self.head_dim)
         self.local_heads = self.local_groups * self.per_group
-        self.core_attention = CoreAttention(cfg, rng, self.per_group)
+        self.core_attention = CoreAttention(cfg, rng, self.per_group, layer_number)
         state = parallel.get_state()
         if state.cp > 1:
             self.core_attention = context_parallel.ContextParallelAttention(self.core_attention, state)
@@ -327,10 +336,10 @@ class TransformerLayer(nn.Cell):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))). With sandwich norm
     each sub-layer's output is normed again before the residual add (CogView, PanGu)."""
 
-    def __init__(self, cfg, rng):
+    def __init__(self, cfg, rng, layer_number=1):
         super().__init__()
         self.input_layernorm = make_norm(cfg)
-        self.self_attention = SelfAttention(cfg, rng)
+        self.self_attention = SelfAttention(cfg, rng, layer_number)
         self.pre_mlp_layernorm = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.sandwich = cfg.use_sandwich_norm
@@ -340,18 +349,18 @@ class TransformerLayer(nn.Cell):
         # Replicated activations share the "default" stream over TP; sequence shards differ.
         self.hidden_dropout = Dropout(cfg.hidden_dropout_rate, rng,
                                       "model-parallel" if parallel.get_state().sequence_parallel else "default")
-        self.fp32_residual = cfg.fp32_residual_connection
 
     def construct(self, x, rope, mask_bias):
-        residual = x.astype(F32) if self.fp32_residual else x
+        """x [s, b, h] ([s/tp, b, h] under SP): the residual stream, in gpt.hidden_dtype; the
+        sub-layers compute in the compute dtype."""
         y = self.self_attention(self.input_layernorm(x), rope, mask_bias)
         if self.sandwich:
             y = self.post_attention_norm(y)
-        x = residual + self.hidden_dropout(y).astype(residual.dtype)
+        x = x + cast(self.hidden_dropout(y), x.dtype)
         y = self.mlp(self.pre_mlp_layernorm(x))
         if self.sandwich:
             y = self.post_mlp_norm(y)
-        return x + self.hidden_dropout(y).astype(x.dtype)
+        return x + cast(self.hidden_dropout(y), x.dtype)
 
 
 def cross_entropy(logits, labels):
@@ -387,7 +396,7 @@ class GPTModel(nn.Cell):
             self.embedding_dropout = Dropout(cfg.hidden_dropout_rate, self.rng,
                                              "model-parallel" if self.sequence_parallel else "default")
         n = cfg.num_layers if num_layers is None else num_layers
-        self.layers = nn.CellList([TransformerLayer(cfg, self.rng) for _ in range(n)])
+        self.layers = nn.CellList([TransformerLayer(cfg, self.rng, layer_offset + i + 1) for i in range(n)])
         # full recompute (block): how many of this chunk's first layers, by default recompute_num_layers
         rebuilt = cfg.recompute_num_layers if recomputed_layers is None else recomputed_layers
         self.blocks = recompute_blocks(cfg, self.layers, self.rng, rebuilt)
@@ -423,16 +432,21 @@ class GPTModel(nn.Cell):
         # the core attention's tokens: the sequence, or a ring rank's share (context_parallel.py)
         length = cfg.seq_length // state.cp_ring
         self.causal_bias = additive_mask(np.triu(np.ones((1, 1, length, length), bool), 1))
+        self.hidden_dtype = hidden_dtype(cfg)
+        self.logits_dtype = self.dtype if cfg.fp16_lm_cross_entropy else F32
+        for p in self.get_parameters():        # Megatron's Float16Module: half-precision parameters
+            p.set_dtype(DTYPES[cfg.params_dtype])
 
     def logits(self, x):
-        """x [s, b, h] ([s/tp, b, h] under SP) -> logits [s, b, V/tp] in fp32 (Megatron's
-        parallel_lm_logits: the input enters the TP region, the vocabulary stays split)."""
+        """x [s, b, h] ([s/tp, b, h] under SP) -> logits [s, b, V/tp] computed in the compute
+        dtype (Megatron's parallel_lm_logits: the input enters the TP region, the vocabulary stays
+        split), returned in float32 for the loss unless fp16_lm_cross_entropy."""
         if not (self.tied and self.pre_process):
-            return _cast(self.output_layer(x), F32)
-        weight = self.word_embeddings.weight
+            return cast(self.output_layer(x), self.logits_dtype)
+        x = cast(x, self.dtype)
         if self.tp > 1:
             x = self.enter_logits(x)                                          # [s, b, h]
-        return _cast(linear(x, _cast(weight, x.dtype)), F32)
+        return cast(linear(x, self.word_embeddings.weight, None, self.dtype), self.logits_dtype)
 
     def construct(self, x, position_ids, attention_mask=None, labels=None, loss_mask=None):
         if self.pre_process:
@@ -443,11 +457,11 @@ class GPTModel(nn.Cell):
             x = x.transpose(1, 0, 2)                                          # [s, b, h]
             if self.sequence_parallel:
                 x = self.scatter_sequence(x)                                  # [s/tp, b, h]
-            x = _cast(self.embedding_dropout(x), self.dtype)
+            x = self.embedding_dropout(cast(x, self.hidden_dtype))
         s = position_ids.shape[1] * self.cp_ulysses            # Ulysses attends over its group's tokens
         rope = None
         if self.rope is not None:                                             # [s, b, 1, d]
-            rope = tuple(ops.gather(t, position_ids, 0).transpose(1, 0, 2).expand_dims(2)
+            rope = tuple(cast(ops.gather(t, position_ids, 0), self.dtype).transpose(1, 0, 2).expand_dims(2)
                          for t in self.rope)
         if attention_mask is not None:
             bias = ops.masked_fill(ops.zeros(attention_mask.shape, F32), attention_mask, MASKED)
@@ -473,7 +487,7 @@ class GPTModel(nn.Cell):
         else:
             losses = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
         mask = loss_mask.T.reshape(-1).astype(F32)
-        total, count = (losses * mask).sum().reshape(1), mask.sum().reshape(1)
+        total, count = (cast(losses, F32) * mask).sum().reshape(1), mask.sum().reshape(1)
         if self.cp > 1:
             total, count = self.reduce_loss(total), self.count_tokens.all_reduce(ops.stop_gradient(count))
         return (total / ops.maximum(count, 1.0)).reshape(())

@@ -87,7 +87,7 @@ def project_to_hf(tensors, m, vocab_size):
         if leaf == "weight" and "layernorm" not in module:
             value = value.T
         out[f"h.{layer}.{back_block[module]}.{leaf}"] = np.ascontiguousarray(value)
-    return out
+    return {k: v.astype(np.float32) for k, v in out.items()}       # GPT-2's weights: float32
 
 
 def read_hf_config(hf_dir):

@@ -1,11 +1,16 @@
-"""Optimizer side of Megatron-style training: schedules, optimizers, clipping, loss scaling.
+"""Optimizer side of Megatron-style training: schedules, optimizers, clipping, loss scaling, the
+step of mixed-precision training, data-parallel gradient reduction and the distributed optimizer.
 
-Mirrors megatron/core/optimizer_param_scheduler.py, megatron/core/optimizer/clip_grads.py
-and megatron/core/optimizer/grad_scaler.py, written with basic MindSpore ops (fp32, PyNative).
+Mirrors megatron/core/optimizer_param_scheduler.py, megatron/core/optimizer/{optimizer,
+distrib_optimizer,clip_grads,grad_scaler}.py and megatron/core/distributed/, written with basic
+MindSpore ops (PyNative).
 
-Optimizers update a list of fp32 tensors in place with `Tensor.copy_` (the in-place
-arithmetic methods such as `mul_` do not write back on CPU in MindSpore 2.10). Every entry
-may be a Parameter or a plain Tensor, e.g. a flat shard owned by a distributed optimizer.
+The inner optimizers (AdamW, Adam, SGD) update a list of float32 tensors in place with
+`Tensor.copy_` (the in-place arithmetic methods such as `mul_` do not write back on CPU in
+MindSpore 2.10): Megatron's *main params*. Every entry may be a Parameter (float32 parameters are
+their own main params) or a plain Tensor (a float32 copy of a half-precision parameter, or a flat
+piece owned by the distributed optimizer). `MixedPrecisionOptimizer.step` is Megatron's
+optimizer.step(): unscale, find inf/nan, update the loss scale, clip, update, copy back.
 """
 
 import math
@@ -13,6 +18,8 @@ import math
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, ops
+
+F32 = ms.float32
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
@@ -325,14 +332,111 @@ class DynamicGradScaler(ConstantGradScaler):
         self.hysteresis_tracker = state_dict["hysteresis_tracker"]
 
 
+# ----------------------------------------------------------------------------- the step
+class MixedPrecisionOptimizer:
+    """Megatron's optimizer step (megatron/core/optimizer/optimizer.py: MixedPrecisionOptimizer,
+    with Float16OptimizerWithFloat16Params and FP32Optimizer as its two cases): an inner optimizer
+    (`make_optimizer(main_params, wd_mults)`) updates float32 main params, which are the model's
+    parameters themselves when those are float32, and float32 copies of them when they are half
+    precision (Micikevicius et al. 2018, "Mixed Precision Training": the copies keep the small
+    updates that a float16 weight would round away). step(grads, lr, wd), after the gradients'
+    reductions (finalize_model_grads):
+      1. main grads: the gradients in float32, divided by the loss scale;
+      2. inf/nan found through the gradient norm's reduction: the squared norm, summed over
+         `norm_groups`, is inf/nan iff some gradient is (or is so large its square overflows);
+      3. the loss scaler's update; on overflow the step is skipped, weights and state untouched;
+      4. clipping by the global norm (or by value, clip_type GradClipByValue; 0 disables it);
+      5. the inner update of the main params, then main params -> model params.
+    `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
+    Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all)."""
+
+    def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value, comm,
+                 norm_groups, counted):
+        self.params = list(params)
+        self.scaler, self.clip_type, self.clip_value = scaler, clip_type, clip_value
+        self.comm, self.norm_groups, self.counted = comm, list(norm_groups), list(counted)
+        self.main_params = self._main_params()
+        self.inner = make_optimizer(self.main_params, self._main_wd_mults(wd_mults))
+
+    def _main_params(self):
+        """float32 parameters are their own main params; half ones get a float32 copy."""
+        return [p if p.dtype == F32 else p.astype(F32) for p in self.params]
+
+    def _main_wd_mults(self, wd_mults):
+        return wd_mults
+
+    @property
+    def step_count(self):
+        return self.inner.step_count
+
+    def step(self, grads, lr, wd):
+        """One update from the step's reduced gradients (model dtype or float32, still scaled);
+        returns (updated, grad norm): updated is False when inf/nan skipped the step."""
+        inv_scale = self.scaler.inv_scale
+        main_grads = [g if g.dtype == F32 else g.astype(F32) for g in grads]
+        if inv_scale != 1.0:
+            main_grads = [g * inv_scale for g in main_grads]
+        norm_sq = self.global_norm_sq(main_grads)
+        found_inf = not math.isfinite(norm_sq)
+        self.scaler.update(found_inf)
+        norm = math.sqrt(norm_sq)                   # inf or nan on overflow
+        if found_inf:
+            return False, norm
+        if self.clip_value and self.clip_type == "ClipGlobalNorm":
+            main_grads = clip_grads_by_global_norm(main_grads, self.clip_value, norm)
+        elif self.clip_value:
+            main_grads = clip_grads_by_value(main_grads, self.clip_value)
+        self.inner.step(main_grads, lr, wd)
+        self._copy_main_params_to_model_params()
+        return True, norm
+
+    def global_norm_sq(self, main_grads):
+        """Squared norm of the whole model's gradient: this rank's counted gradients, summed over
+        the ranks that hold other parts of the model (`norm_groups`)."""
+        local = Tensor([grad_norm_sq([g for g, c in zip(main_grads, self.counted) if c])], F32)
+        for group in self.norm_groups:
+            local = self.comm.all_reduce(local, group)
+        return float(local.asnumpy()[0])
+
+    def _copy_main_params_to_model_params(self):
+        for p, main in zip(self.params, self.main_params):
+            if main is not p:
+                p.copy_(main.astype(p.dtype))
+
+    def reload_main_params(self):
+        """The main params from the model's parameters (after loading weights)."""
+        for p, main in zip(self.params, self.main_params):
+            if main is not p:
+                main.copy_(p.astype(F32))
+
+    def named_state(self, names):
+        """(arrays, step): the inner optimizer's state "optimizer.<state>.<name>" and the float32
+        main params of half-precision parameters "main.<name>" (`names`: one per parameter)."""
+        arrays, step = self.inner.named_state(names)
+        arrays.update({f"main.{n}": main.asnumpy() for n, p, main in zip(names, self.params, self.main_params)
+                       if main is not p})
+        return arrays, step
+
+    def load_named_state(self, arrays, step, names):
+        """The inverse of named_state."""
+        for n, p, main in zip(names, self.params, self.main_params):
+            if main is not p:
+                main.copy_(Tensor(arrays[f"main.{n}"]))
+        self.inner.load_named_state(arrays, step, names)
+
+    def state_bytes(self):
+        """Optimizer state plus the float32 main params that are copies, on this rank."""
+        return self.inner.state_bytes() + sum(m.nbytes for p, m in zip(self.params, self.main_params) if m is not p)
+
+
 # ----------------------------------------------------------------------------- data parallelism
 class GradBuffer:
     """Megatron's ParamAndGradBuffer, rebuilt each step from the accumulated gradients.
 
-    Parameter i owns elements [offsets[i], offsets[i] + numel_i) of one flat fp32 buffer, in
-    order. The buffer is cut into buckets of about `bucket_size` elements along parameter
-    boundaries, each padded to a multiple of `dp` so that it splits into dp equal shards: the
-    shard a distributed optimizer owns on each rank."""
+    Parameter i owns elements [offsets[i], offsets[i] + numel_i) of one flat buffer, in order.
+    The buffer is cut into buckets of about `bucket_size` elements along parameter boundaries,
+    each padded to a multiple of `dp` so that it splits into dp equal shards: the shard a
+    distributed optimizer owns on each rank."""
 
     def __init__(self, params, dp, bucket_size=None):
         self.shapes = [tuple(p.shape) for p in params]
@@ -349,16 +453,16 @@ class GradBuffer:
                 start = position = end
         self.numel, self.sizes, self.dp = position, sizes, dp
 
-    def flatten(self, tensors):
-        """list of tensors shaped like the params -> flat [numel], zeros in the padding."""
+    def flatten(self, tensors, dtype=F32):
+        """list of tensors shaped like the params -> flat [numel] in `dtype`, zeros in the padding."""
         pieces, position = [], 0
         for t, offset, n in zip(tensors, self.offsets, self.sizes):
             if offset > position:
-                pieces.append(ops.zeros(offset - position, ms.float32))
-            pieces.append(t.reshape(-1))
+                pieces.append(ops.zeros(offset - position, dtype))
+            pieces.append(t.reshape(-1) if t.dtype == dtype else t.reshape(-1).astype(dtype))
             position = offset + n
         if self.numel > position:
-            pieces.append(ops.zeros(self.numel - position, ms.float32))
+            pieces.append(ops.zeros(self.numel - position, dtype))
         return ops.cat(pieces)
 
     def unflatten(self, flat):
@@ -390,7 +494,9 @@ class GradBuffer:
 
 def finalize_model_grads(grads, params, comm, state, optimizer, buffer):
     """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
-    reduction of a step's gradients, in one place, after the last backward:
+    reduction of a step's gradients, in one place, after the last backward, in the gradients'
+    dtype (Megatron's main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32
+    parameters, else the parameters' half precision):
       1. sequence parallelism: norm weights and row-parallel biases saw only this rank's shard of
          the sequence, so their gradients (marked `sequence_parallel`) are all-reduced over TP;
       2. tied embeddings over pipeline stages: the first stage's word embedding and the last
@@ -413,41 +519,50 @@ def finalize_model_grads(grads, params, comm, state, optimizer, buffer):
 
 
 def all_reduce_grads(buffer, grads, comm, group, mean_over):
-    """Data-parallel gradient reduction: summed over `group` (DP x CP) and divided by `mean_over`
-    (DP), one all-reduce per bucket of the contiguous buffer (Megatron DDP without overlap)."""
-    flat = buffer.flatten(grads)
-    reduced = [comm.all_reduce(flat[b0:b1], group) for b0, b1 in buffer.buckets]
-    return buffer.unflatten(ops.cat(reduced) / mean_over)
+    """Data-parallel gradient reduction: divided by `mean_over` (DP) and summed over `group`
+    (DP x CP), one all-reduce per bucket of the contiguous buffer, in the gradients' dtype
+    (Megatron's DDP without overlap: it scales by 1/dp before the sum, which keeps a float16
+    sum in range)."""
+    flat = buffer.flatten(grads, grads[0].dtype) * (1.0 / mean_over)
+    return buffer.unflatten(ops.cat([comm.all_reduce(flat[b0:b1], group) for b0, b1 in buffer.buckets]))
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(MixedPrecisionOptimizer):
     """Megatron's distributed optimizer (ZeRO stage 1, Rajbhandari et al. 2020): each DP rank
-    keeps fp32 parameters and optimizer state for only its 1/dp shard of every bucket.
+    keeps float32 main params and optimizer state for only its 1/dp shard of every bucket.
 
-    step: reduce-scatter the gradient buckets over the DP x CP `group` (each rank gets its shard,
-    summed and divided by `mean_over`, the DP size; see finalize_model_grads), update
-    the shard with the inner optimizer, all-gather the updated shards into every rank's params.
+    The gradients are reduce-scattered over the DP x CP `group` (each rank gets its shard, divided
+    by `mean_over`, the DP size; see finalize_model_grads); step() updates the shard with the inner
+    optimizer and all-gathers the updated shards, in the model's dtype, into every rank's params.
     The inner optimizer sees one flat tensor per (parameter, shard) overlap, a "piece", so
     per-parameter weight-decay multipliers still apply."""
 
-    def __init__(self, make_optimizer, params, wd_mults, comm, group, dp_rank, dp, bucket_size=None, mean_over=None):
-        self.params, self.comm, self.group, self.dp, self.rank = list(params), comm, group, dp, dp_rank
+    def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value, comm,
+                 norm_groups, counted, group, dp_rank, dp, bucket_size=None, mean_over=None):
+        self.group, self.dp, self.rank = group, dp, dp_rank
         self.mean_over = dp if mean_over is None else mean_over
-        self.buffer = GradBuffer(self.params, dp, bucket_size)
+        self.buffer = GradBuffer(params, dp, bucket_size)
         self.shards = self.buffer.shard_ranges(dp_rank)        # this rank's range in each bucket
         self.pieces = self.buffer.pieces(dp_rank)              # (bucket, param index, start, end)
+        # the norm: this rank's pieces, summed over the shards first
+        super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value, comm,
+                         [group] + list(norm_groups), [counted[i] for _, i, _, _ in self.pieces])
+
+    def _main_params(self):
         flat = self.buffer.flatten(self.params)
-        self.main_params = [flat[lo:hi].copy() for _, _, lo, hi in self.pieces]   # fp32 masters
-        self.inner = make_optimizer(self.main_params, [wd_mults[i] for _, i, _, _ in self.pieces])
+        return [flat[lo:hi].copy() for _, _, lo, hi in self.pieces]     # float32 pieces
+
+    def _main_wd_mults(self, wd_mults):
+        return [wd_mults[i] for _, i, _, _ in self.pieces]
 
     def reload_main_params(self):
-        """Copy the model's parameters into the fp32 master shard (after loading weights)."""
+        """The float32 pieces from the model's parameters (after loading weights)."""
         flat = self.buffer.flatten(self.params)
         for (_, _, lo, hi), main in zip(self.pieces, self.main_params):
             main.copy_(flat[lo:hi].copy())
 
     def named_state(self, names):
-        """(arrays, step): this rank's pieces of the fp32 master weights "main.<piece>" and of the
+        """(arrays, step): this rank's pieces of the float32 main params "main.<piece>" and of the
         inner optimizer's state "optimizer.<state>.<piece>" (`names`: one per parameter)."""
         pieces = self.buffer.piece_names(self.rank, names)
         arrays, step = self.inner.named_state(pieces)
@@ -462,24 +577,26 @@ class DistributedOptimizer:
         self.inner.load_named_state(arrays, step, pieces)
 
     def reduce_scatter_grads(self, grads):
-        """Full local grads -> this rank's piece of the DP average, one tensor per piece."""
-        flat = self.buffer.flatten(grads)
-        shard = [self.comm.reduce_scatter(flat[b0:b1], self.group) / self.mean_over for b0, b1 in self.buffer.buckets]
-        return [shard[b][lo - self.shards[b][0]:hi - self.shards[b][0]].copy() for b, _, lo, hi in self.pieces]
+        """Full local grads -> this rank's pieces of the DP average, one float32 tensor per piece;
+        reduced in the gradients' dtype, divided by mean_over first (as all_reduce_grads)."""
+        flat = self.buffer.flatten(grads, grads[0].dtype) * (1.0 / self.mean_over)
+        shard = [self.comm.reduce_scatter(flat[b0:b1], self.group) for b0, b1 in self.buffer.buckets]
+        return [shard[b][lo - self.shards[b][0]:hi - self.shards[b][0]].astype(F32)
+                for b, _, lo, hi in self.pieces]
 
-    def step(self, grad_pieces, lr, wd):
-        """Update the owned pieces, then all-gather each bucket's shards into the params."""
-        self.inner.step(grad_pieces, lr, wd)
-        buckets = []
+    def _copy_main_params_to_model_params(self):
+        """All-gather each bucket's updated shards, in the parameters' dtype, into the params."""
+        dtype, buckets = self.params[0].dtype, []
         for b, (s0, s1) in enumerate(self.shards):
             mine = [v for (pb, _, _, _), v in zip(self.pieces, self.main_params) if pb == b]
             filled = sum(int(v.shape[0]) for v in mine)
             if filled < s1 - s0:                               # the bucket's padding
-                mine.append(ops.zeros(s1 - s0 - filled, ms.float32))
-            buckets.append(self.comm.all_gather(ops.cat(mine), self.group))
+                mine.append(ops.zeros(s1 - s0 - filled, F32))
+            shard = ops.cat(mine)
+            buckets.append(self.comm.all_gather(shard if dtype == F32 else shard.astype(dtype), self.group))
         for p, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
             p.copy_(value)
 
     def state_bytes(self):
-        """Optimizer state plus fp32 master shard held on this rank."""
+        """Optimizer state plus the float32 main params of this rank's pieces."""
         return self.inner.state_bytes() + sum(t.nbytes for t in self.main_params)

@@ -211,10 +211,11 @@ class PipelineRunner:
         for chunk in self.chunks:
             chunk.set_grad(True)            # record each forward, for its backward to replay
 
-    def run(self, micro_batches, loss_weight, hidden_shape, dtype, forward_only=False, trace=None):
+    def run(self, micro_batches, loss_weight, hidden_shape, dtype, grad_dtype, forward_only=False, trace=None):
         """micro_batches: per micro-batch the model inputs (tokens, position_ids, attention_mask,
-        labels, loss_mask). Returns (losses of the last stage, one per micro-batch, else [];
-        gradients of every chunk's parameters, summed over micro-batches, of loss * loss_weight).
+        labels, loss_mask); hidden_shape and dtype: a hop's (gpt.hidden_dtype). Returns (losses of
+        the last stage, one per micro-batch, else []; gradients of every chunk's parameters, of
+        loss * loss_weight, summed over micro-batches in grad_dtype).
         trace: a list to which each pass appends (kind, micro-batch, chunk, start, end)."""
         m = len(micro_batches)
         key = (m, forward_only)
@@ -257,6 +258,7 @@ class PipelineRunner:
                 else:
                     g_inputs, g_params = self.grad_with_input(self.chunks[c], self.params[c])(*args, dout)
                     outgoing[("grad", mb, vs - 1)] = g_inputs[0]
+                g_params = [parallel.cast(g, grad_dtype) for g in g_params]
                 grads[c] = [g if a is None else a + g for a, g in zip(grads[c], g_params)]
             if trace is not None:
                 if ms.get_context("device_target") != "CPU":   # on CPU ops run in this thread (launch_blocking)

@@ -50,6 +50,7 @@ import context_parallel
 import data
 import gpt
 import memory
+import optimizer
 import parallel
 import pipeline
 import sample
@@ -957,8 +958,7 @@ def test_variant_trains(variant):
     """Each architecture option runs forward/backward and AdamW lowers the loss on a fixed batch."""
     cfg, model = tiny_model(*VARIANTS[variant], "--lr", "3e-3", "--min-lr", "3e-3", "--lr-warmup-iters", "0",
                             "--lr-decay-style", "constant", "--train-iters", "12")
-    optim, scheduler, scaler = train.build_optimizer(cfg, model)
-    trainer = train.Trainer(cfg, model, optim, scheduler, scaler)
+    trainer = train.Trainer(cfg, model, *train.build_optimizer(cfg, model))
     batch = random_batch(cfg)
     losses = [trainer.train_step([batch])[0] for _ in range(12)]
     assert all(np.isfinite(losses))
@@ -1154,8 +1154,14 @@ BAD_CONFIGS = [
     (["--normalization", "RMSnorm"], "model_config.normalization: 'RMSnorm' is not one of LayerNorm, RMSNorm (did you mean RMSNorm?)"),
     (["--num-layers", "two"], "model_config.num_layers: expected int, got 'two'"),
     (["--num-layers", "0"], "model_config.num_layers must be positive"),
-    (["--bf16"], "model_config.compute_dtype=bfloat16 (--fp16/--bf16) has no CPU kernels"),
-    (["--fp16"], "model_config.compute_dtype=float16 (--fp16/--bf16) has no CPU kernels"),
+    (["--bf16"], "model_config.compute_dtype=bfloat16 (--bf16): MindSpore 2.10 has no bfloat16 CPU kernel"),
+    (["--fp16", "--bf16"], "training_config.fp16 and bf16 are both set: choose one"),
+    (["--fp16", "model_config.compute_dtype=bfloat16"], "training_config.fp16 computes in float16, but "
+                                                         "model_config.compute_dtype is bfloat16"),
+    (["model_config.params_dtype=float16"], "model_config.params_dtype=float16 with compute_dtype=float32"),
+    (["--fp16-lm-cross-entropy"], "model_config.fp16_lm_cross_entropy (--fp16-lm-cross-entropy) needs float16"),
+    (["--fp16", "--apply-query-key-layer-scaling", "--no-attention-softmax-in-fp32"],
+     "model_config.apply_query_key_layer_scaling scales the scores back inside a float32 softmax"),
     (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.2"], "set only one of lr_warmup_iters and lr_warmup_fraction"),
     (["--global-batch-size", "12"], "dataset_config.global_batch_size=12 must be a multiple of"),
     (["--split", "90,x"], "dataset_config.split='90,x'"),
@@ -1344,7 +1350,7 @@ def losses_of(lines):
 def test_log_line_format(tmp_path):
     lines, _ = run_training(tmp_path, "fmt", "--train-iters", "2")
     pattern = (r"train: Epoch:0, Step:\d+, Loss: \d+\.\d{6}, Finite_grads: True, Loss_scale: 1\.0, "
-               r"Learning_rate: \d\.\d{6}e[-+]\d\d, Time: (\d+\.\d\d) ms, Tokens/s: (\d+\.\d), "
+               r"Grad_norm: \d+\.\d{6}, Skipped_iterations: 0, Learning_rate: \d\.\d{6}e[-+]\d\d, Time: (\d+\.\d\d) ms, Tokens/s: (\d+\.\d), "
                r"TFLOP/s: (\d+\.\d{4})$")
     assert len(lines) == 2 and all(re.match(pattern, l) for l in lines), lines
     cfg = load_config(os.path.join(HERE, "config.yaml"), ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2",
@@ -1464,18 +1470,19 @@ def test_compiled_model_equals_eager(tmp_path):
 
 def test_loss_scaler_skips_a_step_with_nan_gradients():
     cfg, model = tiny_model()
-    optim, scheduler, _ = train.build_optimizer(cfg, model)
-    scaler = DynamicGradScaler(2.0 ** 16, 1.0, growth_interval=1000, hysteresis=1)
-    trainer = train.Trainer(cfg, model, optim, scheduler, scaler)
+    optim, scheduler = train.build_optimizer(cfg, model)
+    optim.scaler = scaler = DynamicGradScaler(2.0 ** 16, 1.0, growth_interval=1000, hysteresis=1)
+    trainer = train.Trainer(cfg, model, optim, scheduler)
     before = [p.asnumpy().copy() for p in optim.params]
     poisoned = random_batch(cfg)
     poisoned["loss_mask"][0, 3] = np.nan                      # gradients become nan
-    _, finite, _ = trainer.train_step([poisoned])
-    assert not finite and scheduler.num_steps == 0 and optim.step_count == 0 and scaler.scale == 2.0 ** 15
+    _, updated, norm, _ = trainer.train_step([poisoned])
+    assert not updated and not math.isfinite(norm) and scheduler.num_steps == 0 and optim.step_count == 0
+    assert scaler.scale == 2.0 ** 15
     for b, p in zip(before, optim.params):
         np.testing.assert_array_equal(b, p.asnumpy())
-    loss, finite, _ = trainer.train_step([random_batch(cfg)])   # the next clean step updates
-    assert finite and np.isfinite(loss) and optim.step_count == 1
+    loss, updated, norm, _ = trainer.train_step([random_batch(cfg)])   # the next clean step updates
+    assert updated and np.isfinite(loss) and math.isfinite(norm) and optim.step_count == 1
 
 
 # ============================================================================ checkpoint (checkpoint.py, hf_gpt2.py)
@@ -2744,7 +2751,8 @@ def check_gradients(c, world):
         chunks, _ = train.build_model(cfg, tokenizer, state)
         trainer = train.Trainer(cfg, chunks, *train.build_optimizer(cfg, chunks), state)
         losses, grads = trainer.forward_backward(batches)
-        grads, _ = trainer.reduce_gradients(grads)
+        grads = optimizer.finalize_model_grads(grads, trainer.params, parallel.comm, state, trainer.optimizer,
+                                               trainer.buffer)
         if state.is_last_stage:
             c(f"{label}: losses", np.allclose(losses, ref_losses, rtol=1e-5), f"{losses} vs {ref_losses}")
         else:

@@ -33,8 +33,8 @@ import parallel
 import pipeline
 import sample
 from cli import HelpRequested, load_config, parse_command, training_help
-from config import ConfigError, padded_vocab_size, recompute_counts, to_dict
-from gpt import DTYPES, Compiled, DropoutRNG, init_weights, num_floating_point_operations
+from config import ConfigError, main_grad_dtype, padded_vocab_size, recompute_counts, to_dict
+from gpt import DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, num_floating_point_operations
 from profiler import StepProfiler
 from tokenizer import build_tokenizer
 
@@ -96,8 +96,13 @@ def setup_mindspore(cfg=None):
 
 
 def check_inputs(cfg):
-    """Files the run needs, checked before any work."""
-    d = cfg.dataset_config
+    """What the run needs, checked before any work: kernels for its precision, its files."""
+    d, m = cfg.dataset_config, cfg.model_config
+    if cfg.training_config.device_target == "CPU" and m.compute_dtype == "bfloat16":
+        # checked on MindSpore 2.10 (../shared/notes/mindspore.md): "Select CPU operator ... fail"
+        raise ConfigError("model_config.compute_dtype=bfloat16 (--bf16): MindSpore 2.10 has no bfloat16 CPU "
+                          "kernel for MatMul, Softmax, Tanh or Sqrt; train with --fp16 on the CPU, or set "
+                          "training_config.device_target to GPU or Ascend")
     if d.tokenizer_type == "GPT2BPETokenizer":
         for key in ("vocab_file", "merge_file"):
             if not os.path.isfile(getattr(d, key)):
@@ -158,38 +163,58 @@ def no_weight_decay(name, param):
     return name.endswith("bias") or len(param.shape) == 1
 
 
+def build_scaler(cfg):
+    """Megatron's grad scaler: a static --loss-scale if given, else dynamic when computing in
+    float16 (its range needs it), else none (a constant 1.0; bfloat16 has float32's range)."""
+    t = cfg.training_config
+    if t.loss_scale is not None:
+        return opt.ConstantGradScaler(t.loss_scale)
+    if cfg.model_config.compute_dtype == "float16":
+        return opt.DynamicGradScaler(t.loss_scale_value, t.min_loss_scale, growth_interval=t.loss_scale_window,
+                                     hysteresis=t.hysteresis)
+    return opt.ConstantGradScaler(1.0)
+
+
+def counted_in_norm(chunks, state):
+    """Per parameter of `chunks`, whether its gradient counts in the norm on this rank: one
+    replicated over TP (norms, row biases, position embeddings) on TP rank 0 (Megatron's
+    param_is_not_tensor_parallel_duplicate), and the word embedding on the first stage, not its
+    copy on the last."""
+    tied_copy = state.pp > 1 and chunks[0].tied
+    return [(hasattr(p, "partition_dim") or state.tp_rank == 0) and not (tied_copy and n == "output_layer.weight")
+            for chunk in chunks for n, p in chunk.parameters_and_names()]
+
+
 def build_optimizer(cfg, model, state=None):
-    """(optimizer, scheduler, loss scaler) for a model or a list of model chunks. With
-    use_distributed_optimizer and several DP ranks the optimizer is a DistributedOptimizer
-    wrapping the chosen one."""
+    """(optimizer, scheduler) for a model or a list of model chunks: Megatron's mixed-precision
+    optimizer around AdamW/Adam/SGD (optimizer.MixedPrecisionOptimizer), or with
+    use_distributed_optimizer and several DP x CP ranks the DistributedOptimizer."""
     o, t = cfg.optimizer_config, cfg.training_config
-    named = [item for chunk in (model if isinstance(model, list) else [model])
-             for item in chunk.parameters_and_names()]
+    state = state or parallel.get_state()
+    chunks = model if isinstance(model, list) else [model]
+    named = [item for chunk in chunks for item in chunk.parameters_and_names()]
     wd_mults = [0.0 if no_weight_decay(n, p) else 1.0 for n, p in named]
 
     def make(params, mults):
         return opt.build_optimizer(o.optimizer_type, params, betas=tuple(o.betas), eps=o.eps,
                                    momentum=o.momentum, wd_mults=mults)
-    if state is not None and t.use_distributed_optimizer and state.dp * state.cp > 1:
-        optim = opt.DistributedOptimizer(make, [p for _, p in named], wd_mults, parallel.comm,
-                                         state.dp_cp_group, state.dp_cp_rank, state.dp * state.cp, t.bucket_size,
-                                         mean_over=state.dp)
+    clip = t.grad_clip_kwargs
+    common = dict(scaler=build_scaler(cfg), clip_type=clip.grad_clip_type, clip_value=clip.clip_value,
+                  comm=parallel.comm, norm_groups=[state.mp_group], counted=counted_in_norm(chunks, state))
+    params = [p for _, p in named]
+    if t.use_distributed_optimizer and state.dp * state.cp > 1:
+        optim = opt.DistributedOptimizer(make, params, wd_mults, **common, group=state.dp_cp_group,
+                                         dp_rank=state.dp_cp_rank, dp=state.dp * state.cp,
+                                         bucket_size=t.bucket_size, mean_over=state.dp)
     else:
-        optim = make([p for _, p in named], wd_mults)
+        optim = opt.MixedPrecisionOptimizer(make, params, wd_mults, **common)
     s = o.learning_rate_scheduler_kwargs
     scheduler = opt.OptimizerParamScheduler(
         max_lr=o.learning_rate, min_lr=s.min_lr, lr_warmup_steps=s.lr_warmup_iters,
         lr_decay_steps=s.lr_decay_iters, lr_decay_style=s.lr_decay_style,
         start_wd=o.start_weight_decay, end_wd=o.end_weight_decay, wd_incr_steps=t.training_iters,
         wd_incr_style=o.weight_decay_incr_style)
-    if t.loss_scale is not None:
-        scaler = opt.ConstantGradScaler(t.loss_scale)
-    elif t.fp16:
-        scaler = opt.DynamicGradScaler(t.loss_scale_value, t.min_loss_scale, growth_interval=t.loss_scale_window,
-                                       hysteresis=t.hysteresis)
-    else:
-        scaler = opt.ConstantGradScaler(1.0)
-    return optim, scheduler, scaler
+    return optim, scheduler
 
 
 # ----------------------------------------------------------------------------- one step
@@ -205,25 +230,20 @@ def to_tensors(batch, state=None):
 
 class Trainer:
     """Forward/backward over micro-batches, then the optimizer step (Megatron train_step).
-    `model` is a GPTModel or, with pipeline parallelism, this rank's list of model chunks."""
+    `model` is a GPTModel or, with pipeline parallelism, this rank's list of model chunks;
+    `optimizer` and `scheduler` come from build_optimizer."""
 
-    def __init__(self, cfg, model, optimizer, scheduler, scaler, state=None):
-        self.cfg, self.optimizer = cfg, optimizer
+    def __init__(self, cfg, model, optimizer, scheduler, state=None):
+        self.cfg, self.optimizer, self.scheduler = cfg, optimizer, scheduler
+        self.scaler = optimizer.scaler
         self.chunks = model if isinstance(model, list) else [model]
-        self.scheduler, self.scaler = scheduler, scaler
         self.state = state or parallel.get_state()
-        named = [item for chunk in self.chunks for item in chunk.parameters_and_names()]
-        self.params = [p for _, p in named]
+        self.params = [p for chunk in self.chunks for p in chunk.get_parameters()]
         self.distributed = isinstance(optimizer, opt.DistributedOptimizer)
         self.dp_size = self.state.dp * self.state.cp
         self.buffer = opt.GradBuffer(self.params, self.dp_size, cfg.training_config.bucket_size)
-        # Each parameter counts once in the gradient norm: one replicated over TP (norms, row
-        # biases, position embeddings) on TP rank 0 (Megatron's param_is_not_tensor_parallel_
-        # duplicate), and the word embedding on the first stage, not its copy on the last.
-        tied_copy = self.state.pp > 1 and self.chunks[0].tied
-        self.counted = [(hasattr(p, "partition_dim") or self.state.tp_rank == 0)
-                        and not (tied_copy and n == "output_layer.weight") for n, p in named]
         m = cfg.model_config
+        self.grad_dtype = DTYPES[main_grad_dtype(cfg)]    # micro-batches' gradients summed in it
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
         self.compiled = cfg.training_config.use_jit and not (m.hidden_dropout_rate or m.attention_dropout_rate)
         self.pipeline = (pipeline.PipelineRunner(self.chunks, self.state, self.compiled,
@@ -245,50 +265,41 @@ class Trainer:
         return self.forward(*inputs) * self.loss_weight
 
     def forward_backward(self, micro_batches):
-        """(loss of each micro-batch, gradients of sum(loss) * scale / m summed over them); with
-        pipeline parallelism through the schedule, and the losses only on the last stage."""
+        """(loss of each micro-batch, gradients of sum(loss) * scale / m summed over them in
+        grad_dtype); with pipeline parallelism through the schedule, the losses only on the last
+        stage."""
         m = len(micro_batches)
         self.loss_weight = self.scaler.scale / m
         if self.pipeline is not None:
-            dtype = DTYPES[self.cfg.model_config.compute_dtype]
             return self.pipeline.run([to_tensors(b, self.state) for b in micro_batches], self.loss_weight,
-                                     self.hidden_shape, dtype, trace=self.trace)
+                                     self.hidden_shape, hidden_dtype(self.cfg.model_config), self.grad_dtype,
+                                     trace=self.trace)
         losses, acc = [], None
         for batch in micro_batches:
             loss, grads = self.grad_fn(*to_tensors(batch, self.state))
             losses.append(float(loss.asnumpy()) / self.loss_weight)
-            acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
+            grads = [parallel.cast(g, self.grad_dtype) for g in grads]
+            acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
         return losses, acc
 
     def train_step(self, micro_batches):
-        """Returns (mean loss over micro-batches, grads finite, lr used)."""
+        """Megatron's train_step: forward and backward over the micro-batches, the gradients'
+        reductions (optimizer.finalize_model_grads), optimizer.step() (unscale, inf/nan check,
+        clip, update; skipped on overflow), then the scheduler's step if it updated. Returns
+        (mean loss over the micro-batches, updated, gradient norm, lr used)."""
         parallel.ledger.reset()
-        m = len(micro_batches)
         self.set_train(True)
         clock = time.perf_counter()
-        losses, acc = self.forward_backward(micro_batches)
+        losses, grads = self.forward_backward(micro_batches)
         clock = self._lap("forward-backward", clock)
-        if self.scaler.scale != 1.0:
-            acc = [g * self.scaler.inv_scale for g in acc]
-        acc, counted = self.reduce_gradients(acc)
+        grads = opt.finalize_model_grads(grads, self.params, parallel.comm, self.state, self.optimizer, self.buffer)
         clock = self._lap("grads-reduce", clock)
-        # One reduction serves both checks: the squared norm is inf/nan iff a gradient is (or is
-        # so large that its square overflows, which a loss scaler treats as overflow too).
-        norm_sq = self.global_norm_sq([g for g, c in zip(acc, counted) if c])
-        finite = math.isfinite(norm_sq)
-        self.scaler.update(not finite)
         lr = self.scheduler.get_lr()
-        if finite:                                   # Megatron skips the update and the scheduler
-            clip = self.cfg.training_config.grad_clip_kwargs
-            if clip.clip_value:
-                if clip.grad_clip_type == "ClipGlobalNorm":
-                    acc = opt.clip_grads_by_global_norm(acc, clip.clip_value, math.sqrt(norm_sq))
-                else:
-                    acc = opt.clip_grads_by_value(acc, clip.clip_value)
-            self.optimizer.step(acc, lr, self.scheduler.get_wd())
+        updated, grad_norm = self.optimizer.step(grads, lr, self.scheduler.get_wd())
+        if updated:                                  # Megatron: a skipped step does not count
             self.scheduler.step(1)
         self._lap("optimizer", clock)
-        return self.dp_mean(sum(losses) / m if losses else 0.0), finite, lr
+        return self.dp_mean(sum(losses) / len(micro_batches) if losses else 0.0), updated, grad_norm, lr
 
     def _lap(self, name, since):
         now = time.perf_counter()
@@ -314,22 +325,6 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.seconds = dict.fromkeys(self.pipeline.seconds, 0.0)
 
-    def reduce_gradients(self, grads):
-        """The gradients the optimizer takes (optimizer.finalize_model_grads: the SP, tied-embedding
-        and DP reductions) and, for each, whether it counts in the norm."""
-        grads = opt.finalize_model_grads(grads, self.params, parallel.comm, self.state, self.optimizer, self.buffer)
-        if self.distributed:
-            return grads, [self.counted[i] for _, i, _, _ in self.optimizer.pieces]
-        return grads, self.counted
-
-    def global_norm_sq(self, grads):
-        """Squared norm of the whole model's gradient: local sum, then all-reduced over the
-        ranks that hold different parts (the DP shards with the distributed optimizer, and TP)."""
-        local = Tensor([opt.grad_norm_sq(grads)], ms.float32)
-        if self.distributed:
-            local = parallel.comm.all_reduce(local, self.state.dp_cp_group)
-        return float(parallel.comm.all_reduce(local, self.state.mp_group).asnumpy()[0])
-
     def dp_mean(self, value):
         """A per-rank number averaged over the data-parallel ranks (for the log)."""
         if self.dp_size == 1:
@@ -354,8 +349,8 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
             for chunk in runner.chunks:
                 chunk.set_grad(False)                 # nothing to record for a backward
             seconds = dict(runner.seconds)            # the training timers leave evaluation out
-            losses += runner.run(batches, 1.0, trainer.hidden_shape, DTYPES[cfg.model_config.compute_dtype],
-                                 forward_only=True)[0]
+            losses += runner.run(batches, 1.0, trainer.hidden_shape, hidden_dtype(cfg.model_config),
+                                 trainer.grad_dtype, forward_only=True)[0]
             runner.seconds = seconds
             for chunk in runner.chunks:
                 chunk.set_grad(True)
@@ -380,8 +375,8 @@ def pretrain(cfg):
     if state.world_size > 1:
         log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp))
     model, rng = build_model(cfg, tokenizer, state)
-    optimizer, scheduler, scaler = build_optimizer(cfg, model, state)
-    trainer = Trainer(cfg, model, optimizer, scheduler, scaler, state)
+    optimizer, scheduler = build_optimizer(cfg, model, state)
+    trainer = Trainer(cfg, model, optimizer, scheduler, state)
     iteration, consumed = 0, 0
     if t.load_checkpoint:
         iteration, consumed = checkpoint.load_training_state(cfg, trainer, rng)
@@ -415,7 +410,7 @@ def pretrain(cfg):
     tokens_per_step = d.global_batch_size * m.seq_length
     flops_per_step = num_floating_point_operations(m, d.global_batch_size)
     profiler = StepProfiler(cfg, state.rank)
-    window_loss, window_steps, window_timed, window_start = 0.0, 0, 0, time.perf_counter()
+    window = LogWindow()
     first_iteration = iteration + 1
     estimate.begin()                                  # the measured peak counts from here
     while iteration < t.training_iters:
@@ -423,39 +418,43 @@ def pretrain(cfg):
         if t.pipeline_trace and trainer.pipeline is not None and iteration + 1 == t.training_iters:
             trainer.trace = []                        # time the passes of the last step
         profiler.before(iteration + 1)
-        loss, finite, lr = trainer.train_step([next(it) for _ in range(d.micro_batch_num)])
+        scale = trainer.scaler.scale
+        loss, updated, grad_norm, lr = trainer.train_step([next(it) for _ in range(d.micro_batch_num)])
         iteration += 1
         profiler.after(iteration)
         if trainer.trace is not None:
             report_pipeline_trace(cfg, trainer)
             trainer.trace = None
-        window_loss, window_steps, window_timed = window_loss + loss, window_steps + 1, window_timed + 1
+        window.add(loss, updated)
         log_now = iteration % t.log_interval == 0 or iteration == t.training_iters
         if iteration == first_iteration and not log_now:   # ms.jit compiles the graphs during the first step
-            log.info(f"step {iteration}: {time.perf_counter() - window_start:.1f} s with compilation and "
+            log.info(f"step {iteration}: {time.perf_counter() - window.start:.1f} s with compilation and "
                      "warm-up (left out of the Time: and timers averages)")
             trainer.reset_timers()
-            window_timed, window_start = 0, time.perf_counter()
-        if not finite:
-            log.warning(f"skipped iteration {iteration}: inf/nan gradients; loss scale now {scaler.scale}")
+            window.restart_clock()
+        if not updated:
+            log.warning(f"skipped iteration {iteration}: inf/nan in the gradients; "
+                        + scale_change(scale, trainer.scaler))
         if t.log_comm_ledger:
             log.info(f"comm: Step:{iteration}, " + parallel.ledger.line())
         if log_now:
-            elapsed = (time.perf_counter() - window_start) / window_timed
+            elapsed = window.seconds_per_step()
             if state.is_last_stage:                   # the loss exists on the last stage only
-                log.info(f"train: Epoch:{epoch}, Step:{iteration}, Loss: {window_loss / window_steps:.6f}, "
-                         f"Finite_grads: {finite}, Loss_scale: {scaler.scale}, Learning_rate: {lr:.6e}, "
+                log.info(f"train: Epoch:{epoch}, Step:{iteration}, Loss: {window.loss / window.steps:.6f}, "
+                         f"Finite_grads: {updated}, Loss_scale: {trainer.scaler.scale}, Grad_norm: {grad_norm:.6f}, "
+                         f"Skipped_iterations: {window.skipped}, Learning_rate: {lr:.6e}, "
                          f"Time: {elapsed * 1000:.2f} ms, Tokens/s: {tokens_per_step / elapsed:.1f}, "
                          f"TFLOP/s: {flops_per_step / elapsed / state.world_size / 1e12:.4f}")
-            log.info(trainer.timers_line(window_timed))
-            window_loss, window_steps, window_timed, window_start = 0.0, 0, 0, time.perf_counter()
+            log.info(trainer.timers_line(window.timed))
+            window.reset()
         if valid_ds is not None and t.eval_iters and iteration % t.eval_interval == 0:
             start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size
             report("validation", iteration, evaluate(trainer, valid_ds, start, t.eval_iters, cfg))
-            window_start = time.perf_counter()
+            window.restart_clock()
         if t.save_interval and iteration % t.save_interval == 0 and iteration < t.training_iters:
             checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
-            last_saved, window_start = iteration, time.perf_counter()
+            last_saved = iteration
+            window.restart_clock()
         reason = exit_reason(t, iteration, started)
         if reason:
             if last_saved != iteration:
@@ -468,6 +467,42 @@ def pretrain(cfg):
     if test_ds is not None and t.eval_iters:
         report("test", iteration, evaluate(trainer, test_ds, 0, t.eval_iters, cfg))
     return trainer.chunks
+
+
+class LogWindow:
+    """The steps since the last train line: their summed loss, how many were skipped on inf/nan
+    (Megatron's "number of skipped iterations"), and the time per step since `start` over the
+    `timed` steps; restart_clock leaves out time spent outside steps (compilation, evaluation,
+    saves)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.loss, self.steps, self.skipped = 0.0, 0, 0
+        self.restart_clock()
+
+    def restart_clock(self):
+        self.timed, self.start = 0, time.perf_counter()
+
+    def add(self, loss, updated):
+        self.loss, self.steps, self.timed = self.loss + loss, self.steps + 1, self.timed + 1
+        self.skipped += not updated
+
+    def seconds_per_step(self):
+        return (time.perf_counter() - self.start) / max(self.timed, 1)
+
+
+def scale_change(before, scaler):
+    """The loss scaler's answer to an overflow, for the log: lowered (Megatron's backoff), or kept
+    while hysteresis allows more overflows."""
+    if scaler.scale != before:
+        return f"loss scale {before:g} -> {scaler.scale:g}"
+    left = getattr(scaler, "hysteresis_tracker", None)
+    if left is None:
+        return f"loss scale {before:g} (static)"
+    overflows = "1 more overflow lowers" if left == 1 else f"{left} more overflows lower"
+    return f"loss scale kept at {before:g} (hysteresis: {overflows} it)"
 
 
 _SIGTERM = []
