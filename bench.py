@@ -13,6 +13,8 @@ this machine's speed drifts; the table gives each run's figures per round.
     dp2 / pp2          2 msrun workers: DP2 (micro-batch 4 each); PP2 with 4 micro-batches of 2 (1F1B)
     cp2 / cp2_ring     2 msrun workers: CP2, Ulysses and ring attention (128 tokens of each sequence each)
                        each against `one` (the same model and global batch)
+    one_fp16, tp2_sp_fp16, dp2_fp16
+                       the same in float16 (Megatron's --fp16, loss scale 4096 so that no step is skipped)
     torch              the same GPT in PyTorch eager (`--torch /path/to/python-with-torch`; torch is
                        not a dependency: `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`)
 
@@ -47,6 +49,8 @@ LAYOUTS = {  # name: (workers, flags)
     "cp2": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2"]),
     "cp2_ring": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
 }
+FP16 = ["--fp16", "--initial-loss-scale", "4096"]
+LAYOUTS.update({f"{name}_fp16": (LAYOUTS[name][0], LAYOUTS[name][1] + FP16) for name in ("one", "tp2_sp", "dp2")})
 
 
 def run_layout(name, steps, folder):

@@ -454,10 +454,10 @@ class GPTModel(nn.Cell):
             x = self.word_embeddings(tokens)                                  # [b, s, h]
             if self.cfg.position_embedding_type == "absolute":
                 x = x + ops.gather(self.position_embeddings, position_ids, 0)
-            x = x.transpose(1, 0, 2)                                          # [s, b, h]
+            x = cast(x, self.hidden_dtype).transpose(1, 0, 2)                 # [s, b, h]
             if self.sequence_parallel:
                 x = self.scatter_sequence(x)                                  # [s/tp, b, h]
-            x = self.embedding_dropout(cast(x, self.hidden_dtype))
+            x = self.embedding_dropout(x)
         s = position_ids.shape[1] * self.cp_ulysses            # Ulysses attends over its group's tokens
         rope = None
         if self.rope is not None:                                             # [s, b, 1, d]

@@ -2,22 +2,27 @@
 (any model, any world size, in seconds, nothing allocated) and the start-up report of a training
 run (`RankReport`), whose end logs the measured peak beside it.
 
-This CPU build keeps everything in float32 (4 bytes a value: weights, gradients, optimizer state,
-activations, and the dropout masks, which are float32 tensors drawn by numpy), so the accounting
-counts elements and multiplies by 4:
+Everything is counted in bytes, each tensor at its dtype's size (DTYPE_BYTES), with P the
+parameters on the rank (its pipeline chunks, its TP shard of each split weight; a tied output layer
+on the last stage is a copy of the word embedding):
 
-  weights      P: the parameters on the rank (its pipeline chunks, its TP shard of each split
-               weight; a tied output layer on the last stage is a copy of the word embedding)
-  gradients    P: one fp32 gradient per parameter, summed over the step's micro-batches
-  optimizer    AdamW/Adam 2P (two moments), SGD P (momentum) or 0; with the distributed optimizer
-               each of the dp x cp ranks keeps 1/(dp x cp) of the moments plus an fp32 master copy of
-               that piece (optimizer.DistributedOptimizer.state_bytes): (2 + 1) P / (dp x cp)
+  weights      P x params_dtype (4 bytes in float32, 2 in float16 with --fp16)
+  gradients    P x main_grad_dtype: summed over the step's micro-batches in float32, or in the
+               parameters' half precision (config.main_grad_dtype)
+  optimizer    float32 state: AdamW/Adam 2P (two moments), SGD P (momentum) or 0, plus the float32
+               main params of half-precision parameters, P (optimizer.MixedPrecisionOptimizer); with
+               the distributed optimizer each of the dp x cp ranks keeps 1/(dp x cp) of the state and
+               of the float32 main params (optimizer.DistributedOptimizer.state_bytes)
   activations  what the backward keeps of each micro-batch in flight (`layer_activations`, after
                Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-               Models", Table 2, written for this code), plus the working set of one layer's backward
+               Models", Table 2, written for this code) at the compute dtype's size, but for what
+               stays float32 (norm inputs, the float32 softmax, the loss's logits), plus the working
+               set of one layer's backward
 
-Megatron's theoretical_memory_usage.py counts 18 bytes per parameter (fp16 weight, fp32 gradient,
-master weight and two moments); here 16, or 8 + 12 / (dp x cp) with the distributed optimizer.
+Megatron's theoretical_memory_usage.py counts 18 bytes per parameter with --fp16 (fp16 weight,
+fp32 gradient, fp32 main param and two moments): here the same with
+--accumulate-allreduce-grads-in-fp32, 16 in float32, and 6 + 12 / (dp x cp) or 4 + 16 / (dp x cp)
+with the distributed optimizer.
 """
 import math
 import re
@@ -26,10 +31,11 @@ from types import SimpleNamespace
 import gpt
 import pipeline
 from cli import REQUIRED, load_config, parse_command
-from config import ConfigError, padded_vocab_size, recompute_counts
+from config import ConfigError, main_grad_dtype, padded_vocab_size, recompute_counts
 from tokenizer import build_tokenizer
 
-BYTES = 4                                   # float32
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+F32_BYTES = 4
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 # MLP activation tensors the backward keeps, in units of [s, b, ffn/tp]: GELU keeps its input and
@@ -113,21 +119,25 @@ def stage_parameters(cfg, rank):
                for chunk in stage_chunks(m, p)[rank])
 
 
-def optimizer_elements(cfg, params):
-    """fp32 values of optimizer state on a rank holding `params` parameters (see the module doc)."""
+def optimizer_bytes(cfg, params):
+    """Bytes of float32 optimizer state and main params on a rank holding `params` parameters
+    (see the module doc)."""
     o, t, p = cfg.optimizer_config, cfg.training_config, cfg.parallel_config
     per_param = 0 if o.optimizer_type == "SGD" and not o.momentum else 1 if o.optimizer_type == "SGD" else 2
     shards = p.data_parallel_size * p.context_parallel_size
     if t.use_distributed_optimizer and shards > 1:
-        return math.ceil((per_param + 1) * params / shards)
-    return per_param * params
+        return F32_BYTES * math.ceil((per_param + 1) * params / shards)
+    copies = cfg.model_config.params_dtype != "float32"           # float32 main params beside half ones
+    return F32_BYTES * (per_param + copies) * params
 
 
 # ============================================================================ activations
 def layer_activations(m, p, b):
     """What the backward keeps of one transformer layer for one micro-batch on one rank:
-    [(tensor, elements, in the core attention)]. s = seq_length, h hidden, n heads, g query groups,
-    f ffn, tp, cp; x = b s h / cp, the layer's hidden states on a cp rank, whole over TP.
+    [(tensor, bytes, in the core attention)]. s = seq_length, h hidden, n heads, g query groups,
+    f ffn, tp, cp; x = b s h / cp, the layer's hidden states on a cp rank, whole over TP. Tensors
+    are of the compute dtype (c bytes a value) but the norms' inputs, normalised in float32, and
+    the float32 softmax's output (with its half-precision copy for the weighted sum).
 
     Sequence parallelism keeps the norms' inputs and the dropout masks at [s/tp, b, h]; the inputs
     of qkv and fc1 are all-gathered to [s, b, h], and their matmuls keep the gathered copy (Megatron
@@ -143,25 +153,28 @@ def layer_activations(m, p, b):
     x = b * m.seq_length * h // cp
     scores = b * n * m.seq_length * m.seq_length // (tp * cp)
     norm = 1 if m.normalization == "LayerNorm" else 2           # RMSNorm, written out, also keeps x / rms
-    rows = [("norm inputs [s/tp (SP), b, h]", (2 + 2 * m.use_sandwich_norm) * norm * x // sp, False),
-            ("qkv and fc1 inputs [s, b, h]", 2 * x, False),
-            ("q scaled, k and v repeated per query head [b, n/tp, s, h/n]", (1 + 2 * ring) * x // tp, True),
-            ("softmax output [b, n/tp, s, s]", scores, True),
-            ("proj input [s, b, h/tp]", x // tp, False),
-            ("MLP activations [s, b, ffn/tp]", MLP_KEPT[m.hidden_act] * x * m.ffn_hidden_size // (h * tp), False)]
+    c = DTYPE_BYTES[m.compute_dtype]
+    softmax = c + (F32_BYTES if m.attention_softmax_in_fp32 and c < F32_BYTES else 0)
+    rows = [("norm inputs [s/tp (SP), b, h]", F32_BYTES * (2 + 2 * m.use_sandwich_norm) * norm * x // sp, False),
+            ("qkv and fc1 inputs [s, b, h]", c * 2 * x, False),
+            ("q scaled, k and v repeated per query head [b, n/tp, s, h/n]", c * (1 + 2 * ring) * x // tp, True),
+            ("softmax output [b, n/tp, s, s]", softmax * scores, True),
+            ("proj input [s, b, h/tp]", c * x // tp, False),
+            ("MLP activations [s, b, ffn/tp]", c * MLP_KEPT[m.hidden_act] * x * m.ffn_hidden_size // (h * tp), False)]
     if m.position_embedding_type == "rope":                       # x cos + rotate_half(x) sin keeps both factors
-        rows.append(("q and k and their rotated halves (RoPE) [s, b, n + g, h/n]", 2 * (n + g) * x // (n * tp), False))
+        rows.append(("q and k and their rotated halves (RoPE) [s, b, n + g, h/n]", c * 2 * (n + g) * x // (n * tp),
+                     False))
     if m.attention_dropout_rate:
-        rows.append(("attention dropout mask and output [b, n/tp, s, s]", 2 * scores, True))
+        rows.append(("attention dropout mask and output [b, n/tp, s, s]", c * 2 * scores, True))
     if m.hidden_dropout_rate:
-        rows.append(("hidden dropout masks [s/tp (SP), b, h]", 2 * x // sp, False))
+        rows.append(("hidden dropout masks [s/tp (SP), b, h]", c * 2 * x // sp, False))
     if m.recompute_granularity == "selective":
-        rows.append(("q, k, v kept for the recomputed core attention", (n + 2 * g) * x // (n * tp), False))
+        rows.append(("q, k, v kept for the recomputed core attention", c * (n + 2 * g) * x // (n * tp), False))
     return rows
 
 
 def chunk_activations(m, p, b, layers, embeds, has_loss, recomputed):
-    """(kept per micro-batch, recompute working set) of a chunk of `layers` layers of which full
+    """(kept per micro-batch, recompute working set), in bytes, of a chunk of `layers` layers of which full
     recompute recomputes `recomputed`: uniform keeps the input [s/tp (SP), b, h] of each group of
     recompute_num_layers layers and rebuilds one group at a time; block keeps the input of each of
     its first `recomputed` layers and rebuilds one at a time; selective keeps every layer but its
@@ -171,22 +184,29 @@ def chunk_activations(m, p, b, layers, embeds, has_loss, recomputed):
     core = sum(e for _, e, inside in rows if inside)
     x = b * m.seq_length * m.hidden_size // p.context_parallel_size
     sp = p.tensor_model_parallel_size if p.sequence_parallel else 1
+    hidden = DTYPE_BYTES[m.compute_dtype] if not m.fp32_residual_connection else F32_BYTES
+    c, logits = DTYPE_BYTES[m.compute_dtype], c_or_f32(m)
     if m.recompute_granularity == "selective":
         kept, working = layers * (full - core), core
     elif m.recompute_granularity == "full" and m.recompute_method == "uniform":
         group = m.recompute_num_layers
-        kept, working = -(-layers // group) * x // sp, group * full
+        kept, working = hidden * -(-layers // group) * x // sp, group * full
     elif m.recompute_granularity == "full":
-        kept, working = recomputed * x // sp + (layers - recomputed) * full, full if recomputed else 0
+        kept, working = hidden * recomputed * x // sp + (layers - recomputed) * full, full if recomputed else 0
     else:
         kept, working = layers * full, 0
     if embeds:                                                    # token and position ids (int32)
-        kept += 2 * b * m.seq_length // p.context_parallel_size + (x // sp if m.hidden_dropout_rate else 0)
-    if has_loss:                                                  # final norm and output-layer inputs, logits and their softmax
+        kept += 4 * 2 * b * m.seq_length // p.context_parallel_size + (c * x // sp if m.hidden_dropout_rate else 0)
+    if has_loss:                  # final norm (float32) and output-layer inputs, logits and their log-softmax
         norm = 1 if m.normalization == "LayerNorm" else 2
-        kept += norm * x // sp + x + 2 * b * m.seq_length * m.padded_vocab_size // (p.context_parallel_size
-                                                                                     * p.tensor_model_parallel_size)
+        vocab = b * m.seq_length * m.padded_vocab_size // (p.context_parallel_size * p.tensor_model_parallel_size)
+        kept += F32_BYTES * norm * x // sp + c * x + logits * 2 * vocab
     return kept, working
+
+
+def c_or_f32(m):
+    """Bytes of a logit value for the loss: float32 unless fp16_lm_cross_entropy."""
+    return DTYPE_BYTES[m.compute_dtype] if m.fp16_lm_cross_entropy else F32_BYTES
 
 
 def in_flight(cfg, rank):
@@ -203,7 +223,7 @@ def in_flight(cfg, rank):
 
 
 def stage_activations(cfg, rank):
-    """Activation elements on a rank of pipeline stage `rank`: (kept, transient, in flight).
+    """Activation bytes on a rank of pipeline stage `rank`: (kept, transient, in flight).
     kept: the in-flight chunk forwards times the largest chunk's kept activations (exact for
     equal chunks). transient, beside them: the causal-mask bias tiled to [b, n/tp, s, s] once per
     forward (gpt.GPTModel.construct), then the larger of two moments of the backward: the loss's,
@@ -214,9 +234,11 @@ def stage_activations(cfg, rank):
               for chunk, n in zip(stage_chunks(m, p)[rank], recompute_counts(p, m)[rank])]
     tp, (cp, _, ring) = p.tensor_model_parallel_size, cp_split(p)
     scores = b * m.num_attention_heads * m.seq_length ** 2 // (tp * cp)
-    mask = scores // ring                                         # [b, n/(tp u), s/r, s/r]
-    layer = CORE_TEMPORARIES * scores + sum(e for _, e, _ in layer_activations(m, p, b)) + max(w for _, w in chunks)
-    logits = b * m.seq_length * m.padded_vocab_size // (cp * tp) if any(c[2] for c in stage_chunks(m, p)[rank]) else 0
+    mask = F32_BYTES * scores // ring                             # [b, n/(tp u), s/r, s/r], float32
+    softmax = F32_BYTES if m.attention_softmax_in_fp32 else DTYPE_BYTES[m.compute_dtype]
+    layer = softmax * CORE_TEMPORARIES * scores + sum(e for _, e, _ in layer_activations(m, p, b)) + max(w for _, w in chunks)
+    has_loss = any(c[2] for c in stage_chunks(m, p)[rank])
+    logits = c_or_f32(m) * b * m.seq_length * m.padded_vocab_size // (cp * tp) if has_loss else 0
     count = in_flight(cfg, rank)
     return count * max(k for k, _ in chunks), mask + max(layer, logits), count
 
@@ -242,30 +264,32 @@ def communication(cfg, rank):
     chunks = stage_chunks(m, p)[rank]
     layers = sum(c[0] for c in chunks)
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
-    hidden = BYTES * d.batch_size * m.seq_length * m.hidden_size // cp     # [s, b, h]
-    tokens = BYTES * d.batch_size * m.seq_length // cp                     # [s, b]
+    size = collective_bytes(cfg)
+    hidden = d.batch_size * m.seq_length * m.hidden_size // cp     # elements of [s, b, h]
+    tokens = d.batch_size * m.seq_length // cp                     # [s, b]
     out = {}
 
     def add(kind, op, calls, nbytes):
         if calls:
             old = out.get((kind, op), (0, 0))
             out[(kind, op)] = (old[0] + calls, old[1] + nbytes)
-    if tp > 1 and not p.sequence_parallel:
-        edges = 4 * layers + first + last
-        add("tp", "all_reduce", mb * edges, mb * edges * hidden)
+    if tp > 1 and not p.sequence_parallel:                  # the layers' and the logits', the embedding's
+        add("tp", "all_reduce", mb * (4 * layers + last), mb * (4 * layers + last) * hidden * size.compute)
+        add("tp", "all_reduce", mb * first, mb * first * hidden * size.params)
     if tp > 1 and p.sequence_parallel:
-        gathers, scatters = 4 * layers + first + last, 4 * layers + last
-        add("tp", "all_gather", mb * gathers, mb * gathers * hidden // tp)
-        add("tp", "reduce_scatter", mb * scatters, mb * scatters * hidden)
-        add("tp", "all_reduce", mb * first, mb * first * hidden)
+        gathers, scatters = 4 * layers + last, 4 * layers + last
+        add("tp", "all_gather", mb * gathers, mb * gathers * hidden * size.compute // tp)
+        add("tp", "all_gather", mb * first, mb * first * hidden * size.hidden // tp)
+        add("tp", "reduce_scatter", mb * scatters, mb * scatters * hidden * size.compute)
+        add("tp", "all_reduce", mb * first, mb * first * hidden * size.params)
         norm = 2 if m.normalization == "LayerNorm" else 1
         marked = layers * ((2 + 2 * m.use_sandwich_norm) * norm + m.out_proj_has_bias + m.add_bias_linear) + last * norm
-        add("tp", "all_reduce", marked, marked * BYTES * m.hidden_size)
-    if tp > 1 and last:
-        add("tp", "all_reduce", 3 * mb, 3 * mb * tokens)          # max, sum of exp, target logit
+        add("tp", "all_reduce", marked, marked * size.grad * m.hidden_size)
+    if tp > 1 and last:                                       # max, sum of exp, target logit
+        add("tp", "all_reduce", 3 * mb, 3 * mb * tokens * size.logits)
     if cp > 1:
         _, ulysses, ring = cp_split(p)
-        q = BYTES * d.batch_size * m.seq_length // cp * m.hidden_size // tp
+        q = size.compute * d.batch_size * m.seq_length // cp * m.hidden_size // tp
         kv = q * m.num_query_groups // m.num_attention_heads
         if ulysses > 1:
             add("cp" if ring == 1 else "cp_ulysses", "all_to_all", 8 * mb * layers, 2 * mb * layers * (2 * q + 2 * kv))
@@ -273,27 +297,38 @@ def communication(cfg, rank):
             kind = "cp" if ulysses == 1 else "cp_ring"
             add(kind, "all_gather", 2 * mb * layers, 2 * mb * layers * kv)
             add(kind, "reduce_scatter", 2 * mb * layers, 2 * mb * layers * ring * kv)
-        add("cp", "all_reduce", 2 * mb * last, 2 * mb * last * BYTES)
+        add("cp", "all_reduce", 2 * mb * last, 2 * mb * last * F32_BYTES)
     if tp * pp > 1:
-        add("mp", "all_reduce", 1, BYTES)                         # the gradient norm
+        add("mp", "all_reduce", 1, F32_BYTES)                     # the gradient norm
     params = stage_parameters(cfg, rank)
     shards = p.data_parallel_size * cp
     if shards > 1:
         buckets = math.ceil(params / cfg.training_config.bucket_size) if cfg.training_config.bucket_size else 1
         if cfg.training_config.use_distributed_optimizer:
-            add("dp_cp", "reduce_scatter", buckets, BYTES * params)
-            add("dp_cp", "all_gather", buckets, BYTES * params // shards)
-            add("dp_cp", "all_reduce", 1, BYTES)                  # the norm over the shards
+            add("dp_cp", "reduce_scatter", buckets, size.grad * params)
+            add("dp_cp", "all_gather", buckets, size.params * params // shards)
+            add("dp_cp", "all_reduce", 1, F32_BYTES)              # the norm over the shards
         else:
-            add("dp_cp", "all_reduce", buckets, BYTES * params)
-        add("dp_cp", "all_reduce", 1, BYTES)                      # the logged loss
+            add("dp_cp", "all_reduce", buckets, size.grad * params)
+        add("dp_cp", "all_reduce", 1, F32_BYTES)                  # the logged loss
     if pp > 1:
         hops = sum(step[0] == "X" for step in pipeline.plan(pp, mb, p.virtual_pipeline_model_parallel_size,
                                                              kind=p.pipeline_schedule)[0][rank])
-        add("pp_pair", "exchange", hops, hops * hidden // (tp if p.sequence_parallel else 1))
+        add("pp_pair", "exchange", hops, hops * hidden * size.hidden // (tp if p.sequence_parallel else 1))
         if (first or last) and not m.untie_embeddings_and_output_weights:
-            add("embedding", "all_reduce", 1, BYTES * m.padded_vocab_size * m.hidden_size // tp)
+            add("embedding", "all_reduce", 1, size.grad * m.padded_vocab_size * m.hidden_size // tp)
     return out
+
+
+def collective_bytes(cfg):
+    """Bytes of a value in each kind of tensor the collectives carry: the compute dtype's
+    activations, the hidden states between layers and stages (gpt.hidden_dtype), the
+    parameters (the embedding's output, the distributed optimizer's all-gather), the gradients
+    (config.main_grad_dtype) and the loss's logits."""
+    m = cfg.model_config
+    return SimpleNamespace(compute=DTYPE_BYTES[m.compute_dtype], params=DTYPE_BYTES[m.params_dtype],
+                           hidden=F32_BYTES if m.fp32_residual_connection else DTYPE_BYTES[m.compute_dtype],
+                           grad=DTYPE_BYTES[main_grad_dtype(cfg)], logits=c_or_f32(m))
 
 
 # ============================================================================ FLOPs
@@ -316,22 +351,30 @@ def flops_per_iteration(cfg):
 
 # ============================================================================ per rank
 def stage_memory(cfg, rank):
-    """Elements on a rank of pipeline stage `rank`: a namespace of parameters, gradients,
-    optimizer, activations (kept), transient (see stage_activations), in_flight, dynamic (what
-    the step allocates: the larger of its two phases) and peak (weights + optimizer + dynamic).
-    The backward phase holds the activations and the gradients, twice P with several
+    """Bytes on a rank of pipeline stage `rank`: a namespace of parameters (a count), weights,
+    gradients, optimizer, activations (kept), transient (see stage_activations), in_flight,
+    dynamic (what the step allocates: the larger of its two phases) and peak (weights + optimizer
+    + dynamic). The backward phase holds the activations and the gradients, twice with several
     micro-batches (their running sum and this micro-batch's); the update phase, activations gone,
-    holds 3P while a micro-batch's gradients are added to the sum (old sum, new, sum), else 2P
-    while clipping copies them (1P without clipping). The data-parallel reduction's flat buffers
-    (optimizer.GradBuffer) are not counted."""
+    holds three times the gradients while a micro-batch's are added to the sum (old sum, new, sum),
+    or in the optimizer step the gradients, the float32 main grads made of them (divided by the
+    loss scale; none when that is 1 and they are float32) and the copy clipping makes. The
+    data-parallel reduction's flat buffers (optimizer.GradBuffer) are not counted."""
     params = stage_parameters(cfg, rank)
+    weights = params * DTYPE_BYTES[cfg.model_config.params_dtype]
+    grads = params * DTYPE_BYTES[main_grad_dtype(cfg)]
     kept, transient, count = stage_activations(cfg, rank)
-    optim = optimizer_elements(cfg, params)
+    optim = optimizer_bytes(cfg, params)
     several = cfg.dataset_config.micro_batch_num > 1
     clip = bool(cfg.training_config.grad_clip_kwargs.clip_value)
-    dynamic = max((2 if several else 1) * params + kept + transient, (3 if several else 1 + clip) * params)
-    return SimpleNamespace(parameters=params, gradients=params, optimizer=optim, activations=kept,
-                           transient=transient, in_flight=count, dynamic=dynamic, peak=params + optim + dynamic)
+    # the step: the gradients, float32 main grads beside them unless they are those gradients
+    # (float32 and no loss scale), and a clipped copy
+    scaled = cfg.model_config.compute_dtype == "float16" or cfg.training_config.loss_scale not in (None, 1.0)
+    main_grads = F32_BYTES * params if scaled or grads != F32_BYTES * params else 0
+    update = max(3 * grads if several else grads, grads + main_grads + clip * F32_BYTES * params)
+    dynamic = max((2 if several else 1) * grads + kept + transient, update)
+    return SimpleNamespace(parameters=params, weights=weights, gradients=grads, optimizer=optim, activations=kept,
+                           transient=transient, in_flight=count, dynamic=dynamic, peak=weights + optim + dynamic)
 
 
 def recompute_text(m):
@@ -342,12 +385,12 @@ def recompute_text(m):
     return f"full recompute, {m.recompute_method}, {m.recompute_num_layers}"
 
 
-def gib(elements):
-    return f"{elements * BYTES / GIB:.2f} GiB"
+def gib(nbytes):
+    return f"{nbytes / GIB:.2f} GiB"
 
 
-def mib(elements):
-    return f"{elements * BYTES / MIB:.1f} MiB"
+def mib(nbytes):
+    return f"{nbytes / MIB:.1f} MiB"
 
 
 class RankReport:
@@ -371,7 +414,7 @@ class RankReport:
         note = ("; compiled by ms.jit: a CPU graph keeps every intermediate, several times this (README)"
                 if compiled else "")
         return (f"memory: estimate for rank {self.state.rank} (stage {self.state.pp_rank}): parameters "
-                f"{mem.parameters} (the model holds {self.counted}), weights {mib(mem.parameters)}, gradients "
+                f"{mem.parameters} (the model holds {self.counted}), weights {mib(mem.weights)}, gradients "
                 f"{mib(mem.gradients)}, optimizer {mib(mem.optimizer)} (measured {self.optimizer_bytes / MIB:.1f} MiB), "
                 f"activations {mib(mem.activations)} ({mem.in_flight} micro-batch(es) in flight, "
                 f"{recompute_text(m)}) + transient {mib(mem.transient)}, peak {mib(mem.peak)}{note}; "
@@ -383,7 +426,7 @@ class RankReport:
         reset_peak()
 
     def measured(self):
-        growth, estimate = peak_rss_bytes() - self.start, self.mem.dynamic * BYTES
+        growth, estimate = peak_rss_bytes() - self.start, self.mem.dynamic
         return (f"memory: measured peak growth {growth / MIB:.1f} MiB (resident memory, from the first step), "
                 f"estimate {estimate / MIB:.1f} MiB (what the step allocates: gradients, activations, "
                 f"transient), measured / estimate {growth / estimate:.2f}")
@@ -449,7 +492,7 @@ def plan_lines(cfg, world):
         mem = stage_memory(cfg, rank)
         per_layer = sum(e for _, e, _ in layer_activations(m, p, d.batch_size))
         lines.append(f"plan: stage {rank} parameters per rank {mem.parameters} ({mem.parameters / 1e9:.3f} B; "
-                     f"layers {[c[0] for c in stage_chunks(m, p)[rank]]}): weights {gib(mem.parameters)}, gradients "
+                     f"layers {[c[0] for c in stage_chunks(m, p)[rank]]}): weights {gib(mem.weights)}, gradients "
                      f"{gib(mem.gradients)}, optimizer {gib(mem.optimizer)}, activations {gib(mem.activations)} "
                      f"({mem.in_flight} in flight; a layer {mib(per_layer)} per micro-batch) + transient "
                      f"{gib(mem.transient)}, peak {gib(mem.peak)}")
@@ -488,7 +531,7 @@ def fit_lines(given, path, argv, world, gibibytes):
             except ConfigError:
                 continue                                          # the model cannot be cut so
             cfg.model_config.padded_vocab_size = vocab_rows(cfg)
-            peak = max(stage_memory(cfg, r).peak for r in range(pp)) * BYTES / GIB
+            peak = max(stage_memory(cfg, r).peak for r in range(pp)) / GIB
             rows.append((peak, f"TP{tp} x PP{pp} x DP{cfg.parallel_config.data_parallel_size}"))
     lines = [f"plan: layouts of {world} ranks by peak per device (--memory-per-device {gibibytes:g} GiB):"]
     lines += [f"plan:   {name:22s} peak {peak:9.2f} GiB  {'fits' if peak <= gibibytes else 'does not fit'}"

@@ -372,10 +372,7 @@ class MixedPrecisionOptimizer:
     def step(self, grads, lr, wd):
         """One update from the step's reduced gradients (model dtype or float32, still scaled);
         returns (updated, grad norm): updated is False when inf/nan skipped the step."""
-        inv_scale = self.scaler.inv_scale
-        main_grads = [g if g.dtype == F32 else g.astype(F32) for g in grads]
-        if inv_scale != 1.0:
-            main_grads = [g * inv_scale for g in main_grads]
+        main_grads = [self._main_grad(g) for g in grads]
         norm_sq = self.global_norm_sq(main_grads)
         found_inf = not math.isfinite(norm_sq)
         self.scaler.update(found_inf)
@@ -389,6 +386,13 @@ class MixedPrecisionOptimizer:
         self.inner.step(main_grads, lr, wd)
         self._copy_main_params_to_model_params()
         return True, norm
+
+    def _main_grad(self, grad):
+        """A reduced gradient in float32, divided by the loss scale: one new tensor, or none."""
+        inv_scale = self.scaler.inv_scale
+        if grad.dtype != F32:
+            grad = grad.astype(F32)
+        return grad if inv_scale == 1.0 else grad * inv_scale
 
     def global_norm_sq(self, main_grads):
         """Squared norm of the whole model's gradient: this rank's counted gradients, summed over
