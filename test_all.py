@@ -1415,10 +1415,12 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     np.testing.assert_allclose(acc, big, rtol=1e-5)
 
 
-def test_recompute_trains_bit_identical_with_dropout(tmp_path):
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_recompute_trains_bit_identical_with_dropout(tmp_path, precision):
     """10 steps with dropout and full recompute log the losses of the same run without recompute,
-    bit for bit (the recomputation replays the numpy dropout streams)."""
-    common = ["--train-iters", "10", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    bit for bit (the recomputation replays the numpy dropout streams), in float32 and float16."""
+    common = ["--train-iters", "10", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+              *(FP16 if precision == "float16" else [])]
     plain = run_training(tmp_path, "plain", *common)[0]
     recomputed = run_training(tmp_path, "recomputed", *common, *RECOMPUTE["full uniform 2"])[0]
     assert len(plain) == 10 and losses_of(recomputed) == losses_of(plain)
