@@ -23,6 +23,7 @@ import collections
 import io
 import os
 import pickle
+import types
 import zipfile
 import zlib
 
@@ -326,6 +327,11 @@ class _Pickler(pickle._Pickler):
     storages (collected in `storages`, id of the storage array -> (key, array)); Global names,
     TorchDtype and Foreign classes as GLOBAL opcodes, without importing them (the stock pickler
     checks that a global imports). The pure-Python pickler, whose `save` can be extended."""
+
+    # pickle's own savers: MindSpore imports dill, which puts its own into the stock table
+    dispatch = {t: f for t, f in pickle._Pickler.dispatch.items() if f.__module__ == "pickle"}
+    dispatch.update({dict: pickle._Pickler.save_dict, type: pickle._Pickler.save_type,
+                     types.FunctionType: pickle._Pickler.save_global})
 
     def __init__(self, file):
         super().__init__(file, protocol=2)
