@@ -196,6 +196,30 @@ def test_torch_format_refuses_broken_files_in_one_line_naming_them(kind, tmp_pat
     one_line(e, path, message)
 
 
+def archive(path, pickled):
+    with zipfile.ZipFile(path, "w") as a:
+        a.writestr("x/data.pkl", pickled)
+        a.writestr("x/version", "3\n")
+
+
+def test_torch_format_runs_nothing_from_the_file(tmp_path):
+    """A global outside the known names is an inert placeholder (os.system is not called);
+    a pickle setting the state of a shared class is refused."""
+    witness = tmp_path / "ran"
+    command = f"touch {witness}".encode()
+    archive(tmp_path / "evil.pt", pickle.PROTO + b"\x02" + pickle.GLOBAL + b"os\nsystem\n"
+            + pickle.SHORT_BINUNICODE + bytes([len(command)]) + command + pickle.TUPLE1
+            + pickle.REDUCE + pickle.STOP)
+    loaded = tf.load(str(tmp_path / "evil.pt"))
+    assert isinstance(loaded, tf.Foreign) and loaded.dotted() == "os.system"
+    assert loaded.args == (command.decode(),) and not witness.exists()
+    archive(tmp_path / "build.pt", pickle.PROTO + b"\x02" + pickle.GLOBAL
+            + b"argparse\nNamespace\n" + pickle.EMPTY_DICT + pickle.BUILD + pickle.STOP)
+    with pytest.raises(tf.TorchFormatError) as e:
+        tf.load(str(tmp_path / "build.pt"))
+    one_line(e, "build.pt", "its pickle sets the state of")
+
+
 def test_torch_format_refuses_a_missing_file_and_a_folder(tmp_path):
     for path in (str(tmp_path / "none.pt"), str(tmp_path)):
         with pytest.raises(tf.TorchFormatError) as e:
@@ -411,7 +435,7 @@ def test_project_ranks_written_as_megatron_files_read_back(tmp_path):
 
 def test_project_name_aliases_and_refusals():
     """The legacy model's late *_norm names, transformer_engine's fused norms, `_extra_state`
-    (no weight); a module this project lacks is one line naming it."""
+    and RoPE's inv_freq (no weights); a module this project lacks is one line naming it."""
     assert mc.project_name("language_model.encoder.layers.1.input_norm.weight", 2) == \
         "layers.3.input_layernorm.weight"
     assert mc.project_name("language_model.encoder.layers.0.post_attention_norm.bias") == \
@@ -420,6 +444,7 @@ def test_project_name_aliases_and_refusals():
     assert mc.project_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", 4) == \
         "layers.4.pre_mlp_layernorm.weight"
     assert mc.project_name("decoder.layers.0.self_attention.core_attention._extra_state") is None
+    assert mc.project_name("language_model.rotary_pos_emb.inv_freq") is None
     assert mc.megatron_name("layers.5.mlp.linear_fc2.bias", 4) == \
         "decoder.layers.1.mlp.linear_fc2.bias"
     for name in ("decoder.layers.0.self_attention.q_layernorm.weight",

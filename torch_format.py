@@ -99,7 +99,7 @@ class Foreign:
         return obj
 
     def __init__(self, *args):
-        pass
+        """pickle's REDUCE calls the class: __new__ has kept the arguments."""
 
     def __setstate__(self, state):
         self.state = state
@@ -195,9 +195,21 @@ SAFE = {"torch._utils._rebuild_tensor_v2": _rebuild_tensor,
         "builtins.complex": complex}
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(pickle._Unpickler):
     """data.pkl's reader: storages from the archive's data/ entries, globals from SAFE, torch's
-    storage classes and dtypes as names, everything else a Foreign placeholder class."""
+    storage classes and dtypes as names, everything else a Foreign placeholder class. The
+    pure-Python unpickler, so that BUILD can be kept off the shared classes and functions."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def load_build(self):
+        """BUILD sets an object's state: refused on a class or function (SAFE's are shared by
+        every load; a file could otherwise change them)."""
+        target = self.stack[-2]
+        if isinstance(target, (type, types.FunctionType, types.BuiltinFunctionType)):
+            raise TorchFormatError(f"its pickle sets the state of {target!r:.60}, not of an object")
+        super().load_build()
+    dispatch[pickle.BUILD[0]] = load_build
 
     def __init__(self, archive, prefix, byteorder):
         super().__init__(io.BytesIO(archive.read(prefix + "data.pkl")))
