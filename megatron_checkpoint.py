@@ -73,7 +73,8 @@ LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linea
 def project_name(name, layer_offset=0):
     """This project's global name of Megatron's `name` (mcore or legacy; its layer number local
     to a chunk whose first layer is global layer `layer_offset`); None for what holds no weight
-    (`_extra_state`, RoPE's inv_freq); CheckpointError for a name this project's GPT has no place for."""
+    (`_extra_state`, RoPE's inv_freq); CheckpointError for a name this project's GPT has no
+    place for."""
     parts = name.split(".")
     if "_extra_state" in parts or parts[-2:] == ["rotary_pos_emb", "inv_freq"]:
         return None           # transformer_engine's state may nest; RoPE's table is recomputed
