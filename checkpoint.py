@@ -21,31 +21,18 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor
 
+import megatron_checkpoint
 import parallel
-from cli import REQUIRED, from_saved, parse_command
+import torch_format
+from cli import PROJECT_CONFIG, REQUIRED, from_saved, load_config, parse_command
 from config import ConfigError, to_dict, to_namespace
 from gpt import global_name
+from megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
 from optimizer import GradBuffer
-from pipeline import build_chunks
+from pipeline import build_chunks, layer_split
+from tokenizer import build_tokenizer
 
 log = logging.getLogger("train")
-
-LATEST = "latest_checkpointed_iteration.txt"
-WEIGHTS = "model_optim_rng"
-
-
-class CheckpointError(ValueError):
-    pass
-
-
-def iteration_dir(root, iteration):
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def shard_name(tp_rank=0, pp_rank=0, pp_size=1):
-    """Megatron: mp_rank_TT with one pipeline stage, mp_rank_TT_PPP with several."""
-    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
 
 def write_atomic(path, text):
     tmp = path + ".tmp"
@@ -91,16 +78,23 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, 
     return final
 
 
+EXTENSIONS = {"ckpt": "ckpt", "safetensors": "safetensors", "torch": "pt"}
+
+
 def _write_shards(tmp, shards, ckpt_format):
-    """Each shard folder's tensor files (CRC-checked) and meta.json, under the temporary folder."""
-    ext = "safetensors" if ckpt_format == "safetensors" else "ckpt"
+    """Each shard folder's files and meta.json, under the temporary folder: tensors (name ->
+    array) as MindSpore ckpt or safetensors, CRC-checked; with the torch format a file's content
+    (megatron_checkpoint.rank_file) as torch.save writes it."""
     for shard, (files, meta) in shards.items():
         if files or meta is not None:
             os.makedirs(os.path.join(tmp, shard), exist_ok=True)
-        for stem, tensors in files.items():
+        for stem, content in files.items():
+            path = os.path.join(tmp, shard, f"{stem}.{EXTENSIONS[ckpt_format]}")
+            if ckpt_format == "torch":
+                torch_format.save(content, path)
+                continue
             items = [{"name": k, "data": Parameter(Tensor(np.ascontiguousarray(v)) if isinstance(v, np.ndarray)
-                                                   else v, name=k)} for k, v in tensors.items()]
-            path = os.path.join(tmp, shard, f"{stem}.{ext}")
+                                                   else v, name=k)} for k, v in content.items()]
             try:
                 ms.save_checkpoint(items, path, crc_check=True, format=ckpt_format)
             except RuntimeError as e:                # MindSpore's own error for a full disk or a bad folder
@@ -220,9 +214,13 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
     fmt = meta.get("ckpt_format", "ckpt")
     tensors = {}
     for stem in stems:
-        path = os.path.join(folder, f"{stem}.{'safetensors' if fmt == 'safetensors' else 'ckpt'}")
+        path = os.path.join(folder, f"{stem}.{EXTENSIONS[fmt]}")
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} is missing")
+        if fmt == "torch":
+            state = megatron_checkpoint.load_rank(path)
+            tensors.update(megatron_checkpoint.rank_arrays(state, shard_offsets(meta, shard)))
+            continue
         try:
             params = ms.load_checkpoint(path, crc_check=crc_check, format=fmt)
         except Exception as e:                                               # noqa: BLE001
@@ -230,6 +228,16 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
                                   "restore it or load an earlier checkpoint") from None
         tensors.update({k: v.asnumpy() for k, v in params.items()})
     return tensors, meta
+
+
+def shard_offsets(meta, shard):
+    """The first global layer of each model chunk of the shard folder `shard` (mp_rank_TT_PPP)
+    of a checkpoint whose meta.json is `meta`."""
+    layout, m = meta["layout"], meta["config"]["model_config"]
+    pp, vpp = layout["pp"], layout["vpp"]
+    pp_rank = int(shard.rsplit("_", 1)[1]) if pp > 1 else 0
+    split = layer_split(m["num_layers"], pp, vpp, layout["num_layer_list"])
+    return [split[c * pp + pp_rank][0] for c in range(vpp)]
 
 
 def load_shards(root, optimizer=False):
@@ -247,24 +255,6 @@ def load_shards(root, optimizer=False):
             tensors.update(_join_pieces(load_checkpoint(root, shard_name(tp_rank, pp_rank, layout["pp"]), stems=stems)[0]))
         shards.append(tensors)
     return shards, meta
-
-
-def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
-    """Full tensors from the per-TP-rank `shards` (list of name -> array, TP rank order). A
-    tensor whose shard is smaller than its full shape was split along that dimension (in
-    `chunks_of(name)` blocks, e.g. 2 for SwiGLU's [gate; up]); the others are replicated."""
-    merged = {}
-    for name, shape in full_shapes.items():
-        parts = [s[name] for s in shards]
-        split = [d for d, (a, b) in enumerate(zip(parts[0].shape, shape)) if a != b]
-        if not split:
-            merged[name] = parts[0]
-            continue
-        dim, chunks = split[0], chunks_of(name)
-        blocks = [np.concatenate([np.split(p, chunks, axis=dim)[c] for p in parts], axis=dim)
-                  for c in range(chunks)]
-        merged[name] = np.concatenate(blocks, axis=dim)
-    return merged
 
 
 # ----------------------------------------------------------------------------- training state
@@ -303,19 +293,21 @@ def _meta(cfg, iteration, consumed, step, scheduler_state, scaler_state, rng_sta
 
 def save_training_state(cfg, iteration, consumed, trainer, rng):
     """Megatron layout: mp_rank_TT/ per TP rank, written by its first DP rank; with the
-    distributed optimizer every DP rank adds its own distrib_optim_DDD file."""
+    distributed optimizer every DP rank adds its own distrib_optim_DDD file. With the torch
+    format the weights file is Megatron's model_optim_rng.pt (megatron_checkpoint.rank_file)."""
     t, state = cfg.training_config, trainer.state
     opt_tensors, step = trainer.optimizer.named_state(parameter_names(trainer.chunks))
     writer = state.dp_rank == 0 and state.cp_rank == 0
-    files = {}
-    if writer:
-        files[WEIGHTS] = {**model_tensors(trainer.chunks), **({} if trainer.distributed else opt_tensors)}
-    if trainer.distributed:
-        files[f"distrib_optim_{state.dp_cp_rank:03d}"] = opt_tensors
-    meta = None
+    files, meta = {}, None
     if writer:
         meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(), trainer.scaler.state_dict(),
                      rng.state_dict())
+        files[WEIGHTS] = {**model_tensors(trainer.chunks), **({} if trainer.distributed else opt_tensors)}
+        if t.ckpt_format == "torch":
+            files[WEIGHTS] = megatron_checkpoint.rank_file(cfg, meta, files[WEIGHTS],
+                                                           [c.layer_offset for c in trainer.chunks])
+    if trainer.distributed:
+        files[f"distrib_optim_{state.dp_cp_rank:03d}"] = opt_tensors
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
     path = save_checkpoint(t.output_dir, iteration, {shard: (files, meta)}, t.ckpt_format, t.keep_checkpoint_max,
                            barrier=parallel.barrier, leader=state.rank == 0)
@@ -411,7 +403,7 @@ def full_state(root, optimizer=True):
     for name, p in one.parameters_and_names():
         full_shapes.update({f"{prefix}.{name}": tuple(p.shape) for prefix in prefixes})
     swiglu = m.hidden_act == "swiglu"
-    return merge_tensor_parallel(shards, full_shapes, lambda n: 2 if swiglu and "linear_fc1" in n else 1), meta
+    return parallel.merge_tensor_parallel(shards, full_shapes, lambda n: 2 if swiglu and "linear_fc1" in n else 1), meta
 
 
 def _join_pieces(tensors):
@@ -494,6 +486,9 @@ def write_layout(root, tensors, meta, cfg):
             own_main = m.params_dtype != "float32" and not layout["distributed_optimizer"] and bool(kinds)
             files = {WEIGHTS: {k: v for k, v in values.items() if k.startswith("model.") or (
                 not layout["distributed_optimizer"] and (k.startswith("optimizer.") or own_main))}}
+            if cfg.training_config.ckpt_format == "torch":
+                files[WEIGHTS] = megatron_checkpoint.rank_file(
+                    cfg, meta, files[WEIGHTS], [chunk.layer_offset for chunk in chunks])
             if layout["distributed_optimizer"]:
                 files.update(_distrib_optim_files(values, names, params, dp, layout["bucket_size"], kinds))
             shards[shard_name(tp_rank, pp_rank, pp)] = (files, dict(
@@ -536,3 +531,84 @@ def first_shard(root):
     """The shard folder holding meta.json of the latest checkpoint: mp_rank_00 or mp_rank_00_000."""
     folder = iteration_dir(root, latest_iteration(root))
     return shard_name(0) if os.path.isdir(os.path.join(folder, shard_name(0))) else shard_name(0, 0, 2)
+
+
+# ----------------------------------------------------------------------------- Megatron-LM's checkpoints in
+def _megatron_config(overrides, argv=(), world=1):
+    """This project's config (config.yaml) of a Megatron checkpoint's `overrides`, then `argv`,
+    for `world` ranks, its padded vocabulary the checkpoint's."""
+    cfg = load_config(PROJECT_CONFIG, list(overrides) + list(argv), world)
+    cfg.model_config.padded_vocab_size = cfg.model_config.vocab_size
+    return cfg
+
+
+def _megatron_weights(files, model_cfg, first):
+    """One-process float32 tensors of a Megatron checkpoint's rank files, shaped by this project's
+    model of `model_cfg` (megatron_checkpoint.read_weights)."""
+    [one] = build_rank_chunks(model_cfg, 1, 1)
+    shapes = {f"model.{n}": tuple(p.shape) for n, p in one.parameters_and_names()}
+    return megatron_checkpoint.read_weights(files, shapes, model_cfg, first)
+
+
+def read_megatron(root):
+    """(tensors, overrides, iteration) of the Megatron-LM checkpoint in `root` (any TP and PP,
+    virtual too; mcore or legacy names; float32, float16 or bfloat16 weights): one-process
+    tensors {"model.<name>": float32}, the model and tokenizer as section.key=value overrides,
+    the iteration. A model this project cannot hold is one ConfigError line naming the setting."""
+    iteration, files = megatron_checkpoint.checkpoint_files(root)
+    first = megatron_checkpoint.load_rank(files[0, 0])
+    tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
+    overrides, _ = megatron_checkpoint.checkpoint_overrides(first, files[0, 0], tp, pp)
+    return _megatron_weights(files, _megatron_config(overrides).model_config, first), overrides, iteration
+
+
+def _check_tokenizer(d, padded):
+    """The tokenizer an import names builds and fits the model's vocabulary."""
+    try:
+        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+    except OSError as e:
+        raise ConfigError(f"import-megatron: {d.tokenizer_type}: {e.filename} cannot be read "
+                          f"({e.strerror}): give --vocab-file and --merge-file") from None
+    if tokenizer.vocab_size > padded:
+        raise ConfigError(f"import-megatron: the tokenizer's {tokenizer.vocab_size} tokens do not "
+                          f"fit the model's vocabulary of {padded}: give the tokenizer flags it "
+                          "was trained with (--tokenizer-type, --vocab-file, --vocab-size)")
+
+
+IMPORT_MEGATRON_FLAGS = {"--save": (REQUIRED, str, "new or empty folder"),
+                         "--nproc": (1, int, "ranks of the checkpoint's layout")}
+
+
+def import_megatron_main(argv):
+    """import-megatron DIR --save OUT [--nproc N] [layout flags] [flags]: the latest Megatron-LM
+    checkpoint (--ckpt-format torch) in DIR as a checkpoint of this project in any layout, its
+    weights only (training starts its own optimizer), the model and tokenizer from its args."""
+    v, argv = parse_command("import-megatron", argv, IMPORT_MEGATRON_FLAGS, positional=("DIR",),
+                            passthrough="layout and training flags",
+                            about="A Megatron-LM checkpoint (--ckpt-format torch) as a checkpoint.")
+    root, save, world = v["dir"], v["save"], v["nproc"]
+    if world < 1:
+        raise ConfigError(f"import-megatron: --nproc must be a positive number of ranks, got {world}")
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"import-megatron: --save {save} is a file; give a new or empty folder")
+    if os.path.exists(os.path.join(save, LATEST)):
+        raise ConfigError(f"import-megatron: {save} already holds a checkpoint; give an empty or "
+                          "new folder for --save")
+    iteration, files = megatron_checkpoint.checkpoint_files(root)
+    first = megatron_checkpoint.load_rank(files[0, 0])
+    tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
+    overrides, note = megatron_checkpoint.checkpoint_overrides(first, files[0, 0], tp, pp)
+    cfg = _megatron_config(overrides, argv, world)
+    m = cfg.model_config
+    cfg.training_config.output_dir = save
+    _check_tokenizer(cfg.dataset_config, m.padded_vocab_size)
+    tensors = _megatron_weights(files, m, first)
+    meta = {"iteration": iteration, "consumed_train_samples": 0, "optimizer_step": None,
+            "opt_param_scheduler": None, "grad_scaler": None, "rng_state": None,
+            "imported_from": os.path.abspath(root)}
+    path = write_layout(save, tensors, meta, cfg)
+    if note:
+        print(f"import-megatron: {note}")
+    print(f"imported {root} (iteration {iteration}, {tp} x {pp} ranks, "
+          f"{megatron_checkpoint.weights_dtype(first)} weights; {m.num_layers} layers, hidden "
+          f"{m.hidden_size}) to {path} in {m.params_dtype}, layout {layout_of(cfg)}")

@@ -350,7 +350,7 @@ def training_help():
     """`bash run.sh --help`: the commands, then every Megatron flag with its YAML key and default."""
     lines = ["usage: bash run.sh [--nproc N] [--config FILE] [Megatron flags] [section.key=VALUE ...]   train",
              "       bash run.sh COMMAND [flags]   COMMAND: test, bench, preprocess, generate, convert, import-hf,",
-             "                                     export-hf, plan (bash run.sh COMMAND --help)",
+             "                                     export-hf, import-megatron, plan (bash run.sh COMMAND --help)",
              "--config FILE is layered over the project's config.yaml (FILE's keys replace config.yaml's); the",
              "defaults below are the schema's (config.py), which config.yaml overrides; every key can also be",
              "set as section.key=VALUE.",

@@ -29,7 +29,8 @@ SCHEMA = {
         "eval_iters": (10, int, None),
         "save_interval": (None, int, None),
         "keep_checkpoint_max": (5, int, None),
-        "ckpt_format": ("ckpt", str, ("ckpt", "safetensors")),
+        # torch: Megatron-LM's model_optim_rng.pt per rank (megatron_checkpoint.rank_file)
+        "ckpt_format": ("ckpt", str, ("ckpt", "safetensors", "torch")),
         "load_checkpoint": ("", str, None),           # Megatron --load
         "no_load_optim": (False, bool, None),
         "no_load_rng": (False, bool, None),
@@ -324,6 +325,7 @@ def finalize(cfg, world_size=1):
     _finalize_dataset(d)
     _finalize_parallel(p, m, d, world_size)
     _finalize_training(t)
+    _check_torch_format(t, m, p)
     return cfg
 
 
@@ -595,6 +597,25 @@ def _finalize_recompute(m, p):
             if m.recompute_method == "block" and n > layers:
                 raise ConfigError(f"{where}num_layers={n} exceeds the {layers} layers of pipeline stage {stage}: "
                                   "block recomputes the first N layers of each stage")
+
+
+def _check_torch_format(t, m, p):
+    """--ckpt-format torch writes Megatron-core's GPT: a model it has no counterpart for, and the
+    distributed optimizer's files (Megatron's distrib_optim.pt is not written here), are refused."""
+    if t.ckpt_format != "torch":
+        return
+    where = "training_config.ckpt_format=torch (Megatron's model_optim_rng.pt)"
+    if t.use_distributed_optimizer and p.data_parallel_size * p.context_parallel_size > 1:
+        raise ConfigError(f"{where} is not written with the distributed optimizer here: use "
+                          "--ckpt-format ckpt or safetensors")
+    differences = [f"model_config.{k}={v}" for k, v, bad in (
+        ("use_sandwich_norm", m.use_sandwich_norm, m.use_sandwich_norm),
+        ("out_proj_has_bias", m.out_proj_has_bias, m.out_proj_has_bias != m.add_bias_linear),
+        ("qkv_has_bias", m.qkv_has_bias, m.add_bias_linear and not m.qkv_has_bias),
+        ("hidden_act", m.hidden_act, m.hidden_act == "gelu_tanh" and not m.add_bias_linear)) if bad]
+    if differences:
+        raise ConfigError(f"{where}: Megatron-core's GPT has no counterpart for {', '.join(differences)} "
+                          f"(add_bias_linear={m.add_bias_linear}): use --ckpt-format ckpt")
 
 
 def _finalize_training(t):

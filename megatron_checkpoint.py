@@ -23,14 +23,27 @@ import re
 import numpy as np
 
 import torch_format
-from checkpoint import (LATEST, CheckpointError, build_rank_chunks, iteration_dir,
-                        layout_of, merge_tensor_parallel, shard_name, write_layout)
-from cli import PROJECT_CONFIG, REQUIRED, load_config, parse_command
 from config import ConfigError
-from tokenizer import build_tokenizer
+from optimizer import no_weight_decay
+from parallel import merge_tensor_parallel
 
 PROJECT = os.path.dirname(os.path.abspath(__file__))
-WEIGHTS_FILE = "model_optim_rng.pt"
+LATEST = "latest_checkpointed_iteration.txt"
+WEIGHTS = "model_optim_rng"                     # a rank's file: weights, optimizer state, RNG
+WEIGHTS_FILE = WEIGHTS + ".pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or written as asked: one line naming the file."""
+
+
+def iteration_dir(root, iteration):
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def shard_name(tp_rank=0, pp_rank=0, pp_size=1):
+    """Megatron: mp_rank_TT with one pipeline stage, mp_rank_TT_PPP with several."""
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 # Megatron-core's GPTModel (megatron/core/models/gpt/gpt_model.py, the local layer spec of
 # gpt_layer_specs.py) -> this project's names; each layer's modules are named alike
@@ -427,17 +440,16 @@ def _check_shards(shards, shapes, tp):
                                       f"1/{tp} piece of the model's {shape}")
 
 
-def read_weights(files, model_cfg, first=None):
+def read_weights(files, shapes, model_cfg, first=None):
     """{"model.<name>": float32 array} of the rank files `files` ({(tp_rank, pp_rank): path}),
     as one process of this project holds them (TP shards merged, stages and chunks united, the
-    tied last stage's copy of the embedding dropped), checked against `model_cfg`'s model.
-    `first`: rank (0, 0)'s state, when already loaded."""
+    tied last stage's copy of the embedding dropped), checked against the one-process `shapes`
+    ({"model.<name>": shape}) of `model_cfg`'s model. `first`: rank (0, 0)'s state, when
+    already loaded."""
     tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
     states = {key: first if key == (0, 0) and first is not None else load_rank(path)
               for key, path in files.items()}
     offsets = layer_offsets([states[0, p] for p in range(pp)])
-    [one] = build_rank_chunks(model_cfg, 1, 1)
-    shapes = {f"model.{n}": tuple(p.shape) for n, p in one.parameters_and_names()}
     shards = []
     for t in range(tp):
         shard = {}
@@ -452,82 +464,161 @@ def read_weights(files, model_cfg, first=None):
     return merge_tensor_parallel(shards, shapes, lambda n: 2 if swiglu and "linear_fc1" in n else 1)
 
 
-def project_config(overrides, argv=(), world=1):
-    """This project's config (cli.load_config over config.yaml) of `overrides`, then `argv`, for
-    `world` ranks, its padded vocabulary the model's."""
-    cfg = load_config(PROJECT_CONFIG, list(overrides) + list(argv), world)
-    cfg.model_config.padded_vocab_size = cfg.model_config.vocab_size
-    return cfg
-
-
-def read_checkpoint(root):
-    """(tensors, overrides, iteration) of the Megatron-LM checkpoint in `root` (any TP and PP,
-    virtual too; mcore or legacy names; float32, float16 or bfloat16 weights): this project's
-    one-process tensors {"model.<name>": float32}, the model and tokenizer as section.key=value
-    overrides (as checkpoint.checkpoint_args gives them, for cli.load_config or from_saved),
-    the iteration. A model this project cannot hold is one ConfigError line naming the setting."""
-    iteration, files = checkpoint_files(root)
-    first = load_rank(files[0, 0])
-    tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
-    overrides, _ = checkpoint_overrides(first, files[0, 0], tp, pp)
-    model_cfg = project_config(overrides).model_config
-    return read_weights(files, model_cfg, first), overrides, iteration
-
-
-# ----------------------------------------------------------------------------- command line
-IMPORT_FLAGS = {"--save": (REQUIRED, str, "new or empty folder"),
-                "--nproc": (1, int, "ranks of the checkpoint's layout")}
-
-
-def _check_tokenizer(d, padded):
-    """The tokenizer the import names builds and fits the model's vocabulary."""
-    try:
-        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
-    except OSError as e:
-        raise ConfigError(f"import-megatron: {d.tokenizer_type}: {e.filename} cannot be read "
-                          f"({e.strerror}): give --vocab-file and --merge-file") from None
-    if tokenizer.vocab_size > padded:
-        raise ConfigError(f"import-megatron: the tokenizer's {tokenizer.vocab_size} tokens do not "
-                          f"fit the model's vocabulary of {padded}: give the tokenizer flags it "
-                          "was trained with (--tokenizer-type, --vocab-file, --vocab-size)")
-
-
-def _weights_dtype(state):
+def weights_dtype(state):
+    """The dtype of a rank file's weights, as text (bfloat16 included)."""
     value = next(v for v in model_chunks(state)[0].values() if v is not None)
     return "bfloat16" if isinstance(value, torch_format.BFloat16) else str(value.dtype)
 
 
-def import_main(argv):
-    """import-megatron DIR --save OUT [--nproc N] [layout flags] [flags]: the latest Megatron-LM
-    checkpoint (--ckpt-format torch) in DIR as a checkpoint of this project in any layout, its
-    weights only (training starts its own optimizer), the model and tokenizer from its args."""
-    v, argv = parse_command("import-megatron", argv, IMPORT_FLAGS, positional=("DIR",),
-                            passthrough="layout and training flags",
-                            about="A Megatron-LM checkpoint (--ckpt-format torch) as a checkpoint.")
-    root, save, world = v["dir"], v["save"], v["nproc"]
-    if world < 1:
-        raise ConfigError(f"import-megatron: --nproc must be a positive number of ranks, got "
-                          f"{world}")
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise ConfigError(f"import-megatron: --save {save} is a file; give a new or empty folder")
-    if os.path.exists(os.path.join(save, LATEST)):
-        raise ConfigError(f"import-megatron: {save} already holds a checkpoint; give an empty or "
-                          "new folder for --save")
-    iteration, files = checkpoint_files(root)
-    first = load_rank(files[0, 0])
-    tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
-    overrides, note = checkpoint_overrides(first, files[0, 0], tp, pp)
-    cfg = project_config(overrides, argv, world)
-    m = cfg.model_config
-    cfg.training_config.output_dir = save
-    _check_tokenizer(cfg.dataset_config, m.padded_vocab_size)
-    tensors = read_weights(files, m, first)
-    meta = {"iteration": iteration, "consumed_train_samples": 0, "optimizer_step": None,
-            "opt_param_scheduler": None, "grad_scaler": None, "rng_state": None,
-            "imported_from": os.path.abspath(root)}
-    path = write_layout(save, tensors, meta, cfg)
-    if note:
-        print(f"import-megatron: {note}")
-    print(f"imported {root} (iteration {iteration}, {tp} x {pp} ranks, {_weights_dtype(first)} "
-          f"weights; {m.num_layers} layers, hidden {m.hidden_size}) to {path} in "
-          f"{m.params_dtype}, layout {layout_of(cfg)}")
+# ----------------------------------------------------------------------------- this project's runs
+def megatron_args(cfg, iteration, consumed):
+    """A run of this project as Megatron-LM's args (megatron/training/arguments.py names), as its
+    save_checkpoint stores them: the model and tokenizer (what check_checkpoint_args compares and
+    --use-checkpoint-args reads), the layout, the precision, the schedule, the data consumed. This
+    project pads the vocabulary to make_vocab_size_divisible_by alone, Megatron to it x TP: the
+    divisor stored is ours / TP, so that Megatron's padding gives the same rows."""
+    m, p, t = cfg.model_config, cfg.parallel_config, cfg.training_config
+    d, o = cfg.dataset_config, cfg.optimizer_config
+    s = o.learning_rate_scheduler_kwargs
+    tp, vpp = p.tensor_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    rope, gelu_tanh = m.position_embedding_type == "rope", m.hidden_act == "gelu_tanh"
+    model = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, group_query_attention=m.group_query_attention,
+        num_query_groups=m.num_query_groups, kv_channels=m.hidden_size // m.num_attention_heads,
+        seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
+        padded_vocab_size=m.padded_vocab_size,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by // tp,
+        position_embedding_type="rope" if rope else "learned_absolute",
+        use_rotary_position_embeddings=rope, rotary_base=m.rotary_base, rotary_percent=1.0,
+        normalization=m.normalization, norm_epsilon=m.norm_epsilon,
+        swiglu=m.hidden_act == "swiglu", openai_gelu=gelu_tanh, bias_gelu_fusion=gelu_tanh,
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.qkv_has_bias,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        hidden_dropout=m.hidden_dropout_rate, attention_dropout=m.attention_dropout_rate,
+        init_method_std=m.init_method_std, fp32_residual_connection=m.fp32_residual_connection,
+        apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=m.attention_softmax_in_fp32,
+        fp16_lm_cross_entropy=m.fp16_lm_cross_entropy, transformer_impl="local", num_experts=None)
+    precision = dict(
+        fp16=m.compute_dtype == "float16", bf16=m.compute_dtype == "bfloat16",
+        params_dtype=torch_format.TorchDtype(m.params_dtype),
+        accumulate_allreduce_grads_in_fp32=t.accumulate_allreduce_grads_in_fp32,
+        loss_scale=t.loss_scale, initial_loss_scale=t.loss_scale_value,
+        min_loss_scale=t.min_loss_scale, loss_scale_window=t.loss_scale_window,
+        hysteresis=t.hysteresis)
+    layout = dict(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        context_parallel_size=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
+        data_parallel_size=p.data_parallel_size, use_distributed_optimizer=False)
+    run = dict(
+        micro_batch_size=d.batch_size, global_batch_size=d.global_batch_size, seed=t.seed,
+        train_iters=t.training_iters, lr=o.learning_rate, min_lr=s.min_lr,
+        lr_decay_style=s.lr_decay_style, lr_warmup_iters=s.lr_warmup_iters,
+        lr_decay_iters=s.lr_decay_iters, weight_decay=o.weight_decay,
+        start_weight_decay=o.start_weight_decay, end_weight_decay=o.end_weight_decay,
+        weight_decay_incr_style=o.weight_decay_incr_style,
+        clip_grad=t.grad_clip_kwargs.clip_value, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
+        adam_eps=o.eps, sgd_momentum=o.momentum,
+        optimizer="sgd" if o.optimizer_type == "SGD" else "adam",
+        tokenizer_type=d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+        vocab_size=d.vocab_size, iteration=iteration, consumed_train_samples=consumed,
+        consumed_valid_samples=0, ckpt_format="torch", save=t.output_dir,
+        load=t.load_checkpoint or None)
+    return argparse.Namespace(**model, **precision, **layout, **run)
+
+
+def param_groups(names, shapes):
+    """Megatron's parameter groups of a rank's parameters `names` (in its model order):
+    [weights with weight decay, biases and 1-D weights without] (get_param_groups), empty ones
+    left out; each [(name, wd_mult)]."""
+    groups = [[(n, 1.0) for n in names if not no_weight_decay(n, shapes[n])],
+              [(n, 0.0) for n in names if no_weight_decay(n, shapes[n])]]
+    return [g for g in groups if g]
+
+
+def megatron_optimizer(arrays, step, names, shapes, cfg, scaler_state):
+    """This rank's optimizer state (`arrays`: "optimizer.<kind>.<name>", "main.<name>"; the
+    inner optimizer's step) as Megatron's optimizer.state_dict() (megatron/core/optimizer/
+    optimizer.py): FP32Optimizer's torch.optim state dict, or for half-precision parameters
+    Float16OptimizerWithFloat16Params' {optimizer, grad_scaler, fp32_from_fp16_params}. The
+    torch indices run over param_groups in order; Adam keeps its step per parameter (torch),
+    SGD, which has none there, in its group."""
+    o, s = cfg.optimizer_config, cfg.optimizer_config.learning_rate_scheduler_kwargs
+    kinds = sorted({k.split(".")[1] for k in arrays if k.startswith("optimizer.")})
+    state, groups, index = {}, [], 0
+    for group in param_groups(names, shapes):
+        for name, _ in group:
+            state[len(state)] = dict(
+                ({"step": np.array(float(step), np.float32)} if o.optimizer_type != "SGD" else {}),
+                **{k: arrays[f"optimizer.{k}.{name}"] for k in kinds})
+        mult = group[0][1]
+        sgd = {"momentum": o.momentum, "step": step} if o.optimizer_type == "SGD" else {}
+        groups.append({"lr": o.learning_rate, "betas": tuple(o.betas), "eps": o.eps,
+                       "weight_decay": o.weight_decay * mult, "wd_mult": mult, "lr_mult": 1.0,
+                       "is_expert_parallel": False, "is_decoupled_lr": False,
+                       "default_config": True, "max_lr": o.learning_rate, "min_lr": s.min_lr,
+                       **sgd,
+                       "params": list(range(index, index + len(group)))})
+        index += len(group)
+    torch_state = {"state": state, "param_groups": groups}
+    if cfg.model_config.params_dtype == "float32":
+        return torch_state
+    scaler = {k: np.array(v, np.float32) if k == "scale" else v for k, v in scaler_state.items()}
+    return {"optimizer": torch_state, "grad_scaler": scaler,
+            "fp32_from_fp16_params": [[arrays[f"main.{n}"] for n, _ in g]
+                                      for g in param_groups(names, shapes)]}
+
+
+def optimizer_arrays(saved, names, shapes):
+    """The inverse of megatron_optimizer: ({"optimizer.<kind>.<name>", "main.<name>": array},
+    step) of a rank whose parameters are `names`, in its model order."""
+    half = "fp32_from_fp16_params" in saved
+    torch_state = saved["optimizer"] if half else saved
+    arrays, step = {}, 0
+    for g, (group, saved_group) in enumerate(zip(param_groups(names, shapes),
+                                                 torch_state["param_groups"])):
+        for (name, _), index in zip(group, saved_group["params"]):
+            entry = dict(torch_state["state"].get(index, {}))
+            step = int(entry.pop("step", saved_group.get("step", step)))
+            arrays.update({f"optimizer.{k}.{name}": v for k, v in entry.items()})
+        if half:
+            masters = saved["fp32_from_fp16_params"][g]
+            arrays.update({f"main.{n}": v for (n, _), v in zip(group, masters)})
+    return arrays, step
+
+
+def rank_file(cfg, meta, tensors, offsets):
+    """One rank's model_optim_rng.pt as Megatron's save_checkpoint assembles it (megatron/
+    training/checkpointing.py, generate_state_dict): args, checkpoint_version 3.0, iteration,
+    the model (rank_model_state), and when `meta` has an optimizer step its optimizer
+    (megatron_optimizer), lr schedule and RNG state: the dropout streams stand for Megatron's RNG
+    tracker (numpy states, not torch's: Megatron reads the file with --no-load-rng). `tensors`:
+    the rank's "model.<name>", "optimizer.<kind>.<name>", "main.<name>" arrays (global names);
+    `meta`: checkpoint.py's (iteration, consumed samples, optimizer step, scheduler, scaler,
+    RNG); `offsets`: the first global layer of each of the rank's chunks."""
+    model = {k: v for k, v in tensors.items() if k.startswith("model.")}
+    state = {"args": megatron_args(cfg, meta["iteration"], meta["consumed_train_samples"]),
+             "checkpoint_version": 3.0, "iteration": meta["iteration"],
+             **rank_model_state(model, offsets)}
+    if meta.get("optimizer_step") is not None:
+        names = [k[len("model."):] for k in rank_tensors(state, offsets)]
+        shapes = {n: model[f"model.{n}"].shape for n in names}
+        state["optimizer"] = megatron_optimizer(tensors, meta["optimizer_step"], names, shapes, cfg,
+                                                meta["grad_scaler"])
+        state["opt_param_scheduler"] = meta["opt_param_scheduler"]
+        state["rng_state"] = [{"rng_tracker_states": meta["rng_state"]}]
+    state["num_floating_point_operations_so_far"] = 0
+    return state
+
+
+def rank_arrays(state, offsets):
+    """The inverse of rank_file for this project's loader: the rank's "model.<name>" arrays and,
+    if saved, its optimizer's ("optimizer.<kind>.<name>", "main.<name>")."""
+    arrays = rank_tensors(state, offsets)
+    if "optimizer" in state:
+        names = [k[len("model."):] for k in arrays]
+        shapes = {n: arrays[f"model.{n}"].shape for n in names}
+        arrays.update(optimizer_arrays(state["optimizer"], names, shapes)[0])
+    return arrays

@@ -110,6 +110,12 @@ class OptimizerParamScheduler:
 
 
 # ----------------------------------------------------------------------------- optimizers
+def no_weight_decay(name, shape):
+    """Megatron's parameter groups (get_param_groups): biases and 1-D parameters (norm weights)
+    get no weight decay."""
+    return name.endswith("bias") or len(shape) == 1
+
+
 class _Optimizer:
     """Shared bookkeeping: params, per-entry weight-decay multipliers, named state tensors."""
 

@@ -489,6 +489,24 @@ def shard(full, dim, rank, size, chunks=1):
                            for block in np.split(full, chunks, axis=dim)], axis=dim)
 
 
+def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
+    """Full tensors from the per-TP-rank `shards` (list of name -> array, TP rank order). A
+    tensor whose shard is smaller than its full shape was split along that dimension (in
+    `chunks_of(name)` blocks, e.g. 2 for SwiGLU's [gate; up]); the others are replicated."""
+    merged = {}
+    for name, shape in full_shapes.items():
+        parts = [s[name] for s in shards]
+        split = [d for d, (a, b) in enumerate(zip(parts[0].shape, shape)) if a != b]
+        if not split:
+            merged[name] = parts[0]
+            continue
+        dim, chunks = split[0], chunks_of(name)
+        blocks = [np.concatenate([np.split(p, chunks, axis=dim)[c] for p in parts], axis=dim)
+                  for c in range(chunks)]
+        merged[name] = np.concatenate(blocks, axis=dim)
+    return merged
+
+
 def _param(shape, name, partition_dim=None, chunks=1, sequence_parallel=False):
     p = Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
     if partition_dim is not None:

@@ -6,6 +6,7 @@
 #   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags -> <prefix>_text_document.bin/.idx
 #   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
 #   bash run.sh convert|import-hf|export-hf ...   checkpoints between layouts, and to and from Hugging Face GPT-2
+#   bash run.sh import-megatron DIR --save OUT    a Megatron-LM checkpoint (--ckpt-format torch) in any layout
 #   bash run.sh bench ...         tokens/s of one process and the 2-worker layouts, alternating (bench.py)
 #   bash run.sh plan ...          --world-size N [--config FILE] [--memory-per-device GB]: memory,
 #                                 communication and FLOPs per rank, nothing allocated (memory.py)
@@ -35,7 +36,7 @@ case "${1:-}" in
     shift
     exec python -m pytest test_all.py "$@"
     ;;
-  preprocess|generate|convert|import-hf|export-hf|plan)
+  preprocess|generate|convert|import-hf|export-hf|import-megatron|plan)
     exec python train.py "$@"
     ;;
   bench)

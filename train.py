@@ -158,11 +158,6 @@ def build_model(cfg, tokenizer, state):
     return chunks, rng
 
 
-def no_weight_decay(name, param):
-    """Megatron: biases and 1-D parameters (norm weights) get no weight decay."""
-    return name.endswith("bias") or len(param.shape) == 1
-
-
 def build_scaler(cfg):
     """Megatron's grad scaler: a static --loss-scale if given, else dynamic when computing in
     float16 (its range needs it), else none (a constant 1.0; bfloat16 has float32's range)."""
@@ -193,7 +188,7 @@ def build_optimizer(cfg, model, state=None):
     state = state or parallel.get_state()
     chunks = model if isinstance(model, list) else [model]
     named = [item for chunk in chunks for item in chunk.parameters_and_names()]
-    wd_mults = [0.0 if no_weight_decay(n, p) else 1.0 for n, p in named]
+    wd_mults = [0.0 if opt.no_weight_decay(n, p.shape) else 1.0 for n, p in named]
 
     def make(params, mults):
         return opt.build_optimizer(o.optimizer_type, params, betas=tuple(o.betas), eps=o.eps,
@@ -549,7 +544,8 @@ def report(split, iteration, loss):
 
 # ----------------------------------------------------------------------------- commands
 COMMANDS = {"convert": checkpoint.convert_main, "import-hf": hf_gpt2.import_main,
-            "export-hf": hf_gpt2.export_main, "plan": memory.plan_main}     # their own flags, no MindSpore set-up
+            "export-hf": hf_gpt2.export_main, "import-megatron": checkpoint.import_megatron_main,
+            "plan": memory.plan_main}     # their own flags, no MindSpore set-up
 
 
 def main(argv):
