@@ -120,19 +120,14 @@ def saved_config(root):
     return load_checkpoint(root, first_shard(root), stems=())[1]["config"]
 
 
-def _yaml_value(v):
-    """v as section.key=VALUE text: strings as they are, the rest as JSON, which YAML reads
-    (config.merge turns a float YAML read as text, 1e-05, back into a float)."""
-    return v if isinstance(v, str) else json.dumps(v)
-
-
 def checkpoint_args(saved):
-    """Megatron's --use-checkpoint-args: the saved model and tokenizer as section.key=value overrides."""
+    """Megatron's --use-checkpoint-args (load_args_from_checkpoint): the saved model, sequence
+    length and tokenizer as a config tree, layered under the run's own files and flags."""
     m, d = saved["model_config"], saved["dataset_config"]
     keys = [k for k in ARCHITECTURE if k != "num_query_groups" or m["group_query_attention"]]
-    return ([f"model_config.{k}={_yaml_value(m[k])}" for k in keys]
-            + [f"model_config.vocab_size={m['padded_vocab_size']}",
-               f"dataset_config.tokenizer_type={d['tokenizer_type']}"])
+    model = {k: m[k] for k in keys + ["seq_length"]}
+    return {"model_config": dict(model, vocab_size=m["padded_vocab_size"]),
+            "dataset_config": {"tokenizer_type": d["tokenizer_type"]}}
 
 
 def check_fits(cfg, root):

@@ -1,200 +1,31 @@
-"""One YAML, validated before any work: the sections of the MindSpore Transformers dynamic-graph
-guide (training_config, parallel_config, model_config, dataset_config, optimizer_config), with
-Megatron-LM's command-line flags mapped onto its keys (the MindSpeed-Core-MS table, `MEGATRON_FLAGS`)
-and dotted `section.key=value` overrides.
+"""A run's config, validated before any work: every value checked against the key table
+(keys.py: defaults, types, allowed values), then the values derived from others and the rules
+that involve several keys (`finalize`, section by section, Megatron's rules where it has them).
 
 Every bad key or value raises ConfigError with one line naming it and the fix; train.py prints that
-line and exits non-zero. The command line (Megatron flags, dotted overrides, every command's flags,
---help) is cli.py, which reads the YAML through this schema.
+line and exits non-zero. Reading the YAML files and the command line is cli.py.
 """
 import difflib
 import math
 import os
 from types import SimpleNamespace
 
+from keys import SCHEMA
+
 
 class ConfigError(ValueError):
     pass
 
 
-# section -> key -> (default, type, allowed values or None). A dict default is a nested section.
-SCHEMA = {
-    "training_config": {
-        "seed": (1234, int, None),
-        "device_target": ("CPU", str, ("CPU", "GPU", "Ascend")),
-        "output_dir": ("./output", str, None),        # Megatron --save: checkpoints and logs
-        "training_iters": (200, int, None),
-        "log_interval": (10, int, None),
-        "eval_interval": (100, int, None),
-        "eval_iters": (10, int, None),
-        "save_interval": (None, int, None),
-        "keep_checkpoint_max": (5, int, None),
-        # torch: Megatron-LM's model_optim_rng.pt per rank (megatron_checkpoint.rank_file)
-        "ckpt_format": ("ckpt", str, ("ckpt", "safetensors", "torch")),
-        "load_checkpoint": ("", str, None),           # Megatron --load
-        "no_load_optim": (False, bool, None),
-        "no_load_rng": (False, bool, None),
-        "finetune": (False, bool, None),
-        "exit_interval": (None, int, None),           # Megatron: save and stop when iteration % N == 0
-        "exit_duration_in_mins": (None, float, None),  # save and stop after this much wall time
-        "exit_signal_handler": (False, bool, None),   # save and stop on SIGTERM (e.g. a job's time limit)
-        # Megatron's --fp16/--bf16: compute in half precision with half-precision parameters and
-        # float32 main params in the optimizer (see _finalize_precision)
-        "fp16": (False, bool, None),
-        "bf16": (False, bool, None),
-        # gradients of half-precision parameters summed over micro-batches and reduced over DP in
-        # float32 (Megatron's --accumulate-allreduce-grads-in-fp32; forced on by bf16)
-        "accumulate_allreduce_grads_in_fp32": (False, bool, None),
-        "loss_scale": (None, float, None),            # static scale; null = dynamic under float16
-        "loss_scale_value": (2.0 ** 32, float, None),  # Megatron --initial-loss-scale
-        "min_loss_scale": (1.0, float, None),
-        "loss_scale_window": (1000, int, None),
-        "hysteresis": (2, int, None),
-        "grad_clip_kwargs": {
-            "grad_clip_type": ("ClipGlobalNorm", str, ("ClipGlobalNorm", "GradClipByValue")),
-            "clip_value": (1.0, float, None),         # 0 disables clipping
-        },
-        "use_distributed_optimizer": (False, bool, None),  # ZeRO-1: optimizer state sharded over DP
-        "bucket_size": (None, int, None),             # gradient buffer bucket, elements; null = one bucket
-        "threads_num": (None, int, None),             # CPU kernel threads per worker; null = cores / workers
-        "use_jit": (True, bool, None),                # compile the model with ms.jit when it has no dropout
-        "log_comm_ledger": (False, bool, None),       # log each step's collectives per group: calls, bytes
-        "pipeline_trace": (False, bool, None),        # time the last step's pipeline passes: timeline + bubble
-        "profile": (False, bool, None),               # MindSpore profiler over the steps below
-        "profile_save_path": (None, str, None),       # null = <output_dir>/profile; traces in rank_N/
-        "profile_step_start": (1, int, None),         # first profiled step (Step: as logged)
-        "profile_step_end": (5, int, None),           # profiling stops before this step
-        "profile_ranks": ([0], list, None),           # Megatron --profile-ranks; null = every rank
-        "profile_level": ("level0", str, ("level0", "level1", "level2")),
-        # collected by the Ascend/GPU profiler only; on CPU a value other than the default is named
-        # in one warning line
-        "profile_with_stack": (False, bool, None),
-        "profile_memory": (False, bool, None),
-        "profile_data_process": (False, bool, None),
-        "profile_parallel_strategy": (False, bool, None),
-        "profile_hbm_ddr": (False, bool, None),
-        "profile_pcie": (False, bool, None),
-        "profile_aicore_metrics": (0, int, None),
-        "profile_l2_cache": (False, bool, None),
-        "profile_data_simplification": (True, bool, None),
-    },
-    "parallel_config": {
-        "tensor_model_parallel_size": (1, int, None),
-        "pipeline_model_parallel_size": (1, int, None),
-        "context_parallel_size": (1, int, None),
-        "context_parallel_algo": ("ulysses_cp_algo", str, ("ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo")),
-        "ulysses_degree_in_cp": (None, int, None),    # hybrid_cp_algo: Ulysses group size within cp
-        "virtual_pipeline_model_parallel_size": (None, int, None),
-        "num_layers_per_virtual_pipeline_stage": (None, int, None),
-        "num_layer_list": (None, list, None),
-        "sequence_parallel": (False, bool, None),
-        "pipeline_schedule": ("1f1b", str, ("1f1b", "afab")),   # afab: all forward, all backward (GPipe)
-        "data_parallel_size": (None, int, None),      # null = world / (tp x cp x pp); if given, checked against it
-        # the guide's recompute keys, mapped onto model_config.recompute_* (see _finalize_recompute):
-        # true = every layer (full, uniform, 1); N = the first N layers of each stage (full, block);
-        # a list = per stage (or per stage and chunk, as num_layer_list) the layers recomputed
-        "recompute": (None, (bool, int, list), None),
-        "select_recompute": (None, (bool, list), None),  # true = selective: the core attention of every layer
-    },
-    "model_config": {
-        "num_layers": (4, int, None),
-        "hidden_size": (256, int, None),
-        "ffn_hidden_size": (None, int, None),         # null = 4 * hidden_size
-        "num_attention_heads": (8, int, None),
-        "group_query_attention": (False, bool, None),
-        "num_query_groups": (None, int, None),        # with group_query_attention; null = one per head
-        "seq_length": (256, int, None),
-        "max_position_embeddings": (None, int, None),  # null = seq_length
-        "vocab_size": (None, int, None),              # padded vocabulary; null = from the tokenizer
-        "make_vocab_size_divisible_by": (128, int, None),
-        "position_embedding_type": ("absolute", str, ("absolute", "rope")),
-        "rotary_base": (10000, int, None),
-        "normalization": ("LayerNorm", str, ("LayerNorm", "RMSNorm")),
-        "norm_epsilon": (1e-5, float, None),
-        "hidden_act": ("gelu", str, ("gelu", "gelu_tanh", "swiglu")),
-        "qkv_has_bias": (True, bool, None),           # Megatron --add-qkv-bias
-        "out_proj_has_bias": (True, bool, None),      # Megatron add_dense_bias
-        "add_bias_linear": (True, bool, None),        # MLP biases
-        "untie_embeddings_and_output_weights": (False, bool, None),
-        "use_sandwich_norm": (False, bool, None),
-        "attn_post_norm_scale": (1.0, float, None),
-        "ffn_post_norm_scale": (1.0, float, None),
-        "attention_dropout_rate": (0.0, float, None),
-        "hidden_dropout_rate": (0.0, float, None),
-        "init_method_std": (0.02, float, None),
-        "attention_softmax_in_fp32": (True, bool, None),
-        # Megatron: q k^T divided by the layer number in half precision, multiplied back in the
-        # float32 softmax (keeps deep layers' scores in float16's range)
-        "apply_query_key_layer_scaling": (False, bool, None),
-        "fp16_lm_cross_entropy": (False, bool, None),  # the loss on float16 logits (Megatron, --fp16)
-        "fp32_residual_connection": (False, bool, None),
-        # null: what --fp16/--bf16 give (Megatron), else float32 (see _finalize_precision)
-        "params_dtype": (None, str, ("float32", "float16", "bfloat16")),
-        "compute_dtype": (None, str, ("float32", "float16", "bfloat16")),
-        # Megatron's activation recompute (--recompute-granularity/-method/-num-layers): full recomputes
-        # whole layers from their kept input, selective only the core attention (scores, softmax,
-        # dropout, weighted sum); checked by Megatron's rules in _finalize_recompute
-        "recompute_granularity": (None, str, ("full", "selective")),
-        "recompute_method": (None, str, ("uniform", "block")),    # uniform: groups of N; block: first N per stage
-        "recompute_num_layers": (None, (int, list), None),        # block also takes a per-stage list
-    },
-    "dataset_config": {
-        "data_path": ("data/tinyshakespeare_text_document", str, None),
-        "split": ("949,50,1", str, None),
-        "mock_data": (False, bool, None),
-        "tokenizer_type": ("GPT2BPETokenizer", str, ("GPT2BPETokenizer", "NullTokenizer", "ByteTokenizer")),
-        "vocab_file": ("data/gpt2-vocab.json", str, None),
-        "merge_file": ("data/gpt2-merges.txt", str, None),
-        "vocab_size": (None, int, None),              # NullTokenizer / mock data: ids below it
-        "batch_size": (8, int, None),                 # micro-batch size
-        "micro_batch_num": (1, int, None),
-        "global_batch_size": (None, int, None),       # null = batch_size * micro_batch_num * dp
-        "reset_position_ids": (False, bool, None),
-        "reset_attention_mask": (False, bool, None),
-        "eod_mask_loss": (False, bool, None),
-        "data_cache_path": (None, str, None),
-    },
-    "optimizer_config": {
-        "optimizer_type": ("AdamW", str, ("AdamW", "Adam", "SGD")),
-        "learning_rate": (1e-3, float, None),
-        "weight_decay": (0.1, float, None),
-        "start_weight_decay": (None, float, None),    # null = weight_decay
-        "end_weight_decay": (None, float, None),
-        "weight_decay_incr_style": ("constant", str, ("constant", "linear", "cosine")),
-        "betas": ([0.9, 0.95], list, None),
-        "eps": (1e-8, float, None),
-        "momentum": (0.9, float, None),               # SGD
-        "use_checkpoint_opt_param_scheduler": (True, bool, None),  # resuming: the checkpoint's lr schedule
-        "override_opt_param_scheduler": (False, bool, None),       # resuming: this run's lr schedule (wins)
-        "learning_rate_scheduler_kwargs": {
-            "lr_decay_style": ("cosine", str, ("constant", "linear", "cosine", "inverse-square-root")),
-            "lr_warmup_iters": (0, int, None),
-            "lr_warmup_fraction": (None, float, None),
-            "lr_decay_iters": (None, int, None),      # null = training_iters
-            "min_lr": (1e-4, float, None),
-        },
-    },
-}
-
-# Profiler keys that only the Ascend/GPU profiler collects (the guide's names)
-DEVICE_PROFILE_KEYS = ("profile_level", "profile_with_stack", "profile_memory", "profile_data_process",
-                       "profile_parallel_strategy", "profile_hbm_ddr", "profile_pcie", "profile_aicore_metrics",
-                       "profile_l2_cache", "profile_data_simplification")
 def suggest(word, candidates):
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def all_keys(schema=SCHEMA, prefix=""):
-    for k, v in schema.items():
-        if isinstance(v, dict):
-            yield from all_keys(v, prefix + k + ".")
-        else:
-            yield prefix + k
-
-
 def _check_value(path, value, spec):
-    default, typ, choices = spec
+    typ, choices = spec.type, spec.choices
+    if spec.kind == "fixed" and value not in choices:
+        raise ConfigError(f"{path}={value!r}: only {spec.default!r} here: {spec.help}")
     if value is None:
         return None
     if typ is float and isinstance(value, str):      # YAML 1.1 reads 3e-3 (no dot) as a string
@@ -210,8 +41,9 @@ def _check_value(path, value, spec):
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise ConfigError(f"{path}: expected {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
     if choices and value not in choices:
-        raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(str, choices))}"
-                          + suggest(str(value), map(str, choices)))
+        spellings = list(map(str, choices)) + list(spec.values or ())
+        raise ConfigError(f"{path}: {value!r} is not one of {', '.join(spellings)}"
+                          + suggest(str(value), spellings))
     return value
 
 
@@ -228,15 +60,8 @@ def merge(schema, given, path):
         if isinstance(spec, dict):
             out[k] = merge(spec, given.get(k), f"{path}.{k}")
         else:
-            out[k] = _check_value(f"{path}.{k}", given.get(k, spec[0]), spec)
+            out[k] = _check_value(f"{path}.{k}", given.get(k, spec.default), spec)
     return out
-
-
-def schema_default(dotted):
-    node = SCHEMA
-    for p in dotted.split("."):
-        node = node[p]
-    return node
 
 
 def to_namespace(tree):
@@ -284,7 +109,10 @@ def _check_pipeline(p, m):
     vpp = vpp or 1
     if vpp > 1 and pp == 1:
         raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1")
-    if lst is None and layers % (pp * vpp):
+    per = -(-layers // pp)                           # MindSpeed's automatic cut: [16, 16, 16, 14]
+    if lst is None and vpp == 1 and layers % pp and layers - per * (pp - 1) >= 1:
+        p.num_layer_list = [per] * (pp - 1) + [layers - per * (pp - 1)]
+    elif lst is None and layers % (pp * vpp):
         raise ConfigError(f"model_config.num_layers={layers} is not divisible by pipeline_model_parallel_size={pp}"
                           + (f" x virtual chunks {vpp}" if vpp > 1 else "") + ": change num_layers or give "
                           "parallel_config.num_layer_list")
@@ -397,13 +225,7 @@ def _finalize_optimizer(o, t):
     for k in ("learning_rate", "weight_decay", "eps"):
         if not math.isfinite(getattr(o, k)) or getattr(o, k) < 0:
             raise ConfigError(f"optimizer_config.{k} must be a finite number >= 0, got {getattr(o, k)}")
-    if o.start_weight_decay is None:
-        o.start_weight_decay = o.weight_decay
-    if o.end_weight_decay is None:
-        o.end_weight_decay = o.weight_decay
-    if o.weight_decay_incr_style == "constant" and o.start_weight_decay != o.end_weight_decay:
-        raise ConfigError("optimizer_config.weight_decay_incr_style=constant needs start_weight_decay == "
-                          "end_weight_decay: choose linear or cosine")
+    _finalize_weight_decay(o)
     s = o.learning_rate_scheduler_kwargs
     if s.lr_decay_iters is None:
         s.lr_decay_iters = t.training_iters
@@ -420,6 +242,23 @@ def _finalize_optimizer(o, t):
     if s.min_lr > o.learning_rate:
         raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.min_lr={s.min_lr} exceeds "
                           f"learning_rate={o.learning_rate}")
+
+
+def _finalize_weight_decay(o):
+    """Megatron's rule: a constant weight decay is weight_decay (start and end unset, or equal to
+    it); linear and cosine go from start_weight_decay to end_weight_decay, both given."""
+    where = "optimizer_config."
+    start, end = o.start_weight_decay, o.end_weight_decay
+    if o.weight_decay_incr_style == "constant":
+        if {start, end} - {None, o.weight_decay}:
+            raise ConfigError(f"{where}start_weight_decay={start}, end_weight_decay={end} with "
+                              f"weight_decay_incr_style=constant: a constant decay is weight_decay="
+                              f"{o.weight_decay}; remove them or choose linear or cosine")
+        o.start_weight_decay = o.end_weight_decay = o.weight_decay
+    elif start is None or end is None:
+        raise ConfigError(f"{where}weight_decay_incr_style={o.weight_decay_incr_style} needs "
+                          "start_weight_decay and end_weight_decay (--start-weight-decay, "
+                          "--end-weight-decay), as in Megatron")
 
 
 def _finalize_dataset(d):
@@ -473,18 +312,30 @@ def _finalize_parallel(p, m, d, world_size):
         raise ConfigError(f"parallel_config.data_parallel_size={p.data_parallel_size}, but world size {world_size} / "
                           f"(tensor x context x pipeline parallel sizes {model_parallel}) = {dp}: the data-parallel "
                           "size follows from the number of workers; change --nproc or leave it null")
-    per_step = d.batch_size * dp
-    if d.global_batch_size is not None:
-        if d.global_batch_size % per_step:
-            raise ConfigError(f"dataset_config.global_batch_size={d.global_batch_size} must be a multiple of "
-                              f"batch_size * data-parallel size = {per_step}")
-        d.micro_batch_num = d.global_batch_size // per_step
-    d.global_batch_size = per_step * d.micro_batch_num
+    _finalize_batch(d, dp)
     if p.virtual_pipeline_model_parallel_size > 1 and d.micro_batch_num % p.pipeline_model_parallel_size:
         raise ConfigError(f"dataset_config.micro_batch_num={d.micro_batch_num} is not divisible by "
                           f"pipeline_model_parallel_size={p.pipeline_model_parallel_size}, as the interleaved "
                           "schedule needs: change global_batch_size or batch_size")
     p.data_parallel_size = dp
+
+
+def _finalize_batch(d, dp):
+    """The global batch = micro-batch size x micro-batches x DP; given two, the third follows,
+    and all three must agree (no value is silently replaced)."""
+    per_step = d.batch_size * dp
+    if d.global_batch_size is not None:
+        if d.global_batch_size % per_step:
+            raise ConfigError(f"dataset_config.global_batch_size={d.global_batch_size} must be a "
+                              f"multiple of batch_size x data-parallel size = {per_step}")
+        derived = d.global_batch_size // per_step
+        if d.micro_batch_num not in (None, derived):
+            raise ConfigError(f"dataset_config.micro_batch_num={d.micro_batch_num} contradicts "
+                              f"global_batch_size={d.global_batch_size} = batch_size {d.batch_size} "
+                              f"x data-parallel size {dp} x {derived} micro-batches: give one of them")
+        d.micro_batch_num = derived
+    d.micro_batch_num = d.micro_batch_num or 1
+    d.global_batch_size = per_step * d.micro_batch_num
 
 
 def _check_context_parallel(p, m, d):
@@ -619,7 +470,12 @@ def _check_torch_format(t, m, p):
 
 
 def _finalize_training(t):
-    """Evaluation, profiling window and clipping."""
+    """Resuming, evaluation, profiling window and clipping."""
+    if t.resume_training and not t.load_checkpoint:
+        raise ConfigError("training_config.resume_training=true needs the checkpoint to resume: "
+                          "give --load DIR (training_config.load_checkpoint)")
+    if t.resume_training is False and t.load_checkpoint:
+        t.finetune = True                             # MindSpeed: load the weights, start over
     if t.exit_interval is not None and t.exit_interval <= 0:
         raise ConfigError(f"training_config.exit_interval must be positive, got {t.exit_interval}")
     if t.exit_duration_in_mins is not None and not t.exit_duration_in_mins > 0:

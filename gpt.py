@@ -524,7 +524,7 @@ def global_name(name, layer_offset):
 
 def init_value(name, shape, cfg, seed):
     """Megatron's initialisation, drawn from a stream keyed by (seed, global name): normal(0, std)
-    for weights and embeddings, std / sqrt(2 * num_layers) for the output projections of each
+    for weights and embeddings (embedding_init_method_std if given), std / sqrt(2 * num_layers) for the output projections of each
     block, zeros for biases, ones for norm weights (post-norm scale for sandwich norms)."""
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name:
@@ -539,6 +539,8 @@ def init_value(name, shape, cfg, seed):
     if leaf == "bias":
         return np.zeros(shape, np.float32)
     std = cfg.init_method_std
+    if "embeddings" in name and cfg.embedding_init_method_std is not None:
+        std = cfg.embedding_init_method_std          # Megatron-core's embedding_init_method_std
     if "linear_proj" in name or "linear_fc2" in name:
         std = std / math.sqrt(2.0 * cfg.num_layers)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])

@@ -5,7 +5,7 @@ import os
 
 import mindspore as ms
 
-from config import DEVICE_PROFILE_KEYS, SCHEMA
+from keys import DEVICE_PROFILE_KEYS, SCHEMA
 
 log = logging.getLogger("train")
 
@@ -25,7 +25,7 @@ class StepProfiler:
         activities = [P.ProfilerActivity.CPU]
         options = {}
         if t.device_target == "CPU":
-            ignored = [k for k in DEVICE_PROFILE_KEYS if getattr(t, k) != SCHEMA["training_config"][k][0]]
+            ignored = [k for k in DEVICE_PROFILE_KEYS if getattr(t, k) != SCHEMA["training_config"][k].default]
             if ignored:
                 log.warning(f"profile: the CPU profiler cannot collect {', '.join(f'{k}={getattr(t, k)}' for k in ignored)}"
                             " (Ascend/GPU only); profiling op times only")

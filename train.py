@@ -32,7 +32,7 @@ import optimizer as opt
 import parallel
 import pipeline
 import sample
-from cli import HelpRequested, load_config, parse_command, training_help
+from cli import HelpRequested, load_config, parse_command, raw_config, training_help
 from config import ConfigError, main_grad_dtype, padded_vocab_size, recompute_counts, to_dict
 from gpt import DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, num_floating_point_operations
 from profiler import StepProfiler
@@ -357,7 +357,8 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
 
 
 # ----------------------------------------------------------------------------- the loop
-def pretrain(cfg):
+def pretrain(cfg, notes=()):
+    """Train as cfg says; `notes` (the guides' spellings translated, inert keys) are logged first."""
     started = time.time()
     t, d, m = cfg.training_config, cfg.dataset_config, cfg.model_config
     tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
@@ -367,6 +368,8 @@ def pretrain(cfg):
     state = parallel.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                                p.context_parallel_size, p.sequence_parallel, p.ulysses_degree_in_cp)
     setup_logging(t.output_dir, state.rank, to_console=state.rank == loss_rank(state))
+    for note in notes:
+        (log.warning if note.startswith("warning: ") else log.info)(note)
     if state.world_size > 1:
         log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp))
     model, rng = build_model(cfg, tokenizer, state)
@@ -569,8 +572,10 @@ def main(argv):
                               f"{', '.join(COMMANDS)}")
         if command == "train" and ("--help" in argv or "-h" in argv):
             raise HelpRequested(training_help())
-        flags = {"--config": ("config.yaml", str, "the YAML"),
-                 "--use-checkpoint-args": (None, bool, "the model and tokenizer of the --load checkpoint")}
+        flags = {"--config": ([], list, "YAML files, each layered over config.yaml and the ones "
+                                        "before it (repeat the flag or list several)"),
+                 "--use-checkpoint-args": (None, bool, "the model and tokenizer of the --load "
+                                                       "checkpoint, unless given")}
         if command == "check":
             flags["--nproc"] = (1, int, "the number of workers msrun will start")
         v, argv = parse_command(command, argv, flags, passthrough="training flags",
@@ -579,10 +584,13 @@ def main(argv):
         world = v.get("nproc", parallel.launched_world_size())
         if world < 1:
             raise ConfigError(f"--nproc {world}: give the number of workers, 1 or more")
-        cfg = load_config(v["config"], argv, world)
-        load = cfg.training_config.load_checkpoint
-        if v["use_checkpoint_args"] and load and checkpoint.holds_checkpoint(load):   # Megatron: the checkpoint's win
-            cfg = load_config(v["config"], argv + checkpoint.checkpoint_args(checkpoint.saved_config(load)), world)
+        notes, under = [], None
+        if v["use_checkpoint_args"]:        # Megatron: the checkpoint's model, unless given
+            load = raw_config(v["config"], argv, []).get("training_config", {}).get(
+                "load_checkpoint")
+            if load and checkpoint.holds_checkpoint(load):
+                under = checkpoint.checkpoint_args(checkpoint.saved_config(load))
+        cfg = load_config(v["config"], argv, world, notes, under)
         check_inputs(cfg)
         if command == "check":
             return 0
@@ -596,7 +604,7 @@ def main(argv):
     if pid_dir and os.environ.get("MS_ROLE") == "MS_WORKER":
         checkpoint.write_atomic(os.path.join(pid_dir, f"rank_{os.environ['RANK_ID']}.pid"), str(os.getpid()))
     try:
-        pretrain(cfg)
+        pretrain(cfg, notes)
     except (ConfigError, checkpoint.CheckpointError, OSError) as e:      # expected: one line, the fix in it
         fail(expected_message(e))
         return 2
