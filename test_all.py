@@ -1280,6 +1280,72 @@ def test_config_file_is_layered_on_config_yaml(tmp_path):
     assert (s.lr_warmup_iters, s.lr_warmup_fraction, s.lr_decay_style) == (2, None, "cosine")
 
 
+def test_repeated_config_files_layer_in_order_and_name_what_they_override(tmp_path, capsys):
+    """--config a.yaml --config b.yaml: b's keys over a's over config.yaml's, and the notes (logged
+    at start) name what b replaced of a's; one file's two spellings of a key must agree."""
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("model_config:\n  num_layers: 6\n  hidden_size: 128\n")
+    b.write_text("model_config:\n  num_layers: 8\n")
+    notes = []
+    m = load_config([str(a), str(b)], [], 1, notes).model_config
+    assert (m.num_layers, m.hidden_size, m.seq_length) == (8, 128, 128)
+    assert notes == [f"{b}: model_config.num_layers=8 replaces 6 from {a}"]
+    assert train.main(["check", "--config", str(a), "--config", str(b), "--num-layers", "2"]) == 0
+    b.write_text("model_config:\n  num_layers: 8\n  llm:\n    blocks:\n      num_layers: 4\n")
+    one_line_error(capsys, ["check", "--config", str(b)], f"{b}: model_config.num_layers=8 and "
+                   "model_config.llm.blocks.num_layers=4 both set model_config.num_layers: give one")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["dataset_config.micro_batch_num=2", "--micro-batch-size", "8", "--global-batch-size", "64"],
+     "dataset_config.micro_batch_num=2 contradicts global_batch_size=64 = batch_size 8 x "
+     "data-parallel size 1 x 8 micro-batches: give one of them"),
+    (["--weight-decay", "0.1", "--start-weight-decay", "0.01", "--end-weight-decay", "0.1"],
+     "start_weight_decay=0.01, end_weight_decay=0.1 with weight_decay_incr_style=constant"),
+    (["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.01"],
+     "weight_decay_incr_style=linear needs start_weight_decay and end_weight_decay"),
+    (["model_config.transformer_impl=transformer_engine"], "model_config.transformer_impl="
+     "'transformer_engine': only 'local' here: the layers are this project's own"),
+    (["--use-flash-attn"], "model_config.use_flash_attention=True: only False here"),
+    (["parallel_config.expert_model_parallel_size=2"], "only 1 here: the model has no expert"),
+    (["training_config.resume_training=true"], "resume_training=true needs the checkpoint"),
+], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "flash", "ep", "resume"])
+def test_no_value_is_silently_replaced_or_ignored(args, message, capsys):
+    """A value that contradicts another, or that this project cannot do, is one line (Megatron's
+    assertions where it has them); micro_batch_num that agrees is taken."""
+    one_line_error(capsys, ["check", *args], message)
+    d = load_config("config.yaml", ["dataset_config.micro_batch_num=8", "--micro-batch-size", "8",
+                                    "--global-batch-size", "64"]).dataset_config
+    assert (d.micro_batch_num, d.global_batch_size) == (8, 64)
+    assert load_config("config.yaml", ["dataset_config.micro_batch_num=3"]).dataset_config.global_batch_size == 24
+
+
+def test_the_guides_spellings_are_translated_and_inert_keys_warn(tmp_path):
+    """002's scheduler keys, 000's optimizer paths and PanGu sections, 003's flags: each becomes
+    its canonical key (and a note says so); an inert key or flag is one warning naming why."""
+    path = tmp_path / "guide.yaml"
+    path.write_text("optimizer_config:\n  learning_rate: 1.25e-6\n  learning_rate_scheduler_kwargs:\n"
+                    "    warmup_steps: 20\n    decay_steps: 200\n    use_cosine: false\n"
+                    "    end_learning_rate: 1.25e-7\n  clip_grad: 0.5\ncontext:\n  mode: 0\n"
+                    "model_config:\n  llm:\n    head:\n      shared_embedding: false\n"
+                    "    blocks:\n      attention:\n        attention_type: GQA\n"
+                    "        kv_group_size: 2\n")
+    notes = []
+    cfg = load_config(str(path), ["--distributed-backend", "nccl", "--attention-softmax-in-fp32",
+                                  "--transformer-impl", "local", "--train-iters", "300"], 1, notes)
+    s = cfg.optimizer_config.learning_rate_scheduler_kwargs
+    assert (s.lr_warmup_iters, s.lr_decay_iters, s.lr_decay_style, s.min_lr) == (20, 200, "linear", 1.25e-7)
+    assert cfg.training_config.grad_clip_kwargs.clip_value == 0.5
+    m = cfg.model_config
+    assert (m.untie_embeddings_and_output_weights, m.group_query_attention, m.num_query_groups) == (True, True, 2)
+    assert f"{path}: optimizer_config.learning_rate_scheduler_kwargs.use_cosine is " \
+           "optimizer_config.learning_rate_scheduler_kwargs.lr_decay_style=linear" in notes
+    warnings = [n for n in notes if n.startswith("warning: ")]
+    assert [w.split(" has no effect here: ")[0] for w in warnings] == [
+        f"warning: {path}: context.mode=0", "warning: --distributed-backend nccl: "
+        "training_config.distributed_backend=nccl"]
+
+
 def test_help_lists_commands_and_flags_without_doing_work(tmp_path, capsys):
     """`bash run.sh --help` names the commands and every Megatron flag with its YAML key and default,
     before any set-up work (no data, no output folder)."""
@@ -1757,8 +1823,10 @@ def test_an_empty_split_is_named(tmp_path):
 def test_a_checkpoint_that_differs_from_the_run_is_named_before_training(tmp_path, capsys):
     """Every architecture key, the tokenizer and the optimizer compared in one line before any work
     (a different activation has the same shapes, so the shapes alone did not catch it);
-    --use-checkpoint-args takes the checkpoint's model instead (Megatron). Another global batch is
-    refused too: the data is counted in global batches (it ran out of samples mid-run)."""
+    --use-checkpoint-args takes the checkpoint's model and sequence length where the run gives
+    none (Megatron's load_args_from_checkpoint: config.yaml's seq_length 128 would exceed the
+    checkpoint's 32 positions), and a model key the run does give is still compared. Another
+    global batch is refused too: the data is counted in global batches (it ran out of samples)."""
     d = tmp_path / "a"
     assert tiny_run(d, "--train-iters", "2") == 0
     capsys.readouterr()
@@ -1769,11 +1837,14 @@ def test_a_checkpoint_that_differs_from_the_run_is_named_before_training(tmp_pat
     assert "model_config.hidden_act (checkpoint gelu_tanh, this run swiglu)" in err
     assert "optimizer_config.optimizer_type (checkpoint AdamW, this run SGD)" in err
     assert not (tmp_path / "b").exists()
-    assert tiny_run(tmp_path / "b", "--train-iters", "3", "--load", str(d), "--use-checkpoint-args",
-                    "--hidden-size", "32", "--norm-epsilon", "1e-6") == 0
+    data = ["--mock-data", "--vocab-size", "1000", "--micro-batch-size", "2", "--global-batch-size",
+            "4", "--eval-iters", "0", "--train-iters", "3", "--load", str(d), "--use-checkpoint-args"]
+    assert train.main(["--save", str(tmp_path / "b"), *data]) == 0
     info = (tmp_path / "b" / "log" / "rank_0" / "info.log").read_text()
     assert "loaded checkpoint of iteration 2" in info and "hidden 64" in info
     capsys.readouterr()
+    assert train.main(["--save", str(tmp_path / "b2"), *data, "--hidden-size", "32"]) == 2
+    assert "model_config.hidden_size (checkpoint 64, this run 32)" in capsys.readouterr().err
     assert tiny_run(tmp_path / "c", "--train-iters", "3", "--load", str(d), "--global-batch-size", "2") == 2
     assert "was trained with global batch 4, this run's is 2: give --global-batch-size 4" in capsys.readouterr().err
 
