@@ -9,7 +9,9 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import struct
+import sys
 import time
 from types import SimpleNamespace
 
@@ -20,10 +22,15 @@ from config import ConfigError
 from tokenizer import build_tokenizer, read_lines
 
 
+def _tmp_path(path):
+    """Where `path` is written before os.replace moves it into place (per process: ranks race)."""
+    return f"{path}.tmp{os.getpid()}"
+
+
 def _save_atomic(path, write):
     """Write to a temporary name, then os.replace: readers never see a half-written file,
     and a failed write leaves nothing behind."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = _tmp_path(path)
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -49,14 +56,15 @@ class IndexedDatasetBuilder:
     """Megatron's IndexedDatasetBuilder: appends token arrays to .bin, writes the .idx at finalize.
 
     Both files are written under temporary names and moved into place by finalize(); discard()
-    removes them instead.
+    removes them instead, or takes back what finalize placed.
     """
 
     def __init__(self, bin_path, dtype=np.uint16):
         self.bin_path, self.dtype = bin_path, np.dtype(dtype)
-        self._bin_tmp = f"{bin_path}.tmp{os.getpid()}"
+        self._bin_tmp, self._idx_tmp = _tmp_path(bin_path), None
         self._bin = open(self._bin_tmp, "wb")
         self.sequence_lengths, self.document_indices = [], [0]
+        self._placed = []
 
     def add_document(self, tokens, lengths=None):
         """One document made of len(lengths) sequences (one sequence if lengths is None)."""
@@ -73,13 +81,20 @@ class IndexedDatasetBuilder:
         # magic, version 1, dtype code, sequence count, document count (34 bytes), then the arrays
         header = _INDEX_HEADER + struct.pack("<QBQQ", 1, _CODES[self.dtype], len(lengths), len(self.document_indices))
         documents = np.asarray(self.document_indices, dtype=np.int64)
-        os.replace(self._bin_tmp, self.bin_path)
-        _save_atomic(idx_path, lambda f: f.write(header + lengths.tobytes() + pointers.tobytes() + documents.tobytes()))
+        self._idx_tmp = _tmp_path(idx_path)
+        with open(self._idx_tmp, "wb") as f:
+            f.write(header + lengths.tobytes() + pointers.tobytes() + documents.tobytes())
+        # both files complete before either moves, so the window for a .bin without its .idx
+        # is two renames; noted before each, so discard() can take back a pair left incomplete
+        for tmp, path in ((self._bin_tmp, self.bin_path), (self._idx_tmp, idx_path)):
+            self._placed.append(path)
+            os.replace(tmp, path)
 
     def discard(self):
         self._bin.close()
-        if os.path.exists(self._bin_tmp):
-            os.remove(self._bin_tmp)
+        for path in [self._bin_tmp, self._idx_tmp, *self._placed]:
+            if path and os.path.exists(path):
+                os.remove(path)
 
 
 class IndexedDataset:
@@ -186,6 +201,10 @@ PREPROCESS_FLAGS = {  # Megatron's tools/preprocess_data.py flags
 }
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C in preprocess, its files removed; str() is the line to print (train.py exits 130)."""
+
+
 def preprocess_main(argv):
     """Megatron's tools/preprocess_data.py: text -> `<prefix>_<key>_document.{bin,idx}`.
 
@@ -193,21 +212,40 @@ def preprocess_main(argv):
     """
     v, _ = parse_command("preprocess", argv, PREPROCESS_FLAGS, about="Tokenize text into Megatron .bin/.idx files.")
     args = SimpleNamespace(**v)
-
     keys = args.json_keys if args.input.endswith((".json", ".jsonl")) else ["text"]
+    prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
+    try:
+        _tokenize(args, keys, prefixes)
+    except KeyboardInterrupt:
+        names = ", ".join(f"{pre}.bin/.idx" for pre in prefixes)
+        message = f"preprocess: interrupted; nothing written ({names} not created)"
+        raise Interrupted(message) from None
+    return prefixes
+
+
+def _init_pool_worker(tokenizer_kwargs):
+    """Ctrl-C reaches the whole process group; only the parent may act on it: a worker stopped
+    while sending a result dies holding the result queue's lock, and pool.terminate() hangs."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(tokenizer_kwargs)
+
+
+def _tokenize(args, keys, prefixes):
+    """preprocess_main's work: `<prefix>.bin/.idx` for every prefix, or none of them."""
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, vocab_size=args.vocab_size)
     _init_worker(tok_kwargs)
     dtype = optimal_dtype(_worker_tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
-
     docs = _read_documents(args.input, keys)
     encode = functools.partial(_encode_document, append_eod=args.append_eod)
-    pool = multiprocessing.Pool(args.workers, _init_worker, (tok_kwargs,)) if args.workers > 1 else None
-    builders = [IndexedDatasetBuilder(pre + ".bin", dtype) for pre in prefixes]
+    pool, builders = None, []
     t0, total_bytes, n = time.time(), 0, 0
     try:
+        if args.workers > 1:
+            pool = multiprocessing.Pool(args.workers, _init_pool_worker, (tok_kwargs,))
+        for pre in prefixes:
+            builders.append(IndexedDatasetBuilder(pre + ".bin", dtype))
         results = pool.imap(encode, docs, chunksize=32) if pool else map(encode, docs)
         for n, (doc_ids, n_bytes) in enumerate(results, 1):
             total_bytes += n_bytes
@@ -220,6 +258,9 @@ def preprocess_main(argv):
         if n == 0:
             raise ConfigError(f"{args.input}: no documents: give jsonl (one JSON object per line) or text "
                               "(documents separated by blank lines)")
+        if pool:
+            pool.close()
+            pool.join()
         for builder, pre in zip(builders, prefixes):
             builder.finalize(pre + ".idx")
     except BaseException:  # a bad line, Ctrl-C: stop the workers (they may be reading ahead), keep no half file
@@ -228,10 +269,6 @@ def preprocess_main(argv):
         for builder in builders:
             builder.discard()
         raise
-    if pool:
-        pool.close()
-        pool.join()
-    return prefixes
 
 
 def _sha256(path):
@@ -323,6 +360,31 @@ def _build_shuffle_index(num_samples, total_size, rng):
     return np.concatenate([first, last])
 
 
+def _read_index_cache(paths, num_documents, num_samples):
+    """The cached (document, sample, shuffle) indices as _build_indices makes them, or
+    (None, (path, what is wrong)) for the first damaged file: cut short by a full disk or a
+    copy, or another file written over it."""
+    indices = []
+    for path in paths:
+        try:
+            indices.append(np.load(path, mmap_mode="r"))
+        except (ValueError, EOFError, OSError) as e:  # a truncated or overwritten .npy
+            return None, (path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    document, sample, shuffle = indices
+    n, need = (sample.shape[0] - 1 if sample.ndim == 2 else 0), max(1, num_samples or 0)
+    expected = (  # the shapes and dtypes _build_indices gives; any other file is not this cache's
+        (document.dtype == np.int32 and document.ndim == 1 and document.size > 0
+         and document.size % num_documents == 0, f"int32 [epochs * {num_documents}]"),
+        (sample.dtype == np.int32 and sample.ndim == 2 and sample.shape[1] == 2 and n >= need,
+         f"int32 [n + 1, 2] with n >= {need}"),
+        (shuffle.dtype in (np.uint32, np.int64) and shuffle.shape == (n,), f"uint32 [{n}]"),
+    )
+    for path, arr, (ok, want) in zip(paths, indices, expected):
+        if not ok:
+            return None, (path, f"{arr.dtype} {list(arr.shape)}, expected {want}")
+    return indices, None
+
+
 def get_ltor_masks_and_position_ids(tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
     """Megatron's get_ltor_masks_and_position_ids for one sample. tokens: [s].
 
@@ -357,7 +419,8 @@ class GPTDataset:
       shuffle_index [n] uint32: the order in which samples are served.
     Sample i holds seq_length + 1 tokens, so consecutive samples share one boundary token.
     With cache_dir set, the indices are saved as .npy there (named by an md5 of the
-    description, like Megatron) and reloaded by later runs; cache_dir=None keeps them in memory.
+    description, like Megatron) and reloaded by later runs, or rebuilt with a warning when a file
+    is damaged; cache_dir=None keeps them in memory.
     """
 
     def __init__(self, indexed_dataset, document_ids, num_samples, seq_length, seed, eod, name="train",
@@ -374,17 +437,32 @@ class GPTDataset:
         if cache_dir is not None:
             base = os.path.join(cache_dir, f"{hashlib.md5(self.description.encode()).hexdigest()}-GPTDataset-{name}")
             paths = [f"{base}-{k}_index.npy" for k in ("document", "sample", "shuffle")] + [base + "-description.txt"]
-        self.built_anew = not (paths and all(map(os.path.isfile, paths)))
+        indices, damage = None, None
+        if paths and all(map(os.path.isfile, paths)):
+            indices, damage = _read_index_cache(paths[:3], len(self.documents), num_samples)
+        self.built_anew = indices is None
         if self.built_anew:
             indices = self._build_indices(num_samples, seed)
             if paths:
-                os.makedirs(cache_dir, exist_ok=True)
-                for path, arr in zip(paths, indices):
-                    _save_atomic(path, lambda f, a=arr: np.save(f, a))
-                _save_atomic(paths[3], lambda f: f.write(self.description.encode()))
-        else:
-            indices = [np.load(path, mmap_mode="r") for path in paths[:3]]
+                self._save_cache(cache_dir, paths, indices, damage)
         self.document_index, self.sample_index, self.shuffle_index = indices
+
+    def _save_cache(self, cache_dir, paths, indices, damage):
+        """Write the indices, then the description; a damaged file replaced is one warning."""
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            for path, arr in zip(paths, indices):
+                _save_atomic(path, lambda f, a=arr: np.save(f, a))
+            _save_atomic(paths[3], lambda f: f.write(self.description.encode()))
+        except OSError as e:
+            if damage is None:
+                raise  # nothing damaged: the OSError as before, one line from train.py
+            raise ConfigError(f"{damage[0]}: damaged GPTDataset index cache ({damage[1]}) that "
+                              f"cannot be rebuilt here ({e.strerror or e}): delete it, or give a "
+                              "writable --data-cache-path") from None
+        if damage is not None:
+            print(f"warning: {damage[0]}: damaged GPTDataset index cache ({damage[1]}); rebuilt",
+                  file=sys.stderr, flush=True)
 
     def _build_indices(self, num_samples, seed):
         """gpt_dataset._build_document_sample_shuffle_indices."""

@@ -597,6 +597,9 @@ def main(argv):
     except HelpRequested as e:
         print(e)
         return 0
+    except data.Interrupted as e:                 # Ctrl-C in preprocess (or the shipped corpus's)
+        print(e, file=sys.stderr)
+        return 130                                # a shell's code for SIGINT: 128 + 2
     except (ConfigError, checkpoint.CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
