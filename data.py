@@ -338,11 +338,17 @@ def build_sample_index(sequence_lengths, document_index, seq_length):
     return sample_index
 
 
+def _shuffle(array, rng):
+    """In place, from rng; rng None keeps the order (dataset_config.shuffle false)."""
+    if rng is not None:
+        rng.shuffle(array)
+
+
 def _build_document_index(documents, num_epochs, rng, separate_final_epoch):
     """gpt_dataset._build_document_index: document ids tiled num_epochs times, shuffled (int32)."""
     if not separate_final_epoch or num_epochs == 1:
         doc_idx = np.tile(documents, num_epochs).astype(np.int32)
-        rng.shuffle(doc_idx)
+        _shuffle(doc_idx, rng)
         return doc_idx
     first = _build_document_index(documents, num_epochs - 1, rng, False)
     return np.concatenate([first, _build_document_index(documents, 1, rng, False)])
@@ -352,11 +358,11 @@ def _build_shuffle_index(num_samples, total_size, rng):
     """gpt_dataset._build_shuffle_index: shuffle [0, num_samples) and [num_samples, total_size) apart."""
     dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
     first = np.arange(num_samples, dtype=dtype)
-    rng.shuffle(first)
+    _shuffle(first, rng)
     if num_samples == total_size:
         return first
     last = np.arange(num_samples, total_size, dtype=dtype)
-    rng.shuffle(last)
+    _shuffle(last, rng)
     return np.concatenate([first, last])
 
 
@@ -424,14 +430,17 @@ class GPTDataset:
     """
 
     def __init__(self, indexed_dataset, document_ids, num_samples, seq_length, seed, eod, name="train",
-                 cache_dir=None, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
+                 cache_dir=None, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                 shuffle=True):
         self.dataset, self.seq_length, self.eod, self.name = indexed_dataset, seq_length, eod, name
+        self.shuffle = shuffle
         self.documents = np.asarray(document_ids, dtype=np.int64)
         self.mask_options = (reset_position_ids, reset_attention_mask, eod_mask_loss)
         self.description = json.dumps({
             "class": "GPTDataset", "dataset_path": getattr(indexed_dataset, "path_prefix", None), "split": name,
             "documents_md5": hashlib.md5(self.documents.tobytes()).hexdigest(), "num_documents": len(self.documents),
             "num_samples": num_samples, "sequence_length": seq_length, "random_seed": seed,
+            **({} if shuffle else {"shuffle": False}),     # Megatron's own description otherwise
         }, indent=4)
         paths = []  # {hash}-GPTDataset-{split}-{document,sample,shuffle}_index.npy, description.txt last
         if cache_dir is not None:
@@ -478,7 +487,7 @@ class GPTDataset:
             samples_sans_final = ((num_epochs - 1) * tokens_per_epoch - 1) // self.seq_length
             samples_per_epoch = (tokens_per_epoch - 1) // self.seq_length
             separate_final_epoch = num_samples - samples_sans_final < int(0.80 * samples_per_epoch)
-        rng = np.random.RandomState(seed)
+        rng = np.random.RandomState(seed) if self.shuffle else None
         document_index = _build_document_index(self.documents, num_epochs, rng, separate_final_epoch)
         sample_index = build_sample_index(lengths, document_index, self.seq_length)
         total = len(sample_index) - 1
@@ -528,6 +537,20 @@ class MockGPTDataset:
             raise IndexError(i)
         rng = np.random.RandomState([self.seed, i])
         return _make_sample(rng.randint(0, self.vocab_size, size=self.seq_length + 1), eod=-1)
+
+
+def data_prefix(path):
+    """The .bin/.idx prefix `path` names: itself, or, for a folder (MindSpore Transformers'
+    dataset_dir), the one tokenized corpus in it."""
+    if not os.path.isdir(path):
+        return path
+    prefixes = sorted(f[:-4] for f in os.listdir(path)
+                      if f.endswith(".bin") and os.path.isfile(os.path.join(path, f[:-4] + ".idx")))
+    if len(prefixes) != 1:
+        found = f"{len(prefixes)} .bin/.idx pairs ({', '.join(prefixes[:3])})" if prefixes else "none"
+        raise ConfigError(f"dataset_config.data_path={path} is a folder holding {found}: give the "
+                          "prefix of one tokenized corpus (bash run.sh preprocess writes them)")
+    return os.path.join(path, prefixes[0])
 
 
 def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, cache_dir=None, **mask_options):

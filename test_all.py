@@ -475,6 +475,26 @@ def test_gpt_dataset_seed_determinism_and_epochs(tmp_path):
     assert sorted(many.shuffle_index[:n_first].tolist()) == list(range(n_first))
 
 
+def test_shuffle_false_serves_the_corpus_in_order_and_a_folder_names_its_corpus(tmp_path, capsys):
+    """MindSpore Transformers' dataset_config.shuffle: false serves the samples in corpus order
+    (documents and samples unshuffled, a cache of its own); dataset_dir, a folder, is the one
+    tokenized corpus in it, and a folder with none or several is one line."""
+    ds = _toy_indexed(tmp_path)
+    docs = np.arange(0, 10)
+    plain = data.GPTDataset(ds, docs, 12, 6, seed=1, eod=99, shuffle=False, cache_dir=str(tmp_path / "c"))
+    assert plain.shuffle_index.tolist() == list(range(len(plain)))
+    assert plain.document_index.tolist() == docs.tolist() * (len(plain.document_index) // len(docs))
+    stream = np.concatenate([ds[int(d)] for d in docs])
+    np.testing.assert_array_equal(plain[1]["tokens"], stream[6:12])
+    shuffled = data.GPTDataset(ds, docs, 12, 6, seed=1, eod=99, cache_dir=str(tmp_path / "c"))
+    assert shuffled.built_anew and shuffled.shuffle_index.tolist() != plain.shuffle_index.tolist()
+    assert data.data_prefix(os.path.dirname(ds.path_prefix)) == ds.path_prefix
+    cfg = load_config("config.yaml", ["dataset_config.dataset_dir=" + str(tmp_path / "c")])
+    assert cfg.dataset_config.data_path == str(tmp_path / "c")
+    with pytest.raises(ConfigError, match="is a folder holding none: give the prefix"):
+        data.data_prefix(str(tmp_path / "c"))
+
+
 def test_gpt_dataset_index_cache(tmp_path):
     ds = _toy_indexed(tmp_path)
     cache = tmp_path / "cache"

@@ -113,6 +113,7 @@ def check_inputs(cfg):
         data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
                                  "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
     if not d.mock_data:
+        d.data_path = data.data_prefix(d.data_path)
         for ext in (".bin", ".idx"):
             if not os.path.isfile(d.data_path + ext):
                 raise ConfigError(f"dataset_config.data_path={d.data_path}: {d.data_path}{ext} not found; "
@@ -142,7 +143,7 @@ def build_data(cfg, tokenizer):
                                    tokenizer.eod, cache_dir=cache,
                                    reset_position_ids=d.reset_position_ids,
                                    reset_attention_mask=d.reset_attention_mask,
-                                   eod_mask_loss=d.eod_mask_loss)
+                                   eod_mask_loss=d.eod_mask_loss, shuffle=d.shuffle)
 
 
 def build_model(cfg, tokenizer, state):
