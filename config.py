@@ -475,7 +475,12 @@ def _finalize_training(t):
         raise ConfigError("training_config.resume_training=true needs the checkpoint to resume: "
                           "give --load DIR (training_config.load_checkpoint)")
     if t.resume_training is False and t.load_checkpoint:
-        t.finetune = True                             # MindSpeed: load the weights, start over
+        raise ConfigError("training_config.resume_training=false: MindSpeed then does not read "
+                          f"load_checkpoint={t.load_checkpoint}; remove one of them (--finetune "
+                          "loads the weights alone)")
+    for k in ("seed", "training_iters", "log_interval", "eval_interval"):
+        if getattr(t, k) is None:
+            raise ConfigError(f"training_config.{k} is null: give a number (the run needs one)")
     if t.exit_interval is not None and t.exit_interval <= 0:
         raise ConfigError(f"training_config.exit_interval must be positive, got {t.exit_interval}")
     if t.exit_duration_in_mins is not None and not t.exit_duration_in_mins > 0:

@@ -25,6 +25,7 @@ CPU; float32, and float16 where a test says so.
 """
 import argparse
 import collections
+import contextlib
 import json
 import math
 import os
@@ -51,6 +52,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 import bench
 import checkpoint
+import cli
 import config
 import context_parallel
 import data
@@ -64,8 +66,8 @@ import sample
 import torch_format
 import train
 from cli import HelpRequested, load_config
-from keys import FLAGS
-from config import ConfigError, padded_vocab_size, recompute_counts, to_namespace
+from config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
+from keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
 from gpt import DropoutRNG, GPTModel, generate, init_weights
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
@@ -77,7 +79,7 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
 train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
 
 # ============================================================================ structure
-MODULES = ["config", "cli", "tokenizer", "data", "optimizer", "parallel", "context_parallel", "gpt", "pipeline", "memory",
+MODULES = ["keys", "config", "cli", "tokenizer", "data", "optimizer", "parallel", "context_parallel", "gpt", "pipeline", "memory",
            "torch_format", "megatron_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler", "train", "bench"]
 
 
@@ -510,6 +512,162 @@ def test_gpt_dataset_index_cache(tmp_path):
     np.testing.assert_array_equal(first[7]["tokens"], second[7]["tokens"])
     data.GPTDataset(ds, np.arange(30), 20, 8, seed=6, eod=99, name="valid", cache_dir=str(cache))
     assert len(os.listdir(cache)) == 8  # another seed -> another hash
+
+
+# Ctrl-C in preprocess
+
+
+def _interrupted_line(*prefixes):
+    names = ", ".join(f"{p}_document.bin/.idx" for p in prefixes)
+    return f"preprocess: interrupted; nothing written ({names} not created)"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_preprocess_ctrl_c_is_one_line_exit_130_and_leaves_nothing(tmp_path, workers):
+    """Ctrl-C as a terminal sends it, to the parent and its pool workers, while documents are
+    being written: one line, exit 130, no .bin/.idx/temporary file, no worker left running."""
+    src = tmp_path / "in.jsonl"
+    src.write_text((json.dumps({"text": "to be, or not to be " * 20}) + "\n") * 40000)  # seconds
+    out = tmp_path / "out"
+    # its own process group, and SIGINT's default action even when this runner ignores it (a
+    # shell's background job does, and children inherit that)
+    job = subprocess.Popen([sys.executable, "train.py", "preprocess", "--input", str(src),
+                            "--output-prefix", str(out / "p"), "--tokenizer-type", "ByteTokenizer",
+                            "--workers", str(workers), "--log-interval", "1000000"],
+                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    partial = out / f"p_text_document.bin.tmp{job.pid}"
+    try:
+        deadline = time.time() + 60
+        while not (partial.exists() and partial.stat().st_size > 0):  # tokens on their way
+            assert job.poll() is None and time.time() < deadline, "preprocess did not start"
+            time.sleep(0.01)
+        os.killpg(job.pid, signal.SIGINT)
+        stdout, stderr = job.communicate(timeout=60)
+        with pytest.raises(ProcessLookupError):  # the group is empty: the workers stopped too
+            os.killpg(job.pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what a failed run left: a hung pool
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 130, stderr
+    assert stderr.splitlines() == [_interrupted_line(out / "p_text")], stderr
+    assert "Traceback" not in stdout
+    assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("at", [1, 2, 3, 4])
+def test_preprocess_interrupted_while_placing_files_takes_them_back(tmp_path, monkeypatch, at):
+    """Two keys, four renames (.bin and .idx of each): Ctrl-C at any of them leaves no pair
+    incomplete and neither key's files."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": f"doc {i}", "title": f"t{i}"}) + "\n"
+                           for i in range(5)))
+    renames, replace = [], os.replace
+
+    def interrupted_replace(a, b):
+        renames.append(b)
+        if len(renames) == at:
+            raise KeyboardInterrupt
+        replace(a, b)
+    monkeypatch.setattr(os, "replace", interrupted_replace)
+    prefix = str(tmp_path / "out" / "p")
+    with pytest.raises(data.Interrupted) as e:
+        data.preprocess_main(["--input", str(src), "--output-prefix", prefix,
+                              "--json-keys", "text", "title", "--tokenizer-type", "ByteTokenizer"])
+    assert str(e.value) == _interrupted_line(prefix + "_text", prefix + "_title")
+    assert os.listdir(tmp_path / "out") == []
+
+
+# ------------------------------------------------------------------------- damaged index caches
+
+
+def _toy_cache_corpus(folder):
+    """30 documents of random length ending in an EOD-like id 99."""
+    rng = np.random.RandomState(0)
+    b = data.IndexedDatasetBuilder(str(folder / "toy.bin"), dtype=np.int32)
+    for d in range(30):
+        b.add_document(list(np.arange(rng.randint(1, 15)) + 1000 * d) + [99])
+    b.finalize(str(folder / "toy.idx"))
+    return data.IndexedDataset(str(folder / "toy"))
+
+
+def _is_warning(lines, path, reason=".+"):
+    """One line: the damaged file named, then rebuilt."""
+    line = rf"warning: {re.escape(str(path))}: damaged GPTDataset index cache \({reason}\); "
+    return len(lines) == 1 and re.fullmatch(line + "rebuilt", lines[0])
+
+
+DAMAGES = {  # name: cached file -> what is left of it
+    "truncated": lambda path: path.write_bytes(path.read_bytes()[:-7]),
+    "header cut": lambda path: path.write_bytes(path.read_bytes()[:60]),
+    "emptied": lambda path: path.write_bytes(b""),
+    "overwritten": lambda path: path.write_bytes(b"\0" * len(path.read_bytes())),
+    "another array": lambda path: np.save(path, np.arange(5, dtype=np.int32)),
+    "another dtype": lambda path: np.save(path, np.load(path).astype(np.float64)),
+}
+
+
+@pytest.mark.parametrize("index", ["document", "sample", "shuffle"])
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_index_cache_is_rebuilt_with_one_warning(tmp_path, capfd, index, damage):
+    ds, cache = _toy_cache_corpus(tmp_path), tmp_path / "cache"
+    build = lambda: data.GPTDataset(ds, np.arange(30), 20, 8, seed=5, eod=99, cache_dir=str(cache))
+    first = build()
+    (path,) = cache.glob(f"*-GPTDataset-train-{index}_index.npy")
+    DAMAGES[damage](path)
+    capfd.readouterr()
+    second = build()
+    err = capfd.readouterr().err.splitlines()
+    assert _is_warning(err, path), err
+    assert second.built_anew and len(os.listdir(cache)) == 4  # no temporary file left
+    for i in range(len(first)):
+        np.testing.assert_array_equal(first[i]["tokens"], second[i]["tokens"])
+    third = build()
+    assert not third.built_anew and capfd.readouterr().err == ""
+    np.testing.assert_array_equal(third.shuffle_index, first.shuffle_index)
+
+
+def test_damaged_index_cache_that_cannot_be_rebuilt_is_one_error(tmp_path, monkeypatch, capfd):
+    """A read-only cache folder, simulated: the suite may run as root, whom chmod does not stop."""
+    ds, cache = _toy_cache_corpus(tmp_path), tmp_path / "cache"
+    build = lambda: data.GPTDataset(ds, np.arange(30), 20, 8, seed=5, eod=99, cache_dir=str(cache))
+    build()
+    (path,) = cache.glob("*-sample_index.npy")
+    path.write_bytes(b"")
+
+    def read_only(target, write):
+        raise PermissionError(13, "Permission denied", target)
+    monkeypatch.setattr(data, "_save_atomic", read_only)
+    with pytest.raises(ConfigError) as e:
+        build()
+    assert str(e.value) == (f"{path}: damaged GPTDataset index cache (No data left in file) that "
+                            "cannot be rebuilt here (Permission denied): delete it, or give a "
+                            "writable --data-cache-path")
+    assert capfd.readouterr().err == ""
+
+
+def test_training_over_a_damaged_cache_warns_once_and_trains(tmp_path):
+    """Through train.py: before, a truncated sample index ended the run in a traceback."""
+    b = data.IndexedDatasetBuilder(str(tmp_path / "d.bin"), np.uint16)
+    rng = np.random.RandomState(0)
+    for _ in range(40):
+        b.add_document(list(rng.randint(0, 255, size=rng.randint(20, 80))) + [256])
+    b.finalize(str(tmp_path / "d.idx"))
+    flags = ["--data-path", str(tmp_path / "d"), "--tokenizer-type", "ByteTokenizer",
+             "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+             "--eval-iters", "0", "--train-iters", "1"]
+    train.build_data(load_config(os.path.join(HERE, "config.yaml"), flags),
+                     build_tokenizer("ByteTokenizer"))  # the cache this run reads, as it writes it
+    (path,) = (tmp_path / "cache").glob("*-GPTDataset-train-sample_index.npy")
+    good = path.read_bytes()
+    path.write_bytes(good[:100])
+    result = subprocess.run([sys.executable, "train.py", *flags, "--save", str(tmp_path / "out")],
+                            cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert _is_warning(result.stderr.splitlines(), path, "EOF: .+"), result.stderr
+    assert path.read_bytes() == good
 
 
 def test_ltor_masks_and_position_ids():
@@ -1165,7 +1323,7 @@ def test_megatron_flags_and_dotted_overrides_map_to_yaml_keys():
                        "--disable-bias-linear", "model_config.num_attention_heads=4",
                        "training_config.log_interval=7"])
     m, d, o, t = cfg.model_config, cfg.dataset_config, cfg.optimizer_config, cfg.training_config
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size) == (3, 128, 4, 1024)
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size) == (3, 128, 4, 512)
     assert (d.batch_size, d.micro_batch_num, d.global_batch_size) == (2, 4, 8)
     assert o.learning_rate == 2e-4 and o.betas == [0.9, 0.99] and o.optimizer_type == "AdamW"
     assert o.learning_rate_scheduler_kwargs.lr_decay_style == "linear"
@@ -1364,6 +1522,108 @@ def test_the_guides_spellings_are_translated_and_inert_keys_warn(tmp_path):
     assert [w.split(" has no effect here: ")[0] for w in warnings] == [
         f"warning: {path}: context.mode=0", "warning: --distributed-backend nccl: "
         "training_config.distributed_backend=nccl"]
+
+
+GUIDES = os.path.join(HERE, "configs", "guides")
+PANGU = [os.path.join(GUIDES, f"pangu_38b_{part}.yaml") for part in ("model", "accelerate", "train")]
+
+
+def guide_table_rows():
+    """(Megatron name, YAML path) of each row of 000's five mapping tables, as the guide prints them."""
+    text = open(os.path.join(GUIDES, "000_mapping_tables.md"), encoding="utf-8").read()
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and not line.startswith("|--") and "功能说明" not in line]
+    return [(r[0], r[1]) for r in rows]
+
+
+def test_every_row_of_the_guides_tables_and_flags_is_a_key_here(capsys):
+    """000's five mapping tables (124 rows), 003's script's flags: every YAML path and flag is a
+    key here (honoured, fixed at this project's one behaviour, or inert), none unknown; each
+    honoured path given another value changes the run's config."""
+    rows = guide_table_rows()
+    assert len(rows) == 124
+    base = to_dict(load_config("config.yaml", [], 64))
+    pp2, fp16 = ["--pipeline-model-parallel-size", "2", "dataset_config.micro_batch_num=2"], ["--fp16"]
+    given = {   # canonical key: (a value to give, the flags it needs), where doubling will not do
+        "model_config.group_query_attention": (True, ["--num-query-groups", "4"]),
+        "model_config.num_query_groups": (4, ["--group-query-attention"]),
+        "model_config.attention_dropout_rate": (0.1, []), "model_config.hidden_dropout_rate": (0.1, []),
+        "model_config.recompute_granularity": ("selective", []),
+        "model_config.recompute_method": ("block", ["--recompute-granularity", "full",
+                                                    "--recompute-num-layers", "1"]),
+        "model_config.recompute_num_layers": (1, ["--recompute-granularity", "full",
+                                                  "--recompute-method", "block"]),
+        "model_config.fp16_lm_cross_entropy": (True, fp16), "model_config.params_dtype": ("float32", fp16),
+        "training_config.resume_training": (True, ["--load", "/tmp"]),
+        "optimizer_config.betas": ([0.8, 0.9], []),
+        "optimizer_config.start_weight_decay": (0.01, ["--weight-decay-incr-style", "linear",
+                                                       "--end-weight-decay", "0.1"]),
+        "optimizer_config.end_weight_decay": (0.01, ["--weight-decay-incr-style", "linear",
+                                                     "--start-weight-decay", "0.1"]),
+        "optimizer_config.weight_decay_incr_style": ("linear", ["--start-weight-decay", "0.01",
+                                                                "--end-weight-decay", "0.1"]),
+        "parallel_config.ulysses_degree_in_cp": (2, ["--context-parallel-size", "4",
+                                                     "--context-parallel-algo", "hybrid_cp_algo"]),
+        "parallel_config.virtual_pipeline_model_parallel_size": (2, pp2),
+        "parallel_config.num_layers_per_virtual_pipeline_stage": (1, pp2),
+        "parallel_config.sequence_parallel": (True, ["--tensor-model-parallel-size", "2"]),
+        "parallel_config.num_layer_list": ([3, 1], pp2), "parallel_config.select_recompute": (True, [])}
+    for megatron, path in rows:
+        row, _ = cli._row(path)
+        if row.kind != "key":
+            continue
+        section, *names = row.path.split(".")
+        now = base[section]
+        for name in names:
+            now = now[name]
+        doubled = (not now if isinstance(now, bool) else
+                   next((c for c in row.choices or () if c != now), None) or (now or 1) * 2)
+        value, needs = given.get(row.path, (doubled, []))
+        text = json.dumps(value) if not isinstance(value, str) else value
+        cfg = to_dict(load_config("config.yaml", [*needs, f"{path}={text}"], 64))
+        try:
+            reference = to_dict(load_config("config.yaml", needs, 64))
+        except ConfigError:                    # the flags it needs are invalid without it
+            reference = base
+        assert cfg != reference, (megatron, path, value)
+    script = open(os.path.join(GUIDES, "pretrain_single.sh")).read()
+    flags = set(re.findall(r"^\s+(--[a-z0-9_-]+)", script, re.M)) - {
+        "--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port"}
+    assert len(flags) == 28 and flags <= set(FLAGS), flags - set(FLAGS)
+
+
+@pytest.mark.parametrize("files,nproc,extra", [
+    (["gpt2_13b.yaml"], 32, []),
+    (["mindspore_transformers_example.yaml"], 1, ["--data-path", "data/tinyshakespeare_text_document"]),
+    (["pangu_38b_model.yaml", "pangu_38b_accelerate.yaml", "pangu_38b_train.yaml"], 32, []),
+], ids=["001_gpt2_13b", "002_example", "000_pangu_38b"])
+def test_the_guides_files_load_verbatim(files, nproc, extra, capsys):
+    """Each guide file, as printed, passes `check` for its layout; a bfloat16 file is refused on
+    this CPU in one line and passes with an Ascend target."""
+    configs = [a for f in files for a in ("--config", os.path.join(GUIDES, f))]
+    bf16 = load_config([os.path.join(GUIDES, f) for f in files], extra, nproc).model_config.compute_dtype
+    if bf16 == "bfloat16":
+        one_line_error(capsys, ["check", "--nproc", str(nproc), *configs, *extra], "MindSpore 2.10 has no "
+                       "bfloat16 CPU kernel")
+        extra = [*extra, "training_config.device_target=Ascend"]
+    assert train.main(["check", "--nproc", str(nproc), *configs, *extra]) == 0, capsys.readouterr().err
+
+
+def test_the_three_pangu_files_are_the_pangu_preset(tmp_path):
+    """000's three PanGu 38B files together give the model and layout of configs/pangu_38b.yaml,
+    the embedding's own init_std included (the uneven cut [16, 16, 16, 14] made automatically);
+    the preset's own choices (float32 on this CPU, full recompute) are all that differ."""
+    ours = load_config(os.path.join(HERE, "configs", "pangu_38b.yaml"), [], 128)
+    notes = []
+    theirs = load_config(PANGU, ["--seq-length", "4096"], 128, notes)
+    for section in ("model_config", "parallel_config"):
+        a, b = vars(getattr(ours, section)), vars(getattr(theirs, section))
+        differ = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+        chosen = {"compute_dtype": ("float32", "bfloat16"), "recompute_granularity": ("full", None),
+                  "recompute_method": ("uniform", None), "recompute_num_layers": (1, None)}
+        assert differ == (chosen if section == "model_config" else {}), (section, differ)
+    assert theirs.model_config.embedding_init_method_std == 0.5
+    assert any("model_config.llm.head.shared_embedding is model_config.untie" in n for n in notes)
 
 
 def test_help_lists_commands_and_flags_without_doing_work(tmp_path, capsys):
