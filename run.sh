@@ -3,6 +3,7 @@
 #   bash run.sh                   set up, tokenize the shipped corpus once, train config.yaml on 4
 #                                 msrun workers (TP2 x PP2 with sequence parallelism), sample
 #   bash run.sh test              set up, then the test suite
+#   bash run.sh check ...         the config, layout (--nproc N) and inputs checked, nothing run
 #   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags -> <prefix>_text_document.bin/.idx
 #   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
 #   bash run.sh convert|import-hf|export-hf ...   checkpoints between layouts, and to and from Hugging Face GPT-2
@@ -36,7 +37,7 @@ case "${1:-}" in
     shift
     exec python -m pytest test_all.py "$@"
     ;;
-  preprocess|generate|convert|import-hf|export-hf|import-megatron|plan)
+  check|preprocess|generate|convert|import-hf|export-hf|import-megatron|plan)
     exec python train.py "$@"
     ;;
   bench)
