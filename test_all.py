@@ -1469,6 +1469,7 @@ def test_repeated_config_files_layer_in_order_and_name_what_they_override(tmp_pa
     assert (m.num_layers, m.hidden_size, m.seq_length) == (8, 128, 128)
     assert notes == [f"{b}: model_config.num_layers=8 replaces 6 from {a}"]
     assert train.main(["check", "--config", str(a), "--config", str(b), "--num-layers", "2"]) == 0
+    capsys.readouterr()                      # a fresh clone tokenizes the shipped corpus here
     b.write_text("model_config:\n  num_layers: 8\n  llm:\n    blocks:\n      num_layers: 4\n")
     one_line_error(capsys, ["check", "--config", str(b)], f"{b}: model_config.num_layers=8 and "
                    "model_config.llm.blocks.num_layers=4 both set model_config.num_layers: give one")
