@@ -497,6 +497,18 @@ CONVERT_FLAGS = {"--load": (REQUIRED, str, "checkpoint folder (any layout)"),
                  "--nproc": (1, int, "ranks of the new layout (its data-parallel size follows)")}
 
 
+def check_new_folder(command, save, world):
+    """A command that writes a new checkpoint: its --nproc is positive and --save is a new or
+    empty folder (one error line naming the command otherwise)."""
+    if world < 1:
+        raise ConfigError(f"{command}: --nproc must be a positive number of ranks, got {world}")
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"{command}: --save {save} is a file; give a new or empty folder")
+    if os.path.exists(os.path.join(save, LATEST)):
+        raise ConfigError(f"{command}: {save} already holds a checkpoint; give an empty or new "
+                          "folder for --save")
+
+
 def convert_main(argv):
     """convert --load DIR --save NEW [--nproc N] [layout flags]: the latest checkpoint of DIR,
     weights and optimizer state, rewritten for N ranks (default 1) in the layout the flags give
@@ -505,12 +517,7 @@ def convert_main(argv):
     v, argv = parse_command("convert", argv, CONVERT_FLAGS, passthrough="layout flags, as in training",
                             about="Rewrite the latest checkpoint of --load for another layout.")
     load, save, world = v["load"], v["save"], v["nproc"]
-    if world < 1:
-        raise ConfigError(f"convert: --nproc must be a positive number of ranks, got {world}")
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise ConfigError(f"convert: --save {save} is a file; give a new or empty folder")
-    if os.path.exists(os.path.join(save, LATEST)):
-        raise ConfigError(f"convert: {save} already holds a checkpoint; give an empty or new folder for --save")
+    check_new_folder("convert", save, world)
     latest_iteration(load)
     _, meta = load_checkpoint(load, first_shard(load), stems=())
     padded = meta["config"]["model_config"]["padded_vocab_size"]
@@ -582,13 +589,7 @@ def import_megatron_main(argv):
                             passthrough="layout and training flags",
                             about="A Megatron-LM checkpoint (--ckpt-format torch) as a checkpoint.")
     root, save, world = v["dir"], v["save"], v["nproc"]
-    if world < 1:
-        raise ConfigError(f"import-megatron: --nproc must be a positive number of ranks, got {world}")
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise ConfigError(f"import-megatron: --save {save} is a file; give a new or empty folder")
-    if os.path.exists(os.path.join(save, LATEST)):
-        raise ConfigError(f"import-megatron: {save} already holds a checkpoint; give an empty or "
-                          "new folder for --save")
+    check_new_folder("import-megatron", save, world)
     iteration, files = megatron_checkpoint.checkpoint_files(root)
     first = megatron_checkpoint.load_rank(files[0, 0])
     tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)

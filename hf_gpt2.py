@@ -17,7 +17,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from checkpoint import (LATEST, build_rank_chunks, first_shard, write_atomic, full_state, latest_iteration,
+from checkpoint import (build_rank_chunks, check_new_folder, first_shard, write_atomic, full_state, latest_iteration,
                         layout_of, load_checkpoint, write_layout)
 from cli import REQUIRED, load_config, parse_command
 from config import ConfigError, padded_vocab_size, to_namespace
@@ -126,16 +126,12 @@ def import_main(argv):
                             positional=("HF_DIR",), passthrough="layout and training flags",
                             about="A Hugging Face GPT-2 folder (config.json, model.safetensors) as a checkpoint.")
     hf_dir, save, world = v["hf_dir"], v["save"], v["nproc"]
-    if world < 1:
-        raise ConfigError(f"import-hf: --nproc must be a positive number of ranks, got {world}")
+    check_new_folder("import-hf", save, world)
     for f in ("config.json", "model.safetensors"):
         if not os.path.isfile(os.path.join(hf_dir, f)):
-            raise ConfigError(f"import-hf: {os.path.join(hf_dir, f)} not found: give a Hugging Face GPT-2 directory")
+            raise ConfigError(f"import-hf: {os.path.join(hf_dir, f)} not found: give a Hugging Face "
+                              "GPT-2 directory")
     hf = read_hf_config(hf_dir)
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise ConfigError(f"import-hf: --save {save} is a file; give a new or empty folder")
-    if os.path.exists(os.path.join(save, LATEST)):
-        raise ConfigError(f"import-hf: {save} already holds a checkpoint; give an empty or new folder for --save")
     h = hf["n_embd"]
     drop = {k: hf.get(k, HF_DROPOUT) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
     flags = ["--num-layers", str(hf["n_layer"]), "--hidden-size", str(h), "--num-attention-heads", str(hf["n_head"]),

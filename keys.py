@@ -158,8 +158,8 @@ TRAINING = [
           "gradients are reduced after the backward pass (no overlap on one CPU stream)",
           switch={"--overlap-grad-reduce": True}),
     fixed("training_config.delay_grad_reduce", False,
-          "gradients are reduced once, after the last micro-batch", switch={
-              "--delay-grad-reduce": True}),
+          "gradients are reduced once, after the last micro-batch",
+          switch={"--delay-grad-reduce": True}),
     fixed("training_config.crc_check", True,
           "every checkpoint file carries a CRC-32 that loading checks",
           switch={"--resume-crc-check": True}),
