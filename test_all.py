@@ -26,6 +26,7 @@ CPU; float32, and float16 where a test says so.
 import argparse
 import collections
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -1593,21 +1594,22 @@ def test_every_row_of_the_guides_tables_and_flags_is_a_key_here(capsys):
     assert len(flags) == 28 and flags <= set(FLAGS), flags - set(FLAGS)
 
 
-@pytest.mark.parametrize("files,nproc,extra", [
-    (["gpt2_13b.yaml"], 32, []),
-    (["mindspore_transformers_example.yaml"], 1, ["--data-path", "data/tinyshakespeare_text_document"]),
-    (["pangu_38b_model.yaml", "pangu_38b_accelerate.yaml", "pangu_38b_train.yaml"], 32, []),
+@pytest.mark.parametrize("files,nproc,extra,refused", [
+    (["gpt2_13b.yaml"], 32, [], "this MindSpore has no Ascend backend on this machine"),
+    (["mindspore_transformers_example.yaml"], 1, ["--data-path", "data/tinyshakespeare_text_document"],
+     "MindSpore 2.10 has no bfloat16 CPU kernel"),
+    (["pangu_38b_model.yaml", "pangu_38b_accelerate.yaml", "pangu_38b_train.yaml"], 32, [],
+     "MindSpore 2.10 has no bfloat16 CPU kernel"),
 ], ids=["001_gpt2_13b", "002_example", "000_pangu_38b"])
-def test_the_guides_files_load_verbatim(files, nproc, extra, capsys):
-    """Each guide file, as printed, passes `check` for its layout; a bfloat16 file is refused on
-    this CPU in one line and passes with an Ascend target."""
+def test_the_guides_files_load_verbatim(files, nproc, extra, refused, capsys, monkeypatch):
+    """Each guide file, as printed, passes `check` for its layout on the machine it was written
+    for: here its Ascend target (001) or bfloat16 (000, 002) is refused in one line, and the
+    check passes where an Ascend backend answers (mindspore.hal.is_available, faked)."""
     configs = [a for f in files for a in ("--config", os.path.join(GUIDES, f))]
-    bf16 = load_config([os.path.join(GUIDES, f) for f in files], extra, nproc).model_config.compute_dtype
-    if bf16 == "bfloat16":
-        one_line_error(capsys, ["check", "--nproc", str(nproc), *configs, *extra], "MindSpore 2.10 has no "
-                       "bfloat16 CPU kernel")
-        extra = [*extra, "training_config.device_target=Ascend"]
-    assert train.main(["check", "--nproc", str(nproc), *configs, *extra]) == 0, capsys.readouterr().err
+    one_line_error(capsys, ["check", "--nproc", str(nproc), *configs, *extra], refused)
+    monkeypatch.setattr(ms.hal, "is_available", lambda target: True)
+    ascend = [*configs, *extra, "training_config.device_target=Ascend"]
+    assert train.main(["check", "--nproc", str(nproc), *ascend]) == 0, capsys.readouterr().err
 
 
 def test_the_three_pangu_files_are_the_pangu_preset(tmp_path):
@@ -1664,14 +1666,6 @@ def test_bad_config_exit_code_from_the_command_line(tmp_path):
     assert result.stderr.strip().splitlines() == ["error: model_config.hidden_size must be positive, got -4"]
 
 
-@pytest.mark.parametrize("nproc", ["abc", "0", "-2"])
-def test_run_sh_refuses_a_bad_worker_count(nproc, tmp_path):
-    result = subprocess.run(["bash", "run.sh", "--nproc", nproc, "--mock-data", "--save", str(tmp_path / "o")],
-                            cwd=HERE, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and not (tmp_path / "o").exists()
-    assert result.stderr.splitlines() == [f"error: --nproc {nproc}: give the number of workers, a whole number from 1"]
-
-
 def test_run_sh_checks_the_config_once_before_msrun(tmp_path):
     """A layout error with several workers: one line and exit 2 from one process, as with one
     worker; msrun never starts (the issue: msrun's traceback, the line twice, exit 1)."""
@@ -1684,6 +1678,149 @@ def test_run_sh_checks_the_config_once_before_msrun(tmp_path):
     assert train.main(["check", "--nproc", "2", *TINY_RUN, "--tensor-model-parallel-size", "2",
                        "--save", str(tmp_path / "o")]) == 0
     assert not (tmp_path / "o").exists()
+
+
+# ---- run.sh's launch flags, seen through a stand-in folder: a copy of run.sh whose .venv holds a
+# `python` and an `msrun` that only record their arguments (run.sh puts .venv/bin first on PATH),
+# so nothing trains and each case takes milliseconds
+RECORDER = r'''#!/bin/sh
+calls="$(dirname "$0")/../../calls"
+printf '%s\t' "$(basename "$0")" "$@" >> "$calls"
+echo >> "$calls"
+'''
+
+
+@pytest.fixture
+def run_sh(tmp_path):
+    """bash run.sh ARGS... in the stand-in folder: (the finished process, the recorded calls, each
+    a list of its arguments after the program's name)."""
+    folder = tmp_path / "project"
+    (folder / ".venv" / "bin").mkdir(parents=True)
+    for name in ("run.sh", "requirements.txt"):
+        shutil.copy(os.path.join(HERE, name), folder / name)
+    digest = hashlib.sha256((folder / "requirements.txt").read_bytes()).hexdigest()
+    (folder / ".venv" / ".requirements.sha256").write_text(digest + "\n")      # set up already
+    for program in ("python", "msrun"):
+        (folder / ".venv" / "bin" / program).write_text(RECORDER)
+        (folder / ".venv" / "bin" / program).chmod(0o755)
+
+    def run(*args, **env):
+        environ = {k: v for k, v in os.environ.items() if k != "ASCEND_RT_VISIBLE_DEVICES"}
+        result = subprocess.run(["bash", str(folder / "run.sh"), *args], env=dict(environ, **env),
+                                capture_output=True, text=True, timeout=60)
+        calls = folder / "calls"
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        recorded = [line.split("\t")[:-1] for line in lines]
+        calls.unlink(missing_ok=True)
+        return result, recorded
+    run.folder = folder
+    return run
+
+
+def msrun_args(workers, per_node, node_rank, addr, port, log_dir="output/msrun_log",
+               train_args=()):
+    return ["msrun", "--worker_num", str(workers), "--local_worker_num", str(per_node),
+            "--node_rank", str(node_rank), "--master_addr", addr, "--master_port", str(port),
+            "--log_dir", log_dir, "--join", "True", "--cluster_time_out", "300", "train.py",
+            *train_args]
+
+
+@pytest.mark.parametrize("form", ["--flag value", "--flag=value"])
+def test_torchrun_flags_reach_msrun(run_sh, form):
+    """The guides' DISTRIBUTED_ARGS: msrun gets nproc_per_node x nnodes workers in all, this node's
+    share and rank, node 0's address and port; train.py's pre-check counts every worker."""
+    flags = {"--nproc_per_node": "2", "--nnodes": "2", "--node_rank": "1",
+             "--master_addr": "10.0.0.1", "--master_port": "6000", "--log_dir": "logs/node1"}
+    argv = [a for flag, value in flags.items()
+            for a in ([flag, value] if form == "--flag value" else [f"{flag}={value}"])]
+    result, calls = run_sh(*argv, "--lr", "1e-3")
+    assert result.returncode == 0, result.stderr
+    assert calls == [["python", "train.py", "check", "--nproc", "4", "--lr", "1e-3"],
+                     msrun_args(4, 2, 1, "10.0.0.1", 6000, "logs/node1", ["--lr", "1e-3"])]
+
+
+def test_msrun_spellings_are_the_same_launch(run_sh):
+    """--worker_num (all nodes) and --local_worker_num (this node) give the nodes; several nodes
+    without --master_port use torchrun's 29500, so that every node agrees."""
+    _, calls = run_sh("--worker_num", "4", "--local_worker_num", "2", "--node_rank", "0",
+                      "--master_addr", "10.0.0.1", "--lr", "1e-3")
+    assert calls[1] == msrun_args(4, 2, 0, "10.0.0.1", 29500, train_args=["--lr", "1e-3"])
+    _, calls = run_sh("--worker_num", "3", "--lr", "1e-3")                 # alone: one node
+    assert calls[0] == ["python", "train.py", "check", "--nproc", "3", "--lr", "1e-3"]
+    assert calls[1][:8] == msrun_args(3, 3, 0, "127.0.0.1", 0)[:8]
+
+
+def test_one_node_keeps_nproc_and_a_random_port(run_sh):
+    _, calls = run_sh("--nproc", "3", "--lr", "1e-3")
+    port = int(calls[1][10])
+    assert calls[1] == msrun_args(3, 3, 0, "127.0.0.1", port, train_args=["--lr", "1e-3"])
+    assert 8100 <= port < 8900
+    _, calls = run_sh("--nproc_per_node", "1", "--nnodes", "1", "--lr", "1e-3")  # no msrun
+    assert calls == [["python", "train.py", "--lr", "1e-3"]]
+
+
+def test_a_yaml_file_first_is_the_config(run_sh):
+    """`bash run.sh FILE.yaml`, as the MindSpore Transformers guide's `bash pretrain_gpt.sh
+    xx.yaml`; a first argument that is no such file goes to train.py unchanged (its own error)."""
+    for name in ("my.yaml", "my.yml"):
+        (run_sh.folder / name).write_text("training_config:\n  train_iters: 5\n")
+        _, calls = run_sh(name, "--lr", "1e-3")
+        assert calls == [["python", "train.py", "--config", name, "--lr", "1e-3"]]
+    _, calls = run_sh("--nproc", "2", "my.yaml")
+    assert calls[0] == ["python", "train.py", "check", "--nproc", "2", "my.yaml"]
+    _, calls = run_sh("missing.yaml")
+    assert calls == [["python", "train.py", "missing.yaml"]]
+
+
+def test_ascend_visible_devices_sets_the_workers_per_node(run_sh):
+    """As the guide's script counts them; one line says so. A flag's count wins."""
+    result, calls = run_sh("--lr", "1e-3", ASCEND_RT_VISIBLE_DEVICES="0,1,2,3")
+    assert result.stdout.splitlines()[0] == (
+        "bash run.sh: 4 workers per node, one per device in "
+        "ASCEND_RT_VISIBLE_DEVICES=0,1,2,3 (on this CPU, the count alone)")
+    assert calls[0] == ["python", "train.py", "check", "--nproc", "4", "--lr", "1e-3"]
+    assert calls[1][:5] == ["msrun", "--worker_num", "4", "--local_worker_num", "4"]
+    _, calls = run_sh("--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
+                      "--lr", "1e-3", ASCEND_RT_VISIBLE_DEVICES="0,1")
+    assert calls[1] == msrun_args(4, 2, 1, "10.0.0.1", 29500, train_args=["--lr", "1e-3"])
+    result, calls = run_sh("--nproc", "2", "--lr", "1e-3", ASCEND_RT_VISIBLE_DEVICES="0,1,2,3")
+    assert "ASCEND" not in result.stdout and calls[1][2] == "2"
+    _, calls = run_sh("--lr", "1e-3", ASCEND_RT_VISIBLE_DEVICES="0")
+    assert calls == [["python", "train.py", "--lr", "1e-3"]]
+
+
+BAD_LAUNCHES = [
+    (["--nproc", "abc"], "error: --nproc abc: give the number of workers, a whole number from 1"),
+    (["--nproc", "0"], "error: --nproc 0: give the number of workers, a whole number from 1"),
+    (["--nproc", "-2"], "error: --nproc -2: give the number of workers, a whole number from 1"),
+    (["--nproc_per_node", "two"],
+     "error: --nproc_per_node two: give the number of workers, a whole number from 1"),
+    (["--nnodes=0"], "error: --nnodes 0: give the number of nodes, a whole number from 1"),
+    (["--node_rank", "2", "--nnodes", "2", "--master_addr", "10.0.0.1"],
+     "error: --node_rank 2: give this node's rank among --nnodes 2, a whole number from 0 to 1"),
+    (["--node_rank", "1"],
+     "error: --node_rank 1: give this node's rank among --nnodes 1, a whole number from 0 to 0"),
+    (["--nnodes", "2", "--node_rank", "0"],
+     "error: a job of 2 nodes needs --master_addr: node 0's address, the same on every node"),
+    (["--nnodes", "2", "--master_addr", "10.0.0.1"],
+     "error: a job of 2 nodes needs --node_rank: this node's rank, 0 to 1"),
+    (["--master_port", "80"],
+     "error: --master_port 80: give a port for msrun's scheduler, a whole number from 1024 to "
+     "65535"),
+    (["--worker_num", "5", "--local_worker_num", "2"],
+     "error: --worker_num 5 is not 2 workers per node x 2 nodes: every node runs as many "
+     "workers (--worker_num = --local_worker_num x --nnodes)"),
+    (["--lr", "1e-3", "--master_addr"],
+     "error: --master_addr needs a value: --master_addr VALUE or --master_addr=VALUE"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_LAUNCHES,
+                         ids=[" ".join(a) for a, _ in BAD_LAUNCHES])
+def test_a_bad_launch_is_one_line_before_anything_starts(run_sh, argv, message):
+    result, calls = run_sh(*argv)
+    assert (result.returncode, result.stderr.splitlines(), calls) == (2, [message], [])
+
 
 
 # ============================================================================ training (train.py)
@@ -4358,42 +4495,46 @@ def test_context_parallel_ledger_matches_the_formulas(parallel_runs):
         assert planned == {(kind, op): (int(calls), int(nbytes)) for kind, op, calls, nbytes in items if kind == "cp"}
 
 
-def test_two_msrun_launches_make_one_job(parallel_runs):
-    """The multi-node form: two msrun launches, --node_rank 0 and 1, join into one DP2 job whose
-    losses equal one process's. The second "node" lives in its own network namespace (a veth
-    pair, 10.213.0.1 <-> 10.213.0.2): msrun starts a scheduler wherever --master_addr is a local
-    address, so two launches on one host's 127.0.0.1 would both try to bind it."""
+def test_two_run_sh_launches_make_one_job(parallel_runs):
+    """The multi-node form, as the guides launch it: `bash run.sh` with torchrun's flags on each
+    node, --node_rank 0 and 1, joins into one DP2 job whose losses equal one process's. The second
+    "node" lives in its own network namespace (a veth pair, 10.213.0.1 <-> 10.213.0.2): msrun
+    starts a scheduler wherever --master_addr is a local address, so two launches on one host's
+    127.0.0.1 would both try to bind it."""
     tmp, _ = parallel_runs
-    ns, host_if, node_if = f"gptnode{os.getpid()}", f"gpta{os.getpid() % 100000}", f"gptb{os.getpid() % 100000}"
-    setup = [["ip", "netns", "add", ns], ["ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if],
-             ["ip", "link", "set", node_if, "netns", ns], ["ip", "addr", "add", "10.213.0.1/24", "dev", host_if],
+    pid = os.getpid()
+    ns, host_if, node_if = f"gptnode{pid}", f"gpta{pid % 100000}", f"gptb{pid % 100000}"
+    inside = ["ip", "netns", "exec", ns]
+    setup = [["ip", "netns", "add", ns],
+             ["ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if],
+             ["ip", "link", "set", node_if, "netns", ns],
+             ["ip", "addr", "add", "10.213.0.1/24", "dev", host_if],
              ["ip", "link", "set", host_if, "up"],
-             ["ip", "netns", "exec", ns, "ip", "addr", "add", "10.213.0.2/24", "dev", node_if],
-             ["ip", "netns", "exec", ns, "ip", "link", "set", node_if, "up"],
-             ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
+             [*inside, "ip", "addr", "add", "10.213.0.2/24", "dev", node_if],
+             [*inside, "ip", "link", "set", node_if, "up"], [*inside, "ip", "link", "set", "lo", "up"]]
     out = tmp / "two_nodes"
-    args = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", shakespeare_bytes(tmp), "--save", str(out),
-            *PARALLEL_RUN]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], GLOG_v="3")
+    args = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", shakespeare_bytes(tmp),
+            "--save", str(out), *PARALLEL_RUN]
     port = str(random.randint(8100, 8900))
     try:
         for cmd in setup:
             subprocess.run(cmd, check=True, capture_output=True)
         nodes = []
         for node in (0, 1):
-            cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", "2",
-                   "--local_worker_num", "1", "--master_addr", "10.213.0.1", "--master_port", port,
-                   "--node_rank", str(node), "--join", "True", "--cluster_time_out", "120",
-                   "--log_dir", str(tmp / f"node{node}"), "train.py", *args]
-            nodes.append(subprocess.Popen((["ip", "netns", "exec", ns, "env", f"PATH={env['PATH']}"] if node else [])
-                                          + cmd, cwd=HERE, env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))
-        assert [n.wait(timeout=300) for n in nodes] == [0, 0]
+            cmd = ["bash", os.path.join(HERE, "run.sh"), "--nproc_per_node", "1", "--nnodes", "2",
+                   "--node_rank", str(node), "--master_addr", "10.213.0.1", "--master_port", port,
+                   "--log_dir", str(tmp / f"node{node}"), *args]
+            with open(tmp / f"node{node}.console", "w") as console:
+                nodes.append(subprocess.Popen((inside if node else []) + cmd, stdout=console,
+                                              stderr=subprocess.STDOUT))
+        codes = [n.wait(timeout=300) for n in nodes]
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-    assert "1 -> 0, 0, 1, 0" in (out / "log" / "rank_0" / "info.log").read_text()      # one grid, dp 2
-    np.testing.assert_allclose(losses_of(train_lines(out)), losses_of(train_lines(tmp / "one")), rtol=1e-5)
+    assert codes == [0, 0], [(tmp / f"node{n}.console").read_text()[-2000:] for n in (0, 1)]
+    assert "1 -> 0, 0, 1, 0" in (out / "log" / "rank_0" / "info.log").read_text()   # dp 2
+    np.testing.assert_allclose(losses_of(train_lines(out)), losses_of(train_lines(tmp / "one")),
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_pp2_sp", "pp2_vpp2"])

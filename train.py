@@ -95,9 +95,31 @@ def setup_mindspore(cfg=None):
         ms.runtime.launch_blocking()
 
 
+def device_available(target):
+    """mindspore.hal.is_available(target), its library loader's messages for a missing backend
+    ("Load dynamic library ... failed") kept off the console: the answer is the news."""
+    if target == "CPU":
+        return True
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        return ms.hal.is_available(target)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def check_inputs(cfg):
-    """What the run needs, checked before any work: kernels for its precision, its files."""
+    """What the run needs, checked before any work: its device, kernels for its precision, its
+    files."""
     d, m = cfg.dataset_config, cfg.model_config
+    target = cfg.training_config.device_target
+    if not device_available(target):
+        # probed: this CPU wheel answers False for Ascend and GPU (libmindspore_ascend.so absent)
+        raise ConfigError(f"training_config.device_target={target} (context.device_target): this "
+                          f"MindSpore has no {target} backend on this machine; set "
+                          "training_config.device_target=CPU")
     if cfg.training_config.device_target == "CPU" and m.compute_dtype == "bfloat16":
         # checked on MindSpore 2.10 (../shared/notes/mindspore.md): "Select CPU operator ... fail"
         raise ConfigError("model_config.compute_dtype=bfloat16 (--bf16): MindSpore 2.10 has no bfloat16 CPU "
