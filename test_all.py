@@ -4148,6 +4148,39 @@ LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP + FP16, "one_fp16"), "dp
                "cp4_hybrid": (ROPE_GQA + CP4 + HYBRID2, "one_rope_gqa"),
                "cp2_ring_dp2_distopt": (ROPE_GQA + CP2 + RING + DISTOPT, "one_rope_gqa")}}
 
+# each guide file (configs/guides) shrunk by flags appended after it, on the byte-level corpus,
+# in its own precision (bfloat16 -> float16 on this CPU): name: (files, the flags that fit it
+# here, one process's layout, a 2-worker layout with TP or PP)
+GUIDE_SHRINK = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hidden-size", "64",
+                "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
+                "--max-position-embeddings", "32", "--micro-batch-size", "2",
+                "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "1",
+                "--eval-iters", "0", "--initial-loss-scale", "4096"]
+TO_FP16 = ["model_config.compute_dtype=float16"]
+ONE_LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+GUIDE_RUNS = {
+    "guide_001_gpt2_13b": (["gpt2_13b.yaml"], ["context.device_target=CPU",
+                           "parallel_config.data_parallel_size=null",
+                           "parallel_config.micro_batch_num=2"],
+                           ONE_LAYOUT, ["--tensor-model-parallel-size", "1",
+                                        "--pipeline-model-parallel-size", "2"]),
+    "guide_002_example": (["mindspore_transformers_example.yaml"], TO_FP16, ONE_LAYOUT,
+                          ["--tensor-model-parallel-size", "2"]),
+    "guide_000_pangu_38b": ([os.path.basename(f) for f in PANGU],
+                            [*TO_FP16, "--num-query-groups", "2", "model_config.vocab_size=null"],
+                            [*ONE_LAYOUT, "parallel_config.sequence_parallel=false"],
+                            ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                             "1"]),
+}
+
+
+def guide_run(name, prefix, save, workers):
+    """The argv of a GUIDE_RUNS entry: its files, verbatim, then the flags appended after them."""
+    files, fit, one, two = GUIDE_RUNS[name]
+    configs = [a for f in files for a in ("--config", os.path.join(GUIDES, f))]
+    return [*configs, *GUIDE_SHRINK, "--data-path", prefix, *fit, *(one if workers == 1 else two),
+            "--save", str(save)]
+
 
 @pytest.fixture(scope="module")
 def parallel_runs(tmp_path_factory):
@@ -4172,6 +4205,8 @@ def parallel_runs(tmp_path_factory):
         layouts = LAYOUTS[world]
         runs = [[name, [*common, "--save", str(tmp / name), *args]] for name, (args, _) in layouts.items()]
         runs += [[name, [*common, "--save", str(tmp / name), *args]] for name, args in DROPOUT_RUNS.get(world, {}).items()]
+        if world == 2:
+            runs += [[name, guide_run(name, prefix, tmp / name, 2)] for name in GUIDE_RUNS]
         args = layouts[RESUMED[world]][0]
         if world == 4:
             previous = []
@@ -4191,6 +4226,8 @@ def parallel_runs(tmp_path_factory):
             convert("tp2_pp2_sp_first", "tp2_pp2_as_one")
     for name, args in REFERENCES.items():
         assert train.main([*common, "--save", str(tmp / name), *args]) == 0
+    for name in GUIDE_RUNS:
+        assert train.main(guide_run(name, prefix, tmp / f"{name}_one", 1)) == 0
     for run, (source, _, _, args, workers) in CONVERTED.items():
         if workers == 1:
             assert train.main([*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]) == 0
@@ -4322,6 +4359,19 @@ def test_layout_trains_like_one_process(parallel_runs, layout):
     value = re.compile(r"lm loss value: (\S+) ")
     np.testing.assert_allclose([float(value.search(l).group(1)) for l in par],
                                [float(value.search(l).group(1)) for l in one], rtol=loss_rtol(reference))
+
+
+@pytest.mark.parametrize("name", sorted(GUIDE_RUNS))
+def test_the_guides_files_train_shrunk(parallel_runs, name):
+    """Each guide file, verbatim, shrunk by flags appended after it (GUIDE_RUNS), trains 4 steps
+    in one process and on 2 workers (TP2 or PP2) in its own precision, float16 where the guide
+    says bfloat16 (its loss scale logged): the layouts' losses agree (loss_rtol)."""
+    tmp, _ = parallel_runs
+    one, par = train_lines(tmp / f"{name}_one"), train_lines(tmp / name)
+    assert len(one) == len(par) == 4
+    fp16 = GUIDE_RUNS[name][1][:1] == TO_FP16
+    assert ("Loss_scale: 4096.0" in one[-1]) == ("Loss_scale: 4096.0" in par[-1]) == fp16
+    np.testing.assert_allclose(losses_of(par), losses_of(one), rtol=FP16_RTOL if fp16 else 1e-5)
 
 
 def test_pipeline_recompute_with_dropout_is_bit_identical(parallel_runs):
@@ -4535,6 +4585,37 @@ def test_two_run_sh_launches_make_one_job(parallel_runs):
     assert "1 -> 0, 0, 1, 0" in (out / "log" / "rank_0" / "info.log").read_text()   # dp 2
     np.testing.assert_allclose(losses_of(train_lines(out)), losses_of(train_lines(tmp / "one")),
                                rtol=1e-5)
+
+
+def test_the_guides_pretrain_script_runs_on_two_workers(tmp_path, capsys):
+    """003's pretrain_single.sh as a reader would run it: its paths filled in, GPUS_PER_NODE=2,
+    the guide's "\\ " defect fixed, `torchrun $DISTRIBUTED_ARGS pretrain_gpt.py` replaced by
+    `bash run.sh $DISTRIBUTED_ARGS`, and shrunk by flags appended after its last line. Two workers
+    train in float16 and save Megatron's torch format, which import-megatron reads back."""
+    script = open(os.path.join(GUIDES, "pretrain_single.sh")).read()
+    ckpt = tmp_path / "ckpt"
+    shrink = " ".join(GUIDE_SHRINK[2:])      # without the byte tokenizer: the script's GPT-2 stays
+    for old, new in (("GPUS_PER_NODE=8", "GPUS_PER_NODE=2"),
+                     ("CHECKPOINT_PATH=./ckpt", f"CHECKPOINT_PATH={ckpt}"),
+                     ("./gpt-tokenizer/gpt2-vocab.json", "data/gpt2-vocab.json"),
+                     ("./gpt-tokenizer/gpt2-merges.txt", "data/gpt2-merges.txt"),
+                     ("./gpt_pretrain_data/alpaca_text_document", "data/tinyshakespeare_text_document"),
+                     ("--hidden-size 1024 \\ \n", "--hidden-size 1024 \\\n"),
+                     ("torchrun $DISTRIBUTED_ARGS pretrain_gpt.py",
+                      f"bash {HERE}/run.sh $DISTRIBUTED_ARGS"),
+                     ("--ckpt-format torch", f"--ckpt-format torch {shrink}")):
+        assert script.count(old) == 1, old
+        script = script.replace(old, new)
+    (tmp_path / "pretrain_single.sh").write_text(script)
+    result = subprocess.run(["bash", str(tmp_path / "pretrain_single.sh")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    lines = train_lines(ckpt)
+    assert len(lines) == 4 and all("Loss_scale: 4096.0" in l for l in lines), lines
+    log = (ckpt / "log" / "rank_0" / "info.log").read_text()
+    assert "(tp=1 cp=1 dp=2 pp=1)" in log, log[:2000]
+    assert (ckpt / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    assert train.main(["import-megatron", str(ckpt), "--save", str(tmp_path / "ours")]) == 0
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_pp2_sp", "pp2_vpp2"])
