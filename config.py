@@ -39,7 +39,8 @@ def _check_value(path, value, spec):
         value = int(value)
     kinds = typ if isinstance(typ, tuple) else (typ,)          # a key may take several types
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise ConfigError(f"{path}: expected {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise ConfigError(f"{path}: expected {expected}, got {value!r}")
     if choices and value not in choices:
         spellings = list(map(str, choices)) + list(spec.values or ())
         raise ConfigError(f"{path}: {value!r} is not one of {', '.join(spellings)}"
@@ -66,7 +67,8 @@ def merge(schema, given, path):
 
 def to_namespace(tree):
     """Plain dicts -> a namespace per section (the inverse of to_dict)."""
-    return SimpleNamespace(**{k: to_namespace(v) if isinstance(v, dict) else v for k, v in tree.items()})
+    return SimpleNamespace(**{k: to_namespace(v) if isinstance(v, dict) else v
+                              for k, v in tree.items()})
 
 
 def _positive(cfg_section, name, keys):
@@ -81,15 +83,18 @@ def _check_pipeline(p, m):
     p.virtual_pipeline_model_parallel_size (1 without interleaving)."""
     pp, layers, where = p.pipeline_model_parallel_size, m.num_layers, "parallel_config"
     vpp = p.virtual_pipeline_model_parallel_size
-    _positive(p, where, ["virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"])
+    _positive(p, where, ["virtual_pipeline_model_parallel_size",
+                         "num_layers_per_virtual_pipeline_stage"])
     if p.num_layers_per_virtual_pipeline_stage is not None:
         per = p.num_layers_per_virtual_pipeline_stage
         if layers % (pp * per):
-            raise ConfigError(f"{where}.num_layers_per_virtual_pipeline_stage={per}: model_config.num_layers="
-                              f"{layers} is not divisible by pipeline size {pp} x {per}")
+            raise ConfigError(f"{where}.num_layers_per_virtual_pipeline_stage={per}: "
+                              f"model_config.num_layers={layers} is not divisible by "
+                              f"pipeline size {pp} x {per}")
         if vpp is not None and vpp != layers // (pp * per):
             raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} disagrees with "
-                              f"num_layers_per_virtual_pipeline_stage={per} ({layers // (pp * per)} chunks): give one")
+                              f"num_layers_per_virtual_pipeline_stage={per} "
+                              f"({layers // (pp * per)} chunks): give one")
         vpp = layers // (pp * per)
     lst = p.num_layer_list
     if lst is not None:
@@ -97,10 +102,12 @@ def _check_pipeline(p, m):
         counts = [n for c in lst for n in (c if nested else [c])]
         if (len(lst) != pp or not all(isinstance(n, int) and n >= 1 for n in counts)
                 or (nested and len({len(c) for c in lst}) != 1)):
-            raise ConfigError(f"{where}.num_layer_list={lst}: give {pp} layer counts, one per pipeline stage "
-                              "(e.g. [3, 1]), or per stage one per virtual chunk (e.g. [[2, 1], [1, 2]]), each >= 1")
+            raise ConfigError(f"{where}.num_layer_list={lst}: give {pp} layer counts, one per "
+                              "pipeline stage (e.g. [3, 1]), or per stage one per virtual chunk "
+                              "(e.g. [[2, 1], [1, 2]]), each >= 1")
         if sum(counts) != layers:
-            raise ConfigError(f"{where}.num_layer_list={lst} sums to {sum(counts)}, not model_config.num_layers={layers}")
+            raise ConfigError(f"{where}.num_layer_list={lst} sums to {sum(counts)}, not "
+                              f"model_config.num_layers={layers}")
         chunks = len(lst[0]) if nested else 1
         if vpp is not None and vpp != chunks:
             raise ConfigError(f"{where}.num_layer_list={lst} gives {chunks} chunk(s) per stage but "
@@ -108,13 +115,15 @@ def _check_pipeline(p, m):
         vpp = chunks
     vpp = vpp or 1
     if vpp > 1 and pp == 1:
-        raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1")
+        raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} needs "
+                          "pipeline_model_parallel_size > 1")
     per = -(-layers // pp)                           # MindSpeed's automatic cut: [16, 16, 16, 14]
     if lst is None and vpp == 1 and layers % pp and layers - per * (pp - 1) >= 1:
         p.num_layer_list = [per] * (pp - 1) + [layers - per * (pp - 1)]
     elif lst is None and layers % (pp * vpp):
-        raise ConfigError(f"model_config.num_layers={layers} is not divisible by pipeline_model_parallel_size={pp}"
-                          + (f" x virtual chunks {vpp}" if vpp > 1 else "") + ": change num_layers or give "
+        chunks = f" x virtual chunks {vpp}" if vpp > 1 else ""
+        raise ConfigError(f"model_config.num_layers={layers} is not divisible by "
+                          f"pipeline_model_parallel_size={pp}{chunks}: change num_layers or give "
                           "parallel_config.num_layer_list")
     p.virtual_pipeline_model_parallel_size = vpp
 
@@ -126,27 +135,34 @@ def _check_profile(t):
     if not t.profile:
         return
     if not 1 <= t.profile_step_start < t.profile_step_end:
-        raise ConfigError(f"training_config.profile_step_end={t.profile_step_end} must be after profile_step_start="
-                          f"{t.profile_step_start} (>= 1): profiling stops before step profile_step_end")
+        raise ConfigError(f"training_config.profile_step_end={t.profile_step_end} must be after "
+                          f"profile_step_start={t.profile_step_start} (>= 1): profiling stops "
+                          "before step profile_step_end")
     if t.profile_step_end > t.training_iters + 1:
-        raise ConfigError(f"training_config.profile_step_end={t.profile_step_end} is past the last step "
-                          f"(training_iters={t.training_iters}): lower it to at most {t.training_iters + 1}")
-    if t.profile_ranks is not None and not all(isinstance(r, int) and r >= 0 for r in t.profile_ranks):
-        raise ConfigError(f"training_config.profile_ranks={t.profile_ranks}: give a list of global ranks, e.g. [0, 1]")
+        raise ConfigError(f"training_config.profile_step_end={t.profile_step_end} is past the "
+                          f"last step (training_iters={t.training_iters}): lower it to at most "
+                          f"{t.training_iters + 1}")
+    ranks = t.profile_ranks
+    if ranks is not None and not all(isinstance(r, int) and r >= 0 for r in ranks):
+        raise ConfigError(f"training_config.profile_ranks={ranks}: give a list of global ranks, "
+                          "e.g. [0, 1]")
 
 
 def finalize(cfg, world_size=1):
     """Derived values and the checks that involve several keys, section by section."""
     m, d, t, o, p = (cfg.model_config, cfg.dataset_config, cfg.training_config,
                      cfg.optimizer_config, cfg.parallel_config)
-    _positive(m, "model_config", ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                                  "num_query_groups", "seq_length", "max_position_embeddings",
-                                  "make_vocab_size_divisible_by", "norm_epsilon", "init_method_std"])
-    _positive(d, "dataset_config", ["batch_size", "micro_batch_num", "global_batch_size", "vocab_size"])
+    _positive(m, "model_config", ["num_layers", "hidden_size", "ffn_hidden_size",
+                                  "num_attention_heads", "num_query_groups", "seq_length",
+                                  "max_position_embeddings", "make_vocab_size_divisible_by",
+                                  "norm_epsilon", "init_method_std"])
+    _positive(d, "dataset_config", ["batch_size", "micro_batch_num", "global_batch_size",
+                                    "vocab_size"])
     _positive(t, "training_config", ["training_iters", "log_interval", "eval_interval",
                                      "keep_checkpoint_max", "threads_num"])
     if t.save_interval is not None and t.save_interval < 0:
-        raise ConfigError(f"training_config.save_interval must be >= 0 (0: no periodic saves), got {t.save_interval}")
+        raise ConfigError("training_config.save_interval must be >= 0 (0: no periodic saves), "
+                          f"got {t.save_interval}")
     _finalize_model(m)
     _finalize_precision(m, t)
     _finalize_optimizer(o, t)
@@ -163,20 +179,21 @@ def _finalize_model(m):
     if m.ffn_hidden_size is None:
         m.ffn_hidden_size = 4 * m.hidden_size
     if m.num_query_groups is not None and not m.group_query_attention:
-        raise ConfigError(f"model_config.num_query_groups={m.num_query_groups} needs group_query_attention=true "
-                          "(--group-query-attention), as in Megatron")
+        raise ConfigError(f"model_config.num_query_groups={m.num_query_groups} needs "
+                          "group_query_attention=true (--group-query-attention), as in Megatron")
     if not m.group_query_attention:
         m.num_query_groups = m.num_attention_heads
     elif m.num_query_groups is None:
-        raise ConfigError("model_config.group_query_attention=true needs num_query_groups (--num-query-groups)")
+        raise ConfigError("model_config.group_query_attention=true needs num_query_groups "
+                          "(--num-query-groups)")
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model_config.hidden_size={m.hidden_size} must be divisible by "
                           f"num_attention_heads={m.num_attention_heads}")
     if m.num_attention_heads % m.num_query_groups:
-        raise ConfigError(f"model_config.num_attention_heads={m.num_attention_heads} must be divisible by "
-                          f"num_query_groups={m.num_query_groups}")
+        raise ConfigError(f"model_config.num_attention_heads={m.num_attention_heads} must be "
+                          f"divisible by num_query_groups={m.num_query_groups}")
     if m.position_embedding_type == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
         raise ConfigError("model_config.position_embedding_type=rope needs an even head size "
                           "(hidden_size / num_attention_heads)")
@@ -204,27 +221,31 @@ def _finalize_precision(m, t):
     m.compute_dtype = m.compute_dtype or flag or "float32"
     m.params_dtype = m.params_dtype or flag or "float32"
     if m.params_dtype not in ("float32", m.compute_dtype):
-        raise ConfigError(f"model_config.params_dtype={m.params_dtype} with compute_dtype={m.compute_dtype}: "
-                          "half-precision parameters compute in their own dtype; set compute_dtype to it "
-                          "(--fp16/--bf16), or params_dtype float32")
+        raise ConfigError(f"model_config.params_dtype={m.params_dtype} with "
+                          f"compute_dtype={m.compute_dtype}: half-precision parameters compute in "
+                          "their own dtype; set compute_dtype to it (--fp16/--bf16), or "
+                          "params_dtype float32")
     if m.compute_dtype == "bfloat16":
         t.accumulate_allreduce_grads_in_fp32 = True
     if m.fp16_lm_cross_entropy and m.compute_dtype != "float16":
-        raise ConfigError("model_config.fp16_lm_cross_entropy (--fp16-lm-cross-entropy) needs float16 "
-                          "compute (--fp16), as in Megatron")
+        raise ConfigError("model_config.fp16_lm_cross_entropy (--fp16-lm-cross-entropy) needs "
+                          "float16 compute (--fp16), as in Megatron")
     if m.apply_query_key_layer_scaling and not m.attention_softmax_in_fp32:
-        raise ConfigError("model_config.apply_query_key_layer_scaling scales the scores back inside a "
-                          "float32 softmax: remove --no-attention-softmax-in-fp32 (Megatron forces it)")
+        raise ConfigError("model_config.apply_query_key_layer_scaling scales the scores back "
+                          "inside a float32 softmax: remove --no-attention-softmax-in-fp32 "
+                          "(Megatron forces it)")
 
 
 def _finalize_optimizer(o, t):
-    """Betas, the weight-decay increment and the lr schedule (warmup in iterations or as a fraction)."""
+    """Betas, the weight-decay increment and the lr schedule (warmup in iterations or as a
+    fraction)."""
     if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optimizer_config.betas must be two numbers in [0, 1), got {o.betas}")
     o.betas = [float(b) for b in o.betas]
     for k in ("learning_rate", "weight_decay", "eps"):
         if not math.isfinite(getattr(o, k)) or getattr(o, k) < 0:
-            raise ConfigError(f"optimizer_config.{k} must be a finite number >= 0, got {getattr(o, k)}")
+            raise ConfigError(f"optimizer_config.{k} must be a finite number >= 0, "
+                              f"got {getattr(o, k)}")
     _finalize_weight_decay(o)
     s = o.learning_rate_scheduler_kwargs
     if s.lr_decay_iters is None:
@@ -234,14 +255,16 @@ def _finalize_optimizer(o, t):
             raise ConfigError("set only one of lr_warmup_iters and lr_warmup_fraction "
                               "(optimizer_config.learning_rate_scheduler_kwargs)")
         if not 0.0 <= s.lr_warmup_fraction <= 1.0:
-            raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs.lr_warmup_fraction must be in [0, 1]")
+            raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs."
+                              "lr_warmup_fraction must be in [0, 1]")
         s.lr_warmup_iters = int(s.lr_warmup_fraction * s.lr_decay_iters)
     if s.lr_warmup_iters < 0 or s.lr_warmup_iters >= s.lr_decay_iters:
-        raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.lr_warmup_iters={s.lr_warmup_iters} "
-                          f"must be at least 0 and below lr_decay_iters={s.lr_decay_iters}")
+        raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs.lr_warmup_iters="
+                          f"{s.lr_warmup_iters} must be at least 0 and below "
+                          f"lr_decay_iters={s.lr_decay_iters}")
     if s.min_lr > o.learning_rate:
-        raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.min_lr={s.min_lr} exceeds "
-                          f"learning_rate={o.learning_rate}")
+        raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.min_lr={s.min_lr} "
+                          f"exceeds learning_rate={o.learning_rate}")
 
 
 def _finalize_weight_decay(o):
@@ -269,9 +292,11 @@ def _finalize_dataset(d):
     except ValueError:
         weights = []
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"dataset_config.split={d.split!r}: expected up to three weights like 949,50,1")
+        raise ConfigError(f"dataset_config.split={d.split!r}: expected up to three weights "
+                          "like 949,50,1")
     if d.tokenizer_type == "NullTokenizer" and d.vocab_size is None:
-        raise ConfigError("dataset_config.tokenizer_type=NullTokenizer needs dataset_config.vocab_size (--vocab-size)")
+        raise ConfigError("dataset_config.tokenizer_type=NullTokenizer needs "
+                          "dataset_config.vocab_size (--vocab-size)")
     if d.mock_data and d.vocab_size is None and d.tokenizer_type != "GPT2BPETokenizer":
         raise ConfigError("dataset_config.mock_data needs dataset_config.vocab_size (--vocab-size)")
     for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
@@ -280,7 +305,8 @@ def _finalize_dataset(d):
 
 
 def _finalize_parallel(p, m, d, world_size):
-    """The layout against the model and the world size; derives data_parallel_size and micro_batch_num."""
+    """The layout against the model and the world size; derives data_parallel_size and
+    micro_batch_num."""
     _positive(p, "parallel_config", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
                                      "context_parallel_size"])
     _check_context_parallel(p, m, d)
@@ -295,8 +321,9 @@ def _finalize_parallel(p, m, d, world_size):
         raise ConfigError(f"model_config.vocab_size={m.vocab_size} is not divisible by "
                           f"tensor_model_parallel_size={tp}: leave it null to pad automatically")
     if m.vocab_size is None and m.make_vocab_size_divisible_by % tp:
-        raise ConfigError(f"model_config.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} is not "
-                          f"a multiple of tensor_model_parallel_size={tp}: the padded vocabulary must split "
+        raise ConfigError("model_config.make_vocab_size_divisible_by="
+                          f"{m.make_vocab_size_divisible_by} is not a multiple of "
+                          f"tensor_model_parallel_size={tp}: the padded vocabulary must split "
                           "into equal shards; use a multiple of it (e.g. 128)")
     if p.sequence_parallel and tp == 1:
         raise ConfigError("parallel_config.sequence_parallel needs tensor_model_parallel_size > 1")
@@ -305,18 +332,21 @@ def _finalize_parallel(p, m, d, world_size):
                           f"tensor_model_parallel_size={tp}, as sequence_parallel needs")
     model_parallel = tp * p.pipeline_model_parallel_size * p.context_parallel_size
     if world_size % model_parallel:
-        raise ConfigError(f"world size {world_size} is not a multiple of tensor x context x pipeline "
-                          f"parallel sizes = {model_parallel}: change --nproc or the parallel sizes")
+        raise ConfigError(f"world size {world_size} is not a multiple of tensor x context x "
+                          f"pipeline parallel sizes = {model_parallel}: change --nproc or the "
+                          "parallel sizes")
     dp = world_size // model_parallel
     if p.data_parallel_size not in (None, dp):
-        raise ConfigError(f"parallel_config.data_parallel_size={p.data_parallel_size}, but world size {world_size} / "
-                          f"(tensor x context x pipeline parallel sizes {model_parallel}) = {dp}: the data-parallel "
-                          "size follows from the number of workers; change --nproc or leave it null")
+        raise ConfigError(f"parallel_config.data_parallel_size={p.data_parallel_size}, but world "
+                          f"size {world_size} / (tensor x context x pipeline parallel sizes "
+                          f"{model_parallel}) = {dp}: the data-parallel size follows from the "
+                          "number of workers; change --nproc or leave it null")
     _finalize_batch(d, dp)
-    if p.virtual_pipeline_model_parallel_size > 1 and d.micro_batch_num % p.pipeline_model_parallel_size:
-        raise ConfigError(f"dataset_config.micro_batch_num={d.micro_batch_num} is not divisible by "
-                          f"pipeline_model_parallel_size={p.pipeline_model_parallel_size}, as the interleaved "
-                          "schedule needs: change global_batch_size or batch_size")
+    pp = p.pipeline_model_parallel_size
+    if p.virtual_pipeline_model_parallel_size > 1 and d.micro_batch_num % pp:
+        raise ConfigError(f"dataset_config.micro_batch_num={d.micro_batch_num} is not divisible "
+                          f"by pipeline_model_parallel_size={pp}, as the interleaved schedule "
+                          "needs: change global_batch_size or batch_size")
     p.data_parallel_size = dp
 
 
@@ -331,8 +361,9 @@ def _finalize_batch(d, dp):
         derived = d.global_batch_size // per_step
         if d.micro_batch_num not in (None, derived):
             raise ConfigError(f"dataset_config.micro_batch_num={d.micro_batch_num} contradicts "
-                              f"global_batch_size={d.global_batch_size} = batch_size {d.batch_size} "
-                              f"x data-parallel size {dp} x {derived} micro-batches: give one of them")
+                              f"global_batch_size={d.global_batch_size} = batch_size "
+                              f"{d.batch_size} x data-parallel size {dp} x {derived} "
+                              "micro-batches: give one of them")
         d.micro_batch_num = derived
     d.micro_batch_num = d.micro_batch_num or 1
     d.global_batch_size = per_step * d.micro_batch_num
@@ -340,29 +371,44 @@ def _finalize_batch(d, dp):
 
 def _check_context_parallel(p, m, d):
     """Context parallelism (context_parallel.py): cp = ring x ulysses; sets ulysses_degree_in_cp."""
-    cp, tp, algo, u = p.context_parallel_size, p.tensor_model_parallel_size, p.context_parallel_algo, p.ulysses_degree_in_cp
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    algo, u = p.context_parallel_algo, p.ulysses_degree_in_cp
     if algo == "hybrid_cp_algo" and (u is None or u < 1 or cp % u):
-        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u}: hybrid_cp_algo needs a divisor of "
-                          f"context_parallel_size={cp} (--ulysses-degree-in-cp)")
-    if algo != "hybrid_cp_algo" and u not in (None, cp if algo == "ulysses_cp_algo" else 1):
-        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u} is for context_parallel_algo=hybrid_cp_algo; "
-                          f"leave it null with {algo}")
-    u = p.ulysses_degree_in_cp = u if algo == "hybrid_cp_algo" else cp if algo == "ulysses_cp_algo" else 1
-    ring = cp // u
+        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u}: hybrid_cp_algo needs a "
+                          f"divisor of context_parallel_size={cp} (--ulysses-degree-in-cp)")
+    # Ulysses alone spans the whole cp group; the ring alone has no Ulysses part.
+    if algo == "hybrid_cp_algo":
+        ulysses = u
+    elif algo == "ulysses_cp_algo":
+        ulysses = cp
+    else:
+        ulysses = 1
+    if u not in (None, ulysses):
+        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u} is for "
+                          f"context_parallel_algo=hybrid_cp_algo; leave it null with {algo}")
+    p.ulysses_degree_in_cp = ulysses
+    ring = cp // ulysses
     for k in ("num_attention_heads", "num_query_groups"):
-        if cp > 1 and getattr(m, k) % (tp * u):
-            raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by tensor_model_parallel_size x Ulysses "
-                              f"degree = {tp} x {u}: Ulysses splits the heads over both (or use megatron_cp_algo)")
-    pieces, how = (2 * cp, "cuts it into 2 x context_parallel_size chunks (the ring's load balancing)") if ring > 1 \
-        else (cp, "splits it over context_parallel_size ranks")
+        if cp > 1 and getattr(m, k) % (tp * ulysses):
+            raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by "
+                              f"tensor_model_parallel_size x Ulysses degree = {tp} x {ulysses}: "
+                              "Ulysses splits the heads over both (or use megatron_cp_algo)")
+    if ring > 1:
+        pieces = 2 * cp
+        how = "cuts it into 2 x context_parallel_size chunks (the ring's load balancing)"
+    else:
+        pieces, how = cp, "splits it over context_parallel_size ranks"
     if m.seq_length % pieces:
-        raise ConfigError(f"model_config.seq_length={m.seq_length} is not divisible by {pieces}: context parallelism {how}")
+        raise ConfigError(f"model_config.seq_length={m.seq_length} is not divisible by "
+                          f"{pieces}: context parallelism {how}")
     if p.sequence_parallel and (m.seq_length // cp) % tp:
-        raise ConfigError(f"model_config.seq_length={m.seq_length}: a cp rank's {m.seq_length // cp} tokens are not "
-                          f"divisible by tensor_model_parallel_size={tp}, as sequence_parallel needs")
+        raise ConfigError(f"model_config.seq_length={m.seq_length}: a cp rank's "
+                          f"{m.seq_length // cp} tokens are not divisible by "
+                          f"tensor_model_parallel_size={tp}, as sequence_parallel needs")
     if ring > 1 and d.reset_attention_mask:
         raise ConfigError("dataset_config.reset_attention_mask does not work with ring attention "
-                          f"({algo}): use context_parallel_algo=ulysses_cp_algo, or reset_position_ids alone")
+                          f"({algo}): use context_parallel_algo=ulysses_cp_algo, or "
+                          "reset_position_ids alone")
 
 
 def stage_layer_counts(p, m):
@@ -378,7 +424,8 @@ def recompute_counts(p, m):
     """Per pipeline stage, for each of its model chunks, how many layers full recompute rebuilds
     (after _finalize_recompute): uniform, all of them (in groups of recompute_num_layers); block,
     the first recompute_num_layers (a number, or a list per stage or per stage and chunk); none
-    without full recompute. E.g. [[2, 0], [1, 1]] for block [[2, 0], [1, 1]] over 2 stages x 2 chunks."""
+    without full recompute. E.g. [[2, 0], [1, 1]] for block [[2, 0], [1, 1]] over 2 stages x 2
+    chunks."""
     counts, n = stage_layer_counts(p, m), m.recompute_num_layers
     if m.recompute_granularity != "full":
         return [[0] * len(c) for c in counts]
@@ -394,60 +441,91 @@ def _finalize_recompute(m, p):
     model_config.recompute_granularity, recompute_method and recompute_num_layers, then Megatron's
     rules for them (megatron/core/transformer/transformer_config.py, training/arguments.py):
     selective takes no method and no count; full needs a method and recompute_num_layers, which
-    for uniform divides the layers of every stage (and chunk) and for block is at most their number."""
+    for uniform divides the layers of every stage (and chunk) and for block is at most their
+    number."""
+    megatron = _map_guide_recompute(m, p)
+    where = "model_config.recompute_"
+    if m.recompute_granularity is None:
+        if megatron:
+            raise ConfigError(f"model_config.{megatron[0]} needs {where}granularity=full "
+                              "(--recompute-granularity)")
+        return
+    if m.recompute_granularity == "selective":
+        if m.recompute_method is not None or m.recompute_num_layers is not None:
+            raise ConfigError(f"{where}granularity=selective takes no recompute_method or "
+                              "recompute_num_layers (Megatron): it recomputes the core attention "
+                              "of every layer; remove them")
+        return
+    _check_full_recompute(m, p)
+
+
+def _map_guide_recompute(m, p):
+    """The guide's parallel_config.recompute (true: every layer; N: the first N layers of each
+    stage) or select_recompute (true) written as Megatron's model_config.recompute_* keys, the
+    guide's keys then cleared. Returns the recompute_* keys the config set itself; giving both
+    kinds, or both guide keys, is refused."""
     guide = [k for k in ("recompute", "select_recompute") if getattr(p, k) not in (None, False)]
     megatron = [k for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")
                 if getattr(m, k) is not None]
     if guide and megatron:
-        raise ConfigError(f"parallel_config.{guide[0]} and model_config.{megatron[0]} both set recompute: give the "
-                          "guide's parallel_config keys or Megatron's model_config.recompute_* keys, not both")
+        raise ConfigError(f"parallel_config.{guide[0]} and model_config.{megatron[0]} both set "
+                          "recompute: give the guide's parallel_config keys or Megatron's "
+                          "model_config.recompute_* keys, not both")
     if len(guide) == 2:
-        raise ConfigError("parallel_config.recompute and select_recompute are both set: a run has one granularity, "
-                          "full (recompute) or selective (select_recompute)")
+        raise ConfigError("parallel_config.recompute and select_recompute are both set: a run "
+                          "has one granularity, full (recompute) or selective (select_recompute)")
     if p.select_recompute not in (None, False):
         if p.select_recompute is not True:
-            raise ConfigError(f"parallel_config.select_recompute={p.select_recompute}: per-stage lists are not "
-                              "supported; give true (the core attention of every layer is recomputed)")
+            raise ConfigError(f"parallel_config.select_recompute={p.select_recompute}: per-stage "
+                              "lists are not supported; give true (the core attention of every "
+                              "layer is recomputed)")
         m.recompute_granularity = "selective"
     elif p.recompute not in (None, False):
         m.recompute_granularity = "full"
-        m.recompute_method, m.recompute_num_layers = ("uniform", 1) if p.recompute is True else ("block", p.recompute)
-    p.recompute = p.select_recompute = None          # mapped: the run's config holds Megatron's keys alone
+        if p.recompute is True:
+            m.recompute_method, m.recompute_num_layers = "uniform", 1
+        else:
+            m.recompute_method, m.recompute_num_layers = "block", p.recompute
+    # mapped: the run's config holds Megatron's keys alone
+    p.recompute = p.select_recompute = None
+    return megatron
+
+
+def _check_full_recompute(m, p):
+    """Full recompute's method and recompute_num_layers against the layers of every pipeline
+    stage (and chunk): uniform's group size divides them, block's count is at most their number;
+    a list (block only) gives the count per stage, or per stage and chunk."""
     where = "model_config.recompute_"
-    if m.recompute_granularity is None:
-        if megatron:
-            raise ConfigError(f"model_config.{megatron[0]} needs {where}granularity=full (--recompute-granularity)")
-        return
-    if m.recompute_granularity == "selective":
-        if m.recompute_method is not None or m.recompute_num_layers is not None:
-            raise ConfigError(f"{where}granularity=selective takes no recompute_method or recompute_num_layers "
-                              "(Megatron): it recomputes the core attention of every layer; remove them")
-        return
     n, counts = m.recompute_num_layers, stage_layer_counts(p, m)
     if m.recompute_method is None:
-        raise ConfigError(f"{where}granularity=full needs {where}method uniform or block (--recompute-method)")
+        raise ConfigError(f"{where}granularity=full needs {where}method uniform or block "
+                          "(--recompute-method)")
     if n is None:
-        raise ConfigError(f"{where}granularity=full needs {where}num_layers (--recompute-num-layers), between 1 "
-                          f"and the {min(min(c) for c in counts)} layers of a pipeline stage")
+        raise ConfigError(f"{where}granularity=full needs {where}num_layers "
+                          "(--recompute-num-layers), between 1 and the "
+                          f"{min(min(c) for c in counts)} layers of a pipeline stage")
     if isinstance(n, list):
         nested = all(isinstance(c, list) for c in n)
         shaped = [c if nested else [c] for c in n]
         if (m.recompute_method != "block" or [len(c) for c in shaped] != [len(c) for c in counts]
                 or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= total
                            for c, cc in zip(shaped, counts) for k, total in zip(c, cc))):
-            raise ConfigError(f"{where}num_layers={n}: a list takes recompute_method=block and gives per pipeline "
-                              f"stage (or per stage and chunk) at most its layers {counts}")
+            raise ConfigError(f"{where}num_layers={n}: a list takes recompute_method=block and "
+                              "gives per pipeline stage (or per stage and chunk) at most its "
+                              f"layers {counts}")
         return
     if n < 1:
         raise ConfigError(f"{where}num_layers={n} must be at least 1")
     for stage, chunk_counts in enumerate(counts):
         for layers in chunk_counts:
             if m.recompute_method == "uniform" and layers % n:
-                raise ConfigError(f"{where}num_layers={n} does not divide the {layers} layers of pipeline stage "
-                                  f"{stage}: uniform recomputes them in groups of {n}")
+                raise ConfigError(f"{where}num_layers={n} does not divide the {layers} layers of "
+                                  f"pipeline stage {stage}: uniform recomputes them in groups "
+                                  f"of {n}")
             if m.recompute_method == "block" and n > layers:
-                raise ConfigError(f"{where}num_layers={n} exceeds the {layers} layers of pipeline stage {stage}: "
-                                  "block recomputes the first N layers of each stage")
+                raise ConfigError(f"{where}num_layers={n} exceeds the {layers} layers of "
+                                  f"pipeline stage {stage}: block recomputes the first N layers "
+                                  "of each stage")
 
 
 def _check_torch_format(t, m, p):
@@ -465,8 +543,9 @@ def _check_torch_format(t, m, p):
         ("qkv_has_bias", m.qkv_has_bias, m.add_bias_linear and not m.qkv_has_bias),
         ("hidden_act", m.hidden_act, m.hidden_act == "gelu_tanh" and not m.add_bias_linear)) if bad]
     if differences:
-        raise ConfigError(f"{where}: Megatron-core's GPT has no counterpart for {', '.join(differences)} "
-                          f"(add_bias_linear={m.add_bias_linear}): use --ckpt-format ckpt")
+        raise ConfigError(f"{where}: Megatron-core's GPT has no counterpart for "
+                          f"{', '.join(differences)} (add_bias_linear={m.add_bias_linear}): "
+                          "use --ckpt-format ckpt")
 
 
 def _finalize_training(t):
@@ -484,13 +563,15 @@ def _finalize_training(t):
     if t.exit_interval is not None and t.exit_interval <= 0:
         raise ConfigError(f"training_config.exit_interval must be positive, got {t.exit_interval}")
     if t.exit_duration_in_mins is not None and not t.exit_duration_in_mins > 0:
-        raise ConfigError(f"training_config.exit_duration_in_mins must be positive, got {t.exit_duration_in_mins}")
+        raise ConfigError("training_config.exit_duration_in_mins must be positive, "
+                          f"got {t.exit_duration_in_mins}")
     if t.eval_iters < 0:
         raise ConfigError("training_config.eval_iters must be >= 0")
     _check_profile(t)
     c = t.grad_clip_kwargs
     if c.clip_value is not None and c.clip_value < 0:
-        raise ConfigError("training_config.grad_clip_kwargs.clip_value must be >= 0 (0 disables clipping)")
+        raise ConfigError("training_config.grad_clip_kwargs.clip_value must be >= 0 "
+                          "(0 disables clipping)")
 
 
 def main_grad_dtype(cfg):
