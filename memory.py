@@ -11,8 +11,8 @@ on the last stage is a copy of the word embedding):
                parameters' half precision (config.main_grad_dtype)
   optimizer    float32 state: AdamW/Adam 2P (two moments), SGD P (momentum) or 0, plus the float32
                main params of half-precision parameters, P (optimizer.MixedPrecisionOptimizer); with
-               the distributed optimizer each of the dp x cp ranks keeps 1/(dp x cp) of the state and
-               of the float32 main params (optimizer.DistributedOptimizer.state_bytes)
+               the distributed optimizer each of the dp x cp ranks keeps 1/(dp x cp) of the state
+               and of the float32 main params (optimizer.DistributedOptimizer.state_bytes)
   activations  what the backward keeps of each micro-batch in flight (`layer_activations`, after
                Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
                Models", Table 2, written for this code) at the compute dtype's size, but for what
@@ -55,14 +55,17 @@ def vocab_rows(cfg):
     m, d = cfg.model_config, cfg.dataset_config
     if m.vocab_size is not None:
         return m.vocab_size
-    size = d.vocab_size if d.mock_data and d.vocab_size else \
-        build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size).vocab_size
+    if d.mock_data and d.vocab_size:
+        size = d.vocab_size
+    else:
+        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+        size = tokenizer.vocab_size
     return padded_vocab_size(m, size)
 
 
 def cp_split(p):
-    """(cp, Ulysses degree, ring size): cp = ring x ulysses (config sets ulysses_degree_in_cp: cp for
-    Ulysses, 1 for the ring, the hybrid's own value)."""
+    """(cp, Ulysses degree, ring size): cp = ring x ulysses (config sets ulysses_degree_in_cp: cp
+    for Ulysses, 1 for the ring, the hybrid's own value)."""
     cp = p.context_parallel_size
     ulysses = p.ulysses_degree_in_cp
     return cp, ulysses, cp // ulysses
@@ -85,21 +88,27 @@ def layer_parameters(m, tp=1):
     biases (added after the reduction) replicated."""
     h, d = m.hidden_size, m.hidden_size // m.num_attention_heads
     norm = h * (2 if m.normalization == "LayerNorm" else 1)
-    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d              # GQA: n query, g key, g value heads
+    # GQA: n query heads, g key heads and g value heads, d wide each
+    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d
     fc1 = m.ffn_hidden_size * (2 if m.hidden_act == "swiglu" else 1)       # SwiGLU: [gate; up]
     split = (h * qkv + qkv * m.qkv_has_bias + m.num_attention_heads * d * h
              + h * fc1 + fc1 * m.add_bias_linear + m.ffn_hidden_size * h)
-    return (2 + 2 * m.use_sandwich_norm) * norm + split // tp + h * (m.out_proj_has_bias + m.add_bias_linear)
+    norms = (2 + 2 * m.use_sandwich_norm) * norm
+    row_biases = h * (m.out_proj_has_bias + m.add_bias_linear)
+    return norms + split // tp + row_biases
 
 
 def chunk_parameters(m, tp, layers, embeds, has_loss):
     """A model chunk (gpt.GPTModel) on a TP rank: its layers; the vocabulary-parallel word
     embedding and the absolute position embeddings if it embeds; the final norm and the output
-    layer if it has the loss (the word embedding itself when tied in the same chunk, else a copy)."""
+    layer if it has the loss (the word embedding itself when tied in the same chunk, else a
+    copy)."""
     h, v = m.hidden_size, m.padded_vocab_size
     count = layers * layer_parameters(m, tp)
     if embeds:
-        count += v * h // tp + (m.max_position_embeddings * h if m.position_embedding_type == "absolute" else 0)
+        count += v * h // tp
+        if m.position_embedding_type == "absolute":
+            count += m.max_position_embeddings * h
     if has_loss:
         count += h * (2 if m.normalization == "LayerNorm" else 1)
         if m.untie_embeddings_and_output_weights or not embeds:
@@ -123,11 +132,18 @@ def optimizer_bytes(cfg, params):
     """Bytes of float32 optimizer state and main params on a rank holding `params` parameters
     (see the module doc)."""
     o, t, p = cfg.optimizer_config, cfg.training_config, cfg.parallel_config
-    per_param = 0 if o.optimizer_type == "SGD" and not o.momentum else 1 if o.optimizer_type == "SGD" else 2
+    # float32 state values per parameter: Adam's two moments, SGD's momentum or nothing
+    if o.optimizer_type != "SGD":
+        per_param = 2
+    elif o.momentum:
+        per_param = 1
+    else:
+        per_param = 0
     shards = p.data_parallel_size * p.context_parallel_size
     if t.use_distributed_optimizer and shards > 1:
         return F32_BYTES * math.ceil((per_param + 1) * params / shards)
-    copies = cfg.model_config.params_dtype != "float32"           # float32 main params beside half ones
+    # float32 main params beside half-precision ones
+    copies = cfg.model_config.params_dtype != "float32"
     return F32_BYTES * (per_param + copies) * params
 
 
@@ -152,33 +168,39 @@ def layer_activations(m, p, b):
     sp = tp if p.sequence_parallel else 1
     x = b * m.seq_length * h // cp
     scores = b * n * m.seq_length * m.seq_length // (tp * cp)
-    norm = 1 if m.normalization == "LayerNorm" else 2           # RMSNorm, written out, also keeps x / rms
+    # RMSNorm, written out, also keeps x / rms
+    norm = 1 if m.normalization == "LayerNorm" else 2
     c = DTYPE_BYTES[m.compute_dtype]
     softmax = c + (F32_BYTES if m.attention_softmax_in_fp32 and c < F32_BYTES else 0)
-    rows = [("norm inputs [s/tp (SP), b, h]", F32_BYTES * (2 + 2 * m.use_sandwich_norm) * norm * x // sp, False),
+    rows = [("norm inputs [s/tp (SP), b, h]",
+             F32_BYTES * (2 + 2 * m.use_sandwich_norm) * norm * x // sp, False),
             ("qkv and fc1 inputs [s, b, h]", c * 2 * x, False),
-            ("q scaled, k and v repeated per query head [b, n/tp, s, h/n]", c * (1 + 2 * ring) * x // tp, True),
+            ("q scaled, k and v repeated per query head [b, n/tp, s, h/n]",
+             c * (1 + 2 * ring) * x // tp, True),
             ("softmax output [b, n/tp, s, s]", softmax * scores, True),
             ("proj input [s, b, h/tp]", c * x // tp, False),
-            ("MLP activations [s, b, ffn/tp]", c * MLP_KEPT[m.hidden_act] * x * m.ffn_hidden_size // (h * tp), False)]
-    if m.position_embedding_type == "rope":                       # x cos + rotate_half(x) sin keeps both factors
-        rows.append(("q and k and their rotated halves (RoPE) [s, b, n + g, h/n]", c * 2 * (n + g) * x // (n * tp),
-                     False))
+            ("MLP activations [s, b, ffn/tp]",
+             c * MLP_KEPT[m.hidden_act] * x * m.ffn_hidden_size // (h * tp), False)]
+    if m.position_embedding_type == "rope":
+        # x cos + rotate_half(x) sin keeps both factors
+        rows.append(("q and k and their rotated halves (RoPE) [s, b, n + g, h/n]",
+                     c * 2 * (n + g) * x // (n * tp), False))
     if m.attention_dropout_rate:
         rows.append(("attention dropout mask and output [b, n/tp, s, s]", c * 2 * scores, True))
     if m.hidden_dropout_rate:
         rows.append(("hidden dropout masks [s/tp (SP), b, h]", c * 2 * x // sp, False))
     if m.recompute_granularity == "selective":
-        rows.append(("q, k, v kept for the recomputed core attention", c * (n + 2 * g) * x // (n * tp), False))
+        rows.append(("q, k, v kept for the recomputed core attention",
+                     c * (n + 2 * g) * x // (n * tp), False))
     return rows
 
 
 def chunk_activations(m, p, b, layers, embeds, has_loss, recomputed):
-    """(kept per micro-batch, recompute working set), in bytes, of a chunk of `layers` layers of which full
-    recompute recomputes `recomputed`: uniform keeps the input [s/tp (SP), b, h] of each group of
-    recompute_num_layers layers and rebuilds one group at a time; block keeps the input of each of
-    its first `recomputed` layers and rebuilds one at a time; selective keeps every layer but its
-    core attention and rebuilds one layer's."""
+    """(kept per micro-batch, recompute working set), in bytes, of a chunk of `layers` layers of
+    which full recompute recomputes `recomputed`: uniform keeps the input [s/tp (SP), b, h] of
+    each group of recompute_num_layers layers and rebuilds one group at a time; block keeps the
+    input of each of its first `recomputed` layers and rebuilds one at a time; selective keeps
+    every layer but its core attention and rebuilds one layer's."""
     rows = layer_activations(m, p, b)
     full = sum(e for _, e, _ in rows)
     core = sum(e for _, e, inside in rows if inside)
@@ -192,14 +214,22 @@ def chunk_activations(m, p, b, layers, embeds, has_loss, recomputed):
         group = m.recompute_num_layers
         kept, working = hidden * -(-layers // group) * x // sp, group * full
     elif m.recompute_granularity == "full":
-        kept, working = hidden * recomputed * x // sp + (layers - recomputed) * full, full if recomputed else 0
+        # block: the recomputed layers keep their inputs, the others all they keep
+        kept = hidden * recomputed * x // sp + (layers - recomputed) * full
+        working = full if recomputed else 0
     else:
         kept, working = layers * full, 0
-    if embeds:                                                    # token and position ids (int32)
-        kept += 4 * 2 * b * m.seq_length // p.context_parallel_size + (c * x // sp if m.hidden_dropout_rate else 0)
-    if has_loss:                  # final norm (float32) and output-layer inputs, logits and their log-softmax
+    if embeds:
+        # token and position ids (int32), and the embedding dropout's mask [s/tp (SP), b, h]
+        kept += 4 * 2 * b * m.seq_length // p.context_parallel_size
+        if m.hidden_dropout_rate:
+            kept += c * x // sp
+    if has_loss:
+        # the final norm's input (float32), the output layer's input, the logits and their
+        # log-softmax [s/cp, b, V/tp]
         norm = 1 if m.normalization == "LayerNorm" else 2
-        vocab = b * m.seq_length * m.padded_vocab_size // (p.context_parallel_size * p.tensor_model_parallel_size)
+        cp_tp = p.context_parallel_size * p.tensor_model_parallel_size
+        vocab = b * m.seq_length * m.padded_vocab_size // cp_tp
         kept += F32_BYTES * norm * x // sp + c * x + logits * 2 * vocab
     return kept, working
 
@@ -228,7 +258,8 @@ def stage_activations(cfg, rank):
     equal chunks). transient, beside them: the causal-mask bias tiled to [b, n/tp, s, s] once per
     forward (gpt.GPTModel.construct), then the larger of two moments of the backward: the loss's,
     with the logits' gradient [s, b, V/tp] (last stage), and a layer's, with its core attention's
-    temporaries (CORE_TEMPORARIES), the gradients of its kept tensors and the recompute working set."""
+    temporaries (CORE_TEMPORARIES), the gradients of its kept tensors and the recompute working
+    set."""
     m, p, b = cfg.model_config, cfg.parallel_config, cfg.dataset_config.batch_size
     chunks = [chunk_activations(m, p, b, *chunk, n)
               for chunk, n in zip(stage_chunks(m, p)[rank], recompute_counts(p, m)[rank])]
@@ -236,7 +267,9 @@ def stage_activations(cfg, rank):
     scores = b * m.num_attention_heads * m.seq_length ** 2 // (tp * cp)
     mask = F32_BYTES * scores // ring                             # [b, n/(tp u), s/r, s/r], float32
     softmax = F32_BYTES if m.attention_softmax_in_fp32 else DTYPE_BYTES[m.compute_dtype]
-    layer = softmax * CORE_TEMPORARIES * scores + sum(e for _, e, _ in layer_activations(m, p, b)) + max(w for _, w in chunks)
+    # the gradients of a layer's kept tensors are as large as those tensors
+    gradients = sum(e for _, e, _ in layer_activations(m, p, b))
+    layer = softmax * CORE_TEMPORARIES * scores + gradients + max(w for _, w in chunks)
     has_loss = any(c[2] for c in stage_chunks(m, p)[rank])
     logits = c_or_f32(m) * b * m.seq_length * m.padded_vocab_size // (cp * tp) if has_loss else 0
     count = in_flight(cfg, rank)
@@ -258,66 +291,122 @@ def communication(cfg, rank):
     micro-batch with a = b s / cp tokens on a rank: Ulysses 4 all-to-alls of q, k, v and the context
     forward and 4 backward; the ring all-gathers k and v [a, g d / tp] forward and reduce-scatters
     their ring-times-larger gradients backward; the loss and token count are all-reduced over CP."""
-    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
-    tp, pp, mb = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, d.micro_batch_num
-    cp = p.context_parallel_size
+    m, p = cfg.model_config, cfg.parallel_config
     chunks = stage_chunks(m, p)[rank]
     layers = sum(c[0] for c in chunks)
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
-    size = collective_bytes(cfg)
-    hidden = d.batch_size * m.seq_length * m.hidden_size // cp     # elements of [s, b, h]
-    tokens = d.batch_size * m.seq_length // cp                     # [s, b]
     out = {}
 
     def add(kind, op, calls, nbytes):
         if calls:
             old = out.get((kind, op), (0, 0))
             out[(kind, op)] = (old[0] + calls, old[1] + nbytes)
-    if tp > 1 and not p.sequence_parallel:                  # the layers' and the logits', the embedding's
-        add("tp", "all_reduce", mb * (4 * layers + last), mb * (4 * layers + last) * hidden * size.compute)
-        add("tp", "all_reduce", mb * first, mb * first * hidden * size.params)
-    if tp > 1 and p.sequence_parallel:
-        gathers, scatters = 4 * layers + last, 4 * layers + last
-        add("tp", "all_gather", mb * gathers, mb * gathers * hidden * size.compute // tp)
-        add("tp", "all_gather", mb * first, mb * first * hidden * size.hidden // tp)
-        add("tp", "reduce_scatter", mb * scatters, mb * scatters * hidden * size.compute)
-        add("tp", "all_reduce", mb * first, mb * first * hidden * size.params)
-        norm = 2 if m.normalization == "LayerNorm" else 1
-        marked = layers * ((2 + 2 * m.use_sandwich_norm) * norm + m.out_proj_has_bias + m.add_bias_linear) + last * norm
-        add("tp", "all_reduce", marked, marked * size.grad * m.hidden_size)
-    if tp > 1 and last:                                       # max, sum of exp, target logit
-        add("tp", "all_reduce", 3 * mb, 3 * mb * tokens * size.logits)
-    if cp > 1:
-        _, ulysses, ring = cp_split(p)
-        q = size.compute * d.batch_size * m.seq_length // cp * m.hidden_size // tp
-        kv = q * m.num_query_groups // m.num_attention_heads
-        if ulysses > 1:
-            add("cp" if ring == 1 else "cp_ulysses", "all_to_all", 8 * mb * layers, 2 * mb * layers * (2 * q + 2 * kv))
-        if ring > 1:
-            kind = "cp" if ulysses == 1 else "cp_ring"
-            add(kind, "all_gather", 2 * mb * layers, 2 * mb * layers * kv)
-            add(kind, "reduce_scatter", 2 * mb * layers, 2 * mb * layers * ring * kv)
-        add("cp", "all_reduce", 2 * mb * last, 2 * mb * last * F32_BYTES)
-    if tp * pp > 1:
+    _tensor_parallel_collectives(cfg, layers, first, last, add)
+    _context_parallel_collectives(cfg, layers, last, add)
+    if p.tensor_model_parallel_size * p.pipeline_model_parallel_size > 1:
         add("mp", "all_reduce", 1, F32_BYTES)                     # the gradient norm
-    params = stage_parameters(cfg, rank)
-    shards = p.data_parallel_size * cp
-    if shards > 1:
-        buckets = math.ceil(params / cfg.training_config.bucket_size) if cfg.training_config.bucket_size else 1
-        if cfg.training_config.use_distributed_optimizer:
-            add("dp_cp", "reduce_scatter", buckets, size.grad * params)
-            add("dp_cp", "all_gather", buckets, size.params * params // shards)
-            add("dp_cp", "all_reduce", 1, F32_BYTES)              # the norm over the shards
-        else:
-            add("dp_cp", "all_reduce", buckets, size.grad * params)
-        add("dp_cp", "all_reduce", 1, F32_BYTES)                  # the logged loss
-    if pp > 1:
-        hops = sum(step[0] == "X" for step in pipeline.plan(pp, mb, p.virtual_pipeline_model_parallel_size,
-                                                             kind=p.pipeline_schedule)[0][rank])
-        add("pp_pair", "exchange", hops, hops * hidden * size.hidden // (tp if p.sequence_parallel else 1))
-        if (first or last) and not m.untie_embeddings_and_output_weights:
-            add("embedding", "all_reduce", 1, size.grad * m.padded_vocab_size * m.hidden_size // tp)
+    _data_parallel_collectives(cfg, rank, add)
+    _pipeline_collectives(cfg, rank, first, last, add)
     return out
+
+
+def _hidden_elements(cfg):
+    """Elements of the hidden states [s, b, h] of a micro-batch on a cp rank."""
+    m, d = cfg.model_config, cfg.dataset_config
+    return d.batch_size * m.seq_length * m.hidden_size // cp_split(cfg.parallel_config)[0]
+
+
+def _tensor_parallel_collectives(cfg, layers, first, last, add):
+    """TP's collectives per step on a stage of `layers` layers that embeds (`first`) and/or has
+    the loss (`last`), passed to add(kind, op, calls, bytes): see communication."""
+    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, mb = p.tensor_model_parallel_size, d.micro_batch_num
+    if tp == 1:
+        return
+    size, hidden = collective_bytes(cfg), _hidden_elements(cfg)
+    # per micro-batch: 4 a layer (attention and MLP, forward and backward) and the logits' one
+    edges = 4 * layers + last
+    if not p.sequence_parallel:
+        # the layers' and the logits' all-reduces, then the embedding's
+        add("tp", "all_reduce", mb * edges, mb * edges * hidden * size.compute)
+        add("tp", "all_reduce", mb * first, mb * first * hidden * size.params)
+    else:
+        # each becomes an all-gather of [s/tp, b, h] and a reduce-scatter of [s, b, h]
+        add("tp", "all_gather", mb * edges, mb * edges * hidden * size.compute // tp)
+        add("tp", "all_gather", mb * first, mb * first * hidden * size.hidden // tp)
+        add("tp", "reduce_scatter", mb * edges, mb * edges * hidden * size.compute)
+        add("tp", "all_reduce", mb * first, mb * first * hidden * size.params)
+        # the gradients of the replicated norms and row-parallel biases, once a step, [h] each
+        norm = 2 if m.normalization == "LayerNorm" else 1
+        per_layer = (2 + 2 * m.use_sandwich_norm) * norm + m.out_proj_has_bias + m.add_bias_linear
+        marked = layers * per_layer + last * norm
+        add("tp", "all_reduce", marked, marked * size.grad * m.hidden_size)
+    if last:
+        # the vocabulary-parallel cross-entropy's max, sum of exp and target logit, [s, b] each
+        tokens = d.batch_size * m.seq_length // p.context_parallel_size
+        add("tp", "all_reduce", 3 * mb, 3 * mb * tokens * size.logits)
+
+
+def _context_parallel_collectives(cfg, layers, last, add):
+    """CP's collectives per step on a stage of `layers` layers, the loss's too if it has it
+    (`last`), passed to add(kind, op, calls, bytes): see communication."""
+    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, mb = p.tensor_model_parallel_size, d.micro_batch_num
+    cp = p.context_parallel_size
+    if cp == 1:
+        return
+    _, ulysses, ring = cp_split(p)
+    size = collective_bytes(cfg)
+    # bytes of q [b s / cp, h/tp] and of k or v [b s / cp, g d / tp] on a rank
+    q = size.compute * d.batch_size * m.seq_length // cp * m.hidden_size // tp
+    kv = q * m.num_query_groups // m.num_attention_heads
+    if ulysses > 1:
+        kind = "cp" if ring == 1 else "cp_ulysses"
+        add(kind, "all_to_all", 8 * mb * layers, 2 * mb * layers * (2 * q + 2 * kv))
+    if ring > 1:
+        kind = "cp" if ulysses == 1 else "cp_ring"
+        add(kind, "all_gather", 2 * mb * layers, 2 * mb * layers * kv)
+        add(kind, "reduce_scatter", 2 * mb * layers, 2 * mb * layers * ring * kv)
+    # the loss and the token count (float32)
+    add("cp", "all_reduce", 2 * mb * last, 2 * mb * last * F32_BYTES)
+
+
+def _data_parallel_collectives(cfg, rank, add):
+    """The gradient reduction over the dp x cp ranks of pipeline rank `rank` (each bucket
+    all-reduced, or reduce-scattered and the parameters all-gathered by the distributed
+    optimizer) and the logged loss, passed to add(kind, op, calls, bytes)."""
+    p, t = cfg.parallel_config, cfg.training_config
+    shards = p.data_parallel_size * p.context_parallel_size
+    if shards == 1:
+        return
+    size, params = collective_bytes(cfg), stage_parameters(cfg, rank)
+    buckets = math.ceil(params / t.bucket_size) if t.bucket_size else 1
+    if t.use_distributed_optimizer:
+        add("dp_cp", "reduce_scatter", buckets, size.grad * params)
+        add("dp_cp", "all_gather", buckets, size.params * params // shards)
+        add("dp_cp", "all_reduce", 1, F32_BYTES)              # the norm over the shards
+    else:
+        add("dp_cp", "all_reduce", buckets, size.grad * params)
+    add("dp_cp", "all_reduce", 1, F32_BYTES)                  # the logged loss
+
+
+def _pipeline_collectives(cfg, rank, first, last, add):
+    """The pipeline's exchanges on pipeline rank `rank` (its schedule's hops) and, on the first
+    and last stage of a tied model, the word embedding's gradient all-reduce, passed to
+    add(kind, op, calls, bytes)."""
+    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    size = collective_bytes(cfg)
+    steps = pipeline.plan(pp, d.micro_batch_num, p.virtual_pipeline_model_parallel_size,
+                          kind=p.pipeline_schedule)[0][rank]
+    hops = sum(step[0] == "X" for step in steps)
+    # a hop carries [s, b, h], or its [s/tp, b, h] shard under sequence parallelism
+    shard = tp if p.sequence_parallel else 1
+    add("pp_pair", "exchange", hops, hops * _hidden_elements(cfg) * size.hidden // shard)
+    if (first or last) and not m.untie_embeddings_and_output_weights:
+        add("embedding", "all_reduce", 1, size.grad * m.padded_vocab_size * m.hidden_size // tp)
 
 
 def collective_bytes(cfg):
@@ -326,8 +415,9 @@ def collective_bytes(cfg):
     parameters (the embedding's output, the distributed optimizer's all-gather), the gradients
     (config.main_grad_dtype) and the loss's logits."""
     m = cfg.model_config
-    return SimpleNamespace(compute=DTYPE_BYTES[m.compute_dtype], params=DTYPE_BYTES[m.params_dtype],
-                           hidden=F32_BYTES if m.fp32_residual_connection else DTYPE_BYTES[m.compute_dtype],
+    compute = DTYPE_BYTES[m.compute_dtype]
+    return SimpleNamespace(compute=compute, params=DTYPE_BYTES[m.params_dtype],
+                           hidden=F32_BYTES if m.fp32_residual_connection else compute,
                            grad=DTYPE_BYTES[main_grad_dtype(cfg)], logits=c_or_f32(m))
 
 
@@ -369,12 +459,14 @@ def stage_memory(cfg, rank):
     clip = bool(cfg.training_config.grad_clip_kwargs.clip_value)
     # the step: the gradients, float32 main grads beside them unless they are those gradients
     # (float32 and no loss scale), and a clipped copy
-    scaled = cfg.model_config.compute_dtype == "float16" or cfg.training_config.loss_scale not in (None, 1.0)
+    loss_scale = cfg.training_config.loss_scale
+    scaled = cfg.model_config.compute_dtype == "float16" or loss_scale not in (None, 1.0)
     main_grads = F32_BYTES * params if scaled or grads != F32_BYTES * params else 0
     update = max(3 * grads if several else grads, grads + main_grads + clip * F32_BYTES * params)
     dynamic = max((2 if several else 1) * grads + kept + transient, update)
-    return SimpleNamespace(parameters=params, weights=weights, gradients=grads, optimizer=optim, activations=kept,
-                           transient=transient, in_flight=count, dynamic=dynamic, peak=weights + optim + dynamic)
+    return SimpleNamespace(parameters=params, weights=weights, gradients=grads, optimizer=optim,
+                           activations=kept, transient=transient, in_flight=count,
+                           dynamic=dynamic, peak=weights + optim + dynamic)
 
 
 def recompute_text(m):
@@ -411,14 +503,17 @@ class RankReport:
         """The estimate, with the model's own parameter count and optimizer bytes beside it."""
         mem, m = self.mem, self.cfg.model_config
         model_flops, extra = flops_per_iteration(self.cfg)
-        note = ("; compiled by ms.jit: a CPU graph keeps every intermediate, several times this (README)"
-                if compiled else "")
-        return (f"memory: estimate for rank {self.state.rank} (stage {self.state.pp_rank}): parameters "
-                f"{mem.parameters} (the model holds {self.counted}), weights {mib(mem.weights)}, gradients "
-                f"{mib(mem.gradients)}, optimizer {mib(mem.optimizer)} (measured {self.optimizer_bytes / MIB:.1f} MiB), "
+        note = ""
+        if compiled:
+            note = ("; compiled by ms.jit: a CPU graph keeps every intermediate, several times "
+                    "this (README)")
+        return (f"memory: estimate for rank {self.state.rank} (stage {self.state.pp_rank}): "
+                f"parameters {mem.parameters} (the model holds {self.counted}), "
+                f"weights {mib(mem.weights)}, gradients {mib(mem.gradients)}, "
+                f"optimizer {mib(mem.optimizer)} (measured {mib(self.optimizer_bytes)}), "
                 f"activations {mib(mem.activations)} ({mem.in_flight} micro-batch(es) in flight, "
-                f"{recompute_text(m)}) + transient {mib(mem.transient)}, peak {mib(mem.peak)}{note}; "
-                f"FLOPs per iteration {model_flops:.3e} (+ recompute {extra:.3e})")
+                f"{recompute_text(m)}) + transient {mib(mem.transient)}, peak {mib(mem.peak)}"
+                f"{note}; FLOPs per iteration {model_flops:.3e} (+ recompute {extra:.3e})")
 
     def begin(self):
         """Just before the first step: note the resident memory and reset the high-water mark."""
@@ -427,9 +522,9 @@ class RankReport:
 
     def measured(self):
         growth, estimate = peak_rss_bytes() - self.start, self.mem.dynamic
-        return (f"memory: measured peak growth {growth / MIB:.1f} MiB (resident memory, from the first step), "
-                f"estimate {estimate / MIB:.1f} MiB (what the step allocates: gradients, activations, "
-                f"transient), measured / estimate {growth / estimate:.2f}")
+        return (f"memory: measured peak growth {growth / MIB:.1f} MiB (resident memory, from the "
+                f"first step), estimate {estimate / MIB:.1f} MiB (what the step allocates: "
+                f"gradients, activations, transient), measured / estimate {growth / estimate:.2f}")
 
 
 def _status(key):
@@ -458,14 +553,16 @@ def reset_peak():
 # ============================================================================ bash run.sh plan
 PLAN_FLAGS = {"--config": ("config.yaml", str, "the YAML (presets in configs/)"),
               "--world-size": (REQUIRED, int, "the number of ranks to plan for"),
-              "--memory-per-device": (None, float, "GiB per device: list the layouts whose peak fits")}
+              "--memory-per-device": (None, float,
+                                      "GiB per device: list the layouts whose peak fits")}
 
 
 def plan_main(argv):
-    """`bash run.sh plan [--config FILE] --world-size N [--memory-per-device GIB] [training flags]`."""
+    """`bash run.sh plan [--config FILE] --world-size N [--memory-per-device GIB]
+    [training flags]`."""
     v, rest = parse_command("plan", argv, PLAN_FLAGS, passthrough="training flags",
-                            about="Memory, communication and FLOPs per rank of a layout, from the config "
-                                  "alone: nothing is allocated, no worker started.")
+                            about="Memory, communication and FLOPs per rank of a layout, from "
+                                  "the config alone: nothing is allocated, no worker started.")
     if v["world_size"] < 1:
         raise ConfigError("plan needs --world-size N, the number of ranks (1 or more)")
     cfg = load_config(v["config"], rest, v["world_size"])
@@ -478,35 +575,43 @@ def plan_main(argv):
 
 
 def plan_lines(cfg, world):
+    """The plan's report: the model and the layout, then per pipeline stage its memory and its
+    collectives per step, the pipeline bubble and the FLOPs."""
     m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
-    tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-    cp = p.context_parallel_size
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    vpp, cp = p.virtual_pipeline_model_parallel_size, p.context_parallel_size
     total = total_parameters(m)
-    lines = [f"plan: parameters {total} ({total / 1e9:.3f} B: {m.num_layers} layers of {layer_parameters(m)}, "
-             f"vocabulary {m.padded_vocab_size} x hidden {m.hidden_size})",
-             f"plan: layout TP{tp} x CP{cp} x PP{pp}{f' (VPP{vpp})' if vpp > 1 else ''} x DP{p.data_parallel_size} "
-             f"= {world} ranks; {d.micro_batch_num} micro-batch(es) of {d.batch_size} x {m.seq_length} tokens "
-             f"(global batch {d.global_batch_size}); {'sequence parallel; ' if p.sequence_parallel else ''}"
-             f"{'distributed optimizer; ' if cfg.training_config.use_distributed_optimizer else ''}{recompute_text(m)}"]
+    virtual = f" (VPP{vpp})" if vpp > 1 else ""
+    sequence = "sequence parallel; " if p.sequence_parallel else ""
+    distributed = "distributed optimizer; " if cfg.training_config.use_distributed_optimizer else ""
+    lines = [f"plan: parameters {total} ({total / 1e9:.3f} B: {m.num_layers} layers of "
+             f"{layer_parameters(m)}, vocabulary {m.padded_vocab_size} x hidden {m.hidden_size})",
+             f"plan: layout TP{tp} x CP{cp} x PP{pp}{virtual} x DP{p.data_parallel_size} "
+             f"= {world} ranks; {d.micro_batch_num} micro-batch(es) of {d.batch_size} x "
+             f"{m.seq_length} tokens (global batch {d.global_batch_size}); {sequence}"
+             f"{distributed}{recompute_text(m)}"]
     for rank in range(pp):
         mem = stage_memory(cfg, rank)
         per_layer = sum(e for _, e, _ in layer_activations(m, p, d.batch_size))
-        lines.append(f"plan: stage {rank} parameters per rank {mem.parameters} ({mem.parameters / 1e9:.3f} B; "
-                     f"layers {[c[0] for c in stage_chunks(m, p)[rank]]}): weights {gib(mem.weights)}, gradients "
-                     f"{gib(mem.gradients)}, optimizer {gib(mem.optimizer)}, activations {gib(mem.activations)} "
-                     f"({mem.in_flight} in flight; a layer {mib(per_layer)} per micro-batch) + transient "
-                     f"{gib(mem.transient)}, peak {gib(mem.peak)}")
+        layers = [c[0] for c in stage_chunks(m, p)[rank]]
+        lines.append(f"plan: stage {rank} parameters per rank {mem.parameters} "
+                     f"({mem.parameters / 1e9:.3f} B; layers {layers}): "
+                     f"weights {gib(mem.weights)}, gradients {gib(mem.gradients)}, "
+                     f"optimizer {gib(mem.optimizer)}, activations {gib(mem.activations)} "
+                     f"({mem.in_flight} in flight; a layer {mib(per_layer)} per micro-batch) "
+                     f"+ transient {gib(mem.transient)}, peak {gib(mem.peak)}")
     for rank in range(pp):
-        comm = communication(cfg, rank)
-        lines.append(f"plan: stage {rank} communication per step: " + (", ".join(
-            f"{kind} {op} x{calls} {nbytes / MIB:.1f} MiB" for (kind, op), (calls, nbytes) in sorted(comm.items()))
-            or "none"))
+        collectives = ", ".join(f"{kind} {op} x{calls} {nbytes / MIB:.1f} MiB"
+                                for (kind, op), (calls, nbytes)
+                                in sorted(communication(cfg, rank).items()))
+        lines.append(f"plan: stage {rank} communication per step: {collectives or 'none'}")
     if pp > 1:
-        lines.append(f"plan: pipeline bubble (p - 1) / (v m) = {pipeline.theory_bubble(pp, d.micro_batch_num, vpp):.3f}"
-                     f" ({p.pipeline_schedule})")
+        bubble = pipeline.theory_bubble(pp, d.micro_batch_num, vpp)
+        lines.append(f"plan: pipeline bubble (p - 1) / (v m) = {bubble:.3f} "
+                     f"({p.pipeline_schedule})")
     model, extra = flops_per_iteration(cfg)
-    lines.append(f"plan: FLOPs per iteration {model:.3e} (Megatron's model FLOPs) + recompute {extra:.3e}; "
-                 f"per rank {(model + extra) / world:.3e}")
+    lines.append(f"plan: FLOPs per iteration {model:.3e} (Megatron's model FLOPs) + recompute "
+                 f"{extra:.3e}; per rank {(model + extra) / world:.3e}")
     return lines
 
 
@@ -521,7 +626,8 @@ def fit_lines(given, path, argv, world, gibibytes):
             if world % (tp * pp):
                 continue
             layout = [f"parallel_config.tensor_model_parallel_size={tp}",
-                      f"parallel_config.pipeline_model_parallel_size={pp}", "parallel_config.data_parallel_size=null"]
+                      f"parallel_config.pipeline_model_parallel_size={pp}",
+                      "parallel_config.data_parallel_size=null"]
             if tp == 1:
                 layout.append("parallel_config.sequence_parallel=false")
             if pp != given.parallel_config.pipeline_model_parallel_size:
@@ -533,7 +639,9 @@ def fit_lines(given, path, argv, world, gibibytes):
             cfg.model_config.padded_vocab_size = vocab_rows(cfg)
             peak = max(stage_memory(cfg, r).peak for r in range(pp)) / GIB
             rows.append((peak, f"TP{tp} x PP{pp} x DP{cfg.parallel_config.data_parallel_size}"))
-    lines = [f"plan: layouts of {world} ranks by peak per device (--memory-per-device {gibibytes:g} GiB):"]
-    lines += [f"plan:   {name:22s} peak {peak:9.2f} GiB  {'fits' if peak <= gibibytes else 'does not fit'}"
-              for peak, name in sorted(rows)]
+    lines = [f"plan: layouts of {world} ranks by peak per device "
+             f"(--memory-per-device {gibibytes:g} GiB):"]
+    for peak, name in sorted(rows):
+        fits = "fits" if peak <= gibibytes else "does not fit"
+        lines.append(f"plan:   {name:22s} peak {peak:9.2f} GiB  {fits}")
     return lines
