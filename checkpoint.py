@@ -1,16 +1,17 @@
 """Checkpoints in Megatron's directory layout, written so that a crash never leaves a half one.
 
-    <save>/latest_checkpointed_iteration.txt            "100", written last
-    <save>/iter_0000100/mp_rank_TT/model_optim_rng.ckpt  one folder per TP rank (mp_rank_TT_PPP with
-                                                         pipeline stages): weights "model.<name>" and
-                                                         optimizer state "optimizer.<state>.<name>"
-                                                         (MindSpore ckpt or safetensors, CRC-checked)
-    <save>/iter_0000100/mp_rank_TT/distrib_optim_DDD.ckpt  with the distributed optimizer: DP rank
-                                                         DDD's fp32 master shard and moments
-    <save>/iter_0000100/mp_rank_TT/meta.json             iteration, consumed samples, layout, scheduler,
-                                                         loss scaler, RNG streams, config
-Names are global parameter names (gpt.global_name), so a shard says what it holds whatever the layout.
-All ranks write into `.iter_0000100.tmp/`; rank 0 renames it into place, then replaces `latest`.
+    <save>/latest_checkpointed_iteration.txt
+        "100", written last
+    <save>/iter_0000100/mp_rank_TT/model_optim_rng.ckpt
+        one folder per TP rank (mp_rank_TT_PPP with pipeline stages): weights "model.<name>" and
+        optimizer state "optimizer.<state>.<name>" (MindSpore ckpt or safetensors, CRC-checked)
+    <save>/iter_0000100/mp_rank_TT/distrib_optim_DDD.ckpt
+        with the distributed optimizer: DP rank DDD's fp32 master shard and moments
+    <save>/iter_0000100/mp_rank_TT/meta.json
+        iteration, consumed samples, layout, scheduler, loss scaler, RNG streams, config
+Names are global parameter names (gpt.global_name), so a shard says what it holds whatever the
+layout. All ranks write into `.iter_0000100.tmp/`; rank 0 renames it into place, then replaces
+`latest`.
 """
 import json
 import logging
@@ -34,6 +35,7 @@ from tokenizer import build_tokenizer
 
 log = logging.getLogger("train")
 
+
 def write_atomic(path, text):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -43,8 +45,8 @@ def write_atomic(path, text):
     os.replace(tmp, path)
 
 
-def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, barrier=lambda: None,
-                    leader=True):
+def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None,
+                    barrier=lambda: None, leader=True):
     """Write checkpoint `iteration` under `root`. `shards` maps a shard folder (mp_rank_..) to
     (files, meta): `files` maps a file stem to tensors (name -> numpy array or Tensor), `meta`
     (JSON-able, or None) goes to the folder's meta.json. With several ranks every rank calls
@@ -54,8 +56,10 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, 
     final = iteration_dir(root, iteration)
     tmp = os.path.join(root, f".iter_{iteration:07d}.tmp")
     tracked = latest_iteration(root) if os.path.isfile(os.path.join(root, LATEST)) else -1
-    if os.path.exists(final) and iteration <= tracked:   # replacing it, a crash midway would lose it
-        raise CheckpointError(f"{final} already exists: save into an empty folder or continue from it with --load")
+    # replacing it, a crash midway would lose it
+    if os.path.exists(final) and iteration <= tracked:
+        raise CheckpointError(f"{final} already exists: save into an empty folder or continue "
+                              "from it with --load")
     if leader:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)   # left by a save that was killed
@@ -93,11 +97,15 @@ def _write_shards(tmp, shards, ckpt_format):
             if ckpt_format == "torch":
                 torch_format.save(content, path)
                 continue
-            items = [{"name": k, "data": Parameter(Tensor(np.ascontiguousarray(v)) if isinstance(v, np.ndarray)
-                                                   else v, name=k)} for k, v in content.items()]
+            items = []
+            for name, value in content.items():
+                if isinstance(value, np.ndarray):
+                    value = Tensor(np.ascontiguousarray(value))
+                items.append({"name": name, "data": Parameter(value, name=name)})
             try:
                 ms.save_checkpoint(items, path, crc_check=True, format=ckpt_format)
-            except RuntimeError as e:                # MindSpore's own error for a full disk or a bad folder
+            except RuntimeError as e:
+                # MindSpore's own error for a full disk or a bad folder
                 raise OSError(None, f"writing failed ({str(e).splitlines()[0]})", path) from None
         if meta is not None:
             write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
@@ -108,10 +116,11 @@ def saved_iterations(root):
 
 
 # the model_config keys that make a checkpoint's model what it is (besides the padded vocabulary)
-ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
-                "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base",
-                "normalization", "norm_epsilon", "hidden_act", "qkv_has_bias", "out_proj_has_bias",
-                "add_bias_linear", "untie_embeddings_and_output_weights", "use_sandwich_norm",
+ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "group_query_attention", "num_query_groups", "max_position_embeddings",
+                "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
+                "hidden_act", "qkv_has_bias", "out_proj_has_bias", "add_bias_linear",
+                "untie_embeddings_and_output_weights", "use_sandwich_norm",
                 "attn_post_norm_scale", "ffn_post_norm_scale", "fp32_residual_connection")
 
 
@@ -141,25 +150,30 @@ def check_fits(cfg, root):
     pairs.append(("dataset_config.tokenizer_type", saved["dataset_config"]["tokenizer_type"],
                   cfg.dataset_config.tokenizer_type))
     if not (t.finetune or t.no_load_optim or meta.get("optimizer_step") is None):
-        pairs.append(("optimizer_config.optimizer_type", saved["optimizer_config"]["optimizer_type"],
+        pairs.append(("optimizer_config.optimizer_type",
+                      saved["optimizer_config"]["optimizer_type"],
                       cfg.optimizer_config.optimizer_type))
-        pairs.append(("model_config.params_dtype (--fp16/--bf16)", m.get("params_dtype") or "float32",
-                      cfg.model_config.params_dtype))
+        pairs.append(("model_config.params_dtype (--fp16/--bf16)",
+                      m.get("params_dtype") or "float32", cfg.model_config.params_dtype))
     differences = [f"{k} (checkpoint {a}, this run {b})" for k, a, b in pairs if a != b]
     if differences:
-        raise CheckpointError(f"checkpoint {root} does not match this run: {', '.join(differences)}; give "
-                              "--use-checkpoint-args to take the checkpoint's model, or the same flags")
+        raise CheckpointError(f"checkpoint {root} does not match this run: "
+                              f"{', '.join(differences)}; give --use-checkpoint-args to take the "
+                              "checkpoint's model, or the same flags")
     batch = saved["dataset_config"].get("global_batch_size")
     if not t.finetune and batch not in (None, cfg.dataset_config.global_batch_size):
         # the data's samples are counted in global batches (consumed samples, the dataset's size)
-        raise CheckpointError(f"checkpoint {root} was trained with global batch {batch}, this run's is "
-                              f"{cfg.dataset_config.global_batch_size}: give --global-batch-size {batch} (and a "
-                              "--micro-batch-size that divides it), or --finetune to start a new run from its weights")
+        raise CheckpointError(f"checkpoint {root} was trained with global batch {batch}, this "
+                              f"run's is {cfg.dataset_config.global_batch_size}: give "
+                              f"--global-batch-size {batch} (and a --micro-batch-size that "
+                              "divides it), or --finetune to start a new run from its weights")
 
 
 def holds_checkpoint(root):
     """A tracker or an iteration folder: a checkpoint (perhaps a damaged one) is there."""
-    return os.path.isdir(root) and (os.path.exists(os.path.join(root, LATEST)) or bool(saved_iterations(root)))
+    if not os.path.isdir(root):
+        return False
+    return os.path.exists(os.path.join(root, LATEST)) or bool(saved_iterations(root))
 
 
 def check_save_folder(save, load, finetune=False):
@@ -169,18 +183,19 @@ def check_save_folder(save, load, finetune=False):
     run that is there (--load pointing at the same folder) is the one way to add to it."""
     if not os.path.isdir(save):
         if os.path.exists(save):
-            raise CheckpointError(f"training_config.output_dir={save} is a file: give a folder for --save")
+            raise CheckpointError(f"training_config.output_dir={save} is a file: give a folder "
+                                  "for --save")
         return
     saved = saved_iterations(save)
     if not saved:
         return
     if not load or os.path.abspath(load) != os.path.abspath(save):
-        raise CheckpointError(f"training_config.output_dir={save} already holds checkpoints (iterations up to "
-                              f"{max(saved)}) of another run: continue it with --load {save}, or save into an "
-                              "empty folder")
+        raise CheckpointError(f"training_config.output_dir={save} already holds checkpoints "
+                              f"(iterations up to {max(saved)}) of another run: continue it with "
+                              f"--load {save}, or save into an empty folder")
     if finetune and max(saved) > 0:
-        raise CheckpointError(f"--finetune restarts at iteration 0, below the checkpoints in {save}: "
-                              "save the fine-tuned run into another folder")
+        raise CheckpointError("--finetune restarts at iteration 0, below the checkpoints in "
+                              f"{save}: save the fine-tuned run into another folder")
 
 
 def latest_iteration(root):
@@ -200,8 +215,8 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
     folder = os.path.join(iteration_dir(root, iteration), shard)
     meta_path = os.path.join(folder, "meta.json")
     if not os.path.isfile(meta_path):
-        raise CheckpointError(f"{meta_path} is missing: the checkpoint of iteration {iteration} is incomplete "
-                              "or was saved with another parallel layout")
+        raise CheckpointError(f"{meta_path} is missing: the checkpoint of iteration {iteration} "
+                              "is incomplete or was saved with another parallel layout")
     try:
         meta = json.load(open(meta_path))
     except json.JSONDecodeError as e:
@@ -241,13 +256,15 @@ def load_shards(root, optimizer=False):
     `optimizer`, the distributed optimizer's pieces too, joined per parameter."""
     _, meta = load_checkpoint(root, first_shard(root), stems=())
     layout = meta["layout"]
-    stems = [WEIGHTS] + ([f"distrib_optim_{d:03d}" for d in range(layout["dp"] * layout["cp"])]
-                         if optimizer and layout["distributed_optimizer"] else [])
+    stems = [WEIGHTS]
+    if optimizer and layout["distributed_optimizer"]:
+        stems += [f"distrib_optim_{d:03d}" for d in range(layout["dp"] * layout["cp"])]
     shards = []
     for tp_rank in range(layout["tp"]):
         tensors = {}
         for pp_rank in range(layout["pp"]):
-            tensors.update(_join_pieces(load_checkpoint(root, shard_name(tp_rank, pp_rank, layout["pp"]), stems=stems)[0]))
+            shard = shard_name(tp_rank, pp_rank, layout["pp"])
+            tensors.update(_join_pieces(load_checkpoint(root, shard, stems=stems)[0]))
         shards.append(tensors)
     return shards, meta
 
@@ -273,17 +290,21 @@ def parameter_names(chunks):
 def layout_of(cfg):
     """What a checkpoint's file names and contents depend on."""
     p, t = cfg.parallel_config, cfg.training_config
+    # the distributed optimizer shards over the dp x cp ranks; over one it is the plain one
+    shards = p.data_parallel_size * p.context_parallel_size
     return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
             "vpp": p.virtual_pipeline_model_parallel_size, "num_layer_list": p.num_layer_list,
             "cp": p.context_parallel_size, "dp": p.data_parallel_size,
-            "distributed_optimizer": bool(t.use_distributed_optimizer and p.data_parallel_size * p.context_parallel_size > 1),
+            "distributed_optimizer": bool(t.use_distributed_optimizer and shards > 1),
             "bucket_size": t.bucket_size}
 
 
 def _meta(cfg, iteration, consumed, step, scheduler_state, scaler_state, rng_state):
+    """A checkpoint's meta.json: where training stands, the layout and the config."""
     return {"iteration": iteration, "consumed_train_samples": consumed, "optimizer_step": step,
-            "opt_param_scheduler": scheduler_state, "grad_scaler": scaler_state, "rng_state": rng_state,
-            "ckpt_format": cfg.training_config.ckpt_format, "layout": layout_of(cfg), "config": to_dict(cfg)}
+            "opt_param_scheduler": scheduler_state, "grad_scaler": scaler_state,
+            "rng_state": rng_state, "ckpt_format": cfg.training_config.ckpt_format,
+            "layout": layout_of(cfg), "config": to_dict(cfg)}
 
 
 def save_training_state(cfg, iteration, consumed, trainer, rng):
@@ -295,17 +316,20 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     writer = state.dp_rank == 0 and state.cp_rank == 0
     files, meta = {}, None
     if writer:
-        meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(), trainer.scaler.state_dict(),
-                     rng.state_dict())
-        files[WEIGHTS] = {**model_tensors(trainer.chunks), **({} if trainer.distributed else opt_tensors)}
+        meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(),
+                     trainer.scaler.state_dict(), rng.state_dict())
+        # the optimizer state, unless the distributed optimizer's own files hold it
+        files[WEIGHTS] = {**model_tensors(trainer.chunks),
+                          **({} if trainer.distributed else opt_tensors)}
         if t.ckpt_format == "torch":
             files[WEIGHTS] = megatron_checkpoint.rank_file(cfg, meta, files[WEIGHTS],
                                                            [c.layer_offset for c in trainer.chunks])
     if trainer.distributed:
         files[f"distrib_optim_{state.dp_cp_rank:03d}"] = opt_tensors
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
-    path = save_checkpoint(t.output_dir, iteration, {shard: (files, meta)}, t.ckpt_format, t.keep_checkpoint_max,
-                           barrier=parallel.barrier, leader=state.rank == 0)
+    path = save_checkpoint(t.output_dir, iteration, {shard: (files, meta)}, t.ckpt_format,
+                           t.keep_checkpoint_max, barrier=parallel.barrier,
+                           leader=state.rank == 0)
     log.info(f"saved checkpoint at iteration {iteration} to {path}")
 
 
@@ -317,22 +341,27 @@ def load_training_state(cfg, trainer, rng):
     if trainer.distributed and not (t.finetune or t.no_load_optim):
         stems.append(f"distrib_optim_{state.dp_cp_rank:03d}")
     tensors, meta = load_checkpoint(t.load_checkpoint, shard, stems=stems)
-    weights_only = t.finetune or meta.get("optimizer_step") is None     # --finetune, or imported weights
+    # --finetune, or imported weights (no optimizer step saved)
+    weights_only = t.finetune or meta.get("optimizer_step") is None
     saved_layout, layout = meta.get("layout"), layout_of(cfg)
-    same_model_split = saved_layout and all(saved_layout.get(k) == layout[k] for k in ("tp", "pp", "vpp", "num_layer_list"))
-    # Without the distributed optimizer's shards every DP and CP rank holds the same state (as in Megatron)
-    unsharded = same_model_split and not (saved_layout["distributed_optimizer"] or layout["distributed_optimizer"])
+    same_model_split = saved_layout and all(saved_layout.get(k) == layout[k]
+                                            for k in ("tp", "pp", "vpp", "num_layer_list"))
+    # Without the distributed optimizer's shards every DP and CP rank holds the same state (as
+    # in Megatron)
+    unsharded = same_model_split and not (saved_layout["distributed_optimizer"]
+                                          or layout["distributed_optimizer"])
     if saved_layout != layout and not ((weights_only or unsharded) and same_model_split):
         raise CheckpointError(
-            f"checkpoint {t.load_checkpoint} was saved with layout {saved_layout}, this run is {layout}: "
-            f"convert it first (bash run.sh convert --load {t.load_checkpoint} --save NEW <layout flags>)")
+            f"checkpoint {t.load_checkpoint} was saved with layout {saved_layout}, this run is "
+            f"{layout}: convert it first (bash run.sh convert --load {t.load_checkpoint} "
+            "--save NEW <layout flags>)")
     for name, p in named_parameters(chunks):
         saved = tensors.get(name)
         if saved is None or saved.shape != tuple(p.shape):
             got = "missing" if saved is None else f"shape {saved.shape}"
             raise CheckpointError(
-                f"checkpoint {t.load_checkpoint} does not fit the model: {name} is {got}, the model "
-                f"wants {tuple(p.shape)}; use the model_config it was saved with")
+                f"checkpoint {t.load_checkpoint} does not fit the model: {name} is {got}, "
+                f"the model wants {tuple(p.shape)}; use the model_config it was saved with")
     for name, p in named_parameters(chunks):
         p.set_data(Tensor(tensors[name]))                  # in the parameter's own dtype
     trainer.optimizer.reload_main_params()
@@ -355,15 +384,18 @@ def _load_scheduler(o, scheduler, saved):
     run's, use_checkpoint -> the checkpoint's (named in a warning), neither -> refused."""
     override, differ = o.override_opt_param_scheduler, scheduler.differences(saved)
     if differ and not (override or o.use_checkpoint_opt_param_scheduler):
-        raise CheckpointError("the learning-rate schedule differs from the checkpoint's: " + _pairs(differ)
-                              + "; give --use-checkpoint-opt_param-scheduler or --override-opt_param-scheduler")
+        raise CheckpointError("the learning-rate schedule differs from the checkpoint's: "
+                              + _pairs(differ) + "; give --use-checkpoint-opt_param-scheduler "
+                              "or --override-opt_param-scheduler")
     scheduler.load_state_dict(saved, override)
     if differ:
-        log.warning(f"learning-rate schedule: {'this run' if override else 'the checkpoint'}'s values kept: "
-                    + _pairs(differ) + ("" if override else "; --override-opt_param-scheduler takes this run's"))
+        kept = "this run" if override else "the checkpoint"
+        hint = "" if override else "; --override-opt_param-scheduler takes this run's"
+        log.warning(f"learning-rate schedule: {kept}'s values kept: " + _pairs(differ) + hint)
 
 
 def _pairs(differ):
+    """The differing schedule values, each as "key (checkpoint a, this run b)"."""
     return ", ".join(f"{k} (checkpoint {a}, this run {b})" for k, a, b in differ)
 
 
@@ -390,15 +422,22 @@ def full_state(root, optimizer=True):
     shards, meta = load_shards(root, optimizer)
     m = to_namespace(meta["config"]).model_config
     [one] = build_rank_chunks(m, 1, 1)                # one process: its names and full shapes
-    kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")} if optimizer else set()
+    kinds = set()
+    if optimizer:
+        kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")}
     prefixes = ["model"] + [f"optimizer.{kind}" for kind in kinds]
     if optimizer and any(k.startswith("main.") for k in shards[0]):
-        prefixes.append("main")                        # float32 main params, kept beside half weights
+        # float32 main params, kept beside half-precision weights
+        prefixes.append("main")
     full_shapes = {}
     for name, p in one.parameters_and_names():
         full_shapes.update({f"{prefix}.{name}": tuple(p.shape) for prefix in prefixes})
     swiglu = m.hidden_act == "swiglu"
-    return parallel.merge_tensor_parallel(shards, full_shapes, lambda n: 2 if swiglu and "linear_fc1" in n else 1), meta
+
+    def chunks_of(name):
+        """SwiGLU's fc1 is [gate; up], each half split over TP on its own."""
+        return 2 if swiglu and "linear_fc1" in name else 1
+    return parallel.merge_tensor_parallel(shards, full_shapes, chunks_of), meta
 
 
 def _join_pieces(tensors):
@@ -414,9 +453,10 @@ def _join_pieces(tensors):
         name = base.split(".", 1)[1] if base.startswith("main.") else base.split(".", 2)[2]
         shape = tensors[f"model.{name}"].shape
         flat = np.concatenate([v for _, v in sorted(parts, key=lambda item: item[0])])
-        if flat.size != int(np.prod(shape)):
+        size = int(np.prod(shape))
+        if flat.size != size:
             raise CheckpointError(f"distributed optimizer pieces of {name} cover {flat.size} of "
-                                  f"{int(np.prod(shape))} elements: a distrib_optim file is missing")
+                                  f"{size} elements: a distrib_optim file is missing")
         out[base] = flat.reshape(shape)
     return out
 
@@ -429,12 +469,14 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
     for chunk in chunks:
         for n, param in chunk.parameters_and_names():
             name = global_name(n, chunk.layer_offset)
-            source = "word_embeddings.weight" if chunk.tied and name == "output_layer.weight" else name
+            tied = chunk.tied and name == "output_layer.weight"
+            source = "word_embeddings.weight" if tied else name
             for prefix in prefixes:
                 value = tensors[f"{prefix}.{source}"]
                 dim = getattr(param, "partition_dim", None)
                 if dim is not None:
-                    value = parallel.shard(value, dim, tp_rank, tp, getattr(param, "partition_chunks", 1))
+                    blocks = getattr(param, "partition_chunks", 1)
+                    value = parallel.shard(value, dim, tp_rank, tp, blocks)
                 values[f"{prefix}.{name}"] = value
             names.append(name)
             params.append(param)
@@ -462,32 +504,40 @@ def write_layout(root, tensors, meta, cfg):
     when `tensors` has none) where the optimizer keeps copies: half-precision parameters, or
     the distributed optimizer's pieces."""
     p, m = cfg.parallel_config, cfg.model_config
-    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size * p.context_parallel_size
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dp = p.data_parallel_size * p.context_parallel_size
     layout = layout_of(cfg)
+    distributed = layout["distributed_optimizer"]
     kinds = sorted({k.split(".")[1] for k in tensors if k.startswith("optimizer.")})
     tensors = dict(tensors)
     for key in [k for k in tensors if k.startswith("model.")]:
         tensors.setdefault("main." + key[len("model."):], tensors[key].astype(np.float32))
-        if m.params_dtype in ("float32", "float16"):           # numpy has no bfloat16: kept as saved
+        # numpy has no bfloat16: kept as saved
+        if m.params_dtype in ("float32", "float16"):
             tensors[key] = tensors[key].astype(m.params_dtype)
     shards = {}
     for tp_rank in range(tp):
         for pp_rank in range(pp):
-            chunks = build_rank_chunks(m, tp, pp, tp_rank, pp_rank, p.virtual_pipeline_model_parallel_size,
-                                       p.num_layer_list)
+            chunks = build_rank_chunks(m, tp, pp, tp_rank, pp_rank,
+                                       p.virtual_pipeline_model_parallel_size, p.num_layer_list)
             prefixes = ["model", "main"] + [f"optimizer.{kind}" for kind in kinds]
             names, params, values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)
             # half-precision parameters keep float32 copies in the optimizer (with its state)
-            own_main = m.params_dtype != "float32" and not layout["distributed_optimizer"] and bool(kinds)
-            files = {WEIGHTS: {k: v for k, v in values.items() if k.startswith("model.") or (
-                not layout["distributed_optimizer"] and (k.startswith("optimizer.") or own_main))}}
+            own_main = m.params_dtype != "float32" and not distributed and bool(kinds)
+            # the weights file holds the optimizer's values unless the distributed optimizer's
+            # files do
+            files = {WEIGHTS: {k: v for k, v in values.items()
+                               if k.startswith("model.")
+                               or (not distributed and (k.startswith("optimizer.") or own_main))}}
             if cfg.training_config.ckpt_format == "torch":
                 files[WEIGHTS] = megatron_checkpoint.rank_file(
                     cfg, meta, files[WEIGHTS], [chunk.layer_offset for chunk in chunks])
-            if layout["distributed_optimizer"]:
-                files.update(_distrib_optim_files(values, names, params, dp, layout["bucket_size"], kinds))
-            shards[shard_name(tp_rank, pp_rank, pp)] = (files, dict(
-                meta, layout=layout, config=to_dict(cfg), ckpt_format=cfg.training_config.ckpt_format))
+            if distributed:
+                files.update(_distrib_optim_files(values, names, params, dp,
+                                                  layout["bucket_size"], kinds))
+            shard_meta = dict(meta, layout=layout, config=to_dict(cfg),
+                              ckpt_format=cfg.training_config.ckpt_format)
+            shards[shard_name(tp_rank, pp_rank, pp)] = (files, shard_meta)
     return save_checkpoint(root, meta["iteration"], shards, cfg.training_config.ckpt_format)
 
 
@@ -513,8 +563,10 @@ def convert_main(argv):
     """convert --load DIR --save NEW [--nproc N] [layout flags]: the latest checkpoint of DIR,
     weights and optimizer state, rewritten for N ranks (default 1) in the layout the flags give
     (--tensor-model-parallel-size, --pipeline-model-parallel-size, --sequence-parallel,
-    --virtual-pipeline-model-parallel-size, parallel_config.num_layer_list=..., --use-distributed-optimizer)."""
-    v, argv = parse_command("convert", argv, CONVERT_FLAGS, passthrough="layout flags, as in training",
+    --virtual-pipeline-model-parallel-size, parallel_config.num_layer_list=...,
+    --use-distributed-optimizer)."""
+    v, argv = parse_command("convert", argv, CONVERT_FLAGS,
+                            passthrough="layout flags, as in training",
                             about="Rewrite the latest checkpoint of --load for another layout.")
     load, save, world = v["load"], v["save"], v["nproc"]
     check_new_folder("convert", save, world)
@@ -526,16 +578,20 @@ def convert_main(argv):
     cfg.model_config.padded_vocab_size = padded
     tensors, meta = full_state(load)
     path = write_layout(save, tensors, meta, cfg)
-    print(f"converted {load} (iteration {meta['iteration']}, layout {meta['layout']}) to {path}, layout {layout_of(cfg)}")
+    print(f"converted {load} (iteration {meta['iteration']}, layout {meta['layout']}) to "
+          f"{path}, layout {layout_of(cfg)}")
 
 
 def first_shard(root):
-    """The shard folder holding meta.json of the latest checkpoint: mp_rank_00 or mp_rank_00_000."""
+    """The shard folder holding meta.json of the latest checkpoint: mp_rank_00 (TP only) or
+    mp_rank_00_000 (with pipeline stages)."""
     folder = iteration_dir(root, latest_iteration(root))
-    return shard_name(0) if os.path.isdir(os.path.join(folder, shard_name(0))) else shard_name(0, 0, 2)
+    if os.path.isdir(os.path.join(folder, shard_name(0))):
+        return shard_name(0)
+    return shard_name(0, 0, 2)
 
 
-# ----------------------------------------------------------------------------- Megatron-LM's checkpoints in
+# ------------------------------------------------------------------- Megatron-LM's checkpoints in
 def _megatron_config(overrides, argv=(), world=1):
     """This project's config (config.yaml) of a Megatron checkpoint's `overrides`, then `argv`,
     for `world` ranks, its padded vocabulary the checkpoint's."""
@@ -561,7 +617,8 @@ def read_megatron(root):
     first = megatron_checkpoint.load_rank(files[0, 0])
     tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
     overrides, _ = megatron_checkpoint.checkpoint_overrides(first, files[0, 0], tp, pp)
-    return _megatron_weights(files, _megatron_config(overrides).model_config, first), overrides, iteration
+    weights = _megatron_weights(files, _megatron_config(overrides).model_config, first)
+    return weights, overrides, iteration
 
 
 def _check_tokenizer(d, padded):
