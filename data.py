@@ -43,7 +43,8 @@ def _save_atomic(path, write):
 # ----------------------------------------------------------------------------- indexed dataset
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
-_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+           7: np.float32, 8: np.uint16}
 _CODES = {np.dtype(t): c for c, t in _DTYPES.items()}
 
 
@@ -79,7 +80,8 @@ class IndexedDatasetBuilder:
         pointers = np.zeros(len(lengths), dtype=np.int64)  # byte offset of each sequence in .bin
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         # magic, version 1, dtype code, sequence count, document count (34 bytes), then the arrays
-        header = _INDEX_HEADER + struct.pack("<QBQQ", 1, _CODES[self.dtype], len(lengths), len(self.document_indices))
+        header = _INDEX_HEADER + struct.pack("<QBQQ", 1, _CODES[self.dtype], len(lengths),
+                                             len(self.document_indices))
         documents = np.asarray(self.document_indices, dtype=np.int64)
         self._idx_tmp = _tmp_path(idx_path)
         with open(self._idx_tmp, "wb") as f:
@@ -107,22 +109,31 @@ class IndexedDataset:
         with open(idx_path, "rb") as f:
             header = f.read(34)
         if len(header) < 34 or header[:9] != _INDEX_HEADER:
-            raise ConfigError(f"{idx_path}: bad magic or truncated header, not a Megatron MMIDIDX index: {fix}")
+            raise ConfigError(f"{idx_path}: bad magic or truncated header, not a Megatron MMIDIDX "
+                              f"index: {fix}")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[9:])
         if version != 1 or code not in _DTYPES:
-            raise ConfigError(f"{idx_path}: unsupported version {version} or dtype code {code}: {fix}")
+            raise ConfigError(f"{idx_path}: unsupported version {version} or dtype code {code}: "
+                              f"{fix}")
         self.dtype = np.dtype(_DTYPES[code])
         need = 34 + n_seq * 12 + n_doc * 8
         if os.path.getsize(idx_path) < need:
-            raise ConfigError(f"{idx_path}: truncated, {os.path.getsize(idx_path)} bytes but the header implies "
-                              f"{need}: {fix}")
+            raise ConfigError(f"{idx_path}: truncated, {os.path.getsize(idx_path)} bytes but the "
+                              f"header implies {need}: {fix}")
         idx = np.memmap(idx_path, mode="r", order="C")
+        # after the header: int32 lengths [n_seq], int64 byte pointers [n_seq], int64 [n_doc]
         self.sequence_lengths = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=34)
-        self.sequence_pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq, offset=34 + n_seq * 4)
-        self.document_indices = np.frombuffer(idx, dtype=np.int64, count=n_doc, offset=34 + n_seq * 12)
+        self.sequence_pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq,
+                                               offset=34 + n_seq * 4)
+        self.document_indices = np.frombuffer(idx, dtype=np.int64, count=n_doc,
+                                              offset=34 + n_seq * 12)
         bin_size = os.path.getsize(bin_path)
-        if n_seq and self.sequence_pointers[-1] + int(self.sequence_lengths[-1]) * self.dtype.itemsize > bin_size:
-            raise ConfigError(f"{bin_path}: truncated, {bin_size} bytes is shorter than the index says: {fix}")
+        if n_seq:
+            # the byte after the last sequence
+            end = self.sequence_pointers[-1] + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            if end > bin_size:
+                raise ConfigError(f"{bin_path}: truncated, {bin_size} bytes is shorter than the "
+                                  f"index says: {fix}")
         self._bin = np.memmap(bin_path, mode="r", order="C") if bin_size else np.zeros(0, np.uint8)
 
     def __len__(self):
@@ -154,34 +165,42 @@ def _encode_document(document, append_eod):
     where, texts = document
     eod = [_worker_tokenizer.eod] if append_eod else []
     try:
-        return [_worker_tokenizer.encode(text) + eod for text in texts], sum(len(t.encode("utf-8")) for t in texts)
-    except ValueError as e:  # NullTokenizer: a word that is not an integer id
-        raise ConfigError(f"{where}: {e}: NullTokenizer reads space-separated integer ids") from None
+        ids = [_worker_tokenizer.encode(text) + eod for text in texts]
+        return ids, sum(len(t.encode("utf-8")) for t in texts)
+    except ValueError as e:
+        # NullTokenizer: a word that is not an integer id
+        message = f"{where}: {e}: NullTokenizer reads space-separated integer ids"
+        raise ConfigError(message) from None
 
 
 def _json_texts(line, keys, where):
-    """One jsonl line -> its strings under `keys`; anything else raises ConfigError naming the line."""
+    """One jsonl line -> its strings under `keys`; anything else raises ConfigError naming the
+    line."""
     try:
-        obj = json.loads(line.rstrip("\n"))  # a value missing at the end: its column, not "line 2 column 1"
+        # without the newline, a value missing at the end is named by its column, not by
+        # "line 2 column 1"
+        obj = json.loads(line.rstrip("\n"))
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: invalid JSON ({e.msg}, column {e.colno}): write one JSON object per line") \
-            from None
+        raise ConfigError(f"{where}: invalid JSON ({e.msg}, column {e.colno}): write one JSON "
+                          "object per line") from None
     missing = [k for k in keys if not isinstance(obj, dict) or not isinstance(obj.get(k), str)]
     if missing:
-        raise ConfigError(f"{where}: no string under {missing[0]!r} in {line.strip()[:60]}: fix the line or name "
-                          "the keys to read with --json-keys")
+        raise ConfigError(f"{where}: no string under {missing[0]!r} in {line.strip()[:60]}: fix "
+                          "the line or name the keys to read with --json-keys")
     return [obj[k] for k in keys]
 
 
 def _read_documents(path, keys):
-    """Yield ("path:line", one string per key) per document: jsonl, or blank-line separated text."""
+    """Yield ("path:line", one string per key) per document: jsonl, or blank-line separated
+    text."""
     if path.endswith((".json", ".jsonl")):
         for n, line in enumerate(read_lines(path), 1):
             if line.strip():
                 yield f"{path}:{n}", _json_texts(line, keys, f"{path}:{n}")
         return
     n = 1
-    for piece in re.split(r"(\n\s*\n)", "".join(read_lines(path))):  # documents and the separators between them
+    # split at blank lines, keeping them: documents and the separators between them alternate
+    for piece in re.split(r"(\n\s*\n)", "".join(read_lines(path))):
         if piece.strip():  # not a separator nor an empty document
             yield f"{path}:{n}", [piece.strip("\n")]
         n += piece.count("\n")
@@ -210,7 +229,8 @@ def preprocess_main(argv):
 
     Each document becomes one sequence. Returns the list of written data prefixes.
     """
-    v, _ = parse_command("preprocess", argv, PREPROCESS_FLAGS, about="Tokenize text into Megatron .bin/.idx files.")
+    v, _ = parse_command("preprocess", argv, PREPROCESS_FLAGS,
+                         about="Tokenize text into Megatron .bin/.idx files.")
     args = SimpleNamespace(**v)
     keys = args.json_keys if args.input.endswith((".json", ".jsonl")) else ["text"]
     prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
@@ -253,17 +273,18 @@ def _tokenize(args, keys, prefixes):
                 builder.add_document(ids)
             if n % args.log_interval == 0:
                 dt = time.time() - t0
-                print(f"Processed {n} documents ({n / dt:.1f} docs/s, {total_bytes / dt / 2**20:.2f} MB/s).",
-                      flush=True)
+                print(f"Processed {n} documents ({n / dt:.1f} docs/s, "
+                      f"{total_bytes / dt / 2**20:.2f} MB/s).", flush=True)
         if n == 0:
-            raise ConfigError(f"{args.input}: no documents: give jsonl (one JSON object per line) or text "
-                              "(documents separated by blank lines)")
+            raise ConfigError(f"{args.input}: no documents: give jsonl (one JSON object per line) "
+                              "or text (documents separated by blank lines)")
         if pool:
             pool.close()
             pool.join()
         for builder, pre in zip(builders, prefixes):
             builder.finalize(pre + ".idx")
-    except BaseException:  # a bad line, Ctrl-C: stop the workers (they may be reading ahead), keep no half file
+    except BaseException:
+        # a bad line, Ctrl-C: stop the workers (they may be reading ahead), keep no half file
         if pool:
             pool.terminate()
         for builder in builders:
@@ -276,8 +297,8 @@ def _sha256(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=None, merge_file=None,
-                        vocab_size=None, append_eod=True, workers=1):
+def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=None,
+                        merge_file=None, vocab_size=None, append_eod=True, workers=1):
     """Run preprocess_main unless `<prefix>_text_document.{bin,idx}` already match the source.
 
     The sidecar `<prefix>_text_document.src.json` holds the sha256 of the source and the
@@ -298,9 +319,11 @@ def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=No
         return prefix
     if os.path.exists(sidecar):
         os.remove(sidecar)
-    argv = ["--input", input_path, "--output-prefix", output_prefix, "--tokenizer-type", tokenizer_type,
-            "--workers", str(workers)]
-    for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file), ("--vocab-size", vocab_size)):
+    argv = ["--input", input_path, "--output-prefix", output_prefix,
+            "--tokenizer-type", tokenizer_type, "--workers", str(workers)]
+    optional = (("--vocab-file", vocab_file), ("--merge-file", merge_file),
+                ("--vocab-size", vocab_size))
+    for flag, value in optional:
         if value is not None:
             argv += [flag, str(value)]
     preprocess_main(argv + (["--append-eod"] if append_eod else []))
@@ -312,7 +335,8 @@ def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=No
 
 
 def split_document_ranges(num_documents, split="949,50,1"):
-    """Megatron's parse_and_normalize_split + split bookends: 3 contiguous (start, end) document ranges."""
+    """Megatron's parse_and_normalize_split + split bookends: 3 contiguous (start, end) document
+    ranges."""
     weights = [float(x) for x in re.findall(r"[.0-9]+", split)]
     if not 0 < len(weights) <= 3 or sum(weights) <= 0:
         raise ValueError(f"bad --split {split!r}: give up to 3 non-negative weights like 949,50,1")
@@ -332,7 +356,8 @@ def build_sample_index(sequence_lengths, document_index, seq_length):
     doc_starts = np.concatenate([[0], np.cumsum(doc_lengths)[:-1]])
     num_samples = (int(doc_lengths.sum()) - 1) // seq_length
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    pos = np.searchsorted(doc_starts, starts, side="right") - 1  # last document starting at or before
+    # the last document starting at or before each sample's start
+    pos = np.searchsorted(doc_starts, starts, side="right") - 1
     sample_index = np.stack([pos, starts - doc_starts[pos]], axis=1).astype(np.int32)
     sample_index[0] = 0  # the C++ loop starts at (0, 0) even if document 0 is empty
     return sample_index
@@ -355,7 +380,8 @@ def _build_document_index(documents, num_epochs, rng, separate_final_epoch):
 
 
 def _build_shuffle_index(num_samples, total_size, rng):
-    """gpt_dataset._build_shuffle_index: shuffle [0, num_samples) and [num_samples, total_size) apart."""
+    """gpt_dataset._build_shuffle_index: shuffle [0, num_samples) and [num_samples, total_size)
+    apart."""
     dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
     first = np.arange(num_samples, dtype=dtype)
     _shuffle(first, rng)
@@ -391,7 +417,8 @@ def _read_index_cache(paths, num_documents, num_samples):
     return indices, None
 
 
-def get_ltor_masks_and_position_ids(tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
+def get_ltor_masks_and_position_ids(tokens, eod, reset_position_ids, reset_attention_mask,
+                                    eod_mask_loss):
     """Megatron's get_ltor_masks_and_position_ids for one sample. tokens: [s].
 
     Returns loss_mask float32 [s], position_ids int32 [s], attention_mask bool [1, s, s]
@@ -429,23 +456,27 @@ class GPTDataset:
     is damaged; cache_dir=None keeps them in memory.
     """
 
-    def __init__(self, indexed_dataset, document_ids, num_samples, seq_length, seed, eod, name="train",
-                 cache_dir=None, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-                 shuffle=True):
+    def __init__(self, indexed_dataset, document_ids, num_samples, seq_length, seed, eod,
+                 name="train", cache_dir=None, reset_position_ids=False,
+                 reset_attention_mask=False, eod_mask_loss=False, shuffle=True):
         self.dataset, self.seq_length, self.eod, self.name = indexed_dataset, seq_length, eod, name
         self.shuffle = shuffle
         self.documents = np.asarray(document_ids, dtype=np.int64)
         self.mask_options = (reset_position_ids, reset_attention_mask, eod_mask_loss)
         self.description = json.dumps({
-            "class": "GPTDataset", "dataset_path": getattr(indexed_dataset, "path_prefix", None), "split": name,
-            "documents_md5": hashlib.md5(self.documents.tobytes()).hexdigest(), "num_documents": len(self.documents),
-            "num_samples": num_samples, "sequence_length": seq_length, "random_seed": seed,
+            "class": "GPTDataset", "dataset_path": getattr(indexed_dataset, "path_prefix", None),
+            "split": name, "documents_md5": hashlib.md5(self.documents.tobytes()).hexdigest(),
+            "num_documents": len(self.documents), "num_samples": num_samples,
+            "sequence_length": seq_length, "random_seed": seed,
             **({} if shuffle else {"shuffle": False}),     # Megatron's own description otherwise
         }, indent=4)
-        paths = []  # {hash}-GPTDataset-{split}-{document,sample,shuffle}_index.npy, description.txt last
+        # {hash}-GPTDataset-{split}-{document,sample,shuffle}_index.npy, description.txt last
+        paths = []
         if cache_dir is not None:
-            base = os.path.join(cache_dir, f"{hashlib.md5(self.description.encode()).hexdigest()}-GPTDataset-{name}")
-            paths = [f"{base}-{k}_index.npy" for k in ("document", "sample", "shuffle")] + [base + "-description.txt"]
+            digest = hashlib.md5(self.description.encode()).hexdigest()
+            base = os.path.join(cache_dir, f"{digest}-GPTDataset-{name}")
+            paths = [f"{base}-{k}_index.npy" for k in ("document", "sample", "shuffle")]
+            paths.append(base + "-description.txt")
         indices, damage = None, None
         if paths and all(map(os.path.isfile, paths)):
             indices, damage = _read_index_cache(paths[:3], len(self.documents), num_samples)
@@ -478,20 +509,30 @@ class GPTDataset:
         lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int32)
         tokens_per_epoch = int(lengths[self.documents].sum())
         if tokens_per_epoch < self.seq_length + 1:
-            raise ConfigError(f"{self.dataset.path_prefix}.bin: the {self.name} split has {tokens_per_epoch} tokens "
-                              f"in {len(self.documents)} documents, fewer than seq_length+1={self.seq_length + 1}: "
-                              "lower --seq-length, add data or change --split")
-        num_epochs = 1 if num_samples is None else max(1, -(-(num_samples * self.seq_length + 1) // tokens_per_epoch))
+            raise ConfigError(f"{self.dataset.path_prefix}.bin: the {self.name} split has "
+                              f"{tokens_per_epoch} tokens in {len(self.documents)} documents, "
+                              f"fewer than seq_length+1={self.seq_length + 1}: lower --seq-length, "
+                              "add data or change --split")
+        if num_samples is None:
+            num_epochs = 1
+        else:
+            # the epochs that hold num_samples samples of seq_length tokens and the extra token
+            needed = num_samples * self.seq_length + 1
+            num_epochs = max(1, -(-needed // tokens_per_epoch))
         separate_final_epoch = False
-        if num_epochs > 1:  # separate the last epoch if it supplies < 80% of an epoch's samples
+        # separate the last epoch if it supplies < 80% of an epoch's samples
+        if num_epochs > 1:
             samples_sans_final = ((num_epochs - 1) * tokens_per_epoch - 1) // self.seq_length
             samples_per_epoch = (tokens_per_epoch - 1) // self.seq_length
             separate_final_epoch = num_samples - samples_sans_final < int(0.80 * samples_per_epoch)
         rng = np.random.RandomState(seed) if self.shuffle else None
-        document_index = _build_document_index(self.documents, num_epochs, rng, separate_final_epoch)
+        document_index = _build_document_index(self.documents, num_epochs, rng,
+                                               separate_final_epoch)
         sample_index = build_sample_index(lengths, document_index, self.seq_length)
         total = len(sample_index) - 1
-        shuffle_index = _build_shuffle_index(samples_sans_final if separate_final_epoch else total, total, rng)
+        # a separate last epoch's samples are shuffled among themselves
+        shuffled_apart = samples_sans_final if separate_final_epoch else total
+        shuffle_index = _build_shuffle_index(shuffled_apart, total, rng)
         return document_index, sample_index, shuffle_index
 
     def __len__(self):
@@ -501,7 +542,8 @@ class GPTDataset:
         """The seq_length + 1 tokens of sample j in sample_index order (before the shuffle)."""
         (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
         if d0 == d1:
-            return np.asarray(self.dataset.get(self.document_index[d0], offset=o0, length=o1 - o0 + 1), dtype=np.int64)
+            tokens = self.dataset.get(self.document_index[d0], offset=o0, length=o1 - o0 + 1)
+            return np.asarray(tokens, dtype=np.int64)
         parts = [self.dataset.get(self.document_index[d0], offset=o0)]
         parts += [self.dataset.get(self.document_index[d]) for d in range(d0 + 1, d1)]
         parts.append(self.dataset.get(self.document_index[d1], length=o1 + 1))
@@ -512,8 +554,10 @@ class GPTDataset:
         return _make_sample(text, self.eod, *self.mask_options)
 
 
-def _make_sample(text, eod, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
-    """[s + 1] tokens -> dict(tokens, labels, loss_mask, position_ids[, attention_mask]), each [s]."""
+def _make_sample(text, eod, reset_position_ids=False, reset_attention_mask=False,
+                 eod_mask_loss=False):
+    """[s + 1] tokens -> dict of tokens, labels, loss_mask and position_ids, each [s] (and
+    attention_mask [1, s, s] with reset_attention_mask)."""
     tokens, labels = text[:-1].astype(np.int32), text[1:].astype(np.int32)
     loss_mask, position_ids, attention_mask = get_ltor_masks_and_position_ids(
         tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss)
@@ -527,7 +571,8 @@ class MockGPTDataset:
     """Megatron's --mock-data: random token ids, deterministic per (seed, index)."""
 
     def __init__(self, num_samples, seq_length, vocab_size, seed):
-        self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
+        self.num_samples, self.seq_length = num_samples, seq_length
+        self.vocab_size, self.seed = vocab_size, seed
 
     def __len__(self):
         return self.num_samples
@@ -547,13 +592,16 @@ def data_prefix(path):
     prefixes = sorted(f[:-4] for f in os.listdir(path)
                       if f.endswith(".bin") and os.path.isfile(os.path.join(path, f[:-4] + ".idx")))
     if len(prefixes) != 1:
-        found = f"{len(prefixes)} .bin/.idx pairs ({', '.join(prefixes[:3])})" if prefixes else "none"
+        found = "none"
+        if prefixes:
+            found = f"{len(prefixes)} .bin/.idx pairs ({', '.join(prefixes[:3])})"
         raise ConfigError(f"dataset_config.data_path={path} is a folder holding {found}: give the "
                           "prefix of one tokenized corpus (bash run.sh preprocess writes them)")
     return os.path.join(path, prefixes[0])
 
 
-def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, cache_dir=None, **mask_options):
+def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, cache_dir=None,
+                       **mask_options):
     """BlendedMegatronDatasetBuilder for one data prefix: (train, valid, test) GPTDatasets.
 
     num_samples: (train, valid, test) samples wanted. A valid or test split with no documents or
@@ -562,10 +610,14 @@ def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, c
     indexed = IndexedDataset(data_prefix)
     num_docs = len(indexed.document_indices) - 1
     datasets = []
-    for name, (begin, end), n in zip(("train", "valid", "test"), split_document_ranges(num_docs, split), num_samples):
+    ranges = split_document_ranges(num_docs, split)
+    for name, (begin, end), n in zip(("train", "valid", "test"), ranges, num_samples):
+        if name != "train" and not (end > begin and n):
+            datasets.append(None)
+            continue
         documents = np.arange(begin, end, dtype=np.int32)
-        datasets.append(GPTDataset(indexed, documents, n, seq_length, seed, eod, name, cache_dir, **mask_options)
-                        if name == "train" or end > begin and n else None)
+        datasets.append(GPTDataset(indexed, documents, n, seq_length, seed, eod, name, cache_dir,
+                                   **mask_options))
     return tuple(datasets)
 
 
@@ -580,10 +632,12 @@ class MicroBatchIterator:
     incomplete global batch is dropped; there is no wrap-around.
     """
 
-    def __init__(self, dataset, micro_batch_size, data_parallel_rank=0, data_parallel_size=1, consumed_samples=0):
+    def __init__(self, dataset, micro_batch_size, data_parallel_rank=0, data_parallel_size=1,
+                 consumed_samples=0):
         if micro_batch_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(f"bad sampler setup: micro_batch_size={micro_batch_size}, "
-                             f"data_parallel_rank={data_parallel_rank}, data_parallel_size={data_parallel_size}")
+                             f"data_parallel_rank={data_parallel_rank}, "
+                             f"data_parallel_size={data_parallel_size}")
         self.dataset, self.micro_batch_size = dataset, micro_batch_size
         self.rank, self.dp = data_parallel_rank, data_parallel_size
         self.consumed_samples = consumed_samples
