@@ -12,16 +12,17 @@ MindSpeed names them (parallel_config.context_parallel_algo):
                     by their log-sum-exp (online softmax, Milakov & Gimelshein 2018).
   hybrid_cp_algo    USP (Fang & Zhao 2024, "A Unified Sequence Parallelism Approach"): Ulysses
                     inside groups of ulysses_degree_in_cp adjacent cp ranks, the ring across them.
-One description covers all three: cp = ring x ulysses, cp_rank = ring_rank * ulysses + ulysses_rank
-(ulysses = cp: Ulysses alone; ulysses = 1: the ring alone).
+One description covers all three: cp = ring x ulysses,
+cp_rank = ring_rank * ulysses + ulysses_rank (ulysses = cp: Ulysses alone; ulysses = 1: the ring
+alone).
 
 Which tokens a rank holds (get_batch_on_this_cp_rank): with a ring the sequence is cut into
-2 x ring chunks and ring rank r keeps chunks r and 2*ring-1-r. Under the causal mask a query attends
-only to earlier keys, so contiguous pieces would give the last rank ring times the work of the first;
-the zig-zag pairs an early chunk with a late one and every rank does the same work (Megatron's load
-balancing). Each Ulysses rank then keeps a contiguous 1/ulysses of that, so the Ulysses all-to-all
-gives back the ring rank's two chunks in order. Positions (absolute embeddings and RoPE) follow the
-tokens: position_ids are sliced with them.
+2 x ring chunks and ring rank r keeps chunks r and 2*ring-1-r. Under the causal mask a query
+attends only to earlier keys, so contiguous pieces would give the last rank ring times the work of
+the first; the zig-zag pairs an early chunk with a late one and every rank does the same work
+(Megatron's load balancing). Each Ulysses rank then keeps a contiguous 1/ulysses of that, so the
+Ulysses all-to-all gives back the ring rank's two chunks in order. Positions (absolute embeddings
+and RoPE) follow the tokens: position_ids are sliced with them.
 
 The ring, here: keys and values are all-gathered over the ring group (Megatron-core's
 cp_comm_type=all_gather) and then processed block by block, as a ring would receive them. On the
@@ -62,11 +63,14 @@ def get_batch_on_this_cp_rank(batch, state):
 
 
 def attention_work(seq_length, ring, balanced=True):
-    """Query-key pairs each ring rank computes under the causal mask (the attention work), with the
-    zig-zag split or with contiguous pieces: README's load-balance table."""
+    """Query-key pairs each ring rank computes under the causal mask (the attention work), with
+    the zig-zag split or with contiguous pieces: README's load-balance table."""
     work = []
     for r in range(ring):
-        mine = cp_token_indices(seq_length, ring, r, 1) if balanced else np.split(np.arange(seq_length), ring)[r]
+        if balanced:
+            mine = cp_token_indices(seq_length, ring, r, 1)
+        else:
+            mine = np.split(np.arange(seq_length), ring)[r]
         work.append(int((mine + 1).sum()))             # the query at position p sees p + 1 keys
     return work
 
@@ -162,8 +166,10 @@ class ContextParallelAttention(nn.Cell):
         self.attend = RingAttention(core, state) if state.cp_ring > 1 else core
 
     def construct(self, q, k, v, bias):
-        if self.ulysses > 1:       # heads and groups split in the same contiguous order: they stay paired
-            q, k, v = self.scatter_q(q), self.scatter_k(k), self.scatter_v(v)   # [s/ring, b, n/u, d]
+        if self.ulysses > 1:
+            # heads and groups split in the same contiguous order: they stay paired;
+            # [s/cp, b, n, d] -> [s/ring, b, n/u, d]
+            q, k, v = self.scatter_q(q), self.scatter_k(k), self.scatter_v(v)
         context = self.attend(q, k, v, bias)
         if self.ulysses > 1:
             context = self.gather_context(context)                             # [s/cp, b, n, d]

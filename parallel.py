@@ -5,11 +5,12 @@ Process groups follow Megatron's RankGenerator with order "tp-cp-dp-pp": global 
     r = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),
 so TP ranks are adjacent and PP ranks furthest apart.
 
-Mappings (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallelism):
+Mappings (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallelism,
+the ~ ones along the sequence dimension):
     f  = copy_to_tensor_model_parallel_region        fwd identity        bwd all-reduce
     g  = reduce_from_tensor_model_parallel_region    fwd all-reduce      bwd identity
-    g~ = reduce_scatter_to_sequence_parallel_region  fwd reduce-scatter  bwd all-gather   (seq dim)
-    f~ = gather_from_sequence_parallel_region        fwd all-gather      bwd reduce-scatter (seq dim)
+    g~ = reduce_scatter_to_sequence_parallel_region  fwd reduce-scatter  bwd all-gather
+    f~ = gather_from_sequence_parallel_region        fwd all-gather      bwd reduce-scatter
 Each is an nn.Cell with a custom `bprop`, the way autograd goes through a collective in MindSpore.
 Activations are [s, b, h] (sequence first), so sequence parallelism splits dim 0.
 
@@ -39,7 +40,8 @@ _STATE = None
 def rank_groups(world_size, tp, cp, pp, ulysses=None):
     """kind -> list of rank lists, for the layout tp x cp x dp x pp (dp = world / (tp*cp*pp)).
     Context parallelism as ring x ulysses (context_parallel.py): "cp_ulysses" groups are runs of
-    `ulysses` adjacent cp ranks (default: all of them), "cp_ring" groups the ranks `ulysses` apart."""
+    `ulysses` adjacent cp ranks (default: all of them), "cp_ring" groups the ranks `ulysses`
+    apart."""
     if world_size % (tp * cp * pp):
         raise ValueError(f"world size {world_size} is not a multiple of tp*cp*pp = {tp * cp * pp}")
     dp = world_size // (tp * cp * pp)
@@ -90,7 +92,8 @@ class ParallelState:
 
     @property
     def dp_cp_rank(self):
-        """This rank's place in its dp_cp group (cp ranks adjacent): the distributed optimizer's shard."""
+        """This rank's place in its dp_cp group (cp ranks adjacent): the distributed optimizer's
+        shard."""
         return self.dp_rank * self.cp + self.cp_rank
 
     @property
@@ -107,7 +110,8 @@ class ParallelState:
 
 
 def launched_world_size():
-    """The number of workers msrun started (MS_WORKER_NUM; RANK_SIZE for other launchers), 1 alone."""
+    """The number of workers msrun started (MS_WORKER_NUM; RANK_SIZE for other launchers), 1
+    when run alone."""
     return int(os.environ.get("MS_WORKER_NUM", os.environ.get("RANK_SIZE", "1")))
 
 
@@ -154,7 +158,8 @@ def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses
         tp_group=names["tp"], cp_group=names["cp"], dp_group=names["dp"], pp_group=names["pp"],
         dp_cp_group=names["dp_cp"], mp_group=names["mp"], embedding_group=names.get("embedding"),
         pair_groups=pairs, sequence_parallel=sequence_parallel, cp_ulysses=ulysses,
-        cp_ulysses_group=names.get("cp_ulysses", names["cp"]), cp_ring_group=names.get("cp_ring", names["cp"]))
+        cp_ulysses_group=names.get("cp_ulysses", names["cp"]),
+        cp_ring_group=names.get("cp_ring", names["cp"]))
     return _STATE
 
 
@@ -181,7 +186,8 @@ def barrier():
 
 
 def any_rank(flag):
-    """True on every rank when `flag` is true on any (a one-element all-reduce on the world group)."""
+    """True on every rank when `flag` is true on any (a one-element all-reduce on the world
+    group)."""
     if get_state().world_size == 1:
         return bool(flag)
     count = Tensor([float(bool(flag))], ms.float32)
@@ -531,13 +537,15 @@ class ColumnParallelLinear(nn.Cell):
                              f"{state.tp * chunks}")
         self.enter = Mapping("gather_from_sequence_parallel_region" if sequence_parallel
                              else "copy_to_tensor_model_parallel_region")        # f~ or f
-        self.gather_output = Mapping("gather_from_tensor_model_parallel_region") if gather_output else None
+        gather = Mapping("gather_from_tensor_model_parallel_region") if gather_output else None
+        self.gather_output = gather
         self.weight = _param((out_features // state.tp, in_features), "weight", 0, chunks)
         self.bias = _param((out_features // state.tp,), "bias", 0, chunks) if bias else None
 
     def construct(self, x):
         # cast before f/f~: sequence parallelism all-gathers the compute dtype
-        y = linear(self.enter(cast(x, self.dtype)), self.weight, self.bias, self.dtype)   # [s, b, out/tp]
+        x = self.enter(cast(x, self.dtype))                              # [s, b, in]
+        y = linear(x, self.weight, self.bias, self.dtype)                # [s, b, out/tp]
         if self.gather_output is not None:
             y = self.gather_output(y)                                    # [s, b, out]
         return y
@@ -557,20 +565,25 @@ class RowParallelLinear(nn.Cell):
             raise ValueError(f"input size {in_features} is not divisible by tp = {state.tp}")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel=True")
-        self.scatter_input = None if input_is_parallel else Mapping("scatter_to_tensor_model_parallel_region")
+        scatter = None if input_is_parallel else Mapping("scatter_to_tensor_model_parallel_region")
+        self.scatter_input = scatter
         self.reduce = Mapping("reduce_scatter_to_sequence_parallel_region" if sequence_parallel
                               else "reduce_from_tensor_model_parallel_region")   # g~ or g
         self.weight = _param((out_features, in_features // state.tp), "weight", 1)
-        self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel) \
-            if bias else None
+        if bias:
+            self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel)
+        else:
+            self.bias = None
 
     def construct(self, x):
         if self.scatter_input is not None:
             x = self.scatter_input(x)                                    # [s, b, in/tp]
-        y = self.reduce(linear(x, self.weight, None, self.dtype))        # [s, b, out] or [s/tp, b, out]
+        # [s, b, out], or [s/tp, b, out] with sequence parallelism
+        y = self.reduce(linear(x, self.weight, None, self.dtype))
         if self.bias is None:
             return y
-        return ops.bias_add(y.reshape(-1, y.shape[-1]), cast(self.bias, self.dtype)).reshape(y.shape)
+        flat = ops.bias_add(y.reshape(-1, y.shape[-1]), cast(self.bias, self.dtype))
+        return flat.reshape(y.shape)
 
 
 class VocabParallelEmbedding(nn.Cell):
