@@ -187,7 +187,8 @@ def from_saved(saved, args=(), world_size=1):
     raw = {section: _known(saved.get(section), schema) for section, schema in SCHEMA.items()}
     raw["parallel_config"] = {}
     for key in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
-        raw["model_config"].pop(key, None)              # the run's choice for its layout, not the model's
+        # the run's choice for its layout, not the model's
+        raw["model_config"].pop(key, None)
     raw["training_config"].pop("use_distributed_optimizer", None)
     raw["dataset_config"].pop("micro_batch_num", None)  # derived from the global batch and DP
     if not raw["model_config"].get("group_query_attention"):
@@ -209,6 +210,19 @@ class HelpRequested(Exception):
     """--help or -h: the message is the command's usage; the caller prints it and exits 0."""
 
 
+def _usage(command, flags, positional, passthrough, about):
+    """A command's --help: the usage line, what the command does, then one line per flag."""
+    required = [f"{f} VALUE" for f, spec in flags.items() if spec[0] is REQUIRED]
+    words = [command, *positional] + required
+    usage = f"usage: bash run.sh {' '.join(words)} [flags]"
+    lines = [usage + (f" [{passthrough}]" if passthrough else "")]
+    lines += [about] if about else []
+    for flag, (default, typ, text) in flags.items():
+        shown = "required" if default is REQUIRED else f"default {default!r}"
+        lines.append(f"  {flag:22s} {text} ({shown})")
+    return "\n".join(lines)
+
+
 def parse_command(command, argv, flags, positional=(), passthrough=None, about=""):
     """Every command's flags through one mechanism. flags: {"--name": (default, type, help)}, the
     default REQUIRED for a flag that must be given, type bool for a switch, list for one or more
@@ -216,13 +230,7 @@ def parse_command(command, argv, flags, positional=(), passthrough=None, about="
     "load", the arguments left for `passthrough`), refusing an unknown flag with a suggestion
     unless `passthrough` (a text naming what takes them, e.g. "training flags") is given."""
     if "--help" in argv or "-h" in argv:
-        words = [command, *positional] + [f"{f} VALUE" for f, spec in flags.items() if spec[0] is REQUIRED]
-        lines = [f"usage: bash run.sh {' '.join(words)} [flags]" + (f" [{passthrough}]" if passthrough else "")]
-        lines += [about] if about else []
-        for flag, (default, typ, text) in flags.items():
-            shown = "required" if default is REQUIRED else f"default {default!r}"
-            lines.append(f"  {flag:22s} {text} ({shown})")
-        raise HelpRequested("\n".join(lines))
+        raise HelpRequested(_usage(command, flags, positional, passthrough, about))
     argv, values, rest = list(argv), {}, []
     for name in positional:
         if not argv or argv[0].startswith("-"):
@@ -235,7 +243,8 @@ def parse_command(command, argv, flags, positional=(), passthrough=None, about="
             if passthrough:
                 rest.append(arg)
                 continue
-            raise ConfigError(f"{command}: unknown argument {arg!r}{suggest(flag, flags)} (bash run.sh {command} --help)")
+            raise ConfigError(f"{command}: unknown argument {arg!r}{suggest(flag, flags)} "
+                              f"(bash run.sh {command} --help)")
         typ = flags[flag][1]
         if typ is bool:
             values[flag[2:].replace("-", "_")] = True
@@ -252,7 +261,8 @@ def parse_command(command, argv, flags, positional=(), passthrough=None, about="
             try:
                 value = typ(text)
             except ValueError:
-                raise ConfigError(f"{command}: {flag} expects {typ.__name__}, got {text!r}") from None
+                raise ConfigError(f"{command}: {flag} expects {typ.__name__}, "
+                                  f"got {text!r}") from None
         values[flag[2:].replace("-", "_")] = value
     for flag, (default, typ, _) in flags.items():
         key = flag[2:].replace("-", "_")

@@ -1,7 +1,8 @@
 """The generate command: text sampled from the latest checkpoint, whatever layout wrote it.
 
     bash run.sh generate --load DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T]
-                         [--top-k K] [--seed S] [--tokenizer-type ... --vocab-file ... --merge-file ...]
+                         [--top-k K] [--seed S]
+                         [--tokenizer-type ... --vocab-file ... --merge-file ...]
 
 Every flag is checked before the weights are read; the text is printed as it is sampled.
 MindSpore must be set up first (train.setup_mindspore, which train.main calls).
@@ -16,14 +17,17 @@ from gpt import generate
 from tokenizer import build_tokenizer
 
 TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "vocab_size")
-GENERATE_FLAGS = {"--load": (REQUIRED, str, "checkpoint folder written by training (any layout)"),
-                  "--prompt": ("\n", str, "text to continue; empty starts a document (GPT-2's <|endoftext|>)"),
-                  "--max-new-tokens": (100, int, "tokens to sample, printed as they come (the context slides)"),
-                  "--temperature": (1.0, float, "softmax temperature; 0 is greedy"),
-                  "--top-k": (0, int, "sample among the k likeliest tokens; 0 keeps all"),
-                  "--seed": (0, int, "sampling seed"),
-                  **{f"--{k.replace('_', '-')}": (None, int if k == "vocab_size" else str,
-                                                  "replaces the checkpoint's (as in training)") for k in TOKENIZER_KEYS}}
+GENERATE_FLAGS = {
+    "--load": (REQUIRED, str, "checkpoint folder written by training (any layout)"),
+    "--prompt": ("\n", str, "text to continue; empty starts a document (GPT-2's <|endoftext|>)"),
+    "--max-new-tokens": (100, int, "tokens to sample, printed as they come (the context slides)"),
+    "--temperature": (1.0, float, "softmax temperature; 0 is greedy"),
+    "--top-k": (0, int, "sample among the k likeliest tokens; 0 keeps all"),
+    "--seed": (0, int, "sampling seed"),
+    # the tokenizer flags, spelled as in training
+    **{f"--{k.replace('_', '-')}": (None, int if k == "vocab_size" else str,
+                                    "replaces the checkpoint's (as in training)")
+       for k in TOKENIZER_KEYS}}
 
 
 def load_model(load_dir, tokenizer=None):
@@ -32,7 +36,8 @@ def load_model(load_dir, tokenizer=None):
     tensors, meta = checkpoint.full_state(load_dir, optimizer=False)
     cfg = to_namespace(meta["config"])
     d, m = cfg.dataset_config, cfg.model_config
-    tokenizer = tokenizer or build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
     [model] = checkpoint.build_rank_chunks(m, 1, 1)                        # one process
     for name, p in model.parameters_and_names():
         p.set_data(ms.Tensor(tensors[f"model.{name}"]))
@@ -43,17 +48,20 @@ def checked_tokenizer(load_dir, flags):
     """The checkpoint's tokenizer with the tokenizer flags given replacing its settings, checked to
     fit the model's vocabulary (read from the checkpoint's meta.json, before any weights)."""
     _, meta = checkpoint.load_checkpoint(load_dir, checkpoint.first_shard(load_dir), stems=())
-    d = {k: meta["config"]["dataset_config"][k] if flags[k] is None else flags[k] for k in TOKENIZER_KEYS}
+    saved = meta["config"]["dataset_config"]
+    d = {k: saved[k] if flags[k] is None else flags[k] for k in TOKENIZER_KEYS}
     try:
         tokenizer = build_tokenizer(**d)
-    except (OSError, KeyError, ValueError) as e:       # a missing file, a vocab.json that is not GPT-2's, ...
-        raise ConfigError(f"generate: {d['tokenizer_type']}: {e} (check --tokenizer-type, --vocab-file, "
-                          "--merge-file, --vocab-size)") from None
+    except (OSError, KeyError, ValueError) as e:
+        # a missing file, a vocab.json that is not GPT-2's, ...
+        raise ConfigError(f"generate: {d['tokenizer_type']}: {e} (check --tokenizer-type, "
+                          "--vocab-file, --merge-file, --vocab-size)") from None
     padded = meta["config"]["model_config"]["padded_vocab_size"]
     if tokenizer.vocab_size > padded:
-        raise ConfigError(f"generate: the tokenizer's {tokenizer.vocab_size} tokens do not fit the model's "
-                          f"vocabulary of {padded} (trained on mock data?): give the tokenizer flags it was "
-                          "trained with (--tokenizer-type, --vocab-file, --merge-file, --vocab-size)")
+        raise ConfigError(f"generate: the tokenizer's {tokenizer.vocab_size} tokens do not fit "
+                          f"the model's vocabulary of {padded} (trained on mock data?): give the "
+                          "tokenizer flags it was trained with (--tokenizer-type, --vocab-file, "
+                          "--merge-file, --vocab-size)")
     return tokenizer
 
 
@@ -72,15 +80,19 @@ class TextStream:
             self.close()
 
     def close(self):
-        print(self.decode(self.shown + self.pending)[len(self.decode(self.shown)):], end="", flush=True)
+        """Print what the pending tokens add to the text after the last token shown."""
+        text = self.decode(self.shown + self.pending)[len(self.decode(self.shown)):]
+        print(text, end="", flush=True)
         self.shown, self.pending = (self.pending or self.shown)[-1:], []
 
 
 def generate_main(argv):
     """generate --load DIR [flags]: see the module docstring."""
-    v, _ = parse_command("generate", argv, GENERATE_FLAGS, about="Sample text from the latest checkpoint of --load.")
+    v, _ = parse_command("generate", argv, GENERATE_FLAGS,
+                         about="Sample text from the latest checkpoint of --load.")
     if not v["temperature"] >= 0:
-        raise ConfigError(f"generate: --temperature must be >= 0 (0 is greedy), got {v['temperature']}")
+        raise ConfigError("generate: --temperature must be >= 0 (0 is greedy), "
+                          f"got {v['temperature']}")
     if v["max_new_tokens"] < 1:
         raise ConfigError(f"generate: --max-new-tokens must be positive, got {v['max_new_tokens']}")
     if v["seed"] < 0:
@@ -88,17 +100,20 @@ def generate_main(argv):
     tokenizer = checked_tokenizer(v["load"], v)
     n = tokenizer.vocab_size
     if not 0 <= v["top_k"] <= n:
-        raise ConfigError(f"generate: --top-k must be 0 (all tokens) up to the vocabulary's {n}, got {v['top_k']}")
-    try:                                               # an empty prompt starts a document, as GPT-2 does
+        raise ConfigError(f"generate: --top-k must be 0 (all tokens) up to the vocabulary's {n}, "
+                          f"got {v['top_k']}")
+    try:
+        # an empty prompt starts a document, as GPT-2 does
         ids = tokenizer.encode(v["prompt"]) or [tokenizer.eod]
     except ValueError:                                 # NullTokenizer reads space-separated ids
         ids = None
     if ids is None or not all(0 <= i < n for i in ids):
-        raise ConfigError(f"generate: --prompt {v['prompt']!r} is not text of the tokenizer (ids 0..{n - 1})")
+        raise ConfigError(f"generate: --prompt {v['prompt']!r} is not text of the tokenizer "
+                          f"(ids 0..{n - 1})")
     model, _, _ = load_model(v["load"], tokenizer)
     print(v["prompt"], end="", flush=True)
     stream = TextStream(tokenizer, ids)
-    generate(model, ids, v["max_new_tokens"], v["temperature"], v["top_k"], n, np.random.default_rng(v["seed"]),
-             on_token=stream)
+    generate(model, ids, v["max_new_tokens"], v["temperature"], v["top_k"], n,
+             np.random.default_rng(v["seed"]), on_token=stream)
     stream.close()
     print()
