@@ -4,15 +4,15 @@
   is valid. A training command, translated by run.sh's rules (a first FILE.yaml is --config
   FILE.yaml; --nproc, --nproc_per_node, --local_worker_num, --worker_num, --nnodes and the other
   launch flags give the number of workers, several nodes need --master_addr and --node_rank; no
-  arguments is the default run), passes
-  `train.main(["check", "--nproc", WORKERS, ...])`. `check` runs as it is. `plan` runs for real,
-  and the lines a page prints under `$ bash run.sh plan ...` are lines it prints, in a row. The
-  other commands (preprocess, generate, convert, import-hf, export-hf, import-megatron) answer
-  `--help`, and the command's flags are the ones that help lists, its positional arguments and
-  required flags given; the layout and training flags that convert and the imports pass on pass
-  `check` for their --nproc. `bench`'s flags and layouts parse; `test` passes its arguments to
-  pytest. The checks run in a scratch copy of the project's inputs (configs/, data/; no output/),
-  so a run elsewhere cannot make a command look taken; in it:
+  arguments is the default run), passes `train.main(["check", "--nproc", WORKERS, ...])`.
+  `check` runs as it is. `plan` runs for real, and the lines a page prints under
+  `$ bash run.sh plan ...` are lines it prints, in a row. The other commands (preprocess,
+  generate, convert, import-hf, export-hf, import-megatron) answer `--help`, and the command's
+  flags are the ones that help lists, its positional arguments and required flags given; the
+  layout and training flags that convert and the imports pass on pass `check` for their --nproc.
+  `bench`'s flags and layouts parse; `test` passes its arguments to pytest. The checks run in a
+  scratch copy of the project's inputs (configs/, data/; no output/), so a run elsewhere cannot
+  make a command look taken; in it:
     * the shipped corpus's tokenized files are empty stand-ins (check looks for them; it does not
       read them), and a `preprocess` command's output files exist for the commands after it on
       its page, as though it had run;
@@ -23,7 +23,7 @@
       alone (at most three a page).
 - Every backticked `module.name` in README.md resolves: the module is one of the project's .py
   files and the attribute chain exists. A span naming a file (`train.py`, `config.yaml`) is a
-  file, not an attribute.
+  file, not an attribute. Every test README or docs name (`test_...`) is one of test_all.py's.
 - README.md is a map: at most 300 lines; README and docs lines are under 100 characters, but for
   a program's output quoted under a `$ ` command; their links reach a file and heading that exist.
 """
@@ -41,17 +41,26 @@ import train
 from keys import FLAGS
 from test_all import HERE
 
-DOCS = ["README.md"] + sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "docs", "*.md")))
-COMMANDS = ("check", "preprocess", "generate", "convert", "import-hf", "export-hf", "import-megatron", "plan")
-PASSING_ON = ("convert", "import-hf", "import-megatron")         # layout flags go on to the model
+DOCS = ["README.md"] + sorted(os.path.relpath(p, HERE)
+                              for p in glob.glob(os.path.join(HERE, "docs", "*.md")))
+COMMANDS = ("check", "preprocess", "generate", "convert", "import-hf", "export-hf",
+            "import-megatron", "plan")
+PASSING_ON = ("convert", "import-hf", "import-megatron")     # layout flags go on to the model
 LAUNCH = {"--nproc": "per_node", "--nproc_per_node": "per_node", "--local_worker_num": "per_node",
           "--worker_num": "worker_num", "--nnodes": "nnodes", "--node_rank": "node_rank",
           "--master_addr": "master_addr", "--master_port": None, "--log_dir": None}
 # run.sh's default run: 4 workers and these flags
-DEFAULT_RUN = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
-               "--micro-batch-size", "4", "--global-batch-size", "8", "training_config.pipeline_trace=true"]
+DEFAULT_RUN = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--sequence-parallel", "--micro-batch-size", "4", "--global-batch-size", "8",
+               "training_config.pipeline_trace=true"]
 PLACEHOLDER = re.compile(r"^([A-Z][A-Z_]*(\.yaml)?|\[.*|\$.*|.*\.\.\..*)$")
-FILE_SUFFIXES = {"py", "yaml", "yml", "json", "md", "txt", "sh", "pt", "ckpt", "svg", "csv", "log", "bin", "idx"}
+FILE_SUFFIXES = {"py", "yaml", "yml", "json", "md", "txt", "sh", "pt", "ckpt", "svg", "csv",
+                 "log", "bin", "idx"}
+
+
+# ----------------------------------------------------------------------------- reading the pages
+def read(page):
+    return open(os.path.join(HERE, page)).read()
 
 
 def code_blocks_and_prose(text):
@@ -61,17 +70,16 @@ def code_blocks_and_prose(text):
     return [b.split("\n") for b in blocks], prose
 
 
-def inline_code(prose):
-    """The text of each `span` (one may wrap a line, not a paragraph), on one line."""
+def inline_code(page):
+    """The text of each `span` outside code blocks (one may wrap a line, not a paragraph)."""
+    prose = code_blocks_and_prose(read(page))[1]
     return [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", prose) if "\n\n" not in s]
 
 
-def commands(path):
-    """[(argv after `bash run.sh`, the output lines printed under it or None)] of a page, in order."""
-    text = open(os.path.join(HERE, path)).read()
-    blocks, prose = code_blocks_and_prose(text)
+def commands(page):
+    """[(argv after `bash run.sh`, the lines printed under it or None)] of a page, in order."""
     found = []
-    for lines in blocks:
+    for lines in code_blocks_and_prose(read(page))[0]:
         joined = re.sub(r"\\\n\s*", " ", "\n".join(lines)).split("\n")
         for i, line in enumerate(joined):
             at = line.find("bash run.sh")
@@ -80,10 +88,11 @@ def commands(path):
             words = shlex.split(re.split(r"\s(?:&&|\|\||;|\|)\s", line[at:])[0], comments=True)
             output = [l for l in joined[i + 1:] if l] if line.startswith("$ ") else None
             found.append((words[2:], output))
-    found += [(shlex.split(span)[2:], None) for span in inline_code(prose) if span.startswith("bash run.sh")]
-    return found
+    return found + [(shlex.split(span)[2:], None) for span in inline_code(page)
+                    if span.startswith("bash run.sh")]
 
 
+# ----------------------------------------------------------------------------- checking a command
 @pytest.fixture
 def scratch(tmp_path, monkeypatch):
     """The project's inputs in a scratch folder (see the module docstring), the working folder."""
@@ -118,7 +127,7 @@ def training_check(words):
     if "worker_num" in launch:
         per_node = per_node or launch["worker_num"] // (nnodes or 1)
         nnodes = nnodes or launch["worker_num"] // per_node
-    if (nnodes or 1) > 1:                # run.sh: several nodes name node 0 and their own rank
+    if (nnodes or 1) > 1:                  # run.sh: several nodes name node 0 and their own rank
         assert "master_addr" in launch and 0 <= launch.get("node_rank", -1) < nnodes, launch
     if not args and per_node is None:
         per_node, args = 4, list(DEFAULT_RUN)
@@ -132,16 +141,14 @@ def help_of(command, capsys):
     usage = out.split("\n")[0].split("[flags]")[0].split()[3:]
     positional = [w for w in usage if w.isupper() and w != "VALUE"]
     required = [w for w in usage if w.startswith("--")]
-    flags = re.findall(r"^  (--[\w-]+)", out, re.M)
-    return positional, required, flags
+    return positional, required, re.findall(r"^  (--[\w-]+)", out, re.M)
 
 
 def check_command(words, output, capsys, monkeypatch):
-    """One printed command; returns what it was checked as."""
-    if any(PLACEHOLDER.match(w) for w in words):                    # a synopsis
-        command = words[0] if words and words[0] in COMMANDS + ("bench", "test") else None
-        if command in COMMANDS:
-            help_of(command, capsys)
+    """One printed command (the words after `bash run.sh`); returns what it was checked as."""
+    if any(PLACEHOLDER.match(w) for w in words):                      # a synopsis
+        if words[0] in COMMANDS:
+            help_of(words[0], capsys)
         return "synopsis"
     with monkeypatch.context() as patch:
         if any(re.search(r"device_target=(Ascend|GPU)$", w) for w in words):
@@ -174,10 +181,10 @@ def check_valid_command(words, output, capsys):
         return command
     positional, required, flags = help_of(command, capsys)
     rest = words[1:]
-    assert len(rest) >= len(positional) and not any(w.startswith("-") for w in rest[:len(positional)])
+    assert len(rest) >= len(positional), (positional, rest)
+    assert not any(w.startswith("-") for w in rest[:len(positional)]), (positional, rest)
     rest = rest[len(positional):]
-    given = [w.split("=")[0] for w in rest if w.startswith("--")]
-    assert set(required) <= set(given), (required, given)
+    assert set(required) <= {w.split("=")[0] for w in rest}, (required, rest)
     passed_on, nproc = [], "1"
     while rest:
         word = rest.pop(0)
@@ -190,7 +197,8 @@ def check_valid_command(words, output, capsys):
             passed_on.append(word)
     if passed_on:
         assert all(w in FLAGS or "=" in w or not w.startswith("--") for w in passed_on), passed_on
-        assert train.main(["check", "--nproc", nproc, "--mock-data", *passed_on]) == 0, capsys.readouterr().err
+        check = ["check", "--nproc", nproc, "--mock-data", *passed_on]
+        assert train.main(check) == 0, capsys.readouterr().err
     return command
 
 
@@ -199,11 +207,14 @@ def written_outputs(words):
     def values(flag):
         after = words[words.index(flag) + 1:] if flag in words else []
         return after[:next((i for i, w in enumerate(after) if w.startswith("--")), len(after))]
-    json = values("--input")[0].endswith((".json", ".jsonl"))
-    keys = values("--json-keys") or ["text"] if json else ["text"]
-    return [f"{values('--output-prefix')[0]}_{key}_document{ext}" for key in keys for ext in (".bin", ".idx")]
+    keys = values("--json-keys") or ["text"]
+    if not values("--input")[0].endswith((".json", ".jsonl")):
+        keys = ["text"]
+    return [f"{values('--output-prefix')[0]}_{key}_document{ext}"
+            for key in keys for ext in (".bin", ".idx")]
 
 
+# ----------------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("page", DOCS)
 def test_every_printed_command_is_valid(page, scratch, capsys, monkeypatch):
     found = commands(page)
@@ -224,12 +235,10 @@ def test_every_printed_command_is_valid(page, scratch, capsys, monkeypatch):
 
 def test_every_named_module_attribute_exists():
     modules = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(HERE, "*.py"))}
-    _, prose = code_blocks_and_prose(open(os.path.join(HERE, "README.md")).read())
-    names = set()
-    for span in inline_code(prose):
-        for module, chain in re.findall(r"(?<![\w./-])([A-Za-z_]\w*)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", span):
-            if module in modules and chain.rsplit(".", 1)[-1] not in FILE_SUFFIXES:
-                names.add(f"{module}.{chain}")
+    dotted = re.compile(r"(?<![\w./-])([A-Za-z_]\w*)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+    names = {f"{module}.{chain}" for span in inline_code("README.md")
+             for module, chain in dotted.findall(span)
+             if module in modules and chain.rsplit(".", 1)[-1] not in FILE_SUFFIXES}
     assert len(names) >= 30, names
     missing = []
     for name in sorted(names):
@@ -242,30 +251,38 @@ def test_every_named_module_attribute_exists():
     assert not missing, f"README.md names what the code does not hold: {missing}"
 
 
-def anchors(path):
+def test_every_named_test_exists():
+    suite = open(os.path.join(HERE, "test_all.py")).read()
+    tests = {name for page in DOCS for span in inline_code(page)
+             for name in re.findall(r"\b(test_\w+)(?!\.py)\b", span) if name != "test_all"}
+    assert len(tests) >= 20, tests
+    missing = sorted(t for t in tests if f"def {t}(" not in suite)
+    assert not missing, f"README.md or docs name tests test_all.py does not hold: {missing}"
+
+
+def anchors(page):
     """The anchors of a page's headings, as GitHub makes them."""
-    headings = re.findall(r"^#+ (.*)$", code_blocks_and_prose(open(path).read())[1], re.M)
+    headings = re.findall(r"^#+ (.*)$", code_blocks_and_prose(read(page))[1], re.M)
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
-def test_readme_is_a_map_and_lines_are_short():
-    readme = open(os.path.join(HERE, "README.md")).read().split("\n")
-    assert len(readme) <= 300, len(readme)
-    broken = []
+def test_readme_is_a_map_with_short_lines_and_links_that_resolve():
+    assert len(read("README.md").split("\n")) <= 300
+    long, broken = [], []
     for page in DOCS:
-        for target in re.findall(r"\]\(([^)#]*)(?:#([^)]*))?\)", code_blocks_and_prose(
-                open(os.path.join(HERE, page)).read())[1]):
-            path = os.path.normpath(os.path.join(HERE, os.path.dirname(page), target[0] or page))
-            if target[0].startswith("http"):
-                continue
-            if not os.path.exists(path) or target[1] and target[1] not in anchors(path):
-                broken.append(f"{page}: {'#'.join(filter(None, target))}")
-    assert not broken, broken
-    long = []
-    for page in DOCS:
-        quoted = False                       # the output under a `$ ` command, as printed
-        for number, line in enumerate(open(os.path.join(HERE, page)).read().split("\n"), 1):
+        quoted = False                        # the output under a `$ ` command, as printed
+        for number, line in enumerate(read(page).split("\n"), 1):
             quoted = line.startswith("$ ") or (quoted and not line.startswith("```"))
             if len(line) >= 100 and not quoted:
                 long.append(f"{page}:{number}")
+        links = re.findall(r"\]\(([^)#]*)(?:#([^)]*))?\)", code_blocks_and_prose(read(page))[1])
+        for path, anchor in links:
+            if path.startswith("http"):
+                continue
+            target = os.path.relpath(os.path.normpath(os.path.join(HERE, os.path.dirname(page),
+                                                                   path or page)), HERE)
+            if not os.path.exists(os.path.join(HERE, target)) or (
+                    anchor and anchor not in anchors(target)):
+                broken.append(f"{page}: {path}#{anchor}")
     assert not long, long
+    assert not broken, broken
