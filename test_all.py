@@ -3356,7 +3356,8 @@ def test_invalid_pipeline_layouts_are_refused(world, args, message):
 
 
 # ============================================================================ parallel (parallel.py, under msrun)
-# The functions below run on every rank of an msrun launch: `python test_all.py RUNS.json`.
+# The checks below run on every rank of an msrun launch of `python test_all.py` (the fixture
+# msrun_checks); `python test_all.py RUNS.json` runs trainings instead (parallel_runs).
 ATOL = 1e-6
 S, B, H, FFN = 4, 2, 8, 16                 # sequence, micro-batch, hidden, ffn (divisible by 4)
 TOY_VOCAB, TOY_PADDED_VOCAB = 250, 256
@@ -3977,6 +3978,41 @@ def check_cross_entropy(c, state):
       ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)}, str(ledger.counts()))
 
 
+@pytest.fixture(scope="module")
+def msrun_checks(tmp_path_factory):
+    """Two msrun launches of the checks below, 4 then 2 workers, no training: (their folder, the
+    finished launches by world size)."""
+    tmp = tmp_path_factory.mktemp("checks")
+    return tmp, {world: launch(world, str(tmp / f"msrun{world}")) for world in (4, 2)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_msrun_check_launch_passes(msrun_checks, world):
+    """Each launch of the checks (2 and 4 workers) ends cleanly, every rank's checks passed."""
+    tmp, launches = msrun_checks
+    logs = [(tmp / f"msrun{world}" / f"worker_{r}.log").read_text() for r in range(world)]
+    assert launches[world].returncode == 0, launches[world].stdout[-3000:] + logs[0][-3000:]
+    for rank, text in enumerate(logs):
+        assert f"[rank {rank}] all checks passed" in text
+
+
+@pytest.mark.parametrize("family", CHECK_FAMILIES)
+def test_msrun_checks(msrun_checks, family):
+    """parallel.py on every rank of both launches, one family of checks: process groups,
+    collectives (and their CPU constructions) with the ledger, each layer and mapping against its
+    dense equivalent (forward and gradients, atol 1e-6), the pipeline's gradients against one
+    process (relative 1e-5). `pytest test_all.py -k column` runs the column-parallel checks."""
+    tmp, _ = msrun_checks
+    passed = 0
+    for world in sorted(LAYOUTS):
+        for rank in range(world):
+            lines = (tmp / f"msrun{world}" / f"worker_{rank}.log").read_text().splitlines()
+            failed = [l for l in lines if l.startswith(f"[rank {rank}] FAIL {family}: ")]
+            assert not failed, "\n".join(failed)
+            passed += sum(l.startswith(f"[rank {rank}] PASS {family}: ") for l in lines)
+    assert passed > 0, f"no {family} check ran"
+
+
 # ============================================================================ msrun driver: layouts trained and compared with one process
 def layouts(world):
     """(tp, cp, pp) layouts to check: all-TP, TP x PP, and CP x DP and PP4 on 4 or more ranks."""
@@ -4107,15 +4143,16 @@ def run_checks(world):
     return c.failed
 
 
-def launch(workers, log_dir, runs_file):
-    """Run this file under msrun: parallel.py's checks, then the training runs listed in
-    `runs_file`; returns the CompletedProcess (worker output: log_dir/worker_<rank>.log)."""
+def launch(workers, log_dir, runs_file=None):
+    """Run this file under msrun: the training runs listed in `runs_file`, or without it
+    parallel.py's checks; returns the CompletedProcess (worker output:
+    log_dir/worker_<rank>.log)."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                GLOG_v="3")
     cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", str(workers),
            "--local_worker_num", str(workers), "--master_port", str(random.randint(8100, 8900)),
            "--join", "True", "--cluster_time_out", "120", "--log_dir", log_dir,
-           os.path.abspath(__file__), runs_file]
+           os.path.abspath(__file__), *([runs_file] if runs_file else [])]
     return subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -4187,10 +4224,10 @@ def guide_run(name, prefix, save, workers):
 
 @pytest.fixture(scope="module")
 def parallel_runs(tmp_path_factory):
-    """One msrun launch per world size (4, then 2 workers): parallel.py's checks, then every
-    layout of LAYOUTS trains 10 steps, one layout stops after 5 steps and resumes (RESUMED), and
-    checkpoints of step 5 converted from another layout resume (CONVERTED); and the same
-    trainings in this one process (REFERENCES)."""
+    """One msrun launch of trainings per world size (4, then 2 workers): every layout of LAYOUTS
+    trains 10 steps, one layout stops after 5 steps and resumes (RESUMED), checkpoints of step 5
+    converted from another layout resume (CONVERTED), the guides' files train (GUIDE_RUNS); and
+    the same trainings in this one process (REFERENCES)."""
     tmp = tmp_path_factory.mktemp("parallel")
     prefix = shakespeare_bytes(tmp)
     common = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix, *PARALLEL_RUN]
@@ -4248,12 +4285,10 @@ def train_lines(folder, prefix="train: "):
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_msrun_launch_passes(parallel_runs, world):
-    """Each msrun launch (2 and 4 workers) ends cleanly: every check and training run passed."""
+    """Each msrun launch of the trainings (2 and 4 workers) ends cleanly: every run passed."""
     tmp, launches = parallel_runs
     logs = [(tmp / f"msrun{world}" / f"worker_{r}.log").read_text() for r in range(world)]
     assert launches[world].returncode == 0, launches[world].stdout[-3000:] + logs[0][-3000:]
-    for rank, text in enumerate(logs):
-        assert f"[rank {rank}] all checks passed" in text
 
 
 def test_a_failing_rank_names_itself_and_stops_the_job(parallel_runs, tmp_path):
@@ -4291,23 +4326,6 @@ def test_a_killed_worker_is_named_by_its_rank(tmp_path):
     console, _ = job.communicate(timeout=180)
     assert job.returncode == 1
     assert f"error: rank 1 (pid {pid}) was killed by signal 9; its log: output/msrun_log/worker_1.log" in console, console[-2000:]
-
-
-@pytest.mark.parametrize("family", CHECK_FAMILIES)
-def test_msrun_checks(parallel_runs, family):
-    """parallel.py on every rank of both launches, one family of checks: process groups,
-    collectives (and their CPU constructions) with the ledger, each layer and mapping against its
-    dense equivalent (forward and gradients, atol 1e-6), the pipeline's gradients against one
-    process (relative 1e-5). `pytest test_all.py -k column` runs the column-parallel checks."""
-    tmp, _ = parallel_runs
-    passed = 0
-    for world in sorted(LAYOUTS):
-        for rank in range(world):
-            lines = (tmp / f"msrun{world}" / f"worker_{rank}.log").read_text().splitlines()
-            failed = [l for l in lines if l.startswith(f"[rank {rank}] FAIL {family}: ")]
-            assert not failed, "\n".join(failed)
-            passed += sum(l.startswith(f"[rank {rank}] PASS {family}: ") for l in lines)
-    assert passed > 0, f"no {family} check ran"
 
 
 ALL_LAYOUTS = {name: spec for layouts in LAYOUTS.values() for name, spec in layouts.items()}
@@ -4927,12 +4945,14 @@ def test_readme_is_a_map_with_short_lines_and_links_that_resolve():
     assert not broken, broken
 
 
-if __name__ == "__main__":
-    failed = run_checks(int(os.environ.get("MS_WORKER_NUM", "1")))
-    for name, args, *sigterm_step in json.loads(open(sys.argv[1]).read()) if len(sys.argv) > 1 else []:
+def run_trainings(runs_file):
+    """Under msrun: each [name, argv, sigterm_step?] of `runs_file` through train.main; returns
+    the names that failed."""
+    failed = []
+    for name, args, *sigterm_step in json.loads(open(runs_file).read()):
         step = train.Trainer.train_step
         if sigterm_step and sigterm_step[0] and int(os.environ.get("RANK_ID", 0)) == 0:
-            def train_step(self, micro_batches, calls=[]):    # SIGTERM to rank 0 alone, during that step
+            def train_step(self, micro_batches, calls=[]):    # SIGTERM to rank 0 alone
                 calls.append(1)
                 if len(calls) == sigterm_step[0]:
                     signal.raise_signal(signal.SIGTERM)
@@ -4941,4 +4961,12 @@ if __name__ == "__main__":
         if train.main(args) != 0:
             failed.append(name)
         train.Trainer.train_step = step
+    return failed
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        failed = run_trainings(sys.argv[1])
+    else:
+        failed = run_checks(int(os.environ.get("MS_WORKER_NUM", "1")))
     sys.exit(1 if failed else 0)
