@@ -665,3 +665,8 @@ def import_megatron_main(argv):
     print(f"imported {root} (iteration {iteration}, {tp} x {pp} ranks, "
           f"{megatron_checkpoint.weights_dtype(first)} weights; {m.num_layers} layers, hidden "
           f"{m.hidden_size}) to {path} in {m.params_dtype}, layout {layout_of(cfg)}")
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: checkpoint.py is a library: run `bash run.sh convert ...`"
+                     " (bash run.sh --help lists the commands)")

@@ -378,3 +378,8 @@ def raw_config(paths, args, notes, under=None):
     raw = parse_overrides(list(args), raw, notes)
     _override_warmup(before, raw)
     return raw
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: cli.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

@@ -600,3 +600,8 @@ def padded_vocab_size(m, tokenizer_vocab_size):
 def to_dict(ns):
     """The namespace back to plain dicts (for checkpoint metadata)."""
     return {k: to_dict(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(ns).items()}
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: config.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

@@ -174,3 +174,8 @@ class ContextParallelAttention(nn.Cell):
         if self.ulysses > 1:
             context = self.gather_context(context)                             # [s/cp, b, n, d]
         return context
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: context_parallel.py is a library: run `bash run.sh` "
+                     "(bash run.sh --help lists the commands)")

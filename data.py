@@ -653,3 +653,8 @@ class MicroBatchIterator:
         samples = [self.dataset[i] for i in range(start, start + self.micro_batch_size)]
         self.consumed_samples += global_batch
         return {k: np.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: data.py is a library: run `bash run.sh preprocess ...`"
+                     " (bash run.sh --help lists the commands)")

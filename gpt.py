@@ -652,3 +652,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, vocab_
         if on_token is not None:
             on_token(ids[-1])
     return ids[len(prompt_ids):]
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: gpt.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

@@ -276,3 +276,8 @@ def export_main(argv):
     if not gpt2_bpe:
         note = f"; no tokenizer files: {d.tokenizer_type} has no transformers counterpart"
     print(f"exported {load} (iteration {meta['iteration']}) to {save}{note}")
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: hf_gpt2.py is a library: run `bash run.sh import-hf ...` or "
+                     "`bash run.sh export-hf ...` (bash run.sh --help lists the commands)")

@@ -519,3 +519,8 @@ SCHEMA = _schema()
 FLAGS, ALIASES = _index()
 DEVICE_PROFILE_KEYS = tuple(row.path.split(".")[-1] for row in TRAINING
                             if row.help == _DEVICE_PROFILER)
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: keys.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

@@ -622,3 +622,8 @@ def rank_arrays(state, offsets):
         shapes = {n: arrays[f"model.{n}"].shape for n in names}
         arrays.update(optimizer_arrays(state["optimizer"], names, shapes)[0])
     return arrays
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: megatron_checkpoint.py is a library: run "
+                     "`bash run.sh import-megatron ...` (bash run.sh --help lists the commands)")

@@ -645,3 +645,8 @@ def fit_lines(given, path, argv, world, gibibytes):
         fits = "fits" if peak <= gibibytes else "does not fit"
         lines.append(f"plan:   {name:22s} peak {peak:9.2f} GiB  {fits}")
     return lines
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: memory.py is a library: run `bash run.sh plan ...`"
+                     " (bash run.sh --help lists the commands)")

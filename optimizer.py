@@ -610,3 +610,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def state_bytes(self):
         """Optimizer state plus the float32 main params of this rank's pieces."""
         return self.inner.state_bytes() + sum(t.nbytes for t in self.main_params)
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: optimizer.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

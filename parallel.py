@@ -637,3 +637,8 @@ class VocabParallelCrossEntropy(nn.Cell):
         predicted = ops.gather_elements(z, 1, local.expand_dims(-1)).squeeze(-1)         # [n]
         predicted = predicted * (~outside).astype(z.dtype)
         return ops.log(self.reduce_sum_exp(ops.exp(z).sum(-1))) - self.reduce_target(predicted)
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: parallel.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

@@ -360,3 +360,8 @@ def _tick_ms(span_ms):
     """A round tick interval giving about 5-10 ticks over span_ms."""
     step = 10 ** math.floor(math.log10(max(span_ms, 1e-3) / 5))
     return next(k * step for k in (1, 2, 5, 10) if span_ms / (k * step) <= 10)
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: pipeline.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

@@ -69,3 +69,8 @@ def _device_options(t):
                    parallel_strategy=t.profile_parallel_strategy, hbm_ddr=t.profile_hbm_ddr,
                    pcie=t.profile_pcie, experimental_config=experimental)
     return activities, options
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: profiler.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

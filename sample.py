@@ -117,3 +117,8 @@ def generate_main(argv):
              np.random.default_rng(v["seed"]), on_token=stream)
     stream.close()
     print()
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: sample.py is a library: run `bash run.sh generate ...`"
+                     " (bash run.sh --help lists the commands)")

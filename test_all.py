@@ -36,6 +36,7 @@ import pathlib
 import pickle
 import random
 import re
+import runpy
 import shlex
 import shutil
 import signal
@@ -85,6 +86,15 @@ train.setup_mindspore()        # CPU, threads, ops launched in this thread (befo
 # ============================================================================ structure
 MODULES = ["keys", "config", "cli", "tokenizer", "data", "optimizer", "parallel", "context_parallel", "gpt", "pipeline", "memory",
            "torch_format", "megatron_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler", "train", "bench"]
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m not in ("train", "bench")])
+def test_a_library_module_run_directly_names_the_command(module):
+    """`python checkpoint.py import-hf ...` once exited 0 having done nothing: a module that is
+    not an entry point ends non-zero with one line naming `bash run.sh`."""
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(os.path.join(HERE, module + ".py"), run_name="__main__")
+    assert str(stop.value.code).startswith(f"error: {module}.py is a library: run `bash run.sh")
 
 
 def test_imports_go_one_way_and_only_at_the_top():

@@ -150,3 +150,8 @@ def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, vocab_size
         return ByteTokenizer()
     raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}: use one of "
                       "GPT2BPETokenizer, NullTokenizer, ByteTokenizer")
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: tokenizer.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

@@ -409,3 +409,8 @@ def save(obj, path):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: torch_format.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")
