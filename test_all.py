@@ -4331,6 +4331,7 @@ def test_a_killed_worker_is_named_by_its_rank(tmp_path):
         if log.exists() and "train: " in log.read_text() or job.poll() is not None:
             break
         time.sleep(0.5)
+    assert job.poll() is None, job.communicate()[0][-3000:]            # training, not ended
     pid = int((pathlib.Path(HERE) / "output" / "msrun_log" / "pids" / "rank_1.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     console, _ = job.communicate(timeout=180)
