@@ -10,7 +10,8 @@ The inner optimizers (AdamW, Adam, SGD) update a list of float32 tensors in plac
 MindSpore 2.10): Megatron's *main params*. Every entry may be a Parameter (float32 parameters are
 their own main params) or a plain Tensor (a float32 copy of a half-precision parameter, or a flat
 piece owned by the distributed optimizer). `MixedPrecisionOptimizer.step` is Megatron's
-optimizer.step(): unscale, find inf/nan, update the loss scale, clip, update, copy back.
+optimizer.step(): prepare_grads (unscale, find inf/nan, update the loss scale), clip_grad_norm,
+step_with_ready_grads (update, copy back).
 """
 
 import math
@@ -346,13 +347,13 @@ class MixedPrecisionOptimizer:
     parameters themselves when those are float32, and float32 copies of them when they are half
     precision (Micikevicius et al. 2018, "Mixed Precision Training": the copies keep the small
     updates that a float16 weight would round away). step(grads, lr, wd), after the gradients'
-    reductions (finalize_model_grads):
-      1. main grads: the gradients in float32, divided by the loss scale;
-      2. inf/nan found through the gradient norm's reduction: the squared norm, summed over
-         `norm_groups`, is inf/nan iff some gradient is (or is so large its square overflows);
-      3. the loss scaler's update; on overflow the step is skipped, weights and state untouched;
-      4. clipping by the global norm (or by value, clip_type GradClipByValue; 0 disables it);
-      5. the inner update of the main params, then main params -> model params.
+    reductions (finalize_model_grads), runs Megatron's three phases:
+      1. prepare_grads: main grads (float32, divided by the loss scale); inf/nan found through the
+         gradient norm's reduction over `norm_groups`; the loss scaler's update; on overflow the
+         step ends there, weights and state untouched;
+      2. clip_grad_norm: by the global norm (or by value, clip_type GradClipByValue; 0: none);
+      3. step_with_ready_grads: the inner update of the main params, then main params -> model
+         params.
     `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
     Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all)."""
 
@@ -376,22 +377,44 @@ class MixedPrecisionOptimizer:
         return self.inner.step_count
 
     def step(self, grads, lr, wd):
-        """One update from the step's reduced gradients (model dtype or float32, still scaled);
-        returns (updated, grad norm): updated is False when inf/nan skipped the step."""
+        """Megatron's optimizer.step() from the step's reduced gradients (model dtype or float32,
+        still scaled): prepare_grads, then on overflow nothing more, else clip_grad_norm and
+        step_with_ready_grads. Returns (update_successful, grad_norm, num_zeros_in_grad): the norm
+        is inf or nan on overflow (the train line shows it), num_zeros_in_grad None (Megatron
+        counts zeros only with --log-num-zeros-in-grad, which this project does not offer)."""
+        found_inf, main_grads, grad_norm = self.prepare_grads(grads)
+        if found_inf:                               # weights, state and schedule untouched
+            return False, grad_norm, None
+        main_grads = self.clip_grad_norm(main_grads, grad_norm)
+        return self.step_with_ready_grads(main_grads, lr, wd), grad_norm, None
+
+    def prepare_grads(self, grads):
+        """Megatron's prepare_grads: the main grads (float32, divided by the loss scale), whether
+        one holds inf/nan, and the loss scaler's update. found_inf comes through the gradient
+        norm's reduction (the squared norm is inf/nan iff some gradient is, or is so large its
+        square overflows), so it needs no all-reduce of its own. Returns (found_inf, main grads,
+        grad norm)."""
         main_grads = [self._main_grad(g) for g in grads]
         norm_sq = self.global_norm_sq(main_grads)
         found_inf = not math.isfinite(norm_sq)
         self.scaler.update(found_inf)
-        norm = math.sqrt(norm_sq)                   # inf or nan on overflow
-        if found_inf:
-            return False, norm
+        return found_inf, main_grads, math.sqrt(norm_sq)
+
+    def clip_grad_norm(self, main_grads, grad_norm):
+        """Megatron's clip_grad_norm with the norm prepare_grads reduced: by the global norm, or
+        elementwise with clip_type GradClipByValue; clip_value 0 disables clipping."""
         if self.clip_value and self.clip_type == "ClipGlobalNorm":
-            main_grads = clip_grads_by_global_norm(main_grads, self.clip_value, norm)
-        elif self.clip_value:
-            main_grads = clip_grads_by_value(main_grads, self.clip_value)
+            return clip_grads_by_global_norm(main_grads, self.clip_value, grad_norm)
+        if self.clip_value:
+            return clip_grads_by_value(main_grads, self.clip_value)
+        return main_grads
+
+    def step_with_ready_grads(self, main_grads, lr, wd):
+        """Megatron's step_with_ready_grads: the inner update of the main params, then main
+        params -> model params. Returns True (the update succeeded)."""
         self.inner.step(main_grads, lr, wd)
         self._copy_main_params_to_model_params()
-        return True, norm
+        return True
 
     def _main_grad(self, grad):
         """A reduced gradient in float32, divided by the loss scale: one new tensor, or none."""

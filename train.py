@@ -302,8 +302,8 @@ class Trainer:
 
     def train_step(self, micro_batches):
         """Megatron's train_step: forward and backward over the micro-batches, the gradients'
-        reductions (optimizer.finalize_model_grads), optimizer.step() (unscale, inf/nan check,
-        clip, update; skipped on overflow), then the scheduler's step if it updated. Returns
+        reductions (optimizer.finalize_model_grads), optimizer.step() (prepare the grads: unscale,
+        inf/nan check; clip; update; skipped on overflow), then the scheduler's step if it updated. Returns
         (mean loss over the micro-batches, updated, gradient norm, lr used)."""
         parallel.ledger.reset()
         self.set_train(True)
@@ -313,7 +313,7 @@ class Trainer:
         grads = opt.finalize_model_grads(grads, self.params, parallel.comm, self.state, self.optimizer, self.buffer)
         clock = self._lap("grads-reduce", clock)
         lr = self.scheduler.get_lr()
-        updated, grad_norm = self.optimizer.step(grads, lr, self.scheduler.get_wd())
+        updated, grad_norm, _ = self.optimizer.step(grads, lr, self.scheduler.get_wd())
         if updated:                                  # Megatron: a skipped step does not count
             self.scheduler.step(1)
         self._lap("optimizer", clock)
