@@ -193,79 +193,127 @@ def theory_bubble(p, m, v=1):
 
 
 # ============================================================================ execution
-class PipelineRunner:
-    """Runs one training step's passes for this rank's model chunks (a list of gpt.GPTModel,
-    chunk c being virtual stage c * pp + pp_rank), each compiled by ms.jit if `compiled`."""
+def hop_shape(model_cfg, batch_size, state):
+    """What one hop carries: a micro-batch's hidden states on this cp rank, [s/cp, b, h], or
+    their shard [s/cp/tp, b, h] under sequence parallelism."""
+    shard = state.tp if state.sequence_parallel else 1
+    return (model_cfg.seq_length // state.cp // shard, batch_size, model_cfg.hidden_size)
 
-    def __init__(self, chunks, state, compiled=False, kind="1f1b"):
+
+class PipelineRunner:
+    """Runs one step's passes for this rank's model chunks (a list of gpt.GPTModel, chunk c being
+    virtual stage c * pp + pp_rank), each compiled by ms.jit if `compiled`: a training step, or
+    with forward_only an evaluation. A hop is `hop_shape` (see hop_shape) in `hop_dtype`
+    (gpt.hidden_dtype); the gradients are summed over micro-batches in `grad_dtype`."""
+
+    def __init__(self, chunks, state, hop_shape, hop_dtype, grad_dtype, compiled=False,
+                 kind="1f1b"):
         self.kind = kind                                        # "1f1b" or "afab" (see schedule)
         self.chunks = [gpt.Compiled(c) for c in chunks] if compiled else chunks
         self.state = state
+        self.hop_shape, self.hop_dtype, self.grad_dtype = hop_shape, hop_dtype, grad_dtype
         self.p, self.v, self.rank = state.pp, len(chunks), state.pp_rank
         self.params = [list(c.get_parameters()) for c in chunks]
         self.peers = parallel.group_ranks(state.pp_group)          # pp rank -> global rank
         self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
-        self.grad_params_only = ops.GradOperation(get_by_list=True, sens_param=True)  # token ids in
+        # the first virtual stage takes token ids, which have no gradient
+        self.grad_params_only = ops.GradOperation(get_by_list=True, sens_param=True)
         self.plans = {}
-        self.seconds = {"compute": 0.0, "exchange": 0.0}   # this rank's time in passes and in exchanges
+        self.seconds = {}                   # this rank's time in passes and in exchanges, trained
+        self.reset_timers()
         for chunk in self.chunks:
             chunk.set_grad(True)            # record each forward, for its backward to replay
 
-    def run(self, micro_batches, loss_weight, hidden_shape, dtype, grad_dtype, forward_only=False, trace=None):
+    def reset_timers(self):
+        self.seconds = {"compute": 0.0, "exchange": 0.0}
+
+    def run(self, micro_batches, loss_weight=1.0, forward_only=False, trace=None):
         """micro_batches: per micro-batch the model inputs (tokens, position_ids, attention_mask,
-        labels, loss_mask); hidden_shape and dtype: a hop's (gpt.hidden_dtype). Returns (losses of
-        the last stage, one per micro-batch, else []; gradients of every chunk's parameters, of
-        loss * loss_weight, summed over micro-batches in grad_dtype).
-        trace: a list to which each pass appends (kind, micro-batch, chunk, start, end)."""
+        labels, loss_mask). Returns (losses of the last stage, one per micro-batch, else [];
+        gradients of every chunk's parameters, of loss * loss_weight, summed over micro-batches,
+        each None with forward_only). forward_only (evaluation) records nothing for a backward and
+        leaves the timers to training. trace: a list to which each pass appends (kind,
+        micro-batch, chunk, start, end)."""
+        if not forward_only:
+            return self._run(micro_batches, loss_weight, False, trace, self.seconds)
+        for chunk in self.chunks:
+            chunk.set_grad(False)
+        untimed = dict.fromkeys(self.seconds, 0.0)
+        result = self._run(micro_batches, loss_weight, True, trace, untimed)
+        for chunk in self.chunks:
+            chunk.set_grad(True)
+        return result
+
+    def _run(self, micro_batches, loss_weight, forward_only, trace, seconds):
+        """This rank's plan for len(micro_batches) micro-batches, pass by pass; `seconds` takes
+        the time in passes ("compute") and in exchanges ("exchange")."""
         m = len(micro_batches)
         key = (m, forward_only)
         if key not in self.plans:
             self.plans[key] = plan(self.p, m, self.v, forward_only, self.kind)[0][self.rank]
-        last = self.p * self.v - 1
+        # hops keyed ("act" or "grad", micro-batch, virtual stage); a forward's inputs by
+        # (micro-batch, chunk), kept for its backward
         received, outgoing, saved = {}, {}, {}
         losses = []
         grads = [[None] * len(ps) for ps in self.params]
         for step in self.plans[key]:
             if step[0] == "X":
-                _, peer, out_key, in_key = step
-                # the exchange is symmetric: a rank with nothing to send sends zeros
-                send = outgoing.pop(out_key) if out_key else mint.zeros(hidden_shape, dtype=dtype)
                 start = time.perf_counter()
-                got = parallel.comm.exchange(send, self.peers[peer])   # the sent output is freed here
-                self.seconds["exchange"] += time.perf_counter() - start  # waiting for the peer included
-                if in_key:
-                    received[in_key] = got
+                self._exchange(step, outgoing, received)
+                seconds["exchange"] += time.perf_counter() - start  # waiting for the peer included
                 continue
             kind, mb, c = step
-            vs = c * self.p + self.rank
             start, clock = time.time(), time.perf_counter()
-            tokens, position_ids, mask, labels, loss_mask = micro_batches[mb]
             if kind == "F":
-                x = tokens if vs == 0 else received.pop(("act", mb, vs))
-                args = (x, position_ids, mask) + ((labels, loss_mask) if vs == last else ())
-                out = self.chunks[c](*args)
-                if vs == last:
-                    losses.append(out)
-                else:
-                    outgoing[("act", mb, vs + 1)] = out
+                args = self._forward(micro_batches[mb], mb, c, received, outgoing, losses)
                 if not forward_only:
                     saved[(mb, c)] = args
             else:
-                args = saved.pop((mb, c))
-                dout = Tensor(loss_weight, ms.float32) if vs == last else received.pop(("grad", mb, vs))
-                if vs == 0:
-                    g_params = self.grad_params_only(self.chunks[c], self.params[c])(*args, dout)
-                else:
-                    g_inputs, g_params = self.grad_with_input(self.chunks[c], self.params[c])(*args, dout)
-                    outgoing[("grad", mb, vs - 1)] = g_inputs[0]
-                g_params = [parallel.cast(g, grad_dtype) for g in g_params]
+                g_params = self._backward(saved.pop((mb, c)), mb, c, loss_weight, received, outgoing)
                 grads[c] = [g if a is None else a + g for a, g in zip(grads[c], g_params)]
             if trace is not None:
-                if ms.get_context("device_target") != "CPU":   # on CPU ops run in this thread (launch_blocking)
+                if ms.get_context("device_target") != "CPU":   # on CPU ops run in this thread
                     ms.runtime.synchronize()          # PyNative is asynchronous: time the real work
                 trace.append((kind, mb, c, start, time.time()))
-            self.seconds["compute"] += time.perf_counter() - clock
+            seconds["compute"] += time.perf_counter() - clock
         return [float(loss.asnumpy()) for loss in losses], [g for chunk in grads for g in chunk]
+
+    def _exchange(self, step, outgoing, received):
+        """One rendezvous with a neighbour: send this rank's hop, receive the peer's."""
+        _, peer, out_key, in_key = step
+        # the exchange is symmetric: a rank with nothing to send sends zeros
+        send = (outgoing.pop(out_key) if out_key
+                else mint.zeros(self.hop_shape, dtype=self.hop_dtype))
+        got = parallel.comm.exchange(send, self.peers[peer])   # the sent output is freed here
+        if in_key:
+            received[in_key] = got
+
+    def _forward(self, inputs, mb, c, received, outgoing, losses):
+        """Chunk c's forward of micro-batch mb: its output goes out as a hop, or on the last
+        virtual stage is the loss. Returns the chunk's inputs (for its backward)."""
+        vs, last = c * self.p + self.rank, self.p * self.v - 1
+        tokens, position_ids, mask, labels, loss_mask = inputs
+        x = tokens if vs == 0 else received.pop(("act", mb, vs))
+        args = (x, position_ids, mask) + ((labels, loss_mask) if vs == last else ())
+        out = self.chunks[c](*args)
+        if vs == last:
+            losses.append(out)
+        else:
+            outgoing[("act", mb, vs + 1)] = out
+        return args
+
+    def _backward(self, args, mb, c, loss_weight, received, outgoing):
+        """Chunk c's backward of micro-batch mb from its saved inputs `args`, seeded by
+        loss_weight on the last virtual stage, else by the received output gradient; the input
+        gradient goes out as a hop. Returns the parameters' gradients in grad_dtype."""
+        vs, last = c * self.p + self.rank, self.p * self.v - 1
+        dout = Tensor(loss_weight, ms.float32) if vs == last else received.pop(("grad", mb, vs))
+        if vs == 0:
+            g_params = self.grad_params_only(self.chunks[c], self.params[c])(*args, dout)
+        else:
+            g_inputs, g_params = self.grad_with_input(self.chunks[c], self.params[c])(*args, dout)
+            outgoing[("grad", mb, vs - 1)] = g_inputs[0]
+        return [parallel.cast(g, self.grad_dtype) for g in g_params]
 
 
 # ============================================================================ timeline

@@ -264,11 +264,12 @@ class Trainer:
         self.grad_dtype = DTYPES[main_grad_dtype(cfg)]    # micro-batches' gradients summed in it
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
         self.compiled = cfg.training_config.use_jit and not (m.hidden_dropout_rate or m.attention_dropout_rate)
-        self.pipeline = (pipeline.PipelineRunner(self.chunks, self.state, self.compiled,
-                                                 cfg.parallel_config.pipeline_schedule)
-                         if self.state.pp > 1 else None)
-        seq = m.seq_length // self.state.cp // (self.state.tp if self.state.sequence_parallel else 1)
-        self.hidden_shape = (seq, cfg.dataset_config.batch_size, m.hidden_size)   # one pipeline hop
+        self.pipeline = None
+        if self.state.pp > 1:
+            hop = pipeline.hop_shape(m, cfg.dataset_config.batch_size, self.state)
+            self.pipeline = pipeline.PipelineRunner(self.chunks, self.state, hop, hidden_dtype(m),
+                                                    self.grad_dtype, self.compiled,
+                                                    cfg.parallel_config.pipeline_schedule)
         self.trace = None                 # a list: the next step records its passes' times
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
         self.loss_weight = 1.0
@@ -289,9 +290,8 @@ class Trainer:
         m = len(micro_batches)
         self.loss_weight = self.scaler.scale / m
         if self.pipeline is not None:
-            return self.pipeline.run([to_tensors(b, self.state) for b in micro_batches], self.loss_weight,
-                                     self.hidden_shape, hidden_dtype(self.cfg.model_config), self.grad_dtype,
-                                     trace=self.trace)
+            return self.pipeline.run([to_tensors(b, self.state) for b in micro_batches],
+                                     self.loss_weight, trace=self.trace)
         losses, acc = [], None
         for batch in micro_batches:
             loss, grads = self.grad_fn(*to_tensors(batch, self.state))
@@ -341,7 +341,7 @@ class Trainer:
     def reset_timers(self):
         self.seconds = dict.fromkeys(TIMERS, 0.0)
         if self.pipeline is not None:
-            self.pipeline.seconds = dict.fromkeys(self.pipeline.seconds, 0.0)
+            self.pipeline.reset_timers()
 
     def dp_mean(self, value):
         """A per-rank number averaged over the data-parallel ranks (for the log)."""
@@ -364,14 +364,7 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
         if runner is None:
             losses += [float(trainer.forward(*batch).asnumpy()) for batch in batches]
         elif len(batches) == d.micro_batch_num:       # a pipeline runs whole global batches
-            for chunk in runner.chunks:
-                chunk.set_grad(False)                 # nothing to record for a backward
-            seconds = dict(runner.seconds)            # the training timers leave evaluation out
-            losses += runner.run(batches, 1.0, trainer.hidden_shape, hidden_dtype(cfg.model_config),
-                                 trainer.grad_dtype, forward_only=True)[0]
-            runner.seconds = seconds
-            for chunk in runner.chunks:
-                chunk.set_grad(True)
+            losses += runner.run(batches, forward_only=True)[0]
     trainer.set_train(True)
     if state.pp > 1 and not state.is_last_stage:       # only the last stage has losses
         trainer.dp_mean(0.0)
