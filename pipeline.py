@@ -53,9 +53,10 @@ def build_chunks(model_cfg, pp, pp_rank, vpp=1, num_layer_list=None, rng=None, r
     for chunk in range(vpp):
         vs = chunk * pp + pp_rank
         offset, count = split[vs]
-        chunks.append(gpt.GPTModel(model_cfg, pre_process=vs == 0, post_process=vs == len(split) - 1,
-                                   layer_offset=offset, num_layers=count, rng=rng,
-                                   recomputed_layers=None if recomputed is None else recomputed[chunk]))
+        chunks.append(gpt.GPTModel(
+            model_cfg, pre_process=vs == 0, post_process=vs == len(split) - 1,
+            layer_offset=offset, num_layers=count, rng=rng,
+            recomputed_layers=None if recomputed is None else recomputed[chunk]))
     return chunks
 
 
@@ -169,8 +170,9 @@ PRIME = "'"                   # marks a pass of model chunk 1 ('' chunk 2) in ti
 
 
 def schedule_table(ticks):
-    """The unit-time timeline as text: one row per pipeline stage, one column per tick; "F3" is the forward
-    of micro-batch 3, "B3" its backward, a trailing "'" marks chunk 1 ('' chunk 2, ...)."""
+    """The unit-time timeline as text: one row per pipeline stage, one column per tick; "F3" is
+    the forward of micro-batch 3, "B3" its backward, a trailing "'" marks chunk 1 ('' chunk 2,
+    ...)."""
     width = max(t[-1][0] for t in ticks if t) + 1
     rows = []
     for r, events in enumerate(ticks):
@@ -269,7 +271,8 @@ class PipelineRunner:
                 if not forward_only:
                     saved[(mb, c)] = args
             else:
-                g_params = self._backward(saved.pop((mb, c)), mb, c, loss_weight, received, outgoing)
+                g_params = self._backward(saved.pop((mb, c)), mb, c, loss_weight, received,
+                                          outgoing)
                 grads[c] = [g if a is None else a + g for a, g in zip(grads[c], g_params)]
             if trace is not None:
                 if ms.get_context("device_target") != "CPU":   # on CPU ops run in this thread
@@ -322,10 +325,13 @@ def gather_trace(trace, state):
     earliest pass (time.time() is one clock on one machine; across machines roughly aligned)."""
     # The collectives carry float32: times go as seconds after the first stage's first pass.
     first = parallel.group_ranks(state.pp_group)[0]
-    origin = float(parallel.comm.broadcast(Tensor([trace[0][3]], ms.float64), first, state.pp_group).asnumpy()[0])
-    rows = np.array([[0.0 if k == "F" else 1.0, mb, c, s - origin, e - origin] for k, mb, c, s, e in trace],
-                    np.float32)
-    gathered = parallel.comm.all_gather(Tensor(rows[None]), state.pp_group, dim=0).asnumpy().astype(np.float64)
+    origin = parallel.comm.broadcast(Tensor([trace[0][3]], ms.float64), first, state.pp_group)
+    origin = float(origin.asnumpy()[0])
+    # [passes, 5]: kind (0 F, 1 B), micro-batch, chunk, start, end
+    rows = np.array([[0.0 if k == "F" else 1.0, mb, c, s - origin, e - origin]
+                     for k, mb, c, s, e in trace], np.float32)
+    gathered = parallel.comm.all_gather(Tensor(rows[None]), state.pp_group, dim=0)
+    gathered = gathered.asnumpy().astype(np.float64)             # [pp, passes, 5]
     base = gathered[:, :, 3].min()
     return [[("F" if k == 0 else "B", int(mb), int(c), float(s - base), float(e - base))
              for k, mb, c, s, e in ranks] for ranks in gathered]
@@ -341,28 +347,42 @@ def write_timeline(traces, m, v, kind, path, ranks_per_stage=1):
     _, ticks = plan(p, m, v, kind=kind)
     unit = bubble_fraction([len(t) for t in ticks], max(t[-1][0] for t in ticks) + 1)
     peaks = [peak_in_flight(schedule(p, r, m, v, kind=kind)) for r in range(p)]
-    name = ("all forward, all backward" if kind == "afab" else "1F1B" if v == 1 else "interleaved 1F1B") \
-        + (f", {v} chunks per stage" if v > 1 else "")
+    name = schedule_name(kind, v)
     stages = [stage_label(r, ranks_per_stage) for r in range(p)]
-    timeline = "\n".join(f"{stages[r]}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
-                                                      for k, mb, c, s, e in t) for r, t in enumerate(traces))
+    timeline = "\n".join(
+        f"{stages[r]}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
+                                     for k, mb, c, s, e in t)
+        for r, t in enumerate(traces))
     with open(path + ".txt", "w") as f:
         f.write(f"pipeline schedule: {name}, p={p}, m={m} (unit time)\n{schedule_table(ticks)}\n\n"
                 f"measured, ms from the first pass ({NOTATION}):\n{timeline}\n\n")
     with open(path + ".svg", "w") as f:
         f.write(timeline_svg(traces, f"{name}, p={p}, m={m}", stages))
+    per_stage = ", ".join(f"{b:.3f}" for b in measured)
     return (f"pipeline: bubble (idle / busy) measured {np.mean(measured):.3f} "
-            f"(per stage {', '.join(f'{b:.3f}' for b in measured)}), unit-time schedule {max(unit):.3f}, "
+            f"(per stage {per_stage}), unit-time schedule {max(unit):.3f}, "
             f"theory {theory_bubble(p, m, v):.3f}; peak micro-batches in flight per stage {peaks}")
 
 
-NOTATION = "F3 = forward of micro-batch 3, B3 = its backward, F3' = the same on the stage's second model chunk"
+def schedule_name(kind, v):
+    """The schedule's name for the timeline's title."""
+    if kind == "afab":
+        name = "all forward, all backward"
+    else:
+        name = "1F1B" if v == 1 else "interleaved 1F1B"
+    return name + (f", {v} chunks per stage" if v > 1 else "")
+
+
+NOTATION = ("F3 = forward of micro-batch 3, B3 = its backward, F3' = the same on the stage's "
+            "second model chunk")
 
 
 def stage_label(stage, ranks_per_stage):
     """Stage s holds global ranks s*n .. s*n+n-1 (pp is the outermost grid dimension)."""
     first, last = stage * ranks_per_stage, (stage + 1) * ranks_per_stage - 1
-    return f"stage {stage} (rank {first})" if first == last else f"stage {stage} (ranks {first}-{last})"
+    if first == last:
+        return f"stage {stage} (rank {first})"
+    return f"stage {stage} (ranks {first}-{last})"
 
 
 def timeline_svg(traces, title, stages):
@@ -376,11 +396,14 @@ def timeline_svg(traces, title, stages):
     chunks = max(c for t in traces for *_, c, _, _ in t) + 1
     height = top + row * len(traces) + 40
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" '
-           'font-family="monospace" font-size="11">', f'<text x="4" y="14">{title}: measured, one step</text>']
-    legend = [(f"{word}{f' chunk {c} ({k}{PRIME * c})' if chunks > 1 else ''}", colours[k][min(c, 2)])
+           'font-family="monospace" font-size="11">',
+           f'<text x="4" y="14">{title}: measured, one step</text>']
+    legend = [(f"{word}{f' chunk {c} ({k}{PRIME * c})' if chunks > 1 else ''}",
+               colours[k][min(c, 2)])
               for k, word in (("F", "forward"), ("B", "backward")) for c in range(chunks)]
     for i, (text, fill) in enumerate(legend):
-        out.append(f'<rect x="{4 + i * 150}" y="21" width="12" height="12" fill="{fill}" stroke="#333" stroke-width="0.5"/>'
+        out.append(f'<rect x="{4 + i * 150}" y="21" width="12" height="12" fill="{fill}" '
+                   'stroke="#333" stroke-width="0.5"/>'
                    f'<text x="{20 + i * 150}" y="31">{text}</text>')
     for r, events in enumerate(traces):
         y = top + r * row
@@ -388,18 +411,21 @@ def timeline_svg(traces, title, stages):
         for kind, mb, c, s, e in events:
             x, w = left + s * scale, max((e - s) * scale, 1.0)
             label = f"{kind}{mb}{PRIME * c}"
-            size = min(11.0, max(5.0, 1.6 * w / len(label)))      # shrink the label to fit a narrow box
-            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" fill="{colours[kind][min(c, 2)]}" '
-                       f'stroke="#333" stroke-width="0.5"><title>{label}: {s * 1e3:.1f}-{e * 1e3:.1f} ms</title></rect>'
+            size = min(11.0, max(5.0, 1.6 * w / len(label)))   # shrink it to fit a narrow box
+            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" '
+                       f'fill="{colours[kind][min(c, 2)]}" stroke="#333" stroke-width="0.5">'
+                       f'<title>{label}: {s * 1e3:.1f}-{e * 1e3:.1f} ms</title></rect>'
                        f'<text x="{x + 1:.1f}" y="{y + 16}" font-size="{size:.1f}">{label}</text>')
     axis = top + row * len(traces) + 4
     step = _tick_ms(span * 1e3)
-    out.append(f'<line x1="{left}" y1="{axis}" x2="{left + span * scale:.1f}" y2="{axis}" stroke="#333"/>')
+    out.append(f'<line x1="{left}" y1="{axis}" x2="{left + span * scale:.1f}" y2="{axis}" '
+               'stroke="#333"/>')
     for i in range(int(span * 1e3 // step) + 1):
         x = left + i * step / 1e3 * scale
         out.append(f'<line x1="{x:.1f}" y1="{axis}" x2="{x:.1f}" y2="{axis + 4}" stroke="#333"/>'
                    f'<text x="{x:.1f}" y="{axis + 16}" text-anchor="middle">{i * step:g}</text>')
-    out.append(f'<text x="{left + span * scale:.1f}" y="{axis + 30}" text-anchor="end">ms from the first pass</text>')
+    out.append(f'<text x="{left + span * scale:.1f}" y="{axis + 30}" text-anchor="end">'
+               'ms from the first pass</text>')
     out.append("</svg>")
     return "\n".join(out)
 

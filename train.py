@@ -1,14 +1,16 @@
-"""Pretrain a GPT from one YAML: `python train.py [--config config.yaml] [Megatron flags] [section.key=value]`.
+"""Pretrain a GPT from one YAML:
+`python train.py [--config config.yaml] [Megatron flags] [section.key=value]`.
 
 Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `check --nproc N [flags]`
-(what run.sh runs before msrun: the config, the layout for N workers and the input files, checked in
-one process), `generate --load DIR --prompt TEXT` (sample.py), and the checkpoint commands `convert`,
-`import-hf`, `export-hf` (checkpoint.py, hf_gpt2.py), and `plan --world-size N` (memory.py).
+(what run.sh runs before msrun: the config, the layout for N workers and the input files, checked
+in one process), `generate --load DIR --prompt TEXT` (sample.py), and the checkpoint commands
+`convert`, `import-hf`, `export-hf`, `import-megatron` (checkpoint.py, hf_gpt2.py), and
+`plan --world-size N` (memory.py): the table COMMANDS.
 
 One training step (Megatron's train_step, one process):
   for each of micro_batch_num micro-batches: loss_i * loss_scale / micro_batch_num, backward,
-  gradients summed; then unscale, check inf/nan (skip the step if found), clip, optimizer step
-  with the scheduler's lr and weight decay.
+  gradients summed; then optimizer.step() (optimizer.py): unscale, check inf/nan (skip the step
+  if found), clip, update with the scheduler's lr and weight decay.
 """
 import logging
 import math
@@ -34,7 +36,8 @@ import pipeline
 import sample
 from cli import HelpRequested, load_config, parse_command, raw_config, training_help
 from config import ConfigError, main_grad_dtype, padded_vocab_size, recompute_counts, to_dict
-from gpt import DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, num_floating_point_operations
+from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights,
+                 num_floating_point_operations)
 from profiler import StepProfiler
 from tokenizer import build_tokenizer
 
@@ -86,7 +89,8 @@ def setup_mindspore(cfg=None):
         if ms.get_context("device_target") != device:
             raise
     if device == "CPU":
-        local = int(os.environ.get("MS_LOCAL_WORKER_NUM", os.environ.get("LOCAL_WORKER_NUM", "1")) or 1)
+        local = os.environ.get("MS_LOCAL_WORKER_NUM", os.environ.get("LOCAL_WORKER_NUM", "1"))
+        local = int(local or 1)                      # the workers sharing this machine's cores
         threads = (t is not None and t.threads_num) or max(1, (os.cpu_count() or 1) // local)
         ms.device_context.cpu.op_tuning.threads_num(threads)
         # PyNative normally queues ops to dispatch threads; on a few shared CPU cores those threads
@@ -122,28 +126,32 @@ def check_inputs(cfg):
                           "training_config.device_target=CPU")
     if cfg.training_config.device_target == "CPU" and m.compute_dtype == "bfloat16":
         # checked on MindSpore 2.10 (../shared/notes/mindspore.md): "Select CPU operator ... fail"
-        raise ConfigError("model_config.compute_dtype=bfloat16 (--bf16): MindSpore 2.10 has no bfloat16 CPU "
-                          "kernel for MatMul, Softmax, Tanh or Sqrt; train with --fp16 on the CPU, or set "
-                          "training_config.device_target to GPU or Ascend")
+        raise ConfigError("model_config.compute_dtype=bfloat16 (--bf16): MindSpore 2.10 has no "
+                          "bfloat16 CPU kernel for MatMul, Softmax, Tanh or Sqrt; train with "
+                          "--fp16 on the CPU, or set training_config.device_target to GPU or "
+                          "Ascend")
     if d.tokenizer_type == "GPT2BPETokenizer":
         for key in ("vocab_file", "merge_file"):
             if not os.path.isfile(getattr(d, key)):
-                raise ConfigError(f"dataset_config.{key}={getattr(d, key)} not found: give the GPT-2 "
-                                  f"{'vocab.json' if key == 'vocab_file' else 'merges.txt'} (--{key.replace('_', '-')})")
+                wanted = "vocab.json" if key == "vocab_file" else "merges.txt"
+                raise ConfigError(f"dataset_config.{key}={getattr(d, key)} not found: give the "
+                                  f"GPT-2 {wanted} (--{key.replace('_', '-')})")
     shipped = d.data_path == SHIPPED_CORPUS[1] + "_text_document"
-    if not d.mock_data and shipped and parallel.launched_world_size() == 1:   # tokenized on first use
+    if not d.mock_data and shipped and parallel.launched_world_size() == 1:
+        # tokenized on first use
         data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
                                  "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
     if not d.mock_data:
         d.data_path = data.data_prefix(d.data_path)
         for ext in (".bin", ".idx"):
             if not os.path.isfile(d.data_path + ext):
-                raise ConfigError(f"dataset_config.data_path={d.data_path}: {d.data_path}{ext} not found; "
-                                  "run `bash run.sh preprocess ...` (or `bash run.sh` for the shipped corpus) "
-                                  "or use --mock-data")
+                raise ConfigError(f"dataset_config.data_path={d.data_path}: {d.data_path}{ext} "
+                                  "not found; run `bash run.sh preprocess ...` (or `bash run.sh` "
+                                  "for the shipped corpus) or use --mock-data")
     t = cfg.training_config
     if t.load_checkpoint and not checkpoint.holds_checkpoint(t.load_checkpoint):
-        print(f"warning: no checkpoint in --load {t.load_checkpoint}: training starts from scratch", file=sys.stderr)
+        print(f"warning: no checkpoint in --load {t.load_checkpoint}: training starts from "
+              "scratch", file=sys.stderr)
         t.load_checkpoint = ""                       # Megatron: a new folder means a new run
     if t.load_checkpoint:
         checkpoint.check_fits(cfg, t.load_checkpoint)
@@ -171,11 +179,13 @@ def build_data(cfg, tokenizer):
 def build_model(cfg, tokenizer, state):
     m = cfg.model_config
     d = cfg.dataset_config
-    m.padded_vocab_size = padded_vocab_size(m, d.vocab_size if d.mock_data and d.vocab_size else tokenizer.vocab_size)
+    vocab = d.vocab_size if d.mock_data and d.vocab_size else tokenizer.vocab_size
+    m.padded_vocab_size = padded_vocab_size(m, vocab)
     rng = DropoutRNG(cfg.training_config.seed, state.tp_rank)
     p = cfg.parallel_config
-    chunks = pipeline.build_chunks(m, state.pp, state.pp_rank, p.virtual_pipeline_model_parallel_size,
-                                   p.num_layer_list, rng, recompute_counts(p, m)[state.pp_rank])
+    chunks = pipeline.build_chunks(m, state.pp, state.pp_rank,
+                                   p.virtual_pipeline_model_parallel_size, p.num_layer_list, rng,
+                                   recompute_counts(p, m)[state.pp_rank])
     for chunk in chunks:
         init_weights(chunk, cfg.training_config.seed)
     return chunks, rng
@@ -188,8 +198,8 @@ def build_scaler(cfg):
     if t.loss_scale is not None:
         return opt.ConstantGradScaler(t.loss_scale)
     if cfg.model_config.compute_dtype == "float16":
-        return opt.DynamicGradScaler(t.loss_scale_value, t.min_loss_scale, growth_interval=t.loss_scale_window,
-                                     hysteresis=t.hysteresis)
+        return opt.DynamicGradScaler(t.loss_scale_value, t.min_loss_scale,
+                                     growth_interval=t.loss_scale_window, hysteresis=t.hysteresis)
     return opt.ConstantGradScaler(1.0)
 
 
@@ -199,7 +209,8 @@ def counted_in_norm(chunks, state):
     param_is_not_tensor_parallel_duplicate), and the word embedding on the first stage, not its
     copy on the last."""
     tied_copy = state.pp > 1 and chunks[0].tied
-    return [(hasattr(p, "partition_dim") or state.tp_rank == 0) and not (tied_copy and n == "output_layer.weight")
+    return [(hasattr(p, "partition_dim") or state.tp_rank == 0)
+            and not (tied_copy and n == "output_layer.weight")
             for chunk in chunks for n, p in chunk.parameters_and_names()]
 
 
@@ -217,8 +228,9 @@ def build_optimizer(cfg, model, state=None):
         return opt.build_optimizer(o.optimizer_type, params, betas=tuple(o.betas), eps=o.eps,
                                    momentum=o.momentum, wd_mults=mults)
     clip = t.grad_clip_kwargs
-    common = dict(scaler=build_scaler(cfg), clip_type=clip.grad_clip_type, clip_value=clip.clip_value,
-                  comm=parallel.comm, norm_groups=[state.mp_group], counted=counted_in_norm(chunks, state))
+    common = dict(scaler=build_scaler(cfg), clip_type=clip.grad_clip_type,
+                  clip_value=clip.clip_value, comm=parallel.comm, norm_groups=[state.mp_group],
+                  counted=counted_in_norm(chunks, state))
     params = [p for _, p in named]
     if t.use_distributed_optimizer and state.dp * state.cp > 1:
         optim = opt.DistributedOptimizer(make, params, wd_mults, **common, group=state.dp_cp_group,
@@ -237,13 +249,14 @@ def build_optimizer(cfg, model, state=None):
 
 # ----------------------------------------------------------------------------- one step
 def to_tensors(batch, state=None):
-    """A numpy micro-batch -> model inputs (tokens, position_ids, attention_mask, labels, loss_mask),
-    with context parallelism this cp rank's share of the sequence."""
+    """A numpy micro-batch -> model inputs (tokens, position_ids, attention_mask, labels,
+    loss_mask), with context parallelism this cp rank's share of the sequence."""
     if state is not None:
         batch = context_parallel.get_batch_on_this_cp_rank(batch, state)
     mask = batch.get("attention_mask")
     return (Tensor(batch["tokens"]), Tensor(batch["position_ids"]),
-            None if mask is None else Tensor(mask), Tensor(batch["labels"]), Tensor(batch["loss_mask"]))
+            None if mask is None else Tensor(mask), Tensor(batch["labels"]),
+            Tensor(batch["loss_mask"]))
 
 
 class Trainer:
@@ -263,7 +276,8 @@ class Trainer:
         m = cfg.model_config
         self.grad_dtype = DTYPES[main_grad_dtype(cfg)]    # micro-batches' gradients summed in it
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
-        self.compiled = cfg.training_config.use_jit and not (m.hidden_dropout_rate or m.attention_dropout_rate)
+        dropout = m.hidden_dropout_rate or m.attention_dropout_rate
+        self.compiled = cfg.training_config.use_jit and not dropout
         self.pipeline = None
         if self.state.pp > 1:
             hop = pipeline.hop_shape(m, cfg.dataset_config.batch_size, self.state)
@@ -302,22 +316,25 @@ class Trainer:
 
     def train_step(self, micro_batches):
         """Megatron's train_step: forward and backward over the micro-batches, the gradients'
-        reductions (optimizer.finalize_model_grads), optimizer.step() (prepare the grads: unscale,
-        inf/nan check; clip; update; skipped on overflow), then the scheduler's step if it updated. Returns
-        (mean loss over the micro-batches, updated, gradient norm, lr used)."""
+        reductions (optimizer.finalize_model_grads), then optimizer.step(), called once (prepare
+        the grads: unscale, inf/nan check, and on overflow nothing more; clip; update), then the
+        scheduler's step if it updated. Returns (mean loss over the micro-batches,
+        updated, gradient norm, lr used)."""
         parallel.ledger.reset()
         self.set_train(True)
         clock = time.perf_counter()
         losses, grads = self.forward_backward(micro_batches)
         clock = self._lap("forward-backward", clock)
-        grads = opt.finalize_model_grads(grads, self.params, parallel.comm, self.state, self.optimizer, self.buffer)
+        grads = opt.finalize_model_grads(grads, self.params, parallel.comm, self.state,
+                                         self.optimizer, self.buffer)
         clock = self._lap("grads-reduce", clock)
         lr = self.scheduler.get_lr()
         updated, grad_norm, _ = self.optimizer.step(grads, lr, self.scheduler.get_wd())
         if updated:                                  # Megatron: a skipped step does not count
             self.scheduler.step(1)
         self._lap("optimizer", clock)
-        return self.dp_mean(sum(losses) / len(micro_batches) if losses else 0.0), updated, grad_norm, lr
+        loss = sum(losses) / len(micro_batches) if losses else 0.0   # none before the last stage
+        return self.dp_mean(loss), updated, grad_norm, lr
 
     def _lap(self, name, since):
         now = time.perf_counter()
@@ -589,21 +606,23 @@ def exit_reason(t, iteration, started):
         return f"--exit-interval {t.exit_interval}"
     if t.exit_signal_handler and parallel.any_rank(bool(_SIGTERM)):
         return "SIGTERM received (--exit-signal-handler)"
-    if t.exit_duration_in_mins and parallel.any_rank(time.time() - started > 60 * t.exit_duration_in_mins):
+    minutes = t.exit_duration_in_mins
+    if minutes and parallel.any_rank(time.time() - started > 60 * minutes):
         return f"--exit-duration-in-mins {t.exit_duration_in_mins} reached"
     return None
 
 
 def report_pipeline_trace(cfg, trainer):
     """Gather the step's pass times over the pipeline; the loss rank writes the timeline (text
-    and SVG under output_dir) and logs the bubble: measured, in the unit-time schedule, in theory."""
+    and SVG under output_dir) and logs the bubble: measured, in the unit-time schedule, in
+    theory."""
     traces = pipeline.gather_trace(trainer.trace, trainer.state)
     if trainer.state.rank != loss_rank(trainer.state):
         return
     path = os.path.join(cfg.training_config.output_dir, "pipeline_timeline")
-    log.info(pipeline.write_timeline(traces, cfg.dataset_config.micro_batch_num, len(trainer.chunks),
-                                     cfg.parallel_config.pipeline_schedule, path,
-                                     trainer.state.world_size // trainer.state.pp))
+    log.info(pipeline.write_timeline(traces, cfg.dataset_config.micro_batch_num,
+                                     len(trainer.chunks), cfg.parallel_config.pipeline_schedule,
+                                     path, trainer.state.world_size // trainer.state.pp))
     log.info(f"pipeline: timeline written to {path}.svg and {path}.txt")
 
 
@@ -617,7 +636,8 @@ def report(split, iteration, loss):
     if not parallel.get_state().is_last_stage:        # no loss before the last pipeline stage
         return
     ppl = math.exp(min(loss, 20.0))
-    log.info(f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |")
+    log.info(f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+             f"lm loss PPL: {ppl:.6E} |")
 
 
 # ----------------------------------------------------------------------------- commands
@@ -725,14 +745,16 @@ COMMANDS = {"train": train_main, "check": check_main, "preprocess": preprocess_m
 
 def expected_message(e):
     if isinstance(e, OSError):                      # an unwritable or full --save, a vanished file
-        return f"{e.filename or 'a file'}: {e.strerror or e}; free space, fix the permissions or choose another --save"
+        return (f"{e.filename or 'a file'}: {e.strerror or e}; free space, fix the permissions "
+                "or choose another --save")
     return str(e)
 
 
 def fail(message):
     """An error on any worker: the rank's error.log and one line on the console (msrun shows every
-    worker's console), prefixed by the rank when there are several, so the cause is where the user looks."""
-    if os.environ.get("MS_ROLE") == "MS_SCHED":    # msrun's scheduler process: it only relays a worker's failure
+    worker's console), prefixed by the rank when there are several, so the cause is where the
+    user looks."""
+    if os.environ.get("MS_ROLE") == "MS_SCHED":    # msrun's scheduler: it only relays a failure
         return
     if log.handlers:
         log.error(f"error: {message}")
