@@ -10,7 +10,8 @@ The inner optimizers (AdamW, Adam, SGD) update a list of float32 tensors in plac
 MindSpore 2.10): Megatron's *main params*. Every entry may be a Parameter (float32 parameters are
 their own main params) or a plain Tensor (a float32 copy of a half-precision parameter, or a flat
 piece owned by the distributed optimizer). `MixedPrecisionOptimizer.step` is Megatron's
-optimizer.step(): unscale, find inf/nan, update the loss scale, clip, update, copy back.
+optimizer.step(): prepare_grads (unscale, find inf/nan, update the loss scale), clip_grad_norm,
+step_with_ready_grads (update, copy back).
 """
 
 import math
@@ -38,9 +39,11 @@ class OptimizerParamScheduler:
     def __init__(self, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style,
                  start_wd, end_wd, wd_incr_steps, wd_incr_style, init_lr=0.0):
         if lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style must be one of {LR_DECAY_STYLES}, got {lr_decay_style!r}")
+            raise ValueError(f"lr_decay_style must be one of {LR_DECAY_STYLES}, "
+                             f"got {lr_decay_style!r}")
         if wd_incr_style not in WD_INCR_STYLES:
-            raise ValueError(f"weight_decay_incr_style must be one of {WD_INCR_STYLES}, got {wd_incr_style!r}")
+            raise ValueError(f"weight_decay_incr_style must be one of {WD_INCR_STYLES}, "
+                             f"got {wd_incr_style!r}")
         if not 0.0 <= min_lr <= max_lr or init_lr > max_lr:
             raise ValueError(f"need 0 <= min_lr <= max_lr and init_lr <= max_lr, got "
                              f"min_lr={min_lr}, max_lr={max_lr}, init_lr={init_lr}")
@@ -98,7 +101,8 @@ class OptimizerParamScheduler:
 
     def differences(self, d):
         """[(key, checkpoint value, this run's)] of the schedule's values (not the step count)."""
-        return [(k, v, getattr(self, k)) for k, v in d.items() if k != "num_steps" and v != getattr(self, k)]
+        return [(k, v, getattr(self, k)) for k, v in d.items()
+                if k != "num_steps" and v != getattr(self, k)]
 
     def load_state_dict(self, d, override=False):
         """The step count is the checkpoint's; the schedule's values (lr, warmup, decay, weight
@@ -123,9 +127,12 @@ class _Optimizer:
 
     def __init__(self, params, wd_mults=None):
         self.params = list(params)
-        self.wd_mults = [1.0] * len(self.params) if wd_mults is None else [float(m) for m in wd_mults]
+        if wd_mults is None:
+            wd_mults = [1.0] * len(self.params)
+        self.wd_mults = [float(m) for m in wd_mults]
         if len(self.wd_mults) != len(self.params):
-            raise ValueError(f"wd_mults has {len(self.wd_mults)} entries for {len(self.params)} params")
+            raise ValueError(f"wd_mults has {len(self.wd_mults)} entries for "
+                             f"{len(self.params)} params")
         self.step_count = 0
         self.state = {name: [ops.zeros(p.shape, ms.float32) for p in self.params]
                       for name in self.state_names}
@@ -153,12 +160,14 @@ class _Optimizer:
 
     def load_named_state(self, arrays, step, names):
         """The inverse of named_state."""
-        self.load_state_dict({"step": step, **{f"{kind}.{i}": arrays[f"optimizer.{kind}.{name}"]
-                                              for kind in self.state for i, name in enumerate(names)}})
+        state = {f"{kind}.{i}": arrays[f"optimizer.{kind}.{name}"]
+                 for kind in self.state for i, name in enumerate(names)}
+        self.load_state_dict({"step": step, **state})
 
 
 class AdamW(_Optimizer):
-    """Adam with decoupled weight decay (Loshchilov & Hutter), = torch AdamW / apex FusedAdam(adam_w_mode)."""
+    """Adam with decoupled weight decay (Loshchilov & Hutter), = torch AdamW / apex
+    FusedAdam(adam_w_mode)."""
 
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = True
@@ -238,7 +247,8 @@ def build_optimizer(optimizer_type, params, betas=(0.9, 0.999), eps=1e-8, moment
                     wd_mults=None):
     """Megatron's --optimizer switch."""
     if optimizer_type not in OPTIMIZERS:
-        raise ValueError(f"optimizer_type must be one of {tuple(OPTIMIZERS)}, got {optimizer_type!r}")
+        raise ValueError(f"optimizer_type must be one of {tuple(OPTIMIZERS)}, "
+                         f"got {optimizer_type!r}")
     if optimizer_type == "SGD":
         return SGD(params, momentum=momentum, wd_mults=wd_mults)
     return OPTIMIZERS[optimizer_type](params, betas=betas, eps=eps, wd_mults=wd_mults)
@@ -346,13 +356,13 @@ class MixedPrecisionOptimizer:
     parameters themselves when those are float32, and float32 copies of them when they are half
     precision (Micikevicius et al. 2018, "Mixed Precision Training": the copies keep the small
     updates that a float16 weight would round away). step(grads, lr, wd), after the gradients'
-    reductions (finalize_model_grads):
-      1. main grads: the gradients in float32, divided by the loss scale;
-      2. inf/nan found through the gradient norm's reduction: the squared norm, summed over
-         `norm_groups`, is inf/nan iff some gradient is (or is so large its square overflows);
-      3. the loss scaler's update; on overflow the step is skipped, weights and state untouched;
-      4. clipping by the global norm (or by value, clip_type GradClipByValue; 0 disables it);
-      5. the inner update of the main params, then main params -> model params.
+    reductions (finalize_model_grads), runs Megatron's three phases:
+      1. prepare_grads: main grads (float32, divided by the loss scale); inf/nan found through the
+         gradient norm's reduction over `norm_groups`; the loss scaler's update; on overflow the
+         step ends there, weights and state untouched;
+      2. clip_grad_norm: by the global norm (or by value, clip_type GradClipByValue; 0: none);
+      3. step_with_ready_grads: the inner update of the main params, then main params -> model
+         params.
     `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
     Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all)."""
 
@@ -376,22 +386,44 @@ class MixedPrecisionOptimizer:
         return self.inner.step_count
 
     def step(self, grads, lr, wd):
-        """One update from the step's reduced gradients (model dtype or float32, still scaled);
-        returns (updated, grad norm): updated is False when inf/nan skipped the step."""
+        """Megatron's optimizer.step() from the step's reduced gradients (model dtype or float32,
+        still scaled): prepare_grads, then on overflow nothing more, else clip_grad_norm and
+        step_with_ready_grads. Returns (update_successful, grad_norm, num_zeros_in_grad): the norm
+        is inf or nan on overflow (the train line shows it), num_zeros_in_grad None (Megatron
+        counts zeros only with --log-num-zeros-in-grad, which this project does not offer)."""
+        found_inf, main_grads, grad_norm = self.prepare_grads(grads)
+        if found_inf:                               # weights, state and schedule untouched
+            return False, grad_norm, None
+        main_grads = self.clip_grad_norm(main_grads, grad_norm)
+        return self.step_with_ready_grads(main_grads, lr, wd), grad_norm, None
+
+    def prepare_grads(self, grads):
+        """Megatron's prepare_grads: the main grads (float32, divided by the loss scale), whether
+        one holds inf/nan, and the loss scaler's update. found_inf comes through the gradient
+        norm's reduction (the squared norm is inf/nan iff some gradient is, or is so large its
+        square overflows), so it needs no all-reduce of its own. Returns (found_inf, main grads,
+        grad norm)."""
         main_grads = [self._main_grad(g) for g in grads]
         norm_sq = self.global_norm_sq(main_grads)
         found_inf = not math.isfinite(norm_sq)
         self.scaler.update(found_inf)
-        norm = math.sqrt(norm_sq)                   # inf or nan on overflow
-        if found_inf:
-            return False, norm
+        return found_inf, main_grads, math.sqrt(norm_sq)
+
+    def clip_grad_norm(self, main_grads, grad_norm):
+        """Megatron's clip_grad_norm with the norm prepare_grads reduced: by the global norm, or
+        elementwise with clip_type GradClipByValue; clip_value 0 disables clipping."""
         if self.clip_value and self.clip_type == "ClipGlobalNorm":
-            main_grads = clip_grads_by_global_norm(main_grads, self.clip_value, norm)
-        elif self.clip_value:
-            main_grads = clip_grads_by_value(main_grads, self.clip_value)
+            return clip_grads_by_global_norm(main_grads, self.clip_value, grad_norm)
+        if self.clip_value:
+            return clip_grads_by_value(main_grads, self.clip_value)
+        return main_grads
+
+    def step_with_ready_grads(self, main_grads, lr, wd):
+        """Megatron's step_with_ready_grads: the inner update of the main params, then main
+        params -> model params. Returns True (the update succeeded)."""
         self.inner.step(main_grads, lr, wd)
         self._copy_main_params_to_model_params()
-        return True, norm
+        return True
 
     def _main_grad(self, grad):
         """A reduced gradient in float32, divided by the loss scale: one new tensor, or none."""
@@ -423,7 +455,8 @@ class MixedPrecisionOptimizer:
         """(arrays, step): the inner optimizer's state "optimizer.<state>.<name>" and the float32
         main params of half-precision parameters "main.<name>" (`names`: one per parameter)."""
         arrays, step = self.inner.named_state(names)
-        arrays.update({f"main.{n}": main.asnumpy() for n, p, main in zip(names, self.params, self.main_params)
+        arrays.update({f"main.{n}": main.asnumpy()
+                       for n, p, main in zip(names, self.params, self.main_params)
                        if main is not p})
         return arrays, step
 
@@ -436,7 +469,8 @@ class MixedPrecisionOptimizer:
 
     def state_bytes(self):
         """Optimizer state plus the float32 main params that are copies, on this rank."""
-        return self.inner.state_bytes() + sum(m.nbytes for p, m in zip(self.params, self.main_params) if m is not p)
+        copies = sum(m.nbytes for p, m in zip(self.params, self.main_params) if m is not p)
+        return self.inner.state_bytes() + copies
 
 
 # ----------------------------------------------------------------------------- data parallelism
@@ -464,7 +498,8 @@ class GradBuffer:
         self.numel, self.sizes, self.dp = position, sizes, dp
 
     def flatten(self, tensors, dtype=F32):
-        """list of tensors shaped like the params -> flat [numel] in `dtype`, zeros in the padding."""
+        """list of tensors shaped like the params -> flat [numel] in `dtype`, zeros in the
+        padding."""
         pieces, position = [], 0
         for t, offset, n in zip(tensors, self.offsets, self.sizes):
             if offset > position:
@@ -478,7 +513,8 @@ class GradBuffer:
     def unflatten(self, flat):
         """flat [numel] -> new tensors shaped like the params. A slice is a view of the whole
         buffer in MindSpore, which in-place kernels (copy_) refuse once reshaped: copy it."""
-        return [flat[o:o + n].reshape(s).copy() for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
+        return [flat[o:o + n].reshape(s).copy()
+                for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
     def shard_ranges(self, rank):
         """The (start, end) ranges of the buffer that `rank` owns: its 1/dp of every bucket."""
@@ -519,7 +555,8 @@ def finalize_model_grads(grads, params, comm, state, optimizer, buffer):
     `comm` and `state` are parallel.py's. Returns the gradients the optimizer takes."""
     grads = [comm.all_reduce(g, state.tp_group) if getattr(p, "sequence_parallel", False) else g
              for g, p in zip(grads, params)]
-    grads = [comm.all_reduce(g, state.embedding_group) if getattr(p, "shared_embedding", False) else g
+    grads = [comm.all_reduce(g, state.embedding_group)
+             if getattr(p, "shared_embedding", False) else g
              for g, p in zip(grads, params)]
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.reduce_scatter_grads(grads)
@@ -534,7 +571,8 @@ def all_reduce_grads(buffer, grads, comm, group, mean_over):
     (Megatron's DDP without overlap: it scales by 1/dp before the sum, which keeps a float16
     sum in range)."""
     flat = buffer.flatten(grads, grads[0].dtype) * (1.0 / mean_over)
-    return buffer.unflatten(ops.cat([comm.all_reduce(flat[b0:b1], group) for b0, b1 in buffer.buckets]))
+    reduced = [comm.all_reduce(flat[b0:b1], group) for b0, b1 in buffer.buckets]
+    return buffer.unflatten(ops.cat(reduced))
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -590,7 +628,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Full local grads -> this rank's pieces of the DP average, one float32 tensor per piece;
         reduced in the gradients' dtype, divided by mean_over first (as all_reduce_grads)."""
         flat = self.buffer.flatten(grads, grads[0].dtype) * (1.0 / self.mean_over)
-        shard = [self.comm.reduce_scatter(flat[b0:b1], self.group) for b0, b1 in self.buffer.buckets]
+        shard = [self.comm.reduce_scatter(flat[b0:b1], self.group)
+                 for b0, b1 in self.buffer.buckets]
         return [shard[b][lo - self.shards[b][0]:hi - self.shards[b][0]].astype(F32)
                 for b, _, lo, hi in self.pieces]
 
@@ -603,7 +642,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if filled < s1 - s0:                               # the bucket's padding
                 mine.append(ops.zeros(s1 - s0 - filled, F32))
             shard = ops.cat(mine)
-            buckets.append(self.comm.all_gather(shard if dtype == F32 else shard.astype(dtype), self.group))
+            shard = shard if dtype == F32 else shard.astype(dtype)
+            buckets.append(self.comm.all_gather(shard, self.group))
         for p, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
             p.copy_(value)
 
