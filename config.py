@@ -14,7 +14,8 @@ from keys import SCHEMA
 
 
 class ConfigError(ValueError):
-    pass
+    """A config, data, checkpoint or launch input refused: its one-line message names the
+    field and the fix."""
 
 
 def suggest(word, candidates):
@@ -32,7 +33,7 @@ def _check_value(path, value, spec):
         try:
             value = float(value)
         except ValueError:
-            pass
+            pass                          # not a number: the type check below names it
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if typ is int and isinstance(value, float) and value.is_integer():

@@ -295,13 +295,13 @@ class ConstantGradScaler:
         return 1.0 / self.scale
 
     def update(self, found_inf):
-        pass
+        """A constant scale does not move (Megatron's ConstantGradScaler.update)."""
 
     def state_dict(self):
         return {}
 
     def load_state_dict(self, state_dict):
-        pass
+        """Nothing to restore: the scale comes from the config."""
 
 
 class DynamicGradScaler(ConstantGradScaler):

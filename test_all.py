@@ -2329,7 +2329,7 @@ def test_resumed_learning_rate_schedule_follows_megatrons_rules(tmp_path, capsys
 
 
 class Killed(Exception):
-    pass
+    """Raised in place of a process being killed mid-save."""
 
 
 def test_a_save_killed_at_any_point_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

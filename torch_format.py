@@ -32,7 +32,7 @@ from numpy.core import multiarray
 
 
 class TorchFormatError(ValueError):
-    pass
+    """A .pt file this reader cannot take: the message names the file and what is wrong."""
 
 
 class Global:
