@@ -35,7 +35,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops
 
-from parallel import Mapping, cast
+from parallel import (all_to_all_heads_to_sequence, all_to_all_sequence_to_heads, cast,
+                      gather_from_sequence_parallel_region)
 
 F32 = ms.float32
 _scores = ops.BatchMatMul(transpose_b=True)            # q k^T without materialising k^T
@@ -123,8 +124,8 @@ class RingAttention(nn.Cell):
         super().__init__()
         self.core, self.ring, self.rank = core, state.cp_ring, state.cp_rank // state.cp_ulysses
         # keys and values of the whole ring, rank order; backward: reduce-scatter of their gradients
-        self.gather_keys = Mapping("gather_from_sequence_parallel_region", state.cp_ring_group)
-        self.gather_values = Mapping("gather_from_sequence_parallel_region", state.cp_ring_group)
+        self.gather_keys = gather_from_sequence_parallel_region(state.cp_ring_group)
+        self.gather_values = gather_from_sequence_parallel_region(state.cp_ring_group)
 
     def construct(self, q, k, v, bias):
         """q [S, b, n, d], k, v [S, b, g, d] (S = 2c local tokens), bias [b, n, S, S] the causal
@@ -161,8 +162,9 @@ class ContextParallelAttention(nn.Cell):
         if self.ulysses > 1:
             group = state.cp_ulysses_group
             self.scatter_q, self.scatter_k, self.scatter_v = (
-                Mapping("all_to_all_sequence_to_heads", group) for _ in range(3))
-            self.gather_context = Mapping("all_to_all_heads_to_sequence", group)
+                all_to_all_sequence_to_heads(group) for _ in range(3))
+            self.gather_context = all_to_all_heads_to_sequence(group)
+
         self.attend = RingAttention(core, state) if state.cp_ring > 1 else core
 
     def construct(self, q, k, v, bias):

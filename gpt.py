@@ -454,20 +454,20 @@ class GPTModel(nn.Cell):
         logits gathered and the vocabulary-parallel cross-entropy; under CP the loss and the
         token count summed over the CP group."""
         if self.tp > 1:
-            self.scatter_sequence = parallel.Mapping("scatter_to_sequence_parallel_region")
+            self.scatter_sequence = parallel.scatter_to_sequence_parallel_region()
             if self.sequence_parallel:
-                self.enter_logits = parallel.Mapping("gather_from_sequence_parallel_region")
+                self.enter_logits = parallel.gather_from_sequence_parallel_region()
             else:
-                self.enter_logits = parallel.Mapping("copy_to_tensor_model_parallel_region")
-            self.gather_logits = parallel.Mapping("gather_from_tensor_model_parallel_region")
+                self.enter_logits = parallel.copy_to_tensor_model_parallel_region()
+            self.gather_logits = parallel.gather_from_tensor_model_parallel_region()
             self.cross_entropy = parallel.VocabParallelCrossEntropy()
         if self.post_process and self.cp > 1:
             # Megatron's loss_func: each cp rank has part of every sequence's tokens, so the loss
             # sum (forward all-reduce, backward identity: g over the CP group) and the token
             # count are summed over CP before dividing; each rank's gradient is then its tokens'
             # share
-            self.reduce_loss = parallel.Mapping("reduce_from_tensor_model_parallel_region",
-                                                state.cp_group)
+            self.reduce_loss = parallel.reduce_from_tensor_model_parallel_region(state.cp_group)
+
             self.count_tokens = parallel.collectives(state.cp_group)
 
     def logits(self, x):

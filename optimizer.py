@@ -364,13 +364,16 @@ class MixedPrecisionOptimizer:
       3. step_with_ready_grads: the inner update of the main params, then main params -> model
          params.
     `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
-    Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all)."""
+    Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all).
+    `collectives` is parallel.collectives, passed in: optimizer.py comes before parallel.py in the
+    import order."""
 
-    def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value, comm,
-                 norm_groups, counted):
+    def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
+                 collectives, norm_groups, counted):
         self.params = list(params)
         self.scaler, self.clip_type, self.clip_value = scaler, clip_type, clip_value
-        self.comm, self.norm_groups, self.counted = comm, list(norm_groups), list(counted)
+        self.collectives = collectives
+        self.norm_groups, self.counted = list(norm_groups), list(counted)
         self.main_params = self._main_params()
         self.inner = make_optimizer(self.main_params, self._main_wd_mults(wd_mults))
 
@@ -437,7 +440,7 @@ class MixedPrecisionOptimizer:
         the ranks that hold other parts of the model (`norm_groups`)."""
         local = Tensor([grad_norm_sq([g for g, c in zip(main_grads, self.counted) if c])], F32)
         for group in self.norm_groups:
-            local = self.comm.all_reduce(local, group)
+            local = self.collectives(group).all_reduce(local)
         return float(local.asnumpy()[0])
 
     def _copy_main_params_to_model_params(self):
@@ -538,7 +541,7 @@ class GradBuffer:
         return out
 
 
-def finalize_model_grads(grads, params, comm, state, optimizer, buffer):
+def finalize_model_grads(grads, params, collectives, state, optimizer, buffer):
     """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
     reduction of a step's gradients, in one place, after the last backward, in the gradients'
     dtype (Megatron's main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32
@@ -552,26 +555,28 @@ def finalize_model_grads(grads, params, comm, state, optimizer, buffer):
          loss, see gpt.GPTModel) and averaged over DP, one all-reduce over the DP x CP group per
          bucket of the contiguous `buffer`, or, with the distributed optimizer, reduce-scattered
          to this rank's pieces.
-    `comm` and `state` are parallel.py's. Returns the gradients the optimizer takes."""
-    grads = [comm.all_reduce(g, state.tp_group) if getattr(p, "sequence_parallel", False) else g
-             for g, p in zip(grads, params)]
-    grads = [comm.all_reduce(g, state.embedding_group)
-             if getattr(p, "shared_embedding", False) else g
-             for g, p in zip(grads, params)]
+    `collectives` and `state` are parallel.py's: parallel.collectives and the current
+    ParallelState. Returns the gradients the optimizer takes."""
+    grads = [collectives(state.tp_group).all_reduce(g)
+             if getattr(param, "sequence_parallel", False) else g
+             for g, param in zip(grads, params)]
+    grads = [collectives(state.embedding_group).all_reduce(g)
+             if getattr(param, "shared_embedding", False) else g
+             for g, param in zip(grads, params)]
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.reduce_scatter_grads(grads)
     if state.dp * state.cp > 1:
-        return all_reduce_grads(buffer, grads, comm, state.dp_cp_group, state.dp)
+        return all_reduce_grads(buffer, grads, collectives(state.dp_cp_group), state.dp)
     return grads
 
 
-def all_reduce_grads(buffer, grads, comm, group, mean_over):
-    """Data-parallel gradient reduction: divided by `mean_over` (DP) and summed over `group`
-    (DP x CP), one all-reduce per bucket of the contiguous buffer, in the gradients' dtype
-    (Megatron's DDP without overlap: it scales by 1/dp before the sum, which keeps a float16
-    sum in range)."""
+def all_reduce_grads(buffer, grads, group_collectives, mean_over):
+    """Data-parallel gradient reduction: divided by `mean_over` (DP) and summed over the group of
+    `group_collectives` (DP x CP), one all-reduce per bucket of the contiguous buffer, in the
+    gradients' dtype (Megatron's DDP without overlap: it scales by 1/dp before the sum, which
+    keeps a float16 sum in range)."""
     flat = buffer.flatten(grads, grads[0].dtype) * (1.0 / mean_over)
-    reduced = [comm.all_reduce(flat[b0:b1], group) for b0, b1 in buffer.buckets]
+    reduced = [group_collectives.all_reduce(flat[b0:b1]) for b0, b1 in buffer.buckets]
     return buffer.unflatten(ops.cat(reduced))
 
 
@@ -585,16 +590,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     The inner optimizer sees one flat tensor per (parameter, shard) overlap, a "piece", so
     per-parameter weight-decay multipliers still apply."""
 
-    def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value, comm,
-                 norm_groups, counted, group, dp_rank, dp, bucket_size=None, mean_over=None):
+    def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
+                 collectives, norm_groups, counted, group, dp_rank, dp, bucket_size=None,
+                 mean_over=None):
         self.group, self.dp, self.rank = group, dp, dp_rank
         self.mean_over = dp if mean_over is None else mean_over
         self.buffer = GradBuffer(params, dp, bucket_size)
         self.shards = self.buffer.shard_ranges(dp_rank)        # this rank's range in each bucket
         self.pieces = self.buffer.pieces(dp_rank)              # (bucket, param index, start, end)
         # the norm: this rank's pieces, summed over the shards first
-        super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value, comm,
-                         [group] + list(norm_groups), [counted[i] for _, i, _, _ in self.pieces])
+        super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
+                         collectives, [group] + list(norm_groups),
+                         [counted[i] for _, i, _, _ in self.pieces])
 
     def _main_params(self):
         flat = self.buffer.flatten(self.params)
@@ -628,7 +635,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Full local grads -> this rank's pieces of the DP average, one float32 tensor per piece;
         reduced in the gradients' dtype, divided by mean_over first (as all_reduce_grads)."""
         flat = self.buffer.flatten(grads, grads[0].dtype) * (1.0 / self.mean_over)
-        shard = [self.comm.reduce_scatter(flat[b0:b1], self.group)
+        shard = [self.collectives(self.group).reduce_scatter(flat[b0:b1])
                  for b0, b1 in self.buffer.buckets]
         return [shard[b][lo - self.shards[b][0]:hi - self.shards[b][0]].astype(F32)
                 for b, _, lo, hi in self.pieces]
@@ -643,7 +650,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 mine.append(ops.zeros(s1 - s0 - filled, F32))
             shard = ops.cat(mine)
             shard = shard if dtype == F32 else shard.astype(dtype)
-            buckets.append(self.comm.all_gather(shard, self.group))
+            buckets.append(self.collectives(self.group).all_gather(shard))
+
         for p, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
             p.copy_(value)
 

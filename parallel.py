@@ -14,11 +14,13 @@ the ~ ones along the sequence dimension):
 Each is an nn.Cell with a custom `bprop`, the way autograd goes through a collective in MindSpore.
 Activations are [s, b, h] (sequence first), so sequence parallelism splits dim 0.
 
-One communication path serves the model op by op and compiled by ms.jit: `Collectives`, a Cell
-per process group. On CPU only the AllReduce primitive compiles (sum, on any group), so all-gather
-is an AllReduce of a zero buffer holding this rank's slice and reduce-scatter an AllReduce that
-keeps this rank's slice; HCCL/NCCL use their native AllGather and ReduceScatter. Pipeline
-exchanges and broadcasts run between compiled calls, with mint.distributed.
+Communication goes through one name, `collectives(group)`: the Collectives Cell of a process
+group, one per group and process, e.g. `collectives(state.dp_cp_group).all_reduce(t)`. The same
+Cell serves the model op by op and compiled by ms.jit, and the optimizer between compiled calls.
+On CPU only the AllReduce primitive compiles (sum, on any group), so all-gather is an AllReduce of
+a zero buffer holding this rank's slice and reduce-scatter an AllReduce that keeps this rank's
+slice; HCCL/NCCL use their native AllGather and ReduceScatter. Two functions run only between
+compiled calls, with mint.distributed: `broadcast` and the pipeline's point-to-point `exchange`.
 """
 import os
 from dataclasses import dataclass, field
@@ -360,52 +362,39 @@ def collectives(group=None):
     return _COLLECTIVES[group]
 
 
-class Comm:
-    """Collectives called between compiled graphs (gradient reduction, the distributed
-    optimizer, pipeline hops), by group name: all_reduce, all_gather and reduce_scatter are the
-    model's Collectives; broadcast and the pipeline's point-to-point exchange use mint.distributed
-    (on CPU an exchange is one all_gather over the two ranks' pair group)."""
-
-    def all_reduce(self, t, group, op="sum"):
-        c = collectives(group)
-        return c.all_reduce_max(t) if op == "max" else c.all_reduce(t)
-
-    def all_gather(self, t, group, dim=0):
-        return collectives(group).all_gather(t, dim)
-
-    def reduce_scatter(self, t, group, dim=0):
-        return collectives(group).reduce_scatter(t, dim)
-
-    def broadcast(self, t, src_global_rank, group):
-        if len(group_ranks(group)) == 1:
-            return t
-        _record(_GROUPS[group][0], "broadcast", t.shape, t.dtype)
-        out = t.copy()
-        dist.broadcast(out, src=src_global_rank, group=group)
-        return out
-
-    def exchange(self, t, peer_global_rank):
-        """Send t to the peer and return the peer's same-shape tensor (Megatron's
-        send_forward_recv_backward), on the two ranks' pair group."""
-        group = get_state().pair_groups[peer_global_rank]
-        _record("pp_pair", "exchange", t.shape, t.dtype)
-        if ms.get_context("device_target") == "CPU":
-            bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(2)]
-            dist.all_gather(bufs, t, group=group)
-            return bufs[group_ranks(group).index(peer_global_rank)]
-        out = mint.zeros(t.shape, dtype=t.dtype)
-        ops_ = [dist.P2POp(dist.isend, t.contiguous(), peer_global_rank, group=group),
-                dist.P2POp(dist.irecv, out, peer_global_rank, group=group)]
-        for handle in dist.batch_isend_irecv(ops_):
-            handle.wait()
-        return out
+def broadcast(t, src_global_rank, group):
+    """t from global rank `src_global_rank` to every rank of `group` (a new tensor; t is left as
+    it is), with mint.distributed: called between compiled graphs, never inside one."""
+    if len(group_ranks(group)) == 1:
+        return t
+    _record(_GROUPS[group][0], "broadcast", t.shape, t.dtype)
+    out = t.copy()
+    dist.broadcast(out, src=src_global_rank, group=group)
+    return out
 
 
-comm = Comm()
+def exchange(t, peer_global_rank):
+    """Send t to the peer and return the peer's same-shape tensor (Megatron's
+    send_forward_recv_backward), on the two ranks' pair group, with mint.distributed: the
+    pipeline's hops, between compiled graphs. On CPU, which has no send/recv, one all_gather over
+    the pair."""
+    group = get_state().pair_groups[peer_global_rank]
+    _record("pp_pair", "exchange", t.shape, t.dtype)
+    if ms.get_context("device_target") == "CPU":
+        bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(2)]
+        dist.all_gather(bufs, t, group=group)
+        return bufs[group_ranks(group).index(peer_global_rank)]
+    out = mint.zeros(t.shape, dtype=t.dtype)
+    ops_ = [dist.P2POp(dist.isend, t.contiguous(), peer_global_rank, group=group),
+            dist.P2POp(dist.irecv, out, peer_global_rank, group=group)]
+    for handle in dist.batch_isend_irecv(ops_):
+        handle.wait()
+    return out
 
 
 # ============================================================================ mappings (f, g)
-# Each mapping is (forward, backward), functions (collectives, x, dim) -> tensor.
+# The halves of the mappings: functions (collectives, x, dim) -> tensor, a Mapping's forward and
+# backward.
 def _identity(c, x, dim):
     return x
 
@@ -434,38 +423,70 @@ def _heads_to_sequence(c, x, dim):        # [s, b, heads/n, d] -> [s/n, b, heads
     return c.all_to_all(x, 0, 2)
 
 
-# Megatron's names (megatron/core/tensor_parallel/mappings.py): (forward, backward, dim)
-MAPPINGS = {
-    "copy_to_tensor_model_parallel_region": (_identity, _all_reduce, 0),                 # f
-    "reduce_from_tensor_model_parallel_region": (_all_reduce, _identity, 0),             # g
-    "gather_from_tensor_model_parallel_region": (_all_gather, _keep_own, -1),
-    "scatter_to_tensor_model_parallel_region": (_keep_own, _all_gather, -1),
-    "scatter_to_sequence_parallel_region": (_keep_own, _all_gather, 0),
-    "gather_from_sequence_parallel_region": (_all_gather, _reduce_scatter, 0),           # f~
-    "reduce_scatter_to_sequence_parallel_region": (_reduce_scatter, _all_gather, 0),     # g~
-    # DeepSpeed-Ulysses (context_parallel.py): each all-to-all's backward is the other one
-    "all_to_all_sequence_to_heads": (_sequence_to_heads, _heads_to_sequence, 0),
-    "all_to_all_heads_to_sequence": (_heads_to_sequence, _sequence_to_heads, 0),
-}
-
-
 class Mapping(nn.Cell):
-    """One of Megatron's autograd functions: `forward` in construct, `backward` on the gradient
-    in bprop, over `group` (default: the current TP group); identity for one rank.
+    """One of Megatron's autograd functions: `fwd` in construct, `bwd` on the gradient in bprop
+    (each one of the functions above), along `dim`, over `group` (default: the current TP group);
+    identity for one rank. Build one with the factories below, which bear Megatron's names.
     Call each instance once per model pass: inside ms.jit (MindSpore 2.10) two calls of one
     custom-bprop Cell in a graph get wrong gradients, so every call site owns its Mapping."""
 
-    def __init__(self, name, group=None):
+    def __init__(self, fwd, bwd, dim, group=None):
         super().__init__()
-        self.name = name
-        self.fwd, self.bwd, self.dim = MAPPINGS[name]
-        self.comm = collectives(group)
+        self.fwd, self.bwd, self.dim = fwd, bwd, dim
+        self.collectives = collectives(group)
 
     def construct(self, x):
-        return self.fwd(self.comm, x, self.dim % x.ndim)
+        return self.fwd(self.collectives, x, self.dim % x.ndim)
 
     def bprop(self, x, out, dout):
-        return (self.bwd(self.comm, dout, self.dim % dout.ndim),)
+        return (self.bwd(self.collectives, dout, self.dim % dout.ndim),)
+
+
+# Megatron's names (megatron/core/tensor_parallel/mappings.py), each a new Mapping.
+def copy_to_tensor_model_parallel_region(group=None):
+    """f: forward identity, backward all-reduce (the input of a column-parallel layer)."""
+    return Mapping(_identity, _all_reduce, 0, group)
+
+
+def reduce_from_tensor_model_parallel_region(group=None):
+    """g: forward all-reduce, backward identity (the output of a row-parallel layer)."""
+    return Mapping(_all_reduce, _identity, 0, group)
+
+
+def gather_from_tensor_model_parallel_region(group=None):
+    """Forward all-gather of the last dim [.., d/n] -> [.., d], backward this rank's slice."""
+    return Mapping(_all_gather, _keep_own, -1, group)
+
+
+def scatter_to_tensor_model_parallel_region(group=None):
+    """Forward this rank's slice of the last dim [.., d] -> [.., d/n], backward all-gather."""
+    return Mapping(_keep_own, _all_gather, -1, group)
+
+
+def scatter_to_sequence_parallel_region(group=None):
+    """Forward this rank's slice of the sequence [s, ..] -> [s/n, ..], backward all-gather."""
+    return Mapping(_keep_own, _all_gather, 0, group)
+
+
+def gather_from_sequence_parallel_region(group=None):
+    """f~: forward all-gather of the sequence [s/n, ..] -> [s, ..], backward reduce-scatter."""
+    return Mapping(_all_gather, _reduce_scatter, 0, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(group=None):
+    """g~: forward reduce-scatter of the sequence [s, ..] -> [s/n, ..], backward all-gather."""
+    return Mapping(_reduce_scatter, _all_gather, 0, group)
+
+
+# DeepSpeed-Ulysses (context_parallel.py): each all-to-all's backward is the other one
+def all_to_all_sequence_to_heads(group=None):
+    """Forward [s/n, b, heads, d] -> [s, b, heads/n, d], backward the inverse all-to-all."""
+    return Mapping(_sequence_to_heads, _heads_to_sequence, 0, group)
+
+
+def all_to_all_heads_to_sequence(group=None):
+    """Forward [s, b, heads/n, d] -> [s/n, b, heads, d], backward the inverse all-to-all."""
+    return Mapping(_heads_to_sequence, _sequence_to_heads, 0, group)
 
 
 # ============================================================================ layers
@@ -535,10 +556,13 @@ class ColumnParallelLinear(nn.Cell):
         if out_features % (state.tp * chunks):
             raise ValueError(f"output size {out_features} is not divisible by tp*chunks = "
                              f"{state.tp * chunks}")
-        self.enter = Mapping("gather_from_sequence_parallel_region" if sequence_parallel
-                             else "copy_to_tensor_model_parallel_region")        # f~ or f
-        gather = Mapping("gather_from_tensor_model_parallel_region") if gather_output else None
-        self.gather_output = gather
+        if sequence_parallel:
+            self.enter = gather_from_sequence_parallel_region()                  # f~
+        else:
+            self.enter = copy_to_tensor_model_parallel_region()                  # f
+        self.gather_output = None
+        if gather_output:
+            self.gather_output = gather_from_tensor_model_parallel_region()
         self.weight = _param((out_features // state.tp, in_features), "weight", 0, chunks)
         self.bias = _param((out_features // state.tp,), "bias", 0, chunks) if bias else None
 
@@ -565,10 +589,13 @@ class RowParallelLinear(nn.Cell):
             raise ValueError(f"input size {in_features} is not divisible by tp = {state.tp}")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel=True")
-        scatter = None if input_is_parallel else Mapping("scatter_to_tensor_model_parallel_region")
-        self.scatter_input = scatter
-        self.reduce = Mapping("reduce_scatter_to_sequence_parallel_region" if sequence_parallel
-                              else "reduce_from_tensor_model_parallel_region")   # g~ or g
+        self.scatter_input = None
+        if not input_is_parallel:
+            self.scatter_input = scatter_to_tensor_model_parallel_region()
+        if sequence_parallel:
+            self.reduce = reduce_scatter_to_sequence_parallel_region()           # g~
+        else:
+            self.reduce = reduce_from_tensor_model_parallel_region()             # g
         self.weight = _param((out_features, in_features // state.tp), "weight", 1)
         if bias:
             self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel)
@@ -597,7 +624,7 @@ class VocabParallelEmbedding(nn.Cell):
             raise ValueError(f"vocabulary {num_embeddings} is not divisible by tp = {state.tp}")
         per_rank = num_embeddings // state.tp
         self.start, self.end = state.tp_rank * per_rank, (state.tp_rank + 1) * per_rank
-        self.reduce = Mapping("reduce_from_tensor_model_parallel_region")
+        self.reduce = reduce_from_tensor_model_parallel_region()
         self.weight = _param((per_rank, embedding_dim), "weight", 0)
 
     def construct(self, ids):
@@ -626,14 +653,15 @@ class VocabParallelCrossEntropy(nn.Cell):
 
     def __init__(self, group=None):
         super().__init__()
-        self.comm = collectives(group)
-        self.reduce_sum_exp = Mapping("reduce_from_tensor_model_parallel_region", group)
-        self.reduce_target = Mapping("reduce_from_tensor_model_parallel_region", group)
+        self.collectives = collectives(group)
+        self.reduce_sum_exp = reduce_from_tensor_model_parallel_region(group)
+        self.reduce_target = reduce_from_tensor_model_parallel_region(group)
+
 
     def construct(self, logits, labels):
-        row_max = self.comm.all_reduce_max(ops.stop_gradient(logits.max(axis=-1)))      # [n]
+        row_max = self.collectives.all_reduce_max(ops.stop_gradient(logits.max(axis=-1)))      # [n]
         z = logits - row_max.expand_dims(-1)                                             # [n, V/tp]
-        local, outside = _vocab_target(logits, labels, self.comm.rank)
+        local, outside = _vocab_target(logits, labels, self.collectives.rank)
         predicted = ops.gather_elements(z, 1, local.expand_dims(-1)).squeeze(-1)         # [n]
         predicted = predicted * (~outside).astype(z.dtype)
         return ops.log(self.reduce_sum_exp(ops.exp(z).sum(-1))) - self.reduce_target(predicted)

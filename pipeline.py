@@ -287,7 +287,7 @@ class PipelineRunner:
         # the exchange is symmetric: a rank with nothing to send sends zeros
         send = (outgoing.pop(out_key) if out_key
                 else mint.zeros(self.hop_shape, dtype=self.hop_dtype))
-        got = parallel.comm.exchange(send, self.peers[peer])   # the sent output is freed here
+        got = parallel.exchange(send, self.peers[peer])        # the sent output is freed here
         if in_key:
             received[in_key] = got
 
@@ -325,12 +325,13 @@ def gather_trace(trace, state):
     earliest pass (time.time() is one clock on one machine; across machines roughly aligned)."""
     # The collectives carry float32: times go as seconds after the first stage's first pass.
     first = parallel.group_ranks(state.pp_group)[0]
-    origin = parallel.comm.broadcast(Tensor([trace[0][3]], ms.float64), first, state.pp_group)
+    origin = parallel.broadcast(Tensor([trace[0][3]], ms.float64), first, state.pp_group)
     origin = float(origin.asnumpy()[0])
     # [passes, 5]: kind (0 F, 1 B), micro-batch, chunk, start, end
     rows = np.array([[0.0 if k == "F" else 1.0, mb, c, s - origin, e - origin]
                      for k, mb, c, s, e in trace], np.float32)
-    gathered = parallel.comm.all_gather(Tensor(rows[None]), state.pp_group, dim=0)
+    gathered = parallel.collectives(state.pp_group).all_gather(Tensor(rows[None]), 0)
+
     gathered = gathered.asnumpy().astype(np.float64)             # [pp, passes, 5]
     base = gathered[:, :, 3].min()
     return [[("F" if k == 0 else "B", int(mb), int(c), float(s - base), float(e - base))

@@ -76,7 +76,7 @@ from keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
 from gpt import DropoutRNG, GPTModel, generate, init_weights
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
-                      VocabParallelEmbedding, comm, ledger, rank_groups, shard)
+                      VocabParallelEmbedding, ledger, rank_groups, shard)
 from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, OptimizerParamScheduler,
                        SGD, build_optimizer, clip_grad_norm, clip_grads_by_global_norm,
                        clip_grads_by_value, grad_norm_sq)
@@ -3794,26 +3794,27 @@ def check_comm(c, state, kind, group):
     c.family = "collectives"
     ranks = parallel.group_ranks(group)
     n, i, me = len(ranks), ranks.index(state.rank), state.rank
+    on_group = parallel.collectives(group)                     # the Cell under test
     x = lambda r, *shape: rand(1000 + r, *shape)               # rank r's input
     ledger.reset()
     t = Tensor(x(me, 2, 3, 4))                                 # 96 bytes
-    c.close(f"{kind} all_gather dim 0", comm.all_gather(t, group, 0),
+    c.close(f"{kind} all_gather dim 0", on_group.all_gather(t, 0),
             np.concatenate([x(r, 2, 3, 4) for r in ranks], 0))
-    c.close(f"{kind} all_gather last dim", comm.all_gather(t, group, -1),
+    c.close(f"{kind} all_gather last dim", on_group.all_gather(t, -1),
             np.concatenate([x(r, 2, 3, 4) for r in ranks], -1))
     total = sum(x(r, 2 * n, 3, 4) for r in ranks)
-    c.close(f"{kind} reduce_scatter dim 0", comm.reduce_scatter(Tensor(x(me, 2 * n, 3, 4)), group, 0),
+    c.close(f"{kind} reduce_scatter dim 0", on_group.reduce_scatter(Tensor(x(me, 2 * n, 3, 4)), 0),
             np.split(total, n, 0)[i])
     total = sum(x(r, 3, 2 * n, 4) for r in ranks)
-    c.close(f"{kind} reduce_scatter dim 1", comm.reduce_scatter(Tensor(x(me, 3, 2 * n, 4)), group, 1),
+    c.close(f"{kind} reduce_scatter dim 1", on_group.reduce_scatter(Tensor(x(me, 3, 2 * n, 4)), 1),
             np.split(total, n, 1)[i])
     pieces = [np.split(x(r, 2 * n, 3, 4), n, 0)[i] for r in ranks]   # rank r's piece i, joined on dim 2
     c.close(f"{kind} all_to_all", parallel.collectives(group).all_to_all(Tensor(x(me, 2 * n, 3, 4)), 0, 2),
             np.concatenate(pieces, 2))
-    c.close(f"{kind} all_reduce sum", comm.all_reduce(t, group), sum(x(r, 2, 3, 4) for r in ranks))
-    c.close(f"{kind} all_reduce max", comm.all_reduce(t, group, op="max"),
+    c.close(f"{kind} all_reduce sum", on_group.all_reduce(t), sum(x(r, 2, 3, 4) for r in ranks))
+    c.close(f"{kind} all_reduce max", on_group.all_reduce_max(t),
             np.max([x(r, 2, 3, 4) for r in ranks], 0))
-    c.close(f"{kind} broadcast from {ranks[-1]}", comm.broadcast(t, ranks[-1], group), x(ranks[-1], 2, 3, 4))
+    c.close(f"{kind} broadcast from {ranks[-1]}", parallel.broadcast(t, ranks[-1], group), x(ranks[-1], 2, 3, 4))
     c(f"{kind} input unchanged", np.array_equal(t.asnumpy(), x(me, 2, 3, 4)))
     expected = {(kind, "all_gather"): (2, 2 * 96), (kind, "reduce_scatter"): (2, 2 * n * 96),
                 (kind, "all_reduce"): (2, 2 * 96), (kind, "broadcast"): (1, 96),
@@ -3827,7 +3828,7 @@ def check_exchange(c, state):
     c.family = "collectives"
     ledger.reset()
     for peer in state.pair_groups:
-        got = comm.exchange(Tensor(rand(2000 + state.rank, 3, 5)), peer)
+        got = parallel.exchange(Tensor(rand(2000 + state.rank, 3, 5)), peer)
         c.close(f"exchange with rank {peer}", got, rand(2000 + peer, 3, 5))
     k = len(state.pair_groups)
     want = {("pp_pair", "exchange"): (k, k * 60)} if k else {}
@@ -3891,7 +3892,7 @@ def check_layer(c, state, label, dense, par, x, in_dim=None, out_dim=None, out_c
         g_dense, g_par = g_dense[1], g_par[1]
     for (name, p), gp, gd in zip(par.parameters_and_names(), g_par, g_dense):
         if getattr(p, "sequence_parallel", False):        # partial per TP rank under SP
-            gp = comm.all_reduce(gp, state.tp_group)
+            gp = parallel.collectives(state.tp_group).all_reduce(gp)
         want = gd.asnumpy()
         if hasattr(p, "partition_dim"):
             want = shard(want, p.partition_dim, r, tp, p.partition_chunks)
@@ -3951,7 +3952,7 @@ def check_mappings(c, state, x):
              ("gather_from_sequence_parallel_region", 0, None)]
     for name, in_dim, out_dim in cases:
         cut = lambda a, dim: a if dim is None else shard(a, dim, r, tp)
-        fn = parallel.Mapping(name)
+        fn = getattr(parallel, name)()
         c.close(f"{name} forward", fn(Tensor(cut(x, in_dim))), cut(x, out_dim))
         # loss = sum over ranks of sum(out * weights): its gradient is weights, cut like the input
         grad = ms.grad(lambda t: (fn(t) * Tensor(cut(weights, out_dim))).sum())(Tensor(cut(x, in_dim)))
@@ -4110,7 +4111,7 @@ def check_gradients(c, world):
         chunks, _ = train.build_model(cfg, tokenizer, state)
         trainer = train.Trainer(cfg, chunks, *train.build_optimizer(cfg, chunks), state)
         losses, grads = trainer.forward_backward(batches)
-        grads = optimizer.finalize_model_grads(grads, trainer.params, parallel.comm, state, trainer.optimizer,
+        grads = optimizer.finalize_model_grads(grads, trainer.params, parallel.collectives, state, trainer.optimizer,
                                                trainer.buffer)
         if state.is_last_stage:
             c(f"{label}: losses", np.allclose(losses, ref_losses, rtol=1e-5), f"{losses} vs {ref_losses}")

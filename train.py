@@ -229,8 +229,8 @@ def build_optimizer(cfg, model, state=None):
                                    momentum=o.momentum, wd_mults=mults)
     clip = t.grad_clip_kwargs
     common = dict(scaler=build_scaler(cfg), clip_type=clip.grad_clip_type,
-                  clip_value=clip.clip_value, comm=parallel.comm, norm_groups=[state.mp_group],
-                  counted=counted_in_norm(chunks, state))
+                  clip_value=clip.clip_value, collectives=parallel.collectives,
+                  norm_groups=[state.mp_group], counted=counted_in_norm(chunks, state))
     params = [p for _, p in named]
     if t.use_distributed_optimizer and state.dp * state.cp > 1:
         optim = opt.DistributedOptimizer(make, params, wd_mults, **common, group=state.dp_cp_group,
@@ -325,7 +325,7 @@ class Trainer:
         clock = time.perf_counter()
         losses, grads = self.forward_backward(micro_batches)
         clock = self._lap("forward-backward", clock)
-        grads = opt.finalize_model_grads(grads, self.params, parallel.comm, self.state,
+        grads = opt.finalize_model_grads(grads, self.params, parallel.collectives, self.state,
                                          self.optimizer, self.buffer)
         clock = self._lap("grads-reduce", clock)
         lr = self.scheduler.get_lr()
@@ -364,7 +364,9 @@ class Trainer:
         """A per-rank number averaged over the data-parallel ranks (for the log)."""
         if self.dp_size == 1:
             return value
-        total = parallel.comm.all_reduce(Tensor([value], ms.float32), self.state.dp_cp_group)
+        total = parallel.collectives(self.state.dp_cp_group).all_reduce(
+            Tensor([value], ms.float32))
+
         return float(total.asnumpy()[0]) / self.dp_size
 
 
