@@ -95,7 +95,7 @@ def attention_block(q, k, v, bias, dropout, softmax_scale=1.0):
     return out, top + ops.log(total)
 
 
-def merge(a, b):
+def merge_partial_attention(a, b):
     """Two attentions of the same queries over disjoint sets of keys -> the attention over both:
     each weighted by its share exp(lse_i - lse) of the total softmax mass (online softmax)."""
     (out_a, lse_a), (out_b, lse_b) = a, b
@@ -142,9 +142,11 @@ class RingAttention(nn.Cell):
                 first, second = _halves(self.block(q, k_j, v_j, bias), c)
             elif j < self.rank:
                 a, b = _halves(self.block(q, k_j[:, :, :c], v_j[:, :, :c], None), c)
-                first, second = merge(first, a), merge(second, b)
+                first = merge_partial_attention(first, a)
+                second = merge_partial_attention(second, b)
             else:
-                second = merge(second, self.block(q[:, :, c:], k_j, v_j, None))
+                later = self.block(q[:, :, c:], k_j, v_j, None)         # chunk 2R-1-r only
+                second = merge_partial_attention(second, later)
         return ops.cat((first[0], second[0]), 2).transpose(2, 0, 1, 3)         # [S, b, n, d]
 
     def block(self, q, k, v, bias):

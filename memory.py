@@ -286,11 +286,12 @@ def communication(cfg, rank):
     all-gathers of [s/tp, b, h] and reduce-scatters of [s, b, h], and the norms' and row biases'
     gradients are all-reduced each step. Data parallelism: each gradient bucket all-reduced (or
     reduce-scattered and all-gathered by the distributed optimizer) and the logged loss; the
-    pipeline: the plan's exchanges of [s (/tp under SP), b, h], and the tied embedding's gradient
-    between the first and last stage. Context parallelism (context_parallel.py), per layer and
-    micro-batch with a = b s / cp tokens on a rank: Ulysses 4 all-to-alls of q, k, v and the context
-    forward and 4 backward; the ring all-gathers k and v [a, g d / tp] forward and reduce-scatters
-    their ring-times-larger gradients backward; the loss and token count are all-reduced over CP."""
+    pipeline: the simulated schedule's exchanges of [s (/tp under SP), b, h], and the tied
+    embedding's gradient between the first and last stage. Context parallelism
+    (context_parallel.py), per layer and micro-batch with a = b s / cp tokens on a rank: Ulysses 4
+    all-to-alls of q, k, v and the context forward and 4 backward; the ring all-gathers k and v
+    [a, g d / tp] forward and reduce-scatters their ring-times-larger gradients backward; the loss
+    and token count are all-reduced over CP."""
     m, p = cfg.model_config, cfg.parallel_config
     chunks = stage_chunks(m, p)[rank]
     layers = sum(c[0] for c in chunks)
@@ -399,8 +400,8 @@ def _pipeline_collectives(cfg, rank, first, last, add):
     if pp == 1:
         return
     size = collective_bytes(cfg)
-    steps = pipeline.plan(pp, d.micro_batch_num, p.virtual_pipeline_model_parallel_size,
-                          kind=p.pipeline_schedule)[0][rank]
+    steps = pipeline.simulate(pp, d.micro_batch_num, p.virtual_pipeline_model_parallel_size,
+                              kind=p.pipeline_schedule)[0][rank]
     hops = sum(step[0] == "X" for step in steps)
     # a hop carries [s, b, h], or its [s/tp, b, h] shard under sequence parallelism
     shard = tp if p.sequence_parallel else 1

@@ -253,7 +253,8 @@ class Ledger:
         return ", ".join(f"{kind} {op} {calls} {nbytes}"
                          for (kind, op), (calls, nbytes) in sorted(self.entries.items())) or "none"
 
-    def report(self):
+    def table(self):
+        """The entries as a table, one row per (group kind, op)."""
         lines = [f"{'group':>10} {'op':>15} {'calls':>7} {'bytes':>12}"]
         for (kind, op), (calls, nbytes) in sorted(self.entries.items()):
             lines.append(f"{kind:>10} {op:>15} {calls:7d} {nbytes:12d}")

@@ -8,12 +8,12 @@ activation goes round the ring of ranks v times.
 Three layers, each readable on its own:
   schedule(p, rank, m, v)  the order in which one rank runs forward (F) and backward (B) passes of
                            its micro-batches, by Megatron's rules (warmup, steady 1F1B, cooldown);
-  plan(p, m, v)            a tick-by-tick simulation of all ranks running their schedules, which
+  simulate(p, m, v)        a tick-by-tick simulation of all ranks running their schedules, which
                            yields, per rank, its passes interleaved with the point-to-point
                            exchanges they need. Every exchange is a rendezvous of two ranks, and
                            every rank meets its exchanges in one global order (tick, rank pair), so
                            no schedule can deadlock, whatever the communication backend;
-  PipelineRunner.run       executes this rank's plan with MindSpore: each F records the chunk's
+  PipelineRunner.run       executes this rank's steps with MindSpore: each F records the chunk's
                            forward (set_grad), each B replays it through GradOperation with the
                            received output gradient (sens), oldest micro-batch first per chunk.
 A hop carries the hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism).
@@ -115,7 +115,7 @@ def peak_in_flight(passes):
     return peak
 
 
-def plan(p, m, v=1, forward_only=False, kind="1f1b"):
+def simulate(p, m, v=1, forward_only=False, kind="1f1b"):
     """Run all ranks' schedules in lockstep ticks (every pass one tick; a tensor sent in tick t
     can be used from tick t + 1) and return (steps, ticks):
 
@@ -220,7 +220,7 @@ class PipelineRunner:
         self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
         # the first virtual stage takes token ids, which have no gradient
         self.grad_params_only = ops.GradOperation(get_by_list=True, sens_param=True)
-        self.plans = {}
+        self.steps = {}                     # (m, forward_only) -> this rank's simulated steps
         self.seconds = {}                   # this rank's time in passes and in exchanges, trained
         self.reset_timers()
         for chunk in self.chunks:
@@ -247,18 +247,18 @@ class PipelineRunner:
         return result
 
     def _run(self, micro_batches, loss_weight, forward_only, trace, seconds):
-        """This rank's plan for len(micro_batches) micro-batches, pass by pass; `seconds` takes
-        the time in passes ("compute") and in exchanges ("exchange")."""
+        """This rank's steps for len(micro_batches) micro-batches (see simulate), one by one;
+        `seconds` takes the time in passes ("compute") and in exchanges ("exchange")."""
         m = len(micro_batches)
         key = (m, forward_only)
-        if key not in self.plans:
-            self.plans[key] = plan(self.p, m, self.v, forward_only, self.kind)[0][self.rank]
+        if key not in self.steps:
+            self.steps[key] = simulate(self.p, m, self.v, forward_only, self.kind)[0][self.rank]
         # hops keyed ("act" or "grad", micro-batch, virtual stage); a forward's inputs by
         # (micro-batch, chunk), kept for its backward
         received, outgoing, saved = {}, {}, {}
         losses = []
         grads = [[None] * len(ps) for ps in self.params]
-        for step in self.plans[key]:
+        for step in self.steps[key]:
             if step[0] == "X":
                 start = time.perf_counter()
                 self._exchange(step, outgoing, received)
@@ -345,7 +345,8 @@ def write_timeline(traces, m, v, kind, path, ranks_per_stage=1):
     p = len(traces)
     span = max(e for t in traces for *_, e in t)
     measured = bubble_fraction([sum(e - s for *_, s, e in t) for t in traces], span)
-    _, ticks = plan(p, m, v, kind=kind)
+    _, ticks = simulate(p, m, v, kind=kind)
+
     unit = bubble_fraction([len(t) for t in ticks], max(t[-1][0] for t in ticks) + 1)
     peaks = [peak_in_flight(schedule(p, r, m, v, kind=kind)) for r in range(p)]
     name = schedule_name(kind, v)

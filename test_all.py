@@ -1223,7 +1223,7 @@ def test_online_softmax_merge_equals_one_softmax():
     def merged(q, k, v):
         a = context_parallel.attention_block(q, k[:, :, :2], v[:, :, :2], None, keep)
         b = context_parallel.attention_block(q, k[:, :, 2:], v[:, :, 2:], None, keep)
-        return context_parallel.merge(a, b)[0]
+        return context_parallel.merge_partial_attention(a, b)[0]
 
     np.testing.assert_allclose(merged(q, k, v).asnumpy(), whole(q, k, v).asnumpy(), atol=1e-5)
     weights = Tensor(rand(4, 2, 3, 5, 4))
@@ -3282,7 +3282,7 @@ def test_1f1b_and_interleaved_orders_follow_megatrons_rules():
     assert names(pipeline.schedule(3, 0, 2)) == "F0 F1 B0 B1"            # m < p: warmup capped at m
     assert names(pipeline.schedule(2, 0, 3, forward_only=True)) == "F0 F1 F2"
     # one tick per pass: a stage starts a micro-batch one tick after the previous stage
-    assert pipeline.schedule_table(pipeline.plan(2, 4)[1]) == (
+    assert pipeline.schedule_table(pipeline.simulate(2, 4)[1]) == (
         "stage 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3\n"
         "stage 1: .    F0   B0   F1   B1   F2   B2   F3   B3   .")
 
@@ -3292,13 +3292,13 @@ def test_all_forward_all_backward_is_the_naive_schedule():
     1F1B with unit-time passes, but every micro-batch is in flight at once on every stage
     (1F1B: min(p - rank, m))."""
     assert " ".join(f"{k}{mb}" for k, mb, _ in pipeline.schedule(2, 0, 4, kind="afab")) == "F0 F1 F2 F3 B0 B1 B2 B3"
-    assert pipeline.schedule_table(pipeline.plan(2, 4, kind="afab")[1]) == (
+    assert pipeline.schedule_table(pipeline.simulate(2, 4, kind="afab")[1]) == (
         "stage 0: F0   F1   F2   F3   .    .    B0   B1   B2   B3\n"
         "stage 1: .    F0   F1   F2   F3   B0   B1   B2   B3   .")
     for p in range(1, 7):
         for m in range(1, 11):
-            _, ticks = pipeline.plan(p, m, kind="afab")
-            _, ticks_1f1b = pipeline.plan(p, m)
+            _, ticks = pipeline.simulate(p, m, kind="afab")
+            _, ticks_1f1b = pipeline.simulate(p, m)
             span, span_1f1b = (max(t[-1][0] for t in tk) + 1 for tk in (ticks, ticks_1f1b))
             assert span == span_1f1b == 2 * (m + p - 1), (p, m)
             peaks = [pipeline.peak_in_flight(pipeline.schedule(p, r, m, kind="afab")) for r in range(p)]
@@ -3323,7 +3323,7 @@ def test_plan_pairs_every_exchange_and_bubble_matches_theory(v):
         for m in range(1, 13):
             if v > 1 and m % p:
                 continue
-            steps, ticks = pipeline.plan(p, m, v)
+            steps, ticks = pipeline.simulate(p, m, v)
             for r in range(p):
                 assert [s for s in steps[r] if s[0] != "X"] == pipeline.schedule(p, r, m, v)
                 for peer in {s[1] for s in steps[r] if s[0] == "X"}:
@@ -3821,7 +3821,7 @@ def check_comm(c, state, kind, group):
                 (kind, "all_to_all"): (1, n * 96)}
     c(f"{kind} ledger", ledger.counts() == expected, f"{ledger.counts()} != {expected}")
     if state.rank == ranks[0] and kind == "tp":
-        print(ledger.report(), flush=True)
+        print(ledger.table(), flush=True)
 
 
 def check_exchange(c, state):

@@ -435,7 +435,7 @@ def pretrain(cfg, notes=()):
     if iteration > last_saved:                        # at the end, unless nothing was trained
         checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
     if test_ds is not None and t.eval_iters:
-        report("test", iteration, evaluate(trainer, test_ds, 0, t.eval_iters, cfg))
+        log_eval_loss("test", iteration, evaluate(trainer, test_ds, 0, t.eval_iters, cfg))
     return trainer.chunks
 
 
@@ -510,7 +510,7 @@ def maybe_evaluate(cfg, trainer, dataset, iteration):
     if dataset is None or not t.eval_iters or iteration % t.eval_interval:
         return False
     start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size
-    report("validation", iteration, evaluate(trainer, dataset, start, t.eval_iters, cfg))
+    log_eval_loss("validation", iteration, evaluate(trainer, dataset, start, t.eval_iters, cfg))
     return True
 
 
@@ -634,7 +634,9 @@ def loss_rank(state):
     return state.tp * state.cp * state.dp * (state.pp - 1)
 
 
-def report(split, iteration, loss):
+def log_eval_loss(split, iteration, loss):
+    """Megatron's evaluation line: the `split` loss at `iteration` and its perplexity, on the
+    last pipeline stage (the only one with a loss)."""
     if not parallel.get_state().is_last_stage:        # no loss before the last pipeline stage
         return
     ppl = math.exp(min(loss, 20.0))
