@@ -27,6 +27,7 @@ import parallel
 import torch_format
 from cli import PROJECT_CONFIG, REQUIRED, from_saved, load_config, parse_command
 from config import ConfigError, to_dict, to_namespace
+from data import write_atomic
 from gpt import global_name
 from megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
 from optimizer import GradBuffer
@@ -34,15 +35,6 @@ from pipeline import build_chunks, layer_split
 from tokenizer import build_tokenizer
 
 log = logging.getLogger("train")
-
-
-def write_atomic(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None,

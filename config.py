@@ -285,16 +285,24 @@ def _finalize_weight_decay(o):
                           "--end-weight-decay), as in Megatron")
 
 
-def _finalize_dataset(d):
-    """The split weights, and what the tokenizer and mock data need."""
-    parts = d.split.replace("/", ",").split(",")
+def parse_split(split):
+    """Megatron's parse_and_normalize_split: --split "949,50,1" (or "0.8/0.1/0.1") -> the train,
+    validation and test fractions of the documents, summing to 1 (missing weights are 0). Up to
+    three non-negative numbers, not all 0, separated by commas or slashes."""
     try:
-        weights = [float(x) for x in parts]
+        weights = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
         weights = []
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"dataset_config.split={d.split!r}: expected up to three weights "
+        raise ConfigError(f"dataset_config.split={split!r}: expected up to three weights "
                           "like 949,50,1")
+    weights += [0.0] * (3 - len(weights))
+    return [w / sum(weights) for w in weights]
+
+
+def _finalize_dataset(d):
+    """The split weights, and what the tokenizer and mock data need."""
+    parse_split(d.split)
     if d.tokenizer_type == "NullTokenizer" and d.vocab_size is None:
         raise ConfigError("dataset_config.tokenizer_type=NullTokenizer needs "
                           "dataset_config.vocab_size (--vocab-size)")

@@ -166,7 +166,6 @@ class ContextParallelAttention(nn.Cell):
             self.scatter_q, self.scatter_k, self.scatter_v = (
                 all_to_all_sequence_to_heads(group) for _ in range(3))
             self.gather_context = all_to_all_heads_to_sequence(group)
-
         self.attend = RingAttention(core, state) if state.cp_ring > 1 else core
 
     def construct(self, q, k, v, bias):

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from cli import REQUIRED, parse_command
-from config import ConfigError
+from config import ConfigError, parse_split
 from tokenizer import build_tokenizer, read_lines
 
 
@@ -27,13 +27,23 @@ def _tmp_path(path):
     return f"{path}.tmp{os.getpid()}"
 
 
-def _save_atomic(path, write):
-    """Write to a temporary name, then os.replace: readers never see a half-written file,
-    and a failed write leaves nothing behind."""
+def write_atomic(path, content):
+    """Write `path` whole or not at all, the project's one way to write a file in place (data
+    caches, checkpoints, torch_format, Hugging Face files): `content`, a str (UTF-8), bytes, or a
+    function that writes to a binary file, goes to a temporary file beside it, which is flushed to
+    disk and renamed over `path` (os.replace). Readers never see a half-written file, a crash
+    leaves the old one, and a failed write leaves nothing behind."""
+    if isinstance(content, str):
+        content = content.encode()
     tmp = _tmp_path(path)
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            if isinstance(content, bytes):
+                f.write(content)
+            else:
+                content(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -327,7 +337,7 @@ def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=No
         if value is not None:
             argv += [flag, str(value)]
     preprocess_main(argv + (["--append-eod"] if append_eod else []))
-    _save_atomic(sidecar, lambda f: f.write(json.dumps(identity, indent=2).encode()))
+    write_atomic(sidecar, json.dumps(identity, indent=2))
     return prefix
 
 
@@ -335,13 +345,9 @@ def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=No
 
 
 def split_document_ranges(num_documents, split="949,50,1"):
-    """Megatron's parse_and_normalize_split + split bookends: 3 contiguous (start, end) document
-    ranges."""
-    weights = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    if not 0 < len(weights) <= 3 or sum(weights) <= 0:
-        raise ValueError(f"bad --split {split!r}: give up to 3 non-negative weights like 949,50,1")
-    weights += [0.0] * (3 - len(weights))
-    bookends = [0.0] + np.cumsum(np.array(weights) / sum(weights)).tolist()
+    """Megatron's split bookends: 3 contiguous (start, end) document ranges, from the fractions of
+    config.parse_split."""
+    bookends = [0.0] + np.cumsum(parse_split(split)).tolist()
     return [(int(round(b * float(num_documents))), int(round(e * float(num_documents))))
             for b, e in zip(bookends[:-1], bookends[1:])]
 
@@ -492,8 +498,8 @@ class GPTDataset:
         try:
             os.makedirs(cache_dir, exist_ok=True)
             for path, arr in zip(paths, indices):
-                _save_atomic(path, lambda f, a=arr: np.save(f, a))
-            _save_atomic(paths[3], lambda f: f.write(self.description.encode()))
+                write_atomic(path, lambda f, a=arr: np.save(f, a))
+            write_atomic(paths[3], self.description)
         except OSError as e:
             if damage is None:
                 raise  # nothing damaged: the OSError as before, one line from train.py

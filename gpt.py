@@ -467,7 +467,6 @@ class GPTModel(nn.Cell):
             # count are summed over CP before dividing; each rank's gradient is then its tokens'
             # share
             self.reduce_loss = parallel.reduce_from_tensor_model_parallel_region(state.cp_group)
-
             self.count_tokens = parallel.collectives(state.cp_group)
 
     def logits(self, x):

@@ -18,10 +18,11 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from checkpoint import (build_rank_chunks, check_new_folder, first_shard, write_atomic, full_state,
+from checkpoint import (build_rank_chunks, check_new_folder, first_shard, full_state,
                         latest_iteration, layout_of, load_checkpoint, write_layout)
 from cli import REQUIRED, load_config, parse_command
 from config import ConfigError, padded_vocab_size, to_namespace
+from data import write_atomic
 
 # Hugging Face GPT-2 (transformers' GPT2LMHeadModel) names per block, Conv1D weights [in, out]
 # (y = x W + b), against this project's [out, in]; c_attn's output is [Q | K | V], each

@@ -68,6 +68,10 @@ def _gqa(attention_type):
     return str(attention_type).upper() == "GQA"
 
 
+# The learning-rate decay and weight-decay increment styles, written once: the choices of their
+# keys below and what optimizer.OptimizerParamScheduler accepts.
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
 _LR = "optimizer_config.learning_rate_scheduler_kwargs."
 _ACC = "accelerate_config.parallelization."
 _PRECISION = "accelerate_config.precision."
@@ -451,7 +455,7 @@ OPTIMIZER = [
     key("optimizer_config.end_weight_decay", None, float, "--end-weight-decay",
         "linear/cosine weight decay: the last value"),
     key("optimizer_config.weight_decay_incr_style", "constant", str, "--weight-decay-incr-style",
-        "constant, linear or cosine", choices=("constant", "linear", "cosine")),
+        "constant, linear or cosine", choices=WD_INCR_STYLES),
     key("optimizer_config.betas", [0.9, 0.95], list, ("--adam-beta1", "--adam-beta2"),
         "Adam's two betas"),
     key("optimizer_config.eps", 1e-8, float, "--adam-eps", "Adam's epsilon"),
@@ -468,7 +472,7 @@ OPTIMIZER = [
           switch={"--overlap-param-gather": True}),
     key(_LR + "lr_decay_style", "constant", str, "--lr-decay-style",
         "constant, linear, cosine or inverse-square-root",
-        choices=("constant", "linear", "cosine", "inverse-square-root"),
+        choices=LR_DECAY_STYLES,
         aliases={"optimizer_config.lr_decay_style": None, _LR + "use_cosine": _cosine}),
     key(_LR + "lr_warmup_iters", 0, int, "--lr-warmup-iters", "steps of linear warmup",
         aliases={"optimizer_config.lr_warmup_iters": None, _LR + "warmup_steps": None}),

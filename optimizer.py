@@ -20,10 +20,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, ops
 
-F32 = ms.float32
+from keys import LR_DECAY_STYLES, WD_INCR_STYLES
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-WD_INCR_STYLES = ("constant", "linear", "cosine")
+F32 = ms.float32
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -651,7 +650,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             shard = ops.cat(mine)
             shard = shard if dtype == F32 else shard.astype(dtype)
             buckets.append(self.collectives(self.group).all_gather(shard))
-
         for p, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
             p.copy_(value)
 

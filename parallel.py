@@ -658,7 +658,6 @@ class VocabParallelCrossEntropy(nn.Cell):
         self.reduce_sum_exp = reduce_from_tensor_model_parallel_region(group)
         self.reduce_target = reduce_from_tensor_model_parallel_region(group)
 
-
     def construct(self, logits, labels):
         row_max = self.collectives.all_reduce_max(ops.stop_gradient(logits.max(axis=-1)))      # [n]
         z = logits - row_max.expand_dims(-1)                                             # [n, V/tp]

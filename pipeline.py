@@ -331,7 +331,6 @@ def gather_trace(trace, state):
     rows = np.array([[0.0 if k == "F" else 1.0, mb, c, s - origin, e - origin]
                      for k, mb, c, s, e in trace], np.float32)
     gathered = parallel.collectives(state.pp_group).all_gather(Tensor(rows[None]), 0)
-
     gathered = gathered.asnumpy().astype(np.float64)             # [pp, passes, 5]
     base = gathered[:, :, 3].min()
     return [[("F" if k == 0 else "B", int(mb), int(c), float(s - base), float(e - base))
@@ -346,7 +345,6 @@ def write_timeline(traces, m, v, kind, path, ranks_per_stage=1):
     span = max(e for t in traces for *_, e in t)
     measured = bubble_fraction([sum(e - s for *_, s, e in t) for t in traces], span)
     _, ticks = simulate(p, m, v, kind=kind)
-
     unit = bubble_fraction([len(t) for t in ticks], max(t[-1][0] for t in ticks) + 1)
     peaks = [peak_in_flight(schedule(p, r, m, v, kind=kind)) for r in range(p)]
     name = schedule_name(kind, v)

@@ -283,7 +283,7 @@ def test_failed_data_writes_leave_no_temporary_file(tmp_path):
         f.write(b"half")
         raise OSError("disk full")
     with pytest.raises(OSError, match="disk full"):
-        data._save_atomic(str(tmp_path / "x.idx"), fail)
+        data.write_atomic(str(tmp_path / "x.idx"), fail)
     b = data.IndexedDatasetBuilder(str(tmp_path / "y.bin"))
     b.add_document([1, 2])
     b.discard()
@@ -652,7 +652,7 @@ def test_damaged_index_cache_that_cannot_be_rebuilt_is_one_error(tmp_path, monke
 
     def read_only(target, write):
         raise PermissionError(13, "Permission denied", target)
-    monkeypatch.setattr(data, "_save_atomic", read_only)
+    monkeypatch.setattr(data, "write_atomic", read_only)
     with pytest.raises(ConfigError) as e:
         build()
     assert str(e.value) == (f"{path}: damaged GPTDataset index cache (No data left in file) that "

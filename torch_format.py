@@ -30,6 +30,8 @@ import zlib
 import numpy as np
 from numpy.core import multiarray
 
+from data import write_atomic
+
 
 class TorchFormatError(ValueError):
     """A .pt file this reader cannot take: the message names the file and what is wrong."""
@@ -388,27 +390,20 @@ def save(obj, path):
     `torch.load(path, weights_only=False)` reads it: arrays of float32/16/64, int64/32/16/8,
     uint8 and bool become tensors of that dtype (views of one array share its storage); arrays
     of other dtypes (np.random.get_state()'s uint32 key) are pickled by numpy, as torch.save
-    does. Atomic: written to path.tmp, then renamed; nothing is left behind on failure."""
+    does. Atomic (data.write_atomic): a failure leaves the old file and nothing else."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(obj)                                    # fails before any file is opened
     top = os.path.splitext(os.path.basename(path))[0] or "archive"
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:
-                archive.writestr(f"{top}/data.pkl", buffer.getvalue())
-                archive.writestr(f"{top}/byteorder", "little")
-                for key, storage in pickler.storages.values():
-                    archive.writestr(f"{top}/data/{key}", _little_endian(storage))
-                archive.writestr(f"{top}/version", "3\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    def write(f):
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:
+            archive.writestr(f"{top}/data.pkl", buffer.getvalue())
+            archive.writestr(f"{top}/byteorder", "little")
+            for key, storage in pickler.storages.values():
+                archive.writestr(f"{top}/data/{key}", _little_endian(storage))
+            archive.writestr(f"{top}/version", "3\n")
+    write_atomic(path, write)
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

@@ -366,7 +366,6 @@ class Trainer:
             return value
         total = parallel.collectives(self.state.dp_cp_group).all_reduce(
             Tensor([value], ms.float32))
-
         return float(total.asnumpy()[0]) / self.dp_size
 
 
@@ -490,7 +489,7 @@ def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
             log.info(f"no {name} loss: the {name} part of --split {d.split} holds no documents")
     if state.rank == 0:                          # every key as this run uses it, defaults filled in
         path = os.path.join(t.output_dir, "effective_config.yaml")
-        checkpoint.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        data.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
         log.info(f"config: {path}")
     estimate = memory.RankReport(cfg, state, n_params, trainer.optimizer.state_bytes())
     log.info(estimate.startup(trainer.compiled))
@@ -736,7 +735,7 @@ def record_worker_pid():
     pid_dir = os.environ.get("RUN_SH_PID_DIR")
     if pid_dir and os.environ.get("MS_ROLE") == "MS_WORKER":
         path = os.path.join(pid_dir, f"rank_{os.environ['RANK_ID']}.pid")
-        checkpoint.write_atomic(path, str(os.getpid()))
+        data.write_atomic(path, str(os.getpid()))
 
 
 # Every command by name, the training first; the checkpoint commands and plan take their own
