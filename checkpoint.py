@@ -28,7 +28,7 @@ import torch_format
 from cli import PROJECT_CONFIG, REQUIRED, from_saved, load_config, parse_command
 from config import ConfigError, to_dict, to_namespace
 from data import write_atomic
-from gpt import global_name
+from gpt import global_name, is_embedding_copy
 from megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
 from optimizer import GradBuffer
 from pipeline import build_chunks, layer_split
@@ -461,8 +461,7 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
     for chunk in chunks:
         for n, param in chunk.parameters_and_names():
             name = global_name(n, chunk.layer_offset)
-            tied = chunk.tied and name == "output_layer.weight"
-            source = "word_embeddings.weight" if tied else name
+            source = "word_embeddings.weight" if is_embedding_copy(chunk, param) else name
             for prefix in prefixes:
                 value = tensors[f"{prefix}.{source}"]
                 dim = getattr(param, "partition_dim", None)

@@ -10,8 +10,6 @@ import math
 import os
 from types import SimpleNamespace
 
-from keys import SCHEMA
-
 
 class ConfigError(ValueError):
     """A config, data, checkpoint or launch input refused: its one-line message names the
@@ -378,6 +376,12 @@ def _finalize_batch(d, dp):
     d.global_batch_size = per_step * d.micro_batch_num
 
 
+def cp_ring_size(cp, ulysses):
+    """The ring's size in context parallelism, the one place it is worked out: cp = ring x ulysses,
+    the cp ranks as `ring` groups of `ulysses` adjacent ranks (context_parallel.py)."""
+    return cp // ulysses
+
+
 def _check_context_parallel(p, m, d):
     """Context parallelism (context_parallel.py): cp = ring x ulysses; sets ulysses_degree_in_cp."""
     cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
@@ -396,7 +400,7 @@ def _check_context_parallel(p, m, d):
         raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u} is for "
                           f"context_parallel_algo=hybrid_cp_algo; leave it null with {algo}")
     p.ulysses_degree_in_cp = ulysses
-    ring = cp // ulysses
+    ring = cp_ring_size(cp, ulysses)
     for k in ("num_attention_heads", "num_query_groups"):
         if cp > 1 and getattr(m, k) % (tp * ulysses):
             raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by "
@@ -420,13 +424,26 @@ def _check_context_parallel(p, m, d):
                           "reset_position_ids alone")
 
 
-def stage_layer_counts(p, m):
-    """Per pipeline stage, the layers of each of its model chunks (after _check_pipeline), e.g.
-    [[2, 2], [2, 2]] for 8 layers, pp 2, vpp 2; [[3], [1]] for num_layer_list [3, 1]."""
-    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-    if p.num_layer_list is None:
-        return [[m.num_layers // (pp * vpp)] * vpp for _ in range(pp)]
-    return [c if isinstance(c, list) else [c] for c in p.num_layer_list]
+def per_stage_and_chunk(values):
+    """A per-stage list of numbers ([3, 1]) or of per-chunk lists ([[2, 1], [1, 2]]), as
+    num_layer_list and recompute_num_layers take it -> per stage, per chunk ([[3], [1]])."""
+    return [v if isinstance(v, list) else [v] for v in values]
+
+
+def stage_layer_counts(num_layers, pp, vpp=1, num_layer_list=None):
+    """Per pipeline stage, the layers of each of its vpp model chunks, the one place they are
+    worked out (pipeline.layer_split deals them out): num_layer_list as given (after
+    _check_pipeline), else num_layers / (pp * vpp) each; e.g. [[2, 2], [2, 2]] for 8 layers, pp 2,
+    vpp 2; [[3], [1]] for num_layer_list [3, 1]."""
+    if num_layer_list is None:
+        return [[num_layers // (pp * vpp)] * vpp for _ in range(pp)]
+    return per_stage_and_chunk(num_layer_list)
+
+
+def _stage_layer_counts(p, m):
+    """stage_layer_counts of a config's parallel_config `p` and model_config `m`."""
+    return stage_layer_counts(m.num_layers, p.pipeline_model_parallel_size,
+                              p.virtual_pipeline_model_parallel_size, p.num_layer_list)
 
 
 def recompute_counts(p, m):
@@ -435,13 +452,13 @@ def recompute_counts(p, m):
     the first recompute_num_layers (a number, or a list per stage or per stage and chunk); none
     without full recompute. E.g. [[2, 0], [1, 1]] for block [[2, 0], [1, 1]] over 2 stages x 2
     chunks."""
-    counts, n = stage_layer_counts(p, m), m.recompute_num_layers
+    counts, n = _stage_layer_counts(p, m), m.recompute_num_layers
     if m.recompute_granularity != "full":
         return [[0] * len(c) for c in counts]
     if m.recompute_method == "uniform":
         return counts
     if isinstance(n, list):
-        return [c if isinstance(c, list) else [c] for c in n]
+        return per_stage_and_chunk(n)
     return [[n] * len(c) for c in counts]
 
 
@@ -505,7 +522,7 @@ def _check_full_recompute(m, p):
     stage (and chunk): uniform's group size divides them, block's count is at most their number;
     a list (block only) gives the count per stage, or per stage and chunk."""
     where = "model_config.recompute_"
-    n, counts = m.recompute_num_layers, stage_layer_counts(p, m)
+    n, counts = m.recompute_num_layers, _stage_layer_counts(p, m)
     if m.recompute_method is None:
         raise ConfigError(f"{where}granularity=full needs {where}method uniform or block "
                           "(--recompute-method)")

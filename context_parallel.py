@@ -32,20 +32,18 @@ reduce-scatter. The price: each rank holds the whole sequence's K and V during a
 true ring holds two blocks, and no transfer overlaps compute.
 """
 import numpy as np
-import mindspore as ms
 from mindspore import nn, ops
 
-from parallel import (all_to_all_heads_to_sequence, all_to_all_sequence_to_heads, cast,
-                      gather_from_sequence_parallel_region)
-
-F32 = ms.float32
-_scores = ops.BatchMatMul(transpose_b=True)            # q k^T without materialising k^T
+from config import cp_ring_size
+from parallel import (F32, all_to_all_heads_to_sequence, all_to_all_sequence_to_heads,
+                      batch_matmul_nt, cast, gather_from_sequence_parallel_region)
 
 
 # ============================================================================ the split
 def cp_token_indices(seq_length, cp, cp_rank, ulysses):
     """Positions [seq_length / cp] of the tokens that cp rank `cp_rank` holds (see above)."""
-    ring, ring_rank, ulysses_rank = cp // ulysses, cp_rank // ulysses, cp_rank % ulysses
+    ring = cp_ring_size(cp, ulysses)
+    ring_rank, ulysses_rank = cp_rank // ulysses, cp_rank % ulysses
     positions = np.arange(seq_length)
     if ring > 1:
         chunks = np.split(positions, 2 * ring)
@@ -83,7 +81,7 @@ def attention_block(q, k, v, bias, dropout, softmax_scale=1.0):
     logsumexp of the scores [b, n, sq, 1]). The scores, softmax and merges are float32 whatever
     the compute dtype; softmax_scale multiplies them there (gpt.CoreAttention's query-key layer
     scaling). The max only keeps exp in range (no gradient)."""
-    scores = _scores(q, k).astype(F32)
+    scores = batch_matmul_nt(q, k).astype(F32)
     if softmax_scale != 1.0:
         scores = scores * softmax_scale
     if bias is not None:

@@ -20,9 +20,8 @@ from mindspore.graph.api import _pynative_executor
 
 import context_parallel
 import parallel
-from parallel import cast, linear
+from parallel import F32, batch_matmul_nt, cast, linear
 
-F32 = ms.float32
 MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic
 
 
@@ -184,7 +183,6 @@ class CoreAttention(nn.Cell):
         coeff = layer_number if cfg.apply_query_key_layer_scaling else 1
         self.scale = 1.0 / (math.sqrt(cfg.hidden_size // cfg.num_attention_heads) * coeff)
         self.softmax_scale = float(coeff)                    # applied to the float32 scores
-        self.scores = ops.BatchMatMul(transpose_b=True)     # q k^T without materialising k^T
 
     def to_heads(self, x, repeat):
         """[s, b, g, d] -> [b, g * repeat, s, d], each head repeated `repeat` times (GQA)."""
@@ -197,7 +195,7 @@ class CoreAttention(nn.Cell):
         # [b, n, s, d] each: k and v repeated for the query heads of their group
         q = self.to_heads(q, 1)
         k, v = self.to_heads(k, self.per_group), self.to_heads(v, self.per_group)
-        scores = self.scores(q * self.scale, k)                    # [b, n, s, s]
+        scores = batch_matmul_nt(q * self.scale, k)                # [b, n, s, s]
         if self.softmax_in_fp32:
             scores = scores.astype(F32)
             if self.softmax_scale != 1.0:
@@ -412,9 +410,10 @@ class GPTModel(nn.Cell):
             self.final_layernorm = make_norm(cfg)
             if not self.tied or not pre_process:
                 self.output_layer = make_linear(cfg, h, v, False, "column")
-        if self.tied and parallel.get_state().pp > 1:
-            # Megatron's embedding group: the last stage's output layer is a copy of the first
-            # stage's word embedding; optimizer.finalize_model_grads sums their gradients
+        if self.tied and not (pre_process and post_process):
+            # Megatron's shared_embedding, the one mark of the tie: the model is cut into stages
+            # and the last stage's output layer is a copy of the first stage's word embedding;
+            # optimizer.finalize_model_grads sums their gradients over the embedding group
             if pre_process:
                 self.word_embeddings.weight.shared_embedding = True
             elif post_process:
@@ -552,6 +551,14 @@ class Compiled(nn.Cell):
         return self.model(*inputs)
 
 
+def is_embedding_copy(chunk, param):
+    """Whether `param` of model chunk `chunk` is the last stage's copy of the word embedding (its
+    output layer, tied embeddings over pipeline stages, marked shared_embedding): it starts,
+    loads and saves as the word embedding and counts in the gradient norm on the first stage
+    only."""
+    return getattr(param, "shared_embedding", False) and not chunk.pre_process
+
+
 def global_name(name, layer_offset):
     """Parameter name with the layer index made global ("layers.3." on a stage that starts at 4
     -> "layers.7."), so every layout seeds and saves a weight under the same name."""
@@ -593,7 +600,7 @@ def init_weights(model, seed):
     tp_rank = parallel.get_state().tp_rank if model.tp > 1 else 0
     for name, p in model.parameters_and_names():
         gname = global_name(name, model.layer_offset)
-        if model.tied and gname == "output_layer.weight":
+        if is_embedding_copy(model, p):
             gname = "word_embeddings.weight"
         dim = getattr(p, "partition_dim", None)
         if dim is None:

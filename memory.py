@@ -31,7 +31,8 @@ from types import SimpleNamespace
 import gpt
 import pipeline
 from cli import REQUIRED, load_config, parse_command
-from config import ConfigError, main_grad_dtype, padded_vocab_size, recompute_counts
+from config import (ConfigError, cp_ring_size, main_grad_dtype, padded_vocab_size,
+                    recompute_counts)
 from tokenizer import build_tokenizer
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -68,7 +69,7 @@ def cp_split(p):
     for Ulysses, 1 for the ring, the hybrid's own value)."""
     cp = p.context_parallel_size
     ulysses = p.ulysses_degree_in_cp
-    return cp, ulysses, cp // ulysses
+    return cp, ulysses, cp_ring_size(cp, ulysses)
 
 
 def stage_chunks(m, p):
@@ -312,9 +313,10 @@ def communication(cfg, rank):
 
 
 def _hidden_elements(cfg):
-    """Elements of the hidden states [s, b, h] of a micro-batch on a cp rank."""
-    m, d = cfg.model_config, cfg.dataset_config
-    return d.batch_size * m.seq_length * m.hidden_size // cp_split(cfg.parallel_config)[0]
+    """Elements of the hidden states [s/cp, b, h] of a micro-batch on a cp rank: a pipeline hop
+    without sequence parallelism (pipeline.hop_shape)."""
+    return math.prod(pipeline.hop_shape(cfg.model_config, cfg.dataset_config.batch_size,
+                                        cfg.parallel_config.context_parallel_size))
 
 
 def _tensor_parallel_collectives(cfg, layers, first, last, add):
@@ -403,9 +405,8 @@ def _pipeline_collectives(cfg, rank, first, last, add):
     steps = pipeline.simulate(pp, d.micro_batch_num, p.virtual_pipeline_model_parallel_size,
                               kind=p.pipeline_schedule)[0][rank]
     hops = sum(step[0] == "X" for step in steps)
-    # a hop carries [s, b, h], or its [s/tp, b, h] shard under sequence parallelism
-    shard = tp if p.sequence_parallel else 1
-    add("pp_pair", "exchange", hops, hops * _hidden_elements(cfg) * size.hidden // shard)
+    hop = pipeline.hop_shape(m, d.batch_size, p.context_parallel_size, tp, p.sequence_parallel)
+    add("pp_pair", "exchange", hops, hops * math.prod(hop) * size.hidden)
     if (first or last) and not m.untie_embeddings_and_output_weights:
         add("embedding", "all_reduce", 1, size.grad * m.padded_vocab_size * m.hidden_size // tp)
 

@@ -32,7 +32,9 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.communication import GlobalComm, create_group, get_rank, init
 from mindspore.ops import constexpr
 
-F32 = ms.float32
+from config import cp_ring_size
+
+F32 = ms.float32                # the one float32 alias (gpt.py and context_parallel.py import it)
 
 # ============================================================================ process groups
 _GROUPS = {}        # group name -> (kind, global ranks); every group this process has named
@@ -100,7 +102,8 @@ class ParallelState:
 
     @property
     def cp_ring(self):
-        return self.cp // self.cp_ulysses
+        """The ring's size: cp = ring x ulysses (context_parallel.py)."""
+        return cp_ring_size(self.cp, self.cp_ulysses)
 
     @property
     def is_first_stage(self):
@@ -492,6 +495,9 @@ def all_to_all_heads_to_sequence(group=None):
 
 # ============================================================================ layers
 _matmul_nt = ops.MatMul(transpose_b=True)          # x [n, in] @ W[out, in]^T, no transpose copy
+# attention scores q [b, n, s, d] @ k [b, n, t, d]^T -> [b, n, s, t], no transpose copy of k
+# (gpt.CoreAttention and context_parallel.attention_block)
+batch_matmul_nt = ops.BatchMatMul(transpose_b=True)
 
 
 def cast(t, dtype):

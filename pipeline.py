@@ -27,19 +27,16 @@ from mindspore import Tensor, mint, ops
 
 import gpt
 import parallel
+from config import stage_layer_counts
 
 
 # ============================================================================ layer assignment
 def layer_split(num_layers, pp, vpp=1, num_layer_list=None):
-    """(offset, count) of the layers of each virtual stage vs = chunk * pp + rank.
-
-    num_layer_list: per rank ([3, 1]) or per rank and chunk ([[2, 1], [1, 2]], the guide's
-    layer_list); layers are dealt out in virtual-stage order."""
-    if num_layer_list is None:
-        counts = [num_layers // (pp * vpp)] * (pp * vpp)
-    else:
-        per_rank = [c if isinstance(c, list) else [c] for c in num_layer_list]
-        counts = [per_rank[vs % pp][vs // pp] for vs in range(pp * vpp)]
+    """(offset, count) of the layers of each virtual stage vs = chunk * pp + rank: the counts of
+    config.stage_layer_counts (num_layer_list per rank, [3, 1], or per rank and chunk,
+    [[2, 1], [1, 2]], the guide's layer_list), dealt out in virtual-stage order."""
+    per_rank = stage_layer_counts(num_layers, pp, vpp, num_layer_list)
+    counts = [per_rank[vs % pp][vs // pp] for vs in range(pp * vpp)]
     offsets = np.cumsum([0] + counts[:-1]).tolist()
     return list(zip(offsets, counts))
 
@@ -195,11 +192,12 @@ def theory_bubble(p, m, v=1):
 
 
 # ============================================================================ execution
-def hop_shape(model_cfg, batch_size, state):
-    """What one hop carries: a micro-batch's hidden states on this cp rank, [s/cp, b, h], or
-    their shard [s/cp/tp, b, h] under sequence parallelism."""
-    shard = state.tp if state.sequence_parallel else 1
-    return (model_cfg.seq_length // state.cp // shard, batch_size, model_cfg.hidden_size)
+def hop_shape(model_cfg, micro_batch_size, cp=1, tp=1, sequence_parallel=False):
+    """What one hop carries, the one place it is worked out (train.py's runner, memory.py's
+    count): a micro-batch's hidden states on a cp rank, [s/cp, b, h], or their shard
+    [s/cp/tp, b, h] under sequence parallelism."""
+    shard = tp if sequence_parallel else 1
+    return (model_cfg.seq_length // cp // shard, micro_batch_size, model_cfg.hidden_size)
 
 
 class PipelineRunner:

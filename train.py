@@ -36,7 +36,7 @@ import pipeline
 import sample
 from cli import HelpRequested, load_config, parse_command, raw_config, training_help
 from config import ConfigError, main_grad_dtype, padded_vocab_size, recompute_counts, to_dict
-from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights,
+from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
                  num_floating_point_operations)
 from profiler import StepProfiler
 from tokenizer import build_tokenizer
@@ -207,11 +207,10 @@ def counted_in_norm(chunks, state):
     """Per parameter of `chunks`, whether its gradient counts in the norm on this rank: one
     replicated over TP (norms, row biases, position embeddings) on TP rank 0 (Megatron's
     param_is_not_tensor_parallel_duplicate), and the word embedding on the first stage, not its
-    copy on the last."""
-    tied_copy = state.pp > 1 and chunks[0].tied
-    return [(hasattr(p, "partition_dim") or state.tp_rank == 0)
-            and not (tied_copy and n == "output_layer.weight")
-            for chunk in chunks for n, p in chunk.parameters_and_names()]
+    copy on the last (gpt.is_embedding_copy)."""
+    return [(hasattr(param, "partition_dim") or state.tp_rank == 0)
+            and not is_embedding_copy(chunk, param)
+            for chunk in chunks for _, param in chunk.parameters_and_names()]
 
 
 def build_optimizer(cfg, model, state=None):
@@ -272,7 +271,13 @@ class Trainer:
         self.params = [p for chunk in self.chunks for p in chunk.get_parameters()]
         self.distributed = isinstance(optimizer, opt.DistributedOptimizer)
         self.dp_size = self.state.dp * self.state.cp
-        self.buffer = opt.GradBuffer(self.params, self.dp_size, cfg.training_config.bucket_size)
+        # the data-parallel all-reduce's buckets; the distributed optimizer has its own over the
+        # same parameters
+        if self.distributed:
+            self.buffer = optimizer.buffer
+        else:
+            self.buffer = opt.GradBuffer(self.params, self.dp_size,
+                                         cfg.training_config.bucket_size)
         m = cfg.model_config
         self.grad_dtype = DTYPES[main_grad_dtype(cfg)]    # micro-batches' gradients summed in it
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
@@ -280,7 +285,8 @@ class Trainer:
         self.compiled = cfg.training_config.use_jit and not dropout
         self.pipeline = None
         if self.state.pp > 1:
-            hop = pipeline.hop_shape(m, cfg.dataset_config.batch_size, self.state)
+            hop = pipeline.hop_shape(m, cfg.dataset_config.batch_size, self.state.cp,
+                                     self.state.tp, self.state.sequence_parallel)
             self.pipeline = pipeline.PipelineRunner(self.chunks, self.state, hop, hidden_dtype(m),
                                                     self.grad_dtype, self.compiled,
                                                     cfg.parallel_config.pipeline_schedule)
