@@ -140,9 +140,9 @@ def _report(name, rows, base, peak):
 def main(argv):
     """bash run.sh bench: see the module docstring."""
     try:
-        v, _ = parse_command("bench", argv, BENCH_FLAGS,
-                             about="Alternating speed benchmark of the layouts.")
-        unknown = [name for name in v["layouts"] if name not in LAYOUTS]
+        options, _ = parse_command("bench", argv, BENCH_FLAGS,
+                                   about="Alternating speed benchmark of the layouts.")
+        unknown = [name for name in options["layouts"] if name not in LAYOUTS]
         if unknown:
             raise ConfigError(f"bench: unknown layout {unknown[0]!r}: choose from "
                               f"{', '.join(LAYOUTS)}")
@@ -152,7 +152,7 @@ def main(argv):
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    a = SimpleNamespace(**v)
+    a = SimpleNamespace(**options)
     runs = a.layouts + (["torch"] if a.torch else [])
     results = {name: [] for name in runs}
     peak_out = subprocess.run([sys.executable, __file__, "matmul-peak"], check=True,

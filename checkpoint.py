@@ -104,7 +104,8 @@ def _write_shards(tmp, shards, ckpt_format):
 
 
 def saved_iterations(root):
-    return [int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit()]
+    return [int(name[5:]) for name in os.listdir(root)
+            if name.startswith("iter_") and name[5:].isdigit()]
 
 
 # the model_config keys that make a checkpoint's model what it is (besides the padded vocabulary)
@@ -124,11 +125,12 @@ def saved_config(root):
 def checkpoint_args(saved):
     """Megatron's --use-checkpoint-args (load_args_from_checkpoint): the saved model, sequence
     length and tokenizer as a config tree, layered under the run's own files and flags."""
-    m, d = saved["model_config"], saved["dataset_config"]
-    keys = [k for k in ARCHITECTURE if k != "num_query_groups" or m["group_query_attention"]]
-    model = {k: m[k] for k in keys + ["seq_length"]}
-    return {"model_config": dict(model, vocab_size=m["padded_vocab_size"]),
-            "dataset_config": {"tokenizer_type": d["tokenizer_type"]}}
+    saved_model, saved_dataset = saved["model_config"], saved["dataset_config"]
+    keys = [k for k in ARCHITECTURE
+            if k != "num_query_groups" or saved_model["group_query_attention"]]
+    model = {k: saved_model[k] for k in keys + ["seq_length"]}
+    return {"model_config": dict(model, vocab_size=saved_model["padded_vocab_size"]),
+            "dataset_config": {"tokenizer_type": saved_dataset["tokenizer_type"]}}
 
 
 def check_fits(cfg, root):
@@ -137,23 +139,25 @@ def check_fits(cfg, root):
     precision keeps float32 main params beside the state)."""
     _, meta = load_checkpoint(root, first_shard(root), stems=())
     saved = meta["config"]
-    m, t = saved["model_config"], cfg.training_config
-    pairs = [(f"model_config.{k}", m.get(k), getattr(cfg.model_config, k)) for k in ARCHITECTURE]
+    saved_model, training_cfg = saved["model_config"], cfg.training_config
+    pairs = [(f"model_config.{k}", saved_model.get(k), getattr(cfg.model_config, k))
+             for k in ARCHITECTURE]
     pairs.append(("dataset_config.tokenizer_type", saved["dataset_config"]["tokenizer_type"],
                   cfg.dataset_config.tokenizer_type))
-    if not (t.finetune or t.no_load_optim or meta.get("optimizer_step") is None):
+    weights_only = training_cfg.finetune or training_cfg.no_load_optim
+    if not (weights_only or meta.get("optimizer_step") is None):
         pairs.append(("optimizer_config.optimizer_type",
                       saved["optimizer_config"]["optimizer_type"],
                       cfg.optimizer_config.optimizer_type))
         pairs.append(("model_config.params_dtype (--fp16/--bf16)",
-                      m.get("params_dtype") or "float32", cfg.model_config.params_dtype))
+                      saved_model.get("params_dtype") or "float32", cfg.model_config.params_dtype))
     differences = [f"{k} (checkpoint {a}, this run {b})" for k, a, b in pairs if a != b]
     if differences:
         raise CheckpointError(f"checkpoint {root} does not match this run: "
                               f"{', '.join(differences)}; give --use-checkpoint-args to take the "
                               "checkpoint's model, or the same flags")
     batch = saved["dataset_config"].get("global_batch_size")
-    if not t.finetune and batch not in (None, cfg.dataset_config.global_batch_size):
+    if not training_cfg.finetune and batch not in (None, cfg.dataset_config.global_batch_size):
         # the data's samples are counted in global batches (consumed samples, the dataset's size)
         raise CheckpointError(f"checkpoint {root} was trained with global batch {batch}, this "
                               f"run's is {cfg.dataset_config.global_batch_size}: give "
@@ -235,10 +239,10 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
 def shard_offsets(meta, shard):
     """The first global layer of each model chunk of the shard folder `shard` (mp_rank_TT_PPP)
     of a checkpoint whose meta.json is `meta`."""
-    layout, m = meta["layout"], meta["config"]["model_config"]
+    layout, saved_model = meta["layout"], meta["config"]["model_config"]
     pp, vpp = layout["pp"], layout["vpp"]
     pp_rank = int(shard.rsplit("_", 1)[1]) if pp > 1 else 0
-    split = layer_split(m["num_layers"], pp, vpp, layout["num_layer_list"])
+    split = layer_split(saved_model["num_layers"], pp, vpp, layout["num_layer_list"])
     return [split[c * pp + pp_rank][0] for c in range(vpp)]
 
 
@@ -250,7 +254,7 @@ def load_shards(root, optimizer=False):
     layout = meta["layout"]
     stems = [WEIGHTS]
     if optimizer and layout["distributed_optimizer"]:
-        stems += [f"distrib_optim_{d:03d}" for d in range(layout["dp"] * layout["cp"])]
+        stems += [f"distrib_optim_{rank:03d}" for rank in range(layout["dp"] * layout["cp"])]
     shards = []
     for tp_rank in range(layout["tp"]):
         tensors = {}
@@ -265,13 +269,13 @@ def load_shards(root, optimizer=False):
 def named_parameters(chunks):
     """("model.<global name>", parameter) of this rank's model chunks. Global names tell the
     chunks of a virtual pipeline apart (their layer numbers differ)."""
-    return [(f"model.{global_name(n, chunk.layer_offset)}", p) for chunk in chunks
-            for n, p in chunk.parameters_and_names()]
+    return [(f"model.{global_name(n, chunk.layer_offset)}", param) for chunk in chunks
+            for n, param in chunk.parameters_and_names()]
 
 
 def model_tensors(chunks):
     """name -> value of this rank's parameters, under their global names."""
-    return {name: p.asnumpy() for name, p in named_parameters(chunks)}
+    return {name: param.asnumpy() for name, param in named_parameters(chunks)}
 
 
 def parameter_names(chunks):
@@ -281,14 +285,16 @@ def parameter_names(chunks):
 
 def layout_of(cfg):
     """What a checkpoint's file names and contents depend on."""
-    p, t = cfg.parallel_config, cfg.training_config
+    parallel_cfg, training_cfg = cfg.parallel_config, cfg.training_config
     # the distributed optimizer shards over the dp x cp ranks; over one it is the plain one
-    shards = p.data_parallel_size * p.context_parallel_size
-    return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-            "vpp": p.virtual_pipeline_model_parallel_size, "num_layer_list": p.num_layer_list,
-            "cp": p.context_parallel_size, "dp": p.data_parallel_size,
-            "distributed_optimizer": bool(t.use_distributed_optimizer and shards > 1),
-            "bucket_size": t.bucket_size}
+    shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
+    return {"tp": parallel_cfg.tensor_model_parallel_size,
+            "pp": parallel_cfg.pipeline_model_parallel_size,
+            "vpp": parallel_cfg.virtual_pipeline_model_parallel_size,
+            "num_layer_list": parallel_cfg.num_layer_list,
+            "cp": parallel_cfg.context_parallel_size, "dp": parallel_cfg.data_parallel_size,
+            "distributed_optimizer": bool(training_cfg.use_distributed_optimizer and shards > 1),
+            "bucket_size": training_cfg.bucket_size}
 
 
 def _meta(cfg, iteration, consumed, step, scheduler_state, scaler_state, rng_state):
@@ -303,7 +309,7 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     """Megatron layout: mp_rank_TT/ per TP rank, written by its first DP rank; with the
     distributed optimizer every DP rank adds its own distrib_optim_DDD file. With the torch
     format the weights file is Megatron's model_optim_rng.pt (megatron_checkpoint.rank_file)."""
-    t, state = cfg.training_config, trainer.state
+    training_cfg, state = cfg.training_config, trainer.state
     opt_tensors, step = trainer.optimizer.named_state(parameter_names(trainer.chunks))
     writer = state.dp_rank == 0 and state.cp_rank == 0
     files, meta = {}, None
@@ -313,28 +319,28 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
         # the optimizer state, unless the distributed optimizer's own files hold it
         files[WEIGHTS] = {**model_tensors(trainer.chunks),
                           **({} if trainer.distributed else opt_tensors)}
-        if t.ckpt_format == "torch":
+        if training_cfg.ckpt_format == "torch":
             files[WEIGHTS] = megatron_checkpoint.rank_file(cfg, meta, files[WEIGHTS],
                                                            [c.layer_offset for c in trainer.chunks])
     if trainer.distributed:
         files[f"distrib_optim_{state.dp_cp_rank:03d}"] = opt_tensors
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
-    path = save_checkpoint(t.output_dir, iteration, {shard: (files, meta)}, t.ckpt_format,
-                           t.keep_checkpoint_max, barrier=parallel.barrier,
-                           leader=state.rank == 0)
+    path = save_checkpoint(training_cfg.output_dir, iteration, {shard: (files, meta)},
+                           training_cfg.ckpt_format, training_cfg.keep_checkpoint_max,
+                           barrier=parallel.barrier, leader=state.rank == 0)
     log.info(f"saved checkpoint at iteration {iteration} to {path}")
 
 
 def load_training_state(cfg, trainer, rng):
     """Restore from training_config.load_checkpoint (same layout); returns (iteration, consumed)."""
-    t, state, chunks = cfg.training_config, trainer.state, trainer.chunks
+    training_cfg, state, chunks = cfg.training_config, trainer.state, trainer.chunks
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
     stems = [WEIGHTS]
-    if trainer.distributed and not (t.finetune or t.no_load_optim):
+    if trainer.distributed and not (training_cfg.finetune or training_cfg.no_load_optim):
         stems.append(f"distrib_optim_{state.dp_cp_rank:03d}")
-    tensors, meta = load_checkpoint(t.load_checkpoint, shard, stems=stems)
+    tensors, meta = load_checkpoint(training_cfg.load_checkpoint, shard, stems=stems)
     # --finetune, or imported weights (no optimizer step saved)
-    weights_only = t.finetune or meta.get("optimizer_step") is None
+    weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
     saved_layout, layout = meta.get("layout"), layout_of(cfg)
     same_model_split = saved_layout and all(saved_layout.get(k) == layout[k]
                                             for k in ("tp", "pp", "vpp", "num_layer_list"))
@@ -344,38 +350,41 @@ def load_training_state(cfg, trainer, rng):
                                           or layout["distributed_optimizer"])
     if saved_layout != layout and not ((weights_only or unsharded) and same_model_split):
         raise CheckpointError(
-            f"checkpoint {t.load_checkpoint} was saved with layout {saved_layout}, this run is "
-            f"{layout}: convert it first (bash run.sh convert --load {t.load_checkpoint} "
-            "--save NEW <layout flags>)")
-    for name, p in named_parameters(chunks):
+            f"checkpoint {training_cfg.load_checkpoint} was saved with layout {saved_layout}, this "
+            f"run is {layout}: convert it first (bash run.sh convert --load "
+            f"{training_cfg.load_checkpoint} --save NEW <layout flags>)")
+    for name, param in named_parameters(chunks):
         saved = tensors.get(name)
-        if saved is None or saved.shape != tuple(p.shape):
+        if saved is None or saved.shape != tuple(param.shape):
             got = "missing" if saved is None else f"shape {saved.shape}"
             raise CheckpointError(
-                f"checkpoint {t.load_checkpoint} does not fit the model: {name} is {got}, "
-                f"the model wants {tuple(p.shape)}; use the model_config it was saved with")
-    for name, p in named_parameters(chunks):
-        p.set_data(Tensor(tensors[name]))                  # in the parameter's own dtype
+                f"checkpoint {training_cfg.load_checkpoint} does not fit the model: {name} is "
+                f"{got}, the model wants {tuple(param.shape)}; use the model_config it was saved "
+                "with")
+    for name, param in named_parameters(chunks):
+        param.set_data(Tensor(tensors[name]))                  # in the parameter's own dtype
     trainer.optimizer.reload_main_params()
     if weights_only:
-        log.info(f"loaded weights of iteration {meta['iteration']} from {t.load_checkpoint} "
-                 f"({'finetune' if t.finetune else 'no optimizer state saved'}: iteration 0)")
+        why = "finetune" if training_cfg.finetune else "no optimizer state saved"
+        log.info(f"loaded weights of iteration {meta['iteration']} from "
+                 f"{training_cfg.load_checkpoint} ({why}: iteration 0)")
         return 0, 0
-    if not t.no_load_optim:
+    if not training_cfg.no_load_optim:
         trainer.optimizer.load_named_state(tensors, meta["optimizer_step"], parameter_names(chunks))
         _load_scheduler(cfg.optimizer_config, trainer.scheduler, meta["opt_param_scheduler"])
         trainer.scaler.load_state_dict(meta["grad_scaler"])
-    if not t.no_load_rng:
+    if not training_cfg.no_load_rng:
         rng.load_state_dict(meta["rng_state"])
-    log.info(f"loaded checkpoint of iteration {meta['iteration']} from {t.load_checkpoint}")
+    log.info(f"loaded checkpoint of iteration {meta['iteration']} from "
+             f"{training_cfg.load_checkpoint}")
     return meta["iteration"], meta["consumed_train_samples"]
 
 
-def _load_scheduler(o, scheduler, saved):
+def _load_scheduler(optimizer_cfg, scheduler, saved):
     """Megatron's rules when the run's lr schedule differs from the checkpoint's: override -> this
     run's, use_checkpoint -> the checkpoint's (named in a warning), neither -> refused."""
-    override, differ = o.override_opt_param_scheduler, scheduler.differences(saved)
-    if differ and not (override or o.use_checkpoint_opt_param_scheduler):
+    override, differ = optimizer_cfg.override_opt_param_scheduler, scheduler.differences(saved)
+    if differ and not (override or optimizer_cfg.use_checkpoint_opt_param_scheduler):
         raise CheckpointError("the learning-rate schedule differs from the checkpoint's: "
                               + _pairs(differ) + "; give --use-checkpoint-opt_param-scheduler "
                               "or --override-opt_param-scheduler")
@@ -412,8 +421,8 @@ def full_state(root, optimizer=True):
     and float32 main params "main.<name>", full size, whatever layout wrote them (TP shards merged,
     stages united, distributed-optimizer pieces joined)."""
     shards, meta = load_shards(root, optimizer)
-    m = to_namespace(meta["config"]).model_config
-    [one] = build_rank_chunks(m, 1, 1)                # one process: its names and full shapes
+    model_cfg = to_namespace(meta["config"]).model_config
+    [one] = build_rank_chunks(model_cfg, 1, 1)            # one process: its names and full shapes
     kinds = set()
     if optimizer:
         kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")}
@@ -422,9 +431,9 @@ def full_state(root, optimizer=True):
         # float32 main params, kept beside half-precision weights
         prefixes.append("main")
     full_shapes = {}
-    for name, p in one.parameters_and_names():
-        full_shapes.update({f"{prefix}.{name}": tuple(p.shape) for prefix in prefixes})
-    swiglu = m.hidden_act == "swiglu"
+    for name, param in one.parameters_and_names():
+        full_shapes.update({f"{prefix}.{name}": tuple(param.shape) for prefix in prefixes})
+    swiglu = model_cfg.hidden_act == "swiglu"
 
     def chunks_of(name):
         """SwiGLU's fc1 is [gate; up], each half split over TP on its own."""
@@ -477,13 +486,13 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
 def _distrib_optim_files(values, names, params, dp, bucket_size, kinds):
     """{distrib_optim_DDD: that DP rank's pieces of the float32 main params and the state}."""
     buffer, files = GradBuffer(params, dp, bucket_size), {}
-    for d in range(dp):
+    for dp_rank in range(dp):
         pieces = {}
-        for (_, i, lo, hi), key in zip(buffer.pieces(d), buffer.piece_names(d, names)):
+        for (_, i, lo, hi), key in zip(buffer.pieces(dp_rank), buffer.piece_names(dp_rank, names)):
             start, end = lo - buffer.offsets[i], hi - buffer.offsets[i]
             for prefix in ["main"] + [f"optimizer.{kind}" for kind in kinds]:
                 pieces[f"{prefix}.{key}"] = values[f"{prefix}.{names[i]}"].reshape(-1)[start:end]
-        files[f"distrib_optim_{d:03d}"] = pieces
+        files[f"distrib_optim_{dp_rank:03d}"] = pieces
     return files
 
 
@@ -494,9 +503,9 @@ def write_layout(root, tensors, meta, cfg):
     stored in the run's params_dtype; float32 main params ("main.<name>", the weights themselves
     when `tensors` has none) where the optimizer keeps copies: half-precision parameters, or
     the distributed optimizer's pieces."""
-    p, m = cfg.parallel_config, cfg.model_config
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    dp = p.data_parallel_size * p.context_parallel_size
+    parallel_cfg, model_cfg = cfg.parallel_config, cfg.model_config
+    tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
+    dp = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
     layout = layout_of(cfg)
     distributed = layout["distributed_optimizer"]
     kinds = sorted({k.split(".")[1] for k in tensors if k.startswith("optimizer.")})
@@ -504,17 +513,18 @@ def write_layout(root, tensors, meta, cfg):
     for key in [k for k in tensors if k.startswith("model.")]:
         tensors.setdefault("main." + key[len("model."):], tensors[key].astype(np.float32))
         # numpy has no bfloat16: kept as saved
-        if m.params_dtype in ("float32", "float16"):
-            tensors[key] = tensors[key].astype(m.params_dtype)
+        if model_cfg.params_dtype in ("float32", "float16"):
+            tensors[key] = tensors[key].astype(model_cfg.params_dtype)
     shards = {}
     for tp_rank in range(tp):
         for pp_rank in range(pp):
-            chunks = build_rank_chunks(m, tp, pp, tp_rank, pp_rank,
-                                       p.virtual_pipeline_model_parallel_size, p.num_layer_list)
+            chunks = build_rank_chunks(model_cfg, tp, pp, tp_rank, pp_rank,
+                                       parallel_cfg.virtual_pipeline_model_parallel_size,
+                                       parallel_cfg.num_layer_list)
             prefixes = ["model", "main"] + [f"optimizer.{kind}" for kind in kinds]
             names, params, values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)
             # half-precision parameters keep float32 copies in the optimizer (with its state)
-            own_main = m.params_dtype != "float32" and not distributed and bool(kinds)
+            own_main = model_cfg.params_dtype != "float32" and not distributed and bool(kinds)
             # the weights file holds the optimizer's values unless the distributed optimizer's
             # files do
             files = {WEIGHTS: {k: v for k, v in values.items()
@@ -556,10 +566,11 @@ def convert_main(argv):
     (--tensor-model-parallel-size, --pipeline-model-parallel-size, --sequence-parallel,
     --virtual-pipeline-model-parallel-size, parallel_config.num_layer_list=...,
     --use-distributed-optimizer)."""
-    v, argv = parse_command("convert", argv, CONVERT_FLAGS,
-                            passthrough="layout flags, as in training",
-                            about="Rewrite the latest checkpoint of --load for another layout.")
-    load, save, world = v["load"], v["save"], v["nproc"]
+    options, argv = parse_command("convert", argv, CONVERT_FLAGS,
+                                  passthrough="layout flags, as in training",
+                                  about="Rewrite the latest checkpoint of --load for another "
+                                        "layout.")
+    load, save, world = options["load"], options["save"], options["nproc"]
     check_new_folder("convert", save, world)
     latest_iteration(load)
     _, meta = load_checkpoint(load, first_shard(load), stems=())
@@ -595,7 +606,7 @@ def _megatron_weights(files, model_cfg, first):
     """One-process float32 tensors of a Megatron checkpoint's rank files, shaped by this project's
     model of `model_cfg` (megatron_checkpoint.read_weights)."""
     [one] = build_rank_chunks(model_cfg, 1, 1)
-    shapes = {f"model.{n}": tuple(p.shape) for n, p in one.parameters_and_names()}
+    shapes = {f"model.{n}": tuple(param.shape) for n, param in one.parameters_and_names()}
     return megatron_checkpoint.read_weights(files, shapes, model_cfg, first)
 
 
@@ -606,19 +617,20 @@ def read_megatron(root):
     the iteration. A model this project cannot hold is one ConfigError line naming the setting."""
     iteration, files = megatron_checkpoint.checkpoint_files(root)
     first = megatron_checkpoint.load_rank(files[0, 0])
-    tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
+    tp, pp = 1 + max(tp_rank for tp_rank, _ in files), 1 + max(pp_rank for _, pp_rank in files)
     overrides, _ = megatron_checkpoint.checkpoint_overrides(first, files[0, 0], tp, pp)
     weights = _megatron_weights(files, _megatron_config(overrides).model_config, first)
     return weights, overrides, iteration
 
 
-def _check_tokenizer(d, padded):
+def _check_tokenizer(dataset_cfg, padded):
     """The tokenizer an import names builds and fits the model's vocabulary."""
     try:
-        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+        tokenizer = build_tokenizer(dataset_cfg.tokenizer_type, dataset_cfg.vocab_file,
+                                    dataset_cfg.merge_file, dataset_cfg.vocab_size)
     except OSError as e:
-        raise ConfigError(f"import-megatron: {d.tokenizer_type}: {e.filename} cannot be read "
-                          f"({e.strerror}): give --vocab-file and --merge-file") from None
+        raise ConfigError(f"import-megatron: {dataset_cfg.tokenizer_type}: {e.filename} cannot "
+                          f"be read ({e.strerror}): give --vocab-file and --merge-file") from None
     if tokenizer.vocab_size > padded:
         raise ConfigError(f"import-megatron: the tokenizer's {tokenizer.vocab_size} tokens do not "
                           f"fit the model's vocabulary of {padded}: give the tokenizer flags it "
@@ -633,20 +645,21 @@ def import_megatron_main(argv):
     """import-megatron DIR --save OUT [--nproc N] [layout flags] [flags]: the latest Megatron-LM
     checkpoint (--ckpt-format torch) in DIR as a checkpoint of this project in any layout, its
     weights only (training starts its own optimizer), the model and tokenizer from its args."""
-    v, argv = parse_command("import-megatron", argv, IMPORT_MEGATRON_FLAGS, positional=("DIR",),
-                            passthrough="layout and training flags",
-                            about="A Megatron-LM checkpoint (--ckpt-format torch) as a checkpoint.")
-    root, save, world = v["dir"], v["save"], v["nproc"]
+    options, argv = parse_command("import-megatron", argv, IMPORT_MEGATRON_FLAGS,
+                                  positional=("DIR",), passthrough="layout and training flags",
+                                  about="A Megatron-LM checkpoint (--ckpt-format torch) as a "
+                                        "checkpoint.")
+    root, save, world = options["dir"], options["save"], options["nproc"]
     check_new_folder("import-megatron", save, world)
     iteration, files = megatron_checkpoint.checkpoint_files(root)
     first = megatron_checkpoint.load_rank(files[0, 0])
-    tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
+    tp, pp = 1 + max(tp_rank for tp_rank, _ in files), 1 + max(pp_rank for _, pp_rank in files)
     overrides, note = megatron_checkpoint.checkpoint_overrides(first, files[0, 0], tp, pp)
     cfg = _megatron_config(overrides, argv, world)
-    m = cfg.model_config
+    model_cfg = cfg.model_config
     cfg.training_config.output_dir = save
-    _check_tokenizer(cfg.dataset_config, m.padded_vocab_size)
-    tensors = _megatron_weights(files, m, first)
+    _check_tokenizer(cfg.dataset_config, model_cfg.padded_vocab_size)
+    tensors = _megatron_weights(files, model_cfg, first)
     meta = {"iteration": iteration, "consumed_train_samples": 0, "optimizer_step": None,
             "opt_param_scheduler": None, "grad_scaler": None, "rng_state": None,
             "imported_from": os.path.abspath(root)}
@@ -654,8 +667,9 @@ def import_megatron_main(argv):
     if note:
         print(f"import-megatron: {note}")
     print(f"imported {root} (iteration {iteration}, {tp} x {pp} ranks, "
-          f"{megatron_checkpoint.weights_dtype(first)} weights; {m.num_layers} layers, hidden "
-          f"{m.hidden_size}) to {path} in {m.params_dtype}, layout {layout_of(cfg)}")
+          f"{megatron_checkpoint.weights_dtype(first)} weights; {model_cfg.num_layers} layers, "
+          f"hidden {model_cfg.hidden_size}) to {path} in {model_cfg.params_dtype}, layout "
+          f"{layout_of(cfg)}")
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

@@ -239,9 +239,9 @@ def preprocess_main(argv):
 
     Each document becomes one sequence. Returns the list of written data prefixes.
     """
-    v, _ = parse_command("preprocess", argv, PREPROCESS_FLAGS,
-                         about="Tokenize text into Megatron .bin/.idx files.")
-    args = SimpleNamespace(**v)
+    options, _ = parse_command("preprocess", argv, PREPROCESS_FLAGS,
+                               about="Tokenize text into Megatron .bin/.idx files.")
+    args = SimpleNamespace(**options)
     keys = args.json_keys if args.input.endswith((".json", ".jsonl")) else ["text"]
     prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
     try:

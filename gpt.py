@@ -115,8 +115,8 @@ def make_norm(cfg):
     norm_class = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
     norm = norm_class(cfg.hidden_size, cfg.norm_epsilon)
     if parallel.get_state().sequence_parallel:
-        for p in norm.get_parameters():
-            p.sequence_parallel = True
+        for param in norm.get_parameters():
+            param.sequence_parallel = True
     return norm
 
 
@@ -129,10 +129,11 @@ class DropoutRNG:
         self.streams = {"default": np.random.default_rng(seed),
                         "model-parallel": np.random.default_rng(seed + 2718 + tp_rank)}
 
-    def mask(self, shape, p, stream="default", dtype=F32):
-        """keep / (1 - p) for each element, in the activations' `dtype`."""
-        keep = self.streams[stream].random(shape) >= p
-        return Tensor((keep / (1.0 - p)).astype(ms.dtype_to_nptype(dtype)))
+    def mask(self, shape, rate, stream="default", dtype=F32):
+        """keep / (1 - rate) for each element, dropped with probability `rate`, in the
+        activations' `dtype`."""
+        keep = self.streams[stream].random(shape) >= rate
+        return Tensor((keep / (1.0 - rate)).astype(ms.dtype_to_nptype(dtype)))
 
     def state_dict(self):
         return {k: g.bit_generator.state for k, g in self.streams.items()}
@@ -143,14 +144,14 @@ class DropoutRNG:
 
 
 class Dropout(nn.Cell):
-    def __init__(self, p, rng, stream="default"):
+    def __init__(self, rate, rng, stream="default"):
         super().__init__()
-        self.p, self.rng, self.stream = p, rng, stream
+        self.rate, self.rng, self.stream = rate, rng, stream
 
     def construct(self, x):
-        if self.p == 0.0 or not self.training:
+        if self.rate == 0.0 or not self.training:
             return x
-        return x * self.rng.mask(x.shape, self.p, self.stream, x.dtype)
+        return x * self.rng.mask(x.shape, self.rate, self.stream, x.dtype)
 
 
 def rotary_tables(max_positions, dim, base):
@@ -392,7 +393,7 @@ class GPTModel(nn.Cell):
         self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
         self.layer_offset = layer_offset
         self.rng = rng or DropoutRNG(0)
-        h, v = cfg.hidden_size, cfg.padded_vocab_size
+        h, vocab = cfg.hidden_size, cfg.padded_vocab_size
         self.tied = not cfg.untie_embeddings_and_output_weights
         self.dtype = DTYPES[cfg.compute_dtype]
         state = parallel.get_state()
@@ -409,7 +410,7 @@ class GPTModel(nn.Cell):
         if post_process:
             self.final_layernorm = make_norm(cfg)
             if not self.tied or not pre_process:
-                self.output_layer = make_linear(cfg, h, v, False, "column")
+                self.output_layer = make_linear(cfg, h, vocab, False, "column")
         if self.tied and not (pre_process and post_process):
             # Megatron's shared_embedding, the one mark of the tie: the model is cut into stages
             # and the last stage's output layer is a copy of the first stage's word embedding;
@@ -429,17 +430,17 @@ class GPTModel(nn.Cell):
         self.causal_bias = additive_mask(np.triu(np.ones((1, 1, length, length), bool), 1))
         self.hidden_dtype = hidden_dtype(cfg)
         self.logits_dtype = self.dtype if cfg.fp16_lm_cross_entropy else F32
-        for p in self.get_parameters():        # Megatron's Float16Module: half-precision parameters
-            p.set_dtype(DTYPES[cfg.params_dtype])
+        for param in self.get_parameters():    # Megatron's Float16Module: half-precision parameters
+            param.set_dtype(DTYPES[cfg.params_dtype])
 
     def _build_embeddings(self, cfg):
         """The first stage's word embedding (split over the vocabulary under TP), its absolute
         position embeddings and the embeddings' dropout."""
-        h, v = cfg.hidden_size, cfg.padded_vocab_size
+        h, vocab = cfg.hidden_size, cfg.padded_vocab_size
         if self.tp == 1:
-            self.word_embeddings = Embedding(v, h)
+            self.word_embeddings = Embedding(vocab, h)
         else:
-            self.word_embeddings = parallel.VocabParallelEmbedding(v, h)
+            self.word_embeddings = parallel.VocabParallelEmbedding(vocab, h)
         if cfg.position_embedding_type == "absolute":
             self.position_embeddings = Parameter(_zeros(cfg.max_position_embeddings, h),
                                                  name="position_embeddings")
@@ -598,19 +599,19 @@ def init_weights(model, seed):
     output layer of a stage without the embedding starts as a copy of the word embedding when
     the two are tied."""
     tp_rank = parallel.get_state().tp_rank if model.tp > 1 else 0
-    for name, p in model.parameters_and_names():
+    for name, param in model.parameters_and_names():
         gname = global_name(name, model.layer_offset)
-        if is_embedding_copy(model, p):
+        if is_embedding_copy(model, param):
             gname = "word_embeddings.weight"
-        dim = getattr(p, "partition_dim", None)
+        dim = getattr(param, "partition_dim", None)
         if dim is None:
-            value = init_value(gname, p.shape, model.cfg, seed)
+            value = init_value(gname, param.shape, model.cfg, seed)
         else:
-            full = list(p.shape)
+            full = list(param.shape)
             full[dim] *= model.tp
             value = parallel.shard(init_value(gname, tuple(full), model.cfg, seed), dim, tp_rank,
-                                   model.tp, getattr(p, "partition_chunks", 1))
-        p.set_data(Tensor(value))
+                                   model.tp, getattr(param, "partition_chunks", 1))
+        param.set_data(Tensor(value))
 
 
 def num_floating_point_operations(cfg, batch_size):

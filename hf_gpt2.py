@@ -80,7 +80,7 @@ def hf_to_project(weights, hf_config, padded_vocab):
     return {f"model.{k}": np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def project_to_hf(tensors, m, vocab_size):
+def project_to_hf(tensors, model_cfg, vocab_size):
     """The inverse of hf_to_project: one-process tensors -> Hugging Face GPT-2 names and layouts."""
     back_top = {v: k for k, v in HF_TOP.items()}
     back_block = {v: k for k, v in HF_BLOCK.items()}
@@ -95,7 +95,7 @@ def project_to_hf(tensors, m, vocab_size):
         _, layer, rest = name.split(".", 2)
         module, _, leaf = rest.rpartition(".")
         if module == "self_attention.linear_qkv":
-            value = _qkv_to_hf(value, m.num_attention_heads)
+            value = _qkv_to_hf(value, model_cfg.num_attention_heads)
         if leaf == "weight" and "layernorm" not in module:
             value = value.T
         out[f"h.{layer}.{back_block[module]}.{leaf}"] = np.ascontiguousarray(value)
@@ -123,16 +123,16 @@ def read_hf_config(hf_dir):
     return hf
 
 
-def check_weights(tensors, m, path):
+def check_weights(tensors, model_cfg, path):
     """One line naming the first weight of the model (built from config.json) that `path` lacks or
     holds in another shape."""
-    [one] = build_rank_chunks(m, 1, 1)
-    for name, p in one.parameters_and_names():
+    [one] = build_rank_chunks(model_cfg, 1, 1)
+    for name, param in one.parameters_and_names():
         got = tensors.get(f"model.{name}")
-        if got is None or got.shape != tuple(p.shape):
+        if got is None or got.shape != tuple(param.shape):
             shape = "missing" if got is None else got.shape
             raise ConfigError(f"import-hf: {path} does not fit config.json: {name} is "
-                              f"{shape}, config.json makes it {tuple(p.shape)}")
+                              f"{shape}, config.json makes it {tuple(param.shape)}")
 
 
 def _hf_flags(hf, drop):
@@ -155,13 +155,13 @@ def _hf_flags(hf, drop):
 def import_main(argv):
     """import-hf HF_DIR --save OUT [--nproc N] [layout flags] [flags]: a Hugging Face GPT-2
     directory (config.json, model.safetensors) as iteration 0 of a checkpoint in any layout."""
-    v, argv = parse_command("import-hf", argv,
-                            {"--save": (REQUIRED, str, "new or empty folder"),
-                             "--nproc": (1, int, "ranks of the checkpoint's layout")},
-                            positional=("HF_DIR",), passthrough="layout and training flags",
-                            about="A Hugging Face GPT-2 folder (config.json, model.safetensors) "
-                                  "as a checkpoint.")
-    hf_dir, save, world = v["hf_dir"], v["save"], v["nproc"]
+    options, argv = parse_command("import-hf", argv,
+                                  {"--save": (REQUIRED, str, "new or empty folder"),
+                                   "--nproc": (1, int, "ranks of the checkpoint's layout")},
+                                  positional=("HF_DIR",), passthrough="layout and training flags",
+                                  about="A Hugging Face GPT-2 folder (config.json, "
+                                        "model.safetensors) as a checkpoint.")
+    hf_dir, save, world = options["hf_dir"], options["save"], options["nproc"]
     check_new_folder("import-hf", save, world)
     for f in ("config.json", "model.safetensors"):
         if not os.path.isfile(os.path.join(hf_dir, f)):
@@ -170,9 +170,9 @@ def import_main(argv):
     hf = read_hf_config(hf_dir)
     drop = {k: hf.get(k, HF_DROPOUT) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
     cfg = load_config(os.path.join(PROJECT, "config.yaml"), _hf_flags(hf, drop) + argv, world)
-    m = cfg.model_config
-    padded = padded_vocab_size(m, hf["vocab_size"])
-    m.vocab_size = m.padded_vocab_size = padded
+    model_cfg = cfg.model_config
+    padded = padded_vocab_size(model_cfg, hf["vocab_size"])
+    model_cfg.vocab_size = model_cfg.padded_vocab_size = padded
     cfg.training_config.output_dir = save
     weights_path = os.path.join(hf_dir, "model.safetensors")
     try:
@@ -181,11 +181,11 @@ def import_main(argv):
         raise ConfigError(f"import-hf: {weights_path} is damaged or truncated ({e}): download "
                           "it again") from None
     tensors = hf_to_project(weights, hf, padded)
-    check_weights(tensors, m, weights_path)
+    check_weights(tensors, model_cfg, weights_path)
     # Megatron drops out the embeddings at hidden_dropout
     if drop["embd_pdrop"] != drop["resid_pdrop"]:
         print(f"import-hf: embd_pdrop={drop['embd_pdrop']} not kept: the embeddings' dropout is "
-              f"hidden_dropout_rate={m.hidden_dropout_rate} (resid_pdrop)")
+              f"hidden_dropout_rate={model_cfg.hidden_dropout_rate} (resid_pdrop)")
     meta = {"iteration": 0, "consumed_train_samples": 0, "optimizer_step": None,
             "opt_param_scheduler": None, "grad_scaler": None, "rng_state": None,
             "imported_from": os.path.abspath(hf_dir)}
@@ -194,42 +194,47 @@ def import_main(argv):
           f"layout {layout_of(cfg)}")
 
 
-def gpt2_tokenizer_files(d):
+def gpt2_tokenizer_files(dataset_cfg):
     """{name in a Hugging Face folder: file} of the GPT-2 BPE files a checkpoint was trained with:
     its dataset_config's, or the project's copies when those paths do not resolve from here."""
     files = {}
     for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
-        candidates = (getattr(d, key), os.path.join(PROJECT, "data", "gpt2-" + name))
+        candidates = (getattr(dataset_cfg, key), os.path.join(PROJECT, "data", "gpt2-" + name))
         found = [f for f in candidates if f and os.path.isfile(f)]
         if not found:
-            raise ConfigError(f"export-hf: dataset_config.{key}={getattr(d, key)} not found, nor "
-                              f"the project's data/gpt2-{name}")
+            raise ConfigError(f"export-hf: dataset_config.{key}={getattr(dataset_cfg, key)} not "
+                              f"found, nor the project's data/gpt2-{name}")
         files[name] = found[0]
     return files
 
 
-def _gpt2_differences(m):
-    """The settings of model_config `m` that GPT-2 has no place for, as "key=value" strings."""
+def _gpt2_differences(model_cfg):
+    """The settings of `model_cfg` that GPT-2 has no place for, as "key=value" strings."""
     gpt2 = (("position_embedding_type", "absolute"), ("normalization", "LayerNorm"),
             ("untie_embeddings_and_output_weights", False), ("use_sandwich_norm", False),
             ("add_bias_linear", True), ("qkv_has_bias", True), ("out_proj_has_bias", True))
-    differences = [f"{k}={getattr(m, k)}" for k, want in gpt2 if getattr(m, k) != want]
-    if m.hidden_act not in ("gelu_tanh", "gelu") or m.num_query_groups != m.num_attention_heads:
-        differences.append(f"hidden_act={m.hidden_act}, num_query_groups={m.num_query_groups}")
+    differences = [f"{k}={getattr(model_cfg, k)}" for k, want in gpt2
+                   if getattr(model_cfg, k) != want]
+    grouped = model_cfg.num_query_groups != model_cfg.num_attention_heads
+    if model_cfg.hidden_act not in ("gelu_tanh", "gelu") or grouped:
+        differences.append(f"hidden_act={model_cfg.hidden_act}, "
+                           f"num_query_groups={model_cfg.num_query_groups}")
     return differences
 
 
-def _hf_config(m, vocab):
-    """transformers' GPT2Config (config.json) of model_config `m` with `vocab` rows."""
-    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": m.num_layers,
-            "n_embd": m.hidden_size, "n_head": m.num_attention_heads,
-            "n_inner": m.ffn_hidden_size, "n_positions": m.max_position_embeddings,
-            "n_ctx": m.max_position_embeddings, "vocab_size": vocab,
-            "layer_norm_epsilon": m.norm_epsilon,
-            "activation_function": "gelu_new" if m.hidden_act == "gelu_tanh" else "gelu",
+def _hf_config(model_cfg, vocab):
+    """transformers' GPT2Config (config.json) of `model_cfg` with `vocab` rows."""
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+            "n_layer": model_cfg.num_layers,
+            "n_embd": model_cfg.hidden_size, "n_head": model_cfg.num_attention_heads,
+            "n_inner": model_cfg.ffn_hidden_size, "n_positions": model_cfg.max_position_embeddings,
+            "n_ctx": model_cfg.max_position_embeddings, "vocab_size": vocab,
+            "layer_norm_epsilon": model_cfg.norm_epsilon,
+            "activation_function": "gelu_new" if model_cfg.hidden_act == "gelu_tanh" else "gelu",
             "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256,
-            "resid_pdrop": m.hidden_dropout_rate, "embd_pdrop": m.hidden_dropout_rate,
-            "attn_pdrop": m.attention_dropout_rate}
+            "resid_pdrop": model_cfg.hidden_dropout_rate,
+            "embd_pdrop": model_cfg.hidden_dropout_rate,
+            "attn_pdrop": model_cfg.attention_dropout_rate}
 
 
 def _write_hf_tokenizer(save, tokenizer_files, max_length):
@@ -248,34 +253,36 @@ def export_main(argv):
     """export-hf --load CKPT --save HF_DIR: the latest checkpoint as a Hugging Face GPT-2
     directory, with the tokenizer files transformers' AutoTokenizer reads when the model used
     GPT-2's BPE."""
-    v, _ = parse_command("export-hf", argv,
-                         {"--load": (REQUIRED, str, "checkpoint folder (any layout)"),
-                          "--save": (REQUIRED, str, "folder for the Hugging Face files")},
-                         about="The latest checkpoint of --load as a Hugging Face GPT-2 folder.")
-    load, save = v["load"], v["save"]
+    options, _ = parse_command("export-hf", argv,
+                               {"--load": (REQUIRED, str, "checkpoint folder (any layout)"),
+                                "--save": (REQUIRED, str, "folder for the Hugging Face files")},
+                               about="The latest checkpoint of --load as a Hugging Face GPT-2 "
+                                     "folder.")
+    load, save = options["load"], options["save"]
     if os.path.exists(save) and not os.path.isdir(save):
         raise ConfigError(f"export-hf: --save {save} is a file; give a new or existing folder")
     latest_iteration(load)
     _, meta = load_checkpoint(load, first_shard(load), stems=())
     cfg = to_namespace(meta["config"])
-    m, d = cfg.model_config, cfg.dataset_config
-    differences = _gpt2_differences(m)
+    model_cfg, dataset_cfg = cfg.model_config, cfg.dataset_config
+    differences = _gpt2_differences(model_cfg)
     if differences:
         raise ConfigError(f"export-hf: GPT-2 cannot hold this model ({', '.join(differences)})")
-    gpt2_bpe = d.tokenizer_type == "GPT2BPETokenizer"
-    tokenizer_files = gpt2_tokenizer_files(d) if gpt2_bpe else {}
+    gpt2_bpe = dataset_cfg.tokenizer_type == "GPT2BPETokenizer"
+    tokenizer_files = gpt2_tokenizer_files(dataset_cfg) if gpt2_bpe else {}
     # GPT-2's 50,257 tokens, without this project's padding rows
-    vocab = 50257 if gpt2_bpe else m.padded_vocab_size
+    vocab = 50257 if gpt2_bpe else model_cfg.padded_vocab_size
     tensors, meta = full_state(load, optimizer=False)
-    weights = project_to_hf(tensors, m, vocab)
+    weights = project_to_hf(tensors, model_cfg, vocab)
     os.makedirs(save, exist_ok=True)
     save_file(weights, os.path.join(save, "model.safetensors"), metadata={"format": "np"})
-    write_atomic(os.path.join(save, "config.json"), json.dumps(_hf_config(m, vocab), indent=1))
+    write_atomic(os.path.join(save, "config.json"),
+                 json.dumps(_hf_config(model_cfg, vocab), indent=1))
     if gpt2_bpe:
-        _write_hf_tokenizer(save, tokenizer_files, m.max_position_embeddings)
+        _write_hf_tokenizer(save, tokenizer_files, model_cfg.max_position_embeddings)
     note = ""
     if not gpt2_bpe:
-        note = f"; no tokenizer files: {d.tokenizer_type} has no transformers counterpart"
+        note = f"; no tokenizer files: {dataset_cfg.tokenizer_type} has no transformers counterpart"
     print(f"exported {load} (iteration {meta['iteration']}) to {save}{note}")
 
 

@@ -52,9 +52,10 @@ MCORE_TOP = {"embedding.word_embeddings.weight": "word_embeddings.weight",
              "decoder.final_layernorm.weight": "final_layernorm.weight",
              "decoder.final_layernorm.bias": "final_layernorm.bias",
              "output_layer.weight": "output_layer.weight"}
-MCORE_LAYER = {m: m for m in ("input_layernorm", "self_attention.linear_proj",
-                              "self_attention.linear_qkv", "pre_mlp_layernorm", "mlp.linear_fc1",
-                              "mlp.linear_fc2")}          # in Megatron's order of registration
+# in Megatron's order of registration
+MCORE_LAYER = {name: name for name in ("input_layernorm", "self_attention.linear_proj",
+                                       "self_attention.linear_qkv", "pre_mlp_layernorm",
+                                       "mlp.linear_fc1", "mlp.linear_fc2")}
 # --transformer-impl transformer_engine fuses the norms into the next linear
 TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
             "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
@@ -144,7 +145,8 @@ def rank_model_state(tensors, layer_offsets):
         name = key[len("model."):]
         match = LAYER_NAME.fullmatch(name)
         if match:
-            index = max(i for i, o in enumerate(layer_offsets) if o <= int(match.group(1)))
+            layer = int(match.group(1))
+            index = max(i for i, offset in enumerate(layer_offsets) if offset <= layer)
         else:
             index = 0 if "embeddings" in name else len(chunks) - 1
         chunks[index].append((megatron_name(name, layer_offsets[index]), tensors[key]))
@@ -345,15 +347,16 @@ def checkpoint_files(root):
         raise CheckpointError(f"{folder} holds no mp_rank_* folders" + (
             ": a torch_dist checkpoint (Megatron's default --ckpt-format); save with --ckpt-format "
             "torch, or convert it with Megatron's tools/checkpoint/convert.py" if dist else ""))
-    tp, pp = 1 + max(t for t, _ in ranks), 1 + max(p for _, p in ranks)
+    tp = 1 + max(tp_rank for tp_rank, _ in ranks)
+    pp = 1 + max(pp_rank for _, pp_rank in ranks)
     files = {}
-    for t in range(tp):
-        for p in range(pp):
-            path = os.path.join(ranks.get((t, p), os.path.join(folder, shard_name(t, p, pp))),
-                                WEIGHTS_FILE)
+    for tp_rank in range(tp):
+        for pp_rank in range(pp):
+            default = os.path.join(folder, shard_name(tp_rank, pp_rank, pp))
+            path = os.path.join(ranks.get((tp_rank, pp_rank), default), WEIGHTS_FILE)
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-            files[t, p] = path
+            files[tp_rank, pp_rank] = path
     return iteration, files
 
 
@@ -433,7 +436,7 @@ def _check_shards(shards, shapes, tp):
                                   "do not fit the model their args describe")
         for name, shape in shapes.items():
             got = shard[name].shape
-            split = [d for d, (a, b) in enumerate(zip(got, shape)) if a != b]
+            split = [dim for dim, (a, b) in enumerate(zip(got, shape)) if a != b]
             piece = not split or got[split[0]] * tp == shape[split[0]]
             if len(got) != len(shape) or len(split) > 1 or not piece:
                 raise CheckpointError(f"{name} of TP rank {rank} has shape {got}, which is no "
@@ -446,16 +449,16 @@ def read_weights(files, shapes, model_cfg, first=None):
     tied last stage's copy of the embedding dropped), checked against the one-process `shapes`
     ({"model.<name>": shape}) of `model_cfg`'s model. `first`: rank (0, 0)'s state, when
     already loaded."""
-    tp, pp = 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
+    tp, pp = 1 + max(tp_rank for tp_rank, _ in files), 1 + max(pp_rank for _, pp_rank in files)
     states = {key: first if key == (0, 0) and first is not None else load_rank(path)
               for key, path in files.items()}
-    offsets = layer_offsets([states[0, p] for p in range(pp)])
+    offsets = layer_offsets([states[0, pp_rank] for pp_rank in range(pp)])
     shards = []
-    for t in range(tp):
+    for tp_rank in range(tp):
         shard = {}
-        for p in range(pp):
-            named = rank_tensors(states[t, p], offsets[p]).items()
-            shard.update({k: _float32(v, f"{files[t, p]}: {k}") for k, v in named})
+        for pp_rank in range(pp):
+            named = rank_tensors(states[tp_rank, pp_rank], offsets[pp_rank]).items()
+            shard.update({k: _float32(v, f"{files[tp_rank, pp_rank]}: {k}") for k, v in named})
         if not model_cfg.untie_embeddings_and_output_weights:
             shard.pop("model.output_layer.weight", None)
         shards.append(shard)
@@ -477,56 +480,85 @@ def megatron_args(cfg, iteration, consumed):
     --use-checkpoint-args reads), the layout, the precision, the schedule, the data consumed. This
     project pads the vocabulary to make_vocab_size_divisible_by alone, Megatron to it x TP: the
     divisor stored is ours / TP, so that Megatron's padding gives the same rows."""
-    m, p, t = cfg.model_config, cfg.parallel_config, cfg.training_config
-    d, o = cfg.dataset_config, cfg.optimizer_config
-    s = o.learning_rate_scheduler_kwargs
-    tp, vpp = p.tensor_model_parallel_size, p.virtual_pipeline_model_parallel_size
-    rope, gelu_tanh = m.position_embedding_type == "rope", m.hidden_act == "gelu_tanh"
-    model = dict(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, group_query_attention=m.group_query_attention,
-        num_query_groups=m.num_query_groups, kv_channels=m.hidden_size // m.num_attention_heads,
-        seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
-        padded_vocab_size=m.padded_vocab_size,
-        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by // tp,
-        position_embedding_type="rope" if rope else "learned_absolute",
-        use_rotary_position_embeddings=rope, rotary_base=m.rotary_base, rotary_percent=1.0,
-        normalization=m.normalization, norm_epsilon=m.norm_epsilon,
-        swiglu=m.hidden_act == "swiglu", openai_gelu=gelu_tanh, bias_gelu_fusion=gelu_tanh,
-        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.qkv_has_bias,
-        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-        hidden_dropout=m.hidden_dropout_rate, attention_dropout=m.attention_dropout_rate,
-        init_method_std=m.init_method_std, fp32_residual_connection=m.fp32_residual_connection,
-        apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
-        attention_softmax_in_fp32=m.attention_softmax_in_fp32,
-        fp16_lm_cross_entropy=m.fp16_lm_cross_entropy, transformer_impl="local", num_experts=None)
-    precision = dict(
-        fp16=m.compute_dtype == "float16", bf16=m.compute_dtype == "bfloat16",
-        params_dtype=torch_format.TorchDtype(m.params_dtype),
-        accumulate_allreduce_grads_in_fp32=t.accumulate_allreduce_grads_in_fp32,
-        loss_scale=t.loss_scale, initial_loss_scale=t.loss_scale_value,
-        min_loss_scale=t.min_loss_scale, loss_scale_window=t.loss_scale_window,
-        hysteresis=t.hysteresis)
+    parallel_cfg = cfg.parallel_config
+    vpp = parallel_cfg.virtual_pipeline_model_parallel_size
+    model = _megatron_model_args(cfg.model_config, parallel_cfg.tensor_model_parallel_size)
+    precision = _megatron_precision_args(cfg.model_config, cfg.training_config)
     layout = dict(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        context_parallel_size=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
-        data_parallel_size=p.data_parallel_size, use_distributed_optimizer=False)
-    run = dict(
-        micro_batch_size=d.batch_size, global_batch_size=d.global_batch_size, seed=t.seed,
-        train_iters=t.training_iters, lr=o.learning_rate, min_lr=s.min_lr,
-        lr_decay_style=s.lr_decay_style, lr_warmup_iters=s.lr_warmup_iters,
-        lr_decay_iters=s.lr_decay_iters, weight_decay=o.weight_decay,
-        start_weight_decay=o.start_weight_decay, end_weight_decay=o.end_weight_decay,
-        weight_decay_incr_style=o.weight_decay_incr_style,
-        clip_grad=t.grad_clip_kwargs.clip_value, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
-        adam_eps=o.eps, sgd_momentum=o.momentum,
-        optimizer="sgd" if o.optimizer_type == "SGD" else "adam",
-        tokenizer_type=d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-        vocab_size=d.vocab_size, iteration=iteration, consumed_train_samples=consumed,
-        consumed_valid_samples=0, ckpt_format="torch", save=t.output_dir,
-        load=t.load_checkpoint or None)
+        context_parallel_size=parallel_cfg.context_parallel_size,
+        sequence_parallel=parallel_cfg.sequence_parallel,
+        data_parallel_size=parallel_cfg.data_parallel_size, use_distributed_optimizer=False)
+    run = _megatron_run_args(cfg, iteration, consumed)
     return argparse.Namespace(**model, **precision, **layout, **run)
+
+
+def _megatron_model_args(model_cfg, tp):
+    """megatron_args' model part, for a run of `tp` tensor-parallel ranks."""
+    rope = model_cfg.position_embedding_type == "rope"
+    gelu_tanh = model_cfg.hidden_act == "gelu_tanh"
+    return dict(
+        num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        group_query_attention=model_cfg.group_query_attention,
+        num_query_groups=model_cfg.num_query_groups,
+        kv_channels=model_cfg.hidden_size // model_cfg.num_attention_heads,
+        seq_length=model_cfg.seq_length, max_position_embeddings=model_cfg.max_position_embeddings,
+        padded_vocab_size=model_cfg.padded_vocab_size,
+        make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by // tp,
+        position_embedding_type="rope" if rope else "learned_absolute",
+        use_rotary_position_embeddings=rope, rotary_base=model_cfg.rotary_base, rotary_percent=1.0,
+        normalization=model_cfg.normalization, norm_epsilon=model_cfg.norm_epsilon,
+        swiglu=model_cfg.hidden_act == "swiglu", openai_gelu=gelu_tanh, bias_gelu_fusion=gelu_tanh,
+        add_bias_linear=model_cfg.add_bias_linear, add_qkv_bias=model_cfg.qkv_has_bias,
+        untie_embeddings_and_output_weights=model_cfg.untie_embeddings_and_output_weights,
+        hidden_dropout=model_cfg.hidden_dropout_rate,
+        attention_dropout=model_cfg.attention_dropout_rate,
+        init_method_std=model_cfg.init_method_std,
+        fp32_residual_connection=model_cfg.fp32_residual_connection,
+        apply_query_key_layer_scaling=model_cfg.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=model_cfg.attention_softmax_in_fp32,
+        fp16_lm_cross_entropy=model_cfg.fp16_lm_cross_entropy, transformer_impl="local",
+        num_experts=None)
+
+
+def _megatron_precision_args(model_cfg, training_cfg):
+    """megatron_args' precision and loss-scaling part."""
+    return dict(
+        fp16=model_cfg.compute_dtype == "float16", bf16=model_cfg.compute_dtype == "bfloat16",
+        params_dtype=torch_format.TorchDtype(model_cfg.params_dtype),
+        accumulate_allreduce_grads_in_fp32=training_cfg.accumulate_allreduce_grads_in_fp32,
+        loss_scale=training_cfg.loss_scale, initial_loss_scale=training_cfg.loss_scale_value,
+        min_loss_scale=training_cfg.min_loss_scale,
+        loss_scale_window=training_cfg.loss_scale_window, hysteresis=training_cfg.hysteresis)
+
+
+def _megatron_run_args(cfg, iteration, consumed):
+    """megatron_args' batch, schedule, optimizer, tokenizer and progress part."""
+    dataset_cfg, training_cfg = cfg.dataset_config, cfg.training_config
+    optimizer_cfg = cfg.optimizer_config
+    schedule = optimizer_cfg.learning_rate_scheduler_kwargs
+    return dict(
+        micro_batch_size=dataset_cfg.batch_size, global_batch_size=dataset_cfg.global_batch_size,
+        seed=training_cfg.seed, train_iters=training_cfg.training_iters,
+        lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr,
+        lr_decay_style=schedule.lr_decay_style, lr_warmup_iters=schedule.lr_warmup_iters,
+        lr_decay_iters=schedule.lr_decay_iters, weight_decay=optimizer_cfg.weight_decay,
+        start_weight_decay=optimizer_cfg.start_weight_decay,
+        end_weight_decay=optimizer_cfg.end_weight_decay,
+        weight_decay_incr_style=optimizer_cfg.weight_decay_incr_style,
+        clip_grad=training_cfg.grad_clip_kwargs.clip_value, adam_beta1=optimizer_cfg.betas[0],
+        adam_beta2=optimizer_cfg.betas[1], adam_eps=optimizer_cfg.eps,
+        sgd_momentum=optimizer_cfg.momentum,
+        optimizer="sgd" if optimizer_cfg.optimizer_type == "SGD" else "adam",
+        tokenizer_type=dataset_cfg.tokenizer_type, vocab_file=dataset_cfg.vocab_file,
+        merge_file=dataset_cfg.merge_file, vocab_size=dataset_cfg.vocab_size,
+        iteration=iteration, consumed_train_samples=consumed, consumed_valid_samples=0,
+        ckpt_format="torch", save=training_cfg.output_dir,
+        load=training_cfg.load_checkpoint or None)
 
 
 def param_groups(names, shapes):
@@ -545,21 +577,25 @@ def megatron_optimizer(arrays, step, names, shapes, cfg, scaler_state):
     Float16OptimizerWithFloat16Params' {optimizer, grad_scaler, fp32_from_fp16_params}. The
     torch indices run over param_groups in order; Adam keeps its step per parameter (torch),
     SGD, which has none there, in its group."""
-    o, s = cfg.optimizer_config, cfg.optimizer_config.learning_rate_scheduler_kwargs
+    optimizer_cfg = cfg.optimizer_config
+    schedule = optimizer_cfg.learning_rate_scheduler_kwargs
+    sgd = optimizer_cfg.optimizer_type == "SGD"
     kinds = sorted({k.split(".")[1] for k in arrays if k.startswith("optimizer.")})
     state, groups, index = {}, [], 0
     for group in param_groups(names, shapes):
         for name, _ in group:
             state[len(state)] = dict(
-                ({"step": np.array(float(step), np.float32)} if o.optimizer_type != "SGD" else {}),
+                ({"step": np.array(float(step), np.float32)} if not sgd else {}),
                 **{k: arrays[f"optimizer.{k}.{name}"] for k in kinds})
         mult = group[0][1]
-        sgd = {"momentum": o.momentum, "step": step} if o.optimizer_type == "SGD" else {}
-        groups.append({"lr": o.learning_rate, "betas": tuple(o.betas), "eps": o.eps,
-                       "weight_decay": o.weight_decay * mult, "wd_mult": mult, "lr_mult": 1.0,
+        momentum = {"momentum": optimizer_cfg.momentum, "step": step} if sgd else {}
+        groups.append({"lr": optimizer_cfg.learning_rate, "betas": tuple(optimizer_cfg.betas),
+                       "eps": optimizer_cfg.eps, "weight_decay": optimizer_cfg.weight_decay * mult,
+                       "wd_mult": mult, "lr_mult": 1.0,
                        "is_expert_parallel": False, "is_decoupled_lr": False,
-                       "default_config": True, "max_lr": o.learning_rate, "min_lr": s.min_lr,
-                       **sgd,
+                       "default_config": True, "max_lr": optimizer_cfg.learning_rate,
+                       "min_lr": schedule.min_lr,
+                       **momentum,
                        "params": list(range(index, index + len(group)))})
         index += len(group)
     torch_state = {"state": state, "param_groups": groups}

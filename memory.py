@@ -53,95 +53,99 @@ CORE_TEMPORARIES = 8
 # ============================================================================ the model's shapes
 def vocab_rows(cfg):
     """The padded vocabulary, as train.build_model derives it (the tokenizer read, not the data)."""
-    m, d = cfg.model_config, cfg.dataset_config
-    if m.vocab_size is not None:
-        return m.vocab_size
-    if d.mock_data and d.vocab_size:
-        size = d.vocab_size
+    model_cfg, dataset_cfg = cfg.model_config, cfg.dataset_config
+    if model_cfg.vocab_size is not None:
+        return model_cfg.vocab_size
+    if dataset_cfg.mock_data and dataset_cfg.vocab_size:
+        size = dataset_cfg.vocab_size
     else:
-        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+        tokenizer = build_tokenizer(dataset_cfg.tokenizer_type, dataset_cfg.vocab_file,
+                                    dataset_cfg.merge_file, dataset_cfg.vocab_size)
         size = tokenizer.vocab_size
-    return padded_vocab_size(m, size)
+    return padded_vocab_size(model_cfg, size)
 
 
-def cp_split(p):
+def cp_split(parallel_cfg):
     """(cp, Ulysses degree, ring size): cp = ring x ulysses (config sets ulysses_degree_in_cp: cp
     for Ulysses, 1 for the ring, the hybrid's own value)."""
-    cp = p.context_parallel_size
-    ulysses = p.ulysses_degree_in_cp
+    cp = parallel_cfg.context_parallel_size
+    ulysses = parallel_cfg.ulysses_degree_in_cp
     return cp, ulysses, cp_ring_size(cp, ulysses)
 
 
-def stage_chunks(m, p):
+def stage_chunks(model_cfg, parallel_cfg):
     """Per pipeline rank, its model chunks as (layers, embeds, has the loss), from
     pipeline.layer_split: chunk c of rank r is virtual stage c * pp + r."""
-    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-    split = pipeline.layer_split(m.num_layers, pp, vpp, p.num_layer_list)
+    pp = parallel_cfg.pipeline_model_parallel_size
+    vpp = parallel_cfg.virtual_pipeline_model_parallel_size
+    split = pipeline.layer_split(model_cfg.num_layers, pp, vpp, parallel_cfg.num_layer_list)
     last = len(split) - 1
     return [[(split[c * pp + r][1], c * pp + r == 0, c * pp + r == last) for c in range(vpp)]
             for r in range(pp)]
 
 
 # ============================================================================ parameters
-def layer_parameters(m, tp=1):
+def layer_parameters(model_cfg, tp=1):
     """One transformer layer on a TP rank: the column-parallel qkv and fc1 and the row-parallel
     proj and fc2 weights split over tp (with qkv's and fc1's biases); norms and the row-parallel
     biases (added after the reduction) replicated."""
-    h, d = m.hidden_size, m.hidden_size // m.num_attention_heads
-    norm = h * (2 if m.normalization == "LayerNorm" else 1)
-    # GQA: n query heads, g key heads and g value heads, d wide each
-    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d
-    fc1 = m.ffn_hidden_size * (2 if m.hidden_act == "swiglu" else 1)       # SwiGLU: [gate; up]
-    split = (h * qkv + qkv * m.qkv_has_bias + m.num_attention_heads * d * h
-             + h * fc1 + fc1 * m.add_bias_linear + m.ffn_hidden_size * h)
-    norms = (2 + 2 * m.use_sandwich_norm) * norm
-    row_biases = h * (m.out_proj_has_bias + m.add_bias_linear)
+    h, heads, ffn = model_cfg.hidden_size, model_cfg.num_attention_heads, model_cfg.ffn_hidden_size
+    head_dim = h // heads
+    norm = h * (2 if model_cfg.normalization == "LayerNorm" else 1)
+    # GQA: n query heads, g key heads and g value heads, head_dim wide each
+    qkv = (heads + 2 * model_cfg.num_query_groups) * head_dim
+    fc1 = ffn * (2 if model_cfg.hidden_act == "swiglu" else 1)       # SwiGLU: [gate; up]
+    split = (h * qkv + qkv * model_cfg.qkv_has_bias + heads * head_dim * h
+             + h * fc1 + fc1 * model_cfg.add_bias_linear + ffn * h)
+    norms = (2 + 2 * model_cfg.use_sandwich_norm) * norm
+    row_biases = h * (model_cfg.out_proj_has_bias + model_cfg.add_bias_linear)
     return norms + split // tp + row_biases
 
 
-def chunk_parameters(m, tp, layers, embeds, has_loss):
+def chunk_parameters(model_cfg, tp, layers, embeds, has_loss):
     """A model chunk (gpt.GPTModel) on a TP rank: its layers; the vocabulary-parallel word
     embedding and the absolute position embeddings if it embeds; the final norm and the output
     layer if it has the loss (the word embedding itself when tied in the same chunk, else a
     copy)."""
-    h, v = m.hidden_size, m.padded_vocab_size
-    count = layers * layer_parameters(m, tp)
+    h, vocab = model_cfg.hidden_size, model_cfg.padded_vocab_size
+    count = layers * layer_parameters(model_cfg, tp)
     if embeds:
-        count += v * h // tp
-        if m.position_embedding_type == "absolute":
-            count += m.max_position_embeddings * h
+        count += vocab * h // tp
+        if model_cfg.position_embedding_type == "absolute":
+            count += model_cfg.max_position_embeddings * h
     if has_loss:
-        count += h * (2 if m.normalization == "LayerNorm" else 1)
-        if m.untie_embeddings_and_output_weights or not embeds:
-            count += v * h // tp
+        count += h * (2 if model_cfg.normalization == "LayerNorm" else 1)
+        if model_cfg.untie_embeddings_and_output_weights or not embeds:
+            count += vocab * h // tp
     return count
 
 
-def total_parameters(m):
+def total_parameters(model_cfg):
     """The model's parameters, each counted once (one process)."""
-    return chunk_parameters(m, 1, m.num_layers, True, True)
+    return chunk_parameters(model_cfg, 1, model_cfg.num_layers, True, True)
 
 
 def stage_parameters(cfg, rank):
     """Parameters on each TP rank of pipeline rank `rank` (every TP rank holds as many)."""
-    m, p = cfg.model_config, cfg.parallel_config
-    return sum(chunk_parameters(m, p.tensor_model_parallel_size, *chunk)
-               for chunk in stage_chunks(m, p)[rank])
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    return sum(chunk_parameters(model_cfg, parallel_cfg.tensor_model_parallel_size, *chunk)
+               for chunk in stage_chunks(model_cfg, parallel_cfg)[rank])
 
 
 def optimizer_bytes(cfg, params):
     """Bytes of float32 optimizer state and main params on a rank holding `params` parameters
     (see the module doc)."""
-    o, t, p = cfg.optimizer_config, cfg.training_config, cfg.parallel_config
+    optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
+    parallel_cfg = cfg.parallel_config
     # float32 state values per parameter: Adam's two moments, SGD's momentum or nothing
-    if o.optimizer_type != "SGD":
+    if optimizer_cfg.optimizer_type != "SGD":
         per_param = 2
-    elif o.momentum:
+    elif optimizer_cfg.momentum:
         per_param = 1
     else:
         per_param = 0
-    shards = p.data_parallel_size * p.context_parallel_size
-    if t.use_distributed_optimizer and shards > 1:
+    shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
+    if training_cfg.use_distributed_optimizer and shards > 1:
         return F32_BYTES * math.ceil((per_param + 1) * params / shards)
     # float32 main params beside half-precision ones
     copies = cfg.model_config.params_dtype != "float32"
@@ -149,7 +153,7 @@ def optimizer_bytes(cfg, params):
 
 
 # ============================================================================ activations
-def layer_activations(m, p, b):
+def layer_activations(model_cfg, parallel_cfg, micro_batch_size):
     """What the backward keeps of one transformer layer for one micro-batch on one rank:
     [(tensor, bytes, in the core attention)]. s = seq_length, h hidden, n heads, g query groups,
     f ffn, tp, cp; x = b s h / cp, the layer's hidden states on a cp rank, whole over TP. Tensors
@@ -163,58 +167,60 @@ def layer_activations(m, p, b):
     n/(tp cp) heads, the ring over its s/cp queries and every key (the whole sequence's K and V
     all-gathered: ring x the Ulysses shapes). Selective recompute keeps the core attention's inputs
     (q, k, v) instead of its inside."""
-    h, n, g = m.hidden_size, m.num_attention_heads, m.num_query_groups
-    tp = p.tensor_model_parallel_size
-    cp, _, ring = cp_split(p)
-    sp = tp if p.sequence_parallel else 1
-    x = b * m.seq_length * h // cp
-    scores = b * n * m.seq_length * m.seq_length // (tp * cp)
+    h, n, g = model_cfg.hidden_size, model_cfg.num_attention_heads, model_cfg.num_query_groups
+    s, tp = model_cfg.seq_length, parallel_cfg.tensor_model_parallel_size
+    cp, _, ring = cp_split(parallel_cfg)
+    sp = tp if parallel_cfg.sequence_parallel else 1
+    x = micro_batch_size * s * h // cp
+    scores = micro_batch_size * n * s * s // (tp * cp)
     # RMSNorm, written out, also keeps x / rms
-    norm = 1 if m.normalization == "LayerNorm" else 2
-    c = DTYPE_BYTES[m.compute_dtype]
-    softmax = c + (F32_BYTES if m.attention_softmax_in_fp32 and c < F32_BYTES else 0)
+    norm = 1 if model_cfg.normalization == "LayerNorm" else 2
+    c = DTYPE_BYTES[model_cfg.compute_dtype]
+    softmax = c + (F32_BYTES if model_cfg.attention_softmax_in_fp32 and c < F32_BYTES else 0)
     rows = [("norm inputs [s/tp (SP), b, h]",
-             F32_BYTES * (2 + 2 * m.use_sandwich_norm) * norm * x // sp, False),
+             F32_BYTES * (2 + 2 * model_cfg.use_sandwich_norm) * norm * x // sp, False),
             ("qkv and fc1 inputs [s, b, h]", c * 2 * x, False),
             ("q scaled, k and v repeated per query head [b, n/tp, s, h/n]",
              c * (1 + 2 * ring) * x // tp, True),
             ("softmax output [b, n/tp, s, s]", softmax * scores, True),
             ("proj input [s, b, h/tp]", c * x // tp, False),
             ("MLP activations [s, b, ffn/tp]",
-             c * MLP_KEPT[m.hidden_act] * x * m.ffn_hidden_size // (h * tp), False)]
-    if m.position_embedding_type == "rope":
+             c * MLP_KEPT[model_cfg.hidden_act] * x * model_cfg.ffn_hidden_size // (h * tp), False)]
+    if model_cfg.position_embedding_type == "rope":
         # x cos + rotate_half(x) sin keeps both factors
         rows.append(("q and k and their rotated halves (RoPE) [s, b, n + g, h/n]",
                      c * 2 * (n + g) * x // (n * tp), False))
-    if m.attention_dropout_rate:
+    if model_cfg.attention_dropout_rate:
         rows.append(("attention dropout mask and output [b, n/tp, s, s]", c * 2 * scores, True))
-    if m.hidden_dropout_rate:
+    if model_cfg.hidden_dropout_rate:
         rows.append(("hidden dropout masks [s/tp (SP), b, h]", c * 2 * x // sp, False))
-    if m.recompute_granularity == "selective":
+    if model_cfg.recompute_granularity == "selective":
         rows.append(("q, k, v kept for the recomputed core attention",
                      c * (n + 2 * g) * x // (n * tp), False))
     return rows
 
 
-def chunk_activations(m, p, b, layers, embeds, has_loss, recomputed):
+def chunk_activations(model_cfg, parallel_cfg, micro_batch_size, layers, embeds, has_loss,
+                      recomputed):
     """(kept per micro-batch, recompute working set), in bytes, of a chunk of `layers` layers of
     which full recompute recomputes `recomputed`: uniform keeps the input [s/tp (SP), b, h] of
     each group of recompute_num_layers layers and rebuilds one group at a time; block keeps the
     input of each of its first `recomputed` layers and rebuilds one at a time; selective keeps
     every layer but its core attention and rebuilds one layer's."""
-    rows = layer_activations(m, p, b)
+    rows = layer_activations(model_cfg, parallel_cfg, micro_batch_size)
     full = sum(e for _, e, _ in rows)
     core = sum(e for _, e, inside in rows if inside)
-    x = b * m.seq_length * m.hidden_size // p.context_parallel_size
-    sp = p.tensor_model_parallel_size if p.sequence_parallel else 1
-    hidden = DTYPE_BYTES[m.compute_dtype] if not m.fp32_residual_connection else F32_BYTES
-    c, logits = DTYPE_BYTES[m.compute_dtype], c_or_f32(m)
-    if m.recompute_granularity == "selective":
+    s, cp = model_cfg.seq_length, parallel_cfg.context_parallel_size
+    x = micro_batch_size * s * model_cfg.hidden_size // cp
+    sp = parallel_cfg.tensor_model_parallel_size if parallel_cfg.sequence_parallel else 1
+    c, logits = DTYPE_BYTES[model_cfg.compute_dtype], c_or_f32(model_cfg)
+    hidden = c if not model_cfg.fp32_residual_connection else F32_BYTES
+    if model_cfg.recompute_granularity == "selective":
         kept, working = layers * (full - core), core
-    elif m.recompute_granularity == "full" and m.recompute_method == "uniform":
-        group = m.recompute_num_layers
+    elif model_cfg.recompute_granularity == "full" and model_cfg.recompute_method == "uniform":
+        group = model_cfg.recompute_num_layers
         kept, working = hidden * -(-layers // group) * x // sp, group * full
-    elif m.recompute_granularity == "full":
+    elif model_cfg.recompute_granularity == "full":
         # block: the recomputed layers keep their inputs, the others all they keep
         kept = hidden * recomputed * x // sp + (layers - recomputed) * full
         working = full if recomputed else 0
@@ -222,35 +228,37 @@ def chunk_activations(m, p, b, layers, embeds, has_loss, recomputed):
         kept, working = layers * full, 0
     if embeds:
         # token and position ids (int32), and the embedding dropout's mask [s/tp (SP), b, h]
-        kept += 4 * 2 * b * m.seq_length // p.context_parallel_size
-        if m.hidden_dropout_rate:
+        kept += 4 * 2 * micro_batch_size * s // cp
+        if model_cfg.hidden_dropout_rate:
             kept += c * x // sp
     if has_loss:
         # the final norm's input (float32), the output layer's input, the logits and their
         # log-softmax [s/cp, b, V/tp]
-        norm = 1 if m.normalization == "LayerNorm" else 2
-        cp_tp = p.context_parallel_size * p.tensor_model_parallel_size
-        vocab = b * m.seq_length * m.padded_vocab_size // cp_tp
+        norm = 1 if model_cfg.normalization == "LayerNorm" else 2
+        cp_tp = cp * parallel_cfg.tensor_model_parallel_size
+        vocab = micro_batch_size * s * model_cfg.padded_vocab_size // cp_tp
         kept += F32_BYTES * norm * x // sp + c * x + logits * 2 * vocab
     return kept, working
 
 
-def c_or_f32(m):
+def c_or_f32(model_cfg):
     """Bytes of a logit value for the loss: float32 unless fp16_lm_cross_entropy."""
-    return DTYPE_BYTES[m.compute_dtype] if m.fp16_lm_cross_entropy else F32_BYTES
+    return DTYPE_BYTES[model_cfg.compute_dtype] if model_cfg.fp16_lm_cross_entropy else F32_BYTES
 
 
 def in_flight(cfg, rank):
     """Micro-batches whose activations pipeline rank `rank` holds at once: the peak of its
-    schedule (1F1B: min(p - rank, m); interleaved: Megatron's warmup; afab: m), counted in model
-    chunks; one without a pipeline (each micro-batch's backward follows its forward)."""
-    p = cfg.parallel_config
-    if p.pipeline_model_parallel_size == 1:
+    schedule (1F1B: min(pp - rank, micro-batches); interleaved: Megatron's warmup; afab: every
+    micro-batch), counted in model chunks; one without a pipeline (each micro-batch's backward
+    follows its forward)."""
+    parallel_cfg = cfg.parallel_config
+    if parallel_cfg.pipeline_model_parallel_size == 1:
         return 1
-    return pipeline.peak_in_flight(pipeline.schedule(p.pipeline_model_parallel_size, rank,
-                                                     cfg.dataset_config.micro_batch_num,
-                                                     p.virtual_pipeline_model_parallel_size,
-                                                     kind=p.pipeline_schedule))
+    passes = pipeline.schedule(parallel_cfg.pipeline_model_parallel_size, rank,
+                               cfg.dataset_config.micro_batch_num,
+                               parallel_cfg.virtual_pipeline_model_parallel_size,
+                               kind=parallel_cfg.pipeline_schedule)
+    return pipeline.peak_in_flight(passes)
 
 
 def stage_activations(cfg, rank):
@@ -261,18 +269,24 @@ def stage_activations(cfg, rank):
     with the logits' gradient [s, b, V/tp] (last stage), and a layer's, with its core attention's
     temporaries (CORE_TEMPORARIES), the gradients of its kept tensors and the recompute working
     set."""
-    m, p, b = cfg.model_config, cfg.parallel_config, cfg.dataset_config.batch_size
-    chunks = [chunk_activations(m, p, b, *chunk, n)
-              for chunk, n in zip(stage_chunks(m, p)[rank], recompute_counts(p, m)[rank])]
-    tp, (cp, _, ring) = p.tensor_model_parallel_size, cp_split(p)
-    scores = b * m.num_attention_heads * m.seq_length ** 2 // (tp * cp)
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    micro_batch_size, s = cfg.dataset_config.batch_size, model_cfg.seq_length
+    stage = stage_chunks(model_cfg, parallel_cfg)[rank]
+    chunks = [chunk_activations(model_cfg, parallel_cfg, micro_batch_size, *chunk, n)
+              for chunk, n in zip(stage, recompute_counts(parallel_cfg, model_cfg)[rank])]
+    tp, (cp, _, ring) = parallel_cfg.tensor_model_parallel_size, cp_split(parallel_cfg)
+    scores = micro_batch_size * model_cfg.num_attention_heads * s ** 2 // (tp * cp)
     mask = F32_BYTES * scores // ring                             # [b, n/(tp u), s/r, s/r], float32
-    softmax = F32_BYTES if m.attention_softmax_in_fp32 else DTYPE_BYTES[m.compute_dtype]
+    softmax = DTYPE_BYTES[model_cfg.compute_dtype]
+    if model_cfg.attention_softmax_in_fp32:
+        softmax = F32_BYTES
     # the gradients of a layer's kept tensors are as large as those tensors
-    gradients = sum(e for _, e, _ in layer_activations(m, p, b))
+    gradients = sum(e for _, e, _ in layer_activations(model_cfg, parallel_cfg, micro_batch_size))
     layer = softmax * CORE_TEMPORARIES * scores + gradients + max(w for _, w in chunks)
-    has_loss = any(c[2] for c in stage_chunks(m, p)[rank])
-    logits = c_or_f32(m) * b * m.seq_length * m.padded_vocab_size // (cp * tp) if has_loss else 0
+    logits = 0
+    if any(c[2] for c in stage):                                  # the stage has the loss
+        vocab = model_cfg.padded_vocab_size
+        logits = c_or_f32(model_cfg) * micro_batch_size * s * vocab // (cp * tp)
     count = in_flight(cfg, rank)
     return count * max(k for k, _ in chunks), mask + max(layer, logits), count
 
@@ -293,8 +307,8 @@ def communication(cfg, rank):
     all-to-alls of q, k, v and the context forward and 4 backward; the ring all-gathers k and v
     [a, g d / tp] forward and reduce-scatters their ring-times-larger gradients backward; the loss
     and token count are all-reduced over CP."""
-    m, p = cfg.model_config, cfg.parallel_config
-    chunks = stage_chunks(m, p)[rank]
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    chunks = stage_chunks(model_cfg, parallel_cfg)[rank]
     layers = sum(c[0] for c in chunks)
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     out = {}
@@ -305,7 +319,7 @@ def communication(cfg, rank):
             out[(kind, op)] = (old[0] + calls, old[1] + nbytes)
     _tensor_parallel_collectives(cfg, layers, first, last, add)
     _context_parallel_collectives(cfg, layers, last, add)
-    if p.tensor_model_parallel_size * p.pipeline_model_parallel_size > 1:
+    if parallel_cfg.tensor_model_parallel_size * parallel_cfg.pipeline_model_parallel_size > 1:
         add("mp", "all_reduce", 1, F32_BYTES)                     # the gradient norm
     _data_parallel_collectives(cfg, rank, add)
     _pipeline_collectives(cfg, rank, first, last, add)
@@ -322,14 +336,14 @@ def _hidden_elements(cfg):
 def _tensor_parallel_collectives(cfg, layers, first, last, add):
     """TP's collectives per step on a stage of `layers` layers that embeds (`first`) and/or has
     the loss (`last`), passed to add(kind, op, calls, bytes): see communication."""
-    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
-    tp, mb = p.tensor_model_parallel_size, d.micro_batch_num
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, mb = parallel_cfg.tensor_model_parallel_size, dataset_cfg.micro_batch_num
     if tp == 1:
         return
     size, hidden = collective_bytes(cfg), _hidden_elements(cfg)
     # per micro-batch: 4 a layer (attention and MLP, forward and backward) and the logits' one
     edges = 4 * layers + last
-    if not p.sequence_parallel:
+    if not parallel_cfg.sequence_parallel:
         # the layers' and the logits' all-reduces, then the embedding's
         add("tp", "all_reduce", mb * edges, mb * edges * hidden * size.compute)
         add("tp", "all_reduce", mb * first, mb * first * hidden * size.params)
@@ -340,29 +354,31 @@ def _tensor_parallel_collectives(cfg, layers, first, last, add):
         add("tp", "reduce_scatter", mb * edges, mb * edges * hidden * size.compute)
         add("tp", "all_reduce", mb * first, mb * first * hidden * size.params)
         # the gradients of the replicated norms and row-parallel biases, once a step, [h] each
-        norm = 2 if m.normalization == "LayerNorm" else 1
-        per_layer = (2 + 2 * m.use_sandwich_norm) * norm + m.out_proj_has_bias + m.add_bias_linear
+        norm = 2 if model_cfg.normalization == "LayerNorm" else 1
+        per_layer = ((2 + 2 * model_cfg.use_sandwich_norm) * norm + model_cfg.out_proj_has_bias
+                     + model_cfg.add_bias_linear)
         marked = layers * per_layer + last * norm
-        add("tp", "all_reduce", marked, marked * size.grad * m.hidden_size)
+        add("tp", "all_reduce", marked, marked * size.grad * model_cfg.hidden_size)
     if last:
         # the vocabulary-parallel cross-entropy's max, sum of exp and target logit, [s, b] each
-        tokens = d.batch_size * m.seq_length // p.context_parallel_size
+        tokens = dataset_cfg.batch_size * model_cfg.seq_length // parallel_cfg.context_parallel_size
         add("tp", "all_reduce", 3 * mb, 3 * mb * tokens * size.logits)
 
 
 def _context_parallel_collectives(cfg, layers, last, add):
     """CP's collectives per step on a stage of `layers` layers, the loss's too if it has it
     (`last`), passed to add(kind, op, calls, bytes): see communication."""
-    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
-    tp, mb = p.tensor_model_parallel_size, d.micro_batch_num
-    cp = p.context_parallel_size
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, mb = parallel_cfg.tensor_model_parallel_size, dataset_cfg.micro_batch_num
+    cp = parallel_cfg.context_parallel_size
     if cp == 1:
         return
-    _, ulysses, ring = cp_split(p)
+    _, ulysses, ring = cp_split(parallel_cfg)
     size = collective_bytes(cfg)
     # bytes of q [b s / cp, h/tp] and of k or v [b s / cp, g d / tp] on a rank
-    q = size.compute * d.batch_size * m.seq_length // cp * m.hidden_size // tp
-    kv = q * m.num_query_groups // m.num_attention_heads
+    micro_batch_size, s = dataset_cfg.batch_size, model_cfg.seq_length
+    q = size.compute * micro_batch_size * s // cp * model_cfg.hidden_size // tp
+    kv = q * model_cfg.num_query_groups // model_cfg.num_attention_heads
     if ulysses > 1:
         kind = "cp" if ring == 1 else "cp_ulysses"
         add(kind, "all_to_all", 8 * mb * layers, 2 * mb * layers * (2 * q + 2 * kv))
@@ -378,13 +394,13 @@ def _data_parallel_collectives(cfg, rank, add):
     """The gradient reduction over the dp x cp ranks of pipeline rank `rank` (each bucket
     all-reduced, or reduce-scattered and the parameters all-gathered by the distributed
     optimizer) and the logged loss, passed to add(kind, op, calls, bytes)."""
-    p, t = cfg.parallel_config, cfg.training_config
-    shards = p.data_parallel_size * p.context_parallel_size
+    parallel_cfg, training_cfg = cfg.parallel_config, cfg.training_config
+    shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
     if shards == 1:
         return
     size, params = collective_bytes(cfg), stage_parameters(cfg, rank)
-    buckets = math.ceil(params / t.bucket_size) if t.bucket_size else 1
-    if t.use_distributed_optimizer:
+    buckets = math.ceil(params / training_cfg.bucket_size) if training_cfg.bucket_size else 1
+    if training_cfg.use_distributed_optimizer:
         add("dp_cp", "reduce_scatter", buckets, size.grad * params)
         add("dp_cp", "all_gather", buckets, size.params * params // shards)
         add("dp_cp", "all_reduce", 1, F32_BYTES)              # the norm over the shards
@@ -397,18 +413,21 @@ def _pipeline_collectives(cfg, rank, first, last, add):
     """The pipeline's exchanges on pipeline rank `rank` (its schedule's hops) and, on the first
     and last stage of a tied model, the word embedding's gradient all-reduce, passed to
     add(kind, op, calls, bytes)."""
-    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
     if pp == 1:
         return
     size = collective_bytes(cfg)
-    steps = pipeline.simulate(pp, d.micro_batch_num, p.virtual_pipeline_model_parallel_size,
-                              kind=p.pipeline_schedule)[0][rank]
+    steps = pipeline.simulate(pp, dataset_cfg.micro_batch_num,
+                              parallel_cfg.virtual_pipeline_model_parallel_size,
+                              kind=parallel_cfg.pipeline_schedule)[0][rank]
     hops = sum(step[0] == "X" for step in steps)
-    hop = pipeline.hop_shape(m, d.batch_size, p.context_parallel_size, tp, p.sequence_parallel)
+    hop = pipeline.hop_shape(model_cfg, dataset_cfg.batch_size, parallel_cfg.context_parallel_size,
+                             tp, parallel_cfg.sequence_parallel)
     add("pp_pair", "exchange", hops, hops * math.prod(hop) * size.hidden)
-    if (first or last) and not m.untie_embeddings_and_output_weights:
-        add("embedding", "all_reduce", 1, size.grad * m.padded_vocab_size * m.hidden_size // tp)
+    if (first or last) and not model_cfg.untie_embeddings_and_output_weights:
+        embedding = model_cfg.padded_vocab_size * model_cfg.hidden_size
+        add("embedding", "all_reduce", 1, size.grad * embedding // tp)
 
 
 def collective_bytes(cfg):
@@ -416,11 +435,11 @@ def collective_bytes(cfg):
     activations, the hidden states between layers and stages (gpt.hidden_dtype), the
     parameters (the embedding's output, the distributed optimizer's all-gather), the gradients
     (config.main_grad_dtype) and the loss's logits."""
-    m = cfg.model_config
-    compute = DTYPE_BYTES[m.compute_dtype]
-    return SimpleNamespace(compute=compute, params=DTYPE_BYTES[m.params_dtype],
-                           hidden=F32_BYTES if m.fp32_residual_connection else compute,
-                           grad=DTYPE_BYTES[main_grad_dtype(cfg)], logits=c_or_f32(m))
+    model_cfg = cfg.model_config
+    compute = DTYPE_BYTES[model_cfg.compute_dtype]
+    return SimpleNamespace(compute=compute, params=DTYPE_BYTES[model_cfg.params_dtype],
+                           hidden=F32_BYTES if model_cfg.fp32_residual_connection else compute,
+                           grad=DTYPE_BYTES[main_grad_dtype(cfg)], logits=c_or_f32(model_cfg))
 
 
 # ============================================================================ FLOPs
@@ -429,15 +448,16 @@ def flops_per_iteration(cfg):
     num_floating_point_operations (gpt.py), and the forward passes recompute adds: full, one
     forward (a third of forward + backward) of every recomputed layer; selective, the core
     attention's two batched matmuls, 2 x 2 b s^2 n (h/n) per layer and sequence."""
-    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
-    batch = d.global_batch_size
-    model = gpt.num_floating_point_operations(m, batch)
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    batch = dataset_cfg.global_batch_size
+    model = gpt.num_floating_point_operations(model_cfg, batch)
     # one layer's FLOPs: the formula's layer term is linear in num_layers, its output layer is not
-    one_more = SimpleNamespace(**{**vars(m), "num_layers": m.num_layers + 1})
+    one_more = SimpleNamespace(**{**vars(model_cfg), "num_layers": model_cfg.num_layers + 1})
     per_layer = gpt.num_floating_point_operations(one_more, batch) - model
-    if m.recompute_granularity == "selective":
-        return model, m.num_layers * 4 * batch * m.seq_length ** 2 * m.hidden_size
-    recomputed = sum(sum(chunks) for chunks in recompute_counts(p, m))
+    if model_cfg.recompute_granularity == "selective":
+        attention = 4 * batch * model_cfg.seq_length ** 2 * model_cfg.hidden_size
+        return model, model_cfg.num_layers * attention
+    recomputed = sum(sum(chunks) for chunks in recompute_counts(parallel_cfg, model_cfg))
     return model, recomputed * per_layer / 3
 
 
@@ -471,12 +491,12 @@ def stage_memory(cfg, rank):
                            dynamic=dynamic, peak=weights + optim + dynamic)
 
 
-def recompute_text(m):
-    if m.recompute_granularity is None:
+def recompute_text(model_cfg):
+    if model_cfg.recompute_granularity is None:
         return "no recompute"
-    if m.recompute_granularity == "selective":
+    if model_cfg.recompute_granularity == "selective":
         return "selective recompute (core attention)"
-    return f"full recompute, {m.recompute_method}, {m.recompute_num_layers}"
+    return f"full recompute, {model_cfg.recompute_method}, {model_cfg.recompute_num_layers}"
 
 
 def gib(nbytes):
@@ -503,7 +523,7 @@ class RankReport:
 
     def startup(self, compiled):
         """The estimate, with the model's own parameter count and optimizer bytes beside it."""
-        mem, m = self.mem, self.cfg.model_config
+        mem, model_cfg = self.mem, self.cfg.model_config
         model_flops, extra = flops_per_iteration(self.cfg)
         note = ""
         if compiled:
@@ -514,7 +534,8 @@ class RankReport:
                 f"weights {mib(mem.weights)}, gradients {mib(mem.gradients)}, "
                 f"optimizer {mib(mem.optimizer)} (measured {mib(self.optimizer_bytes)}), "
                 f"activations {mib(mem.activations)} ({mem.in_flight} micro-batch(es) in flight, "
-                f"{recompute_text(m)}) + transient {mib(mem.transient)}, peak {mib(mem.peak)}"
+                f"{recompute_text(model_cfg)}) + transient {mib(mem.transient)}, "
+                f"peak {mib(mem.peak)}"
                 f"{note}; FLOPs per iteration {model_flops:.3e} (+ recompute {extra:.3e})")
 
     def begin(self):
@@ -562,40 +583,46 @@ PLAN_FLAGS = {"--config": ("config.yaml", str, "the YAML (presets in configs/)")
 def plan_main(argv):
     """`bash run.sh plan [--config FILE] --world-size N [--memory-per-device GIB]
     [training flags]`."""
-    v, rest = parse_command("plan", argv, PLAN_FLAGS, passthrough="training flags",
-                            about="Memory, communication and FLOPs per rank of a layout, from "
-                                  "the config alone: nothing is allocated, no worker started.")
-    if v["world_size"] < 1:
+    options, rest = parse_command("plan", argv, PLAN_FLAGS, passthrough="training flags",
+                                  about="Memory, communication and FLOPs per rank of a layout, "
+                                        "from the config alone: nothing is allocated, no worker "
+                                        "started.")
+    if options["world_size"] < 1:
         raise ConfigError("plan needs --world-size N, the number of ranks (1 or more)")
-    cfg = load_config(v["config"], rest, v["world_size"])
+    cfg = load_config(options["config"], rest, options["world_size"])
     cfg.model_config.padded_vocab_size = vocab_rows(cfg)
-    for line in plan_lines(cfg, v["world_size"]):
+    for line in plan_lines(cfg, options["world_size"]):
         print(line)
-    if v["memory_per_device"] is not None:
-        for line in fit_lines(cfg, v["config"], rest, v["world_size"], v["memory_per_device"]):
+    if options["memory_per_device"] is not None:
+        for line in fit_lines(cfg, options["config"], rest, options["world_size"],
+                              options["memory_per_device"]):
             print(line)
 
 
 def plan_lines(cfg, world):
     """The plan's report: the model and the layout, then per pipeline stage its memory and its
     collectives per step, the pipeline bubble and the FLOPs."""
-    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    vpp, cp = p.virtual_pipeline_model_parallel_size, p.context_parallel_size
-    total = total_parameters(m)
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
+    vpp, cp = parallel_cfg.virtual_pipeline_model_parallel_size, parallel_cfg.context_parallel_size
+    total = total_parameters(model_cfg)
     virtual = f" (VPP{vpp})" if vpp > 1 else ""
-    sequence = "sequence parallel; " if p.sequence_parallel else ""
+    sequence = "sequence parallel; " if parallel_cfg.sequence_parallel else ""
     distributed = "distributed optimizer; " if cfg.training_config.use_distributed_optimizer else ""
-    lines = [f"plan: parameters {total} ({total / 1e9:.3f} B: {m.num_layers} layers of "
-             f"{layer_parameters(m)}, vocabulary {m.padded_vocab_size} x hidden {m.hidden_size})",
-             f"plan: layout TP{tp} x CP{cp} x PP{pp}{virtual} x DP{p.data_parallel_size} "
-             f"= {world} ranks; {d.micro_batch_num} micro-batch(es) of {d.batch_size} x "
-             f"{m.seq_length} tokens (global batch {d.global_batch_size}); {sequence}"
-             f"{distributed}{recompute_text(m)}"]
+    micro_batch_size = dataset_cfg.batch_size
+    lines = [f"plan: parameters {total} ({total / 1e9:.3f} B: {model_cfg.num_layers} layers of "
+             f"{layer_parameters(model_cfg)}, vocabulary {model_cfg.padded_vocab_size} x hidden "
+             f"{model_cfg.hidden_size})",
+             f"plan: layout TP{tp} x CP{cp} x PP{pp}{virtual} x "
+             f"DP{parallel_cfg.data_parallel_size} = {world} ranks; "
+             f"{dataset_cfg.micro_batch_num} micro-batch(es) of {micro_batch_size} x "
+             f"{model_cfg.seq_length} tokens (global batch {dataset_cfg.global_batch_size}); "
+             f"{sequence}{distributed}{recompute_text(model_cfg)}"]
     for rank in range(pp):
         mem = stage_memory(cfg, rank)
-        per_layer = sum(e for _, e, _ in layer_activations(m, p, d.batch_size))
-        layers = [c[0] for c in stage_chunks(m, p)[rank]]
+        per_layer = sum(e for _, e, _ in layer_activations(model_cfg, parallel_cfg,
+                                                           micro_batch_size))
+        layers = [c[0] for c in stage_chunks(model_cfg, parallel_cfg)[rank]]
         lines.append(f"plan: stage {rank} parameters per rank {mem.parameters} "
                      f"({mem.parameters / 1e9:.3f} B; layers {layers}): "
                      f"weights {gib(mem.weights)}, gradients {gib(mem.gradients)}, "
@@ -608,9 +635,9 @@ def plan_lines(cfg, world):
                                 in sorted(communication(cfg, rank).items()))
         lines.append(f"plan: stage {rank} communication per step: {collectives or 'none'}")
     if pp > 1:
-        bubble = pipeline.theory_bubble(pp, d.micro_batch_num, vpp)
+        bubble = pipeline.theory_bubble(pp, dataset_cfg.micro_batch_num, vpp)
         lines.append(f"plan: pipeline bubble (p - 1) / (v m) = {bubble:.3f} "
-                     f"({p.pipeline_schedule})")
+                     f"({parallel_cfg.pipeline_schedule})")
     model, extra = flops_per_iteration(cfg)
     lines.append(f"plan: FLOPs per iteration {model:.3e} (Megatron's model FLOPs) + recompute "
                  f"{extra:.3e}; per rank {(model + extra) / world:.3e}")

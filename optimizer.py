@@ -128,12 +128,12 @@ class _Optimizer:
         self.params = list(params)
         if wd_mults is None:
             wd_mults = [1.0] * len(self.params)
-        self.wd_mults = [float(m) for m in wd_mults]
+        self.wd_mults = [float(mult) for mult in wd_mults]
         if len(self.wd_mults) != len(self.params):
             raise ValueError(f"wd_mults has {len(self.wd_mults)} entries for "
                              f"{len(self.params)} params")
         self.step_count = 0
-        self.state = {name: [ops.zeros(p.shape, ms.float32) for p in self.params]
+        self.state = {name: [ops.zeros(param.shape, ms.float32) for param in self.params]
                       for name in self.state_names}
 
     def state_dict(self):
@@ -187,17 +187,17 @@ class AdamW(_Optimizer):
         f32 = lambda x: Tensor(x, ms.float32)                                   # noqa: E731
         args = (f32(b1 ** t), f32(b2 ** t), f32(lr), f32(b1), f32(b2),
                 f32(self.eps * math.sqrt(1 - b2 ** t)))
-        for p, g, m, v, mult in zip(self.params, grads, self.state["exp_avg"],
-                                    self.state["exp_avg_sq"], self.wd_mults):
+        for param, g, m, v, mult in zip(self.params, grads, self.state["exp_avg"],
+                                        self.state["exp_avg_sq"], self.wd_mults):
             decay = wd * mult
             if decay and self.decoupled:
-                p.copy_(p * (1 - lr * decay))
+                param.copy_(param * (1 - lr * decay))
             elif decay:
-                g = g + p * decay                                  # classic L2 penalty
+                g = g + param * decay                                  # classic L2 penalty
             if self.fused:
-                _fused_adam(p, m, v, *args, g)
+                _fused_adam(param, m, v, *args, g)
             else:
-                adam_update(p, g, m, v, t, lr, b1, b2, self.eps)
+                adam_update(param, g, m, v, t, lr, b1, b2, self.eps)
 
 
 _fused_adam = ops.Adam()            # updates (param, m, v) in place
@@ -229,13 +229,13 @@ class SGD(_Optimizer):
 
     def step(self, grads, lr, wd):
         bufs = self.state.get("momentum_buffer", [None] * len(self.params))
-        for p, g, buf, mult in zip(self.params, grads, bufs, self.wd_mults):
+        for param, g, buf, mult in zip(self.params, grads, bufs, self.wd_mults):
             if wd * mult:
-                g = g + p * (wd * mult)
+                g = g + param * (wd * mult)
             if buf is not None:
                 buf.copy_(g if self.step_count == 0 else buf * self.momentum + g)
                 g = buf
-            p.copy_(p - g * lr)
+            param.copy_(param - g * lr)
         self.step_count += 1
 
 
@@ -378,7 +378,7 @@ class MixedPrecisionOptimizer:
 
     def _main_params(self):
         """float32 parameters are their own main params; half ones get a float32 copy."""
-        return [p if p.dtype == F32 else p.astype(F32) for p in self.params]
+        return [param if param.dtype == F32 else param.astype(F32) for param in self.params]
 
     def _main_wd_mults(self, wd_mults):
         return wd_mults
@@ -443,35 +443,36 @@ class MixedPrecisionOptimizer:
         return float(local.asnumpy()[0])
 
     def _copy_main_params_to_model_params(self):
-        for p, main in zip(self.params, self.main_params):
-            if main is not p:
-                p.copy_(main.astype(p.dtype))
+        for param, main in zip(self.params, self.main_params):
+            if main is not param:
+                param.copy_(main.astype(param.dtype))
 
     def reload_main_params(self):
         """The main params from the model's parameters (after loading weights)."""
-        for p, main in zip(self.params, self.main_params):
-            if main is not p:
-                main.copy_(p.astype(F32))
+        for param, main in zip(self.params, self.main_params):
+            if main is not param:
+                main.copy_(param.astype(F32))
 
     def named_state(self, names):
         """(arrays, step): the inner optimizer's state "optimizer.<state>.<name>" and the float32
         main params of half-precision parameters "main.<name>" (`names`: one per parameter)."""
         arrays, step = self.inner.named_state(names)
         arrays.update({f"main.{n}": main.asnumpy()
-                       for n, p, main in zip(names, self.params, self.main_params)
-                       if main is not p})
+                       for n, param, main in zip(names, self.params, self.main_params)
+                       if main is not param})
         return arrays, step
 
     def load_named_state(self, arrays, step, names):
         """The inverse of named_state."""
-        for n, p, main in zip(names, self.params, self.main_params):
-            if main is not p:
+        for n, param, main in zip(names, self.params, self.main_params):
+            if main is not param:
                 main.copy_(Tensor(arrays[f"main.{n}"]))
         self.inner.load_named_state(arrays, step, names)
 
     def state_bytes(self):
         """Optimizer state plus the float32 main params that are copies, on this rank."""
-        copies = sum(m.nbytes for p, m in zip(self.params, self.main_params) if m is not p)
+        copies = sum(main.nbytes for param, main in zip(self.params, self.main_params)
+                     if main is not param)
         return self.inner.state_bytes() + copies
 
 
@@ -485,7 +486,7 @@ class GradBuffer:
     distributed optimizer owns on each rank."""
 
     def __init__(self, params, dp, bucket_size=None):
-        self.shapes = [tuple(p.shape) for p in params]
+        self.shapes = [tuple(param.shape) for param in params]
         sizes = [int(np.prod(s)) for s in self.shapes]
         self.offsets, self.buckets = [], []            # buckets: (start, end) in the buffer
         start = position = 0
@@ -620,14 +621,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         inner optimizer's state "optimizer.<state>.<piece>" (`names`: one per parameter)."""
         pieces = self.buffer.piece_names(self.rank, names)
         arrays, step = self.inner.named_state(pieces)
-        arrays.update({f"main.{piece}": p.asnumpy() for piece, p in zip(pieces, self.main_params)})
+        arrays.update({f"main.{piece}": main.asnumpy()
+                       for piece, main in zip(pieces, self.main_params)})
         return arrays, step
 
     def load_named_state(self, arrays, step, names):
         """The inverse of named_state."""
         pieces = self.buffer.piece_names(self.rank, names)
-        for piece, p in zip(pieces, self.main_params):
-            p.copy_(Tensor(arrays[f"main.{piece}"]))
+        for piece, main in zip(pieces, self.main_params):
+            main.copy_(Tensor(arrays[f"main.{piece}"]))
         self.inner.load_named_state(arrays, step, pieces)
 
     def reduce_scatter_grads(self, grads):
@@ -650,8 +652,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             shard = ops.cat(mine)
             shard = shard if dtype == F32 else shard.astype(dtype)
             buckets.append(self.collectives(self.group).all_gather(shard))
-        for p, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
-            p.copy_(value)
+        for param, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
+            param.copy_(value)
 
     def state_bytes(self):
         """Optimizer state plus the float32 main params of this rank's pieces."""

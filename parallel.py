@@ -530,24 +530,24 @@ def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
     merged = {}
     for name, shape in full_shapes.items():
         parts = [s[name] for s in shards]
-        split = [d for d, (a, b) in enumerate(zip(parts[0].shape, shape)) if a != b]
+        split = [axis for axis, (a, b) in enumerate(zip(parts[0].shape, shape)) if a != b]
         if not split:
             merged[name] = parts[0]
             continue
         dim, chunks = split[0], chunks_of(name)
-        blocks = [np.concatenate([np.split(p, chunks, axis=dim)[c] for p in parts], axis=dim)
+        blocks = [np.concatenate([np.split(part, chunks, axis=dim)[c] for part in parts], axis=dim)
                   for c in range(chunks)]
         merged[name] = np.concatenate(blocks, axis=dim)
     return merged
 
 
 def _param(shape, name, partition_dim=None, chunks=1, sequence_parallel=False):
-    p = Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
+    param = Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
     if partition_dim is not None:
-        p.partition_dim, p.partition_chunks = partition_dim, chunks
+        param.partition_dim, param.partition_chunks = partition_dim, chunks
     if sequence_parallel:
-        p.sequence_parallel = True          # grad is partial per TP rank: all-reduce it over TP
-    return p
+        param.sequence_parallel = True          # grad is partial per TP rank: all-reduce it over TP
+    return param
 
 
 class ColumnParallelLinear(nn.Cell):

@@ -35,13 +35,14 @@ def load_model(load_dir, tokenizer=None):
     whatever layout saved it; `tokenizer` replaces the checkpoint's."""
     tensors, meta = checkpoint.full_state(load_dir, optimizer=False)
     cfg = to_namespace(meta["config"])
-    d, m = cfg.dataset_config, cfg.model_config
+    dataset_cfg, model_cfg = cfg.dataset_config, cfg.model_config
     if tokenizer is None:
-        tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
-    [model] = checkpoint.build_rank_chunks(m, 1, 1)                        # one process
-    for name, p in model.parameters_and_names():
-        p.set_data(ms.Tensor(tensors[f"model.{name}"]))
-    return model, tokenizer, m
+        tokenizer = build_tokenizer(dataset_cfg.tokenizer_type, dataset_cfg.vocab_file,
+                                    dataset_cfg.merge_file, dataset_cfg.vocab_size)
+    [model] = checkpoint.build_rank_chunks(model_cfg, 1, 1)                # one process
+    for name, param in model.parameters_and_names():
+        param.set_data(ms.Tensor(tensors[f"model.{name}"]))
+    return model, tokenizer, model_cfg
 
 
 def checked_tokenizer(load_dir, flags):
@@ -49,12 +50,12 @@ def checked_tokenizer(load_dir, flags):
     fit the model's vocabulary (read from the checkpoint's meta.json, before any weights)."""
     _, meta = checkpoint.load_checkpoint(load_dir, checkpoint.first_shard(load_dir), stems=())
     saved = meta["config"]["dataset_config"]
-    d = {k: saved[k] if flags[k] is None else flags[k] for k in TOKENIZER_KEYS}
+    settings = {k: saved[k] if flags[k] is None else flags[k] for k in TOKENIZER_KEYS}
     try:
-        tokenizer = build_tokenizer(**d)
+        tokenizer = build_tokenizer(**settings)
     except (OSError, KeyError, ValueError) as e:
         # a missing file, a vocab.json that is not GPT-2's, ...
-        raise ConfigError(f"generate: {d['tokenizer_type']}: {e} (check --tokenizer-type, "
+        raise ConfigError(f"generate: {settings['tokenizer_type']}: {e} (check --tokenizer-type, "
                           "--vocab-file, --merge-file, --vocab-size)") from None
     padded = meta["config"]["model_config"]["padded_vocab_size"]
     if tokenizer.vocab_size > padded:
@@ -88,33 +89,34 @@ class TextStream:
 
 def generate_main(argv):
     """generate --load DIR [flags]: see the module docstring."""
-    v, _ = parse_command("generate", argv, GENERATE_FLAGS,
-                         about="Sample text from the latest checkpoint of --load.")
-    if not v["temperature"] >= 0:
+    options, _ = parse_command("generate", argv, GENERATE_FLAGS,
+                               about="Sample text from the latest checkpoint of --load.")
+    if not options["temperature"] >= 0:
         raise ConfigError("generate: --temperature must be >= 0 (0 is greedy), "
-                          f"got {v['temperature']}")
-    if v["max_new_tokens"] < 1:
-        raise ConfigError(f"generate: --max-new-tokens must be positive, got {v['max_new_tokens']}")
-    if v["seed"] < 0:
-        raise ConfigError(f"generate: --seed must be >= 0, got {v['seed']}")
-    tokenizer = checked_tokenizer(v["load"], v)
+                          f"got {options['temperature']}")
+    if options["max_new_tokens"] < 1:
+        raise ConfigError("generate: --max-new-tokens must be positive, "
+                          f"got {options['max_new_tokens']}")
+    if options["seed"] < 0:
+        raise ConfigError(f"generate: --seed must be >= 0, got {options['seed']}")
+    tokenizer = checked_tokenizer(options["load"], options)
     n = tokenizer.vocab_size
-    if not 0 <= v["top_k"] <= n:
+    if not 0 <= options["top_k"] <= n:
         raise ConfigError(f"generate: --top-k must be 0 (all tokens) up to the vocabulary's {n}, "
-                          f"got {v['top_k']}")
+                          f"got {options['top_k']}")
     try:
         # an empty prompt starts a document, as GPT-2 does
-        ids = tokenizer.encode(v["prompt"]) or [tokenizer.eod]
+        ids = tokenizer.encode(options["prompt"]) or [tokenizer.eod]
     except ValueError:                                 # NullTokenizer reads space-separated ids
         ids = None
     if ids is None or not all(0 <= i < n for i in ids):
-        raise ConfigError(f"generate: --prompt {v['prompt']!r} is not text of the tokenizer "
+        raise ConfigError(f"generate: --prompt {options['prompt']!r} is not text of the tokenizer "
                           f"(ids 0..{n - 1})")
-    model, _, _ = load_model(v["load"], tokenizer)
-    print(v["prompt"], end="", flush=True)
+    model, _, _ = load_model(options["load"], tokenizer)
+    print(options["prompt"], end="", flush=True)
     stream = TextStream(tokenizer, ids)
-    generate(model, ids, v["max_new_tokens"], v["temperature"], v["top_k"], n,
-             np.random.default_rng(v["seed"]), on_token=stream)
+    generate(model, ids, options["max_new_tokens"], options["temperature"], options["top_k"], n,
+             np.random.default_rng(options["seed"]), on_token=stream)
     stream.close()
     print()
 

@@ -75,13 +75,13 @@ def setup_mindspore(cfg=None):
     """PyNative on the configured device, CPU threads, seed. The device and threads are set once
     per process (MindSpore refuses to set threads twice) and before the first op: launch_blocking
     has no effect once ops have run."""
-    t = cfg.training_config if cfg is not None else None
-    if t is not None:
-        ms.set_seed(t.seed)
+    training_cfg = cfg.training_config if cfg is not None else None
+    if training_cfg is not None:
+        ms.set_seed(training_cfg.seed)
     if _MINDSPORE_READY:
         return
     _MINDSPORE_READY.append(True)
-    device = t.device_target if t is not None else "CPU"
+    device = training_cfg.device_target if training_cfg is not None else "CPU"
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
         ms.set_device(device)
@@ -91,7 +91,8 @@ def setup_mindspore(cfg=None):
     if device == "CPU":
         local = os.environ.get("MS_LOCAL_WORKER_NUM", os.environ.get("LOCAL_WORKER_NUM", "1"))
         local = int(local or 1)                      # the workers sharing this machine's cores
-        threads = (t is not None and t.threads_num) or max(1, (os.cpu_count() or 1) // local)
+        threads = ((training_cfg is not None and training_cfg.threads_num)
+                   or max(1, (os.cpu_count() or 1) // local))
         ms.device_context.cpu.op_tuning.threads_num(threads)
         # PyNative normally queues ops to dispatch threads; on a few shared CPU cores those threads
         # contend with the kernels. Launching each op in the caller's thread measured 5.8x faster
@@ -117,75 +118,84 @@ def device_available(target):
 def check_inputs(cfg):
     """What the run needs, checked before any work: its device, kernels for its precision, its
     files."""
-    d, m = cfg.dataset_config, cfg.model_config
+    dataset_cfg, model_cfg = cfg.dataset_config, cfg.model_config
     target = cfg.training_config.device_target
     if not device_available(target):
         # probed: this CPU wheel answers False for Ascend and GPU (libmindspore_ascend.so absent)
         raise ConfigError(f"training_config.device_target={target} (context.device_target): this "
                           f"MindSpore has no {target} backend on this machine; set "
                           "training_config.device_target=CPU")
-    if cfg.training_config.device_target == "CPU" and m.compute_dtype == "bfloat16":
+    if cfg.training_config.device_target == "CPU" and model_cfg.compute_dtype == "bfloat16":
         # checked on MindSpore 2.10 (../shared/notes/mindspore.md): "Select CPU operator ... fail"
         raise ConfigError("model_config.compute_dtype=bfloat16 (--bf16): MindSpore 2.10 has no "
                           "bfloat16 CPU kernel for MatMul, Softmax, Tanh or Sqrt; train with "
                           "--fp16 on the CPU, or set training_config.device_target to GPU or "
                           "Ascend")
-    if d.tokenizer_type == "GPT2BPETokenizer":
+    if dataset_cfg.tokenizer_type == "GPT2BPETokenizer":
         for key in ("vocab_file", "merge_file"):
-            if not os.path.isfile(getattr(d, key)):
+            if not os.path.isfile(getattr(dataset_cfg, key)):
                 wanted = "vocab.json" if key == "vocab_file" else "merges.txt"
-                raise ConfigError(f"dataset_config.{key}={getattr(d, key)} not found: give the "
-                                  f"GPT-2 {wanted} (--{key.replace('_', '-')})")
-    shipped = d.data_path == SHIPPED_CORPUS[1] + "_text_document"
-    if not d.mock_data and shipped and parallel.launched_world_size() == 1:
+                raise ConfigError(f"dataset_config.{key}={getattr(dataset_cfg, key)} not found: "
+                                  f"give the GPT-2 {wanted} (--{key.replace('_', '-')})")
+    shipped = dataset_cfg.data_path == SHIPPED_CORPUS[1] + "_text_document"
+    if not dataset_cfg.mock_data and shipped and parallel.launched_world_size() == 1:
         # tokenized on first use
         data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
                                  "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
-    if not d.mock_data:
-        d.data_path = data.data_prefix(d.data_path)
+    if not dataset_cfg.mock_data:
+        dataset_cfg.data_path = data.data_prefix(dataset_cfg.data_path)
+        prefix = dataset_cfg.data_path
         for ext in (".bin", ".idx"):
-            if not os.path.isfile(d.data_path + ext):
-                raise ConfigError(f"dataset_config.data_path={d.data_path}: {d.data_path}{ext} "
+            if not os.path.isfile(prefix + ext):
+                raise ConfigError(f"dataset_config.data_path={prefix}: {prefix}{ext} "
                                   "not found; run `bash run.sh preprocess ...` (or `bash run.sh` "
                                   "for the shipped corpus) or use --mock-data")
-    t = cfg.training_config
-    if t.load_checkpoint and not checkpoint.holds_checkpoint(t.load_checkpoint):
-        print(f"warning: no checkpoint in --load {t.load_checkpoint}: training starts from "
+    training_cfg = cfg.training_config
+    load = training_cfg.load_checkpoint
+    if load and not checkpoint.holds_checkpoint(load):
+        print(f"warning: no checkpoint in --load {load}: training starts from "
               "scratch", file=sys.stderr)
-        t.load_checkpoint = ""                       # Megatron: a new folder means a new run
-    if t.load_checkpoint:
-        checkpoint.check_fits(cfg, t.load_checkpoint)
-    checkpoint.check_save_folder(t.output_dir, t.load_checkpoint, t.finetune)
+        training_cfg.load_checkpoint = ""            # Megatron: a new folder means a new run
+    if training_cfg.load_checkpoint:
+        checkpoint.check_fits(cfg, training_cfg.load_checkpoint)
+    checkpoint.check_save_folder(training_cfg.output_dir, training_cfg.load_checkpoint,
+                                 training_cfg.finetune)
 
 
 def build_data(cfg, tokenizer):
-    d, t = cfg.dataset_config, cfg.training_config
-    gbs, s = d.global_batch_size, cfg.model_config.seq_length
-    n_train = t.training_iters * gbs
-    n_valid = (t.training_iters // t.eval_interval + 1) * t.eval_iters * gbs
-    n_test = t.eval_iters * gbs
-    if d.mock_data:
-        vocab = d.vocab_size or tokenizer.vocab_size
-        return tuple(data.MockGPTDataset(n, s, vocab, t.seed + i) if n else None
+    dataset_cfg, training_cfg = cfg.dataset_config, cfg.training_config
+    gbs, seq_length = dataset_cfg.global_batch_size, cfg.model_config.seq_length
+    iters, eval_iters = training_cfg.training_iters, training_cfg.eval_iters
+    n_train = iters * gbs
+    n_valid = (iters // training_cfg.eval_interval + 1) * eval_iters * gbs
+    n_test = eval_iters * gbs
+    if dataset_cfg.mock_data:
+        vocab = dataset_cfg.vocab_size or tokenizer.vocab_size
+        return tuple(data.MockGPTDataset(n, seq_length, vocab, training_cfg.seed + i) if n else None
                      for i, n in enumerate((n_train, n_valid, n_test)))
-    cache = d.data_cache_path or os.path.join(os.path.dirname(d.data_path) or ".", "cache")
-    return data.build_gpt_datasets(d.data_path, d.split, s, t.seed, (n_train, n_valid, n_test),
+    cache = dataset_cfg.data_cache_path or os.path.join(
+        os.path.dirname(dataset_cfg.data_path) or ".", "cache")
+    return data.build_gpt_datasets(dataset_cfg.data_path, dataset_cfg.split, seq_length,
+                                   training_cfg.seed, (n_train, n_valid, n_test),
                                    tokenizer.eod, cache_dir=cache,
-                                   reset_position_ids=d.reset_position_ids,
-                                   reset_attention_mask=d.reset_attention_mask,
-                                   eod_mask_loss=d.eod_mask_loss, shuffle=d.shuffle)
+                                   reset_position_ids=dataset_cfg.reset_position_ids,
+                                   reset_attention_mask=dataset_cfg.reset_attention_mask,
+                                   eod_mask_loss=dataset_cfg.eod_mask_loss,
+                                   shuffle=dataset_cfg.shuffle)
 
 
 def build_model(cfg, tokenizer, state):
-    m = cfg.model_config
-    d = cfg.dataset_config
-    vocab = d.vocab_size if d.mock_data and d.vocab_size else tokenizer.vocab_size
-    m.padded_vocab_size = padded_vocab_size(m, vocab)
+    model_cfg, dataset_cfg = cfg.model_config, cfg.dataset_config
+    vocab = tokenizer.vocab_size
+    if dataset_cfg.mock_data and dataset_cfg.vocab_size:
+        vocab = dataset_cfg.vocab_size
+    model_cfg.padded_vocab_size = padded_vocab_size(model_cfg, vocab)
     rng = DropoutRNG(cfg.training_config.seed, state.tp_rank)
-    p = cfg.parallel_config
-    chunks = pipeline.build_chunks(m, state.pp, state.pp_rank,
-                                   p.virtual_pipeline_model_parallel_size, p.num_layer_list, rng,
-                                   recompute_counts(p, m)[state.pp_rank])
+    parallel_cfg = cfg.parallel_config
+    chunks = pipeline.build_chunks(model_cfg, state.pp, state.pp_rank,
+                                   parallel_cfg.virtual_pipeline_model_parallel_size,
+                                   parallel_cfg.num_layer_list, rng,
+                                   recompute_counts(parallel_cfg, model_cfg)[state.pp_rank])
     for chunk in chunks:
         init_weights(chunk, cfg.training_config.seed)
     return chunks, rng
@@ -194,12 +204,13 @@ def build_model(cfg, tokenizer, state):
 def build_scaler(cfg):
     """Megatron's grad scaler: a static --loss-scale if given, else dynamic when computing in
     float16 (its range needs it), else none (a constant 1.0; bfloat16 has float32's range)."""
-    t = cfg.training_config
-    if t.loss_scale is not None:
-        return opt.ConstantGradScaler(t.loss_scale)
+    training_cfg = cfg.training_config
+    if training_cfg.loss_scale is not None:
+        return opt.ConstantGradScaler(training_cfg.loss_scale)
     if cfg.model_config.compute_dtype == "float16":
-        return opt.DynamicGradScaler(t.loss_scale_value, t.min_loss_scale,
-                                     growth_interval=t.loss_scale_window, hysteresis=t.hysteresis)
+        return opt.DynamicGradScaler(training_cfg.loss_scale_value, training_cfg.min_loss_scale,
+                                     growth_interval=training_cfg.loss_scale_window,
+                                     hysteresis=training_cfg.hysteresis)
     return opt.ConstantGradScaler(1.0)
 
 
@@ -217,32 +228,34 @@ def build_optimizer(cfg, model, state=None):
     """(optimizer, scheduler) for a model or a list of model chunks: Megatron's mixed-precision
     optimizer around AdamW/Adam/SGD (optimizer.MixedPrecisionOptimizer), or with
     use_distributed_optimizer and several DP x CP ranks the DistributedOptimizer."""
-    o, t = cfg.optimizer_config, cfg.training_config
+    optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
     state = state or parallel.get_state()
     chunks = model if isinstance(model, list) else [model]
     named = [item for chunk in chunks for item in chunk.parameters_and_names()]
-    wd_mults = [0.0 if opt.no_weight_decay(n, p.shape) else 1.0 for n, p in named]
+    wd_mults = [0.0 if opt.no_weight_decay(n, param.shape) else 1.0 for n, param in named]
 
     def make(params, mults):
-        return opt.build_optimizer(o.optimizer_type, params, betas=tuple(o.betas), eps=o.eps,
-                                   momentum=o.momentum, wd_mults=mults)
-    clip = t.grad_clip_kwargs
+        return opt.build_optimizer(optimizer_cfg.optimizer_type, params,
+                                   betas=tuple(optimizer_cfg.betas), eps=optimizer_cfg.eps,
+                                   momentum=optimizer_cfg.momentum, wd_mults=mults)
+    clip = training_cfg.grad_clip_kwargs
     common = dict(scaler=build_scaler(cfg), clip_type=clip.grad_clip_type,
                   clip_value=clip.clip_value, collectives=parallel.collectives,
                   norm_groups=[state.mp_group], counted=counted_in_norm(chunks, state))
-    params = [p for _, p in named]
-    if t.use_distributed_optimizer and state.dp * state.cp > 1:
+    params = [param for _, param in named]
+    if training_cfg.use_distributed_optimizer and state.dp * state.cp > 1:
         optim = opt.DistributedOptimizer(make, params, wd_mults, **common, group=state.dp_cp_group,
                                          dp_rank=state.dp_cp_rank, dp=state.dp * state.cp,
-                                         bucket_size=t.bucket_size, mean_over=state.dp)
+                                         bucket_size=training_cfg.bucket_size, mean_over=state.dp)
     else:
         optim = opt.MixedPrecisionOptimizer(make, params, wd_mults, **common)
-    s = o.learning_rate_scheduler_kwargs
+    schedule = optimizer_cfg.learning_rate_scheduler_kwargs
     scheduler = opt.OptimizerParamScheduler(
-        max_lr=o.learning_rate, min_lr=s.min_lr, lr_warmup_steps=s.lr_warmup_iters,
-        lr_decay_steps=s.lr_decay_iters, lr_decay_style=s.lr_decay_style,
-        start_wd=o.start_weight_decay, end_wd=o.end_weight_decay, wd_incr_steps=t.training_iters,
-        wd_incr_style=o.weight_decay_incr_style)
+        max_lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.lr_warmup_iters, lr_decay_steps=schedule.lr_decay_iters,
+        lr_decay_style=schedule.lr_decay_style, start_wd=optimizer_cfg.start_weight_decay,
+        end_wd=optimizer_cfg.end_weight_decay, wd_incr_steps=training_cfg.training_iters,
+        wd_incr_style=optimizer_cfg.weight_decay_incr_style)
     return optim, scheduler
 
 
@@ -268,7 +281,7 @@ class Trainer:
         self.scaler = optimizer.scaler
         self.chunks = model if isinstance(model, list) else [model]
         self.state = state or parallel.get_state()
-        self.params = [p for chunk in self.chunks for p in chunk.get_parameters()]
+        self.params = [param for chunk in self.chunks for param in chunk.get_parameters()]
         self.distributed = isinstance(optimizer, opt.DistributedOptimizer)
         self.dp_size = self.state.dp * self.state.cp
         # the data-parallel all-reduce's buckets; the distributed optimizer has its own over the
@@ -278,17 +291,18 @@ class Trainer:
         else:
             self.buffer = opt.GradBuffer(self.params, self.dp_size,
                                          cfg.training_config.bucket_size)
-        m = cfg.model_config
+        model_cfg = cfg.model_config
         self.grad_dtype = DTYPES[main_grad_dtype(cfg)]    # micro-batches' gradients summed in it
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
-        dropout = m.hidden_dropout_rate or m.attention_dropout_rate
+        dropout = model_cfg.hidden_dropout_rate or model_cfg.attention_dropout_rate
         self.compiled = cfg.training_config.use_jit and not dropout
         self.pipeline = None
         if self.state.pp > 1:
-            hop = pipeline.hop_shape(m, cfg.dataset_config.batch_size, self.state.cp,
+            hop = pipeline.hop_shape(model_cfg, cfg.dataset_config.batch_size, self.state.cp,
                                      self.state.tp, self.state.sequence_parallel)
-            self.pipeline = pipeline.PipelineRunner(self.chunks, self.state, hop, hidden_dtype(m),
-                                                    self.grad_dtype, self.compiled,
+            self.pipeline = pipeline.PipelineRunner(self.chunks, self.state, hop,
+                                                    hidden_dtype(model_cfg), self.grad_dtype,
+                                                    self.compiled,
                                                     cfg.parallel_config.pipeline_schedule)
         self.trace = None                 # a list: the next step records its passes' times
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
@@ -307,8 +321,8 @@ class Trainer:
         """(loss of each micro-batch, gradients of sum(loss) * scale / m summed over them in
         grad_dtype); with pipeline parallelism through the schedule, the losses only on the last
         stage."""
-        m = len(micro_batches)
-        self.loss_weight = self.scaler.scale / m
+        num_microbatches = len(micro_batches)
+        self.loss_weight = self.scaler.scale / num_microbatches
         if self.pipeline is not None:
             return self.pipeline.run([to_tensors(b, self.state) for b in micro_batches],
                                      self.loss_weight, trace=self.trace)
@@ -380,14 +394,15 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
     state, runner = trainer.state, trainer.pipeline
     trainer.set_train(False)
-    d = cfg.dataset_config
-    it = data.MicroBatchIterator(dataset, d.batch_size, state.dp_rank, state.dp, consumed)
+    dataset_cfg = cfg.dataset_config
+    micro_batch_size, num_microbatches = dataset_cfg.batch_size, dataset_cfg.micro_batch_num
+    it = data.MicroBatchIterator(dataset, micro_batch_size, state.dp_rank, state.dp, consumed)
     losses = []
     for _ in range(iters):
-        batches = [to_tensors(b, state) for _, b in zip(range(d.micro_batch_num), it)]
+        batches = [to_tensors(b, state) for _, b in zip(range(num_microbatches), it)]
         if runner is None:
             losses += [float(trainer.forward(*batch).asnumpy()) for batch in batches]
-        elif len(batches) == d.micro_batch_num:       # a pipeline runs whole global batches
+        elif len(batches) == num_microbatches:        # a pipeline runs whole global batches
             losses += runner.run(batches, forward_only=True)[0]
     trainer.set_train(True)
     if state.pp > 1 and not state.is_last_stage:       # only the last stage has losses
@@ -401,25 +416,27 @@ def pretrain(cfg, notes=()):
     """Train as cfg says (Megatron's pretrain and its train loop); `notes` (the guides' spellings
     translated, inert keys) are logged first. Returns this rank's model chunks."""
     started = time.time()
-    t, d = cfg.training_config, cfg.dataset_config
-    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+    training_cfg, dataset_cfg = cfg.training_config, cfg.dataset_config
+    tokenizer = build_tokenizer(dataset_cfg.tokenizer_type, dataset_cfg.vocab_file,
+                                dataset_cfg.merge_file, dataset_cfg.vocab_size)
     train_ds, valid_ds, test_ds = build_data(cfg, tokenizer)
     trainer, rng = set_up(cfg, tokenizer, notes)
     iteration, consumed = 0, 0
-    if t.load_checkpoint:
+    if training_cfg.load_checkpoint:
         iteration, consumed = checkpoint.load_training_state(cfg, trainer, rng)
-    if t.exit_signal_handler:                         # noted here, acted on between steps
+    if training_cfg.exit_signal_handler:              # noted here, acted on between steps
         _SIGTERM.clear()
         signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.append(signum))
     estimate = log_start(cfg, trainer, train_ds, valid_ds, test_ds)
     state = trainer.state
-    it = data.MicroBatchIterator(train_ds, d.batch_size, state.dp_rank, state.dp, consumed)
+    micro_batch_size = dataset_cfg.batch_size         # MindFormers' batch_size is per micro-batch
+    it = data.MicroBatchIterator(train_ds, micro_batch_size, state.dp_rank, state.dp, consumed)
     samples_per_epoch = getattr(train_ds, "samples_per_epoch", None) or len(train_ds)
     profiler = StepProfiler(cfg, state.rank)
     window = LogWindow(cfg, trainer, first_iteration=iteration + 1)
     last_saved = iteration
     estimate.begin()                                  # the measured peak counts from here
-    while iteration < t.training_iters:
+    while iteration < training_cfg.training_iters:
         epoch = it.consumed_samples // samples_per_epoch
         scale = trainer.scaler.scale                  # the step may change it
         iteration += 1
@@ -429,26 +446,28 @@ def pretrain(cfg, notes=()):
         if maybe_save(cfg, iteration, it.consumed_samples, trainer, rng):
             last_saved = iteration
             window.restart_clock()
-        reason = exit_reason(t, iteration, started)
+        reason = exit_reason(training_cfg, iteration, started)
         if reason:
             if last_saved != iteration:
                 checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
             log.info(f"exiting at iteration {iteration}: {reason}; "
-                     f"continue with --load {t.output_dir}")
+                     f"continue with --load {training_cfg.output_dir}")
             return trainer.chunks
     log.info(estimate.measured())
     if iteration > last_saved:                        # at the end, unless nothing was trained
         checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
-    if test_ds is not None and t.eval_iters:
-        log_eval_loss("test", iteration, evaluate(trainer, test_ds, 0, t.eval_iters, cfg))
+    if test_ds is not None and training_cfg.eval_iters:
+        loss = evaluate(trainer, test_ds, 0, training_cfg.eval_iters, cfg)
+        log_eval_loss("test", iteration, loss)
     return trainer.chunks
 
 
 def profiled_step(cfg, trainer, it, profiler, iteration):
     """Trainer.train_step on the next global batch of `it`, step `iteration` to the profiler;
     with --pipeline-trace the last step's passes are timed and reported."""
-    t = cfg.training_config
-    if t.pipeline_trace and trainer.pipeline is not None and iteration == t.training_iters:
+    training_cfg = cfg.training_config
+    last_step = iteration == training_cfg.training_iters
+    if training_cfg.pipeline_trace and trainer.pipeline is not None and last_step:
         trainer.trace = []                        # time the passes of the last step
     profiler.before(iteration)
     step = trainer.train_step([next(it) for _ in range(cfg.dataset_config.micro_batch_num)])
@@ -463,10 +482,11 @@ def set_up(cfg, tokenizer, notes):
     """MindSpore, the process groups, this rank's log (`notes` first), then the model, its
     optimizer and the Trainer: (trainer, the dropout RNG)."""
     setup_mindspore(cfg)
-    p = cfg.parallel_config
+    parallel_cfg = cfg.parallel_config
     state = parallel.initialize_model_parallel(
-        p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
-        p.sequence_parallel, p.ulysses_degree_in_cp)
+        parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size,
+        parallel_cfg.context_parallel_size, parallel_cfg.sequence_parallel,
+        parallel_cfg.ulysses_degree_in_cp)
     setup_logging(cfg.training_config.output_dir, state.rank,
                   to_console=state.rank == loss_rank(state))
     for note in notes:
@@ -482,25 +502,27 @@ def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
     """The run's opening lines: the model and batch, missing splits, the effective config (rank
     0 writes it), the memory estimate, how the model runs, the pipeline stage's layers. Returns
     the memory report (memory.RankReport), to be begun and measured."""
-    t, d, m = cfg.training_config, cfg.dataset_config, cfg.model_config
-    state = trainer.state
+    training_cfg, dataset_cfg = cfg.training_config, cfg.dataset_config
+    model_cfg, state = cfg.model_config, trainer.state
     n_params = sum(int(np.prod(param.shape)) for param in trainer.params)
-    log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, "
-             f"heads {m.num_attention_heads}, vocab {m.padded_vocab_size} (padded), "
-             f"{n_params / 1e6:.2f}M parameters{' on this rank' if state.world_size > 1 else ''}; "
-             f"global batch {d.global_batch_size} = {d.batch_size} x {d.micro_batch_num} "
-             f"micro-batches; {len(train_ds)} train samples")
+    log.info(f"model: {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
+             f"heads {model_cfg.num_attention_heads}, vocab {model_cfg.padded_vocab_size} "
+             f"(padded), {n_params / 1e6:.2f}M parameters"
+             f"{' on this rank' if state.world_size > 1 else ''}; "
+             f"global batch {dataset_cfg.global_batch_size} = {dataset_cfg.batch_size} x "
+             f"{dataset_cfg.micro_batch_num} micro-batches; {len(train_ds)} train samples")
     for name, dataset in (("validation", valid_ds), ("test", test_ds)):
-        if dataset is None and t.eval_iters and not d.mock_data:
-            log.info(f"no {name} loss: the {name} part of --split {d.split} holds no documents")
+        if dataset is None and training_cfg.eval_iters and not dataset_cfg.mock_data:
+            log.info(f"no {name} loss: the {name} part of --split {dataset_cfg.split} holds no "
+                     "documents")
     if state.rank == 0:                          # every key as this run uses it, defaults filled in
-        path = os.path.join(t.output_dir, "effective_config.yaml")
+        path = os.path.join(training_cfg.output_dir, "effective_config.yaml")
         data.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
         log.info(f"config: {path}")
     estimate = memory.RankReport(cfg, state, n_params, trainer.optimizer.state_bytes())
     log.info(estimate.startup(trainer.compiled))
     log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
-             + (": dropout inside" if t.use_jit else ""))
+             + (": dropout inside" if training_cfg.use_jit else ""))
     if trainer.pipeline is not None:
         log.info(f"pipeline stage {state.pp_rank}: " + ", ".join(
             f"chunk {c} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
@@ -511,19 +533,21 @@ def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
 def maybe_evaluate(cfg, trainer, dataset, iteration):
     """Every eval_interval steps, the validation loss over the next eval_iters global batches
     of `dataset` (each evaluation its own batches). True if it ran."""
-    t, d = cfg.training_config, cfg.dataset_config
-    if dataset is None or not t.eval_iters or iteration % t.eval_interval:
+    training_cfg, dataset_cfg = cfg.training_config, cfg.dataset_config
+    interval, iters = training_cfg.eval_interval, training_cfg.eval_iters
+    if dataset is None or not iters or iteration % interval:
         return False
-    start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size
-    log_eval_loss("validation", iteration, evaluate(trainer, dataset, start, t.eval_iters, cfg))
+    start = (iteration // interval - 1) * iters * dataset_cfg.global_batch_size
+    log_eval_loss("validation", iteration, evaluate(trainer, dataset, start, iters, cfg))
     return True
 
 
 def maybe_save(cfg, iteration, consumed, trainer, rng):
     """Every save_interval steps before the last (which pretrain saves), a checkpoint. True if
     it saved."""
-    t = cfg.training_config
-    if not t.save_interval or iteration % t.save_interval or iteration >= t.training_iters:
+    training_cfg = cfg.training_config
+    interval = training_cfg.save_interval
+    if not interval or iteration % interval or iteration >= training_cfg.training_iters:
         return False
     checkpoint.save_training_state(cfg, iteration, consumed, trainer, rng)
     return True
@@ -537,9 +561,10 @@ class LogWindow:
 
     def __init__(self, cfg, trainer, first_iteration):
         self.cfg, self.trainer, self.first_iteration = cfg, trainer, first_iteration
-        d, m = cfg.dataset_config, cfg.model_config
-        self.tokens_per_step = d.global_batch_size * m.seq_length
-        self.flops_per_step = num_floating_point_operations(m, d.global_batch_size)
+        dataset_cfg, model_cfg = cfg.dataset_config, cfg.model_config
+        self.tokens_per_step = dataset_cfg.global_batch_size * model_cfg.seq_length
+        self.flops_per_step = num_floating_point_operations(model_cfg,
+                                                            dataset_cfg.global_batch_size)
         self.reset()
 
     def reset(self):
@@ -560,9 +585,10 @@ class LogWindow:
         """After step `iteration` (run with loss scale `scale`; the rest is train_step's): the
         first step's time apart, a skipped step's warning, the ledger line, and every
         log_interval steps (and the last) the train line and the timers."""
-        t, trainer = self.cfg.training_config, self.trainer
+        training_cfg, trainer = self.cfg.training_config, self.trainer
         self.add(loss, updated)
-        log_now = iteration % t.log_interval == 0 or iteration == t.training_iters
+        log_now = (iteration % training_cfg.log_interval == 0
+                   or iteration == training_cfg.training_iters)
         if iteration == self.first_iteration and not log_now:
             # ms.jit compiles the graphs during the first step
             log.info(f"step {iteration}: {time.perf_counter() - self.start:.1f} s with "
@@ -572,7 +598,7 @@ class LogWindow:
         if not updated:
             log.warning(f"skipped iteration {iteration}: inf/nan in the gradients; "
                         + scale_change(scale, trainer.scaler))
-        if t.log_comm_ledger:
+        if training_cfg.log_comm_ledger:
             log.info(f"comm: Step:{iteration}, " + parallel.ledger.line())
         if log_now:
             if trainer.state.is_last_stage:           # the loss exists on the last stage only
@@ -605,17 +631,17 @@ def scale_change(before, scaler):
 _SIGTERM = []
 
 
-def exit_reason(t, iteration, started):
+def exit_reason(training_cfg, iteration, started):
     """Megatron's ways to end a job early (the caller saves first): --exit-interval, SIGTERM on any
     rank with --exit-signal-handler, --exit-duration-in-mins of wall time on any rank. The ranks
     agree through one all-reduce, so they all stop after the same step. None: go on."""
-    if t.exit_interval and iteration % t.exit_interval == 0:
-        return f"--exit-interval {t.exit_interval}"
-    if t.exit_signal_handler and parallel.any_rank(bool(_SIGTERM)):
+    if training_cfg.exit_interval and iteration % training_cfg.exit_interval == 0:
+        return f"--exit-interval {training_cfg.exit_interval}"
+    if training_cfg.exit_signal_handler and parallel.any_rank(bool(_SIGTERM)):
         return "SIGTERM received (--exit-signal-handler)"
-    minutes = t.exit_duration_in_mins
+    minutes = training_cfg.exit_duration_in_mins
     if minutes and parallel.any_rank(time.time() - started > 60 * minutes):
-        return f"--exit-duration-in-mins {t.exit_duration_in_mins} reached"
+        return f"--exit-duration-in-mins {training_cfg.exit_duration_in_mins} reached"
     return None
 
 
@@ -711,17 +737,17 @@ def configure(command, argv):
         flags["--nproc"] = (1, int, "the number of workers msrun will start")
         about = ("Check a training command for --nproc workers in one process, as run.sh "
                  "does before msrun starts them.")
-    v, argv = parse_command(command, argv, flags, passthrough="training flags", about=about)
-    world = v.get("nproc", parallel.launched_world_size())
+    options, argv = parse_command(command, argv, flags, passthrough="training flags", about=about)
+    world = options.get("nproc", parallel.launched_world_size())
     if world < 1:
         raise ConfigError(f"--nproc {world}: give the number of workers, 1 or more")
     notes, under = [], None
-    if v["use_checkpoint_args"]:        # Megatron: the checkpoint's model, unless given
-        load = raw_config(v["config"], argv, []).get("training_config", {}).get(
+    if options["use_checkpoint_args"]:        # Megatron: the checkpoint's model, unless given
+        load = raw_config(options["config"], argv, []).get("training_config", {}).get(
             "load_checkpoint")
         if load and checkpoint.holds_checkpoint(load):
             under = checkpoint.checkpoint_args(checkpoint.saved_config(load))
-    cfg = load_config(v["config"], argv, world, notes, under)
+    cfg = load_config(options["config"], argv, world, notes, under)
     check_inputs(cfg)
     return cfg, notes
 
