@@ -54,6 +54,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 import zlib
@@ -4475,9 +4476,9 @@ def run_trainings(runs_file):
     return failed
 
 
-def launch(workers, log_dir, runs_file=None):
-    """Run this file under msrun: the training runs listed in `runs_file`, or without it
-    parallel.py's checks; returns the CompletedProcess (worker output:
+def msrun_command(workers, log_dir, runs_file=None):
+    """The msrun command (and its environment) that runs this file on `workers` workers: the
+    training runs listed in `runs_file`, or without it parallel.py's checks (worker output:
     log_dir/worker_<rank>.log)."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                GLOG_v="3")
@@ -4485,15 +4486,102 @@ def launch(workers, log_dir, runs_file=None):
            "--local_worker_num", str(workers), "--master_port", str(random.randint(8100, 8900)),
            "--join", "True", "--cluster_time_out", "120", "--log_dir", log_dir,
            os.path.abspath(__file__), *([runs_file] if runs_file else [])]
-    return subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    return cmd, env
+
+
+class MsrunJobs:
+    """The msrun launches a session needs (the checks, the trainings), started in a background
+    thread when the session starts, so that the one-process tests run while the workers train: a
+    launch of 4 workers on this machine's 2 cores leaves about a quarter of the CPU idle (ranks
+    wait in collectives and pipeline hops). The work between the launches (the runs whose
+    checkpoints they convert, the conversions, the one-process references) runs in one-process
+    subprocesses of this file, not in the test process, which is busy with the other tests.
+    Only one msrun job may run on a machine at a time (two corrupt each other's CPU
+    collectives): a test that launches msrun itself first waits for these (`msrun_free`)."""
+
+    def __init__(self, tmp_path_factory, checks, trainings):
+        self.wanted = {"checks": checks, "trainings": trainings}
+        self.folders = {name: tmp_path_factory.mktemp(name)
+                        for name, wanted in self.wanted.items() if wanted}
+        self.prefix = shakespeare_bytes(self.folders["trainings"]) if trainings else None
+        self.results, self.process, self.stopped = {}, None, False
+        self.done = {name: threading.Event() for name in self.wanted}
+        self.thread = threading.Thread(target=self._run_all, daemon=True)
+        self.thread.start()
+
+    def _run_all(self):
+        for name, job in (("checks", self._checks), ("trainings", self._trainings)):
+            try:
+                if self.wanted[name] and not self.stopped:
+                    self.results[name] = job(self.folders[name])
+            except Exception as error:                # raised again in the test that asks
+                self.results[name] = error
+            finally:
+                self.done[name].set()
+
+    def result(self, name):
+        """What the job `name` returned, once it has ended (its error is raised here)."""
+        self.done[name].wait()
+        if isinstance(self.results[name], Exception):
+            raise self.results[name]
+        return self.results[name]
+
+    def wait(self):
+        for event in self.done.values():
+            event.wait()
+
+    def stop(self):
+        """At the end of the session: a launch still running (the session stopped early) is
+        killed with its workers."""
+        self.stopped = True
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.thread.join()
+
+    def run(self, cmd, env=None, timeout=1200):
+        """`cmd` in its own process group (so that stop() kills msrun's workers too)."""
+        if self.stopped:
+            raise RuntimeError("the session ended")
+        self.process = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, start_new_session=True)
+        out, err = self.process.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, self.process.returncode, out, err)
+
+    def one_process(self, runs_file, runs):
+        """`runs` ([name, train.py argv]) one after another in one process, without msrun."""
+        runs_file.write_text(json.dumps(runs))
+        done = self.run([sys.executable, os.path.abspath(__file__), str(runs_file)])
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def _checks(self, tmp):
+        return tmp, {world: self.run(*msrun_command(world, str(tmp / f"msrun{world}")))
+                     for world in (4, 2)}
+
+    def _trainings(self, tmp):
+        return train_layouts(self, tmp, self.prefix)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def msrun_jobs(request, tmp_path_factory):
+    """The session's msrun launches, started at once in the background (MsrunJobs): only those
+    the selected tests use, so `-k column` launches the checks alone."""
+    needed = {name for item in request.session.items for name in item.fixturenames}
+    jobs = MsrunJobs(tmp_path_factory, "msrun_checks" in needed, "parallel_runs" in needed)
+    yield jobs
+    jobs.stop()
+
+
+@pytest.fixture
+def msrun_free(msrun_jobs):
+    """For a test that launches msrun itself: the session's own launches have ended."""
+    msrun_jobs.wait()
 
 
 @pytest.fixture(scope="module")
-def msrun_checks(tmp_path_factory):
+def msrun_checks(msrun_jobs):
     """Two msrun launches of the checks below, 4 then 2 workers, no training: (their folder, the
     finished launches by world size)."""
-    tmp = tmp_path_factory.mktemp("checks")
-    return tmp, {world: launch(world, str(tmp / f"msrun{world}")) for world in (4, 2)}
+    return msrun_jobs.result("checks")
 
 
 # --------------------- the trainings: every layout, its one-process reference, resumes, conversions
@@ -4595,61 +4683,75 @@ CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one",
                                     "one process -> CP2, no conversion", ROPE_GQA + CP2, 2)}
 
 
-@pytest.fixture(scope="module")
-def parallel_runs(tmp_path_factory):
-    """One msrun launch of trainings per world size (4, then 2 workers): every layout of LAYOUTS
-    trains 10 steps, one layout stops after 5 steps and resumes (RESUMED), checkpoints of step 5
-    converted from another layout resume (CONVERTED), the guides' files train (GUIDE_RUNS); and
-    the same trainings in this one process (REFERENCES)."""
-    tmp = tmp_path_factory.mktemp("parallel")
-    prefix = shakespeare_bytes(tmp)
+def train_layouts(jobs, tmp, prefix):
+    """What `parallel_runs` holds, made by `jobs` (MsrunJobs) in its background thread: the
+    one-process runs whose checkpoints are converted, the conversions, the two launches, then the
+    one-process references."""
     common = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix, *PARALLEL_RUN]
     half = ["--train-iters", "5", "--lr-decay-iters", "10"]
 
     def convert(source, target, *layout):
-        assert train.main(["convert", "--load", str(tmp / source), "--save", str(tmp / target),
-                           *layout]) == 0
+        return [f"convert {source} to {target}",
+                ["convert", "--load", str(tmp / source), "--save", str(tmp / target), *layout]]
 
-    assert train.main([*common, "--save", str(tmp / "one_first"), *half]) == 0
-    assert train.main([*common, *ROPE_GQA, "--save", str(tmp / "one_rope_gqa_first"), *half]) == 0
-    convert("one_first", "one_as_tp2_dp2", "--nproc", "4", *TP2, *DISTOPT)
-    convert("one_rope_gqa_first", "one_rope_gqa_as_cp2_dp2", "--nproc", "4", *CP2, *RING, *DISTOPT)
+    jobs.one_process(tmp / "before4.json", [
+        ["one_first", [*common, "--save", str(tmp / "one_first"), *half]],
+        ["one_rope_gqa_first", [*common, *ROPE_GQA, "--save", str(tmp / "one_rope_gqa_first"),
+                                *half]],
+        convert("one_first", "one_as_tp2_dp2", "--nproc", "4", *TP2, *DISTOPT),
+        convert("one_rope_gqa_first", "one_rope_gqa_as_cp2_dp2", "--nproc", "4", *CP2, *RING,
+                *DISTOPT)])
     launches = {}
     for world in (4, 2):
-        layouts = LAYOUTS[world]
-        runs = [[name, [*common, "--save", str(tmp / name), *args]]
-                for name, (args, _) in layouts.items()]
-        runs += [[name, [*common, "--save", str(tmp / name), *args]]
-                 for name, args in DROPOUT_RUNS.get(world, {}).items()]
-        if world == 2:
-            runs += [[name, guide_run(name, prefix, tmp / name, 2)] for name in GUIDE_RUNS]
-        args = layouts[RESUMED[world]][0]
+        runs_file = tmp / f"runs{world}.json"
+        runs_file.write_text(json.dumps(layout_runs(world, tmp, prefix, common, half)))
+        launches[world] = jobs.run(*msrun_command(world, str(tmp / f"msrun{world}"),
+                                                  str(runs_file)))
         if world == 4:
-            previous = []
-            for name, flags, sigterm_step, _ in STOP_CHAIN:
-                runs.append([name, [*common, *args, *previous, "--save", str(tmp / name), *flags],
-                             sigterm_step])
-                previous = ["--load", str(tmp / name)]
-        else:
-            first, resumed = tmp / f"{RESUMED[world]}_first", tmp / f"{RESUMED[world]}_resumed"
-            runs += [["first half", [*common, *args, "--save", str(first), *half]],
-                     ["resumed", [*common, *args, "--load", str(first), "--save", str(resumed)]]]
-        runs += [[run, [*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]]
-                 for run, (source, _, _, args, workers) in CONVERTED.items() if workers == world]
-        (tmp / f"runs{world}.json").write_text(json.dumps(runs))
-        launches[world] = launch(world, str(tmp / f"msrun{world}"), str(tmp / f"runs{world}.json"))
-        if world == 4:
-            convert("tp2_pp2_sp_first", "tp2_pp2_as_pp2_vpp2", "--nproc", "2", *PP2, *VPP2)
-            convert("tp2_pp2_sp_first", "tp2_pp2_as_one")
-    for name, args in REFERENCES.items():
-        assert train.main([*common, "--save", str(tmp / name), *args]) == 0
-    for name in GUIDE_RUNS:
-        assert train.main(guide_run(name, prefix, tmp / f"{name}_one", 1)) == 0
-    for run, (source, _, _, args, workers) in CONVERTED.items():
-        if workers == 1:
-            assert train.main([*common, *args, "--load", str(tmp / source), "--save",
-                               str(tmp / run)]) == 0
+            jobs.one_process(tmp / "before2.json", [
+                convert("tp2_pp2_sp_first", "tp2_pp2_as_pp2_vpp2", "--nproc", "2", *PP2, *VPP2),
+                convert("tp2_pp2_sp_first", "tp2_pp2_as_one")])
+    one = [[name, [*common, "--save", str(tmp / name), *args]]
+           for name, args in REFERENCES.items()]
+    one += [[name, guide_run(name, prefix, tmp / f"{name}_one", 1)] for name in GUIDE_RUNS]
+    one += [[run, [*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]]
+            for run, (source, _, _, args, workers) in CONVERTED.items() if workers == 1]
+    jobs.one_process(tmp / "one.json", one)
     return tmp, launches
+
+
+def layout_runs(world, tmp, prefix, common, half):
+    """The runs of the msrun launch of `world` workers: [name, train.py argv, sigterm step?]."""
+    layouts = LAYOUTS[world]
+    runs = [[name, [*common, "--save", str(tmp / name), *args]]
+            for name, (args, _) in layouts.items()]
+    runs += [[name, [*common, "--save", str(tmp / name), *args]]
+             for name, args in DROPOUT_RUNS.get(world, {}).items()]
+    if world == 2:
+        runs += [[name, guide_run(name, prefix, tmp / name, 2)] for name in GUIDE_RUNS]
+    args = layouts[RESUMED[world]][0]
+    if world == 4:
+        previous = []
+        for name, flags, sigterm_step, _ in STOP_CHAIN:
+            runs.append([name, [*common, *args, *previous, "--save", str(tmp / name), *flags],
+                         sigterm_step])
+            previous = ["--load", str(tmp / name)]
+    else:
+        first, resumed = tmp / f"{RESUMED[world]}_first", tmp / f"{RESUMED[world]}_resumed"
+        runs += [["first half", [*common, *args, "--save", str(first), *half]],
+                 ["resumed", [*common, *args, "--load", str(first), "--save", str(resumed)]]]
+    runs += [[run, [*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]]
+             for run, (source, _, _, args, workers) in CONVERTED.items() if workers == world]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(msrun_jobs):
+    """One msrun launch of trainings per world size (4, then 2 workers): every layout of LAYOUTS
+    trains 10 steps, one layout stops after 5 steps and resumes (RESUMED), checkpoints of step 5
+    converted from another layout resume (CONVERTED), the guides' files train (GUIDE_RUNS); and
+    the same trainings in one process (REFERENCES): (their folder, the launches by world size)."""
+    return msrun_jobs.result("trainings")
 
 
 # ======================================= msrun tests (parallel.py and the layouts, 2 and 4 workers)
@@ -4721,7 +4823,7 @@ def test_a_failing_rank_names_itself_and_stops_the_job(parallel_runs, tmp_path):
             and "[rank 0] error" not in console), console[-3000:]
 
 
-def test_a_killed_worker_is_named_by_its_rank(tmp_path):
+def test_a_killed_worker_is_named_by_its_rank(tmp_path, msrun_free):
     """kill -9 of one worker (as the out-of-memory killer does): it prints nothing and msrun names
     only its process id; run.sh names its rank from the pid each worker wrote, and the job ends."""
     save = tmp_path / "run"
@@ -5023,7 +5125,7 @@ def test_two_run_sh_launches_make_one_job(parallel_runs):
                                rtol=1e-5)
 
 
-def test_the_guides_pretrain_script_runs_on_two_workers(tmp_path, capsys):
+def test_the_guides_pretrain_script_runs_on_two_workers(tmp_path, capsys, msrun_free):
     """003's pretrain_single.sh as a reader would run it: its paths filled in, GPUS_PER_NODE=2,
     the guide's "\\ " defect fixed, `torchrun $DISTRIBUTED_ARGS pretrain_gpt.py` replaced by
     `bash run.sh $DISTRIBUTED_ARGS`, and shrunk by flags appended after its last line. Two workers
