@@ -1,4 +1,4 @@
-"""Training speed of each layout, measured the way the README's performance table is made:
+"""Training speed of each layout, measured the way docs/performance.md's tables are made:
 
     bash run.sh bench [--repeats 2] [--steps 12] [--torch PYTHON]
 

@@ -63,7 +63,7 @@ def get_batch_on_this_cp_rank(batch, state):
 
 def attention_work(seq_length, ring, balanced=True):
     """Query-key pairs each ring rank computes under the causal mask (the attention work), with
-    the zig-zag split or with contiguous pieces: README's load-balance table."""
+    the zig-zag split or with contiguous pieces: docs/context-parallel.md's load-balance table."""
     work = []
     for r in range(ring):
         if balanced:

@@ -21,8 +21,9 @@ on the last stage is a copy of the word embedding):
 
 Megatron's theoretical_memory_usage.py counts 18 bytes per parameter with --fp16 (fp16 weight,
 fp32 gradient, fp32 main param and two moments): here the same with
---accumulate-allreduce-grads-in-fp32, 16 in float32, and 6 + 12 / (dp x cp) or 4 + 16 / (dp x cp)
-with the distributed optimizer.
+--accumulate-allreduce-grads-in-fp32, 16 with --fp16 alone or in float32; with the distributed
+optimizer the main params and moments (12 bytes) are split over dp x cp ranks: 6 + 12 / (dp x cp),
+4 + 12 / (dp x cp), 8 + 12 / (dp x cp) (docs/half-precision.md has the table).
 """
 import math
 import re
@@ -528,7 +529,7 @@ class RankReport:
         note = ""
         if compiled:
             note = ("; compiled by ms.jit: a CPU graph keeps every intermediate, several times "
-                    "this (README)")
+                    "this (docs/memory.md)")
         return (f"memory: estimate for rank {self.state.rank} (stage {self.state.pp_rank}): "
                 f"parameters {mem.parameters} (the model holds {self.counted}), "
                 f"weights {mib(mem.weights)}, gradients {mib(mem.gradients)}, "

@@ -96,7 +96,8 @@ def setup_mindspore(cfg=None):
         ms.device_context.cpu.op_tuning.threads_num(threads)
         # PyNative normally queues ops to dispatch threads; on a few shared CPU cores those threads
         # contend with the kernels. Launching each op in the caller's thread measured 5.8x faster
-        # op by op, 1.5x compiled, 9x with TP2 on 2 workers (tiny model, 2 cores; README).
+        # op by op, 1.5x compiled, 9x with TP2 on 2 workers (tiny model, 2 cores;
+        # docs/performance.md).
         ms.runtime.launch_blocking()
 
 
