@@ -31,7 +31,9 @@ Sections, in the order of the modules' layers, each under a banner `# ==== name`
   README and docs (README.md, docs/*.md)
       every printed command valid, every named `module.name` and test exists, links resolve
 The msrun harness makes this file the workers' program too: `python test_all.py RUNS.json` runs
-trainings, `python test_all.py` the checks (the `__main__` block at the end).
+trainings, `python test_all.py` the checks (the `__main__` block at the end). The launches a
+session needs start in a background thread as it starts (MsrunJobs), so the one-process sections
+run while the workers train; the msrun tests wait for them.
 CPU; float32, and float16 where a test says so.
 """
 import argparse
