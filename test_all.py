@@ -2,7 +2,8 @@
 
 Sections, in the order of the modules' layers, each under a banner `# ==== name` below:
   structure
-      a library module run directly names its command; imports go one way, none in a function
+      a library module run directly names its command; imports go one way, none in a function;
+      lines <= 100 characters, functions <= 60 lines
   config (keys.py, config.py, cli.py)
       Megatron flags and YAML keys, one-line errors, config files, the guides' keys and files, help
   data (tokenizer.py, data.py)
@@ -37,6 +38,7 @@ run while the workers train; the msrun tests wait for them.
 CPU; float32, and float16 where a test says so.
 """
 import argparse
+import ast
 import collections
 import contextlib
 import glob
@@ -118,11 +120,29 @@ def test_a_library_module_run_directly_names_the_command(module):
     assert str(stop.value.code).startswith(f"error: {module}.py is a library: run `bash run.sh")
 
 
+def test_lines_and_functions_stay_short():
+    """The reading rules of the design card, for every Python file of the project (this one
+    too): no line over 100 characters, no function over 60 lines (decorators and docstring
+    included)."""
+    long_lines, long_functions = [], []
+    for module in MODULES + ["test_all"]:
+        path = os.path.join(HERE, module + ".py")
+        text = open(path).read()
+        long_lines += [f"{module}.py:{n}" for n, line in enumerate(text.splitlines(), 1)
+                       if len(line) > 100]
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if node.end_lineno - first + 1 > 60:
+                    long_functions.append(f"{module}.py:{node.lineno} {node.name}")
+    assert not long_lines, long_lines
+    assert not long_functions, long_functions
+
+
 def test_imports_go_one_way_and_only_at_the_top():
     """Every project import is at a module's top level (none inside a function, where ms.jit
     cannot compile them and a reader does not look), and the import graph has no cycle: layers
     config, data, optimizer, parallel -> gpt -> pipeline -> checkpoint -> hf_gpt2 -> train."""
-    import ast
     edges = {}
     for module in MODULES:
         tree = ast.parse(open(os.path.join(HERE, module + ".py")).read())
