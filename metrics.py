@@ -1,6 +1,7 @@
 """The run's scalars for people to watch: a JSON Lines log, a loss plot, TensorBoard event files.
 
-One rank writes them (the one that logs the loss), through `Metrics`:
+The rank that logs the loss (train.open_metrics) writes them through `Metrics`, into the run's
+save folder (`--save`, ./output by default: every run has one, as it has its log folder there):
 - `<save>/metrics.jsonl`, JSON Lines (https://jsonlines.org): one object per line, appended
   as the run goes. A train record per log interval: `step`, `split: "train"`, `time` (unix
   seconds) and the scalars the run measured (`TRAIN_TAGS`'s keys; a key is absent when not
@@ -11,19 +12,21 @@ One rank writes them (the one that logs the loss), through `Metrics`:
   A run resumed from iteration k keeps the records up to step k and drops the later ones
   (the killed run trained them past its last checkpoint, and they are trained again).
 - `<save>/loss.svg`: training and validation loss against step (`loss_svg`), redrawn after
-  every record through a temporary file and a rename, so a browser reloading it during the
-  run never sees half a drawing. Linear axes with round tick values; NaN and infinite
-  losses are left out and counted in the legend.
-- `<tensorboard_dir>/events.out.tfevents.<unix time>.<host>` (`EventFile`): TensorBoard's
-  event file, a sequence of records `uint64 length, uint32 masked CRC-32C of the length, data,
-  uint32 masked CRC-32C of the data` (TensorFlow's TFRecord format, tensorflow/core/lib/io/
-  record_writer.cc), each `data` a protobuf `Event` (tensorflow/core/util/event.proto;
-  summary.proto for `Summary`) encoded here by hand. The first event is `file_version:
-  "brain.Event:2"`; the second a `SessionLog` START at the first step this run trains, with
-  which TensorBoard drops what an earlier file holds from that step on (the resume rule of
-  metrics.jsonl). Then one event per record: the iteration as `step`, the scalars as
-  `simple_value`s under Megatron-LM's tag names (its training.py `training_log` and
-  `evaluate_and_print_results`), flushed at once so TensorBoard shows a live run.
+  every record (data.write_atomic), so a browser reloading it during the run never sees half
+  a drawing. Linear axes with round tick values; NaN and infinite losses are left out and
+  counted in the legend.
+- `<tensorboard_dir>/events.out.tfevents.<unix time>.<host>` (`EventFile`, with
+  `--tensorboard-dir`): TensorBoard's event file, a sequence of records `uint64 length,
+  uint32 masked CRC-32C of the length, data, uint32 masked CRC-32C of the data` (TensorFlow's
+  TFRecord format, tensorflow/core/lib/io/record_writer.cc), each `data` a protobuf `Event`
+  (tensorflow/core/util/event.proto; summary.proto for `Summary`) encoded here by hand. The
+  first event is `file_version: "brain.Event:2"`; the second a `SessionLog` START at the
+  first step this run trains. Then one event per record: the iteration as `step`, the scalars
+  as `simple_value`s under Megatron-LM's tag names (its training.py `training_log` and
+  `evaluate_and_print_results`), each written at once so TensorBoard shows a live run. A
+  resumed run starts a new file; TensorBoard drops what an earlier file holds from the
+  resumed steps on (its Python loader at the START event, its Rust data server when a step
+  comes again), the resume rule of metrics.jsonl.
 """
 import json
 import math
@@ -34,10 +37,13 @@ import struct
 import time
 from xml.sax.saxutils import escape
 
+from config import ConfigError
+from data import write_atomic
+
 JSONL, SVG = "metrics.jsonl", "loss.svg"
 
-# metrics.jsonl key -> TensorBoard tag. Megatron's tags, except skipped-iterations and
-# tokens-per-second: Megatron prints those on the console only.
+# metrics.jsonl key -> TensorBoard tag: Megatron's tags; skipped-iterations and tokens-per-second,
+# which Megatron does not write to TensorBoard, named in their style.
 TRAIN_TAGS = {
     "loss": "lm loss",
     "lr": "learning-rate",
@@ -54,19 +60,20 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 class Metrics:
-    """The writer of the three files above for one run in `save_dir`. `resume_step`: the
-    iteration the run resumes from (None: a fresh run, which starts metrics.jsonl over)."""
+    """The writer of the three files above for one run in `save_dir`, resumed from iteration
+    `resume_step` (0: a fresh run, which starts metrics.jsonl over). Each record opens and
+    closes its files, so there is nothing to close when the run ends, however it ends."""
 
-    def __init__(self, save_dir, tensorboard_dir=None, resume_step=None):
+    def __init__(self, save_dir, tensorboard_dir=None, resume_step=0):
         os.makedirs(save_dir, exist_ok=True)
         self.jsonl, self.svg = os.path.join(save_dir, JSONL), os.path.join(save_dir, SVG)
-        self.records = [] if resume_step is None else \
-            [r for r in read_records(self.jsonl) if r["step"] <= resume_step]
-        _write_atomic(self.jsonl, "".join(_line(r) for r in self.records))
-        self._fd = os.open(self.jsonl, os.O_WRONLY | os.O_APPEND)
+        kept = read_records(self.jsonl) if resume_step else []    # a fresh run starts over
+        self.records = [r for r in kept if r["step"] <= resume_step]
+        write_atomic(self.jsonl, "".join(_line(r) for r in self.records))
+        write_atomic(self.svg, loss_svg(self.records))
         self.events = None
         if tensorboard_dir is not None:
-            self.events = EventFile(tensorboard_dir, (resume_step or 0) + 1)
+            self.events = EventFile(tensorboard_dir, resume_step + 1)
 
     def train(self, step, **scalars):
         """A log interval's record: scalars named by TRAIN_TAGS's keys; None means not measured."""
@@ -88,21 +95,19 @@ class Metrics:
     def _add(self, step, split, values, scalars):
         record = {"step": int(step), "split": split, "time": round(time.time(), 3), **values}
         self.records.append(record)
-        os.write(self._fd, _line(record).encode())   # one call: whole lines if the run is killed
+        fd = os.open(self.jsonl, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd, _line(record).encode())   # one call: whole lines if the run is killed
+        finally:
+            os.close(fd)
         if self.events is not None:
             self.events.scalars(record["step"], scalars)
-        _write_atomic(self.svg, loss_svg(self.records))
-
-    def close(self):
-        """Close metrics.jsonl and the event file (loss.svg is closed after each drawing)."""
-        os.close(self._fd)
-        if self.events is not None:
-            self.events.close()
+        write_atomic(self.svg, loss_svg(self.records))
 
 
 def read_records(path):
     """metrics.jsonl's records (an empty list without the file). A torn last line (a run killed
-    in mid-write) is skipped; any other line that does not parse is an error."""
+    in mid-write) is skipped; any other line that does not parse is an error naming it."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -116,7 +121,8 @@ def read_records(path):
         except json.JSONDecodeError:
             if number == len(lines):                 # no newline after it: the write was cut
                 continue
-            raise ValueError(f"{path}:{number}: not a JSON record: {text[:60]!r}") from None
+            raise ConfigError(f"{path}:{number}: not a JSON record: {text[:60]!r}; repair or "
+                              "remove the file to resume") from None
         records.append({k: _NONFINITE.get(v, v) if isinstance(v, str) else v
                         for k, v in record.items()})
     return records
@@ -133,15 +139,6 @@ def _line(record):
 def _number(value):
     """An int stays an int (step counts), anything else becomes a float (numpy scalars too)."""
     return int(value) if isinstance(value, numbers.Integral) else float(value)
-
-
-def _write_atomic(path, text):
-    """Readers see the old file or the new one. No fsync: these files are rewritten often and
-    only a crash of the machine, not of the run, could lose the last version."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- loss.svg
@@ -256,13 +253,14 @@ def _label(value, ticks):
 # ----------------------------------------------------------------------------- TensorBoard
 class EventFile:
     """A TensorBoard event file in `folder`, opened by a run whose first step is `start_step`
-    (the file format in the module docstring)."""
+    (the file format in the module docstring). Each event is appended whole, file opened and
+    closed, so TensorBoard reads a live run and a killed one alike."""
 
     def __init__(self, folder, start_step):
         os.makedirs(folder, exist_ok=True)
         stem = os.path.join(folder, f"events.out.tfevents.{int(time.time()):010d}."
                                     f"{socket.gethostname()}")
-        self.path, self._file = _create_new(stem)
+        self.path = _create_new(stem)
         self._write(_event(0, _bytes_field(3, b"brain.Event:2")))
         self._write(_event(start_step, _bytes_field(7, _key(1, 0) + _varint(1))))   # START
 
@@ -275,22 +273,19 @@ class EventFile:
 
     def _write(self, data):
         header = struct.pack("<Q", len(data))
-        self._file.write(header + struct.pack("<I", masked_crc32c(header)) + data
-                         + struct.pack("<I", masked_crc32c(data)))
-        self._file.flush()
-
-    def close(self):
-        """Close the file (every event is already flushed)."""
-        self._file.close()
+        with open(self.path, "ab") as f:
+            f.write(header + struct.pack("<I", masked_crc32c(header)) + data
+                    + struct.pack("<I", masked_crc32c(data)))
 
 
 def _create_new(stem):
-    """A new file named stem, or stem.1, stem.2, ... if a run in the same second took it (the
-    names sort in the order TensorBoard must read them)."""
+    """A new empty file named stem, or stem.1, stem.2, ... if a run in the same second took it
+    (the names sort in the order TensorBoard must read them)."""
     for n in range(1000):
         path = stem if n == 0 else f"{stem}.{n}"
         try:
-            return path, open(path, "xb")
+            open(path, "xb").close()
+            return path
         except FileExistsError:
             continue
     raise FileExistsError(f"{stem}: 1000 event files in this second")
@@ -357,3 +352,8 @@ def masked_crc32c(data):
     crc32c.h), so that CRCs of data holding CRCs stay well distributed."""
     crc = crc32c(data)
     return ((crc >> 15 | crc << 17) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: metrics.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")
