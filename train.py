@@ -38,6 +38,7 @@ from cli import HelpRequested, load_config, parse_command, raw_config, training_
 from config import ConfigError, main_grad_dtype, padded_vocab_size, recompute_counts, to_dict
 from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
                  num_floating_point_operations)
+from metrics import Metrics
 from profiler import StepProfiler
 from tokenizer import build_tokenizer
 
@@ -434,7 +435,8 @@ def pretrain(cfg, notes=()):
     it = data.MicroBatchIterator(train_ds, micro_batch_size, state.dp_rank, state.dp, consumed)
     samples_per_epoch = getattr(train_ds, "samples_per_epoch", None) or len(train_ds)
     profiler = StepProfiler(cfg, state.rank)
-    window = LogWindow(cfg, trainer, first_iteration=iteration + 1)
+    metrics = open_metrics(cfg, state, iteration)
+    window = LogWindow(cfg, trainer, iteration + 1, metrics)
     last_saved = iteration
     estimate.begin()                                  # the measured peak counts from here
     while iteration < training_cfg.training_iters:
@@ -442,7 +444,7 @@ def pretrain(cfg, notes=()):
         scale = trainer.scaler.scale                  # the step may change it
         iteration += 1
         window.log(iteration, epoch, scale, *profiled_step(cfg, trainer, it, profiler, iteration))
-        if maybe_evaluate(cfg, trainer, valid_ds, iteration):
+        if maybe_evaluate(cfg, trainer, valid_ds, iteration, metrics):
             window.restart_clock()
         if maybe_save(cfg, iteration, it.consumed_samples, trainer, rng):
             last_saved = iteration
@@ -459,7 +461,7 @@ def pretrain(cfg, notes=()):
         checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
     if test_ds is not None and training_cfg.eval_iters:
         loss = evaluate(trainer, test_ds, 0, training_cfg.eval_iters, cfg)
-        log_eval_loss("test", iteration, loss)
+        log_eval_loss("test", iteration, loss, metrics)
     return trainer.chunks
 
 
@@ -531,15 +533,16 @@ def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
     return estimate
 
 
-def maybe_evaluate(cfg, trainer, dataset, iteration):
+def maybe_evaluate(cfg, trainer, dataset, iteration, metrics):
     """Every eval_interval steps, the validation loss over the next eval_iters global batches
-    of `dataset` (each evaluation its own batches). True if it ran."""
+    of `dataset` (each evaluation its own batches), logged and recorded in `metrics`. True if
+    it ran."""
     training_cfg, dataset_cfg = cfg.training_config, cfg.dataset_config
     interval, iters = training_cfg.eval_interval, training_cfg.eval_iters
     if dataset is None or not iters or iteration % interval:
         return False
     start = (iteration // interval - 1) * iters * dataset_cfg.global_batch_size
-    log_eval_loss("validation", iteration, evaluate(trainer, dataset, start, iters, cfg))
+    log_eval_loss("validation", iteration, evaluate(trainer, dataset, start, iters, cfg), metrics)
     return True
 
 
@@ -558,14 +561,16 @@ class LogWindow:
     """Megatron's training_log over the steps since the last train line: their summed loss, how
     many were skipped on inf/nan (Megatron's "number of skipped iterations"), and the time per
     step since `start` over the `timed` steps; restart_clock leaves out time spent outside steps
-    (compilation, evaluation, saves)."""
+    (compilation, evaluation, saves). Each train line's numbers also go to `metrics` (a
+    metrics.Metrics on the rank that logs the loss, else None)."""
 
-    def __init__(self, cfg, trainer, first_iteration):
+    def __init__(self, cfg, trainer, first_iteration, metrics):
         self.cfg, self.trainer, self.first_iteration = cfg, trainer, first_iteration
+        self.metrics = metrics
         dataset_cfg, model_cfg = cfg.dataset_config, cfg.model_config
-        self.tokens_per_step = dataset_cfg.global_batch_size * model_cfg.seq_length
-        self.flops_per_step = num_floating_point_operations(model_cfg,
-                                                            dataset_cfg.global_batch_size)
+        self.batch_size = dataset_cfg.global_batch_size
+        self.tokens_per_step = self.batch_size * model_cfg.seq_length
+        self.flops_per_step = num_floating_point_operations(model_cfg, self.batch_size)
         self.reset()
 
     def reset(self):
@@ -603,18 +608,30 @@ class LogWindow:
             log.info(f"comm: Step:{iteration}, " + parallel.ledger.line())
         if log_now:
             if trainer.state.is_last_stage:           # the loss exists on the last stage only
-                log.info(self.train_line(iteration, epoch, updated, grad_norm, lr))
+                scalars = self.scalars(grad_norm, lr)
+                log.info(train_line(iteration, epoch, updated, scalars))
+                if self.metrics is not None:
+                    self.metrics.train(iteration, **scalars)
             log.info(trainer.timers_line(self.timed))
             self.reset()
 
-    def train_line(self, iteration, epoch, updated, grad_norm, lr):
+    def scalars(self, grad_norm, lr):
+        """The train line's numbers since the last one, named as metrics.TRAIN_TAGS's keys."""
         elapsed = self.seconds_per_step()
-        tflops = self.flops_per_step / elapsed / self.trainer.state.world_size / 1e12
-        return (f"train: Epoch:{epoch}, Step:{iteration}, Loss: {self.loss / self.steps:.6f}, "
-                f"Finite_grads: {updated}, Loss_scale: {self.trainer.scaler.scale}, "
-                f"Grad_norm: {grad_norm:.6f}, Skipped_iterations: {self.skipped}, "
-                f"Learning_rate: {lr:.6e}, Time: {elapsed * 1000:.2f} ms, "
-                f"Tokens/s: {self.tokens_per_step / elapsed:.1f}, TFLOP/s: {tflops:.4f}")
+        return dict(loss=self.loss / self.steps, lr=lr, grad_norm=grad_norm,
+                    loss_scale=self.trainer.scaler.scale, skipped_iterations=self.skipped,
+                    tokens_per_s=self.tokens_per_step / elapsed,
+                    tflops=self.flops_per_step / elapsed / self.trainer.state.world_size / 1e12,
+                    iteration_time=elapsed, batch_size=self.batch_size)
+
+
+def train_line(iteration, epoch, updated, s):
+    """Megatron's training_log line (this project's spelling) from LogWindow.scalars `s`."""
+    return (f"train: Epoch:{epoch}, Step:{iteration}, Loss: {s['loss']:.6f}, "
+            f"Finite_grads: {updated}, Loss_scale: {s['loss_scale']}, "
+            f"Grad_norm: {s['grad_norm']:.6f}, Skipped_iterations: {s['skipped_iterations']}, "
+            f"Learning_rate: {s['lr']:.6e}, Time: {s['iteration_time'] * 1000:.2f} ms, "
+            f"Tokens/s: {s['tokens_per_s']:.1f}, TFLOP/s: {s['tflops']:.4f}")
 
 
 def scale_change(before, scaler):
@@ -666,14 +683,26 @@ def loss_rank(state):
     return state.tp * state.cp * state.dp * (state.pp - 1)
 
 
-def log_eval_loss(split, iteration, loss):
+def log_eval_loss(split, iteration, loss, metrics):
     """Megatron's evaluation line: the `split` loss at `iteration` and its perplexity, on the
-    last pipeline stage (the only one with a loss)."""
+    last pipeline stage (the only one with a loss); recorded in `metrics` (None: not here)."""
     if not parallel.get_state().is_last_stage:        # no loss before the last pipeline stage
         return
     ppl = math.exp(min(loss, 20.0))
     log.info(f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
              f"lm loss PPL: {ppl:.6E} |")
+    if metrics is not None:
+        metrics.evaluation(iteration, split, loss)
+
+
+def open_metrics(cfg, state, iteration):
+    """The run's metrics.Metrics on the rank that logs the loss (None on the others): in the
+    save folder, where the log is (every run has one: --save, ./output by default), resumed at
+    `iteration` (0: a fresh run); with --tensorboard-dir, event files there too."""
+    if state.rank != loss_rank(state):
+        return None
+    training_cfg = cfg.training_config
+    return Metrics(training_cfg.output_dir, training_cfg.tensorboard_dir, resume_step=iteration)
 
 
 # ----------------------------------------------------------------------------- commands
