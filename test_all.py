@@ -22,6 +22,9 @@ Sections, in the order of the modules' layers, each under a banner `# ==== name`
       torch.save files read and written, Megatron-LM checkpoints imported and named both ways
   checkpoint (checkpoint.py, hf_gpt2.py, sample.py)
       convert, save/stop/resume, damage, GPT-2 import/export, generate
+  metrics (metrics.py)
+      metrics.jsonl, loss.svg, TensorBoard's event file read back by its specification; a short
+      run's own files, a killed run's resumed
   training (train.py, run.sh)
       log line, FLOPs, profiler, loss, accumulation, resume, half precision, run.sh's launch flags
   msrun harness (this file on the msrun workers)
@@ -80,6 +83,7 @@ import data
 import gpt
 import megatron_checkpoint
 import memory
+import metrics
 import optimizer
 import parallel
 import pipeline
@@ -108,7 +112,7 @@ SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
 # ======================================================================================== structure
 MODULES = ["keys", "config", "cli", "tokenizer", "data", "optimizer", "parallel",
            "context_parallel", "gpt", "pipeline", "memory", "torch_format", "megatron_checkpoint",
-           "checkpoint", "hf_gpt2", "sample", "profiler", "train", "bench"]
+           "checkpoint", "hf_gpt2", "sample", "profiler", "metrics", "train", "bench"]
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if m not in ("train", "bench")])
@@ -3578,6 +3582,397 @@ def test_generate_command_from_checkpoint(tmp_path, capsys):
     assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:")
 
 
+# ============================================================================= metrics (metrics.py)
+# The event file is read back by a reader written here from the specification alone (TFRecord
+# framing with masked CRC-32C, tensorflow/core/lib/io/record_reader.cc; protobuf's wire format,
+# https://protobuf.dev/programming-guides/encoding/; the field numbers of event.proto and
+# summary.proto), its CRC-32C computed bit by bit rather than by metrics.py's table.
+SVG_NS = {"s": "http://www.w3.org/2000/svg"}
+# metrics.jsonl's train keys -> TensorBoard tags: Megatron-LM's names where it writes the scalar
+MEGATRON_TAGS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
+                 "loss_scale": "loss-scale", "skipped_iterations": "skipped-iterations",
+                 "tokens_per_s": "tokens-per-second", "tflops": "throughput",
+                 "iteration_time": "iteration-time", "batch_size": "batch-size"}
+
+
+def fake_run(folder, steps=6, log_interval=2, eval_interval=4, resume_step=0, tb=None):
+    """A run's calls: a train record every log_interval steps, validation every eval_interval."""
+    m = metrics.Metrics(folder, tensorboard_dir=tb, resume_step=resume_step)
+    for step in range(resume_step + 1, steps + 1):
+        if step % log_interval == 0:
+            m.train(step, loss=10.0 - 0.01 * step, lr=1e-4 * step, grad_norm=None,
+                    loss_scale=4096.0, skipped_iterations=0, tokens_per_s=2048.0, tflops=0.5)
+        if step % eval_interval == 0:
+            m.evaluation(step, "validation", 10.5 - 0.01 * step)
+    return m
+
+
+def refuse_bare_constant(name):
+    """json.loads's hook for NaN, Infinity, -Infinity: none may appear."""
+    pytest.fail(f"bare {name} in metrics.jsonl: not JSON")
+
+
+def test_metrics_jsonl_records_train_and_evaluation_scalars(tmp_path):
+    fake_run(tmp_path)
+    records = metrics.read_records(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["split"]) for r in records] == [
+        (2, "train"), (4, "train"), (4, "validation"), (6, "train")]
+    train_record = records[1]
+    assert {k: v for k, v in train_record.items() if k != "time"} == {
+        "step": 4, "split": "train", "loss": 10.0 - 0.04, "lr": 1e-4 * 4, "loss_scale": 4096.0,
+        "skipped_iterations": 0, "tokens_per_s": 2048.0, "tflops": 0.5}
+    assert "grad_norm" not in train_record                       # None: not measured
+    assert isinstance(train_record["skipped_iterations"], int)
+    assert records[2]["loss"] == 10.5 - 0.04
+    assert set(records[2]) == {"step", "split", "time", "loss"}
+    assert all(abs(r["time"] - time.time()) < 60 for r in records)
+
+
+def test_metrics_jsonl_is_strict_json_with_nonfinite_values_as_strings(tmp_path):
+    m = metrics.Metrics(tmp_path)
+    m.train(1, loss=math.nan, grad_norm=math.inf)
+    m.evaluation(1, "test", -math.inf)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    raw = [json.loads(line, parse_constant=refuse_bare_constant) for line in lines]
+    assert (raw[0]["loss"], raw[0]["grad_norm"], raw[1]["loss"]) == ("nan", "inf", "-inf")
+    back = metrics.read_records(tmp_path / "metrics.jsonl")
+    assert math.isnan(back[0]["loss"]) and back[0]["grad_norm"] == math.inf
+    assert back[1]["loss"] == -math.inf and back[1]["split"] == "test"
+
+
+def test_metrics_jsonl_holds_whole_lines_while_the_run_goes(tmp_path):
+    m = metrics.Metrics(tmp_path)
+    for step in range(1, 4):
+        m.train(step, loss=float(step))
+        text = (tmp_path / "metrics.jsonl").read_text()     # what a killed run would leave
+        assert text.endswith("\n") and len(text.splitlines()) == step
+        assert [json.loads(line)["step"] for line in text.splitlines()] == list(range(1, step + 1))
+
+
+def test_metrics_resume_keeps_records_up_to_the_resumed_step_then_appends(tmp_path):
+    fake_run(tmp_path, steps=8)                             # records at 2, 4, 4v, 6, 8, 8v
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "a") as f:
+        f.write('{"step": 9, "split": "tra')                # killed in mid-write
+    fake_run(tmp_path, steps=6, resume_step=4)
+    assert [(r["step"], r["split"]) for r in metrics.read_records(path)] == [
+        (2, "train"), (4, "train"), (4, "validation"), (6, "train")]
+    assert path.read_text().endswith("}\n")
+    metrics.Metrics(tmp_path)                               # a fresh run starts over
+    assert path.read_text() == ""
+    _, texts, lines = parse_svg(tmp_path / "loss.svg")      # and its drawing too
+    assert lines == {} and "no finite loss yet" in texts[None]
+
+
+def test_metrics_damaged_line_before_the_last_is_one_error_naming_it(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "split": "train"}\n{"step": 2, "spl\n{"step": 3}\n')
+    with pytest.raises(ConfigError, match=r"metrics.jsonl:2: not a JSON record: .* remove the"):
+        metrics.Metrics(tmp_path, resume_step=3)
+    assert metrics.read_records(tmp_path / "absent.jsonl") == []
+
+
+def test_metrics_unknown_scalar_or_split_refused(tmp_path):
+    m = metrics.Metrics(tmp_path)
+    with pytest.raises(ValueError, match="unknown training scalars \\['los'\\]"):
+        m.train(1, los=1.0)
+    with pytest.raises(ValueError, match="split 'valid'"):
+        m.evaluation(1, "valid", 1.0)
+
+
+# --------------------------------------------------------------------------------------- loss.svg
+def parse_svg(path):
+    """The drawing's root, its texts by class, and its polylines' points by id."""
+    root = ElementTree.parse(path).getroot()
+    texts = {t.get("class"): [] for t in root.iterfind("s:text", SVG_NS)}
+    for t in root.iterfind("s:text", SVG_NS):
+        texts[t.get("class")].append(t.text)
+    lines = {p.get("id"): [tuple(map(float, xy.split(","))) for xy in p.get("points").split()]
+             for p in root.iterfind("s:polyline", SVG_NS)}
+    return root, texts, lines
+
+
+def test_loss_svg_curves_axes_and_legend(tmp_path):
+    m = fake_run(tmp_path, steps=12)
+    m.train(13, loss=math.nan)
+    root, texts, lines = parse_svg(tmp_path / "loss.svg")
+    assert root.get("font-family") == "monospace"
+    assert len(lines["train"]) == 6 and len(lines["validation"]) == 3
+    assert len(root.findall("s:circle", SVG_NS)) == 3            # a dot per validation point
+    assert texts["xtitle"] == ["step"] and texts["ytitle"] == ["lm loss"]
+    assert texts[None][0] == "lm loss against step"
+    assert texts["legend"] == ["training loss (step 12: 9.8800), 1 non-finite not drawn",
+                               "validation loss (step 12: 10.3800)"]
+    x_ticks, y_ticks = ([float(v) for v in texts[k]] for k in ("xtick", "ytick"))
+    assert x_ticks[0] <= 2 and x_ticks[-1] >= 12 and all(t == int(t) for t in x_ticks)
+    assert y_ticks[0] <= 9.88 and y_ticks[-1] >= 10.46
+    points = lines["train"] + lines["validation"]
+    assert all(metrics.LEFT <= x <= metrics.RIGHT and metrics.TOP <= y <= metrics.BOTTOM
+               for x, y in points)
+    xs = [x for x, _ in lines["train"]]
+    gaps = [b - a for a, b in zip(xs, xs[1:])]
+    assert min(gaps) > 0 and max(gaps) - min(gaps) <= 0.2            # 0.1 px rounding
+    assert not glob.glob(str(tmp_path / "loss.svg.tmp*"))
+
+
+def test_loss_svg_one_point_flat_curve_and_no_finite_loss(tmp_path):
+    one = tmp_path / "one.svg"
+    one.write_text(metrics.loss_svg([{"step": 1, "split": "train", "loss": 10.9}]))
+    root, texts, lines = parse_svg(one)
+    assert len(lines["train"]) == 1 and len(root.findall("s:circle", SVG_NS)) == 1
+    y_ticks = [float(v) for v in texts["ytick"]]
+    assert y_ticks[0] < 10.9 < y_ticks[-1] and len(set(y_ticks)) == len(y_ticks)
+    flat = tmp_path / "flat.svg"
+    flat.write_text(metrics.loss_svg([{"step": s, "split": "train", "loss": 0.0}
+                                      for s in range(1, 5)]))
+    _, texts, lines = parse_svg(flat)
+    assert len({y for _, y in lines["train"]}) == 1 and "0.00" in texts["ytick"]
+    nothing = tmp_path / "nothing.svg"
+    nothing.write_text(metrics.loss_svg([{"step": 1, "split": "train", "loss": math.inf}]))
+    _, texts, lines = parse_svg(nothing)
+    assert lines == {} and "no finite loss yet" in texts[None]
+    assert texts["legend"] == ["training loss (no finite value), 1 non-finite not drawn"]
+
+
+@pytest.mark.parametrize("lo, hi, integer", [(0.0, 1.0, False), (4.7, 10.9, False),
+                                            (5.0, 5.0, False), (1e-4, 3.3e-4, False),
+                                            (-2.0, 7.5, False), (10, 200, True), (7, 7, True),
+                                            (1, 123456, True)])
+def test_loss_svg_ticks_are_round_and_cover_the_range(lo, hi, integer):
+    ticks = metrics._ticks(lo, hi, integer)
+    step = ticks[1] - ticks[0]
+    mantissa = step / 10 ** math.floor(math.log10(step))     # 10: a step like 0.0999999
+    assert min(abs(mantissa - k) for k in (1, 2, 5, 10)) < 1e-6
+    assert all(abs(b - a - step) < 1e-9 * max(1.0, abs(b)) for a, b in zip(ticks, ticks[1:]))
+    assert ticks[0] <= lo and ticks[-1] >= hi
+    assert 4 <= len(ticks) - 1 <= 12 or integer and step == 1         # a short integer axis
+    assert not integer or all(t == int(t) for t in ticks)
+
+
+# ------------------------------------------------------------------------------------ TensorBoard
+def crc32c_bitwise(data):
+    """CRC-32C bit by bit: reflected polynomial 0x82F63B78, initial and final xor 0xFFFFFFFF."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def masked(crc):
+    """TFRecord's mask: rotate right by 15 bits, add 0xA282EAD8, modulo 2^32."""
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) % 2 ** 32
+
+
+def varint(data, i):
+    """The base-128 varint at data[i:] (low groups first) and the index after it."""
+    value, shift = 0, 0
+    while True:
+        value |= (data[i] & 0x7F) << shift
+        shift, i = shift + 7, i + 1
+        if data[i - 1] < 0x80:
+            return value, i
+
+
+def fields(data):
+    """A protobuf message as [(field number, value)]: varints as ints, fixed64, fixed32 and
+    length-delimited fields as bytes."""
+    out, i = [], 0
+    while i < len(data):
+        key, i = varint(data, i)
+        wire = key & 7
+        if wire == 0:
+            value, i = varint(data, i)
+        else:
+            size, i = varint(data, i) if wire == 2 else ({1: 8, 5: 4}[wire], i)
+            value, i = data[i:i + size], i + size
+        out.append((key >> 3, value))
+    assert i == len(data)
+    return out
+
+
+def read_events(path):
+    """Each record's Event as (wall_time, step, kind, payload): kind 'version' (the string),
+    'session_log' (its status), 'summary' ([(tag, value)]); both CRCs of every record checked."""
+    blob, events, i = path.read_bytes(), [], 0
+    while i < len(blob):
+        header = blob[i:i + 8]
+        (length,) = struct.unpack("<Q", header)
+        (header_crc,) = struct.unpack_from("<I", blob, i + 8)
+        assert header_crc == masked(crc32c_bitwise(header)), f"length CRC at byte {i}"
+        data = blob[i + 12:i + 12 + length]
+        (data_crc,) = struct.unpack_from("<I", blob, i + 12 + length)
+        assert len(data) == length and data_crc == masked(crc32c_bitwise(data)), f"data CRC at {i}"
+        i += 16 + length
+        event = dict(fields(data))                  # 1 wall_time, 2 step, then one of 3, 5, 7
+        wall_time, step = struct.unpack("<d", event[1])[0], event.get(2, 0)
+        if 3 in event:
+            events.append((wall_time, step, "version", event[3].decode()))
+        elif 7 in event:
+            events.append((wall_time, step, "session_log", dict(fields(event[7]))[1]))
+        else:
+            values = [dict(fields(v)) for f, v in fields(event[5]) if f == 1]   # Summary.value
+            events.append((wall_time, step, "summary",
+                           [(v[1].decode(), struct.unpack("<f", v[2])[0]) for v in values]))
+    return events
+
+
+def summaries(path):
+    """[(step, {tag: value})] of the event file's summaries."""
+    return [(step, dict(v)) for _, step, kind, v in read_events(path) if kind == "summary"]
+
+
+def test_tensorboard_crc32c_check_value_and_against_bitwise():
+    assert metrics.crc32c(b"123456789") == 0xE3069283 == crc32c_bitwise(b"123456789")
+    assert metrics.crc32c(b"") == 0
+    data = bytes(range(256)) * 3 + b"brain.Event:2"
+    assert metrics.crc32c(data) == crc32c_bitwise(data)
+    assert metrics.masked_crc32c(data) == masked(crc32c_bitwise(data))
+
+
+def test_tensorboard_event_file_read_by_the_spec(tmp_path):
+    fake_run(tmp_path / "save", steps=400, log_interval=100, eval_interval=200,
+             tb=tmp_path / "tb")
+    (path,) = (tmp_path / "tb").iterdir()
+    assert re.fullmatch(r"events\.out\.tfevents\.\d{10}\.[^/]+", path.name)
+    events = read_events(path)
+    assert [e[1:] for e in events[:2]] == [(0, "version", "brain.Event:2"),
+                                           (1, "session_log", 1)]             # START
+    assert all(abs(e[0] - time.time()) < 60 for e in events)
+    train_events = [(s, v) for s, v in summaries(path) if "lm loss" in v]
+    assert [s for s, _ in train_events] == [100, 200, 300, 400]          # multi-byte varints
+    assert train_events[1][1] == pytest.approx({
+        "lm loss": 8.0, "learning-rate": 0.02, "loss-scale": 4096.0,
+        "skipped-iterations": 0.0, "tokens-per-second": 2048.0, "throughput": 0.5}, rel=1e-6)
+    valid = [(s, v) for s, v in summaries(path) if "lm loss validation" in v]
+    assert [s for s, _ in valid] == [200, 400]
+    assert valid[0][1] == pytest.approx({"lm loss validation": 8.5,
+                                         "lm loss validation ppl": math.exp(8.5)}, rel=1e-6)
+    assert len(events) == 2 + 4 + 2
+
+
+def test_tensorboard_reader_catches_a_damaged_byte(tmp_path):
+    fake_run(tmp_path / "save", tb=tmp_path / "tb")
+    (path,) = (tmp_path / "tb").iterdir()
+    blob = bytearray(path.read_bytes())
+    blob[-6] ^= 0x01                                   # in the last event's data
+    path.write_bytes(bytes(blob))
+    with pytest.raises(AssertionError, match="data CRC"):
+        read_events(path)
+
+
+def test_tensorboard_resume_starts_a_later_file_at_the_next_step(tmp_path):
+    fake_run(tmp_path / "save", steps=8, tb=tmp_path / "tb")
+    fake_run(tmp_path / "save", steps=6, resume_step=4, tb=tmp_path / "tb").evaluation(
+        6, "test", 1.5)
+    first, second = sorted((tmp_path / "tb").iterdir())      # TensorBoard reads them in this order
+    assert [s for s, _ in summaries(first)] == [2, 4, 4, 6, 8, 8]
+    assert read_events(second)[1][1:] == (5, "session_log", 1)     # drops the first's 5..8
+    assert [(s, list(v)) for s, v in summaries(second)] == [
+        (6, ["lm loss", "learning-rate", "loss-scale", "skipped-iterations",
+             "tokens-per-second", "throughput"]),
+        (6, ["lm loss test", "lm loss test ppl"])]
+
+
+# ------------------------------------------------------------------------------ a run's own files
+METRICS_RUN = ["--train-iters", "6", "--log-interval", "2", "--eval-interval", "3",
+               "--eval-iters", "1"]
+
+
+@pytest.fixture(scope="module")
+def metrics_run(tmp_path_factory):
+    """A tiny run of 6 steps with --tensorboard-dir: a train record at 2, 4 and 6, validation at
+    3 and 6, the test loss at 6. (save folder, its event file, the log's lines)."""
+    root = tmp_path_factory.mktemp("metrics")
+    assert tiny_run(root / "save", *METRICS_RUN, "--tensorboard-dir", str(root / "tb")) == 0
+    (events,) = (root / "tb").iterdir()
+    return root / "save", events, (root / "save" / "log" / "rank_0" / "info.log").read_text()
+
+
+def test_a_short_run_writes_metrics_jsonl_and_loss_svg(metrics_run):
+    """metrics.jsonl holds the train lines' numbers and the evaluations' losses as the log
+    prints them; loss.svg draws every train and validation loss where its axes put it."""
+    save, _, log_text = metrics_run
+    records = metrics.read_records(save / "metrics.jsonl")
+    assert [(r["step"], r["split"]) for r in records] == [
+        (2, "train"), (3, "validation"), (4, "train"), (6, "train"), (6, "validation"),
+        (6, "test")]
+    lines = [l for l in log_text.splitlines() if l.startswith("train: ")]
+    for r, line in zip([r for r in records if r["split"] == "train"], lines, strict=True):
+        assert set(r) == {"step", "split", "time", *MEGATRON_TAGS}
+        assert (f"Step:{r['step']}, Loss: {r['loss']:.6f}, " in line
+                and f"Grad_norm: {r['grad_norm']:.6f}, Skipped_iterations: 0, " in line
+                and f"Learning_rate: {r['lr']:.6e}, Time: {r['iteration_time'] * 1000:.2f} ms, "
+                    f"Tokens/s: {r['tokens_per_s']:.1f}, TFLOP/s: {r['tflops']:.4f}" in line
+                and f"Loss_scale: {r['loss_scale']}," in line and r["batch_size"] == 4), line
+    for r in records:
+        if r["split"] != "train":
+            assert (f" {r['split']} loss at iteration {r['step']} | lm loss value: "
+                    f"{r['loss']:.6E} |") in log_text
+    root, texts, drawn = parse_svg(save / "loss.svg")
+    x_ticks, y_ticks = ([float(v) for v in texts[k]] for k in ("xtick", "ytick"))
+    for split, count in (("train", 3), ("validation", 2)):
+        expected = [((r["step"] - x_ticks[0]) / (x_ticks[-1] - x_ticks[0]),
+                     (r["loss"] - y_ticks[0]) / (y_ticks[-1] - y_ticks[0]))
+                    for r in records if r["split"] == split]
+        at = [((x - metrics.LEFT) / (metrics.RIGHT - metrics.LEFT),
+               (metrics.BOTTOM - y) / (metrics.BOTTOM - metrics.TOP)) for x, y in drawn[split]]
+        assert len(at) == count and np.allclose(at, expected, atol=0.1 / 350), split
+    assert len(root.findall("s:circle", SVG_NS)) == 2            # the validation points
+    assert [t.split(" (")[0] for t in texts["legend"]] == ["training loss", "validation loss"]
+    assert texts["xtitle"] == ["step"] and texts["ytitle"] == ["lm loss"]
+
+
+def test_a_short_run_writes_tensorboard_events_equal_to_metrics_jsonl(metrics_run):
+    """The event file read record by record (length, both CRCs): the version, START at step 1,
+    then one summary per metrics.jsonl record, at its step, with Megatron's tags and its values
+    (as float32, the event's simple_value)."""
+    save, events_file, _ = metrics_run
+    events = read_events(events_file)
+    assert [e[1:] for e in events[:2]] == [(0, "version", "brain.Event:2"),
+                                           (1, "session_log", 1)]
+    records = metrics.read_records(save / "metrics.jsonl")
+    assert len(events) == 2 + len(records)
+    for (wall_time, step, kind, values), r in zip(events[2:], records):
+        if r["split"] == "train":
+            expected = {MEGATRON_TAGS[k]: v for k, v in r.items() if k in MEGATRON_TAGS}
+        else:
+            tag = f"lm loss {r['split']}"
+            expected = {tag: r["loss"], f"{tag} ppl": math.exp(r["loss"])}
+        assert (kind, step) == ("summary", r["step"]) and abs(wall_time - r["time"]) < 1
+        assert dict(values) == {t: float(np.float32(v)) for t, v in expected.items()}, step
+
+
+def test_metrics_of_a_killed_run_resume_from_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """A run killed at step 6 after saving at 4 (a bug's exception in place of kill -9) and then
+    resumed: metrics.jsonl holds each step once, steps 5 and 6 as the resumed run trained them
+    (step 5 the killed run's numbers again: resume is exact); a second event file starts at 5."""
+    save, tb = tmp_path / "save", tmp_path / "tb"
+    args = ["--train-iters", "6", "--save-interval", "4", "--tensorboard-dir", str(tb)]
+    step, calls = train.Trainer.train_step, []
+    def train_step(self, micro_batches):
+        calls.append(1)
+        if len(calls) == 6:
+            raise Killed
+        return step(self, micro_batches)
+    monkeypatch.setattr(train.Trainer, "train_step", train_step)
+    assert tiny_run(save, *args) == 1 and "training failed" in capsys.readouterr().err
+    killed = metrics.read_records(save / "metrics.jsonl")
+    assert [r["step"] for r in killed] == [1, 2, 3, 4, 5]
+    monkeypatch.undo()
+    assert tiny_run(save, *args, "--load", str(save)) == 0
+    resumed = metrics.read_records(save / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert resumed[:4] == killed[:4]
+    assert [resumed[4][k] for k in ("loss", "lr", "grad_norm")] == [
+        killed[4][k] for k in ("loss", "lr", "grad_norm")]
+    first, second = sorted(tb.iterdir())
+    assert [s for s, _ in summaries(first)] == [1, 2, 3, 4, 5]
+    assert read_events(second)[1][1:] == (5, "session_log", 1)
+    assert [s for s, _ in summaries(second)] == [5, 6]
+
+
 # ====================================================================== training (train.py, run.sh)
 def run_training(tmp_path, name, *args):
     """train.main in this process on the byte-level shipped corpus; returns the train: lines."""
@@ -5251,8 +5646,8 @@ DEFAULT_RUN = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-s
                "--sequence-parallel", "--micro-batch-size", "4", "--global-batch-size", "8",
                "training_config.pipeline_trace=true"]
 PLACEHOLDER = re.compile(r"^([A-Z][A-Z_]*(\.yaml)?|\[.*|\$.*|.*\.\.\..*)$")
-FILE_SUFFIXES = {"py", "yaml", "yml", "json", "md", "txt", "sh", "pt", "ckpt", "svg", "csv",
-                 "log", "bin", "idx"}
+FILE_SUFFIXES = {"py", "yaml", "yml", "json", "jsonl", "md", "txt", "sh", "pt", "ckpt", "svg",
+                 "csv", "log", "bin", "idx"}
 
 
 # -------------------------------------------------------------------------------- reading the pages
