@@ -24,7 +24,7 @@ Sections, in the order of the modules' layers, each under a banner `# ==== name`
       convert, save/stop/resume, damage, GPT-2 import/export, generate
   metrics (metrics.py)
       metrics.jsonl, loss.svg, TensorBoard's event file read back by its specification; a short
-      run's own files, a killed run's resumed
+      run's own files, a killed run resumed
   training (train.py, run.sh)
       log line, FLOPs, profiler, loss, accumulation, resume, half precision, run.sh's launch flags
   msrun harness (this file on the msrun workers)
