@@ -4876,8 +4876,8 @@ def run_checks(world):
 
 
 def run_trainings(runs_file):
-    """Under msrun: each [name, argv, sigterm_step?] of `runs_file` through train.main; returns
-    the names that failed."""
+    """Each [name, argv, sigterm_step?] of `runs_file` through train.main, on every msrun
+    worker or in one process (MsrunJobs.one_process); returns the names that failed."""
     failed = []
     for name, args, *sigterm_step in json.loads(open(runs_file).read()):
         step = train.Trainer.train_step
@@ -4945,6 +4945,7 @@ class MsrunJobs:
         return self.results[name]
 
     def wait(self):
+        """Until every job of the session has ended."""
         for event in self.done.values():
             event.wait()
 
@@ -5885,8 +5886,8 @@ def test_readme_is_a_map_with_short_lines_and_links_that_resolve():
     assert not broken, broken
 
 
-# The msrun worker program (launch, in the msrun harness): `python test_all.py RUNS.json` runs
-# the trainings of RUNS.json, `python test_all.py` the checks.
+# The msrun worker program (msrun_command and MsrunJobs, in the msrun harness): `python
+# test_all.py RUNS.json` runs the trainings of RUNS.json, `python test_all.py` the checks.
 if __name__ == "__main__":
     if len(sys.argv) > 1:
         failed = run_trainings(sys.argv[1])
