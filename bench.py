@@ -27,7 +27,6 @@ this machine's speed drifts; the table gives each run's figures per round.
 cores): the denominator of the model FLOPs utilisation (MFU) the table reports.
 """
 import os
-import random
 import re
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from cli import HelpRequested, parse_command
+from cli import HelpRequested, msrun_command, parse_command
 from config import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -67,12 +66,11 @@ def run_layout(name, steps, folder):
     args = ["train.py", *MODEL, *flags, "--train-iters", str(steps),
             "--log-interval", str(steps // 2), "--save", save, "training_config.save_interval=null"]
     if workers == 1:
-        cmd = [sys.executable, *args]
+        cmd, env = [sys.executable, *args], None
     else:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", str(workers),
-               "--local_worker_num", str(workers), "--master_port", str(random.randint(8100, 8900)),
-               "--join", "True", "--log_dir", os.path.join(save, "msrun"), *args]
-    subprocess.run(cmd, cwd=HERE, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cmd, env = msrun_command(workers, os.path.join(save, "msrun"), args)
+    subprocess.run(cmd, cwd=HERE, env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
     logs = sorted(os.listdir(os.path.join(save, "log")), key=lambda d: int(d[5:]))
     for rank in logs:                         # the loss (and its train: line) is on the last stage
         lines = open(os.path.join(save, "log", rank, "info.log")).read().splitlines()

@@ -8,6 +8,8 @@ guide's spelling became, and what an inert key does not do, is collected in `not
 training logs once at start.
 """
 import os
+import random
+import sys
 
 import yaml
 
@@ -286,12 +288,25 @@ def _flag_rows():
             yield flag, sets, "switch", row.help
 
 
+def msrun_command(workers, log_dir, program):
+    """(argv, environment) of an msrun launch of `workers` workers on this machine that run
+    `program` ([script, its arguments]) with this interpreter: msrun starts `python` from PATH,
+    so this interpreter's folder leads PATH; worker_<rank>.log of each goes to log_dir."""
+    bin_dir = os.path.dirname(sys.executable)
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"],
+               GLOG_v=os.environ.get("GLOG_v", "3"))
+    cmd = [os.path.join(bin_dir, "msrun"), "--worker_num", str(workers), "--local_worker_num",
+           str(workers), "--master_port", str(random.randint(8100, 8900)), "--join", "True",
+           "--cluster_time_out", "120", "--log_dir", log_dir, *program]
+    return cmd, env
+
+
 def training_help():
     """`bash run.sh --help`: the commands, then every Megatron flag with its key, default and
     meaning, from the key table (keys.py)."""
     lines = ["usage: bash run.sh [--nproc N] [--config FILE ...] [FILE.yaml] [Megatron flags] "
              "[section.key=VALUE ...]   train",
-             "       bash run.sh COMMAND [flags]   COMMAND: test, bench, check, preprocess, "
+             "       bash run.sh COMMAND [flags]   COMMAND: test, tour, bench, check, preprocess, "
              "generate, convert,",
              "                                     import-hf, export-hf, import-megatron, plan "
              "(bash run.sh COMMAND --help)",

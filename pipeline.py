@@ -354,8 +354,10 @@ def write_timeline(traces, m, v, kind, path, ranks_per_stage=1):
     with open(path + ".txt", "w") as f:
         f.write(f"pipeline schedule: {name}, p={p}, m={m} (unit time)\n{schedule_table(ticks)}\n\n"
                 f"measured, ms from the first pass ({NOTATION}):\n{timeline}\n\n")
+    title = (f"{name}, p={p}, m={m}: bubble (idle / busy) measured {np.mean(measured):.3f}, "
+             f"(p - 1) / (v m) = {theory_bubble(p, m, v):.3f}")
     with open(path + ".svg", "w") as f:
-        f.write(timeline_svg(traces, f"{name}, p={p}, m={m}", stages))
+        f.write(timeline_svg(traces, ticks, title, stages))
     per_stage = ", ".join(f"{b:.3f}" for b in measured)
     return (f"pipeline: bubble (idle / busy) measured {np.mean(measured):.3f} "
             f"(per stage {per_stage}), unit-time schedule {max(unit):.3f}, "
@@ -383,53 +385,70 @@ def stage_label(stage, ranks_per_stage):
     return f"stage {stage} (ranks {first}-{last})"
 
 
-def timeline_svg(traces, title, stages):
-    """The measured timeline as an SVG drawing: one row per pipeline stage, a box per pass, every
-    box labelled (F/B, micro-batch, a prime per later chunk), forwards blue and backwards green,
-    darker for later chunks; a legend and a time axis in ms."""
-    span = max(e for t in traces for *_, e in t)
-    width, row, left, top = 1100.0, 28, 150, 44
-    scale = (width - left - 20) / span
-    colours = {"F": ["#9ecae1", "#4292c6", "#08519c"], "B": ["#a1d99b", "#41ab5d", "#006d2c"]}
+def timeline_svg(traces, ticks, title, stages):
+    """The step as an SVG drawing, two panels of one row per pipeline stage: the unit-time
+    schedule (simulate's `ticks`, every pass one tick) above the measured passes (`traces`). A
+    box per pass, labelled (F/B, micro-batch, a prime per later chunk), forwards blue and
+    backwards green, darker for later chunks; a legend; an axis under each panel (ticks, ms)."""
+    width, row, top = 1100.0, 28, 44
+    panel = 30 + row * len(traces) + 40                 # heading, rows, axis
     chunks = max(c for t in traces for *_, c, _, _ in t) + 1
-    height = top + row * len(traces) + 40
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" '
-           'font-family="monospace" font-size="11">',
-           f'<text x="4" y="14">{title}: measured, one step</text>']
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" '
+           f'height="{top + 2 * panel}" font-family="monospace" font-size="11">',
+           f'<text x="4" y="14">{title}</text>']
     legend = [(f"{word}{f' chunk {c} ({k}{PRIME * c})' if chunks > 1 else ''}",
-               colours[k][min(c, 2)])
+               TIMELINE_COLOURS[k][min(c, 2)])
               for k, word in (("F", "forward"), ("B", "backward")) for c in range(chunks)]
     for i, (text, fill) in enumerate(legend):
         out.append(f'<rect x="{4 + i * 150}" y="21" width="12" height="12" fill="{fill}" '
                    'stroke="#333" stroke-width="0.5"/>'
                    f'<text x="{20 + i * 150}" y="31">{text}</text>')
-    for r, events in enumerate(traces):
-        y = top + r * row
+    unit = [[(kind, mb, c, tick, tick + 1) for tick, kind, mb, c in t] for t in ticks]
+    _timeline_panel(out, unit, stages, top, width, "unit-time schedule: every pass one tick",
+                    "ticks", 1.0)
+    _timeline_panel(out, traces, stages, top + panel, width, "measured: this step's passes",
+                    "ms from the first pass", 1e3)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+TIMELINE_COLOURS = {"F": ["#9ecae1", "#4292c6", "#08519c"], "B": ["#a1d99b", "#41ab5d", "#006d2c"]}
+
+
+def _timeline_panel(out, rows, stages, top, width, heading, unit, per_unit):
+    """Append to `out` a panel at height `top`: its heading, a row of boxes per stage (rows[r]:
+    (kind, micro-batch, chunk, start, end), in seconds or ticks), an axis in `unit` (start x
+    per_unit)."""
+    row, left = 28, 150
+    span = max(e for t in rows for *_, e in t)
+    scale = (width - left - 20) / span
+    out.append(f'<text x="4" y="{top + 16}">{heading}</text>')
+    for r, events in enumerate(rows):
+        y = top + 24 + r * row
         out.append(f'<text x="4" y="{y + 17}">{stages[r]}</text>')
         for kind, mb, c, s, e in events:
             x, w = left + s * scale, max((e - s) * scale, 1.0)
             label = f"{kind}{mb}{PRIME * c}"
             size = min(11.0, max(5.0, 1.6 * w / len(label)))   # shrink it to fit a narrow box
             out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" '
-                       f'fill="{colours[kind][min(c, 2)]}" stroke="#333" stroke-width="0.5">'
-                       f'<title>{label}: {s * 1e3:.1f}-{e * 1e3:.1f} ms</title></rect>'
+                       f'fill="{TIMELINE_COLOURS[kind][min(c, 2)]}" stroke="#333" '
+                       f'stroke-width="0.5"><title>{label}: {s * per_unit:.1f}-'
+                       f'{e * per_unit:.1f} {unit}</title></rect>'
                        f'<text x="{x + 1:.1f}" y="{y + 16}" font-size="{size:.1f}">{label}</text>')
-    axis = top + row * len(traces) + 4
-    step = _tick_ms(span * 1e3)
+    axis = top + 24 + row * len(rows) + 4
+    step = _tick_ms(span * per_unit)
     out.append(f'<line x1="{left}" y1="{axis}" x2="{left + span * scale:.1f}" y2="{axis}" '
                'stroke="#333"/>')
-    for i in range(int(span * 1e3 // step) + 1):
-        x = left + i * step / 1e3 * scale
+    for i in range(int(span * per_unit // step) + 1):
+        x = left + i * step / per_unit * scale
         out.append(f'<line x1="{x:.1f}" y1="{axis}" x2="{x:.1f}" y2="{axis + 4}" stroke="#333"/>'
                    f'<text x="{x:.1f}" y="{axis + 16}" text-anchor="middle">{i * step:g}</text>')
     out.append(f'<text x="{left + span * scale:.1f}" y="{axis + 30}" text-anchor="end">'
-               'ms from the first pass</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+               f'{unit}</text>')
 
 
 def _tick_ms(span_ms):
-    """A round tick interval giving about 5-10 ticks over span_ms."""
+    """A round axis interval giving about 5-10 marks over span_ms (ms or ticks)."""
     step = 10 ** math.floor(math.log10(max(span_ms, 1e-3) / 5))
     return next(k * step for k in (1, 2, 5, 10) if span_ms / (k * step) <= 10)
 

@@ -3,6 +3,8 @@
 #   bash run.sh                   set up, tokenize the shipped corpus once, train config.yaml on 4
 #                                 msrun workers (TP2 x PP2 with sequence parallelism), sample
 #   bash run.sh test              set up, then the test suite
+#   bash run.sh tour [--layouts a,b]   every layout of a tiny GPT trained beside one process, a
+#                                 row per layout (tour.py)
 #   bash run.sh check ...         the config, layout (--nproc N) and inputs checked, nothing run
 #   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags ->
 #                                 <prefix>_text_document.bin/.idx
@@ -51,6 +53,10 @@ case "${1:-}" in
   bench)
     shift
     exec python bench.py "$@"
+    ;;
+  tour)
+    shift
+    exec python tour.py "$@"
     ;;
 esac
 

@@ -32,6 +32,8 @@ Sections, in the order of the modules' layers, each under a banner `# ==== name`
   msrun tests (parallel.py and the layouts, 2 and 4 workers)
       one test per check family (`pytest test_all.py -k column`), every layout against one
       process, resumes, conversions, the ledger, the timeline, two launches as one job
+  tour (tour.py, bash run.sh tour)
+      a subset of the tour's layouts beside one process, its rows; a layout that differs stops it
   README and docs (README.md, docs/*.md)
       every printed command valid, every named `module.name` and test exists, links resolve
 The msrun harness makes this file the workers' program too: `python test_all.py RUNS.json` runs
@@ -90,6 +92,7 @@ import parallel
 import pipeline
 import sample
 import torch_format
+import tour
 import train
 from cli import HelpRequested, load_config
 from config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
@@ -113,10 +116,10 @@ SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
 # ======================================================================================== structure
 MODULES = ["keys", "config", "cli", "tokenizer", "data", "optimizer", "parallel",
            "context_parallel", "gpt", "pipeline", "memory", "torch_format", "megatron_checkpoint",
-           "checkpoint", "hf_gpt2", "sample", "profiler", "metrics", "train", "bench"]
+           "checkpoint", "hf_gpt2", "sample", "profiler", "metrics", "train", "bench", "tour"]
 
 
-@pytest.mark.parametrize("module", [m for m in MODULES if m not in ("train", "bench")])
+@pytest.mark.parametrize("module", [m for m in MODULES if m not in ("train", "bench", "tour")])
 def test_a_library_module_run_directly_names_the_command(module):
     """`python checkpoint.py import-hf ...` once exited 0 having done nothing: a module that is
     not an entry point ends non-zero with one line naming `bash run.sh`."""
@@ -665,7 +668,7 @@ def test_help_lists_commands_and_flags_without_doing_work(tmp_path, capsys):
     result = subprocess.run(["bash", "run.sh", "--help"], cwd=HERE, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "COMMAND: test, bench, check, preprocess, generate, convert," in result.stdout
+    assert "COMMAND: test, tour, bench, check, preprocess, generate, convert," in result.stdout
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()
             if line.startswith("  --")}
     assert rows["--num-layers"][:3] == ["model_config.num_layers", "4", "transformer"]
@@ -4898,13 +4901,8 @@ def msrun_command(workers, log_dir, runs_file=None):
     """The msrun command (and its environment) that runs this file on `workers` workers: the
     training runs listed in `runs_file`, or without it parallel.py's checks (worker output:
     log_dir/worker_<rank>.log)."""
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-               GLOG_v="3")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", str(workers),
-           "--local_worker_num", str(workers), "--master_port", str(random.randint(8100, 8900)),
-           "--join", "True", "--cluster_time_out", "120", "--log_dir", log_dir,
-           os.path.abspath(__file__), *([runs_file] if runs_file else [])]
-    return cmd, env
+    return cli.msrun_command(workers, log_dir,
+                             [os.path.abspath(__file__), *([runs_file] if runs_file else [])])
 
 
 class MsrunJobs:
@@ -5419,23 +5417,33 @@ def test_converted_checkpoint_trains_like_the_original_layout(parallel_runs, run
 
 
 def test_pipeline_timeline_and_bubble_figures(parallel_runs):
-    """pp2 traced its last step: a text and an SVG timeline with one box per pass (2 stages x
-    4 micro-batches x forward and backward), and the bubble figures next to the theory."""
+    """pp2 traced its last step: a text and an SVG timeline, the SVG with the unit-time schedule
+    (a box per pass at its tick) above the measured passes (a box per pass: 2 stages x 4
+    micro-batches x forward and backward), the bubble figures next to the theory in the log
+    and in the SVG's title."""
     tmp, _ = parallel_runs
     line = next(l for l in train_lines(tmp / "pp2", "pipeline: bubble"))
     assert ("unit-time schedule 0.250, theory 0.250; peak micro-batches in flight per stage "
             "[2, 1]" in line), line
-    measured = float(re.search(r"measured (\S+) ", line).group(1))
-    assert 0.0 <= measured < 10.0
+    measured = re.search(r"measured (\S+) ", line).group(1)
+    assert 0.0 <= float(measured) < 10.0
     svg = ElementTree.parse(tmp / "pp2" / "pipeline_timeline.svg").getroot()
     ns = "{http://www.w3.org/2000/svg}"
-    boxes = [r for r in svg.iter(ns + "rect") if r.find(ns + "title") is not None]
     texts = [t.text for t in svg.iter(ns + "text")]
-    assert len(boxes) == 2 * 4 * 2  # every pass, and a label on each
+    assert texts[0] == (f"1F1B, p=2, m=4: bubble (idle / busy) measured {measured}, "
+                        "(p - 1) / (v m) = 0.250")
+    boxes = [r.find(ns + "title").text for r in svg.iter(ns + "rect")
+             if r.find(ns + "title") is not None]
+    unit = [b for b in boxes if b.endswith(" ticks")]
+    assert len(boxes) == 2 * len(unit) == 2 * 2 * 4 * 2  # every pass in each panel
+    _, ticks = pipeline.simulate(2, 4)
+    assert sorted(unit) == sorted(f"{k}{mb}: {t:.1f}-{t + 1:.1f} ticks"
+                                  for stage in ticks for t, k, mb, _ in stage)
     assert (sorted(t for t in texts if re.fullmatch(r"[FB]\d'*", t))
-            == sorted([f"{k}{mb}" for k in "FB" for mb in range(4)] * 2))
-    assert {"forward", "backward", "stage 0 (rank 0)", "stage 1 (rank 1)",
-            "ms from the first pass"} <= set(texts)
+            == sorted([f"{k}{mb}" for k in "FB" for mb in range(4)] * 4))
+    assert {"forward", "backward", "stage 0 (rank 0)", "stage 1 (rank 1)", "ticks",
+            "ms from the first pass", "unit-time schedule: every pass one tick",
+            "measured: this step's passes"} <= set(texts)
     text = (tmp / "pp2" / "pipeline_timeline.txt").read_text()
     assert "stage 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3" in text and "measured" in text
     assert "F3' = the same on the stage's second model chunk" in text
@@ -5610,6 +5618,55 @@ def test_parallel_checkpoint_merges_to_the_one_process_model(parallel_runs, layo
     assert capsys.readouterr().out.startswith("ROMEO:")
 
 
+# ================================================================ tour (tour.py, bash run.sh tour)
+def test_tour_refuses_an_unknown_layout_in_one_line(tmp_path, capsys):
+    """A wrong --layouts is one line naming the choices, exit 2, before anything is written."""
+    assert tour.main(["--layouts", "tp,tq", "--output", str(tmp_path / "tour")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: tour: --layouts tq: choose from {', '.join(tour.LAYOUTS)}"]
+    assert not (tmp_path / "tour").exists()
+
+
+def test_tour_rows_name_code_that_exists():
+    """Every layout's line of code names (module.name) exists and fits in 100 characters; its
+    flags are a valid layout on its worker count."""
+    for name, layout in tour.LAYOUTS.items():
+        assert len(f"    {layout.title}: {layout.code}") < 100, name
+        for dotted in layout.code.split(", "):
+            module, attribute = dotted.split(".")
+            assert hasattr(importlib.import_module(module), attribute), dotted
+        load_config(os.path.join(HERE, "config.yaml"), [*tour.MODEL, *layout.flags],
+                    layout.workers)
+
+
+def test_tour_runs_layouts_beside_one_process(tmp_path, msrun_free):
+    """`bash run.sh tour --layouts pp,dp`: one process, then one msrun launch of both layouts;
+    each row `equal`, its ledger equal to the formula on every rank ("="), the pipeline's row
+    with its measured bubble beside (p - 1) / m = 0.25 and its timeline. A reference whose loss
+    moved by 1e-4 makes the same row DIFFERS and stops the tour, naming the layout."""
+    out = tmp_path / "tour"
+    done = subprocess.run(["bash", "run.sh", "tour", "--layouts", "pp,dp", "--output", str(out)],
+                          cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    rows = {l.split()[0]: l.split() for l in lines if l.split()[:1] in (["dp"], ["pp"])}
+    assert list(rows) == ["dp", "pp"], lines                  # in LAYOUTS' order
+    for name, words in rows.items():
+        assert words[1:2] == ["2"] and words[3:4] == ["equal"] and words[5:6] == ["="], words
+        assert float(words[2]) <= tour.RTOL["one"] and words[4] == words[6], words
+    assert rows["dp"][7:9] == ["-", "-"] and rows["pp"][8] == "0.250", rows
+    assert f"    timeline: {out}/pp/pipeline_timeline.svg" in lines
+    assert re.fullmatch(r"tour: 2 layout\(s\), each equal to one process, in \d+ min \d+ s",
+                        lines[-1]), lines[-1]
+    moved = tmp_path / "moved"
+    shutil.copytree(out / "one", moved / "one")
+    records = [json.loads(l) for l in (moved / "one" / "metrics.jsonl").read_text().splitlines()]
+    records[3]["loss"] *= 1 + 1e-4
+    (moved / "one" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(tour.RunFailed, match=r"^pp differs from one process by 1\.0e-04"):
+        tour.report("pp", str(out / "pp"), str(moved))
+
+
 # =========================================================== README and docs (README.md, docs/*.md)
 # README.md and docs/*.md held to the code (to be folded into test_all.py).
 #
@@ -5763,6 +5820,9 @@ def check_valid_command(words, output, capsys):
         values, _ = cli.parse_command("bench", words[1:], bench.BENCH_FLAGS)
         assert set(values["layouts"]) <= set(bench.LAYOUTS), values["layouts"]
         return "bench"
+    if command == "tour":
+        tour.parse(words[1:])                     # a wrong layout or flag raises ConfigError
+        return "tour"
     if command not in COMMANDS:
         if "--help" in words or "-h" in words:
             assert train.main(["--help"]) == 0
