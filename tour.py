@@ -121,7 +121,7 @@ class Launch:
         runs_file = os.path.join(output, f"runs_{workers}.json")
         data.write_atomic(runs_file, json.dumps(runs))
         program = [os.path.abspath(__file__), "--runs", runs_file]
-        self.log_dir = os.path.join(output, f"msrun_{workers}")
+        self.log_dir = os.path.join(output, f"launch_{workers}")     # console.log, worker logs
         if workers == 1:
             cmd, env = [sys.executable, *program], None
         else:
