@@ -291,10 +291,14 @@ def _flag_rows():
 def msrun_command(workers, log_dir, program):
     """(argv, environment) of an msrun launch of `workers` workers on this machine that run
     `program` ([script, its arguments]) with this interpreter: msrun starts `python` from PATH,
-    so this interpreter's folder leads PATH; worker_<rank>.log of each goes to log_dir."""
+    so this interpreter's folder leads PATH; worker_<rank>.log of each goes to log_dir.
+    MS_NODE_TIMEOUT is also how long a CPU collective waits for its peers (MindSpore's
+    CollectiveOpsImpl reads it): run.sh's 10 s, which ends a job soon after a worker dies, is
+    too short for these launches of many runs, where a peer can spend longer compiling its
+    first step on an oversubscribed machine (seen: TP2 x PP2 in float16 with 4 workers)."""
     bin_dir = os.path.dirname(sys.executable)
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"],
-               GLOG_v=os.environ.get("GLOG_v", "3"))
+               GLOG_v=os.environ.get("GLOG_v", "3"), MS_NODE_TIMEOUT="90")
     cmd = [os.path.join(bin_dir, "msrun"), "--worker_num", str(workers), "--local_worker_num",
            str(workers), "--master_port", str(random.randint(8100, 8900)), "--join", "True",
            "--cluster_time_out", "120", "--log_dir", log_dir, *program]

@@ -39,7 +39,9 @@ fi
 export PATH="$PWD/.venv/bin:$PATH"          # msrun starts `python` from PATH
 export GLOG_v="${GLOG_v:-3}"                # MindSpore: errors only on the console
 # msrun stops the other workers as soon as one fails, then its scheduler waits this many seconds
-# for their heartbeats (30 by default) before the job ends
+# for their heartbeats (30 by default) before the job ends. It is also how long a CPU collective
+# waits for its peers: raise it if a worker compiling on a busy machine makes its peers time out
+# ("CollectiveWait ... failed" in their logs)
 export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-10}"
 
 case "${1:-}" in

@@ -126,9 +126,6 @@ class Launch:
             cmd, env = [sys.executable, *program], None
         else:
             cmd, env = msrun_command(workers, self.log_dir, program)
-            # 16 workers on 2 cores: one busy compiling can miss msrun's heartbeats for longer
-            # than run.sh's MS_NODE_TIMEOUT of 10 s
-            env["MS_NODE_TIMEOUT"] = "90"
         os.makedirs(self.log_dir, exist_ok=True)
         self.console = open(os.path.join(self.log_dir, "console.log"), "w")
         self.process = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=self.console,
