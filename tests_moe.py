@@ -62,10 +62,10 @@ def layer_of(seed=0, **overrides):
 
 
 def run(f, x, cell):
-    """Output of f(x) and the gradients of sum(f(x) * probe) for x and every parameter of
-    `cell`, by name, as numpy."""
+    """Output of f(x) (x's shape) and the gradients of sum(f(x) * probe) for x and every
+    parameter of `cell`, by name, as numpy."""
     names, params = zip(*cell.parameters_and_names())
-    probe = random(f(x).shape, 99)
+    probe = random(x.shape, 99)
 
     def loss(x):
         y = f(x)
@@ -76,10 +76,12 @@ def run(f, x, cell):
             **{n: g.asnumpy() for n, g in zip(names, dw)}}
 
 
-def assert_same(a, b, atol=1e-6, rtol=1e-5):
+def assert_same(a, b, tol=1e-6):
+    """Equal to `tol` of each array's largest magnitude (fp32 sums in another order)."""
     assert a.keys() == b.keys()
     for key in a:
-        np.testing.assert_allclose(a[key], b[key], rtol=rtol, atol=atol, err_msg=key)
+        scale = max(1.0, float(np.abs(b[key]).max()))
+        np.testing.assert_allclose(a[key], b[key], rtol=0, atol=tol * scale, err_msg=key)
 
 
 # ============================================================================ router
@@ -369,3 +371,153 @@ def test_training_the_router_on_the_aux_loss_evens_the_expert_load():
             ops.assign(p, p - 20.0 * g)
     after = imbalance()
     assert float(before) == 2.0 and float(after) < 1.25, (float(before), float(after))
+
+
+# ============================================================================ experts
+@pytest.mark.parametrize("act, bias", [("gelu_tanh", True), ("swiglu", False), ("gelu", True)])
+def test_grouped_mlp_equals_sequential_mlp(act, bias):
+    """The same parameters (names and values); batched matmuls against a loop of experts."""
+    cfg = moe_config(hidden_act=act, add_bias_linear=bias)
+    sequential, grouped = fill(moe.SequentialMLP(cfg, 3, 1)), fill(moe.GroupedMLP(cfg, 3, 1))
+    assert [n for n, _ in sequential.parameters_and_names()] == \
+        [n for n, _ in grouped.parameters_and_names()]
+    tokens, probs = random((3, 5, 8), 12), ops.abs(random((3, 5), 13))
+    assert_same(run(lambda t: grouped(t, probs), tokens, grouped),
+                run(lambda t: sequential(t, probs), tokens, sequential))
+
+
+def dense_reference(layer, x):
+    """Every routed expert on every token, weighted by the router's probs [n, E]:
+    sum_e p_e * (fc2(act(fc1 x + b1)) + b2), plus the shared expert, in plain ops."""
+    s, b, h = x.shape
+    tokens, act = x.reshape(s * b, h), layer.experts.act
+    probs, _ = layer.router(x)
+    out = 0.0
+    for e, expert in enumerate(layer.experts.local_experts):
+        fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+        y = moe.apply_activation(parallel.linear(tokens, fc1.weight, fc1.bias), act)
+        out = out + probs[:, e:e + 1] * parallel.linear(y, fc2.weight, fc2.bias)
+    out = out.reshape(s, b, h)
+    shared = layer.shared_experts
+    if shared is not None:
+        y = moe.apply_activation(ops.matmul(x, shared.linear_fc1.weight.T), act)
+        y = ops.matmul(y, shared.linear_fc2.weight.T)
+        if shared.gate_weight is not None:
+            y = y * ops.sigmoid(ops.matmul(x, shared.gate_weight.T))
+        out = out + y
+    return out
+
+
+def np_layer(layer, x):
+    """The dropless layer in numpy with its own router (gelu_tanh or swiglu experts)."""
+    s, b, h = x.shape
+    tokens = x.reshape(s * b, h)
+    cfg = layer.router
+    probs, _ = np_route(tokens @ cfg.weight.asnumpy().T, cfg.topk, cfg.score_function,
+                        cfg.pre_softmax, cfg.scaling_factor)
+    out = np.zeros_like(tokens)
+    for e, expert in enumerate(layer.experts.local_experts):
+        y = tokens @ expert.linear_fc1.weight.asnumpy().T
+        if layer.experts.act == "swiglu":
+            gate, up = np.split(y, 2, -1)
+            y = gate / (1 + np.exp(-gate)) * up
+        else:
+            y = 0.5 * y * (1 + np.tanh(0.7978845608028654 * (y + 0.044715 * y ** 3)))
+        out += probs[:, e:e + 1] * (y @ expert.linear_fc2.weight.asnumpy().T)
+    return out.reshape(s, b, h)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("act, bias", [("gelu_tanh", True), ("swiglu", False)])
+def test_dropless_layer_equals_every_expert_on_every_token(dispatcher, grouped, act, bias):
+    layer = layer_of(moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=grouped,
+                     hidden_act=act, add_bias_linear=bias)
+    x = random((6, 2, 8), 14)
+    got = run(layer, x, layer)
+    assert_same(got, run(lambda x: dense_reference(layer, x), x, layer))
+    if not bias:
+        np.testing.assert_allclose(got["output"], np_layer(layer, x.asnumpy()), rtol=1e-5,
+                                   atol=1e-6)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_capacity_layer_equals_the_dense_reference_of_the_kept_tokens(dispatcher, policy, pad):
+    """Capacity factor 0.5: C = ceil(12 * 2 / 4 * 0.5) = 3 slots per expert for 24 routings."""
+    layer = layer_of(moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=0.5,
+                     moe_token_drop_policy=policy, moe_pad_expert_input_to_capacity=pad)
+    x = random((6, 2, 8), 15)
+    probs, routing_map = layer.router(x)
+    assert (probs.asnumpy() > 0).sum() < 24                        # tokens were dropped
+    np.testing.assert_array_equal(routing_map.asnumpy().sum(0), 3 if pad else
+                                  np.minimum(routing_map.asnumpy().sum(0), 3))
+    assert_same(run(layer, x, layer), run(lambda x: dense_reference(layer, x), x, layer))
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_shared_expert_adds_a_dense_mlp_on_every_token(gate):
+    layer = layer_of(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=gate,
+                     hidden_act="swiglu")
+    x = random((6, 2, 8), 16)
+    got = run(layer, x, layer)
+    assert_same(got, run(lambda x: dense_reference(layer, x), x, layer))
+    routed = layer_of(hidden_act="swiglu")                   # the same routed experts
+    assert np.abs(got["output"] - routed(x).asnumpy()).max() > 1e-2
+
+
+def test_both_dispatchers_and_explicit_one_rank_groups_give_the_same_layer():
+    """allgather and alltoall (built with an expert-parallel group of one rank, EP carved from
+    DP) compute the same layer, losses included."""
+    state = parallel.get_state()
+    cfg = dict(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, moe_expert_capacity_factor=1.0,
+               moe_token_drop_policy="position")
+    plain = layer_of(**cfg)
+    alltoall = fill(moe.MoELayer(moe_config(moe_token_dispatcher_type="alltoall", **cfg),
+                                 ep_group=state.dp_group, tp_ep_group=state.tp_group,
+                                 tp_cp_group=state.tp_group))
+    alltoall.set_train(True)
+    assert alltoall.token_dispatcher.exchange is not None
+    x = random((6, 2, 8), 17)
+    assert_same(run(alltoall, x, alltoall), run(plain, x, plain))
+
+
+@pytest.mark.parametrize("dispatcher, capacity", [("allgather", None), ("alltoall", 0.75)])
+def test_compiled_layer_equals_op_by_op(dispatcher, capacity):
+    """The whole layer in one ms.jit graph (gpt.Compiled): output, every gradient (aux and z
+    injected) and the logged losses as op by op; evaluation compiles without the losses."""
+    layer = layer_of(moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=capacity,
+                     moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1,
+                     moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True)
+    compiled, x = gpt.Compiled(layer), random((6, 2, 8), 18)
+    eager = run(layer, x, layer)
+    logged = moe.report_metrics([layer], 1.0, 1)
+    assert_same(run(compiled, x, layer), eager)
+    assert moe.report_metrics([layer], 1.0, 1) == pytest.approx(logged, rel=1e-6)
+    layer.set_train(False)
+    np.testing.assert_allclose(compiled(x).asnumpy(), layer(x).asnumpy(), rtol=1e-6, atol=1e-7)
+    assert not layer.router.metrics[0].asnumpy().any()
+
+
+def test_parameter_names_and_attributes():
+    """Megatron's module names; expert parameters marked allreduce=False and split like the TP
+    layers (fc1 by rows in [gate; up] blocks, fc2 by columns); the logged sums and the shared
+    scale are no parameters of the layer."""
+    layer = moe.MoELayer(moe_config(num_moe_experts=2, hidden_act="swiglu",
+                                    moe_shared_expert_intermediate_size=8,
+                                    moe_shared_expert_gate=True))
+    params = dict(layer.parameters_and_names())
+    expert = [f"experts.local_experts.{j}.linear_fc{i}.weight" for j in (0, 1) for i in (1, 2)]
+    assert list(params) == ["router.weight"] + expert + [
+        "shared_experts.gate_weight", "shared_experts.linear_fc1.weight",
+        "shared_experts.linear_fc2.weight"]
+    assert params[expert[0]].shape == (24, 8) and params[expert[1]].shape == (8, 12)
+    for name in expert:
+        p = params[name]
+        assert p.allreduce is False and p.partition_dim == (0 if "fc1" in name else 1)
+    assert params[expert[0]].partition_chunks == 2
+    assert not hasattr(params["router.weight"], "allreduce")
+    assert len(list(layer.get_parameters())) == len(params)         # not the logged sums
+    assert moe.global_expert_name("layers.3.mlp.experts.local_experts.1.linear_fc1.weight", 2, 4) \
+        == "layers.3.mlp.experts.local_experts.9.linear_fc1.weight"
