@@ -12,7 +12,9 @@ Tokens are flattened sequence-major, t = s_idx * b + b_idx (router.py:761).
 Every shape is static, so a layer compiles in ms.jit: the `allgather` dispatcher runs each local
 expert on every gathered token with its probability (0 for a token routed elsewhere or dropped),
 the `alltoall` dispatcher fills fixed capacity slots [E, C, h] (C = n when dropless, so nothing
-is dropped). Both compute Megatron's sums; only the FLOPs are higher.
+is dropped). Both compute Megatron's sums; only the FLOPs are higher. A dispatcher's
+dispatch(tokens [n, h], probs, routing_map) returns (tokens [E_l, T, h], probs [E_l, T], slot
+indices) for the experts, and combine(expert output [E_l, T, h], slot indices, n) -> [n, h].
 
 Config fields, read from `cfg` (the model config; Megatron's TransformerConfig names, lines of
 transformer_config.py at d98e8a64):
@@ -27,7 +29,7 @@ transformer_config.py at d98e8a64):
     moe_router_dtype (l. 811)                    None (the input's dtype) | "fp32"
     moe_router_load_balancing_type (l. 743)      "aux_loss" | "seq_aux_loss" | "none"
     moe_aux_loss_coeff (l. 875)                  0 computes no balancing loss
-    moe_z_loss_coeff (l. 880)                    None computes no z-loss
+    moe_z_loss_coeff (l. 880)                    None (or 0) computes no z-loss
     moe_expert_capacity_factor (l. 917)          None: dropless
     moe_pad_expert_input_to_capacity (l. 921)    every expert gets exactly C tokens
     moe_token_drop_policy (l. 932)               "probs" | "position"
@@ -60,10 +62,12 @@ linear_fc1|linear_fc2.weight|bias (J local; `global_expert_name` makes it global
 shared_experts.linear_fc1|linear_fc2.weight, shared_experts.gate_weight. Initialisation
 (router.py:78-88, Megatron's init_method): every weight and the router bias normal(0, std),
 linear_fc2 with std / sqrt(2 num_layers), the experts' other biases zero. Expert parameters carry
-`allreduce = False` (their gradients are summed over the expert-data-parallel group,
-tensor_parallel/layers.py:1033-1036) and `partition_dim` like the TP layers; the router's and
-the gate's `sequence_parallel` as Megatron marks them.
+`allreduce = False` (their gradients are summed over the expert-data-parallel group; Megatron
+marks them when ep > 1 or etp != tp, tensor_parallel/layers.py:1033-1037, 1090, and with EP = 1
+that group is DP x CP anyway) and `partition_dim` like the TP layers; the router's and the
+gate's `sequence_parallel` as Megatron marks them.
 """
+import itertools
 import math
 import re
 
@@ -244,7 +248,7 @@ class MoEAuxLossAutoScaler(nn.Cell):
         MoEAuxLossAutoScaler.scale_parameter().set_data(Tensor(float(scale), F32))
 
 
-_ROUTER_IDS = iter(range(1 << 30))          # unique names for the routers' metric Parameters
+_ROUTER_IDS = itertools.count()             # unique names for the routers' metric Parameters
 
 
 class TopKRouter(nn.Cell):
@@ -284,7 +288,7 @@ class TopKRouter(nn.Cell):
         self.aux_loss_scaler, self.z_loss_scaler = MoEAuxLossAutoScaler(), MoEAuxLossAutoScaler()
         self.metrics = (Parameter(Tensor(np.zeros(len(METRICS), np.float32)), requires_grad=False,
                                   name=f"moe_router_metrics.{next(_ROUTER_IDS)}"),)
-        self.basis = Tensor(np.eye(len(METRICS), dtype=np.float32))
+        self.basis = Tensor(np.eye(len(METRICS), dtype=np.float32))      # row i: METRICS[i]
         names = [METRICS[self.load_balancing_type == "seq_aux_loss"]] if self.aux_loss_coeff else []
         self.metric_names = tuple(names + (["z_loss"] if self.z_loss_coeff else []))
 
@@ -620,6 +624,7 @@ class MoELayer(nn.Cell):
             raise ValueError(f"num_moe_experts {cfg.num_moe_experts} is not a multiple of the "
                              f"expert-parallel size {ep_size}")
         self.num_local_experts = cfg.num_moe_experts // ep_size
+        self.dtype = getattr(ms, cfg.compute_dtype)
         self.router = TopKRouter(cfg, tp_cp_group)
         self.experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
             cfg, self.num_local_experts, state.tp)
@@ -641,8 +646,9 @@ class MoELayer(nn.Cell):
         # the shared expert first, as Megatron (moe_layer.py:660-662)
         shared = self.shared_experts(hidden) if self.shared_experts is not None else None
         probs, routing_map = self.router(hidden)                                  # [n, E] each
-        tokens, probs, indices = self.token_dispatcher.dispatch(hidden.reshape(s * b, h), probs,
-                                                                routing_map)
+        # cast before the dispatcher's gathers, as ColumnParallelLinear before f~
+        tokens = cast(hidden.reshape(s * b, h), self.dtype)
+        tokens, probs, indices = self.token_dispatcher.dispatch(tokens, probs, routing_map)
         output = self.token_dispatcher.combine(self.experts(tokens, probs), indices, s * b)
         output = output.reshape(s, b, h)
         return output if shared is None else output + shared
