@@ -1,4 +1,4 @@
-"""Training speed of each layout, measured the way the README's performance table is made:
+"""Training speed of each layout, measured the way docs/performance.md's tables are made:
 
     bash run.sh bench [--repeats 2] [--steps 12] [--torch PYTHON]
 
@@ -10,18 +10,23 @@ this machine's speed drifts; the table gives each run's figures per round.
 
     one                one process, micro-batch 8
     tp2 / tp2_sp       2 msrun workers: TP2, and TP2 with sequence parallelism
-    dp2 / pp2          2 msrun workers: DP2 (micro-batch 4 each); PP2 with 4 micro-batches of 2 (1F1B)
-    cp2 / cp2_ring     2 msrun workers: CP2, Ulysses and ring attention (128 tokens of each sequence each)
+    dp2 / pp2          2 msrun workers: DP2 (micro-batch 4 each); PP2 with 4 micro-batches of 2
+                       (1F1B)
+    cp2 / cp2_ring     2 msrun workers: CP2, Ulysses and ring attention (128 tokens of each
+                       sequence each)
                        each against `one` (the same model and global batch)
-    torch              the same GPT in PyTorch eager (`--torch /path/to/python-with-torch`; torch is
-                       not a dependency: `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`)
+    one_fp16, tp2_sp_fp16, dp2_fp16
+                       the same in float16 (Megatron's --fp16, loss scale 4096 so that no step
+                       is skipped)
+    torch              the same GPT in PyTorch eager (`--torch /path/to/python-with-torch`;
+                       torch is not a dependency:
+                       `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`)
 
 `python bench.py torch-reference` is that PyTorch model; it imports torch only when run.
 `python bench.py matmul-peak` measures this machine's fp32 matmul TFLOP/s with MindSpore (all
 cores): the denominator of the model FLOPs utilisation (MFU) the table reports.
 """
 import os
-import random
 import re
 import subprocess
 import sys
@@ -29,7 +34,7 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from cli import HelpRequested, parse_command
+from cli import HelpRequested, msrun_command, parse_command
 from config import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,27 +46,31 @@ MODEL = ["--mock-data", "--vocab-size", str(SHAPE["vocab"]), "--num-layers", str
 LAYOUTS = {  # name: (workers, flags)
     "one": (1, ["--micro-batch-size", "8"]),
     "tp2": (2, ["--micro-batch-size", "8", "--tensor-model-parallel-size", "2"]),
-    "tp2_sp": (2, ["--micro-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2_sp": (2, ["--micro-batch-size", "8", "--tensor-model-parallel-size", "2",
+                   "--sequence-parallel"]),
     "dp2": (2, ["--micro-batch-size", "4"]),
     "pp2": (2, ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"]),
     "cp2": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2"]),
-    "cp2_ring": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+    "cp2_ring": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2",
+                     "--cp-comm-type", "p2p"]),
 }
+FP16 = ["--fp16", "--initial-loss-scale", "4096"]
+LAYOUTS.update({f"{name}_fp16": (LAYOUTS[name][0], LAYOUTS[name][1] + FP16)
+                for name in ("one", "tp2_sp", "dp2")})
 
 
 def run_layout(name, steps, folder):
     """(tokens/s of the last log window, TFLOP/s per worker, timers line) of one training run."""
     workers, flags = LAYOUTS[name]
     save = os.path.join(folder, f"{name}_{time.time_ns()}")
-    args = ["train.py", *MODEL, *flags, "--train-iters", str(steps), "--log-interval", str(steps // 2),
-            "--save", save, "training_config.save_interval=null"]
+    args = ["train.py", *MODEL, *flags, "--train-iters", str(steps),
+            "--log-interval", str(steps // 2), "--save", save, "training_config.save_interval=null"]
     if workers == 1:
-        cmd = [sys.executable, *args]
+        cmd, env = [sys.executable, *args], None
     else:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), "--worker_num", str(workers),
-               "--local_worker_num", str(workers), "--master_port", str(random.randint(8100, 8900)),
-               "--join", "True", "--log_dir", os.path.join(save, "msrun"), *args]
-    subprocess.run(cmd, cwd=HERE, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cmd, env = msrun_command(workers, os.path.join(save, "msrun"), args)
+    subprocess.run(cmd, cwd=HERE, env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
     logs = sorted(os.listdir(os.path.join(save, "log")), key=lambda d: int(d[5:]))
     for rank in logs:                         # the loss (and its train: line) is on the last stage
         lines = open(os.path.join(save, "log", rank, "info.log")).read().splitlines()
@@ -75,9 +84,12 @@ def run_layout(name, steps, folder):
 
 
 def run_torch(python, steps):
-    out = subprocess.run([python, os.path.join(HERE, "bench.py"), "torch-reference", "--steps", str(steps)],
+    """(tokens/s, no TFLOP/s, a description) of the PyTorch reference run by `python`."""
+    out = subprocess.run([python, os.path.join(HERE, "bench.py"), "torch-reference",
+                          "--steps", str(steps)],
                          check=True, capture_output=True, text=True).stdout
-    return float(re.search(r"tokens/s: ([\d.]+)", out).group(1)), None, "PyTorch eager, forward + backward + AdamW"
+    tokens = float(re.search(r"tokens/s: ([\d.]+)", out).group(1))
+    return tokens, None, "PyTorch eager, forward + backward + AdamW"
 
 
 def matmul_peak(n=1024, reps=20):
@@ -106,39 +118,58 @@ BENCH_FLAGS = {"--repeats": (2, int, "alternating rounds of all runs"),
                "--torch": (None, str, "a python with torch installed: adds the PyTorch reference")}
 
 
+def _report(name, rows, base, peak):
+    """The table's two lines for run `name`: tokens/s per round (and its ratio to the rounds
+    `base` of `one`), TFLOP/s per worker and MFU against `peak`; then the last round's timers."""
+    tokens = [r[0] for r in rows]
+    ratio = ""
+    if base and name != "one":
+        ratio = f"  {'/'.join(f'{t / b:.2f}' for t, b in zip(tokens, base))}x one"
+    workers = LAYOUTS[name][0] if name in LAYOUTS else 1
+    tflops = ""
+    if rows[0][1] is not None:
+        per_worker = "/".join(f"{r[1]:.4f}" for r in rows)
+        mfu = "/".join(f"{r[1] * workers / peak:.0%}" for r in rows)
+        tflops = f"  TFLOP/s per worker {per_worker} (MFU {mfu})"
+    return [f"{name:8s} tokens/s {'/'.join(f'{t:.0f}' for t in tokens)}{ratio}{tflops}",
+            f"{'':8s} {rows[-1][2]}"]
+
+
 def main(argv):
+    """bash run.sh bench: see the module docstring."""
     try:
-        v, _ = parse_command("bench", argv, BENCH_FLAGS, about="Alternating speed benchmark of the layouts.")
-        unknown = [name for name in v["layouts"] if name not in LAYOUTS]
+        options, _ = parse_command("bench", argv, BENCH_FLAGS,
+                                   about="Alternating speed benchmark of the layouts.")
+        unknown = [name for name in options["layouts"] if name not in LAYOUTS]
         if unknown:
-            raise ConfigError(f"bench: unknown layout {unknown[0]!r}: choose from {', '.join(LAYOUTS)}")
+            raise ConfigError(f"bench: unknown layout {unknown[0]!r}: choose from "
+                              f"{', '.join(LAYOUTS)}")
     except HelpRequested as e:
         print(e)
         return 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    a = SimpleNamespace(**v)
+    a = SimpleNamespace(**options)
     runs = a.layouts + (["torch"] if a.torch else [])
     results = {name: [] for name in runs}
-    peak = float(re.search(r"TFLOP/s: ([\d.]+)", subprocess.run(
-        [sys.executable, __file__, "matmul-peak"], check=True, capture_output=True, text=True).stdout).group(1))
+    peak_out = subprocess.run([sys.executable, __file__, "matmul-peak"], check=True,
+                              capture_output=True, text=True).stdout
+    peak = float(re.search(r"TFLOP/s: ([\d.]+)", peak_out).group(1))
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(a.repeats):
             for name in runs:
-                results[name].append(run_torch(a.torch, a.steps) if name == "torch" else run_layout(name, a.steps, folder))
-    print(f"benchmark shape {SHAPE}, {a.repeats} alternating rounds, {time.strftime('%Y-%m-%d')}; "
-          f"fp32 matmul peak {peak:.4f} TFLOP/s on {os.cpu_count()} cores")
+                if name == "torch":
+                    results[name].append(run_torch(a.torch, a.steps))
+                else:
+                    results[name].append(run_layout(name, a.steps, folder))
+    print(f"benchmark shape {SHAPE}, {a.repeats} alternating rounds, "
+          f"{time.strftime('%Y-%m-%d')}; fp32 matmul peak {peak:.4f} TFLOP/s on "
+          f"{os.cpu_count()} cores")
     base = [tokens for tokens, _, _ in results.get("one", [])]
     for name in runs:
-        tokens = [r[0] for r in results[name]]
-        ratio = f"  {'/'.join(f'{t / b:.2f}' for t, b in zip(tokens, base))}x one" if base and name != "one" else ""
-        workers = LAYOUTS[name][0] if name in LAYOUTS else 1
-        tflops = "" if results[name][0][1] is None else \
-            f"  TFLOP/s per worker {'/'.join(f'{r[1]:.4f}' for r in results[name])}" \
-            f" (MFU {'/'.join(f'{r[1] * workers / peak:.0%}' for r in results[name])})"
-        print(f"{name:8s} tokens/s {'/'.join(f'{t:.0f}' for t in tokens)}{ratio}{tflops}")
-        print(f"{'':8s} {results[name][-1][2]}")
+        for line in _report(name, results[name], base, peak):
+            print(line)
 
 
 # ----------------------------------------------------------------------------- PyTorch reference
@@ -149,7 +180,8 @@ def torch_reference(argv):
     import torch.nn as nn
     import torch.nn.functional as F
     steps = parse_command("torch-reference", argv, {"--steps": (5, int, "timed steps")})[0]["steps"]
-    h, heads, s, b, vocab = SHAPE["hidden"], SHAPE["heads"], SHAPE["seq"], SHAPE["batch"], SHAPE["vocab"]
+    h, heads, s, b = SHAPE["hidden"], SHAPE["heads"], SHAPE["seq"], SHAPE["batch"]
+    vocab = SHAPE["vocab"]
 
     class Block(nn.Module):
         def __init__(self):
@@ -159,7 +191,9 @@ def torch_reference(argv):
             self.fc1, self.fc2 = nn.Linear(h, SHAPE["ffn"]), nn.Linear(SHAPE["ffn"], h)
 
         def forward(self, x):
-            q, k, v = (t.view(b, s, heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(h, -1))
+            # [b, s, 3h] -> q, k, v [b, heads, s, h / heads]
+            q, k, v = (t.view(b, s, heads, -1).transpose(1, 2)
+                       for t in self.qkv(self.ln1(x)).split(h, -1))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
             return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))

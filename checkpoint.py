@@ -1,16 +1,17 @@
 """Checkpoints in Megatron's directory layout, written so that a crash never leaves a half one.
 
-    <save>/latest_checkpointed_iteration.txt            "100", written last
-    <save>/iter_0000100/mp_rank_TT/model_optim_rng.ckpt  one folder per TP rank (mp_rank_TT_PPP with
-                                                         pipeline stages): weights "model.<name>" and
-                                                         optimizer state "optimizer.<state>.<name>"
-                                                         (MindSpore ckpt or safetensors, CRC-checked)
-    <save>/iter_0000100/mp_rank_TT/distrib_optim_DDD.ckpt  with the distributed optimizer: DP rank
-                                                         DDD's fp32 master shard and moments
-    <save>/iter_0000100/mp_rank_TT/meta.json             iteration, consumed samples, layout, scheduler,
-                                                         loss scaler, RNG streams, config
-Names are global parameter names (gpt.global_name), so a shard says what it holds whatever the layout.
-All ranks write into `.iter_0000100.tmp/`; rank 0 renames it into place, then replaces `latest`.
+    <save>/latest_checkpointed_iteration.txt
+        "100", written last
+    <save>/iter_0000100/mp_rank_TT/model_optim_rng.ckpt
+        one folder per TP rank (mp_rank_TT_PPP with pipeline stages): weights "model.<name>" and
+        optimizer state "optimizer.<state>.<name>" (MindSpore ckpt or safetensors, CRC-checked)
+    <save>/iter_0000100/mp_rank_TT/distrib_optim_DDD.ckpt
+        with the distributed optimizer: DP rank DDD's fp32 master shard and moments
+    <save>/iter_0000100/mp_rank_TT/meta.json
+        iteration, consumed samples, layout, scheduler, loss scaler, RNG streams, config
+Names are global parameter names (gpt.global_name), so a shard says what it holds whatever the
+layout. All ranks write into `.iter_0000100.tmp/`; rank 0 renames it into place, then replaces
+`latest`.
 """
 import json
 import logging
@@ -21,43 +22,23 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor
 
+import megatron_checkpoint
 import parallel
-from cli import REQUIRED, from_saved, parse_command
+import torch_format
+from cli import PROJECT_CONFIG, REQUIRED, from_saved, load_config, parse_command
 from config import ConfigError, to_dict, to_namespace
-from gpt import global_name
+from data import write_atomic
+from gpt import global_name, is_embedding_copy
+from megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
 from optimizer import GradBuffer
-from pipeline import build_chunks
+from pipeline import build_chunks, layer_split
+from tokenizer import build_tokenizer
 
 log = logging.getLogger("train")
 
-LATEST = "latest_checkpointed_iteration.txt"
-WEIGHTS = "model_optim_rng"
 
-
-class CheckpointError(ValueError):
-    pass
-
-
-def iteration_dir(root, iteration):
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def shard_name(tp_rank=0, pp_rank=0, pp_size=1):
-    """Megatron: mp_rank_TT with one pipeline stage, mp_rank_TT_PPP with several."""
-    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
-def write_atomic(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, barrier=lambda: None,
-                    leader=True):
+def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None,
+                    barrier=lambda: None, leader=True):
     """Write checkpoint `iteration` under `root`. `shards` maps a shard folder (mp_rank_..) to
     (files, meta): `files` maps a file stem to tensors (name -> numpy array or Tensor), `meta`
     (JSON-able, or None) goes to the folder's meta.json. With several ranks every rank calls
@@ -67,8 +48,10 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, 
     final = iteration_dir(root, iteration)
     tmp = os.path.join(root, f".iter_{iteration:07d}.tmp")
     tracked = latest_iteration(root) if os.path.isfile(os.path.join(root, LATEST)) else -1
-    if os.path.exists(final) and iteration <= tracked:   # replacing it, a crash midway would lose it
-        raise CheckpointError(f"{final} already exists: save into an empty folder or continue from it with --load")
+    # replacing it, a crash midway would lose it
+    if os.path.exists(final) and iteration <= tracked:
+        raise CheckpointError(f"{final} already exists: save into an empty folder or continue "
+                              "from it with --load")
     if leader:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)   # left by a save that was killed
@@ -91,33 +74,46 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None, 
     return final
 
 
+EXTENSIONS = {"ckpt": "ckpt", "safetensors": "safetensors", "torch": "pt"}
+
+
 def _write_shards(tmp, shards, ckpt_format):
-    """Each shard folder's tensor files (CRC-checked) and meta.json, under the temporary folder."""
-    ext = "safetensors" if ckpt_format == "safetensors" else "ckpt"
+    """Each shard folder's files and meta.json, under the temporary folder: tensors (name ->
+    array) as MindSpore ckpt or safetensors, CRC-checked; with the torch format a file's content
+    (megatron_checkpoint.rank_file) as torch.save writes it."""
     for shard, (files, meta) in shards.items():
         if files or meta is not None:
             os.makedirs(os.path.join(tmp, shard), exist_ok=True)
-        for stem, tensors in files.items():
-            items = [{"name": k, "data": Parameter(Tensor(np.ascontiguousarray(v)) if isinstance(v, np.ndarray)
-                                                   else v, name=k)} for k, v in tensors.items()]
-            path = os.path.join(tmp, shard, f"{stem}.{ext}")
+        for stem, content in files.items():
+            path = os.path.join(tmp, shard, f"{stem}.{EXTENSIONS[ckpt_format]}")
+            if ckpt_format == "torch":
+                torch_format.save(content, path)
+                continue
+            items = []
+            for name, value in content.items():
+                if isinstance(value, np.ndarray):
+                    value = Tensor(np.ascontiguousarray(value))
+                items.append({"name": name, "data": Parameter(value, name=name)})
             try:
                 ms.save_checkpoint(items, path, crc_check=True, format=ckpt_format)
-            except RuntimeError as e:                # MindSpore's own error for a full disk or a bad folder
+            except RuntimeError as e:
+                # MindSpore's own error for a full disk or a bad folder
                 raise OSError(None, f"writing failed ({str(e).splitlines()[0]})", path) from None
         if meta is not None:
             write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
 
 
 def saved_iterations(root):
-    return [int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit()]
+    return [int(name[5:]) for name in os.listdir(root)
+            if name.startswith("iter_") and name[5:].isdigit()]
 
 
 # the model_config keys that make a checkpoint's model what it is (besides the padded vocabulary)
-ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
-                "num_query_groups", "max_position_embeddings", "position_embedding_type", "rotary_base",
-                "normalization", "norm_epsilon", "hidden_act", "qkv_has_bias", "out_proj_has_bias",
-                "add_bias_linear", "untie_embeddings_and_output_weights", "use_sandwich_norm",
+ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "group_query_attention", "num_query_groups", "max_position_embeddings",
+                "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
+                "hidden_act", "qkv_has_bias", "out_proj_has_bias", "add_bias_linear",
+                "untie_embeddings_and_output_weights", "use_sandwich_norm",
                 "attn_post_norm_scale", "ffn_post_norm_scale", "fp32_residual_connection")
 
 
@@ -126,19 +122,15 @@ def saved_config(root):
     return load_checkpoint(root, first_shard(root), stems=())[1]["config"]
 
 
-def _yaml_value(v):
-    """v as section.key=VALUE text: strings as they are, the rest as JSON, which YAML reads
-    (config.merge turns a float YAML read as text, 1e-05, back into a float)."""
-    return v if isinstance(v, str) else json.dumps(v)
-
-
 def checkpoint_args(saved):
-    """Megatron's --use-checkpoint-args: the saved model and tokenizer as section.key=value overrides."""
-    m, d = saved["model_config"], saved["dataset_config"]
-    keys = [k for k in ARCHITECTURE if k != "num_query_groups" or m["group_query_attention"]]
-    return ([f"model_config.{k}={_yaml_value(m[k])}" for k in keys]
-            + [f"model_config.vocab_size={m['padded_vocab_size']}",
-               f"dataset_config.tokenizer_type={d['tokenizer_type']}"])
+    """Megatron's --use-checkpoint-args (load_args_from_checkpoint): the saved model, sequence
+    length and tokenizer as a config tree, layered under the run's own files and flags."""
+    saved_model, saved_dataset = saved["model_config"], saved["dataset_config"]
+    keys = [k for k in ARCHITECTURE
+            if k != "num_query_groups" or saved_model["group_query_attention"]]
+    model = {k: saved_model[k] for k in keys + ["seq_length"]}
+    return {"model_config": dict(model, vocab_size=saved_model["padded_vocab_size"]),
+            "dataset_config": {"tokenizer_type": saved_dataset["tokenizer_type"]}}
 
 
 def check_fits(cfg, root):
@@ -147,30 +139,37 @@ def check_fits(cfg, root):
     precision keeps float32 main params beside the state)."""
     _, meta = load_checkpoint(root, first_shard(root), stems=())
     saved = meta["config"]
-    m, t = saved["model_config"], cfg.training_config
-    pairs = [(f"model_config.{k}", m.get(k), getattr(cfg.model_config, k)) for k in ARCHITECTURE]
+    saved_model, training_cfg = saved["model_config"], cfg.training_config
+    pairs = [(f"model_config.{k}", saved_model.get(k), getattr(cfg.model_config, k))
+             for k in ARCHITECTURE]
     pairs.append(("dataset_config.tokenizer_type", saved["dataset_config"]["tokenizer_type"],
                   cfg.dataset_config.tokenizer_type))
-    if not (t.finetune or t.no_load_optim or meta.get("optimizer_step") is None):
-        pairs.append(("optimizer_config.optimizer_type", saved["optimizer_config"]["optimizer_type"],
+    weights_only = training_cfg.finetune or training_cfg.no_load_optim
+    if not (weights_only or meta.get("optimizer_step") is None):
+        pairs.append(("optimizer_config.optimizer_type",
+                      saved["optimizer_config"]["optimizer_type"],
                       cfg.optimizer_config.optimizer_type))
-        pairs.append(("model_config.params_dtype (--fp16/--bf16)", m.get("params_dtype") or "float32",
-                      cfg.model_config.params_dtype))
+        pairs.append(("model_config.params_dtype (--fp16/--bf16)",
+                      saved_model.get("params_dtype") or "float32", cfg.model_config.params_dtype))
     differences = [f"{k} (checkpoint {a}, this run {b})" for k, a, b in pairs if a != b]
     if differences:
-        raise CheckpointError(f"checkpoint {root} does not match this run: {', '.join(differences)}; give "
-                              "--use-checkpoint-args to take the checkpoint's model, or the same flags")
+        raise CheckpointError(f"checkpoint {root} does not match this run: "
+                              f"{', '.join(differences)}; give --use-checkpoint-args to take the "
+                              "checkpoint's model, or the same flags")
     batch = saved["dataset_config"].get("global_batch_size")
-    if not t.finetune and batch not in (None, cfg.dataset_config.global_batch_size):
+    if not training_cfg.finetune and batch not in (None, cfg.dataset_config.global_batch_size):
         # the data's samples are counted in global batches (consumed samples, the dataset's size)
-        raise CheckpointError(f"checkpoint {root} was trained with global batch {batch}, this run's is "
-                              f"{cfg.dataset_config.global_batch_size}: give --global-batch-size {batch} (and a "
-                              "--micro-batch-size that divides it), or --finetune to start a new run from its weights")
+        raise CheckpointError(f"checkpoint {root} was trained with global batch {batch}, this "
+                              f"run's is {cfg.dataset_config.global_batch_size}: give "
+                              f"--global-batch-size {batch} (and a --micro-batch-size that "
+                              "divides it), or --finetune to start a new run from its weights")
 
 
 def holds_checkpoint(root):
     """A tracker or an iteration folder: a checkpoint (perhaps a damaged one) is there."""
-    return os.path.isdir(root) and (os.path.exists(os.path.join(root, LATEST)) or bool(saved_iterations(root)))
+    if not os.path.isdir(root):
+        return False
+    return os.path.exists(os.path.join(root, LATEST)) or bool(saved_iterations(root))
 
 
 def check_save_folder(save, load, finetune=False):
@@ -180,18 +179,19 @@ def check_save_folder(save, load, finetune=False):
     run that is there (--load pointing at the same folder) is the one way to add to it."""
     if not os.path.isdir(save):
         if os.path.exists(save):
-            raise CheckpointError(f"training_config.output_dir={save} is a file: give a folder for --save")
+            raise CheckpointError(f"training_config.output_dir={save} is a file: give a folder "
+                                  "for --save")
         return
     saved = saved_iterations(save)
     if not saved:
         return
     if not load or os.path.abspath(load) != os.path.abspath(save):
-        raise CheckpointError(f"training_config.output_dir={save} already holds checkpoints (iterations up to "
-                              f"{max(saved)}) of another run: continue it with --load {save}, or save into an "
-                              "empty folder")
+        raise CheckpointError(f"training_config.output_dir={save} already holds checkpoints "
+                              f"(iterations up to {max(saved)}) of another run: continue it with "
+                              f"--load {save}, or save into an empty folder")
     if finetune and max(saved) > 0:
-        raise CheckpointError(f"--finetune restarts at iteration 0, below the checkpoints in {save}: "
-                              "save the fine-tuned run into another folder")
+        raise CheckpointError("--finetune restarts at iteration 0, below the checkpoints in "
+                              f"{save}: save the fine-tuned run into another folder")
 
 
 def latest_iteration(root):
@@ -211,8 +211,8 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
     folder = os.path.join(iteration_dir(root, iteration), shard)
     meta_path = os.path.join(folder, "meta.json")
     if not os.path.isfile(meta_path):
-        raise CheckpointError(f"{meta_path} is missing: the checkpoint of iteration {iteration} is incomplete "
-                              "or was saved with another parallel layout")
+        raise CheckpointError(f"{meta_path} is missing: the checkpoint of iteration {iteration} "
+                              "is incomplete or was saved with another parallel layout")
     try:
         meta = json.load(open(meta_path))
     except json.JSONDecodeError as e:
@@ -220,9 +220,13 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
     fmt = meta.get("ckpt_format", "ckpt")
     tensors = {}
     for stem in stems:
-        path = os.path.join(folder, f"{stem}.{'safetensors' if fmt == 'safetensors' else 'ckpt'}")
+        path = os.path.join(folder, f"{stem}.{EXTENSIONS[fmt]}")
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} is missing")
+        if fmt == "torch":
+            state = megatron_checkpoint.load_rank(path)
+            tensors.update(megatron_checkpoint.rank_arrays(state, shard_offsets(meta, shard)))
+            continue
         try:
             params = ms.load_checkpoint(path, crc_check=crc_check, format=fmt)
         except Exception as e:                                               # noqa: BLE001
@@ -232,52 +236,46 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
     return tensors, meta
 
 
+def shard_offsets(meta, shard):
+    """The first global layer of each model chunk of the shard folder `shard` (mp_rank_TT_PPP)
+    of a checkpoint whose meta.json is `meta`."""
+    layout, saved_model = meta["layout"], meta["config"]["model_config"]
+    pp, vpp = layout["pp"], layout["vpp"]
+    pp_rank = int(shard.rsplit("_", 1)[1]) if pp > 1 else 0
+    split = layer_split(saved_model["num_layers"], pp, vpp, layout["num_layer_list"])
+    return [split[c * pp + pp_rank][0] for c in range(vpp)]
+
+
 def load_shards(root, optimizer=False):
     """([tensors of TP rank 0, 1, ...], meta) of the latest checkpoint, whatever its layout: the
     files of all pipeline stages of a TP rank go into one dict (their names are global); with
     `optimizer`, the distributed optimizer's pieces too, joined per parameter."""
     _, meta = load_checkpoint(root, first_shard(root), stems=())
     layout = meta["layout"]
-    stems = [WEIGHTS] + ([f"distrib_optim_{d:03d}" for d in range(layout["dp"] * layout["cp"])]
-                         if optimizer and layout["distributed_optimizer"] else [])
+    stems = [WEIGHTS]
+    if optimizer and layout["distributed_optimizer"]:
+        stems += [f"distrib_optim_{rank:03d}" for rank in range(layout["dp"] * layout["cp"])]
     shards = []
     for tp_rank in range(layout["tp"]):
         tensors = {}
         for pp_rank in range(layout["pp"]):
-            tensors.update(_join_pieces(load_checkpoint(root, shard_name(tp_rank, pp_rank, layout["pp"]), stems=stems)[0]))
+            shard = shard_name(tp_rank, pp_rank, layout["pp"])
+            tensors.update(_join_pieces(load_checkpoint(root, shard, stems=stems)[0]))
         shards.append(tensors)
     return shards, meta
-
-
-def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
-    """Full tensors from the per-TP-rank `shards` (list of name -> array, TP rank order). A
-    tensor whose shard is smaller than its full shape was split along that dimension (in
-    `chunks_of(name)` blocks, e.g. 2 for SwiGLU's [gate; up]); the others are replicated."""
-    merged = {}
-    for name, shape in full_shapes.items():
-        parts = [s[name] for s in shards]
-        split = [d for d, (a, b) in enumerate(zip(parts[0].shape, shape)) if a != b]
-        if not split:
-            merged[name] = parts[0]
-            continue
-        dim, chunks = split[0], chunks_of(name)
-        blocks = [np.concatenate([np.split(p, chunks, axis=dim)[c] for p in parts], axis=dim)
-                  for c in range(chunks)]
-        merged[name] = np.concatenate(blocks, axis=dim)
-    return merged
 
 
 # ----------------------------------------------------------------------------- training state
 def named_parameters(chunks):
     """("model.<global name>", parameter) of this rank's model chunks. Global names tell the
     chunks of a virtual pipeline apart (their layer numbers differ)."""
-    return [(f"model.{global_name(n, chunk.layer_offset)}", p) for chunk in chunks
-            for n, p in chunk.parameters_and_names()]
+    return [(f"model.{global_name(n, chunk.layer_offset)}", param) for chunk in chunks
+            for n, param in chunk.parameters_and_names()]
 
 
 def model_tensors(chunks):
     """name -> value of this rank's parameters, under their global names."""
-    return {name: p.asnumpy() for name, p in named_parameters(chunks)}
+    return {name: param.asnumpy() for name, param in named_parameters(chunks)}
 
 
 def parameter_names(chunks):
@@ -287,96 +285,118 @@ def parameter_names(chunks):
 
 def layout_of(cfg):
     """What a checkpoint's file names and contents depend on."""
-    p, t = cfg.parallel_config, cfg.training_config
-    return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-            "vpp": p.virtual_pipeline_model_parallel_size, "num_layer_list": p.num_layer_list,
-            "cp": p.context_parallel_size, "dp": p.data_parallel_size,
-            "distributed_optimizer": bool(t.use_distributed_optimizer and p.data_parallel_size * p.context_parallel_size > 1),
-            "bucket_size": t.bucket_size}
+    parallel_cfg, training_cfg = cfg.parallel_config, cfg.training_config
+    # the distributed optimizer shards over the dp x cp ranks; over one it is the plain one
+    shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
+    return {"tp": parallel_cfg.tensor_model_parallel_size,
+            "pp": parallel_cfg.pipeline_model_parallel_size,
+            "vpp": parallel_cfg.virtual_pipeline_model_parallel_size,
+            "num_layer_list": parallel_cfg.num_layer_list,
+            "cp": parallel_cfg.context_parallel_size, "dp": parallel_cfg.data_parallel_size,
+            "distributed_optimizer": bool(training_cfg.use_distributed_optimizer and shards > 1),
+            "bucket_size": training_cfg.bucket_size}
 
 
 def _meta(cfg, iteration, consumed, step, scheduler_state, scaler_state, rng_state):
+    """A checkpoint's meta.json: where training stands, the layout and the config."""
     return {"iteration": iteration, "consumed_train_samples": consumed, "optimizer_step": step,
-            "opt_param_scheduler": scheduler_state, "grad_scaler": scaler_state, "rng_state": rng_state,
-            "ckpt_format": cfg.training_config.ckpt_format, "layout": layout_of(cfg), "config": to_dict(cfg)}
+            "opt_param_scheduler": scheduler_state, "grad_scaler": scaler_state,
+            "rng_state": rng_state, "ckpt_format": cfg.training_config.ckpt_format,
+            "layout": layout_of(cfg), "config": to_dict(cfg)}
 
 
 def save_training_state(cfg, iteration, consumed, trainer, rng):
     """Megatron layout: mp_rank_TT/ per TP rank, written by its first DP rank; with the
-    distributed optimizer every DP rank adds its own distrib_optim_DDD file."""
-    t, state = cfg.training_config, trainer.state
+    distributed optimizer every DP rank adds its own distrib_optim_DDD file. With the torch
+    format the weights file is Megatron's model_optim_rng.pt (megatron_checkpoint.rank_file)."""
+    training_cfg, state = cfg.training_config, trainer.state
     opt_tensors, step = trainer.optimizer.named_state(parameter_names(trainer.chunks))
     writer = state.dp_rank == 0 and state.cp_rank == 0
-    files = {}
+    files, meta = {}, None
     if writer:
-        files[WEIGHTS] = {**model_tensors(trainer.chunks), **({} if trainer.distributed else opt_tensors)}
+        meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(),
+                     trainer.scaler.state_dict(), rng.state_dict())
+        # the optimizer state, unless the distributed optimizer's own files hold it
+        files[WEIGHTS] = {**model_tensors(trainer.chunks),
+                          **({} if trainer.distributed else opt_tensors)}
+        if training_cfg.ckpt_format == "torch":
+            files[WEIGHTS] = megatron_checkpoint.rank_file(cfg, meta, files[WEIGHTS],
+                                                           [c.layer_offset for c in trainer.chunks])
     if trainer.distributed:
         files[f"distrib_optim_{state.dp_cp_rank:03d}"] = opt_tensors
-    meta = None
-    if writer:
-        meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(), trainer.scaler.state_dict(),
-                     rng.state_dict())
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
-    path = save_checkpoint(t.output_dir, iteration, {shard: (files, meta)}, t.ckpt_format, t.keep_checkpoint_max,
+    path = save_checkpoint(training_cfg.output_dir, iteration, {shard: (files, meta)},
+                           training_cfg.ckpt_format, training_cfg.keep_checkpoint_max,
                            barrier=parallel.barrier, leader=state.rank == 0)
     log.info(f"saved checkpoint at iteration {iteration} to {path}")
 
 
 def load_training_state(cfg, trainer, rng):
     """Restore from training_config.load_checkpoint (same layout); returns (iteration, consumed)."""
-    t, state, chunks = cfg.training_config, trainer.state, trainer.chunks
+    training_cfg, state, chunks = cfg.training_config, trainer.state, trainer.chunks
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
     stems = [WEIGHTS]
-    if trainer.distributed and not (t.finetune or t.no_load_optim):
+    if trainer.distributed and not (training_cfg.finetune or training_cfg.no_load_optim):
         stems.append(f"distrib_optim_{state.dp_cp_rank:03d}")
-    tensors, meta = load_checkpoint(t.load_checkpoint, shard, stems=stems)
-    weights_only = t.finetune or meta.get("optimizer_step") is None     # --finetune, or imported weights
+    tensors, meta = load_checkpoint(training_cfg.load_checkpoint, shard, stems=stems)
+    # --finetune, or imported weights (no optimizer step saved)
+    weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
     saved_layout, layout = meta.get("layout"), layout_of(cfg)
-    same_model_split = saved_layout and all(saved_layout.get(k) == layout[k] for k in ("tp", "pp", "vpp", "num_layer_list"))
-    # Without the distributed optimizer's shards every DP and CP rank holds the same state (as in Megatron)
-    unsharded = same_model_split and not (saved_layout["distributed_optimizer"] or layout["distributed_optimizer"])
+    same_model_split = saved_layout and all(saved_layout.get(k) == layout[k]
+                                            for k in ("tp", "pp", "vpp", "num_layer_list"))
+    # Without the distributed optimizer's shards every DP and CP rank holds the same state (as
+    # in Megatron)
+    unsharded = same_model_split and not (saved_layout["distributed_optimizer"]
+                                          or layout["distributed_optimizer"])
     if saved_layout != layout and not ((weights_only or unsharded) and same_model_split):
         raise CheckpointError(
-            f"checkpoint {t.load_checkpoint} was saved with layout {saved_layout}, this run is {layout}: "
-            f"convert it first (bash run.sh convert --load {t.load_checkpoint} --save NEW <layout flags>)")
-    for name, p in named_parameters(chunks):
+            f"checkpoint {training_cfg.load_checkpoint} was saved with layout {saved_layout}, this "
+            f"run is {layout}: convert it first (bash run.sh convert --load "
+            f"{training_cfg.load_checkpoint} --save NEW <layout flags>)")
+    for name, param in named_parameters(chunks):
         saved = tensors.get(name)
-        if saved is None or saved.shape != tuple(p.shape):
+        if saved is None or saved.shape != tuple(param.shape):
             got = "missing" if saved is None else f"shape {saved.shape}"
             raise CheckpointError(
-                f"checkpoint {t.load_checkpoint} does not fit the model: {name} is {got}, the model "
-                f"wants {tuple(p.shape)}; use the model_config it was saved with")
-    for name, p in named_parameters(chunks):
-        p.set_data(Tensor(tensors[name]))                  # in the parameter's own dtype
+                f"checkpoint {training_cfg.load_checkpoint} does not fit the model: {name} is "
+                f"{got}, the model wants {tuple(param.shape)}; use the model_config it was saved "
+                "with")
+    for name, param in named_parameters(chunks):
+        param.set_data(Tensor(tensors[name]))                  # in the parameter's own dtype
     trainer.optimizer.reload_main_params()
     if weights_only:
-        log.info(f"loaded weights of iteration {meta['iteration']} from {t.load_checkpoint} "
-                 f"({'finetune' if t.finetune else 'no optimizer state saved'}: iteration 0)")
+        why = "finetune" if training_cfg.finetune else "no optimizer state saved"
+        log.info(f"loaded weights of iteration {meta['iteration']} from "
+                 f"{training_cfg.load_checkpoint} ({why}: iteration 0)")
         return 0, 0
-    if not t.no_load_optim:
+    if not training_cfg.no_load_optim:
         trainer.optimizer.load_named_state(tensors, meta["optimizer_step"], parameter_names(chunks))
         _load_scheduler(cfg.optimizer_config, trainer.scheduler, meta["opt_param_scheduler"])
         trainer.scaler.load_state_dict(meta["grad_scaler"])
-    if not t.no_load_rng:
+    if not training_cfg.no_load_rng:
         rng.load_state_dict(meta["rng_state"])
-    log.info(f"loaded checkpoint of iteration {meta['iteration']} from {t.load_checkpoint}")
+    log.info(f"loaded checkpoint of iteration {meta['iteration']} from "
+             f"{training_cfg.load_checkpoint}")
     return meta["iteration"], meta["consumed_train_samples"]
 
 
-def _load_scheduler(o, scheduler, saved):
+def _load_scheduler(optimizer_cfg, scheduler, saved):
     """Megatron's rules when the run's lr schedule differs from the checkpoint's: override -> this
     run's, use_checkpoint -> the checkpoint's (named in a warning), neither -> refused."""
-    override, differ = o.override_opt_param_scheduler, scheduler.differences(saved)
-    if differ and not (override or o.use_checkpoint_opt_param_scheduler):
-        raise CheckpointError("the learning-rate schedule differs from the checkpoint's: " + _pairs(differ)
-                              + "; give --use-checkpoint-opt_param-scheduler or --override-opt_param-scheduler")
+    override, differ = optimizer_cfg.override_opt_param_scheduler, scheduler.differences(saved)
+    if differ and not (override or optimizer_cfg.use_checkpoint_opt_param_scheduler):
+        raise CheckpointError("the learning-rate schedule differs from the checkpoint's: "
+                              + _pairs(differ) + "; give --use-checkpoint-opt_param-scheduler "
+                              "or --override-opt_param-scheduler")
     scheduler.load_state_dict(saved, override)
     if differ:
-        log.warning(f"learning-rate schedule: {'this run' if override else 'the checkpoint'}'s values kept: "
-                    + _pairs(differ) + ("" if override else "; --override-opt_param-scheduler takes this run's"))
+        kept = "this run" if override else "the checkpoint"
+        hint = "" if override else "; --override-opt_param-scheduler takes this run's"
+        log.warning(f"learning-rate schedule: {kept}'s values kept: " + _pairs(differ) + hint)
 
 
 def _pairs(differ):
+    """The differing schedule values, each as "key (checkpoint a, this run b)"."""
     return ", ".join(f"{k} (checkpoint {a}, this run {b})" for k, a, b in differ)
 
 
@@ -401,17 +421,24 @@ def full_state(root, optimizer=True):
     and float32 main params "main.<name>", full size, whatever layout wrote them (TP shards merged,
     stages united, distributed-optimizer pieces joined)."""
     shards, meta = load_shards(root, optimizer)
-    m = to_namespace(meta["config"]).model_config
-    [one] = build_rank_chunks(m, 1, 1)                # one process: its names and full shapes
-    kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")} if optimizer else set()
+    model_cfg = to_namespace(meta["config"]).model_config
+    [one] = build_rank_chunks(model_cfg, 1, 1)            # one process: its names and full shapes
+    kinds = set()
+    if optimizer:
+        kinds = {k.split(".")[1] for k in shards[0] if k.startswith("optimizer.")}
     prefixes = ["model"] + [f"optimizer.{kind}" for kind in kinds]
     if optimizer and any(k.startswith("main.") for k in shards[0]):
-        prefixes.append("main")                        # float32 main params, kept beside half weights
+        # float32 main params, kept beside half-precision weights
+        prefixes.append("main")
     full_shapes = {}
-    for name, p in one.parameters_and_names():
-        full_shapes.update({f"{prefix}.{name}": tuple(p.shape) for prefix in prefixes})
-    swiglu = m.hidden_act == "swiglu"
-    return merge_tensor_parallel(shards, full_shapes, lambda n: 2 if swiglu and "linear_fc1" in n else 1), meta
+    for name, param in one.parameters_and_names():
+        full_shapes.update({f"{prefix}.{name}": tuple(param.shape) for prefix in prefixes})
+    swiglu = model_cfg.hidden_act == "swiglu"
+
+    def chunks_of(name):
+        """SwiGLU's fc1 is [gate; up], each half split over TP on its own."""
+        return 2 if swiglu and "linear_fc1" in name else 1
+    return parallel.merge_tensor_parallel(shards, full_shapes, chunks_of), meta
 
 
 def _join_pieces(tensors):
@@ -427,9 +454,10 @@ def _join_pieces(tensors):
         name = base.split(".", 1)[1] if base.startswith("main.") else base.split(".", 2)[2]
         shape = tensors[f"model.{name}"].shape
         flat = np.concatenate([v for _, v in sorted(parts, key=lambda item: item[0])])
-        if flat.size != int(np.prod(shape)):
+        size = int(np.prod(shape))
+        if flat.size != size:
             raise CheckpointError(f"distributed optimizer pieces of {name} cover {flat.size} of "
-                                  f"{int(np.prod(shape))} elements: a distrib_optim file is missing")
+                                  f"{size} elements: a distrib_optim file is missing")
         out[base] = flat.reshape(shape)
     return out
 
@@ -442,12 +470,13 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
     for chunk in chunks:
         for n, param in chunk.parameters_and_names():
             name = global_name(n, chunk.layer_offset)
-            source = "word_embeddings.weight" if chunk.tied and name == "output_layer.weight" else name
+            source = "word_embeddings.weight" if is_embedding_copy(chunk, param) else name
             for prefix in prefixes:
                 value = tensors[f"{prefix}.{source}"]
                 dim = getattr(param, "partition_dim", None)
                 if dim is not None:
-                    value = parallel.shard(value, dim, tp_rank, tp, getattr(param, "partition_chunks", 1))
+                    blocks = getattr(param, "partition_chunks", 1)
+                    value = parallel.shard(value, dim, tp_rank, tp, blocks)
                 values[f"{prefix}.{name}"] = value
             names.append(name)
             params.append(param)
@@ -457,13 +486,13 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
 def _distrib_optim_files(values, names, params, dp, bucket_size, kinds):
     """{distrib_optim_DDD: that DP rank's pieces of the float32 main params and the state}."""
     buffer, files = GradBuffer(params, dp, bucket_size), {}
-    for d in range(dp):
+    for dp_rank in range(dp):
         pieces = {}
-        for (_, i, lo, hi), key in zip(buffer.pieces(d), buffer.piece_names(d, names)):
+        for (_, i, lo, hi), key in zip(buffer.pieces(dp_rank), buffer.piece_names(dp_rank, names)):
             start, end = lo - buffer.offsets[i], hi - buffer.offsets[i]
             for prefix in ["main"] + [f"optimizer.{kind}" for kind in kinds]:
                 pieces[f"{prefix}.{key}"] = values[f"{prefix}.{names[i]}"].reshape(-1)[start:end]
-        files[f"distrib_optim_{d:03d}"] = pieces
+        files[f"distrib_optim_{dp_rank:03d}"] = pieces
     return files
 
 
@@ -474,30 +503,42 @@ def write_layout(root, tensors, meta, cfg):
     stored in the run's params_dtype; float32 main params ("main.<name>", the weights themselves
     when `tensors` has none) where the optimizer keeps copies: half-precision parameters, or
     the distributed optimizer's pieces."""
-    p, m = cfg.parallel_config, cfg.model_config
-    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size * p.context_parallel_size
+    parallel_cfg, model_cfg = cfg.parallel_config, cfg.model_config
+    tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
+    dp = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
     layout = layout_of(cfg)
+    distributed = layout["distributed_optimizer"]
     kinds = sorted({k.split(".")[1] for k in tensors if k.startswith("optimizer.")})
     tensors = dict(tensors)
     for key in [k for k in tensors if k.startswith("model.")]:
         tensors.setdefault("main." + key[len("model."):], tensors[key].astype(np.float32))
-        if m.params_dtype in ("float32", "float16"):           # numpy has no bfloat16: kept as saved
-            tensors[key] = tensors[key].astype(m.params_dtype)
+        # numpy has no bfloat16: kept as saved
+        if model_cfg.params_dtype in ("float32", "float16"):
+            tensors[key] = tensors[key].astype(model_cfg.params_dtype)
     shards = {}
     for tp_rank in range(tp):
         for pp_rank in range(pp):
-            chunks = build_rank_chunks(m, tp, pp, tp_rank, pp_rank, p.virtual_pipeline_model_parallel_size,
-                                       p.num_layer_list)
+            chunks = build_rank_chunks(model_cfg, tp, pp, tp_rank, pp_rank,
+                                       parallel_cfg.virtual_pipeline_model_parallel_size,
+                                       parallel_cfg.num_layer_list)
             prefixes = ["model", "main"] + [f"optimizer.{kind}" for kind in kinds]
             names, params, values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)
             # half-precision parameters keep float32 copies in the optimizer (with its state)
-            own_main = m.params_dtype != "float32" and not layout["distributed_optimizer"] and bool(kinds)
-            files = {WEIGHTS: {k: v for k, v in values.items() if k.startswith("model.") or (
-                not layout["distributed_optimizer"] and (k.startswith("optimizer.") or own_main))}}
-            if layout["distributed_optimizer"]:
-                files.update(_distrib_optim_files(values, names, params, dp, layout["bucket_size"], kinds))
-            shards[shard_name(tp_rank, pp_rank, pp)] = (files, dict(
-                meta, layout=layout, config=to_dict(cfg), ckpt_format=cfg.training_config.ckpt_format))
+            own_main = model_cfg.params_dtype != "float32" and not distributed and bool(kinds)
+            # the weights file holds the optimizer's values unless the distributed optimizer's
+            # files do
+            files = {WEIGHTS: {k: v for k, v in values.items()
+                               if k.startswith("model.")
+                               or (not distributed and (k.startswith("optimizer.") or own_main))}}
+            if cfg.training_config.ckpt_format == "torch":
+                files[WEIGHTS] = megatron_checkpoint.rank_file(
+                    cfg, meta, files[WEIGHTS], [chunk.layer_offset for chunk in chunks])
+            if distributed:
+                files.update(_distrib_optim_files(values, names, params, dp,
+                                                  layout["bucket_size"], kinds))
+            shard_meta = dict(meta, layout=layout, config=to_dict(cfg),
+                              ckpt_format=cfg.training_config.ckpt_format)
+            shards[shard_name(tp_rank, pp_rank, pp)] = (files, shard_meta)
     return save_checkpoint(root, meta["iteration"], shards, cfg.training_config.ckpt_format)
 
 
@@ -507,20 +548,30 @@ CONVERT_FLAGS = {"--load": (REQUIRED, str, "checkpoint folder (any layout)"),
                  "--nproc": (1, int, "ranks of the new layout (its data-parallel size follows)")}
 
 
+def check_new_folder(command, save, world):
+    """A command that writes a new checkpoint: its --nproc is positive and --save is a new or
+    empty folder (one error line naming the command otherwise)."""
+    if world < 1:
+        raise ConfigError(f"{command}: --nproc must be a positive number of ranks, got {world}")
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError(f"{command}: --save {save} is a file; give a new or empty folder")
+    if os.path.exists(os.path.join(save, LATEST)):
+        raise ConfigError(f"{command}: {save} already holds a checkpoint; give an empty or new "
+                          "folder for --save")
+
+
 def convert_main(argv):
     """convert --load DIR --save NEW [--nproc N] [layout flags]: the latest checkpoint of DIR,
     weights and optimizer state, rewritten for N ranks (default 1) in the layout the flags give
     (--tensor-model-parallel-size, --pipeline-model-parallel-size, --sequence-parallel,
-    --virtual-pipeline-model-parallel-size, parallel_config.num_layer_list=..., --use-distributed-optimizer)."""
-    v, argv = parse_command("convert", argv, CONVERT_FLAGS, passthrough="layout flags, as in training",
-                            about="Rewrite the latest checkpoint of --load for another layout.")
-    load, save, world = v["load"], v["save"], v["nproc"]
-    if world < 1:
-        raise ConfigError(f"convert: --nproc must be a positive number of ranks, got {world}")
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise ConfigError(f"convert: --save {save} is a file; give a new or empty folder")
-    if os.path.exists(os.path.join(save, LATEST)):
-        raise ConfigError(f"convert: {save} already holds a checkpoint; give an empty or new folder for --save")
+    --virtual-pipeline-model-parallel-size, parallel_config.num_layer_list=...,
+    --use-distributed-optimizer)."""
+    options, argv = parse_command("convert", argv, CONVERT_FLAGS,
+                                  passthrough="layout flags, as in training",
+                                  about="Rewrite the latest checkpoint of --load for another "
+                                        "layout.")
+    load, save, world = options["load"], options["save"], options["nproc"]
+    check_new_folder("convert", save, world)
     latest_iteration(load)
     _, meta = load_checkpoint(load, first_shard(load), stems=())
     padded = meta["config"]["model_config"]["padded_vocab_size"]
@@ -529,10 +580,98 @@ def convert_main(argv):
     cfg.model_config.padded_vocab_size = padded
     tensors, meta = full_state(load)
     path = write_layout(save, tensors, meta, cfg)
-    print(f"converted {load} (iteration {meta['iteration']}, layout {meta['layout']}) to {path}, layout {layout_of(cfg)}")
+    print(f"converted {load} (iteration {meta['iteration']}, layout {meta['layout']}) to "
+          f"{path}, layout {layout_of(cfg)}")
 
 
 def first_shard(root):
-    """The shard folder holding meta.json of the latest checkpoint: mp_rank_00 or mp_rank_00_000."""
+    """The shard folder holding meta.json of the latest checkpoint: mp_rank_00 (TP only) or
+    mp_rank_00_000 (with pipeline stages)."""
     folder = iteration_dir(root, latest_iteration(root))
-    return shard_name(0) if os.path.isdir(os.path.join(folder, shard_name(0))) else shard_name(0, 0, 2)
+    if os.path.isdir(os.path.join(folder, shard_name(0))):
+        return shard_name(0)
+    return shard_name(0, 0, 2)
+
+
+# ------------------------------------------------------------------- Megatron-LM's checkpoints in
+def _megatron_config(overrides, argv=(), world=1):
+    """This project's config (config.yaml) of a Megatron checkpoint's `overrides`, then `argv`,
+    for `world` ranks, its padded vocabulary the checkpoint's."""
+    cfg = load_config(PROJECT_CONFIG, list(overrides) + list(argv), world)
+    cfg.model_config.padded_vocab_size = cfg.model_config.vocab_size
+    return cfg
+
+
+def _megatron_weights(files, model_cfg, first):
+    """One-process float32 tensors of a Megatron checkpoint's rank files, shaped by this project's
+    model of `model_cfg` (megatron_checkpoint.read_weights)."""
+    [one] = build_rank_chunks(model_cfg, 1, 1)
+    shapes = {f"model.{n}": tuple(param.shape) for n, param in one.parameters_and_names()}
+    return megatron_checkpoint.read_weights(files, shapes, model_cfg, first)
+
+
+def read_megatron(root):
+    """(tensors, overrides, iteration) of the Megatron-LM checkpoint in `root` (any TP and PP,
+    virtual too; mcore or legacy names; float32, float16 or bfloat16 weights): one-process
+    tensors {"model.<name>": float32}, the model and tokenizer as section.key=value overrides,
+    the iteration. A model this project cannot hold is one ConfigError line naming the setting."""
+    iteration, files = megatron_checkpoint.checkpoint_files(root)
+    first = megatron_checkpoint.load_rank(files[0, 0])
+    tp, pp = 1 + max(tp_rank for tp_rank, _ in files), 1 + max(pp_rank for _, pp_rank in files)
+    overrides, _ = megatron_checkpoint.checkpoint_overrides(first, files[0, 0], tp, pp)
+    weights = _megatron_weights(files, _megatron_config(overrides).model_config, first)
+    return weights, overrides, iteration
+
+
+def _check_tokenizer(dataset_cfg, padded):
+    """The tokenizer an import names builds and fits the model's vocabulary."""
+    try:
+        tokenizer = build_tokenizer(dataset_cfg.tokenizer_type, dataset_cfg.vocab_file,
+                                    dataset_cfg.merge_file, dataset_cfg.vocab_size)
+    except OSError as e:
+        raise ConfigError(f"import-megatron: {dataset_cfg.tokenizer_type}: {e.filename} cannot "
+                          f"be read ({e.strerror}): give --vocab-file and --merge-file") from None
+    if tokenizer.vocab_size > padded:
+        raise ConfigError(f"import-megatron: the tokenizer's {tokenizer.vocab_size} tokens do not "
+                          f"fit the model's vocabulary of {padded}: give the tokenizer flags it "
+                          "was trained with (--tokenizer-type, --vocab-file, --vocab-size)")
+
+
+IMPORT_MEGATRON_FLAGS = {"--save": (REQUIRED, str, "new or empty folder"),
+                         "--nproc": (1, int, "ranks of the checkpoint's layout")}
+
+
+def import_megatron_main(argv):
+    """import-megatron DIR --save OUT [--nproc N] [layout flags] [flags]: the latest Megatron-LM
+    checkpoint (--ckpt-format torch) in DIR as a checkpoint of this project in any layout, its
+    weights only (training starts its own optimizer), the model and tokenizer from its args."""
+    options, argv = parse_command("import-megatron", argv, IMPORT_MEGATRON_FLAGS,
+                                  positional=("DIR",), passthrough="layout and training flags",
+                                  about="A Megatron-LM checkpoint (--ckpt-format torch) as a "
+                                        "checkpoint.")
+    root, save, world = options["dir"], options["save"], options["nproc"]
+    check_new_folder("import-megatron", save, world)
+    iteration, files = megatron_checkpoint.checkpoint_files(root)
+    first = megatron_checkpoint.load_rank(files[0, 0])
+    tp, pp = 1 + max(tp_rank for tp_rank, _ in files), 1 + max(pp_rank for _, pp_rank in files)
+    overrides, note = megatron_checkpoint.checkpoint_overrides(first, files[0, 0], tp, pp)
+    cfg = _megatron_config(overrides, argv, world)
+    model_cfg = cfg.model_config
+    cfg.training_config.output_dir = save
+    _check_tokenizer(cfg.dataset_config, model_cfg.padded_vocab_size)
+    tensors = _megatron_weights(files, model_cfg, first)
+    meta = {"iteration": iteration, "consumed_train_samples": 0, "optimizer_step": None,
+            "opt_param_scheduler": None, "grad_scaler": None, "rng_state": None,
+            "imported_from": os.path.abspath(root)}
+    path = write_layout(save, tensors, meta, cfg)
+    if note:
+        print(f"import-megatron: {note}")
+    print(f"imported {root} (iteration {iteration}, {tp} x {pp} ranks, "
+          f"{megatron_checkpoint.weights_dtype(first)} weights; {model_cfg.num_layers} layers, "
+          f"hidden {model_cfg.hidden_size}) to {path} in {model_cfg.params_dtype}, layout "
+          f"{layout_of(cfg)}")
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: checkpoint.py is a library: run `bash run.sh convert ...`"
+                     " (bash run.sh --help lists the commands)")

@@ -1,11 +1,9 @@
-"""One YAML, validated before any work: the sections of the MindSpore Transformers dynamic-graph
-guide (training_config, parallel_config, model_config, dataset_config, optimizer_config), with
-Megatron-LM's command-line flags mapped onto its keys (the MindSpeed-Core-MS table, `MEGATRON_FLAGS`)
-and dotted `section.key=value` overrides.
+"""A run's config, validated before any work: every value checked against the key table
+(keys.py: defaults, types, allowed values), then the values derived from others and the rules
+that involve several keys (`finalize`, section by section, Megatron's rules where it has them).
 
 Every bad key or value raises ConfigError with one line naming it and the fix; train.py prints that
-line and exits non-zero. The command line (Megatron flags, dotted overrides, every command's flags,
---help) is cli.py, which reads the YAML through this schema.
+line and exits non-zero. Reading the YAML files and the command line is cli.py.
 """
 import difflib
 import math
@@ -14,203 +12,38 @@ from types import SimpleNamespace
 
 
 class ConfigError(ValueError):
-    pass
+    """A config, data, checkpoint or launch input refused: its one-line message names the
+    field and the fix."""
 
 
-# section -> key -> (default, type, allowed values or None). A dict default is a nested section.
-SCHEMA = {
-    "training_config": {
-        "seed": (1234, int, None),
-        "device_target": ("CPU", str, ("CPU", "GPU", "Ascend")),
-        "output_dir": ("./output", str, None),        # Megatron --save: checkpoints and logs
-        "training_iters": (200, int, None),
-        "log_interval": (10, int, None),
-        "eval_interval": (100, int, None),
-        "eval_iters": (10, int, None),
-        "save_interval": (None, int, None),
-        "keep_checkpoint_max": (5, int, None),
-        "ckpt_format": ("ckpt", str, ("ckpt", "safetensors")),
-        "load_checkpoint": ("", str, None),           # Megatron --load
-        "no_load_optim": (False, bool, None),
-        "no_load_rng": (False, bool, None),
-        "finetune": (False, bool, None),
-        "exit_interval": (None, int, None),           # Megatron: save and stop when iteration % N == 0
-        "exit_duration_in_mins": (None, float, None),  # save and stop after this much wall time
-        "exit_signal_handler": (False, bool, None),   # save and stop on SIGTERM (e.g. a job's time limit)
-        # Megatron's --fp16/--bf16: compute in half precision with half-precision parameters and
-        # float32 main params in the optimizer (see _finalize_precision)
-        "fp16": (False, bool, None),
-        "bf16": (False, bool, None),
-        # gradients of half-precision parameters summed over micro-batches and reduced over DP in
-        # float32 (Megatron's --accumulate-allreduce-grads-in-fp32; forced on by bf16)
-        "accumulate_allreduce_grads_in_fp32": (False, bool, None),
-        "loss_scale": (None, float, None),            # static scale; null = dynamic under float16
-        "loss_scale_value": (2.0 ** 32, float, None),  # Megatron --initial-loss-scale
-        "min_loss_scale": (1.0, float, None),
-        "loss_scale_window": (1000, int, None),
-        "hysteresis": (2, int, None),
-        "grad_clip_kwargs": {
-            "grad_clip_type": ("ClipGlobalNorm", str, ("ClipGlobalNorm", "GradClipByValue")),
-            "clip_value": (1.0, float, None),         # 0 disables clipping
-        },
-        "use_distributed_optimizer": (False, bool, None),  # ZeRO-1: optimizer state sharded over DP
-        "bucket_size": (None, int, None),             # gradient buffer bucket, elements; null = one bucket
-        "threads_num": (None, int, None),             # CPU kernel threads per worker; null = cores / workers
-        "use_jit": (True, bool, None),                # compile the model with ms.jit when it has no dropout
-        "log_comm_ledger": (False, bool, None),       # log each step's collectives per group: calls, bytes
-        "pipeline_trace": (False, bool, None),        # time the last step's pipeline passes: timeline + bubble
-        "profile": (False, bool, None),               # MindSpore profiler over the steps below
-        "profile_save_path": (None, str, None),       # null = <output_dir>/profile; traces in rank_N/
-        "profile_step_start": (1, int, None),         # first profiled step (Step: as logged)
-        "profile_step_end": (5, int, None),           # profiling stops before this step
-        "profile_ranks": ([0], list, None),           # Megatron --profile-ranks; null = every rank
-        "profile_level": ("level0", str, ("level0", "level1", "level2")),
-        # collected by the Ascend/GPU profiler only; on CPU a value other than the default is named
-        # in one warning line
-        "profile_with_stack": (False, bool, None),
-        "profile_memory": (False, bool, None),
-        "profile_data_process": (False, bool, None),
-        "profile_parallel_strategy": (False, bool, None),
-        "profile_hbm_ddr": (False, bool, None),
-        "profile_pcie": (False, bool, None),
-        "profile_aicore_metrics": (0, int, None),
-        "profile_l2_cache": (False, bool, None),
-        "profile_data_simplification": (True, bool, None),
-    },
-    "parallel_config": {
-        "tensor_model_parallel_size": (1, int, None),
-        "pipeline_model_parallel_size": (1, int, None),
-        "context_parallel_size": (1, int, None),
-        "context_parallel_algo": ("ulysses_cp_algo", str, ("ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo")),
-        "ulysses_degree_in_cp": (None, int, None),    # hybrid_cp_algo: Ulysses group size within cp
-        "virtual_pipeline_model_parallel_size": (None, int, None),
-        "num_layers_per_virtual_pipeline_stage": (None, int, None),
-        "num_layer_list": (None, list, None),
-        "sequence_parallel": (False, bool, None),
-        "pipeline_schedule": ("1f1b", str, ("1f1b", "afab")),   # afab: all forward, all backward (GPipe)
-        "data_parallel_size": (None, int, None),      # null = world / (tp x cp x pp); if given, checked against it
-        # the guide's recompute keys, mapped onto model_config.recompute_* (see _finalize_recompute):
-        # true = every layer (full, uniform, 1); N = the first N layers of each stage (full, block);
-        # a list = per stage (or per stage and chunk, as num_layer_list) the layers recomputed
-        "recompute": (None, (bool, int, list), None),
-        "select_recompute": (None, (bool, list), None),  # true = selective: the core attention of every layer
-    },
-    "model_config": {
-        "num_layers": (4, int, None),
-        "hidden_size": (256, int, None),
-        "ffn_hidden_size": (None, int, None),         # null = 4 * hidden_size
-        "num_attention_heads": (8, int, None),
-        "group_query_attention": (False, bool, None),
-        "num_query_groups": (None, int, None),        # with group_query_attention; null = one per head
-        "seq_length": (256, int, None),
-        "max_position_embeddings": (None, int, None),  # null = seq_length
-        "vocab_size": (None, int, None),              # padded vocabulary; null = from the tokenizer
-        "make_vocab_size_divisible_by": (128, int, None),
-        "position_embedding_type": ("absolute", str, ("absolute", "rope")),
-        "rotary_base": (10000, int, None),
-        "normalization": ("LayerNorm", str, ("LayerNorm", "RMSNorm")),
-        "norm_epsilon": (1e-5, float, None),
-        "hidden_act": ("gelu", str, ("gelu", "gelu_tanh", "swiglu")),
-        "qkv_has_bias": (True, bool, None),           # Megatron --add-qkv-bias
-        "out_proj_has_bias": (True, bool, None),      # Megatron add_dense_bias
-        "add_bias_linear": (True, bool, None),        # MLP biases
-        "untie_embeddings_and_output_weights": (False, bool, None),
-        "use_sandwich_norm": (False, bool, None),
-        "attn_post_norm_scale": (1.0, float, None),
-        "ffn_post_norm_scale": (1.0, float, None),
-        "attention_dropout_rate": (0.0, float, None),
-        "hidden_dropout_rate": (0.0, float, None),
-        "init_method_std": (0.02, float, None),
-        "attention_softmax_in_fp32": (True, bool, None),
-        # Megatron: q k^T divided by the layer number in half precision, multiplied back in the
-        # float32 softmax (keeps deep layers' scores in float16's range)
-        "apply_query_key_layer_scaling": (False, bool, None),
-        "fp16_lm_cross_entropy": (False, bool, None),  # the loss on float16 logits (Megatron, --fp16)
-        "fp32_residual_connection": (False, bool, None),
-        # null: what --fp16/--bf16 give (Megatron), else float32 (see _finalize_precision)
-        "params_dtype": (None, str, ("float32", "float16", "bfloat16")),
-        "compute_dtype": (None, str, ("float32", "float16", "bfloat16")),
-        # Megatron's activation recompute (--recompute-granularity/-method/-num-layers): full recomputes
-        # whole layers from their kept input, selective only the core attention (scores, softmax,
-        # dropout, weighted sum); checked by Megatron's rules in _finalize_recompute
-        "recompute_granularity": (None, str, ("full", "selective")),
-        "recompute_method": (None, str, ("uniform", "block")),    # uniform: groups of N; block: first N per stage
-        "recompute_num_layers": (None, (int, list), None),        # block also takes a per-stage list
-    },
-    "dataset_config": {
-        "data_path": ("data/tinyshakespeare_text_document", str, None),
-        "split": ("949,50,1", str, None),
-        "mock_data": (False, bool, None),
-        "tokenizer_type": ("GPT2BPETokenizer", str, ("GPT2BPETokenizer", "NullTokenizer", "ByteTokenizer")),
-        "vocab_file": ("data/gpt2-vocab.json", str, None),
-        "merge_file": ("data/gpt2-merges.txt", str, None),
-        "vocab_size": (None, int, None),              # NullTokenizer / mock data: ids below it
-        "batch_size": (8, int, None),                 # micro-batch size
-        "micro_batch_num": (1, int, None),
-        "global_batch_size": (None, int, None),       # null = batch_size * micro_batch_num * dp
-        "reset_position_ids": (False, bool, None),
-        "reset_attention_mask": (False, bool, None),
-        "eod_mask_loss": (False, bool, None),
-        "data_cache_path": (None, str, None),
-    },
-    "optimizer_config": {
-        "optimizer_type": ("AdamW", str, ("AdamW", "Adam", "SGD")),
-        "learning_rate": (1e-3, float, None),
-        "weight_decay": (0.1, float, None),
-        "start_weight_decay": (None, float, None),    # null = weight_decay
-        "end_weight_decay": (None, float, None),
-        "weight_decay_incr_style": ("constant", str, ("constant", "linear", "cosine")),
-        "betas": ([0.9, 0.95], list, None),
-        "eps": (1e-8, float, None),
-        "momentum": (0.9, float, None),               # SGD
-        "use_checkpoint_opt_param_scheduler": (True, bool, None),  # resuming: the checkpoint's lr schedule
-        "override_opt_param_scheduler": (False, bool, None),       # resuming: this run's lr schedule (wins)
-        "learning_rate_scheduler_kwargs": {
-            "lr_decay_style": ("cosine", str, ("constant", "linear", "cosine", "inverse-square-root")),
-            "lr_warmup_iters": (0, int, None),
-            "lr_warmup_fraction": (None, float, None),
-            "lr_decay_iters": (None, int, None),      # null = training_iters
-            "min_lr": (1e-4, float, None),
-        },
-    },
-}
-
-# Profiler keys that only the Ascend/GPU profiler collects (the guide's names)
-DEVICE_PROFILE_KEYS = ("profile_level", "profile_with_stack", "profile_memory", "profile_data_process",
-                       "profile_parallel_strategy", "profile_hbm_ddr", "profile_pcie", "profile_aicore_metrics",
-                       "profile_l2_cache", "profile_data_simplification")
 def suggest(word, candidates):
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def all_keys(schema=SCHEMA, prefix=""):
-    for k, v in schema.items():
-        if isinstance(v, dict):
-            yield from all_keys(v, prefix + k + ".")
-        else:
-            yield prefix + k
-
-
 def _check_value(path, value, spec):
-    default, typ, choices = spec
+    typ, choices = spec.type, spec.choices
+    if spec.kind == "fixed" and value not in choices:
+        raise ConfigError(f"{path}={value!r}: only {spec.default!r} here: {spec.help}")
     if value is None:
         return None
     if typ is float and isinstance(value, str):      # YAML 1.1 reads 3e-3 (no dot) as a string
         try:
             value = float(value)
         except ValueError:
-            pass
+            pass                          # not a number: the type check below names it
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if typ is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     kinds = typ if isinstance(typ, tuple) else (typ,)          # a key may take several types
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise ConfigError(f"{path}: expected {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise ConfigError(f"{path}: expected {expected}, got {value!r}")
     if choices and value not in choices:
-        raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(str, choices))}"
-                          + suggest(str(value), map(str, choices)))
+        spellings = list(map(str, choices)) + list(spec.values or ())
+        raise ConfigError(f"{path}: {value!r} is not one of {', '.join(spellings)}"
+                          + suggest(str(value), spellings))
     return value
 
 
@@ -227,20 +60,14 @@ def merge(schema, given, path):
         if isinstance(spec, dict):
             out[k] = merge(spec, given.get(k), f"{path}.{k}")
         else:
-            out[k] = _check_value(f"{path}.{k}", given.get(k, spec[0]), spec)
+            out[k] = _check_value(f"{path}.{k}", given.get(k, spec.default), spec)
     return out
-
-
-def schema_default(dotted):
-    node = SCHEMA
-    for p in dotted.split("."):
-        node = node[p]
-    return node
 
 
 def to_namespace(tree):
     """Plain dicts -> a namespace per section (the inverse of to_dict)."""
-    return SimpleNamespace(**{k: to_namespace(v) if isinstance(v, dict) else v for k, v in tree.items()})
+    return SimpleNamespace(**{k: to_namespace(v) if isinstance(v, dict) else v
+                              for k, v in tree.items()})
 
 
 def _positive(cfg_section, name, keys):
@@ -250,31 +77,37 @@ def _positive(cfg_section, name, keys):
             raise ConfigError(f"{name}.{k} must be positive, got {v}")
 
 
-def _check_pipeline(p, m):
+def _check_pipeline(parallel_cfg, model_cfg):
     """Pipeline and virtual-pipeline sizes against the layers; sets
-    p.virtual_pipeline_model_parallel_size (1 without interleaving)."""
-    pp, layers, where = p.pipeline_model_parallel_size, m.num_layers, "parallel_config"
-    vpp = p.virtual_pipeline_model_parallel_size
-    _positive(p, where, ["virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"])
-    if p.num_layers_per_virtual_pipeline_stage is not None:
-        per = p.num_layers_per_virtual_pipeline_stage
+    parallel_cfg.virtual_pipeline_model_parallel_size (1 without interleaving)."""
+    pp, layers = parallel_cfg.pipeline_model_parallel_size, model_cfg.num_layers
+    where = "parallel_config"
+    vpp = parallel_cfg.virtual_pipeline_model_parallel_size
+    _positive(parallel_cfg, where, ["virtual_pipeline_model_parallel_size",
+                                    "num_layers_per_virtual_pipeline_stage"])
+    if parallel_cfg.num_layers_per_virtual_pipeline_stage is not None:
+        per = parallel_cfg.num_layers_per_virtual_pipeline_stage
         if layers % (pp * per):
-            raise ConfigError(f"{where}.num_layers_per_virtual_pipeline_stage={per}: model_config.num_layers="
-                              f"{layers} is not divisible by pipeline size {pp} x {per}")
+            raise ConfigError(f"{where}.num_layers_per_virtual_pipeline_stage={per}: "
+                              f"model_config.num_layers={layers} is not divisible by "
+                              f"pipeline size {pp} x {per}")
         if vpp is not None and vpp != layers // (pp * per):
             raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} disagrees with "
-                              f"num_layers_per_virtual_pipeline_stage={per} ({layers // (pp * per)} chunks): give one")
+                              f"num_layers_per_virtual_pipeline_stage={per} "
+                              f"({layers // (pp * per)} chunks): give one")
         vpp = layers // (pp * per)
-    lst = p.num_layer_list
+    lst = parallel_cfg.num_layer_list
     if lst is not None:
         nested = all(isinstance(c, list) for c in lst)
         counts = [n for c in lst for n in (c if nested else [c])]
         if (len(lst) != pp or not all(isinstance(n, int) and n >= 1 for n in counts)
                 or (nested and len({len(c) for c in lst}) != 1)):
-            raise ConfigError(f"{where}.num_layer_list={lst}: give {pp} layer counts, one per pipeline stage "
-                              "(e.g. [3, 1]), or per stage one per virtual chunk (e.g. [[2, 1], [1, 2]]), each >= 1")
+            raise ConfigError(f"{where}.num_layer_list={lst}: give {pp} layer counts, one per "
+                              "pipeline stage (e.g. [3, 1]), or per stage one per virtual chunk "
+                              "(e.g. [[2, 1], [1, 2]]), each >= 1")
         if sum(counts) != layers:
-            raise ConfigError(f"{where}.num_layer_list={lst} sums to {sum(counts)}, not model_config.num_layers={layers}")
+            raise ConfigError(f"{where}.num_layer_list={lst} sums to {sum(counts)}, not "
+                              f"model_config.num_layers={layers}")
         chunks = len(lst[0]) if nested else 1
         if vpp is not None and vpp != chunks:
             raise ConfigError(f"{where}.num_layer_list={lst} gives {chunks} chunk(s) per stage but "
@@ -282,358 +115,543 @@ def _check_pipeline(p, m):
         vpp = chunks
     vpp = vpp or 1
     if vpp > 1 and pp == 1:
-        raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1")
-    if lst is None and layers % (pp * vpp):
-        raise ConfigError(f"model_config.num_layers={layers} is not divisible by pipeline_model_parallel_size={pp}"
-                          + (f" x virtual chunks {vpp}" if vpp > 1 else "") + ": change num_layers or give "
+        raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} needs "
+                          "pipeline_model_parallel_size > 1")
+    per = -(-layers // pp)                           # MindSpeed's automatic cut: [16, 16, 16, 14]
+    if lst is None and vpp == 1 and layers % pp and layers - per * (pp - 1) >= 1:
+        parallel_cfg.num_layer_list = [per] * (pp - 1) + [layers - per * (pp - 1)]
+    elif lst is None and layers % (pp * vpp):
+        chunks = f" x virtual chunks {vpp}" if vpp > 1 else ""
+        raise ConfigError(f"model_config.num_layers={layers} is not divisible by "
+                          f"pipeline_model_parallel_size={pp}{chunks}: change num_layers or give "
                           "parallel_config.num_layer_list")
-    p.virtual_pipeline_model_parallel_size = vpp
+    parallel_cfg.virtual_pipeline_model_parallel_size = vpp
 
 
-def _check_profile(t):
+def _check_profile(training_cfg):
     """Profiled steps within the run; sets profile_save_path's default."""
-    if t.profile_save_path is None:
-        t.profile_save_path = os.path.join(t.output_dir, "profile")
-    if not t.profile:
+    if training_cfg.profile_save_path is None:
+        training_cfg.profile_save_path = os.path.join(training_cfg.output_dir, "profile")
+    if not training_cfg.profile:
         return
-    if not 1 <= t.profile_step_start < t.profile_step_end:
-        raise ConfigError(f"training_config.profile_step_end={t.profile_step_end} must be after profile_step_start="
-                          f"{t.profile_step_start} (>= 1): profiling stops before step profile_step_end")
-    if t.profile_step_end > t.training_iters + 1:
-        raise ConfigError(f"training_config.profile_step_end={t.profile_step_end} is past the last step "
-                          f"(training_iters={t.training_iters}): lower it to at most {t.training_iters + 1}")
-    if t.profile_ranks is not None and not all(isinstance(r, int) and r >= 0 for r in t.profile_ranks):
-        raise ConfigError(f"training_config.profile_ranks={t.profile_ranks}: give a list of global ranks, e.g. [0, 1]")
+    start, end = training_cfg.profile_step_start, training_cfg.profile_step_end
+    if not 1 <= start < end:
+        raise ConfigError(f"training_config.profile_step_end={end} must be after "
+                          f"profile_step_start={start} (>= 1): profiling stops "
+                          "before step profile_step_end")
+    if end > training_cfg.training_iters + 1:
+        raise ConfigError(f"training_config.profile_step_end={end} is past the "
+                          f"last step (training_iters={training_cfg.training_iters}): lower it to "
+                          f"at most {training_cfg.training_iters + 1}")
+    ranks = training_cfg.profile_ranks
+    if ranks is not None and not all(isinstance(r, int) and r >= 0 for r in ranks):
+        raise ConfigError(f"training_config.profile_ranks={ranks}: give a list of global ranks, "
+                          "e.g. [0, 1]")
 
 
 def finalize(cfg, world_size=1):
     """Derived values and the checks that involve several keys, section by section."""
-    m, d, t, o, p = (cfg.model_config, cfg.dataset_config, cfg.training_config,
-                     cfg.optimizer_config, cfg.parallel_config)
-    _positive(m, "model_config", ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                                  "num_query_groups", "seq_length", "max_position_embeddings",
-                                  "make_vocab_size_divisible_by", "norm_epsilon", "init_method_std"])
-    _positive(d, "dataset_config", ["batch_size", "micro_batch_num", "global_batch_size", "vocab_size"])
-    _positive(t, "training_config", ["training_iters", "log_interval", "eval_interval",
-                                     "keep_checkpoint_max", "threads_num"])
-    if t.save_interval is not None and t.save_interval < 0:
-        raise ConfigError(f"training_config.save_interval must be >= 0 (0: no periodic saves), got {t.save_interval}")
-    _finalize_model(m)
-    _finalize_precision(m, t)
-    _finalize_optimizer(o, t)
-    _finalize_dataset(d)
-    _finalize_parallel(p, m, d, world_size)
-    _finalize_training(t)
+    model_cfg, dataset_cfg, training_cfg = (cfg.model_config, cfg.dataset_config,
+                                            cfg.training_config)
+    optimizer_cfg, parallel_cfg = cfg.optimizer_config, cfg.parallel_config
+    _positive(model_cfg, "model_config", ["num_layers", "hidden_size", "ffn_hidden_size",
+                                          "num_attention_heads", "num_query_groups", "seq_length",
+                                          "max_position_embeddings",
+                                          "make_vocab_size_divisible_by", "norm_epsilon",
+                                          "init_method_std"])
+    _positive(dataset_cfg, "dataset_config", ["batch_size", "micro_batch_num",
+                                              "global_batch_size", "vocab_size"])
+    _positive(training_cfg, "training_config", ["training_iters", "log_interval",
+                                                "eval_interval", "keep_checkpoint_max",
+                                                "threads_num"])
+    if training_cfg.save_interval is not None and training_cfg.save_interval < 0:
+        raise ConfigError("training_config.save_interval must be >= 0 (0: no periodic saves), "
+                          f"got {training_cfg.save_interval}")
+    _finalize_model(model_cfg)
+    _finalize_precision(model_cfg, training_cfg)
+    _finalize_optimizer(optimizer_cfg, training_cfg)
+    _finalize_dataset(dataset_cfg)
+    _finalize_parallel(parallel_cfg, model_cfg, dataset_cfg, world_size)
+    _finalize_training(training_cfg)
+    _check_torch_format(training_cfg, model_cfg, parallel_cfg)
     return cfg
 
 
-def _finalize_model(m):
+def _finalize_model(model_cfg):
     """Defaults derived from other keys (ffn 4h, one query group per head, positions), shapes that
     must divide, dropout ranges."""
-    if m.ffn_hidden_size is None:
-        m.ffn_hidden_size = 4 * m.hidden_size
-    if m.num_query_groups is not None and not m.group_query_attention:
-        raise ConfigError(f"model_config.num_query_groups={m.num_query_groups} needs group_query_attention=true "
-                          "(--group-query-attention), as in Megatron")
-    if not m.group_query_attention:
-        m.num_query_groups = m.num_attention_heads
-    elif m.num_query_groups is None:
-        raise ConfigError("model_config.group_query_attention=true needs num_query_groups (--num-query-groups)")
-    if m.max_position_embeddings is None:
-        m.max_position_embeddings = m.seq_length
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"model_config.hidden_size={m.hidden_size} must be divisible by "
-                          f"num_attention_heads={m.num_attention_heads}")
-    if m.num_attention_heads % m.num_query_groups:
-        raise ConfigError(f"model_config.num_attention_heads={m.num_attention_heads} must be divisible by "
-                          f"num_query_groups={m.num_query_groups}")
-    if m.position_embedding_type == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
+    if model_cfg.ffn_hidden_size is None:
+        model_cfg.ffn_hidden_size = 4 * model_cfg.hidden_size
+    if model_cfg.num_query_groups is not None and not model_cfg.group_query_attention:
+        raise ConfigError(f"model_config.num_query_groups={model_cfg.num_query_groups} needs "
+                          "group_query_attention=true (--group-query-attention), as in Megatron")
+    if not model_cfg.group_query_attention:
+        model_cfg.num_query_groups = model_cfg.num_attention_heads
+    elif model_cfg.num_query_groups is None:
+        raise ConfigError("model_config.group_query_attention=true needs num_query_groups "
+                          "(--num-query-groups)")
+    if model_cfg.max_position_embeddings is None:
+        model_cfg.max_position_embeddings = model_cfg.seq_length
+    if model_cfg.hidden_size % model_cfg.num_attention_heads:
+        raise ConfigError(f"model_config.hidden_size={model_cfg.hidden_size} must be divisible by "
+                          f"num_attention_heads={model_cfg.num_attention_heads}")
+    if model_cfg.num_attention_heads % model_cfg.num_query_groups:
+        raise ConfigError("model_config.num_attention_heads="
+                          f"{model_cfg.num_attention_heads} must be "
+                          f"divisible by num_query_groups={model_cfg.num_query_groups}")
+    head_dim = model_cfg.hidden_size // model_cfg.num_attention_heads
+    if model_cfg.position_embedding_type == "rope" and head_dim % 2:
         raise ConfigError("model_config.position_embedding_type=rope needs an even head size "
                           "(hidden_size / num_attention_heads)")
-    if m.seq_length > m.max_position_embeddings:
-        raise ConfigError(f"model_config.seq_length={m.seq_length} exceeds max_position_embeddings="
-                          f"{m.max_position_embeddings}")
+    if model_cfg.seq_length > model_cfg.max_position_embeddings:
+        raise ConfigError(f"model_config.seq_length={model_cfg.seq_length} exceeds "
+                          f"max_position_embeddings={model_cfg.max_position_embeddings}")
     for k in ("attention_dropout_rate", "hidden_dropout_rate"):
-        if not 0.0 <= getattr(m, k) < 1.0:
-            raise ConfigError(f"model_config.{k} must be in [0, 1), got {getattr(m, k)}")
+        if not 0.0 <= getattr(model_cfg, k) < 1.0:
+            raise ConfigError(f"model_config.{k} must be in [0, 1), got {getattr(model_cfg, k)}")
 
 
-def _finalize_precision(m, t):
+def _finalize_precision(model_cfg, training_cfg):
     """The dtypes of a run. Megatron's --fp16/--bf16 (training_config.fp16/bf16) compute in half
     precision with half-precision parameters (Megatron's Float16Module), the optimizer updating
     float32 copies of them (optimizer.MixedPrecisionOptimizer). The guides' MindSpore keys can also
     keep float32 parameters and compute in half precision (params_dtype float32, compute_dtype
     float16): each matmul casts its weights. Half-precision parameters compute in their own dtype;
     bfloat16 accumulates and reduces gradients in float32 (Megatron's rule)."""
-    if t.fp16 and t.bf16:
+    if training_cfg.fp16 and training_cfg.bf16:
         raise ConfigError("training_config.fp16 and bf16 are both set: choose one")
-    flag = "float16" if t.fp16 else "bfloat16" if t.bf16 else None
-    if flag and m.compute_dtype not in (None, flag):
-        raise ConfigError(f"training_config.{'fp16' if t.fp16 else 'bf16'} computes in {flag}, but "
-                          f"model_config.compute_dtype is {m.compute_dtype}: give one of them")
-    m.compute_dtype = m.compute_dtype or flag or "float32"
-    m.params_dtype = m.params_dtype or flag or "float32"
-    if m.params_dtype not in ("float32", m.compute_dtype):
-        raise ConfigError(f"model_config.params_dtype={m.params_dtype} with compute_dtype={m.compute_dtype}: "
-                          "half-precision parameters compute in their own dtype; set compute_dtype to it "
-                          "(--fp16/--bf16), or params_dtype float32")
-    if m.compute_dtype == "bfloat16":
-        t.accumulate_allreduce_grads_in_fp32 = True
-    if m.fp16_lm_cross_entropy and m.compute_dtype != "float16":
-        raise ConfigError("model_config.fp16_lm_cross_entropy (--fp16-lm-cross-entropy) needs float16 "
-                          "compute (--fp16), as in Megatron")
-    if m.apply_query_key_layer_scaling and not m.attention_softmax_in_fp32:
-        raise ConfigError("model_config.apply_query_key_layer_scaling scales the scores back inside a "
-                          "float32 softmax: remove --no-attention-softmax-in-fp32 (Megatron forces it)")
+    flag = "float16" if training_cfg.fp16 else "bfloat16" if training_cfg.bf16 else None
+    if flag and model_cfg.compute_dtype not in (None, flag):
+        raise ConfigError(f"training_config.{'fp16' if training_cfg.fp16 else 'bf16'} computes in "
+                          f"{flag}, but model_config.compute_dtype is {model_cfg.compute_dtype}: "
+                          "give one of them")
+    model_cfg.compute_dtype = model_cfg.compute_dtype or flag or "float32"
+    model_cfg.params_dtype = model_cfg.params_dtype or flag or "float32"
+    if model_cfg.params_dtype not in ("float32", model_cfg.compute_dtype):
+        raise ConfigError(f"model_config.params_dtype={model_cfg.params_dtype} with "
+                          f"compute_dtype={model_cfg.compute_dtype}: half-precision parameters "
+                          "compute in their own dtype; set compute_dtype to it (--fp16/--bf16), or "
+                          "params_dtype float32")
+    if model_cfg.compute_dtype == "bfloat16":
+        training_cfg.accumulate_allreduce_grads_in_fp32 = True
+    if model_cfg.fp16_lm_cross_entropy and model_cfg.compute_dtype != "float16":
+        raise ConfigError("model_config.fp16_lm_cross_entropy (--fp16-lm-cross-entropy) needs "
+                          "float16 compute (--fp16), as in Megatron")
+    if model_cfg.apply_query_key_layer_scaling and not model_cfg.attention_softmax_in_fp32:
+        raise ConfigError("model_config.apply_query_key_layer_scaling scales the scores back "
+                          "inside a float32 softmax: remove --no-attention-softmax-in-fp32 "
+                          "(Megatron forces it)")
 
 
-def _finalize_optimizer(o, t):
-    """Betas, the weight-decay increment and the lr schedule (warmup in iterations or as a fraction)."""
-    if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas):
-        raise ConfigError(f"optimizer_config.betas must be two numbers in [0, 1), got {o.betas}")
-    o.betas = [float(b) for b in o.betas]
+def _finalize_optimizer(optimizer_cfg, training_cfg):
+    """Betas, the weight-decay increment and the lr schedule (warmup in iterations or as a
+    fraction)."""
+    betas = optimizer_cfg.betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise ConfigError(f"optimizer_config.betas must be two numbers in [0, 1), got {betas}")
+    optimizer_cfg.betas = [float(b) for b in betas]
     for k in ("learning_rate", "weight_decay", "eps"):
-        if not math.isfinite(getattr(o, k)) or getattr(o, k) < 0:
-            raise ConfigError(f"optimizer_config.{k} must be a finite number >= 0, got {getattr(o, k)}")
-    if o.start_weight_decay is None:
-        o.start_weight_decay = o.weight_decay
-    if o.end_weight_decay is None:
-        o.end_weight_decay = o.weight_decay
-    if o.weight_decay_incr_style == "constant" and o.start_weight_decay != o.end_weight_decay:
-        raise ConfigError("optimizer_config.weight_decay_incr_style=constant needs start_weight_decay == "
-                          "end_weight_decay: choose linear or cosine")
-    s = o.learning_rate_scheduler_kwargs
-    if s.lr_decay_iters is None:
-        s.lr_decay_iters = t.training_iters
-    if s.lr_warmup_fraction is not None:
-        if s.lr_warmup_iters:
+        if not math.isfinite(getattr(optimizer_cfg, k)) or getattr(optimizer_cfg, k) < 0:
+            raise ConfigError(f"optimizer_config.{k} must be a finite number >= 0, "
+                              f"got {getattr(optimizer_cfg, k)}")
+    _finalize_weight_decay(optimizer_cfg)
+    schedule = optimizer_cfg.learning_rate_scheduler_kwargs
+    if schedule.lr_decay_iters is None:
+        schedule.lr_decay_iters = training_cfg.training_iters
+    if schedule.lr_warmup_fraction is not None:
+        if schedule.lr_warmup_iters:
             raise ConfigError("set only one of lr_warmup_iters and lr_warmup_fraction "
                               "(optimizer_config.learning_rate_scheduler_kwargs)")
-        if not 0.0 <= s.lr_warmup_fraction <= 1.0:
-            raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs.lr_warmup_fraction must be in [0, 1]")
-        s.lr_warmup_iters = int(s.lr_warmup_fraction * s.lr_decay_iters)
-    if s.lr_warmup_iters < 0 or s.lr_warmup_iters >= s.lr_decay_iters:
-        raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.lr_warmup_iters={s.lr_warmup_iters} "
-                          f"must be at least 0 and below lr_decay_iters={s.lr_decay_iters}")
-    if s.min_lr > o.learning_rate:
-        raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.min_lr={s.min_lr} exceeds "
-                          f"learning_rate={o.learning_rate}")
+        if not 0.0 <= schedule.lr_warmup_fraction <= 1.0:
+            raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs."
+                              "lr_warmup_fraction must be in [0, 1]")
+        schedule.lr_warmup_iters = int(schedule.lr_warmup_fraction * schedule.lr_decay_iters)
+    if schedule.lr_warmup_iters < 0 or schedule.lr_warmup_iters >= schedule.lr_decay_iters:
+        raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs.lr_warmup_iters="
+                          f"{schedule.lr_warmup_iters} must be at least 0 and below "
+                          f"lr_decay_iters={schedule.lr_decay_iters}")
+    if schedule.min_lr > optimizer_cfg.learning_rate:
+        raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs.min_lr="
+                          f"{schedule.min_lr} exceeds learning_rate={optimizer_cfg.learning_rate}")
 
 
-def _finalize_dataset(d):
-    """The split weights, and what the tokenizer and mock data need."""
-    parts = d.split.replace("/", ",").split(",")
+def _finalize_weight_decay(optimizer_cfg):
+    """Megatron's rule: a constant weight decay is weight_decay (start and end unset, or equal to
+    it); linear and cosine go from start_weight_decay to end_weight_decay, both given."""
+    where = "optimizer_config."
+    start, end = optimizer_cfg.start_weight_decay, optimizer_cfg.end_weight_decay
+    decay, style = optimizer_cfg.weight_decay, optimizer_cfg.weight_decay_incr_style
+    if style == "constant":
+        if {start, end} - {None, decay}:
+            raise ConfigError(f"{where}start_weight_decay={start}, end_weight_decay={end} with "
+                              f"weight_decay_incr_style=constant: a constant decay is weight_decay="
+                              f"{decay}; remove them or choose linear or cosine")
+        optimizer_cfg.start_weight_decay = optimizer_cfg.end_weight_decay = decay
+    elif start is None or end is None:
+        raise ConfigError(f"{where}weight_decay_incr_style={style} needs "
+                          "start_weight_decay and end_weight_decay (--start-weight-decay, "
+                          "--end-weight-decay), as in Megatron")
+
+
+def parse_split(split):
+    """Megatron's parse_and_normalize_split: --split "949,50,1" (or "0.8/0.1/0.1") -> the train,
+    validation and test fractions of the documents, summing to 1 (missing weights are 0). Up to
+    three non-negative numbers, not all 0, separated by commas or slashes."""
     try:
-        weights = [float(x) for x in parts]
+        weights = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
         weights = []
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"dataset_config.split={d.split!r}: expected up to three weights like 949,50,1")
-    if d.tokenizer_type == "NullTokenizer" and d.vocab_size is None:
-        raise ConfigError("dataset_config.tokenizer_type=NullTokenizer needs dataset_config.vocab_size (--vocab-size)")
-    if d.mock_data and d.vocab_size is None and d.tokenizer_type != "GPT2BPETokenizer":
+        raise ConfigError(f"dataset_config.split={split!r}: expected up to three weights "
+                          "like 949,50,1")
+    weights += [0.0] * (3 - len(weights))
+    return [w / sum(weights) for w in weights]
+
+
+def _finalize_dataset(dataset_cfg):
+    """The split weights, and what the tokenizer and mock data need."""
+    parse_split(dataset_cfg.split)
+    if dataset_cfg.tokenizer_type == "NullTokenizer" and dataset_cfg.vocab_size is None:
+        raise ConfigError("dataset_config.tokenizer_type=NullTokenizer needs "
+                          "dataset_config.vocab_size (--vocab-size)")
+    needs_vocab_size = dataset_cfg.tokenizer_type != "GPT2BPETokenizer"
+    if dataset_cfg.mock_data and dataset_cfg.vocab_size is None and needs_vocab_size:
         raise ConfigError("dataset_config.mock_data needs dataset_config.vocab_size (--vocab-size)")
     for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-        if getattr(d, k) and d.mock_data:
+        if getattr(dataset_cfg, k) and dataset_cfg.mock_data:
             raise ConfigError(f"dataset_config.{k} needs real data with EOD tokens, not mock_data")
 
 
-def _finalize_parallel(p, m, d, world_size):
-    """The layout against the model and the world size; derives data_parallel_size and micro_batch_num."""
-    _positive(p, "parallel_config", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                     "context_parallel_size"])
-    _check_context_parallel(p, m, d)
-    _check_pipeline(p, m)
-    _finalize_recompute(m, p)
-    tp = p.tensor_model_parallel_size
+def _finalize_parallel(parallel_cfg, model_cfg, dataset_cfg, world_size):
+    """The layout against the model and the world size; derives data_parallel_size and
+    micro_batch_num."""
+    _positive(parallel_cfg, "parallel_config", ["tensor_model_parallel_size",
+                                                "pipeline_model_parallel_size",
+                                                "context_parallel_size"])
+    _check_context_parallel(parallel_cfg, model_cfg, dataset_cfg)
+    _check_pipeline(parallel_cfg, model_cfg)
+    _finalize_recompute(model_cfg, parallel_cfg)
+    tp = parallel_cfg.tensor_model_parallel_size
     for k in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
-        if getattr(m, k) % tp:
-            raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by "
+        if getattr(model_cfg, k) % tp:
+            raise ConfigError(f"model_config.{k}={getattr(model_cfg, k)} is not divisible by "
                               f"parallel_config.tensor_model_parallel_size={tp}")
-    if m.vocab_size is not None and m.vocab_size % tp:
-        raise ConfigError(f"model_config.vocab_size={m.vocab_size} is not divisible by "
+    if model_cfg.vocab_size is not None and model_cfg.vocab_size % tp:
+        raise ConfigError(f"model_config.vocab_size={model_cfg.vocab_size} is not divisible by "
                           f"tensor_model_parallel_size={tp}: leave it null to pad automatically")
-    if m.vocab_size is None and m.make_vocab_size_divisible_by % tp:
-        raise ConfigError(f"model_config.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} is not "
-                          f"a multiple of tensor_model_parallel_size={tp}: the padded vocabulary must split "
+    if model_cfg.vocab_size is None and model_cfg.make_vocab_size_divisible_by % tp:
+        raise ConfigError("model_config.make_vocab_size_divisible_by="
+                          f"{model_cfg.make_vocab_size_divisible_by} is not a multiple of "
+                          f"tensor_model_parallel_size={tp}: the padded vocabulary must split "
                           "into equal shards; use a multiple of it (e.g. 128)")
-    if p.sequence_parallel and tp == 1:
+    if parallel_cfg.sequence_parallel and tp == 1:
         raise ConfigError("parallel_config.sequence_parallel needs tensor_model_parallel_size > 1")
-    if p.sequence_parallel and m.seq_length % tp:
-        raise ConfigError(f"model_config.seq_length={m.seq_length} is not divisible by "
+    if parallel_cfg.sequence_parallel and model_cfg.seq_length % tp:
+        raise ConfigError(f"model_config.seq_length={model_cfg.seq_length} is not divisible by "
                           f"tensor_model_parallel_size={tp}, as sequence_parallel needs")
-    model_parallel = tp * p.pipeline_model_parallel_size * p.context_parallel_size
+    pp, cp = parallel_cfg.pipeline_model_parallel_size, parallel_cfg.context_parallel_size
+    model_parallel = tp * pp * cp
     if world_size % model_parallel:
-        raise ConfigError(f"world size {world_size} is not a multiple of tensor x context x pipeline "
-                          f"parallel sizes = {model_parallel}: change --nproc or the parallel sizes")
+        raise ConfigError(f"world size {world_size} is not a multiple of tensor x context x "
+                          f"pipeline parallel sizes = {model_parallel}: change --nproc or the "
+                          "parallel sizes")
     dp = world_size // model_parallel
-    if p.data_parallel_size not in (None, dp):
-        raise ConfigError(f"parallel_config.data_parallel_size={p.data_parallel_size}, but world size {world_size} / "
-                          f"(tensor x context x pipeline parallel sizes {model_parallel}) = {dp}: the data-parallel "
-                          "size follows from the number of workers; change --nproc or leave it null")
-    per_step = d.batch_size * dp
-    if d.global_batch_size is not None:
-        if d.global_batch_size % per_step:
-            raise ConfigError(f"dataset_config.global_batch_size={d.global_batch_size} must be a multiple of "
-                              f"batch_size * data-parallel size = {per_step}")
-        d.micro_batch_num = d.global_batch_size // per_step
-    d.global_batch_size = per_step * d.micro_batch_num
-    if p.virtual_pipeline_model_parallel_size > 1 and d.micro_batch_num % p.pipeline_model_parallel_size:
-        raise ConfigError(f"dataset_config.micro_batch_num={d.micro_batch_num} is not divisible by "
-                          f"pipeline_model_parallel_size={p.pipeline_model_parallel_size}, as the interleaved "
+    if parallel_cfg.data_parallel_size not in (None, dp):
+        raise ConfigError("parallel_config.data_parallel_size="
+                          f"{parallel_cfg.data_parallel_size}, but world "
+                          f"size {world_size} / (tensor x context x pipeline parallel sizes "
+                          f"{model_parallel}) = {dp}: the data-parallel size follows from the "
+                          "number of workers; change --nproc or leave it null")
+    _finalize_batch(dataset_cfg, dp)
+    if parallel_cfg.virtual_pipeline_model_parallel_size > 1 and dataset_cfg.micro_batch_num % pp:
+        raise ConfigError(f"dataset_config.micro_batch_num={dataset_cfg.micro_batch_num} is not "
+                          f"divisible by pipeline_model_parallel_size={pp}, as the interleaved "
                           "schedule needs: change global_batch_size or batch_size")
-    p.data_parallel_size = dp
+    parallel_cfg.data_parallel_size = dp
 
 
-def _check_context_parallel(p, m, d):
+def _finalize_batch(dataset_cfg, dp):
+    """The global batch = micro-batch size x micro-batches x DP; given two, the third follows,
+    and all three must agree (no value is silently replaced)."""
+    per_step = dataset_cfg.batch_size * dp
+    if dataset_cfg.global_batch_size is not None:
+        if dataset_cfg.global_batch_size % per_step:
+            raise ConfigError("dataset_config.global_batch_size="
+                              f"{dataset_cfg.global_batch_size} must be a "
+                              f"multiple of batch_size x data-parallel size = {per_step}")
+        derived = dataset_cfg.global_batch_size // per_step
+        if dataset_cfg.micro_batch_num not in (None, derived):
+            raise ConfigError("dataset_config.micro_batch_num="
+                              f"{dataset_cfg.micro_batch_num} contradicts "
+                              f"global_batch_size={dataset_cfg.global_batch_size} = batch_size "
+                              f"{dataset_cfg.batch_size} x data-parallel size {dp} x {derived} "
+                              "micro-batches: give one of them")
+        dataset_cfg.micro_batch_num = derived
+    dataset_cfg.micro_batch_num = dataset_cfg.micro_batch_num or 1
+    dataset_cfg.global_batch_size = per_step * dataset_cfg.micro_batch_num
+
+
+def cp_ring_size(cp, ulysses):
+    """The ring's size in context parallelism, the one place it is worked out: cp = ring x ulysses,
+    the cp ranks as `ring` groups of `ulysses` adjacent ranks (context_parallel.py)."""
+    return cp // ulysses
+
+
+def _check_context_parallel(parallel_cfg, model_cfg, dataset_cfg):
     """Context parallelism (context_parallel.py): cp = ring x ulysses; sets ulysses_degree_in_cp."""
-    cp, tp, algo, u = p.context_parallel_size, p.tensor_model_parallel_size, p.context_parallel_algo, p.ulysses_degree_in_cp
+    cp, tp = parallel_cfg.context_parallel_size, parallel_cfg.tensor_model_parallel_size
+    algo, u = parallel_cfg.context_parallel_algo, parallel_cfg.ulysses_degree_in_cp
     if algo == "hybrid_cp_algo" and (u is None or u < 1 or cp % u):
-        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u}: hybrid_cp_algo needs a divisor of "
-                          f"context_parallel_size={cp} (--ulysses-degree-in-cp)")
-    if algo != "hybrid_cp_algo" and u not in (None, cp if algo == "ulysses_cp_algo" else 1):
-        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u} is for context_parallel_algo=hybrid_cp_algo; "
-                          f"leave it null with {algo}")
-    u = p.ulysses_degree_in_cp = u if algo == "hybrid_cp_algo" else cp if algo == "ulysses_cp_algo" else 1
-    ring = cp // u
+        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u}: hybrid_cp_algo needs a "
+                          f"divisor of context_parallel_size={cp} (--ulysses-degree-in-cp)")
+    # Ulysses alone spans the whole cp group; the ring alone has no Ulysses part.
+    if algo == "hybrid_cp_algo":
+        ulysses = u
+    elif algo == "ulysses_cp_algo":
+        ulysses = cp
+    else:
+        ulysses = 1
+    if u not in (None, ulysses):
+        raise ConfigError(f"parallel_config.ulysses_degree_in_cp={u} is for "
+                          f"context_parallel_algo=hybrid_cp_algo; leave it null with {algo}")
+    parallel_cfg.ulysses_degree_in_cp = ulysses
+    ring = cp_ring_size(cp, ulysses)
     for k in ("num_attention_heads", "num_query_groups"):
-        if cp > 1 and getattr(m, k) % (tp * u):
-            raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by tensor_model_parallel_size x Ulysses "
-                              f"degree = {tp} x {u}: Ulysses splits the heads over both (or use megatron_cp_algo)")
-    pieces, how = (2 * cp, "cuts it into 2 x context_parallel_size chunks (the ring's load balancing)") if ring > 1 \
-        else (cp, "splits it over context_parallel_size ranks")
-    if m.seq_length % pieces:
-        raise ConfigError(f"model_config.seq_length={m.seq_length} is not divisible by {pieces}: context parallelism {how}")
-    if p.sequence_parallel and (m.seq_length // cp) % tp:
-        raise ConfigError(f"model_config.seq_length={m.seq_length}: a cp rank's {m.seq_length // cp} tokens are not "
-                          f"divisible by tensor_model_parallel_size={tp}, as sequence_parallel needs")
-    if ring > 1 and d.reset_attention_mask:
+        if cp > 1 and getattr(model_cfg, k) % (tp * ulysses):
+            raise ConfigError(f"model_config.{k}={getattr(model_cfg, k)} is not divisible by "
+                              f"tensor_model_parallel_size x Ulysses degree = {tp} x {ulysses}: "
+                              "Ulysses splits the heads over both (or use megatron_cp_algo)")
+    if ring > 1:
+        pieces = 2 * cp
+        how = "cuts it into 2 x context_parallel_size chunks (the ring's load balancing)"
+    else:
+        pieces, how = cp, "splits it over context_parallel_size ranks"
+    if model_cfg.seq_length % pieces:
+        raise ConfigError(f"model_config.seq_length={model_cfg.seq_length} is not divisible by "
+                          f"{pieces}: context parallelism {how}")
+    if parallel_cfg.sequence_parallel and (model_cfg.seq_length // cp) % tp:
+        raise ConfigError(f"model_config.seq_length={model_cfg.seq_length}: a cp rank's "
+                          f"{model_cfg.seq_length // cp} tokens are not divisible by "
+                          f"tensor_model_parallel_size={tp}, as sequence_parallel needs")
+    if ring > 1 and dataset_cfg.reset_attention_mask:
         raise ConfigError("dataset_config.reset_attention_mask does not work with ring attention "
-                          f"({algo}): use context_parallel_algo=ulysses_cp_algo, or reset_position_ids alone")
+                          f"({algo}): use context_parallel_algo=ulysses_cp_algo, or "
+                          "reset_position_ids alone")
 
 
-def stage_layer_counts(p, m):
-    """Per pipeline stage, the layers of each of its model chunks (after _check_pipeline), e.g.
-    [[2, 2], [2, 2]] for 8 layers, pp 2, vpp 2; [[3], [1]] for num_layer_list [3, 1]."""
-    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-    if p.num_layer_list is None:
-        return [[m.num_layers // (pp * vpp)] * vpp for _ in range(pp)]
-    return [c if isinstance(c, list) else [c] for c in p.num_layer_list]
+def per_stage_and_chunk(values):
+    """A per-stage list of numbers ([3, 1]) or of per-chunk lists ([[2, 1], [1, 2]]), as
+    num_layer_list and recompute_num_layers take it -> per stage, per chunk ([[3], [1]])."""
+    return [entry if isinstance(entry, list) else [entry] for entry in values]
 
 
-def recompute_counts(p, m):
+def stage_layer_counts(num_layers, pp, vpp=1, num_layer_list=None):
+    """Per pipeline stage, the layers of each of its vpp model chunks, the one place they are
+    worked out (pipeline.layer_split deals them out): num_layer_list as given (after
+    _check_pipeline), else num_layers / (pp * vpp) each; e.g. [[2, 2], [2, 2]] for 8 layers, pp 2,
+    vpp 2; [[3], [1]] for num_layer_list [3, 1]."""
+    if num_layer_list is None:
+        return [[num_layers // (pp * vpp)] * vpp for _ in range(pp)]
+    return per_stage_and_chunk(num_layer_list)
+
+
+def _stage_layer_counts(parallel_cfg, model_cfg):
+    """stage_layer_counts of a config's parallel_config and model_config."""
+    return stage_layer_counts(model_cfg.num_layers, parallel_cfg.pipeline_model_parallel_size,
+                              parallel_cfg.virtual_pipeline_model_parallel_size,
+                              parallel_cfg.num_layer_list)
+
+
+def recompute_counts(parallel_cfg, model_cfg):
     """Per pipeline stage, for each of its model chunks, how many layers full recompute rebuilds
     (after _finalize_recompute): uniform, all of them (in groups of recompute_num_layers); block,
     the first recompute_num_layers (a number, or a list per stage or per stage and chunk); none
-    without full recompute. E.g. [[2, 0], [1, 1]] for block [[2, 0], [1, 1]] over 2 stages x 2 chunks."""
-    counts, n = stage_layer_counts(p, m), m.recompute_num_layers
-    if m.recompute_granularity != "full":
+    without full recompute. E.g. [[2, 0], [1, 1]] for block [[2, 0], [1, 1]] over 2 stages x 2
+    chunks."""
+    counts, n = _stage_layer_counts(parallel_cfg, model_cfg), model_cfg.recompute_num_layers
+    if model_cfg.recompute_granularity != "full":
         return [[0] * len(c) for c in counts]
-    if m.recompute_method == "uniform":
+    if model_cfg.recompute_method == "uniform":
         return counts
     if isinstance(n, list):
-        return [c if isinstance(c, list) else [c] for c in n]
+        return per_stage_and_chunk(n)
     return [[n] * len(c) for c in counts]
 
 
-def _finalize_recompute(m, p):
+def _finalize_recompute(model_cfg, parallel_cfg):
     """The guide's parallel_config.recompute / select_recompute mapped onto Megatron's
     model_config.recompute_granularity, recompute_method and recompute_num_layers, then Megatron's
     rules for them (megatron/core/transformer/transformer_config.py, training/arguments.py):
     selective takes no method and no count; full needs a method and recompute_num_layers, which
-    for uniform divides the layers of every stage (and chunk) and for block is at most their number."""
-    guide = [k for k in ("recompute", "select_recompute") if getattr(p, k) not in (None, False)]
-    megatron = [k for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")
-                if getattr(m, k) is not None]
-    if guide and megatron:
-        raise ConfigError(f"parallel_config.{guide[0]} and model_config.{megatron[0]} both set recompute: give the "
-                          "guide's parallel_config keys or Megatron's model_config.recompute_* keys, not both")
-    if len(guide) == 2:
-        raise ConfigError("parallel_config.recompute and select_recompute are both set: a run has one granularity, "
-                          "full (recompute) or selective (select_recompute)")
-    if p.select_recompute not in (None, False):
-        if p.select_recompute is not True:
-            raise ConfigError(f"parallel_config.select_recompute={p.select_recompute}: per-stage lists are not "
-                              "supported; give true (the core attention of every layer is recomputed)")
-        m.recompute_granularity = "selective"
-    elif p.recompute not in (None, False):
-        m.recompute_granularity = "full"
-        m.recompute_method, m.recompute_num_layers = ("uniform", 1) if p.recompute is True else ("block", p.recompute)
-    p.recompute = p.select_recompute = None          # mapped: the run's config holds Megatron's keys alone
+    for uniform divides the layers of every stage (and chunk) and for block is at most their
+    number."""
+    megatron = _map_guide_recompute(model_cfg, parallel_cfg)
     where = "model_config.recompute_"
-    if m.recompute_granularity is None:
+    if model_cfg.recompute_granularity is None:
         if megatron:
-            raise ConfigError(f"model_config.{megatron[0]} needs {where}granularity=full (--recompute-granularity)")
+            raise ConfigError(f"model_config.{megatron[0]} needs {where}granularity=full "
+                              "(--recompute-granularity)")
         return
-    if m.recompute_granularity == "selective":
-        if m.recompute_method is not None or m.recompute_num_layers is not None:
-            raise ConfigError(f"{where}granularity=selective takes no recompute_method or recompute_num_layers "
-                              "(Megatron): it recomputes the core attention of every layer; remove them")
+    if model_cfg.recompute_granularity == "selective":
+        if model_cfg.recompute_method is not None or model_cfg.recompute_num_layers is not None:
+            raise ConfigError(f"{where}granularity=selective takes no recompute_method or "
+                              "recompute_num_layers (Megatron): it recomputes the core attention "
+                              "of every layer; remove them")
         return
-    n, counts = m.recompute_num_layers, stage_layer_counts(p, m)
-    if m.recompute_method is None:
-        raise ConfigError(f"{where}granularity=full needs {where}method uniform or block (--recompute-method)")
+    _check_full_recompute(model_cfg, parallel_cfg)
+
+
+def _map_guide_recompute(model_cfg, parallel_cfg):
+    """The guide's parallel_config.recompute (true: every layer; N: the first N layers of each
+    stage) or select_recompute (true) written as Megatron's model_config.recompute_* keys, the
+    guide's keys then cleared. Returns the recompute_* keys the config set itself; giving both
+    kinds, or both guide keys, is refused."""
+    guide = [k for k in ("recompute", "select_recompute")
+             if getattr(parallel_cfg, k) not in (None, False)]
+    megatron = [k for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")
+                if getattr(model_cfg, k) is not None]
+    if guide and megatron:
+        raise ConfigError(f"parallel_config.{guide[0]} and model_config.{megatron[0]} both set "
+                          "recompute: give the guide's parallel_config keys or Megatron's "
+                          "model_config.recompute_* keys, not both")
+    if len(guide) == 2:
+        raise ConfigError("parallel_config.recompute and select_recompute are both set: a run "
+                          "has one granularity, full (recompute) or selective (select_recompute)")
+    if parallel_cfg.select_recompute not in (None, False):
+        if parallel_cfg.select_recompute is not True:
+            raise ConfigError("parallel_config.select_recompute="
+                              f"{parallel_cfg.select_recompute}: per-stage "
+                              "lists are not supported; give true (the core attention of every "
+                              "layer is recomputed)")
+        model_cfg.recompute_granularity = "selective"
+    elif parallel_cfg.recompute not in (None, False):
+        model_cfg.recompute_granularity = "full"
+        if parallel_cfg.recompute is True:
+            model_cfg.recompute_method, model_cfg.recompute_num_layers = "uniform", 1
+        else:
+            model_cfg.recompute_method = "block"
+            model_cfg.recompute_num_layers = parallel_cfg.recompute
+    # mapped: the run's config holds Megatron's keys alone
+    parallel_cfg.recompute = parallel_cfg.select_recompute = None
+    return megatron
+
+
+def _check_full_recompute(model_cfg, parallel_cfg):
+    """Full recompute's method and recompute_num_layers against the layers of every pipeline
+    stage (and chunk): uniform's group size divides them, block's count is at most their number;
+    a list (block only) gives the count per stage, or per stage and chunk."""
+    where = "model_config.recompute_"
+    n, counts = model_cfg.recompute_num_layers, _stage_layer_counts(parallel_cfg, model_cfg)
+    if model_cfg.recompute_method is None:
+        raise ConfigError(f"{where}granularity=full needs {where}method uniform or block "
+                          "(--recompute-method)")
     if n is None:
-        raise ConfigError(f"{where}granularity=full needs {where}num_layers (--recompute-num-layers), between 1 "
-                          f"and the {min(min(c) for c in counts)} layers of a pipeline stage")
+        raise ConfigError(f"{where}granularity=full needs {where}num_layers "
+                          "(--recompute-num-layers), between 1 and the "
+                          f"{min(min(c) for c in counts)} layers of a pipeline stage")
     if isinstance(n, list):
         nested = all(isinstance(c, list) for c in n)
         shaped = [c if nested else [c] for c in n]
-        if (m.recompute_method != "block" or [len(c) for c in shaped] != [len(c) for c in counts]
+        if (model_cfg.recompute_method != "block"
+                or [len(c) for c in shaped] != [len(c) for c in counts]
                 or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= total
                            for c, cc in zip(shaped, counts) for k, total in zip(c, cc))):
-            raise ConfigError(f"{where}num_layers={n}: a list takes recompute_method=block and gives per pipeline "
-                              f"stage (or per stage and chunk) at most its layers {counts}")
+            raise ConfigError(f"{where}num_layers={n}: a list takes recompute_method=block and "
+                              "gives per pipeline stage (or per stage and chunk) at most its "
+                              f"layers {counts}")
         return
     if n < 1:
         raise ConfigError(f"{where}num_layers={n} must be at least 1")
     for stage, chunk_counts in enumerate(counts):
         for layers in chunk_counts:
-            if m.recompute_method == "uniform" and layers % n:
-                raise ConfigError(f"{where}num_layers={n} does not divide the {layers} layers of pipeline stage "
-                                  f"{stage}: uniform recomputes them in groups of {n}")
-            if m.recompute_method == "block" and n > layers:
-                raise ConfigError(f"{where}num_layers={n} exceeds the {layers} layers of pipeline stage {stage}: "
-                                  "block recomputes the first N layers of each stage")
+            if model_cfg.recompute_method == "uniform" and layers % n:
+                raise ConfigError(f"{where}num_layers={n} does not divide the {layers} layers of "
+                                  f"pipeline stage {stage}: uniform recomputes them in groups "
+                                  f"of {n}")
+            if model_cfg.recompute_method == "block" and n > layers:
+                raise ConfigError(f"{where}num_layers={n} exceeds the {layers} layers of "
+                                  f"pipeline stage {stage}: block recomputes the first N layers "
+                                  "of each stage")
 
 
-def _finalize_training(t):
-    """Evaluation, profiling window and clipping."""
-    if t.exit_interval is not None and t.exit_interval <= 0:
-        raise ConfigError(f"training_config.exit_interval must be positive, got {t.exit_interval}")
-    if t.exit_duration_in_mins is not None and not t.exit_duration_in_mins > 0:
-        raise ConfigError(f"training_config.exit_duration_in_mins must be positive, got {t.exit_duration_in_mins}")
-    if t.eval_iters < 0:
+def _check_torch_format(training_cfg, model_cfg, parallel_cfg):
+    """--ckpt-format torch writes Megatron-core's GPT: a model it has no counterpart for, and the
+    distributed optimizer's files (Megatron's distrib_optim.pt is not written here), are refused."""
+    if training_cfg.ckpt_format != "torch":
+        return
+    where = "training_config.ckpt_format=torch (Megatron's model_optim_rng.pt)"
+    shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
+    if training_cfg.use_distributed_optimizer and shards > 1:
+        raise ConfigError(f"{where} is not written with the distributed optimizer here: use "
+                          "--ckpt-format ckpt or safetensors")
+    biases = model_cfg.add_bias_linear
+    differences = [f"model_config.{k}={v}" for k, v, bad in (
+        ("use_sandwich_norm", model_cfg.use_sandwich_norm, model_cfg.use_sandwich_norm),
+        ("out_proj_has_bias", model_cfg.out_proj_has_bias, model_cfg.out_proj_has_bias != biases),
+        ("qkv_has_bias", model_cfg.qkv_has_bias, biases and not model_cfg.qkv_has_bias),
+        ("hidden_act", model_cfg.hidden_act,
+         model_cfg.hidden_act == "gelu_tanh" and not biases)) if bad]
+    if differences:
+        raise ConfigError(f"{where}: Megatron-core's GPT has no counterpart for "
+                          f"{', '.join(differences)} (add_bias_linear={biases}): "
+                          "use --ckpt-format ckpt")
+
+
+def _finalize_training(training_cfg):
+    """Resuming, evaluation, profiling window and clipping."""
+    if training_cfg.resume_training and not training_cfg.load_checkpoint:
+        raise ConfigError("training_config.resume_training=true needs the checkpoint to resume: "
+                          "give --load DIR (training_config.load_checkpoint)")
+    if training_cfg.resume_training is False and training_cfg.load_checkpoint:
+        raise ConfigError("training_config.resume_training=false: MindSpeed then does not read "
+                          f"load_checkpoint={training_cfg.load_checkpoint}; remove one of them "
+                          "(--finetune loads the weights alone)")
+    for k in ("seed", "training_iters", "log_interval", "eval_interval"):
+        if getattr(training_cfg, k) is None:
+            raise ConfigError(f"training_config.{k} is null: give a number (the run needs one)")
+    if training_cfg.exit_interval is not None and training_cfg.exit_interval <= 0:
+        raise ConfigError("training_config.exit_interval must be positive, "
+                          f"got {training_cfg.exit_interval}")
+    minutes = training_cfg.exit_duration_in_mins
+    if minutes is not None and not minutes > 0:
+        raise ConfigError(f"training_config.exit_duration_in_mins must be positive, got {minutes}")
+    if training_cfg.eval_iters < 0:
         raise ConfigError("training_config.eval_iters must be >= 0")
-    _check_profile(t)
-    c = t.grad_clip_kwargs
-    if c.clip_value is not None and c.clip_value < 0:
-        raise ConfigError("training_config.grad_clip_kwargs.clip_value must be >= 0 (0 disables clipping)")
+    _check_profile(training_cfg)
+    clip = training_cfg.grad_clip_kwargs
+    if clip.clip_value is not None and clip.clip_value < 0:
+        raise ConfigError("training_config.grad_clip_kwargs.clip_value must be >= 0 "
+                          "(0 disables clipping)")
 
 
 def main_grad_dtype(cfg):
     """The dtype in which a step's gradients are summed over micro-batches and reduced over DP
     (Megatron's main_grad): float32 with accumulate_allreduce_grads_in_fp32 (forced by bfloat16),
     else the parameters' dtype (so float32 for float32 parameters)."""
-    m, t = cfg.model_config, cfg.training_config
-    return "float32" if t.accumulate_allreduce_grads_in_fp32 else m.params_dtype
+    model_cfg, training_cfg = cfg.model_config, cfg.training_config
+    return "float32" if training_cfg.accumulate_allreduce_grads_in_fp32 else model_cfg.params_dtype
 
 
-def padded_vocab_size(m, tokenizer_vocab_size):
+def padded_vocab_size(model_cfg, tokenizer_vocab_size):
     """The model's vocabulary rows: model_config.vocab_size if given, else the tokenizer's size
     rounded up to make_vocab_size_divisible_by (GPT-2's 50,257 -> 50,304). A property of the model,
     the same in every layout, so a checkpoint converts between layouts and every layout computes the
     same losses; Megatron rounds up to divisible_by x TP instead, so its padding changes with TP.
     _finalize_parallel has checked that TP divides the result."""
-    if m.vocab_size is None:
-        multiple = m.make_vocab_size_divisible_by
+    if model_cfg.vocab_size is None:
+        multiple = model_cfg.make_vocab_size_divisible_by
         return -(-tokenizer_vocab_size // multiple) * multiple
-    if m.vocab_size < tokenizer_vocab_size:
-        raise ConfigError(f"model_config.vocab_size={m.vocab_size} is smaller than the tokenizer's "
-                          f"{tokenizer_vocab_size}: raise it or leave it null")
-    return m.vocab_size
+    if model_cfg.vocab_size < tokenizer_vocab_size:
+        raise ConfigError(f"model_config.vocab_size={model_cfg.vocab_size} is smaller than the "
+                          f"tokenizer's {tokenizer_vocab_size}: raise it or leave it null")
+    return model_cfg.vocab_size
 
 
 def to_dict(ns):
     """The namespace back to plain dicts (for checkpoint metadata)."""
     return {k: to_dict(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(ns).items()}
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: config.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

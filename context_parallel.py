@@ -12,16 +12,17 @@ MindSpeed names them (parallel_config.context_parallel_algo):
                     by their log-sum-exp (online softmax, Milakov & Gimelshein 2018).
   hybrid_cp_algo    USP (Fang & Zhao 2024, "A Unified Sequence Parallelism Approach"): Ulysses
                     inside groups of ulysses_degree_in_cp adjacent cp ranks, the ring across them.
-One description covers all three: cp = ring x ulysses, cp_rank = ring_rank * ulysses + ulysses_rank
-(ulysses = cp: Ulysses alone; ulysses = 1: the ring alone).
+One description covers all three: cp = ring x ulysses,
+cp_rank = ring_rank * ulysses + ulysses_rank (ulysses = cp: Ulysses alone; ulysses = 1: the ring
+alone).
 
 Which tokens a rank holds (get_batch_on_this_cp_rank): with a ring the sequence is cut into
-2 x ring chunks and ring rank r keeps chunks r and 2*ring-1-r. Under the causal mask a query attends
-only to earlier keys, so contiguous pieces would give the last rank ring times the work of the first;
-the zig-zag pairs an early chunk with a late one and every rank does the same work (Megatron's load
-balancing). Each Ulysses rank then keeps a contiguous 1/ulysses of that, so the Ulysses all-to-all
-gives back the ring rank's two chunks in order. Positions (absolute embeddings and RoPE) follow the
-tokens: position_ids are sliced with them.
+2 x ring chunks and ring rank r keeps chunks r and 2*ring-1-r. Under the causal mask a query
+attends only to earlier keys, so contiguous pieces would give the last rank ring times the work of
+the first; the zig-zag pairs an early chunk with a late one and every rank does the same work
+(Megatron's load balancing). Each Ulysses rank then keeps a contiguous 1/ulysses of that, so the
+Ulysses all-to-all gives back the ring rank's two chunks in order. Positions (absolute embeddings
+and RoPE) follow the tokens: position_ids are sliced with them.
 
 The ring, here: keys and values are all-gathered over the ring group (Megatron-core's
 cp_comm_type=all_gather) and then processed block by block, as a ring would receive them. On the
@@ -31,19 +32,18 @@ reduce-scatter. The price: each rank holds the whole sequence's K and V during a
 true ring holds two blocks, and no transfer overlaps compute.
 """
 import numpy as np
-import mindspore as ms
 from mindspore import nn, ops
 
-from parallel import Mapping, cast
-
-F32 = ms.float32
-_scores = ops.BatchMatMul(transpose_b=True)            # q k^T without materialising k^T
+from config import cp_ring_size
+from parallel import (F32, all_to_all_heads_to_sequence, all_to_all_sequence_to_heads,
+                      batch_matmul_nt, cast, gather_from_sequence_parallel_region)
 
 
 # ============================================================================ the split
 def cp_token_indices(seq_length, cp, cp_rank, ulysses):
     """Positions [seq_length / cp] of the tokens that cp rank `cp_rank` holds (see above)."""
-    ring, ring_rank, ulysses_rank = cp // ulysses, cp_rank // ulysses, cp_rank % ulysses
+    ring = cp_ring_size(cp, ulysses)
+    ring_rank, ulysses_rank = cp_rank // ulysses, cp_rank % ulysses
     positions = np.arange(seq_length)
     if ring > 1:
         chunks = np.split(positions, 2 * ring)
@@ -62,11 +62,14 @@ def get_batch_on_this_cp_rank(batch, state):
 
 
 def attention_work(seq_length, ring, balanced=True):
-    """Query-key pairs each ring rank computes under the causal mask (the attention work), with the
-    zig-zag split or with contiguous pieces: README's load-balance table."""
+    """Query-key pairs each ring rank computes under the causal mask (the attention work), with
+    the zig-zag split or with contiguous pieces: docs/context-parallel.md's load-balance table."""
     work = []
     for r in range(ring):
-        mine = cp_token_indices(seq_length, ring, r, 1) if balanced else np.split(np.arange(seq_length), ring)[r]
+        if balanced:
+            mine = cp_token_indices(seq_length, ring, r, 1)
+        else:
+            mine = np.split(np.arange(seq_length), ring)[r]
         work.append(int((mine + 1).sum()))             # the query at position p sees p + 1 keys
     return work
 
@@ -78,7 +81,7 @@ def attention_block(q, k, v, bias, dropout, softmax_scale=1.0):
     logsumexp of the scores [b, n, sq, 1]). The scores, softmax and merges are float32 whatever
     the compute dtype; softmax_scale multiplies them there (gpt.CoreAttention's query-key layer
     scaling). The max only keeps exp in range (no gradient)."""
-    scores = _scores(q, k).astype(F32)
+    scores = batch_matmul_nt(q, k).astype(F32)
     if softmax_scale != 1.0:
         scores = scores * softmax_scale
     if bias is not None:
@@ -90,7 +93,7 @@ def attention_block(q, k, v, bias, dropout, softmax_scale=1.0):
     return out, top + ops.log(total)
 
 
-def merge(a, b):
+def merge_partial_attention(a, b):
     """Two attentions of the same queries over disjoint sets of keys -> the attention over both:
     each weighted by its share exp(lse_i - lse) of the total softmax mass (online softmax)."""
     (out_a, lse_a), (out_b, lse_b) = a, b
@@ -119,8 +122,8 @@ class RingAttention(nn.Cell):
         super().__init__()
         self.core, self.ring, self.rank = core, state.cp_ring, state.cp_rank // state.cp_ulysses
         # keys and values of the whole ring, rank order; backward: reduce-scatter of their gradients
-        self.gather_keys = Mapping("gather_from_sequence_parallel_region", state.cp_ring_group)
-        self.gather_values = Mapping("gather_from_sequence_parallel_region", state.cp_ring_group)
+        self.gather_keys = gather_from_sequence_parallel_region(state.cp_ring_group)
+        self.gather_values = gather_from_sequence_parallel_region(state.cp_ring_group)
 
     def construct(self, q, k, v, bias):
         """q [S, b, n, d], k, v [S, b, g, d] (S = 2c local tokens), bias [b, n, S, S] the causal
@@ -137,9 +140,11 @@ class RingAttention(nn.Cell):
                 first, second = _halves(self.block(q, k_j, v_j, bias), c)
             elif j < self.rank:
                 a, b = _halves(self.block(q, k_j[:, :, :c], v_j[:, :, :c], None), c)
-                first, second = merge(first, a), merge(second, b)
+                first = merge_partial_attention(first, a)
+                second = merge_partial_attention(second, b)
             else:
-                second = merge(second, self.block(q[:, :, c:], k_j, v_j, None))
+                later = self.block(q[:, :, c:], k_j, v_j, None)         # chunk 2R-1-r only
+                second = merge_partial_attention(second, later)
         return ops.cat((first[0], second[0]), 2).transpose(2, 0, 1, 3)         # [S, b, n, d]
 
     def block(self, q, k, v, bias):
@@ -157,14 +162,21 @@ class ContextParallelAttention(nn.Cell):
         if self.ulysses > 1:
             group = state.cp_ulysses_group
             self.scatter_q, self.scatter_k, self.scatter_v = (
-                Mapping("all_to_all_sequence_to_heads", group) for _ in range(3))
-            self.gather_context = Mapping("all_to_all_heads_to_sequence", group)
+                all_to_all_sequence_to_heads(group) for _ in range(3))
+            self.gather_context = all_to_all_heads_to_sequence(group)
         self.attend = RingAttention(core, state) if state.cp_ring > 1 else core
 
     def construct(self, q, k, v, bias):
-        if self.ulysses > 1:       # heads and groups split in the same contiguous order: they stay paired
-            q, k, v = self.scatter_q(q), self.scatter_k(k), self.scatter_v(v)   # [s/ring, b, n/u, d]
+        if self.ulysses > 1:
+            # heads and groups split in the same contiguous order: they stay paired;
+            # [s/cp, b, n, d] -> [s/ring, b, n/u, d]
+            q, k, v = self.scatter_q(q), self.scatter_k(k), self.scatter_v(v)
         context = self.attend(q, k, v, bias)
         if self.ulysses > 1:
             context = self.gather_context(context)                             # [s/cp, b, n, d]
         return context
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: context_parallel.py is a library: run `bash run.sh` "
+                     "(bash run.sh --help lists the commands)")

@@ -9,24 +9,41 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import struct
+import sys
 import time
 from types import SimpleNamespace
 
 import numpy as np
 
 from cli import REQUIRED, parse_command
-from config import ConfigError
+from config import ConfigError, parse_split
 from tokenizer import build_tokenizer, read_lines
 
 
-def _save_atomic(path, write):
-    """Write to a temporary name, then os.replace: readers never see a half-written file,
-    and a failed write leaves nothing behind."""
-    tmp = f"{path}.tmp{os.getpid()}"
+def _tmp_path(path):
+    """Where `path` is written before os.replace moves it into place (per process: ranks race)."""
+    return f"{path}.tmp{os.getpid()}"
+
+
+def write_atomic(path, content):
+    """Write `path` whole or not at all, the project's one way to write a file in place (data
+    caches, checkpoints, torch_format, Hugging Face files): `content`, a str (UTF-8), bytes, or a
+    function that writes to a binary file, goes to a temporary file beside it, which is flushed to
+    disk and renamed over `path` (os.replace). Readers never see a half-written file, a crash
+    leaves the old one, and a failed write leaves nothing behind."""
+    if isinstance(content, str):
+        content = content.encode()
+    tmp = _tmp_path(path)
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            if isinstance(content, bytes):
+                f.write(content)
+            else:
+                content(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -36,7 +53,8 @@ def _save_atomic(path, write):
 # ----------------------------------------------------------------------------- indexed dataset
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
-_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+           7: np.float32, 8: np.uint16}
 _CODES = {np.dtype(t): c for c, t in _DTYPES.items()}
 
 
@@ -49,14 +67,15 @@ class IndexedDatasetBuilder:
     """Megatron's IndexedDatasetBuilder: appends token arrays to .bin, writes the .idx at finalize.
 
     Both files are written under temporary names and moved into place by finalize(); discard()
-    removes them instead.
+    removes them instead, or takes back what finalize placed.
     """
 
     def __init__(self, bin_path, dtype=np.uint16):
         self.bin_path, self.dtype = bin_path, np.dtype(dtype)
-        self._bin_tmp = f"{bin_path}.tmp{os.getpid()}"
+        self._bin_tmp, self._idx_tmp = _tmp_path(bin_path), None
         self._bin = open(self._bin_tmp, "wb")
         self.sequence_lengths, self.document_indices = [], [0]
+        self._placed = []
 
     def add_document(self, tokens, lengths=None):
         """One document made of len(lengths) sequences (one sequence if lengths is None)."""
@@ -71,15 +90,23 @@ class IndexedDatasetBuilder:
         pointers = np.zeros(len(lengths), dtype=np.int64)  # byte offset of each sequence in .bin
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         # magic, version 1, dtype code, sequence count, document count (34 bytes), then the arrays
-        header = _INDEX_HEADER + struct.pack("<QBQQ", 1, _CODES[self.dtype], len(lengths), len(self.document_indices))
+        header = _INDEX_HEADER + struct.pack("<QBQQ", 1, _CODES[self.dtype], len(lengths),
+                                             len(self.document_indices))
         documents = np.asarray(self.document_indices, dtype=np.int64)
-        os.replace(self._bin_tmp, self.bin_path)
-        _save_atomic(idx_path, lambda f: f.write(header + lengths.tobytes() + pointers.tobytes() + documents.tobytes()))
+        self._idx_tmp = _tmp_path(idx_path)
+        with open(self._idx_tmp, "wb") as f:
+            f.write(header + lengths.tobytes() + pointers.tobytes() + documents.tobytes())
+        # both files complete before either moves, so the window for a .bin without its .idx
+        # is two renames; noted before each, so discard() can take back a pair left incomplete
+        for tmp, path in ((self._bin_tmp, self.bin_path), (self._idx_tmp, idx_path)):
+            self._placed.append(path)
+            os.replace(tmp, path)
 
     def discard(self):
         self._bin.close()
-        if os.path.exists(self._bin_tmp):
-            os.remove(self._bin_tmp)
+        for path in [self._bin_tmp, self._idx_tmp, *self._placed]:
+            if path and os.path.exists(path):
+                os.remove(path)
 
 
 class IndexedDataset:
@@ -92,22 +119,31 @@ class IndexedDataset:
         with open(idx_path, "rb") as f:
             header = f.read(34)
         if len(header) < 34 or header[:9] != _INDEX_HEADER:
-            raise ConfigError(f"{idx_path}: bad magic or truncated header, not a Megatron MMIDIDX index: {fix}")
+            raise ConfigError(f"{idx_path}: bad magic or truncated header, not a Megatron MMIDIDX "
+                              f"index: {fix}")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[9:])
         if version != 1 or code not in _DTYPES:
-            raise ConfigError(f"{idx_path}: unsupported version {version} or dtype code {code}: {fix}")
+            raise ConfigError(f"{idx_path}: unsupported version {version} or dtype code {code}: "
+                              f"{fix}")
         self.dtype = np.dtype(_DTYPES[code])
         need = 34 + n_seq * 12 + n_doc * 8
         if os.path.getsize(idx_path) < need:
-            raise ConfigError(f"{idx_path}: truncated, {os.path.getsize(idx_path)} bytes but the header implies "
-                              f"{need}: {fix}")
+            raise ConfigError(f"{idx_path}: truncated, {os.path.getsize(idx_path)} bytes but the "
+                              f"header implies {need}: {fix}")
         idx = np.memmap(idx_path, mode="r", order="C")
+        # after the header: int32 lengths [n_seq], int64 byte pointers [n_seq], int64 [n_doc]
         self.sequence_lengths = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=34)
-        self.sequence_pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq, offset=34 + n_seq * 4)
-        self.document_indices = np.frombuffer(idx, dtype=np.int64, count=n_doc, offset=34 + n_seq * 12)
+        self.sequence_pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq,
+                                               offset=34 + n_seq * 4)
+        self.document_indices = np.frombuffer(idx, dtype=np.int64, count=n_doc,
+                                              offset=34 + n_seq * 12)
         bin_size = os.path.getsize(bin_path)
-        if n_seq and self.sequence_pointers[-1] + int(self.sequence_lengths[-1]) * self.dtype.itemsize > bin_size:
-            raise ConfigError(f"{bin_path}: truncated, {bin_size} bytes is shorter than the index says: {fix}")
+        if n_seq:
+            # the byte after the last sequence
+            end = self.sequence_pointers[-1] + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            if end > bin_size:
+                raise ConfigError(f"{bin_path}: truncated, {bin_size} bytes is shorter than the "
+                                  f"index says: {fix}")
         self._bin = np.memmap(bin_path, mode="r", order="C") if bin_size else np.zeros(0, np.uint8)
 
     def __len__(self):
@@ -139,34 +175,42 @@ def _encode_document(document, append_eod):
     where, texts = document
     eod = [_worker_tokenizer.eod] if append_eod else []
     try:
-        return [_worker_tokenizer.encode(text) + eod for text in texts], sum(len(t.encode("utf-8")) for t in texts)
-    except ValueError as e:  # NullTokenizer: a word that is not an integer id
-        raise ConfigError(f"{where}: {e}: NullTokenizer reads space-separated integer ids") from None
+        ids = [_worker_tokenizer.encode(text) + eod for text in texts]
+        return ids, sum(len(t.encode("utf-8")) for t in texts)
+    except ValueError as e:
+        # NullTokenizer: a word that is not an integer id
+        message = f"{where}: {e}: NullTokenizer reads space-separated integer ids"
+        raise ConfigError(message) from None
 
 
 def _json_texts(line, keys, where):
-    """One jsonl line -> its strings under `keys`; anything else raises ConfigError naming the line."""
+    """One jsonl line -> its strings under `keys`; anything else raises ConfigError naming the
+    line."""
     try:
-        obj = json.loads(line.rstrip("\n"))  # a value missing at the end: its column, not "line 2 column 1"
+        # without the newline, a value missing at the end is named by its column, not by
+        # "line 2 column 1"
+        obj = json.loads(line.rstrip("\n"))
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: invalid JSON ({e.msg}, column {e.colno}): write one JSON object per line") \
-            from None
+        raise ConfigError(f"{where}: invalid JSON ({e.msg}, column {e.colno}): write one JSON "
+                          "object per line") from None
     missing = [k for k in keys if not isinstance(obj, dict) or not isinstance(obj.get(k), str)]
     if missing:
-        raise ConfigError(f"{where}: no string under {missing[0]!r} in {line.strip()[:60]}: fix the line or name "
-                          "the keys to read with --json-keys")
+        raise ConfigError(f"{where}: no string under {missing[0]!r} in {line.strip()[:60]}: fix "
+                          "the line or name the keys to read with --json-keys")
     return [obj[k] for k in keys]
 
 
 def _read_documents(path, keys):
-    """Yield ("path:line", one string per key) per document: jsonl, or blank-line separated text."""
+    """Yield ("path:line", one string per key) per document: jsonl, or blank-line separated
+    text."""
     if path.endswith((".json", ".jsonl")):
         for n, line in enumerate(read_lines(path), 1):
             if line.strip():
                 yield f"{path}:{n}", _json_texts(line, keys, f"{path}:{n}")
         return
     n = 1
-    for piece in re.split(r"(\n\s*\n)", "".join(read_lines(path))):  # documents and the separators between them
+    # split at blank lines, keeping them: documents and the separators between them alternate
+    for piece in re.split(r"(\n\s*\n)", "".join(read_lines(path))):
         if piece.strip():  # not a separator nor an empty document
             yield f"{path}:{n}", [piece.strip("\n")]
         n += piece.count("\n")
@@ -186,28 +230,52 @@ PREPROCESS_FLAGS = {  # Megatron's tools/preprocess_data.py flags
 }
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C in preprocess, its files removed; str() is the line to print (train.py exits 130)."""
+
+
 def preprocess_main(argv):
     """Megatron's tools/preprocess_data.py: text -> `<prefix>_<key>_document.{bin,idx}`.
 
     Each document becomes one sequence. Returns the list of written data prefixes.
     """
-    v, _ = parse_command("preprocess", argv, PREPROCESS_FLAGS, about="Tokenize text into Megatron .bin/.idx files.")
-    args = SimpleNamespace(**v)
-
+    options, _ = parse_command("preprocess", argv, PREPROCESS_FLAGS,
+                               about="Tokenize text into Megatron .bin/.idx files.")
+    args = SimpleNamespace(**options)
     keys = args.json_keys if args.input.endswith((".json", ".jsonl")) else ["text"]
+    prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
+    try:
+        _tokenize(args, keys, prefixes)
+    except KeyboardInterrupt:
+        names = ", ".join(f"{pre}.bin/.idx" for pre in prefixes)
+        message = f"preprocess: interrupted; nothing written ({names} not created)"
+        raise Interrupted(message) from None
+    return prefixes
+
+
+def _init_pool_worker(tokenizer_kwargs):
+    """Ctrl-C reaches the whole process group; only the parent may act on it: a worker stopped
+    while sending a result dies holding the result queue's lock, and pool.terminate() hangs."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(tokenizer_kwargs)
+
+
+def _tokenize(args, keys, prefixes):
+    """preprocess_main's work: `<prefix>.bin/.idx` for every prefix, or none of them."""
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, vocab_size=args.vocab_size)
     _init_worker(tok_kwargs)
     dtype = optimal_dtype(_worker_tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
-
     docs = _read_documents(args.input, keys)
     encode = functools.partial(_encode_document, append_eod=args.append_eod)
-    pool = multiprocessing.Pool(args.workers, _init_worker, (tok_kwargs,)) if args.workers > 1 else None
-    builders = [IndexedDatasetBuilder(pre + ".bin", dtype) for pre in prefixes]
+    pool, builders = None, []
     t0, total_bytes, n = time.time(), 0, 0
     try:
+        if args.workers > 1:
+            pool = multiprocessing.Pool(args.workers, _init_pool_worker, (tok_kwargs,))
+        for pre in prefixes:
+            builders.append(IndexedDatasetBuilder(pre + ".bin", dtype))
         results = pool.imap(encode, docs, chunksize=32) if pool else map(encode, docs)
         for n, (doc_ids, n_bytes) in enumerate(results, 1):
             total_bytes += n_bytes
@@ -215,23 +283,23 @@ def preprocess_main(argv):
                 builder.add_document(ids)
             if n % args.log_interval == 0:
                 dt = time.time() - t0
-                print(f"Processed {n} documents ({n / dt:.1f} docs/s, {total_bytes / dt / 2**20:.2f} MB/s).",
-                      flush=True)
+                print(f"Processed {n} documents ({n / dt:.1f} docs/s, "
+                      f"{total_bytes / dt / 2**20:.2f} MB/s).", flush=True)
         if n == 0:
-            raise ConfigError(f"{args.input}: no documents: give jsonl (one JSON object per line) or text "
-                              "(documents separated by blank lines)")
+            raise ConfigError(f"{args.input}: no documents: give jsonl (one JSON object per line) "
+                              "or text (documents separated by blank lines)")
+        if pool:
+            pool.close()
+            pool.join()
         for builder, pre in zip(builders, prefixes):
             builder.finalize(pre + ".idx")
-    except BaseException:  # a bad line, Ctrl-C: stop the workers (they may be reading ahead), keep no half file
+    except BaseException:
+        # a bad line, Ctrl-C: stop the workers (they may be reading ahead), keep no half file
         if pool:
             pool.terminate()
         for builder in builders:
             builder.discard()
         raise
-    if pool:
-        pool.close()
-        pool.join()
-    return prefixes
 
 
 def _sha256(path):
@@ -239,8 +307,8 @@ def _sha256(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=None, merge_file=None,
-                        vocab_size=None, append_eod=True, workers=1):
+def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=None,
+                        merge_file=None, vocab_size=None, append_eod=True, workers=1):
     """Run preprocess_main unless `<prefix>_text_document.{bin,idx}` already match the source.
 
     The sidecar `<prefix>_text_document.src.json` holds the sha256 of the source and the
@@ -261,13 +329,15 @@ def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=No
         return prefix
     if os.path.exists(sidecar):
         os.remove(sidecar)
-    argv = ["--input", input_path, "--output-prefix", output_prefix, "--tokenizer-type", tokenizer_type,
-            "--workers", str(workers)]
-    for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file), ("--vocab-size", vocab_size)):
+    argv = ["--input", input_path, "--output-prefix", output_prefix,
+            "--tokenizer-type", tokenizer_type, "--workers", str(workers)]
+    optional = (("--vocab-file", vocab_file), ("--merge-file", merge_file),
+                ("--vocab-size", vocab_size))
+    for flag, value in optional:
         if value is not None:
             argv += [flag, str(value)]
     preprocess_main(argv + (["--append-eod"] if append_eod else []))
-    _save_atomic(sidecar, lambda f: f.write(json.dumps(identity, indent=2).encode()))
+    write_atomic(sidecar, json.dumps(identity, indent=2))
     return prefix
 
 
@@ -275,12 +345,9 @@ def ensure_preprocessed(input_path, output_prefix, tokenizer_type, vocab_file=No
 
 
 def split_document_ranges(num_documents, split="949,50,1"):
-    """Megatron's parse_and_normalize_split + split bookends: 3 contiguous (start, end) document ranges."""
-    weights = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    if not 0 < len(weights) <= 3 or sum(weights) <= 0:
-        raise ValueError(f"bad --split {split!r}: give up to 3 non-negative weights like 949,50,1")
-    weights += [0.0] * (3 - len(weights))
-    bookends = [0.0] + np.cumsum(np.array(weights) / sum(weights)).tolist()
+    """Megatron's split bookends: 3 contiguous (start, end) document ranges, from the fractions of
+    config.parse_split."""
+    bookends = [0.0] + np.cumsum(parse_split(split)).tolist()
     return [(int(round(b * float(num_documents))), int(round(e * float(num_documents))))
             for b, e in zip(bookends[:-1], bookends[1:])]
 
@@ -295,35 +362,69 @@ def build_sample_index(sequence_lengths, document_index, seq_length):
     doc_starts = np.concatenate([[0], np.cumsum(doc_lengths)[:-1]])
     num_samples = (int(doc_lengths.sum()) - 1) // seq_length
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    pos = np.searchsorted(doc_starts, starts, side="right") - 1  # last document starting at or before
+    # the last document starting at or before each sample's start
+    pos = np.searchsorted(doc_starts, starts, side="right") - 1
     sample_index = np.stack([pos, starts - doc_starts[pos]], axis=1).astype(np.int32)
     sample_index[0] = 0  # the C++ loop starts at (0, 0) even if document 0 is empty
     return sample_index
+
+
+def _shuffle(array, rng):
+    """In place, from rng; rng None keeps the order (dataset_config.shuffle false)."""
+    if rng is not None:
+        rng.shuffle(array)
 
 
 def _build_document_index(documents, num_epochs, rng, separate_final_epoch):
     """gpt_dataset._build_document_index: document ids tiled num_epochs times, shuffled (int32)."""
     if not separate_final_epoch or num_epochs == 1:
         doc_idx = np.tile(documents, num_epochs).astype(np.int32)
-        rng.shuffle(doc_idx)
+        _shuffle(doc_idx, rng)
         return doc_idx
     first = _build_document_index(documents, num_epochs - 1, rng, False)
     return np.concatenate([first, _build_document_index(documents, 1, rng, False)])
 
 
 def _build_shuffle_index(num_samples, total_size, rng):
-    """gpt_dataset._build_shuffle_index: shuffle [0, num_samples) and [num_samples, total_size) apart."""
+    """gpt_dataset._build_shuffle_index: shuffle [0, num_samples) and [num_samples, total_size)
+    apart."""
     dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
     first = np.arange(num_samples, dtype=dtype)
-    rng.shuffle(first)
+    _shuffle(first, rng)
     if num_samples == total_size:
         return first
     last = np.arange(num_samples, total_size, dtype=dtype)
-    rng.shuffle(last)
+    _shuffle(last, rng)
     return np.concatenate([first, last])
 
 
-def get_ltor_masks_and_position_ids(tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
+def _read_index_cache(paths, num_documents, num_samples):
+    """The cached (document, sample, shuffle) indices as _build_indices makes them, or
+    (None, (path, what is wrong)) for the first damaged file: cut short by a full disk or a
+    copy, or another file written over it."""
+    indices = []
+    for path in paths:
+        try:
+            indices.append(np.load(path, mmap_mode="r"))
+        except (ValueError, EOFError, OSError) as e:  # a truncated or overwritten .npy
+            return None, (path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    document, sample, shuffle = indices
+    n, need = (sample.shape[0] - 1 if sample.ndim == 2 else 0), max(1, num_samples or 0)
+    expected = (  # the shapes and dtypes _build_indices gives; any other file is not this cache's
+        (document.dtype == np.int32 and document.ndim == 1 and document.size > 0
+         and document.size % num_documents == 0, f"int32 [epochs * {num_documents}]"),
+        (sample.dtype == np.int32 and sample.ndim == 2 and sample.shape[1] == 2 and n >= need,
+         f"int32 [n + 1, 2] with n >= {need}"),
+        (shuffle.dtype in (np.uint32, np.int64) and shuffle.shape == (n,), f"uint32 [{n}]"),
+    )
+    for path, arr, (ok, want) in zip(paths, indices, expected):
+        if not ok:
+            return None, (path, f"{arr.dtype} {list(arr.shape)}, expected {want}")
+    return indices, None
+
+
+def get_ltor_masks_and_position_ids(tokens, eod, reset_position_ids, reset_attention_mask,
+                                    eod_mask_loss):
     """Megatron's get_ltor_masks_and_position_ids for one sample. tokens: [s].
 
     Returns loss_mask float32 [s], position_ids int32 [s], attention_mask bool [1, s, s]
@@ -357,54 +458,87 @@ class GPTDataset:
       shuffle_index [n] uint32: the order in which samples are served.
     Sample i holds seq_length + 1 tokens, so consecutive samples share one boundary token.
     With cache_dir set, the indices are saved as .npy there (named by an md5 of the
-    description, like Megatron) and reloaded by later runs; cache_dir=None keeps them in memory.
+    description, like Megatron) and reloaded by later runs, or rebuilt with a warning when a file
+    is damaged; cache_dir=None keeps them in memory.
     """
 
-    def __init__(self, indexed_dataset, document_ids, num_samples, seq_length, seed, eod, name="train",
-                 cache_dir=None, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
+    def __init__(self, indexed_dataset, document_ids, num_samples, seq_length, seed, eod,
+                 name="train", cache_dir=None, reset_position_ids=False,
+                 reset_attention_mask=False, eod_mask_loss=False, shuffle=True):
         self.dataset, self.seq_length, self.eod, self.name = indexed_dataset, seq_length, eod, name
+        self.shuffle = shuffle
         self.documents = np.asarray(document_ids, dtype=np.int64)
         self.mask_options = (reset_position_ids, reset_attention_mask, eod_mask_loss)
         self.description = json.dumps({
-            "class": "GPTDataset", "dataset_path": getattr(indexed_dataset, "path_prefix", None), "split": name,
-            "documents_md5": hashlib.md5(self.documents.tobytes()).hexdigest(), "num_documents": len(self.documents),
-            "num_samples": num_samples, "sequence_length": seq_length, "random_seed": seed,
+            "class": "GPTDataset", "dataset_path": getattr(indexed_dataset, "path_prefix", None),
+            "split": name, "documents_md5": hashlib.md5(self.documents.tobytes()).hexdigest(),
+            "num_documents": len(self.documents), "num_samples": num_samples,
+            "sequence_length": seq_length, "random_seed": seed,
+            **({} if shuffle else {"shuffle": False}),     # Megatron's own description otherwise
         }, indent=4)
-        paths = []  # {hash}-GPTDataset-{split}-{document,sample,shuffle}_index.npy, description.txt last
+        # {hash}-GPTDataset-{split}-{document,sample,shuffle}_index.npy, description.txt last
+        paths = []
         if cache_dir is not None:
-            base = os.path.join(cache_dir, f"{hashlib.md5(self.description.encode()).hexdigest()}-GPTDataset-{name}")
-            paths = [f"{base}-{k}_index.npy" for k in ("document", "sample", "shuffle")] + [base + "-description.txt"]
-        self.built_anew = not (paths and all(map(os.path.isfile, paths)))
+            digest = hashlib.md5(self.description.encode()).hexdigest()
+            base = os.path.join(cache_dir, f"{digest}-GPTDataset-{name}")
+            paths = [f"{base}-{k}_index.npy" for k in ("document", "sample", "shuffle")]
+            paths.append(base + "-description.txt")
+        indices, damage = None, None
+        if paths and all(map(os.path.isfile, paths)):
+            indices, damage = _read_index_cache(paths[:3], len(self.documents), num_samples)
+        self.built_anew = indices is None
         if self.built_anew:
             indices = self._build_indices(num_samples, seed)
             if paths:
-                os.makedirs(cache_dir, exist_ok=True)
-                for path, arr in zip(paths, indices):
-                    _save_atomic(path, lambda f, a=arr: np.save(f, a))
-                _save_atomic(paths[3], lambda f: f.write(self.description.encode()))
-        else:
-            indices = [np.load(path, mmap_mode="r") for path in paths[:3]]
+                self._save_cache(cache_dir, paths, indices, damage)
         self.document_index, self.sample_index, self.shuffle_index = indices
+
+    def _save_cache(self, cache_dir, paths, indices, damage):
+        """Write the indices, then the description; a damaged file replaced is one warning."""
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            for path, arr in zip(paths, indices):
+                write_atomic(path, lambda f, a=arr: np.save(f, a))
+            write_atomic(paths[3], self.description)
+        except OSError as e:
+            if damage is None:
+                raise  # nothing damaged: the OSError as before, one line from train.py
+            raise ConfigError(f"{damage[0]}: damaged GPTDataset index cache ({damage[1]}) that "
+                              f"cannot be rebuilt here ({e.strerror or e}): delete it, or give a "
+                              "writable --data-cache-path") from None
+        if damage is not None:
+            print(f"warning: {damage[0]}: damaged GPTDataset index cache ({damage[1]}); rebuilt",
+                  file=sys.stderr, flush=True)
 
     def _build_indices(self, num_samples, seed):
         """gpt_dataset._build_document_sample_shuffle_indices."""
         lengths = np.asarray(self.dataset.sequence_lengths, dtype=np.int32)
         tokens_per_epoch = int(lengths[self.documents].sum())
         if tokens_per_epoch < self.seq_length + 1:
-            raise ConfigError(f"{self.dataset.path_prefix}.bin: the {self.name} split has {tokens_per_epoch} tokens "
-                              f"in {len(self.documents)} documents, fewer than seq_length+1={self.seq_length + 1}: "
-                              "lower --seq-length, add data or change --split")
-        num_epochs = 1 if num_samples is None else max(1, -(-(num_samples * self.seq_length + 1) // tokens_per_epoch))
+            raise ConfigError(f"{self.dataset.path_prefix}.bin: the {self.name} split has "
+                              f"{tokens_per_epoch} tokens in {len(self.documents)} documents, "
+                              f"fewer than seq_length+1={self.seq_length + 1}: lower --seq-length, "
+                              "add data or change --split")
+        if num_samples is None:
+            num_epochs = 1
+        else:
+            # the epochs that hold num_samples samples of seq_length tokens and the extra token
+            needed = num_samples * self.seq_length + 1
+            num_epochs = max(1, -(-needed // tokens_per_epoch))
         separate_final_epoch = False
-        if num_epochs > 1:  # separate the last epoch if it supplies < 80% of an epoch's samples
+        # separate the last epoch if it supplies < 80% of an epoch's samples
+        if num_epochs > 1:
             samples_sans_final = ((num_epochs - 1) * tokens_per_epoch - 1) // self.seq_length
             samples_per_epoch = (tokens_per_epoch - 1) // self.seq_length
             separate_final_epoch = num_samples - samples_sans_final < int(0.80 * samples_per_epoch)
-        rng = np.random.RandomState(seed)
-        document_index = _build_document_index(self.documents, num_epochs, rng, separate_final_epoch)
+        rng = np.random.RandomState(seed) if self.shuffle else None
+        document_index = _build_document_index(self.documents, num_epochs, rng,
+                                               separate_final_epoch)
         sample_index = build_sample_index(lengths, document_index, self.seq_length)
         total = len(sample_index) - 1
-        shuffle_index = _build_shuffle_index(samples_sans_final if separate_final_epoch else total, total, rng)
+        # a separate last epoch's samples are shuffled among themselves
+        shuffled_apart = samples_sans_final if separate_final_epoch else total
+        shuffle_index = _build_shuffle_index(shuffled_apart, total, rng)
         return document_index, sample_index, shuffle_index
 
     def __len__(self):
@@ -414,7 +548,8 @@ class GPTDataset:
         """The seq_length + 1 tokens of sample j in sample_index order (before the shuffle)."""
         (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
         if d0 == d1:
-            return np.asarray(self.dataset.get(self.document_index[d0], offset=o0, length=o1 - o0 + 1), dtype=np.int64)
+            tokens = self.dataset.get(self.document_index[d0], offset=o0, length=o1 - o0 + 1)
+            return np.asarray(tokens, dtype=np.int64)
         parts = [self.dataset.get(self.document_index[d0], offset=o0)]
         parts += [self.dataset.get(self.document_index[d]) for d in range(d0 + 1, d1)]
         parts.append(self.dataset.get(self.document_index[d1], length=o1 + 1))
@@ -425,8 +560,10 @@ class GPTDataset:
         return _make_sample(text, self.eod, *self.mask_options)
 
 
-def _make_sample(text, eod, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False):
-    """[s + 1] tokens -> dict(tokens, labels, loss_mask, position_ids[, attention_mask]), each [s]."""
+def _make_sample(text, eod, reset_position_ids=False, reset_attention_mask=False,
+                 eod_mask_loss=False):
+    """[s + 1] tokens -> dict of tokens, labels, loss_mask and position_ids, each [s] (and
+    attention_mask [1, s, s] with reset_attention_mask)."""
     tokens, labels = text[:-1].astype(np.int32), text[1:].astype(np.int32)
     loss_mask, position_ids, attention_mask = get_ltor_masks_and_position_ids(
         tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss)
@@ -440,7 +577,8 @@ class MockGPTDataset:
     """Megatron's --mock-data: random token ids, deterministic per (seed, index)."""
 
     def __init__(self, num_samples, seq_length, vocab_size, seed):
-        self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
+        self.num_samples, self.seq_length = num_samples, seq_length
+        self.vocab_size, self.seed = vocab_size, seed
 
     def __len__(self):
         return self.num_samples
@@ -452,7 +590,24 @@ class MockGPTDataset:
         return _make_sample(rng.randint(0, self.vocab_size, size=self.seq_length + 1), eod=-1)
 
 
-def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, cache_dir=None, **mask_options):
+def data_prefix(path):
+    """The .bin/.idx prefix `path` names: itself, or, for a folder (MindSpore Transformers'
+    dataset_dir), the one tokenized corpus in it."""
+    if not os.path.isdir(path):
+        return path
+    prefixes = sorted(f[:-4] for f in os.listdir(path)
+                      if f.endswith(".bin") and os.path.isfile(os.path.join(path, f[:-4] + ".idx")))
+    if len(prefixes) != 1:
+        found = "none"
+        if prefixes:
+            found = f"{len(prefixes)} .bin/.idx pairs ({', '.join(prefixes[:3])})"
+        raise ConfigError(f"dataset_config.data_path={path} is a folder holding {found}: give the "
+                          "prefix of one tokenized corpus (bash run.sh preprocess writes them)")
+    return os.path.join(path, prefixes[0])
+
+
+def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, cache_dir=None,
+                       **mask_options):
     """BlendedMegatronDatasetBuilder for one data prefix: (train, valid, test) GPTDatasets.
 
     num_samples: (train, valid, test) samples wanted. A valid or test split with no documents or
@@ -461,10 +616,14 @@ def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, c
     indexed = IndexedDataset(data_prefix)
     num_docs = len(indexed.document_indices) - 1
     datasets = []
-    for name, (begin, end), n in zip(("train", "valid", "test"), split_document_ranges(num_docs, split), num_samples):
+    ranges = split_document_ranges(num_docs, split)
+    for name, (begin, end), n in zip(("train", "valid", "test"), ranges, num_samples):
+        if name != "train" and not (end > begin and n):
+            datasets.append(None)
+            continue
         documents = np.arange(begin, end, dtype=np.int32)
-        datasets.append(GPTDataset(indexed, documents, n, seq_length, seed, eod, name, cache_dir, **mask_options)
-                        if name == "train" or end > begin and n else None)
+        datasets.append(GPTDataset(indexed, documents, n, seq_length, seed, eod, name, cache_dir,
+                                   **mask_options))
     return tuple(datasets)
 
 
@@ -479,10 +638,12 @@ class MicroBatchIterator:
     incomplete global batch is dropped; there is no wrap-around.
     """
 
-    def __init__(self, dataset, micro_batch_size, data_parallel_rank=0, data_parallel_size=1, consumed_samples=0):
+    def __init__(self, dataset, micro_batch_size, data_parallel_rank=0, data_parallel_size=1,
+                 consumed_samples=0):
         if micro_batch_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(f"bad sampler setup: micro_batch_size={micro_batch_size}, "
-                             f"data_parallel_rank={data_parallel_rank}, data_parallel_size={data_parallel_size}")
+                             f"data_parallel_rank={data_parallel_rank}, "
+                             f"data_parallel_size={data_parallel_size}")
         self.dataset, self.micro_batch_size = dataset, micro_batch_size
         self.rank, self.dp = data_parallel_rank, data_parallel_size
         self.consumed_samples = consumed_samples
@@ -498,3 +659,8 @@ class MicroBatchIterator:
         samples = [self.dataset[i] for i in range(start, start + self.micro_batch_size)]
         self.consumed_samples += global_batch
         return {k: np.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: data.py is a library: run `bash run.sh preprocess ...`"
+                     " (bash run.sh --help lists the commands)")

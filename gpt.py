@@ -20,9 +20,8 @@ from mindspore.graph.api import _pynative_executor
 
 import context_parallel
 import parallel
-from parallel import cast, linear
+from parallel import F32, batch_matmul_nt, cast, linear
 
-F32 = ms.float32
 MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic
 
 
@@ -113,10 +112,11 @@ class RMSNorm(nn.Cell):
 def make_norm(cfg):
     """Norms are replicated over TP. With sequence parallelism each TP rank normalises its own
     sequence shard, so its weight gradient is partial: marked for an all-reduce over TP."""
-    norm = (RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm)(cfg.hidden_size, cfg.norm_epsilon)
+    norm_class = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    norm = norm_class(cfg.hidden_size, cfg.norm_epsilon)
     if parallel.get_state().sequence_parallel:
-        for p in norm.get_parameters():
-            p.sequence_parallel = True
+        for param in norm.get_parameters():
+            param.sequence_parallel = True
     return norm
 
 
@@ -129,10 +129,11 @@ class DropoutRNG:
         self.streams = {"default": np.random.default_rng(seed),
                         "model-parallel": np.random.default_rng(seed + 2718 + tp_rank)}
 
-    def mask(self, shape, p, stream="default", dtype=F32):
-        """keep / (1 - p) for each element, in the activations' `dtype`."""
-        keep = self.streams[stream].random(shape) >= p
-        return Tensor((keep / (1.0 - p)).astype(ms.dtype_to_nptype(dtype)))
+    def mask(self, shape, rate, stream="default", dtype=F32):
+        """keep / (1 - rate) for each element, dropped with probability `rate`, in the
+        activations' `dtype`."""
+        keep = self.streams[stream].random(shape) >= rate
+        return Tensor((keep / (1.0 - rate)).astype(ms.dtype_to_nptype(dtype)))
 
     def state_dict(self):
         return {k: g.bit_generator.state for k, g in self.streams.items()}
@@ -143,14 +144,14 @@ class DropoutRNG:
 
 
 class Dropout(nn.Cell):
-    def __init__(self, p, rng, stream="default"):
+    def __init__(self, rate, rng, stream="default"):
         super().__init__()
-        self.p, self.rng, self.stream = p, rng, stream
+        self.rate, self.rng, self.stream = rate, rng, stream
 
     def construct(self, x):
-        if self.p == 0.0 or not self.training:
+        if self.rate == 0.0 or not self.training:
             return x
-        return x * self.rng.mask(x.shape, self.p, self.stream, x.dtype)
+        return x * self.rng.mask(x.shape, self.rate, self.stream, x.dtype)
 
 
 def rotary_tables(max_positions, dim, base):
@@ -183,7 +184,6 @@ class CoreAttention(nn.Cell):
         coeff = layer_number if cfg.apply_query_key_layer_scaling else 1
         self.scale = 1.0 / (math.sqrt(cfg.hidden_size // cfg.num_attention_heads) * coeff)
         self.softmax_scale = float(coeff)                    # applied to the float32 scores
-        self.scores = ops.BatchMatMul(transpose_b=True)     # q k^T without materialising k^T
 
     def to_heads(self, x, repeat):
         """[s, b, g, d] -> [b, g * repeat, s, d], each head repeated `repeat` times (GQA)."""
@@ -193,8 +193,10 @@ class CoreAttention(nn.Cell):
     def construct(self, q, k, v, mask_bias):
         """q [s, b, n, d], k, v [s, b, g, d], mask_bias [b, n, s, s] (0 where attention is allowed,
         -1e30 where masked) -> context [s, b, n, d]."""
-        q, k, v = self.to_heads(q, 1), self.to_heads(k, self.per_group), self.to_heads(v, self.per_group)
-        scores = self.scores(q * self.scale, k)                    # [b, n, s, s]
+        # [b, n, s, d] each: k and v repeated for the query heads of their group
+        q = self.to_heads(q, 1)
+        k, v = self.to_heads(k, self.per_group), self.to_heads(v, self.per_group)
+        scores = batch_matmul_nt(q * self.scale, k)                # [b, n, s, s]
         if self.softmax_in_fp32:
             scores = scores.astype(F32)
             if self.softmax_scale != 1.0:
@@ -222,23 +224,26 @@ class SelfAttention(nn.Cell):
                                        cfg.out_proj_has_bias, "row")
         # Local head and group counts: TP may give this rank only some of the groups.
         self.per_group = self.heads // self.groups
-        self.local_groups = self.linear_qkv.weight.shape[0] // ((self.per_group + 2) * self.head_dim)
+        group_width = (self.per_group + 2) * self.head_dim    # its query heads, a key, a value
+        self.local_groups = self.linear_qkv.weight.shape[0] // group_width
         self.local_heads = self.local_groups * self.per_group
         self.core_attention = CoreAttention(cfg, rng, self.per_group, layer_number)
         state = parallel.get_state()
         if state.cp > 1:
-            self.core_attention = context_parallel.ContextParallelAttention(self.core_attention, state)
+            self.core_attention = context_parallel.ContextParallelAttention(
+                self.core_attention, state)
         if cfg.recompute_granularity == "selective":      # Korthikanti et al.: the s x s part
             # with CP, what runs between the Ulysses all-to-alls (the ring's gathers included):
             # MindSpore 2.10's recompute fails when a custom-bprop Cell gives the block's output
             inner = self.core_attention.attend if state.cp > 1 else self.core_attention
             inner.recompute(use_reentrant=False, context_fn=replay_dropout(rng))
-        self.core_heads = self.local_heads // state.cp_ulysses    # heads in a core attention (Ulysses: fewer)
+        # heads in a core attention (fewer under Ulysses, which spreads them over its ranks)
+        self.core_heads = self.local_heads // state.cp_ulysses
 
     def construct(self, x, rope, mask_bias):
-        """x [s, b, h] ([s/tp, b, h] with sequence parallelism; s is this cp rank's share); rope None
-        or (cos, sin) [s, b, 1, d]; mask_bias [b, n, s', s'] float for the core attention's heads
-        and sequence, 0 where attention is allowed and -1e30 where it is masked."""
+        """x [s, b, h] ([s/tp, b, h] with sequence parallelism; s is this cp rank's share); rope
+        None or (cos, sin) [s, b, 1, d]; mask_bias [b, n, s', s'] float for the core attention's
+        heads and sequence, 0 where attention is allowed and -1e30 where it is masked."""
         heads, groups, per_group = self.local_heads, self.local_groups, self.per_group
         qkv = self.linear_qkv(x)                                    # [s, b, (n + 2g) d / tp]
         s, b = qkv.shape[0], qkv.shape[1]
@@ -260,7 +265,8 @@ class MLP(nn.Cell):
         fc1_out = cfg.ffn_hidden_size * (2 if self.act == "swiglu" else 1)
         self.linear_fc1 = make_linear(cfg, cfg.hidden_size, fc1_out, cfg.add_bias_linear, "column",
                                       chunks=2 if self.act == "swiglu" else 1)
-        self.linear_fc2 = make_linear(cfg, cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, "row")
+        self.linear_fc2 = make_linear(cfg, cfg.ffn_hidden_size, cfg.hidden_size,
+                                      cfg.add_bias_linear, "row")
 
     def construct(self, x):
         y = self.linear_fc1(x)
@@ -281,9 +287,10 @@ def gelu_tanh(x):
 
 
 def replay_dropout(rng):
-    """context_fn for Cell.recompute(use_reentrant=False): MindSpore's recompute replays only its own
-    RNG, so the numpy dropout streams are replayed here. The forward notes their state, the
-    recomputation starts from it (the same masks), then restores the state training has reached."""
+    """context_fn for Cell.recompute(use_reentrant=False): MindSpore's recompute replays only its
+    own RNG, so the numpy dropout streams are replayed here. The forward notes their state, the
+    recomputation starts from it (the same masks), then restores the state training has
+    reached."""
     def context_fn():
         saved = {}
 
@@ -310,7 +317,8 @@ class RecomputedLayers(nn.Cell):
 
     def __init__(self, layers, rng):
         super().__init__()
-        self.members = nn.CellList(layers)          # the model's own layers: their names stay layers.i
+        # the model's own layers: their names stay layers.i
+        self.members = nn.CellList(layers)
         self.recompute(use_reentrant=False, context_fn=replay_dropout(rng))
 
     def construct(self, x, rope, mask_bias):
@@ -328,8 +336,10 @@ def recompute_blocks(cfg, layers, rng, rebuilt):
     layers = list(layers)
     if cfg.recompute_method == "uniform":
         per = cfg.recompute_num_layers
-        return nn.CellList([RecomputedLayers(layers[i:i + per], rng) for i in range(0, len(layers), per)])
-    return nn.CellList([RecomputedLayers([layer], rng) for layer in layers[:rebuilt]] + layers[rebuilt:])
+        groups = [layers[i:i + per] for i in range(0, len(layers), per)]
+        return nn.CellList([RecomputedLayers(group, rng) for group in groups])
+    recomputed = [RecomputedLayers([layer], rng) for layer in layers[:rebuilt]]
+    return nn.CellList(recomputed + layers[rebuilt:])
 
 
 class TransformerLayer(nn.Cell):
@@ -347,8 +357,8 @@ class TransformerLayer(nn.Cell):
             self.post_attention_norm = make_norm(cfg)
             self.post_mlp_norm = make_norm(cfg)
         # Replicated activations share the "default" stream over TP; sequence shards differ.
-        self.hidden_dropout = Dropout(cfg.hidden_dropout_rate, rng,
-                                      "model-parallel" if parallel.get_state().sequence_parallel else "default")
+        stream = "model-parallel" if parallel.get_state().sequence_parallel else "default"
+        self.hidden_dropout = Dropout(cfg.hidden_dropout_rate, rng, stream)
 
     def construct(self, x, rope, mask_bias):
         """x [s, b, h] ([s/tp, b, h] under SP): the residual stream, in gpt.hidden_dtype; the
@@ -383,30 +393,28 @@ class GPTModel(nn.Cell):
         self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
         self.layer_offset = layer_offset
         self.rng = rng or DropoutRNG(0)
-        h, v = cfg.hidden_size, cfg.padded_vocab_size
+        h, vocab = cfg.hidden_size, cfg.padded_vocab_size
         self.tied = not cfg.untie_embeddings_and_output_weights
         self.dtype = DTYPES[cfg.compute_dtype]
         state = parallel.get_state()
         self.tp, self.sequence_parallel = state.tp, state.sequence_parallel
         if pre_process:
-            self.word_embeddings = Embedding(v, h) if self.tp == 1 else parallel.VocabParallelEmbedding(v, h)
-            if cfg.position_embedding_type == "absolute":
-                self.position_embeddings = Parameter(_zeros(cfg.max_position_embeddings, h),
-                                                     name="position_embeddings")
-            self.embedding_dropout = Dropout(cfg.hidden_dropout_rate, self.rng,
-                                             "model-parallel" if self.sequence_parallel else "default")
+            self._build_embeddings(cfg)
         n = cfg.num_layers if num_layers is None else num_layers
-        self.layers = nn.CellList([TransformerLayer(cfg, self.rng, layer_offset + i + 1) for i in range(n)])
-        # full recompute (block): how many of this chunk's first layers, by default recompute_num_layers
+        self.layers = nn.CellList([TransformerLayer(cfg, self.rng, layer_offset + i + 1)
+                                   for i in range(n)])
+        # full recompute (block): how many of this chunk's first layers, by default
+        # recompute_num_layers
         rebuilt = cfg.recompute_num_layers if recomputed_layers is None else recomputed_layers
         self.blocks = recompute_blocks(cfg, self.layers, self.rng, rebuilt)
         if post_process:
             self.final_layernorm = make_norm(cfg)
             if not self.tied or not pre_process:
-                self.output_layer = make_linear(cfg, h, v, False, "column")
-        if self.tied and parallel.get_state().pp > 1:
-            # Megatron's embedding group: the last stage's output layer is a copy of the first
-            # stage's word embedding; optimizer.finalize_model_grads sums their gradients
+                self.output_layer = make_linear(cfg, h, vocab, False, "column")
+        if self.tied and not (pre_process and post_process):
+            # Megatron's shared_embedding, the one mark of the tie: the model is cut into stages
+            # and the last stage's output layer is a copy of the first stage's word embedding;
+            # optimizer.finalize_model_grads sums their gradients over the embedding group
             if pre_process:
                 self.word_embeddings.weight.shared_embedding = True
             elif post_process:
@@ -415,27 +423,51 @@ class GPTModel(nn.Cell):
         if cfg.position_embedding_type == "rope":
             self.rope = rotary_tables(cfg.max_position_embeddings, h // cfg.num_attention_heads,
                                       cfg.rotary_base)
-        if self.tp > 1:
-            # Megatron's mappings at the model's edges (the layers hold their own)
-            self.scatter_sequence = parallel.Mapping("scatter_to_sequence_parallel_region")
-            self.enter_logits = parallel.Mapping("gather_from_sequence_parallel_region" if self.sequence_parallel
-                                                 else "copy_to_tensor_model_parallel_region")
-            self.gather_logits = parallel.Mapping("gather_from_tensor_model_parallel_region")
-            self.cross_entropy = parallel.VocabParallelCrossEntropy()
         self.cp, self.cp_ulysses = state.cp, state.cp_ulysses
-        if post_process and self.cp > 1:
-            # Megatron's loss_func: each cp rank has part of every sequence's tokens, so the loss sum
-            # (forward all-reduce, backward identity: g over the CP group) and the token count are
-            # summed over CP before dividing; each rank's gradient is then its tokens' share
-            self.reduce_loss = parallel.Mapping("reduce_from_tensor_model_parallel_region", state.cp_group)
-            self.count_tokens = parallel.collectives(state.cp_group)
+        self._build_edge_mappings(state)
         # the core attention's tokens: the sequence, or a ring rank's share (context_parallel.py)
         length = cfg.seq_length // state.cp_ring
         self.causal_bias = additive_mask(np.triu(np.ones((1, 1, length, length), bool), 1))
         self.hidden_dtype = hidden_dtype(cfg)
         self.logits_dtype = self.dtype if cfg.fp16_lm_cross_entropy else F32
-        for p in self.get_parameters():        # Megatron's Float16Module: half-precision parameters
-            p.set_dtype(DTYPES[cfg.params_dtype])
+        for param in self.get_parameters():    # Megatron's Float16Module: half-precision parameters
+            param.set_dtype(DTYPES[cfg.params_dtype])
+
+    def _build_embeddings(self, cfg):
+        """The first stage's word embedding (split over the vocabulary under TP), its absolute
+        position embeddings and the embeddings' dropout."""
+        h, vocab = cfg.hidden_size, cfg.padded_vocab_size
+        if self.tp == 1:
+            self.word_embeddings = Embedding(vocab, h)
+        else:
+            self.word_embeddings = parallel.VocabParallelEmbedding(vocab, h)
+        if cfg.position_embedding_type == "absolute":
+            self.position_embeddings = Parameter(_zeros(cfg.max_position_embeddings, h),
+                                                 name="position_embeddings")
+        # as the layers' hidden dropout: one stream over TP, or one per sequence shard
+        stream = "model-parallel" if self.sequence_parallel else "default"
+        self.embedding_dropout = Dropout(cfg.hidden_dropout_rate, self.rng, stream)
+
+    def _build_edge_mappings(self, state):
+        """Megatron's mappings at the model's edges (the layers hold their own): under TP the
+        sequence scattered after the embedding, the logits' input entering the TP region, the
+        logits gathered and the vocabulary-parallel cross-entropy; under CP the loss and the
+        token count summed over the CP group."""
+        if self.tp > 1:
+            self.scatter_sequence = parallel.scatter_to_sequence_parallel_region()
+            if self.sequence_parallel:
+                self.enter_logits = parallel.gather_from_sequence_parallel_region()
+            else:
+                self.enter_logits = parallel.copy_to_tensor_model_parallel_region()
+            self.gather_logits = parallel.gather_from_tensor_model_parallel_region()
+            self.cross_entropy = parallel.VocabParallelCrossEntropy()
+        if self.post_process and self.cp > 1:
+            # Megatron's loss_func: each cp rank has part of every sequence's tokens, so the loss
+            # sum (forward all-reduce, backward identity: g over the CP group) and the token
+            # count are summed over CP before dividing; each rank's gradient is then its tokens'
+            # share
+            self.reduce_loss = parallel.reduce_from_tensor_model_parallel_region(state.cp_group)
+            self.count_tokens = parallel.collectives(state.cp_group)
 
     def logits(self, x):
         """x [s, b, h] ([s/tp, b, h] under SP) -> logits [s, b, V/tp] computed in the compute
@@ -454,15 +486,17 @@ class GPTModel(nn.Cell):
             x = self.word_embeddings(tokens)                                  # [b, s, h]
             if self.cfg.position_embedding_type == "absolute":
                 x = x + ops.gather(self.position_embeddings, position_ids, 0)
-            x = x.transpose(1, 0, 2)                                          # [s, b, h]
+            x = cast(x, self.hidden_dtype).transpose(1, 0, 2)                 # [s, b, h]
             if self.sequence_parallel:
                 x = self.scatter_sequence(x)                                  # [s/tp, b, h]
-            x = self.embedding_dropout(cast(x, self.hidden_dtype))
-        s = position_ids.shape[1] * self.cp_ulysses            # Ulysses attends over its group's tokens
+            x = self.embedding_dropout(x)
+        # Ulysses attends over its group's tokens
+        s = position_ids.shape[1] * self.cp_ulysses
         rope = None
-        if self.rope is not None:                                             # [s, b, 1, d]
-            rope = tuple(cast(ops.gather(t, position_ids, 0), self.dtype).transpose(1, 0, 2).expand_dims(2)
-                         for t in self.rope)
+        if self.rope is not None:
+            # cos and sin at the positions: [b, s, d] -> [s, b, 1, d]
+            rope = tuple(cast(ops.gather(t, position_ids, 0), self.dtype) for t in self.rope)
+            rope = tuple(t.transpose(1, 0, 2).expand_dims(2) for t in rope)
         if attention_mask is not None:
             bias = ops.masked_fill(ops.zeros(attention_mask.shape, F32), attention_mask, MASKED)
         elif s == self.causal_bias.shape[-1]:
@@ -473,7 +507,8 @@ class GPTModel(nn.Cell):
         # cheaper than adding a broadcast [1, 1, s, s] mask.
         heads = self.layers[0].self_attention.core_heads if len(self.layers) else 1
         bias = ops.tile(bias, (x.shape[1] // bias.shape[0], heads, 1, 1))
-        for block in self.blocks:                                             # layers, or recomputed groups
+        # layers, or recomputed groups of them
+        for block in self.blocks:
             x = block(x, rope, bias)
         if not self.post_process:
             return x
@@ -489,7 +524,8 @@ class GPTModel(nn.Cell):
         mask = loss_mask.T.reshape(-1).astype(F32)
         total, count = (cast(losses, F32) * mask).sum().reshape(1), mask.sum().reshape(1)
         if self.cp > 1:
-            total, count = self.reduce_loss(total), self.count_tokens.all_reduce(ops.stop_gradient(count))
+            total = self.reduce_loss(total)
+            count = self.count_tokens.all_reduce(ops.stop_gradient(count))
         return (total / ops.maximum(count, 1.0)).reshape(())
 
 
@@ -508,11 +544,20 @@ class Compiled(nn.Cell):
     def construct(self, *inputs):
         key = (_pynative_executor.requires_grad(),
                tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs))
-        return parallel.ledger.run_compiled(self.graph_collectives, key, lambda: self.graph(*inputs))
+        return parallel.ledger.run_compiled(self.graph_collectives, key,
+                                            lambda: self.graph(*inputs))
 
     @ms.jit
     def graph(self, *inputs):
         return self.model(*inputs)
+
+
+def is_embedding_copy(chunk, param):
+    """Whether `param` of model chunk `chunk` is the last stage's copy of the word embedding (its
+    output layer, tied embeddings over pipeline stages, marked shared_embedding): it starts,
+    loads and saves as the word embedding and counts in the gradient norm on the first stage
+    only."""
+    return getattr(param, "shared_embedding", False) and not chunk.pre_process
 
 
 def global_name(name, layer_offset):
@@ -524,8 +569,9 @@ def global_name(name, layer_offset):
 
 def init_value(name, shape, cfg, seed):
     """Megatron's initialisation, drawn from a stream keyed by (seed, global name): normal(0, std)
-    for weights and embeddings, std / sqrt(2 * num_layers) for the output projections of each
-    block, zeros for biases, ones for norm weights (post-norm scale for sandwich norms)."""
+    for weights and embeddings (embedding_init_method_std if given), std / sqrt(2 * num_layers)
+    for the output projections of each block, zeros for biases, ones for norm weights (post-norm
+    scale for sandwich norms)."""
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name:
         if leaf == "bias":
@@ -539,6 +585,8 @@ def init_value(name, shape, cfg, seed):
     if leaf == "bias":
         return np.zeros(shape, np.float32)
     std = cfg.init_method_std
+    if "embeddings" in name and cfg.embedding_init_method_std is not None:
+        std = cfg.embedding_init_method_std          # Megatron-core's embedding_init_method_std
     if "linear_proj" in name or "linear_fc2" in name:
         std = std / math.sqrt(2.0 * cfg.num_layers)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
@@ -551,19 +599,19 @@ def init_weights(model, seed):
     output layer of a stage without the embedding starts as a copy of the word embedding when
     the two are tied."""
     tp_rank = parallel.get_state().tp_rank if model.tp > 1 else 0
-    for name, p in model.parameters_and_names():
+    for name, param in model.parameters_and_names():
         gname = global_name(name, model.layer_offset)
-        if model.tied and gname == "output_layer.weight":
+        if is_embedding_copy(model, param):
             gname = "word_embeddings.weight"
-        dim = getattr(p, "partition_dim", None)
+        dim = getattr(param, "partition_dim", None)
         if dim is None:
-            value = init_value(gname, p.shape, model.cfg, seed)
+            value = init_value(gname, param.shape, model.cfg, seed)
         else:
-            full = list(p.shape)
+            full = list(param.shape)
             full[dim] *= model.tp
             value = parallel.shard(init_value(gname, tuple(full), model.cfg, seed), dim, tp_rank,
-                                   model.tp, getattr(p, "partition_chunks", 1))
-        p.set_data(Tensor(value))
+                                   model.tp, getattr(param, "partition_chunks", 1))
+        param.set_data(Tensor(value))
 
 
 def num_floating_point_operations(cfg, batch_size):
@@ -576,7 +624,8 @@ def num_floating_point_operations(cfg, batch_size):
     head_dim = h // cfg.num_attention_heads
     query_to_hidden = head_dim * cfg.num_attention_heads / h
     gated = 1.5 if cfg.hidden_act == "swiglu" else 1.0
-    attention = (1 + cfg.num_query_groups / cfg.num_attention_heads + cfg.seq_length / h) * query_to_hidden
+    attention = ((1 + cfg.num_query_groups / cfg.num_attention_heads + cfg.seq_length / h)
+                 * query_to_hidden)
     mlp = cfg.ffn_hidden_size / h * gated
     logit = cfg.padded_vocab_size / (2 * layers * h)
     return 12 * batch_size * cfg.seq_length * layers * h * h * (attention + mlp + logit)
@@ -610,3 +659,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, vocab_
         if on_token is not None:
             on_token(ids[-1])
     return ids[len(prompt_ids):]
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: gpt.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

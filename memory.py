@@ -2,22 +2,28 @@
 (any model, any world size, in seconds, nothing allocated) and the start-up report of a training
 run (`RankReport`), whose end logs the measured peak beside it.
 
-This CPU build keeps everything in float32 (4 bytes a value: weights, gradients, optimizer state,
-activations, and the dropout masks, which are float32 tensors drawn by numpy), so the accounting
-counts elements and multiplies by 4:
+Everything is counted in bytes, each tensor at its dtype's size (DTYPE_BYTES), with P the
+parameters on the rank (its pipeline chunks, its TP shard of each split weight; a tied output layer
+on the last stage is a copy of the word embedding):
 
-  weights      P: the parameters on the rank (its pipeline chunks, its TP shard of each split
-               weight; a tied output layer on the last stage is a copy of the word embedding)
-  gradients    P: one fp32 gradient per parameter, summed over the step's micro-batches
-  optimizer    AdamW/Adam 2P (two moments), SGD P (momentum) or 0; with the distributed optimizer
-               each of the dp x cp ranks keeps 1/(dp x cp) of the moments plus an fp32 master copy of
-               that piece (optimizer.DistributedOptimizer.state_bytes): (2 + 1) P / (dp x cp)
+  weights      P x params_dtype (4 bytes in float32, 2 in float16 with --fp16)
+  gradients    P x main_grad_dtype: summed over the step's micro-batches in float32, or in the
+               parameters' half precision (config.main_grad_dtype)
+  optimizer    float32 state: AdamW/Adam 2P (two moments), SGD P (momentum) or 0, plus the float32
+               main params of half-precision parameters, P (optimizer.MixedPrecisionOptimizer); with
+               the distributed optimizer each of the dp x cp ranks keeps 1/(dp x cp) of the state
+               and of the float32 main params (optimizer.DistributedOptimizer.state_bytes)
   activations  what the backward keeps of each micro-batch in flight (`layer_activations`, after
                Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-               Models", Table 2, written for this code), plus the working set of one layer's backward
+               Models", Table 2, written for this code) at the compute dtype's size, but for what
+               stays float32 (norm inputs, the float32 softmax, the loss's logits), plus the working
+               set of one layer's backward
 
-Megatron's theoretical_memory_usage.py counts 18 bytes per parameter (fp16 weight, fp32 gradient,
-master weight and two moments); here 16, or 8 + 12 / (dp x cp) with the distributed optimizer.
+Megatron's theoretical_memory_usage.py counts 18 bytes per parameter with --fp16 (fp16 weight,
+fp32 gradient, fp32 main param and two moments): here the same with
+--accumulate-allreduce-grads-in-fp32, 16 with --fp16 alone or in float32; with the distributed
+optimizer the main params and moments (12 bytes) are split over dp x cp ranks: 6 + 12 / (dp x cp),
+4 + 12 / (dp x cp), 8 + 12 / (dp x cp) (docs/half-precision.md has the table).
 """
 import math
 import re
@@ -26,10 +32,12 @@ from types import SimpleNamespace
 import gpt
 import pipeline
 from cli import REQUIRED, load_config, parse_command
-from config import ConfigError, padded_vocab_size, recompute_counts
+from config import (ConfigError, cp_ring_size, main_grad_dtype, padded_vocab_size,
+                    recompute_counts)
 from tokenizer import build_tokenizer
 
-BYTES = 4                                   # float32
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+F32_BYTES = 4
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 # MLP activation tensors the backward keeps, in units of [s, b, ffn/tp]: GELU keeps its input and
@@ -46,88 +54,112 @@ CORE_TEMPORARIES = 8
 # ============================================================================ the model's shapes
 def vocab_rows(cfg):
     """The padded vocabulary, as train.build_model derives it (the tokenizer read, not the data)."""
-    m, d = cfg.model_config, cfg.dataset_config
-    if m.vocab_size is not None:
-        return m.vocab_size
-    size = d.vocab_size if d.mock_data and d.vocab_size else \
-        build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size).vocab_size
-    return padded_vocab_size(m, size)
+    model_cfg, dataset_cfg = cfg.model_config, cfg.dataset_config
+    if model_cfg.vocab_size is not None:
+        return model_cfg.vocab_size
+    if dataset_cfg.mock_data and dataset_cfg.vocab_size:
+        size = dataset_cfg.vocab_size
+    else:
+        tokenizer = build_tokenizer(dataset_cfg.tokenizer_type, dataset_cfg.vocab_file,
+                                    dataset_cfg.merge_file, dataset_cfg.vocab_size)
+        size = tokenizer.vocab_size
+    return padded_vocab_size(model_cfg, size)
 
 
-def cp_split(p):
-    """(cp, Ulysses degree, ring size): cp = ring x ulysses (config sets ulysses_degree_in_cp: cp for
-    Ulysses, 1 for the ring, the hybrid's own value)."""
-    cp = p.context_parallel_size
-    ulysses = p.ulysses_degree_in_cp
-    return cp, ulysses, cp // ulysses
+def cp_split(parallel_cfg):
+    """(cp, Ulysses degree, ring size): cp = ring x ulysses (config sets ulysses_degree_in_cp: cp
+    for Ulysses, 1 for the ring, the hybrid's own value)."""
+    cp = parallel_cfg.context_parallel_size
+    ulysses = parallel_cfg.ulysses_degree_in_cp
+    return cp, ulysses, cp_ring_size(cp, ulysses)
 
 
-def stage_chunks(m, p):
+def stage_chunks(model_cfg, parallel_cfg):
     """Per pipeline rank, its model chunks as (layers, embeds, has the loss), from
     pipeline.layer_split: chunk c of rank r is virtual stage c * pp + r."""
-    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-    split = pipeline.layer_split(m.num_layers, pp, vpp, p.num_layer_list)
+    pp = parallel_cfg.pipeline_model_parallel_size
+    vpp = parallel_cfg.virtual_pipeline_model_parallel_size
+    split = pipeline.layer_split(model_cfg.num_layers, pp, vpp, parallel_cfg.num_layer_list)
     last = len(split) - 1
     return [[(split[c * pp + r][1], c * pp + r == 0, c * pp + r == last) for c in range(vpp)]
             for r in range(pp)]
 
 
 # ============================================================================ parameters
-def layer_parameters(m, tp=1):
+def layer_parameters(model_cfg, tp=1):
     """One transformer layer on a TP rank: the column-parallel qkv and fc1 and the row-parallel
     proj and fc2 weights split over tp (with qkv's and fc1's biases); norms and the row-parallel
     biases (added after the reduction) replicated."""
-    h, d = m.hidden_size, m.hidden_size // m.num_attention_heads
-    norm = h * (2 if m.normalization == "LayerNorm" else 1)
-    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d              # GQA: n query, g key, g value heads
-    fc1 = m.ffn_hidden_size * (2 if m.hidden_act == "swiglu" else 1)       # SwiGLU: [gate; up]
-    split = (h * qkv + qkv * m.qkv_has_bias + m.num_attention_heads * d * h
-             + h * fc1 + fc1 * m.add_bias_linear + m.ffn_hidden_size * h)
-    return (2 + 2 * m.use_sandwich_norm) * norm + split // tp + h * (m.out_proj_has_bias + m.add_bias_linear)
+    h, heads, ffn = model_cfg.hidden_size, model_cfg.num_attention_heads, model_cfg.ffn_hidden_size
+    head_dim = h // heads
+    norm = h * (2 if model_cfg.normalization == "LayerNorm" else 1)
+    # GQA: n query heads, g key heads and g value heads, head_dim wide each
+    qkv = (heads + 2 * model_cfg.num_query_groups) * head_dim
+    fc1 = ffn * (2 if model_cfg.hidden_act == "swiglu" else 1)       # SwiGLU: [gate; up]
+    split = (h * qkv + qkv * model_cfg.qkv_has_bias + heads * head_dim * h
+             + h * fc1 + fc1 * model_cfg.add_bias_linear + ffn * h)
+    norms = (2 + 2 * model_cfg.use_sandwich_norm) * norm
+    row_biases = h * (model_cfg.out_proj_has_bias + model_cfg.add_bias_linear)
+    return norms + split // tp + row_biases
 
 
-def chunk_parameters(m, tp, layers, embeds, has_loss):
+def chunk_parameters(model_cfg, tp, layers, embeds, has_loss):
     """A model chunk (gpt.GPTModel) on a TP rank: its layers; the vocabulary-parallel word
     embedding and the absolute position embeddings if it embeds; the final norm and the output
-    layer if it has the loss (the word embedding itself when tied in the same chunk, else a copy)."""
-    h, v = m.hidden_size, m.padded_vocab_size
-    count = layers * layer_parameters(m, tp)
+    layer if it has the loss (the word embedding itself when tied in the same chunk, else a
+    copy)."""
+    h, vocab = model_cfg.hidden_size, model_cfg.padded_vocab_size
+    count = layers * layer_parameters(model_cfg, tp)
     if embeds:
-        count += v * h // tp + (m.max_position_embeddings * h if m.position_embedding_type == "absolute" else 0)
+        count += vocab * h // tp
+        if model_cfg.position_embedding_type == "absolute":
+            count += model_cfg.max_position_embeddings * h
     if has_loss:
-        count += h * (2 if m.normalization == "LayerNorm" else 1)
-        if m.untie_embeddings_and_output_weights or not embeds:
-            count += v * h // tp
+        count += h * (2 if model_cfg.normalization == "LayerNorm" else 1)
+        if model_cfg.untie_embeddings_and_output_weights or not embeds:
+            count += vocab * h // tp
     return count
 
 
-def total_parameters(m):
+def total_parameters(model_cfg):
     """The model's parameters, each counted once (one process)."""
-    return chunk_parameters(m, 1, m.num_layers, True, True)
+    return chunk_parameters(model_cfg, 1, model_cfg.num_layers, True, True)
 
 
 def stage_parameters(cfg, rank):
     """Parameters on each TP rank of pipeline rank `rank` (every TP rank holds as many)."""
-    m, p = cfg.model_config, cfg.parallel_config
-    return sum(chunk_parameters(m, p.tensor_model_parallel_size, *chunk)
-               for chunk in stage_chunks(m, p)[rank])
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    return sum(chunk_parameters(model_cfg, parallel_cfg.tensor_model_parallel_size, *chunk)
+               for chunk in stage_chunks(model_cfg, parallel_cfg)[rank])
 
 
-def optimizer_elements(cfg, params):
-    """fp32 values of optimizer state on a rank holding `params` parameters (see the module doc)."""
-    o, t, p = cfg.optimizer_config, cfg.training_config, cfg.parallel_config
-    per_param = 0 if o.optimizer_type == "SGD" and not o.momentum else 1 if o.optimizer_type == "SGD" else 2
-    shards = p.data_parallel_size * p.context_parallel_size
-    if t.use_distributed_optimizer and shards > 1:
-        return math.ceil((per_param + 1) * params / shards)
-    return per_param * params
+def optimizer_bytes(cfg, params):
+    """Bytes of float32 optimizer state and main params on a rank holding `params` parameters
+    (see the module doc)."""
+    optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
+    parallel_cfg = cfg.parallel_config
+    # float32 state values per parameter: Adam's two moments, SGD's momentum or nothing
+    if optimizer_cfg.optimizer_type != "SGD":
+        per_param = 2
+    elif optimizer_cfg.momentum:
+        per_param = 1
+    else:
+        per_param = 0
+    shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
+    if training_cfg.use_distributed_optimizer and shards > 1:
+        return F32_BYTES * math.ceil((per_param + 1) * params / shards)
+    # float32 main params beside half-precision ones
+    copies = cfg.model_config.params_dtype != "float32"
+    return F32_BYTES * (per_param + copies) * params
 
 
 # ============================================================================ activations
-def layer_activations(m, p, b):
+def layer_activations(model_cfg, parallel_cfg, micro_batch_size):
     """What the backward keeps of one transformer layer for one micro-batch on one rank:
-    [(tensor, elements, in the core attention)]. s = seq_length, h hidden, n heads, g query groups,
-    f ffn, tp, cp; x = b s h / cp, the layer's hidden states on a cp rank, whole over TP.
+    [(tensor, bytes, in the core attention)]. s = seq_length, h hidden, n heads, g query groups,
+    f ffn, tp, cp; x = b s h / cp, the layer's hidden states on a cp rank, whole over TP. Tensors
+    are of the compute dtype (c bytes a value) but the norms' inputs, normalised in float32, and
+    the float32 softmax's output (with its half-precision copy for the weighted sum).
 
     Sequence parallelism keeps the norms' inputs and the dropout masks at [s/tp, b, h]; the inputs
     of qkv and fc1 are all-gathered to [s, b, h], and their matmuls keep the gathered copy (Megatron
@@ -136,87 +168,126 @@ def layer_activations(m, p, b):
     n/(tp cp) heads, the ring over its s/cp queries and every key (the whole sequence's K and V
     all-gathered: ring x the Ulysses shapes). Selective recompute keeps the core attention's inputs
     (q, k, v) instead of its inside."""
-    h, n, g = m.hidden_size, m.num_attention_heads, m.num_query_groups
-    tp = p.tensor_model_parallel_size
-    cp, _, ring = cp_split(p)
-    sp = tp if p.sequence_parallel else 1
-    x = b * m.seq_length * h // cp
-    scores = b * n * m.seq_length * m.seq_length // (tp * cp)
-    norm = 1 if m.normalization == "LayerNorm" else 2           # RMSNorm, written out, also keeps x / rms
-    rows = [("norm inputs [s/tp (SP), b, h]", (2 + 2 * m.use_sandwich_norm) * norm * x // sp, False),
-            ("qkv and fc1 inputs [s, b, h]", 2 * x, False),
-            ("q scaled, k and v repeated per query head [b, n/tp, s, h/n]", (1 + 2 * ring) * x // tp, True),
-            ("softmax output [b, n/tp, s, s]", scores, True),
-            ("proj input [s, b, h/tp]", x // tp, False),
-            ("MLP activations [s, b, ffn/tp]", MLP_KEPT[m.hidden_act] * x * m.ffn_hidden_size // (h * tp), False)]
-    if m.position_embedding_type == "rope":                       # x cos + rotate_half(x) sin keeps both factors
-        rows.append(("q and k and their rotated halves (RoPE) [s, b, n + g, h/n]", 2 * (n + g) * x // (n * tp), False))
-    if m.attention_dropout_rate:
-        rows.append(("attention dropout mask and output [b, n/tp, s, s]", 2 * scores, True))
-    if m.hidden_dropout_rate:
-        rows.append(("hidden dropout masks [s/tp (SP), b, h]", 2 * x // sp, False))
-    if m.recompute_granularity == "selective":
-        rows.append(("q, k, v kept for the recomputed core attention", (n + 2 * g) * x // (n * tp), False))
+    h, n, g = model_cfg.hidden_size, model_cfg.num_attention_heads, model_cfg.num_query_groups
+    s, tp = model_cfg.seq_length, parallel_cfg.tensor_model_parallel_size
+    cp, _, ring = cp_split(parallel_cfg)
+    sp = tp if parallel_cfg.sequence_parallel else 1
+    x = micro_batch_size * s * h // cp
+    scores = micro_batch_size * n * s * s // (tp * cp)
+    # RMSNorm, written out, also keeps x / rms
+    norm = 1 if model_cfg.normalization == "LayerNorm" else 2
+    c = DTYPE_BYTES[model_cfg.compute_dtype]
+    softmax = c + (F32_BYTES if model_cfg.attention_softmax_in_fp32 and c < F32_BYTES else 0)
+    rows = [("norm inputs [s/tp (SP), b, h]",
+             F32_BYTES * (2 + 2 * model_cfg.use_sandwich_norm) * norm * x // sp, False),
+            ("qkv and fc1 inputs [s, b, h]", c * 2 * x, False),
+            ("q scaled, k and v repeated per query head [b, n/tp, s, h/n]",
+             c * (1 + 2 * ring) * x // tp, True),
+            ("softmax output [b, n/tp, s, s]", softmax * scores, True),
+            ("proj input [s, b, h/tp]", c * x // tp, False),
+            ("MLP activations [s, b, ffn/tp]",
+             c * MLP_KEPT[model_cfg.hidden_act] * x * model_cfg.ffn_hidden_size // (h * tp), False)]
+    if model_cfg.position_embedding_type == "rope":
+        # x cos + rotate_half(x) sin keeps both factors
+        rows.append(("q and k and their rotated halves (RoPE) [s, b, n + g, h/n]",
+                     c * 2 * (n + g) * x // (n * tp), False))
+    if model_cfg.attention_dropout_rate:
+        rows.append(("attention dropout mask and output [b, n/tp, s, s]", c * 2 * scores, True))
+    if model_cfg.hidden_dropout_rate:
+        rows.append(("hidden dropout masks [s/tp (SP), b, h]", c * 2 * x // sp, False))
+    if model_cfg.recompute_granularity == "selective":
+        rows.append(("q, k, v kept for the recomputed core attention",
+                     c * (n + 2 * g) * x // (n * tp), False))
     return rows
 
 
-def chunk_activations(m, p, b, layers, embeds, has_loss, recomputed):
-    """(kept per micro-batch, recompute working set) of a chunk of `layers` layers of which full
-    recompute recomputes `recomputed`: uniform keeps the input [s/tp (SP), b, h] of each group of
-    recompute_num_layers layers and rebuilds one group at a time; block keeps the input of each of
-    its first `recomputed` layers and rebuilds one at a time; selective keeps every layer but its
-    core attention and rebuilds one layer's."""
-    rows = layer_activations(m, p, b)
+def chunk_activations(model_cfg, parallel_cfg, micro_batch_size, layers, embeds, has_loss,
+                      recomputed):
+    """(kept per micro-batch, recompute working set), in bytes, of a chunk of `layers` layers of
+    which full recompute recomputes `recomputed`: uniform keeps the input [s/tp (SP), b, h] of
+    each group of recompute_num_layers layers and rebuilds one group at a time; block keeps the
+    input of each of its first `recomputed` layers and rebuilds one at a time; selective keeps
+    every layer but its core attention and rebuilds one layer's."""
+    rows = layer_activations(model_cfg, parallel_cfg, micro_batch_size)
     full = sum(e for _, e, _ in rows)
     core = sum(e for _, e, inside in rows if inside)
-    x = b * m.seq_length * m.hidden_size // p.context_parallel_size
-    sp = p.tensor_model_parallel_size if p.sequence_parallel else 1
-    if m.recompute_granularity == "selective":
+    s, cp = model_cfg.seq_length, parallel_cfg.context_parallel_size
+    x = micro_batch_size * s * model_cfg.hidden_size // cp
+    sp = parallel_cfg.tensor_model_parallel_size if parallel_cfg.sequence_parallel else 1
+    c, logits = DTYPE_BYTES[model_cfg.compute_dtype], c_or_f32(model_cfg)
+    hidden = c if not model_cfg.fp32_residual_connection else F32_BYTES
+    if model_cfg.recompute_granularity == "selective":
         kept, working = layers * (full - core), core
-    elif m.recompute_granularity == "full" and m.recompute_method == "uniform":
-        group = m.recompute_num_layers
-        kept, working = -(-layers // group) * x // sp, group * full
-    elif m.recompute_granularity == "full":
-        kept, working = recomputed * x // sp + (layers - recomputed) * full, full if recomputed else 0
+    elif model_cfg.recompute_granularity == "full" and model_cfg.recompute_method == "uniform":
+        group = model_cfg.recompute_num_layers
+        kept, working = hidden * -(-layers // group) * x // sp, group * full
+    elif model_cfg.recompute_granularity == "full":
+        # block: the recomputed layers keep their inputs, the others all they keep
+        kept = hidden * recomputed * x // sp + (layers - recomputed) * full
+        working = full if recomputed else 0
     else:
         kept, working = layers * full, 0
-    if embeds:                                                    # token and position ids (int32)
-        kept += 2 * b * m.seq_length // p.context_parallel_size + (x // sp if m.hidden_dropout_rate else 0)
-    if has_loss:                                                  # final norm and output-layer inputs, logits and their softmax
-        norm = 1 if m.normalization == "LayerNorm" else 2
-        kept += norm * x // sp + x + 2 * b * m.seq_length * m.padded_vocab_size // (p.context_parallel_size
-                                                                                     * p.tensor_model_parallel_size)
+    if embeds:
+        # token and position ids (int32), and the embedding dropout's mask [s/tp (SP), b, h]
+        kept += 4 * 2 * micro_batch_size * s // cp
+        if model_cfg.hidden_dropout_rate:
+            kept += c * x // sp
+    if has_loss:
+        # the final norm's input (float32), the output layer's input, the logits and their
+        # log-softmax [s/cp, b, V/tp]
+        norm = 1 if model_cfg.normalization == "LayerNorm" else 2
+        cp_tp = cp * parallel_cfg.tensor_model_parallel_size
+        vocab = micro_batch_size * s * model_cfg.padded_vocab_size // cp_tp
+        kept += F32_BYTES * norm * x // sp + c * x + logits * 2 * vocab
     return kept, working
+
+
+def c_or_f32(model_cfg):
+    """Bytes of a logit value for the loss: float32 unless fp16_lm_cross_entropy."""
+    return DTYPE_BYTES[model_cfg.compute_dtype] if model_cfg.fp16_lm_cross_entropy else F32_BYTES
 
 
 def in_flight(cfg, rank):
     """Micro-batches whose activations pipeline rank `rank` holds at once: the peak of its
-    schedule (1F1B: min(p - rank, m); interleaved: Megatron's warmup; afab: m), counted in model
-    chunks; one without a pipeline (each micro-batch's backward follows its forward)."""
-    p = cfg.parallel_config
-    if p.pipeline_model_parallel_size == 1:
+    schedule (1F1B: min(pp - rank, micro-batches); interleaved: Megatron's warmup; afab: every
+    micro-batch), counted in model chunks; one without a pipeline (each micro-batch's backward
+    follows its forward)."""
+    parallel_cfg = cfg.parallel_config
+    if parallel_cfg.pipeline_model_parallel_size == 1:
         return 1
-    return pipeline.peak_in_flight(pipeline.schedule(p.pipeline_model_parallel_size, rank,
-                                                     cfg.dataset_config.micro_batch_num,
-                                                     p.virtual_pipeline_model_parallel_size,
-                                                     kind=p.pipeline_schedule))
+    passes = pipeline.schedule(parallel_cfg.pipeline_model_parallel_size, rank,
+                               cfg.dataset_config.micro_batch_num,
+                               parallel_cfg.virtual_pipeline_model_parallel_size,
+                               kind=parallel_cfg.pipeline_schedule)
+    return pipeline.peak_in_flight(passes)
 
 
 def stage_activations(cfg, rank):
-    """Activation elements on a rank of pipeline stage `rank`: (kept, transient, in flight).
+    """Activation bytes on a rank of pipeline stage `rank`: (kept, transient, in flight).
     kept: the in-flight chunk forwards times the largest chunk's kept activations (exact for
     equal chunks). transient, beside them: the causal-mask bias tiled to [b, n/tp, s, s] once per
     forward (gpt.GPTModel.construct), then the larger of two moments of the backward: the loss's,
     with the logits' gradient [s, b, V/tp] (last stage), and a layer's, with its core attention's
-    temporaries (CORE_TEMPORARIES), the gradients of its kept tensors and the recompute working set."""
-    m, p, b = cfg.model_config, cfg.parallel_config, cfg.dataset_config.batch_size
-    chunks = [chunk_activations(m, p, b, *chunk, n)
-              for chunk, n in zip(stage_chunks(m, p)[rank], recompute_counts(p, m)[rank])]
-    tp, (cp, _, ring) = p.tensor_model_parallel_size, cp_split(p)
-    scores = b * m.num_attention_heads * m.seq_length ** 2 // (tp * cp)
-    mask = scores // ring                                         # [b, n/(tp u), s/r, s/r]
-    layer = CORE_TEMPORARIES * scores + sum(e for _, e, _ in layer_activations(m, p, b)) + max(w for _, w in chunks)
-    logits = b * m.seq_length * m.padded_vocab_size // (cp * tp) if any(c[2] for c in stage_chunks(m, p)[rank]) else 0
+    temporaries (CORE_TEMPORARIES), the gradients of its kept tensors and the recompute working
+    set."""
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    micro_batch_size, s = cfg.dataset_config.batch_size, model_cfg.seq_length
+    stage = stage_chunks(model_cfg, parallel_cfg)[rank]
+    chunks = [chunk_activations(model_cfg, parallel_cfg, micro_batch_size, *chunk, n)
+              for chunk, n in zip(stage, recompute_counts(parallel_cfg, model_cfg)[rank])]
+    tp, (cp, _, ring) = parallel_cfg.tensor_model_parallel_size, cp_split(parallel_cfg)
+    scores = micro_batch_size * model_cfg.num_attention_heads * s ** 2 // (tp * cp)
+    mask = F32_BYTES * scores // ring                             # [b, n/(tp u), s/r, s/r], float32
+    softmax = DTYPE_BYTES[model_cfg.compute_dtype]
+    if model_cfg.attention_softmax_in_fp32:
+        softmax = F32_BYTES
+    # the gradients of a layer's kept tensors are as large as those tensors
+    gradients = sum(e for _, e, _ in layer_activations(model_cfg, parallel_cfg, micro_batch_size))
+    layer = softmax * CORE_TEMPORARIES * scores + gradients + max(w for _, w in chunks)
+    logits = 0
+    if any(c[2] for c in stage):                                  # the stage has the loss
+        vocab = model_cfg.padded_vocab_size
+        logits = c_or_f32(model_cfg) * micro_batch_size * s * vocab // (cp * tp)
     count = in_flight(cfg, rank)
     return count * max(k for k, _ in chunks), mask + max(layer, logits), count
 
@@ -231,69 +302,145 @@ def communication(cfg, rank):
     all-gathers of [s/tp, b, h] and reduce-scatters of [s, b, h], and the norms' and row biases'
     gradients are all-reduced each step. Data parallelism: each gradient bucket all-reduced (or
     reduce-scattered and all-gathered by the distributed optimizer) and the logged loss; the
-    pipeline: the plan's exchanges of [s (/tp under SP), b, h], and the tied embedding's gradient
-    between the first and last stage. Context parallelism (context_parallel.py), per layer and
-    micro-batch with a = b s / cp tokens on a rank: Ulysses 4 all-to-alls of q, k, v and the context
-    forward and 4 backward; the ring all-gathers k and v [a, g d / tp] forward and reduce-scatters
-    their ring-times-larger gradients backward; the loss and token count are all-reduced over CP."""
-    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
-    tp, pp, mb = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, d.micro_batch_num
-    cp = p.context_parallel_size
-    chunks = stage_chunks(m, p)[rank]
+    pipeline: the simulated schedule's exchanges of [s (/tp under SP), b, h], and the tied
+    embedding's gradient between the first and last stage. Context parallelism
+    (context_parallel.py), per layer and micro-batch with a = b s / cp tokens on a rank: Ulysses 4
+    all-to-alls of q, k, v and the context forward and 4 backward; the ring all-gathers k and v
+    [a, g d / tp] forward and reduce-scatters their ring-times-larger gradients backward; the loss
+    and token count are all-reduced over CP."""
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    chunks = stage_chunks(model_cfg, parallel_cfg)[rank]
     layers = sum(c[0] for c in chunks)
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
-    hidden = BYTES * d.batch_size * m.seq_length * m.hidden_size // cp     # [s, b, h]
-    tokens = BYTES * d.batch_size * m.seq_length // cp                     # [s, b]
     out = {}
 
     def add(kind, op, calls, nbytes):
         if calls:
             old = out.get((kind, op), (0, 0))
             out[(kind, op)] = (old[0] + calls, old[1] + nbytes)
-    if tp > 1 and not p.sequence_parallel:
-        edges = 4 * layers + first + last
-        add("tp", "all_reduce", mb * edges, mb * edges * hidden)
-    if tp > 1 and p.sequence_parallel:
-        gathers, scatters = 4 * layers + first + last, 4 * layers + last
-        add("tp", "all_gather", mb * gathers, mb * gathers * hidden // tp)
-        add("tp", "reduce_scatter", mb * scatters, mb * scatters * hidden)
-        add("tp", "all_reduce", mb * first, mb * first * hidden)
-        norm = 2 if m.normalization == "LayerNorm" else 1
-        marked = layers * ((2 + 2 * m.use_sandwich_norm) * norm + m.out_proj_has_bias + m.add_bias_linear) + last * norm
-        add("tp", "all_reduce", marked, marked * BYTES * m.hidden_size)
-    if tp > 1 and last:
-        add("tp", "all_reduce", 3 * mb, 3 * mb * tokens)          # max, sum of exp, target logit
-    if cp > 1:
-        _, ulysses, ring = cp_split(p)
-        q = BYTES * d.batch_size * m.seq_length // cp * m.hidden_size // tp
-        kv = q * m.num_query_groups // m.num_attention_heads
-        if ulysses > 1:
-            add("cp" if ring == 1 else "cp_ulysses", "all_to_all", 8 * mb * layers, 2 * mb * layers * (2 * q + 2 * kv))
-        if ring > 1:
-            kind = "cp" if ulysses == 1 else "cp_ring"
-            add(kind, "all_gather", 2 * mb * layers, 2 * mb * layers * kv)
-            add(kind, "reduce_scatter", 2 * mb * layers, 2 * mb * layers * ring * kv)
-        add("cp", "all_reduce", 2 * mb * last, 2 * mb * last * BYTES)
-    if tp * pp > 1:
-        add("mp", "all_reduce", 1, BYTES)                         # the gradient norm
-    params = stage_parameters(cfg, rank)
-    shards = p.data_parallel_size * cp
-    if shards > 1:
-        buckets = math.ceil(params / cfg.training_config.bucket_size) if cfg.training_config.bucket_size else 1
-        if cfg.training_config.use_distributed_optimizer:
-            add("dp_cp", "reduce_scatter", buckets, BYTES * params)
-            add("dp_cp", "all_gather", buckets, BYTES * params // shards)
-            add("dp_cp", "all_reduce", 1, BYTES)                  # the norm over the shards
-        else:
-            add("dp_cp", "all_reduce", buckets, BYTES * params)
-        add("dp_cp", "all_reduce", 1, BYTES)                      # the logged loss
-    if pp > 1:
-        hops = sum(step[0] == "X" for step in pipeline.plan(pp, mb, p.virtual_pipeline_model_parallel_size,
-                                                             kind=p.pipeline_schedule)[0][rank])
-        add("pp_pair", "exchange", hops, hops * hidden // (tp if p.sequence_parallel else 1))
-        if (first or last) and not m.untie_embeddings_and_output_weights:
-            add("embedding", "all_reduce", 1, BYTES * m.padded_vocab_size * m.hidden_size // tp)
+    _tensor_parallel_collectives(cfg, layers, first, last, add)
+    _context_parallel_collectives(cfg, layers, last, add)
+    if parallel_cfg.tensor_model_parallel_size * parallel_cfg.pipeline_model_parallel_size > 1:
+        add("mp", "all_reduce", 1, F32_BYTES)                     # the gradient norm
+    _data_parallel_collectives(cfg, rank, add)
+    _pipeline_collectives(cfg, rank, first, last, add)
     return out
+
+
+def _hidden_elements(cfg):
+    """Elements of the hidden states [s/cp, b, h] of a micro-batch on a cp rank: a pipeline hop
+    without sequence parallelism (pipeline.hop_shape)."""
+    return math.prod(pipeline.hop_shape(cfg.model_config, cfg.dataset_config.batch_size,
+                                        cfg.parallel_config.context_parallel_size))
+
+
+def _tensor_parallel_collectives(cfg, layers, first, last, add):
+    """TP's collectives per step on a stage of `layers` layers that embeds (`first`) and/or has
+    the loss (`last`), passed to add(kind, op, calls, bytes): see communication."""
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, mb = parallel_cfg.tensor_model_parallel_size, dataset_cfg.micro_batch_num
+    if tp == 1:
+        return
+    size, hidden = collective_bytes(cfg), _hidden_elements(cfg)
+    # per micro-batch: 4 a layer (attention and MLP, forward and backward) and the logits' one
+    edges = 4 * layers + last
+    if not parallel_cfg.sequence_parallel:
+        # the layers' and the logits' all-reduces, then the embedding's
+        add("tp", "all_reduce", mb * edges, mb * edges * hidden * size.compute)
+        add("tp", "all_reduce", mb * first, mb * first * hidden * size.params)
+    else:
+        # each becomes an all-gather of [s/tp, b, h] and a reduce-scatter of [s, b, h]
+        add("tp", "all_gather", mb * edges, mb * edges * hidden * size.compute // tp)
+        add("tp", "all_gather", mb * first, mb * first * hidden * size.hidden // tp)
+        add("tp", "reduce_scatter", mb * edges, mb * edges * hidden * size.compute)
+        add("tp", "all_reduce", mb * first, mb * first * hidden * size.params)
+        # the gradients of the replicated norms and row-parallel biases, once a step, [h] each
+        norm = 2 if model_cfg.normalization == "LayerNorm" else 1
+        per_layer = ((2 + 2 * model_cfg.use_sandwich_norm) * norm + model_cfg.out_proj_has_bias
+                     + model_cfg.add_bias_linear)
+        marked = layers * per_layer + last * norm
+        add("tp", "all_reduce", marked, marked * size.grad * model_cfg.hidden_size)
+    if last:
+        # the vocabulary-parallel cross-entropy's max, sum of exp and target logit, [s, b] each
+        tokens = dataset_cfg.batch_size * model_cfg.seq_length // parallel_cfg.context_parallel_size
+        add("tp", "all_reduce", 3 * mb, 3 * mb * tokens * size.logits)
+
+
+def _context_parallel_collectives(cfg, layers, last, add):
+    """CP's collectives per step on a stage of `layers` layers, the loss's too if it has it
+    (`last`), passed to add(kind, op, calls, bytes): see communication."""
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, mb = parallel_cfg.tensor_model_parallel_size, dataset_cfg.micro_batch_num
+    cp = parallel_cfg.context_parallel_size
+    if cp == 1:
+        return
+    _, ulysses, ring = cp_split(parallel_cfg)
+    size = collective_bytes(cfg)
+    # bytes of q [b s / cp, h/tp] and of k or v [b s / cp, g d / tp] on a rank
+    micro_batch_size, s = dataset_cfg.batch_size, model_cfg.seq_length
+    q = size.compute * micro_batch_size * s // cp * model_cfg.hidden_size // tp
+    kv = q * model_cfg.num_query_groups // model_cfg.num_attention_heads
+    if ulysses > 1:
+        kind = "cp" if ring == 1 else "cp_ulysses"
+        add(kind, "all_to_all", 8 * mb * layers, 2 * mb * layers * (2 * q + 2 * kv))
+    if ring > 1:
+        kind = "cp" if ulysses == 1 else "cp_ring"
+        add(kind, "all_gather", 2 * mb * layers, 2 * mb * layers * kv)
+        add(kind, "reduce_scatter", 2 * mb * layers, 2 * mb * layers * ring * kv)
+    # the loss and the token count (float32)
+    add("cp", "all_reduce", 2 * mb * last, 2 * mb * last * F32_BYTES)
+
+
+def _data_parallel_collectives(cfg, rank, add):
+    """The gradient reduction over the dp x cp ranks of pipeline rank `rank` (each bucket
+    all-reduced, or reduce-scattered and the parameters all-gathered by the distributed
+    optimizer) and the logged loss, passed to add(kind, op, calls, bytes)."""
+    parallel_cfg, training_cfg = cfg.parallel_config, cfg.training_config
+    shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
+    if shards == 1:
+        return
+    size, params = collective_bytes(cfg), stage_parameters(cfg, rank)
+    buckets = math.ceil(params / training_cfg.bucket_size) if training_cfg.bucket_size else 1
+    if training_cfg.use_distributed_optimizer:
+        add("dp_cp", "reduce_scatter", buckets, size.grad * params)
+        add("dp_cp", "all_gather", buckets, size.params * params // shards)
+        add("dp_cp", "all_reduce", 1, F32_BYTES)              # the norm over the shards
+    else:
+        add("dp_cp", "all_reduce", buckets, size.grad * params)
+    add("dp_cp", "all_reduce", 1, F32_BYTES)                  # the logged loss
+
+
+def _pipeline_collectives(cfg, rank, first, last, add):
+    """The pipeline's exchanges on pipeline rank `rank` (its schedule's hops) and, on the first
+    and last stage of a tied model, the word embedding's gradient all-reduce, passed to
+    add(kind, op, calls, bytes)."""
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    size = collective_bytes(cfg)
+    steps = pipeline.simulate(pp, dataset_cfg.micro_batch_num,
+                              parallel_cfg.virtual_pipeline_model_parallel_size,
+                              kind=parallel_cfg.pipeline_schedule)[0][rank]
+    hops = sum(step[0] == "X" for step in steps)
+    hop = pipeline.hop_shape(model_cfg, dataset_cfg.batch_size, parallel_cfg.context_parallel_size,
+                             tp, parallel_cfg.sequence_parallel)
+    add("pp_pair", "exchange", hops, hops * math.prod(hop) * size.hidden)
+    if (first or last) and not model_cfg.untie_embeddings_and_output_weights:
+        embedding = model_cfg.padded_vocab_size * model_cfg.hidden_size
+        add("embedding", "all_reduce", 1, size.grad * embedding // tp)
+
+
+def collective_bytes(cfg):
+    """Bytes of a value in each kind of tensor the collectives carry: the compute dtype's
+    activations, the hidden states between layers and stages (gpt.hidden_dtype), the
+    parameters (the embedding's output, the distributed optimizer's all-gather), the gradients
+    (config.main_grad_dtype) and the loss's logits."""
+    model_cfg = cfg.model_config
+    compute = DTYPE_BYTES[model_cfg.compute_dtype]
+    return SimpleNamespace(compute=compute, params=DTYPE_BYTES[model_cfg.params_dtype],
+                           hidden=F32_BYTES if model_cfg.fp32_residual_connection else compute,
+                           grad=DTYPE_BYTES[main_grad_dtype(cfg)], logits=c_or_f32(model_cfg))
 
 
 # ============================================================================ FLOPs
@@ -302,52 +449,63 @@ def flops_per_iteration(cfg):
     num_floating_point_operations (gpt.py), and the forward passes recompute adds: full, one
     forward (a third of forward + backward) of every recomputed layer; selective, the core
     attention's two batched matmuls, 2 x 2 b s^2 n (h/n) per layer and sequence."""
-    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
-    batch = d.global_batch_size
-    model = gpt.num_floating_point_operations(m, batch)
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    batch = dataset_cfg.global_batch_size
+    model = gpt.num_floating_point_operations(model_cfg, batch)
     # one layer's FLOPs: the formula's layer term is linear in num_layers, its output layer is not
-    one_more = SimpleNamespace(**{**vars(m), "num_layers": m.num_layers + 1})
+    one_more = SimpleNamespace(**{**vars(model_cfg), "num_layers": model_cfg.num_layers + 1})
     per_layer = gpt.num_floating_point_operations(one_more, batch) - model
-    if m.recompute_granularity == "selective":
-        return model, m.num_layers * 4 * batch * m.seq_length ** 2 * m.hidden_size
-    recomputed = sum(sum(chunks) for chunks in recompute_counts(p, m))
+    if model_cfg.recompute_granularity == "selective":
+        attention = 4 * batch * model_cfg.seq_length ** 2 * model_cfg.hidden_size
+        return model, model_cfg.num_layers * attention
+    recomputed = sum(sum(chunks) for chunks in recompute_counts(parallel_cfg, model_cfg))
     return model, recomputed * per_layer / 3
 
 
 # ============================================================================ per rank
 def stage_memory(cfg, rank):
-    """Elements on a rank of pipeline stage `rank`: a namespace of parameters, gradients,
-    optimizer, activations (kept), transient (see stage_activations), in_flight, dynamic (what
-    the step allocates: the larger of its two phases) and peak (weights + optimizer + dynamic).
-    The backward phase holds the activations and the gradients, twice P with several
+    """Bytes on a rank of pipeline stage `rank`: a namespace of parameters (a count), weights,
+    gradients, optimizer, activations (kept), transient (see stage_activations), in_flight,
+    dynamic (what the step allocates: the larger of its two phases) and peak (weights + optimizer
+    + dynamic). The backward phase holds the activations and the gradients, twice with several
     micro-batches (their running sum and this micro-batch's); the update phase, activations gone,
-    holds 3P while a micro-batch's gradients are added to the sum (old sum, new, sum), else 2P
-    while clipping copies them (1P without clipping). The data-parallel reduction's flat buffers
-    (optimizer.GradBuffer) are not counted."""
+    holds three times the gradients while a micro-batch's are added to the sum (old sum, new, sum),
+    or in the optimizer step the gradients, the float32 main grads made of them (divided by the
+    loss scale; none when that is 1 and they are float32) and the copy clipping makes. The
+    data-parallel reduction's flat buffers (optimizer.GradBuffer) are not counted."""
     params = stage_parameters(cfg, rank)
+    weights = params * DTYPE_BYTES[cfg.model_config.params_dtype]
+    grads = params * DTYPE_BYTES[main_grad_dtype(cfg)]
     kept, transient, count = stage_activations(cfg, rank)
-    optim = optimizer_elements(cfg, params)
+    optim = optimizer_bytes(cfg, params)
     several = cfg.dataset_config.micro_batch_num > 1
     clip = bool(cfg.training_config.grad_clip_kwargs.clip_value)
-    dynamic = max((2 if several else 1) * params + kept + transient, (3 if several else 1 + clip) * params)
-    return SimpleNamespace(parameters=params, gradients=params, optimizer=optim, activations=kept,
-                           transient=transient, in_flight=count, dynamic=dynamic, peak=params + optim + dynamic)
+    # the step: the gradients, float32 main grads beside them unless they are those gradients
+    # (float32 and no loss scale), and a clipped copy
+    loss_scale = cfg.training_config.loss_scale
+    scaled = cfg.model_config.compute_dtype == "float16" or loss_scale not in (None, 1.0)
+    main_grads = F32_BYTES * params if scaled or grads != F32_BYTES * params else 0
+    update = max(3 * grads if several else grads, grads + main_grads + clip * F32_BYTES * params)
+    dynamic = max((2 if several else 1) * grads + kept + transient, update)
+    return SimpleNamespace(parameters=params, weights=weights, gradients=grads, optimizer=optim,
+                           activations=kept, transient=transient, in_flight=count,
+                           dynamic=dynamic, peak=weights + optim + dynamic)
 
 
-def recompute_text(m):
-    if m.recompute_granularity is None:
+def recompute_text(model_cfg):
+    if model_cfg.recompute_granularity is None:
         return "no recompute"
-    if m.recompute_granularity == "selective":
+    if model_cfg.recompute_granularity == "selective":
         return "selective recompute (core attention)"
-    return f"full recompute, {m.recompute_method}, {m.recompute_num_layers}"
+    return f"full recompute, {model_cfg.recompute_method}, {model_cfg.recompute_num_layers}"
 
 
-def gib(elements):
-    return f"{elements * BYTES / GIB:.2f} GiB"
+def gib(nbytes):
+    return f"{nbytes / GIB:.2f} GiB"
 
 
-def mib(elements):
-    return f"{elements * BYTES / MIB:.1f} MiB"
+def mib(nbytes):
+    return f"{nbytes / MIB:.1f} MiB"
 
 
 class RankReport:
@@ -366,16 +524,20 @@ class RankReport:
 
     def startup(self, compiled):
         """The estimate, with the model's own parameter count and optimizer bytes beside it."""
-        mem, m = self.mem, self.cfg.model_config
+        mem, model_cfg = self.mem, self.cfg.model_config
         model_flops, extra = flops_per_iteration(self.cfg)
-        note = ("; compiled by ms.jit: a CPU graph keeps every intermediate, several times this (README)"
-                if compiled else "")
-        return (f"memory: estimate for rank {self.state.rank} (stage {self.state.pp_rank}): parameters "
-                f"{mem.parameters} (the model holds {self.counted}), weights {mib(mem.parameters)}, gradients "
-                f"{mib(mem.gradients)}, optimizer {mib(mem.optimizer)} (measured {self.optimizer_bytes / MIB:.1f} MiB), "
+        note = ""
+        if compiled:
+            note = ("; compiled by ms.jit: a CPU graph keeps every intermediate, several times "
+                    "this (docs/memory.md)")
+        return (f"memory: estimate for rank {self.state.rank} (stage {self.state.pp_rank}): "
+                f"parameters {mem.parameters} (the model holds {self.counted}), "
+                f"weights {mib(mem.weights)}, gradients {mib(mem.gradients)}, "
+                f"optimizer {mib(mem.optimizer)} (measured {mib(self.optimizer_bytes)}), "
                 f"activations {mib(mem.activations)} ({mem.in_flight} micro-batch(es) in flight, "
-                f"{recompute_text(m)}) + transient {mib(mem.transient)}, peak {mib(mem.peak)}{note}; "
-                f"FLOPs per iteration {model_flops:.3e} (+ recompute {extra:.3e})")
+                f"{recompute_text(model_cfg)}) + transient {mib(mem.transient)}, "
+                f"peak {mib(mem.peak)}"
+                f"{note}; FLOPs per iteration {model_flops:.3e} (+ recompute {extra:.3e})")
 
     def begin(self):
         """Just before the first step: note the resident memory and reset the high-water mark."""
@@ -383,10 +545,10 @@ class RankReport:
         reset_peak()
 
     def measured(self):
-        growth, estimate = peak_rss_bytes() - self.start, self.mem.dynamic * BYTES
-        return (f"memory: measured peak growth {growth / MIB:.1f} MiB (resident memory, from the first step), "
-                f"estimate {estimate / MIB:.1f} MiB (what the step allocates: gradients, activations, "
-                f"transient), measured / estimate {growth / estimate:.2f}")
+        growth, estimate = peak_rss_bytes() - self.start, self.mem.dynamic
+        return (f"memory: measured peak growth {growth / MIB:.1f} MiB (resident memory, from the "
+                f"first step), estimate {estimate / MIB:.1f} MiB (what the step allocates: "
+                f"gradients, activations, transient), measured / estimate {growth / estimate:.2f}")
 
 
 def _status(key):
@@ -415,55 +577,71 @@ def reset_peak():
 # ============================================================================ bash run.sh plan
 PLAN_FLAGS = {"--config": ("config.yaml", str, "the YAML (presets in configs/)"),
               "--world-size": (REQUIRED, int, "the number of ranks to plan for"),
-              "--memory-per-device": (None, float, "GiB per device: list the layouts whose peak fits")}
+              "--memory-per-device": (None, float,
+                                      "GiB per device: list the layouts whose peak fits")}
 
 
 def plan_main(argv):
-    """`bash run.sh plan [--config FILE] --world-size N [--memory-per-device GIB] [training flags]`."""
-    v, rest = parse_command("plan", argv, PLAN_FLAGS, passthrough="training flags",
-                            about="Memory, communication and FLOPs per rank of a layout, from the config "
-                                  "alone: nothing is allocated, no worker started.")
-    if v["world_size"] < 1:
+    """`bash run.sh plan [--config FILE] --world-size N [--memory-per-device GIB]
+    [training flags]`."""
+    options, rest = parse_command("plan", argv, PLAN_FLAGS, passthrough="training flags",
+                                  about="Memory, communication and FLOPs per rank of a layout, "
+                                        "from the config alone: nothing is allocated, no worker "
+                                        "started.")
+    if options["world_size"] < 1:
         raise ConfigError("plan needs --world-size N, the number of ranks (1 or more)")
-    cfg = load_config(v["config"], rest, v["world_size"])
+    cfg = load_config(options["config"], rest, options["world_size"])
     cfg.model_config.padded_vocab_size = vocab_rows(cfg)
-    for line in plan_lines(cfg, v["world_size"]):
+    for line in plan_lines(cfg, options["world_size"]):
         print(line)
-    if v["memory_per_device"] is not None:
-        for line in fit_lines(cfg, v["config"], rest, v["world_size"], v["memory_per_device"]):
+    if options["memory_per_device"] is not None:
+        for line in fit_lines(cfg, options["config"], rest, options["world_size"],
+                              options["memory_per_device"]):
             print(line)
 
 
 def plan_lines(cfg, world):
-    m, p, d = cfg.model_config, cfg.parallel_config, cfg.dataset_config
-    tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-    cp = p.context_parallel_size
-    total = total_parameters(m)
-    lines = [f"plan: parameters {total} ({total / 1e9:.3f} B: {m.num_layers} layers of {layer_parameters(m)}, "
-             f"vocabulary {m.padded_vocab_size} x hidden {m.hidden_size})",
-             f"plan: layout TP{tp} x CP{cp} x PP{pp}{f' (VPP{vpp})' if vpp > 1 else ''} x DP{p.data_parallel_size} "
-             f"= {world} ranks; {d.micro_batch_num} micro-batch(es) of {d.batch_size} x {m.seq_length} tokens "
-             f"(global batch {d.global_batch_size}); {'sequence parallel; ' if p.sequence_parallel else ''}"
-             f"{'distributed optimizer; ' if cfg.training_config.use_distributed_optimizer else ''}{recompute_text(m)}"]
+    """The plan's report: the model and the layout, then per pipeline stage its memory and its
+    collectives per step, the pipeline bubble and the FLOPs."""
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
+    vpp, cp = parallel_cfg.virtual_pipeline_model_parallel_size, parallel_cfg.context_parallel_size
+    total = total_parameters(model_cfg)
+    virtual = f" (VPP{vpp})" if vpp > 1 else ""
+    sequence = "sequence parallel; " if parallel_cfg.sequence_parallel else ""
+    distributed = "distributed optimizer; " if cfg.training_config.use_distributed_optimizer else ""
+    micro_batch_size = dataset_cfg.batch_size
+    lines = [f"plan: parameters {total} ({total / 1e9:.3f} B: {model_cfg.num_layers} layers of "
+             f"{layer_parameters(model_cfg)}, vocabulary {model_cfg.padded_vocab_size} x hidden "
+             f"{model_cfg.hidden_size})",
+             f"plan: layout TP{tp} x CP{cp} x PP{pp}{virtual} x "
+             f"DP{parallel_cfg.data_parallel_size} = {world} ranks; "
+             f"{dataset_cfg.micro_batch_num} micro-batch(es) of {micro_batch_size} x "
+             f"{model_cfg.seq_length} tokens (global batch {dataset_cfg.global_batch_size}); "
+             f"{sequence}{distributed}{recompute_text(model_cfg)}"]
     for rank in range(pp):
         mem = stage_memory(cfg, rank)
-        per_layer = sum(e for _, e, _ in layer_activations(m, p, d.batch_size))
-        lines.append(f"plan: stage {rank} parameters per rank {mem.parameters} ({mem.parameters / 1e9:.3f} B; "
-                     f"layers {[c[0] for c in stage_chunks(m, p)[rank]]}): weights {gib(mem.parameters)}, gradients "
-                     f"{gib(mem.gradients)}, optimizer {gib(mem.optimizer)}, activations {gib(mem.activations)} "
-                     f"({mem.in_flight} in flight; a layer {mib(per_layer)} per micro-batch) + transient "
-                     f"{gib(mem.transient)}, peak {gib(mem.peak)}")
+        per_layer = sum(e for _, e, _ in layer_activations(model_cfg, parallel_cfg,
+                                                           micro_batch_size))
+        layers = [c[0] for c in stage_chunks(model_cfg, parallel_cfg)[rank]]
+        lines.append(f"plan: stage {rank} parameters per rank {mem.parameters} "
+                     f"({mem.parameters / 1e9:.3f} B; layers {layers}): "
+                     f"weights {gib(mem.weights)}, gradients {gib(mem.gradients)}, "
+                     f"optimizer {gib(mem.optimizer)}, activations {gib(mem.activations)} "
+                     f"({mem.in_flight} in flight; a layer {mib(per_layer)} per micro-batch) "
+                     f"+ transient {gib(mem.transient)}, peak {gib(mem.peak)}")
     for rank in range(pp):
-        comm = communication(cfg, rank)
-        lines.append(f"plan: stage {rank} communication per step: " + (", ".join(
-            f"{kind} {op} x{calls} {nbytes / MIB:.1f} MiB" for (kind, op), (calls, nbytes) in sorted(comm.items()))
-            or "none"))
+        collectives = ", ".join(f"{kind} {op} x{calls} {nbytes / MIB:.1f} MiB"
+                                for (kind, op), (calls, nbytes)
+                                in sorted(communication(cfg, rank).items()))
+        lines.append(f"plan: stage {rank} communication per step: {collectives or 'none'}")
     if pp > 1:
-        lines.append(f"plan: pipeline bubble (p - 1) / (v m) = {pipeline.theory_bubble(pp, d.micro_batch_num, vpp):.3f}"
-                     f" ({p.pipeline_schedule})")
+        bubble = pipeline.theory_bubble(pp, dataset_cfg.micro_batch_num, vpp)
+        lines.append(f"plan: pipeline bubble (p - 1) / (v m) = {bubble:.3f} "
+                     f"({parallel_cfg.pipeline_schedule})")
     model, extra = flops_per_iteration(cfg)
-    lines.append(f"plan: FLOPs per iteration {model:.3e} (Megatron's model FLOPs) + recompute {extra:.3e}; "
-                 f"per rank {(model + extra) / world:.3e}")
+    lines.append(f"plan: FLOPs per iteration {model:.3e} (Megatron's model FLOPs) + recompute "
+                 f"{extra:.3e}; per rank {(model + extra) / world:.3e}")
     return lines
 
 
@@ -478,7 +656,8 @@ def fit_lines(given, path, argv, world, gibibytes):
             if world % (tp * pp):
                 continue
             layout = [f"parallel_config.tensor_model_parallel_size={tp}",
-                      f"parallel_config.pipeline_model_parallel_size={pp}", "parallel_config.data_parallel_size=null"]
+                      f"parallel_config.pipeline_model_parallel_size={pp}",
+                      "parallel_config.data_parallel_size=null"]
             if tp == 1:
                 layout.append("parallel_config.sequence_parallel=false")
             if pp != given.parallel_config.pipeline_model_parallel_size:
@@ -488,9 +667,16 @@ def fit_lines(given, path, argv, world, gibibytes):
             except ConfigError:
                 continue                                          # the model cannot be cut so
             cfg.model_config.padded_vocab_size = vocab_rows(cfg)
-            peak = max(stage_memory(cfg, r).peak for r in range(pp)) * BYTES / GIB
+            peak = max(stage_memory(cfg, r).peak for r in range(pp)) / GIB
             rows.append((peak, f"TP{tp} x PP{pp} x DP{cfg.parallel_config.data_parallel_size}"))
-    lines = [f"plan: layouts of {world} ranks by peak per device (--memory-per-device {gibibytes:g} GiB):"]
-    lines += [f"plan:   {name:22s} peak {peak:9.2f} GiB  {'fits' if peak <= gibibytes else 'does not fit'}"
-              for peak, name in sorted(rows)]
+    lines = [f"plan: layouts of {world} ranks by peak per device "
+             f"(--memory-per-device {gibibytes:g} GiB):"]
+    for peak, name in sorted(rows):
+        fits = "fits" if peak <= gibibytes else "does not fit"
+        lines.append(f"plan:   {name:22s} peak {peak:9.2f} GiB  {fits}")
     return lines
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: memory.py is a library: run `bash run.sh plan ...`"
+                     " (bash run.sh --help lists the commands)")

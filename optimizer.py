@@ -10,7 +10,8 @@ The inner optimizers (AdamW, Adam, SGD) update a list of float32 tensors in plac
 MindSpore 2.10): Megatron's *main params*. Every entry may be a Parameter (float32 parameters are
 their own main params) or a plain Tensor (a float32 copy of a half-precision parameter, or a flat
 piece owned by the distributed optimizer). `MixedPrecisionOptimizer.step` is Megatron's
-optimizer.step(): unscale, find inf/nan, update the loss scale, clip, update, copy back.
+optimizer.step(): prepare_grads (unscale, find inf/nan, update the loss scale), clip_grad_norm,
+step_with_ready_grads (update, copy back).
 """
 
 import math
@@ -19,10 +20,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, ops
 
-F32 = ms.float32
+from keys import LR_DECAY_STYLES, WD_INCR_STYLES
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-WD_INCR_STYLES = ("constant", "linear", "cosine")
+F32 = ms.float32
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -38,9 +38,11 @@ class OptimizerParamScheduler:
     def __init__(self, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style,
                  start_wd, end_wd, wd_incr_steps, wd_incr_style, init_lr=0.0):
         if lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style must be one of {LR_DECAY_STYLES}, got {lr_decay_style!r}")
+            raise ValueError(f"lr_decay_style must be one of {LR_DECAY_STYLES}, "
+                             f"got {lr_decay_style!r}")
         if wd_incr_style not in WD_INCR_STYLES:
-            raise ValueError(f"weight_decay_incr_style must be one of {WD_INCR_STYLES}, got {wd_incr_style!r}")
+            raise ValueError(f"weight_decay_incr_style must be one of {WD_INCR_STYLES}, "
+                             f"got {wd_incr_style!r}")
         if not 0.0 <= min_lr <= max_lr or init_lr > max_lr:
             raise ValueError(f"need 0 <= min_lr <= max_lr and init_lr <= max_lr, got "
                              f"min_lr={min_lr}, max_lr={max_lr}, init_lr={init_lr}")
@@ -98,7 +100,8 @@ class OptimizerParamScheduler:
 
     def differences(self, d):
         """[(key, checkpoint value, this run's)] of the schedule's values (not the step count)."""
-        return [(k, v, getattr(self, k)) for k, v in d.items() if k != "num_steps" and v != getattr(self, k)]
+        return [(k, v, getattr(self, k)) for k, v in d.items()
+                if k != "num_steps" and v != getattr(self, k)]
 
     def load_state_dict(self, d, override=False):
         """The step count is the checkpoint's; the schedule's values (lr, warmup, decay, weight
@@ -110,6 +113,12 @@ class OptimizerParamScheduler:
 
 
 # ----------------------------------------------------------------------------- optimizers
+def no_weight_decay(name, shape):
+    """Megatron's parameter groups (get_param_groups): biases and 1-D parameters (norm weights)
+    get no weight decay."""
+    return name.endswith("bias") or len(shape) == 1
+
+
 class _Optimizer:
     """Shared bookkeeping: params, per-entry weight-decay multipliers, named state tensors."""
 
@@ -117,11 +126,14 @@ class _Optimizer:
 
     def __init__(self, params, wd_mults=None):
         self.params = list(params)
-        self.wd_mults = [1.0] * len(self.params) if wd_mults is None else [float(m) for m in wd_mults]
+        if wd_mults is None:
+            wd_mults = [1.0] * len(self.params)
+        self.wd_mults = [float(mult) for mult in wd_mults]
         if len(self.wd_mults) != len(self.params):
-            raise ValueError(f"wd_mults has {len(self.wd_mults)} entries for {len(self.params)} params")
+            raise ValueError(f"wd_mults has {len(self.wd_mults)} entries for "
+                             f"{len(self.params)} params")
         self.step_count = 0
-        self.state = {name: [ops.zeros(p.shape, ms.float32) for p in self.params]
+        self.state = {name: [ops.zeros(param.shape, ms.float32) for param in self.params]
                       for name in self.state_names}
 
     def state_dict(self):
@@ -147,12 +159,14 @@ class _Optimizer:
 
     def load_named_state(self, arrays, step, names):
         """The inverse of named_state."""
-        self.load_state_dict({"step": step, **{f"{kind}.{i}": arrays[f"optimizer.{kind}.{name}"]
-                                              for kind in self.state for i, name in enumerate(names)}})
+        state = {f"{kind}.{i}": arrays[f"optimizer.{kind}.{name}"]
+                 for kind in self.state for i, name in enumerate(names)}
+        self.load_state_dict({"step": step, **state})
 
 
 class AdamW(_Optimizer):
-    """Adam with decoupled weight decay (Loshchilov & Hutter), = torch AdamW / apex FusedAdam(adam_w_mode)."""
+    """Adam with decoupled weight decay (Loshchilov & Hutter), = torch AdamW / apex
+    FusedAdam(adam_w_mode)."""
 
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = True
@@ -173,17 +187,17 @@ class AdamW(_Optimizer):
         f32 = lambda x: Tensor(x, ms.float32)                                   # noqa: E731
         args = (f32(b1 ** t), f32(b2 ** t), f32(lr), f32(b1), f32(b2),
                 f32(self.eps * math.sqrt(1 - b2 ** t)))
-        for p, g, m, v, mult in zip(self.params, grads, self.state["exp_avg"],
-                                    self.state["exp_avg_sq"], self.wd_mults):
+        for param, g, m, v, mult in zip(self.params, grads, self.state["exp_avg"],
+                                        self.state["exp_avg_sq"], self.wd_mults):
             decay = wd * mult
             if decay and self.decoupled:
-                p.copy_(p * (1 - lr * decay))
+                param.copy_(param * (1 - lr * decay))
             elif decay:
-                g = g + p * decay                                  # classic L2 penalty
+                g = g + param * decay                                  # classic L2 penalty
             if self.fused:
-                _fused_adam(p, m, v, *args, g)
+                _fused_adam(param, m, v, *args, g)
             else:
-                adam_update(p, g, m, v, t, lr, b1, b2, self.eps)
+                adam_update(param, g, m, v, t, lr, b1, b2, self.eps)
 
 
 _fused_adam = ops.Adam()            # updates (param, m, v) in place
@@ -215,13 +229,13 @@ class SGD(_Optimizer):
 
     def step(self, grads, lr, wd):
         bufs = self.state.get("momentum_buffer", [None] * len(self.params))
-        for p, g, buf, mult in zip(self.params, grads, bufs, self.wd_mults):
+        for param, g, buf, mult in zip(self.params, grads, bufs, self.wd_mults):
             if wd * mult:
-                g = g + p * (wd * mult)
+                g = g + param * (wd * mult)
             if buf is not None:
                 buf.copy_(g if self.step_count == 0 else buf * self.momentum + g)
                 g = buf
-            p.copy_(p - g * lr)
+            param.copy_(param - g * lr)
         self.step_count += 1
 
 
@@ -232,7 +246,8 @@ def build_optimizer(optimizer_type, params, betas=(0.9, 0.999), eps=1e-8, moment
                     wd_mults=None):
     """Megatron's --optimizer switch."""
     if optimizer_type not in OPTIMIZERS:
-        raise ValueError(f"optimizer_type must be one of {tuple(OPTIMIZERS)}, got {optimizer_type!r}")
+        raise ValueError(f"optimizer_type must be one of {tuple(OPTIMIZERS)}, "
+                         f"got {optimizer_type!r}")
     if optimizer_type == "SGD":
         return SGD(params, momentum=momentum, wd_mults=wd_mults)
     return OPTIMIZERS[optimizer_type](params, betas=betas, eps=eps, wd_mults=wd_mults)
@@ -279,13 +294,13 @@ class ConstantGradScaler:
         return 1.0 / self.scale
 
     def update(self, found_inf):
-        pass
+        """A constant scale does not move (Megatron's ConstantGradScaler.update)."""
 
     def state_dict(self):
         return {}
 
     def load_state_dict(self, state_dict):
-        pass
+        """Nothing to restore: the scale comes from the config."""
 
 
 class DynamicGradScaler(ConstantGradScaler):
@@ -340,27 +355,30 @@ class MixedPrecisionOptimizer:
     parameters themselves when those are float32, and float32 copies of them when they are half
     precision (Micikevicius et al. 2018, "Mixed Precision Training": the copies keep the small
     updates that a float16 weight would round away). step(grads, lr, wd), after the gradients'
-    reductions (finalize_model_grads):
-      1. main grads: the gradients in float32, divided by the loss scale;
-      2. inf/nan found through the gradient norm's reduction: the squared norm, summed over
-         `norm_groups`, is inf/nan iff some gradient is (or is so large its square overflows);
-      3. the loss scaler's update; on overflow the step is skipped, weights and state untouched;
-      4. clipping by the global norm (or by value, clip_type GradClipByValue; 0 disables it);
-      5. the inner update of the main params, then main params -> model params.
+    reductions (finalize_model_grads), runs Megatron's three phases:
+      1. prepare_grads: main grads (float32, divided by the loss scale); inf/nan found through the
+         gradient norm's reduction over `norm_groups`; the loss scaler's update; on overflow the
+         step ends there, weights and state untouched;
+      2. clip_grad_norm: by the global norm (or by value, clip_type GradClipByValue; 0: none);
+      3. step_with_ready_grads: the inner update of the main params, then main params -> model
+         params.
     `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
-    Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all)."""
+    Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all).
+    `collectives` is parallel.collectives, passed in: optimizer.py comes before parallel.py in the
+    import order."""
 
-    def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value, comm,
-                 norm_groups, counted):
+    def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
+                 collectives, norm_groups, counted):
         self.params = list(params)
         self.scaler, self.clip_type, self.clip_value = scaler, clip_type, clip_value
-        self.comm, self.norm_groups, self.counted = comm, list(norm_groups), list(counted)
+        self.collectives = collectives
+        self.norm_groups, self.counted = list(norm_groups), list(counted)
         self.main_params = self._main_params()
         self.inner = make_optimizer(self.main_params, self._main_wd_mults(wd_mults))
 
     def _main_params(self):
         """float32 parameters are their own main params; half ones get a float32 copy."""
-        return [p if p.dtype == F32 else p.astype(F32) for p in self.params]
+        return [param if param.dtype == F32 else param.astype(F32) for param in self.params]
 
     def _main_wd_mults(self, wd_mults):
         return wd_mults
@@ -370,63 +388,92 @@ class MixedPrecisionOptimizer:
         return self.inner.step_count
 
     def step(self, grads, lr, wd):
-        """One update from the step's reduced gradients (model dtype or float32, still scaled);
-        returns (updated, grad norm): updated is False when inf/nan skipped the step."""
-        inv_scale = self.scaler.inv_scale
-        main_grads = [g if g.dtype == F32 else g.astype(F32) for g in grads]
-        if inv_scale != 1.0:
-            main_grads = [g * inv_scale for g in main_grads]
+        """Megatron's optimizer.step() from the step's reduced gradients (model dtype or float32,
+        still scaled): prepare_grads, then on overflow nothing more, else clip_grad_norm and
+        step_with_ready_grads. Returns (update_successful, grad_norm, num_zeros_in_grad): the norm
+        is inf or nan on overflow (the train line shows it), num_zeros_in_grad None (Megatron
+        counts zeros only with --log-num-zeros-in-grad, which this project does not offer)."""
+        found_inf, main_grads, grad_norm = self.prepare_grads(grads)
+        if found_inf:                               # weights, state and schedule untouched
+            return False, grad_norm, None
+        main_grads = self.clip_grad_norm(main_grads, grad_norm)
+        return self.step_with_ready_grads(main_grads, lr, wd), grad_norm, None
+
+    def prepare_grads(self, grads):
+        """Megatron's prepare_grads: the main grads (float32, divided by the loss scale), whether
+        one holds inf/nan, and the loss scaler's update. found_inf comes through the gradient
+        norm's reduction (the squared norm is inf/nan iff some gradient is, or is so large its
+        square overflows), so it needs no all-reduce of its own. Returns (found_inf, main grads,
+        grad norm)."""
+        main_grads = [self._main_grad(g) for g in grads]
         norm_sq = self.global_norm_sq(main_grads)
         found_inf = not math.isfinite(norm_sq)
         self.scaler.update(found_inf)
-        norm = math.sqrt(norm_sq)                   # inf or nan on overflow
-        if found_inf:
-            return False, norm
+        return found_inf, main_grads, math.sqrt(norm_sq)
+
+    def clip_grad_norm(self, main_grads, grad_norm):
+        """Megatron's clip_grad_norm with the norm prepare_grads reduced: by the global norm, or
+        elementwise with clip_type GradClipByValue; clip_value 0 disables clipping."""
         if self.clip_value and self.clip_type == "ClipGlobalNorm":
-            main_grads = clip_grads_by_global_norm(main_grads, self.clip_value, norm)
-        elif self.clip_value:
-            main_grads = clip_grads_by_value(main_grads, self.clip_value)
+            return clip_grads_by_global_norm(main_grads, self.clip_value, grad_norm)
+        if self.clip_value:
+            return clip_grads_by_value(main_grads, self.clip_value)
+        return main_grads
+
+    def step_with_ready_grads(self, main_grads, lr, wd):
+        """Megatron's step_with_ready_grads: the inner update of the main params, then main
+        params -> model params. Returns True (the update succeeded)."""
         self.inner.step(main_grads, lr, wd)
         self._copy_main_params_to_model_params()
-        return True, norm
+        return True
+
+    def _main_grad(self, grad):
+        """A reduced gradient in float32, divided by the loss scale: one new tensor, or none."""
+        inv_scale = self.scaler.inv_scale
+        if grad.dtype != F32:
+            grad = grad.astype(F32)
+        return grad if inv_scale == 1.0 else grad * inv_scale
 
     def global_norm_sq(self, main_grads):
         """Squared norm of the whole model's gradient: this rank's counted gradients, summed over
         the ranks that hold other parts of the model (`norm_groups`)."""
         local = Tensor([grad_norm_sq([g for g, c in zip(main_grads, self.counted) if c])], F32)
         for group in self.norm_groups:
-            local = self.comm.all_reduce(local, group)
+            local = self.collectives(group).all_reduce(local)
         return float(local.asnumpy()[0])
 
     def _copy_main_params_to_model_params(self):
-        for p, main in zip(self.params, self.main_params):
-            if main is not p:
-                p.copy_(main.astype(p.dtype))
+        for param, main in zip(self.params, self.main_params):
+            if main is not param:
+                param.copy_(main.astype(param.dtype))
 
     def reload_main_params(self):
         """The main params from the model's parameters (after loading weights)."""
-        for p, main in zip(self.params, self.main_params):
-            if main is not p:
-                main.copy_(p.astype(F32))
+        for param, main in zip(self.params, self.main_params):
+            if main is not param:
+                main.copy_(param.astype(F32))
 
     def named_state(self, names):
         """(arrays, step): the inner optimizer's state "optimizer.<state>.<name>" and the float32
         main params of half-precision parameters "main.<name>" (`names`: one per parameter)."""
         arrays, step = self.inner.named_state(names)
-        arrays.update({f"main.{n}": main.asnumpy() for n, p, main in zip(names, self.params, self.main_params)
-                       if main is not p})
+        arrays.update({f"main.{n}": main.asnumpy()
+                       for n, param, main in zip(names, self.params, self.main_params)
+                       if main is not param})
         return arrays, step
 
     def load_named_state(self, arrays, step, names):
         """The inverse of named_state."""
-        for n, p, main in zip(names, self.params, self.main_params):
-            if main is not p:
+        for n, param, main in zip(names, self.params, self.main_params):
+            if main is not param:
                 main.copy_(Tensor(arrays[f"main.{n}"]))
         self.inner.load_named_state(arrays, step, names)
 
     def state_bytes(self):
         """Optimizer state plus the float32 main params that are copies, on this rank."""
-        return self.inner.state_bytes() + sum(m.nbytes for p, m in zip(self.params, self.main_params) if m is not p)
+        copies = sum(main.nbytes for param, main in zip(self.params, self.main_params)
+                     if main is not param)
+        return self.inner.state_bytes() + copies
 
 
 # ----------------------------------------------------------------------------- data parallelism
@@ -439,7 +486,7 @@ class GradBuffer:
     distributed optimizer owns on each rank."""
 
     def __init__(self, params, dp, bucket_size=None):
-        self.shapes = [tuple(p.shape) for p in params]
+        self.shapes = [tuple(param.shape) for param in params]
         sizes = [int(np.prod(s)) for s in self.shapes]
         self.offsets, self.buckets = [], []            # buckets: (start, end) in the buffer
         start = position = 0
@@ -454,7 +501,8 @@ class GradBuffer:
         self.numel, self.sizes, self.dp = position, sizes, dp
 
     def flatten(self, tensors, dtype=F32):
-        """list of tensors shaped like the params -> flat [numel] in `dtype`, zeros in the padding."""
+        """list of tensors shaped like the params -> flat [numel] in `dtype`, zeros in the
+        padding."""
         pieces, position = [], 0
         for t, offset, n in zip(tensors, self.offsets, self.sizes):
             if offset > position:
@@ -468,7 +516,8 @@ class GradBuffer:
     def unflatten(self, flat):
         """flat [numel] -> new tensors shaped like the params. A slice is a view of the whole
         buffer in MindSpore, which in-place kernels (copy_) refuse once reshaped: copy it."""
-        return [flat[o:o + n].reshape(s).copy() for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
+        return [flat[o:o + n].reshape(s).copy()
+                for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
     def shard_ranges(self, rank):
         """The (start, end) ranges of the buffer that `rank` owns: its 1/dp of every bucket."""
@@ -492,7 +541,7 @@ class GradBuffer:
         return out
 
 
-def finalize_model_grads(grads, params, comm, state, optimizer, buffer):
+def finalize_model_grads(grads, params, collectives, state, optimizer, buffer):
     """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
     reduction of a step's gradients, in one place, after the last backward, in the gradients'
     dtype (Megatron's main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32
@@ -506,25 +555,29 @@ def finalize_model_grads(grads, params, comm, state, optimizer, buffer):
          loss, see gpt.GPTModel) and averaged over DP, one all-reduce over the DP x CP group per
          bucket of the contiguous `buffer`, or, with the distributed optimizer, reduce-scattered
          to this rank's pieces.
-    `comm` and `state` are parallel.py's. Returns the gradients the optimizer takes."""
-    grads = [comm.all_reduce(g, state.tp_group) if getattr(p, "sequence_parallel", False) else g
-             for g, p in zip(grads, params)]
-    grads = [comm.all_reduce(g, state.embedding_group) if getattr(p, "shared_embedding", False) else g
-             for g, p in zip(grads, params)]
+    `collectives` and `state` are parallel.py's: parallel.collectives and the current
+    ParallelState. Returns the gradients the optimizer takes."""
+    grads = [collectives(state.tp_group).all_reduce(g)
+             if getattr(param, "sequence_parallel", False) else g
+             for g, param in zip(grads, params)]
+    grads = [collectives(state.embedding_group).all_reduce(g)
+             if getattr(param, "shared_embedding", False) else g
+             for g, param in zip(grads, params)]
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.reduce_scatter_grads(grads)
     if state.dp * state.cp > 1:
-        return all_reduce_grads(buffer, grads, comm, state.dp_cp_group, state.dp)
+        return all_reduce_grads(buffer, grads, collectives(state.dp_cp_group), state.dp)
     return grads
 
 
-def all_reduce_grads(buffer, grads, comm, group, mean_over):
-    """Data-parallel gradient reduction: divided by `mean_over` (DP) and summed over `group`
-    (DP x CP), one all-reduce per bucket of the contiguous buffer, in the gradients' dtype
-    (Megatron's DDP without overlap: it scales by 1/dp before the sum, which keeps a float16
-    sum in range)."""
+def all_reduce_grads(buffer, grads, group_collectives, mean_over):
+    """Data-parallel gradient reduction: divided by `mean_over` (DP) and summed over the group of
+    `group_collectives` (DP x CP), one all-reduce per bucket of the contiguous buffer, in the
+    gradients' dtype (Megatron's DDP without overlap: it scales by 1/dp before the sum, which
+    keeps a float16 sum in range)."""
     flat = buffer.flatten(grads, grads[0].dtype) * (1.0 / mean_over)
-    return buffer.unflatten(ops.cat([comm.all_reduce(flat[b0:b1], group) for b0, b1 in buffer.buckets]))
+    reduced = [group_collectives.all_reduce(flat[b0:b1]) for b0, b1 in buffer.buckets]
+    return buffer.unflatten(ops.cat(reduced))
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -537,16 +590,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     The inner optimizer sees one flat tensor per (parameter, shard) overlap, a "piece", so
     per-parameter weight-decay multipliers still apply."""
 
-    def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value, comm,
-                 norm_groups, counted, group, dp_rank, dp, bucket_size=None, mean_over=None):
+    def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
+                 collectives, norm_groups, counted, group, dp_rank, dp, bucket_size=None,
+                 mean_over=None):
         self.group, self.dp, self.rank = group, dp, dp_rank
         self.mean_over = dp if mean_over is None else mean_over
         self.buffer = GradBuffer(params, dp, bucket_size)
         self.shards = self.buffer.shard_ranges(dp_rank)        # this rank's range in each bucket
         self.pieces = self.buffer.pieces(dp_rank)              # (bucket, param index, start, end)
         # the norm: this rank's pieces, summed over the shards first
-        super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value, comm,
-                         [group] + list(norm_groups), [counted[i] for _, i, _, _ in self.pieces])
+        super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
+                         collectives, [group] + list(norm_groups),
+                         [counted[i] for _, i, _, _ in self.pieces])
 
     def _main_params(self):
         flat = self.buffer.flatten(self.params)
@@ -566,21 +621,23 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         inner optimizer's state "optimizer.<state>.<piece>" (`names`: one per parameter)."""
         pieces = self.buffer.piece_names(self.rank, names)
         arrays, step = self.inner.named_state(pieces)
-        arrays.update({f"main.{piece}": p.asnumpy() for piece, p in zip(pieces, self.main_params)})
+        arrays.update({f"main.{piece}": main.asnumpy()
+                       for piece, main in zip(pieces, self.main_params)})
         return arrays, step
 
     def load_named_state(self, arrays, step, names):
         """The inverse of named_state."""
         pieces = self.buffer.piece_names(self.rank, names)
-        for piece, p in zip(pieces, self.main_params):
-            p.copy_(Tensor(arrays[f"main.{piece}"]))
+        for piece, main in zip(pieces, self.main_params):
+            main.copy_(Tensor(arrays[f"main.{piece}"]))
         self.inner.load_named_state(arrays, step, pieces)
 
     def reduce_scatter_grads(self, grads):
         """Full local grads -> this rank's pieces of the DP average, one float32 tensor per piece;
         reduced in the gradients' dtype, divided by mean_over first (as all_reduce_grads)."""
         flat = self.buffer.flatten(grads, grads[0].dtype) * (1.0 / self.mean_over)
-        shard = [self.comm.reduce_scatter(flat[b0:b1], self.group) for b0, b1 in self.buffer.buckets]
+        shard = [self.collectives(self.group).reduce_scatter(flat[b0:b1])
+                 for b0, b1 in self.buffer.buckets]
         return [shard[b][lo - self.shards[b][0]:hi - self.shards[b][0]].astype(F32)
                 for b, _, lo, hi in self.pieces]
 
@@ -593,10 +650,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if filled < s1 - s0:                               # the bucket's padding
                 mine.append(ops.zeros(s1 - s0 - filled, F32))
             shard = ops.cat(mine)
-            buckets.append(self.comm.all_gather(shard if dtype == F32 else shard.astype(dtype), self.group))
-        for p, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
-            p.copy_(value)
+            shard = shard if dtype == F32 else shard.astype(dtype)
+            buckets.append(self.collectives(self.group).all_gather(shard))
+        for param, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
+            param.copy_(value)
 
     def state_bytes(self):
         """Optimizer state plus the float32 main params of this rank's pieces."""
         return self.inner.state_bytes() + sum(t.nbytes for t in self.main_params)
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: optimizer.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

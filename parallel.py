@@ -5,19 +5,22 @@ Process groups follow Megatron's RankGenerator with order "tp-cp-dp-pp": global 
     r = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),
 so TP ranks are adjacent and PP ranks furthest apart.
 
-Mappings (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallelism):
+Mappings (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallelism,
+the ~ ones along the sequence dimension):
     f  = copy_to_tensor_model_parallel_region        fwd identity        bwd all-reduce
     g  = reduce_from_tensor_model_parallel_region    fwd all-reduce      bwd identity
-    g~ = reduce_scatter_to_sequence_parallel_region  fwd reduce-scatter  bwd all-gather   (seq dim)
-    f~ = gather_from_sequence_parallel_region        fwd all-gather      bwd reduce-scatter (seq dim)
+    g~ = reduce_scatter_to_sequence_parallel_region  fwd reduce-scatter  bwd all-gather
+    f~ = gather_from_sequence_parallel_region        fwd all-gather      bwd reduce-scatter
 Each is an nn.Cell with a custom `bprop`, the way autograd goes through a collective in MindSpore.
 Activations are [s, b, h] (sequence first), so sequence parallelism splits dim 0.
 
-One communication path serves the model op by op and compiled by ms.jit: `Collectives`, a Cell
-per process group. On CPU only the AllReduce primitive compiles (sum, on any group), so all-gather
-is an AllReduce of a zero buffer holding this rank's slice and reduce-scatter an AllReduce that
-keeps this rank's slice; HCCL/NCCL use their native AllGather and ReduceScatter. Pipeline
-exchanges and broadcasts run between compiled calls, with mint.distributed.
+Communication goes through one name, `collectives(group)`: the Collectives Cell of a process
+group, one per group and process, e.g. `collectives(state.dp_cp_group).all_reduce(t)`. The same
+Cell serves the model op by op and compiled by ms.jit, and the optimizer between compiled calls.
+On CPU only the AllReduce primitive compiles (sum, on any group), so all-gather is an AllReduce of
+a zero buffer holding this rank's slice and reduce-scatter an AllReduce that keeps this rank's
+slice; HCCL/NCCL use their native AllGather and ReduceScatter. Two functions run only between
+compiled calls, with mint.distributed: `broadcast` and the pipeline's point-to-point `exchange`.
 """
 import os
 from dataclasses import dataclass, field
@@ -29,7 +32,9 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.communication import GlobalComm, create_group, get_rank, init
 from mindspore.ops import constexpr
 
-F32 = ms.float32
+from config import cp_ring_size
+
+F32 = ms.float32                # the one float32 alias (gpt.py and context_parallel.py import it)
 
 # ============================================================================ process groups
 _GROUPS = {}        # group name -> (kind, global ranks); every group this process has named
@@ -39,7 +44,8 @@ _STATE = None
 def rank_groups(world_size, tp, cp, pp, ulysses=None):
     """kind -> list of rank lists, for the layout tp x cp x dp x pp (dp = world / (tp*cp*pp)).
     Context parallelism as ring x ulysses (context_parallel.py): "cp_ulysses" groups are runs of
-    `ulysses` adjacent cp ranks (default: all of them), "cp_ring" groups the ranks `ulysses` apart."""
+    `ulysses` adjacent cp ranks (default: all of them), "cp_ring" groups the ranks `ulysses`
+    apart."""
     if world_size % (tp * cp * pp):
         raise ValueError(f"world size {world_size} is not a multiple of tp*cp*pp = {tp * cp * pp}")
     dp = world_size // (tp * cp * pp)
@@ -90,12 +96,14 @@ class ParallelState:
 
     @property
     def dp_cp_rank(self):
-        """This rank's place in its dp_cp group (cp ranks adjacent): the distributed optimizer's shard."""
+        """This rank's place in its dp_cp group (cp ranks adjacent): the distributed optimizer's
+        shard."""
         return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def cp_ring(self):
-        return self.cp // self.cp_ulysses
+        """The ring's size: cp = ring x ulysses (context_parallel.py)."""
+        return cp_ring_size(self.cp, self.cp_ulysses)
 
     @property
     def is_first_stage(self):
@@ -107,7 +115,8 @@ class ParallelState:
 
 
 def launched_world_size():
-    """The number of workers msrun started (MS_WORKER_NUM; RANK_SIZE for other launchers), 1 alone."""
+    """The number of workers msrun started (MS_WORKER_NUM; RANK_SIZE for other launchers), 1
+    when run alone."""
     return int(os.environ.get("MS_WORKER_NUM", os.environ.get("RANK_SIZE", "1")))
 
 
@@ -154,7 +163,8 @@ def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses
         tp_group=names["tp"], cp_group=names["cp"], dp_group=names["dp"], pp_group=names["pp"],
         dp_cp_group=names["dp_cp"], mp_group=names["mp"], embedding_group=names.get("embedding"),
         pair_groups=pairs, sequence_parallel=sequence_parallel, cp_ulysses=ulysses,
-        cp_ulysses_group=names.get("cp_ulysses", names["cp"]), cp_ring_group=names.get("cp_ring", names["cp"]))
+        cp_ulysses_group=names.get("cp_ulysses", names["cp"]),
+        cp_ring_group=names.get("cp_ring", names["cp"]))
     return _STATE
 
 
@@ -181,7 +191,8 @@ def barrier():
 
 
 def any_rank(flag):
-    """True on every rank when `flag` is true on any (a one-element all-reduce on the world group)."""
+    """True on every rank when `flag` is true on any (a one-element all-reduce on the world
+    group)."""
     if get_state().world_size == 1:
         return bool(flag)
     count = Tensor([float(bool(flag))], ms.float32)
@@ -245,7 +256,8 @@ class Ledger:
         return ", ".join(f"{kind} {op} {calls} {nbytes}"
                          for (kind, op), (calls, nbytes) in sorted(self.entries.items())) or "none"
 
-    def report(self):
+    def table(self):
+        """The entries as a table, one row per (group kind, op)."""
         lines = [f"{'group':>10} {'op':>15} {'calls':>7} {'bytes':>12}"]
         for (kind, op), (calls, nbytes) in sorted(self.entries.items()):
             lines.append(f"{kind:>10} {op:>15} {calls:7d} {nbytes:12d}")
@@ -354,52 +366,39 @@ def collectives(group=None):
     return _COLLECTIVES[group]
 
 
-class Comm:
-    """Collectives called between compiled graphs (gradient reduction, the distributed
-    optimizer, pipeline hops), by group name: all_reduce, all_gather and reduce_scatter are the
-    model's Collectives; broadcast and the pipeline's point-to-point exchange use mint.distributed
-    (on CPU an exchange is one all_gather over the two ranks' pair group)."""
-
-    def all_reduce(self, t, group, op="sum"):
-        c = collectives(group)
-        return c.all_reduce_max(t) if op == "max" else c.all_reduce(t)
-
-    def all_gather(self, t, group, dim=0):
-        return collectives(group).all_gather(t, dim)
-
-    def reduce_scatter(self, t, group, dim=0):
-        return collectives(group).reduce_scatter(t, dim)
-
-    def broadcast(self, t, src_global_rank, group):
-        if len(group_ranks(group)) == 1:
-            return t
-        _record(_GROUPS[group][0], "broadcast", t.shape, t.dtype)
-        out = t.copy()
-        dist.broadcast(out, src=src_global_rank, group=group)
-        return out
-
-    def exchange(self, t, peer_global_rank):
-        """Send t to the peer and return the peer's same-shape tensor (Megatron's
-        send_forward_recv_backward), on the two ranks' pair group."""
-        group = get_state().pair_groups[peer_global_rank]
-        _record("pp_pair", "exchange", t.shape, t.dtype)
-        if ms.get_context("device_target") == "CPU":
-            bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(2)]
-            dist.all_gather(bufs, t, group=group)
-            return bufs[group_ranks(group).index(peer_global_rank)]
-        out = mint.zeros(t.shape, dtype=t.dtype)
-        ops_ = [dist.P2POp(dist.isend, t.contiguous(), peer_global_rank, group=group),
-                dist.P2POp(dist.irecv, out, peer_global_rank, group=group)]
-        for handle in dist.batch_isend_irecv(ops_):
-            handle.wait()
-        return out
+def broadcast(t, src_global_rank, group):
+    """t from global rank `src_global_rank` to every rank of `group` (a new tensor; t is left as
+    it is), with mint.distributed: called between compiled graphs, never inside one."""
+    if len(group_ranks(group)) == 1:
+        return t
+    _record(_GROUPS[group][0], "broadcast", t.shape, t.dtype)
+    out = t.copy()
+    dist.broadcast(out, src=src_global_rank, group=group)
+    return out
 
 
-comm = Comm()
+def exchange(t, peer_global_rank):
+    """Send t to the peer and return the peer's same-shape tensor (Megatron's
+    send_forward_recv_backward), on the two ranks' pair group, with mint.distributed: the
+    pipeline's hops, between compiled graphs. On CPU, which has no send/recv, one all_gather over
+    the pair."""
+    group = get_state().pair_groups[peer_global_rank]
+    _record("pp_pair", "exchange", t.shape, t.dtype)
+    if ms.get_context("device_target") == "CPU":
+        bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(2)]
+        dist.all_gather(bufs, t, group=group)
+        return bufs[group_ranks(group).index(peer_global_rank)]
+    out = mint.zeros(t.shape, dtype=t.dtype)
+    ops_ = [dist.P2POp(dist.isend, t.contiguous(), peer_global_rank, group=group),
+            dist.P2POp(dist.irecv, out, peer_global_rank, group=group)]
+    for handle in dist.batch_isend_irecv(ops_):
+        handle.wait()
+    return out
 
 
 # ============================================================================ mappings (f, g)
-# Each mapping is (forward, backward), functions (collectives, x, dim) -> tensor.
+# The halves of the mappings: functions (collectives, x, dim) -> tensor, a Mapping's forward and
+# backward.
 def _identity(c, x, dim):
     return x
 
@@ -428,42 +427,77 @@ def _heads_to_sequence(c, x, dim):        # [s, b, heads/n, d] -> [s/n, b, heads
     return c.all_to_all(x, 0, 2)
 
 
-# Megatron's names (megatron/core/tensor_parallel/mappings.py): (forward, backward, dim)
-MAPPINGS = {
-    "copy_to_tensor_model_parallel_region": (_identity, _all_reduce, 0),                 # f
-    "reduce_from_tensor_model_parallel_region": (_all_reduce, _identity, 0),             # g
-    "gather_from_tensor_model_parallel_region": (_all_gather, _keep_own, -1),
-    "scatter_to_tensor_model_parallel_region": (_keep_own, _all_gather, -1),
-    "scatter_to_sequence_parallel_region": (_keep_own, _all_gather, 0),
-    "gather_from_sequence_parallel_region": (_all_gather, _reduce_scatter, 0),           # f~
-    "reduce_scatter_to_sequence_parallel_region": (_reduce_scatter, _all_gather, 0),     # g~
-    # DeepSpeed-Ulysses (context_parallel.py): each all-to-all's backward is the other one
-    "all_to_all_sequence_to_heads": (_sequence_to_heads, _heads_to_sequence, 0),
-    "all_to_all_heads_to_sequence": (_heads_to_sequence, _sequence_to_heads, 0),
-}
-
-
 class Mapping(nn.Cell):
-    """One of Megatron's autograd functions: `forward` in construct, `backward` on the gradient
-    in bprop, over `group` (default: the current TP group); identity for one rank.
+    """One of Megatron's autograd functions: `fwd` in construct, `bwd` on the gradient in bprop
+    (each one of the functions above), along `dim`, over `group` (default: the current TP group);
+    identity for one rank. Build one with the factories below, which bear Megatron's names.
     Call each instance once per model pass: inside ms.jit (MindSpore 2.10) two calls of one
     custom-bprop Cell in a graph get wrong gradients, so every call site owns its Mapping."""
 
-    def __init__(self, name, group=None):
+    def __init__(self, fwd, bwd, dim, group=None):
         super().__init__()
-        self.name = name
-        self.fwd, self.bwd, self.dim = MAPPINGS[name]
-        self.comm = collectives(group)
+        self.fwd, self.bwd, self.dim = fwd, bwd, dim
+        self.collectives = collectives(group)
 
     def construct(self, x):
-        return self.fwd(self.comm, x, self.dim % x.ndim)
+        return self.fwd(self.collectives, x, self.dim % x.ndim)
 
     def bprop(self, x, out, dout):
-        return (self.bwd(self.comm, dout, self.dim % dout.ndim),)
+        return (self.bwd(self.collectives, dout, self.dim % dout.ndim),)
+
+
+# Megatron's names (megatron/core/tensor_parallel/mappings.py), each a new Mapping.
+def copy_to_tensor_model_parallel_region(group=None):
+    """f: forward identity, backward all-reduce (the input of a column-parallel layer)."""
+    return Mapping(_identity, _all_reduce, 0, group)
+
+
+def reduce_from_tensor_model_parallel_region(group=None):
+    """g: forward all-reduce, backward identity (the output of a row-parallel layer)."""
+    return Mapping(_all_reduce, _identity, 0, group)
+
+
+def gather_from_tensor_model_parallel_region(group=None):
+    """Forward all-gather of the last dim [.., d/n] -> [.., d], backward this rank's slice."""
+    return Mapping(_all_gather, _keep_own, -1, group)
+
+
+def scatter_to_tensor_model_parallel_region(group=None):
+    """Forward this rank's slice of the last dim [.., d] -> [.., d/n], backward all-gather."""
+    return Mapping(_keep_own, _all_gather, -1, group)
+
+
+def scatter_to_sequence_parallel_region(group=None):
+    """Forward this rank's slice of the sequence [s, ..] -> [s/n, ..], backward all-gather."""
+    return Mapping(_keep_own, _all_gather, 0, group)
+
+
+def gather_from_sequence_parallel_region(group=None):
+    """f~: forward all-gather of the sequence [s/n, ..] -> [s, ..], backward reduce-scatter."""
+    return Mapping(_all_gather, _reduce_scatter, 0, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(group=None):
+    """g~: forward reduce-scatter of the sequence [s, ..] -> [s/n, ..], backward all-gather."""
+    return Mapping(_reduce_scatter, _all_gather, 0, group)
+
+
+# DeepSpeed-Ulysses (context_parallel.py): each all-to-all's backward is the other one
+def all_to_all_sequence_to_heads(group=None):
+    """Forward [s/n, b, heads, d] -> [s, b, heads/n, d], backward the inverse all-to-all."""
+    return Mapping(_sequence_to_heads, _heads_to_sequence, 0, group)
+
+
+def all_to_all_heads_to_sequence(group=None):
+    """Forward [s, b, heads/n, d] -> [s/n, b, heads, d], backward the inverse all-to-all."""
+    return Mapping(_heads_to_sequence, _sequence_to_heads, 0, group)
 
 
 # ============================================================================ layers
 _matmul_nt = ops.MatMul(transpose_b=True)          # x [n, in] @ W[out, in]^T, no transpose copy
+# attention scores q [b, n, s, d] @ k [b, n, t, d]^T -> [b, n, s, t], no transpose copy of k
+# (gpt.CoreAttention and context_parallel.attention_block)
+batch_matmul_nt = ops.BatchMatMul(transpose_b=True)
 
 
 def cast(t, dtype):
@@ -489,13 +523,31 @@ def shard(full, dim, rank, size, chunks=1):
                            for block in np.split(full, chunks, axis=dim)], axis=dim)
 
 
+def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
+    """Full tensors from the per-TP-rank `shards` (list of name -> array, TP rank order). A
+    tensor whose shard is smaller than its full shape was split along that dimension (in
+    `chunks_of(name)` blocks, e.g. 2 for SwiGLU's [gate; up]); the others are replicated."""
+    merged = {}
+    for name, shape in full_shapes.items():
+        parts = [s[name] for s in shards]
+        split = [axis for axis, (a, b) in enumerate(zip(parts[0].shape, shape)) if a != b]
+        if not split:
+            merged[name] = parts[0]
+            continue
+        dim, chunks = split[0], chunks_of(name)
+        blocks = [np.concatenate([np.split(part, chunks, axis=dim)[c] for part in parts], axis=dim)
+                  for c in range(chunks)]
+        merged[name] = np.concatenate(blocks, axis=dim)
+    return merged
+
+
 def _param(shape, name, partition_dim=None, chunks=1, sequence_parallel=False):
-    p = Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
+    param = Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
     if partition_dim is not None:
-        p.partition_dim, p.partition_chunks = partition_dim, chunks
+        param.partition_dim, param.partition_chunks = partition_dim, chunks
     if sequence_parallel:
-        p.sequence_parallel = True          # grad is partial per TP rank: all-reduce it over TP
-    return p
+        param.sequence_parallel = True          # grad is partial per TP rank: all-reduce it over TP
+    return param
 
 
 class ColumnParallelLinear(nn.Cell):
@@ -511,15 +563,20 @@ class ColumnParallelLinear(nn.Cell):
         if out_features % (state.tp * chunks):
             raise ValueError(f"output size {out_features} is not divisible by tp*chunks = "
                              f"{state.tp * chunks}")
-        self.enter = Mapping("gather_from_sequence_parallel_region" if sequence_parallel
-                             else "copy_to_tensor_model_parallel_region")        # f~ or f
-        self.gather_output = Mapping("gather_from_tensor_model_parallel_region") if gather_output else None
+        if sequence_parallel:
+            self.enter = gather_from_sequence_parallel_region()                  # f~
+        else:
+            self.enter = copy_to_tensor_model_parallel_region()                  # f
+        self.gather_output = None
+        if gather_output:
+            self.gather_output = gather_from_tensor_model_parallel_region()
         self.weight = _param((out_features // state.tp, in_features), "weight", 0, chunks)
         self.bias = _param((out_features // state.tp,), "bias", 0, chunks) if bias else None
 
     def construct(self, x):
         # cast before f/f~: sequence parallelism all-gathers the compute dtype
-        y = linear(self.enter(cast(x, self.dtype)), self.weight, self.bias, self.dtype)   # [s, b, out/tp]
+        x = self.enter(cast(x, self.dtype))                              # [s, b, in]
+        y = linear(x, self.weight, self.bias, self.dtype)                # [s, b, out/tp]
         if self.gather_output is not None:
             y = self.gather_output(y)                                    # [s, b, out]
         return y
@@ -539,20 +596,28 @@ class RowParallelLinear(nn.Cell):
             raise ValueError(f"input size {in_features} is not divisible by tp = {state.tp}")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel=True")
-        self.scatter_input = None if input_is_parallel else Mapping("scatter_to_tensor_model_parallel_region")
-        self.reduce = Mapping("reduce_scatter_to_sequence_parallel_region" if sequence_parallel
-                              else "reduce_from_tensor_model_parallel_region")   # g~ or g
+        self.scatter_input = None
+        if not input_is_parallel:
+            self.scatter_input = scatter_to_tensor_model_parallel_region()
+        if sequence_parallel:
+            self.reduce = reduce_scatter_to_sequence_parallel_region()           # g~
+        else:
+            self.reduce = reduce_from_tensor_model_parallel_region()             # g
         self.weight = _param((out_features, in_features // state.tp), "weight", 1)
-        self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel) \
-            if bias else None
+        if bias:
+            self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel)
+        else:
+            self.bias = None
 
     def construct(self, x):
         if self.scatter_input is not None:
             x = self.scatter_input(x)                                    # [s, b, in/tp]
-        y = self.reduce(linear(x, self.weight, None, self.dtype))        # [s, b, out] or [s/tp, b, out]
+        # [s, b, out], or [s/tp, b, out] with sequence parallelism
+        y = self.reduce(linear(x, self.weight, None, self.dtype))
         if self.bias is None:
             return y
-        return ops.bias_add(y.reshape(-1, y.shape[-1]), cast(self.bias, self.dtype)).reshape(y.shape)
+        flat = ops.bias_add(y.reshape(-1, y.shape[-1]), cast(self.bias, self.dtype))
+        return flat.reshape(y.shape)
 
 
 class VocabParallelEmbedding(nn.Cell):
@@ -566,7 +631,7 @@ class VocabParallelEmbedding(nn.Cell):
             raise ValueError(f"vocabulary {num_embeddings} is not divisible by tp = {state.tp}")
         per_rank = num_embeddings // state.tp
         self.start, self.end = state.tp_rank * per_rank, (state.tp_rank + 1) * per_rank
-        self.reduce = Mapping("reduce_from_tensor_model_parallel_region")
+        self.reduce = reduce_from_tensor_model_parallel_region()
         self.weight = _param((per_rank, embedding_dim), "weight", 0)
 
     def construct(self, ids):
@@ -595,14 +660,19 @@ class VocabParallelCrossEntropy(nn.Cell):
 
     def __init__(self, group=None):
         super().__init__()
-        self.comm = collectives(group)
-        self.reduce_sum_exp = Mapping("reduce_from_tensor_model_parallel_region", group)
-        self.reduce_target = Mapping("reduce_from_tensor_model_parallel_region", group)
+        self.collectives = collectives(group)
+        self.reduce_sum_exp = reduce_from_tensor_model_parallel_region(group)
+        self.reduce_target = reduce_from_tensor_model_parallel_region(group)
 
     def construct(self, logits, labels):
-        row_max = self.comm.all_reduce_max(ops.stop_gradient(logits.max(axis=-1)))      # [n]
+        row_max = self.collectives.all_reduce_max(ops.stop_gradient(logits.max(axis=-1)))      # [n]
         z = logits - row_max.expand_dims(-1)                                             # [n, V/tp]
-        local, outside = _vocab_target(logits, labels, self.comm.rank)
+        local, outside = _vocab_target(logits, labels, self.collectives.rank)
         predicted = ops.gather_elements(z, 1, local.expand_dims(-1)).squeeze(-1)         # [n]
         predicted = predicted * (~outside).astype(z.dtype)
         return ops.log(self.reduce_sum_exp(ops.exp(z).sum(-1))) - self.reduce_target(predicted)
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: parallel.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

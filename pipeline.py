@@ -8,12 +8,12 @@ activation goes round the ring of ranks v times.
 Three layers, each readable on its own:
   schedule(p, rank, m, v)  the order in which one rank runs forward (F) and backward (B) passes of
                            its micro-batches, by Megatron's rules (warmup, steady 1F1B, cooldown);
-  plan(p, m, v)            a tick-by-tick simulation of all ranks running their schedules, which
+  simulate(p, m, v)        a tick-by-tick simulation of all ranks running their schedules, which
                            yields, per rank, its passes interleaved with the point-to-point
                            exchanges they need. Every exchange is a rendezvous of two ranks, and
                            every rank meets its exchanges in one global order (tick, rank pair), so
                            no schedule can deadlock, whatever the communication backend;
-  PipelineRunner.run       executes this rank's plan with MindSpore: each F records the chunk's
+  PipelineRunner.run       executes this rank's steps with MindSpore: each F records the chunk's
                            forward (set_grad), each B replays it through GradOperation with the
                            received output gradient (sens), oldest micro-batch first per chunk.
 A hop carries the hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism).
@@ -27,19 +27,16 @@ from mindspore import Tensor, mint, ops
 
 import gpt
 import parallel
+from config import stage_layer_counts
 
 
 # ============================================================================ layer assignment
 def layer_split(num_layers, pp, vpp=1, num_layer_list=None):
-    """(offset, count) of the layers of each virtual stage vs = chunk * pp + rank.
-
-    num_layer_list: per rank ([3, 1]) or per rank and chunk ([[2, 1], [1, 2]], the guide's
-    layer_list); layers are dealt out in virtual-stage order."""
-    if num_layer_list is None:
-        counts = [num_layers // (pp * vpp)] * (pp * vpp)
-    else:
-        per_rank = [c if isinstance(c, list) else [c] for c in num_layer_list]
-        counts = [per_rank[vs % pp][vs // pp] for vs in range(pp * vpp)]
+    """(offset, count) of the layers of each virtual stage vs = chunk * pp + rank: the counts of
+    config.stage_layer_counts (num_layer_list per rank, [3, 1], or per rank and chunk,
+    [[2, 1], [1, 2]], the guide's layer_list), dealt out in virtual-stage order."""
+    per_rank = stage_layer_counts(num_layers, pp, vpp, num_layer_list)
+    counts = [per_rank[vs % pp][vs // pp] for vs in range(pp * vpp)]
     offsets = np.cumsum([0] + counts[:-1]).tolist()
     return list(zip(offsets, counts))
 
@@ -53,9 +50,10 @@ def build_chunks(model_cfg, pp, pp_rank, vpp=1, num_layer_list=None, rng=None, r
     for chunk in range(vpp):
         vs = chunk * pp + pp_rank
         offset, count = split[vs]
-        chunks.append(gpt.GPTModel(model_cfg, pre_process=vs == 0, post_process=vs == len(split) - 1,
-                                   layer_offset=offset, num_layers=count, rng=rng,
-                                   recomputed_layers=None if recomputed is None else recomputed[chunk]))
+        chunks.append(gpt.GPTModel(
+            model_cfg, pre_process=vs == 0, post_process=vs == len(split) - 1,
+            layer_offset=offset, num_layers=count, rng=rng,
+            recomputed_layers=None if recomputed is None else recomputed[chunk]))
     return chunks
 
 
@@ -114,7 +112,7 @@ def peak_in_flight(passes):
     return peak
 
 
-def plan(p, m, v=1, forward_only=False, kind="1f1b"):
+def simulate(p, m, v=1, forward_only=False, kind="1f1b"):
     """Run all ranks' schedules in lockstep ticks (every pass one tick; a tensor sent in tick t
     can be used from tick t + 1) and return (steps, ticks):
 
@@ -169,8 +167,9 @@ PRIME = "'"                   # marks a pass of model chunk 1 ('' chunk 2) in ti
 
 
 def schedule_table(ticks):
-    """The unit-time timeline as text: one row per pipeline stage, one column per tick; "F3" is the forward
-    of micro-batch 3, "B3" its backward, a trailing "'" marks chunk 1 ('' chunk 2, ...)."""
+    """The unit-time timeline as text: one row per pipeline stage, one column per tick; "F3" is
+    the forward of micro-batch 3, "B3" its backward, a trailing "'" marks chunk 1 ('' chunk 2,
+    ...)."""
     width = max(t[-1][0] for t in ticks if t) + 1
     rows = []
     for r, events in enumerate(ticks):
@@ -193,79 +192,129 @@ def theory_bubble(p, m, v=1):
 
 
 # ============================================================================ execution
-class PipelineRunner:
-    """Runs one training step's passes for this rank's model chunks (a list of gpt.GPTModel,
-    chunk c being virtual stage c * pp + pp_rank), each compiled by ms.jit if `compiled`."""
+def hop_shape(model_cfg, micro_batch_size, cp=1, tp=1, sequence_parallel=False):
+    """What one hop carries, the one place it is worked out (train.py's runner, memory.py's
+    count): a micro-batch's hidden states on a cp rank, [s/cp, b, h], or their shard
+    [s/cp/tp, b, h] under sequence parallelism."""
+    shard = tp if sequence_parallel else 1
+    return (model_cfg.seq_length // cp // shard, micro_batch_size, model_cfg.hidden_size)
 
-    def __init__(self, chunks, state, compiled=False, kind="1f1b"):
+
+class PipelineRunner:
+    """Runs one step's passes for this rank's model chunks (a list of gpt.GPTModel, chunk c being
+    virtual stage c * pp + pp_rank), each compiled by ms.jit if `compiled`: a training step, or
+    with forward_only an evaluation. A hop is `hop_shape` (see hop_shape) in `hop_dtype`
+    (gpt.hidden_dtype); the gradients are summed over micro-batches in `grad_dtype`."""
+
+    def __init__(self, chunks, state, hop_shape, hop_dtype, grad_dtype, compiled=False,
+                 kind="1f1b"):
         self.kind = kind                                        # "1f1b" or "afab" (see schedule)
         self.chunks = [gpt.Compiled(c) for c in chunks] if compiled else chunks
         self.state = state
+        self.hop_shape, self.hop_dtype, self.grad_dtype = hop_shape, hop_dtype, grad_dtype
         self.p, self.v, self.rank = state.pp, len(chunks), state.pp_rank
         self.params = [list(c.get_parameters()) for c in chunks]
         self.peers = parallel.group_ranks(state.pp_group)          # pp rank -> global rank
         self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
-        self.grad_params_only = ops.GradOperation(get_by_list=True, sens_param=True)  # token ids in
-        self.plans = {}
-        self.seconds = {"compute": 0.0, "exchange": 0.0}   # this rank's time in passes and in exchanges
+        # the first virtual stage takes token ids, which have no gradient
+        self.grad_params_only = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.steps = {}                     # (m, forward_only) -> this rank's simulated steps
+        self.seconds = {}                   # this rank's time in passes and in exchanges, trained
+        self.reset_timers()
         for chunk in self.chunks:
             chunk.set_grad(True)            # record each forward, for its backward to replay
 
-    def run(self, micro_batches, loss_weight, hidden_shape, dtype, grad_dtype, forward_only=False, trace=None):
+    def reset_timers(self):
+        self.seconds = {"compute": 0.0, "exchange": 0.0}
+
+    def run(self, micro_batches, loss_weight=1.0, forward_only=False, trace=None):
         """micro_batches: per micro-batch the model inputs (tokens, position_ids, attention_mask,
-        labels, loss_mask); hidden_shape and dtype: a hop's (gpt.hidden_dtype). Returns (losses of
-        the last stage, one per micro-batch, else []; gradients of every chunk's parameters, of
-        loss * loss_weight, summed over micro-batches in grad_dtype).
-        trace: a list to which each pass appends (kind, micro-batch, chunk, start, end)."""
+        labels, loss_mask). Returns (losses of the last stage, one per micro-batch, else [];
+        gradients of every chunk's parameters, of loss * loss_weight, summed over micro-batches,
+        each None with forward_only). forward_only (evaluation) records nothing for a backward and
+        leaves the timers to training. trace: a list to which each pass appends (kind,
+        micro-batch, chunk, start, end)."""
+        if not forward_only:
+            return self._run(micro_batches, loss_weight, False, trace, self.seconds)
+        for chunk in self.chunks:
+            chunk.set_grad(False)
+        untimed = dict.fromkeys(self.seconds, 0.0)
+        result = self._run(micro_batches, loss_weight, True, trace, untimed)
+        for chunk in self.chunks:
+            chunk.set_grad(True)
+        return result
+
+    def _run(self, micro_batches, loss_weight, forward_only, trace, seconds):
+        """This rank's steps for len(micro_batches) micro-batches (see simulate), one by one;
+        `seconds` takes the time in passes ("compute") and in exchanges ("exchange")."""
         m = len(micro_batches)
         key = (m, forward_only)
-        if key not in self.plans:
-            self.plans[key] = plan(self.p, m, self.v, forward_only, self.kind)[0][self.rank]
-        last = self.p * self.v - 1
+        if key not in self.steps:
+            self.steps[key] = simulate(self.p, m, self.v, forward_only, self.kind)[0][self.rank]
+        # hops keyed ("act" or "grad", micro-batch, virtual stage); a forward's inputs by
+        # (micro-batch, chunk), kept for its backward
         received, outgoing, saved = {}, {}, {}
         losses = []
         grads = [[None] * len(ps) for ps in self.params]
-        for step in self.plans[key]:
+        for step in self.steps[key]:
             if step[0] == "X":
-                _, peer, out_key, in_key = step
-                # the exchange is symmetric: a rank with nothing to send sends zeros
-                send = outgoing.pop(out_key) if out_key else mint.zeros(hidden_shape, dtype=dtype)
                 start = time.perf_counter()
-                got = parallel.comm.exchange(send, self.peers[peer])   # the sent output is freed here
-                self.seconds["exchange"] += time.perf_counter() - start  # waiting for the peer included
-                if in_key:
-                    received[in_key] = got
+                self._exchange(step, outgoing, received)
+                seconds["exchange"] += time.perf_counter() - start  # waiting for the peer included
                 continue
             kind, mb, c = step
-            vs = c * self.p + self.rank
             start, clock = time.time(), time.perf_counter()
-            tokens, position_ids, mask, labels, loss_mask = micro_batches[mb]
             if kind == "F":
-                x = tokens if vs == 0 else received.pop(("act", mb, vs))
-                args = (x, position_ids, mask) + ((labels, loss_mask) if vs == last else ())
-                out = self.chunks[c](*args)
-                if vs == last:
-                    losses.append(out)
-                else:
-                    outgoing[("act", mb, vs + 1)] = out
+                args = self._forward(micro_batches[mb], mb, c, received, outgoing, losses)
                 if not forward_only:
                     saved[(mb, c)] = args
             else:
-                args = saved.pop((mb, c))
-                dout = Tensor(loss_weight, ms.float32) if vs == last else received.pop(("grad", mb, vs))
-                if vs == 0:
-                    g_params = self.grad_params_only(self.chunks[c], self.params[c])(*args, dout)
-                else:
-                    g_inputs, g_params = self.grad_with_input(self.chunks[c], self.params[c])(*args, dout)
-                    outgoing[("grad", mb, vs - 1)] = g_inputs[0]
-                g_params = [parallel.cast(g, grad_dtype) for g in g_params]
+                g_params = self._backward(saved.pop((mb, c)), mb, c, loss_weight, received,
+                                          outgoing)
                 grads[c] = [g if a is None else a + g for a, g in zip(grads[c], g_params)]
             if trace is not None:
-                if ms.get_context("device_target") != "CPU":   # on CPU ops run in this thread (launch_blocking)
+                if ms.get_context("device_target") != "CPU":   # on CPU ops run in this thread
                     ms.runtime.synchronize()          # PyNative is asynchronous: time the real work
                 trace.append((kind, mb, c, start, time.time()))
-            self.seconds["compute"] += time.perf_counter() - clock
+            seconds["compute"] += time.perf_counter() - clock
         return [float(loss.asnumpy()) for loss in losses], [g for chunk in grads for g in chunk]
+
+    def _exchange(self, step, outgoing, received):
+        """One rendezvous with a neighbour: send this rank's hop, receive the peer's."""
+        _, peer, out_key, in_key = step
+        # the exchange is symmetric: a rank with nothing to send sends zeros
+        send = (outgoing.pop(out_key) if out_key
+                else mint.zeros(self.hop_shape, dtype=self.hop_dtype))
+        got = parallel.exchange(send, self.peers[peer])        # the sent output is freed here
+        if in_key:
+            received[in_key] = got
+
+    def _forward(self, inputs, mb, c, received, outgoing, losses):
+        """Chunk c's forward of micro-batch mb: its output goes out as a hop, or on the last
+        virtual stage is the loss. Returns the chunk's inputs (for its backward)."""
+        vs, last = c * self.p + self.rank, self.p * self.v - 1
+        tokens, position_ids, mask, labels, loss_mask = inputs
+        x = tokens if vs == 0 else received.pop(("act", mb, vs))
+        args = (x, position_ids, mask) + ((labels, loss_mask) if vs == last else ())
+        out = self.chunks[c](*args)
+        if vs == last:
+            losses.append(out)
+        else:
+            outgoing[("act", mb, vs + 1)] = out
+        return args
+
+    def _backward(self, args, mb, c, loss_weight, received, outgoing):
+        """Chunk c's backward of micro-batch mb from its saved inputs `args`, seeded by
+        loss_weight on the last virtual stage, else by the received output gradient; the input
+        gradient goes out as a hop. Returns the parameters' gradients in grad_dtype."""
+        vs, last = c * self.p + self.rank, self.p * self.v - 1
+        dout = Tensor(loss_weight, ms.float32) if vs == last else received.pop(("grad", mb, vs))
+        if vs == 0:
+            g_params = self.grad_params_only(self.chunks[c], self.params[c])(*args, dout)
+        else:
+            g_inputs, g_params = self.grad_with_input(self.chunks[c], self.params[c])(*args, dout)
+            outgoing[("grad", mb, vs - 1)] = g_inputs[0]
+        return [parallel.cast(g, self.grad_dtype) for g in g_params]
 
 
 # ============================================================================ timeline
@@ -274,10 +323,13 @@ def gather_trace(trace, state):
     earliest pass (time.time() is one clock on one machine; across machines roughly aligned)."""
     # The collectives carry float32: times go as seconds after the first stage's first pass.
     first = parallel.group_ranks(state.pp_group)[0]
-    origin = float(parallel.comm.broadcast(Tensor([trace[0][3]], ms.float64), first, state.pp_group).asnumpy()[0])
-    rows = np.array([[0.0 if k == "F" else 1.0, mb, c, s - origin, e - origin] for k, mb, c, s, e in trace],
-                    np.float32)
-    gathered = parallel.comm.all_gather(Tensor(rows[None]), state.pp_group, dim=0).asnumpy().astype(np.float64)
+    origin = parallel.broadcast(Tensor([trace[0][3]], ms.float64), first, state.pp_group)
+    origin = float(origin.asnumpy()[0])
+    # [passes, 5]: kind (0 F, 1 B), micro-batch, chunk, start, end
+    rows = np.array([[0.0 if k == "F" else 1.0, mb, c, s - origin, e - origin]
+                     for k, mb, c, s, e in trace], np.float32)
+    gathered = parallel.collectives(state.pp_group).all_gather(Tensor(rows[None]), 0)
+    gathered = gathered.asnumpy().astype(np.float64)             # [pp, passes, 5]
     base = gathered[:, :, 3].min()
     return [[("F" if k == 0 else "B", int(mb), int(c), float(s - base), float(e - base))
              for k, mb, c, s, e in ranks] for ranks in gathered]
@@ -290,73 +342,117 @@ def write_timeline(traces, m, v, kind, path, ranks_per_stage=1):
     p = len(traces)
     span = max(e for t in traces for *_, e in t)
     measured = bubble_fraction([sum(e - s for *_, s, e in t) for t in traces], span)
-    _, ticks = plan(p, m, v, kind=kind)
+    _, ticks = simulate(p, m, v, kind=kind)
     unit = bubble_fraction([len(t) for t in ticks], max(t[-1][0] for t in ticks) + 1)
     peaks = [peak_in_flight(schedule(p, r, m, v, kind=kind)) for r in range(p)]
-    name = ("all forward, all backward" if kind == "afab" else "1F1B" if v == 1 else "interleaved 1F1B") \
-        + (f", {v} chunks per stage" if v > 1 else "")
+    name = schedule_name(kind, v)
     stages = [stage_label(r, ranks_per_stage) for r in range(p)]
-    timeline = "\n".join(f"{stages[r]}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
-                                                      for k, mb, c, s, e in t) for r, t in enumerate(traces))
+    timeline = "\n".join(
+        f"{stages[r]}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
+                                     for k, mb, c, s, e in t)
+        for r, t in enumerate(traces))
     with open(path + ".txt", "w") as f:
         f.write(f"pipeline schedule: {name}, p={p}, m={m} (unit time)\n{schedule_table(ticks)}\n\n"
                 f"measured, ms from the first pass ({NOTATION}):\n{timeline}\n\n")
+    title = (f"{name}, p={p}, m={m}: bubble (idle / busy) measured {np.mean(measured):.3f}, "
+             f"(p - 1) / (v m) = {theory_bubble(p, m, v):.3f}")
     with open(path + ".svg", "w") as f:
-        f.write(timeline_svg(traces, f"{name}, p={p}, m={m}", stages))
+        f.write(timeline_svg(traces, ticks, title, stages))
+    per_stage = ", ".join(f"{b:.3f}" for b in measured)
     return (f"pipeline: bubble (idle / busy) measured {np.mean(measured):.3f} "
-            f"(per stage {', '.join(f'{b:.3f}' for b in measured)}), unit-time schedule {max(unit):.3f}, "
+            f"(per stage {per_stage}), unit-time schedule {max(unit):.3f}, "
             f"theory {theory_bubble(p, m, v):.3f}; peak micro-batches in flight per stage {peaks}")
 
 
-NOTATION = "F3 = forward of micro-batch 3, B3 = its backward, F3' = the same on the stage's second model chunk"
+def schedule_name(kind, v):
+    """The schedule's name for the timeline's title."""
+    if kind == "afab":
+        name = "all forward, all backward"
+    else:
+        name = "1F1B" if v == 1 else "interleaved 1F1B"
+    return name + (f", {v} chunks per stage" if v > 1 else "")
+
+
+NOTATION = ("F3 = forward of micro-batch 3, B3 = its backward, F3' = the same on the stage's "
+            "second model chunk")
 
 
 def stage_label(stage, ranks_per_stage):
     """Stage s holds global ranks s*n .. s*n+n-1 (pp is the outermost grid dimension)."""
     first, last = stage * ranks_per_stage, (stage + 1) * ranks_per_stage - 1
-    return f"stage {stage} (rank {first})" if first == last else f"stage {stage} (ranks {first}-{last})"
+    if first == last:
+        return f"stage {stage} (rank {first})"
+    return f"stage {stage} (ranks {first}-{last})"
 
 
-def timeline_svg(traces, title, stages):
-    """The measured timeline as an SVG drawing: one row per pipeline stage, a box per pass, every
-    box labelled (F/B, micro-batch, a prime per later chunk), forwards blue and backwards green,
-    darker for later chunks; a legend and a time axis in ms."""
-    span = max(e for t in traces for *_, e in t)
-    width, row, left, top = 1100.0, 28, 150, 44
-    scale = (width - left - 20) / span
-    colours = {"F": ["#9ecae1", "#4292c6", "#08519c"], "B": ["#a1d99b", "#41ab5d", "#006d2c"]}
+def timeline_svg(traces, ticks, title, stages):
+    """The step as an SVG drawing, two panels of one row per pipeline stage: the unit-time
+    schedule (simulate's `ticks`, every pass one tick) above the measured passes (`traces`). A
+    box per pass, labelled (F/B, micro-batch, a prime per later chunk), forwards blue and
+    backwards green, darker for later chunks; a legend; an axis under each panel (ticks, ms)."""
+    width, row, top = 1100.0, 28, 44
+    panel = 30 + row * len(traces) + 40                 # heading, rows, axis
     chunks = max(c for t in traces for *_, c, _, _ in t) + 1
-    height = top + row * len(traces) + 40
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" '
-           'font-family="monospace" font-size="11">', f'<text x="4" y="14">{title}: measured, one step</text>']
-    legend = [(f"{word}{f' chunk {c} ({k}{PRIME * c})' if chunks > 1 else ''}", colours[k][min(c, 2)])
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" '
+           f'height="{top + 2 * panel}" font-family="monospace" font-size="11">',
+           f'<text x="4" y="14">{title}</text>']
+    legend = [(f"{word}{f' chunk {c} ({k}{PRIME * c})' if chunks > 1 else ''}",
+               TIMELINE_COLOURS[k][min(c, 2)])
               for k, word in (("F", "forward"), ("B", "backward")) for c in range(chunks)]
     for i, (text, fill) in enumerate(legend):
-        out.append(f'<rect x="{4 + i * 150}" y="21" width="12" height="12" fill="{fill}" stroke="#333" stroke-width="0.5"/>'
+        out.append(f'<rect x="{4 + i * 150}" y="21" width="12" height="12" fill="{fill}" '
+                   'stroke="#333" stroke-width="0.5"/>'
                    f'<text x="{20 + i * 150}" y="31">{text}</text>')
-    for r, events in enumerate(traces):
-        y = top + r * row
-        out.append(f'<text x="4" y="{y + 17}">{stages[r]}</text>')
-        for kind, mb, c, s, e in events:
-            x, w = left + s * scale, max((e - s) * scale, 1.0)
-            label = f"{kind}{mb}{PRIME * c}"
-            size = min(11.0, max(5.0, 1.6 * w / len(label)))      # shrink the label to fit a narrow box
-            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" fill="{colours[kind][min(c, 2)]}" '
-                       f'stroke="#333" stroke-width="0.5"><title>{label}: {s * 1e3:.1f}-{e * 1e3:.1f} ms</title></rect>'
-                       f'<text x="{x + 1:.1f}" y="{y + 16}" font-size="{size:.1f}">{label}</text>')
-    axis = top + row * len(traces) + 4
-    step = _tick_ms(span * 1e3)
-    out.append(f'<line x1="{left}" y1="{axis}" x2="{left + span * scale:.1f}" y2="{axis}" stroke="#333"/>')
-    for i in range(int(span * 1e3 // step) + 1):
-        x = left + i * step / 1e3 * scale
-        out.append(f'<line x1="{x:.1f}" y1="{axis}" x2="{x:.1f}" y2="{axis + 4}" stroke="#333"/>'
-                   f'<text x="{x:.1f}" y="{axis + 16}" text-anchor="middle">{i * step:g}</text>')
-    out.append(f'<text x="{left + span * scale:.1f}" y="{axis + 30}" text-anchor="end">ms from the first pass</text>')
+    unit = [[(kind, mb, c, tick, tick + 1) for tick, kind, mb, c in t] for t in ticks]
+    _timeline_panel(out, unit, stages, top, width, "unit-time schedule: every pass one tick",
+                    "ticks", 1.0)
+    _timeline_panel(out, traces, stages, top + panel, width, "measured: this step's passes",
+                    "ms from the first pass", 1e3)
     out.append("</svg>")
     return "\n".join(out)
 
 
+TIMELINE_COLOURS = {"F": ["#9ecae1", "#4292c6", "#08519c"], "B": ["#a1d99b", "#41ab5d", "#006d2c"]}
+
+
+def _timeline_panel(out, rows, stages, top, width, heading, unit, per_unit):
+    """Append to `out` a panel at height `top`: its heading, a row of boxes per stage (rows[r]:
+    (kind, micro-batch, chunk, start, end), in seconds or ticks), an axis in `unit` (start x
+    per_unit)."""
+    row, left = 28, 150
+    span = max(e for t in rows for *_, e in t)
+    scale = (width - left - 20) / span
+    out.append(f'<text x="4" y="{top + 16}">{heading}</text>')
+    for r, events in enumerate(rows):
+        y = top + 24 + r * row
+        out.append(f'<text x="4" y="{y + 17}">{stages[r]}</text>')
+        for kind, mb, c, s, e in events:
+            x, w = left + s * scale, max((e - s) * scale, 1.0)
+            label = f"{kind}{mb}{PRIME * c}"
+            size = min(11.0, max(5.0, 1.6 * w / len(label)))   # shrink it to fit a narrow box
+            out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" '
+                       f'fill="{TIMELINE_COLOURS[kind][min(c, 2)]}" stroke="#333" '
+                       f'stroke-width="0.5"><title>{label}: {s * per_unit:.1f}-'
+                       f'{e * per_unit:.1f} {unit}</title></rect>'
+                       f'<text x="{x + 1:.1f}" y="{y + 16}" font-size="{size:.1f}">{label}</text>')
+    axis = top + 24 + row * len(rows) + 4
+    step = _tick_ms(span * per_unit)
+    out.append(f'<line x1="{left}" y1="{axis}" x2="{left + span * scale:.1f}" y2="{axis}" '
+               'stroke="#333"/>')
+    for i in range(int(span * per_unit // step) + 1):
+        x = left + i * step / per_unit * scale
+        out.append(f'<line x1="{x:.1f}" y1="{axis}" x2="{x:.1f}" y2="{axis + 4}" stroke="#333"/>'
+                   f'<text x="{x:.1f}" y="{axis + 16}" text-anchor="middle">{i * step:g}</text>')
+    out.append(f'<text x="{left + span * scale:.1f}" y="{axis + 30}" text-anchor="end">'
+               f'{unit}</text>')
+
+
 def _tick_ms(span_ms):
-    """A round tick interval giving about 5-10 ticks over span_ms."""
+    """A round axis interval giving about 5-10 marks over span_ms (ms or ticks)."""
     step = 10 ** math.floor(math.log10(max(span_ms, 1e-3) / 5))
     return next(k * step for k in (1, 2, 5, 10) if span_ms / (k * step) <= 10)
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: pipeline.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

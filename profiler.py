@@ -5,7 +5,7 @@ import os
 
 import mindspore as ms
 
-from config import DEVICE_PROFILE_KEYS, SCHEMA
+from keys import DEVICE_PROFILE_KEYS, SCHEMA
 
 log = logging.getLogger("train")
 
@@ -13,43 +13,72 @@ log = logging.getLogger("train")
 class StepProfiler:
     """MindSpore's profiler over steps [profile_step_start, profile_step_end) on the ranks of
     profile_ranks (Megatron's --profile, --profile-step-start/-end, --profile-ranks). Each
-    profiled rank writes <profile_save_path>/rank_N/<host>_<pid>_..._ascend_ms/ASCEND_PROFILER_OUTPUT/
-    trace_view.json (Chrome trace format: Perfetto or chrome://tracing) and per-op CSV summaries."""
+    profiled rank writes
+    <profile_save_path>/rank_N/<host>_<pid>_..._ascend_ms/ASCEND_PROFILER_OUTPUT/trace_view.json
+    (Chrome trace format: Perfetto or chrome://tracing) and per-op CSV summaries."""
 
     def __init__(self, cfg, rank):
-        t = cfg.training_config
-        self.first, self.end, self.prof = t.profile_step_start, t.profile_step_end, None
-        if not t.profile or (t.profile_ranks is not None and rank not in t.profile_ranks):
+        training_cfg = cfg.training_config
+        self.first, self.end = training_cfg.profile_step_start, training_cfg.profile_step_end
+        self.prof = None
+        ranks = training_cfg.profile_ranks
+        if not training_cfg.profile or (ranks is not None and rank not in ranks):
             return
         P = ms.profiler
-        activities = [P.ProfilerActivity.CPU]
-        options = {}
-        if t.device_target == "CPU":
-            ignored = [k for k in DEVICE_PROFILE_KEYS if getattr(t, k) != SCHEMA["training_config"][k][0]]
-            if ignored:
-                log.warning(f"profile: the CPU profiler cannot collect {', '.join(f'{k}={getattr(t, k)}' for k in ignored)}"
-                            " (Ascend/GPU only); profiling op times only")
-        else:
-            activities.append(P.ProfilerActivity.NPU if t.device_target == "Ascend" else P.ProfilerActivity.GPU)
-            options = dict(with_stack=t.profile_with_stack, profile_memory=t.profile_memory,
-                           data_process=t.profile_data_process, parallel_strategy=t.profile_parallel_strategy,
-                           hbm_ddr=t.profile_hbm_ddr, pcie=t.profile_pcie, experimental_config=P._ExperimentalConfig(
-                               profiler_level=getattr(P.ProfilerLevel, t.profile_level.capitalize()),
-                               aic_metrics=list(P.AicoreMetrics)[t.profile_aicore_metrics], l2_cache=t.profile_l2_cache,
-                               data_simplification=t.profile_data_simplification))
-        self.path = os.path.join(t.profile_save_path, f"rank_{rank}")
-        self.prof = P.profile(activities=activities, start_profile=False,
-                              schedule=P.schedule(wait=0, warmup=0, active=self.end - self.first, repeat=1),
+        activities, options = _device_options(training_cfg)
+        self.path = os.path.join(training_cfg.profile_save_path, f"rank_{rank}")
+        schedule = P.schedule(wait=0, warmup=0, active=self.end - self.first, repeat=1)
+        self.prof = P.profile(activities=activities, start_profile=False, schedule=schedule,
                               on_trace_ready=P.tensorboard_trace_handler(self.path), **options)
 
     def before(self, step):
+        """Before step `step`: tracing starts at the first profiled step."""
         if self.prof is not None and step == self.first:
             self.prof.start()
 
     def after(self, step):
+        """After step `step`: a profiled step recorded; after the last the trace is written."""
         if self.prof is None or not self.first <= step < self.end:
             return
         self.prof.step()
         if step == self.end - 1:
             self.prof.stop()
             log.info(f"profile: steps {self.first}-{step} traced under {self.path}")
+
+
+def _device_options(training_cfg):
+    """(activities, profiler options) for `training_cfg`: on the CPU op times alone (a
+    device key set there is named in one warning); on Ascend or GPU the device's activity too and
+    the profile_* options."""
+    P = ms.profiler
+    activities = [P.ProfilerActivity.CPU]
+    if training_cfg.device_target == "CPU":
+        defaults = SCHEMA["training_config"]
+        ignored = [k for k in DEVICE_PROFILE_KEYS
+                   if getattr(training_cfg, k) != defaults[k].default]
+        if ignored:
+            given = ", ".join(f"{k}={getattr(training_cfg, k)}" for k in ignored)
+            log.warning(f"profile: the CPU profiler cannot collect {given}"
+                        " (Ascend/GPU only); profiling op times only")
+        return activities, {}
+    if training_cfg.device_target == "Ascend":
+        activities.append(P.ProfilerActivity.NPU)
+    else:
+        activities.append(P.ProfilerActivity.GPU)
+    experimental = P._ExperimentalConfig(
+        profiler_level=getattr(P.ProfilerLevel, training_cfg.profile_level.capitalize()),
+        aic_metrics=list(P.AicoreMetrics)[training_cfg.profile_aicore_metrics],
+        l2_cache=training_cfg.profile_l2_cache,
+        data_simplification=training_cfg.profile_data_simplification)
+    options = dict(with_stack=training_cfg.profile_with_stack,
+                   profile_memory=training_cfg.profile_memory,
+                   data_process=training_cfg.profile_data_process,
+                   parallel_strategy=training_cfg.profile_parallel_strategy,
+                   hbm_ddr=training_cfg.profile_hbm_ddr,
+                   pcie=training_cfg.profile_pcie, experimental_config=experimental)
+    return activities, options
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: profiler.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

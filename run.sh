@@ -3,14 +3,26 @@
 #   bash run.sh                   set up, tokenize the shipped corpus once, train config.yaml on 4
 #                                 msrun workers (TP2 x PP2 with sequence parallelism), sample
 #   bash run.sh test              set up, then the test suite
-#   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags -> <prefix>_text_document.bin/.idx
-#   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
-#   bash run.sh convert|import-hf|export-hf ...   checkpoints between layouts, and to and from Hugging Face GPT-2
-#   bash run.sh bench ...         tokens/s of one process and the 2-worker layouts, alternating (bench.py)
+#   bash run.sh tour [--layouts a,b]   every layout of a tiny GPT trained beside one process, a
+#                                 row per layout (tour.py)
+#   bash run.sh check ...         the config, layout (--nproc N) and inputs checked, nothing run
+#   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags ->
+#                                 <prefix>_text_document.bin/.idx
+#   bash run.sh generate ...      --load DIR --prompt TEXT [--max-new-tokens N --temperature T
+#                                 --top-k K]
+#   bash run.sh convert|import-hf|export-hf ...   checkpoints between layouts, and to and from
+#                                                 Hugging Face GPT-2
+#   bash run.sh import-megatron DIR --save OUT    a Megatron-LM checkpoint (--ckpt-format torch)
+#                                                 in any layout
+#   bash run.sh bench ...         tokens/s of one process and the 2-worker layouts, alternating
+#                                 (bench.py)
 #   bash run.sh plan ...          --world-size N [--config FILE] [--memory-per-device GB]: memory,
 #                                 communication and FLOPs per rank, nothing allocated (memory.py)
 #   bash run.sh --nproc 1         the same model and data in one process (about 6 minutes)
-#   bash run.sh [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]   train
+#   bash run.sh [FILE.yaml] [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]
+#                                 train (FILE.yaml: --config FILE.yaml)
+#   bash run.sh --nproc_per_node N --nnodes M --node_rank R --master_addr ADDR [--master_port P]
+#               [--log_dir DIR] ...   the same on each of M nodes: one job of N x M workers
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -35,12 +47,16 @@ case "${1:-}" in
     shift
     exec python -m pytest test_all.py "$@"
     ;;
-  preprocess|generate|convert|import-hf|export-hf|plan)
+  check|preprocess|generate|convert|import-hf|export-hf|import-megatron|plan)
     exec python train.py "$@"
     ;;
   bench)
     shift
     exec python bench.py "$@"
+    ;;
+  tour)
+    shift
+    exec python tour.py "$@"
     ;;
 esac
 
@@ -50,57 +66,130 @@ for arg in "$@"; do
     --help|-h) exec python train.py --help ;;         # the commands and every flag, no work done
   esac
 done
-nproc=""
+# `bash run.sh FILE.yaml ...` is `--config FILE.yaml ...`, as in the MindSpore Transformers guide's
+# `bash pretrain_gpt.sh xx.yaml`
+if [[ ${1:-} == *.yaml || ${1:-} == *.yml ]] && [ -f "$1" ]; then
+  set -- --config "$@"
+fi
+
+error() { echo "error: $*" >&2; exit 2; }     # one line, exit 2, before anything starts
+
+# ---- the launch flags, `--flag value` or `--flag=value`: torchrun's, as the guides' scripts pass
+# them (DISTRIBUTED_ARGS), msrun's own names, and --nproc; the other arguments go to train.py
+per_node="" per_node_flag=--nproc worker_num="" nnodes="" node_rank=""
+master_addr="" master_port="" log_dir=output/msrun_log
+launch_flag() {   # FLAG VALUE: keeps a launch flag's value; returns 1 for any other argument
+  case "$1" in
+    --nproc|--nproc_per_node|--local_worker_num) per_node=$2 per_node_flag=$1 ;;
+    --worker_num) worker_num=$2 ;;                      # msrun's: the workers of all nodes
+    --nnodes) nnodes=$2 ;;
+    --node_rank) node_rank=$2 ;;
+    --master_addr) master_addr=$2 ;;
+    --master_port) master_port=$2 ;;
+    --log_dir) log_dir=$2 ;;
+    *) return 1 ;;
+  esac
+  [ -n "$2" ] || error "$1 needs a value: $1 VALUE or $1=VALUE"
+}
 args=()
 while [ $# -gt 0 ]; do
-  case "$1" in
-    --nproc) nproc="$2"; shift 2 ;;
-    --nproc=*) nproc="${1#--nproc=}"; shift ;;
-    *) args+=("$1"); shift ;;
-  esac
+  if [[ $1 == --*=* ]] && launch_flag "${1%%=*}" "${1#*=}"; then
+    shift
+  elif launch_flag "$1" "${2-}"; then
+    shift 2
+  else
+    args+=("$1")
+    shift
+  fi
 done
+
+whole() {   # FLAG VALUE WHAT MIN [MAX]: the value, if given, is a whole number from MIN (to MAX)
+  local fix="give $3, a whole number from $4${5:+ to $5}"
+  case "$2" in
+    '') ;;
+    *[!0-9]*|0?*|??????????*) error "$1 $2: $fix" ;;
+    *) [ "$2" -ge "$4" ] && [ "$2" -le "${5:-$2}" ] || error "$1 $2: $fix" ;;
+  esac
+}
+whole "$per_node_flag" "$per_node" "the number of workers" 1
+whole --worker_num "$worker_num" "the number of workers of all nodes" 1
+whole --nnodes "$nnodes" "the number of nodes" 1
+whole --master_port "$master_port" "a port for msrun's scheduler" 1024 65535
+
+if [ -n "$worker_num" ]; then
+  # every node runs the same number of workers, as torchrun's nodes do (and msrun assumes when
+  # given --node_rank)
+  [ -n "$per_node" ] || per_node=$((worker_num / ${nnodes:-1}))
+  [ -n "$nnodes" ] || nnodes=$((worker_num / per_node))
+  [ $((per_node * nnodes)) -eq "$worker_num" ] || error "--worker_num $worker_num is not" \
+    "$per_node workers per node x $nnodes nodes: every node runs as many workers" \
+    "(--worker_num = --local_worker_num x --nnodes)"
+fi
+nnodes=${nnodes:-1}
+whole --node_rank "$node_rank" "this node's rank among --nnodes $nnodes" 0 $((nnodes - 1))
+if [ "$nnodes" -gt 1 ]; then
+  # each node names the same scheduler address and its own rank: a default would suit one node
+  [ -n "$master_addr" ] || error "a job of $nnodes nodes needs --master_addr:" \
+    "node 0's address, the same on every node"
+  [ -n "$node_rank" ] || error "a job of $nnodes nodes needs --node_rank:" \
+    "this node's rank, 0 to $((nnodes - 1))"
+  master_port=${master_port:-29500}     # torchrun's default: every node must agree on the port
+fi
+node_rank=${node_rank:-0}
+master_addr=${master_addr:-127.0.0.1}
+# one node: a random port, so that two jobs on one machine do not collide
+master_port=${master_port:-$((8100 + RANDOM % 800))}
+
+if [ -z "$per_node" ] && [ -n "${ASCEND_RT_VISIBLE_DEVICES:-}" ]; then
+  # the MindSpore Transformers guide's script starts one worker per device listed ("0,1,2,3");
+  # on an Ascend target the variable also picks the devices, on this CPU it gives the count alone
+  IFS=, read -r -a devices <<< "$ASCEND_RT_VISIBLE_DEVICES"
+  per_node=${#devices[@]}
+  echo "bash run.sh: $per_node workers per node, one per device in" \
+       "ASCEND_RT_VISIBLE_DEVICES=$ASCEND_RT_VISIBLE_DEVICES (on this CPU, the count alone)"
+fi
 default_run=0
 if [ ${#args[@]} -eq 0 ]; then
   default_run=1                 # the default run ends with a sample from the trained model
-  if [ -z "$nproc" ]; then
+  if [ -z "$per_node" ]; then
     # 4 workers: tensor x pipeline parallel with SP, compiled; 2 micro-batches of 4 per step (the
     # same 8 sequences as one process); the last step's pipeline timeline is written to output/
-    nproc=4
+    per_node=4
     args=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
           --micro-batch-size 4 --global-batch-size 8 training_config.pipeline_trace=true)
   fi
 fi
-nproc=${nproc:-1}
-case "$nproc" in
-  ''|*[!0-9]*|0*) echo "error: --nproc $nproc: give the number of workers, a whole number from 1" >&2; exit 2 ;;
-esac
+per_node=${per_node:-1}
+workers=$((per_node * nnodes))
+
 if [ "$default_run" -eq 1 ] && [ -e output/latest_checkpointed_iteration.txt ]; then
   # the default run is a demonstration: it starts over (train with --save DIR to keep a run)
   echo "bash run.sh: the previous default run's checkpoints in output/ are replaced"
   rm -rf output/iter_* output/.iter_* output/latest_checkpointed_iteration.txt
 fi
 
-if [ "$nproc" -gt 1 ]; then
-  # the config, the layout for $nproc workers and the input files, checked once in one process
+if [ "$workers" -gt 1 ]; then
+  # the config, the layout for all the workers and the input files, checked once in one process
   # (one error line, exit 2), and the shipped corpus tokenized, before msrun starts the workers
-  python train.py check --nproc "$nproc" ${args[@]+"${args[@]}"}
-  port=$((8100 + RANDOM % 800))
+  python train.py check --nproc "$workers" ${args[@]+"${args[@]}"}
+  export RUN_SH_PID_DIR=$log_dir/pids            # each worker writes rank_N.pid
+  rm -rf "$RUN_SH_PID_DIR" && mkdir -p "$RUN_SH_PID_DIR"
   # msrun relays every worker's console; MindSpore's "[INFO] DISTRIBUTED ... Event base dispatch
   # success!" lines are not news, so they are dropped (pipefail keeps msrun's exit code)
-  logs=output/msrun_log
-  export RUN_SH_PID_DIR=$logs/pids            # each worker writes rank_N.pid
-  rm -rf "$RUN_SH_PID_DIR" && mkdir -p "$RUN_SH_PID_DIR"
-  if ! msrun --worker_num "$nproc" --local_worker_num "$nproc" --master_port "$port" \
-        --log_dir "$logs" --join True --cluster_time_out 300 \
-        train.py ${args[@]+"${args[@]}"} 2>&1 | { grep --line-buffered -v '^\[INFO\] DISTRIBUTED' || true; } \
-        | tee "$logs/console.log"; then
+  if ! msrun --worker_num "$workers" --local_worker_num "$per_node" --node_rank "$node_rank" \
+        --master_addr "$master_addr" --master_port "$master_port" --log_dir "$log_dir" \
+        --join True --cluster_time_out 300 train.py ${args[@]+"${args[@]}"} 2>&1 \
+        | { grep --line-buffered -v '^\[INFO\] DISTRIBUTED' || true; } | tee "$log_dir/console.log"
+  then
     # a worker killed from outside (kill -9, out of memory) prints nothing: msrun names its pid
-    dead=$(sed -n 's/.*Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\..*/\1 \2/p' \
-           "$logs/console.log" | head -1)
+    exited='Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\.'
+    dead=$(sed -n "s/.*$exited.*/\\1 \\2/p" "$log_dir/console.log" | head -1)
     if [ -n "$dead" ]; then
       set -- $dead
-      rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null | sed 's/.*rank_\([0-9]*\)\.pid/\1/' || true)
-      echo "error: rank ${rank:-?} (pid $1) was killed by signal $2; its log: $logs/worker_${rank:-N}.log" >&2
+      rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null \
+             | sed 's/.*rank_\([0-9]*\)\.pid/\1/' || true)
+      echo "error: rank ${rank:-?} (pid $1) was killed by signal $2;" \
+           "its log: $log_dir/worker_${rank:-N}.log" >&2
     fi
     exit 1
   fi
@@ -108,7 +197,8 @@ else
   python train.py ${args[@]+"${args[@]}"}
 fi
 
-if [ "$default_run" -eq 1 ]; then
+if [ "$default_run" -eq 1 ] && [ "$node_rank" -eq 0 ]; then     # once, on node 0
   echo "---- sample from the trained model (bash run.sh generate --load output --prompt ...)"
-  python train.py generate --load output --prompt "ROMEO:" --max-new-tokens 80 --temperature 0.8 --top-k 40
+  python train.py generate --load output --prompt "ROMEO:" --max-new-tokens 80 --temperature 0.8 \
+    --top-k 40
 fi

@@ -12,20 +12,23 @@ from config import ConfigError
 
 
 def read_lines(path):
-    """The lines of a UTF-8 text file; a byte that is not UTF-8 raises ConfigError naming its line."""
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # such a byte -> a lone surrogate
+    """The lines of a UTF-8 text file; a byte that is not UTF-8 raises ConfigError naming its
+    line."""
+    # surrogateescape: a byte that is not UTF-8 is read as a lone surrogate, U+DC80..U+DCFF
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for n, line in enumerate(f, 1):
             bad = re.search("[\udc80-\udcff]", line)
             if bad:
-                raise ConfigError(f"{path}:{n}: byte {ord(bad.group()) - 0xdc00:#04x} is not UTF-8: save the file "
-                                  "as UTF-8")
+                byte = ord(bad.group()) - 0xdc00
+                raise ConfigError(f"{path}:{n}: byte {byte:#04x} is not UTF-8: save the file as "
+                                  "UTF-8")
             yield line
-
 
 
 def _bytes_to_unicode():
     """GPT-2's reversible byte -> printable unicode char table (openai/gpt-2 encoder.py)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]  # mapped to chr(256), chr(257), ...
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
@@ -44,25 +47,28 @@ def _gpt2_pattern():
 
 
 class GPT2BPETokenizer:
-    """Megatron's GPT2BPETokenizer: GPT-2 byte-level BPE (same algorithm as openai/gpt-2 encoder.py)."""
+    """Megatron's GPT2BPETokenizer: GPT-2 byte-level BPE (same algorithm as openai/gpt-2
+    encoder.py)."""
 
     def __init__(self, vocab_file, merge_file):
         try:
             self.encoder = json.loads("".join(read_lines(vocab_file)))
             self.eod = self.encoder["<|endoftext|>"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise ConfigError(f"{vocab_file}: not a JSON object of token ids with \"<|endoftext|>\": give GPT-2's "
-                              "vocab.json (--vocab-file)") from None
+            raise ConfigError(f"{vocab_file}: not a JSON object of token ids with "
+                              "\"<|endoftext|>\": give GPT-2's vocab.json (--vocab-file)") from None
         self.decoder = {i: t for t, i in self.encoder.items()}
         # line 1 is the "#version" header; each other line is two tokens whose join is in the vocab
         merges = [(n, tuple(line.split())) for n, line in enumerate(read_lines(merge_file), 1)
                   if n > 1 and line.strip()]
         for n, pair in merges:
             if len(pair) != 2 or "".join(pair) not in self.encoder:
-                raise ConfigError(f"{merge_file}:{n}: {' '.join(pair)!r} is not two tokens of {vocab_file} joined: "
-                                  "give the merges.txt of this vocab (--merge-file)")
+                raise ConfigError(f"{merge_file}:{n}: {' '.join(pair)!r} is not two tokens of "
+                                  f"{vocab_file} joined: give the merges.txt of this vocab "
+                                  "(--merge-file)")
         if not merges:
-            raise ConfigError(f"{merge_file}: no merges after line 1: give GPT-2's merges.txt (--merge-file)")
+            raise ConfigError(f"{merge_file}: no merges after line 1: give GPT-2's merges.txt "
+                              "(--merge-file)")
         self.bpe_ranks = {pair: i for i, (_, pair) in enumerate(merges)}
         self.byte_encoder = _bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
@@ -93,7 +99,9 @@ class GPT2BPETokenizer:
         ids = []
         for word in self.pattern.findall(text):
             if word not in self.cache:
-                self.cache[word] = self._bpe("".join(self.byte_encoder[b] for b in word.encode("utf-8")))
+                # the word's UTF-8 bytes as GPT-2's printable characters
+                chars = "".join(self.byte_encoder[b] for b in word.encode("utf-8"))
+                self.cache[word] = self._bpe(chars)
             ids.extend(self.cache[word])
         return ids
 
@@ -140,5 +148,10 @@ def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None, vocab_size
         return NullTokenizer(vocab_size)
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
-    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}: use one of GPT2BPETokenizer, NullTokenizer, "
-                      "ByteTokenizer")
+    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}: use one of "
+                      "GPT2BPETokenizer, NullTokenizer, ByteTokenizer")
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: tokenizer.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

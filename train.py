@@ -1,14 +1,16 @@
-"""Pretrain a GPT from one YAML: `python train.py [--config config.yaml] [Megatron flags] [section.key=value]`.
+"""Pretrain a GPT from one YAML:
+`python train.py [--config config.yaml] [Megatron flags] [section.key=value]`.
 
 Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `check --nproc N [flags]`
-(what run.sh runs before msrun: the config, the layout for N workers and the input files, checked in
-one process), `generate --load DIR --prompt TEXT` (sample.py), and the checkpoint commands `convert`,
-`import-hf`, `export-hf` (checkpoint.py, hf_gpt2.py), and `plan --world-size N` (memory.py).
+(what run.sh runs before msrun: the config, the layout for N workers and the input files, checked
+in one process), `generate --load DIR --prompt TEXT` (sample.py), and the checkpoint commands
+`convert`, `import-hf`, `export-hf`, `import-megatron` (checkpoint.py, hf_gpt2.py), and
+`plan --world-size N` (memory.py): the table COMMANDS.
 
 One training step (Megatron's train_step, one process):
   for each of micro_batch_num micro-batches: loss_i * loss_scale / micro_batch_num, backward,
-  gradients summed; then unscale, check inf/nan (skip the step if found), clip, optimizer step
-  with the scheduler's lr and weight decay.
+  gradients summed; then optimizer.step() (optimizer.py): unscale, check inf/nan (skip the step
+  if found), clip, update with the scheduler's lr and weight decay.
 """
 import logging
 import math
@@ -32,9 +34,11 @@ import optimizer as opt
 import parallel
 import pipeline
 import sample
-from cli import HelpRequested, load_config, parse_command, training_help
+from cli import HelpRequested, load_config, parse_command, raw_config, training_help
 from config import ConfigError, main_grad_dtype, padded_vocab_size, recompute_counts, to_dict
-from gpt import DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, num_floating_point_operations
+from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
+                 num_floating_point_operations)
+from metrics import Metrics
 from profiler import StepProfiler
 from tokenizer import build_tokenizer
 
@@ -72,13 +76,13 @@ def setup_mindspore(cfg=None):
     """PyNative on the configured device, CPU threads, seed. The device and threads are set once
     per process (MindSpore refuses to set threads twice) and before the first op: launch_blocking
     has no effect once ops have run."""
-    t = cfg.training_config if cfg is not None else None
-    if t is not None:
-        ms.set_seed(t.seed)
+    training_cfg = cfg.training_config if cfg is not None else None
+    if training_cfg is not None:
+        ms.set_seed(training_cfg.seed)
     if _MINDSPORE_READY:
         return
     _MINDSPORE_READY.append(True)
-    device = t.device_target if t is not None else "CPU"
+    device = training_cfg.device_target if training_cfg is not None else "CPU"
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
         ms.set_device(device)
@@ -86,92 +90,129 @@ def setup_mindspore(cfg=None):
         if ms.get_context("device_target") != device:
             raise
     if device == "CPU":
-        local = int(os.environ.get("MS_LOCAL_WORKER_NUM", os.environ.get("LOCAL_WORKER_NUM", "1")) or 1)
-        threads = (t is not None and t.threads_num) or max(1, (os.cpu_count() or 1) // local)
+        local = os.environ.get("MS_LOCAL_WORKER_NUM", os.environ.get("LOCAL_WORKER_NUM", "1"))
+        local = int(local or 1)                      # the workers sharing this machine's cores
+        threads = ((training_cfg is not None and training_cfg.threads_num)
+                   or max(1, (os.cpu_count() or 1) // local))
         ms.device_context.cpu.op_tuning.threads_num(threads)
         # PyNative normally queues ops to dispatch threads; on a few shared CPU cores those threads
         # contend with the kernels. Launching each op in the caller's thread measured 5.8x faster
-        # op by op, 1.5x compiled, 9x with TP2 on 2 workers (tiny model, 2 cores; README).
+        # op by op, 1.5x compiled, 9x with TP2 on 2 workers (tiny model, 2 cores;
+        # docs/performance.md).
         ms.runtime.launch_blocking()
 
 
+def device_available(target):
+    """mindspore.hal.is_available(target), its library loader's messages for a missing backend
+    ("Load dynamic library ... failed") kept off the console: the answer is the news."""
+    if target == "CPU":
+        return True
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        return ms.hal.is_available(target)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def check_inputs(cfg):
-    """What the run needs, checked before any work: kernels for its precision, its files."""
-    d, m = cfg.dataset_config, cfg.model_config
-    if cfg.training_config.device_target == "CPU" and m.compute_dtype == "bfloat16":
+    """What the run needs, checked before any work: its device, kernels for its precision, its
+    files."""
+    dataset_cfg, model_cfg = cfg.dataset_config, cfg.model_config
+    target = cfg.training_config.device_target
+    if not device_available(target):
+        # probed: this CPU wheel answers False for Ascend and GPU (libmindspore_ascend.so absent)
+        raise ConfigError(f"training_config.device_target={target} (context.device_target): this "
+                          f"MindSpore has no {target} backend on this machine; set "
+                          "training_config.device_target=CPU")
+    if cfg.training_config.device_target == "CPU" and model_cfg.compute_dtype == "bfloat16":
         # checked on MindSpore 2.10 (../shared/notes/mindspore.md): "Select CPU operator ... fail"
-        raise ConfigError("model_config.compute_dtype=bfloat16 (--bf16): MindSpore 2.10 has no bfloat16 CPU "
-                          "kernel for MatMul, Softmax, Tanh or Sqrt; train with --fp16 on the CPU, or set "
-                          "training_config.device_target to GPU or Ascend")
-    if d.tokenizer_type == "GPT2BPETokenizer":
+        raise ConfigError("model_config.compute_dtype=bfloat16 (--bf16): MindSpore 2.10 has no "
+                          "bfloat16 CPU kernel for MatMul, Softmax, Tanh or Sqrt; train with "
+                          "--fp16 on the CPU, or set training_config.device_target to GPU or "
+                          "Ascend")
+    if dataset_cfg.tokenizer_type == "GPT2BPETokenizer":
         for key in ("vocab_file", "merge_file"):
-            if not os.path.isfile(getattr(d, key)):
-                raise ConfigError(f"dataset_config.{key}={getattr(d, key)} not found: give the GPT-2 "
-                                  f"{'vocab.json' if key == 'vocab_file' else 'merges.txt'} (--{key.replace('_', '-')})")
-    shipped = d.data_path == SHIPPED_CORPUS[1] + "_text_document"
-    if not d.mock_data and shipped and parallel.launched_world_size() == 1:   # tokenized on first use
+            if not os.path.isfile(getattr(dataset_cfg, key)):
+                wanted = "vocab.json" if key == "vocab_file" else "merges.txt"
+                raise ConfigError(f"dataset_config.{key}={getattr(dataset_cfg, key)} not found: "
+                                  f"give the GPT-2 {wanted} (--{key.replace('_', '-')})")
+    shipped = dataset_cfg.data_path == SHIPPED_CORPUS[1] + "_text_document"
+    if not dataset_cfg.mock_data and shipped and parallel.launched_world_size() == 1:
+        # tokenized on first use
         data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
                                  "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
-    if not d.mock_data:
+    if not dataset_cfg.mock_data:
+        dataset_cfg.data_path = data.data_prefix(dataset_cfg.data_path)
+        prefix = dataset_cfg.data_path
         for ext in (".bin", ".idx"):
-            if not os.path.isfile(d.data_path + ext):
-                raise ConfigError(f"dataset_config.data_path={d.data_path}: {d.data_path}{ext} not found; "
-                                  "run `bash run.sh preprocess ...` (or `bash run.sh` for the shipped corpus) "
-                                  "or use --mock-data")
-    t = cfg.training_config
-    if t.load_checkpoint and not checkpoint.holds_checkpoint(t.load_checkpoint):
-        print(f"warning: no checkpoint in --load {t.load_checkpoint}: training starts from scratch", file=sys.stderr)
-        t.load_checkpoint = ""                       # Megatron: a new folder means a new run
-    if t.load_checkpoint:
-        checkpoint.check_fits(cfg, t.load_checkpoint)
-    checkpoint.check_save_folder(t.output_dir, t.load_checkpoint, t.finetune)
+            if not os.path.isfile(prefix + ext):
+                raise ConfigError(f"dataset_config.data_path={prefix}: {prefix}{ext} "
+                                  "not found; run `bash run.sh preprocess ...` (or `bash run.sh` "
+                                  "for the shipped corpus) or use --mock-data")
+    training_cfg = cfg.training_config
+    load = training_cfg.load_checkpoint
+    if load and not checkpoint.holds_checkpoint(load):
+        print(f"warning: no checkpoint in --load {load}: training starts from "
+              "scratch", file=sys.stderr)
+        training_cfg.load_checkpoint = ""            # Megatron: a new folder means a new run
+    if training_cfg.load_checkpoint:
+        checkpoint.check_fits(cfg, training_cfg.load_checkpoint)
+    checkpoint.check_save_folder(training_cfg.output_dir, training_cfg.load_checkpoint,
+                                 training_cfg.finetune)
 
 
 def build_data(cfg, tokenizer):
-    d, t = cfg.dataset_config, cfg.training_config
-    gbs, s = d.global_batch_size, cfg.model_config.seq_length
-    n_train = t.training_iters * gbs
-    n_valid = (t.training_iters // t.eval_interval + 1) * t.eval_iters * gbs
-    n_test = t.eval_iters * gbs
-    if d.mock_data:
-        vocab = d.vocab_size or tokenizer.vocab_size
-        return tuple(data.MockGPTDataset(n, s, vocab, t.seed + i) if n else None
+    dataset_cfg, training_cfg = cfg.dataset_config, cfg.training_config
+    gbs, seq_length = dataset_cfg.global_batch_size, cfg.model_config.seq_length
+    iters, eval_iters = training_cfg.training_iters, training_cfg.eval_iters
+    n_train = iters * gbs
+    n_valid = (iters // training_cfg.eval_interval + 1) * eval_iters * gbs
+    n_test = eval_iters * gbs
+    if dataset_cfg.mock_data:
+        vocab = dataset_cfg.vocab_size or tokenizer.vocab_size
+        return tuple(data.MockGPTDataset(n, seq_length, vocab, training_cfg.seed + i) if n else None
                      for i, n in enumerate((n_train, n_valid, n_test)))
-    cache = d.data_cache_path or os.path.join(os.path.dirname(d.data_path) or ".", "cache")
-    return data.build_gpt_datasets(d.data_path, d.split, s, t.seed, (n_train, n_valid, n_test),
+    cache = dataset_cfg.data_cache_path or os.path.join(
+        os.path.dirname(dataset_cfg.data_path) or ".", "cache")
+    return data.build_gpt_datasets(dataset_cfg.data_path, dataset_cfg.split, seq_length,
+                                   training_cfg.seed, (n_train, n_valid, n_test),
                                    tokenizer.eod, cache_dir=cache,
-                                   reset_position_ids=d.reset_position_ids,
-                                   reset_attention_mask=d.reset_attention_mask,
-                                   eod_mask_loss=d.eod_mask_loss)
+                                   reset_position_ids=dataset_cfg.reset_position_ids,
+                                   reset_attention_mask=dataset_cfg.reset_attention_mask,
+                                   eod_mask_loss=dataset_cfg.eod_mask_loss,
+                                   shuffle=dataset_cfg.shuffle)
 
 
 def build_model(cfg, tokenizer, state):
-    m = cfg.model_config
-    d = cfg.dataset_config
-    m.padded_vocab_size = padded_vocab_size(m, d.vocab_size if d.mock_data and d.vocab_size else tokenizer.vocab_size)
+    model_cfg, dataset_cfg = cfg.model_config, cfg.dataset_config
+    vocab = tokenizer.vocab_size
+    if dataset_cfg.mock_data and dataset_cfg.vocab_size:
+        vocab = dataset_cfg.vocab_size
+    model_cfg.padded_vocab_size = padded_vocab_size(model_cfg, vocab)
     rng = DropoutRNG(cfg.training_config.seed, state.tp_rank)
-    p = cfg.parallel_config
-    chunks = pipeline.build_chunks(m, state.pp, state.pp_rank, p.virtual_pipeline_model_parallel_size,
-                                   p.num_layer_list, rng, recompute_counts(p, m)[state.pp_rank])
+    parallel_cfg = cfg.parallel_config
+    chunks = pipeline.build_chunks(model_cfg, state.pp, state.pp_rank,
+                                   parallel_cfg.virtual_pipeline_model_parallel_size,
+                                   parallel_cfg.num_layer_list, rng,
+                                   recompute_counts(parallel_cfg, model_cfg)[state.pp_rank])
     for chunk in chunks:
         init_weights(chunk, cfg.training_config.seed)
     return chunks, rng
 
 
-def no_weight_decay(name, param):
-    """Megatron: biases and 1-D parameters (norm weights) get no weight decay."""
-    return name.endswith("bias") or len(param.shape) == 1
-
-
 def build_scaler(cfg):
     """Megatron's grad scaler: a static --loss-scale if given, else dynamic when computing in
     float16 (its range needs it), else none (a constant 1.0; bfloat16 has float32's range)."""
-    t = cfg.training_config
-    if t.loss_scale is not None:
-        return opt.ConstantGradScaler(t.loss_scale)
+    training_cfg = cfg.training_config
+    if training_cfg.loss_scale is not None:
+        return opt.ConstantGradScaler(training_cfg.loss_scale)
     if cfg.model_config.compute_dtype == "float16":
-        return opt.DynamicGradScaler(t.loss_scale_value, t.min_loss_scale, growth_interval=t.loss_scale_window,
-                                     hysteresis=t.hysteresis)
+        return opt.DynamicGradScaler(training_cfg.loss_scale_value, training_cfg.min_loss_scale,
+                                     growth_interval=training_cfg.loss_scale_window,
+                                     hysteresis=training_cfg.hysteresis)
     return opt.ConstantGradScaler(1.0)
 
 
@@ -179,53 +220,57 @@ def counted_in_norm(chunks, state):
     """Per parameter of `chunks`, whether its gradient counts in the norm on this rank: one
     replicated over TP (norms, row biases, position embeddings) on TP rank 0 (Megatron's
     param_is_not_tensor_parallel_duplicate), and the word embedding on the first stage, not its
-    copy on the last."""
-    tied_copy = state.pp > 1 and chunks[0].tied
-    return [(hasattr(p, "partition_dim") or state.tp_rank == 0) and not (tied_copy and n == "output_layer.weight")
-            for chunk in chunks for n, p in chunk.parameters_and_names()]
+    copy on the last (gpt.is_embedding_copy)."""
+    return [(hasattr(param, "partition_dim") or state.tp_rank == 0)
+            and not is_embedding_copy(chunk, param)
+            for chunk in chunks for _, param in chunk.parameters_and_names()]
 
 
 def build_optimizer(cfg, model, state=None):
     """(optimizer, scheduler) for a model or a list of model chunks: Megatron's mixed-precision
     optimizer around AdamW/Adam/SGD (optimizer.MixedPrecisionOptimizer), or with
     use_distributed_optimizer and several DP x CP ranks the DistributedOptimizer."""
-    o, t = cfg.optimizer_config, cfg.training_config
+    optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
     state = state or parallel.get_state()
     chunks = model if isinstance(model, list) else [model]
     named = [item for chunk in chunks for item in chunk.parameters_and_names()]
-    wd_mults = [0.0 if no_weight_decay(n, p) else 1.0 for n, p in named]
+    wd_mults = [0.0 if opt.no_weight_decay(n, param.shape) else 1.0 for n, param in named]
 
     def make(params, mults):
-        return opt.build_optimizer(o.optimizer_type, params, betas=tuple(o.betas), eps=o.eps,
-                                   momentum=o.momentum, wd_mults=mults)
-    clip = t.grad_clip_kwargs
-    common = dict(scaler=build_scaler(cfg), clip_type=clip.grad_clip_type, clip_value=clip.clip_value,
-                  comm=parallel.comm, norm_groups=[state.mp_group], counted=counted_in_norm(chunks, state))
-    params = [p for _, p in named]
-    if t.use_distributed_optimizer and state.dp * state.cp > 1:
+        return opt.build_optimizer(optimizer_cfg.optimizer_type, params,
+                                   betas=tuple(optimizer_cfg.betas), eps=optimizer_cfg.eps,
+                                   momentum=optimizer_cfg.momentum, wd_mults=mults)
+    clip = training_cfg.grad_clip_kwargs
+    common = dict(scaler=build_scaler(cfg), clip_type=clip.grad_clip_type,
+                  clip_value=clip.clip_value, collectives=parallel.collectives,
+                  norm_groups=[state.mp_group], counted=counted_in_norm(chunks, state))
+    params = [param for _, param in named]
+    if training_cfg.use_distributed_optimizer and state.dp * state.cp > 1:
         optim = opt.DistributedOptimizer(make, params, wd_mults, **common, group=state.dp_cp_group,
                                          dp_rank=state.dp_cp_rank, dp=state.dp * state.cp,
-                                         bucket_size=t.bucket_size, mean_over=state.dp)
+                                         bucket_size=training_cfg.bucket_size, mean_over=state.dp)
     else:
         optim = opt.MixedPrecisionOptimizer(make, params, wd_mults, **common)
-    s = o.learning_rate_scheduler_kwargs
+    schedule = optimizer_cfg.learning_rate_scheduler_kwargs
     scheduler = opt.OptimizerParamScheduler(
-        max_lr=o.learning_rate, min_lr=s.min_lr, lr_warmup_steps=s.lr_warmup_iters,
-        lr_decay_steps=s.lr_decay_iters, lr_decay_style=s.lr_decay_style,
-        start_wd=o.start_weight_decay, end_wd=o.end_weight_decay, wd_incr_steps=t.training_iters,
-        wd_incr_style=o.weight_decay_incr_style)
+        max_lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.lr_warmup_iters, lr_decay_steps=schedule.lr_decay_iters,
+        lr_decay_style=schedule.lr_decay_style, start_wd=optimizer_cfg.start_weight_decay,
+        end_wd=optimizer_cfg.end_weight_decay, wd_incr_steps=training_cfg.training_iters,
+        wd_incr_style=optimizer_cfg.weight_decay_incr_style)
     return optim, scheduler
 
 
 # ----------------------------------------------------------------------------- one step
 def to_tensors(batch, state=None):
-    """A numpy micro-batch -> model inputs (tokens, position_ids, attention_mask, labels, loss_mask),
-    with context parallelism this cp rank's share of the sequence."""
+    """A numpy micro-batch -> model inputs (tokens, position_ids, attention_mask, labels,
+    loss_mask), with context parallelism this cp rank's share of the sequence."""
     if state is not None:
         batch = context_parallel.get_batch_on_this_cp_rank(batch, state)
     mask = batch.get("attention_mask")
     return (Tensor(batch["tokens"]), Tensor(batch["position_ids"]),
-            None if mask is None else Tensor(mask), Tensor(batch["labels"]), Tensor(batch["loss_mask"]))
+            None if mask is None else Tensor(mask), Tensor(batch["labels"]),
+            Tensor(batch["loss_mask"]))
 
 
 class Trainer:
@@ -238,19 +283,29 @@ class Trainer:
         self.scaler = optimizer.scaler
         self.chunks = model if isinstance(model, list) else [model]
         self.state = state or parallel.get_state()
-        self.params = [p for chunk in self.chunks for p in chunk.get_parameters()]
+        self.params = [param for chunk in self.chunks for param in chunk.get_parameters()]
         self.distributed = isinstance(optimizer, opt.DistributedOptimizer)
         self.dp_size = self.state.dp * self.state.cp
-        self.buffer = opt.GradBuffer(self.params, self.dp_size, cfg.training_config.bucket_size)
-        m = cfg.model_config
+        # the data-parallel all-reduce's buckets; the distributed optimizer has its own over the
+        # same parameters
+        if self.distributed:
+            self.buffer = optimizer.buffer
+        else:
+            self.buffer = opt.GradBuffer(self.params, self.dp_size,
+                                         cfg.training_config.bucket_size)
+        model_cfg = cfg.model_config
         self.grad_dtype = DTYPES[main_grad_dtype(cfg)]    # micro-batches' gradients summed in it
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
-        self.compiled = cfg.training_config.use_jit and not (m.hidden_dropout_rate or m.attention_dropout_rate)
-        self.pipeline = (pipeline.PipelineRunner(self.chunks, self.state, self.compiled,
-                                                 cfg.parallel_config.pipeline_schedule)
-                         if self.state.pp > 1 else None)
-        seq = m.seq_length // self.state.cp // (self.state.tp if self.state.sequence_parallel else 1)
-        self.hidden_shape = (seq, cfg.dataset_config.batch_size, m.hidden_size)   # one pipeline hop
+        dropout = model_cfg.hidden_dropout_rate or model_cfg.attention_dropout_rate
+        self.compiled = cfg.training_config.use_jit and not dropout
+        self.pipeline = None
+        if self.state.pp > 1:
+            hop = pipeline.hop_shape(model_cfg, cfg.dataset_config.batch_size, self.state.cp,
+                                     self.state.tp, self.state.sequence_parallel)
+            self.pipeline = pipeline.PipelineRunner(self.chunks, self.state, hop,
+                                                    hidden_dtype(model_cfg), self.grad_dtype,
+                                                    self.compiled,
+                                                    cfg.parallel_config.pipeline_schedule)
         self.trace = None                 # a list: the next step records its passes' times
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
         self.loss_weight = 1.0
@@ -268,12 +323,11 @@ class Trainer:
         """(loss of each micro-batch, gradients of sum(loss) * scale / m summed over them in
         grad_dtype); with pipeline parallelism through the schedule, the losses only on the last
         stage."""
-        m = len(micro_batches)
-        self.loss_weight = self.scaler.scale / m
+        num_microbatches = len(micro_batches)
+        self.loss_weight = self.scaler.scale / num_microbatches
         if self.pipeline is not None:
-            return self.pipeline.run([to_tensors(b, self.state) for b in micro_batches], self.loss_weight,
-                                     self.hidden_shape, hidden_dtype(self.cfg.model_config), self.grad_dtype,
-                                     trace=self.trace)
+            return self.pipeline.run([to_tensors(b, self.state) for b in micro_batches],
+                                     self.loss_weight, trace=self.trace)
         losses, acc = [], None
         for batch in micro_batches:
             loss, grads = self.grad_fn(*to_tensors(batch, self.state))
@@ -284,22 +338,25 @@ class Trainer:
 
     def train_step(self, micro_batches):
         """Megatron's train_step: forward and backward over the micro-batches, the gradients'
-        reductions (optimizer.finalize_model_grads), optimizer.step() (unscale, inf/nan check,
-        clip, update; skipped on overflow), then the scheduler's step if it updated. Returns
-        (mean loss over the micro-batches, updated, gradient norm, lr used)."""
+        reductions (optimizer.finalize_model_grads), then optimizer.step(), called once (prepare
+        the grads: unscale, inf/nan check, and on overflow nothing more; clip; update), then the
+        scheduler's step if it updated. Returns (mean loss over the micro-batches,
+        updated, gradient norm, lr used)."""
         parallel.ledger.reset()
         self.set_train(True)
         clock = time.perf_counter()
         losses, grads = self.forward_backward(micro_batches)
         clock = self._lap("forward-backward", clock)
-        grads = opt.finalize_model_grads(grads, self.params, parallel.comm, self.state, self.optimizer, self.buffer)
+        grads = opt.finalize_model_grads(grads, self.params, parallel.collectives, self.state,
+                                         self.optimizer, self.buffer)
         clock = self._lap("grads-reduce", clock)
         lr = self.scheduler.get_lr()
-        updated, grad_norm = self.optimizer.step(grads, lr, self.scheduler.get_wd())
+        updated, grad_norm, _ = self.optimizer.step(grads, lr, self.scheduler.get_wd())
         if updated:                                  # Megatron: a skipped step does not count
             self.scheduler.step(1)
         self._lap("optimizer", clock)
-        return self.dp_mean(sum(losses) / len(micro_batches) if losses else 0.0), updated, grad_norm, lr
+        loss = sum(losses) / len(micro_batches) if losses else 0.0   # none before the last stage
+        return self.dp_mean(loss), updated, grad_norm, lr
 
     def _lap(self, name, since):
         now = time.perf_counter()
@@ -323,13 +380,14 @@ class Trainer:
     def reset_timers(self):
         self.seconds = dict.fromkeys(TIMERS, 0.0)
         if self.pipeline is not None:
-            self.pipeline.seconds = dict.fromkeys(self.pipeline.seconds, 0.0)
+            self.pipeline.reset_timers()
 
     def dp_mean(self, value):
         """A per-rank number averaged over the data-parallel ranks (for the log)."""
         if self.dp_size == 1:
             return value
-        total = parallel.comm.all_reduce(Tensor([value], ms.float32), self.state.dp_cp_group)
+        total = parallel.collectives(self.state.dp_cp_group).all_reduce(
+            Tensor([value], ms.float32))
         return float(total.asnumpy()[0]) / self.dp_size
 
 
@@ -338,22 +396,16 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
     state, runner = trainer.state, trainer.pipeline
     trainer.set_train(False)
-    d = cfg.dataset_config
-    it = data.MicroBatchIterator(dataset, d.batch_size, state.dp_rank, state.dp, consumed)
+    dataset_cfg = cfg.dataset_config
+    micro_batch_size, num_microbatches = dataset_cfg.batch_size, dataset_cfg.micro_batch_num
+    it = data.MicroBatchIterator(dataset, micro_batch_size, state.dp_rank, state.dp, consumed)
     losses = []
     for _ in range(iters):
-        batches = [to_tensors(b, state) for _, b in zip(range(d.micro_batch_num), it)]
+        batches = [to_tensors(b, state) for _, b in zip(range(num_microbatches), it)]
         if runner is None:
             losses += [float(trainer.forward(*batch).asnumpy()) for batch in batches]
-        elif len(batches) == d.micro_batch_num:       # a pipeline runs whole global batches
-            for chunk in runner.chunks:
-                chunk.set_grad(False)                 # nothing to record for a backward
-            seconds = dict(runner.seconds)            # the training timers leave evaluation out
-            losses += runner.run(batches, 1.0, trainer.hidden_shape, hidden_dtype(cfg.model_config),
-                                 trainer.grad_dtype, forward_only=True)[0]
-            runner.seconds = seconds
-            for chunk in runner.chunks:
-                chunk.set_grad(True)
+        elif len(batches) == num_microbatches:        # a pipeline runs whole global batches
+            losses += runner.run(batches, forward_only=True)[0]
     trainer.set_train(True)
     if state.pp > 1 and not state.is_last_stage:       # only the last stage has losses
         trainer.dp_mean(0.0)
@@ -362,120 +414,163 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
 
 
 # ----------------------------------------------------------------------------- the loop
-def pretrain(cfg):
+def pretrain(cfg, notes=()):
+    """Train as cfg says (Megatron's pretrain and its train loop); `notes` (the guides' spellings
+    translated, inert keys) are logged first. Returns this rank's model chunks."""
     started = time.time()
-    t, d, m = cfg.training_config, cfg.dataset_config, cfg.model_config
-    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.vocab_size)
+    training_cfg, dataset_cfg = cfg.training_config, cfg.dataset_config
+    tokenizer = build_tokenizer(dataset_cfg.tokenizer_type, dataset_cfg.vocab_file,
+                                dataset_cfg.merge_file, dataset_cfg.vocab_size)
     train_ds, valid_ds, test_ds = build_data(cfg, tokenizer)
-    setup_mindspore(cfg)
-    p = cfg.parallel_config
-    state = parallel.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                               p.context_parallel_size, p.sequence_parallel, p.ulysses_degree_in_cp)
-    setup_logging(t.output_dir, state.rank, to_console=state.rank == loss_rank(state))
-    if state.world_size > 1:
-        log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp))
-    model, rng = build_model(cfg, tokenizer, state)
-    optimizer, scheduler = build_optimizer(cfg, model, state)
-    trainer = Trainer(cfg, model, optimizer, scheduler, state)
+    trainer, rng = set_up(cfg, tokenizer, notes)
     iteration, consumed = 0, 0
-    if t.load_checkpoint:
+    if training_cfg.load_checkpoint:
         iteration, consumed = checkpoint.load_training_state(cfg, trainer, rng)
-    last_saved = iteration
-    if t.exit_signal_handler:                         # noted here, acted on between steps
+    if training_cfg.exit_signal_handler:              # noted here, acted on between steps
         _SIGTERM.clear()
         signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.append(signum))
-    n_params = sum(int(np.prod(p.shape)) for p in trainer.params)
-    log.info(f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
-             f"vocab {m.padded_vocab_size} (padded), {n_params / 1e6:.2f}M parameters"
-             f"{' on this rank' if state.world_size > 1 else ''}; global batch "
-             f"{d.global_batch_size} = {d.batch_size} x {d.micro_batch_num} micro-batches; "
-             f"{len(train_ds)} train samples")
-    for name, dataset in (("validation", valid_ds), ("test", test_ds)):
-        if dataset is None and t.eval_iters and not d.mock_data:
-            log.info(f"no {name} loss: the {name} part of --split {d.split} holds no documents")
-    if state.rank == 0:                               # every key as this run uses it, defaults filled in
-        path = os.path.join(t.output_dir, "effective_config.yaml")
-        checkpoint.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        log.info(f"config: {path}")
-    estimate = memory.RankReport(cfg, state, n_params, optimizer.state_bytes())
-    log.info(estimate.startup(trainer.compiled))
-    log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
-             + (": dropout inside" if t.use_jit else ""))
-    if trainer.pipeline is not None:
-        log.info(f"pipeline stage {state.pp_rank}: " + ", ".join(
-            f"chunk {c} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
-            for c, ch in enumerate(trainer.chunks)))
-    it = data.MicroBatchIterator(train_ds, d.batch_size, state.dp_rank, state.dp, consumed)
+    estimate = log_start(cfg, trainer, train_ds, valid_ds, test_ds)
+    state = trainer.state
+    micro_batch_size = dataset_cfg.batch_size         # MindFormers' batch_size is per micro-batch
+    it = data.MicroBatchIterator(train_ds, micro_batch_size, state.dp_rank, state.dp, consumed)
     samples_per_epoch = getattr(train_ds, "samples_per_epoch", None) or len(train_ds)
-    tokens_per_step = d.global_batch_size * m.seq_length
-    flops_per_step = num_floating_point_operations(m, d.global_batch_size)
     profiler = StepProfiler(cfg, state.rank)
-    window = LogWindow()
-    first_iteration = iteration + 1
+    metrics = open_metrics(cfg, state, iteration)
+    window = LogWindow(cfg, trainer, iteration + 1, metrics)
+    last_saved = iteration
     estimate.begin()                                  # the measured peak counts from here
-    while iteration < t.training_iters:
+    while iteration < training_cfg.training_iters:
         epoch = it.consumed_samples // samples_per_epoch
-        if t.pipeline_trace and trainer.pipeline is not None and iteration + 1 == t.training_iters:
-            trainer.trace = []                        # time the passes of the last step
-        profiler.before(iteration + 1)
-        scale = trainer.scaler.scale
-        loss, updated, grad_norm, lr = trainer.train_step([next(it) for _ in range(d.micro_batch_num)])
+        scale = trainer.scaler.scale                  # the step may change it
         iteration += 1
-        profiler.after(iteration)
-        if trainer.trace is not None:
-            report_pipeline_trace(cfg, trainer)
-            trainer.trace = None
-        window.add(loss, updated)
-        log_now = iteration % t.log_interval == 0 or iteration == t.training_iters
-        if iteration == first_iteration and not log_now:   # ms.jit compiles the graphs during the first step
-            log.info(f"step {iteration}: {time.perf_counter() - window.start:.1f} s with compilation and "
-                     "warm-up (left out of the Time: and timers averages)")
-            trainer.reset_timers()
+        window.log(iteration, epoch, scale, *profiled_step(cfg, trainer, it, profiler, iteration))
+        if maybe_evaluate(cfg, trainer, valid_ds, iteration, metrics):
             window.restart_clock()
-        if not updated:
-            log.warning(f"skipped iteration {iteration}: inf/nan in the gradients; "
-                        + scale_change(scale, trainer.scaler))
-        if t.log_comm_ledger:
-            log.info(f"comm: Step:{iteration}, " + parallel.ledger.line())
-        if log_now:
-            elapsed = window.seconds_per_step()
-            if state.is_last_stage:                   # the loss exists on the last stage only
-                log.info(f"train: Epoch:{epoch}, Step:{iteration}, Loss: {window.loss / window.steps:.6f}, "
-                         f"Finite_grads: {updated}, Loss_scale: {trainer.scaler.scale}, Grad_norm: {grad_norm:.6f}, "
-                         f"Skipped_iterations: {window.skipped}, Learning_rate: {lr:.6e}, "
-                         f"Time: {elapsed * 1000:.2f} ms, Tokens/s: {tokens_per_step / elapsed:.1f}, "
-                         f"TFLOP/s: {flops_per_step / elapsed / state.world_size / 1e12:.4f}")
-            log.info(trainer.timers_line(window.timed))
-            window.reset()
-        if valid_ds is not None and t.eval_iters and iteration % t.eval_interval == 0:
-            start = (iteration // t.eval_interval - 1) * t.eval_iters * d.global_batch_size
-            report("validation", iteration, evaluate(trainer, valid_ds, start, t.eval_iters, cfg))
-            window.restart_clock()
-        if t.save_interval and iteration % t.save_interval == 0 and iteration < t.training_iters:
-            checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
+        if maybe_save(cfg, iteration, it.consumed_samples, trainer, rng):
             last_saved = iteration
             window.restart_clock()
-        reason = exit_reason(t, iteration, started)
+        reason = exit_reason(training_cfg, iteration, started)
         if reason:
             if last_saved != iteration:
                 checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
-            log.info(f"exiting at iteration {iteration}: {reason}; continue with --load {t.output_dir}")
+            log.info(f"exiting at iteration {iteration}: {reason}; "
+                     f"continue with --load {training_cfg.output_dir}")
             return trainer.chunks
     log.info(estimate.measured())
     if iteration > last_saved:                        # at the end, unless nothing was trained
         checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
-    if test_ds is not None and t.eval_iters:
-        report("test", iteration, evaluate(trainer, test_ds, 0, t.eval_iters, cfg))
+    if test_ds is not None and training_cfg.eval_iters:
+        loss = evaluate(trainer, test_ds, 0, training_cfg.eval_iters, cfg)
+        log_eval_loss("test", iteration, loss, metrics)
     return trainer.chunks
 
 
-class LogWindow:
-    """The steps since the last train line: their summed loss, how many were skipped on inf/nan
-    (Megatron's "number of skipped iterations"), and the time per step since `start` over the
-    `timed` steps; restart_clock leaves out time spent outside steps (compilation, evaluation,
-    saves)."""
+def profiled_step(cfg, trainer, it, profiler, iteration):
+    """Trainer.train_step on the next global batch of `it`, step `iteration` to the profiler;
+    with --pipeline-trace the last step's passes are timed and reported."""
+    training_cfg = cfg.training_config
+    last_step = iteration == training_cfg.training_iters
+    if training_cfg.pipeline_trace and trainer.pipeline is not None and last_step:
+        trainer.trace = []                        # time the passes of the last step
+    profiler.before(iteration)
+    step = trainer.train_step([next(it) for _ in range(cfg.dataset_config.micro_batch_num)])
+    profiler.after(iteration)
+    if trainer.trace is not None:
+        report_pipeline_trace(cfg, trainer)
+        trainer.trace = None
+    return step
 
-    def __init__(self):
+
+def set_up(cfg, tokenizer, notes):
+    """MindSpore, the process groups, this rank's log (`notes` first), then the model, its
+    optimizer and the Trainer: (trainer, the dropout RNG)."""
+    setup_mindspore(cfg)
+    parallel_cfg = cfg.parallel_config
+    state = parallel.initialize_model_parallel(
+        parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size,
+        parallel_cfg.context_parallel_size, parallel_cfg.sequence_parallel,
+        parallel_cfg.ulysses_degree_in_cp)
+    setup_logging(cfg.training_config.output_dir, state.rank,
+                  to_console=state.rank == loss_rank(state))
+    for note in notes:
+        (log.warning if note.startswith("warning: ") else log.info)(note)
+    if state.world_size > 1:
+        log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp))
+    model, rng = build_model(cfg, tokenizer, state)
+    optimizer, scheduler = build_optimizer(cfg, model, state)
+    return Trainer(cfg, model, optimizer, scheduler, state), rng
+
+
+def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
+    """The run's opening lines: the model and batch, missing splits, the effective config (rank
+    0 writes it), the memory estimate, how the model runs, the pipeline stage's layers. Returns
+    the memory report (memory.RankReport), to be begun and measured."""
+    training_cfg, dataset_cfg = cfg.training_config, cfg.dataset_config
+    model_cfg, state = cfg.model_config, trainer.state
+    n_params = sum(int(np.prod(param.shape)) for param in trainer.params)
+    log.info(f"model: {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
+             f"heads {model_cfg.num_attention_heads}, vocab {model_cfg.padded_vocab_size} "
+             f"(padded), {n_params / 1e6:.2f}M parameters"
+             f"{' on this rank' if state.world_size > 1 else ''}; "
+             f"global batch {dataset_cfg.global_batch_size} = {dataset_cfg.batch_size} x "
+             f"{dataset_cfg.micro_batch_num} micro-batches; {len(train_ds)} train samples")
+    for name, dataset in (("validation", valid_ds), ("test", test_ds)):
+        if dataset is None and training_cfg.eval_iters and not dataset_cfg.mock_data:
+            log.info(f"no {name} loss: the {name} part of --split {dataset_cfg.split} holds no "
+                     "documents")
+    if state.rank == 0:                          # every key as this run uses it, defaults filled in
+        path = os.path.join(training_cfg.output_dir, "effective_config.yaml")
+        data.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        log.info(f"config: {path}")
+    estimate = memory.RankReport(cfg, state, n_params, trainer.optimizer.state_bytes())
+    log.info(estimate.startup(trainer.compiled))
+    log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
+             + (": dropout inside" if training_cfg.use_jit else ""))
+    if trainer.pipeline is not None:
+        log.info(f"pipeline stage {state.pp_rank}: " + ", ".join(
+            f"chunk {c} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
+            for c, ch in enumerate(trainer.chunks)))
+    return estimate
+
+
+def maybe_evaluate(cfg, trainer, dataset, iteration, metrics):
+    """Every eval_interval steps, the validation loss over the next eval_iters global batches
+    of `dataset` (each evaluation its own batches), logged and recorded in `metrics`. True if
+    it ran."""
+    training_cfg, dataset_cfg = cfg.training_config, cfg.dataset_config
+    interval, iters = training_cfg.eval_interval, training_cfg.eval_iters
+    if dataset is None or not iters or iteration % interval:
+        return False
+    start = (iteration // interval - 1) * iters * dataset_cfg.global_batch_size
+    log_eval_loss("validation", iteration, evaluate(trainer, dataset, start, iters, cfg), metrics)
+    return True
+
+
+def maybe_save(cfg, iteration, consumed, trainer, rng):
+    """Every save_interval steps before the last (which pretrain saves), a checkpoint. True if
+    it saved."""
+    training_cfg = cfg.training_config
+    interval = training_cfg.save_interval
+    if not interval or iteration % interval or iteration >= training_cfg.training_iters:
+        return False
+    checkpoint.save_training_state(cfg, iteration, consumed, trainer, rng)
+    return True
+
+
+class LogWindow:
+    """Megatron's training_log over the steps since the last train line: their summed loss, how
+    many were skipped on inf/nan (Megatron's "number of skipped iterations"), and the time per
+    step since `start` over the `timed` steps; restart_clock leaves out time spent outside steps
+    (compilation, evaluation, saves). Each train line's numbers also go to `metrics` (a
+    metrics.Metrics on the rank that logs the loss, else None)."""
+
+    def __init__(self, cfg, trainer, first_iteration, metrics):
+        self.cfg, self.trainer, self.first_iteration = cfg, trainer, first_iteration
+        self.metrics = metrics
+        dataset_cfg, model_cfg = cfg.dataset_config, cfg.model_config
+        self.batch_size = dataset_cfg.global_batch_size
+        self.tokens_per_step = self.batch_size * model_cfg.seq_length
+        self.flops_per_step = num_floating_point_operations(model_cfg, self.batch_size)
         self.reset()
 
     def reset(self):
@@ -491,6 +586,52 @@ class LogWindow:
 
     def seconds_per_step(self):
         return (time.perf_counter() - self.start) / max(self.timed, 1)
+
+    def log(self, iteration, epoch, scale, loss, updated, grad_norm, lr):
+        """After step `iteration` (run with loss scale `scale`; the rest is train_step's): the
+        first step's time apart, a skipped step's warning, the ledger line, and every
+        log_interval steps (and the last) the train line and the timers."""
+        training_cfg, trainer = self.cfg.training_config, self.trainer
+        self.add(loss, updated)
+        log_now = (iteration % training_cfg.log_interval == 0
+                   or iteration == training_cfg.training_iters)
+        if iteration == self.first_iteration and not log_now:
+            # ms.jit compiles the graphs during the first step
+            log.info(f"step {iteration}: {time.perf_counter() - self.start:.1f} s with "
+                     "compilation and warm-up (left out of the Time: and timers averages)")
+            trainer.reset_timers()
+            self.restart_clock()
+        if not updated:
+            log.warning(f"skipped iteration {iteration}: inf/nan in the gradients; "
+                        + scale_change(scale, trainer.scaler))
+        if training_cfg.log_comm_ledger:
+            log.info(f"comm: Step:{iteration}, " + parallel.ledger.line())
+        if log_now:
+            if trainer.state.is_last_stage:           # the loss exists on the last stage only
+                scalars = self.scalars(grad_norm, lr)
+                log.info(train_line(iteration, epoch, updated, scalars))
+                if self.metrics is not None:
+                    self.metrics.train(iteration, **scalars)
+            log.info(trainer.timers_line(self.timed))
+            self.reset()
+
+    def scalars(self, grad_norm, lr):
+        """The train line's numbers since the last one, named as metrics.TRAIN_TAGS's keys."""
+        elapsed = self.seconds_per_step()
+        return dict(loss=self.loss / self.steps, lr=lr, grad_norm=grad_norm,
+                    loss_scale=self.trainer.scaler.scale, skipped_iterations=self.skipped,
+                    tokens_per_s=self.tokens_per_step / elapsed,
+                    tflops=self.flops_per_step / elapsed / self.trainer.state.world_size / 1e12,
+                    iteration_time=elapsed, batch_size=self.batch_size)
+
+
+def train_line(iteration, epoch, updated, s):
+    """Megatron's training_log line (this project's spelling) from LogWindow.scalars `s`."""
+    return (f"train: Epoch:{epoch}, Step:{iteration}, Loss: {s['loss']:.6f}, "
+            f"Finite_grads: {updated}, Loss_scale: {s['loss_scale']}, "
+            f"Grad_norm: {s['grad_norm']:.6f}, Skipped_iterations: {s['skipped_iterations']}, "
+            f"Learning_rate: {s['lr']:.6e}, Time: {s['iteration_time'] * 1000:.2f} ms, "
+            f"Tokens/s: {s['tokens_per_s']:.1f}, TFLOP/s: {s['tflops']:.4f}")
 
 
 def scale_change(before, scaler):
@@ -508,29 +649,31 @@ def scale_change(before, scaler):
 _SIGTERM = []
 
 
-def exit_reason(t, iteration, started):
+def exit_reason(training_cfg, iteration, started):
     """Megatron's ways to end a job early (the caller saves first): --exit-interval, SIGTERM on any
     rank with --exit-signal-handler, --exit-duration-in-mins of wall time on any rank. The ranks
     agree through one all-reduce, so they all stop after the same step. None: go on."""
-    if t.exit_interval and iteration % t.exit_interval == 0:
-        return f"--exit-interval {t.exit_interval}"
-    if t.exit_signal_handler and parallel.any_rank(bool(_SIGTERM)):
+    if training_cfg.exit_interval and iteration % training_cfg.exit_interval == 0:
+        return f"--exit-interval {training_cfg.exit_interval}"
+    if training_cfg.exit_signal_handler and parallel.any_rank(bool(_SIGTERM)):
         return "SIGTERM received (--exit-signal-handler)"
-    if t.exit_duration_in_mins and parallel.any_rank(time.time() - started > 60 * t.exit_duration_in_mins):
-        return f"--exit-duration-in-mins {t.exit_duration_in_mins} reached"
+    minutes = training_cfg.exit_duration_in_mins
+    if minutes and parallel.any_rank(time.time() - started > 60 * minutes):
+        return f"--exit-duration-in-mins {training_cfg.exit_duration_in_mins} reached"
     return None
 
 
 def report_pipeline_trace(cfg, trainer):
     """Gather the step's pass times over the pipeline; the loss rank writes the timeline (text
-    and SVG under output_dir) and logs the bubble: measured, in the unit-time schedule, in theory."""
+    and SVG under output_dir) and logs the bubble: measured, in the unit-time schedule, in
+    theory."""
     traces = pipeline.gather_trace(trainer.trace, trainer.state)
     if trainer.state.rank != loss_rank(trainer.state):
         return
     path = os.path.join(cfg.training_config.output_dir, "pipeline_timeline")
-    log.info(pipeline.write_timeline(traces, cfg.dataset_config.micro_batch_num, len(trainer.chunks),
-                                     cfg.parallel_config.pipeline_schedule, path,
-                                     trainer.state.world_size // trainer.state.pp))
+    log.info(pipeline.write_timeline(traces, cfg.dataset_config.micro_batch_num,
+                                     len(trainer.chunks), cfg.parallel_config.pipeline_schedule,
+                                     path, trainer.state.world_size // trainer.state.pp))
     log.info(f"pipeline: timeline written to {path}.svg and {path}.txt")
 
 
@@ -540,86 +683,143 @@ def loss_rank(state):
     return state.tp * state.cp * state.dp * (state.pp - 1)
 
 
-def report(split, iteration, loss):
+def log_eval_loss(split, iteration, loss, metrics):
+    """Megatron's evaluation line: the `split` loss at `iteration` and its perplexity, on the
+    last pipeline stage (the only one with a loss); recorded in `metrics` (None: not here)."""
     if not parallel.get_state().is_last_stage:        # no loss before the last pipeline stage
         return
     ppl = math.exp(min(loss, 20.0))
-    log.info(f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |")
+    log.info(f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+             f"lm loss PPL: {ppl:.6E} |")
+    if metrics is not None:
+        metrics.evaluation(iteration, split, loss)
+
+
+def open_metrics(cfg, state, iteration):
+    """The run's metrics.Metrics on the rank that logs the loss (None on the others): in the
+    save folder, where the log is (every run has one: --save, ./output by default), resumed at
+    `iteration` (0: a fresh run); with --tensorboard-dir, event files there too."""
+    if state.rank != loss_rank(state):
+        return None
+    training_cfg = cfg.training_config
+    return Metrics(training_cfg.output_dir, training_cfg.tensorboard_dir, resume_step=iteration)
 
 
 # ----------------------------------------------------------------------------- commands
-COMMANDS = {"convert": checkpoint.convert_main, "import-hf": hf_gpt2.import_main,
-            "export-hf": hf_gpt2.export_main, "plan": memory.plan_main}     # their own flags, no MindSpore set-up
-
-
 def main(argv):
+    """Run one command (COMMANDS; `train` when the first argument is a flag or key=value) and
+    return its exit code: the command's (None: 0), 2 with one `error: ` line for a wrong command
+    line, config or checkpoint, 130 for Ctrl-C in preprocess."""
     argv = list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") and "=" not in argv[0] else "train"
     if command != "train":
         argv = argv[1:]
     try:
-        if command == "preprocess":
-            data.preprocess_main(argv)
-            return 0
-        if command in COMMANDS:
-            COMMANDS[command](argv)
-            return 0
-        if command == "generate":
-            setup_mindspore()                         # the device and threads the model runs on
-            sample.generate_main(argv)
-            return 0
-        if command not in ("train", "check"):
-            raise ConfigError(f"unknown command {command!r}: use train (default), check, preprocess, generate, "
-                              f"{', '.join(COMMANDS)}")
-        if command == "train" and ("--help" in argv or "-h" in argv):
-            raise HelpRequested(training_help())
-        flags = {"--config": ("config.yaml", str, "the YAML"),
-                 "--use-checkpoint-args": (None, bool, "the model and tokenizer of the --load checkpoint")}
-        if command == "check":
-            flags["--nproc"] = (1, int, "the number of workers msrun will start")
-        v, argv = parse_command(command, argv, flags, passthrough="training flags",
-                                about="Check a training command for --nproc workers in one process, as run.sh "
-                                      "does before msrun starts them." if command == "check" else "")
-        world = v.get("nproc", parallel.launched_world_size())
-        if world < 1:
-            raise ConfigError(f"--nproc {world}: give the number of workers, 1 or more")
-        cfg = load_config(v["config"], argv, world)
-        load = cfg.training_config.load_checkpoint
-        if v["use_checkpoint_args"] and load and checkpoint.holds_checkpoint(load):   # Megatron: the checkpoint's win
-            cfg = load_config(v["config"], argv + checkpoint.checkpoint_args(checkpoint.saved_config(load)), world)
-        check_inputs(cfg)
-        if command == "check":
-            return 0
+        if command not in COMMANDS:
+            raise ConfigError(f"unknown command {command!r}: use train (default), "
+                              f"{', '.join(list(COMMANDS)[1:])}")
+        return COMMANDS[command](argv) or 0
     except HelpRequested as e:
         print(e)
         return 0
+    except data.Interrupted as e:                 # Ctrl-C in preprocess (or the shipped corpus's)
+        print(e, file=sys.stderr)
+        return 130                                # a shell's code for SIGINT: 128 + 2
     except (ConfigError, checkpoint.CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    pid_dir = os.environ.get("RUN_SH_PID_DIR")       # run.sh names a worker killed from outside by its rank
-    if pid_dir and os.environ.get("MS_ROLE") == "MS_WORKER":
-        checkpoint.write_atomic(os.path.join(pid_dir, f"rank_{os.environ['RANK_ID']}.pid"), str(os.getpid()))
+
+
+def train_main(argv):
+    """The training command: its config checked (errors are main's), then pretrain, whose
+    errors every worker reports itself (fail): 2 for an expected one, 1 for a bug."""
+    cfg, notes = configure("train", argv)
+    record_worker_pid()
     try:
-        pretrain(cfg)
-    except (ConfigError, checkpoint.CheckpointError, OSError) as e:      # expected: one line, the fix in it
+        pretrain(cfg, notes)
+    except (ConfigError, checkpoint.CheckpointError, OSError) as e:    # one line, the fix in it
         fail(expected_message(e))
         return 2
-    except Exception:                                                    # a bug: its traceback, once
+    except Exception:                                                  # a bug: its traceback, once
         fail(f"training failed: {traceback.format_exc()}")
         return 1
     return 0
 
 
+def check_main(argv):
+    """What run.sh runs before msrun: the training command for --nproc workers, checked in one
+    process (config, layout, input files)."""
+    configure("check", argv)
+
+
+def configure(command, argv):
+    """(config, notes) of a `train` or `check` command line: the flags, the --config files and
+    key=value overrides layered over config.yaml (under the --load checkpoint's model with
+    --use-checkpoint-args), then check_inputs."""
+    if command == "train" and ("--help" in argv or "-h" in argv):
+        raise HelpRequested(training_help())
+    flags = {"--config": ([], list, "YAML files, each layered over config.yaml and the ones "
+                                    "before it (repeat the flag or list several)"),
+             "--use-checkpoint-args": (None, bool, "the model and tokenizer of the --load "
+                                                   "checkpoint, unless given")}
+    about = ""
+    if command == "check":
+        flags["--nproc"] = (1, int, "the number of workers msrun will start")
+        about = ("Check a training command for --nproc workers in one process, as run.sh "
+                 "does before msrun starts them.")
+    options, argv = parse_command(command, argv, flags, passthrough="training flags", about=about)
+    world = options.get("nproc", parallel.launched_world_size())
+    if world < 1:
+        raise ConfigError(f"--nproc {world}: give the number of workers, 1 or more")
+    notes, under = [], None
+    if options["use_checkpoint_args"]:        # Megatron: the checkpoint's model, unless given
+        load = raw_config(options["config"], argv, []).get("training_config", {}).get(
+            "load_checkpoint")
+        if load and checkpoint.holds_checkpoint(load):
+            under = checkpoint.checkpoint_args(checkpoint.saved_config(load))
+    cfg = load_config(options["config"], argv, world, notes, under)
+    check_inputs(cfg)
+    return cfg, notes
+
+
+def preprocess_main(argv):
+    data.preprocess_main(argv)                    # its prefixes are no exit code
+
+
+def generate_main(argv):
+    setup_mindspore()                             # the device and threads the model runs on
+    sample.generate_main(argv)
+
+
+def record_worker_pid():
+    """Under run.sh, a worker's pid in RUN_SH_PID_DIR/rank_N.pid: run.sh names a worker killed
+    from outside by its rank."""
+    pid_dir = os.environ.get("RUN_SH_PID_DIR")
+    if pid_dir and os.environ.get("MS_ROLE") == "MS_WORKER":
+        path = os.path.join(pid_dir, f"rank_{os.environ['RANK_ID']}.pid")
+        data.write_atomic(path, str(os.getpid()))
+
+
+# Every command by name, the training first; the checkpoint commands and plan take their own
+# flags and need no MindSpore set-up.
+COMMANDS = {"train": train_main, "check": check_main, "preprocess": preprocess_main,
+            "generate": generate_main, "convert": checkpoint.convert_main,
+            "import-hf": hf_gpt2.import_main, "export-hf": hf_gpt2.export_main,
+            "import-megatron": checkpoint.import_megatron_main, "plan": memory.plan_main}
+
+
 def expected_message(e):
     if isinstance(e, OSError):                      # an unwritable or full --save, a vanished file
-        return f"{e.filename or 'a file'}: {e.strerror or e}; free space, fix the permissions or choose another --save"
+        return (f"{e.filename or 'a file'}: {e.strerror or e}; free space, fix the permissions "
+                "or choose another --save")
     return str(e)
 
 
 def fail(message):
     """An error on any worker: the rank's error.log and one line on the console (msrun shows every
-    worker's console), prefixed by the rank when there are several, so the cause is where the user looks."""
-    if os.environ.get("MS_ROLE") == "MS_SCHED":    # msrun's scheduler process: it only relays a worker's failure
+    worker's console), prefixed by the rank when there are several, so the cause is where the
+    user looks."""
+    if os.environ.get("MS_ROLE") == "MS_SCHED":    # msrun's scheduler: it only relays a failure
         return
     if log.handlers:
         log.error(f"error: {message}")

@@ -1,0 +1,665 @@
+"""Megatron-LM checkpoints (--ckpt-format torch) in: names, layouts, args, and the command
+
+    bash run.sh import-megatron DIR --save OUT [--nproc N] [layout flags]
+
+A Megatron-LM checkpoint folder (megatron/training/checkpointing.py, save_checkpoint) is
+`latest_checkpointed_iteration.txt` ("N" or "release") and `iter_000000N/mp_rank_TT[_PPP]/
+model_optim_rng.pt`, one torch.save file (torch_format.py) per tensor and pipeline rank, holding
+args (the run's argparse.Namespace), checkpoint_version, iteration, model (model0, model1, ...
+with a virtual pipeline), optimizer, opt_param_scheduler, rng_state. The model is that rank's
+state dict, layer numbers local to its chunk (megatron/core/transformer/transformer_block.py),
+split over TP as Megatron's layers split it (megatron/core/tensor_parallel/layers.py):
+column-parallel linear_qkv and linear_fc1 and the vocab-parallel embedding and output layer on
+dim 0 (SwiGLU's fc1 holds [gate; up] of its own rows on each rank), row-parallel linear_proj and
+linear_fc2 on dim 1, norms, position embeddings and row-parallel biases replicated. linear_qkv's
+rows are per query group [q heads of the group; k; v] (megatron/core/transformer/attention.py,
+and the legacy query_key_value since checkpoint_version 2), this project's layout already.
+"""
+import argparse
+import collections
+import os
+import re
+
+import numpy as np
+
+import torch_format
+from config import ConfigError
+from optimizer import no_weight_decay
+from parallel import merge_tensor_parallel
+
+PROJECT = os.path.dirname(os.path.abspath(__file__))
+LATEST = "latest_checkpointed_iteration.txt"
+WEIGHTS = "model_optim_rng"                     # a rank's file: weights, optimizer state, RNG
+WEIGHTS_FILE = WEIGHTS + ".pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or written as asked: one line naming the file."""
+
+
+def iteration_dir(root, iteration):
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def shard_name(tp_rank=0, pp_rank=0, pp_size=1):
+    """Megatron: mp_rank_TT with one pipeline stage, mp_rank_TT_PPP with several."""
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+# Megatron-core's GPTModel (megatron/core/models/gpt/gpt_model.py, the local layer spec of
+# gpt_layer_specs.py) -> this project's names; each layer's modules are named alike
+MCORE_TOP = {"embedding.word_embeddings.weight": "word_embeddings.weight",
+             "embedding.position_embeddings.weight": "position_embeddings",
+             "decoder.final_layernorm.weight": "final_layernorm.weight",
+             "decoder.final_layernorm.bias": "final_layernorm.bias",
+             "output_layer.weight": "output_layer.weight"}
+# in Megatron's order of registration
+MCORE_LAYER = {name: name for name in ("input_layernorm", "self_attention.linear_proj",
+                                       "self_attention.linear_qkv", "pre_mlp_layernorm",
+                                       "mlp.linear_fc1", "mlp.linear_fc2")}
+# --transformer-impl transformer_engine fuses the norms into the next linear
+TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+            "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+# the legacy GPTModel (megatron/legacy/model/language_model.py, transformer.py), its state dict
+# nested per module and flattened here; its norms were renamed *_norm late in its life
+LEGACY_TOP = {"language_model.embedding.word_embeddings.weight": "word_embeddings.weight",
+              "language_model.embedding.position_embeddings.weight": "position_embeddings",
+              "language_model.output_layer.weight": "output_layer.weight",
+              "word_embeddings_for_head.weight": "output_layer.weight",  # the last stage's copy
+              **{f"language_model.encoder.{norm}.{leaf}": f"final_layernorm.{leaf}"
+                 for norm in ("final_layernorm", "final_norm") for leaf in ("weight", "bias")}}
+LEGACY_LAYER = {"input_layernorm": "input_layernorm", "input_norm": "input_layernorm",
+                "self_attention.query_key_value": "self_attention.linear_qkv",
+                "self_attention.dense": "self_attention.linear_proj",
+                "post_attention_layernorm": "pre_mlp_layernorm",
+                "post_attention_norm": "pre_mlp_layernorm",
+                "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
+LAYERS = {"decoder.layers.": MCORE_LAYER, "language_model.encoder.layers.": LEGACY_LAYER}
+LAYER_NUMBER = re.compile(r"(?:decoder|language_model\.encoder)\.layers\.(\d+)\.")
+LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
+RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?")
+LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
+           "mlp.linear_fc2")
+
+
+# ----------------------------------------------------------------------------- names
+def project_name(name, layer_offset=0):
+    """This project's global name of Megatron's `name` (mcore or legacy; its layer number local
+    to a chunk whose first layer is global layer `layer_offset`); None for what holds no weight
+    (`_extra_state`, RoPE's inv_freq); CheckpointError for a name this project's GPT has no
+    place for."""
+    parts = name.split(".")
+    if "_extra_state" in parts or parts[-2:] == ["rotary_pos_emb", "inv_freq"]:
+        return None           # transformer_engine's state may nest; RoPE's table is recomputed
+    top = MCORE_TOP.get(name) or LEGACY_TOP.get(name)
+    if top:
+        return top
+    for prefix, modules in LAYERS.items():
+        if not name.startswith(prefix):
+            continue
+        number, _, rest = name[len(prefix):].partition(".")
+        module, _, leaf = TE_NORMS.get(rest, rest).rpartition(".")
+        if number.isdigit() and module in modules and leaf in ("weight", "bias"):
+            return f"layers.{int(number) + layer_offset}.{modules[module]}.{leaf}"
+    raise CheckpointError(f"Megatron's {name} has no place in this project's GPT (only dense "
+                          "attention, MLP, LayerNorm/RMSNorm and embeddings are mapped)")
+
+
+def megatron_name(name, layer_offset=0):
+    """Megatron-core's name of this project's global `name`, its layer number made local to a
+    chunk whose first layer is global layer `layer_offset`."""
+    back = {v: k for k, v in MCORE_TOP.items()}
+    if name in back:
+        return back[name]
+    match = LAYER_NAME.fullmatch(name)
+    if match and match.group(2) in MCORE_LAYER and int(match.group(1)) >= layer_offset:
+        number, module, leaf = int(match.group(1)) - layer_offset, match.group(2), match.group(3)
+        return f"decoder.layers.{number}.{module}.{leaf}"
+    raise CheckpointError(f"{name} has no Megatron-core counterpart in a chunk starting at layer "
+                          f"{layer_offset} (Megatron's GPT has no sandwich norms)")
+
+
+def _megatron_order(name):
+    """Sort key: Megatron's state dict order (embedding, layers in order, each in registration
+    order and weight before bias, final norm, output layer), which its optimizer's parameter
+    indices follow."""
+    match = LAYER_NAME.fullmatch(name)
+    if match:
+        module = list(MCORE_LAYER).index(match.group(2))
+        return 1, int(match.group(1)), module, match.group(3) == "bias"
+    top = ["word_embeddings.weight", "position_embeddings", "final_layernorm.weight",
+           "final_layernorm.bias", "output_layer.weight"]
+    return (0 if top.index(name) < 2 else 2), top.index(name)
+
+
+def rank_model_state(tensors, layer_offsets):
+    """Megatron's model state of one (TP rank, pipeline stage), as save_checkpoint writes it:
+    {"model": state} or, with a virtual pipeline, {"model0": ..., "model1": ...}. `tensors` are
+    this rank's {"model.<global name>": value} (this project's names, values as given), its
+    chunks starting at the global layers `layer_offsets` (ascending). Layer numbers become local
+    to their chunk; embeddings go to the first chunk, the final norm and output layer to the
+    last; each linear gets Megatron-core's `_extra_state` entry (None)."""
+    chunks = [[] for _ in layer_offsets]
+    for key in sorted(tensors, key=lambda k: _megatron_order(k[len("model."):])):
+        name = key[len("model."):]
+        match = LAYER_NAME.fullmatch(name)
+        if match:
+            layer = int(match.group(1))
+            index = max(i for i, offset in enumerate(layer_offsets) if offset <= layer)
+        else:
+            index = 0 if "embeddings" in name else len(chunks) - 1
+        chunks[index].append((megatron_name(name, layer_offsets[index]), tensors[key]))
+    states = [_with_extra_state(items) for items in chunks]
+    if len(states) == 1:
+        return {"model": states[0]}
+    return {f"model{i}": state for i, state in enumerate(states)}
+
+
+def _with_extra_state(items):
+    """A chunk's (name, value) pairs as an OrderedDict, `<linear>._extra_state: None` after each
+    linear's parameters (megatron/core/tensor_parallel/layers.py: get_extra_state), and after
+    the final norm for a tied output layer, which has no weight on the embedding's stage."""
+    state = collections.OrderedDict()
+    for i, (name, value) in enumerate(items):
+        state[name] = value
+        module = name.rsplit(".", 1)[0]
+        following = items[i + 1][0].rsplit(".", 1)[0] if i + 1 < len(items) else None
+        if module != following and module.endswith(LINEARS + ("output_layer",)):
+            state[f"{module}._extra_state"] = None
+    if "decoder.final_layernorm.weight" in state and "output_layer._extra_state" not in state:
+        state["output_layer._extra_state"] = None
+    return state
+
+
+def model_chunks(state):
+    """The model state dicts of one rank's file, chunk by chunk ("model", or "model0", ...),
+    flattened to dotted names (the legacy model nests them per module)."""
+    keys = ["model"] if "model" in state else sorted(
+        (k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    return [_flatten(state[k]) for k in keys]
+
+
+def _flatten(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def rank_tensors(state, layer_offsets):
+    """The inverse of rank_model_state: a rank's file (its "model"/"modelK" state dicts, mcore or
+    legacy names) -> {"model.<global name>": value}; a tied last stage's copy of the word
+    embedding comes back as model.output_layer.weight, as this project's stages hold it."""
+    out = {}
+    for chunk, offset in zip(model_chunks(state), layer_offsets):
+        for name, value in chunk.items():
+            global_name = project_name(name, offset)
+            if global_name is not None:
+                out[f"model.{global_name}"] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- args
+# Megatron settings (megatron/training/arguments.py) this project's GPT cannot hold: the args
+# field, the values that are refused, what the setting is
+UNSUPPORTED = (
+    ("num_experts", lambda v: v not in (None, 0), "a mixture of experts"),
+    ("qk_layernorm", bool, "query and key layer norms"),
+    ("multi_latent_attention", bool, "multi-latent attention"),
+    ("attention_output_gate", bool, "a gated attention output"),
+    ("rotary_percent", lambda v: v not in (None, 1.0), "rotary embeddings on part of a head"),
+    ("rotary_interleaved", bool, "interleaved rotary embeddings"),
+    ("use_rope_scaling", bool, "RoPE frequency scaling"),
+    ("rotary_seq_len_interpolation_factor", lambda v: v not in (None, 1, 1.0),
+     "RoPE position interpolation"),
+    ("position_embedding_type", lambda v: v not in (None, "learned_absolute", "rope"),
+     "position embeddings other than learned_absolute and rope"),
+    ("normalization", lambda v: v not in (None, "LayerNorm", "RMSNorm"),
+     "a norm other than LayerNorm and RMSNorm"),
+    ("apply_layernorm_1p", bool, "zero-centred LayerNorm weights (1 + w)"),
+    ("layernorm_zero_centered_gamma", bool, "zero-centred LayerNorm weights (1 + w)"),
+    ("apply_residual_connection_post_layernorm", bool, "the residual taken after the norm"),
+    ("squared_relu", bool, "the squared ReLU activation"),
+    ("quick_geglu", bool, "the quick GeGLU activation"),
+    ("use_te_activation_func", bool, "transformer_engine's activation functions"),
+    ("window_size", lambda v: v is not None, "sliding-window attention"),
+    ("softmax_scale", lambda v: v is not None, "a custom softmax scale"),
+    ("mtp_num_layers", bool, "multi-token prediction layers"),
+    ("heterogeneous_layers_config_path", lambda v: v is not None, "heterogeneous layers"),
+    ("hybrid_override_pattern", lambda v: v is not None, "hybrid (Mamba) layers"),
+    ("hybrid_layer_pattern", lambda v: v is not None, "hybrid (Mamba) layers"))
+ROPE_SETTINGS = ("rotary_percent", "rotary_interleaved", "use_rope_scaling",
+                 "rotary_seq_len_interpolation_factor")        # checked for RoPE models alone
+
+
+def _hidden_act(args, legacy):
+    """This project's activation for Megatron's: SwiGLU; else GeLU, which Megatron computes with
+    the tanh approximation when the bias is fused into it (megatron/core/fusions/
+    fused_bias_gelu.py, --bias-gelu-fusion with biases, the default) and the legacy model also
+    with --openai-gelu (which Megatron-core ignores); exact (erf) GeLU otherwise."""
+    get = vars(args).get
+    if legacy and get("openai_gelu"):
+        return "gelu_tanh"
+    if get("swiglu"):
+        return "swiglu"
+    fused = get("bias_gelu_fusion", True) and get("add_bias_linear", True)
+    return "gelu_tanh" if fused else "gelu"
+
+
+def model_overrides(args, legacy=False):
+    """This project's model_config overrides (section.key=value) for the GPT Megatron's `args`
+    describe; ConfigError naming every setting this project cannot hold."""
+    get = vars(args).get
+    rope = get("position_embedding_type") == "rope" or bool(get("use_rotary_position_embeddings"))
+    refused = [f"args.{k}={get(k)!r} ({what})" for k, bad, what in UNSUPPORTED
+               if bad(get(k)) and (rope or k not in ROPE_SETTINGS)]
+    heads, hidden = get("num_attention_heads"), get("hidden_size")
+    if None in (heads, hidden, get("num_layers"), get("padded_vocab_size"), get("seq_length")):
+        raise ConfigError("its args lack num_layers, hidden_size, num_attention_heads, seq_length "
+                          "or padded_vocab_size: not the args of a Megatron-LM GPT")
+    if get("kv_channels") not in (None, hidden // heads):
+        refused.append(f"args.kv_channels={get('kv_channels')} (heads of another size than "
+                       f"hidden_size / num_attention_heads = {hidden // heads})")
+    if refused:
+        raise ConfigError(f"this project's GPT cannot hold {', '.join(refused)}")
+    gqa = bool(get("group_query_attention")) and get("num_query_groups") not in (None, heads)
+    bias = get("add_bias_linear", True)
+    values = {"num_layers": get("num_layers"), "hidden_size": hidden,
+              "ffn_hidden_size": get("ffn_hidden_size") or 4 * hidden,
+              "num_attention_heads": heads, "group_query_attention": gqa,
+              "seq_length": get("seq_length"),
+              "max_position_embeddings": get("max_position_embeddings") or get("seq_length"),
+              "vocab_size": get("padded_vocab_size"),
+              "position_embedding_type": "rope" if rope else "absolute",
+              "rotary_base": get("rotary_base", 10000),
+              "normalization": get("normalization") or "LayerNorm",
+              "norm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
+              "hidden_act": _hidden_act(args, legacy), "add_bias_linear": bias,
+              "out_proj_has_bias": bias, "qkv_has_bias": bias or get("add_qkv_bias", False),
+              "untie_embeddings_and_output_weights": get("untie_embeddings_and_output_weights",
+                                                         False),
+              "use_sandwich_norm": False,
+              "hidden_dropout_rate": get("hidden_dropout", 0.1),
+              "attention_dropout_rate": get("attention_dropout", 0.1),
+              "init_method_std": get("init_method_std", 0.02),
+              "fp32_residual_connection": get("fp32_residual_connection", False)}
+    if gqa:
+        values["num_query_groups"] = get("num_query_groups")
+    return [f"model_config.{k}={str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in values.items()]
+
+
+def tokenizer_overrides(args, padded):
+    """(dataset_config overrides, a note or None) for the tokenizer of Megatron's `args`.
+    GPT2BPETokenizer: its --vocab-file/--merge-file where they exist, else the project's copies
+    of GPT-2's (the same files). NullTokenizer (ids as text): Megatron's older one has
+    vocab_size + 1 ids (its eod the last), as this project's has; Megatron-core's newer one has
+    vocab_size (eod = vocab_size - 1), taken when the first would not fit the padded vocabulary.
+    A tokenizer this project lacks: NullTokenizer over the padded vocabulary, with a note."""
+    kind, size = getattr(args, "tokenizer_type", None), getattr(args, "vocab_size", None)
+    if kind == "GPT2BPETokenizer":
+        out = [f"dataset_config.tokenizer_type={kind}"]
+        for key, name in (("vocab_file", "gpt2-vocab.json"), ("merge_file", "gpt2-merges.txt")):
+            given = getattr(args, key, None)
+            found = given if given and os.path.isfile(given) else os.path.join(PROJECT, "data",
+                                                                                name)
+            out.append(f"dataset_config.{key}={found}")
+        return out, None
+    if kind == "NullTokenizer" and size:
+        size = int(size) if int(size) < padded else int(size) - 1
+        return [f"dataset_config.tokenizer_type={kind}", f"dataset_config.vocab_size={size}"], None
+    note = (f"its tokenizer {kind} is not in this project: ids 0..{padded - 2} as text "
+            "(NullTokenizer); give --tokenizer-type and its files to choose another")
+    return ["dataset_config.tokenizer_type=NullTokenizer",
+            f"dataset_config.vocab_size={padded - 1}"], note
+
+
+# ----------------------------------------------------------------------------- the folder
+def checkpoint_files(root):
+    """(iteration, {(tp_rank, pp_rank): path of model_optim_rng.pt}) of the checkpoint that
+    root's latest_checkpointed_iteration.txt names (Megatron's read_metadata and
+    get_checkpoint_name: "release" is iteration 0 in release/), every rank's file present."""
+    tracker = os.path.join(root, LATEST)
+    if not os.path.isfile(tracker):
+        raise CheckpointError(f"no Megatron-LM checkpoint in {root}: {LATEST} is missing")
+    text = open(tracker).read().strip()
+    if text != "release" and not text.isdigit():
+        raise CheckpointError(f"{tracker} holds {text!r:.40}, not an iteration number or release")
+    iteration = 0 if text == "release" else int(text)
+    folder = os.path.join(root, "release") if text == "release" else iteration_dir(root, iteration)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder} is missing: {tracker} names it")
+    entries = sorted(os.listdir(folder))
+    ranks = {}
+    for entry in entries:
+        match = RANK_DIR.fullmatch(entry)
+        if match and match.group(3):
+            raise CheckpointError(f"{os.path.join(folder, entry)}: expert-parallel rank folders "
+                                  "(a mixture of experts) are not read")
+        if match:
+            ranks[int(match.group(1)), int(match.group(2) or 0)] = os.path.join(folder, entry)
+    if not ranks:
+        dist = any(e.endswith(".distcp") or e in (".metadata", "common.pt") for e in entries)
+        raise CheckpointError(f"{folder} holds no mp_rank_* folders" + (
+            ": a torch_dist checkpoint (Megatron's default --ckpt-format); save with --ckpt-format "
+            "torch, or convert it with Megatron's tools/checkpoint/convert.py" if dist else ""))
+    tp = 1 + max(tp_rank for tp_rank, _ in ranks)
+    pp = 1 + max(pp_rank for _, pp_rank in ranks)
+    files = {}
+    for tp_rank in range(tp):
+        for pp_rank in range(pp):
+            default = os.path.join(folder, shard_name(tp_rank, pp_rank, pp))
+            path = os.path.join(ranks.get((tp_rank, pp_rank), default), WEIGHTS_FILE)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+            files[tp_rank, pp_rank] = path
+    return iteration, files
+
+
+def load_rank(path):
+    """One rank's model_optim_rng.pt, checked to be Megatron's: a dict with args and a model."""
+    try:
+        state = torch_format.load(path)
+    except torch_format.TorchFormatError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(state, dict) or not model_chunks(state):
+        keys = list(state)[:6] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{path} holds no model (it holds {keys}): not a Megatron-LM "
+                              f"{WEIGHTS_FILE}")
+    version = state.get("checkpoint_version", 0)
+    if not isinstance(version, (int, float)) or version < 2:
+        raise CheckpointError(f"{path} has checkpoint_version {version}: its query_key_value rows "
+                              "predate Megatron's per-group layout (version 2); load and save it "
+                              "again with Megatron-LM first")
+    if not isinstance(state.get("args"), argparse.Namespace):
+        raise CheckpointError(f"{path} holds no args (the run's argparse.Namespace)")
+    return state
+
+
+def is_legacy(state):
+    return any(k.startswith("language_model.") for c in model_chunks(state) for k in c)
+
+
+def checkpoint_overrides(state, path, tp, pp):
+    """(this project's overrides for the model and tokenizer, a note or None) from the args of
+    the rank file `state` (read from `path`), checked against the folder's tp x pp ranks."""
+    args = state["args"]
+    saved = (vars(args).get("tensor_model_parallel_size", 1),
+             vars(args).get("pipeline_model_parallel_size", 1))
+    if saved != (tp, pp):
+        raise CheckpointError(f"{path}: its args say tensor x pipeline parallel {saved[0]} x "
+                              f"{saved[1]}, the folder holds {tp} x {pp} ranks: incomplete")
+    try:
+        model = model_overrides(args, is_legacy(state))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    tokenizer, note = tokenizer_overrides(args, int(vars(args)["padded_vocab_size"]))
+    return model + tokenizer, note
+
+
+def layer_offsets(stage_states):
+    """Per pipeline stage (its TP rank 0 file in `stage_states`), the first global layer of each
+    of its chunks, counted from the layers the files hold: Megatron numbers layers chunk by
+    chunk over the stages (chunk 0 of stages 0, 1, ..., then chunk 1 of each; megatron/core/
+    transformer/transformer_layer.py, get_transformer_layer_offset), uneven stages included."""
+    counts = [[len({LAYER_NUMBER.match(n).group(1) for n in chunk if LAYER_NUMBER.match(n)})
+               for chunk in model_chunks(state)] for state in stage_states]
+    if len({len(c) for c in counts}) != 1:
+        raise CheckpointError(f"the pipeline stages hold {[len(c) for c in counts]} model chunks: "
+                              "every stage of a virtual pipeline holds as many")
+    offsets, start = [[0] * len(counts[0]) for _ in counts], 0
+    for chunk in range(len(counts[0])):
+        for stage, stage_counts in enumerate(counts):
+            offsets[stage][chunk], start = start, start + stage_counts[chunk]
+    return offsets
+
+
+def _float32(value, name):
+    if isinstance(value, torch_format.BFloat16):
+        return value.float32()
+    if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
+        raise CheckpointError(f"{name} is {type(value).__name__}, not a floating-point tensor")
+    return np.ascontiguousarray(value, np.float32)
+
+
+def _check_shards(shards, shapes, tp):
+    """Every TP rank holds every weight, each a 1/tp piece of one dimension or replicated."""
+    for rank, shard in enumerate(shards):
+        missing = sorted(set(shapes) - set(shard)) or sorted(set(shard) - set(shapes))
+        if missing:
+            what = "lack" if missing[0] in shapes else "hold"
+            raise CheckpointError(f"the files of TP rank {rank} {what} {missing[0]}: the weights "
+                                  "do not fit the model their args describe")
+        for name, shape in shapes.items():
+            got = shard[name].shape
+            split = [dim for dim, (a, b) in enumerate(zip(got, shape)) if a != b]
+            piece = not split or got[split[0]] * tp == shape[split[0]]
+            if len(got) != len(shape) or len(split) > 1 or not piece:
+                raise CheckpointError(f"{name} of TP rank {rank} has shape {got}, which is no "
+                                      f"1/{tp} piece of the model's {shape}")
+
+
+def read_weights(files, shapes, model_cfg, first=None):
+    """{"model.<name>": float32 array} of the rank files `files` ({(tp_rank, pp_rank): path}),
+    as one process of this project holds them (TP shards merged, stages and chunks united, the
+    tied last stage's copy of the embedding dropped), checked against the one-process `shapes`
+    ({"model.<name>": shape}) of `model_cfg`'s model. `first`: rank (0, 0)'s state, when
+    already loaded."""
+    tp, pp = 1 + max(tp_rank for tp_rank, _ in files), 1 + max(pp_rank for _, pp_rank in files)
+    states = {key: first if key == (0, 0) and first is not None else load_rank(path)
+              for key, path in files.items()}
+    offsets = layer_offsets([states[0, pp_rank] for pp_rank in range(pp)])
+    shards = []
+    for tp_rank in range(tp):
+        shard = {}
+        for pp_rank in range(pp):
+            named = rank_tensors(states[tp_rank, pp_rank], offsets[pp_rank]).items()
+            shard.update({k: _float32(v, f"{files[tp_rank, pp_rank]}: {k}") for k, v in named})
+        if not model_cfg.untie_embeddings_and_output_weights:
+            shard.pop("model.output_layer.weight", None)
+        shards.append(shard)
+    _check_shards(shards, shapes, tp)
+    swiglu = model_cfg.hidden_act == "swiglu"
+    return merge_tensor_parallel(shards, shapes, lambda n: 2 if swiglu and "linear_fc1" in n else 1)
+
+
+def weights_dtype(state):
+    """The dtype of a rank file's weights, as text (bfloat16 included)."""
+    value = next(v for v in model_chunks(state)[0].values() if v is not None)
+    return "bfloat16" if isinstance(value, torch_format.BFloat16) else str(value.dtype)
+
+
+# ----------------------------------------------------------------------------- this project's runs
+def megatron_args(cfg, iteration, consumed):
+    """A run of this project as Megatron-LM's args (megatron/training/arguments.py names), as its
+    save_checkpoint stores them: the model and tokenizer (what check_checkpoint_args compares and
+    --use-checkpoint-args reads), the layout, the precision, the schedule, the data consumed. This
+    project pads the vocabulary to make_vocab_size_divisible_by alone, Megatron to it x TP: the
+    divisor stored is ours / TP, so that Megatron's padding gives the same rows."""
+    parallel_cfg = cfg.parallel_config
+    vpp = parallel_cfg.virtual_pipeline_model_parallel_size
+    model = _megatron_model_args(cfg.model_config, parallel_cfg.tensor_model_parallel_size)
+    precision = _megatron_precision_args(cfg.model_config, cfg.training_config)
+    layout = dict(
+        tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        context_parallel_size=parallel_cfg.context_parallel_size,
+        sequence_parallel=parallel_cfg.sequence_parallel,
+        data_parallel_size=parallel_cfg.data_parallel_size, use_distributed_optimizer=False)
+    run = _megatron_run_args(cfg, iteration, consumed)
+    return argparse.Namespace(**model, **precision, **layout, **run)
+
+
+def _megatron_model_args(model_cfg, tp):
+    """megatron_args' model part, for a run of `tp` tensor-parallel ranks."""
+    rope = model_cfg.position_embedding_type == "rope"
+    gelu_tanh = model_cfg.hidden_act == "gelu_tanh"
+    return dict(
+        num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        group_query_attention=model_cfg.group_query_attention,
+        num_query_groups=model_cfg.num_query_groups,
+        kv_channels=model_cfg.hidden_size // model_cfg.num_attention_heads,
+        seq_length=model_cfg.seq_length, max_position_embeddings=model_cfg.max_position_embeddings,
+        padded_vocab_size=model_cfg.padded_vocab_size,
+        make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by // tp,
+        position_embedding_type="rope" if rope else "learned_absolute",
+        use_rotary_position_embeddings=rope, rotary_base=model_cfg.rotary_base, rotary_percent=1.0,
+        normalization=model_cfg.normalization, norm_epsilon=model_cfg.norm_epsilon,
+        swiglu=model_cfg.hidden_act == "swiglu", openai_gelu=gelu_tanh, bias_gelu_fusion=gelu_tanh,
+        add_bias_linear=model_cfg.add_bias_linear, add_qkv_bias=model_cfg.qkv_has_bias,
+        untie_embeddings_and_output_weights=model_cfg.untie_embeddings_and_output_weights,
+        hidden_dropout=model_cfg.hidden_dropout_rate,
+        attention_dropout=model_cfg.attention_dropout_rate,
+        init_method_std=model_cfg.init_method_std,
+        fp32_residual_connection=model_cfg.fp32_residual_connection,
+        apply_query_key_layer_scaling=model_cfg.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=model_cfg.attention_softmax_in_fp32,
+        fp16_lm_cross_entropy=model_cfg.fp16_lm_cross_entropy, transformer_impl="local",
+        num_experts=None)
+
+
+def _megatron_precision_args(model_cfg, training_cfg):
+    """megatron_args' precision and loss-scaling part."""
+    return dict(
+        fp16=model_cfg.compute_dtype == "float16", bf16=model_cfg.compute_dtype == "bfloat16",
+        params_dtype=torch_format.TorchDtype(model_cfg.params_dtype),
+        accumulate_allreduce_grads_in_fp32=training_cfg.accumulate_allreduce_grads_in_fp32,
+        loss_scale=training_cfg.loss_scale, initial_loss_scale=training_cfg.loss_scale_value,
+        min_loss_scale=training_cfg.min_loss_scale,
+        loss_scale_window=training_cfg.loss_scale_window, hysteresis=training_cfg.hysteresis)
+
+
+def _megatron_run_args(cfg, iteration, consumed):
+    """megatron_args' batch, schedule, optimizer, tokenizer and progress part."""
+    dataset_cfg, training_cfg = cfg.dataset_config, cfg.training_config
+    optimizer_cfg = cfg.optimizer_config
+    schedule = optimizer_cfg.learning_rate_scheduler_kwargs
+    return dict(
+        micro_batch_size=dataset_cfg.batch_size, global_batch_size=dataset_cfg.global_batch_size,
+        seed=training_cfg.seed, train_iters=training_cfg.training_iters,
+        lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr,
+        lr_decay_style=schedule.lr_decay_style, lr_warmup_iters=schedule.lr_warmup_iters,
+        lr_decay_iters=schedule.lr_decay_iters, weight_decay=optimizer_cfg.weight_decay,
+        start_weight_decay=optimizer_cfg.start_weight_decay,
+        end_weight_decay=optimizer_cfg.end_weight_decay,
+        weight_decay_incr_style=optimizer_cfg.weight_decay_incr_style,
+        clip_grad=training_cfg.grad_clip_kwargs.clip_value, adam_beta1=optimizer_cfg.betas[0],
+        adam_beta2=optimizer_cfg.betas[1], adam_eps=optimizer_cfg.eps,
+        sgd_momentum=optimizer_cfg.momentum,
+        optimizer="sgd" if optimizer_cfg.optimizer_type == "SGD" else "adam",
+        tokenizer_type=dataset_cfg.tokenizer_type, vocab_file=dataset_cfg.vocab_file,
+        merge_file=dataset_cfg.merge_file, vocab_size=dataset_cfg.vocab_size,
+        iteration=iteration, consumed_train_samples=consumed, consumed_valid_samples=0,
+        ckpt_format="torch", save=training_cfg.output_dir,
+        load=training_cfg.load_checkpoint or None)
+
+
+def param_groups(names, shapes):
+    """Megatron's parameter groups of a rank's parameters `names` (in its model order):
+    [weights with weight decay, biases and 1-D weights without] (get_param_groups), empty ones
+    left out; each [(name, wd_mult)]."""
+    groups = [[(n, 1.0) for n in names if not no_weight_decay(n, shapes[n])],
+              [(n, 0.0) for n in names if no_weight_decay(n, shapes[n])]]
+    return [g for g in groups if g]
+
+
+def megatron_optimizer(arrays, step, names, shapes, cfg, scaler_state):
+    """This rank's optimizer state (`arrays`: "optimizer.<kind>.<name>", "main.<name>"; the
+    inner optimizer's step) as Megatron's optimizer.state_dict() (megatron/core/optimizer/
+    optimizer.py): FP32Optimizer's torch.optim state dict, or for half-precision parameters
+    Float16OptimizerWithFloat16Params' {optimizer, grad_scaler, fp32_from_fp16_params}. The
+    torch indices run over param_groups in order; Adam keeps its step per parameter (torch),
+    SGD, which has none there, in its group."""
+    optimizer_cfg = cfg.optimizer_config
+    schedule = optimizer_cfg.learning_rate_scheduler_kwargs
+    sgd = optimizer_cfg.optimizer_type == "SGD"
+    kinds = sorted({k.split(".")[1] for k in arrays if k.startswith("optimizer.")})
+    state, groups, index = {}, [], 0
+    for group in param_groups(names, shapes):
+        for name, _ in group:
+            state[len(state)] = dict(
+                ({"step": np.array(float(step), np.float32)} if not sgd else {}),
+                **{k: arrays[f"optimizer.{k}.{name}"] for k in kinds})
+        mult = group[0][1]
+        momentum = {"momentum": optimizer_cfg.momentum, "step": step} if sgd else {}
+        groups.append({"lr": optimizer_cfg.learning_rate, "betas": tuple(optimizer_cfg.betas),
+                       "eps": optimizer_cfg.eps, "weight_decay": optimizer_cfg.weight_decay * mult,
+                       "wd_mult": mult, "lr_mult": 1.0,
+                       "is_expert_parallel": False, "is_decoupled_lr": False,
+                       "default_config": True, "max_lr": optimizer_cfg.learning_rate,
+                       "min_lr": schedule.min_lr,
+                       **momentum,
+                       "params": list(range(index, index + len(group)))})
+        index += len(group)
+    torch_state = {"state": state, "param_groups": groups}
+    if cfg.model_config.params_dtype == "float32":
+        return torch_state
+    scaler = {k: np.array(v, np.float32) if k == "scale" else v for k, v in scaler_state.items()}
+    return {"optimizer": torch_state, "grad_scaler": scaler,
+            "fp32_from_fp16_params": [[arrays[f"main.{n}"] for n, _ in g]
+                                      for g in param_groups(names, shapes)]}
+
+
+def optimizer_arrays(saved, names, shapes):
+    """The inverse of megatron_optimizer: ({"optimizer.<kind>.<name>", "main.<name>": array},
+    step) of a rank whose parameters are `names`, in its model order."""
+    half = "fp32_from_fp16_params" in saved
+    torch_state = saved["optimizer"] if half else saved
+    arrays, step = {}, 0
+    for g, (group, saved_group) in enumerate(zip(param_groups(names, shapes),
+                                                 torch_state["param_groups"])):
+        for (name, _), index in zip(group, saved_group["params"]):
+            entry = dict(torch_state["state"].get(index, {}))
+            step = int(entry.pop("step", saved_group.get("step", step)))
+            arrays.update({f"optimizer.{k}.{name}": v for k, v in entry.items()})
+        if half:
+            masters = saved["fp32_from_fp16_params"][g]
+            arrays.update({f"main.{n}": v for (n, _), v in zip(group, masters)})
+    return arrays, step
+
+
+def rank_file(cfg, meta, tensors, offsets):
+    """One rank's model_optim_rng.pt as Megatron's save_checkpoint assembles it (megatron/
+    training/checkpointing.py, generate_state_dict): args, checkpoint_version 3.0, iteration,
+    the model (rank_model_state), and when `meta` has an optimizer step its optimizer
+    (megatron_optimizer), lr schedule and RNG state: the dropout streams stand for Megatron's RNG
+    tracker (numpy states, not torch's: Megatron reads the file with --no-load-rng). `tensors`:
+    the rank's "model.<name>", "optimizer.<kind>.<name>", "main.<name>" arrays (global names);
+    `meta`: checkpoint.py's (iteration, consumed samples, optimizer step, scheduler, scaler,
+    RNG); `offsets`: the first global layer of each of the rank's chunks."""
+    model = {k: v for k, v in tensors.items() if k.startswith("model.")}
+    state = {"args": megatron_args(cfg, meta["iteration"], meta["consumed_train_samples"]),
+             "checkpoint_version": 3.0, "iteration": meta["iteration"],
+             **rank_model_state(model, offsets)}
+    if meta.get("optimizer_step") is not None:
+        names = [k[len("model."):] for k in rank_tensors(state, offsets)]
+        shapes = {n: model[f"model.{n}"].shape for n in names}
+        state["optimizer"] = megatron_optimizer(tensors, meta["optimizer_step"], names, shapes, cfg,
+                                                meta["grad_scaler"])
+        state["opt_param_scheduler"] = meta["opt_param_scheduler"]
+        state["rng_state"] = [{"rng_tracker_states": meta["rng_state"]}]
+    state["num_floating_point_operations_so_far"] = 0
+    return state
+
+
+def rank_arrays(state, offsets):
+    """The inverse of rank_file for this project's loader: the rank's "model.<name>" arrays and,
+    if saved, its optimizer's ("optimizer.<kind>.<name>", "main.<name>")."""
+    arrays = rank_tensors(state, offsets)
+    if "optimizer" in state:
+        names = [k[len("model."):] for k in arrays]
+        shapes = {n: arrays[f"model.{n}"].shape for n in names}
+        arrays.update(optimizer_arrays(state["optimizer"], names, shapes)[0])
+    return arrays
+
+
+if __name__ == "__main__":          # imported by train.py, not a script
+    raise SystemExit("error: megatron_checkpoint.py is a library: run "
+                     "`bash run.sh import-megatron ...` (bash run.sh --help lists the commands)")

@@ -1,0 +1,357 @@
+"""The tour: every parallelism of the project trained beside one process, a row per layout.
+
+    bash run.sh tour [--layouts tp,pp_vpp,...] [--output output/tour]
+
+A tiny GPT (MODEL: 4 layers, hidden 64, 4 heads, sequence 64, byte tokens of the shipped
+tinyshakespeare) trains STEPS steps, compiled by ms.jit as in production, in each layout of
+LAYOUTS and in one process, from the same initial weights on the same batches (float32; the
+fp16 row against a float16 process). The layouts of one worker count share one msrun launch, its
+workers running them one after another (this file is their program too: `python tour.py --runs
+RUNS.json`, which calls train.main per run); a row is printed as each run ends:
+
+    loss vs one   the largest relative difference of the STEPS losses from one process's, then
+                  `equal` within RTOL, else `DIFFERS`: the tour stops there, naming the layout
+    comm MiB      what a step hands to collectives on the busiest rank, from the ledger
+                  (parallel.Ledger, training_config.log_comm_ledger) beside memory.communication's
+                  formula for that rank; "=" when every rank's ledger equals its formula, call
+                  for call and byte for byte
+    bubble        the pipeline's measured idle / busy time (pipeline.write_timeline) beside
+                  (p - 1) / (v m); each pipeline row leaves its timeline SVG in its folder
+    peak MiB      the largest resident-memory growth of a rank during training (memory.RankReport)
+                  beside that rank's estimate (memory.stage_memory, what `bash run.sh plan`
+                  prints): compiled CPU graphs keep every intermediate, several times the estimate
+                  (docs/memory.md)
+    tokens/s      the median step after the first two (the first compiles)
+
+Under each row, the functions that do that layout's work (module.name, as the code spells them).
+Every run's log, metrics.jsonl and loss.svg stay in <output>/<layout>/.
+"""
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import namedtuple
+
+import numpy as np
+
+import data
+import memory
+import train
+from cli import (HelpRequested, PROJECT_CONFIG, load_config, msrun_command,
+                 parse_command)
+from config import ConfigError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 10
+MODEL = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "4", "--hidden-size", "64",
+         "--ffn-hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--train-iters", str(STEPS), "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3",
+         "--lr-warmup-iters", "2", "training_config.log_comm_ledger=true",
+         "training_config.save_interval=null"]
+# the one-process references: name: flags
+REFERENCES = {"one": [], "one_fp16": ["--fp16", "--initial-loss-scale", "4096"]}
+# how far a layout's losses may be from one process's: float32 1e-5; float16 3e-5 (a layout
+# reorders float16 sums whose roundings, 2^-11 relative each, mostly cancel in a loss averaged
+# over every token of the batch: docs/half-precision.md)
+RTOL = {"one": 1e-5, "one_fp16": 3e-5}
+
+TP2, SP = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"]
+PP2, VPP2 = (["--pipeline-model-parallel-size", "2", "training_config.pipeline_trace=true"],
+             ["--virtual-pipeline-model-parallel-size", "2"])
+CP2, RING = ["--context-parallel-size", "2"], ["--cp-comm-type", "p2p"]
+DISTOPT = ["--use-distributed-optimizer"]
+Layout = namedtuple("Layout", "title workers flags reference code")
+LAYOUTS = {
+    "tp": Layout("TP2", 2, TP2, "one",
+                 "parallel.ColumnParallelLinear, parallel.RowParallelLinear"),
+    "tp_sp": Layout("TP2 + sequence parallel", 2, TP2 + SP, "one",
+                    "parallel.reduce_scatter_to_sequence_parallel_region"),
+    "dp": Layout("DP2", 2, [], "one", "optimizer.GradBuffer, optimizer.all_reduce_grads"),
+    "dp_distopt": Layout("DP2 + distributed optimizer", 2, DISTOPT, "one",
+                         "optimizer.DistributedOptimizer"),
+    "pp": Layout("PP2, 1F1B", 2, PP2, "one", "pipeline.schedule, pipeline.PipelineRunner"),
+    "pp_vpp": Layout("PP2 x 2 chunks, interleaved 1F1B", 2, PP2 + VPP2, "one",
+                     "pipeline.build_chunks, pipeline.schedule"),
+    "cp_ulysses": Layout("CP2, Ulysses", 2, CP2, "one",
+                         "parallel.all_to_all_sequence_to_heads"),
+    "cp_ring": Layout("CP2, ring attention", 2, CP2 + RING, "one",
+                      "context_parallel.RingAttention"),
+    "fp16": Layout("float16 (--fp16), DP2 + distributed optimizer", 2,
+                   DISTOPT + REFERENCES["one_fp16"], "one_fp16", "optimizer.DynamicGradScaler"),
+    "cp_hybrid": Layout("CP4 = Ulysses 2 x ring 2", 4,
+                        ["--context-parallel-size", "4", "--context-parallel-algo",
+                         "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"], "one",
+                        "context_parallel.cp_token_indices"),
+    "4d": Layout("TP2+SP x CP2 (ring) x PP2 x DP2, distributed optimizer", 16,
+                 TP2 + SP + CP2 + RING + PP2 + DISTOPT, "one",
+                 "parallel.rank_groups"),
+}
+TOUR_FLAGS = {"--layouts": (list(LAYOUTS), list, "the layouts to run, in this order: "
+                            + ", ".join(LAYOUTS) + " (comma- or space-separated)"),
+              "--output": (os.path.join("output", "tour"), str,
+                           "the folder of every run's log, metrics and timeline")}
+
+
+def parse(argv):
+    """The options of `bash run.sh tour`: (layout names in LAYOUTS' order, output folder)."""
+    options, _ = parse_command("tour", argv, TOUR_FLAGS,
+                               about="Every layout of a tiny GPT trained beside one process.")
+    names = [n for item in options["layouts"] for n in item.split(",") if n]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown or not names:
+        raise ConfigError(f"tour: --layouts {','.join(unknown) or '(none)'}: choose from "
+                          f"{', '.join(LAYOUTS)}")
+    return [n for n in LAYOUTS if n in names], os.path.abspath(options["output"])
+
+
+# ----------------------------------------------------------------------------- the runs
+class Launch:
+    """A group of runs in one process (`workers` 1: no msrun) or one msrun launch, started at
+    once; `wait(name)` returns when that run has ended on every worker (each worker writes
+    <folder>/tour_done.<rank> after its train.main) and raises RunFailed if the launch ended
+    first."""
+
+    def __init__(self, workers, runs, output):
+        self.workers, self.output = workers, output
+        runs_file = os.path.join(output, f"runs_{workers}.json")
+        data.write_atomic(runs_file, json.dumps(runs))
+        program = [os.path.abspath(__file__), "--runs", runs_file]
+        self.log_dir = os.path.join(output, f"msrun_{workers}")
+        if workers == 1:
+            cmd, env = [sys.executable, *program], None
+        else:
+            cmd, env = msrun_command(workers, self.log_dir, program)
+            # 16 workers on 2 cores: one busy compiling can miss msrun's heartbeats for longer
+            # than run.sh's MS_NODE_TIMEOUT of 10 s
+            env["MS_NODE_TIMEOUT"] = "90"
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.console = open(os.path.join(self.log_dir, "console.log"), "w")
+        self.process = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=self.console,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, name):
+        folder = os.path.join(self.output, name)
+        while True:
+            done = all(os.path.exists(os.path.join(folder, f"tour_done.{r}"))
+                       for r in range(self.workers))
+            if done:
+                return folder
+            if self.process.poll() is not None:
+                raise RunFailed(f"{name} did not finish: see {folder}/log/rank_*/ and "
+                                f"{self.log_dir}/")
+            time.sleep(0.2)
+
+    def stop(self):
+        """Kill the launch if it still runs (its workers are in its process group)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, 9)
+            self.process.wait()
+        self.console.close()
+
+
+class RunFailed(Exception):
+    """A run of the tour that did not finish or does not equal one process."""
+
+
+def run_argv(name, flags, prefix, output):
+    """train.py's argv for the run `name` of the tour."""
+    return ["--config", PROJECT_CONFIG, *MODEL, "--data-path", prefix, *flags,
+            "--save", os.path.join(output, name)]
+
+
+def worker(runs_file):
+    """The program of each worker (or the one process): every [name, argv] of runs_file through
+    train.main, then <save>/tour_done.<rank>; the first failure ends the worker (msrun then stops
+    the others)."""
+    rank = os.environ.get("RANK_ID", "0")
+    for name, argv in json.loads(open(runs_file).read()):
+        code = train.main(argv)
+        if code != 0:
+            sys.exit(code)
+        open(os.path.join(argv[argv.index("--save") + 1], f"tour_done.{rank}"), "w").close()
+
+
+# ----------------------------------------------------------------------------- the rows
+def train_records(folder):
+    """The training records of a run's metrics.jsonl (metrics.py), in step order."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [r for r in records if r["split"] == "train"]
+
+
+def rank_lines(folder, rank, prefix):
+    """The lines of rank `rank`'s info.log that start with `prefix`."""
+    with open(os.path.join(folder, "log", f"rank_{rank}", "info.log")) as f:
+        return [line.rstrip("\n") for line in f if line.startswith(prefix)]
+
+
+def loss_difference(folder, reference_folder):
+    """The largest relative difference of the run's losses from the reference's."""
+    run, one = ([r["loss"] for r in train_records(f)] for f in (folder, reference_folder))
+    if len(run) != len(one):
+        raise RunFailed(f"{folder}: {len(run)} losses, one process {len(one)}")
+    return float(np.max(np.abs(np.subtract(run, one)) / np.abs(one)))
+
+
+def ledger_items(line):
+    """`comm: Step:N, kind op calls bytes, ...` -> {(kind, op): (calls, bytes)}."""
+    items = [i.split() for i in line.split(", ")[1:] if i != "none"]
+    return {(kind, op): (int(calls), int(nbytes)) for kind, op, calls, nbytes in items}
+
+
+def communication(folder, cfg, workers):
+    """(ledger MiB, formula MiB) of the busiest rank's step, and whether every rank's
+    ledger equals its formula (memory.communication of the rank's pipeline stage)."""
+    per_stage = workers // cfg.parallel_config.pipeline_model_parallel_size
+    ledgers, formulas = [], []
+    for rank in range(workers):
+        # the step before the last: the last one also gathers the pipeline trace
+        ledgers.append(ledger_items(rank_lines(folder, rank, f"comm: Step:{STEPS - 1},")[0]))
+        formulas.append(memory.communication(cfg, rank // per_stage))
+    sizes = [sum(b for _, b in items.values()) / memory.MIB for items in ledgers]
+    busiest = int(np.argmax(sizes))
+    formula = sum(b for _, b in formulas[busiest].values()) / memory.MIB
+    return sizes[busiest], formula, ledgers == formulas
+
+
+def bubble(folder, cfg, workers):
+    """(measured, theory) from the pipeline line of the rank that logs the loss (the first of
+    the last stage, as train.loss_rank), or None without a pipeline."""
+    pp = cfg.parallel_config.pipeline_model_parallel_size
+    lines = rank_lines(folder, workers // pp * (pp - 1), "pipeline: bubble")
+    if not lines:
+        return None
+    words = lines[-1].replace(",", "").replace(";", "").split()
+    return float(words[words.index("measured") + 1]), float(words[words.index("theory") + 1])
+
+
+def peak_memory(folder, workers):
+    """(measured MiB, estimate MiB) of the rank whose resident memory grew most in training."""
+    pairs = []
+    for rank in range(workers):
+        words = rank_lines(folder, rank, "memory: measured")[-1].split()
+        pairs.append((float(words[words.index("growth") + 1]),
+                      float(words[words.index("estimate") + 1])))
+    return max(pairs)
+
+
+def tokens_per_s(folder):
+    """The median tokens/s of the steps after the first two (the first compiles)."""
+    return float(np.median([r["tokens_per_s"] for r in train_records(folder)[2:]]))
+
+
+HEADER = ("layout      ranks  loss vs one        comm MiB/step     bubble       peak MiB    "
+          "tokens/s\n"
+          "                                      ledger  formula   meas. (p-1)/vm  meas. plan")
+
+
+def row(name, folder, reference_folder):
+    """The tour's row for the run `name` in `folder`, and the relative loss difference."""
+    layout = LAYOUTS[name]
+    cfg = load_config(PROJECT_CONFIG, [*MODEL, *layout.flags], layout.workers)
+    cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
+    difference = loss_difference(folder, reference_folder)
+    verdict = "equal" if difference <= RTOL[layout.reference] else "DIFFERS"
+    ledger, formula, same = communication(folder, cfg, layout.workers)
+    pipe = bubble(folder, cfg, layout.workers)
+    pipe = f"{pipe[0]:5.3f} {pipe[1]:5.3f}" if pipe else f"{'-':>5} {'-':>5}"
+    measured, estimate = peak_memory(folder, layout.workers)
+    text = (f"{name:<11} {layout.workers:>4}  {difference:7.1e} {verdict:<7}  "
+            f"{ledger:7.3f} {'=' if same else '!='} {formula:7.3f}  {pipe}  "
+            f"{measured:6.0f} {estimate:5.1f}  {tokens_per_s(folder):7.0f}")
+    return text, difference, verdict == "equal"
+
+
+# ----------------------------------------------------------------------------- bash run.sh tour
+def start(workers, names, prefix, output):
+    """Launch the runs `names` (references or layouts) on `workers` workers, their folders
+    emptied first."""
+    runs = []
+    for name in names:
+        shutil.rmtree(os.path.join(output, name), ignore_errors=True)
+        flags = REFERENCES[name] if name in REFERENCES else LAYOUTS[name].flags
+        runs.append([name, run_argv(name, flags, prefix, output)])
+    return Launch(workers, runs, output)
+
+
+def tour(names, output):
+    """Run the references, then each worker count's layouts in one launch, printing a row per
+    layout as it ends; stop at the first that fails or differs. Returns the exit code."""
+    with contextlib.redirect_stdout(io.StringIO()):          # preprocessing's progress lines
+        prefix = data.ensure_preprocessed(SHAKESPEARE, os.path.join(output, "data", "shakespeare"),
+                                          "ByteTokenizer")
+    references = [r for r in REFERENCES if any(LAYOUTS[n].reference == r for n in names)]
+    groups = [(1, references)] + [(w, [n for n in names if LAYOUTS[n].workers == w])
+                                  for w in sorted({LAYOUTS[n].workers for n in names})]
+    print(HEADER, flush=True)
+    for workers, group in groups:
+        launch = start(workers, group, prefix, output)
+        try:
+            for name in group:
+                folder = launch.wait(name)
+                if name not in REFERENCES:
+                    print(report(name, folder, output), flush=True)
+        except RunFailed as e:
+            print(f"tour: stopped: {e}", flush=True)
+            return 1
+        finally:
+            launch.stop()
+    return 0
+
+
+def report(name, folder, output):
+    """The lines of layout `name` (its row, the code that does its work, its timeline), or
+    RunFailed if its losses differ from one process's."""
+    layout = LAYOUTS[name]
+    text, difference, equal = row(name, folder, os.path.join(output, layout.reference))
+    lines = [text, f"    {layout.title}: {layout.code}"]
+    if "training_config.pipeline_trace=true" in layout.flags:
+        lines.append(f"    timeline: {shown(folder)}/pipeline_timeline.svg")
+    if not equal:
+        print("\n".join(lines), flush=True)
+        raise RunFailed(f"{name} differs from one process by {difference:.1e} (more than "
+                        f"{RTOL[layout.reference]:g}): its log is in {shown(folder)}/log")
+    return "\n".join(lines)
+
+
+SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
+
+
+def shown(path):
+    """A path as printed: relative to the working folder when inside it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def main(argv):
+    """bash run.sh tour: see the module docstring."""
+    try:
+        names, output = parse(argv)
+    except HelpRequested as e:
+        print(e)
+        return 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    started = time.time()
+    os.makedirs(output, exist_ok=True)
+    print(f"tour: {len(names)} layout(s) of a tiny GPT, {STEPS} compiled steps each, beside one "
+          f"process (output: {shown(output)})", flush=True)
+    code = tour(names, output)
+    if code == 0:
+        minutes, seconds = divmod(round(time.time() - started), 60)
+        print(f"tour: {len(names)} layout(s), each equal to one process, in {minutes} min "
+              f"{seconds} s")
+    return code
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--runs"]:
+        worker(sys.argv[2])
+    else:
+        sys.exit(main(sys.argv[1:]))
