@@ -78,9 +78,8 @@ from mindspore.graph.api import _pynative_executor
 from mindspore.ops import constexpr
 
 import parallel
-from parallel import Mapping, cast, linear
+from parallel import F32, cast, linear
 
-F32 = ms.float32
 # Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
 METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 _bmm_nt = ops.BatchMatMul(transpose_b=True)        # [E_l, T, in] x [E_l, out, in] -> [E_l, T, out]
@@ -493,27 +492,18 @@ class SharedExpertMLP(nn.Cell):
 
 
 # ============================================================================ dispatchers
-def _all_to_all(comm, x):
+def _all_to_all(c, x, dim):
     """Equal-split all-to-all over the group along dim 0: x [size * L, ...] -> [size * L, ...]
-    whose block i is rank i's block for this rank."""
-    y = comm.all_to_all(x.reshape((comm.size, -1) + x.shape[1:]), 0, 1)       # [1, size*L, ..]
+    whose block i is rank i's block for this rank (a parallel.Mapping half; dim is 0)."""
+    y = c.all_to_all(x.reshape((c.size, -1) + x.shape[1:]), 0, 1)            # [1, size*L, ..]
     return y.reshape(x.shape)
 
 
-class AllToAll(nn.Cell):
+def all_to_all(group):
     """Megatron's all_to_all mapping (tensor_parallel/mappings.py:424-484) with equal splits:
     its own inverse (block j of rank i <-> block i of rank j), so its backward is itself. On
     CPU parallel.Collectives builds it from an all-gather."""
-
-    def __init__(self, group):
-        super().__init__()
-        self.comm = parallel.collectives(group)
-
-    def construct(self, x):
-        return _all_to_all(self.comm, x)
-
-    def bprop(self, x, out, dout):
-        return (_all_to_all(self.comm, dout),)
+    return parallel.Mapping(_all_to_all, _all_to_all, 0, group)
 
 
 class MoEAllGatherTokenDispatcher(nn.Cell):
@@ -526,9 +516,9 @@ class MoEAllGatherTokenDispatcher(nn.Cell):
     def __init__(self, num_local_experts, local_expert_offset, tp_ep_group=None):
         super().__init__()
         self.first, self.num_local_experts = local_expert_offset, num_local_experts
-        self.gather_tokens = Mapping("gather_from_sequence_parallel_region", tp_ep_group)
-        self.gather_probs = Mapping("gather_from_sequence_parallel_region", tp_ep_group)
-        self.scatter_output = Mapping("reduce_scatter_to_sequence_parallel_region", tp_ep_group)
+        self.gather_tokens = parallel.gather_from_sequence_parallel_region(tp_ep_group)
+        self.gather_probs = parallel.gather_from_sequence_parallel_region(tp_ep_group)
+        self.scatter_output = parallel.reduce_scatter_to_sequence_parallel_region(tp_ep_group)
 
     def dispatch(self, hidden, probs, routing_map):
         """hidden [n, h], probs [n, E] -> (tokens [E_l, N, h], probs [E_l, N], None) with
@@ -562,10 +552,11 @@ class MoEAlltoAllTokenDispatcher(nn.Cell):
         self.exchange = None
         if ep_group is not None:
             # one per call site: tokens, probs, output
-            self.exchange = nn.CellList([AllToAll(ep_group) for _ in range(3)])
-        self.gather_tokens = Mapping("gather_from_sequence_parallel_region")     # the TP group
-        self.gather_probs = Mapping("gather_from_sequence_parallel_region")
-        self.scatter_output = Mapping("reduce_scatter_to_sequence_parallel_region")
+            self.exchange = nn.CellList([all_to_all(ep_group) for _ in range(3)])
+        # ETP = TP: the current TP group
+        self.gather_tokens = parallel.gather_from_sequence_parallel_region()
+        self.gather_probs = parallel.gather_from_sequence_parallel_region()
+        self.scatter_output = parallel.reduce_scatter_to_sequence_parallel_region()
 
     def capacity(self, num_tokens, num_experts):
         if self.capacity_factor is None:
@@ -671,11 +662,17 @@ def report_metrics(chunks, loss_scale, num_moe_layers, pp_group=None, tp_cp_grou
         router.metrics[0].set_data(ops.zeros(len(METRICS), F32))
     for group in (pp_group, tp_cp_group):
         if group is not None:
-            totals = parallel.comm.all_reduce(totals, group)
+            totals = parallel.collectives(group).all_reduce(totals)
     tp_cp = parallel.collectives(tp_cp_group).size if tp_cp_group is not None else 1
     totals = totals * Tensor([1.0, 1.0, 1.0 / tp_cp], F32)
     if dp_group is not None:
-        totals = parallel.comm.all_reduce(totals, dp_group) / len(parallel.group_ranks(dp_group))
+        dp = parallel.collectives(dp_group)
+        totals = dp.all_reduce(totals) / dp.size
     values = (totals * loss_scale / num_moe_layers).asnumpy()
     names = {name for router in routers for name in router.metric_names}
     return {name: float(values[METRICS.index(name)]) for name in METRICS if name in names}
+
+
+if __name__ == "__main__":          # imported by gpt.py, not a script
+    raise SystemExit("error: moe.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")
