@@ -659,7 +659,9 @@ def report_metrics(chunks, loss_scale, num_moe_layers, pp_group=None, tp_cp_grou
     totals = ops.zeros(len(METRICS), F32)
     for router in routers:
         totals = totals + router.metrics[0].value()
-        router.metrics[0].set_data(ops.zeros(len(METRICS), F32))
+        # in place: a compiled graph keeps adding to the memory it was compiled with, which
+        # set_data would replace
+        ops.assign(router.metrics[0], ops.zeros(len(METRICS), F32))
     for group in (pp_group, tp_cp_group):
         if group is not None:
             totals = parallel.collectives(group).all_reduce(totals)

@@ -395,7 +395,8 @@ def test_repeated_config_files_layer_in_order_and_name_what_they_override(tmp_pa
     (["model_config.transformer_impl=transformer_engine"], "model_config.transformer_impl="
      "'transformer_engine': only 'local' here: the layers are this project's own"),
     (["--use-flash-attn"], "model_config.use_flash_attention=True: only False here"),
-    (["parallel_config.expert_model_parallel_size=2"], "only 1 here: the model has no expert"),
+    (["parallel_config.expert_model_parallel_size=2"],
+     "only 1 here: every rank holds all the experts"),
     (["training_config.resume_training=true"], "resume_training=true needs the checkpoint"),
 ], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "flash", "ep", "resume"])
 def test_no_value_is_silently_replaced_or_ignored(args, message, capsys):
@@ -471,6 +472,68 @@ def test_recompute_keys_follow_megatrons_rules(args, message, capsys, tmp_path):
     world = 2 if "--pipeline-model-parallel-size" in args else 1
     one_line_error(capsys,
                    ["check", "--nproc", str(world), "--save", str(tmp_path / "o"), *args], message)
+
+
+MOE_FLAGS = ["--num-experts", "4"]
+MOE_ERRORS = [
+    (MOE_FLAGS + ["--moe-router-topk", "1"],
+     "moe_router_topk=1 with softmax needs --moe-router-pre-softmax"),
+    (["--num-experts", "2", "--moe-router-topk", "3"],
+     "moe_router_topk=3 exceeds num_moe_experts=2"),
+    (MOE_FLAGS + ["--moe-pad-expert-input-to-capacity"],
+     "moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor"),
+    (MOE_FLAGS + ["--moe-shared-expert-intermediate-size", "64"],
+     "a shared expert has no bias (Megatron shared_experts.py:124): add --disable-bias-linear"),
+    (MOE_FLAGS + ["--moe-layer-freq", "[1,0]"], "moe_layer_freq=[1, 0]: give N >= 1"),
+    (MOE_FLAGS + ["--moe-layer-freq", "0"], "moe_layer_freq=0: give N >= 1"),
+    (MOE_FLAGS + ["--moe-router-load-balancing-type", "sinkhorn"],
+     "'sinkhorn' is not one of aux_loss, seq_aux_loss, none"),
+    (MOE_FLAGS + ["--moe-token-dispatcher-type", "flex"],
+     "'flex' is not one of allgather, alltoall"),
+    (MOE_FLAGS + ["--ckpt-format", "torch"], "does not hold MoE layers here yet"),
+    (MOE_FLAGS + ["--tensor-model-parallel-size", "2", "--disable-bias-linear"],
+     "num_moe_experts with tensor_model_parallel_size=2 needs --sequence-parallel"),
+    (MOE_FLAGS + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "experts split over TP have no bias; add --disable-bias-linear"),
+    (MOE_FLAGS + ["--context-parallel-size", "2"],
+     "num_moe_experts with context_parallel_size > 1"),
+    (MOE_FLAGS + ["--pipeline-model-parallel-size", "2"],
+     "num_moe_experts with pipeline_model_parallel_size > 1"),
+    (MOE_FLAGS + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"],
+     "num_moe_experts with recompute_granularity=full"),
+    (MOE_FLAGS + ["--expert-model-parallel-size", "2"],
+     "expert_model_parallel_size=2: only 1 here: every rank holds all the experts (expert "
+     "parallelism is the next step of issue 25)"),
+]
+
+
+@pytest.mark.parametrize("args,message", MOE_ERRORS, ids=[" ".join(a) for a, _ in MOE_ERRORS])
+def test_moe_keys_follow_megatrons_rules(args, message, capsys, tmp_path):
+    """Megatron's MoE validation (arguments.py, transformer_config.py, moe_layer.py) and the
+    layouts not here yet, each one line before any work."""
+    world = 2 if any(a.endswith("-parallel-size") for a in args) else 1
+    one_line_error(capsys,
+                   ["check", "--nproc", str(world), "--save", str(tmp_path / "o"), *args], message)
+
+
+def test_moe_keys_take_megatrons_defaults_and_select_layers():
+    """Megatron's defaults; moe_layer_freq as N or a list; a 0 expert count (or no flag) is a
+    dense model, and a negative capacity factor dropless, as in Megatron."""
+    def model(*args):
+        return load_config(os.path.join(HERE, "config.yaml"), list(args)).model_config
+    m = model(*MOE_FLAGS)
+    assert (m.moe_router_topk, m.moe_router_load_balancing_type, m.moe_aux_loss_coeff,
+            m.moe_z_loss_coeff, m.moe_token_dispatcher_type, m.moe_token_drop_policy,
+            m.moe_ffn_hidden_size, m.moe_expert_capacity_factor) == \
+        (2, "aux_loss", 0.0, None, "allgather", "probs", m.ffn_hidden_size, None)
+    assert config.moe_layer_pattern(m) == [1, 1, 1, 1]
+    pattern = config.moe_layer_pattern
+    assert pattern(model(*MOE_FLAGS, "--moe-layer-freq", "3")) == [1, 0, 0, 1]
+    assert pattern(model(*MOE_FLAGS, "--moe-layer-freq", "[0,1,1,0]")) == [0, 1, 1, 0]
+    assert pattern(model("--num-experts", "0")) == [0, 0, 0, 0]
+    dropless = model(*MOE_FLAGS, "--moe-expert-capacity-factor", "-1")
+    assert dropless.moe_expert_capacity_factor is None
 
 
 def test_recompute_keys_map_the_guides_and_megatrons_flags():
@@ -2413,8 +2476,9 @@ def test_compiled_layer_equals_op_by_op(dispatcher, capacity, grouped, shared):
     compiled, x = gpt.Compiled(layer), gaussian((6, 2, 8), 18)
     eager = values_and_grads(layer, x, layer)
     logged = moe.report_metrics([layer], 1.0, 1)
-    assert_close(values_and_grads(compiled, x, layer), eager)
-    assert moe.report_metrics([layer], 1.0, 1) == pytest.approx(logged, rel=1e-6)
+    for _ in range(2):                  # the report's reset reaches the compiled graph too
+        assert_close(values_and_grads(compiled, x, layer), eager)
+        assert moe.report_metrics([layer], 1.0, 1) == pytest.approx(logged, rel=1e-6)
     layer.set_train(False)
     np.testing.assert_allclose(compiled(x).asnumpy(), layer(x).asnumpy(), rtol=1e-6, atol=1e-7)
     assert not layer.router.metrics[0].asnumpy().any()
@@ -4647,6 +4711,29 @@ def test_compiled_model_equals_eager(tmp_path):
     np.testing.assert_allclose(jit_losses,
                                losses_of([l for l in eager_log if l.startswith("train: ")]),
                                rtol=1e-5)
+
+
+def test_moe_model_trains_and_compiled_equals_op_by_op(tmp_path):
+    """A GPT whose first layer is an MoE layer (4 experts with biases, top-2, aux and z losses,
+    2 micro-batches: the losses' gradients weighted 1/2 like the main loss'): the loss falls over
+    8 compiled steps, the train lines carry Megatron's load_balancing_loss and z_loss, and op by
+    op (--no-jit) trains the same losses."""
+    args = [*MOE_FLAGS, "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "64",
+            "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+            "--global-batch-size", "8", "--train-iters", "8"]
+    compiled, compiled_log = run_training(tmp_path, "moe_jit", *args)
+    eager, eager_log = run_training(tmp_path, "moe_eager", *args, "--no-jit")
+    assert ("model compiled with ms.jit" in compiled_log
+            and "model runs op by op (PyNative)" in eager_log)
+    losses = losses_of(compiled)
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
+    np.testing.assert_allclose(losses, losses_of(eager), rtol=1e-5)
+    for name in ("load_balancing_loss", "z_loss"):
+        values = [[float(re.search(name + r": ([-+.0-9E]+)", l).group(1)) for l in lines]
+                  for lines in (compiled, eager)]
+        np.testing.assert_allclose(values[0], values[1], rtol=1e-4)
+        # E sum_e f_e P_e: 1 when balanced, at most E / k = 2; z: logsumexp^2 > 0
+        assert all(0.9 < v <= 2.0 if name != "z_loss" else v > 0 for v in values[0]), values
 
 
 def test_loss_scaler_skips_a_step_with_nan_gradients():
