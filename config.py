@@ -172,6 +172,7 @@ def finalize(cfg, world_size=1):
     _finalize_optimizer(optimizer_cfg, training_cfg)
     _finalize_dataset(dataset_cfg)
     _finalize_parallel(parallel_cfg, model_cfg, dataset_cfg, world_size)
+    _finalize_moe(model_cfg, parallel_cfg)
     _finalize_training(training_cfg)
     _check_torch_format(training_cfg, model_cfg, parallel_cfg)
     return cfg
@@ -584,6 +585,9 @@ def _check_torch_format(training_cfg, model_cfg, parallel_cfg):
     if training_cfg.use_distributed_optimizer and shards > 1:
         raise ConfigError(f"{where} is not written with the distributed optimizer here: use "
                           "--ckpt-format ckpt or safetensors")
+    if model_cfg.num_moe_experts is not None:
+        raise ConfigError(f"{where} does not hold MoE layers here yet (their Megatron names come "
+                          "with expert parallelism): use --ckpt-format ckpt or safetensors")
     biases = model_cfg.add_bias_linear
     differences = [f"model_config.{k}={v}" for k, v, bad in (
         ("use_sandwich_norm", model_cfg.use_sandwich_norm, model_cfg.use_sandwich_norm),
@@ -595,6 +599,78 @@ def _check_torch_format(training_cfg, model_cfg, parallel_cfg):
         raise ConfigError(f"{where}: Megatron-core's GPT has no counterpart for "
                           f"{', '.join(differences)} (add_bias_linear={biases}): "
                           "use --ckpt-format ckpt")
+
+
+def moe_layer_pattern(model_cfg):
+    """Megatron's moe_layer_freq (gpt_layer_specs.py:643-671) as one 0/1 per layer (global,
+    0-based): N selects the layers i with i % N == 0, a list is the pattern itself; no experts,
+    all 0."""
+    layers, freq = model_cfg.num_layers, model_cfg.moe_layer_freq
+    if model_cfg.num_moe_experts is None:
+        return [0] * layers
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(layers)]
+    return list(freq)
+
+
+def _finalize_moe(model_cfg, parallel_cfg):
+    """Megatron's rules for MoE (arguments.py, transformer_config.py, moe_layer.py), and this
+    project's: the layers in one process or over TP (+ SP) and DP; experts not split over EP."""
+    m, where = model_cfg, "model_config."
+    if m.num_moe_experts == 0:                     # arguments.py:1648: 0 means no MoE
+        m.num_moe_experts = None
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor < 0:
+        m.moe_expert_capacity_factor = None        # transformer_config.py:1836: dropless
+    if m.num_moe_experts is None:
+        return
+    _positive(m, "model_config", ["num_moe_experts", "moe_ffn_hidden_size",
+                                  "moe_shared_expert_intermediate_size", "moe_router_topk"])
+    freq = m.moe_layer_freq
+    if isinstance(freq, int) and freq < 1 or isinstance(freq, list) and (
+            len(freq) != m.num_layers or set(freq) - {0, 1}):
+        raise ConfigError(f"{where}moe_layer_freq={freq}: give N >= 1 (every N-th layer) or a "
+                          f"list of {m.num_layers} zeros and ones, one per layer")
+    if m.moe_ffn_hidden_size is None:              # transformer_config.py:1685-1687
+        m.moe_ffn_hidden_size = m.ffn_hidden_size
+    if m.moe_router_topk > m.num_moe_experts:
+        raise ConfigError(f"{where}moe_router_topk={m.moe_router_topk} exceeds num_moe_experts="
+                          f"{m.num_moe_experts}")
+    if (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax"
+            and not m.moe_router_pre_softmax):     # transformer_config.py:2662-2669
+        raise ConfigError(f"{where}moe_router_topk=1 with softmax needs --moe-router-pre-softmax "
+                          "(a softmax over one expert is 1: the router would get no gradient)")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise ConfigError(f"{where}moe_pad_expert_input_to_capacity needs "
+                          "moe_expert_capacity_factor (--moe-expert-capacity-factor)")
+    if m.moe_shared_expert_intermediate_size and m.add_bias_linear:
+        raise ConfigError(f"{where}moe_shared_expert_intermediate_size: a shared expert has no "
+                          "bias (Megatron shared_experts.py:124): add --disable-bias-linear")
+    _check_moe_layout(m, parallel_cfg)
+
+
+def _check_moe_layout(model_cfg, parallel_cfg):
+    """The layouts an MoE model runs in here (expert parallel size 1): one process, DP, TP with
+    sequence parallelism."""
+    tp, where = parallel_cfg.tensor_model_parallel_size, "model_config.num_moe_experts"
+    if tp > 1 and not parallel_cfg.sequence_parallel:       # moe_layer.py:637-640
+        raise ConfigError(f"{where} with tensor_model_parallel_size={tp} needs "
+                          "--sequence-parallel, as Megatron's MoELayer")
+    if tp > 1 and model_cfg.add_bias_linear:                # transformer_config.py:2612-2615
+        raise ConfigError(f"{where} with tensor_model_parallel_size={tp}: experts split over TP "
+                          "have no bias; add --disable-bias-linear")
+    for k in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if (getattr(model_cfg, k) or 0) % tp:
+            raise ConfigError(f"model_config.{k}={getattr(model_cfg, k)} is not divisible by "
+                              f"tensor_model_parallel_size={tp}")
+    if parallel_cfg.context_parallel_size > 1:
+        raise ConfigError(f"{where} with context_parallel_size > 1: the router's token counts "
+                          "need a TP x CP group, which comes with expert parallelism (issue 25)")
+    if parallel_cfg.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"{where} with pipeline_model_parallel_size > 1: MoE layers in "
+                          "pipeline stages come with expert parallelism (issue 25)")
+    if model_cfg.recompute_granularity == "full":     # Megatron: --recompute-modules moe
+        raise ConfigError(f"{where} with recompute_granularity=full: a recomputed router would "
+                          "record its aux and z losses twice; use selective or none")
 
 
 def _finalize_training(training_cfg):

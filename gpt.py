@@ -19,7 +19,9 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.graph.api import _pynative_executor
 
 import context_parallel
+import moe
 import parallel
+from config import moe_layer_pattern
 from parallel import F32, batch_matmul_nt, cast, linear
 
 MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic
@@ -344,14 +346,19 @@ def recompute_blocks(cfg, layers, rng, rebuilt):
 
 class TransformerLayer(nn.Cell):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))). With sandwich norm
-    each sub-layer's output is normed again before the residual add (CogView, PanGu)."""
+    each sub-layer's output is normed again before the residual add (CogView, PanGu). The MLP is
+    an MoE layer (moe.MoELayer, same input and output) on the layers moe_layer_freq selects
+    (Megatron's gpt_layer_specs: layer_number is 1-based and global)."""
 
     def __init__(self, cfg, rng, layer_number=1):
         super().__init__()
         self.input_layernorm = make_norm(cfg)
         self.self_attention = SelfAttention(cfg, rng, layer_number)
         self.pre_mlp_layernorm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        if moe_layer_pattern(cfg)[layer_number - 1]:
+            self.mlp = moe.MoELayer(cfg)      # EP 1: every expert here; TP x CP = the TP group
+        else:
+            self.mlp = MLP(cfg)
         self.sandwich = cfg.use_sandwich_norm
         if self.sandwich:
             self.post_attention_norm = make_norm(cfg)
@@ -582,8 +589,8 @@ def init_value(name, shape, cfg, seed):
         elif "post_mlp_norm" in name:
             scale = cfg.ffn_post_norm_scale
         return np.full(shape, scale, np.float32)
-    if leaf == "bias":
-        return np.zeros(shape, np.float32)
+    if leaf == "bias" and ".router." not in name:   # Megatron draws the router's bias like its
+        return np.zeros(shape, np.float32)          # weight (router.py:78-83)
     std = cfg.init_method_std
     if "embeddings" in name and cfg.embedding_init_method_std is not None:
         std = cfg.embedding_init_method_std          # Megatron-core's embedding_init_method_std
@@ -619,14 +626,19 @@ def num_floating_point_operations(cfg, batch_size):
     one training iteration of `batch_size` sequences, forward and backward (3 GEMMs per weight:
     forward, data gradient, weight gradient; 2 FLOPs per multiply-add; Narayanan et al. 2021,
     appendix). Counts GQA's smaller key/value projections, SwiGLU's third matrix, the full s x s
-    attention scores and the output layer."""
+    attention scores, the output layer and, in MoE layers, the experts each token goes to."""
     h, layers = cfg.hidden_size, cfg.num_layers
     head_dim = h // cfg.num_attention_heads
     query_to_hidden = head_dim * cfg.num_attention_heads / h
     gated = 1.5 if cfg.hidden_act == "swiglu" else 1.0
     attention = ((1 + cfg.num_query_groups / cfg.num_attention_heads + cfg.seq_length / h)
                  * query_to_hidden)
-    mlp = cfg.ffn_hidden_size / h * gated
+    # MoE layers: k routed experts and the shared one per token (the router's GEMM not counted)
+    moe_layers = sum(moe_layer_pattern(cfg))
+    moe_ffn = 0 if not moe_layers else (cfg.moe_ffn_hidden_size * cfg.moe_router_topk
+                                        + (cfg.moe_shared_expert_intermediate_size or 0))
+    mlp = (layers - moe_layers) * cfg.ffn_hidden_size + moe_layers * moe_ffn
+    mlp = mlp / (layers * h) * gated
     logit = cfg.padded_vocab_size / (2 * layers * h)
     return 12 * batch_size * cfg.seq_length * layers * h * h * (attention + mlp + logit)
 

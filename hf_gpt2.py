@@ -212,7 +212,8 @@ def _gpt2_differences(model_cfg):
     """The settings of `model_cfg` that GPT-2 has no place for, as "key=value" strings."""
     gpt2 = (("position_embedding_type", "absolute"), ("normalization", "LayerNorm"),
             ("untie_embeddings_and_output_weights", False), ("use_sandwich_norm", False),
-            ("add_bias_linear", True), ("qkv_has_bias", True), ("out_proj_has_bias", True))
+            ("add_bias_linear", True), ("qkv_has_bias", True), ("out_proj_has_bias", True),
+            ("num_moe_experts", None))
     differences = [f"{k}={getattr(model_cfg, k)}" for k, want in gpt2
                    if getattr(model_cfg, k) != want]
     grouped = model_cfg.num_query_groups != model_cfg.num_attention_heads

@@ -231,7 +231,8 @@ PARALLEL = [
     key("parallel_config.ulysses_degree_in_cp", None, int, "--ulysses-degree-in-cp",
         "hybrid_cp_algo: the Ulysses group size within cp"),
     fixed("parallel_config.expert_model_parallel_size", 1,
-          "the model has no expert (MoE) layers", flag="--expert-model-parallel-size"),
+          "every rank holds all the experts (expert parallelism is the next step of issue 25)",
+          flag="--expert-model-parallel-size"),
     key("parallel_config.virtual_pipeline_model_parallel_size", None, int,
         "--virtual-pipeline-model-parallel-size", "model chunks per pipeline stage (interleaved)",
         aliases={_ACC + "pipeline.virtual_pipeline_model_parallel_size": None}),
@@ -276,6 +277,56 @@ PARALLEL = [
     inert("context.max_device_memory", "an Ascend/GPU memory cap: nothing to cap on CPU"),
     inert("context.device_id", "msrun gives each worker its device"),
 ]
+
+# Mixture of experts (moe.py): Megatron-core's TransformerConfig fields and their flags, with its
+# defaults (megatron/core/transformer/transformer_config.py at d98e8a64, arguments.py)
+_MOE = "model_config."
+MOE = [
+    key(_MOE + "num_moe_experts", None, int, "--num-experts",
+        "routed experts of each MoE layer; null = no MoE (a dense MLP in every layer)"),
+    key(_MOE + "moe_layer_freq", 1, (int, list), "--moe-layer-freq",
+        "MoE layers: N = layer i when i % N == 0, or a 0/1 list, one per layer"),
+    key(_MOE + "moe_ffn_hidden_size", None, int, "--moe-ffn-hidden-size",
+        "each routed expert's FFN width; null = ffn_hidden_size"),
+    key(_MOE + "moe_shared_expert_intermediate_size", None, int,
+        "--moe-shared-expert-intermediate-size",
+        "the shared expert's FFN width (on every token); null = none"),
+    key(_MOE + "moe_shared_expert_gate", False, bool, None,
+        "a sigmoid gate on the shared expert's output", switch={"--moe-shared-expert-gate": True}),
+    key(_MOE + "moe_router_topk", 2, int, "--moe-router-topk", "experts per token (k)"),
+    key(_MOE + "moe_router_load_balancing_type", "aux_loss", str,
+        "--moe-router-load-balancing-type",
+        "aux_loss (per micro-batch), seq_aux_loss (per sequence) or none",
+        choices=("aux_loss", "seq_aux_loss", "none")),
+    key(_MOE + "moe_aux_loss_coeff", 0.0, float, "--moe-aux-loss-coeff",
+        "the load-balancing loss' coefficient; 0 = none"),
+    key(_MOE + "moe_z_loss_coeff", None, float, "--moe-z-loss-coeff",
+        "the router z-loss' coefficient (ST-MoE); null = none"),
+    key(_MOE + "moe_router_score_function", "softmax", str, "--moe-router-score-function",
+        "the router's scores: softmax or sigmoid", choices=("softmax", "sigmoid")),
+    key(_MOE + "moe_router_pre_softmax", False, bool, None,
+        "softmax over all experts before the top-k (else over the k chosen)",
+        switch={"--moe-router-pre-softmax": True}),
+    key(_MOE + "moe_router_topk_scaling_factor", None, float,
+        "--moe-router-topk-scaling-factor", "the routing probabilities times this; null = 1"),
+    key(_MOE + "moe_router_dtype", None, str, "--moe-router-dtype",
+        "the router's matmul and probabilities in float32; null = the compute dtype",
+        choices=("fp32",)),
+    key(_MOE + "moe_grouped_gemm", False, bool, None,
+        "the experts as batched matmuls (same weights and names)",
+        switch={"--moe-grouped-gemm": True}),
+    key(_MOE + "moe_token_dispatcher_type", "allgather", str, "--moe-token-dispatcher-type",
+        "allgather or alltoall (fixed capacity slots)", choices=("allgather", "alltoall")),
+    key(_MOE + "moe_expert_capacity_factor", None, float, "--moe-expert-capacity-factor",
+        "tokens per expert at most ceil(n k / E * factor); null or < 0 = dropless"),
+    key(_MOE + "moe_pad_expert_input_to_capacity", False, bool, None,
+        "every expert gets exactly its capacity (padding of probability 0)",
+        switch={"--moe-pad-expert-input-to-capacity": True}),
+    key(_MOE + "moe_token_drop_policy", "probs", str, "--moe-token-drop-policy",
+        "over capacity, drop the lowest probabilities or the latest tokens",
+        choices=("probs", "position")),
+]
+
 
 MODEL = [
     key("model_config.num_layers", 4, int, "--num-layers", "transformer layers",
@@ -403,6 +454,7 @@ MODEL = [
     inert("accelerate_config.precision.nofused_operators", _FUSIONS),
     fixed("model_config.encoder_attn_mask_type", "causal",
           "a GPT's attention is causal (a document mask: dataset_config.reset_attention_mask)"),
+    *MOE,
 ]
 
 DATASET = [

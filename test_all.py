@@ -14,6 +14,10 @@ Sections, in the order of the modules' layers, each under a banner `# ==== name`
       each cp rank's tokens, the zig-zag balance, the ring's online-softmax merge
   model (gpt.py)
       causality and training of each architecture option, init, masks, dropout, recompute
+  moe (moe.py)
+      the router against numpy, capacity and both drop policies by hand, the aux, seq-aux and
+      z losses by hand and their injected gradients, the experts and both dispatchers against
+      a dense reference, shared experts, compiled equal to op by op, Megatron's names
   pipeline schedules (pipeline.py)
       1F1B, interleaved and all-forward-all-backward orders, simulation, bubble, refused layouts
   memory (memory.py)
@@ -87,6 +91,7 @@ import gpt
 import megatron_checkpoint
 import memory
 import metrics
+import moe
 import optimizer
 import parallel
 import pipeline
@@ -115,8 +120,9 @@ SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
 
 # ======================================================================================== structure
 MODULES = ["keys", "config", "cli", "tokenizer", "data", "optimizer", "parallel",
-           "context_parallel", "gpt", "pipeline", "memory", "torch_format", "megatron_checkpoint",
-           "checkpoint", "hf_gpt2", "sample", "profiler", "metrics", "train", "bench", "tour"]
+           "context_parallel", "moe", "gpt", "pipeline", "memory", "torch_format",
+           "megatron_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler", "metrics", "train",
+           "bench", "tour"]
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if m not in ("train", "bench", "tour")])
@@ -389,7 +395,8 @@ def test_repeated_config_files_layer_in_order_and_name_what_they_override(tmp_pa
     (["model_config.transformer_impl=transformer_engine"], "model_config.transformer_impl="
      "'transformer_engine': only 'local' here: the layers are this project's own"),
     (["--use-flash-attn"], "model_config.use_flash_attention=True: only False here"),
-    (["parallel_config.expert_model_parallel_size=2"], "only 1 here: the model has no expert"),
+    (["parallel_config.expert_model_parallel_size=2"],
+     "only 1 here: every rank holds all the experts"),
     (["training_config.resume_training=true"], "resume_training=true needs the checkpoint"),
 ], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "flash", "ep", "resume"])
 def test_no_value_is_silently_replaced_or_ignored(args, message, capsys):
@@ -465,6 +472,68 @@ def test_recompute_keys_follow_megatrons_rules(args, message, capsys, tmp_path):
     world = 2 if "--pipeline-model-parallel-size" in args else 1
     one_line_error(capsys,
                    ["check", "--nproc", str(world), "--save", str(tmp_path / "o"), *args], message)
+
+
+MOE_FLAGS = ["--num-experts", "4"]
+MOE_ERRORS = [
+    (MOE_FLAGS + ["--moe-router-topk", "1"],
+     "moe_router_topk=1 with softmax needs --moe-router-pre-softmax"),
+    (["--num-experts", "2", "--moe-router-topk", "3"],
+     "moe_router_topk=3 exceeds num_moe_experts=2"),
+    (MOE_FLAGS + ["--moe-pad-expert-input-to-capacity"],
+     "moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor"),
+    (MOE_FLAGS + ["--moe-shared-expert-intermediate-size", "64"],
+     "a shared expert has no bias (Megatron shared_experts.py:124): add --disable-bias-linear"),
+    (MOE_FLAGS + ["--moe-layer-freq", "[1,0]"], "moe_layer_freq=[1, 0]: give N >= 1"),
+    (MOE_FLAGS + ["--moe-layer-freq", "0"], "moe_layer_freq=0: give N >= 1"),
+    (MOE_FLAGS + ["--moe-router-load-balancing-type", "sinkhorn"],
+     "'sinkhorn' is not one of aux_loss, seq_aux_loss, none"),
+    (MOE_FLAGS + ["--moe-token-dispatcher-type", "flex"],
+     "'flex' is not one of allgather, alltoall"),
+    (MOE_FLAGS + ["--ckpt-format", "torch"], "does not hold MoE layers here yet"),
+    (MOE_FLAGS + ["--tensor-model-parallel-size", "2", "--disable-bias-linear"],
+     "num_moe_experts with tensor_model_parallel_size=2 needs --sequence-parallel"),
+    (MOE_FLAGS + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "experts split over TP have no bias; add --disable-bias-linear"),
+    (MOE_FLAGS + ["--context-parallel-size", "2"],
+     "num_moe_experts with context_parallel_size > 1"),
+    (MOE_FLAGS + ["--pipeline-model-parallel-size", "2"],
+     "num_moe_experts with pipeline_model_parallel_size > 1"),
+    (MOE_FLAGS + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"],
+     "num_moe_experts with recompute_granularity=full"),
+    (MOE_FLAGS + ["--expert-model-parallel-size", "2"],
+     "expert_model_parallel_size=2: only 1 here: every rank holds all the experts (expert "
+     "parallelism is the next step of issue 25)"),
+]
+
+
+@pytest.mark.parametrize("args,message", MOE_ERRORS, ids=[" ".join(a) for a, _ in MOE_ERRORS])
+def test_moe_keys_follow_megatrons_rules(args, message, capsys, tmp_path):
+    """Megatron's MoE validation (arguments.py, transformer_config.py, moe_layer.py) and the
+    layouts not here yet, each one line before any work."""
+    world = 2 if any(a.endswith("-parallel-size") for a in args) else 1
+    one_line_error(capsys,
+                   ["check", "--nproc", str(world), "--save", str(tmp_path / "o"), *args], message)
+
+
+def test_moe_keys_take_megatrons_defaults_and_select_layers():
+    """Megatron's defaults; moe_layer_freq as N or a list; a 0 expert count (or no flag) is a
+    dense model, and a negative capacity factor dropless, as in Megatron."""
+    def model(*args):
+        return load_config(os.path.join(HERE, "config.yaml"), list(args)).model_config
+    m = model(*MOE_FLAGS)
+    assert (m.moe_router_topk, m.moe_router_load_balancing_type, m.moe_aux_loss_coeff,
+            m.moe_z_loss_coeff, m.moe_token_dispatcher_type, m.moe_token_drop_policy,
+            m.moe_ffn_hidden_size, m.moe_expert_capacity_factor) == \
+        (2, "aux_loss", 0.0, None, "allgather", "probs", m.ffn_hidden_size, None)
+    assert config.moe_layer_pattern(m) == [1, 1, 1, 1]
+    pattern = config.moe_layer_pattern
+    assert pattern(model(*MOE_FLAGS, "--moe-layer-freq", "3")) == [1, 0, 0, 1]
+    assert pattern(model(*MOE_FLAGS, "--moe-layer-freq", "[0,1,1,0]")) == [0, 1, 1, 0]
+    assert pattern(model("--num-experts", "0")) == [0, 0, 0, 0]
+    dropless = model(*MOE_FLAGS, "--moe-expert-capacity-factor", "-1")
+    assert dropless.moe_expert_capacity_factor is None
 
 
 def test_recompute_keys_map_the_guides_and_megatrons_flags():
@@ -1927,6 +1996,515 @@ def test_generate_greedy_is_deterministic_and_skips_padding():
                        rng=np.random.default_rng(1))
     assert out1 == out2 and len(out1) == 8
     assert all(0 <= t < 257 for t in out1 + sampled)
+
+
+# ===================================================================================== moe (moe.py)
+def moe_config(**overrides):
+    """A small MoE model config: h 8, E 4, top-2, expert FFN 12, no losses, allgather."""
+    cfg = dict(hidden_size=8, ffn_hidden_size=16, hidden_act="gelu_tanh", add_bias_linear=False,
+               compute_dtype="float32", num_moe_experts=4, moe_ffn_hidden_size=12,
+               moe_router_topk=2, moe_router_score_function="softmax", moe_router_pre_softmax=False,
+               moe_router_topk_scaling_factor=None, moe_router_dtype=None,
+               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+               moe_z_loss_coeff=None, moe_expert_capacity_factor=None,
+               moe_pad_expert_input_to_capacity=False, moe_token_drop_policy="probs",
+               moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+               moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
+    cfg.update(overrides)
+    return SimpleNamespace(**cfg)
+
+
+def fill_normal(cell, seed=0, std=0.5):
+    """Every parameter normal(0, std) from a stream keyed by (seed, name): cells with the same
+    names get the same values."""
+    for name, p in cell.parameters_and_names():
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        p.set_data(Tensor(rng.normal(0.0, std, p.shape).astype(np.float32)))
+    return cell
+
+
+def gaussian(shape, seed):
+    return Tensor(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
+
+
+def layer_of(seed=0, **overrides):
+    layer = fill_normal(moe.MoELayer(moe_config(**overrides)), seed)
+    layer.set_train(True)
+    return layer
+
+
+def values_and_grads(f, x, cell):
+    """Output of f(x) (x's shape) and the gradients of sum(f(x) * probe) for x and every
+    parameter of `cell`, by name, as numpy."""
+    names, params = zip(*cell.parameters_and_names())
+    probe = gaussian(x.shape, 99)
+
+    def loss(x):
+        y = f(x)
+        return (y * probe).sum(), y
+
+    (_, y), (dx, dw) = ms.value_and_grad(loss, 0, list(params), has_aux=True)(x)
+    return {"output": y.asnumpy(), "input": dx.asnumpy(),
+            **{n: g.asnumpy() for n, g in zip(names, dw)}}
+
+
+def assert_close(a, b, tol=1e-6):
+    """Equal to `tol` of each array's largest magnitude (fp32 sums in another order)."""
+    assert a.keys() == b.keys()
+    for key in a:
+        scale = max(1.0, float(np.abs(b[key]).max()))
+        np.testing.assert_allclose(a[key], b[key], rtol=0, atol=tol * scale, err_msg=key)
+
+
+# the router
+def np_softmax(z):
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def np_route(logits, k, score_function, pre_softmax, scaling_factor):
+    """Megatron's topk_routing_with_score_function in numpy -> (probs [n, E], map [n, E])."""
+    rows = np.arange(len(logits))[:, None]
+    if score_function == "sigmoid":
+        scores = 1 / (1 + np.exp(-logits))
+        top = np.argsort(-scores, -1)[:, :k]
+        probs = scores[rows, top]
+        probs = probs / (probs.sum(-1, keepdims=True) + 1e-20) if k > 1 else probs
+    elif pre_softmax:
+        scores = np_softmax(logits)
+        top = np.argsort(-scores, -1)[:, :k]
+        probs = scores[rows, top]
+    else:
+        top = np.argsort(-logits, -1)[:, :k]
+        probs = np_softmax(logits[rows, top])
+    dense, routing_map = np.zeros_like(logits), np.zeros(logits.shape, bool)
+    dense[rows, top], routing_map[rows, top] = probs * (scaling_factor or 1.0), True
+    return dense, routing_map
+
+
+@pytest.mark.parametrize("score_function, pre_softmax, k, scaling_factor", [
+    ("softmax", False, 2, None), ("softmax", True, 2, None), ("softmax", True, 1, None),
+    ("sigmoid", False, 2, None), ("sigmoid", False, 1, None), ("softmax", False, 3, 2.5),
+    ("softmax", True, 2, 1.5), ("sigmoid", False, 2, 0.5)])
+def test_router_probs_and_routing_map_equal_numpy(score_function, pre_softmax, k, scaling_factor):
+    cfg = moe_config(moe_router_score_function=score_function, moe_router_pre_softmax=pre_softmax,
+                     moe_router_topk=k, moe_router_topk_scaling_factor=scaling_factor,
+                     add_bias_linear=True)
+    router = fill_normal(moe.TopKRouter(cfg))
+    x = gaussian((6, 3, 8), 1)
+    probs, routing_map = router(x)
+    logits = x.asnumpy().reshape(18, 8) @ router.weight.asnumpy().T + router.bias.asnumpy()
+    want_probs, want_map = np_route(logits, k, score_function, pre_softmax, scaling_factor)
+    np.testing.assert_allclose(probs.asnumpy(), want_probs, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(routing_map.asnumpy(), want_map)
+
+
+def hand_router(policy, pad):
+    """3 experts, top-1 pre-softmax, capacity factor 1 over 6 tokens: C = ceil(6/3) = 2. With
+    h = E and W = I the logits are the tokens. Expert 0 gets tokens 0, 1, 2, 4 (probabilities
+    in the order 1 > 2 > 0 > 4), expert 1 token 3, expert 2 token 5."""
+    cfg = moe_config(hidden_size=3, num_moe_experts=3, moe_router_topk=1,
+                     moe_router_pre_softmax=True, moe_expert_capacity_factor=1.0,
+                     moe_token_drop_policy=policy, moe_pad_expert_input_to_capacity=pad)
+    router = moe.TopKRouter(cfg)
+    router.weight.set_data(Tensor(np.eye(3, dtype=np.float32)))
+    logits = np.array([[2, 0, 0], [4, 0, 0], [3, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 1.5]],
+                      np.float32)
+    probs, routing_map = router(Tensor(logits.reshape(6, 1, 3)))
+    return np_softmax(logits), probs.asnumpy(), routing_map.asnumpy()
+
+
+@pytest.mark.parametrize("policy, kept", [("probs", [1, 2]), ("position", [0, 1])])
+def test_capacity_drops_the_lowest_probabilities_or_the_latest_tokens(policy, kept):
+    scores, probs, routing_map = hand_router(policy, pad=False)
+    want_map = np.zeros((6, 3), bool)
+    want_map[kept, 0], want_map[3, 1], want_map[5, 2] = True, True, True
+    np.testing.assert_array_equal(routing_map, want_map)
+    np.testing.assert_allclose(probs, scores * want_map, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_padding_to_capacity_gives_every_expert_capacity_tokens_with_probability_0(policy):
+    scores, probs, routing_map = hand_router(policy, pad=True)
+    _, unpadded_probs, unpadded_map = hand_router(policy, pad=False)
+    np.testing.assert_array_equal(routing_map.sum(0), [2, 2, 2])
+    assert (routing_map | ~unpadded_map).all()           # the kept tokens stay
+    np.testing.assert_allclose(probs, unpadded_probs)
+    if policy == "position":                             # padded with the earliest other tokens
+        np.testing.assert_array_equal(np.nonzero(routing_map[:, 1])[0], [0, 3])
+        np.testing.assert_array_equal(np.nonzero(routing_map[:, 2])[0], [0, 5])
+
+
+def test_capacity_above_the_token_count_drops_nothing():
+    cfg = moe_config(moe_expert_capacity_factor=4.0)      # C = ceil(12 * 2 / 4 * 4) = 24 > 12
+    router, plain = fill_normal(moe.TopKRouter(cfg)), fill_normal(moe.TopKRouter(moe_config()))
+    x = gaussian((6, 2, 8), 2)
+    for got, want in zip(router(x), plain(x)):
+        np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(moe_router_topk=1), dict(moe_router_score_function="sqrtsoftplus"),
+    dict(moe_router_load_balancing_type="sinkhorn"), dict(moe_router_dtype="fp64"),
+    dict(moe_pad_expert_input_to_capacity=True), dict(moe_token_drop_policy="random"),
+    dict(moe_token_dispatcher_type="flex"), dict(moe_shared_expert_intermediate_size=8,
+                                                 add_bias_linear=True)])
+def test_settings_the_layer_does_not_compute_are_refused(overrides):
+    with pytest.raises(ValueError):
+        moe.MoELayer(moe_config(**overrides))
+
+
+# the auxiliary losses
+@pytest.fixture
+def unit_aux_loss_scale():
+    """Megatron's default scale, 1, before and after the test (the scale is one Parameter for
+    the process, and training sets it to loss_scale / micro-batches)."""
+    moe.MoEAuxLossAutoScaler.set_loss_scale(1.0)
+    yield
+    moe.MoEAuxLossAutoScaler.set_loss_scale(1.0)
+
+
+def loss_router(kind, score_function="softmax", aux=0.5, z=0.1, seed=0):
+    """A router with large coefficients, so that the losses' gradients show in comparisons."""
+    cfg = moe_config(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=aux,
+                     moe_z_loss_coeff=z, moe_router_score_function=score_function,
+                     add_bias_linear=True)
+    router = fill_normal(moe.TopKRouter(cfg), seed)
+    router.set_train(True)
+    return router, cfg
+
+
+def np_losses(router, x, kind, score_function):
+    """(aux / coeff, z / coeff) by hand: Switch's E * sum_e f_e P_e (per sequence, then the
+    mean over sequences, for seq_aux_loss) and ST-MoE's mean of logsumexp^2."""
+    s, b, h = x.shape
+    e, k = router.num_experts, router.topk
+    logits = (x.reshape(s * b, h) @ router.weight.asnumpy().T + router.bias.asnumpy())
+    top = logits.max(-1, keepdims=True)
+    z = np.mean((top[:, 0] + np.log(np.exp(logits - top).sum(-1))) ** 2)
+    if score_function == "softmax":
+        scores = np_softmax(logits)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+        scores = scores / scores.sum(-1, keepdims=True)
+    routed = np.zeros_like(scores)
+    routed[np.arange(s * b)[:, None], np.argsort(-scores, -1)[:, :k]] = 1
+    scores, routed = scores.reshape(s, b, e), routed.reshape(s, b, e)
+    if kind == "seq_aux_loss":
+        per_sequence = [e / (k * s * s) * (scores[:, j].sum(0) * routed[:, j].sum(0)).sum()
+                        for j in range(b)]
+        return np.mean(per_sequence), z
+    n = s * b
+    return e / (k * n * n) * (scores.sum((0, 1)) * routed.sum((0, 1))).sum(), z
+
+
+def record_losses(router, x):
+    """One forward with a backward recorded; the values the router logged, by name."""
+    ms.grad(lambda x: router(x)[0].sum())(x)
+    logged = router.metrics[0].asnumpy()
+    router.metrics[0].set_data(ops.zeros(3, ms.float32))
+    return dict(zip(moe.METRICS, logged))
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_logged_aux_and_z_losses_equal_a_hand_computation(kind, score_function):
+    router, _ = loss_router(kind, score_function)
+    x = gaussian((5, 3, 8), 3)
+    aux, z = np_losses(router, x.asnumpy(), kind, score_function)
+    logged = record_losses(router, x)
+    name = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
+    np.testing.assert_allclose(logged[name], aux, rtol=1e-5)
+    np.testing.assert_allclose(logged["z_loss"], z, rtol=1e-5)
+    assert sum(logged.values()) == pytest.approx(aux + z, rel=1e-5)     # nothing else logged
+    assert router.metric_names == (name, "z_loss")
+
+
+def test_a_balanced_router_has_aux_loss_1():
+    """Zero weights: equal scores, and the top-2 ties go to experts 0 and 1 for every token;
+    f = (1/2, 1/2, 0, 0), P = 1/4 each: E * sum f P = 4 * (1/8 + 1/8) = 1."""
+    router, _ = loss_router("aux_loss", z=None)
+    router.weight.set_data(ops.zeros_like(router.weight))
+    router.bias.set_data(ops.zeros_like(router.bias))
+    assert record_losses(router, gaussian((4, 2, 8), 4))["load_balancing_loss"] == \
+        pytest.approx(1.0, rel=1e-6)
+
+
+def ms_losses(router, x, cfg):
+    """coeff * aux + coeff * z written out in MindSpore ops, for autodiff."""
+    s, b, h = x.shape
+    e, k = cfg.num_moe_experts, cfg.moe_router_topk
+    logits = ops.matmul(x.reshape(s * b, h), router.weight.T) + router.bias
+    z = cfg.moe_z_loss_coeff * (ops.logsumexp(logits, -1) ** 2).mean()
+    scores = ops.softmax(logits, -1)
+    if cfg.moe_router_score_function == "sigmoid":
+        scores = ops.sigmoid(logits) / ops.sigmoid(logits).sum(-1, keepdims=True)
+    routed = ops.stop_gradient(ops.one_hot(ops.topk(scores, k)[1], e, 1.0, 0.0).sum(1))
+    if cfg.moe_router_load_balancing_type == "seq_aux_loss":
+        scores, routed = scores.reshape(s, b, e), routed.reshape(s, b, e)
+        aux = (scores.sum(0) * routed.sum(0)).sum(-1).mean() * e / (k * s * s)
+    else:
+        aux = (scores.sum(0) * routed.sum(0)).sum() * e / (k * s * b * s * b)
+    return cfg.moe_aux_loss_coeff * aux + z
+
+
+@pytest.mark.usefixtures("unit_aux_loss_scale")
+@pytest.mark.parametrize("kind, score_function", [("aux_loss", "softmax"),
+                                                  ("seq_aux_loss", "sigmoid"),
+                                                  ("aux_loss", "sigmoid")])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_injected_gradients_equal_autodiff_of_loss_plus_scaled_aux_and_z(kind, score_function,
+                                                                          scale):
+    """Megatron's MoEAuxLossAutoScaler: the backward of the main loss alone equals autodiff of
+    main + scale * (coeff aux + coeff z), for the router's weights and its input."""
+    router, cfg = loss_router(kind, score_function)
+    x, probe = gaussian((5, 3, 8), 5), gaussian((15, 4), 6)
+    params = router.trainable_params()
+    moe.MoEAuxLossAutoScaler.set_loss_scale(scale)
+    injected = ms.grad(lambda x: (router(x)[0] * probe).sum(), 0, params)(x)
+    router.set_train(False)                                     # no losses attached
+    want = ms.grad(lambda x: (router(x)[0] * probe).sum() + scale * ms_losses(router, x, cfg),
+                   0, params)(x)
+    plain = ms.grad(lambda x: (router(x)[0] * probe).sum(), 0, params)(x)
+    for got, expected, main in zip([injected[0], *injected[1]], [want[0], *want[1]],
+                                   [plain[0], *plain[1]]):
+        np.testing.assert_allclose(got.asnumpy(), expected.asnumpy(), atol=1e-6)
+        assert np.abs(got.asnumpy() - main.asnumpy()).max() > 1e-3    # the losses count
+
+
+class ScaledSquare(ms.nn.Cell):
+    """x -> x, with sum(x^2) attached as an auxiliary loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.scaler = moe.MoEAuxLossAutoScaler()
+
+    def construct(self, x):
+        return self.scaler(x, (x * x).sum(), self.scaler.main_loss_backward_scale)
+
+
+@pytest.mark.usefixtures("unit_aux_loss_scale")
+def test_the_scale_set_from_outside_reaches_a_compiled_backward():
+    """d/dx sum(scaler(x, sum(x^2))) = 1 + scale * 2x, the scale read at every call of one
+    compiled graph (the trainer sets loss_scale / num_microbatches)."""
+    compiled = gpt.Compiled(ScaledSquare())
+    x = gaussian((3, 4), 7)
+    for scale in (1.0, 0.125, 3.0):
+        moe.MoEAuxLossAutoScaler.set_loss_scale(scale)
+        grad = ms.grad(lambda x: compiled(x).sum())(x)
+        np.testing.assert_allclose(grad.asnumpy(), 1 + 2 * scale * x.asnumpy(), rtol=1e-6)
+
+
+def test_losses_are_computed_only_in_training_with_a_backward():
+    router, _ = loss_router("aux_loss")
+    x = gaussian((5, 3, 8), 8)
+    probs = router(x)[0].asnumpy()                           # no backward recorded
+    assert not router.metrics[0].asnumpy().any()
+    router.set_train(False)
+    assert not any(record_losses(router, x).values())
+    router.set_train(True)
+    logged = record_losses(router, x)
+    assert logged["load_balancing_loss"] > 0 and logged["z_loss"] > 0
+    np.testing.assert_array_equal(router(x)[0].asnumpy(), probs)
+
+
+def test_report_metrics_averages_micro_batches_and_layers():
+    """Megatron's report: each name's sum over layers and micro-batches times loss_scale (1/M),
+    divided by the MoE layers; then cleared."""
+    cfg = dict(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, add_bias_linear=True)
+    layers = [layer_of(seed, **cfg) for seed in (1, 2)]
+    batches = [gaussian((4, 2, 8), seed) for seed in (9, 10)]
+    for x in batches:
+        for layer in layers:
+            ms.grad(lambda x: layer(x).sum())(x)
+    want = np.sum([np_losses(layer.router, x.asnumpy(), "aux_loss", "softmax")
+                   for layer in layers for x in batches], 0) * (1 / 2) / 2
+    report = moe.report_metrics(layers, loss_scale=1 / 2, num_moe_layers=2)
+    assert report.keys() == {"load_balancing_loss", "z_loss"}
+    np.testing.assert_allclose([report["load_balancing_loss"], report["z_loss"]], want, rtol=1e-5)
+    assert not any(layer.router.metrics[0].asnumpy().any() for layer in layers)
+
+
+@pytest.mark.usefixtures("unit_aux_loss_scale")
+def test_training_the_router_on_the_aux_loss_evens_the_expert_load():
+    """A router whose bias sends every token to experts 0 and 1 (load max/mean = 2), trained on
+    the aux loss alone (the main loss' gradient is 0) by SGD: balanced within 50 steps."""
+    cfg = moe_config(moe_aux_loss_coeff=1.0, add_bias_linear=True)
+    router = fill_normal(moe.TopKRouter(cfg), std=0.2)
+    router.bias.set_data(Tensor(np.array([3.0, 3.0, 0.0, 0.0], np.float32)))
+    x, params = gaussian((16, 4, 8), 11), router.trainable_params()
+
+    def imbalance():
+        router.set_train(False)
+        counts = router(x)[1].astype(ms.float32).sum(0)                      # tokens per expert
+        router.set_train(True)
+        return counts.max() / counts.mean()
+
+    grad = ms.grad(lambda x: router(x)[0].sum() * 0.0, None, params)
+    before = imbalance()
+    for _ in range(50):
+        for p, g in zip(params, grad(x)):
+            ops.assign(p, p - 20.0 * g)
+    after = imbalance()
+    assert float(before) == 2.0 and float(after) < 1.25, (float(before), float(after))
+
+
+# the experts and dispatchers
+@pytest.mark.parametrize("act, bias", [("gelu_tanh", True), ("swiglu", False), ("gelu", True)])
+def test_grouped_mlp_equals_sequential_mlp(act, bias):
+    """The same parameters (names and values); batched matmuls against a loop of experts."""
+    cfg = moe_config(hidden_act=act, add_bias_linear=bias)
+    sequential = fill_normal(moe.SequentialMLP(cfg, 3, 1))
+    grouped = fill_normal(moe.GroupedMLP(cfg, 3, 1))
+    assert [n for n, _ in sequential.parameters_and_names()] == \
+        [n for n, _ in grouped.parameters_and_names()]
+    tokens, probs = gaussian((3, 5, 8), 12), ops.abs(gaussian((3, 5), 13))
+    assert_close(values_and_grads(lambda t: grouped(t, probs), tokens, grouped),
+                 values_and_grads(lambda t: sequential(t, probs), tokens, sequential))
+
+
+def dense_reference(layer, x):
+    """Every routed expert on every token, weighted by the router's probs [n, E]:
+    sum_e p_e * (fc2(act(fc1 x + b1)) + b2), plus the shared expert, in plain ops."""
+    s, b, h = x.shape
+    tokens, act = x.reshape(s * b, h), layer.experts.act
+    probs, _ = layer.router(x)
+    out = 0.0
+    for e, expert in enumerate(layer.experts.local_experts):
+        fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+        y = moe.apply_activation(parallel.linear(tokens, fc1.weight, fc1.bias), act)
+        out = out + probs[:, e:e + 1] * parallel.linear(y, fc2.weight, fc2.bias)
+    out = out.reshape(s, b, h)
+    shared = layer.shared_experts
+    if shared is not None:
+        y = moe.apply_activation(ops.matmul(x, shared.linear_fc1.weight.T), act)
+        y = ops.matmul(y, shared.linear_fc2.weight.T)
+        if shared.gate_weight is not None:
+            y = y * ops.sigmoid(ops.matmul(x, shared.gate_weight.T))
+        out = out + y
+    return out
+
+
+def np_layer(layer, x):
+    """The dropless layer in numpy with its own router (gelu_tanh or swiglu experts)."""
+    s, b, h = x.shape
+    tokens = x.reshape(s * b, h)
+    cfg = layer.router
+    probs, _ = np_route(tokens @ cfg.weight.asnumpy().T, cfg.topk, cfg.score_function,
+                        cfg.pre_softmax, cfg.scaling_factor)
+    out = np.zeros_like(tokens)
+    for e, expert in enumerate(layer.experts.local_experts):
+        y = tokens @ expert.linear_fc1.weight.asnumpy().T
+        if layer.experts.act == "swiglu":
+            gate, up = np.split(y, 2, -1)
+            y = gate / (1 + np.exp(-gate)) * up
+        else:
+            y = 0.5 * y * (1 + np.tanh(0.7978845608028654 * (y + 0.044715 * y ** 3)))
+        out += probs[:, e:e + 1] * (y @ expert.linear_fc2.weight.asnumpy().T)
+    return out.reshape(s, b, h)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("act, bias", [("gelu_tanh", True), ("swiglu", False)])
+def test_dropless_layer_equals_every_expert_on_every_token(dispatcher, grouped, act, bias):
+    layer = layer_of(moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=grouped,
+                     hidden_act=act, add_bias_linear=bias)
+    x = gaussian((6, 2, 8), 14)
+    got = values_and_grads(layer, x, layer)
+    assert_close(got, values_and_grads(lambda x: dense_reference(layer, x), x, layer))
+    if not bias:
+        np.testing.assert_allclose(got["output"], np_layer(layer, x.asnumpy()), rtol=1e-5,
+                                   atol=1e-6)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_capacity_layer_equals_the_dense_reference_of_the_kept_tokens(dispatcher, policy, pad):
+    """Capacity factor 0.5: C = ceil(12 * 2 / 4 * 0.5) = 3 slots per expert for 24 routings."""
+    layer = layer_of(moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=0.5,
+                     moe_token_drop_policy=policy, moe_pad_expert_input_to_capacity=pad)
+    x = gaussian((6, 2, 8), 15)
+    probs, routing_map = layer.router(x)
+    assert (probs.asnumpy() > 0).sum() < 24                        # tokens were dropped
+    np.testing.assert_array_equal(routing_map.asnumpy().sum(0), 3 if pad else
+                                  np.minimum(routing_map.asnumpy().sum(0), 3))
+    assert_close(values_and_grads(layer, x, layer),
+                 values_and_grads(lambda x: dense_reference(layer, x), x, layer))
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_shared_expert_adds_a_dense_mlp_on_every_token(gate):
+    layer = layer_of(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=gate,
+                     hidden_act="swiglu")
+    x = gaussian((6, 2, 8), 16)
+    got = values_and_grads(layer, x, layer)
+    assert_close(got, values_and_grads(lambda x: dense_reference(layer, x), x, layer))
+    routed = layer_of(hidden_act="swiglu")                   # the same routed experts
+    assert np.abs(got["output"] - routed(x).asnumpy()).max() > 1e-2
+
+
+@pytest.mark.usefixtures("unit_aux_loss_scale")
+def test_both_dispatchers_and_explicit_one_rank_groups_give_the_same_layer():
+    """allgather and alltoall (built with an expert-parallel group of one rank, EP carved from
+    DP) compute the same layer, losses included."""
+    state = parallel.get_state()
+    cfg = dict(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, moe_expert_capacity_factor=1.0,
+               moe_token_drop_policy="position")
+    plain = layer_of(**cfg)
+    alltoall = fill_normal(moe.MoELayer(moe_config(moe_token_dispatcher_type="alltoall", **cfg),
+                                 ep_group=state.dp_group, tp_ep_group=state.tp_group,
+                                 tp_cp_group=state.tp_group))
+    alltoall.set_train(True)
+    assert alltoall.token_dispatcher.exchange is not None
+    x = gaussian((6, 2, 8), 17)
+    assert_close(values_and_grads(alltoall, x, alltoall), values_and_grads(plain, x, plain))
+
+
+@pytest.mark.usefixtures("unit_aux_loss_scale")
+@pytest.mark.parametrize("dispatcher, capacity, grouped, shared", [
+    ("allgather", None, False, 8), ("alltoall", 0.75, True, None)])
+def test_compiled_layer_equals_op_by_op(dispatcher, capacity, grouped, shared):
+    """The whole layer in one ms.jit graph (gpt.Compiled): output, every gradient (aux and z
+    injected) and the logged losses as op by op; evaluation compiles without the losses. (The
+    shared expert in one graph only, GroupedMLP in the other: each graph compiles in seconds.)"""
+    layer = layer_of(moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=capacity,
+                     moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, moe_grouped_gemm=grouped,
+                     moe_shared_expert_intermediate_size=shared,
+                     moe_shared_expert_gate=shared is not None)
+    compiled, x = gpt.Compiled(layer), gaussian((6, 2, 8), 18)
+    eager = values_and_grads(layer, x, layer)
+    logged = moe.report_metrics([layer], 1.0, 1)
+    for _ in range(2):                  # the report's reset reaches the compiled graph too
+        assert_close(values_and_grads(compiled, x, layer), eager)
+        assert moe.report_metrics([layer], 1.0, 1) == pytest.approx(logged, rel=1e-6)
+    layer.set_train(False)
+    np.testing.assert_allclose(compiled(x).asnumpy(), layer(x).asnumpy(), rtol=1e-6, atol=1e-7)
+    assert not layer.router.metrics[0].asnumpy().any()
+
+
+def test_parameter_names_and_attributes():
+    """Megatron's module names; expert parameters marked allreduce=False and split like the TP
+    layers (fc1 by rows in [gate; up] blocks, fc2 by columns); the logged sums and the shared
+    scale are no parameters of the layer."""
+    layer = moe.MoELayer(moe_config(num_moe_experts=2, hidden_act="swiglu",
+                                    moe_shared_expert_intermediate_size=8,
+                                    moe_shared_expert_gate=True))
+    params = dict(layer.parameters_and_names())
+    expert = [f"experts.local_experts.{j}.linear_fc{i}.weight" for j in (0, 1) for i in (1, 2)]
+    assert list(params) == ["router.weight"] + expert + [
+        "shared_experts.gate_weight", "shared_experts.linear_fc1.weight",
+        "shared_experts.linear_fc2.weight"]
+    assert params[expert[0]].shape == (24, 8) and params[expert[1]].shape == (8, 12)
+    for name in expert:
+        p = params[name]
+        assert p.allreduce is False and p.partition_dim == (0 if "fc1" in name else 1)
+    assert params[expert[0]].partition_chunks == 2
+    assert not hasattr(params["router.weight"], "allreduce")
+    assert len(list(layer.get_parameters())) == len(params)         # not the logged sums
+    assert moe.global_expert_name("layers.3.mlp.experts.local_experts.1.linear_fc1.weight", 2, 4) \
+        == "layers.3.mlp.experts.local_experts.9.linear_fc1.weight"
 
 
 # ================================================================= pipeline schedules (pipeline.py)
@@ -4133,6 +4711,29 @@ def test_compiled_model_equals_eager(tmp_path):
     np.testing.assert_allclose(jit_losses,
                                losses_of([l for l in eager_log if l.startswith("train: ")]),
                                rtol=1e-5)
+
+
+def test_moe_model_trains_and_compiled_equals_op_by_op(tmp_path):
+    """A GPT whose first layer is an MoE layer (4 experts with biases, top-2, aux and z losses,
+    2 micro-batches: the losses' gradients weighted 1/2 like the main loss'): the loss falls over
+    8 compiled steps, the train lines carry Megatron's load_balancing_loss and z_loss, and op by
+    op (--no-jit) trains the same losses."""
+    args = [*MOE_FLAGS, "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "64",
+            "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+            "--global-batch-size", "8", "--train-iters", "8"]
+    compiled, compiled_log = run_training(tmp_path, "moe_jit", *args)
+    eager, eager_log = run_training(tmp_path, "moe_eager", *args, "--no-jit")
+    assert ("model compiled with ms.jit" in compiled_log
+            and "model runs op by op (PyNative)" in eager_log)
+    losses = losses_of(compiled)
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
+    np.testing.assert_allclose(losses, losses_of(eager), rtol=1e-5)
+    for name in ("load_balancing_loss", "z_loss"):
+        values = [[float(re.search(name + r": ([-+.0-9E]+)", l).group(1)) for l in lines]
+                  for lines in (compiled, eager)]
+        np.testing.assert_allclose(values[0], values[1], rtol=1e-4)
+        # E sum_e f_e P_e: 1 when balanced, at most E / k = 2; z: logsumexp^2 > 0
+        assert all(0.9 < v <= 2.0 if name != "z_loss" else v > 0 for v in values[0]), values
 
 
 def test_loss_scaler_skips_a_step_with_nan_gradients():

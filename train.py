@@ -30,12 +30,14 @@ import context_parallel
 import data
 import hf_gpt2
 import memory
+import moe
 import optimizer as opt
 import parallel
 import pipeline
 import sample
 from cli import HelpRequested, load_config, parse_command, raw_config, training_help
-from config import ConfigError, main_grad_dtype, padded_vocab_size, recompute_counts, to_dict
+from config import (ConfigError, main_grad_dtype, moe_layer_pattern, padded_vocab_size,
+                    recompute_counts, to_dict)
 from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
                  num_floating_point_operations)
 from metrics import Metrics
@@ -309,6 +311,8 @@ class Trainer:
         self.trace = None                 # a list: the next step records its passes' times
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
         self.loss_weight = 1.0
+        self.num_moe_layers = sum(moe_layer_pattern(model_cfg))
+        self.moe_losses = {}              # the last step's aux and z losses (moe.report_metrics)
         self.seconds = dict.fromkeys(TIMERS, 0.0)       # time per phase since the last log line
         self.grad_fn = ms.value_and_grad(self._weighted_loss, None, self.params)
 
@@ -325,6 +329,10 @@ class Trainer:
         stage."""
         num_microbatches = len(micro_batches)
         self.loss_weight = self.scaler.scale / num_microbatches
+        if self.num_moe_layers:
+            # the aux and z losses' gradients get the main loss' weight (Megatron's
+            # schedules.py:366 multiplies by cp too: its CP gradients are averaged, ours summed)
+            moe.MoEAuxLossAutoScaler.set_loss_scale(self.loss_weight)
         if self.pipeline is not None:
             return self.pipeline.run([to_tensors(b, self.state) for b in micro_batches],
                                      self.loss_weight, trace=self.trace)
@@ -346,6 +354,11 @@ class Trainer:
         self.set_train(True)
         clock = time.perf_counter()
         losses, grads = self.forward_backward(micro_batches)
+        if self.num_moe_layers:         # Megatron's track_moe_metrics, every step on every rank
+            state = self.state
+            self.moe_losses = moe.report_metrics(self.chunks, 1 / len(micro_batches),
+                                                 self.num_moe_layers, state.pp_group,
+                                                 state.tp_group, state.dp_group)
         clock = self._lap("forward-backward", clock)
         grads = opt.finalize_model_grads(grads, self.params, parallel.collectives, self.state,
                                          self.optimizer, self.buffer)
@@ -575,6 +588,7 @@ class LogWindow:
 
     def reset(self):
         self.loss, self.steps, self.skipped = 0.0, 0, 0
+        self.moe_losses = {}                           # name -> sum over the window's steps
         self.restart_clock()
 
     def restart_clock(self):
@@ -583,6 +597,8 @@ class LogWindow:
     def add(self, loss, updated):
         self.loss, self.steps, self.timed = self.loss + loss, self.steps + 1, self.timed + 1
         self.skipped += not updated
+        for name, value in self.trainer.moe_losses.items():
+            self.moe_losses[name] = self.moe_losses.get(name, 0.0) + value
 
     def seconds_per_step(self):
         return (time.perf_counter() - self.start) / max(self.timed, 1)
@@ -609,7 +625,8 @@ class LogWindow:
         if log_now:
             if trainer.state.is_last_stage:           # the loss exists on the last stage only
                 scalars = self.scalars(grad_norm, lr)
-                log.info(train_line(iteration, epoch, updated, scalars))
+                moe_losses = {k: v / self.steps for k, v in self.moe_losses.items()}
+                log.info(train_line(iteration, epoch, updated, scalars, moe_losses))
                 if self.metrics is not None:
                     self.metrics.train(iteration, **scalars)
             log.info(trainer.timers_line(self.timed))
@@ -625,13 +642,15 @@ class LogWindow:
                     iteration_time=elapsed, batch_size=self.batch_size)
 
 
-def train_line(iteration, epoch, updated, s):
-    """Megatron's training_log line (this project's spelling) from LogWindow.scalars `s`."""
+def train_line(iteration, epoch, updated, s, moe_losses=None):
+    """Megatron's training_log line (this project's spelling) from LogWindow.scalars `s`; an MoE
+    model's aux and z losses (means over the window's steps) as Megatron prints them."""
     return (f"train: Epoch:{epoch}, Step:{iteration}, Loss: {s['loss']:.6f}, "
             f"Finite_grads: {updated}, Loss_scale: {s['loss_scale']}, "
             f"Grad_norm: {s['grad_norm']:.6f}, Skipped_iterations: {s['skipped_iterations']}, "
             f"Learning_rate: {s['lr']:.6e}, Time: {s['iteration_time'] * 1000:.2f} ms, "
-            f"Tokens/s: {s['tokens_per_s']:.1f}, TFLOP/s: {s['tflops']:.4f}")
+            f"Tokens/s: {s['tokens_per_s']:.1f}, TFLOP/s: {s['tflops']:.4f}"
+            + "".join(f", {name}: {value:.6E}" for name, value in (moe_losses or {}).items()))
 
 
 def scale_change(before, scaler):

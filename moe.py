@@ -1,0 +1,680 @@
+"""Mixture of experts: Megatron-core's MoE layer (megatron/core/transformer/moe/) on MindSpore.
+
+`MoELayer` replaces a layer's dense MLP (gpt.MLP) with the same construct(hidden [s, b, h]) ->
+[s, b, h]; under sequence parallelism hidden is [s/tp, b, h]. As in MoELayer.forward
+(moe_layer.py:614-719):
+    shared = shared_experts(x)                      optional dense MLP on every token
+    probs, routing_map = router(x)                  TopKRouter: [n, E] each, n = s*b tokens
+    tokens, probs = dispatcher.dispatch(...)        to this rank's E_l = E/ep experts
+    out = dispatcher.combine(experts(tokens, probs)) + shared
+Tokens are flattened sequence-major, t = s_idx * b + b_idx (router.py:761).
+
+Every shape is static, so a layer compiles in ms.jit: the `allgather` dispatcher runs each local
+expert on every gathered token with its probability (0 for a token routed elsewhere or dropped),
+the `alltoall` dispatcher fills fixed capacity slots [E, C, h] (C = n when dropless, so nothing
+is dropped). Both compute Megatron's sums; only the FLOPs are higher. A dispatcher's
+dispatch(tokens [n, h], probs, routing_map) returns (tokens [E_l, T, h], probs [E_l, T], slot
+indices) for the experts, and combine(expert output [E_l, T, h], slot indices, n) -> [n, h].
+
+Config fields, read from `cfg` (the model config; Megatron's TransformerConfig names, lines of
+transformer_config.py at d98e8a64):
+    hidden_size, ffn_hidden_size, hidden_act ("gelu" | "gelu_tanh" | "swiglu"), add_bias_linear,
+    compute_dtype ("float32" | "float16" | "bfloat16")                     as gpt.MLP reads them
+    num_moe_experts (l. 239)                     E, routed experts
+    moe_ffn_hidden_size (l. 740)                 expert FFN width; None: ffn_hidden_size
+    moe_router_topk (l. 760)                     k
+    moe_router_score_function (l. 808)           "softmax" | "sigmoid"
+    moe_router_pre_softmax (l. 799)              softmax over all E before the top-k
+    moe_router_topk_scaling_factor (l. 804)      None or a factor on the final probs
+    moe_router_dtype (l. 811)                    None (the input's dtype) | "fp32"
+    moe_router_load_balancing_type (l. 743)      "aux_loss" | "seq_aux_loss" | "none"
+    moe_aux_loss_coeff (l. 875)                  0 computes no balancing loss
+    moe_z_loss_coeff (l. 880)                    None (or 0) computes no z-loss
+    moe_expert_capacity_factor (l. 917)          None: dropless
+    moe_pad_expert_input_to_capacity (l. 921)    every expert gets exactly C tokens
+    moe_token_drop_policy (l. 932)               "probs" | "position"
+    moe_token_dispatcher_type (l. 891)           "allgather" | "alltoall"
+    moe_grouped_gemm (l. 850)                    GroupedMLP instead of SequentialMLP
+    moe_shared_expert_intermediate_size (l. 701) None, or the shared expert's FFN width
+    moe_shared_expert_gate (l. 713)              sigmoid gate on the shared expert's output
+
+Process groups, by name (parallel.py's names; Megatron's parallel_state.py groups):
+    ep_group      the expert-parallel group (_EXPERT_MODEL_PARALLEL_GROUP, l. 1354-1366): ranks
+                  with the same TP rank, `ep` consecutive DP x CP ranks; None: EP = 1
+    tp_ep_group   TP x EP (_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP, l. 1383-1396), the allgather
+                  dispatcher's group; None: the TP group (right when EP = 1)
+    tp_cp_group   TP x CP (_TENSOR_AND_CONTEXT_PARALLEL_GROUP, l. 1319-1331), over which the
+                  router's token counts are summed; None: the TP group (right when CP = 1)
+Experts are split over TP as Megatron's default expert_tensor_parallel_size = tp does.
+
+Auxiliary losses (moe_utils.py:291-341). The load-balancing loss and the z-loss never join the
+returned loss: MoEAuxLossAutoScaler adds scale * d(loss)/d(theta) in the backward, scale being
+`MoEAuxLossAutoScaler.main_loss_backward_scale`, which the trainer sets with
+`MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches)` before a step's forwards
+(Megatron multiplies by cp too, schedules.py:355-366, because its gradients are averaged over
+CP; this project sums over CP). They are computed only in training while a backward is recorded
+(Megatron's `self.training and torch.is_grad_enabled()`), and then each router adds its values
+to `TopKRouter.metrics` (aux/coeff, z/(coeff/|tp_cp|), as router.py:594-601, 702-708 record
+them); `report_metrics` reduces and clears them once per step, as MoEMetricsTracker.report.
+
+Parameter names follow Megatron's modules: router.weight|bias, experts.local_experts.J.
+linear_fc1|linear_fc2.weight|bias (J local; `global_expert_name` makes it global),
+shared_experts.linear_fc1|linear_fc2.weight, shared_experts.gate_weight. Initialisation
+(router.py:78-88, Megatron's init_method): every weight and the router bias normal(0, std),
+linear_fc2 with std / sqrt(2 num_layers), the experts' other biases zero. Expert parameters carry
+`allreduce = False` (their gradients are summed over the expert-data-parallel group; Megatron
+marks them when ep > 1 or etp != tp, tensor_parallel/layers.py:1033-1037, 1090, and with EP = 1
+that group is DP x CP anyway) and `partition_dim` like the TP layers; the router's and the
+gate's `sequence_parallel` as Megatron marks them.
+"""
+import itertools
+import math
+import re
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.graph.api import _pynative_executor
+from mindspore.ops import constexpr
+
+import parallel
+from parallel import F32, cast, linear
+
+# Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
+METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+_bmm_nt = ops.BatchMatMul(transpose_b=True)        # [E_l, T, in] x [E_l, out, in] -> [E_l, T, out]
+
+
+@constexpr
+def grad_enabled():
+    """torch.is_grad_enabled(): true while MindSpore records a forward for a backward. Evaluated
+    when a graph is compiled; ms.jit keeps separate graphs with and without gradients (it does
+    not key them on Cell.training, so a compiled graph's training flag is the first call's)."""
+    return bool(_pynative_executor.requires_grad())
+
+
+@constexpr
+def get_capacity(num_tokens, num_experts, capacity_factor):
+    """Megatron's get_capacity (moe_utils.py:248-266): ceil(num_tokens / E * factor)."""
+    return math.ceil((num_tokens / num_experts) * capacity_factor)
+
+
+def apply_activation(y, act):
+    """gpt.MLP's activations on fc1's output: SwiGLU on its [gate; up] halves (each TP shard
+    holds its halves' slices), GPT-2's tanh GELU written out, or the exact GELU."""
+    if act == "swiglu":
+        gate, up = ops.chunk(y, 2, axis=-1)
+        return ops.silu(gate) * up
+    if act == "gelu_tanh":
+        return 0.5 * y * (1.0 + ops.tanh(0.7978845608028654 * (y + 0.044715 * y * y * y)))
+    return ops.gelu(y, approximate="none")
+
+
+def global_expert_name(name, ep_rank, num_local_experts):
+    """'...local_experts.J...' on EP rank r -> '...local_experts.{r * E_l + J}...', so that
+    initialisation and checkpoints see one name per expert in every layout."""
+    offset = ep_rank * num_local_experts
+    return re.sub(r"(^|\.)local_experts\.(\d+)\.",
+                  lambda m: f"{m.group(1)}local_experts.{offset + int(m.group(2))}.", name)
+
+
+# ============================================================================ routing
+def topk_routing_with_score_function(logits, topk, use_pre_softmax, scaling_factor,
+                                     score_function):
+    """Megatron's topk_routing_with_score_function (moe_utils.py:766-957): logits [n, E] ->
+    (routing_probs [n, E], 0 off the top-k; routing_map [n, E] bool). softmax: top-k of the
+    logits then a softmax over the k (or, pre-softmax, top-k of the softmax over all E, not
+    renormalised); sigmoid: top-k of the sigmoids, renormalised over the k when k > 1."""
+    if score_function == "softmax" and use_pre_softmax:
+        probs, top_indices = ops.topk(ops.softmax(cast(logits, F32), -1), topk)    # [n, k]
+    elif score_function == "softmax":
+        scores, top_indices = ops.topk(logits, topk)
+        probs = ops.softmax(cast(scores, F32), -1)
+    else:
+        probs, top_indices = ops.topk(ops.sigmoid(cast(logits, F32)), topk)
+        if topk > 1:
+            probs = probs / (probs.sum(-1, keepdims=True) + 1e-20)
+    if scaling_factor:
+        probs = probs * scaling_factor
+    one_hot = ops.one_hot(top_indices, logits.shape[-1], 1.0, 0.0)                 # [n, k, E]
+    routing_probs = (one_hot * cast(probs, logits.dtype).expand_dims(-1)).sum(1)
+    return routing_probs, one_hot.sum(1) > 0
+
+
+def token_order_key(routing_map):
+    """[n, E] bool -> [E, n] float whose descending order per expert is its routed tokens in
+    token order, then the others in token order: the stable descending argsort of map^T that
+    Megatron's drop-and-pad permute uses (moe_utils.py:439-451)."""
+    n = routing_map.shape[0]
+    later = ops.arange(n, 0, -1).astype(F32)                                       # n .. 1
+    return routing_map.T.astype(F32) * n + later
+
+
+def index_mask(indices, size):
+    """indices [E, C] into [0, size) -> bool [E, size], True at the indices (a scatter)."""
+    rows = indices.shape[0]
+    flat = (indices + ops.arange(rows).reshape(-1, 1).astype(indices.dtype) * size).reshape(-1)
+    hits = ops.unsorted_segment_sum(ops.ones(flat.shape, F32), flat, rows * size)
+    return hits.reshape(rows, size) > 0
+
+
+def apply_router_token_dropping(routing_probs, routing_map, router_topk, capacity_factor,
+                                drop_policy, pad_to_capacity):
+    """Megatron's apply_router_token_dropping (moe_utils.py:1019-1085): each expert keeps at
+    most C = get_capacity(n * k, E, factor) of this rank's n tokens, those of highest probability
+    ("probs") or the earliest ("position"); with pad_to_capacity the map holds exactly C tokens
+    per expert (the added ones with probability 0). Returns (probs [n, E], map [n, E] bool)."""
+    num_tokens, num_experts = routing_probs.shape
+    capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
+    if capacity > num_tokens:                     # nothing to drop
+        final_map = ops.ones_like(routing_map) if pad_to_capacity else routing_map
+        return routing_probs * final_map.astype(routing_probs.dtype), final_map
+    # Megatron's "position" is a top-k of the 0/1 map (ties in no stated order, the intent
+    # being to drop the latest tokens): here the earliest routed tokens, then the earliest others
+    if drop_policy == "probs":
+        key = ops.stop_gradient(routing_probs).T                                  # [E, n]
+    else:
+        key = token_order_key(routing_map)
+    _, kept = ops.topk(key, capacity)                                             # [E, C]
+    capacity_mask = index_mask(kept, num_tokens).T                                # [n, E]
+    final_map = capacity_mask if pad_to_capacity else routing_map & capacity_mask
+    return routing_probs * final_map.astype(routing_probs.dtype), final_map
+
+
+def compute_routing_scores_for_aux_loss(logits, topk, score_function):
+    """Megatron's compute_routing_scores_for_aux_loss (moe_utils.py:960-1016): logits [n, E]
+    -> (routing_map [n, E] float 0/1, the top-k before any dropping; scores [n, E], the softmax
+    or the sigmoids normalised over all E)."""
+    if score_function == "softmax":
+        scores = ops.softmax(cast(logits, F32), -1)
+    else:
+        scores = ops.sigmoid(cast(logits, F32))
+        scores = scores / (scores.sum(-1, keepdims=True) + 1e-20)
+    _, top_indices = ops.topk(scores, topk)
+    routing_map = ops.one_hot(top_indices, logits.shape[-1], 1.0, 0.0).sum(1)
+    return ops.stop_gradient(routing_map), scores
+
+
+def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens, topk,
+                                    num_experts, moe_aux_loss_coeff):
+    """Megatron's switch_load_balancing_loss_func (moe_utils.py:63-150), this rank's share:
+    E * coeff / (k * T^2) * sum_e (sum of this rank's probs [n, E] for e) * (tokens routed to e
+    over the group [E]). Summed over the group it is coeff * E * sum_e f_e P_e on the whole
+    micro-batch (f_e = count_e / (k T), P_e = mean prob), 1 * coeff when perfectly balanced."""
+    scale = num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
+    return (probs.sum(0) * tokens_per_expert).sum() * scale
+
+
+def z_loss_func(logits, z_loss_coeff):
+    """Megatron's z_loss_func (moe_utils.py:153-182), ST-MoE's router z-loss:
+    coeff * mean over tokens of logsumexp(logits [n, E])^2."""
+    return ops.square(ops.logsumexp(cast(logits, F32), -1)).mean() * z_loss_coeff
+
+
+class MoEAuxLossAutoScaler(nn.Cell):
+    """Megatron's MoEAuxLossAutoScaler (moe_utils.py:291-341): the identity on an activation
+    whose backward also sends `scale` as the gradient of `aux_loss`, so the backward adds
+    scale * d(aux_loss)/d(theta) without the loss joining the model's output. One instance per
+    call site (a custom-bprop Cell called twice in one ms.jit graph gets wrong gradients).
+
+    The scale is one Parameter for all layers, as Megatron's class attribute: a bprop may not
+    read a Parameter, so callers pass `main_loss_backward_scale` in; compiled graphs read its
+    value at every call. It is read when the forward runs (Megatron: when the backward does)."""
+
+    main_loss_backward_scale = None
+
+    def __init__(self):
+        super().__init__()
+        MoEAuxLossAutoScaler.scale_parameter()
+
+    def construct(self, output, aux_loss, scale):
+        return output
+
+    def bprop(self, output, aux_loss, scale, out, dout):
+        return dout, ops.ones_like(aux_loss) * cast(scale, aux_loss.dtype), ops.zeros_like(scale)
+
+    @staticmethod
+    def scale_parameter():
+        """The shared scale (created at the first call: 1.0, Megatron's default)."""
+        if MoEAuxLossAutoScaler.main_loss_backward_scale is None:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = Parameter(
+                Tensor(1.0, F32), name="moe_aux_loss_scale", requires_grad=False)
+        return MoEAuxLossAutoScaler.main_loss_backward_scale
+
+    @staticmethod
+    def set_loss_scale(scale):
+        """The factor of every aux and z gradient from now on (the trainer: loss_scale / M)."""
+        MoEAuxLossAutoScaler.scale_parameter().set_data(Tensor(float(scale), F32))
+
+
+_ROUTER_IDS = itertools.count()             # unique names for the routers' metric Parameters
+
+
+class TopKRouter(nn.Cell):
+    """Megatron's TopKRouter (router.py:144-884): logits = x W^T (+ b) with W [E, h] (computed
+    in moe_router_dtype, else the input's); the z-loss on the logits; top-k probs and routing
+    map; capacity dropping; the load-balancing loss attached to the probs. construct(hidden
+    [s, b, h]) -> (probs [n, E], routing_map [n, E] bool), n = s*b.
+
+    `metrics` (a tuple, so that the optimizer, initialisation and checkpoints do not see it) is
+    one fp32 Parameter [3] summing, over the micro-batches of a step, the values Megatron records
+    under METRICS' names; `metric_names` lists those this router records."""
+
+    def __init__(self, cfg, tp_cp_group=None):
+        super().__init__()
+        _check_router_config(cfg)
+        state = parallel.get_state()
+        self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
+        self.score_function = cfg.moe_router_score_function
+        self.pre_softmax = cfg.moe_router_pre_softmax
+        self.scaling_factor = cfg.moe_router_topk_scaling_factor
+        self.router_dtype = F32 if cfg.moe_router_dtype == "fp32" else None
+        self.capacity_factor = cfg.moe_expert_capacity_factor
+        self.drop_policy, self.pad = cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity
+        self.load_balancing_type = cfg.moe_router_load_balancing_type
+        balancing = self.load_balancing_type in ("aux_loss", "seq_aux_loss")
+        # get_aux_loss_coeff (router.py:388-401): type "none" has no coefficient
+        self.aux_loss_coeff = cfg.moe_aux_loss_coeff if balancing else 0.0
+        self.z_loss_coeff = cfg.moe_z_loss_coeff
+        self.tp_cp = parallel.collectives(tp_cp_group)
+        self.weight = Parameter(Tensor(np.zeros((self.num_experts, cfg.hidden_size), np.float32)),
+                                name="weight")
+        self.bias = Parameter(Tensor(np.zeros(self.num_experts, np.float32)), name="bias") \
+            if cfg.add_bias_linear else None
+        if state.sequence_parallel:      # each TP rank routes its own tokens (router.py:85-88)
+            for p in self.get_parameters():
+                p.sequence_parallel = True
+        self.aux_loss_scaler, self.z_loss_scaler = MoEAuxLossAutoScaler(), MoEAuxLossAutoScaler()
+        self.metrics = (Parameter(Tensor(np.zeros(len(METRICS), np.float32)), requires_grad=False,
+                                  name=f"moe_router_metrics.{next(_ROUTER_IDS)}"),)
+        self.basis = Tensor(np.eye(len(METRICS), dtype=np.float32))      # row i: METRICS[i]
+        names = [METRICS[self.load_balancing_type == "seq_aux_loss"]] if self.aux_loss_coeff else []
+        self.metric_names = tuple(names + (["z_loss"] if self.z_loss_coeff else []))
+
+    def construct(self, hidden):
+        """routing() (router.py:746-837); the losses only in training with a backward recorded."""
+        s, b = hidden.shape[0], hidden.shape[1]
+        logits = linear(hidden.reshape(s * b, -1), self.weight, self.bias, self.router_dtype)
+        training = self.training and grad_enabled()
+        if training and self.z_loss_coeff:
+            logits = self.apply_z_loss(logits)                                    # [n, E]
+        probs, routing_map = topk_routing_with_score_function(
+            logits, self.topk, self.pre_softmax, self.scaling_factor, self.score_function)
+        if self.capacity_factor is not None:
+            probs, routing_map = apply_router_token_dropping(
+                probs, routing_map, self.topk, self.capacity_factor, self.drop_policy, self.pad)
+        if training and self.aux_loss_coeff > 0:
+            probs = self.apply_load_balancing_loss(probs, logits, s, b)
+        return probs, routing_map
+
+    def apply_z_loss(self, logits):
+        """Megatron's apply_z_loss (router.py:642-709): the coefficient divided by |TP x CP|, so
+        that the group's sum is coeff * the micro-batch's mean; logged as z / that coefficient."""
+        coeff = self.z_loss_coeff / self.tp_cp.size
+        z_loss = z_loss_func(logits, coeff)
+        self.record(2, z_loss / coeff)
+        return self.z_loss_scaler(logits, z_loss, self.z_loss_scaler.main_loss_backward_scale)
+
+    def apply_load_balancing_loss(self, probs, logits, seq_length, bsz):
+        """Megatron's _apply_aux_loss and _apply_seq_aux_loss (router.py:410-505), from the
+        logits' top-k before any dropping. seq_aux_loss views scores and map [n, E] as
+        [s, b*E], each (sequence, expert) pair an expert, and divides by b: the mean over the
+        sequences of their losses. The counts are summed over TP x CP (no gradient); T is the
+        group's tokens (per sequence for seq_aux_loss). Logged as aux / coeff."""
+        routing_map, scores = compute_routing_scores_for_aux_loss(logits, self.topk,
+                                                                  self.score_function)
+        per_sequence = self.load_balancing_type == "seq_aux_loss"
+        if per_sequence:
+            routing_map = routing_map.reshape(seq_length, -1)                     # [s, b*E]
+            scores = scores.reshape(seq_length, -1)
+        tokens_per_expert = self.tp_cp.all_reduce(routing_map.sum(0))             # [E] or [b*E]
+        total_num_tokens = scores.shape[0] * self.tp_cp.size
+        aux_loss = switch_load_balancing_loss_func(scores, tokens_per_expert, total_num_tokens,
+                                                   self.topk, self.num_experts, self.aux_loss_coeff)
+        if per_sequence:
+            aux_loss = aux_loss / bsz
+        self.record(1 if per_sequence else 0, aux_loss / self.aux_loss_coeff)
+        return self.aux_loss_scaler(probs, aux_loss, self.aux_loss_scaler.main_loss_backward_scale)
+
+    def record(self, index, value):
+        """get_moe_metrics_tracker().record (moe_logging.py:94-128): add the detached value."""
+        ops.assign_add(self.metrics[0], ops.stop_gradient(cast(value, F32)) * self.basis[index])
+
+
+def _check_router_config(cfg):
+    """What this router computes; Megatron's own rules (transformer_config.py:1836-1866,
+    2661-2669) belong to the configuration."""
+    if cfg.moe_router_score_function not in ("softmax", "sigmoid"):
+        raise ValueError(f"moe_router_score_function {cfg.moe_router_score_function!r}: "
+                         "softmax or sigmoid")
+    if cfg.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+        raise ValueError(f"moe_router_load_balancing_type {cfg.moe_router_load_balancing_type!r}: "
+                         "aux_loss, seq_aux_loss or none")
+    if cfg.moe_router_dtype not in (None, "fp32"):
+        raise ValueError(f"moe_router_dtype {cfg.moe_router_dtype!r}: fp32 or unset")
+    if cfg.moe_token_drop_policy not in ("probs", "position"):
+        raise ValueError(f"moe_token_drop_policy {cfg.moe_token_drop_policy!r}: probs or position")
+    if cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is None:
+        raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
+    if cfg.moe_router_topk == 1 and cfg.moe_router_score_function == "softmax" \
+            and not cfg.moe_router_pre_softmax:    # softmax over one logit: no gradient
+        raise ValueError("moe_router_topk 1 with softmax needs moe_router_pre_softmax")
+
+
+# ============================================================================ experts
+def _expert_param(shape, name, partition_dim=None, chunks=1):
+    """An expert's parameter: gradients summed over the expert-data-parallel group, not DP
+    (Megatron's `allreduce = False`), and split over TP along partition_dim."""
+    p = Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
+    p.allreduce = False
+    if partition_dim is not None:
+        p.partition_dim, p.partition_chunks = partition_dim, chunks
+    return p
+
+
+def _scale_by_probs(y, probs):
+    """y [..., T, f] times each token's probability [..., T], in the probs' dtype and back
+    (Megatron's per_token_scale, mlp.py:336-340)."""
+    return cast(cast(y, probs.dtype) * probs.expand_dims(-1), y.dtype)
+
+
+class ExpertLinear(nn.Cell):
+    """One expert's weight [out/tp, in] (fc1, partition_dim 0, fc1's [gate; up] split in
+    `chunks` blocks) or [out, in/tp] (fc2, partition_dim 1), and bias. No TP mappings: the
+    dispatcher communicates (Megatron's explicit_expert_comm, tensor_parallel/layers.py:1032)."""
+
+    def __init__(self, in_features, out_features, bias, partition_dim, tp, chunks=1):
+        super().__init__()
+        if (out_features if partition_dim == 0 else in_features) % (tp * chunks):
+            raise ValueError(f"expert linear {in_features} -> {out_features} is not divisible "
+                             f"by tp*chunks = {tp * chunks}")
+        shape = (out_features // tp, in_features) if partition_dim == 0 else \
+            (out_features, in_features // tp)
+        self.weight = _expert_param(shape, "weight", partition_dim, chunks)
+        self.bias = _expert_param((shape[0],), "bias", 0 if partition_dim == 0 else None, chunks) \
+            if bias else None
+
+
+class ExpertMLP(nn.Cell):
+    """An expert: Megatron's MLP with is_expert (mlp.py:257-358), fc2(act(fc1 x) * p) + b2 * p:
+    the probability scales the activation (after the GLU), and fc2's bias."""
+
+    def __init__(self, cfg, ffn_hidden_size, tp):
+        super().__init__()
+        chunks = 2 if cfg.hidden_act == "swiglu" else 1
+        self.linear_fc1 = ExpertLinear(cfg.hidden_size, ffn_hidden_size * chunks,
+                                       cfg.add_bias_linear, 0, tp, chunks)
+        self.linear_fc2 = ExpertLinear(ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, 1, tp)
+        self.act, self.dtype = cfg.hidden_act, getattr(ms, cfg.compute_dtype)
+
+    def construct(self, x, probs):
+        """x [T, h], probs [T] -> [T, h] (partial over TP)."""
+        fc1, fc2, dtype = self.linear_fc1, self.linear_fc2, self.dtype
+        y = linear(x, fc1.weight, fc1.bias, dtype)                               # [T, F1/tp]
+        y = linear(_scale_by_probs(apply_activation(y, self.act), probs), fc2.weight, None, dtype)
+        if fc2.bias is None:
+            return y
+        return y + _scale_by_probs(ops.broadcast_to(cast(fc2.bias, dtype), y.shape), probs)
+
+
+class SequentialMLP(nn.Cell):
+    """Megatron's SequentialMLP (experts.py:1409-1519): this rank's E_l experts in
+    `local_experts`, run one after another. construct(tokens [E_l, T, h], probs [E_l, T]) ->
+    [E_l, T, h]: expert j's output for its T tokens, each scaled by its probability."""
+
+    def __init__(self, cfg, num_local_experts, tp):
+        super().__init__()
+        self.act, self.dtype = cfg.hidden_act, getattr(ms, cfg.compute_dtype)
+        # transformer_config.py:1685-1687: moe_ffn_hidden_size defaults to ffn_hidden_size
+        ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+        self.local_experts = nn.CellList([ExpertMLP(cfg, ffn, tp)
+                                          for _ in range(num_local_experts)])
+
+    def construct(self, tokens, probs):
+        outputs = []
+        for j in range(len(self.local_experts)):
+            outputs.append(self.local_experts[j](tokens[j], probs[j]))
+        return ops.stack(outputs)
+
+
+class GroupedMLP(SequentialMLP):
+    """moe_grouped_gemm: the same experts and parameters as SequentialMLP (so the two load each
+    other's checkpoints and are tested equal), run together as batched matmuls over weights
+    stacked at each call. Megatron's TEGroupedMLP (experts.py:183) names them
+    experts.linear_fc1.weight{j} instead."""
+
+    def construct(self, tokens, probs):
+        dtype, experts = self.dtype, self.local_experts
+        w1 = ops.stack([cast(e.linear_fc1.weight, dtype) for e in experts])     # [E_l, F1/tp, h]
+        w2 = ops.stack([cast(e.linear_fc2.weight, dtype) for e in experts])     # [E_l, h, F/tp]
+        y = _bmm_nt(cast(tokens, dtype), w1)                                     # [E_l, T, F1/tp]
+        if experts[0].linear_fc1.bias is not None:
+            y = y + ops.stack([cast(e.linear_fc1.bias, dtype) for e in experts]).expand_dims(1)
+        y = _bmm_nt(_scale_by_probs(apply_activation(y, self.act), probs), w2)  # [E_l, T, h]
+        if experts[0].linear_fc2.bias is None:
+            return y
+        b2 = ops.stack([cast(e.linear_fc2.bias, dtype) for e in experts]).expand_dims(1)
+        return y + _scale_by_probs(ops.broadcast_to(b2, y.shape), probs)
+
+
+class SharedExpertMLP(nn.Cell):
+    """Megatron's SharedExpertMLP (shared_experts.py:101-205): a dense MLP of width
+    moe_shared_expert_intermediate_size on every token, TP column/row-parallel like gpt.MLP
+    (with the f~/g~ mappings under sequence parallelism), no bias; with moe_shared_expert_gate
+    its output is scaled by sigmoid(x . gate_weight), gate_weight [1, h].
+    construct(x [s, b, h]) -> [s, b, h]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.add_bias_linear:
+            raise ValueError("shared experts have no bias: disable add_bias_linear "
+                             "(Megatron shared_experts.py:124)")
+        sp, size = parallel.get_state().sequence_parallel, cfg.moe_shared_expert_intermediate_size
+        self.act, self.dtype = cfg.hidden_act, getattr(ms, cfg.compute_dtype)
+        chunks = 2 if self.act == "swiglu" else 1
+        self.linear_fc1 = parallel.ColumnParallelLinear(cfg.hidden_size, size * chunks, False,
+                                                        sequence_parallel=sp, chunks=chunks,
+                                                        dtype=self.dtype)
+        self.linear_fc2 = parallel.RowParallelLinear(size, cfg.hidden_size, False,
+                                                     sequence_parallel=sp, dtype=self.dtype)
+        self.gate_weight = None
+        if cfg.moe_shared_expert_gate:
+            self.gate_weight = Parameter(Tensor(np.zeros((1, cfg.hidden_size), np.float32)),
+                                         name="gate_weight")
+            if sp:                     # each TP rank gates its own tokens
+                self.gate_weight.sequence_parallel = True
+
+    def construct(self, x):
+        y = self.linear_fc2(apply_activation(self.linear_fc1(x), self.act))
+        if self.gate_weight is None:
+            return y
+        return y * ops.sigmoid(linear(x, self.gate_weight, None, self.dtype))   # [s, b, 1]
+
+
+# ============================================================================ dispatchers
+def _all_to_all(c, x, dim):
+    """Equal-split all-to-all over the group along dim 0: x [size * L, ...] -> [size * L, ...]
+    whose block i is rank i's block for this rank (a parallel.Mapping half; dim is 0)."""
+    y = c.all_to_all(x.reshape((c.size, -1) + x.shape[1:]), 0, 1)            # [1, size*L, ..]
+    return y.reshape(x.shape)
+
+
+def all_to_all(group):
+    """Megatron's all_to_all mapping (tensor_parallel/mappings.py:424-484) with equal splits:
+    its own inverse (block j of rank i <-> block i of rank j), so its backward is itself. On
+    CPU parallel.Collectives builds it from an all-gather."""
+    return parallel.Mapping(_all_to_all, _all_to_all, 0, group)
+
+
+class MoEAllGatherTokenDispatcher(nn.Cell):
+    """Megatron's default dispatcher (token_dispatcher.py:233-372): tokens and probs are
+    all-gathered over TP x EP, each local expert runs on every gathered token, the outputs are
+    summed and reduce-scattered back. Megatron permutes only the routed tokens; here every
+    token goes with its probability, 0 where it was not routed (or was dropped), so it adds
+    exactly 0. Its backward: the gathers' reduce-scatters and the scatter's all-gather."""
+
+    def __init__(self, num_local_experts, local_expert_offset, tp_ep_group=None):
+        super().__init__()
+        self.first, self.num_local_experts = local_expert_offset, num_local_experts
+        self.gather_tokens = parallel.gather_from_sequence_parallel_region(tp_ep_group)
+        self.gather_probs = parallel.gather_from_sequence_parallel_region(tp_ep_group)
+        self.scatter_output = parallel.reduce_scatter_to_sequence_parallel_region(tp_ep_group)
+
+    def dispatch(self, hidden, probs, routing_map):
+        """hidden [n, h], probs [n, E] -> (tokens [E_l, N, h], probs [E_l, N], None) with
+        N = n * |TP x EP|."""
+        hidden = self.gather_tokens(hidden)                                       # [N, h]
+        local = self.gather_probs(probs)[:, self.first:self.first + self.num_local_experts]
+        tokens = ops.broadcast_to(hidden, (self.num_local_experts,) + hidden.shape)
+        return tokens, local.T, None                                              # [E_l, N]
+
+    def combine(self, expert_output, indices, num_tokens):
+        """expert_output [E_l, N, h] -> [n, h], every rank's experts summed (indices and
+        num_tokens are the alltoall dispatcher's)."""
+        return self.scatter_output(expert_output.sum(0))
+
+
+class MoEAlltoAllTokenDispatcher(nn.Cell):
+    """Megatron's alltoall dispatcher (token_dispatcher.py:375-908) in its drop-and-pad layout
+    (moe_pad_expert_input_to_capacity, l. 517-540, 758-783), the static-shape one: each expert
+    has C slots, C = min(n, get_capacity(n*k, E, factor)), or C = n when dropless (no expert can
+    get more). An expert's slots hold its routed tokens in token order, then tokens whose
+    probability for it is 0 (Megatron pads with such tokens too): they add exactly 0.
+        [E, C, h] --all-to-all over EP--> [ep, E_l, C, h] --all-gather over TP (ETP = TP)-->
+        [tp*ep, E_l, C, h] -> experts [E_l, tp*ep*C, h] -> back the same way (a reduce-scatter
+        over TP sums the TP shards' partial outputs) -> scatter-add into [n, h].
+    ep_group None: EP = 1."""
+
+    def __init__(self, cfg, num_local_experts, ep_group=None):
+        super().__init__()
+        self.num_local_experts, self.topk = num_local_experts, cfg.moe_router_topk
+        self.capacity_factor = cfg.moe_expert_capacity_factor
+        self.exchange = None
+        if ep_group is not None:
+            # one per call site: tokens, probs, output
+            self.exchange = nn.CellList([all_to_all(ep_group) for _ in range(3)])
+        # ETP = TP: the current TP group
+        self.gather_tokens = parallel.gather_from_sequence_parallel_region()
+        self.gather_probs = parallel.gather_from_sequence_parallel_region()
+        self.scatter_output = parallel.reduce_scatter_to_sequence_parallel_region()
+
+    def capacity(self, num_tokens, num_experts):
+        if self.capacity_factor is None:
+            return num_tokens
+        slots = get_capacity(num_tokens * self.topk, num_experts, self.capacity_factor)
+        return min(num_tokens, slots)
+
+    def dispatch(self, hidden, probs, routing_map):
+        """hidden [n, h], probs [n, E] -> (tokens [E_l, tp*ep*C, h], probs [E_l, tp*ep*C],
+        slot indices [E, C] into this rank's tokens)."""
+        num_tokens, num_experts = probs.shape
+        capacity = self.capacity(num_tokens, num_experts)
+        indices = ops.topk(token_order_key(routing_map), capacity)[1]             # [E, C]
+        tokens = ops.gather(hidden, indices.reshape(-1), 0)                        # [E*C, h]
+        # 0 in a slot that holds a token routed elsewhere: probs is 0 off the (kept) map
+        slot_probs = ops.gather_elements(probs.T, 1, indices).reshape(-1)         # [E*C]
+        if self.exchange is not None:
+            tokens, slot_probs = self.exchange[0](tokens), self.exchange[1](slot_probs)
+        tokens, slot_probs = self.gather_tokens(tokens), self.gather_probs(slot_probs)
+        # [tp*ep, E_l, C, ...] -> [E_l, tp*ep*C, ...]: Megatron's sort_chunks for drop-and-pad
+        tokens = tokens.reshape(-1, self.num_local_experts, capacity, tokens.shape[-1])
+        tokens = tokens.transpose(1, 0, 2, 3).reshape(self.num_local_experts, -1, tokens.shape[-1])
+        slot_probs = slot_probs.reshape(-1, self.num_local_experts, capacity).transpose(1, 0, 2)
+        return tokens, slot_probs.reshape(self.num_local_experts, -1), indices
+
+    def combine(self, expert_output, indices, num_tokens):
+        """expert_output [E_l, tp*ep*C, h] -> [n, h]: each slot's output added to its token
+        (Megatron's unpermute, a scatter-add)."""
+        capacity, hidden_size = indices.shape[1], expert_output.shape[-1]
+        output = expert_output.reshape(self.num_local_experts, -1, capacity, hidden_size)
+        output = self.scatter_output(output.transpose(1, 0, 2, 3).reshape(-1, hidden_size))
+        if self.exchange is not None:
+            output = self.exchange[2](output)                                     # [E*C, h]
+        return ops.unsorted_segment_sum(output, indices.reshape(-1), num_tokens)
+
+
+# ============================================================================ the layer
+class MoELayer(nn.Cell):
+    """Megatron's MoELayer (moe_layer.py:214-719), a drop-in for gpt.MLP: construct(hidden
+    [s, b, h]) -> [s, b, h] in the compute dtype. `ep_group`, `tp_ep_group`, `tp_cp_group`: see
+    the module docstring. This rank holds experts [ep_rank * E_l, (ep_rank + 1) * E_l)
+    (moe_layer.py:187-196)."""
+
+    def __init__(self, cfg, ep_group=None, tp_ep_group=None, tp_cp_group=None):
+        super().__init__()
+        state = parallel.get_state()
+        if state.tp > 1 and not state.sequence_parallel:
+            raise ValueError("MoE with tensor parallelism needs sequence parallelism "
+                             "(Megatron moe_layer.py:637-641)")
+        if cfg.add_bias_linear and state.tp > 1:
+            raise ValueError("MoE experts split over TP have no bias: disable add_bias_linear "
+                             "(Megatron transformer_config.py:2612-2615)")
+        ep = parallel.collectives(ep_group) if ep_group is not None else None
+        ep_size, ep_rank = (ep.size, ep.rank) if ep is not None else (1, 0)
+        if cfg.num_moe_experts % ep_size:
+            raise ValueError(f"num_moe_experts {cfg.num_moe_experts} is not a multiple of the "
+                             f"expert-parallel size {ep_size}")
+        self.num_local_experts = cfg.num_moe_experts // ep_size
+        self.dtype = getattr(ms, cfg.compute_dtype)
+        self.router = TopKRouter(cfg, tp_cp_group)
+        self.experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
+            cfg, self.num_local_experts, state.tp)
+        if cfg.moe_token_dispatcher_type == "allgather":
+            self.token_dispatcher = MoEAllGatherTokenDispatcher(
+                self.num_local_experts, ep_rank * self.num_local_experts, tp_ep_group)
+        elif cfg.moe_token_dispatcher_type == "alltoall":
+            self.token_dispatcher = MoEAlltoAllTokenDispatcher(cfg, self.num_local_experts,
+                                                               ep_group)
+        else:
+            raise ValueError(f"moe_token_dispatcher_type {cfg.moe_token_dispatcher_type!r}: "
+                             "allgather or alltoall")
+        self.shared_experts = None
+        if cfg.moe_shared_expert_intermediate_size:
+            self.shared_experts = SharedExpertMLP(cfg)
+
+    def construct(self, hidden):
+        s, b, h = hidden.shape
+        # the shared expert first, as Megatron (moe_layer.py:660-662)
+        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
+        probs, routing_map = self.router(hidden)                                  # [n, E] each
+        # cast before the dispatcher's gathers, as ColumnParallelLinear before f~
+        tokens = cast(hidden.reshape(s * b, h), self.dtype)
+        tokens, probs, indices = self.token_dispatcher.dispatch(tokens, probs, routing_map)
+        output = self.token_dispatcher.combine(self.experts(tokens, probs), indices, s * b)
+        output = output.reshape(s, b, h)
+        return output if shared is None else output + shared
+
+
+def report_metrics(chunks, loss_scale, num_moe_layers, pp_group=None, tp_cp_group=None,
+                   dp_group=None):
+    """Megatron's MoEMetricsTracker.report (moe_logging.py:130-218, 255-340), once per step and
+    on every rank (the collectives run on all of METRICS): each router's sums over the step's
+    micro-batches, summed over this rank's MoE layers and the pipeline stages (pp_group) and,
+    for the balancing losses, over TP x CP (tp_cp_group); the z-loss averaged over TP x CP; all
+    averaged over DP (dp_group, without CP). Then times loss_scale (1 / micro-batches) and
+    divided by num_moe_layers (the model's MoE layers). Groups None: one rank. Returns {name:
+    value} for the names this rank's routers record, and clears the sums."""
+    routers = [cell for chunk in chunks for _, cell in chunk.cells_and_names()
+               if isinstance(cell, TopKRouter)]
+    totals = ops.zeros(len(METRICS), F32)
+    for router in routers:
+        totals = totals + router.metrics[0].value()
+        # in place: a compiled graph keeps adding to the memory it was compiled with, which
+        # set_data would replace
+        ops.assign(router.metrics[0], ops.zeros(len(METRICS), F32))
+    for group in (pp_group, tp_cp_group):
+        if group is not None:
+            totals = parallel.collectives(group).all_reduce(totals)
+    tp_cp = parallel.collectives(tp_cp_group).size if tp_cp_group is not None else 1
+    totals = totals * Tensor([1.0, 1.0, 1.0 / tp_cp], F32)
+    if dp_group is not None:
+        dp = parallel.collectives(dp_group)
+        totals = dp.all_reduce(totals) / dp.size
+    values = (totals * loss_scale / num_moe_layers).asnumpy()
+    names = {name for router in routers for name in router.metric_names}
+    return {name: float(values[METRICS.index(name)]) for name in METRICS if name in names}
+
+
+if __name__ == "__main__":          # imported by gpt.py, not a script
+    raise SystemExit("error: moe.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")
