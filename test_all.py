@@ -6148,13 +6148,13 @@ def test_a_killed_worker_is_named_by_its_rank(tmp_path, msrun_free):
 
 
 def loss_rtol(reference):
-    """How close a layout's losses are to one process: float32, 1e-5; float16, FP16_RTOL (README,
-    "Half precision": a layout reorders float16 sums whose roundings, 2^-11 relative each, mostly
-    cancel in a loss averaged over 256 tokens: measured at most 6e-6 over 10 steps)."""
-    return FP16_RTOL if reference.endswith("_fp16") else 1e-5
+    """How close a layout's losses are to one process: float32, 1e-5; float16, FP16_RTOL (the
+    tour's rule, tour.RTOL: a layout reorders float16 sums whose roundings, 2^-11 relative each,
+    mostly cancel in a loss averaged over 256 tokens: measured at most 6e-6 over 10 steps)."""
+    return FP16_RTOL if reference.endswith("_fp16") else tour.RTOL["one"]
 
 
-FP16_RTOL = 3e-5
+FP16_RTOL = tour.RTOL["one_fp16"]
 
 
 @pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS))
@@ -6298,9 +6298,8 @@ def test_converted_checkpoint_trains_like_the_original_layout(parallel_runs, run
 
 
 def ledger_of(line):
-    """`comm: Step:N, kind op calls bytes, ...` -> {(kind, op): calls}."""
-    items = line.split(", ")[1:]
-    return {(k, op): int(calls) for k, op, calls, _ in (i.split() for i in items)}
+    """`comm: Step:N, kind op calls bytes, ...` -> {(kind, op): calls} (tour.ledger_items)."""
+    return {key: calls for key, (calls, _) in tour.ledger_items(line).items()}
 
 
 def test_ledger_counts_match_the_formulas(parallel_runs):
@@ -6322,12 +6321,11 @@ def test_ledger_counts_match_the_formulas(parallel_runs):
                        ("dp_cp", "all_reduce"): 2}, distopt   # + norm over the shards, and the loss
     # bytes too: float32, and float16 (tp2_sp, distopt)
     for run in ("tp2", "tp2_sp", "dp2_distopt"):
-        items = [i.split() for i in train_lines(tmp / run, "comm: ")[1].split(", ")[1:]]
+        ledger = tour.ledger_items(train_lines(tmp / run, "comm: ")[1])
         cfg = load_config(os.path.join(HERE, "config.yaml"),
                           [*PARALLEL_RUN, *LAYOUTS[2][run][0]], 2)
         cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
-        assert memory.communication(cfg, 0) == {(k, op): (int(c), int(nb))
-                                                for k, op, c, nb in items}, run
+        assert memory.communication(cfg, 0) == ledger, run
 
 
 def test_context_parallel_ledger_matches_the_formulas(parallel_runs):
@@ -6347,17 +6345,15 @@ def test_context_parallel_ledger_matches_the_formulas(parallel_runs):
     ring = {("cp", "all_gather"): (2 * m * L, 2 * m * L * kv),
             ("cp", "reduce_scatter"): (2 * m * L, 2 * m * L * cp * kv), **common}
     for run, want in (("cp2_ulysses", ulysses), ("cp2_ring", ring)):
-        items = [i.split() for i in train_lines(tmp / run, "comm: ")[1].split(", ")[1:]]
-        got = {(kind, op): (int(calls),
-                            int(nbytes) if want.get((kind, op), (0, 0))[1] is not None else None)
-               for kind, op, calls, nbytes in items}
+        ledger = tour.ledger_items(train_lines(tmp / run, "comm: ")[1])
+        got = {key: (calls, nbytes if want.get(key, (0, 0))[1] is not None else None)
+               for key, (calls, nbytes) in ledger.items()}
         assert got == want, (run, got)
         cfg = load_config(os.path.join(HERE, "config.yaml"),
                           [*PARALLEL_RUN, *LAYOUTS[2][run][0]], 2)
         cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
         planned = {k: v for k, v in memory.communication(cfg, 0).items() if k[0] == "cp"}
-        assert planned == {(kind, op): (int(calls), int(nbytes))
-                           for kind, op, calls, nbytes in items if kind == "cp"}
+        assert planned == {key: value for key, value in ledger.items() if key[0] == "cp"}
 
 
 def test_two_run_sh_launches_make_one_job(parallel_runs):

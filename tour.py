@@ -46,6 +46,7 @@ from cli import (HelpRequested, PROJECT_CONFIG, load_config, msrun_command,
 from config import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")      # the shipped corpus
 STEPS = 10
 MODEL = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "4", "--hidden-size", "64",
          "--ffn-hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
@@ -166,7 +167,7 @@ def worker(runs_file):
     train.main, then <save>/tour_done.<rank>; the first failure ends the worker (msrun then stops
     the others)."""
     rank = os.environ.get("RANK_ID", "0")
-    for name, argv in json.loads(open(runs_file).read()):
+    for _, argv in json.loads(open(runs_file).read()):
         code = train.main(argv)
         if code != 0:
             sys.exit(code)
@@ -314,9 +315,6 @@ def report(name, folder, output):
         raise RunFailed(f"{name} differs from one process by {difference:.1e} (more than "
                         f"{RTOL[layout.reference]:g}): its log is in {shown(folder)}/log")
     return "\n".join(lines)
-
-
-SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
 
 
 def shown(path):
