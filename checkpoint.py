@@ -3,16 +3,20 @@
     <save>/latest_checkpointed_iteration.txt
         "100", written last
     <save>/iter_0000100/mp_rank_TT/model_optim_rng.ckpt
-        one folder per TP rank (mp_rank_TT_PPP with pipeline stages): weights "model.<name>" and
-        optimizer state "optimizer.<state>.<name>" (MindSpore ckpt or safetensors, CRC-checked)
+        one folder per TP rank (mp_rank_TT_PPP with pipeline stages, then _EEE per expert
+        parallel rank): weights "model.<name>" and optimizer state "optimizer.<state>.<name>"
+        (MindSpore ckpt or safetensors, CRC-checked)
     <save>/iter_0000100/mp_rank_TT/distrib_optim_DDD.ckpt
-        with the distributed optimizer: DP rank DDD's fp32 master shard and moments
+        with the distributed optimizer: DP x CP rank DDD's fp32 master shard and moments (with
+        EP, DDD is the expert-data-parallel rank; the file holds the rank's dense and expert
+        pieces)
     <save>/iter_0000100/mp_rank_TT/meta.json
         iteration, consumed samples, layout, scheduler, loss scaler, RNG streams, config
 Names are global parameter names (gpt.global_name), so a shard says what it holds whatever the
 layout. All ranks write into `.iter_0000100.tmp/`; rank 0 renames it into place, then replaces
 `latest`.
 """
+import itertools
 import json
 import logging
 import os
@@ -28,7 +32,7 @@ import torch_format
 from cli import PROJECT_CONFIG, REQUIRED, from_saved, load_config, parse_command
 from config import ConfigError, to_dict, to_namespace
 from data import write_atomic
-from gpt import global_name, is_embedding_copy
+from gpt import is_embedding_copy
 from megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
 from optimizer import GradBuffer
 from pipeline import build_chunks, layer_split
@@ -114,7 +118,9 @@ ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
                 "hidden_act", "qkv_has_bias", "out_proj_has_bias", "add_bias_linear",
                 "untie_embeddings_and_output_weights", "use_sandwich_norm",
-                "attn_post_norm_scale", "ffn_post_norm_scale", "fp32_residual_connection")
+                "attn_post_norm_scale", "ffn_post_norm_scale", "fp32_residual_connection",
+                "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
 
 def saved_config(root):
@@ -241,7 +247,7 @@ def shard_offsets(meta, shard):
     of a checkpoint whose meta.json is `meta`."""
     layout, saved_model = meta["layout"], meta["config"]["model_config"]
     pp, vpp = layout["pp"], layout["vpp"]
-    pp_rank = int(shard.rsplit("_", 1)[1]) if pp > 1 else 0
+    pp_rank = int(shard.split("_")[3]) if pp > 1 else 0           # mp_rank_TT_PPP[_EEE]
     split = layer_split(saved_model["num_layers"], pp, vpp, layout["num_layer_list"])
     return [split[c * pp + pp_rank][0] for c in range(vpp)]
 
@@ -252,16 +258,18 @@ def load_shards(root, optimizer=False):
     `optimizer`, the distributed optimizer's pieces too, joined per parameter."""
     _, meta = load_checkpoint(root, first_shard(root), stems=())
     layout = meta["layout"]
+    ep = layout.get("ep", 1)
     stems = [WEIGHTS]
     if optimizer and layout["distributed_optimizer"]:
-        stems += [f"distrib_optim_{rank:03d}" for rank in range(layout["dp"] * layout["cp"])]
+        stems += [f"distrib_optim_{rank:03d}" for rank in range(layout["dp"] * layout["cp"] // ep)]
     shards = []
     for tp_rank in range(layout["tp"]):
-        tensors = {}
+        tensors = {}                 # every stage's and EP rank's: a dense piece may be in any
         for pp_rank in range(layout["pp"]):
-            shard = shard_name(tp_rank, pp_rank, layout["pp"])
-            tensors.update(_join_pieces(load_checkpoint(root, shard, stems=stems)[0]))
-        shards.append(tensors)
+            for ep_rank in range(ep):
+                shard = shard_name(tp_rank, pp_rank, layout["pp"], ep_rank, ep)
+                tensors.update(load_checkpoint(root, shard, stems=stems)[0])
+        shards.append(_join_pieces(tensors))
     return shards, meta
 
 
@@ -269,7 +277,7 @@ def load_shards(root, optimizer=False):
 def named_parameters(chunks):
     """("model.<global name>", parameter) of this rank's model chunks. Global names tell the
     chunks of a virtual pipeline apart (their layer numbers differ)."""
-    return [(f"model.{global_name(n, chunk.layer_offset)}", param) for chunk in chunks
+    return [(f"model.{chunk.global_name(n)}", param) for chunk in chunks
             for n, param in chunk.parameters_and_names()]
 
 
@@ -289,6 +297,7 @@ def layout_of(cfg):
     # the distributed optimizer shards over the dp x cp ranks; over one it is the plain one
     shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
     return {"tp": parallel_cfg.tensor_model_parallel_size,
+            "ep": parallel_cfg.expert_model_parallel_size,
             "pp": parallel_cfg.pipeline_model_parallel_size,
             "vpp": parallel_cfg.virtual_pipeline_model_parallel_size,
             "num_layer_list": parallel_cfg.num_layer_list,
@@ -306,12 +315,14 @@ def _meta(cfg, iteration, consumed, step, scheduler_state, scaler_state, rng_sta
 
 
 def save_training_state(cfg, iteration, consumed, trainer, rng):
-    """Megatron layout: mp_rank_TT/ per TP rank, written by its first DP rank; with the
-    distributed optimizer every DP rank adds its own distrib_optim_DDD file. With the torch
-    format the weights file is Megatron's model_optim_rng.pt (megatron_checkpoint.rank_file)."""
+    """Megatron layout: mp_rank_TT[_PPP][_EEE]/ per TP rank, stage and EP rank, written by its
+    first DP x CP rank (its first expert-data-parallel rank); with the distributed optimizer
+    every rank adds its own distrib_optim_DDD file (DDD its expert-data-parallel rank, which is
+    its DP x CP rank without EP). With the torch format the weights file is Megatron's
+    model_optim_rng.pt (megatron_checkpoint.rank_file)."""
     training_cfg, state = cfg.training_config, trainer.state
     opt_tensors, step = trainer.optimizer.named_state(parameter_names(trainer.chunks))
-    writer = state.dp_rank == 0 and state.cp_rank == 0
+    writer = state.edp_rank == 0
     files, meta = {}, None
     if writer:
         meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(),
@@ -323,8 +334,8 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
             files[WEIGHTS] = megatron_checkpoint.rank_file(cfg, meta, files[WEIGHTS],
                                                            [c.layer_offset for c in trainer.chunks])
     if trainer.distributed:
-        files[f"distrib_optim_{state.dp_cp_rank:03d}"] = opt_tensors
-    shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
+        files[f"distrib_optim_{state.edp_rank:03d}"] = opt_tensors
+    shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
     path = save_checkpoint(training_cfg.output_dir, iteration, {shard: (files, meta)},
                            training_cfg.ckpt_format, training_cfg.keep_checkpoint_max,
                            barrier=parallel.barrier, leader=state.rank == 0)
@@ -334,16 +345,18 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
 def load_training_state(cfg, trainer, rng):
     """Restore from training_config.load_checkpoint (same layout); returns (iteration, consumed)."""
     training_cfg, state, chunks = cfg.training_config, trainer.state, trainer.chunks
-    shard = shard_name(state.tp_rank, state.pp_rank, state.pp)
+    shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
     stems = [WEIGHTS]
     if trainer.distributed and not (training_cfg.finetune or training_cfg.no_load_optim):
-        stems.append(f"distrib_optim_{state.dp_cp_rank:03d}")
+        stems.append(f"distrib_optim_{state.edp_rank:03d}")
     tensors, meta = load_checkpoint(training_cfg.load_checkpoint, shard, stems=stems)
     # --finetune, or imported weights (no optimizer step saved)
     weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
-    saved_layout, layout = meta.get("layout"), layout_of(cfg)
+    layout = layout_of(cfg)
+    # checkpoints written before expert parallelism have no "ep"
+    saved_layout = meta.get("layout") and {"ep": 1, **meta["layout"]}
     same_model_split = saved_layout and all(saved_layout.get(k) == layout[k]
-                                            for k in ("tp", "pp", "vpp", "num_layer_list"))
+                                            for k in ("tp", "ep", "pp", "vpp", "num_layer_list"))
     # Without the distributed optimizer's shards every DP and CP rank holds the same state (as
     # in Megatron)
     unsharded = same_model_split and not (saved_layout["distributed_optimizer"]
@@ -401,14 +414,16 @@ def _pairs(differ):
 
 
 # ----------------------------------------------------------------------------- layout conversion
-def build_rank_chunks(model_cfg, tp, pp, tp_rank=0, pp_rank=0, vpp=1, num_layer_list=None):
-    """The model chunks (pipeline.build_chunks) of one rank of a tp x pp layout, built in this
-    process: construction needs the sizes and ranks, not the process groups. Values are not
-    initialised. With tp = pp = 1, the one-process model."""
+def build_rank_chunks(model_cfg, tp, pp, tp_rank=0, pp_rank=0, vpp=1, num_layer_list=None,
+                      ep=1, ep_rank=0):
+    """The model chunks (pipeline.build_chunks) of one rank of a tp x ep x pp layout, built in
+    this process: construction needs the sizes and ranks, not the process groups. Values are
+    not initialised. With tp = pp = ep = 1, the one-process model."""
     previous = parallel.use_state(parallel.ParallelState(
-        world_size=tp * pp, rank=tp_rank + tp * pp_rank, tp=tp, cp=1, dp=1, pp=pp, tp_rank=tp_rank,
-        cp_rank=0, dp_rank=0, pp_rank=pp_rank, tp_group="", cp_group="", dp_group="", pp_group="",
-        dp_cp_group="", mp_group=""))
+        world_size=tp * pp * ep, rank=tp_rank + tp * (ep_rank + ep * pp_rank), tp=tp, cp=1, dp=ep,
+        pp=pp, tp_rank=tp_rank, cp_rank=0, dp_rank=ep_rank, pp_rank=pp_rank, tp_group="",
+        cp_group="", dp_group="", pp_group="", dp_cp_group="", mp_group="", ep=ep,
+        ep_rank=ep_rank))
     try:
         return build_chunks(model_cfg, pp, pp_rank, vpp, num_layer_list)
     finally:
@@ -469,7 +484,7 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
     names, params, values = [], [], {}
     for chunk in chunks:
         for n, param in chunk.parameters_and_names():
-            name = global_name(n, chunk.layer_offset)
+            name = chunk.global_name(n)
             source = "word_embeddings.weight" if is_embedding_copy(chunk, param) else name
             for prefix in prefixes:
                 value = tensors[f"{prefix}.{source}"]
@@ -483,23 +498,33 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
     return names, params, values
 
 
-def _distrib_optim_files(values, names, params, dp, bucket_size, kinds):
-    """{distrib_optim_DDD: that DP rank's pieces of the float32 main params and the state}."""
-    buffer, files = GradBuffer(params, dp, bucket_size), {}
-    for dp_rank in range(dp):
+def _distrib_optim_files(values, names, params, dp, bucket_size, kinds, ep=1, ep_rank=0):
+    """{distrib_optim_DDD: the pieces of the float32 main params and the state that the rank of
+    expert-data-parallel rank DDD in EP rank `ep_rank` holds}: of the dense parameters its DP x
+    CP rank's (ep_rank + ep * DDD) shard over the `dp` DP x CP ranks, of the experts its shard
+    over the dp / ep ranks that hold them (train.build_optimizer's two optimizers)."""
+    expert = [getattr(param, "allreduce", True) is False for param in params]
+    groups = [([i for i, e in enumerate(expert) if not e], dp, lambda d: ep_rank + ep * d),
+              ([i for i, e in enumerate(expert) if e], dp // ep, lambda d: d)]
+    files = {}
+    for edp_rank in range(dp // ep):
         pieces = {}
-        for (_, i, lo, hi), key in zip(buffer.pieces(dp_rank), buffer.piece_names(dp_rank, names)):
-            start, end = lo - buffer.offsets[i], hi - buffer.offsets[i]
-            for prefix in ["main"] + [f"optimizer.{kind}" for kind in kinds]:
-                pieces[f"{prefix}.{key}"] = values[f"{prefix}.{names[i]}"].reshape(-1)[start:end]
-        files[f"distrib_optim_{dp_rank:03d}"] = pieces
+        for positions, size, shard_of in groups:
+            some = [names[i] for i in positions]
+            buffer, rank = GradBuffer([params[i] for i in positions], size, bucket_size), \
+                shard_of(edp_rank)
+            for (_, i, lo, hi), key in zip(buffer.pieces(rank), buffer.piece_names(rank, some)):
+                start, end = lo - buffer.offsets[i], hi - buffer.offsets[i]
+                for prefix in ["main"] + [f"optimizer.{kind}" for kind in kinds]:
+                    pieces[f"{prefix}.{key}"] = values[f"{prefix}.{some[i]}"].reshape(-1)[start:end]
+        files[f"distrib_optim_{edp_rank:03d}"] = pieces
     return files
 
 
 def write_layout(root, tensors, meta, cfg):
     """Write `tensors` (one-process, from full_state) as checkpoint meta["iteration"] of `root`
-    in cfg's layout: every (TP, stage) folder, and with the distributed optimizer one
-    distrib_optim_DDD file per DP rank holding that rank's pieces, as training would. Weights are
+    in cfg's layout: every (TP, stage, EP) folder, and with the distributed optimizer one
+    distrib_optim_DDD file per rank holding that rank's pieces, as training would. Weights are
     stored in the run's params_dtype; float32 main params ("main.<name>", the weights themselves
     when `tensors` has none) where the optimizer keeps copies: half-precision parameters, or
     the distributed optimizer's pieces."""
@@ -515,30 +540,29 @@ def write_layout(root, tensors, meta, cfg):
         # numpy has no bfloat16: kept as saved
         if model_cfg.params_dtype in ("float32", "float16"):
             tensors[key] = tensors[key].astype(model_cfg.params_dtype)
-    shards = {}
-    for tp_rank in range(tp):
-        for pp_rank in range(pp):
-            chunks = build_rank_chunks(model_cfg, tp, pp, tp_rank, pp_rank,
-                                       parallel_cfg.virtual_pipeline_model_parallel_size,
-                                       parallel_cfg.num_layer_list)
-            prefixes = ["model", "main"] + [f"optimizer.{kind}" for kind in kinds]
-            names, params, values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)
-            # half-precision parameters keep float32 copies in the optimizer (with its state)
-            own_main = model_cfg.params_dtype != "float32" and not distributed and bool(kinds)
-            # the weights file holds the optimizer's values unless the distributed optimizer's
-            # files do
-            files = {WEIGHTS: {k: v for k, v in values.items()
-                               if k.startswith("model.")
-                               or (not distributed and (k.startswith("optimizer.") or own_main))}}
-            if cfg.training_config.ckpt_format == "torch":
-                files[WEIGHTS] = megatron_checkpoint.rank_file(
-                    cfg, meta, files[WEIGHTS], [chunk.layer_offset for chunk in chunks])
-            if distributed:
-                files.update(_distrib_optim_files(values, names, params, dp,
-                                                  layout["bucket_size"], kinds))
-            shard_meta = dict(meta, layout=layout, config=to_dict(cfg),
-                              ckpt_format=cfg.training_config.ckpt_format)
-            shards[shard_name(tp_rank, pp_rank, pp)] = (files, shard_meta)
+    shards, ep = {}, parallel_cfg.expert_model_parallel_size
+    for tp_rank, pp_rank, ep_rank in itertools.product(range(tp), range(pp), range(ep)):
+        chunks = build_rank_chunks(model_cfg, tp, pp, tp_rank, pp_rank,
+                                   parallel_cfg.virtual_pipeline_model_parallel_size,
+                                   parallel_cfg.num_layer_list, ep, ep_rank)
+        prefixes = ["model", "main"] + [f"optimizer.{kind}" for kind in kinds]
+        names, params, values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)
+        # half-precision parameters keep float32 copies in the optimizer (with its state)
+        own_main = model_cfg.params_dtype != "float32" and not distributed and bool(kinds)
+        # the weights file holds the optimizer's values unless the distributed optimizer's
+        # files do
+        files = {WEIGHTS: {k: v for k, v in values.items()
+                           if k.startswith("model.")
+                           or (not distributed and (k.startswith("optimizer.") or own_main))}}
+        if cfg.training_config.ckpt_format == "torch":
+            files[WEIGHTS] = megatron_checkpoint.rank_file(
+                cfg, meta, files[WEIGHTS], [chunk.layer_offset for chunk in chunks])
+        if distributed:
+            files.update(_distrib_optim_files(values, names, params, dp,
+                                              layout["bucket_size"], kinds, ep, ep_rank))
+        shard_meta = dict(meta, layout=layout, config=to_dict(cfg),
+                          ckpt_format=cfg.training_config.ckpt_format)
+        shards[shard_name(tp_rank, pp_rank, pp, ep_rank, ep)] = (files, shard_meta)
     return save_checkpoint(root, meta["iteration"], shards, cfg.training_config.ckpt_format)
 
 
@@ -585,12 +609,13 @@ def convert_main(argv):
 
 
 def first_shard(root):
-    """The shard folder holding meta.json of the latest checkpoint: mp_rank_00 (TP only) or
-    mp_rank_00_000 (with pipeline stages)."""
+    """The shard folder holding meta.json of the latest checkpoint: mp_rank_00 (TP only),
+    mp_rank_00_000 (with pipeline stages or expert parallelism) or mp_rank_00_000_000 (both)."""
     folder = iteration_dir(root, latest_iteration(root))
-    if os.path.isdir(os.path.join(folder, shard_name(0))):
-        return shard_name(0)
-    return shard_name(0, 0, 2)
+    for shard in (shard_name(0), shard_name(0, 0, 2), shard_name(0, 0, 2, 0, 2)):
+        if os.path.isdir(os.path.join(folder, shard)):
+            return shard
+    return shard_name(0)
 
 
 # ------------------------------------------------------------------- Megatron-LM's checkpoints in

@@ -586,8 +586,8 @@ def _check_torch_format(training_cfg, model_cfg, parallel_cfg):
         raise ConfigError(f"{where} is not written with the distributed optimizer here: use "
                           "--ckpt-format ckpt or safetensors")
     if model_cfg.num_moe_experts is not None:
-        raise ConfigError(f"{where} does not hold MoE layers here yet (their Megatron names come "
-                          "with expert parallelism): use --ckpt-format ckpt or safetensors")
+        raise ConfigError(f"{where} does not hold MoE layers here (Megatron's expert names are "
+                          "not mapped yet): use --ckpt-format ckpt or safetensors")
     biases = model_cfg.add_bias_linear
     differences = [f"model_config.{k}={v}" for k, v, bad in (
         ("use_sandwich_norm", model_cfg.use_sandwich_norm, model_cfg.use_sandwich_norm),
@@ -622,7 +622,12 @@ def _finalize_moe(model_cfg, parallel_cfg):
     if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor < 0:
         m.moe_expert_capacity_factor = None        # transformer_config.py:1836: dropless
     if m.num_moe_experts is None:
+        if parallel_cfg.expert_model_parallel_size != 1:            # arguments.py:1098-1099
+            raise ConfigError(f"parallel_config.expert_model_parallel_size="
+                              f"{parallel_cfg.expert_model_parallel_size} needs experts: give "
+                              "--num-experts (model_config.num_moe_experts)")
         return
+    _positive(parallel_cfg, "parallel_config", ["expert_model_parallel_size"])
     _positive(m, "model_config", ["num_moe_experts", "moe_ffn_hidden_size",
                                   "moe_shared_expert_intermediate_size", "moe_router_topk"])
     freq = m.moe_layer_freq
@@ -649,8 +654,8 @@ def _finalize_moe(model_cfg, parallel_cfg):
 
 
 def _check_moe_layout(model_cfg, parallel_cfg):
-    """The layouts an MoE model runs in here (expert parallel size 1): one process, DP, TP with
-    sequence parallelism."""
+    """Megatron's rules for the layouts of an MoE model: TP with sequence parallelism and no
+    biases, experts divisible by EP, EP within DP x CP."""
     tp, where = parallel_cfg.tensor_model_parallel_size, "model_config.num_moe_experts"
     if tp > 1 and not parallel_cfg.sequence_parallel:       # moe_layer.py:637-640
         raise ConfigError(f"{where} with tensor_model_parallel_size={tp} needs "
@@ -662,12 +667,14 @@ def _check_moe_layout(model_cfg, parallel_cfg):
         if (getattr(model_cfg, k) or 0) % tp:
             raise ConfigError(f"model_config.{k}={getattr(model_cfg, k)} is not divisible by "
                               f"tensor_model_parallel_size={tp}")
-    if parallel_cfg.context_parallel_size > 1:
-        raise ConfigError(f"{where} with context_parallel_size > 1: the router's token counts "
-                          "need a TP x CP group, which comes with expert parallelism (issue 25)")
-    if parallel_cfg.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"{where} with pipeline_model_parallel_size > 1: MoE layers in "
-                          "pipeline stages come with expert parallelism (issue 25)")
+    ep, dp_cp = parallel_cfg.expert_model_parallel_size, (parallel_cfg.data_parallel_size
+                                                           * parallel_cfg.context_parallel_size)
+    if model_cfg.num_moe_experts % ep:                      # arguments.py:1100-1102
+        raise ConfigError(f"{where}={model_cfg.num_moe_experts} is not divisible by "
+                          f"expert_model_parallel_size={ep}")
+    if dp_cp % ep:                           # parallel_state.py: EP is carved out of DP x CP
+        raise ConfigError(f"parallel_config.expert_model_parallel_size={ep} does not divide data "
+                          f"x context parallel sizes = {dp_cp}: change --nproc or the sizes")
     if model_cfg.recompute_granularity == "full":     # Megatron: --recompute-modules moe
         raise ConfigError(f"{where} with recompute_granularity=full: a recomputed router would "
                           "record its aux and z losses twice; use selective or none")

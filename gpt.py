@@ -356,7 +356,7 @@ class TransformerLayer(nn.Cell):
         self.self_attention = SelfAttention(cfg, rng, layer_number)
         self.pre_mlp_layernorm = make_norm(cfg)
         if moe_layer_pattern(cfg)[layer_number - 1]:
-            self.mlp = moe.MoELayer(cfg)      # EP 1: every expert here; TP x CP = the TP group
+            self.mlp = moe.MoELayer(cfg)
         else:
             self.mlp = MLP(cfg)
         self.sandwich = cfg.use_sandwich_norm
@@ -405,6 +405,8 @@ class GPTModel(nn.Cell):
         self.dtype = DTYPES[cfg.compute_dtype]
         state = parallel.get_state()
         self.tp, self.sequence_parallel = state.tp, state.sequence_parallel
+        # this rank's first expert: EP rank r holds experts r * E_l .. (r + 1) * E_l - 1
+        self.expert_offset = state.ep_rank * (cfg.num_moe_experts or 0) // state.ep
         if pre_process:
             self._build_embeddings(cfg)
         n = cfg.num_layers if num_layers is None else num_layers
@@ -439,6 +441,11 @@ class GPTModel(nn.Cell):
         self.logits_dtype = self.dtype if cfg.fp16_lm_cross_entropy else F32
         for param in self.get_parameters():    # Megatron's Float16Module: half-precision parameters
             param.set_dtype(DTYPES[cfg.params_dtype])
+
+    def global_name(self, name):
+        """A parameter's name in the whole model (gpt.global_name), its experts numbered among
+        all experts (moe.global_expert_name): every layout seeds and saves a weight under it."""
+        return moe.global_expert_name(global_name(name, self.layer_offset), self.expert_offset)
 
     def _build_embeddings(self, cfg):
         """The first stage's word embedding (split over the vocabulary under TP), its absolute
@@ -607,7 +614,7 @@ def init_weights(model, seed):
     the two are tied."""
     tp_rank = parallel.get_state().tp_rank if model.tp > 1 else 0
     for name, param in model.parameters_and_names():
-        gname = global_name(name, model.layer_offset)
+        gname = model.global_name(name)
         if is_embedding_copy(model, param):
             gname = "word_embeddings.weight"
         dim = getattr(param, "partition_dim", None)

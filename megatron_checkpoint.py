@@ -41,9 +41,11 @@ def iteration_dir(root, iteration):
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def shard_name(tp_rank=0, pp_rank=0, pp_size=1):
-    """Megatron: mp_rank_TT with one pipeline stage, mp_rank_TT_PPP with several."""
-    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def shard_name(tp_rank=0, pp_rank=0, pp_size=1, ep_rank=0, ep_size=1):
+    """Megatron's get_checkpoint_name: mp_rank_TT with one pipeline stage, mp_rank_TT_PPP with
+    several, then _EEE with expert parallelism."""
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+    return name + (f"_{ep_rank:03d}" if ep_size > 1 else "")
 
 # Megatron-core's GPTModel (megatron/core/models/gpt/gpt_model.py, the local layer spec of
 # gpt_layer_specs.py) -> this project's names; each layer's modules are named alike

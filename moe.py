@@ -38,14 +38,20 @@ transformer_config.py at d98e8a64):
     moe_shared_expert_intermediate_size (l. 701) None, or the shared expert's FFN width
     moe_shared_expert_gate (l. 713)              sigmoid gate on the shared expert's output
 
-Process groups, by name (parallel.py's names; Megatron's parallel_state.py groups):
+Process groups, the current ParallelState's (parallel.rank_groups; Megatron's parallel_state.py):
     ep_group      the expert-parallel group (_EXPERT_MODEL_PARALLEL_GROUP, l. 1354-1366): ranks
-                  with the same TP rank, `ep` consecutive DP x CP ranks; None: EP = 1
+                  with the same TP rank, `ep` consecutive DP x CP ranks; used when ep > 1
     tp_ep_group   TP x EP (_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP, l. 1383-1396), the allgather
-                  dispatcher's group; None: the TP group (right when EP = 1)
+                  dispatcher's group (the TP group when EP = 1)
     tp_cp_group   TP x CP (_TENSOR_AND_CONTEXT_PARALLEL_GROUP, l. 1319-1331), over which the
-                  router's token counts are summed; None: the TP group (right when CP = 1)
-Experts are split over TP as Megatron's default expert_tensor_parallel_size = tp does.
+                  router's token counts are summed (the TP group when CP = 1)
+    edp_group     the expert-data-parallel group (_EXPERT_DATA_PARALLEL_GROUP): the ranks that
+                  hold the same experts, over which the trainer sums the experts' gradients
+                  (train.build_optimizer, optimizer.ChainedOptimizer)
+Experts are split over TP as Megatron's default expert_tensor_parallel_size = tp does. Why EP
+sits inside DP x CP: the ranks of an EP group hold different tokens (different data or sequence
+chunks) and different experts, so the dispatcher sends each token to its experts' rank and back;
+the dense layers around stay data-parallel over all of DP x CP.
 
 Auxiliary losses (moe_utils.py:291-341). The load-balancing loss and the z-loss never join the
 returned loss: MoEAuxLossAutoScaler adds scale * d(loss)/d(theta) in the backward, scale being
@@ -110,10 +116,10 @@ def apply_activation(y, act):
     return ops.gelu(y, approximate="none")
 
 
-def global_expert_name(name, ep_rank, num_local_experts):
-    """'...local_experts.J...' on EP rank r -> '...local_experts.{r * E_l + J}...', so that
-    initialisation and checkpoints see one name per expert in every layout."""
-    offset = ep_rank * num_local_experts
+def global_expert_name(name, offset):
+    """'...local_experts.J...' on EP rank r -> '...local_experts.{offset + J}...' (offset =
+    r * E_l, this rank's first expert), so that initialisation and checkpoints see one name per
+    expert in every layout."""
     return re.sub(r"(^|\.)local_experts\.(\d+)\.",
                   lambda m: f"{m.group(1)}local_experts.{offset + int(m.group(2))}.", name)
 
@@ -596,32 +602,31 @@ class MoEAlltoAllTokenDispatcher(nn.Cell):
 # ============================================================================ the layer
 class MoELayer(nn.Cell):
     """Megatron's MoELayer (moe_layer.py:214-719), a drop-in for gpt.MLP: construct(hidden
-    [s, b, h]) -> [s, b, h] in the compute dtype. `ep_group`, `tp_ep_group`, `tp_cp_group`: see
-    the module docstring. This rank holds experts [ep_rank * E_l, (ep_rank + 1) * E_l)
-    (moe_layer.py:187-196)."""
+    [s, b, h]) -> [s, b, h] in the compute dtype. The current ParallelState gives the expert
+    parallel size and rank and the groups (the module docstring). This rank holds experts
+    [ep_rank * E_l, (ep_rank + 1) * E_l) (moe_layer.py:187-196)."""
 
-    def __init__(self, cfg, ep_group=None, tp_ep_group=None, tp_cp_group=None):
+    def __init__(self, cfg):
         super().__init__()
         state = parallel.get_state()
+        ep_group = state.ep_group if state.ep > 1 else None
         if state.tp > 1 and not state.sequence_parallel:
             raise ValueError("MoE with tensor parallelism needs sequence parallelism "
                              "(Megatron moe_layer.py:637-641)")
         if cfg.add_bias_linear and state.tp > 1:
             raise ValueError("MoE experts split over TP have no bias: disable add_bias_linear "
                              "(Megatron transformer_config.py:2612-2615)")
-        ep = parallel.collectives(ep_group) if ep_group is not None else None
-        ep_size, ep_rank = (ep.size, ep.rank) if ep is not None else (1, 0)
-        if cfg.num_moe_experts % ep_size:
+        if cfg.num_moe_experts % state.ep:
             raise ValueError(f"num_moe_experts {cfg.num_moe_experts} is not a multiple of the "
-                             f"expert-parallel size {ep_size}")
-        self.num_local_experts = cfg.num_moe_experts // ep_size
+                             f"expert-parallel size {state.ep}")
+        self.num_local_experts = cfg.num_moe_experts // state.ep
         self.dtype = getattr(ms, cfg.compute_dtype)
-        self.router = TopKRouter(cfg, tp_cp_group)
+        self.router = TopKRouter(cfg, state.tp_cp_group)
         self.experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
             cfg, self.num_local_experts, state.tp)
         if cfg.moe_token_dispatcher_type == "allgather":
             self.token_dispatcher = MoEAllGatherTokenDispatcher(
-                self.num_local_experts, ep_rank * self.num_local_experts, tp_ep_group)
+                self.num_local_experts, state.ep_rank * self.num_local_experts, state.tp_ep_group)
         elif cfg.moe_token_dispatcher_type == "alltoall":
             self.token_dispatcher = MoEAlltoAllTokenDispatcher(cfg, self.num_local_experts,
                                                                ep_group)

@@ -365,14 +365,20 @@ class MixedPrecisionOptimizer:
     `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
     Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all).
     `collectives` is parallel.collectives, passed in: optimizer.py comes before parallel.py in the
-    import order."""
+    import order. The parameters' gradients are reduced over the data-parallel `group` of `dp`
+    ranks (reduce_grads; Megatron's DDP buffer): summed, divided by `mean_over` (default dp), one
+    all-reduce per bucket of `buffer`."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
-                 collectives, norm_groups, counted):
+                 collectives, norm_groups, counted, group=None, dp=1, bucket_size=None,
+                 mean_over=None):
         self.params = list(params)
         self.scaler, self.clip_type, self.clip_value = scaler, clip_type, clip_value
         self.collectives = collectives
-        self.norm_groups, self.counted = list(norm_groups), list(counted)
+        self.norm_groups, self.counted = [g for g in norm_groups if g is not None], list(counted)
+        self.group, self.dp = group, dp
+        self.mean_over = dp if mean_over is None else mean_over
+        self.buffer = GradBuffer(self.params, dp, bucket_size)
         self.main_params = self._main_params()
         self.inner = make_optimizer(self.main_params, self._main_wd_mults(wd_mults))
 
@@ -386,6 +392,13 @@ class MixedPrecisionOptimizer:
     @property
     def step_count(self):
         return self.inner.step_count
+
+    def reduce_grads(self, grads):
+        """The data-parallel reduction of finalize_model_grads: all-reduced over `group` (experts
+        with EP = DP x CP: a group of one rank, their gradients still divided by the DP size)."""
+        if self.dp == 1 and self.mean_over == 1:
+            return grads
+        return all_reduce_grads(self.buffer, grads, self.collectives(self.group), self.mean_over)
 
     def step(self, grads, lr, wd):
         """Megatron's optimizer.step() from the step's reduced gradients (model dtype or float32,
@@ -476,6 +489,62 @@ class MixedPrecisionOptimizer:
         return self.inner.state_bytes() + copies
 
 
+class ChainedOptimizer:
+    """Megatron's ChainedOptimizer (megatron/core/optimizer/optimizer.py): with experts, the dense
+    parameters' optimizer and the experts' (moe.py), each reducing its gradients over its own
+    data-parallel group (DP x CP; the expert-data-parallel group) and its norm over the ranks
+    holding other parts (the experts also over EP), stepped as one: one gradient norm over both,
+    one loss-scaler update, one clip. `indices[k]`: the positions, in the model's parameter
+    order, of optimizer k's parameters; the optimizers share one scaler."""
+
+    def __init__(self, optimizers, indices):
+        self.optimizers, self.indices = optimizers, indices
+        self.scaler = optimizers[0].scaler
+
+    def split(self, items):
+        """One per parameter of the model -> one list per optimizer."""
+        return [[items[i] for i in positions] for positions in self.indices]
+
+    @property
+    def step_count(self):
+        return self.optimizers[0].step_count
+
+    def reduce_grads(self, grads):
+        return [opt.reduce_grads(g) for opt, g in zip(self.optimizers, self.split(grads))]
+
+    def step(self, grads, lr, wd):
+        """MixedPrecisionOptimizer.step over the chain, from reduce_grads' lists: the norm is
+        the square root of the optimizers' squared norms summed."""
+        main_grads = [[opt._main_grad(g) for g in gs] for opt, gs in zip(self.optimizers, grads)]
+        norm_sq = sum(opt.global_norm_sq(gs) for opt, gs in zip(self.optimizers, main_grads))
+        found_inf = not math.isfinite(norm_sq)
+        self.scaler.update(found_inf)
+        grad_norm = math.sqrt(norm_sq)
+        if found_inf:
+            return False, grad_norm, None
+        for opt, gs in zip(self.optimizers, main_grads):
+            opt.step_with_ready_grads(opt.clip_grad_norm(gs, grad_norm), lr, wd)
+        return True, grad_norm, None
+
+    def reload_main_params(self):
+        for opt in self.optimizers:
+            opt.reload_main_params()
+
+    def named_state(self, names):
+        arrays, step = {}, None
+        for opt, some in zip(self.optimizers, self.split(names)):
+            part, step = opt.named_state(some)
+            arrays.update(part)
+        return arrays, step
+
+    def load_named_state(self, arrays, step, names):
+        for opt, some in zip(self.optimizers, self.split(names)):
+            opt.load_named_state(arrays, step, some)
+
+    def state_bytes(self):
+        return sum(opt.state_bytes() for opt in self.optimizers)
+
+
 # ----------------------------------------------------------------------------- data parallelism
 class GradBuffer:
     """Megatron's ParamAndGradBuffer, rebuilt each step from the accumulated gradients.
@@ -541,7 +610,7 @@ class GradBuffer:
         return out
 
 
-def finalize_model_grads(grads, params, collectives, state, optimizer, buffer):
+def finalize_model_grads(grads, params, collectives, state, optimizer):
     """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
     reduction of a step's gradients, in one place, after the last backward, in the gradients'
     dtype (Megatron's main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32
@@ -551,10 +620,11 @@ def finalize_model_grads(grads, params, collectives, state, optimizer, buffer):
       2. tied embeddings over pipeline stages: the first stage's word embedding and the last
          stage's output-layer copy (marked `shared_embedding`) are all-reduced over the embedding
          group, so both copies take the same step and stay equal;
-      3. data parallelism: summed over CP (each cp rank's gradient is its tokens' share of the
-         loss, see gpt.GPTModel) and averaged over DP, one all-reduce over the DP x CP group per
-         bucket of the contiguous `buffer`, or, with the distributed optimizer, reduce-scattered
-         to this rank's pieces.
+      3. data parallelism (optimizer.reduce_grads): summed over CP (each cp rank's gradient is
+         its tokens' share of the loss, see gpt.GPTModel) and averaged over DP, one all-reduce
+         over the DP x CP group per bucket of the optimizer's contiguous buffer, or, with the
+         distributed optimizer, reduce-scattered to this rank's pieces; experts' gradients over
+         the expert-data-parallel group instead (ChainedOptimizer).
     `collectives` and `state` are parallel.py's: parallel.collectives and the current
     ParallelState. Returns the gradients the optimizer takes."""
     grads = [collectives(state.tp_group).all_reduce(g)
@@ -563,11 +633,7 @@ def finalize_model_grads(grads, params, collectives, state, optimizer, buffer):
     grads = [collectives(state.embedding_group).all_reduce(g)
              if getattr(param, "shared_embedding", False) else g
              for g, param in zip(grads, params)]
-    if isinstance(optimizer, DistributedOptimizer):
-        return optimizer.reduce_scatter_grads(grads)
-    if state.dp * state.cp > 1:
-        return all_reduce_grads(buffer, grads, collectives(state.dp_cp_group), state.dp)
-    return grads
+    return optimizer.reduce_grads(grads)
 
 
 def all_reduce_grads(buffer, grads, group_collectives, mean_over):
@@ -593,15 +659,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                  collectives, norm_groups, counted, group, dp_rank, dp, bucket_size=None,
                  mean_over=None):
-        self.group, self.dp, self.rank = group, dp, dp_rank
-        self.mean_over = dp if mean_over is None else mean_over
-        self.buffer = GradBuffer(params, dp, bucket_size)
-        self.shards = self.buffer.shard_ranges(dp_rank)        # this rank's range in each bucket
-        self.pieces = self.buffer.pieces(dp_rank)              # (bucket, param index, start, end)
+        self.rank = dp_rank
+        buffer = GradBuffer(params, dp, bucket_size)
+        self.shards = buffer.shard_ranges(dp_rank)             # this rank's range in each bucket
+        self.pieces = buffer.pieces(dp_rank)                   # (bucket, param index, start, end)
         # the norm: this rank's pieces, summed over the shards first
         super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                          collectives, [group] + list(norm_groups),
-                         [counted[i] for _, i, _, _ in self.pieces])
+                         [counted[i] for _, i, _, _ in self.pieces], group, dp, bucket_size,
+                         mean_over)
 
     def _main_params(self):
         flat = self.buffer.flatten(self.params)
@@ -632,9 +698,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             main.copy_(Tensor(arrays[f"main.{piece}"]))
         self.inner.load_named_state(arrays, step, pieces)
 
-    def reduce_scatter_grads(self, grads):
-        """Full local grads -> this rank's pieces of the DP average, one float32 tensor per piece;
-        reduced in the gradients' dtype, divided by mean_over first (as all_reduce_grads)."""
+    def reduce_grads(self, grads):
+        """Full local grads -> this rank's pieces of the DP average, one float32 tensor per piece:
+        reduce-scattered in the gradients' dtype, divided by mean_over first (as
+        all_reduce_grads)."""
         flat = self.buffer.flatten(grads, grads[0].dtype) * (1.0 / self.mean_over)
         shard = [self.collectives(self.group).reduce_scatter(flat[b0:b1])
                  for b0, b1 in self.buffer.buckets]

@@ -3,7 +3,12 @@ interface with a ledger, the f/g mappings, and the tensor-parallel layers.
 
 Process groups follow Megatron's RankGenerator with order "tp-cp-dp-pp": global rank
     r = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),
-so TP ranks are adjacent and PP ranks furthest apart.
+so TP ranks are adjacent and PP ranks furthest apart. Expert parallelism is carved out of DP x CP
+as in Megatron's expert RankGenerator ("tp-ep-dp-pp", expert TP = TP): with dp_cp_rank =
+dp_rank * cp + cp_rank = ep_rank + ep * edp_rank,
+    r = tp_rank + tp * (ep_rank + ep * (edp_rank + edp * pp_rank)),     edp = dp * cp / ep,
+so an expert-parallel group is `ep` adjacent DP x CP ranks and the expert-data-parallel group
+(edp) the ranks holding the same experts.
 
 Mappings (Shoeybi et al. 2019, "Megatron-LM"; Korthikanti et al. 2022 for sequence parallelism,
 the ~ ones along the sequence dimension):
@@ -41,23 +46,30 @@ _GROUPS = {}        # group name -> (kind, global ranks); every group this proce
 _STATE = None
 
 
-def rank_groups(world_size, tp, cp, pp, ulysses=None):
+def rank_groups(world_size, tp, cp, pp, ulysses=None, ep=1):
     """kind -> list of rank lists, for the layout tp x cp x dp x pp (dp = world / (tp*cp*pp)).
     Context parallelism as ring x ulysses (context_parallel.py): "cp_ulysses" groups are runs of
     `ulysses` adjacent cp ranks (default: all of them), "cp_ring" groups the ranks `ulysses`
-    apart."""
+    apart. Experts (moe.py): "ep" groups `ep` adjacent DP x CP ranks, "edp" the ranks holding
+    the same experts, "tp_ep" is TP x EP (the allgather dispatcher's group), "tp_cp" TP x CP
+    (over which a router counts its tokens)."""
     if world_size % (tp * cp * pp):
         raise ValueError(f"world size {world_size} is not a multiple of tp*cp*pp = {tp * cp * pp}")
     dp = world_size // (tp * cp * pp)
+    if (dp * cp) % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide dp*cp = {dp * cp}")
     grid = np.arange(world_size).reshape(pp, dp, cp, tp)         # axes from slowest to fastest
+    expert_grid = grid.reshape(pp, dp * cp // ep, ep, tp)         # pp, edp, ep, tp
 
-    def along(*axes):   # groups varying `axes` (of pp=0, dp=1, cp=2, tp=3), the others fixed
+    def along(*axes, of=grid):   # groups varying `axes` (of pp=0, dp=1, cp=2, tp=3), the rest fixed
         rest = [a for a in range(4) if a not in axes]
-        size = int(np.prod([grid.shape[a] for a in axes]))
-        return grid.transpose(rest + list(axes)).reshape(-1, size).tolist()
+        size = int(np.prod([of.shape[a] for a in axes]))
+        return of.transpose(rest + list(axes)).reshape(-1, size).tolist()
 
     groups = {"tp": along(3), "cp": along(2), "dp": along(1), "pp": along(0),
-              "dp_cp": along(1, 2), "mp": along(0, 3)}
+              "dp_cp": along(1, 2), "mp": along(0, 3), "tp_cp": along(2, 3),
+              "ep": along(2, of=expert_grid), "edp": along(1, of=expert_grid),
+              "tp_ep": along(2, 3, of=expert_grid)}
     ulysses = cp if ulysses is None else ulysses
     groups["cp_ulysses"] = [g[i:i + ulysses] for g in groups["cp"] for i in range(0, cp, ulysses)]
     groups["cp_ring"] = [g[i::ulysses] for g in groups["cp"] for i in range(ulysses)]
@@ -93,6 +105,13 @@ class ParallelState:
     cp_ulysses: int = 1                                  # cp = ring x ulysses (context_parallel.py)
     cp_ulysses_group: str = None
     cp_ring_group: str = None
+    ep: int = 1                                          # expert parallel size (moe.py)
+    ep_rank: int = 0
+    edp_rank: int = 0                                    # rank in the expert-data-parallel group
+    ep_group: str = None
+    edp_group: str = None
+    tp_ep_group: str = None
+    tp_cp_group: str = None
 
     @property
     def dp_cp_rank(self):
@@ -140,20 +159,26 @@ def _use_group(kind, ranks):
     return name
 
 
-def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses=None):
+# a group that holds the same ranks as the one named beside it is that group (no second
+# communicator): a CP subgroup that is all of CP, TP x CP without CP, the expert groups without EP
+SAME_RANKS_AS = {"cp_ulysses": "cp", "cp_ring": "cp", "tp_cp": "tp", "edp": "dp_cp",
+                 "tp_ep": "tp"}
+
+
+def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses=None, ep=1):
     """Build (or switch to) the layout tp x cp x dp x pp and return this rank's ParallelState;
-    `ulysses` (default cp) is the Ulysses degree within cp (context_parallel.py)."""
+    `ulysses` (default cp) is the Ulysses degree within cp (context_parallel.py), `ep` the expert
+    parallel size, carved out of dp x cp (moe.py)."""
     global _STATE
     world, rank = _world()
     ulysses = cp if ulysses is None else ulysses
-    groups = rank_groups(world, tp, cp, pp, ulysses)
+    groups = rank_groups(world, tp, cp, pp, ulysses, ep)
     mine = {kind: next((g for g in gs if rank in g), None) for kind, gs in groups.items()
             if kind != "pp_pairs"}
-    # A CP subgroup that is the whole CP group is that group (no second communicator).
-    for kind in ("cp_ulysses", "cp_ring"):
-        if mine[kind] == mine["cp"]:
-            mine.pop(kind)
-    names = {kind: _use_group(kind, g) for kind, g in mine.items() if g is not None}
+    names = {kind: _use_group(kind, g) for kind, g in mine.items()
+             if g is not None and not (kind in SAME_RANKS_AS and g == mine[SAME_RANKS_AS[kind]])}
+    for kind, base in SAME_RANKS_AS.items():
+        names.setdefault(kind, names[base])
     pairs = {next(r for r in g if r != rank): _use_group("pp_pair", g)
              for g in groups["pp_pairs"] if rank in g}
     _STATE = ParallelState(
@@ -163,8 +188,10 @@ def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses
         tp_group=names["tp"], cp_group=names["cp"], dp_group=names["dp"], pp_group=names["pp"],
         dp_cp_group=names["dp_cp"], mp_group=names["mp"], embedding_group=names.get("embedding"),
         pair_groups=pairs, sequence_parallel=sequence_parallel, cp_ulysses=ulysses,
-        cp_ulysses_group=names.get("cp_ulysses", names["cp"]),
-        cp_ring_group=names.get("cp_ring", names["cp"]))
+        cp_ulysses_group=names["cp_ulysses"], cp_ring_group=names["cp_ring"],
+        ep=ep, ep_rank=mine["ep"].index(rank), edp_rank=mine["edp"].index(rank),
+        ep_group=names["ep"], edp_group=names["edp"], tp_ep_group=names["tp_ep"],
+        tp_cp_group=names["tp_cp"])
     return _STATE
 
 

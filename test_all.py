@@ -395,10 +395,8 @@ def test_repeated_config_files_layer_in_order_and_name_what_they_override(tmp_pa
     (["model_config.transformer_impl=transformer_engine"], "model_config.transformer_impl="
      "'transformer_engine': only 'local' here: the layers are this project's own"),
     (["--use-flash-attn"], "model_config.use_flash_attention=True: only False here"),
-    (["parallel_config.expert_model_parallel_size=2"],
-     "only 1 here: every rank holds all the experts"),
     (["training_config.resume_training=true"], "resume_training=true needs the checkpoint"),
-], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "flash", "ep", "resume"])
+], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "flash", "resume"])
 def test_no_value_is_silently_replaced_or_ignored(args, message, capsys):
     """A value that contradicts another, or that this project cannot do, is one line (Megatron's
     assertions where it has them); micro_batch_num that agrees is taken."""
@@ -490,28 +488,28 @@ MOE_ERRORS = [
      "'sinkhorn' is not one of aux_loss, seq_aux_loss, none"),
     (MOE_FLAGS + ["--moe-token-dispatcher-type", "flex"],
      "'flex' is not one of allgather, alltoall"),
-    (MOE_FLAGS + ["--ckpt-format", "torch"], "does not hold MoE layers here yet"),
+    (MOE_FLAGS + ["--ckpt-format", "torch"],
+     "does not hold MoE layers here (Megatron's expert names are not mapped yet)"),
     (MOE_FLAGS + ["--tensor-model-parallel-size", "2", "--disable-bias-linear"],
      "num_moe_experts with tensor_model_parallel_size=2 needs --sequence-parallel"),
     (MOE_FLAGS + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
      "experts split over TP have no bias; add --disable-bias-linear"),
-    (MOE_FLAGS + ["--context-parallel-size", "2"],
-     "num_moe_experts with context_parallel_size > 1"),
-    (MOE_FLAGS + ["--pipeline-model-parallel-size", "2"],
-     "num_moe_experts with pipeline_model_parallel_size > 1"),
     (MOE_FLAGS + ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"],
      "num_moe_experts with recompute_granularity=full"),
-    (MOE_FLAGS + ["--expert-model-parallel-size", "2"],
-     "expert_model_parallel_size=2: only 1 here: every rank holds all the experts (expert "
-     "parallelism is the next step of issue 25)"),
+    (MOE_FLAGS + ["--expert-model-parallel-size", "4"],
+     "expert_model_parallel_size=4 does not divide data x context parallel sizes = 2"),
+    (["--num-experts", "3", "--expert-model-parallel-size", "2"],
+     "num_moe_experts=3 is not divisible by expert_model_parallel_size=2"),
+    (["--expert-model-parallel-size", "2"],
+     "expert_model_parallel_size=2 needs experts: give --num-experts"),
 ]
 
 
 @pytest.mark.parametrize("args,message", MOE_ERRORS, ids=[" ".join(a) for a, _ in MOE_ERRORS])
 def test_moe_keys_follow_megatrons_rules(args, message, capsys, tmp_path):
-    """Megatron's MoE validation (arguments.py, transformer_config.py, moe_layer.py) and the
-    layouts not here yet, each one line before any work."""
+    """Megatron's MoE validation (arguments.py, transformer_config.py, moe_layer.py), each one
+    line before any work (2 workers when a parallel size is given)."""
     world = 2 if any(a.endswith("-parallel-size") for a in args) else 1
     one_line_error(capsys,
                    ["check", "--nproc", str(world), "--save", str(tmp_path / "o"), *args], message)
@@ -670,7 +668,8 @@ def test_every_row_of_the_guides_tables_and_flags_is_a_key_here(capsys):
         "parallel_config.num_layers_per_virtual_pipeline_stage": (1, pp2),
         "parallel_config.sequence_parallel": (True, ["--tensor-model-parallel-size", "2"]),
         "parallel_config.num_layer_list": ([3, 1], pp2),
-        "parallel_config.select_recompute": (True, [])}
+        "parallel_config.select_recompute": (True, []),
+        "parallel_config.expert_model_parallel_size": (2, ["--num-experts", "4"])}
     for megatron, path in rows:
         row, _ = cli._row(path)
         if row.kind != "key":
@@ -2446,18 +2445,13 @@ def test_shared_expert_adds_a_dense_mlp_on_every_token(gate):
 
 
 @pytest.mark.usefixtures("unit_aux_loss_scale")
-def test_both_dispatchers_and_explicit_one_rank_groups_give_the_same_layer():
-    """allgather and alltoall (built with an expert-parallel group of one rank, EP carved from
-    DP) compute the same layer, losses included."""
-    state = parallel.get_state()
+def test_both_dispatchers_give_the_same_layer():
+    """allgather and alltoall compute the same layer, losses included (their exchanges over
+    EP ranks: the msrun gradient checks, "ep2 alltoall" and the others)."""
     cfg = dict(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, moe_expert_capacity_factor=1.0,
                moe_token_drop_policy="position")
     plain = layer_of(**cfg)
-    alltoall = fill_normal(moe.MoELayer(moe_config(moe_token_dispatcher_type="alltoall", **cfg),
-                                 ep_group=state.dp_group, tp_ep_group=state.tp_group,
-                                 tp_cp_group=state.tp_group))
-    alltoall.set_train(True)
-    assert alltoall.token_dispatcher.exchange is not None
+    alltoall = layer_of(moe_token_dispatcher_type="alltoall", **cfg)
     x = gaussian((6, 2, 8), 17)
     assert_close(values_and_grads(alltoall, x, alltoall), values_and_grads(plain, x, plain))
 
@@ -2503,7 +2497,7 @@ def test_parameter_names_and_attributes():
     assert params[expert[0]].partition_chunks == 2
     assert not hasattr(params["router.weight"], "allreduce")
     assert len(list(layer.get_parameters())) == len(params)         # not the logged sums
-    assert moe.global_expert_name("layers.3.mlp.experts.local_experts.1.linear_fc1.weight", 2, 4) \
+    assert moe.global_expert_name("layers.3.mlp.experts.local_experts.1.linear_fc1.weight", 8) \
         == "layers.3.mlp.experts.local_experts.9.linear_fc1.weight"
 
 
@@ -5363,8 +5357,16 @@ def check_rank_groups(c):
                 "dp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": pp,
                 "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]], "mp": [[0, 1, 4, 5], [2, 3, 6, 7]],
                 "embedding": pp, "pp_pairs": pp, "cp_ulysses": [[r] for r in range(8)],
-                "cp_ring": [[r] for r in range(8)]}
+                "cp_ring": [[r] for r in range(8)], "tp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "ep": [[r] for r in range(8)], "edp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "tp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]]}
     c("rank_groups(8, tp=2, cp=1, pp=2)", rank_groups(8, 2, 1, 2) == expected)
+    # EP carved out of DP x CP = 4 ranks (Megatron's "tp-ep-dp-pp"): adjacent DP ranks
+    experts = rank_groups(8, 2, 1, 1, ep=2)
+    c("rank_groups(8, tp=2, ep=2) ep, edp, tp_ep",
+      (experts["ep"], experts["edp"], experts["tp_ep"])
+      == ([[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]],
+          [[0, 1, 2, 3], [4, 5, 6, 7]]))
     c("rank_groups(8, tp=2, cp=2, pp=1) dp_cp",
       rank_groups(8, 2, 2, 1)["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]])
     c("rank_groups(4, 1, 1, 4) pp_pairs",
@@ -5642,11 +5644,17 @@ ROPE_GQA = ["--use-rotary-position-embeddings", "--num-attention-heads", "8",
             "--group-query-attention", "--num-query-groups", "4"]
 CP_CHECK = ROPE_GQA + ["--num-layers", "2"]       # gradient checks: 2 layers, 2 micro-batches
 DOCUMENTS = "documents"        # batches of several documents: reset position ids and attention mask
+# experts: 4 of them, top-2, both balancing losses (moe.py); EP carved out of DP x CP
+MOE_CHECK = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+             "--disable-bias-linear"]
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
 GRADIENT_CHECKS = {2: [("pp2", [], PP2), ("pp2 vpp2", [], PP2 + VPP2), ("pp2 untied", UNTIED, PP2),
                        ("pp2 num_layer_list [3,1]", [], PP2 + UNEVEN),
                        ("cp2 ulysses, documents", CP_CHECK + [DOCUMENTS], CP2),
                        ("cp2 ring, selective recompute", CP_CHECK,
-                        CP2 + RING + RECOMPUTE["selective"])],
+                        CP2 + RING + RECOMPUTE["selective"]),
+                       ("ep2 alltoall", MOE_CHECK + ALLTOALL, EP2)],
                    4: [("pp4", [], PP4), ("pp4 vpp2 8 layers", ["--num-layers", "8"], PP4 + VPP2),
                        ("tp2 x pp2 sp", [], TP2 + PP2 + SP),
                        ("cp2 ulysses x tp2 sp, selective recompute", CP_CHECK,
@@ -5655,7 +5663,12 @@ GRADIENT_CHECKS = {2: [("pp2", [], PP2), ("pp2 vpp2", [], PP2 + VPP2), ("pp2 unt
                        ("cp4 hybrid (ulysses 2 x ring 2), full recompute", CP_CHECK,
                         CP4 + HYBRID2 + RECOMPUTE["full uniform 2"]),
                        ("cp2 ring x dp2 untied, full block recompute", CP_CHECK + UNTIED,
-                        CP2 + RING + RECOMPUTE["full block 1"])]}
+                        CP2 + RING + RECOMPUTE["full block 1"]),
+                       ("ep2 x tp2 sp allgather", MOE_CHECK, EP2 + TP2 + SP),
+                       ("ep2 x tp2 sp alltoall", MOE_CHECK + ALLTOALL, EP2 + TP2 + SP),
+                       ("ep4 alltoall", MOE_CHECK + ALLTOALL, EP4),
+                       ("ep2 x cp2 ring", MOE_CHECK + CP_CHECK, EP2 + CP2 + RING),
+                       ("ep2 x pp2 vpp2", MOE_CHECK, EP2 + PP2 + VPP2)]}
 
 
 def check_batches(cfg, count, documents):
@@ -5707,12 +5720,17 @@ def check_gradients(c, world):
         state = parallel.initialize_model_parallel(p.tensor_model_parallel_size,
                                                    p.pipeline_model_parallel_size,
                                                    p.context_parallel_size, p.sequence_parallel,
-                                                   p.ulysses_degree_in_cp)
+                                                   p.ulysses_degree_in_cp,
+                                                   p.expert_model_parallel_size)
         chunks, _ = train.build_model(cfg, tokenizer, state)
         trainer = train.Trainer(cfg, chunks, *train.build_optimizer(cfg, chunks), state)
         losses, grads = trainer.forward_backward(batches)
         grads = optimizer.finalize_model_grads(grads, trainer.params, parallel.collectives, state,
-                                               trainer.optimizer, trainer.buffer)
+                                               trainer.optimizer)
+        if isinstance(trainer.optimizer, optimizer.ChainedOptimizer):   # back to model order
+            chain = trainer.optimizer
+            by_position = dict(zip([i for ps in chain.indices for i in ps], sum(grads, [])))
+            grads = [by_position[i] for i in range(len(by_position))]
         if state.is_last_stage:
             c(f"{label}: losses", np.allclose(losses, ref_losses, rtol=1e-5),
               f"{losses} vs {ref_losses}")
@@ -5893,9 +5911,13 @@ PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
 # every layout compiled by ms.jit, as in production
 PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1",
                 "--eval-interval", "5"]
+# experts: micro-batches of 2 sequences in every layout (DP4 on 4 workers), since the balancing
+# losses are the micro-batch's
+MOE_RUN = MOE_CHECK + ["--micro-batch-size", "2"]
 # one process, same model and data
 REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_rope_gqa": ROPE_GQA, "one_fp16": FP16,
-              "one_pp_fp16": PIPELINE_RUN + FP16, "one_rope_gqa_fp16": ROPE_GQA + FP16}
+              "one_pp_fp16": PIPELINE_RUN + FP16, "one_rope_gqa_fp16": ROPE_GQA + FP16,
+              "one_moe": MOE_RUN}
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
 # PP2 with dropout (op by op), without and with full recompute of each stage's first layer
 DROPOUT_RUNS = {2: {"pp2_dropout": PIPELINE_RUN + PP2 + DROPOUT,
@@ -5912,13 +5934,17 @@ LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP + FP16, "one_fp16"),
                             "one_pp"),
                "pp2_num_layer_list": (PIPELINE_RUN + PP2 + UNEVEN, "one_pp"),
                "cp2_ulysses": (ROPE_GQA + CP2 + FP16, "one_rope_gqa_fp16"),
-               "cp2_ring": (ROPE_GQA + CP2 + RING, "one_rope_gqa")},
+               "cp2_ring": (ROPE_GQA + CP2 + RING, "one_rope_gqa"),
+               "ep2_alltoall": (MOE_RUN + EP2 + ALLTOALL, "one_moe")},
            4: {"pp4": (PIPELINE_RUN + PP4, "one_pp"),
                "tp2_pp2_sp": (PIPELINE_RUN + TP2 + PP2 + SP + FP16, "one_pp_fp16"),
                "dp2_pp2_distopt": (PIPELINE_RUN + PP2 + DISTOPT, "one_pp"),
                "cp2_ulysses_tp2_sp": (ROPE_GQA + CP2 + TP2 + SP, "one_rope_gqa"),
                "cp2_ring_pp2": (ROPE_GQA + CP2 + RING + PP2, "one_rope_gqa"),
-               "cp4_hybrid": (ROPE_GQA + CP4 + HYBRID2, "one_rope_gqa")}}
+               "cp4_hybrid": (ROPE_GQA + CP4 + HYBRID2, "one_rope_gqa"),
+               "ep2_dp2_distopt": (MOE_RUN + EP2 + DISTOPT, "one_moe")}}
+# the first 5 steps only, saved for conversion (CONVERTED)
+HALF_RUNS = {4: {"ep4_distopt_first": MOE_RUN + EP4 + DISTOPT}}
 
 # each guide file (configs/guides) shrunk by flags appended after it, on the byte-level corpus,
 # in its own precision (bfloat16 -> float16 on this CPU): name: (files, the flags that fit it
@@ -5981,7 +6007,10 @@ CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one",
                                              "one process -> CP2 x DP2, distributed optimizer",
                                              ROPE_GQA + CP2 + RING + DISTOPT, 4),
              "one_to_cp2_ulysses": ("one_rope_gqa_first", "one_rope_gqa",
-                                    "one process -> CP2, no conversion", ROPE_GQA + CP2, 2)}
+                                    "one process -> CP2, no conversion", ROPE_GQA + CP2, 2),
+             "ep4_to_one": ("ep4_as_one", "one_moe", "EP4 -> one process", MOE_RUN, 1),
+             "ep4_to_ep2_alltoall": ("ep4_as_ep2", "one_moe", "EP4 -> one process -> EP2",
+                                     MOE_RUN + EP2 + ALLTOALL + DISTOPT, 2)}
 
 
 def train_layouts(jobs, tmp, prefix):
@@ -6009,7 +6038,9 @@ def train_layouts(jobs, tmp, prefix):
     launches = {4: jobs.run(*msrun_command(4, str(tmp / "msrun4"), str(tmp / "runs4.json")))}
     jobs.one_process(tmp / "before2.json", [
         convert("tp2_pp2_sp_first", "tp2_pp2_as_pp2_vpp2", "--nproc", "2", *PP2, *VPP2),
-        convert("tp2_pp2_sp_first", "tp2_pp2_as_one")])
+        convert("tp2_pp2_sp_first", "tp2_pp2_as_one"),
+        convert("ep4_distopt_first", "ep4_as_one"),
+        convert("ep4_as_one", "ep4_as_ep2", "--nproc", "2", *EP2, *DISTOPT)])
     one = [[name, [*common, "--save", str(tmp / name), *args]]
            for name, args in REFERENCES.items()]
     one += [[name, guide_run(name, prefix, tmp / f"{name}_one", 1)] for name in GUIDE_RUNS]
@@ -6029,6 +6060,8 @@ def layout_runs(world, tmp, prefix, common, half):
             for name, (args, _) in layouts.items()]
     runs += [[name, [*common, "--save", str(tmp / name), *args]]
              for name, args in DROPOUT_RUNS.get(world, {}).items()]
+    runs += [[name, [*common, "--save", str(tmp / name), *args, *half]]
+             for name, args in HALF_RUNS.get(world, {}).items()]
     if world == 2:
         runs += [[name, guide_run(name, prefix, tmp / name, 2)] for name in GUIDE_RUNS]
     args = layouts[RESUMED[world]][0]
@@ -6297,6 +6330,25 @@ def test_converted_checkpoint_trains_like_the_original_layout(parallel_runs, run
                                rtol=loss_rtol(ALL_LAYOUTS.get(original, (0, original))[1]))
 
 
+def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(parallel_runs):
+    """EP4 with the distributed optimizer: its first 5 steps equal one process; its checkpoint
+    has Megatron's expert folders mp_rank_00_EEE, each written by its rank with its experts and
+    its distrib_optim file (the conversions to one process and on to EP2 resume in
+    test_converted_checkpoint_trains_like_the_original_layout)."""
+    tmp, _ = parallel_runs
+    first, one = (losses_of(train_lines(tmp / name)) for name in ("ep4_distopt_first", "one_moe"))
+    np.testing.assert_allclose(first, one[:5], rtol=loss_rtol("one_moe"))
+    folder = tmp / "ep4_distopt_first" / "iter_0000005"
+    assert sorted(os.listdir(folder)) == [f"mp_rank_00_{e:03d}" for e in range(4)]
+    for e in range(4):
+        tensors, _ = checkpoint.load_checkpoint(str(tmp / "ep4_distopt_first"),
+                                                f"mp_rank_00_{e:03d}", stems=("model_optim_rng",
+                                                                              "distrib_optim_000"))
+        experts = {re.search(r"local_experts\.(\d+)\.", k).group(1) for k in tensors
+                   if "local_experts" in k}
+        assert experts == {str(e)}, (e, experts)
+
+
 def ledger_of(line):
     """`comm: Step:N, kind op calls bytes, ...` -> {(kind, op): calls} (tour.ledger_items)."""
     return {key: calls for key, (calls, _) in tour.ledger_items(line).items()}
@@ -6431,7 +6483,7 @@ def test_the_guides_pretrain_script_runs_on_two_workers(tmp_path, capsys, msrun_
     assert train.main(["import-megatron", str(ckpt), "--save", str(tmp_path / "ours")]) == 0
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_pp2_sp", "pp2_vpp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_pp2_sp", "pp2_vpp2", "ep2_alltoall"])
 def test_parallel_checkpoint_merges_to_the_one_process_model(parallel_runs, layout, capsys):
     """generate unites the pipeline stages' files and merges the mp_rank_TT shards: the merged
     weights equal the one-process run's after the same 10 steps, to training's rounding: in

@@ -231,28 +231,28 @@ def counted_in_norm(chunks, state):
 def build_optimizer(cfg, model, state=None):
     """(optimizer, scheduler) for a model or a list of model chunks: Megatron's mixed-precision
     optimizer around AdamW/Adam/SGD (optimizer.MixedPrecisionOptimizer), or with
-    use_distributed_optimizer and several DP x CP ranks the DistributedOptimizer."""
+    use_distributed_optimizer and several DP x CP ranks the DistributedOptimizer; with experts
+    (moe.py, marked `allreduce = False`) one for the dense parameters and one for the experts,
+    chained (optimizer.ChainedOptimizer)."""
     optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
     state = state or parallel.get_state()
     chunks = model if isinstance(model, list) else [model]
     named = [item for chunk in chunks for item in chunk.parameters_and_names()]
-    wd_mults = [0.0 if opt.no_weight_decay(n, param.shape) else 1.0 for n, param in named]
-
-    def make(params, mults):
-        return opt.build_optimizer(optimizer_cfg.optimizer_type, params,
-                                   betas=tuple(optimizer_cfg.betas), eps=optimizer_cfg.eps,
-                                   momentum=optimizer_cfg.momentum, wd_mults=mults)
-    clip = training_cfg.grad_clip_kwargs
-    common = dict(scaler=build_scaler(cfg), clip_type=clip.grad_clip_type,
-                  clip_value=clip.clip_value, collectives=parallel.collectives,
-                  norm_groups=[state.mp_group], counted=counted_in_norm(chunks, state))
-    params = [param for _, param in named]
-    if training_cfg.use_distributed_optimizer and state.dp * state.cp > 1:
-        optim = opt.DistributedOptimizer(make, params, wd_mults, **common, group=state.dp_cp_group,
-                                         dp_rank=state.dp_cp_rank, dp=state.dp * state.cp,
-                                         bucket_size=training_cfg.bucket_size, mean_over=state.dp)
-    else:
-        optim = opt.MixedPrecisionOptimizer(make, params, wd_mults, **common)
+    counted = counted_in_norm(chunks, state)
+    distributed = training_cfg.use_distributed_optimizer and state.dp * state.cp > 1
+    expert = [i for i, (_, param) in enumerate(named) if getattr(param, "allreduce", True) is False]
+    dense = [i for i in range(len(named)) if i not in set(expert)]
+    scaler = build_scaler(cfg)
+    # dense: reduced over DP x CP, norm over TP x PP; experts: over the expert-data-parallel
+    # group, norm over TP x PP and EP (Megatron's expert_tensor_model_pipeline group)
+    groups = [(dense, state.dp_cp_group, state.dp * state.cp, state.dp_cp_rank, [state.mp_group]),
+              (expert, state.edp_group, state.dp * state.cp // state.ep, state.edp_rank,
+               [state.mp_group, state.ep_group if state.ep > 1 else None])]
+    optimizers = [_build_one_optimizer(cfg, [named[i] for i in positions], scaler,
+                                       [counted[i] for i in positions], distributed, state.dp,
+                                       *group)
+                  for positions, *group in groups if positions]
+    optim = optimizers[0] if not expert else opt.ChainedOptimizer(optimizers, [dense, expert])
     schedule = optimizer_cfg.learning_rate_scheduler_kwargs
     scheduler = opt.OptimizerParamScheduler(
         max_lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr,
@@ -261,6 +261,29 @@ def build_optimizer(cfg, model, state=None):
         end_wd=optimizer_cfg.end_weight_decay, wd_incr_steps=training_cfg.training_iters,
         wd_incr_style=optimizer_cfg.weight_decay_incr_style)
     return optim, scheduler
+
+
+def _build_one_optimizer(cfg, named, scaler, counted, distributed, mean_over, group, dp, dp_rank,
+                         norm_groups):
+    """The optimizer of parameters `named` ([(name, param)]) whose gradients are summed over the
+    data-parallel `group` of `dp` ranks (this one `dp_rank`) and divided by `mean_over` (the DP
+    size: averaged over DP, summed over CP, gpt.GPTModel); `distributed`: the
+    DistributedOptimizer, sharding over `group`."""
+    optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
+    wd_mults = [0.0 if opt.no_weight_decay(n, param.shape) else 1.0 for n, param in named]
+
+    def make(params, mults):
+        return opt.build_optimizer(optimizer_cfg.optimizer_type, params,
+                                   betas=tuple(optimizer_cfg.betas), eps=optimizer_cfg.eps,
+                                   momentum=optimizer_cfg.momentum, wd_mults=mults)
+    clip = training_cfg.grad_clip_kwargs
+    common = dict(scaler=scaler, clip_type=clip.grad_clip_type, clip_value=clip.clip_value,
+                  collectives=parallel.collectives, norm_groups=norm_groups, counted=counted,
+                  group=group, dp=dp, bucket_size=training_cfg.bucket_size, mean_over=mean_over)
+    params = [param for _, param in named]
+    if distributed:
+        return opt.DistributedOptimizer(make, params, wd_mults, **common, dp_rank=dp_rank)
+    return opt.MixedPrecisionOptimizer(make, params, wd_mults, **common)
 
 
 # ----------------------------------------------------------------------------- one step
@@ -286,15 +309,9 @@ class Trainer:
         self.chunks = model if isinstance(model, list) else [model]
         self.state = state or parallel.get_state()
         self.params = [param for chunk in self.chunks for param in chunk.get_parameters()]
-        self.distributed = isinstance(optimizer, opt.DistributedOptimizer)
+        chain = getattr(optimizer, "optimizers", [optimizer])     # a ChainedOptimizer's
+        self.distributed = isinstance(chain[0], opt.DistributedOptimizer)
         self.dp_size = self.state.dp * self.state.cp
-        # the data-parallel all-reduce's buckets; the distributed optimizer has its own over the
-        # same parameters
-        if self.distributed:
-            self.buffer = optimizer.buffer
-        else:
-            self.buffer = opt.GradBuffer(self.params, self.dp_size,
-                                         cfg.training_config.bucket_size)
         model_cfg = cfg.model_config
         self.grad_dtype = DTYPES[main_grad_dtype(cfg)]    # micro-batches' gradients summed in it
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
@@ -358,10 +375,10 @@ class Trainer:
             state = self.state
             self.moe_losses = moe.report_metrics(self.chunks, 1 / len(micro_batches),
                                                  self.num_moe_layers, state.pp_group,
-                                                 state.tp_group, state.dp_group)
+                                                 state.tp_cp_group, state.dp_group)
         clock = self._lap("forward-backward", clock)
         grads = opt.finalize_model_grads(grads, self.params, parallel.collectives, self.state,
-                                         self.optimizer, self.buffer)
+                                         self.optimizer)
         clock = self._lap("grads-reduce", clock)
         lr = self.scheduler.get_lr()
         updated, grad_norm, _ = self.optimizer.step(grads, lr, self.scheduler.get_wd())
@@ -502,7 +519,7 @@ def set_up(cfg, tokenizer, notes):
     state = parallel.initialize_model_parallel(
         parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size,
         parallel_cfg.context_parallel_size, parallel_cfg.sequence_parallel,
-        parallel_cfg.ulysses_degree_in_cp)
+        parallel_cfg.ulysses_degree_in_cp, parallel_cfg.expert_model_parallel_size)
     setup_logging(cfg.training_config.output_dir, state.rank,
                   to_console=state.rank == loss_rank(state))
     for note in notes:
