@@ -423,7 +423,7 @@ def build_rank_chunks(model_cfg, tp, pp, tp_rank=0, pp_rank=0, vpp=1, num_layer_
         world_size=tp * pp * ep, rank=tp_rank + tp * (ep_rank + ep * pp_rank), tp=tp, cp=1, dp=ep,
         pp=pp, tp_rank=tp_rank, cp_rank=0, dp_rank=ep_rank, pp_rank=pp_rank, tp_group="",
         cp_group="", dp_group="", pp_group="", dp_cp_group="", mp_group="", ep=ep,
-        ep_rank=ep_rank))
+        ep_rank=ep_rank, sequence_parallel=tp > 1))     # shapes do not depend on SP; MoE needs it
     try:
         return build_chunks(model_cfg, pp, pp_rank, vpp, num_layer_list)
     finally:

@@ -32,8 +32,8 @@ from types import SimpleNamespace
 import gpt
 import pipeline
 from cli import REQUIRED, load_config, parse_command
-from config import (ConfigError, cp_ring_size, main_grad_dtype, padded_vocab_size,
-                    recompute_counts)
+from config import (ConfigError, cp_ring_size, main_grad_dtype, moe_layer_pattern,
+                    padded_vocab_size, recompute_counts)
 from tokenizer import build_tokenizer
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -66,6 +66,15 @@ def vocab_rows(cfg):
     return padded_vocab_size(model_cfg, size)
 
 
+def chunk_first_layers(model_cfg, parallel_cfg):
+    """Per pipeline rank, the first global layer of each of its model chunks (as
+    stage_chunks)."""
+    pp = parallel_cfg.pipeline_model_parallel_size
+    vpp = parallel_cfg.virtual_pipeline_model_parallel_size
+    split = pipeline.layer_split(model_cfg.num_layers, pp, vpp, parallel_cfg.num_layer_list)
+    return [[split[c * pp + r][0] for c in range(vpp)] for r in range(pp)]
+
+
 def cp_split(parallel_cfg):
     """(cp, Ulysses degree, ring size): cp = ring x ulysses (config sets ulysses_degree_in_cp: cp
     for Ulysses, 1 for the ring, the hybrid's own value)."""
@@ -86,30 +95,54 @@ def stage_chunks(model_cfg, parallel_cfg):
 
 
 # ============================================================================ parameters
-def layer_parameters(model_cfg, tp=1):
+def layer_parameters(model_cfg, tp=1, moe=False, ep=1):
     """One transformer layer on a TP rank: the column-parallel qkv and fc1 and the row-parallel
     proj and fc2 weights split over tp (with qkv's and fc1's biases); norms and the row-parallel
-    biases (added after the reduction) replicated."""
+    biases (added after the reduction) replicated. An MoE layer (`moe`) has moe_parameters
+    instead of the MLP's."""
     h, heads, ffn = model_cfg.hidden_size, model_cfg.num_attention_heads, model_cfg.ffn_hidden_size
     head_dim = h // heads
     norm = h * (2 if model_cfg.normalization == "LayerNorm" else 1)
     # GQA: n query heads, g key heads and g value heads, head_dim wide each
     qkv = (heads + 2 * model_cfg.num_query_groups) * head_dim
-    fc1 = ffn * (2 if model_cfg.hidden_act == "swiglu" else 1)       # SwiGLU: [gate; up]
-    split = (h * qkv + qkv * model_cfg.qkv_has_bias + heads * head_dim * h
-             + h * fc1 + fc1 * model_cfg.add_bias_linear + ffn * h)
+    split = h * qkv + qkv * model_cfg.qkv_has_bias + heads * head_dim * h
     norms = (2 + 2 * model_cfg.use_sandwich_norm) * norm
-    row_biases = h * (model_cfg.out_proj_has_bias + model_cfg.add_bias_linear)
-    return norms + split // tp + row_biases
+    mlp = moe_parameters(model_cfg, tp, ep) if moe else mlp_parameters(model_cfg, ffn, tp)
+    return norms + split // tp + h * model_cfg.out_proj_has_bias + mlp
 
 
-def chunk_parameters(model_cfg, tp, layers, embeds, has_loss):
-    """A model chunk (gpt.GPTModel) on a TP rank: its layers; the vocabulary-parallel word
-    embedding and the absolute position embeddings if it embeds; the final norm and the output
-    layer if it has the loss (the word embedding itself when tied in the same chunk, else a
-    copy)."""
+def mlp_parameters(model_cfg, ffn, tp, bias=None):
+    """An MLP of width `ffn` on a TP rank: fc1 (SwiGLU: [gate; up]) and its bias split, fc2
+    split, fc2's bias replicated; `bias` (default add_bias_linear) whether it has biases."""
+    h = model_cfg.hidden_size
+    bias = model_cfg.add_bias_linear if bias is None else bias
+    fc1 = ffn * (2 if model_cfg.hidden_act == "swiglu" else 1)       # SwiGLU: [gate; up]
+    return (h * fc1 + fc1 * bias + ffn * h) // tp + h * bias
+
+
+def moe_parameters(model_cfg, tp=1, ep=1):
+    """An MoE layer on a TP x EP rank (moe.MoELayer): the router [E, h] (and bias), replicated;
+    E / ep experts, each an MLP of moe_ffn_hidden_size split over TP; the shared expert, split
+    over TP, without bias, and its gate [1, h]."""
+    h, experts = model_cfg.hidden_size, model_cfg.num_moe_experts
+    router = experts * (h + model_cfg.add_bias_linear)
+    count = router + experts // ep * mlp_parameters(model_cfg, model_cfg.moe_ffn_hidden_size, tp)
+    shared = model_cfg.moe_shared_expert_intermediate_size
+    if shared:
+        count += mlp_parameters(model_cfg, shared, tp, bias=False)
+        count += h * model_cfg.moe_shared_expert_gate
+    return count
+
+
+def chunk_parameters(model_cfg, tp, layers, embeds, has_loss, first=0, ep=1):
+    """A model chunk (gpt.GPTModel) of `layers` layers from global layer `first` on a TP x EP
+    rank: its layers (the MoE ones, config.moe_layer_pattern, with E / ep experts); the
+    vocabulary-parallel word embedding and the absolute position embeddings if it embeds; the
+    final norm and the output layer if it has the loss (the word embedding itself when tied in
+    the same chunk, else a copy)."""
     h, vocab = model_cfg.hidden_size, model_cfg.padded_vocab_size
-    count = layers * layer_parameters(model_cfg, tp)
+    pattern = moe_layer_pattern(model_cfg)[first:first + layers]
+    count = sum(layer_parameters(model_cfg, tp, moe, ep) for moe in pattern)
     if embeds:
         count += vocab * h // tp
         if model_cfg.position_embedding_type == "absolute":
@@ -127,10 +160,12 @@ def total_parameters(model_cfg):
 
 
 def stage_parameters(cfg, rank):
-    """Parameters on each TP rank of pipeline rank `rank` (every TP rank holds as many)."""
+    """Parameters on each TP x EP rank of pipeline rank `rank` (every one holds as many)."""
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
-    return sum(chunk_parameters(model_cfg, parallel_cfg.tensor_model_parallel_size, *chunk)
-               for chunk in stage_chunks(model_cfg, parallel_cfg)[rank])
+    firsts = chunk_first_layers(model_cfg, parallel_cfg)[rank]
+    return sum(chunk_parameters(model_cfg, parallel_cfg.tensor_model_parallel_size, *chunk,
+                                first, parallel_cfg.expert_model_parallel_size)
+               for chunk, first in zip(stage_chunks(model_cfg, parallel_cfg)[rank], firsts))
 
 
 def optimizer_bytes(cfg, params):
@@ -611,9 +646,12 @@ def plan_lines(cfg, world):
     sequence = "sequence parallel; " if parallel_cfg.sequence_parallel else ""
     distributed = "distributed optimizer; " if cfg.training_config.use_distributed_optimizer else ""
     micro_batch_size = dataset_cfg.batch_size
+    moe_layers = sum(moe_layer_pattern(model_cfg))
+    experts = f", {moe_layers} of them MoE, {layer_parameters(model_cfg, 1, True)} each" \
+        if moe_layers else ""
     lines = [f"plan: parameters {total} ({total / 1e9:.3f} B: {model_cfg.num_layers} layers of "
-             f"{layer_parameters(model_cfg)}, vocabulary {model_cfg.padded_vocab_size} x hidden "
-             f"{model_cfg.hidden_size})",
+             f"{layer_parameters(model_cfg)}{experts}, vocabulary {model_cfg.padded_vocab_size} x "
+             f"hidden {model_cfg.hidden_size})",
              f"plan: layout TP{tp} x CP{cp} x PP{pp}{virtual} x "
              f"DP{parallel_cfg.data_parallel_size} = {world} ranks; "
              f"{dataset_cfg.micro_batch_num} micro-batch(es) of {micro_batch_size} x "

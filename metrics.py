@@ -54,6 +54,10 @@ TRAIN_TAGS = {
     "tflops": "throughput",               # Megatron's: TFLOP/s per GPU (here per rank)
     "iteration_time": "iteration-time",   # seconds
     "batch_size": "batch-size",
+    # an MoE model's (moe.METRICS), under Megatron's names (track_moe_metrics)
+    "load_balancing_loss": "load_balancing_loss",
+    "seq_load_balancing_loss": "seq_load_balancing_loss",
+    "z_loss": "z_loss",
 }
 SPLITS = ("validation", "test")
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

@@ -2672,6 +2672,29 @@ def test_memory_parameter_counts_equal_the_models_own(variant):
             assert memory.total_parameters(m) == held
 
 
+@pytest.mark.parametrize("moe", [["--moe-layer-freq", "2"],
+                                 ["--swiglu", "--moe-shared-expert-intermediate-size", "8",
+                                  "--moe-shared-expert-gate"]], ids=["gpt2", "swiglu_shared"])
+def test_memory_counts_experts_per_rank(moe):
+    """MoE layers (every other one, or all with a gated shared expert): per TP x EP rank and
+    stage, the formula's parameters equal those the rank's chunks hold (E / ep experts each)."""
+    for tp, pp, ep in ((1, 1, 1), (2, 2, 2)):
+        flags = ["--num-experts", "4", "--disable-bias-linear", *moe,
+                 "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                 "--expert-model-parallel-size", str(ep), "--micro-batch-size", "1",
+                 "--global-batch-size", "8"]
+        flags += ["--sequence-parallel"] if tp > 1 else []
+        cfg = load_config(os.path.join(HERE, "config.yaml"), [*PLAN_TINY, *flags], tp * pp * ep)
+        m = cfg.model_config
+        m.padded_vocab_size = padded_vocab_size(m, 257)
+        for stage, ep_rank in np.ndindex(pp, ep):         # TP ranks hold as many as TP rank 0
+            chunks = checkpoint.build_rank_chunks(m, tp, pp, 0, stage, ep=ep, ep_rank=ep_rank)
+            held = sum(int(np.prod(q.shape)) for c in chunks for q in c.get_parameters())
+            assert memory.stage_parameters(cfg, stage) == held, (moe, tp, pp, ep, stage)
+        if tp == pp == ep == 1:
+            assert memory.total_parameters(m) == held
+
+
 def test_memory_activations_per_layer_by_hand():
     """One layer, micro-batch b = 2, s = 16, h = 8, 2 heads, ffn 16, TP2 with SP, gelu_tanh;
     x = b s h = 256 (the layer's hidden states), scores b n s^2 / tp = 512. Then recompute, the
@@ -4702,8 +4725,8 @@ def test_compiled_model_equals_eager(tmp_path):
 def test_moe_model_trains_and_compiled_equals_op_by_op(tmp_path):
     """A GPT whose first layer is an MoE layer (4 experts with biases, top-2, aux and z losses,
     2 micro-batches: the losses' gradients weighted 1/2 like the main loss'): the loss falls over
-    8 compiled steps, the train lines carry Megatron's load_balancing_loss and z_loss, and op by
-    op (--no-jit) trains the same losses."""
+    8 compiled steps, the train lines (and metrics.jsonl) carry Megatron's load_balancing_loss and
+    z_loss, and op by op (--no-jit) trains the same losses."""
     args = [*MOE_FLAGS, "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "64",
             "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
             "--global-batch-size", "8", "--train-iters", "8"]
@@ -4714,10 +4737,13 @@ def test_moe_model_trains_and_compiled_equals_op_by_op(tmp_path):
     losses = losses_of(compiled)
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
     np.testing.assert_allclose(losses, losses_of(eager), rtol=1e-5)
+    records = metrics.read_records(str(tmp_path / "moe_jit" / metrics.JSONL))
     for name in ("load_balancing_loss", "z_loss"):
         values = [[float(re.search(name + r": ([-+.0-9E]+)", l).group(1)) for l in lines]
                   for lines in (compiled, eager)]
         np.testing.assert_allclose(values[0], values[1], rtol=1e-4)
+        np.testing.assert_allclose([r[name] for r in records if r["split"] == "train"],
+                                   values[0], rtol=1e-5)
         # E sum_e f_e P_e: 1 when balanced, at most E / k = 2; z: logsumexp^2 > 0
         assert all(0.9 < v <= 2.0 if name != "z_loss" else v > 0 for v in values[0]), values
 

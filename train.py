@@ -645,7 +645,7 @@ class LogWindow:
                 moe_losses = {k: v / self.steps for k, v in self.moe_losses.items()}
                 log.info(train_line(iteration, epoch, updated, scalars, moe_losses))
                 if self.metrics is not None:
-                    self.metrics.train(iteration, **scalars)
+                    self.metrics.train(iteration, **scalars, **moe_losses)
             log.info(trainer.timers_line(self.timed))
             self.reset()
 
