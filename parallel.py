@@ -227,13 +227,16 @@ def any_rank(flag):
     return bool(count.asnumpy()[0] > 0)
 
 
-def grid_table(world_size, tp, cp, pp):
-    """One line per rank: its coordinates in the tp-cp-dp-pp grid."""
+def grid_table(world_size, tp, cp, pp, ep=1):
+    """One line per rank: its coordinates in the tp-cp-dp-pp grid, and with expert parallelism
+    its EP rank (its place among `ep` adjacent DP x CP ranks)."""
     dp = world_size // (tp * cp * pp)
-    lines = [f"rank -> tp, cp, dp, pp   (tp={tp} cp={cp} dp={dp} pp={pp})"]
+    experts = f" ep={ep}" if ep > 1 else ""
+    lines = [f"rank -> tp, cp, dp, pp{', ep' if ep > 1 else ''}   "
+             f"(tp={tp} cp={cp} dp={dp} pp={pp}{experts})"]
     for r in range(world_size):
         lines.append(f"{r:4d} -> {r % tp}, {r // tp % cp}, {r // (tp * cp) % dp}, "
-                     f"{r // (tp * cp * dp)}")
+                     f"{r // (tp * cp * dp)}" + (f", {r // tp % ep}" if ep > 1 else ""))
     return "\n".join(lines)
 
 

@@ -5932,10 +5932,12 @@ PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", 
 # experts: micro-batches of 2 sequences in every layout (DP4 on 4 workers), since the balancing
 # losses are the micro-batch's
 MOE_RUN = MOE_CHECK + ["--micro-batch-size", "2"]
+# Megatron's per-rank capacity: ceil(n k / E * 1.0) = n / 2 slots per expert of a rank's n tokens
+CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 # one process, same model and data
 REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_rope_gqa": ROPE_GQA, "one_fp16": FP16,
               "one_pp_fp16": PIPELINE_RUN + FP16, "one_rope_gqa_fp16": ROPE_GQA + FP16,
-              "one_moe": MOE_RUN}
+              "one_moe": MOE_RUN, "one_moe_capacity": MOE_RUN + CAPACITY}
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
 # PP2 with dropout (op by op), without and with full recompute of each stage's first layer
 DROPOUT_RUNS = {2: {"pp2_dropout": PIPELINE_RUN + PP2 + DROPOUT,
@@ -5958,9 +5960,11 @@ LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP + FP16, "one_fp16"),
                "dp2_pp2_distopt": (PIPELINE_RUN + PP2 + DISTOPT, "one_pp"),
                "cp2_ulysses_tp2_sp": (ROPE_GQA + CP2 + TP2 + SP, "one_rope_gqa"),
                "cp4_hybrid": (ROPE_GQA + CP4 + HYBRID2, "one_rope_gqa"),
-               "ep2_dp2_distopt": (MOE_RUN + EP2 + DISTOPT, "one_moe")}}
-# the first 5 steps only, saved for conversion (CONVERTED)
-HALF_RUNS = {4: {"ep4_distopt_first": MOE_RUN + EP4 + DISTOPT}}
+               "ep2_dp2_distopt": (MOE_RUN + EP2 + DISTOPT, "one_moe"),
+               "ep2_pp2_capacity": (MOE_RUN + CAPACITY + EP2 + PP2, "one_moe_capacity")}}
+# the first 5 steps only, saved for conversion or to resume (CONVERTED)
+HALF_RUNS = {4: {"ep4_distopt_first": MOE_RUN + EP4 + DISTOPT,
+                 "ep2_pp2_capacity_first": MOE_RUN + CAPACITY + EP2 + PP2}}
 
 # each guide file (configs/guides) shrunk by flags appended after it, on the byte-level corpus,
 # in its own precision (bfloat16 -> float16 on this CPU): name: (files, the flags that fit it
@@ -6024,6 +6028,9 @@ CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one",
                                              ROPE_GQA + CP2 + RING + DISTOPT, 4),
              "one_to_cp2_ulysses": ("one_rope_gqa_first", "one_rope_gqa",
                                     "one process -> CP2, no conversion", ROPE_GQA + CP2, 2),
+             "ep2_pp2_capacity_resumed": ("ep2_pp2_capacity_first", "ep2_pp2_capacity",
+                                          "EP2 x PP2, no conversion",
+                                          MOE_RUN + CAPACITY + EP2 + PP2, 4),
              "ep4_to_one": ("ep4_as_one", "one_moe", "EP4 -> one process", MOE_RUN, 1),
              "ep4_to_ep2_alltoall": ("ep4_as_ep2", "one_moe", "EP4 -> one process -> EP2",
                                      MOE_RUN + EP2 + ALLTOALL + DISTOPT, 2)}
@@ -6350,7 +6357,8 @@ def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(parallel_runs
     """EP4 with the distributed optimizer: its first 5 steps equal one process; its checkpoint
     has Megatron's expert folders mp_rank_00_EEE, each written by its rank with its experts and
     its distrib_optim file (the conversions to one process and on to EP2 resume in
-    test_converted_checkpoint_trains_like_the_original_layout)."""
+    test_converted_checkpoint_trains_like_the_original_layout). EP2 x PP2 with a capacity
+    factor resumes bit for bit."""
     tmp, _ = parallel_runs
     first, one = (losses_of(train_lines(tmp / name)) for name in ("ep4_distopt_first", "one_moe"))
     np.testing.assert_allclose(first, one[:5], rtol=loss_rtol("one_moe"))
@@ -6363,6 +6371,10 @@ def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(parallel_runs
         experts = {re.search(r"local_experts\.(\d+)\.", k).group(1) for k in tensors
                    if "local_experts" in k}
         assert experts == {str(e)}, (e, experts)
+    # EP2 x PP2 with a capacity factor: stopped after step 5 and resumed, bit for bit
+    resumed, full = (losses_of(train_lines(tmp / name))
+                     for name in ("ep2_pp2_capacity_resumed", "ep2_pp2_capacity"))
+    assert resumed == full[5:]
 
 
 def ledger_of(line):

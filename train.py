@@ -525,7 +525,7 @@ def set_up(cfg, tokenizer, notes):
     for note in notes:
         (log.warning if note.startswith("warning: ") else log.info)(note)
     if state.world_size > 1:
-        log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp))
+        log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp, state.ep))
     model, rng = build_model(cfg, tokenizer, state)
     optimizer, scheduler = build_optimizer(cfg, model, state)
     return Trainer(cfg, model, optimizer, scheduler, state), rng
