@@ -342,7 +342,7 @@ def communication(cfg, rank):
     (context_parallel.py), per layer and micro-batch with a = b s / cp tokens on a rank: Ulysses 4
     all-to-alls of q, k, v and the context forward and 4 backward; the ring all-gathers k and v
     [a, g d / tp] forward and reduce-scatters their ring-times-larger gradients backward; the loss
-    and token count are all-reduced over CP."""
+    and token count are all-reduced over CP. Experts: _expert_collectives."""
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
     chunks = stage_chunks(model_cfg, parallel_cfg)[rank]
     layers = sum(c[0] for c in chunks)
@@ -353,11 +353,14 @@ def communication(cfg, rank):
         if calls:
             old = out.get((kind, op), (0, 0))
             out[(kind, op)] = (old[0] + calls, old[1] + nbytes)
-    _tensor_parallel_collectives(cfg, layers, first, last, add)
+    _tensor_parallel_collectives(cfg, layers, first, last, add, stage_moe_layers(cfg, rank))
     _context_parallel_collectives(cfg, layers, last, add)
+    # the gradient norm: the dense optimizer's, and the experts' (optimizer.ChainedOptimizer)
+    norms = 1 + bool(model_cfg.num_moe_experts)
     if parallel_cfg.tensor_model_parallel_size * parallel_cfg.pipeline_model_parallel_size > 1:
-        add("mp", "all_reduce", 1, F32_BYTES)                     # the gradient norm
+        add("mp", "all_reduce", norms, norms * F32_BYTES)
     _data_parallel_collectives(cfg, rank, add)
+    _expert_collectives(cfg, rank, add)
     _pipeline_collectives(cfg, rank, first, last, add)
     return out
 
@@ -369,16 +372,20 @@ def _hidden_elements(cfg):
                                         cfg.parallel_config.context_parallel_size))
 
 
-def _tensor_parallel_collectives(cfg, layers, first, last, add):
-    """TP's collectives per step on a stage of `layers` layers that embeds (`first`) and/or has
-    the loss (`last`), passed to add(kind, op, calls, bytes): see communication."""
+def _tensor_parallel_collectives(cfg, layers, first, last, add, moe_layers=0):
+    """TP's collectives per step on a stage of `layers` layers (`moe_layers` of them MoE, whose
+    MLP is the dispatcher's, _expert_collectives, and the shared expert if any) that embeds
+    (`first`) and/or has the loss (`last`), passed to add(kind, op, calls, bytes): see
+    communication."""
     model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
     tp, mb = parallel_cfg.tensor_model_parallel_size, dataset_cfg.micro_batch_num
     if tp == 1:
         return
     size, hidden = collective_bytes(cfg), _hidden_elements(cfg)
-    # per micro-batch: 4 a layer (attention and MLP, forward and backward) and the logits' one
-    edges = 4 * layers + last
+    shared = bool(model_cfg.moe_shared_expert_intermediate_size)
+    mlps = layers - moe_layers * (not shared)                     # the TP-split MLPs
+    # per micro-batch: 2 a layer for attention and 2 an MLP (forward and backward), the logits'
+    edges = 2 * layers + 2 * mlps + last
     if not parallel_cfg.sequence_parallel:
         # the layers' and the logits' all-reduces, then the embedding's
         add("tp", "all_reduce", mb * edges, mb * edges * hidden * size.compute)
@@ -395,6 +402,10 @@ def _tensor_parallel_collectives(cfg, layers, first, last, add):
                      + model_cfg.add_bias_linear)
         marked = layers * per_layer + last * norm
         add("tp", "all_reduce", marked, marked * size.grad * model_cfg.hidden_size)
+        if moe_layers:               # the routers' [E, h] and the shared experts' gates [1, h]
+            gates = moe_layers * model_cfg.moe_shared_expert_gate
+            add("tp", "all_reduce", moe_layers + gates, size.grad * model_cfg.hidden_size
+                * (moe_layers * model_cfg.num_moe_experts + gates))
     if last:
         # the vocabulary-parallel cross-entropy's max, sum of exp and target logit, [s, b] each
         tokens = dataset_cfg.batch_size * model_cfg.seq_length // parallel_cfg.context_parallel_size
@@ -430,19 +441,105 @@ def _data_parallel_collectives(cfg, rank, add):
     """The gradient reduction over the dp x cp ranks of pipeline rank `rank` (each bucket
     all-reduced, or reduce-scattered and the parameters all-gathered by the distributed
     optimizer) and the logged loss, passed to add(kind, op, calls, bytes)."""
-    parallel_cfg, training_cfg = cfg.parallel_config, cfg.training_config
+    parallel_cfg = cfg.parallel_config
     shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
     if shards == 1:
         return
-    size, params = collective_bytes(cfg), stage_parameters(cfg, rank)
+    dense = stage_parameters(cfg, rank) - expert_parameters(cfg, rank)
+    _gradient_buffer(cfg, "dp_cp", shards, dense, add)
+    add("dp_cp", "all_reduce", 1, F32_BYTES)                  # the logged loss
+
+
+def _gradient_buffer(cfg, kind, shards, params, add):
+    """One optimizer's gradient reduction over `shards` ranks (group `kind`) of `params`
+    parameters: each bucket all-reduced, or reduce-scattered and the parameters all-gathered
+    and the norm summed over the shards by the distributed optimizer."""
+    training_cfg, size = cfg.training_config, collective_bytes(cfg)
+    if shards == 1:
+        return
     buckets = math.ceil(params / training_cfg.bucket_size) if training_cfg.bucket_size else 1
     if training_cfg.use_distributed_optimizer:
-        add("dp_cp", "reduce_scatter", buckets, size.grad * params)
-        add("dp_cp", "all_gather", buckets, size.params * params // shards)
-        add("dp_cp", "all_reduce", 1, F32_BYTES)              # the norm over the shards
+        add(kind, "reduce_scatter", buckets, size.grad * params)
+        add(kind, "all_gather", buckets, size.params * params // shards)
+        add(kind, "all_reduce", 1, F32_BYTES)                 # the norm over the shards
     else:
-        add("dp_cp", "all_reduce", buckets, size.grad * params)
-    add("dp_cp", "all_reduce", 1, F32_BYTES)                  # the logged loss
+        add(kind, "all_reduce", buckets, size.grad * params)
+
+
+def expert_parameters(cfg, rank):
+    """The routed experts' parameters on a TP x EP rank of pipeline rank `rank` (moe.py's
+    `allreduce = False` ones), E / ep per MoE layer."""
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    if not model_cfg.num_moe_experts:
+        return 0
+    per_expert = mlp_parameters(model_cfg, model_cfg.moe_ffn_hidden_size,
+                                parallel_cfg.tensor_model_parallel_size)
+    return (stage_moe_layers(cfg, rank) * model_cfg.num_moe_experts
+            // parallel_cfg.expert_model_parallel_size * per_expert)
+
+
+def stage_moe_layers(cfg, rank):
+    """The MoE layers of pipeline rank `rank`'s chunks."""
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    pattern = moe_layer_pattern(model_cfg)
+    return sum(sum(pattern[first:first + chunk[0]]) for chunk, first in
+               zip(stage_chunks(model_cfg, parallel_cfg)[rank],
+                   chunk_first_layers(model_cfg, parallel_cfg)[rank]))
+
+
+def _expert_collectives(cfg, rank, add):
+    """An MoE model's collectives per step on pipeline rank `rank` (moe.py), passed to add(kind,
+    op, calls, bytes): per MoE layer and micro-batch the router's token counts over TP x CP
+    (forward), the dispatcher's (moe.MoEAllGatherTokenDispatcher: tokens [n, h] and probs
+    [n, E] all-gathered over TP x EP, the output [N, h] reduce-scattered, N = n tp ep, and
+    backward the reverse of each; moe.MoEAlltoAllTokenDispatcher over EP: tokens, probs and
+    output [E C, h], [E C], [E C, h] forward and backward, TP 1); per step report_metrics' sums
+    [3] over PP, TP x CP and DP, the experts' norm over EP and their gradients over the
+    expert-data-parallel group."""
+    model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
+    if not model_cfg.num_moe_experts:
+        return
+    tp, cp, ep = (parallel_cfg.tensor_model_parallel_size, parallel_cfg.context_parallel_size,
+                  parallel_cfg.expert_model_parallel_size)
+    dp, pp = parallel_cfg.data_parallel_size, parallel_cfg.pipeline_model_parallel_size
+    tp_cp = "tp_cp" if cp > 1 else "tp"                            # parallel.SAME_RANKS_AS
+    calls = stage_moe_layers(cfg, rank) * dataset_cfg.micro_batch_num
+    size, experts, h = collective_bytes(cfg), model_cfg.num_moe_experts, model_cfg.hidden_size
+    probs = F32_BYTES if model_cfg.moe_router_dtype == "fp32" else size.compute
+    tokens = dataset_cfg.batch_size * model_cfg.seq_length // (cp * tp)     # n, this rank's
+    counts = experts * (dataset_cfg.batch_size if model_cfg.moe_router_load_balancing_type
+                        == "seq_aux_loss" else 1)
+    if model_cfg.moe_aux_loss_coeff and model_cfg.moe_router_load_balancing_type != "none":
+        if tp * cp > 1:
+            add(tp_cp, "all_reduce", calls, calls * counts * F32_BYTES)
+    _dispatcher_collectives(model_cfg, tp, ep, tokens, calls, size.compute, probs, add)
+    for kind, ranks in (("pp", pp), (tp_cp, tp * cp), ("dp", dp)):
+        if ranks > 1:
+            add(kind, "all_reduce", 1, 3 * F32_BYTES)              # report_metrics
+    if ep > 1:
+        add("ep", "all_reduce", 1, F32_BYTES)                      # the experts' norm
+    experts_here = expert_parameters(cfg, rank)
+    _gradient_buffer(cfg, "edp" if ep > 1 else "dp_cp", dp * cp // ep, experts_here, add)
+
+
+def _dispatcher_collectives(model_cfg, tp, ep, n, calls, compute, probs, add):
+    """The dispatcher's collectives (see _expert_collectives) for n tokens on a rank, `calls`
+    MoE layers x micro-batches."""
+    h, experts = model_cfg.hidden_size, model_cfg.num_moe_experts
+    if model_cfg.moe_token_dispatcher_type == "allgather":
+        if tp * ep == 1:
+            return
+        kind, big = ("tp_ep" if ep > 1 else "tp"), n * tp * ep
+        add(kind, "all_gather", 3 * calls, calls * (2 * n * h * compute + n * experts * probs))
+        add(kind, "reduce_scatter", 3 * calls,
+            calls * (2 * big * h * compute + big * experts * probs))
+        return
+    if ep > 1:                                                     # alltoall, TP 1
+        factor = model_cfg.moe_expert_capacity_factor
+        capacity = n if factor is None else min(n, math.ceil(n * model_cfg.moe_router_topk
+                                                             / experts * factor))
+        slots = experts * capacity
+        add("ep", "all_to_all", 6 * calls, 2 * calls * slots * (2 * h * compute + probs))
 
 
 def _pipeline_collectives(cfg, rank, first, last, add):

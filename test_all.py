@@ -2916,6 +2916,7 @@ PRESETS = {
     "gpt2_124m": (8, 124_439_808 + 47 * 768), "gpt2_355m": (8, 354_823_168 + 47 * 1024),
     "gpt2_774m": (8, 774_030_080 + 47 * 1280), "gpt2_1.5b": (8, 1_557_611_200 + 47 * 1600),
     "llama2_7b": (64, 6_738_415_616),                        # meta-llama/Llama-2-7b-hf
+    "mixtral_8x7b": (64, 46_702_792_704),           # mistralai/Mixtral-8x7B-v0.1, all 8 experts
     # Narayanan et al. 2021: 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)),
     # plus the final LayerNorm
     "gpt2_13b": (32, 12 * 40 * 5120 ** 2 + 13 * 40 * 5120 + (50304 + 2048) * 5120 + 2 * 5120),
@@ -6434,6 +6435,31 @@ def test_context_parallel_ledger_matches_the_formulas(parallel_runs):
         cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
         planned = {k: v for k, v in memory.communication(cfg, 0).items() if k[0] == "cp"}
         assert planned == {key: value for key, value in ledger.items() if key[0] == "cp"}
+
+
+def test_expert_parallel_ledger_matches_the_formulas(parallel_runs):
+    """EP2 alltoall by hand, per step of L = 2 MoE layers and m = 2 micro-batches of n = 2 x 32
+    tokens on a rank, E = 4 experts, h = 64, float32, dropless (C = n slots an expert): 6 L m
+    all-to-alls (tokens [E C, h], probs [E C], output [E C, h], forward and backward), the
+    experts' norm over EP, report_metrics' sum [3] over DP; the dense gradients' bucket and the
+    logged loss over DP. Then EP2 alltoall, EP2 x DP2 with the distributed optimizer (expert
+    shards over the expert-data-parallel group) and EP2 x PP2 with capacity (allgather over
+    TP x EP) equal memory.communication, call for call and byte for byte."""
+    tmp, _ = parallel_runs
+    L, m, n, E, h = 2, 2, 64, 4, 64
+    ledger = tour.ledger_items(train_lines(tmp / "ep2_alltoall", "comm: ")[1])
+    assert ledger[("ep", "all_to_all")] == (6 * L * m, 2 * L * m * E * n * (2 * h * 4 + 4))
+    assert {k: v[0] for k, v in ledger.items()} == {
+        ("ep", "all_to_all"): 6 * L * m, ("ep", "all_reduce"): 1, ("dp", "all_reduce"): 1,
+        ("dp_cp", "all_reduce"): 2}, ledger
+    for run in ("ep2_alltoall", "ep2_dp2_distopt", "ep2_pp2_capacity"):
+        world = 2 if run in LAYOUTS[2] else 4
+        ledger = tour.ledger_items(train_lines(tmp / run, "comm: ")[1])
+        cfg = load_config(os.path.join(HERE, "config.yaml"), [*PARALLEL_RUN, *ALL_LAYOUTS[run][0]],
+                          world)
+        cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
+        last = cfg.parallel_config.pipeline_model_parallel_size - 1     # it logs
+        assert memory.communication(cfg, last) == ledger, run
 
 
 def test_two_run_sh_launches_make_one_job(parallel_runs):

@@ -55,17 +55,21 @@ MODEL = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "4", "--hidden-siz
          "--lr-warmup-iters", "2", "training_config.log_comm_ledger=true",
          "training_config.save_interval=null"]
 # the one-process references: name: flags
-REFERENCES = {"one": [], "one_fp16": ["--fp16", "--initial-loss-scale", "4096"]}
+# experts (moe.py): 4 of them, top-2, both balancing losses; no biases, as TP needs
+MOE = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+       "--disable-bias-linear"]
+REFERENCES = {"one": [], "one_fp16": ["--fp16", "--initial-loss-scale", "4096"], "one_moe": MOE}
 # how far a layout's losses may be from one process's: float32 1e-5; float16 3e-5 (a layout
 # reorders float16 sums whose roundings, 2^-11 relative each, mostly cancel in a loss averaged
 # over every token of the batch: docs/half-precision.md)
-RTOL = {"one": 1e-5, "one_fp16": 3e-5}
+RTOL = {"one": 1e-5, "one_fp16": 3e-5, "one_moe": 1e-5}
 
 TP2, SP = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"]
 PP2, VPP2 = (["--pipeline-model-parallel-size", "2", "training_config.pipeline_trace=true"],
              ["--virtual-pipeline-model-parallel-size", "2"])
 CP2, RING = ["--context-parallel-size", "2"], ["--cp-comm-type", "p2p"]
 DISTOPT = ["--use-distributed-optimizer"]
+EP2 = ["--expert-model-parallel-size", "2"]
 Layout = namedtuple("Layout", "title workers flags reference code")
 LAYOUTS = {
     "tp": Layout("TP2", 2, TP2, "one",
@@ -84,6 +88,11 @@ LAYOUTS = {
                       "context_parallel.RingAttention"),
     "fp16": Layout("float16 (--fp16), DP2 + distributed optimizer", 2,
                    DISTOPT + REFERENCES["one_fp16"], "one_fp16", "optimizer.DynamicGradScaler"),
+    "ep": Layout("EP2 over DP2, alltoall", 2,
+                 MOE + EP2 + ["--moe-token-dispatcher-type", "alltoall"], "one_moe",
+                 "moe.MoEAlltoAllTokenDispatcher, optimizer.ChainedOptimizer"),
+    "ep_tp_sp": Layout("EP2 x TP2 + SP, allgather", 4, MOE + EP2 + TP2 + SP, "one_moe",
+                       "moe.MoEAllGatherTokenDispatcher, parallel.rank_groups"),
     "cp_hybrid": Layout("CP4 = Ulysses 2 x ring 2", 4,
                         ["--context-parallel-size", "4", "--context-parallel-algo",
                          "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"], "one",
