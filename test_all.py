@@ -5686,6 +5686,7 @@ GRADIENT_CHECKS = {2: [("pp2", [], PP2), ("pp2 vpp2", [], PP2 + VPP2), ("pp2 unt
                        ("ep2 x tp2 sp allgather", MOE_CHECK, EP2 + TP2 + SP),
                        ("ep2 x tp2 sp alltoall", MOE_CHECK + ALLTOALL, EP2 + TP2 + SP),
                        ("ep4 alltoall", MOE_CHECK + ALLTOALL, EP4),
+                       ("ep2 x dp2 (expert data parallel 2)", MOE_CHECK, EP2),
                        ("ep2 x cp2 ring", MOE_CHECK + CP_CHECK, EP2 + CP2 + RING),
                        ("ep2 x pp2 vpp2", MOE_CHECK, EP2 + PP2 + VPP2)]}
 
@@ -5724,6 +5725,7 @@ def check_gradients(c, world):
         [ref], _ = train.build_model(ref_cfg, tokenizer, parallel.initialize_model_parallel())
         batches = check_batches(ref_cfg, 2 if "--context-parallel-size" in layout else 4, documents)
         ref_names = [n for n, _ in ref.parameters_and_names()]
+        ref_maps = record_routing_maps([ref])
         grad_fn = ms.value_and_grad(lambda *inputs: ref(*inputs) / len(batches), None,
                                     list(ref.get_parameters()))
         ref_losses, ref_grads = [], {n: 0.0 for n in ref_names}
@@ -5743,7 +5745,9 @@ def check_gradients(c, world):
                                                    p.expert_model_parallel_size)
         chunks, _ = train.build_model(cfg, tokenizer, state)
         trainer = train.Trainer(cfg, chunks, *train.build_optimizer(cfg, chunks), state)
+        maps = record_routing_maps(chunks)
         losses, grads = trainer.forward_backward(batches)
+        check_routing_maps(c, label, maps, ref_maps, state, ref_cfg.model_config.seq_length)
         grads = optimizer.finalize_model_grads(grads, trainer.params, parallel.collectives, state,
                                                trainer.optimizer)
         if isinstance(trainer.optimizer, optimizer.ChainedOptimizer):   # back to model order
@@ -5767,6 +5771,36 @@ def check_gradients(c, world):
                              getattr(param, "partition_chunks", 1))
             rel = np.linalg.norm(g.asnumpy() - want) / max(np.linalg.norm(want), 1e-12)
             c(f"{label}: gradient of {name}", rel < 1e-5, f"relative difference {rel:.2e}")
+
+
+def record_routing_maps(chunks):
+    """{global name of a MoE layer's router: the routing maps [tokens, E] of its forwards, in
+    order}, recorded by forward hooks (op by op) on every router of `chunks`."""
+    maps = {}
+    for chunk in chunks:
+        for name, cell in chunk.cells_and_names():
+            if isinstance(cell, moe.TopKRouter):
+                calls = maps.setdefault(chunk.global_name(name), [])
+                cell.register_forward_hook(
+                    lambda _, inputs, outputs, calls=calls: calls.append(outputs[1].asnumpy()))
+    return maps
+
+
+def check_routing_maps(c, label, maps, ref_maps, state, seq_length):
+    """Each router of this rank chose the same experts for each of its tokens as the one-process
+    router of that layer, micro-batch by micro-batch: its tokens are the positions its CP rank
+    holds (context_parallel.cp_token_indices), of those its TP rank's slice under sequence
+    parallelism; rows run [s, b] flattened, as the router flattens its input."""
+    positions = context_parallel.cp_token_indices(seq_length, state.cp, state.cp_rank,
+                                                  state.cp_ulysses)
+    if state.sequence_parallel:
+        positions = np.split(positions, state.tp)[state.tp_rank]
+    for name, calls in maps.items():
+        want = [m.reshape(seq_length, -1, m.shape[-1])[positions].reshape(-1, m.shape[-1])
+                for m in ref_maps[name]]
+        same = len(calls) == len(want) and all(np.array_equal(a, b) for a, b in zip(calls, want))
+        c(f"{label}: routing maps of {name}", same,
+          f"{len(calls)} forwards against {len(want)}")
 
 
 # ------------------------------ the worker program (the __main__ block at the end) and its launches
@@ -5938,7 +5972,8 @@ CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 # one process, same model and data
 REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_rope_gqa": ROPE_GQA, "one_fp16": FP16,
               "one_pp_fp16": PIPELINE_RUN + FP16, "one_rope_gqa_fp16": ROPE_GQA + FP16,
-              "one_moe": MOE_RUN, "one_moe_capacity": MOE_RUN + CAPACITY}
+              "one_moe": MOE_RUN, "one_moe_capacity": MOE_RUN + CAPACITY,
+              "one_moe_pp": PIPELINE_RUN + MOE_RUN}
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
 # PP2 with dropout (op by op), without and with full recompute of each stage's first layer
 DROPOUT_RUNS = {2: {"pp2_dropout": PIPELINE_RUN + PP2 + DROPOUT,
@@ -5956,16 +5991,21 @@ LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP + FP16, "one_fp16"),
                             "one_pp"),
                "cp2_ulysses": (ROPE_GQA + CP2 + FP16, "one_rope_gqa_fp16"),
                "cp2_ring": (ROPE_GQA + CP2 + RING, "one_rope_gqa"),
-               "ep2_alltoall": (MOE_RUN + EP2 + ALLTOALL, "one_moe")},
+               "ep2_alltoall": (MOE_RUN + EP2 + ALLTOALL, "one_moe"),
+               "ep2_capacity": (MOE_RUN + CAPACITY + EP2, "one_moe_capacity")},
            4: {"tp2_pp2_sp": (PIPELINE_RUN + TP2 + PP2 + SP + FP16, "one_pp_fp16"),
                "dp2_pp2_distopt": (PIPELINE_RUN + PP2 + DISTOPT, "one_pp"),
                "cp2_ulysses_tp2_sp": (ROPE_GQA + CP2 + TP2 + SP, "one_rope_gqa"),
                "cp4_hybrid": (ROPE_GQA + CP4 + HYBRID2, "one_rope_gqa"),
                "ep2_dp2_distopt": (MOE_RUN + EP2 + DISTOPT, "one_moe"),
-               "ep2_pp2_capacity": (MOE_RUN + CAPACITY + EP2 + PP2, "one_moe_capacity")}}
+               "ep2_pp2_capacity": (MOE_RUN + CAPACITY + EP2 + PP2, "one_moe_capacity"),
+               "ep2_tp2_sp": (MOE_RUN + EP2 + TP2 + SP, "one_moe"),
+               "ep2_tp2_sp_alltoall": (MOE_RUN + EP2 + TP2 + SP + ALLTOALL, "one_moe"),
+               "ep2_cp2_ring": (MOE_RUN + EP2 + CP2 + RING, "one_moe"),
+               "ep2_pp2_vpp2": (PIPELINE_RUN + MOE_RUN + EP2 + PP2 + VPP2, "one_moe_pp")}}
 # the first 5 steps only, saved for conversion or to resume (CONVERTED)
-HALF_RUNS = {4: {"ep4_distopt_first": MOE_RUN + EP4 + DISTOPT,
-                 "ep2_pp2_capacity_first": MOE_RUN + CAPACITY + EP2 + PP2}}
+HALF_RUNS = {2: {"ep2_distopt_first": MOE_RUN + EP2 + ALLTOALL + DISTOPT},
+             4: {"ep2_pp2_capacity_first": MOE_RUN + CAPACITY + EP2 + PP2}}
 
 # each guide file (configs/guides) shrunk by flags appended after it, on the byte-level corpus,
 # in its own precision (bfloat16 -> float16 on this CPU): name: (files, the flags that fit it
@@ -6032,16 +6072,22 @@ CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one",
              "ep2_pp2_capacity_resumed": ("ep2_pp2_capacity_first", "ep2_pp2_capacity",
                                           "EP2 x PP2, no conversion",
                                           MOE_RUN + CAPACITY + EP2 + PP2, 4),
-             "ep4_to_one": ("ep4_as_one", "one_moe", "EP4 -> one process", MOE_RUN, 1),
-             "ep4_to_ep2_alltoall": ("ep4_as_ep2", "one_moe", "EP4 -> one process -> EP2",
-                                     MOE_RUN + EP2 + ALLTOALL + DISTOPT, 2)}
+             "ep2_to_one": ("ep2_as_one", "one_moe", "EP2 -> one process", MOE_RUN, 1),
+             "ep2_to_ep4": ("ep2_as_ep4", "one_moe", "EP2 -> one process -> EP4",
+                            MOE_RUN + EP4 + DISTOPT, 4)}
+# converted from the 2-worker launch's checkpoints: resumed after it, in one process and in a
+# last launch of 4 workers
+AFTER_TWO = ("ep2_to_one", "ep2_to_ep4")
+LATE = "4_late"                                     # that launch's name (its logs: msrun4_late)
+LAUNCHES = {4: 4, 2: 2, LATE: 4}                    # the trainings' launches: their workers
 
 
 def train_layouts(jobs, tmp, prefix):
     """What `parallel_runs` holds, made by `jobs` (MsrunJobs) in its background thread: the
     one-process runs whose checkpoints are converted, the conversions, the launch of 4 workers,
     then the launch of 2 beside the one-process references (a launch of 2 workers leaves a core
-    idle about a quarter of the time too)."""
+    idle about a quarter of the time too), then the conversions of its checkpoints (AFTER_TWO)
+    and a last launch of 4 workers beside their one-process resume."""
     common = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix, *PARALLEL_RUN]
     half = ["--train-iters", "5", "--lr-decay-iters", "10"]
 
@@ -6062,19 +6108,34 @@ def train_layouts(jobs, tmp, prefix):
     launches = {4: jobs.run(*msrun_command(4, str(tmp / "msrun4"), str(tmp / "runs4.json")))}
     jobs.one_process(tmp / "before2.json", [
         convert("tp2_pp2_sp_first", "tp2_pp2_as_pp2_vpp2", "--nproc", "2", *PP2, *VPP2),
-        convert("tp2_pp2_sp_first", "tp2_pp2_as_one"),
-        convert("ep4_distopt_first", "ep4_as_one"),
-        convert("ep4_as_one", "ep4_as_ep2", "--nproc", "2", *EP2, *DISTOPT)])
+        convert("tp2_pp2_sp_first", "tp2_pp2_as_one")])
     one = [[name, [*common, "--save", str(tmp / name), *args]]
            for name, args in REFERENCES.items()]
     one += [[name, guide_run(name, prefix, tmp / f"{name}_one", 1)] for name in GUIDE_RUNS]
-    one += [[run, [*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]]
-            for run, (source, _, _, args, workers) in CONVERTED.items() if workers == 1]
+    one += converted_runs(tmp, common, 1)
     with concurrent.futures.ThreadPoolExecutor(1) as beside:
         references = beside.submit(jobs.one_process, tmp / "one.json", one)
         launches[2] = jobs.run(*msrun_command(2, str(tmp / "msrun2"), str(tmp / "runs2.json")))
         references.result()                             # its error, if any, raised here
+    jobs.one_process(tmp / "after2.json", [
+        convert("ep2_distopt_first", "ep2_as_one"),
+        convert("ep2_as_one", "ep2_as_ep4", "--nproc", "4", *EP4, *DISTOPT)])
+    (tmp / "late4.json").write_text(json.dumps(converted_runs(tmp, common, 4, late=True)))
+    with concurrent.futures.ThreadPoolExecutor(1) as beside:
+        resumed = beside.submit(jobs.one_process, tmp / "late1.json",
+                                converted_runs(tmp, common, 1, late=True))
+        launches[LATE] = jobs.run(*msrun_command(4, str(tmp / f"msrun{LATE}"),
+                                                 str(tmp / "late4.json")))
+        resumed.result()
     return tmp, launches
+
+
+def converted_runs(tmp, common, workers, late=False):
+    """The CONVERTED runs of `workers` workers: those resumed after the 2-worker launch (AFTER_TWO)
+    when `late`, the others otherwise."""
+    return [[run, [*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]]
+            for run, (source, _, _, args, count) in CONVERTED.items()
+            if count == workers and (run in AFTER_TWO) == late]
 
 
 def layout_runs(world, tmp, prefix, common, half):
@@ -6099,9 +6160,7 @@ def layout_runs(world, tmp, prefix, common, half):
         first, resumed = tmp / f"{RESUMED[world]}_first", tmp / f"{RESUMED[world]}_resumed"
         runs += [["first half", [*common, *args, "--save", str(first), *half]],
                  ["resumed", [*common, *args, "--load", str(first), "--save", str(resumed)]]]
-    runs += [[run, [*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]]
-             for run, (source, _, _, args, workers) in CONVERTED.items() if workers == world]
-    return runs
+    return runs + converted_runs(tmp, common, world)
 
 
 @pytest.fixture(scope="module")
@@ -6153,12 +6212,14 @@ def train_lines(folder, prefix="train: "):
     return []
 
 
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_msrun_launch_passes(parallel_runs, world):
-    """Each msrun launch of the trainings (2 and 4 workers) ends cleanly: every run passed."""
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_msrun_launch_passes(parallel_runs, launch):
+    """Each msrun launch of the trainings (4 workers, 2, then 4 again) ends cleanly: every run
+    passed."""
     tmp, launches = parallel_runs
-    logs = [(tmp / f"msrun{world}" / f"worker_{r}.log").read_text() for r in range(world)]
-    assert launches[world].returncode == 0, launches[world].stdout[-3000:] + logs[0][-3000:]
+    logs = [(tmp / f"msrun{launch}" / f"worker_{r}.log").read_text()
+            for r in range(LAUNCHES[launch])]
+    assert launches[launch].returncode == 0, launches[launch].stdout[-3000:] + logs[0][-3000:]
 
 
 def test_a_failing_rank_names_itself_and_stops_the_job(parallel_runs, tmp_path):
@@ -6354,24 +6415,25 @@ def test_converted_checkpoint_trains_like_the_original_layout(parallel_runs, run
                                rtol=loss_rtol(ALL_LAYOUTS.get(original, (0, original))[1]))
 
 
-def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(parallel_runs):
-    """EP4 with the distributed optimizer: its first 5 steps equal one process; its checkpoint
-    has Megatron's expert folders mp_rank_00_EEE, each written by its rank with its experts and
-    its distrib_optim file (the conversions to one process and on to EP2 resume in
-    test_converted_checkpoint_trains_like_the_original_layout). EP2 x PP2 with a capacity
-    factor resumes bit for bit."""
+@pytest.mark.parametrize("run,ep", [("ep2_distopt_first", 2), ("ep2_as_ep4", 4)])
+def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(parallel_runs, run, ep):
+    """EP2 with the distributed optimizer (2 workers): its first 5 steps equal one process; its
+    checkpoint, and the EP4 one convert wrote from it through one process, have Megatron's
+    expert folders mp_rank_00_EEE, each with its rank's experts and distrib_optim file (both
+    conversions resume in test_converted_checkpoint_trains_like_the_original_layout). EP2 x PP2
+    with a capacity factor resumes bit for bit."""
     tmp, _ = parallel_runs
-    first, one = (losses_of(train_lines(tmp / name)) for name in ("ep4_distopt_first", "one_moe"))
+    first, one = (losses_of(train_lines(tmp / name)) for name in ("ep2_distopt_first", "one_moe"))
     np.testing.assert_allclose(first, one[:5], rtol=loss_rtol("one_moe"))
-    folder = tmp / "ep4_distopt_first" / "iter_0000005"
-    assert sorted(os.listdir(folder)) == [f"mp_rank_00_{e:03d}" for e in range(4)]
-    for e in range(4):
-        tensors, _ = checkpoint.load_checkpoint(str(tmp / "ep4_distopt_first"),
-                                                f"mp_rank_00_{e:03d}", stems=("model_optim_rng",
-                                                                              "distrib_optim_000"))
-        experts = {re.search(r"local_experts\.(\d+)\.", k).group(1) for k in tensors
+    folder = tmp / run / "iter_0000005"
+    assert sorted(os.listdir(folder)) == [f"mp_rank_00_{e:03d}" for e in range(ep)]
+    local = 4 // ep                                                 # of the 4 experts
+    for e in range(ep):
+        tensors, _ = checkpoint.load_checkpoint(str(tmp / run), f"mp_rank_00_{e:03d}",
+                                                stems=("model_optim_rng", "distrib_optim_000"))
+        experts = {int(re.search(r"local_experts\.(\d+)\.", k).group(1)) for k in tensors
                    if "local_experts" in k}
-        assert experts == {str(e)}, (e, experts)
+        assert experts == set(range(e * local, (e + 1) * local)), (e, experts)
     # EP2 x PP2 with a capacity factor: stopped after step 5 and resumed, bit for bit
     resumed, full = (losses_of(train_lines(tmp / name))
                      for name in ("ep2_pp2_capacity_resumed", "ep2_pp2_capacity"))
@@ -6442,9 +6504,9 @@ def test_expert_parallel_ledger_matches_the_formulas(parallel_runs):
     tokens on a rank, E = 4 experts, h = 64, float32, dropless (C = n slots an expert): 6 L m
     all-to-alls (tokens [E C, h], probs [E C], output [E C, h], forward and backward), the
     experts' norm over EP, report_metrics' sum [3] over DP; the dense gradients' bucket and the
-    logged loss over DP. Then EP2 alltoall, EP2 x DP2 with the distributed optimizer (expert
-    shards over the expert-data-parallel group) and EP2 x PP2 with capacity (allgather over
-    TP x EP) equal memory.communication, call for call and byte for byte."""
+    logged loss over DP. Then every EP layout's ledger (LAYOUTS) equals memory.communication,
+    call for call and byte for byte: the allgather dispatcher over TP x EP, the expert shards of
+    the distributed optimizer over the expert-data-parallel group, capacity, CP, VPP."""
     tmp, _ = parallel_runs
     L, m, n, E, h = 2, 2, 64, 4, 64
     ledger = tour.ledger_items(train_lines(tmp / "ep2_alltoall", "comm: ")[1])
@@ -6452,7 +6514,7 @@ def test_expert_parallel_ledger_matches_the_formulas(parallel_runs):
     assert {k: v[0] for k, v in ledger.items()} == {
         ("ep", "all_to_all"): 6 * L * m, ("ep", "all_reduce"): 1, ("dp", "all_reduce"): 1,
         ("dp_cp", "all_reduce"): 2}, ledger
-    for run in ("ep2_alltoall", "ep2_dp2_distopt", "ep2_pp2_capacity"):
+    for run in [name for name in ALL_LAYOUTS if name.startswith("ep")]:
         world = 2 if run in LAYOUTS[2] else 4
         ledger = tour.ledger_items(train_lines(tmp / run, "comm: ")[1])
         cfg = load_config(os.path.join(HERE, "config.yaml"), [*PARALLEL_RUN, *ALL_LAYOUTS[run][0]],
