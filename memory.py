@@ -12,12 +12,14 @@ on the last stage is a copy of the word embedding):
   optimizer    float32 state: AdamW/Adam 2P (two moments), SGD P (momentum) or 0, plus the float32
                main params of half-precision parameters, P (optimizer.MixedPrecisionOptimizer); with
                the distributed optimizer each of the dp x cp ranks keeps 1/(dp x cp) of the state
-               and of the float32 main params (optimizer.DistributedOptimizer.state_bytes)
+               and of the float32 main params (optimizer.DistributedOptimizer.state_bytes), of
+               the routed experts' 1/(dp x cp / ep), their expert-data-parallel group's share
   activations  what the backward keeps of each micro-batch in flight (`layer_activations`, after
                Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
                Models", Table 2, written for this code) at the compute dtype's size, but for what
                stays float32 (norm inputs, the float32 softmax, the loss's logits), plus the working
-               set of one layer's backward
+               set of one layer's backward; an MoE layer's router, dispatched tokens and experts
+               instead of the MLP's (`moe_activations`)
 
 Megatron's theoretical_memory_usage.py counts 18 bytes per parameter with --fp16 (fp16 weight,
 fp32 gradient, fp32 main param and two moments): here the same with
@@ -168,9 +170,13 @@ def stage_parameters(cfg, rank):
                for chunk, first in zip(stage_chunks(model_cfg, parallel_cfg)[rank], firsts))
 
 
-def optimizer_bytes(cfg, params):
-    """Bytes of float32 optimizer state and main params on a rank holding `params` parameters
-    (see the module doc)."""
+def optimizer_bytes(cfg, params, experts=0):
+    """Bytes of float32 optimizer state and main params on a rank holding `params` parameters,
+    `experts` of them routed experts' (see the module doc). The distributed optimizer (train.
+    build_optimizer, with several dp x cp ranks) shards the dense parameters over the dp x cp
+    ranks and the experts' over their expert-data-parallel group of dp x cp / ep ranks (as
+    Megatron's expert optimizer does), each shard a float32 copy with its state; a group of one
+    rank still keeps the whole copy."""
     optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
     parallel_cfg = cfg.parallel_config
     # float32 state values per parameter: Adam's two moments, SGD's momentum or nothing
@@ -182,19 +188,22 @@ def optimizer_bytes(cfg, params):
         per_param = 0
     shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
     if training_cfg.use_distributed_optimizer and shards > 1:
-        return F32_BYTES * math.ceil((per_param + 1) * params / shards)
+        expert_shards = shards // parallel_cfg.expert_model_parallel_size
+        return F32_BYTES * (math.ceil((per_param + 1) * (params - experts) / shards)
+                            + math.ceil((per_param + 1) * experts / expert_shards))
     # float32 main params beside half-precision ones
     copies = cfg.model_config.params_dtype != "float32"
     return F32_BYTES * (per_param + copies) * params
 
 
 # ============================================================================ activations
-def layer_activations(model_cfg, parallel_cfg, micro_batch_size):
+def layer_activations(model_cfg, parallel_cfg, micro_batch_size, moe=False):
     """What the backward keeps of one transformer layer for one micro-batch on one rank:
     [(tensor, bytes, in the core attention)]. s = seq_length, h hidden, n heads, g query groups,
     f ffn, tp, cp; x = b s h / cp, the layer's hidden states on a cp rank, whole over TP. Tensors
     are of the compute dtype (c bytes a value) but the norms' inputs, normalised in float32, and
-    the float32 softmax's output (with its half-precision copy for the weighted sum).
+    the float32 softmax's output (with its half-precision copy for the weighted sum). An MoE layer
+    (`moe`) keeps moe_activations instead of the MLP's.
 
     Sequence parallelism keeps the norms' inputs and the dropout masks at [s/tp, b, h]; the inputs
     of qkv and fc1 are all-gathered to [s, b, h], and their matmuls keep the gathered copy (Megatron
@@ -213,15 +222,17 @@ def layer_activations(model_cfg, parallel_cfg, micro_batch_size):
     norm = 1 if model_cfg.normalization == "LayerNorm" else 2
     c = DTYPE_BYTES[model_cfg.compute_dtype]
     softmax = c + (F32_BYTES if model_cfg.attention_softmax_in_fp32 and c < F32_BYTES else 0)
+    mlp = moe_activations(model_cfg, parallel_cfg, micro_batch_size) if moe else [
+        ("fc1 input [s, b, h]", c * x, False),
+        ("MLP activations [s, b, ffn/tp]",
+         c * MLP_KEPT[model_cfg.hidden_act] * x * model_cfg.ffn_hidden_size // (h * tp), False)]
     rows = [("norm inputs [s/tp (SP), b, h]",
              F32_BYTES * (2 + 2 * model_cfg.use_sandwich_norm) * norm * x // sp, False),
-            ("qkv and fc1 inputs [s, b, h]", c * 2 * x, False),
+            ("qkv input [s, b, h]", c * x, False),
             ("q scaled, k and v repeated per query head [b, n/tp, s, h/n]",
              c * (1 + 2 * ring) * x // tp, True),
             ("softmax output [b, n/tp, s, s]", softmax * scores, True),
-            ("proj input [s, b, h/tp]", c * x // tp, False),
-            ("MLP activations [s, b, ffn/tp]",
-             c * MLP_KEPT[model_cfg.hidden_act] * x * model_cfg.ffn_hidden_size // (h * tp), False)]
+            ("proj input [s, b, h/tp]", c * x // tp, False), *mlp]
     if model_cfg.position_embedding_type == "rope":
         # x cos + rotate_half(x) sin keeps both factors
         rows.append(("q and k and their rotated halves (RoPE) [s, b, n + g, h/n]",
@@ -236,32 +247,107 @@ def layer_activations(model_cfg, parallel_cfg, micro_batch_size):
     return rows
 
 
+def expert_capacity(model_cfg, n):
+    """Slots per expert of the alltoall dispatcher for n tokens on a rank
+    (moe.MoEAlltoAllTokenDispatcher.capacity): n when dropless, else
+    min(n, ceil(n k / E x capacity factor)), Megatron's get_capacity."""
+    factor = model_cfg.moe_expert_capacity_factor
+    if factor is None:
+        return n
+    return min(n, math.ceil(n * model_cfg.moe_router_topk / model_cfg.num_moe_experts * factor))
+
+
+def dispatched_rows(model_cfg, parallel_cfg, n):
+    """T, the tokens each of a rank's E / ep experts runs on for n routed tokens on the rank
+    (moe.py's static shapes): the allgather dispatcher gathers every token of the TP x EP group,
+    T = n tp ep, each with its probability (0 where not routed there); the alltoall dispatcher
+    fills capacity slots, T = tp ep C (expert_capacity; C = n dropless). Either way with or
+    without moe_pad_expert_input_to_capacity, which changes only which slots carry a probability.
+    Megatron permutes only the routed tokens: dropless and balanced (each expert k / E of them)
+    its experts would see n tp k / ep rows each on average, E / k times fewer than here."""
+    tp, ep = parallel_cfg.tensor_model_parallel_size, parallel_cfg.expert_model_parallel_size
+    if model_cfg.moe_token_dispatcher_type == "allgather":
+        return n * tp * ep
+    return tp * ep * expert_capacity(model_cfg, n)
+
+
+def moe_activations(model_cfg, parallel_cfg, micro_batch_size):
+    """What an MoE layer (moe.MoELayer) keeps for the backward of one micro-batch on a rank, the
+    rows replacing the MLP's in layer_activations; n = b s / (cp tp) tokens routed on the rank
+    (TP needs SP), r bytes a router value (float32 with moe_router_dtype fp32, else c). The
+    router: its input [n, h], the top-k's one-hot [n, k, E] and probs [n, k] (float32), the
+    scores of pre-softmax or sigmoid routing and of the aux loss [n, E] (float32), the z-loss's
+    logits, capacity dropping's probs and mask [n, E]; the experts: each of the E / ep runs on
+    T = dispatched_rows tokens [T, h], keeps its MLP's activations [T, moe_ffn/tp] and those
+    again at the probs' dtype with the probs [T] (fc2(act(fc1 x) p)), with biases fc2's bias
+    broadcast to [T, h]; the shared expert keeps a dense MLP's, and with its gate the output."""
+    h, experts, k = model_cfg.hidden_size, model_cfg.num_moe_experts, model_cfg.moe_router_topk
+    s, tp = model_cfg.seq_length, parallel_cfg.tensor_model_parallel_size
+    cp = parallel_cfg.context_parallel_size
+    local = experts // parallel_cfg.expert_model_parallel_size              # E / ep on a rank
+    sp = tp if parallel_cfg.sequence_parallel else 1
+    c, act = DTYPE_BYTES[model_cfg.compute_dtype], MLP_KEPT[model_cfg.hidden_act]
+    r = F32_BYTES if model_cfg.moe_router_dtype == "fp32" else c
+    n, x = micro_batch_size * s // (cp * sp), micro_batch_size * s * h // cp
+    # the router's matmul keeps its input, cast to float32 with moe_router_dtype fp32
+    rows = [("router input [n, h]", (c + (r != c) * r) * n * h, False),
+            ("router top-k: one-hot [n, k, E] and probs [n, k], float32",
+             F32_BYTES * n * k * (experts + 1), False)]
+    full_scores = (model_cfg.moe_router_score_function == "sigmoid"
+                   or model_cfg.moe_router_pre_softmax)
+    balancing = model_cfg.moe_aux_loss_coeff and model_cfg.moe_router_load_balancing_type != "none"
+    kept = [("router scores [n, E], float32", F32_BYTES, full_scores),
+            ("aux-loss scores [n, E], float32", F32_BYTES, balancing),
+            ("z-loss logits [n, E]", r, model_cfg.moe_z_loss_coeff),
+            ("capacity: probs and mask [n, E]", 2 * r,
+             model_cfg.moe_expert_capacity_factor is not None)]
+    rows += [(name, size * n * experts, False) for name, size, used in kept if used]
+    rows_t = local * dispatched_rows(model_cfg, parallel_cfg, n)         # E/ep x T
+    ffn = model_cfg.moe_ffn_hidden_size
+    rows += [("dispatched tokens [E/ep, T, h]",
+              c * rows_t * h * (1 + model_cfg.add_bias_linear), False),
+             ("expert MLP activations [E/ep, T, moe_ffn/tp] and probs [E/ep, T]",
+              (c * act + r) * rows_t * ffn // tp + r * rows_t, False)]
+    shared = model_cfg.moe_shared_expert_intermediate_size
+    if shared:
+        # its fc1 keeps the SP all-gathered input (without SP the router's input); the gate the
+        # shared output [s/tp, b, h]
+        rows.append(("shared expert: fc1 input, MLP activations [s, b, shared/tp], gated output",
+                     c * (x * (sp > 1) + act * x * shared // (h * tp)
+                          + model_cfg.moe_shared_expert_gate * x // sp), False))
+    return rows
+
+
 def chunk_activations(model_cfg, parallel_cfg, micro_batch_size, layers, embeds, has_loss,
-                      recomputed):
-    """(kept per micro-batch, recompute working set), in bytes, of a chunk of `layers` layers of
-    which full recompute recomputes `recomputed`: uniform keeps the input [s/tp (SP), b, h] of
-    each group of recompute_num_layers layers and rebuilds one group at a time; block keeps the
-    input of each of its first `recomputed` layers and rebuilds one at a time; selective keeps
-    every layer but its core attention and rebuilds one layer's."""
-    rows = layer_activations(model_cfg, parallel_cfg, micro_batch_size)
-    full = sum(e for _, e, _ in rows)
-    core = sum(e for _, e, inside in rows if inside)
+                      recomputed, first=0):
+    """(kept per micro-batch, recompute working set), in bytes, of a chunk of `layers` layers from
+    global layer `first` (its MoE layers config.moe_layer_pattern's) of which full recompute
+    recomputes `recomputed`: uniform keeps the input [s/tp (SP), b, h] of each group of
+    recompute_num_layers layers and rebuilds one group at a time; block keeps the input of each of
+    its first `recomputed` layers and rebuilds one at a time; selective keeps every layer but its
+    core attention and rebuilds one layer's."""
+    pattern = moe_layer_pattern(model_cfg)[first:first + layers]
+    per_layer = [layer_activations(model_cfg, parallel_cfg, micro_batch_size, moe)
+                 for moe in pattern]
+    full = [sum(e for _, e, _ in rows) for rows in per_layer]
+    core = sum(e for _, e, inside in per_layer[0] if inside)   # the same attention in every layer
     s, cp = model_cfg.seq_length, parallel_cfg.context_parallel_size
     x = micro_batch_size * s * model_cfg.hidden_size // cp
     sp = parallel_cfg.tensor_model_parallel_size if parallel_cfg.sequence_parallel else 1
     c, logits = DTYPE_BYTES[model_cfg.compute_dtype], c_or_f32(model_cfg)
     hidden = c if not model_cfg.fp32_residual_connection else F32_BYTES
     if model_cfg.recompute_granularity == "selective":
-        kept, working = layers * (full - core), core
+        kept, working = sum(full) - layers * core, core
     elif model_cfg.recompute_granularity == "full" and model_cfg.recompute_method == "uniform":
         group = model_cfg.recompute_num_layers
-        kept, working = hidden * -(-layers // group) * x // sp, group * full
+        kept = hidden * -(-layers // group) * x // sp
+        working = max(sum(full[i:i + group]) for i in range(0, layers, group))
     elif model_cfg.recompute_granularity == "full":
         # block: the recomputed layers keep their inputs, the others all they keep
-        kept = hidden * recomputed * x // sp + (layers - recomputed) * full
-        working = full if recomputed else 0
+        kept = hidden * recomputed * x // sp + sum(full[recomputed:])
+        working = max(full[:recomputed], default=0)
     else:
-        kept, working = layers * full, 0
+        kept, working = sum(full), 0
     if embeds:
         # token and position ids (int32), and the embedding dropout's mask [s/tp (SP), b, h]
         kept += 4 * 2 * micro_batch_size * s // cp
@@ -308,16 +394,20 @@ def stage_activations(cfg, rank):
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
     micro_batch_size, s = cfg.dataset_config.batch_size, model_cfg.seq_length
     stage = stage_chunks(model_cfg, parallel_cfg)[rank]
-    chunks = [chunk_activations(model_cfg, parallel_cfg, micro_batch_size, *chunk, n)
-              for chunk, n in zip(stage, recompute_counts(parallel_cfg, model_cfg)[rank])]
+    chunks = [chunk_activations(model_cfg, parallel_cfg, micro_batch_size, *chunk, n, first)
+              for chunk, n, first in zip(stage, recompute_counts(parallel_cfg, model_cfg)[rank],
+                                         chunk_first_layers(model_cfg, parallel_cfg)[rank])]
     tp, (cp, _, ring) = parallel_cfg.tensor_model_parallel_size, cp_split(parallel_cfg)
     scores = micro_batch_size * model_cfg.num_attention_heads * s ** 2 // (tp * cp)
     mask = F32_BYTES * scores // ring                             # [b, n/(tp u), s/r, s/r], float32
     softmax = DTYPE_BYTES[model_cfg.compute_dtype]
     if model_cfg.attention_softmax_in_fp32:
         softmax = F32_BYTES
-    # the gradients of a layer's kept tensors are as large as those tensors
-    gradients = sum(e for _, e, _ in layer_activations(model_cfg, parallel_cfg, micro_batch_size))
+    # the gradients of a layer's kept tensors are as large as those tensors (the larger layer's,
+    # dense or MoE, if the stage has both)
+    gradients = max(sum(e for _, e, _ in layer_activations(model_cfg, parallel_cfg,
+                                                           micro_batch_size, moe))
+                    for moe in set(stage_layer_kinds(cfg, rank)))
     layer = softmax * CORE_TEMPORARIES * scores + gradients + max(w for _, w in chunks)
     logits = 0
     if any(c[2] for c in stage):                                  # the stage has the loss
@@ -478,13 +568,18 @@ def expert_parameters(cfg, rank):
             // parallel_cfg.expert_model_parallel_size * per_expert)
 
 
-def stage_moe_layers(cfg, rank):
-    """The MoE layers of pipeline rank `rank`'s chunks."""
+def stage_layer_kinds(cfg, rank):
+    """Per layer of pipeline rank `rank`'s chunks, whether it is an MoE layer."""
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
     pattern = moe_layer_pattern(model_cfg)
-    return sum(sum(pattern[first:first + chunk[0]]) for chunk, first in
-               zip(stage_chunks(model_cfg, parallel_cfg)[rank],
-                   chunk_first_layers(model_cfg, parallel_cfg)[rank]))
+    return [moe for chunk, first in zip(stage_chunks(model_cfg, parallel_cfg)[rank],
+                                        chunk_first_layers(model_cfg, parallel_cfg)[rank])
+            for moe in pattern[first:first + chunk[0]]]
+
+
+def stage_moe_layers(cfg, rank):
+    """The MoE layers of pipeline rank `rank`'s chunks."""
+    return sum(stage_layer_kinds(cfg, rank))
 
 
 def _expert_collectives(cfg, rank, add):
@@ -535,10 +630,7 @@ def _dispatcher_collectives(model_cfg, tp, ep, n, calls, compute, probs, add):
             calls * (2 * big * h * compute + big * experts * probs))
         return
     if ep > 1:                                                     # alltoall, TP 1
-        factor = model_cfg.moe_expert_capacity_factor
-        capacity = n if factor is None else min(n, math.ceil(n * model_cfg.moe_router_topk
-                                                             / experts * factor))
-        slots = experts * capacity
+        slots = experts * expert_capacity(model_cfg, n)
         add("ep", "all_to_all", 6 * calls, 2 * calls * slots * (2 * h * compute + probs))
 
 
@@ -609,7 +701,7 @@ def stage_memory(cfg, rank):
     weights = params * DTYPE_BYTES[cfg.model_config.params_dtype]
     grads = params * DTYPE_BYTES[main_grad_dtype(cfg)]
     kept, transient, count = stage_activations(cfg, rank)
-    optim = optimizer_bytes(cfg, params)
+    optim = optimizer_bytes(cfg, params, expert_parameters(cfg, rank))
     several = cfg.dataset_config.micro_batch_num > 1
     clip = bool(cfg.training_config.grad_clip_kwargs.clip_value)
     # the step: the gradients, float32 main grads beside them unless they are those gradients
@@ -756,14 +848,12 @@ def plan_lines(cfg, world):
              f"{sequence}{distributed}{recompute_text(model_cfg)}"]
     for rank in range(pp):
         mem = stage_memory(cfg, rank)
-        per_layer = sum(e for _, e, _ in layer_activations(model_cfg, parallel_cfg,
-                                                           micro_batch_size))
         layers = [c[0] for c in stage_chunks(model_cfg, parallel_cfg)[rank]]
         lines.append(f"plan: stage {rank} parameters per rank {mem.parameters} "
                      f"({mem.parameters / 1e9:.3f} B; layers {layers}): "
                      f"weights {gib(mem.weights)}, gradients {gib(mem.gradients)}, "
                      f"optimizer {gib(mem.optimizer)}, activations {gib(mem.activations)} "
-                     f"({mem.in_flight} in flight; a layer {mib(per_layer)} per micro-batch) "
+                     f"({mem.in_flight} in flight; {layer_text(cfg, rank)}) "
                      f"+ transient {gib(mem.transient)}, peak {gib(mem.peak)}")
     for rank in range(pp):
         collectives = ", ".join(f"{kind} {op} x{calls} {nbytes / MIB:.1f} MiB"
@@ -778,6 +868,23 @@ def plan_lines(cfg, world):
     lines.append(f"plan: FLOPs per iteration {model:.3e} (Megatron's model FLOPs) + recompute "
                  f"{extra:.3e}; per rank {(model + extra) / world:.3e}")
     return lines
+
+
+def layer_text(cfg, rank):
+    """A layer's activations per micro-batch on pipeline rank `rank`, for each kind of layer it
+    has: dense, and MoE with its experts' share (the dispatched tokens and their MLPs')."""
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    parts = []
+    for moe in sorted(set(stage_layer_kinds(cfg, rank))):
+        rows = layer_activations(model_cfg, parallel_cfg, cfg.dataset_config.batch_size, moe)
+        total = mib(sum(e for _, e, _ in rows))
+        if not moe:
+            parts.append(f"a layer {total} per micro-batch")
+            continue
+        experts = sum(e for name, e, _ in rows if name.startswith(("dispatched", "expert MLP")))
+        parts.append(f"an MoE layer {total} per micro-batch, its dispatched tokens and experts' "
+                     f"activations {mib(experts)}")
+    return "; ".join(parts)
 
 
 def fit_lines(given, path, argv, world, gibibytes):
