@@ -4,8 +4,9 @@
 
 Every run trains the benchmark shape (PyTorch nanoGPT-style: 4 layers, hidden 256, 8 heads, ffn
 1024, sequence 256, vocabulary 4096, fp32, global batch 8) on mock data, compiled, and reports the
-tokens/s of its last log window (compilation excluded) and the timers line of the rank that holds
-the loss: where a step's time goes. The runs alternate, `--repeats` rounds of all of them, because
+tokens/s of its last log window (compilation excluded), the timers line of the rank that holds
+the loss (where a step's time goes) and each rank's measured peak memory growth from the first
+step (memory.RankReport). The runs alternate, `--repeats` rounds of all of them, because
 this machine's speed drifts; the table gives each run's figures per round.
 
     one                one process, micro-batch 8
@@ -15,6 +16,8 @@ this machine's speed drifts; the table gives each run's figures per round.
     cp2 / cp2_ring     2 msrun workers: CP2, Ulysses and ring attention (128 tokens of each
                        sequence each)
                        each against `one` (the same model and global batch)
+    moe / moe_ep2      the MLPs as 4 experts, top-2 (moe.py): one process; EP2 over DP2 with the
+                       alltoall dispatcher (2 experts and 4 sequences a worker), against `moe`
     one_fp16, tp2_sp_fp16, dp2_fp16
                        the same in float16 (Megatron's --fp16, loss scale 4096 so that no step
                        is skipped)
@@ -54,13 +57,19 @@ LAYOUTS = {  # name: (workers, flags)
     "cp2_ring": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2",
                      "--cp-comm-type", "p2p"]),
 }
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+LAYOUTS.update({"moe": (1, ["--micro-batch-size", "8", *MOE]),
+                "moe_ep2": (2, ["--micro-batch-size", "4", *MOE, "--expert-model-parallel-size",
+                                "2", "--moe-token-dispatcher-type", "alltoall"])})
+BASE = {"moe_ep2": "moe"}                  # the run a layout is compared with, if not `one`
 FP16 = ["--fp16", "--initial-loss-scale", "4096"]
 LAYOUTS.update({f"{name}_fp16": (LAYOUTS[name][0], LAYOUTS[name][1] + FP16)
                 for name in ("one", "tp2_sp", "dp2")})
 
 
 def run_layout(name, steps, folder):
-    """(tokens/s of the last log window, TFLOP/s per worker, timers line) of one training run."""
+    """(tokens/s of the last log window, TFLOP/s per worker, timers line, each rank's measured
+    peak memory growth in MiB) of one training run."""
     workers, flags = LAYOUTS[name]
     save = os.path.join(folder, f"{name}_{time.time_ns()}")
     args = ["train.py", *MODEL, *flags, "--train-iters", str(steps),
@@ -72,14 +81,16 @@ def run_layout(name, steps, folder):
     subprocess.run(cmd, cwd=HERE, env=env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     logs = sorted(os.listdir(os.path.join(save, "log")), key=lambda d: int(d[5:]))
-    for rank in logs:                         # the loss (and its train: line) is on the last stage
-        lines = open(os.path.join(save, "log", rank, "info.log")).read().splitlines()
+    texts = [open(os.path.join(save, "log", rank, "info.log")).read() for rank in logs]
+    peaks = [float(re.search(r"measured peak growth ([\d.]+) MiB", t).group(1)) for t in texts]
+    for text in texts:                        # the loss (and its train: line) is on the last stage
+        lines = text.splitlines()
         train = [i for i, line in enumerate(lines) if line.startswith("train: ")]
         if train:
             last = lines[train[-1]]
             tokens = float(re.search(r"Tokens/s: ([\d.]+)", last).group(1))
             tflops = float(re.search(r"TFLOP/s: ([\d.]+)", last).group(1))
-            return tokens, tflops, lines[train[-1] + 1].split(": ", 1)[1]
+            return tokens, tflops, lines[train[-1] + 1].split(": ", 1)[1], peaks
     raise RuntimeError(f"{name}: no train: line in {save}/log")
 
 
@@ -89,7 +100,7 @@ def run_torch(python, steps):
                           "--steps", str(steps)],
                          check=True, capture_output=True, text=True).stdout
     tokens = float(re.search(r"tokens/s: ([\d.]+)", out).group(1))
-    return tokens, None, "PyTorch eager, forward + backward + AdamW"
+    return tokens, None, "PyTorch eager, forward + backward + AdamW", None
 
 
 def matmul_peak(n=1024, reps=20):
@@ -118,21 +129,27 @@ BENCH_FLAGS = {"--repeats": (2, int, "alternating rounds of all runs"),
                "--torch": (None, str, "a python with torch installed: adds the PyTorch reference")}
 
 
-def _report(name, rows, base, peak):
-    """The table's two lines for run `name`: tokens/s per round (and its ratio to the rounds
-    `base` of `one`), TFLOP/s per worker and MFU against `peak`; then the last round's timers."""
+def _report(name, rows, results, peak):
+    """The table's lines for run `name`: tokens/s per round (and its ratio to the rounds of the
+    run it is compared with, in `results`), TFLOP/s per worker and MFU against `peak`; then the
+    last round's timers and each rank's peak memory growth."""
     tokens = [r[0] for r in rows]
-    ratio = ""
-    if base and name != "one":
-        ratio = f"  {'/'.join(f'{t / b:.2f}' for t, b in zip(tokens, base))}x one"
+    ratio, against = "", BASE.get(name, "one")
+    base = [r[0] for r in results.get(against, [])]
+    if base and name != against:
+        ratio = f"  {'/'.join(f'{t / b:.2f}' for t, b in zip(tokens, base))}x {against}"
     workers = LAYOUTS[name][0] if name in LAYOUTS else 1
     tflops = ""
     if rows[0][1] is not None:
         per_worker = "/".join(f"{r[1]:.4f}" for r in rows)
         mfu = "/".join(f"{r[1] * workers / peak:.0%}" for r in rows)
         tflops = f"  TFLOP/s per worker {per_worker} (MFU {mfu})"
-    return [f"{name:8s} tokens/s {'/'.join(f'{t:.0f}' for t in tokens)}{ratio}{tflops}",
-            f"{'':8s} {rows[-1][2]}"]
+    lines = [f"{name:8s} tokens/s {'/'.join(f'{t:.0f}' for t in tokens)}{ratio}{tflops}",
+             f"{'':8s} {rows[-1][2]}"]
+    if rows[-1][3] is not None:
+        per_rank = "/".join(f"{p:.0f}" for p in rows[-1][3])
+        lines.append(f"{'':8s} peak memory growth per rank {per_rank} MiB")
+    return lines
 
 
 def main(argv):
@@ -166,9 +183,8 @@ def main(argv):
     print(f"benchmark shape {SHAPE}, {a.repeats} alternating rounds, "
           f"{time.strftime('%Y-%m-%d')}; fp32 matmul peak {peak:.4f} TFLOP/s on "
           f"{os.cpu_count()} cores")
-    base = [tokens for tokens, _, _ in results.get("one", [])]
     for name in runs:
-        for line in _report(name, results[name], base, peak):
+        for line in _report(name, results[name], results, peak):
             print(line)
 
 

@@ -378,6 +378,12 @@ def _expert_param(shape, name, partition_dim=None, chunks=1):
     return p
 
 
+def is_expert(param):
+    """A routed expert's parameter: Megatron's `allreduce = False` (_expert_param), reduced and
+    sharded over the expert-data-parallel group, not DP x CP."""
+    return getattr(param, "allreduce", True) is False
+
+
 def _scale_by_probs(y, probs):
     """y [..., T, f] times each token's probability [..., T], in the probs' dtype and back
     (Megatron's per_token_scale, mlp.py:336-340)."""

@@ -418,11 +418,9 @@ class MixedPrecisionOptimizer:
         norm's reduction (the squared norm is inf/nan iff some gradient is, or is so large its
         square overflows), so it needs no all-reduce of its own. Returns (found_inf, main grads,
         grad norm)."""
-        main_grads = [self._main_grad(g) for g in grads]
-        norm_sq = self.global_norm_sq(main_grads)
-        found_inf = not math.isfinite(norm_sq)
-        self.scaler.update(found_inf)
-        return found_inf, main_grads, math.sqrt(norm_sq)
+        main_grads = self.main_grads(grads)
+        found_inf, grad_norm = found_inf_and_norm(self.global_norm_sq(main_grads), self.scaler)
+        return found_inf, main_grads, grad_norm
 
     def clip_grad_norm(self, main_grads, grad_norm):
         """Megatron's clip_grad_norm with the norm prepare_grads reduced: by the global norm, or
@@ -440,12 +438,11 @@ class MixedPrecisionOptimizer:
         self._copy_main_params_to_model_params()
         return True
 
-    def _main_grad(self, grad):
-        """A reduced gradient in float32, divided by the loss scale: one new tensor, or none."""
+    def main_grads(self, grads):
+        """Reduced gradients in float32, divided by the loss scale: one new tensor each, or none."""
         inv_scale = self.scaler.inv_scale
-        if grad.dtype != F32:
-            grad = grad.astype(F32)
-        return grad if inv_scale == 1.0 else grad * inv_scale
+        grads = [g if g.dtype == F32 else g.astype(F32) for g in grads]
+        return grads if inv_scale == 1.0 else [g * inv_scale for g in grads]
 
     def global_norm_sq(self, main_grads):
         """Squared norm of the whole model's gradient: this rank's counted gradients, summed over
@@ -515,11 +512,9 @@ class ChainedOptimizer:
     def step(self, grads, lr, wd):
         """MixedPrecisionOptimizer.step over the chain, from reduce_grads' lists: the norm is
         the square root of the optimizers' squared norms summed."""
-        main_grads = [[opt._main_grad(g) for g in gs] for opt, gs in zip(self.optimizers, grads)]
+        main_grads = [opt.main_grads(gs) for opt, gs in zip(self.optimizers, grads)]
         norm_sq = sum(opt.global_norm_sq(gs) for opt, gs in zip(self.optimizers, main_grads))
-        found_inf = not math.isfinite(norm_sq)
-        self.scaler.update(found_inf)
-        grad_norm = math.sqrt(norm_sq)
+        found_inf, grad_norm = found_inf_and_norm(norm_sq, self.scaler)
         if found_inf:
             return False, grad_norm, None
         for opt, gs in zip(self.optimizers, main_grads):
@@ -543,6 +538,14 @@ class ChainedOptimizer:
 
     def state_bytes(self):
         return sum(opt.state_bytes() for opt in self.optimizers)
+
+
+def found_inf_and_norm(norm_sq, scaler):
+    """(found_inf, gradient norm) from the reduced squared norm, the loss scaler updated: inf/nan
+    in any gradient makes the squared norm inf/nan (prepare_grads)."""
+    found_inf = not math.isfinite(norm_sq)
+    scaler.update(found_inf)
+    return found_inf, math.sqrt(norm_sq)
 
 
 # ----------------------------------------------------------------------------- data parallelism
