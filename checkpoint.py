@@ -232,7 +232,8 @@ def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
             raise CheckpointError(f"{path} is missing")
         if fmt == "torch":
             state = megatron_checkpoint.load_rank(path)
-            tensors.update(megatron_checkpoint.rank_arrays(state, shard_offsets(meta, shard)))
+            tensors.update(megatron_checkpoint.rank_arrays(
+                state, shard_offsets(meta, shard), shard_ep_rank(meta, shard), path))
             continue
         try:
             params = ms.load_checkpoint(path, crc_check=crc_check, format=fmt)
@@ -251,6 +252,12 @@ def shard_offsets(meta, shard):
     pp_rank = int(shard.split("_")[3]) if pp > 1 else 0           # mp_rank_TT_PPP[_EEE]
     split = layer_split(saved_model["num_layers"], pp, vpp, layout["num_layer_list"])
     return [split[c * pp + pp_rank][0] for c in range(vpp)]
+
+
+def shard_ep_rank(meta, shard):
+    """The EP rank of the shard folder `shard` (mp_rank_TT[_PPP]_EEE) of a checkpoint whose
+    meta.json is `meta`; 0 without expert parallelism."""
+    return int(shard.rsplit("_", 1)[1]) if meta["layout"].get("ep", 1) > 1 else 0
 
 
 def load_shards(root, optimizer=False):
@@ -332,8 +339,8 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
         files[WEIGHTS] = {**model_tensors(trainer.chunks),
                           **({} if trainer.distributed else opt_tensors)}
         if training_cfg.ckpt_format == "torch":
-            files[WEIGHTS] = megatron_checkpoint.rank_file(cfg, meta, files[WEIGHTS],
-                                                           [c.layer_offset for c in trainer.chunks])
+            files[WEIGHTS] = megatron_checkpoint.rank_file(
+                cfg, meta, files[WEIGHTS], [c.layer_offset for c in trainer.chunks], state.ep_rank)
     if trainer.distributed:
         files[f"distrib_optim_{state.edp_rank:03d}"] = opt_tensors
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
@@ -557,7 +564,7 @@ def write_layout(root, tensors, meta, cfg):
                            or (not distributed and (k.startswith("optimizer.") or own_main))}}
         if cfg.training_config.ckpt_format == "torch":
             files[WEIGHTS] = megatron_checkpoint.rank_file(
-                cfg, meta, files[WEIGHTS], [chunk.layer_offset for chunk in chunks])
+                cfg, meta, files[WEIGHTS], [chunk.layer_offset for chunk in chunks], ep_rank)
         if distributed:
             files.update(_distrib_optim_files(values, names, params, dp,
                                               layout["bucket_size"], kinds, ep, ep_rank))
@@ -641,10 +648,9 @@ def read_megatron(root):
     virtual too; mcore or legacy names; float32, float16 or bfloat16 weights): one-process
     tensors {"model.<name>": float32}, the model and tokenizer as section.key=value overrides,
     the iteration. A model this project cannot hold is one ConfigError line naming the setting."""
-    iteration, files = megatron_checkpoint.checkpoint_files(root)
-    first = megatron_checkpoint.load_rank(files[0, 0])
-    tp, pp = 1 + max(tp_rank for tp_rank, _ in files), 1 + max(pp_rank for _, pp_rank in files)
-    overrides, _ = megatron_checkpoint.checkpoint_overrides(first, files[0, 0], tp, pp)
+    iteration, files, first = megatron_checkpoint.checkpoint_files(root)
+    overrides, _ = megatron_checkpoint.checkpoint_overrides(
+        first, files[0, 0, 0], *megatron_checkpoint.folder_sizes(files))
     weights = _megatron_weights(files, _megatron_config(overrides).model_config, first)
     return weights, overrides, iteration
 
@@ -677,10 +683,9 @@ def import_megatron_main(argv):
                                         "checkpoint.")
     root, save, world = options["dir"], options["save"], options["nproc"]
     check_new_folder("import-megatron", save, world)
-    iteration, files = megatron_checkpoint.checkpoint_files(root)
-    first = megatron_checkpoint.load_rank(files[0, 0])
-    tp, pp = 1 + max(tp_rank for tp_rank, _ in files), 1 + max(pp_rank for _, pp_rank in files)
-    overrides, note = megatron_checkpoint.checkpoint_overrides(first, files[0, 0], tp, pp)
+    iteration, files, first = megatron_checkpoint.checkpoint_files(root)
+    tp, pp, ep = megatron_checkpoint.folder_sizes(files)
+    overrides, note = megatron_checkpoint.checkpoint_overrides(first, files[0, 0, 0], tp, pp, ep)
     cfg = _megatron_config(overrides, argv, world)
     model_cfg = cfg.model_config
     cfg.training_config.output_dir = save
@@ -692,7 +697,7 @@ def import_megatron_main(argv):
     path = write_layout(save, tensors, meta, cfg)
     if note:
         print(f"import-megatron: {note}")
-    print(f"imported {root} (iteration {iteration}, {tp} x {pp} ranks, "
+    print(f"imported {root} (iteration {iteration}, {tp} x {pp} x {ep} (EP) ranks, "
           f"{megatron_checkpoint.weights_dtype(first)} weights; {model_cfg.num_layers} layers, "
           f"hidden {model_cfg.hidden_size}) to {path} in {model_cfg.params_dtype}, layout "
           f"{layout_of(cfg)}")

@@ -585,9 +585,6 @@ def _check_torch_format(training_cfg, model_cfg, parallel_cfg):
     if training_cfg.use_distributed_optimizer and shards > 1:
         raise ConfigError(f"{where} is not written with the distributed optimizer here: use "
                           "--ckpt-format ckpt or safetensors")
-    if model_cfg.num_moe_experts is not None:
-        raise ConfigError(f"{where} does not hold MoE layers here (Megatron's expert names are "
-                          "not mapped yet): use --ckpt-format ckpt or safetensors")
     biases = model_cfg.add_bias_linear
     differences = [f"model_config.{k}={v}" for k, v, bad in (
         ("use_sandwich_norm", model_cfg.use_sandwich_norm, model_cfg.use_sandwich_norm),

@@ -405,8 +405,7 @@ class GPTModel(nn.Cell):
         self.dtype = DTYPES[cfg.compute_dtype]
         state = parallel.get_state()
         self.tp, self.sequence_parallel = state.tp, state.sequence_parallel
-        # this rank's first expert: EP rank r holds experts r * E_l .. (r + 1) * E_l - 1
-        self.expert_offset = state.ep_rank * (cfg.num_moe_experts or 0) // state.ep
+        self.expert_offset = moe.first_expert(cfg.num_moe_experts, state.ep, state.ep_rank)
         if pre_process:
             self._build_embeddings(cfg)
         n = cfg.num_layers if num_layers is None else num_layers

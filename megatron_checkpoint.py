@@ -3,8 +3,9 @@
     bash run.sh import-megatron DIR --save OUT [--nproc N] [layout flags]
 
 A Megatron-LM checkpoint folder (megatron/training/checkpointing.py, save_checkpoint) is
-`latest_checkpointed_iteration.txt` ("N" or "release") and `iter_000000N/mp_rank_TT[_PPP]/
-model_optim_rng.pt`, one torch.save file (torch_format.py) per tensor and pipeline rank, holding
+`latest_checkpointed_iteration.txt` ("N" or "release") and `iter_000000N/mp_rank_TT[_PPP][_EEE]/
+model_optim_rng.pt`, one torch.save file (torch_format.py) per tensor, pipeline and expert-parallel
+rank (each EP rank's holding the dense weights and its own experts), holding
 args (the run's argparse.Namespace), checkpoint_version, iteration, model (model0, model1, ...
 with a virtual pipeline), optimizer, opt_param_scheduler, rng_state. The model is that rank's
 state dict, layer numbers local to its chunk (megatron/core/transformer/transformer_block.py),
@@ -17,11 +18,14 @@ and the legacy query_key_value since checkpoint_version 2), this project's layou
 """
 import argparse
 import collections
+import itertools
 import os
 import re
 
 import numpy as np
 
+import keys
+import moe
 import torch_format
 from config import ConfigError
 from optimizer import no_weight_decay
@@ -78,17 +82,33 @@ LEGACY_LAYER = {"input_layernorm": "input_layernorm", "input_norm": "input_layer
                 "post_attention_norm": "pre_mlp_layernorm",
                 "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
 LAYERS = {"decoder.layers.": MCORE_LAYER, "language_model.encoder.layers.": LEGACY_LAYER}
+# Megatron-core's MoELayer in place of a layer's MLP (megatron/core/transformer/moe/moe_layer.py:
+# 260, 334, 346 register router, experts, shared_experts in this order), named as this project's
+# moe.py names it: TopKRouter's weight [E, h] and bias (router.py:64-72, no persistent buffer
+# without expert bias, l. 180-201); SequentialMLP's local_experts.j, j local to the EP rank
+# (experts.py:1435-1451), the local transformer impl's experts with --moe-grouped-gemm too
+# (megatron/core/models/backends.py:133-142); SharedExpertMLP's linears and gate_weight [1, h]
+# (shared_experts.py:128-145), no bias (l. 124)
+MOE_PARAMETER = re.compile(r"mlp\.(?:router\.(?:weight|bias)|experts\.local_experts\.\d+\."
+                           r"linear_fc[12]\.(?:weight|bias)|shared_experts\.(?:gate_weight|"
+                           r"linear_fc[12]\.weight))")
+# transformer_engine's TEGroupedMLP (--moe-grouped-gemm, experts.py:183-489): expert j's linear
+# as GroupedLinear's weight<j>/bias<j>, each shaped as SequentialMLP's
+TE_GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)")
 LAYER_NUMBER = re.compile(r"(?:decoder|language_model\.encoder)\.layers\.(\d+)\.")
 LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
+MOE_NAME = re.compile(r"layers\.(\d+)\.(mlp\..+)")
 RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?")
 LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
            "mlp.linear_fc2")
+EXPERT_LINEAR = re.compile(r"experts\.(?:local_experts\.\d+\.)?linear_fc[12]$")  # routed, shared
 
 
 # ----------------------------------------------------------------------------- names
-def project_name(name, layer_offset=0):
+def project_name(name, layer_offset=0, expert_offset=0):
     """This project's global name of Megatron's `name` (mcore or legacy; its layer number local
-    to a chunk whose first layer is global layer `layer_offset`); None for what holds no weight
+    to a chunk whose first layer is global layer `layer_offset`, its routed experts' index local
+    to an EP rank whose first expert is `expert_offset`); None for what holds no weight
     (`_extra_state`, RoPE's inv_freq); CheckpointError for a name this project's GPT has no
     place for."""
     parts = name.split(".")
@@ -104,13 +124,21 @@ def project_name(name, layer_offset=0):
         module, _, leaf = TE_NORMS.get(rest, rest).rpartition(".")
         if number.isdigit() and module in modules and leaf in ("weight", "bias"):
             return f"layers.{int(number) + layer_offset}.{modules[module]}.{leaf}"
+        grouped = TE_GROUPED_EXPERT.fullmatch(rest)
+        if grouped:
+            rest = "mlp.experts.local_experts.{2}.{0}.{1}".format(*grouped.groups())
+        if number.isdigit() and prefix == "decoder.layers." and MOE_PARAMETER.fullmatch(rest):
+            return moe.global_expert_name(f"layers.{int(number) + layer_offset}.{rest}",
+                                          expert_offset)
     raise CheckpointError(f"Megatron's {name} has no place in this project's GPT (only dense "
-                          "attention, MLP, LayerNorm/RMSNorm and embeddings are mapped)")
+                          "attention, MLP, MoE router and SequentialMLP experts, LayerNorm/"
+                          "RMSNorm and embeddings are mapped)")
 
 
-def megatron_name(name, layer_offset=0):
+def megatron_name(name, layer_offset=0, expert_offset=0):
     """Megatron-core's name of this project's global `name`, its layer number made local to a
-    chunk whose first layer is global layer `layer_offset`."""
+    chunk whose first layer is global layer `layer_offset`, a routed expert's index local to the
+    EP rank whose first expert is `expert_offset`."""
     back = {v: k for k, v in MCORE_TOP.items()}
     if name in back:
         return back[name]
@@ -118,6 +146,11 @@ def megatron_name(name, layer_offset=0):
     if match and match.group(2) in MCORE_LAYER and int(match.group(1)) >= layer_offset:
         number, module, leaf = int(match.group(1)) - layer_offset, match.group(2), match.group(3)
         return f"decoder.layers.{number}.{module}.{leaf}"
+    match = MOE_NAME.fullmatch(name)
+    if match and MOE_PARAMETER.fullmatch(match.group(2)) and int(match.group(1)) >= layer_offset:
+        local = moe.global_expert_name(match.group(2), -expert_offset)
+        if "-" not in local:
+            return f"decoder.layers.{int(match.group(1)) - layer_offset}.{local}"
     raise CheckpointError(f"{name} has no Megatron-core counterpart in a chunk starting at layer "
                           f"{layer_offset} (Megatron's GPT has no sandwich norms)")
 
@@ -127,21 +160,38 @@ def _megatron_order(name):
     order and weight before bias, final norm, output layer), which its optimizer's parameter
     indices follow."""
     match = LAYER_NAME.fullmatch(name)
-    if match:
+    if match and match.group(2) in MCORE_LAYER:
         module = list(MCORE_LAYER).index(match.group(2))
         return 1, int(match.group(1)), module, match.group(3) == "bias"
+    match = MOE_NAME.fullmatch(name)
+    if match:
+        return 1, int(match.group(1)), list(MCORE_LAYER).index("mlp.linear_fc1"), \
+            _moe_order(match.group(2))
     top = ["word_embeddings.weight", "position_embeddings", "final_layernorm.weight",
            "final_layernorm.bias", "output_layer.weight"]
     return (0 if top.index(name) < 2 else 2), top.index(name)
 
 
-def rank_model_state(tensors, layer_offsets):
+def _moe_order(rest):
+    """Sort key inside an MoE layer: the router, the experts by index (linear_fc1 before
+    linear_fc2, weight before bias), the shared expert's gate_weight before its linears (torch's
+    state_dict lists a module's own parameters before its children's)."""
+    index = moe.EXPERT_INDEX.search(rest)
+    if index:
+        return 1, int(index.group(2)), "linear_fc2" in rest, rest.endswith("bias")
+    if rest.startswith("mlp.router."):
+        return 0, 0, False, rest.endswith("bias")
+    return 2, 0, "linear_fc2" in rest, "linear_fc1" in rest
+
+
+def rank_model_state(tensors, layer_offsets, expert_offset=0):
     """Megatron's model state of one (TP rank, pipeline stage), as save_checkpoint writes it:
     {"model": state} or, with a virtual pipeline, {"model0": ..., "model1": ...}. `tensors` are
     this rank's {"model.<global name>": value} (this project's names, values as given), its
     chunks starting at the global layers `layer_offsets` (ascending). Layer numbers become local
     to their chunk; embeddings go to the first chunk, the final norm and output layer to the
-    last; each linear gets Megatron-core's `_extra_state` entry (None)."""
+    last; each linear gets Megatron-core's `_extra_state` entry (None). Routed experts, global
+    here, get the index local to the EP rank whose first expert is `expert_offset`."""
     chunks = [[] for _ in layer_offsets]
     for key in sorted(tensors, key=lambda k: _megatron_order(k[len("model."):])):
         name = key[len("model."):]
@@ -151,7 +201,8 @@ def rank_model_state(tensors, layer_offsets):
             index = max(i for i, offset in enumerate(layer_offsets) if offset <= layer)
         else:
             index = 0 if "embeddings" in name else len(chunks) - 1
-        chunks[index].append((megatron_name(name, layer_offsets[index]), tensors[key]))
+        chunks[index].append((megatron_name(name, layer_offsets[index], expert_offset),
+                              tensors[key]))
     states = [_with_extra_state(items) for items in chunks]
     if len(states) == 1:
         return {"model": states[0]}
@@ -167,7 +218,8 @@ def _with_extra_state(items):
         state[name] = value
         module = name.rsplit(".", 1)[0]
         following = items[i + 1][0].rsplit(".", 1)[0] if i + 1 < len(items) else None
-        if module != following and module.endswith(LINEARS + ("output_layer",)):
+        linear = module.endswith(LINEARS + ("output_layer",)) or EXPERT_LINEAR.search(module)
+        if module != following and linear:
             state[f"{module}._extra_state"] = None
     if "decoder.final_layernorm.weight" in state and "output_layer._extra_state" not in state:
         state["output_layer._extra_state"] = None
@@ -192,24 +244,46 @@ def _flatten(tree, prefix=""):
     return out
 
 
-def rank_tensors(state, layer_offsets):
+def rank_tensors(state, layer_offsets, expert_offset=0):
     """The inverse of rank_model_state: a rank's file (its "model"/"modelK" state dicts, mcore or
     legacy names) -> {"model.<global name>": value}; a tied last stage's copy of the word
     embedding comes back as model.output_layer.weight, as this project's stages hold it."""
     out = {}
     for chunk, offset in zip(model_chunks(state), layer_offsets):
         for name, value in chunk.items():
-            global_name = project_name(name, offset)
+            global_name = project_name(name, offset, expert_offset)
             if global_name is not None:
                 out[f"model.{global_name}"] = value
     return out
 
 
 # ----------------------------------------------------------------------------- args
+# this project's MoE keys (keys.MOE, model_config) -> Megatron's args fields, argparse's dest of
+# the flag each key takes (arguments.py:3515-3545 by hand, the rest TransformerConfig's fields as
+# flags, argument_utils.py:106): the same names, num_moe_experts being --num-experts
+MOE_ARGS = {row.path.split(".")[-1]: (row.flags or tuple(row.switches))[0][2:].replace("-", "_")
+            for row in keys.MOE}
+
+
+def _single(value):
+    """A list of one value (the nargs='+' of --moe-router-load-balancing-type and
+    --moe-aux-loss-coeff at arguments.py:3532-3537) as that value."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
 # Megatron settings (megatron/training/arguments.py) this project's GPT cannot hold: the args
 # field, the values that are refused, what the setting is
 UNSUPPORTED = (
-    ("num_experts", lambda v: v not in (None, 0), "a mixture of experts"),
+    ("moe_router_enable_expert_bias", bool, "the router's expert bias (aux-loss-free balancing)"),
+    ("moe_router_score_function", lambda v: v not in (None, "softmax", "sigmoid"),
+     "router scores other than softmax and sigmoid"),
+    ("moe_router_load_balancing_type",
+     lambda v: _single(v) not in (None, "aux_loss", "seq_aux_loss", "none"),
+     "load balancing other than one of aux_loss, seq_aux_loss and none"),
+    ("moe_aux_loss_coeff", lambda v: isinstance(_single(v), list), "several aux-loss coefficients"),
+    ("moe_router_dtype", lambda v: v not in (None, "fp32"), "a router dtype other than fp32"),
+    ("moe_router_num_groups", lambda v: v is not None, "group-limited expert routing"),
+    ("moe_input_jitter_eps", lambda v: v is not None, "router input jitter"),
     ("qk_layernorm", bool, "query and key layer norms"),
     ("multi_latent_attention", bool, "multi-latent attention"),
     ("attention_output_gate", bool, "a gated attention output"),
@@ -266,6 +340,10 @@ def model_overrides(args, legacy=False):
     if get("kv_channels") not in (None, hidden // heads):
         refused.append(f"args.kv_channels={get('kv_channels')} (heads of another size than "
                        f"hidden_size / num_attention_heads = {hidden // heads})")
+    etp, tp = get("expert_tensor_parallel_size"), get("tensor_model_parallel_size", 1)
+    if get("num_experts") and etp not in (None, tp):
+        refused.append(f"args.expert_tensor_parallel_size={etp} (experts split over another TP "
+                       f"size than tensor_model_parallel_size={tp})")
     if refused:
         raise ConfigError(f"this project's GPT cannot hold {', '.join(refused)}")
     gqa = bool(get("group_query_attention")) and get("num_query_groups") not in (None, heads)
@@ -291,8 +369,21 @@ def model_overrides(args, legacy=False):
               "fp32_residual_connection": get("fp32_residual_connection", False)}
     if gqa:
         values["num_query_groups"] = get("num_query_groups")
+    values.update(_moe_values(get))
     return [f"model_config.{k}={str(v).lower() if isinstance(v, bool) else v}"
             for k, v in values.items()]
+
+
+def _moe_values(get):
+    """model_overrides' MoE part: this project's MoE keys from Megatron's args (`get` reads
+    them), when the args have experts; unset (None) ones keep this project's defaults, which are
+    Megatron's. The flex dispatcher (DeepEP) routes and sums as allgather does: read as that."""
+    if not get("num_experts"):
+        return {}
+    values = {key: _single(get(arg)) for key, arg in MOE_ARGS.items() if get(arg) is not None}
+    if values.get("moe_token_dispatcher_type") not in (None, "allgather", "alltoall"):
+        values["moe_token_dispatcher_type"] = "allgather"
+    return values
 
 
 def tokenizer_overrides(args, padded):
@@ -322,9 +413,11 @@ def tokenizer_overrides(args, padded):
 
 # ----------------------------------------------------------------------------- the folder
 def checkpoint_files(root):
-    """(iteration, {(tp_rank, pp_rank): path of model_optim_rng.pt}) of the checkpoint that
-    root's latest_checkpointed_iteration.txt names (Megatron's read_metadata and
-    get_checkpoint_name: "release" is iteration 0 in release/), every rank's file present."""
+    """(iteration, {(tp_rank, pp_rank, ep_rank): path of model_optim_rng.pt}, rank 0's state) of
+    the checkpoint that root's latest_checkpointed_iteration.txt names (Megatron's read_metadata
+    and get_checkpoint_name: "release" is iteration 0 in release/; mp_rank_TT[_PPP][_EEE]),
+    every rank's file present. mp_rank_TT_NNN is a pipeline stage, or an EP rank when rank 0's
+    args have experts split over EP and one stage."""
     tracker = os.path.join(root, LATEST)
     if not os.path.isfile(tracker):
         raise CheckpointError(f"no Megatron-LM checkpoint in {root}: {LATEST} is missing")
@@ -336,30 +429,39 @@ def checkpoint_files(root):
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder} is missing: {tracker} names it")
     entries = sorted(os.listdir(folder))
-    ranks = {}
-    for entry in entries:
-        match = RANK_DIR.fullmatch(entry)
-        if match and match.group(3):
-            raise CheckpointError(f"{os.path.join(folder, entry)}: expert-parallel rank folders "
-                                  "(a mixture of experts) are not read")
-        if match:
-            ranks[int(match.group(1)), int(match.group(2) or 0)] = os.path.join(folder, entry)
+    ranks = {e: [int(g.strip("_")) for g in m.groups() if g]
+             for e, m in ((e, RANK_DIR.fullmatch(e)) for e in entries) if m}
     if not ranks:
         dist = any(e.endswith(".distcp") or e in (".metadata", "common.pt") for e in entries)
         raise CheckpointError(f"{folder} holds no mp_rank_* folders" + (
             ": a torch_dist checkpoint (Megatron's default --ckpt-format); save with --ckpt-format "
             "torch, or convert it with Megatron's tools/checkpoint/convert.py" if dist else ""))
-    tp = 1 + max(tp_rank for tp_rank, _ in ranks)
-    pp = 1 + max(pp_rank for _, pp_rank in ranks)
+    zero = next((e for e in ranks if not any(ranks[e])), shard_name())
+    first = load_rank(_present(os.path.join(folder, zero, WEIGHTS_FILE)))
+    get = vars(first["args"]).get
+    experts_alone = (get("pipeline_model_parallel_size") or 1) == 1 and \
+        (get("expert_model_parallel_size") or 1) > 1
+    keys = {}
+    for entry, numbers in ranks.items():
+        rest = ([0] if experts_alone and len(numbers) == 2 else []) + numbers[1:]
+        keys[(numbers[0], *(rest + [0, 0])[:2])] = entry
+    tp, pp, ep = folder_sizes(keys)
     files = {}
-    for tp_rank in range(tp):
-        for pp_rank in range(pp):
-            default = os.path.join(folder, shard_name(tp_rank, pp_rank, pp))
-            path = os.path.join(ranks.get((tp_rank, pp_rank), default), WEIGHTS_FILE)
-            if not os.path.isfile(path):
-                raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-            files[tp_rank, pp_rank] = path
-    return iteration, files
+    for key in itertools.product(range(tp), range(pp), range(ep)):
+        default = shard_name(key[0], key[1], pp, key[2], ep)
+        files[key] = _present(os.path.join(folder, keys.get(key, default), WEIGHTS_FILE))
+    return iteration, files, first
+
+
+def _present(path):
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+    return path
+
+
+def folder_sizes(files):
+    """(tp, pp, ep) of a checkpoint's {(tp_rank, pp_rank, ep_rank): ...} rank files."""
+    return tuple(1 + max(key[i] for key in files) for i in range(3))
 
 
 def load_rank(path):
@@ -386,15 +488,19 @@ def is_legacy(state):
     return any(k.startswith("language_model.") for c in model_chunks(state) for k in c)
 
 
-def checkpoint_overrides(state, path, tp, pp):
+def checkpoint_overrides(state, path, tp, pp, ep=1):
     """(this project's overrides for the model and tokenizer, a note or None) from the args of
-    the rank file `state` (read from `path`), checked against the folder's tp x pp ranks."""
+    the rank file `state` (read from `path`), checked against the folder's tp x pp x ep ranks."""
     args = state["args"]
     saved = (vars(args).get("tensor_model_parallel_size", 1),
              vars(args).get("pipeline_model_parallel_size", 1))
     if saved != (tp, pp):
         raise CheckpointError(f"{path}: its args say tensor x pipeline parallel {saved[0]} x "
                               f"{saved[1]}, the folder holds {tp} x {pp} ranks: incomplete")
+    if (vars(args).get("expert_model_parallel_size") or 1) != ep:
+        raise CheckpointError(f"{path}: its args say expert_model_parallel_size="
+                              f"{vars(args).get('expert_model_parallel_size')}, the folder holds "
+                              f"{ep} EP ranks (_EEE): incomplete")
     try:
         model = model_overrides(args, is_legacy(state))
     except ConfigError as e:
@@ -446,21 +552,24 @@ def _check_shards(shards, shapes, tp):
 
 
 def read_weights(files, shapes, model_cfg, first=None):
-    """{"model.<name>": float32 array} of the rank files `files` ({(tp_rank, pp_rank): path}),
-    as one process of this project holds them (TP shards merged, stages and chunks united, the
-    tied last stage's copy of the embedding dropped), checked against the one-process `shapes`
-    ({"model.<name>": shape}) of `model_cfg`'s model. `first`: rank (0, 0)'s state, when
-    already loaded."""
-    tp, pp = 1 + max(tp_rank for tp_rank, _ in files), 1 + max(pp_rank for _, pp_rank in files)
-    states = {key: first if key == (0, 0) and first is not None else load_rank(path)
+    """{"model.<name>": float32 array} of the rank files `files` ({(tp_rank, pp_rank, ep_rank):
+    path}), as one process of this project holds them (TP shards merged, stages, chunks and EP
+    ranks united: each EP rank's file holds the dense weights and its own experts, numbered
+    globally here; the tied last stage's copy of the embedding dropped), checked against the
+    one-process `shapes` ({"model.<name>": shape}) of `model_cfg`'s model. `first`: rank
+    (0, 0, 0)'s state, when already loaded."""
+    tp, pp, ep = folder_sizes(files)
+    states = {key: first if key == (0, 0, 0) and first is not None else load_rank(path)
               for key, path in files.items()}
-    offsets = layer_offsets([states[0, pp_rank] for pp_rank in range(pp)])
+    offsets = layer_offsets([states[0, pp_rank, 0] for pp_rank in range(pp)])
     shards = []
     for tp_rank in range(tp):
         shard = {}
-        for pp_rank in range(pp):
-            named = rank_tensors(states[tp_rank, pp_rank], offsets[pp_rank]).items()
-            shard.update({k: _float32(v, f"{files[tp_rank, pp_rank]}: {k}") for k, v in named})
+        for pp_rank, ep_rank in itertools.product(range(pp), range(ep)):
+            key = tp_rank, pp_rank, ep_rank
+            start = moe.first_expert(model_cfg.num_moe_experts, ep, ep_rank)
+            named = rank_tensors(states[key], offsets[pp_rank], start).items()
+            shard.update({k: _float32(v, f"{files[key]}: {k}") for k, v in named})
         if not model_cfg.untie_embeddings_and_output_weights:
             shard.pop("model.output_layer.weight", None)
         shards.append(shard)
@@ -488,6 +597,8 @@ def megatron_args(cfg, iteration, consumed):
     precision = _megatron_precision_args(cfg.model_config, cfg.training_config)
     layout = dict(
         tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
+        expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         context_parallel_size=parallel_cfg.context_parallel_size,
@@ -524,7 +635,8 @@ def _megatron_model_args(model_cfg, tp):
         apply_query_key_layer_scaling=model_cfg.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=model_cfg.attention_softmax_in_fp32,
         fp16_lm_cross_entropy=model_cfg.fp16_lm_cross_entropy, transformer_impl="local",
-        num_experts=None)
+        **{arg: getattr(model_cfg, key) for key, arg in MOE_ARGS.items()},
+        moe_router_enable_expert_bias=False, moe_input_jitter_eps=None)
 
 
 def _megatron_precision_args(model_cfg, training_cfg):
@@ -576,9 +688,26 @@ def megatron_optimizer(arrays, step, names, shapes, cfg, scaler_state):
     """This rank's optimizer state (`arrays`: "optimizer.<kind>.<name>", "main.<name>"; the
     inner optimizer's step) as Megatron's optimizer.state_dict() (megatron/core/optimizer/
     optimizer.py): FP32Optimizer's torch.optim state dict, or for half-precision parameters
-    Float16OptimizerWithFloat16Params' {optimizer, grad_scaler, fp32_from_fp16_params}. The
-    torch indices run over param_groups in order; Adam keeps its step per parameter (torch),
-    SGD, which has none there, in its group."""
+    Float16OptimizerWithFloat16Params' {optimizer, grad_scaler, fp32_from_fp16_params}. With
+    routed experts, get_megatron_optimizer's ChainedOptimizer of a dense and an expert optimizer
+    (optimizer/__init__.py:1170-1264, the experts' param_groups is_expert_parallel): its
+    state_dict is the list of theirs (optimizer.py:1567-1571), each indexing its own parameters
+    from 0."""
+    parts = expert_split(names)
+    states = [_one_optimizer(arrays, step, part, shapes, cfg, scaler_state, experts)
+              for experts, part in enumerate(parts) if part]
+    return states[0] if len(states) == 1 else states
+
+
+def expert_split(names):
+    """[dense names, routed experts' names] of a rank's parameters, each in model order."""
+    return [[n for n in names if not moe.is_expert(n)], [n for n in names if moe.is_expert(n)]]
+
+
+def _one_optimizer(arrays, step, names, shapes, cfg, scaler_state, experts):
+    """megatron_optimizer's state dict of one optimizer over `names`. The torch indices run over
+    param_groups in order; Adam keeps its step per parameter (torch), SGD, which has none there,
+    in its group."""
     optimizer_cfg = cfg.optimizer_config
     schedule = optimizer_cfg.learning_rate_scheduler_kwargs
     sgd = optimizer_cfg.optimizer_type == "SGD"
@@ -594,7 +723,7 @@ def megatron_optimizer(arrays, step, names, shapes, cfg, scaler_state):
         groups.append({"lr": optimizer_cfg.learning_rate, "betas": tuple(optimizer_cfg.betas),
                        "eps": optimizer_cfg.eps, "weight_decay": optimizer_cfg.weight_decay * mult,
                        "wd_mult": mult, "lr_mult": 1.0,
-                       "is_expert_parallel": False, "is_decoupled_lr": False,
+                       "is_expert_parallel": bool(experts), "is_decoupled_lr": False,
                        "default_config": True, "max_lr": optimizer_cfg.learning_rate,
                        "min_lr": schedule.min_lr,
                        **momentum,
@@ -609,25 +738,31 @@ def megatron_optimizer(arrays, step, names, shapes, cfg, scaler_state):
                                       for g in param_groups(names, shapes)]}
 
 
-def optimizer_arrays(saved, names, shapes):
+def optimizer_arrays(saved, names, shapes, path="the file"):
     """The inverse of megatron_optimizer: ({"optimizer.<kind>.<name>", "main.<name>": array},
     step) of a rank whose parameters are `names`, in its model order."""
-    half = "fp32_from_fp16_params" in saved
-    torch_state = saved["optimizer"] if half else saved
+    parts = [part for part in expert_split(names) if part]
+    saved = saved if isinstance(saved, list) else [saved]
+    if len(saved) != len(parts):
+        raise CheckpointError(f"{path} holds {len(saved)} optimizer state dicts, its model "
+                              f"{len(parts)} (dense, experts): not written for this model")
     arrays, step = {}, 0
-    for g, (group, saved_group) in enumerate(zip(param_groups(names, shapes),
-                                                 torch_state["param_groups"])):
-        for (name, _), index in zip(group, saved_group["params"]):
-            entry = dict(torch_state["state"].get(index, {}))
-            step = int(entry.pop("step", saved_group.get("step", step)))
-            arrays.update({f"optimizer.{k}.{name}": v for k, v in entry.items()})
-        if half:
-            masters = saved["fp32_from_fp16_params"][g]
-            arrays.update({f"main.{n}": v for (n, _), v in zip(group, masters)})
+    for state, part in zip(saved, parts):
+        half = "fp32_from_fp16_params" in state
+        torch_state = state["optimizer"] if half else state
+        for g, (group, saved_group) in enumerate(zip(param_groups(part, shapes),
+                                                     torch_state["param_groups"])):
+            for (name, _), index in zip(group, saved_group["params"]):
+                entry = dict(torch_state["state"].get(index, {}))
+                step = int(entry.pop("step", saved_group.get("step", step)))
+                arrays.update({f"optimizer.{k}.{name}": v for k, v in entry.items()})
+            if half:
+                masters = state["fp32_from_fp16_params"][g]
+                arrays.update({f"main.{n}": v for (n, _), v in zip(group, masters)})
     return arrays, step
 
 
-def rank_file(cfg, meta, tensors, offsets):
+def rank_file(cfg, meta, tensors, offsets, ep_rank=0):
     """One rank's model_optim_rng.pt as Megatron's save_checkpoint assembles it (megatron/
     training/checkpointing.py, generate_state_dict): args, checkpoint_version 3.0, iteration,
     the model (rank_model_state), and when `meta` has an optimizer step its optimizer
@@ -635,13 +770,16 @@ def rank_file(cfg, meta, tensors, offsets):
     tracker (numpy states, not torch's: Megatron reads the file with --no-load-rng). `tensors`:
     the rank's "model.<name>", "optimizer.<kind>.<name>", "main.<name>" arrays (global names);
     `meta`: checkpoint.py's (iteration, consumed samples, optimizer step, scheduler, scaler,
-    RNG); `offsets`: the first global layer of each of the rank's chunks."""
+    RNG); `offsets`: the first global layer of each of the rank's chunks; `ep_rank`: the EP rank
+    whose experts `tensors` hold (their indices local to it in the file)."""
     model = {k: v for k, v in tensors.items() if k.startswith("model.")}
+    start = moe.first_expert(cfg.model_config.num_moe_experts,
+                             cfg.parallel_config.expert_model_parallel_size, ep_rank)
     state = {"args": megatron_args(cfg, meta["iteration"], meta["consumed_train_samples"]),
              "checkpoint_version": 3.0, "iteration": meta["iteration"],
-             **rank_model_state(model, offsets)}
+             **rank_model_state(model, offsets, start)}
     if meta.get("optimizer_step") is not None:
-        names = [k[len("model."):] for k in rank_tensors(state, offsets)]
+        names = [k[len("model."):] for k in rank_tensors(state, offsets, start)]
         shapes = {n: model[f"model.{n}"].shape for n in names}
         state["optimizer"] = megatron_optimizer(tensors, meta["optimizer_step"], names, shapes, cfg,
                                                 meta["grad_scaler"])
@@ -651,14 +789,17 @@ def rank_file(cfg, meta, tensors, offsets):
     return state
 
 
-def rank_arrays(state, offsets):
-    """The inverse of rank_file for this project's loader: the rank's "model.<name>" arrays and,
-    if saved, its optimizer's ("optimizer.<kind>.<name>", "main.<name>")."""
-    arrays = rank_tensors(state, offsets)
+def rank_arrays(state, offsets, ep_rank=0, path="the file"):
+    """The inverse of rank_file for this project's loader: the rank's "model.<name>" arrays (the
+    experts of EP rank `ep_rank` under global names, by the file's args) and, if saved, its
+    optimizer's ("optimizer.<kind>.<name>", "main.<name>")."""
+    get = vars(state["args"]).get
+    start = moe.first_expert(get("num_experts"), get("expert_model_parallel_size") or 1, ep_rank)
+    arrays = rank_tensors(state, offsets, start)
     if "optimizer" in state:
         names = [k[len("model."):] for k in arrays]
         shapes = {n: arrays[f"model.{n}"].shape for n in names}
-        arrays.update(optimizer_arrays(state["optimizer"], names, shapes)[0])
+        arrays.update(optimizer_arrays(state["optimizer"], names, shapes, path)[0])
     return arrays
 
 

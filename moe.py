@@ -116,12 +116,26 @@ def apply_activation(y, act):
     return ops.gelu(y, approximate="none")
 
 
+EXPERT_INDEX = re.compile(r"(^|\.)local_experts\.(\d+)\.")    # a routed expert's parameter
+
+
+def first_expert(num_experts, ep, ep_rank):
+    """The global index of EP rank `ep_rank`'s first expert: rank r holds experts r * E_l ..
+    (r + 1) * E_l - 1 (moe_layer.py:187-188); 0 without experts."""
+    return ep_rank * (num_experts or 0) // ep
+
+
+def is_expert(name):
+    """A routed expert's parameter (expert-parallel, `allreduce = False`), by its name."""
+    return EXPERT_INDEX.search(name) is not None
+
+
 def global_expert_name(name, offset):
     """'...local_experts.J...' on EP rank r -> '...local_experts.{offset + J}...' (offset =
     r * E_l, this rank's first expert), so that initialisation and checkpoints see one name per
-    expert in every layout."""
-    return re.sub(r"(^|\.)local_experts\.(\d+)\.",
-                  lambda m: f"{m.group(1)}local_experts.{offset + int(m.group(2))}.", name)
+    expert in every layout; a negative offset makes a global name local again."""
+    return EXPERT_INDEX.sub(
+        lambda m: f"{m.group(1)}local_experts.{offset + int(m.group(2))}.", name)
 
 
 # ============================================================================ routing

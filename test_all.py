@@ -488,8 +488,6 @@ MOE_ERRORS = [
      "'sinkhorn' is not one of aux_loss, seq_aux_loss, none"),
     (MOE_FLAGS + ["--moe-token-dispatcher-type", "flex"],
      "'flex' is not one of allgather, alltoall"),
-    (MOE_FLAGS + ["--ckpt-format", "torch"],
-     "does not hold MoE layers here (Megatron's expert names are not mapped yet)"),
     (MOE_FLAGS + ["--tensor-model-parallel-size", "2", "--disable-bias-linear"],
      "num_moe_experts with tensor_model_parallel_size=2 needs --sequence-parallel"),
     (MOE_FLAGS + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -3254,9 +3252,8 @@ def fixture(name):
     return os.path.join(FIXTURES, name)
 
 
-def rank_file(root, tp_rank=0, pp_rank=0, pp=1):
-    _, files = megatron_checkpoint.checkpoint_files(root)
-    return files[tp_rank, pp_rank]
+def rank_file(root, tp_rank=0, pp_rank=0, pp=1, ep_rank=0):
+    return megatron_checkpoint.checkpoint_files(root)[1][tp_rank, pp_rank, ep_rank]
 
 
 def logits_after(model, ids):
@@ -3431,6 +3428,156 @@ def test_project_ranks_written_as_megatron_files_read_back(tmp_path):
         np.testing.assert_array_equal(back[key], first[key], err_msg=key)
 
 
+# a tiny MoE model for Megatron's torch format: 4 experts (top-2), a gated shared expert, both
+# balancing losses, SwiGLU (no biases: GeLU would be gelu_tanh); layer 0 dense, layer 1 MoE
+TORCH_MOE = ["--num-experts", "4", "--moe-shared-expert-intermediate-size", "64",
+             "--moe-shared-expert-gate", "--disable-bias-linear", "--moe-layer-freq", "[0,1]",
+             "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--ckpt-format",
+             "torch", "--micro-batch-size", "2", "--global-batch-size", "4", "--swiglu",
+             "--eval-iters", "0"]
+
+
+def moe_layer_keys(experts):
+    """Megatron-core's state dict keys of an MoE layer (local transformer impl), in order."""
+    linear = lambda m: [f"{m}.weight", f"{m}._extra_state"]
+    keys = ["input_layernorm.weight", "input_layernorm.bias",
+            *linear("self_attention.linear_proj"), *linear("self_attention.linear_qkv"),
+            "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", "mlp.router.weight"]
+    for j in experts:
+        keys += linear(f"mlp.experts.local_experts.{j}.linear_fc1")
+        keys += linear(f"mlp.experts.local_experts.{j}.linear_fc2")
+    keys += ["mlp.shared_experts.gate_weight", *linear("mlp.shared_experts.linear_fc1"),
+             *linear("mlp.shared_experts.linear_fc2")]
+    return [f"decoder.layers.1.{k}" for k in keys]
+
+
+@pytest.fixture(scope="module")
+def torch_moe_checkpoint(tmp_path_factory):
+    """Two steps of TORCH_MOE in one process (of a 4-step schedule): a Megatron torch-format
+    MoE checkpoint."""
+    tmp = tmp_path_factory.mktemp("torch_moe")
+    run_training(tmp, "one", *TORCH_MOE, "--train-iters", "2", "--lr-decay-iters", "4")
+    return str(tmp / "one")
+
+
+def test_torch_format_moe_run_holds_megatrons_names_and_resumes_bit_for_bit(torch_moe_checkpoint,
+                                                                           tmp_path):
+    """A one-process MoE run saved with --ckpt-format torch: its model_optim_rng.pt holds
+    Megatron-core's MoE names in its order (router, local_experts.j, shared_experts with
+    gate_weight first), its MoE args, and a ChainedOptimizer's [dense, experts] state dicts (the
+    experts' param_groups is_expert_parallel); resumed after step 2 it logs the losses of the run
+    that never stopped, bit for bit."""
+    full = run_training(tmp_path, "full", *TORCH_MOE, "--train-iters", "4")[0]
+    resumed = run_training(tmp_path, "resumed", *TORCH_MOE, "--train-iters", "4",
+                           "--load", torch_moe_checkpoint)[0]
+    assert losses_of(resumed) == losses_of(full)[2:]                 # bit for bit
+    state = torch_format.load(rank_file(torch_moe_checkpoint))
+    keys = [k for k in state["model"] if k.startswith("decoder.layers.1.")]
+    assert keys == moe_layer_keys(range(4))
+    assert state["model"]["decoder.layers.1.mlp.router.weight"].shape == (4, 64)
+    assert state["model"]["decoder.layers.1.mlp.shared_experts.gate_weight"].shape == (1, 64)
+    args = vars(state["args"])
+    assert {k: args[k] for k in ("num_experts", "moe_router_topk", "moe_layer_freq",
+                                 "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                                 "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                                 "moe_router_load_balancing_type", "moe_token_dispatcher_type",
+                                 "expert_model_parallel_size", "moe_ffn_hidden_size")} == dict(
+        num_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1],
+        moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True,
+        moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+        moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="allgather",
+        expert_model_parallel_size=1, moe_ffn_hidden_size=128)
+    dense, experts = state["optimizer"]
+    assert {g["is_expert_parallel"] for g in dense["param_groups"]} == {False}
+    assert [g["is_expert_parallel"] for g in experts["param_groups"]] == [True]
+    assert len(experts["state"]) == 8 and sorted(experts["state"][0]) == ["exp_avg",
+                                                                         "exp_avg_sq", "step"]
+
+
+def test_torch_format_moe_converts_to_ep2_expert_folders_and_back_exactly(torch_moe_checkpoint,
+                                                                         tmp_path):
+    """convert --nproc 2 --expert-model-parallel-size 2 writes Megatron's mp_rank_00_000 and
+    mp_rank_00_001, each the dense weights and its two experts numbered 0 and 1 (EP rank 1's
+    local 0 is expert 2) with a [dense, experts] optimizer; converted back to one process, the
+    weights and the optimizer state are the one-process checkpoint's, bit for bit."""
+    ep2, back = str(tmp_path / "ep2"), str(tmp_path / "back")
+    checkpoint.convert_main(["--load", torch_moe_checkpoint, "--save", ep2, "--nproc", "2",
+                             "--expert-model-parallel-size", "2"])
+    one = torch_format.load(rank_file(torch_moe_checkpoint))["model"]
+    folder = pathlib.Path(checkpoint.iteration_dir(ep2, 2))
+    assert sorted(p.name for p in folder.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    for ep_rank in range(2):
+        state = torch_format.load(str(folder / checkpoint.shard_name(0, 0, 1, ep_rank, 2)
+                                      / "model_optim_rng.pt"))
+        assert [k for k in state["model"] if k.startswith("decoder.layers.1.")] == \
+            moe_layer_keys(range(2))
+        assert state["args"].expert_model_parallel_size == 2
+        for key, value in state["model"].items():
+            match = re.search(r"local_experts\.(\d+)\.", key)
+            source = key if not match else key.replace(
+                match.group(0), f"local_experts.{2 * ep_rank + int(match.group(1))}.")
+            if value is not None:
+                np.testing.assert_array_equal(value, one[source], err_msg=key)
+        assert len(state["optimizer"][1]["state"]) == 4
+    checkpoint.convert_main(["--load", ep2, "--save", back])
+    want, got = checkpoint.full_state(torch_moe_checkpoint)[0], checkpoint.full_state(back)[0]
+    assert sorted(got) == sorted(want) and any(k.startswith("optimizer.") for k in got)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_import_megatron_reads_an_ep2_moe_folder(torch_moe_checkpoint, tmp_path):
+    """import-megatron of Megatron's EP2 folders (mp_rank_00_000 and _001 read as EP ranks by
+    their args, no meta.json, the nargs='+' list form of the balancing type and coefficient):
+    the MoE args become this project's keys and the experts of both EP ranks its weights."""
+    ep2, out = str(tmp_path / "ep2"), str(tmp_path / "out")
+    checkpoint.convert_main(["--load", torch_moe_checkpoint, "--save", ep2, "--nproc", "2",
+                             "--expert-model-parallel-size", "2"])
+    for ep_rank in range(2):
+        path = rank_file(ep2, ep_rank=ep_rank)
+        os.remove(os.path.join(os.path.dirname(path), "meta.json"))
+        change_file(path, args={"moe_router_load_balancing_type": ["seq_aux_loss"],
+                                "moe_aux_loss_coeff": [0.02]})
+    checkpoint.import_megatron_main([ep2, "--save", out, "--tokenizer-type", "ByteTokenizer"])
+    tensors, meta = checkpoint.full_state(out)
+    m = meta["config"]["model_config"]
+    assert (m["num_moe_experts"], m["moe_layer_freq"], m["moe_shared_expert_intermediate_size"],
+            m["moe_shared_expert_gate"], m["moe_router_load_balancing_type"],
+            m["moe_aux_loss_coeff"], m["moe_z_loss_coeff"]) == (4, [0, 1], 64, True,
+                                                                "seq_aux_loss", 0.02, 0.001)
+    want = checkpoint.full_state(torch_moe_checkpoint, optimizer=False)[0]
+    assert sorted(tensors) == sorted(want)
+    for key in want:
+        np.testing.assert_array_equal(tensors[key], want[key], err_msg=key)
+
+
+def test_moe_names_both_ways_and_refusals():
+    """Routed experts' indices local to an EP rank in Megatron's names, global here;
+    transformer_engine's TEGroupedMLP weight<j> read as expert j; a global expert outside the
+    EP rank has no name there; Megatron's MoE settings this project lacks are refused."""
+    assert megatron_checkpoint.megatron_name(
+        "layers.3.mlp.experts.local_experts.6.linear_fc2.weight", 2, 4) == \
+        "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"
+    assert megatron_checkpoint.project_name(
+        "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight", 2, 4) == \
+        "layers.3.mlp.experts.local_experts.6.linear_fc2.weight"
+    assert megatron_checkpoint.project_name(
+        "decoder.layers.0.mlp.experts.linear_fc1.weight3", 0, 4) == \
+        "layers.0.mlp.experts.local_experts.7.linear_fc1.weight"
+    assert megatron_checkpoint.project_name("decoder.layers.0.mlp.router.bias") == \
+        "layers.0.mlp.router.bias"
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        megatron_checkpoint.megatron_name("layers.0.mlp.experts.local_experts.1.linear_fc1.weight",
+                                          0, 2)
+    one_line(e, "has no Megatron-core counterpart")
+    args = megatron_args("tp1_gpt2", num_experts=4, expert_tensor_parallel_size=2,
+                         moe_router_score_function="sqrtsoftplus")
+    with pytest.raises(ConfigError) as e:
+        megatron_checkpoint.model_overrides(args)
+    one_line(e, "args.moe_router_score_function='sqrtsoftplus'",
+             "args.expert_tensor_parallel_size=2 (experts split over another TP size")
+
+
 def test_project_name_aliases_and_refusals():
     """The legacy model's late *_norm names, transformer_engine's fused norms, `_extra_state`
     and RoPE's inv_freq (no weights); a module this project lacks is one line naming it."""
@@ -3450,7 +3597,7 @@ def test_project_name_aliases_and_refusals():
     assert megatron_checkpoint.megatron_name("layers.5.mlp.linear_fc2.bias", 4) == \
         "decoder.layers.1.mlp.linear_fc2.bias"
     for name in ("decoder.layers.0.self_attention.q_layernorm.weight",
-                 "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"):
+                 "decoder.layers.0.mlp.experts.weight1"):       # the legacy GroupedMLP's
         with pytest.raises(checkpoint.CheckpointError) as e:
             megatron_checkpoint.project_name(name)
         one_line(e, name, "has no place in this project's GPT")
@@ -3473,7 +3620,9 @@ def change_file(path, **changes):
     torch_format.save(state, path)
 
 
-REFUSED = {"num_experts": ("tp1_gpt2", 8, "args.num_experts=8 (a mixture of experts)"),
+REFUSED = {"moe_router_enable_expert_bias": ("tp1_gpt2", True,
+                                             "args.moe_router_enable_expert_bias=True (the "
+                                             "router's expert bias"),
            "qk_layernorm": ("tp1_gpt2", True, "args.qk_layernorm=True (query and key layer norms)"),
            "rotary_percent": ("tp2_llama_bf16", 0.5,
                               "args.rotary_percent=0.5 (rotary embeddings on part of a head)"),
@@ -3504,10 +3653,10 @@ def test_rope_settings_matter_to_rope_models_alone():
 
 def test_import_names_every_setting_it_cannot_hold(tmp_path):
     root = copied("tp1_gpt2", tmp_path)
-    change_file(rank_file(root), args={"num_experts": 4, "qk_layernorm": True})
+    change_file(rank_file(root), args={"moe_input_jitter_eps": 0.1, "qk_layernorm": True})
     with pytest.raises(ConfigError) as e:
         checkpoint.import_megatron_main([root, "--save", str(tmp_path / "out")])
-    one_line(e, "args.num_experts=4", "args.qk_layernorm=True")
+    one_line(e, "args.moe_input_jitter_eps=0.1", "args.qk_layernorm=True")
 
 
 def _break_folder(root, kind):
@@ -3532,7 +3681,7 @@ def _break_folder(root, kind):
     elif kind == "other_sizes":
         change_file(rank_file(root), args={"tensor_model_parallel_size": 1})
     elif kind == "other_model":
-        for t, p in megatron_checkpoint.checkpoint_files(root)[1]:
+        for t, p, _ in megatron_checkpoint.checkpoint_files(root)[1]:
             change_file(rank_file(root, t, p, 2), args={"hidden_size": 64, "kv_channels": 16})
 
 
