@@ -511,7 +511,7 @@ def _distrib_optim_files(values, names, params, dp, bucket_size, kinds, ep=1, ep
     expert-data-parallel rank DDD in EP rank `ep_rank` holds}: of the dense parameters its DP x
     CP rank's (ep_rank + ep * DDD) shard over the `dp` DP x CP ranks, of the experts its shard
     over the dp / ep ranks that hold them (train.build_optimizer's two optimizers)."""
-    expert = [moe.is_expert(param) for param in params]
+    expert = [moe.is_expert(name) for name in names]
     groups = [([i for i, e in enumerate(expert) if not e], dp, lambda d: ep_rank + ep * d),
               ([i for i, e in enumerate(expert) if e], dp // ep, lambda d: d)]
     files = {}

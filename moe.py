@@ -126,7 +126,8 @@ def first_expert(num_experts, ep, ep_rank):
 
 
 def is_expert(name):
-    """A routed expert's parameter (expert-parallel, `allreduce = False`), by its name."""
+    """A routed expert's parameter (expert-parallel, `allreduce = False`: reduced and sharded
+    over the expert-data-parallel group, not DP x CP), by its name."""
     return EXPERT_INDEX.search(name) is not None
 
 
@@ -390,12 +391,6 @@ def _expert_param(shape, name, partition_dim=None, chunks=1):
     if partition_dim is not None:
         p.partition_dim, p.partition_chunks = partition_dim, chunks
     return p
-
-
-def is_expert(param):
-    """A routed expert's parameter: Megatron's `allreduce = False` (_expert_param), reduced and
-    sharded over the expert-data-parallel group, not DP x CP."""
-    return getattr(param, "allreduce", True) is False
 
 
 def _scale_by_probs(y, probs):

@@ -240,7 +240,7 @@ def build_optimizer(cfg, model, state=None):
     named = [item for chunk in chunks for item in chunk.parameters_and_names()]
     counted = counted_in_norm(chunks, state)
     distributed = training_cfg.use_distributed_optimizer and state.dp * state.cp > 1
-    expert = [i for i, (_, param) in enumerate(named) if moe.is_expert(param)]
+    expert = [i for i, (name, _) in enumerate(named) if moe.is_expert(name)]
     dense = [i for i in range(len(named)) if i not in set(expert)]
     scaler = build_scaler(cfg)
     # dense: reduced over DP x CP, norm over TP x PP; experts: over the expert-data-parallel
