@@ -324,6 +324,23 @@ MOE = [
     key(_MOE + "moe_token_drop_policy", "probs", str, "--moe-token-drop-policy",
         "over capacity, drop the lowest probabilities or the latest tokens",
         choices=("probs", "position")),
+    # Megatron's MoE options this project does not build (moe.py), each refused in one line
+    fixed(_MOE + "moe_router_enable_expert_bias", False,
+          "the router has no expert bias (aux-loss-free balancing is not built)",
+          switch={"--moe-router-enable-expert-bias": True}),
+    fixed(_MOE + "moe_input_jitter_eps", None, "the router's input is not jittered",
+          flag="--moe-input-jitter-eps"),
+    fixed(_MOE + "moe_permute_fusion", False, _FUSIONS + ": tokens are permuted by gathers",
+          switch={"--moe-permute-fusion": True}),
+    fixed(_MOE + "moe_enable_deepep", False,
+          "the dispatchers are allgather and alltoall (DeepEP is a GPU library)",
+          switch={"--moe-enable-deepep": True}),
+    fixed(_MOE + "moe_shared_expert_overlap", False,
+          "the shared expert runs before the dispatch, not overlapped with it",
+          switch={"--moe-shared-expert-overlap": True}),
+    fixed(_MOE + "overlap_moe_expert_parallel_comm", False,
+          "the dispatchers' collectives are not overlapped with computation",
+          switch={"--overlap-moe-expert-parallel-comm": True}),
 ]
 
 

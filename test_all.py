@@ -501,6 +501,15 @@ MOE_ERRORS = [
      "num_moe_experts=3 is not divisible by expert_model_parallel_size=2"),
     (["--expert-model-parallel-size", "2"],
      "expert_model_parallel_size=2 needs experts: give --num-experts"),
+    (MOE_FLAGS + ["--moe-router-enable-expert-bias"],
+     "moe_router_enable_expert_bias=True: only False here: the router has no expert bias"),
+    (MOE_FLAGS + ["--moe-input-jitter-eps", "0.1"],
+     "moe_input_jitter_eps=0.1: only None here: the router's input is not jittered"),
+    (MOE_FLAGS + ["--moe-permute-fusion"], "moe_permute_fusion=True: only False here"),
+    (MOE_FLAGS + ["--moe-enable-deepep"], "moe_enable_deepep=True: only False here"),
+    (MOE_FLAGS + ["--moe-shared-expert-overlap"], "moe_shared_expert_overlap=True: only False"),
+    (MOE_FLAGS + ["--overlap-moe-expert-parallel-comm"],
+     "overlap_moe_expert_parallel_comm=True: only False here"),
 ]
 
 
