@@ -184,10 +184,11 @@ def check_save_folder(save, load, finetune=False):
     run: saving a fresh run beside an older one would let pruning (which keeps the highest
     iterations) delete the new checkpoints, and `latest` would jump between runs. Continuing the
     run that is there (--load pointing at the same folder) is the one way to add to it."""
+    # exists before isdir: another rank may create the folder between the two calls
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise CheckpointError(f"training_config.output_dir={save} is a file: give a folder "
+                              "for --save")
     if not os.path.isdir(save):
-        if os.path.exists(save):
-            raise CheckpointError(f"training_config.output_dir={save} is a file: give a folder "
-                                  "for --save")
         return
     saved = saved_iterations(save)
     if not saved:

@@ -3932,6 +3932,22 @@ def test_load_of_a_new_folder_starts_from_scratch(tmp_path, capsys):
             and effective["training_config"]["training_iters"] == 4)
 
 
+def test_a_save_folder_another_rank_creates_meanwhile_is_no_file(tmp_path, monkeypatch):
+    """Every rank checks --save while the first creates it (seen under load: a rank called the
+    new folder a file): the folder appearing during the check's first look is taken as one."""
+    save, exists = tmp_path / "new", os.path.exists
+
+    def created_meanwhile(path):
+        save.mkdir(exist_ok=True)                       # another rank, between two calls
+        return exists(path)
+
+    monkeypatch.setattr(os.path, "exists", created_meanwhile)
+    checkpoint.check_save_folder(str(save), None)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(checkpoint.CheckpointError, match="is a file: give a folder for --save"):
+        checkpoint.check_save_folder(str(tmp_path / "file"), None)
+
+
 def test_a_failed_save_is_one_line_and_the_last_checkpoint_stays(tmp_path, monkeypatch, capsys):
     """A full disk (MindSpore raises RuntimeError from save_checkpoint) ends the run with one line
     naming the file and the fix, exit 2; the previous checkpoint is still the latest."""
@@ -6290,15 +6306,14 @@ def guide_run(name, prefix, save, workers):
 ALL_LAYOUTS = {name: spec for layouts in [*LAYOUTS.values(), LATE_LAYOUTS]
                for name, spec in layouts.items()}
 RESUMED = {2: "dp2_distopt", 4: "tp2_pp2_sp"}      # stopped after 5 of the 10 steps, then resumed
-# TP2 x PP2 stopped as Megatron stops a job, each run resuming the one before (the last two are
-# RESUMED[4]): (run, flags, the step of the run during which rank 0 alone gets SIGTERM, the
-# iteration it stops after); every run saves Megatron's torch format (model_optim_rng.pt).
-# --exit-duration-in-mins stops every rank after the same step as SIGTERM to one rank does (one
+# TP2 x PP2 stopped as Megatron stops a job, the second run resuming the first (RESUMED[4]):
+# (run, flags, the step of the run during which rank 0 alone gets SIGTERM, the iteration it
+# stops after); both save Megatron's torch format (model_optim_rng.pt). --exit-interval and
+# --exit-duration-in-mins stop every rank after the same step as SIGTERM to one rank does (one
 # all-reduce of a flag, train.exit_reason): tested in one process
 # (test_a_stopped_job_resumes_bit_identical)
 TORCH = ["--ckpt-format", "torch"]
-STOP_CHAIN = [("stopped_signal", ["--exit-signal-handler"] + TORCH, 2, 2),
-              ("tp2_pp2_sp_first", ["--exit-interval", "5"] + TORCH, None, 5),
+STOP_CHAIN = [("tp2_pp2_sp_first", ["--exit-signal-handler"] + TORCH, 5, 5),
               ("tp2_pp2_sp_resumed", TORCH, None, 10)]
 # run: (checkpoint of step 5 it resumes from, its source layout's full run, what changed, the new
 # layout's flags, workers); the convert command rewrote the checkpoint, except where the layouts
@@ -6640,9 +6655,9 @@ def assert_same_checkpoints(a_root, b_root):
 
 @pytest.mark.parametrize("stop", range(len(STOP_CHAIN) - 1))
 def test_parallel_stopped_job_resumes_bit_exact(parallel_runs, stop):
-    """TP2 x PP2 stopped by SIGTERM on rank 0 alone (every rank stops after the same step) and by
-    --exit-interval, each run resuming the one before: every stop leaves its checkpoint and the
-    losses are those of the run that never stopped, bit for bit."""
+    """TP2 x PP2 stopped by SIGTERM on rank 0 alone (every rank stops after the same step), then
+    resumed: the stop leaves its checkpoint and the losses are those of the run that never
+    stopped, bit for bit."""
     tmp, _ = parallel_runs
     full = losses_of(train_lines(tmp / "tp2_pp2_sp"))
     name, _, _, stopped_at = STOP_CHAIN[stop]
