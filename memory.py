@@ -629,9 +629,12 @@ def _dispatcher_collectives(model_cfg, tp, ep, n, calls, compute, probs, add):
         add(kind, "reduce_scatter", 3 * calls,
             calls * (2 * big * h * compute + big * experts * probs))
         return
-    if ep > 1:                                                     # alltoall, TP 1
-        slots = experts * expert_capacity(model_cfg, n)
+    slots = experts * expert_capacity(model_cfg, n)               # alltoall: [E C, h] a rank
+    if ep > 1:
         add("ep", "all_to_all", 6 * calls, 2 * calls * slots * (2 * h * compute + probs))
+    if tp > 1:       # then over TP (ETP = TP): tokens and probs gathered, outputs reduce-scattered
+        add("tp", "all_gather", 3 * calls, calls * slots * (2 * h * compute + probs))
+        add("tp", "reduce_scatter", 3 * calls, calls * tp * slots * (2 * h * compute + probs))
 
 
 def _pipeline_collectives(cfg, rank, first, last, add):

@@ -6685,8 +6685,7 @@ def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(parallel_runs
     """EP2 with the distributed optimizer (2 workers): its first 5 steps equal one process; its
     checkpoint, and the EP4 one convert wrote from it through one process, have Megatron's
     expert folders mp_rank_00_EEE, each with its rank's experts and distrib_optim file (both
-    conversions resume in test_converted_checkpoint_trains_like_the_original_layout). EP2 x PP2
-    with a capacity factor resumes bit for bit."""
+    conversions resume in test_converted_checkpoint_trains_like_the_original_layout)."""
     tmp, _ = parallel_runs
     first, one = (losses_of(train_lines(tmp / name)) for name in ("ep2_distopt_first", "one_moe"))
     np.testing.assert_allclose(first, one[:5], rtol=loss_rtol("one_moe"))
@@ -6699,7 +6698,12 @@ def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(parallel_runs
         experts = {int(re.search(r"local_experts\.(\d+)\.", k).group(1)) for k in tensors
                    if "local_experts" in k}
         assert experts == set(range(e * local, (e + 1) * local)), (e, experts)
-    # EP2 x PP2 with a capacity factor: stopped after step 5 and resumed, bit for bit
+
+
+def test_expert_parallel_pipeline_resumes_bit_for_bit(parallel_runs):
+    """EP2 x PP2 with a capacity factor, stopped after step 5 and resumed: the losses of steps 6
+    to 10 are those of the run that never stopped, bit for bit."""
+    tmp, _ = parallel_runs
     resumed, full = (losses_of(train_lines(tmp / name))
                      for name in ("ep2_pp2_capacity_resumed", "ep2_pp2_capacity"))
     assert resumed == full[5:]
