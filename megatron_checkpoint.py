@@ -374,13 +374,19 @@ def model_overrides(args, legacy=False):
             for k, v in values.items()]
 
 
+# how Megatron ran its experts, not what they compute: not carried into this project's config
+MOE_SPEED_ONLY = ("moe_permute_fusion", "moe_enable_deepep", "moe_shared_expert_overlap",
+                  "overlap_moe_expert_parallel_comm")
+
+
 def _moe_values(get):
     """model_overrides' MoE part: this project's MoE keys from Megatron's args (`get` reads
     them), when the args have experts; unset (None) ones keep this project's defaults, which are
     Megatron's. The flex dispatcher (DeepEP) routes and sums as allgather does: read as that."""
     if not get("num_experts"):
         return {}
-    values = {key: _single(get(arg)) for key, arg in MOE_ARGS.items() if get(arg) is not None}
+    values = {key: _single(get(arg)) for key, arg in MOE_ARGS.items()
+              if get(arg) is not None and key not in MOE_SPEED_ONLY}
     if values.get("moe_token_dispatcher_type") not in (None, "allgather", "alltoall"):
         values["moe_token_dispatcher_type"] = "allgather"
     return values
@@ -635,8 +641,7 @@ def _megatron_model_args(model_cfg, tp):
         apply_query_key_layer_scaling=model_cfg.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=model_cfg.attention_softmax_in_fp32,
         fp16_lm_cross_entropy=model_cfg.fp16_lm_cross_entropy, transformer_impl="local",
-        **{arg: getattr(model_cfg, key) for key, arg in MOE_ARGS.items()},
-        moe_router_enable_expert_bias=False, moe_input_jitter_eps=None)
+        **{arg: getattr(model_cfg, key) for key, arg in MOE_ARGS.items()})
 
 
 def _megatron_precision_args(model_cfg, training_cfg):

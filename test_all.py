@@ -3537,8 +3537,9 @@ def test_torch_format_moe_converts_to_ep2_expert_folders_and_back_exactly(torch_
 
 def test_import_megatron_reads_an_ep2_moe_folder(torch_moe_checkpoint, tmp_path):
     """import-megatron of Megatron's EP2 folders (mp_rank_00_000 and _001 read as EP ranks by
-    their args, no meta.json, the nargs='+' list form of the balancing type and coefficient):
-    the MoE args become this project's keys and the experts of both EP ranks its weights."""
+    their args, no meta.json, the nargs='+' list form of the balancing type and coefficient,
+    Megatron's fused permute and overlap on): the MoE args become this project's keys (how
+    Megatron ran them left out) and the experts of both EP ranks its weights."""
     ep2, out = str(tmp_path / "ep2"), str(tmp_path / "out")
     checkpoint.convert_main(["--load", torch_moe_checkpoint, "--save", ep2, "--nproc", "2",
                              "--expert-model-parallel-size", "2"])
@@ -3546,7 +3547,8 @@ def test_import_megatron_reads_an_ep2_moe_folder(torch_moe_checkpoint, tmp_path)
         path = rank_file(ep2, ep_rank=ep_rank)
         os.remove(os.path.join(os.path.dirname(path), "meta.json"))
         change_file(path, args={"moe_router_load_balancing_type": ["seq_aux_loss"],
-                                "moe_aux_loss_coeff": [0.02]})
+                                "moe_aux_loss_coeff": [0.02], "moe_permute_fusion": True,
+                                "moe_shared_expert_overlap": True})
     checkpoint.import_megatron_main([ep2, "--save", out, "--tokenizer-type", "ByteTokenizer"])
     tensors, meta = checkpoint.full_state(out)
     m = meta["config"]["model_config"]
