@@ -1899,9 +1899,11 @@ def test_gqa_with_one_group_per_head_equals_mha():
     np.testing.assert_array_equal(logits_of(mha, tokens), logits_of(gqa, tokens))
 
 
-FLASH_CASES = {"mha": ([], False), "gqa": (["--group-query-attention", "--num-query-groups",
-                                              "2"], False),
-               "documents": ([], True)}
+FLASH_CASES = {"mha": ([], False),
+               "gqa": (["--group-query-attention", "--num-query-groups", "2"], False),
+               "documents": ([], True),
+               "layer scaling": (["--apply-query-key-layer-scaling"], False),
+               "fp16 layer scaling": (["--fp16", "--apply-query-key-layer-scaling"], False)}
 
 
 class JitAttention(nn.Cell):
@@ -1933,27 +1935,40 @@ def flash_inputs(cfg, documents, s=40, b=2):
     return (q, k, v, bias), weights
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["op by op", "compiled"])
-@pytest.mark.parametrize("case", sorted(FLASH_CASES))
-def test_flash_attention_equals_core_attention(case, compiled):
+@pytest.mark.parametrize("case,compiled", [(c, False) for c in sorted(FLASH_CASES)]
+                         + [(c, True) for c in ("mha", "gqa", "documents")],
+                         ids=[f"{c}-op by op" for c in sorted(FLASH_CASES)]
+                         + [f"{c}-compiled" for c in ("mha", "gqa", "documents")])
+def test_flash_attention_equals_core_attention(case, compiled, monkeypatch):
     """gpt.FlashAttention with 16-token blocks over 40 tokens (blocks 16, 16, 8: the last short;
     the 3 block pairs above the causal diagonal skipped) gives CoreAttention's context and
-    gradients of q, k and v (float32, relative 1e-5): multi-head, grouped-query and a document
-    mask, op by op and compiled."""
+    gradients of q, k and v (float32: relative 1e-5): multi-head, grouped-query, a document mask,
+    query-key layer scaling (layer 3) in float32 and float16 (2e-3); op by op, and the first three
+    compiled (ms.jit)."""
     flags, documents = FLASH_CASES[case]
     cfg = tiny_cfg(*flags)
+    dtype = gpt.DTYPES[cfg.model_config.compute_dtype]
     inputs, weights = flash_inputs(cfg, documents)
+    inputs = [x.astype(dtype) for x in inputs[:3]] + [inputs[3]]
     results = []
     for attention in (gpt.CoreAttention, functools.partial(gpt.FlashAttention, block_size=16)):
         core = attention(cfg.model_config, DropoutRNG(0), cfg.model_config.num_attention_heads
-                         // cfg.model_config.num_query_groups, layer_number=2)
+                         // cfg.model_config.num_query_groups, layer_number=3)
         net = JitAttention(core) if compiled else core
-        grads = ms.grad(lambda *x: (net(*x) * weights).sum(), (0, 1, 2))(*inputs)
+        grads = ms.grad(lambda *x: (net(*x) * weights.astype(dtype)).astype(ms.float32).sum(),
+                        (0, 1, 2))(*inputs)
         results.append([net(*inputs)] + list(grads))
+    scored, scores = [], context_parallel.attention_scores
+    monkeypatch.setattr(context_parallel, "attention_scores",   # the key blocks scored, op by op
+                        lambda q, k, *rest: scored.append(k.shape[2]) or scores(q, k, *rest))
+    core(*inputs)                                               # the flash core
+    assert scored == [16, 16, 16, 16, 16, 8]     # key blocks 0; 0, 1; 0, 1, 2
+    tolerance = 1e-5 if dtype == ms.float32 else 2e-3     # float16: its resolution, 1/1024
     for name, got, want in zip(["context", "dq", "dk", "dv"], *results):
-        want = want.asnumpy()
-        np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5,
-                                   atol=1e-5 * np.abs(want).max(), err_msg=name)
+        assert got.dtype == want.dtype, name
+        want = want.asnumpy().astype(np.float32)
+        np.testing.assert_allclose(got.asnumpy().astype(np.float32), want, rtol=tolerance,
+                                   atol=tolerance * np.abs(want).max(), err_msg=name)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["op by op", "compiled"])
@@ -1963,8 +1978,8 @@ def test_flash_attention_model_equals_the_plain_model(compiled):
     results = []
     for flash in ([], ["--use-flash-attn"]):
         cfg, model = tiny_model(*VARIANTS["gqa"], *VARIANTS["rope"], *flash)
-        for layer in model.layers:
-            if flash:
+        if flash:
+            for layer in model.layers:
                 layer.self_attention.core_attention.kernel.block_size = 6
         net = gpt.Compiled(model) if compiled else model
         grad_fn = ms.value_and_grad(net, None, model.trainable_params())
