@@ -1971,12 +1971,16 @@ def test_flash_attention_equals_core_attention(case, compiled, monkeypatch):
                                    atol=tolerance * np.abs(want).max(), err_msg=name)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["op by op", "compiled"])
-def test_flash_attention_model_equals_the_plain_model(compiled):
+@pytest.mark.parametrize("compiled,recompute", [
+    (False, []), (True, []),
+    (False, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "2"])], ids=["op by op", "compiled", "full recompute"])
+def test_flash_attention_model_equals_the_plain_model(compiled, recompute):
     """A whole tiny model (GQA, RoPE) with --use-flash-attn, its layers' blocks 6 tokens (16 =
-    6 + 6 + 4), gives the plain model's loss and every parameter gradient (relative 1e-5)."""
+    6 + 6 + 4), gives the plain model's loss and every parameter gradient (relative 1e-5); also
+    inside full recompute (the flash core's custom bprop in a recomputed layer)."""
     results = []
-    for flash in ([], ["--use-flash-attn"]):
+    for flash in ([], ["--use-flash-attn", *recompute]):
         cfg, model = tiny_model(*VARIANTS["gqa"], *VARIANTS["rope"], *flash)
         if flash:
             for layer in model.layers:
