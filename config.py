@@ -331,6 +331,7 @@ def _finalize_parallel(parallel_cfg, model_cfg, dataset_cfg, world_size):
                                                 "context_parallel_size"])
     _check_context_parallel(parallel_cfg, model_cfg, dataset_cfg)
     _check_pipeline(parallel_cfg, model_cfg)
+    _check_flash_attention(model_cfg, parallel_cfg)
     _finalize_recompute(model_cfg, parallel_cfg)
     tp = parallel_cfg.tensor_model_parallel_size
     for k in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
@@ -438,6 +439,32 @@ def _check_context_parallel(parallel_cfg, model_cfg, dataset_cfg):
         raise ConfigError("dataset_config.reset_attention_mask does not work with ring attention "
                           f"({algo}): use context_parallel_algo=ulysses_cp_algo, or "
                           "reset_position_ids alone")
+
+
+def _check_flash_attention(model_cfg, parallel_cfg):
+    """What gpt.FlashAttention does not build, refused: attention dropout (its backward would have
+    to replay each block's mask), a half-precision softmax (its blocks' softmax is float32, as
+    Megatron's flash kernels'), selective recompute (its backward already recomputes the
+    s x s part) and context parallelism (the ring attends in its own blocks)."""
+    if not model_cfg.use_flash_attention:
+        return
+    fix = "or drop --use-flash-attn (model_config.use_flash_attention)"
+    if model_cfg.attention_dropout_rate > 0:
+        raise ConfigError("model_config.attention_dropout_rate="
+                          f"{model_cfg.attention_dropout_rate} with use_flash_attention: flash "
+                          f"attention has no dropout here; set --attention-dropout 0, {fix}")
+    if not model_cfg.attention_softmax_in_fp32:
+        raise ConfigError("model_config.attention_softmax_in_fp32=false with use_flash_attention: "
+                          "its softmax is float32; remove --no-attention-softmax-in-fp32, " + fix)
+    if model_cfg.recompute_granularity == "selective":
+        raise ConfigError("model_config.recompute_granularity=selective with use_flash_attention:"
+                          " flash attention already recomputes its blocks in the backward; "
+                          "remove --recompute-activations, " + fix)
+    if parallel_cfg.context_parallel_size > 1:
+        raise ConfigError("parallel_config.context_parallel_size="
+                          f"{parallel_cfg.context_parallel_size} with use_flash_attention: "
+                          "not built (the ring attends in its own blocks); use "
+                          "--context-parallel-size 1, " + fix)
 
 
 def per_stage_and_chunk(values):

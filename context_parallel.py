@@ -75,17 +75,25 @@ def attention_work(seq_length, ring, balanced=True):
 
 
 # ============================================================================ attention
+def attention_scores(q, k, bias, softmax_scale=1.0):
+    """float32 scores of one block, q [b, n, sq, d] (scaled by 1/sqrt(d)), k [b, n, sk, d], bias
+    None or broadcasting to [b, n, sq, sk] -> [b, n, sq, sk]: the ring's blocks and
+    gpt.FlashAttention's (whose backward recomputes them with this same function)."""
+    scores = batch_matmul_nt(q, k).astype(F32)
+    if softmax_scale != 1.0:
+        scores = scores * softmax_scale
+    if bias is not None:
+        scores = scores + bias
+    return scores
+
+
 def attention_block(q, k, v, bias, dropout, softmax_scale=1.0):
     """One block of attention with its log-sum-exp: q [b, n, sq, d] (already scaled by 1/sqrt(d)),
     k, v [b, n, sk, d], bias None or [b, n, sq, sk] -> (softmax(q k^T + bias) v [b, n, sq, d],
     logsumexp of the scores [b, n, sq, 1]). The scores, softmax and merges are float32 whatever
     the compute dtype; softmax_scale multiplies them there (gpt.CoreAttention's query-key layer
     scaling). The max only keeps exp in range (no gradient)."""
-    scores = batch_matmul_nt(q, k).astype(F32)
-    if softmax_scale != 1.0:
-        scores = scores * softmax_scale
-    if bias is not None:
-        scores = scores + bias
+    scores = attention_scores(q, k, bias, softmax_scale)
     top = ops.stop_gradient(scores.max(axis=-1, keepdims=True))
     weights = ops.exp(scores - top)
     total = weights.sum(-1, keepdims=True)

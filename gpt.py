@@ -22,8 +22,10 @@ import context_parallel
 import moe
 import parallel
 from config import moe_layer_pattern
+from context_parallel import attention_block, attention_scores, merge_partial_attention
 from parallel import F32, batch_matmul_nt, cast, linear
 
+FLASH_BLOCK = 128       # FlashAttention's default block (tokens), memory.py's estimate's too
 MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic
 
 
@@ -208,6 +210,122 @@ class CoreAttention(nn.Cell):
         return ops.bmm(self.dropout(probs), v).transpose(2, 0, 1, 3)   # [s, b, n, d]
 
 
+def _blocks(s, size):
+    """[(start, stop)] of the blocks of `size` tokens covering s tokens (the last may be short).
+    Loops, not nested comprehensions: ms.jit compiles these."""
+    blocks = []
+    for start in range(0, s, size):
+        blocks.append((start, min(start + size, s)))
+    return blocks
+
+
+class FlashAttention(CoreAttention):
+    """CoreAttention block by block (FlashAttention-2, Dao 2023): queries and keys/values in blocks
+    of `block_size` tokens (clipped to s); each query block's partial attentions over its key
+    blocks are merged by their log-sum-exp (context_parallel.merge_partial_attention, the ring's
+    merge); key blocks wholly above the causal diagonal are skipped (every mask here is causal: a
+    GPT's, or a document mask, which only removes more). The backward (FlashKernel's bprop) keeps
+    only the output and the log-sum-exp and recomputes each block's probabilities, so the largest
+    s x s tensor of a layer is one block's [b, n, block, block]. Scores and softmax are float32
+    and there is no attention dropout (config.py refuses both other settings)."""
+
+    def __init__(self, cfg, rng, per_group, layer_number=1, block_size=None):
+        super().__init__(cfg, rng, per_group, layer_number)
+        self.kernel = FlashKernel(self, block_size or FLASH_BLOCK)
+
+    def construct(self, q, k, v, mask_bias):
+        """As CoreAttention; mask_bias may also be [b or 1, n or 1, s, s] (it is broadcast)."""
+        return self.kernel(q, k, v, mask_bias)[0]
+
+
+class FlashKernel(nn.Cell):
+    """(context [s, b, n, d], log-sum-exp [b, n, s, 1]) of FlashAttention, with its backward."""
+
+    def __init__(self, core, block_size):
+        super().__init__()
+        self.block_size = block_size
+        self.scale, self.softmax_scale = core.scale, core.softmax_scale
+        self.per_group, self.to_heads = core.per_group, core.to_heads
+
+    def construct(self, q, k, v, mask_bias):
+        q = self.to_heads(q * self.scale, 1)                                 # [b, n, s, d]
+        k, v = self.to_heads(k, self.per_group), self.to_heads(v, self.per_group)
+        blocks = _blocks(q.shape[2], self.block_size)
+        outs, lses = [], []
+        for i in range(len(blocks)):
+            # key blocks 0..i: block j > i starts at or after query block i's end (masked)
+            part = self.block(q, k, v, mask_bias, blocks[i], blocks[0])
+            for j in range(1, i + 1):
+                part = merge_partial_attention(
+                    part, self.block(q, k, v, mask_bias, blocks[i], blocks[j]))
+            outs.append(part[0])
+            lses.append(part[1])
+        context = ops.cat(outs, 2).transpose(2, 0, 1, 3)                      # [s, b, n, d]
+        return context, ops.cat(lses, 2)
+
+    def block(self, q, k, v, mask_bias, rows, cols):
+        """(out, lse) of query block `rows` over key block `cols` (each (start, stop))."""
+        (qa, qb), (ka, kb) = rows, cols
+        return attention_block(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
+                               mask_bias[:, :, qa:qb, ka:kb], _no_dropout, self.softmax_scale)
+
+    def bprop(self, q, k, v, mask_bias, out, dout):
+        # a plain function call: ms.jit (MindSpore 2.10) fails to compile this backward written
+        # in the bprop itself or called as self.backward ("The pointer[func_graph->get_return()]
+        # is null"); test_flash_attention_equals_core_attention[compiled] runs it
+        return FlashKernel.backward(self, q, k, v, mask_bias, out, dout)
+
+    def backward(self, q, k, v, mask_bias, out, dout):
+        """FlashAttention-2's backward, block by block: P = exp(S - LSE), D = rowsum(dO * O);
+        dV += P^T dO; dP = dO V^T; dS = P * (dP - D); dQ += dS K, dK += dS^T Q (Q and the scores'
+        scale folded in as the forward applies them). GQA: each key/value head's gradient is the
+        sum over the per_group query heads it served."""
+        dtype = q.dtype
+        qh = self.to_heads(q * self.scale, 1)                                # [b, n, s, d]
+        kh, vh = self.to_heads(k, self.per_group), self.to_heads(v, self.per_group)
+        o, do = out[0].transpose(1, 2, 0, 3), dout[0].transpose(1, 2, 0, 3)
+        lse = out[1]                                                         # [b, n, s, 1]
+        rows = (cast(do, F32) * cast(o, F32)).sum(-1, keepdims=True)         # D [b, n, s, 1]
+        blocks = _blocks(qh.shape[2], self.block_size)
+        # per block: gradients [b, n, block, d] summed over the block pairs
+        dq = [ops.zeros_like(qh[:, :, a:z]) for a, z in blocks]
+        dk = [ops.zeros_like(kh[:, :, a:z]) for a, z in blocks]
+        dv = [ops.zeros_like(vh[:, :, a:z]) for a, z in blocks]
+        for i in range(len(blocks)):
+            for j in range(i + 1):                   # the forward's pairs: key blocks 0..i
+                grads = self.block_grads(qh, kh, vh, do, mask_bias, lse, rows, blocks[i],
+                                         blocks[j])
+                dq[i], dk[j], dv[j] = dq[i] + grads[0], dk[j] + grads[1], dv[j] + grads[2]
+        dq = ops.cat(dq, 2) * self.scale                                     # [b, n, s, d]
+        dk, dv = self._sum_groups(ops.cat(dk, 2)), self._sum_groups(ops.cat(dv, 2))
+        return (cast(dq.transpose(2, 0, 1, 3), dtype), cast(dk, k.dtype), cast(dv, v.dtype),
+                ops.zeros_like(mask_bias))
+
+    def block_grads(self, q, k, v, do, mask_bias, lse, rows, query, key):
+        """Gradients of query block `query` over key block `key` ((start, stop) each): dq (of
+        the scaled q) [b, n, bq, d], dk, dv [b, n, bk, d]; q, k, v, do [b, n, s, d]; lse and
+        rows (D) [b, n, s, 1]."""
+        (qa, qb), (ka, kb), dtype = query, key, q.dtype
+        q_i, k_j, v_j, do_i = q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], do[:, :, qa:qb]
+        p = ops.exp(attention_scores(q_i, k_j, mask_bias[:, :, qa:qb, ka:kb],
+                                     self.softmax_scale) - lse[:, :, qa:qb])  # [b, n, bq, bk]
+        d_scores = p * (batch_matmul_nt(do_i, v_j).astype(F32) - rows[:, :, qa:qb])
+        d_scores = cast(d_scores * self.softmax_scale, dtype)             # d(q k^T)
+        return (ops.bmm(d_scores, k_j), ops.bmm(d_scores.swapaxes(-1, -2), q_i),
+                ops.bmm(cast(p, dtype).swapaxes(-1, -2), do_i))
+
+    def _sum_groups(self, grad):
+        """[b, n, s, d] over the repeated heads -> [s, b, g, d]: each group's per_group heads
+        summed."""
+        b, n, s, d = grad.shape
+        grad = grad.reshape(b, n // self.per_group, self.per_group, s, d).sum(2)
+        return grad.transpose(2, 0, 1, 3)
+
+
+def _no_dropout(x):
+    return x
+
+
 class SelfAttention(nn.Cell):
     """Causal multi-head attention with grouped query attention (GQA, Ainslie et al. 2023).
 
@@ -229,7 +347,8 @@ class SelfAttention(nn.Cell):
         group_width = (self.per_group + 2) * self.head_dim    # its query heads, a key, a value
         self.local_groups = self.linear_qkv.weight.shape[0] // group_width
         self.local_heads = self.local_groups * self.per_group
-        self.core_attention = CoreAttention(cfg, rng, self.per_group, layer_number)
+        core = FlashAttention if cfg.use_flash_attention else CoreAttention
+        self.core_attention = core(cfg, rng, self.per_group, layer_number)
         state = parallel.get_state()
         if state.cp > 1:
             self.core_attention = context_parallel.ContextParallelAttention(
@@ -517,9 +636,11 @@ class GPTModel(nn.Cell):
         else:
             bias = additive_mask(np.triu(np.ones((1, 1, s, s), bool), 1))
         # Tile once to [b, n, s, s]: each layer then does a same-shape add, which on CPU is ~10x
-        # cheaper than adding a broadcast [1, 1, s, s] mask.
-        heads = self.layers[0].self_attention.core_heads if len(self.layers) else 1
-        bias = ops.tile(bias, (x.shape[1] // bias.shape[0], heads, 1, 1))
+        # cheaper than adding a broadcast [1, 1, s, s] mask. Flash attention adds it block by
+        # block and would only keep b x n copies of it.
+        if not self.cfg.use_flash_attention:
+            heads = self.layers[0].self_attention.core_heads if len(self.layers) else 1
+            bias = ops.tile(bias, (x.shape[1] // bias.shape[0], heads, 1, 1))
         # layers, or recomputed groups of them
         for block in self.blocks:
             x = block(x, rope, bias)

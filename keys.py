@@ -8,7 +8,7 @@ sections, MindSpore Transformers' scheduler keys). Three kinds of row:
 
 - `key`:   honoured; the run does what it says.
 - `fixed`: accepted at the one value that is this project's only behaviour (transformer_impl
-           local, use_flash_attention false, ...); any other value is refused with the row's reason.
+           local, apply_rope_fusion false, ...); any other value is refused with the row's reason.
 - `inert`: a graph-mode, Ascend-only or launcher setting that means nothing in PyNative here
            (context.mode, parallel.parallel_mode, ...): accepted with one warning saying why.
 
@@ -80,6 +80,8 @@ _MS_TRAIN = "train_config.ms_training_config."
 _GRAPH = "a graph-mode setting: this project runs PyNative (ms.jit compiles the model's step)"
 _DEVICE_PROFILER = "collected by the Ascend/GPU profiler only (on CPU: one warning, op times only)"
 _FUSIONS = "this project builds unfused operators only"
+_FUSED_FA = ("a setting of Ascend's fused FlashAttentionScore kernel, not used on CPU "
+             "(--use-flash-attn runs gpt.FlashAttention, written out)")
 
 TRAINING = [
     key("training_config.seed", 1234, int, "--seed",
@@ -456,14 +458,12 @@ MODEL = [
     fixed("model_config.transformer_impl", "local",
           "the layers are this project's own (Megatron's local implementation)",
           flag="--transformer-impl"),
-    fixed("model_config.use_flash_attention", False, _FUSIONS + ": attention is written out",
-          switch={"--use-flash-attn": True}),
-    inert("model_config.fa_config.pre_tokens", "a Flash Attention setting (no Flash Attention)",
-          flag="--pre-tockens"),
-    inert("model_config.fa_config.next_tokens", "a Flash Attention setting (no Flash Attention)",
-          flag="--next-tockens"),
-    inert("model_config.fa_config.input_layout", "a Flash Attention setting (no Flash Attention)",
-          flag="--shape-order"),
+    key("model_config.use_flash_attention", False, bool, None,
+        "core attention in key/value blocks with an online softmax and a recomputing backward "
+        "(gpt.FlashAttention): no [b, n, s, s] scores kept", switch={"--use-flash-attn": True}),
+    inert("model_config.fa_config.pre_tokens", _FUSED_FA, flag="--pre-tockens"),
+    inert("model_config.fa_config.next_tokens", _FUSED_FA, flag="--next-tockens"),
+    inert("model_config.fa_config.input_layout", _FUSED_FA, flag="--shape-order"),
     fixed("model_config.apply_swiglu_fusion", False, _FUSIONS, switch={"--use-fused-swiglu": True}),
     fixed("model_config.apply_rope_fusion", False, _FUSIONS, switch={"--apply-rope-fusion": True}),
     inert("accelerate_config.precision.fused_operators", _FUSIONS),

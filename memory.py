@@ -226,12 +226,18 @@ def layer_activations(model_cfg, parallel_cfg, micro_batch_size, moe=False):
         ("fc1 input [s, b, h]", c * x, False),
         ("MLP activations [s, b, ffn/tp]",
          c * MLP_KEPT[model_cfg.hidden_act] * x * model_cfg.ffn_hidden_size // (h * tp), False)]
+    core = [("q scaled, k and v repeated per query head [b, n/tp, s, h/n]",
+             c * (1 + 2 * ring) * x // tp, True),
+            ("softmax output [b, n/tp, s, s]", softmax * scores, True)]
+    if model_cfg.use_flash_attention:
+        # gpt.FlashKernel's bprop keeps its inputs, its output and the log-sum-exp
+        core = [("flash attention: q, k, v [s, b, n + 2g, h/n] and output [s, b, n/tp, h/n]",
+                 c * (2 * n + 2 * g) * x // (n * tp), True),
+                ("flash attention: log-sum-exp [b, n/tp, s, 1], float32",
+                 F32_BYTES * scores // s, True)]
     rows = [("norm inputs [s/tp (SP), b, h]",
              F32_BYTES * (2 + 2 * model_cfg.use_sandwich_norm) * norm * x // sp, False),
-            ("qkv input [s, b, h]", c * x, False),
-            ("q scaled, k and v repeated per query head [b, n/tp, s, h/n]",
-             c * (1 + 2 * ring) * x // tp, True),
-            ("softmax output [b, n/tp, s, s]", softmax * scores, True),
+            ("qkv input [s, b, h]", c * x, False), *core,
             ("proj input [s, b, h/tp]", c * x // tp, False), *mlp]
     if model_cfg.position_embedding_type == "rope":
         # x cos + rotate_half(x) sin keeps both factors
@@ -383,14 +389,26 @@ def in_flight(cfg, rank):
     return pipeline.peak_in_flight(passes)
 
 
+def flash_transients(cfg, tp):
+    """gpt.FlashAttention's transients: (mask bytes, values in one block pair's scores, bytes of
+    the backward's dq, dk, dv [b, n/tp, s, h/n], accumulated and concatenated). The mask is not
+    tiled: none beside the model's causal one, a document mask [b, 1, s, s] in float32."""
+    model_cfg, micro_batch_size = cfg.model_config, cfg.dataset_config.batch_size
+    s, block = model_cfg.seq_length, min(gpt.FLASH_BLOCK, model_cfg.seq_length)
+    mask = F32_BYTES * micro_batch_size * s ** 2 * cfg.dataset_config.reset_attention_mask
+    scores = micro_batch_size * model_cfg.num_attention_heads * block ** 2 // tp
+    c = DTYPE_BYTES[model_cfg.compute_dtype]
+    return mask, scores, 2 * 3 * c * micro_batch_size * s * model_cfg.hidden_size // tp
+
+
 def stage_activations(cfg, rank):
     """Activation bytes on a rank of pipeline stage `rank`: (kept, transient, in flight).
     kept: the in-flight chunk forwards times the largest chunk's kept activations (exact for
     equal chunks). transient, beside them: the causal-mask bias tiled to [b, n/tp, s, s] once per
-    forward (gpt.GPTModel.construct), then the larger of two moments of the backward: the loss's,
-    with the logits' gradient [s, b, V/tp] (last stage), and a layer's, with its core attention's
-    temporaries (CORE_TEMPORARIES), the gradients of its kept tensors and the recompute working
-    set."""
+    forward (gpt.GPTModel.construct; flash_transients with flash attention), then the larger of
+    two moments of the backward: the loss's, with the logits' gradient [s, b, V/tp] (last stage),
+    and a layer's, with its core attention's temporaries (CORE_TEMPORARIES), the gradients of its
+    kept tensors and the recompute working set."""
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
     micro_batch_size, s = cfg.dataset_config.batch_size, model_cfg.seq_length
     stage = stage_chunks(model_cfg, parallel_cfg)[rank]
@@ -408,6 +426,9 @@ def stage_activations(cfg, rank):
     gradients = max(sum(e for _, e, _ in layer_activations(model_cfg, parallel_cfg,
                                                            micro_batch_size, moe))
                     for moe in set(stage_layer_kinds(cfg, rank)))
+    if model_cfg.use_flash_attention:
+        mask, scores, flash_gradients = flash_transients(cfg, tp)
+        gradients += flash_gradients
     layer = softmax * CORE_TEMPORARIES * scores + gradients + max(w for _, w in chunks)
     logits = 0
     if any(c[2] for c in stage):                                  # the stage has the loss

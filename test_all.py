@@ -51,6 +51,7 @@ import ast
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import glob
 import hashlib
 import importlib
@@ -394,9 +395,10 @@ def test_repeated_config_files_layer_in_order_and_name_what_they_override(tmp_pa
      "weight_decay_incr_style=linear needs start_weight_decay and end_weight_decay"),
     (["model_config.transformer_impl=transformer_engine"], "model_config.transformer_impl="
      "'transformer_engine': only 'local' here: the layers are this project's own"),
-    (["--use-flash-attn"], "model_config.use_flash_attention=True: only False here"),
+    (["--use-fused-swiglu"], "model_config.apply_swiglu_fusion=True: only False here"),
     (["training_config.resume_training=true"], "resume_training=true needs the checkpoint"),
-], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "flash", "resume"])
+], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "swiglu_fusion",
+     "resume"])
 def test_no_value_is_silently_replaced_or_ignored(args, message, capsys):
     """A value that contradicts another, or that this project cannot do, is one line (Megatron's
     assertions where it has them); micro_batch_num that agrees is taken."""
@@ -1906,6 +1908,121 @@ def test_gqa_with_one_group_per_head_equals_mha():
     np.testing.assert_array_equal(logits_of(mha, tokens), logits_of(gqa, tokens))
 
 
+FLASH_CASES = {"mha": ([], False),
+               "gqa": (["--group-query-attention", "--num-query-groups", "2"], False),
+               "documents": ([], True),
+               "layer scaling": (["--apply-query-key-layer-scaling"], False),
+               "fp16 layer scaling": (["--fp16", "--apply-query-key-layer-scaling"], False)}
+
+
+class JitAttention(nn.Cell):
+    """A core attention compiled by ms.jit (its backward too)."""
+
+    def __init__(self, core):
+        super().__init__()
+        self.core = core
+
+    @ms.jit
+    def construct(self, q, k, v, bias):
+        return self.core(q, k, v, bias)
+
+
+def flash_inputs(cfg, documents, s=40, b=2):
+    """q [s, b, n, d], k, v [s, b, g, d] and the causal mask [b, n, s, s], or with `documents`
+    the document mask of reset_attention_mask (documents end at tokens 9 and 27), both as the
+    model builds them; upstream gradient weights [s, b, n, d]."""
+    m = cfg.model_config
+    n, g, d = m.num_attention_heads, m.num_query_groups, m.hidden_size // m.num_attention_heads
+    rng = np.random.default_rng(0)
+    q, k, v, weights = (Tensor(rng.standard_normal(shape).astype(np.float32))
+                        for shape in [(s, b, n, d), (s, b, g, d), (s, b, g, d), (s, b, n, d)])
+    text = rng.integers(0, 256, s)
+    text[[9, 27]] = 256
+    mask = (data.get_ltor_masks_and_position_ids(text, 256, True, True, False)[2][None]
+            if documents else np.triu(np.ones((1, 1, s, s), bool), 1))
+    bias = ops.tile(gpt.additive_mask(mask), (b, n, 1, 1))
+    return (q, k, v, bias), weights
+
+
+@pytest.mark.parametrize("case,compiled", [(c, False) for c in sorted(FLASH_CASES)]
+                         + [(c, True) for c in ("mha", "gqa", "documents")],
+                         ids=[f"{c}-op by op" for c in sorted(FLASH_CASES)]
+                         + [f"{c}-compiled" for c in ("mha", "gqa", "documents")])
+def test_flash_attention_equals_core_attention(case, compiled, monkeypatch):
+    """gpt.FlashAttention with 16-token blocks over 40 tokens (blocks 16, 16, 8: the last short;
+    the 3 block pairs above the causal diagonal skipped) gives CoreAttention's context and
+    gradients of q, k and v (float32: relative 1e-5): multi-head, grouped-query, a document mask,
+    query-key layer scaling (layer 3) in float32 and float16 (2e-3); op by op, and the first three
+    compiled (ms.jit)."""
+    flags, documents = FLASH_CASES[case]
+    cfg = tiny_cfg(*flags)
+    dtype = gpt.DTYPES[cfg.model_config.compute_dtype]
+    inputs, weights = flash_inputs(cfg, documents)
+    inputs = [x.astype(dtype) for x in inputs[:3]] + [inputs[3]]
+    results = []
+    for attention in (gpt.CoreAttention, functools.partial(gpt.FlashAttention, block_size=16)):
+        core = attention(cfg.model_config, DropoutRNG(0), cfg.model_config.num_attention_heads
+                         // cfg.model_config.num_query_groups, layer_number=3)
+        net = JitAttention(core) if compiled else core
+        grads = ms.grad(lambda *x: (net(*x) * weights.astype(dtype)).astype(ms.float32).sum(),
+                        (0, 1, 2))(*inputs)
+        results.append([net(*inputs)] + list(grads))
+    scored, scores = [], context_parallel.attention_scores
+    monkeypatch.setattr(context_parallel, "attention_scores",   # the key blocks scored, op by op
+                        lambda q, k, *rest: scored.append(k.shape[2]) or scores(q, k, *rest))
+    core(*inputs)                                               # the flash core
+    assert scored == [16, 16, 16, 16, 16, 8]     # key blocks 0; 0, 1; 0, 1, 2
+    tolerance = 1e-5 if dtype == ms.float32 else 2e-3     # float16: its resolution, 1/1024
+    for name, got, want in zip(["context", "dq", "dk", "dv"], *results):
+        assert got.dtype == want.dtype, name
+        want = want.asnumpy().astype(np.float32)
+        np.testing.assert_allclose(got.asnumpy().astype(np.float32), want, rtol=tolerance,
+                                   atol=tolerance * np.abs(want).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("compiled,recompute", [
+    (False, []), (True, []),
+    (False, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "2"])], ids=["op by op", "compiled", "full recompute"])
+def test_flash_attention_model_equals_the_plain_model(compiled, recompute):
+    """A whole tiny model (GQA, RoPE) with --use-flash-attn, its layers' blocks 6 tokens (16 =
+    6 + 6 + 4), gives the plain model's loss and every parameter gradient (relative 1e-5); also
+    inside full recompute (the flash core's custom bprop in a recomputed layer)."""
+    results = []
+    for flash in ([], ["--use-flash-attn", *recompute]):
+        cfg, model = tiny_model(*VARIANTS["gqa"], *VARIANTS["rope"], *flash)
+        if flash:
+            for layer in model.layers:
+                layer.self_attention.core_attention.kernel.block_size = 6
+        net = gpt.Compiled(model) if compiled else model
+        grad_fn = ms.value_and_grad(net, None, model.trainable_params())
+        loss, grads = grad_fn(*train.to_tensors(random_batch(cfg)))
+        results.append([loss.asnumpy()] + [g.asnumpy() for g in grads])
+    assert isinstance(model.layers[1].self_attention.core_attention, gpt.FlashAttention)
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--attention-dropout", "0.1"], "model_config.attention_dropout_rate=0.1 with "
+     "use_flash_attention: flash attention has no dropout here; set --attention-dropout 0"),
+    (["--no-attention-softmax-in-fp32"], "model_config.attention_softmax_in_fp32=false with "
+     "use_flash_attention: its softmax is float32"),
+    (["--recompute-activations"], "model_config.recompute_granularity=selective with "
+     "use_flash_attention"),
+    (["--context-parallel-size", "2", "--nproc", "2"], "parallel_config.context_parallel_size=2 "
+     "with use_flash_attention: not built"),
+], ids=["dropout", "softmax", "selective", "cp"])
+def test_flash_attention_flag_round_trips_and_refuses_in_one_line(args, message, capsys):
+    """--use-flash-attn and the YAML key set model_config.use_flash_attention (default off); what
+    FlashAttention does not build is one line naming the field and the fix."""
+    assert not load_config("config.yaml", []).model_config.use_flash_attention
+    for given in (["--use-flash-attn"], ["model_config.use_flash_attention=true"]):
+        assert load_config("config.yaml", given).model_config.use_flash_attention
+    one_line_error(capsys, ["check", "--use-flash-attn", *args], message,
+                   "drop --use-flash-attn")
+
+
 def test_init_is_megatron_and_layout_independent():
     cfg, model = tiny_model()
     w = {n: p.asnumpy() for n, p in model.parameters_and_names()}
@@ -2795,6 +2912,10 @@ def test_memory_activations_per_layer_by_hand():
              + 7 * 2 * 16 * 16 // 2)  # gelu_tanh's seven [s, b, ffn/tp] tensors
     assert sum(e for _, e, _ in memory.layer_activations(m, p, 2)) == B * layer == B * 3584
     core = 3 * x // 2 + scores
+    m.use_flash_attention = True  # keeps q, k, v and the output (x / tp each), log-sum-exp b n s
+    assert (sum(e for _, e, _ in memory.layer_activations(m, p, 2))
+            == B * (layer - core + 4 * x // 2 + scores // 16))
+    m.use_flash_attention = False
     chunk = (4, False, False, 0)                          # 4 layers, neither first nor last chunk
     assert memory.chunk_activations(m, p, 2, *chunk) == (B * 4 * layer, 0)
     m.recompute_granularity = "selective"  # keeps q, k, v instead of the core attention
