@@ -1944,10 +1944,11 @@ def flash_inputs(cfg, documents, s=40, b=2):
     return (q, k, v, bias), weights
 
 
-# compiled: the document mask here; GQA compiled in test_flash_attention_model_equals_the_plain_model
+# compiled: the document mask here (GQA: test_flash_attention_model_equals_the_plain_model)
 @pytest.mark.parametrize("case,compiled", [(c, False) for c in sorted(FLASH_CASES)]
                          + [("documents", True)],
-                         ids=[f"{c}-op by op" for c in sorted(FLASH_CASES)] + ["documents-compiled"])
+                         ids=[f"{c}-op by op" for c in sorted(FLASH_CASES)]
+                         + ["documents-compiled"])
 def test_flash_attention_equals_core_attention(case, compiled, monkeypatch):
     """gpt.FlashAttention with 16-token blocks over 40 tokens (blocks 16, 16, 8: the last short;
     the 3 block pairs above the causal diagonal skipped) gives CoreAttention's context and
