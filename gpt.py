@@ -272,7 +272,7 @@ class FlashKernel(nn.Cell):
     def bprop(self, q, k, v, mask_bias, out, dout):
         # a plain function call: ms.jit (MindSpore 2.10) fails to compile this backward written
         # in the bprop itself or called as self.backward ("The pointer[func_graph->get_return()]
-        # is null"); test_flash_attention_equals_core_attention[compiled] runs it
+        # is null"); test_flash_attention_equals_core_attention[documents-compiled] runs it
         return FlashKernel.backward(self, q, k, v, mask_bias, out, dout)
 
     def backward(self, q, k, v, mask_bias, out, dout):

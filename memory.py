@@ -578,8 +578,8 @@ def _gradient_buffer(cfg, kind, shards, params, add):
 
 
 def expert_parameters(cfg, rank):
-    """The routed experts' parameters on a TP x EP rank of pipeline rank `rank` (moe.py's
-    `allreduce = False` ones), E / ep per MoE layer."""
+    """The routed experts' parameters on a TP x EP rank of pipeline rank `rank` (moe.is_expert's
+    ones), E / ep per MoE layer."""
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
     if not model_cfg.num_moe_experts:
         return 0

@@ -67,10 +67,11 @@ Parameter names follow Megatron's modules: router.weight|bias, experts.local_exp
 linear_fc1|linear_fc2.weight|bias (J local; `global_expert_name` makes it global),
 shared_experts.linear_fc1|linear_fc2.weight, shared_experts.gate_weight. Initialisation
 (router.py:78-88, Megatron's init_method): every weight and the router bias normal(0, std),
-linear_fc2 with std / sqrt(2 num_layers), the experts' other biases zero. Expert parameters carry
-`allreduce = False` (their gradients are summed over the expert-data-parallel group; Megatron
-marks them when ep > 1 or etp != tp, tensor_parallel/layers.py:1033-1037, 1090, and with EP = 1
-that group is DP x CP anyway) and `partition_dim` like the TP layers; the router's and the
+linear_fc2 with std / sqrt(2 num_layers), the experts' other biases zero. Expert parameters,
+known by their names (`is_expert`: Megatron marks them `allreduce = False` when ep > 1 or etp !=
+tp, tensor_parallel/layers.py:1033-1037, 1090; with EP = 1 their group is DP x CP anyway), have
+their gradients summed over the expert-data-parallel group; they carry `partition_dim` like the
+TP layers; the router's and the
 gate's `sequence_parallel` as Megatron marks them.
 """
 import itertools
@@ -126,8 +127,8 @@ def first_expert(num_experts, ep, ep_rank):
 
 
 def is_expert(name):
-    """A routed expert's parameter (expert-parallel, `allreduce = False`: reduced and sharded
-    over the expert-data-parallel group, not DP x CP), by its name."""
+    """A routed expert's parameter (expert-parallel, Megatron's `allreduce = False`: reduced and
+    sharded over the expert-data-parallel group, not DP x CP), by its name."""
     return EXPERT_INDEX.search(name) is not None
 
 
@@ -384,10 +385,9 @@ def _check_router_config(cfg):
 
 # ============================================================================ experts
 def _expert_param(shape, name, partition_dim=None, chunks=1):
-    """An expert's parameter: gradients summed over the expert-data-parallel group, not DP
-    (Megatron's `allreduce = False`), and split over TP along partition_dim."""
+    """An expert's parameter (is_expert by its name: gradients summed over the
+    expert-data-parallel group, not DP), split over TP along partition_dim."""
     p = Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
-    p.allreduce = False
     if partition_dim is not None:
         p.partition_dim, p.partition_chunks = partition_dim, chunks
     return p

@@ -2604,7 +2604,7 @@ def test_compiled_layer_equals_op_by_op(dispatcher, capacity, grouped, shared):
 
 
 def test_parameter_names_and_attributes():
-    """Megatron's module names; expert parameters marked allreduce=False and split like the TP
+    """Megatron's module names; expert parameters known by their names and split like the TP
     layers (fc1 by rows in [gate; up] blocks, fc2 by columns); the logged sums and the shared
     scale are no parameters of the layer."""
     layer = moe.MoELayer(moe_config(num_moe_experts=2, hidden_act="swiglu",
@@ -2618,9 +2618,9 @@ def test_parameter_names_and_attributes():
     assert params[expert[0]].shape == (24, 8) and params[expert[1]].shape == (8, 12)
     for name in expert:
         p = params[name]
-        assert p.allreduce is False and p.partition_dim == (0 if "fc1" in name else 1)
+        assert moe.is_expert(name) and p.partition_dim == (0 if "fc1" in name else 1)
     assert params[expert[0]].partition_chunks == 2
-    assert not hasattr(params["router.weight"], "allreduce")
+    assert not any(moe.is_expert(name) for name in params if name not in expert)
     assert len(list(layer.get_parameters())) == len(params)         # not the logged sums
     assert moe.global_expert_name("layers.3.mlp.experts.local_experts.1.linear_fc1.weight", 8) \
         == "layers.3.mlp.experts.local_experts.9.linear_fc1.weight"
@@ -2836,10 +2836,9 @@ def test_memory_shards_experts_over_the_expert_data_parallel_group():
         for rank in range(dp):             # EP groups: ep consecutive DP ranks (parallel.py)
             ep_rank, edp_rank = rank % ep, rank // ep
             chunks = checkpoint.build_rank_chunks(m, 1, 1, ep=ep, ep_rank=ep_rank)
-            params = [q for c in chunks for q in c.get_parameters()]
-            experts = sum(int(np.prod(q.shape)) for q in params
-                          if getattr(q, "allreduce", True) is False)
-            dense = sum(int(np.prod(q.shape)) for q in params) - experts
+            params = [item for c in chunks for item in c.parameters_and_names()]
+            experts = sum(int(np.prod(q.shape)) for name, q in params if moe.is_expert(name))
+            dense = sum(int(np.prod(q.shape)) for _, q in params) - experts
             hand = 4 * 3 * (dense // dp + experts // (dp // ep))
             state = parallel.ParallelState(
                 world_size=dp, rank=rank, tp=1, cp=1, dp=dp, pp=1, tp_rank=0, cp_rank=0,

@@ -232,7 +232,7 @@ def build_optimizer(cfg, model, state=None):
     """(optimizer, scheduler) for a model or a list of model chunks: Megatron's mixed-precision
     optimizer around AdamW/Adam/SGD (optimizer.MixedPrecisionOptimizer), or with
     use_distributed_optimizer and several DP x CP ranks the DistributedOptimizer; with experts
-    (moe.py, marked `allreduce = False`) one for the dense parameters and one for the experts,
+    (moe.is_expert) one for the dense parameters and one for the experts,
     chained (optimizer.ChainedOptimizer)."""
     optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
     state = state or parallel.get_state()
