@@ -210,24 +210,35 @@ class CoreAttention(nn.Cell):
         return ops.bmm(self.dropout(probs), v).transpose(2, 0, 1, 3)   # [s, b, n, d]
 
 
-def _blocks(s, size):
-    """[(start, stop)] of the blocks of `size` tokens covering s tokens (the last may be short).
-    Loops, not nested comprehensions: ms.jit compiles these."""
-    blocks = []
-    for start in range(0, s, size):
-        blocks.append((start, min(start + size, s)))
-    return blocks
+def flash_block(s, block_size):
+    """The block FlashKernel takes for s tokens: the largest divisor of s not above block_size
+    (its loops take equal blocks: 128 for s = 4096, 10 for s = 40 and block_size 16)."""
+    size = min(block_size, s)
+    while s % size:
+        size -= 1
+    return size
+
+
+def _put(x, index, block):
+    """x [b, n, s, *] with block [b, n, len(index), *] written at positions `index` of dim 2."""
+    index = ops.broadcast_to(index.reshape(1, 1, -1, 1), block.shape)
+    return ops.tensor_scatter_elements(x, index, block, 2)
+
+
+def _add(x, index, block):
+    """x with block added at positions `index` of dim 2 (as _put)."""
+    return _put(x, index, ops.gather(x, index, 2) + block)
 
 
 class FlashAttention(CoreAttention):
     """CoreAttention block by block (FlashAttention-2, Dao 2023): queries and keys/values in blocks
-    of `block_size` tokens (clipped to s); each query block's partial attentions over its key
-    blocks are merged by their log-sum-exp (context_parallel.merge_partial_attention, the ring's
-    merge); key blocks wholly above the causal diagonal are skipped (every mask here is causal: a
-    GPT's, or a document mask, which only removes more). The backward (FlashKernel's bprop) keeps
-    only the output and the log-sum-exp and recomputes each block's probabilities, so the largest
-    s x s tensor of a layer is one block's [b, n, block, block]. Scores and softmax are float32
-    and there is no attention dropout (config.py refuses both other settings)."""
+    of `block_size` tokens (flash_block: a divisor of s); each query block's partial attentions
+    over its key blocks are merged by their log-sum-exp (context_parallel.merge_partial_attention,
+    the ring's merge); key blocks wholly above the causal diagonal are skipped (every mask here is
+    causal: a GPT's, or a document mask, which only removes more). The backward (FlashKernel's
+    bprop) keeps only the output and the log-sum-exp and recomputes each block's probabilities,
+    so the largest s x s tensor of a layer is one block's [b, n, block, block]. Scores and softmax
+    are float32 and there is no attention dropout (config.py refuses both other settings)."""
 
     def __init__(self, cfg, rng, per_group, layer_number=1, block_size=None):
         super().__init__(cfg, rng, per_group, layer_number)
@@ -239,7 +250,10 @@ class FlashAttention(CoreAttention):
 
 
 class FlashKernel(nn.Cell):
-    """(context [s, b, n, d], log-sum-exp [b, n, s, 1]) of FlashAttention, with its backward."""
+    """(context [s, b, n, d], log-sum-exp [b, n, s, 1]) of FlashAttention, with its backward. The
+    blocks are visited by `while` loops on tensor counters and taken by index (gather), so that
+    ms.jit compiles one loop body: unrolled over s/B x s/B block pairs, the graph kept every pair's
+    buffers and took minutes to compile (docs/performance.md#flash-attention)."""
 
     def __init__(self, core, block_size):
         super().__init__()
@@ -250,24 +264,28 @@ class FlashKernel(nn.Cell):
     def construct(self, q, k, v, mask_bias):
         q = self.to_heads(q * self.scale, 1)                                 # [b, n, s, d]
         k, v = self.to_heads(k, self.per_group), self.to_heads(v, self.per_group)
-        blocks = _blocks(q.shape[2], self.block_size)
-        outs, lses = [], []
-        for i in range(len(blocks)):
-            # key blocks 0..i: block j > i starts at or after query block i's end (masked)
-            part = self.block(q, k, v, mask_bias, blocks[i], blocks[0])
-            for j in range(1, i + 1):
+        size = flash_block(q.shape[2], self.block_size)
+        offsets = ops.arange(size, dtype=ms.int32)
+        out, lse = ops.zeros_like(q), ops.zeros(q.shape[:3] + (1,), F32)
+        i, count = Tensor(0, ms.int32), Tensor(q.shape[2] // size, ms.int32)
+        while i < count:
+            rows = offsets + i * size                               # query block i's positions
+            q_i, mask_i = ops.gather(q, rows, 2), ops.gather(mask_bias, rows, 2)
+            part = self.block(q_i, k, v, mask_i, offsets)
+            j = Tensor(1, ms.int32)
+            while j <= i:            # key blocks 1..i: block j > i lies above the causal diagonal
                 part = merge_partial_attention(
-                    part, self.block(q, k, v, mask_bias, blocks[i], blocks[j]))
-            outs.append(part[0])
-            lses.append(part[1])
-        context = ops.cat(outs, 2).transpose(2, 0, 1, 3)                      # [s, b, n, d]
-        return context, ops.cat(lses, 2)
+                    part, self.block(q_i, k, v, mask_i, offsets + j * size))
+                j = j + 1
+            out, lse = _put(out, rows, part[0]), _put(lse, rows, part[1])
+            i = i + 1
+        return out.transpose(2, 0, 1, 3), lse                               # [s, b, n, d]
 
-    def block(self, q, k, v, mask_bias, rows, cols):
-        """(out, lse) of query block `rows` over key block `cols` (each (start, stop))."""
-        (qa, qb), (ka, kb) = rows, cols
-        return attention_block(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb],
-                               mask_bias[:, :, qa:qb, ka:kb], _no_dropout, self.softmax_scale)
+    def block(self, q_i, k, v, mask_i, cols):
+        """(out, lse) of query block q_i [b, n, B, d] (its mask rows mask_i [.., B, s]) over the
+        keys at positions `cols` [B]."""
+        return attention_block(q_i, ops.gather(k, cols, 2), ops.gather(v, cols, 2),
+                               ops.gather(mask_i, cols, 3), _no_dropout, self.softmax_scale)
 
     def bprop(self, q, k, v, mask_bias, out, dout):
         # a plain function call: ms.jit (MindSpore 2.10) fails to compile this backward written
@@ -284,32 +302,40 @@ class FlashKernel(nn.Cell):
         qh = self.to_heads(q * self.scale, 1)                                # [b, n, s, d]
         kh, vh = self.to_heads(k, self.per_group), self.to_heads(v, self.per_group)
         o, do = out[0].transpose(1, 2, 0, 3), dout[0].transpose(1, 2, 0, 3)
-        lse = out[1]                                                         # [b, n, s, 1]
-        rows = (cast(do, F32) * cast(o, F32)).sum(-1, keepdims=True)         # D [b, n, s, 1]
-        blocks = _blocks(qh.shape[2], self.block_size)
-        # per block: gradients [b, n, block, d] summed over the block pairs
-        dq = [ops.zeros_like(qh[:, :, a:z]) for a, z in blocks]
-        dk = [ops.zeros_like(kh[:, :, a:z]) for a, z in blocks]
-        dv = [ops.zeros_like(vh[:, :, a:z]) for a, z in blocks]
-        for i in range(len(blocks)):
-            for j in range(i + 1):                   # the forward's pairs: key blocks 0..i
-                grads = self.block_grads(qh, kh, vh, do, mask_bias, lse, rows, blocks[i],
-                                         blocks[j])
-                dq[i], dk[j], dv[j] = dq[i] + grads[0], dk[j] + grads[1], dv[j] + grads[2]
-        dq = ops.cat(dq, 2) * self.scale                                     # [b, n, s, d]
-        dk, dv = self._sum_groups(ops.cat(dk, 2)), self._sum_groups(ops.cat(dv, 2))
+        rows_d = (cast(do, F32) * cast(o, F32)).sum(-1, keepdims=True)       # D [b, n, s, 1]
+        size = flash_block(qh.shape[2], self.block_size)
+        offsets = ops.arange(size, dtype=ms.int32)
+        dq, dk, dv = ops.zeros_like(qh), ops.zeros_like(kh), ops.zeros_like(vh)
+        i, count = Tensor(0, ms.int32), Tensor(qh.shape[2] // size, ms.int32)
+        while i < count:
+            rows = offsets + i * size
+            query = (ops.gather(qh, rows, 2), ops.gather(do, rows, 2),
+                     ops.gather(out[1], rows, 2), ops.gather(rows_d, rows, 2),
+                     ops.gather(mask_bias, rows, 2))
+            dq_i = ops.zeros_like(query[0])
+            j = Tensor(0, ms.int32)
+            while j <= i:                            # the forward's pairs: key blocks 0..i
+                cols = offsets + j * size
+                grads = self.block_grads(query, kh, vh, cols)
+                dq_i = dq_i + grads[0]
+                dk, dv = _add(dk, cols, grads[1]), _add(dv, cols, grads[2])
+                j = j + 1
+            dq = _put(dq, rows, dq_i)
+            i = i + 1
+        dq = dq * self.scale                                                 # [b, n, s, d]
+        dk, dv = self._sum_groups(dk), self._sum_groups(dv)
         return (cast(dq.transpose(2, 0, 1, 3), dtype), cast(dk, k.dtype), cast(dv, v.dtype),
                 ops.zeros_like(mask_bias))
 
-    def block_grads(self, q, k, v, do, mask_bias, lse, rows, query, key):
-        """Gradients of query block `query` over key block `key` ((start, stop) each): dq (of
-        the scaled q) [b, n, bq, d], dk, dv [b, n, bk, d]; q, k, v, do [b, n, s, d]; lse and
-        rows (D) [b, n, s, 1]."""
-        (qa, qb), (ka, kb), dtype = query, key, q.dtype
-        q_i, k_j, v_j, do_i = q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], do[:, :, qa:qb]
-        p = ops.exp(attention_scores(q_i, k_j, mask_bias[:, :, qa:qb, ka:kb],
-                                     self.softmax_scale) - lse[:, :, qa:qb])  # [b, n, bq, bk]
-        d_scores = p * (batch_matmul_nt(do_i, v_j).astype(F32) - rows[:, :, qa:qb])
+    def block_grads(self, query, k, v, cols):
+        """Gradients of a query block over the key block at positions `cols` [B]: dq (of the
+        scaled q) [b, n, B, d], dk, dv [b, n, B, d]. `query`: its q, dO [b, n, B, d], LSE and D
+        [b, n, B, 1] and mask rows [.., B, s]; k, v [b, n, s, d]."""
+        q_i, do_i, lse_i, d_i, mask_i = query
+        k_j, v_j, dtype = ops.gather(k, cols, 2), ops.gather(v, cols, 2), q_i.dtype
+        p = ops.exp(attention_scores(q_i, k_j, ops.gather(mask_i, cols, 3), self.softmax_scale)
+                    - lse_i)                                                 # [b, n, B, B]
+        d_scores = p * (batch_matmul_nt(do_i, v_j).astype(F32) - d_i)
         d_scores = cast(d_scores * self.softmax_scale, dtype)             # d(q k^T)
         return (ops.bmm(d_scores, k_j), ops.bmm(d_scores.swapaxes(-1, -2), q_i),
                 ops.bmm(cast(p, dtype).swapaxes(-1, -2), do_i))

@@ -391,10 +391,11 @@ def in_flight(cfg, rank):
 
 def flash_transients(cfg, tp):
     """gpt.FlashAttention's transients: (mask bytes, values in one block pair's scores, bytes of
-    the backward's dq, dk, dv [b, n/tp, s, h/n], accumulated and concatenated). The mask is not
+    the backward's dq, dk, dv [b, n/tp, s, h/n] and their scattered updates). The mask is not
     tiled: none beside the model's causal one, a document mask [b, 1, s, s] in float32."""
     model_cfg, micro_batch_size = cfg.model_config, cfg.dataset_config.batch_size
-    s, block = model_cfg.seq_length, min(gpt.FLASH_BLOCK, model_cfg.seq_length)
+    s = model_cfg.seq_length
+    block = gpt.flash_block(s, gpt.FLASH_BLOCK)
     mask = F32_BYTES * micro_batch_size * s ** 2 * cfg.dataset_config.reset_attention_mask
     scores = micro_batch_size * model_cfg.num_attention_heads * block ** 2 // tp
     c = DTYPE_BYTES[model_cfg.compute_dtype]
