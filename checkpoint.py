@@ -124,9 +124,10 @@ ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
 
-def saved_config(root):
-    """The config (a dict) the latest checkpoint in root was saved with."""
-    return load_checkpoint(root, first_shard(root), stems=())[1]["config"]
+def saved_config(root, step=None):
+    """The config (a dict) the checkpoint in root (the latest, or iteration `step`) was saved
+    with."""
+    return load_checkpoint(root, first_shard(root, step), stems=(), step=step)[1]["config"]
 
 
 def checkpoint_args(saved):
@@ -144,7 +145,8 @@ def check_fits(cfg, root):
     """Before any work: every way the checkpoint in root disagrees with this run, in one line.
     Its optimizer state, when loaded, is of its optimizer and its parameters' precision (half
     precision keeps float32 main params beside the state)."""
-    _, meta = load_checkpoint(root, first_shard(root), stems=())
+    step = cfg.training_config.ckpt_step
+    _, meta = load_checkpoint(root, first_shard(root, step), stems=(), step=step)
     saved = meta["config"]
     saved_model, training_cfg = saved["model_config"], cfg.training_config
     pairs = [(f"model_config.{k}", saved_model.get(k), getattr(cfg.model_config, k))
@@ -179,7 +181,7 @@ def holds_checkpoint(root):
     return os.path.exists(os.path.join(root, LATEST)) or bool(saved_iterations(root))
 
 
-def check_save_folder(save, load, finetune=False):
+def check_save_folder(save, load, finetune=False, step=None):
     """Before training: the --save folder holds no checkpoint of another run. One folder holds one
     run: saving a fresh run beside an older one would let pruning (which keeps the highest
     iterations) delete the new checkpoints, and `latest` would jump between runs. Continuing the
@@ -200,6 +202,22 @@ def check_save_folder(save, load, finetune=False):
     if finetune and max(saved) > 0:
         raise CheckpointError("--finetune restarts at iteration 0, below the checkpoints in "
                               f"{save}: save the fine-tuned run into another folder")
+    if step is not None and step < max(saved):
+        raise CheckpointError(f"training_config.ckpt_step={step} is below the checkpoints in "
+                              f"{save} (up to {max(saved)}): save the run from it into another "
+                              "folder")
+
+
+def load_iteration(root, step=None):
+    """The iteration a load of `root` reads: `step` (Megatron's --ckpt-step) if given, else the
+    latest (its tracker file)."""
+    if step is None:
+        return latest_iteration(root)
+    if not os.path.isdir(iteration_dir(root, step)):
+        held = sorted(saved_iterations(root))
+        raise CheckpointError(f"--ckpt-step {step} (training_config.ckpt_step): {root} holds no "
+                              f"iteration {step} (it holds {held}): give one of those")
+    return step
 
 
 def latest_iteration(root):
@@ -212,10 +230,10 @@ def latest_iteration(root):
     return int(text)
 
 
-def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,)):
+def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,), step=None):
     """(tensors name -> numpy array, meta) of the files `stems` of the checkpoint `latest`
-    points at, in this rank's `shard` folder."""
-    iteration = latest_iteration(root)
+    points at (or of iteration `step`), in this rank's `shard` folder."""
+    iteration = load_iteration(root, step)
     folder = os.path.join(iteration_dir(root, iteration), shard)
     meta_path = os.path.join(folder, "meta.json")
     if not os.path.isfile(meta_path):
@@ -261,11 +279,12 @@ def shard_ep_rank(meta, shard):
     return int(shard.rsplit("_", 1)[1]) if meta["layout"].get("ep", 1) > 1 else 0
 
 
-def load_shards(root, optimizer=False):
-    """([tensors of TP rank 0, 1, ...], meta) of the latest checkpoint, whatever its layout: the
-    files of all pipeline stages of a TP rank go into one dict (their names are global); with
-    `optimizer`, the distributed optimizer's pieces too, joined per parameter."""
-    _, meta = load_checkpoint(root, first_shard(root), stems=())
+def load_shards(root, optimizer=False, step=None):
+    """([tensors of TP rank 0, 1, ...], meta) of the latest checkpoint (or iteration `step`),
+    whatever its layout: the files of all pipeline stages of a TP rank go into one dict (their
+    names are global); with `optimizer`, the distributed optimizer's pieces too, joined per
+    parameter."""
+    _, meta = load_checkpoint(root, first_shard(root, step), stems=(), step=step)
     layout = meta["layout"]
     ep = layout.get("ep", 1)
     stems = [WEIGHTS]
@@ -277,7 +296,7 @@ def load_shards(root, optimizer=False):
         for pp_rank in range(layout["pp"]):
             for ep_rank in range(ep):
                 shard = shard_name(tp_rank, pp_rank, layout["pp"], ep_rank, ep)
-                tensors.update(load_checkpoint(root, shard, stems=stems)[0])
+                tensors.update(load_checkpoint(root, shard, stems=stems, step=step)[0])
         shards.append(_join_pieces(tensors))
     return shards, meta
 
@@ -358,7 +377,8 @@ def load_training_state(cfg, trainer, rng):
     stems = [WEIGHTS]
     if trainer.distributed and not (training_cfg.finetune or training_cfg.no_load_optim):
         stems.append(f"distrib_optim_{state.edp_rank:03d}")
-    tensors, meta = load_checkpoint(training_cfg.load_checkpoint, shard, stems=stems)
+    tensors, meta = load_checkpoint(training_cfg.load_checkpoint, shard, stems=stems,
+                                    step=training_cfg.ckpt_step)
     # --finetune, or imported weights (no optimizer step saved)
     weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
     layout = layout_of(cfg)
@@ -439,12 +459,12 @@ def build_rank_chunks(model_cfg, tp, pp, tp_rank=0, pp_rank=0, vpp=1, num_layer_
         parallel.use_state(previous)
 
 
-def full_state(root, optimizer=True):
-    """(tensors, meta) of the latest checkpoint in `root` as one process would hold them:
-    weights "model.<name>" and, with `optimizer` and if saved, moments "optimizer.<kind>.<name>"
-    and float32 main params "main.<name>", full size, whatever layout wrote them (TP shards merged,
-    stages united, distributed-optimizer pieces joined)."""
-    shards, meta = load_shards(root, optimizer)
+def full_state(root, optimizer=True, step=None):
+    """(tensors, meta) of the latest checkpoint in `root` (or iteration `step`) as one process
+    would hold them: weights "model.<name>" and, with `optimizer` and if saved, moments
+    "optimizer.<kind>.<name>" and float32 main params "main.<name>", full size, whatever layout
+    wrote them (TP shards merged, stages united, distributed-optimizer pieces joined)."""
+    shards, meta = load_shards(root, optimizer, step)
     model_cfg = to_namespace(meta["config"]).model_config
     [one] = build_rank_chunks(model_cfg, 1, 1)            # one process: its names and full shapes
     kinds = set()
@@ -577,6 +597,7 @@ def write_layout(root, tensors, meta, cfg):
 
 # ----------------------------------------------------------------------------- command line
 CONVERT_FLAGS = {"--load": (REQUIRED, str, "checkpoint folder (any layout)"),
+                 "--ckpt-step": (None, int, "the iteration to convert (default: the latest)"),
                  "--save": (REQUIRED, str, "new or empty folder"),
                  "--nproc": (1, int, "ranks of the new layout (its data-parallel size follows)")}
 
@@ -594,33 +615,35 @@ def check_new_folder(command, save, world):
 
 
 def convert_main(argv):
-    """convert --load DIR --save NEW [--nproc N] [layout flags]: the latest checkpoint of DIR,
-    weights and optimizer state, rewritten for N ranks (default 1) in the layout the flags give
-    (--tensor-model-parallel-size, --pipeline-model-parallel-size, --sequence-parallel,
-    --virtual-pipeline-model-parallel-size, parallel_config.num_layer_list=...,
-    --use-distributed-optimizer)."""
+    """convert --load DIR [--ckpt-step I] --save NEW [--nproc N] [layout flags]: the latest
+    checkpoint of DIR (or iteration I), weights and optimizer state, rewritten for N ranks
+    (default 1) in the layout the flags give (--tensor-model-parallel-size,
+    --pipeline-model-parallel-size, --sequence-parallel, --virtual-pipeline-model-parallel-size,
+    parallel_config.num_layer_list=..., --use-distributed-optimizer)."""
     options, argv = parse_command("convert", argv, CONVERT_FLAGS,
                                   passthrough="layout flags, as in training",
                                   about="Rewrite the latest checkpoint of --load for another "
                                         "layout.")
     load, save, world = options["load"], options["save"], options["nproc"]
+    step = options["ckpt_step"]
     check_new_folder("convert", save, world)
-    latest_iteration(load)
-    _, meta = load_checkpoint(load, first_shard(load), stems=())
+    load_iteration(load, step)
+    _, meta = load_checkpoint(load, first_shard(load, step), stems=(), step=step)
     padded = meta["config"]["model_config"]["padded_vocab_size"]
     cfg = from_saved(meta["config"], [f"model_config.vocab_size={padded}", *argv], world)
     cfg.training_config.output_dir = save
     cfg.model_config.padded_vocab_size = padded
-    tensors, meta = full_state(load)
+    tensors, meta = full_state(load, step=step)
     path = write_layout(save, tensors, meta, cfg)
     print(f"converted {load} (iteration {meta['iteration']}, layout {meta['layout']}) to "
           f"{path}, layout {layout_of(cfg)}")
 
 
-def first_shard(root):
-    """The shard folder holding meta.json of the latest checkpoint: mp_rank_00 (TP only),
-    mp_rank_00_000 (with pipeline stages or expert parallelism) or mp_rank_00_000_000 (both)."""
-    folder = iteration_dir(root, latest_iteration(root))
+def first_shard(root, step=None):
+    """The shard folder holding meta.json of the latest checkpoint (or iteration `step`):
+    mp_rank_00 (TP only), mp_rank_00_000 (with pipeline stages or expert parallelism) or
+    mp_rank_00_000_000 (both)."""
+    folder = iteration_dir(root, load_iteration(root, step))
     for shard in (shard_name(0), shard_name(0, 0, 2), shard_name(0, 0, 2, 0, 2)):
         if os.path.isdir(os.path.join(folder, shard)):
             return shard

@@ -107,6 +107,8 @@ TRAINING = [
         choices=("ckpt", "safetensors", "torch")),
     key("training_config.load_checkpoint", "", str, "--load",
         "a checkpoint folder to resume (or, with finetune, to start) from"),
+    key("training_config.ckpt_step", None, int, "--ckpt-step",
+        "the iteration of --load to start from; null: the latest (its tracker file)"),
     key("training_config.resume_training", None, bool, None,
         "null: --load resumes (Megatron); true: needs --load; false: --load is refused",
         aliases={_MS_TRAIN + "resume_training": None}),

@@ -4016,11 +4016,23 @@ def test_one_folder_holds_one_run(tmp_path, capsys):
     """The issue's data loss: a fresh run saved beside an older run's higher iterations had its own
     checkpoint pruned and `latest` pointing at nothing. Now refused before any work; --load of the
     same folder continues the run; a resumed run with nothing left to train saves nothing;
-    --save-interval 0 means no periodic saves; --finetune into its own folder is refused."""
+    --save-interval 0 means no periodic saves; --finetune into its own folder is refused.
+    --ckpt-step (Megatron's) resumes from an earlier iteration, into another folder, bit for bit;
+    an iteration that is not there, or saving over the later ones, is one line."""
     d = tmp_path / "run"
     assert tiny_run(d, "--train-iters", "6", "--save-interval", "2",
                     "training_config.keep_checkpoint_max=2") == 0
     assert saved(d) == ([4, 6], 6)
+    from_4 = tmp_path / "from_4"
+    assert tiny_run(from_4, "--train-iters", "6", "--load", str(d), "--ckpt-step", "4") == 0
+    assert tiny_losses(from_4) == {step: tiny_losses(d)[step] for step in (5, 6)}
+    capsys.readouterr()
+    assert tiny_run(tmp_path / "x", "--load", str(d), "--ckpt-step", "2") == 2
+    assert (f"error: --ckpt-step 2 (training_config.ckpt_step): {d} holds no iteration 2 (it "
+            "holds [4, 6]): give one of those\n") == capsys.readouterr().err
+    assert tiny_run(d, "--train-iters", "6", "--load", str(d), "--ckpt-step", "4") == 2
+    assert ("training_config.ckpt_step=4 is below the checkpoints in "
+            in capsys.readouterr().err)
     before = sorted(p.name for p in d.rglob("*"))
     capsys.readouterr()
     assert tiny_run(d, "--train-iters", "2") == 2
@@ -6378,7 +6390,7 @@ LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP + FP16, "one_fp16"),
                             "one_pp"),
                "cp2_ulysses": (ROPE_GQA + CP2 + FP16, "one_rope_gqa_fp16"),
                "cp2_ring": (ROPE_GQA + CP2 + RING, "one_rope_gqa"),
-               "ep2_alltoall": (MOE_RUN + EP2 + ALLTOALL, "one_moe"),
+               "ep2_alltoall_distopt": (MOE_RUN + EP2 + ALLTOALL + DISTOPT, "one_moe"),
                "ep2_capacity": (MOE_RUN + CAPACITY + EP2, "one_moe_capacity")},
            4: {"tp2_pp2_sp": (PIPELINE_RUN + TP2 + PP2 + SP + FP16, "one_pp_fp16"),
                "ep2_pp2_vpp2_distopt": (PIPELINE_RUN + MOE_RUN + EP2 + PP2 + VPP2 + DISTOPT,
@@ -6389,9 +6401,8 @@ LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP + FP16, "one_fp16"),
                "ep2_pp2_capacity": (MOE_RUN + CAPACITY + EP2 + PP2, "one_moe_capacity")}}
 # layouts of the last launch (4 workers, after the 2-worker launch: AFTER_TWO)
 LATE_LAYOUTS = {"ep4_distopt": (MOE_RUN + EP4 + DISTOPT, "one_moe")}
-# the first 5 steps only, saved for conversion or to resume (CONVERTED)
-HALF_RUNS = {2: {"ep2_distopt_first": MOE_RUN + EP2 + ALLTOALL + DISTOPT},
-             4: {"ep2_pp2_capacity_first": MOE_RUN + CAPACITY + EP2 + PP2}}
+# every layout also saves its step 5, where resumed and converted runs start (--ckpt-step 5)
+AT_5 = ["--save-interval", "5"]
 
 # each guide file (configs/guides) shrunk by flags appended after it, on the byte-level corpus,
 # in its own precision (bfloat16 -> float16 on this CPU): name: (files, the flags that fit it
@@ -6429,7 +6440,8 @@ def guide_run(name, prefix, save, workers):
 
 ALL_LAYOUTS = {name: spec for layouts in [*LAYOUTS.values(), LATE_LAYOUTS]
                for name, spec in layouts.items()}
-RESUMED = {2: "dp2_distopt", 4: "tp2_pp2_sp"}      # stopped after 5 of the 10 steps, then resumed
+# resumed from step 5: DP2 from the full run's checkpoint (AT_5), TP2 x PP2 after a stop
+RESUMED = {2: "dp2_distopt", 4: "tp2_pp2_sp"}
 # TP2 x PP2 stopped as Megatron stops a job, the second run resuming the first (RESUMED[4]):
 # (run, flags, the step of the run during which rank 0 alone gets SIGTERM, the iteration it
 # stops after); both save Megatron's torch format (model_optim_rng.pt). --exit-interval and
@@ -6455,7 +6467,7 @@ CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one",
                                              ROPE_GQA + CP2 + RING + DISTOPT, 4),
              "one_to_cp2_ulysses": ("one_rope_gqa_first", "one_rope_gqa",
                                     "one process -> CP2, no conversion", ROPE_GQA + CP2, 2),
-             "ep2_pp2_capacity_resumed": ("ep2_pp2_capacity_first", "ep2_pp2_capacity",
+             "ep2_pp2_capacity_resumed": ("ep2_pp2_capacity", "ep2_pp2_capacity",
                                           "EP2 x PP2, no conversion",
                                           MOE_RUN + CAPACITY + EP2 + PP2, 4),
              "ep2_to_one": ("ep2_as_one", "one_moe", "EP2 -> one process", MOE_RUN, 1),
@@ -6489,8 +6501,7 @@ def train_layouts(jobs, tmp, prefix):
         convert("one_rope_gqa_first", "one_rope_gqa_as_cp2_dp2", "--nproc", "4", *CP2, *RING,
                 *DISTOPT)])
     for world in (4, 2):
-        (tmp / f"runs{world}.json").write_text(json.dumps(layout_runs(world, tmp, prefix, common,
-                                                                       half)))
+        (tmp / f"runs{world}.json").write_text(json.dumps(layout_runs(world, tmp, prefix, common)))
     launches = {4: jobs.run(*msrun_command(4, str(tmp / "msrun4"), str(tmp / "runs4.json")))}
     jobs.one_process(tmp / "before2.json", [
         convert("tp2_pp2_sp_first", "tp2_pp2_as_pp2_vpp2", "--nproc", "2", *PP2, *VPP2),
@@ -6504,7 +6515,7 @@ def train_layouts(jobs, tmp, prefix):
         launches[2] = jobs.run(*msrun_command(2, str(tmp / "msrun2"), str(tmp / "runs2.json")))
         references.result()                             # its error, if any, raised here
     jobs.one_process(tmp / "after2.json", [
-        convert("ep2_distopt_first", "ep2_as_one"),
+        convert("ep2_alltoall_distopt", "ep2_as_one", "--ckpt-step", "5"),
         convert("ep2_as_one", "ep2_as_ep4", "--nproc", "4", *EP4, *DISTOPT)])
     late = [[name, [*common, "--save", str(tmp / name), *args]]
             for name, (args, _) in LATE_LAYOUTS.items()]
@@ -6521,20 +6532,19 @@ def train_layouts(jobs, tmp, prefix):
 def converted_runs(tmp, common, workers, late=False):
     """The CONVERTED runs of `workers` workers: those resumed after the 2-worker launch (AFTER_TWO)
     when `late`, the others otherwise."""
-    return [[run, [*common, *args, "--load", str(tmp / source), "--save", str(tmp / run)]]
+    return [[run, [*common, *args, "--load", str(tmp / source), "--ckpt-step", "5",
+                   "--save", str(tmp / run)]]
             for run, (source, _, _, args, count) in CONVERTED.items()
             if count == workers and (run in AFTER_TWO) == late]
 
 
-def layout_runs(world, tmp, prefix, common, half):
+def layout_runs(world, tmp, prefix, common):
     """The runs of the msrun launch of `world` workers: [name, train.py argv, sigterm step?]."""
     layouts = LAYOUTS[world]
-    runs = [[name, [*common, "--save", str(tmp / name), *args]]
+    runs = [[name, [*common, "--save", str(tmp / name), *args, *AT_5]]
             for name, (args, _) in layouts.items()]
     runs += [[name, [*common, "--save", str(tmp / name), *args]]
              for name, args in DROPOUT_RUNS.get(world, {}).items()]
-    runs += [[name, [*common, "--save", str(tmp / name), *args, *half]]
-             for name, args in HALF_RUNS.get(world, {}).items()]
     if world == 2:
         runs += [[name, guide_run(name, prefix, tmp / name, 2)] for name in GUIDE_RUNS]
     args = layouts[RESUMED[world]][0]
@@ -6545,16 +6555,16 @@ def layout_runs(world, tmp, prefix, common, half):
                          sigterm_step])
             previous = ["--load", str(tmp / name)]
     else:
-        first, resumed = tmp / f"{RESUMED[world]}_first", tmp / f"{RESUMED[world]}_resumed"
-        runs += [["first half", [*common, *args, "--save", str(first), *half]],
-                 ["resumed", [*common, *args, "--load", str(first), "--save", str(resumed)]]]
+        resumed = tmp / f"{RESUMED[world]}_resumed"
+        runs += [["resumed", [*common, *args, "--load", str(tmp / RESUMED[world]),
+                              "--ckpt-step", "5", "--save", str(resumed)]]]
     return runs + converted_runs(tmp, common, world)
 
 
 @pytest.fixture(scope="module")
 def parallel_runs(msrun_jobs):
     """One msrun launch of trainings per world size (4, then 2 workers): every layout of LAYOUTS
-    trains 10 steps, one layout stops after 5 steps and resumes (RESUMED), checkpoints of step 5
+    trains 10 steps, one layout of each resumes from its step 5 (RESUMED), checkpoints of step 5
     converted from another layout resume (CONVERTED), the guides' files train (GUIDE_RUNS); and
     the same trainings in one process (REFERENCES): (their folder, the launches by world size)."""
     return msrun_jobs.result("trainings")
@@ -6707,8 +6717,10 @@ def test_pipeline_recompute_with_dropout_is_bit_identical(parallel_runs):
 
 @pytest.mark.parametrize("layout", sorted(RESUMED.values()))
 def test_parallel_resume_is_bit_exact(parallel_runs, layout):
-    """A run stopped after 5 steps and resumed (same layout) logs the same losses as the run that
-    never stopped, and ends with the same weights and optimizer state on every rank, bit for bit."""
+    """A run resumed from step 5 in the same layout (TP2 x PP2: stopped there by SIGTERM, the
+    stop chain; DP2: from the step-5 checkpoint of the run that went on, --ckpt-step 5) logs the
+    same losses as the run that never stopped, and ends with the same weights and optimizer state
+    on every rank, bit for bit."""
     tmp, _ = parallel_runs
     full, resumed = tmp / layout, tmp / f"{layout}_resumed"
     assert losses_of(train_lines(resumed)) == losses_of(train_lines(full))[5:]
@@ -6804,29 +6816,28 @@ def test_converted_checkpoint_trains_like_the_original_layout(parallel_runs, run
                                rtol=loss_rtol(ALL_LAYOUTS.get(original, (0, original))[1]))
 
 
-@pytest.mark.parametrize("run,ep", [("ep2_distopt_first", 2), ("ep2_as_ep4", 4)])
+@pytest.mark.parametrize("run,ep", [("ep2_alltoall_distopt", 2), ("ep2_as_ep4", 4)])
 def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(parallel_runs, run, ep):
-    """EP2 with the distributed optimizer (2 workers): its first 5 steps equal one process; its
-    checkpoint, and the EP4 one convert wrote from it through one process, have Megatron's
-    expert folders mp_rank_00_EEE, each with its rank's experts and distrib_optim file (both
-    conversions resume in test_converted_checkpoint_trains_like_the_original_layout)."""
+    """EP2 with the distributed optimizer (2 workers): its checkpoint of step 5, and the EP4 one
+    convert wrote from it through one process, have Megatron's expert folders mp_rank_00_EEE,
+    each with its rank's experts and distrib_optim file (both conversions resume in
+    test_converted_checkpoint_trains_like_the_original_layout)."""
     tmp, _ = parallel_runs
-    first, one = (losses_of(train_lines(tmp / name)) for name in ("ep2_distopt_first", "one_moe"))
-    np.testing.assert_allclose(first, one[:5], rtol=loss_rtol("one_moe"))
     folder = tmp / run / "iter_0000005"
     assert sorted(os.listdir(folder)) == [f"mp_rank_00_{e:03d}" for e in range(ep)]
     local = 4 // ep                                                 # of the 4 experts
     for e in range(ep):
         tensors, _ = checkpoint.load_checkpoint(str(tmp / run), f"mp_rank_00_{e:03d}",
-                                                stems=("model_optim_rng", "distrib_optim_000"))
+                                                stems=("model_optim_rng", "distrib_optim_000"),
+                                                step=5)
         experts = {int(re.search(r"local_experts\.(\d+)\.", k).group(1)) for k in tensors
                    if "local_experts" in k}
         assert experts == set(range(e * local, (e + 1) * local)), (e, experts)
 
 
 def test_expert_parallel_pipeline_resumes_bit_for_bit(parallel_runs):
-    """EP2 x PP2 with a capacity factor, stopped after step 5 and resumed: the losses of steps 6
-    to 10 are those of the run that never stopped, bit for bit."""
+    """EP2 x PP2 with a capacity factor, resumed from its step-5 checkpoint (--ckpt-step 5): the
+    losses of steps 6 to 10 are those of the run that went on, bit for bit."""
     tmp, _ = parallel_runs
     resumed, full = (losses_of(train_lines(tmp / name))
                      for name in ("ep2_pp2_capacity_resumed", "ep2_pp2_capacity"))
@@ -6893,19 +6904,22 @@ def test_context_parallel_ledger_matches_the_formulas(parallel_runs):
 
 
 def test_expert_parallel_ledger_matches_the_formulas(parallel_runs):
-    """EP2 alltoall by hand, per step of L = 2 MoE layers and m = 2 micro-batches of n = 2 x 32
-    tokens on a rank, E = 4 experts, h = 64, float32, dropless (C = n slots an expert): 6 L m
-    all-to-alls (tokens [E C, h], probs [E C], output [E C, h], forward and backward), the
-    experts' norm over EP, report_metrics' sum [3] over DP; the dense gradients' bucket and the
-    logged loss over DP. Then every EP layout's ledger (LAYOUTS) equals memory.communication,
-    call for call and byte for byte: the allgather dispatcher over TP x EP, the expert shards of
-    the distributed optimizer over the expert-data-parallel group, capacity, CP, VPP."""
+    """EP2 alltoall with the distributed optimizer by hand, per step of L = 2 MoE layers and m = 2
+    micro-batches of n = 2 x 32 tokens on a rank, E = 4 experts, h = 64, float32, dropless (C = n
+    slots an expert): 6 L m all-to-alls (tokens [E C, h], probs [E C], output [E C, h], forward
+    and backward), the experts' norm over EP, report_metrics' sum [3] over DP; over DP the dense
+    gradients' reduce-scatter, the parameters' all-gather, the norm of the shards and the logged
+    loss (the experts' group, EDP, is one rank). Then every EP layout's ledger (LAYOUTS) equals
+    memory.communication, call for call and byte for byte: the alltoall dispatcher under TP +
+    SP and CP, the expert shards of the distributed optimizer over the expert-data-parallel
+    group, capacity, VPP."""
     tmp, _ = parallel_runs
     L, m, n, E, h = 2, 2, 64, 4, 64
-    ledger = tour.ledger_items(train_lines(tmp / "ep2_alltoall", "comm: ")[1])
+    ledger = tour.ledger_items(train_lines(tmp / "ep2_alltoall_distopt", "comm: ")[1])
     assert ledger[("ep", "all_to_all")] == (6 * L * m, 2 * L * m * E * n * (2 * h * 4 + 4))
     assert {k: v[0] for k, v in ledger.items()} == {
         ("ep", "all_to_all"): 6 * L * m, ("ep", "all_reduce"): 1, ("dp", "all_reduce"): 1,
+        ("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
         ("dp_cp", "all_reduce"): 2}, ledger
     for run in [name for name in ALL_LAYOUTS if name.startswith("ep")]:
         world = 2 if run in LAYOUTS[2] else 4
@@ -6991,7 +7005,7 @@ def test_the_guides_pretrain_script_runs_on_two_workers(tmp_path, capsys, msrun_
     assert train.main(["import-megatron", str(ckpt), "--save", str(tmp_path / "ours")]) == 0
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_pp2_sp", "pp2_vpp2", "ep2_alltoall"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_pp2_sp", "pp2_vpp2", "ep2_alltoall_distopt"])
 def test_parallel_checkpoint_merges_to_the_one_process_model(parallel_runs, layout, capsys):
     """generate unites the pipeline stages' files and merges the mp_rank_TT shards: the merged
     weights equal the one-process run's after the same 10 steps, to training's rounding: in

@@ -163,7 +163,7 @@ def check_inputs(cfg):
     if training_cfg.load_checkpoint:
         checkpoint.check_fits(cfg, training_cfg.load_checkpoint)
     checkpoint.check_save_folder(training_cfg.output_dir, training_cfg.load_checkpoint,
-                                 training_cfg.finetune)
+                                 training_cfg.finetune, training_cfg.ckpt_step)
 
 
 def build_data(cfg, tokenizer):
@@ -809,10 +809,11 @@ def configure(command, argv):
         raise ConfigError(f"--nproc {world}: give the number of workers, 1 or more")
     notes, under = [], None
     if options["use_checkpoint_args"]:        # Megatron: the checkpoint's model, unless given
-        load = raw_config(options["config"], argv, []).get("training_config", {}).get(
-            "load_checkpoint")
+        training = raw_config(options["config"], argv, []).get("training_config", {})
+        load = training.get("load_checkpoint")
         if load and checkpoint.holds_checkpoint(load):
-            under = checkpoint.checkpoint_args(checkpoint.saved_config(load))
+            under = checkpoint.checkpoint_args(
+                checkpoint.saved_config(load, training.get("ckpt_step")))
     cfg = load_config(options["config"], argv, world, notes, under)
     check_inputs(cfg)
     return cfg, notes
