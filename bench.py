@@ -26,6 +26,9 @@ this machine's speed drifts; the table gives each run's figures per round.
                        `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`)
 
 `python bench.py torch-reference` is that PyTorch model; it imports torch only when run.
+`python bench.py fusions` times one compiled forward + backward of the benchmark's model (one
+process, micro-batch 8) with every fused form off, each one alone, and all (fused.py): the
+median of `--steps` steps after two warm-ups; docs/performance.md#fusions has its figures.
 `python bench.py matmul-peak` measures this machine's fp32 matmul TFLOP/s with MindSpore (all
 cores): the denominator of the model FLOPs utilisation (MFU) the table reports.
 """
@@ -37,8 +40,13 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from cli import HelpRequested, msrun_command, parse_command
-from config import ConfigError
+import numpy as np
+import mindspore as ms
+
+import gpt
+import train
+from cli import HelpRequested, load_config, msrun_command, parse_command
+from config import ConfigError, padded_vocab_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPE = {"layers": 4, "hidden": 256, "heads": 8, "ffn": 1024, "seq": 256, "vocab": 4096, "batch": 8}
@@ -105,8 +113,6 @@ def run_torch(python, steps):
 
 def matmul_peak(n=1024, reps=20):
     """fp32 TFLOP/s of an n x n x n MatMul, MindSpore on every core (compiled, as the model is)."""
-    import numpy as np
-    import mindspore as ms
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
     ms.device_context.cpu.op_tuning.threads_num(os.cpu_count() or 1)
@@ -188,6 +194,63 @@ def main(argv):
             print(line)
 
 
+# ----------------------------------------------------------------------------- fused forms
+# each fused form's key and its flag that turns it off (a plain model: all of them)
+FUSIONS = {"bias_gelu_fusion": "--no-bias-gelu-fusion",
+           "masked_softmax_fusion": "--no-masked-softmax-fusion",
+           "bias_dropout_fusion": "--no-bias-dropout-fusion",
+           "persist_layer_norm": "--no-persist-layer-norm",
+           "apply_rope_fusion": "--no-rope-fusion",
+           "apply_swiglu_fusion": "--no-bias-swiglu-fusion",
+           "use_fused_rmsnorm": "model_config.use_fused_rmsnorm=false"}
+# the benchmark's model, and a LLaMA-style one for RoPE, SwiGLU and RMSNorm
+FUSION_MODELS = {"gpt2": [], "llama": ["--position-embedding-type", "rope", "--swiglu",
+                                       "--disable-bias-linear", "--normalization", "RMSNorm"]}
+
+
+def step_ms(flags, steps):
+    """Median ms of a compiled forward + backward of the benchmark model with `flags`."""
+    cfg = load_config([], [*MODEL, "--micro-batch-size", "8", *flags])
+    cfg.model_config.padded_vocab_size = padded_vocab_size(cfg.model_config, SHAPE["vocab"])
+    model = gpt.GPTModel(cfg.model_config)
+    gpt.init_weights(model, 0)
+    grad_fn = ms.value_and_grad(gpt.Compiled(model), None, model.trainable_params())
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"] + 1))
+    batch = train.to_tensors({"tokens": tokens[:, :-1].astype(np.int32),
+                              "labels": tokens[:, 1:].astype(np.int32),
+                              "loss_mask": np.ones((SHAPE["batch"], SHAPE["seq"]), np.float32),
+                              "position_ids": np.tile(np.arange(SHAPE["seq"], dtype=np.int32),
+                                                      (SHAPE["batch"], 1))})
+    times = []
+    for i in range(steps + 2):
+        start = time.perf_counter()
+        loss, grads = grad_fn(*batch)
+        float(loss.asnumpy() + grads[-1].asnumpy().sum())
+        times.append(time.perf_counter() - start)
+    return 1000 * float(np.median(times[2:]))
+
+
+def fusion_probe(argv):
+    """Each model's step with every fused form off, then each one alone, then all on."""
+    steps = parse_command("fusions", argv, {"--steps": (10, int, "timed steps")})[0]["steps"]
+    train.setup_mindspore()
+    plain = list(FUSIONS.values())
+    for model, flags in FUSION_MODELS.items():
+        base = step_ms(flags + plain, steps)
+        print(f"{model}: all off {base:.0f} ms", flush=True)
+        for key, off in FUSIONS.items():
+            if model == "gpt2" and key in ("apply_rope_fusion", "apply_swiglu_fusion",
+                                           "use_fused_rmsnorm"):
+                continue             # forms this model does not have
+            if model == "llama" and key in ("bias_gelu_fusion", "persist_layer_norm"):
+                continue
+            alone = step_ms(flags + [f for f in plain if f != off], steps)
+            print(f"{model}: {key} alone {alone:.0f} ms ({base / alone:.2f}x)", flush=True)
+        every = step_ms(flags, steps)
+        print(f"{model}: all on {every:.0f} ms ({base / every:.2f}x)", flush=True)
+
+
 # ----------------------------------------------------------------------------- PyTorch reference
 def torch_reference(argv):
     """The benchmark shape in PyTorch eager (GPT-2 blocks, tied embedding, AdamW), on random tokens:
@@ -254,5 +317,10 @@ if __name__ == "__main__":
             print(e)
     elif sys.argv[1:2] == ["matmul-peak"]:
         matmul_peak()
+    elif sys.argv[1:2] == ["fusions"]:
+        try:
+            fusion_probe(sys.argv[2:])
+        except HelpRequested as e:
+            print(e)
     else:
         sys.exit(main(sys.argv[1:]))
