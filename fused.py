@@ -235,9 +235,8 @@ class ScaledMaskedSoftmax(nn.Cell):
 
     def backward(self, mask_bias, out, dout):
         weighted = dout * out                                                # [b, n, s, t]
-        t = out.shape[-1]
-        rows = ops.matmul(weighted.reshape(-1, t), ops.ones((t, 1), out.dtype))  # [bns, 1]
-        d_scores = weighted - out * rows.reshape(*out.shape[:-1], 1)
+        rows = ops.matmul(weighted, ops.ones((out.shape[-1], 1), out.dtype))   # [b, n, s, 1]
+        d_scores = weighted - out * rows
         if self.scale != 1.0:
             d_scores = d_scores * self.scale
         return d_scores, ops.zeros_like(mask_bias)
@@ -249,6 +248,11 @@ def bias_dropout_add(y, bias, residual, dropout, bias_add):
     `x + dropout(linear_proj(...))` (Megatron's bias_dropout_add, --no-bias-dropout-fusion;
     model_config.bias_dropout_fusion). Plain ops, no custom backward: it ends a layer, and a
     custom-bprop Cell there breaks MindSpore 2.10's recompute. `bias_add` is the layer's own
-    parallel.BiasAdd (its bias gradient a matmul)."""
+    parallel.BiasAdd."""
     y = bias_add(y.reshape(-1, y.shape[-1]), cast(bias, y.dtype)).reshape(y.shape)
     return residual + cast(dropout(y), residual.dtype)
+
+
+if __name__ == "__main__":          # imported by gpt.py, not a script
+    raise SystemExit("error: fused.py is a library: run `bash run.sh` (bash run.sh --help "
+                     "lists the commands)")

@@ -43,12 +43,13 @@ class Linear(nn.Cell):
     """y = x W^T + b with W [out, in], the layout of torch and Megatron, computed in `dtype` (the
     compute dtype: float32 parameters are cast to it for the matmul, half ones are already)."""
 
-    def __init__(self, in_features, out_features, bias=True, dtype=F32, skip_bias_add=False):
+    def __init__(self, in_features, out_features, bias=True, dtype=F32, skip_bias_add=False,
+                 matmul_bias_grad=True):
         super().__init__()
         self.weight = Parameter(_zeros(out_features, in_features), name="weight")
         self.bias = Parameter(_zeros(out_features), name="bias") if bias else None
         self.dtype, self.skip_bias_add = dtype, skip_bias_add
-        self.bias_add = parallel.BiasAdd()
+        self.bias_add = parallel.BiasAdd(matmul_bias_grad)
 
     def construct(self, x):
         """x [..., in] -> [..., out]; with skip_bias_add (Megatron's) ([..., out] without the
@@ -64,16 +65,22 @@ def make_linear(cfg, in_features, out_features, bias, kind, chunks=1, skip_bias_
     input dim is split). One TP rank: a plain Linear. The layout comes from parallel.get_state().
     skip_bias_add: the linear returns (output, bias) for a fused form (fused.py) to add it."""
     state, dtype = parallel.get_state(), DTYPES[cfg.compute_dtype]
-    skip_bias_add = skip_bias_add and bias
+    skip_bias_add, grad = skip_bias_add and bias, matmul_bias_grad(cfg)
     if state.tp == 1:
-        return Linear(in_features, out_features, bias, dtype, skip_bias_add)
+        return Linear(in_features, out_features, bias, dtype, skip_bias_add, grad)
     if kind == "column":
         return parallel.ColumnParallelLinear(
             in_features, out_features, bias, sequence_parallel=state.sequence_parallel,
-            chunks=chunks, dtype=dtype, skip_bias_add=skip_bias_add)
+            chunks=chunks, dtype=dtype, skip_bias_add=skip_bias_add, matmul_bias_grad=grad)
     return parallel.RowParallelLinear(in_features, out_features, bias,
                                       sequence_parallel=state.sequence_parallel, dtype=dtype,
-                                      skip_bias_add=skip_bias_add)
+                                      skip_bias_add=skip_bias_add, matmul_bias_grad=grad)
+
+
+def matmul_bias_grad(cfg):
+    """Whether the biases' gradients are matmuls (parallel.BiasAdd): not under full recompute,
+    where MindSpore 2.10's op by op recompute fails with them."""
+    return cfg.recompute_granularity != "full"
 
 
 class Embedding(nn.Cell):
@@ -524,7 +531,8 @@ class TransformerLayer(nn.Cell):
         # fused.bias_dropout_add: which sub-layers return (output, bias)
         self.attention_skips_bias = fuses_bias_dropout(cfg) and cfg.out_proj_has_bias
         self.mlp_skips_bias = fuses_bias_dropout(cfg) and cfg.add_bias_linear and not moe_layer
-        self.add_attention_bias, self.add_mlp_bias = parallel.BiasAdd(), parallel.BiasAdd()
+        self.add_attention_bias = parallel.BiasAdd(matmul_bias_grad(cfg))
+        self.add_mlp_bias = parallel.BiasAdd(matmul_bias_grad(cfg))
         self.sandwich = cfg.use_sandwich_norm
         if self.sandwich:
             self.post_attention_norm = make_norm(cfg)

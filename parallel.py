@@ -544,19 +544,33 @@ def column_sum(y):
 
 
 class BiasAdd(nn.Cell):
-    """y [n, m] + bias [m] by the BiasAdd kernel (4x faster than a broadcasting `+`), its bias
-    gradient column_sum(dy) instead of BiasAddGrad. One per linear: one instance shared by
-    several layers gave wrong gradients compiled under full recompute (MindSpore 2.10;
-    test_fused_model_equals_the_plain_model[full recompute] runs it)."""
+    """y [n, m] + bias [m] by the BiasAdd kernel (4x faster than a broadcasting `+`); its bias
+    gradient the BiasAddGrad kernel, or with `matmul_grad` column_sum(dy), 3x faster. One per
+    linear: one instance shared by several layers gave wrong gradients compiled under full
+    recompute, and op by op full recompute fails with the matmul gradient ("Stack
+    input_args_info_stack_ is empty", MindSpore 2.10), so models with full recompute build
+    matmul_grad=False (test_fused_model_equals_the_plain_model runs both)."""
+
+    def __init__(self, matmul_grad=True):
+        super().__init__()
+        self.kernel = MatmulGradBiasAdd() if matmul_grad else ops.BiasAdd()
+
+    def construct(self, y, bias):
+        return self.kernel(y, bias)
+
+
+class MatmulGradBiasAdd(nn.Cell):
+    """ops.bias_add of y [n, m] and bias [m] whose bias gradient is column_sum(dy)."""
 
     def construct(self, y, bias):
         return ops.bias_add(y, bias)
 
     def bprop(self, y, bias, out, dout):
         # a plain function call: see fused.py on MindSpore 2.10's ms.jit and bprop bodies
-        return BiasAdd.backward(self, bias, dout)
+        return MatmulGradBiasAdd.backward(bias, dout)
 
-    def backward(self, bias, dout):
+    @staticmethod
+    def backward(bias, dout):
         return dout, cast(column_sum(dout), bias.dtype)
 
 
@@ -612,7 +626,8 @@ class ColumnParallelLinear(nn.Cell):
     (Megatron's): (output without the bias, the bias), for a fused form to add it."""
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
-                 sequence_parallel=False, chunks=1, dtype=F32, skip_bias_add=False):
+                 sequence_parallel=False, chunks=1, dtype=F32, skip_bias_add=False,
+                 matmul_bias_grad=True):
         super().__init__()
         state = get_state()
         self.dtype = dtype                                  # the compute dtype (see linear)
@@ -629,7 +644,7 @@ class ColumnParallelLinear(nn.Cell):
             self.gather_output = gather_from_tensor_model_parallel_region()
         self.weight = _param((out_features // state.tp, in_features), "weight", 0, chunks)
         self.bias = _param((out_features // state.tp,), "bias", 0, chunks) if bias else None
-        self.bias_add = BiasAdd()
+        self.bias_add = BiasAdd(matmul_bias_grad)
 
     def construct(self, x):
         # cast before f/f~: sequence parallelism all-gathers the compute dtype
@@ -648,7 +663,8 @@ class RowParallelLinear(nn.Cell):
     with skip_bias_add returned beside the reduced output for a fused form to add once."""
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
-                 sequence_parallel=False, dtype=F32, skip_bias_add=False):
+                 sequence_parallel=False, dtype=F32, skip_bias_add=False,
+                 matmul_bias_grad=True):
         super().__init__()
         state = get_state()
         self.dtype = dtype                                  # the compute dtype (see linear)
@@ -669,7 +685,7 @@ class RowParallelLinear(nn.Cell):
             self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel)
         else:
             self.bias = None
-        self.bias_add = BiasAdd()
+        self.bias_add = BiasAdd(matmul_bias_grad)
 
     def construct(self, x):
         if self.scatter_input is not None:
@@ -678,6 +694,8 @@ class RowParallelLinear(nn.Cell):
         y = self.reduce(linear(x, self.weight, None, self.dtype))
         if self.skip_bias_add:
             return y, self.bias
+        if self.bias is None:
+            return y
         flat = self.bias_add(y.reshape(-1, y.shape[-1]), cast(self.bias, self.dtype))
         return flat.reshape(y.shape)
 

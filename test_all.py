@@ -2193,11 +2193,13 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
 
 
 @pytest.mark.parametrize("model,mode,extra", [
-    ("gpt2", "op by op", []), ("llama", "op by op", []), ("gpt2", "compiled", FULL_RECOMPUTE),
+    ("gpt2", "op by op", []), ("llama", "op by op", []), ("gpt2", "op by op", FULL_RECOMPUTE),
+    ("gpt2", "compiled", FULL_RECOMPUTE),
     ("llama", "compiled", ["--recompute-activations"]),
     ("gpt2", "op by op", ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]),
     ("gpt2", "compiled", ["--fp16"])],
-    ids=["gpt2", "llama", "gpt2-compiled-full recompute", "llama-compiled-selective recompute",
+    ids=["gpt2", "llama", "gpt2-full recompute", "gpt2-compiled-full recompute",
+         "llama-compiled-selective recompute",
          "gpt2-dropout", "gpt2-fp16-compiled"])
 def test_fused_model_equals_the_plain_model(model, mode, extra):
     """A tiny model with every fused form on (the defaults) gives the plain model's loss and
@@ -5374,7 +5376,7 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     assert {p.dtype for p in model.get_parameters()} == {ms.float16}
     assert all(main.dtype == ms.float32 and main is not p
                for p, main in zip(optim.params, optim.main_params))
-    assert model.layers[0].mlp.linear_fc1(ones).dtype == ms.float16
+    assert model.layers[0].self_attention.linear_qkv(ones).dtype == ms.float16
     assert (type(optim.scaler), optim.scaler.scale, optim.scaler.growth_interval,
             optim.scaler.hysteresis) == (DynamicGradScaler, 2.0 ** 32, 1000, 2)
     assert config.main_grad_dtype(cfg) == "float16" and model.logits_dtype == ms.float32
