@@ -208,8 +208,9 @@ FUSION_MODELS = {"gpt2": [], "llama": ["--position-embedding-type", "rope", "--s
                                        "--disable-bias-linear", "--normalization", "RMSNorm"]}
 
 
-def step_ms(flags, steps):
-    """Median ms of a compiled forward + backward of the benchmark model with `flags`."""
+def fused_step(flags):
+    """A compiled forward + backward of the benchmark model with `flags`: a function of no
+    arguments, compiled and run twice (warm)."""
     cfg = load_config([], [*MODEL, "--micro-batch-size", "8", *flags])
     cfg.model_config.padded_vocab_size = padded_vocab_size(cfg.model_config, SHAPE["vocab"])
     model = gpt.GPTModel(cfg.model_config)
@@ -222,33 +223,43 @@ def step_ms(flags, steps):
                               "loss_mask": np.ones((SHAPE["batch"], SHAPE["seq"]), np.float32),
                               "position_ids": np.tile(np.arange(SHAPE["seq"], dtype=np.int32),
                                                       (SHAPE["batch"], 1))})
-    times = []
-    for i in range(steps + 2):
-        start = time.perf_counter()
+
+    def step():
         loss, grads = grad_fn(*batch)
-        float(loss.asnumpy() + grads[-1].asnumpy().sum())
-        times.append(time.perf_counter() - start)
-    return 1000 * float(np.median(times[2:]))
+        return float(loss.asnumpy() + grads[-1].asnumpy().sum())
+    step()
+    step()
+    return step
+
+
+def fusion_variants(model):
+    """(name, flags) of `model`'s runs: every form off, each of its forms alone, all on."""
+    plain = list(FUSIONS.values())
+    absent = {"gpt2": ("apply_rope_fusion", "apply_swiglu_fusion", "use_fused_rmsnorm"),
+              "llama": ("bias_gelu_fusion", "persist_layer_norm", "bias_dropout_fusion")}[model]
+    variants = [("all off", plain)]
+    variants += [(f"{key} alone", [f for f in plain if f != off])
+                 for key, off in FUSIONS.items() if key not in absent]
+    return variants + [("all on", [])]
 
 
 def fusion_probe(argv):
-    """Each model's step with every fused form off, then each one alone, then all on."""
-    steps = parse_command("fusions", argv, {"--steps": (10, int, "timed steps")})[0]["steps"]
+    """Each model's step with every fused form off, each one alone and all on, the runs
+    alternated step by step (this machine's speed drifts): median ms and the gain over off."""
+    options = parse_command("fusions", argv, {"--steps": (10, int, "timed steps per run")})[0]
     train.setup_mindspore()
-    plain = list(FUSIONS.values())
     for model, flags in FUSION_MODELS.items():
-        base = step_ms(flags + plain, steps)
-        print(f"{model}: all off {base:.0f} ms", flush=True)
-        for key, off in FUSIONS.items():
-            if model == "gpt2" and key in ("apply_rope_fusion", "apply_swiglu_fusion",
-                                           "use_fused_rmsnorm"):
-                continue             # forms this model does not have
-            if model == "llama" and key in ("bias_gelu_fusion", "persist_layer_norm"):
-                continue
-            alone = step_ms(flags + [f for f in plain if f != off], steps)
-            print(f"{model}: {key} alone {alone:.0f} ms ({base / alone:.2f}x)", flush=True)
-        every = step_ms(flags, steps)
-        print(f"{model}: all on {every:.0f} ms ({base / every:.2f}x)", flush=True)
+        runs = [(name, fused_step(flags + extra)) for name, extra in fusion_variants(model)]
+        times = {name: [] for name, _ in runs}
+        for _ in range(options["steps"]):
+            for name, step in runs:
+                start = time.perf_counter()
+                step()
+                times[name].append(1000 * (time.perf_counter() - start))
+        base = float(np.median(times["all off"]))
+        for name, _ in runs:
+            ms_step = float(np.median(times[name]))
+            print(f"{model}: {name:28s} {ms_step:6.0f} ms  {base / ms_step:.2f}x", flush=True)
 
 
 # ----------------------------------------------------------------------------- PyTorch reference

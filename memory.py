@@ -205,6 +205,14 @@ def norm_kept(model_cfg):
     return 1 if model_cfg.normalization == "LayerNorm" and not model_cfg.persist_layer_norm else 2
 
 
+def mlp_kept(model_cfg):
+    """[s, b, ffn/tp] tensors a dense MLP's activation keeps (MLP_KEPT, or fused.BiasGelu's)."""
+    if (model_cfg.bias_gelu_fusion and model_cfg.add_bias_linear
+            and model_cfg.hidden_act != "swiglu"):
+        return BIAS_GELU_KEPT
+    return MLP_KEPT[model_cfg.hidden_act]
+
+
 def layer_activations(model_cfg, parallel_cfg, micro_batch_size, moe=False):
     """What the backward keeps of one transformer layer for one micro-batch on one rank:
     [(tensor, bytes, in the core attention)]. s = seq_length, h hidden, n heads, g query groups,
@@ -229,20 +237,17 @@ def layer_activations(model_cfg, parallel_cfg, micro_batch_size, moe=False):
     norm = norm_kept(model_cfg)
     c = DTYPE_BYTES[model_cfg.compute_dtype]
     softmax = c + (F32_BYTES if model_cfg.attention_softmax_in_fp32 and c < F32_BYTES else 0)
-    kept = MLP_KEPT[model_cfg.hidden_act]
-    if (model_cfg.bias_gelu_fusion and model_cfg.add_bias_linear
-            and model_cfg.hidden_act != "swiglu"):
-        kept = BIAS_GELU_KEPT
     mlp = moe_activations(model_cfg, parallel_cfg, micro_batch_size) if moe else [
         ("fc1 input [s, b, h]", c * x, False),
         ("MLP activations [s, b, ffn/tp]",
-         c * kept * x * model_cfg.ffn_hidden_size // (h * tp), False)]
+         c * mlp_kept(model_cfg) * x * model_cfg.ffn_hidden_size // (h * tp), False)]
     core = [("q scaled, k and v repeated per query head [b, n/tp, s, h/n]",
              c * (1 + 2 * ring) * x // tp, True),
             ("softmax output [b, n/tp, s, s]", softmax * scores, True)]
     if model_cfg.masked_softmax_fusion:
         # fused.ScaledMaskedSoftmax's custom backward keeps its input, the scores, too
-        core.append(("fused softmax input [b, n/tp, s, s]", softmax * scores, True))
+        core.append(("softmax input, kept by the fused softmax [b, n/tp, s, s]",
+                     softmax * scores, True))
     if model_cfg.use_flash_attention:
         # gpt.FlashKernel's bprop keeps its inputs, its output and the log-sum-exp
         core = [("flash attention: q, k, v [s, b, n + 2g, h/n] and output [s, b, n/tp, h/n]",

@@ -3080,7 +3080,7 @@ def test_memory_activations_of_an_moe_layer_by_hand():
     B, n, x = 4, 2 * 16 // 2, 2 * 16 * 8
     flags = [*PLAN_TINY, "--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
              "--sequence-parallel", "--num-experts", "4", "--expert-model-parallel-size", "2",
-             "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"]
+             "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01", *UNFUSED]
     cfg = load_config(os.path.join(HERE, "config.yaml"), flags, 4)
     m, p = cfg.model_config, cfg.parallel_config
     attention = 2 * x // 2 + x + 3 * x // 2 + 2 * 2 * 16 * 16 // 2 + x // 2
@@ -3117,7 +3117,7 @@ def test_memory_activations_per_layer_by_hand():
     every tensor is 4 bytes a value (B); test_memory_counts_half_precision has float16."""
     B = 4
     cfg = load_config(os.path.join(HERE, "config.yaml"), [*PLAN_TINY, "--micro-batch-size", "2",
-                      "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)
+                      "--tensor-model-parallel-size", "2", "--sequence-parallel", *UNFUSED], 2)
     m, p = cfg.model_config, cfg.parallel_config
     x, scores = 2 * 16 * 8, 2 * 2 * 16 * 16 // 2
     layer = (2 * x // 2            # input and pre-MLP LayerNorm inputs, [s/tp, b, h] under SP
@@ -3127,6 +3127,12 @@ def test_memory_activations_per_layer_by_hand():
              + x // 2              # proj input
              + 7 * 2 * 16 * 16 // 2)  # gelu_tanh's seven [s, b, ffn/tp] tensors
     assert sum(e for _, e, _ in memory.layer_activations(m, p, 2)) == B * layer == B * 3584
+    # the fused forms (fused.py): each LayerNorm also keeps x normalised, the bias-GeLU 4 tensors
+    # instead of 7, the fused softmax its input scores too
+    m.persist_layer_norm = m.bias_gelu_fusion = m.masked_softmax_fusion = True
+    assert (sum(e for _, e, _ in memory.layer_activations(m, p, 2))
+            == B * (layer + 2 * x // 2 - 3 * 2 * 16 * 16 // 2 + scores))
+    m.persist_layer_norm = m.bias_gelu_fusion = m.masked_softmax_fusion = False
     core = 3 * x // 2 + scores
     m.use_flash_attention = True  # keeps q, k, v and the output (x / tp each), log-sum-exp b n s
     assert (sum(e for _, e, _ in memory.layer_activations(m, p, 2))
@@ -5386,7 +5392,7 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     optim, _ = train.build_optimizer(cfg, model)
     assert {p.dtype for p in model.get_parameters()} == {ms.float32}
     assert all(main is p for p, main in zip(optim.params, optim.main_params))
-    assert (model.layers[0].mlp.linear_fc1(ones).dtype == ms.float16
+    assert (model.layers[0].self_attention.linear_qkv(ones).dtype == ms.float16
             and type(optim.scaler) is DynamicGradScaler)
     assert tiny_model("--fp16", "--fp16-lm-cross-entropy")[1].logits_dtype == ms.float16
     cfg, model = tiny_model("--fp16", "--fp32-residual-connection")
