@@ -26,9 +26,7 @@ this machine's speed drifts; the table gives each run's figures per round.
                        `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`)
 
 `python bench.py torch-reference` is that PyTorch model; it imports torch only when run.
-`python bench.py fusions` times one compiled forward + backward of the benchmark's model (one
-process, micro-batch 8) with every fused form off, each one alone, and all (fused.py): the
-median of `--steps` steps after two warm-ups; docs/performance.md#fusions has its figures.
+`python bench_fusions.py` times each fused form (fused.py) in the benchmark's model.
 `python bench.py matmul-peak` measures this machine's fp32 matmul TFLOP/s with MindSpore (all
 cores): the denominator of the model FLOPs utilisation (MFU) the table reports.
 """
@@ -40,13 +38,8 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-import numpy as np
-import mindspore as ms
-
-import gpt
-import train
-from cli import HelpRequested, load_config, msrun_command, parse_command
-from config import ConfigError, padded_vocab_size
+from cli import HelpRequested, msrun_command, parse_command
+from config import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPE = {"layers": 4, "hidden": 256, "heads": 8, "ffn": 1024, "seq": 256, "vocab": 4096, "batch": 8}
@@ -113,6 +106,8 @@ def run_torch(python, steps):
 
 def matmul_peak(n=1024, reps=20):
     """fp32 TFLOP/s of an n x n x n MatMul, MindSpore on every core (compiled, as the model is)."""
+    import numpy as np
+    import mindspore as ms
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
     ms.device_context.cpu.op_tuning.threads_num(os.cpu_count() or 1)
@@ -194,74 +189,6 @@ def main(argv):
             print(line)
 
 
-# ----------------------------------------------------------------------------- fused forms
-# each fused form's key and its flag that turns it off (a plain model: all of them)
-FUSIONS = {"bias_gelu_fusion": "--no-bias-gelu-fusion",
-           "masked_softmax_fusion": "--no-masked-softmax-fusion",
-           "bias_dropout_fusion": "--no-bias-dropout-fusion",
-           "persist_layer_norm": "--no-persist-layer-norm",
-           "apply_rope_fusion": "--no-rope-fusion",
-           "apply_swiglu_fusion": "--no-bias-swiglu-fusion",
-           "use_fused_rmsnorm": "model_config.use_fused_rmsnorm=false"}
-# the benchmark's model, and a LLaMA-style one for RoPE, SwiGLU and RMSNorm
-FUSION_MODELS = {"gpt2": [], "llama": ["--position-embedding-type", "rope", "--swiglu",
-                                       "--disable-bias-linear", "--normalization", "RMSNorm"]}
-
-
-def fused_step(flags):
-    """A compiled forward + backward of the benchmark model with `flags`: a function of no
-    arguments, compiled and run twice (warm)."""
-    cfg = load_config([], [*MODEL, "--micro-batch-size", "8", *flags])
-    cfg.model_config.padded_vocab_size = padded_vocab_size(cfg.model_config, SHAPE["vocab"])
-    model = gpt.GPTModel(cfg.model_config)
-    gpt.init_weights(model, 0)
-    grad_fn = ms.value_and_grad(gpt.Compiled(model), None, model.trainable_params())
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"] + 1))
-    batch = train.to_tensors({"tokens": tokens[:, :-1].astype(np.int32),
-                              "labels": tokens[:, 1:].astype(np.int32),
-                              "loss_mask": np.ones((SHAPE["batch"], SHAPE["seq"]), np.float32),
-                              "position_ids": np.tile(np.arange(SHAPE["seq"], dtype=np.int32),
-                                                      (SHAPE["batch"], 1))})
-
-    def step():
-        loss, grads = grad_fn(*batch)
-        return float(loss.asnumpy() + grads[-1].asnumpy().sum())
-    step()
-    step()
-    return step
-
-
-def fusion_variants(model):
-    """(name, flags) of `model`'s runs: every form off, each of its forms alone, all on."""
-    plain = list(FUSIONS.values())
-    absent = {"gpt2": ("apply_rope_fusion", "apply_swiglu_fusion", "use_fused_rmsnorm"),
-              "llama": ("bias_gelu_fusion", "persist_layer_norm", "bias_dropout_fusion")}[model]
-    variants = [("all off", plain)]
-    variants += [(f"{key} alone", [f for f in plain if f != off])
-                 for key, off in FUSIONS.items() if key not in absent]
-    return variants + [("all on", [])]
-
-
-def fusion_probe(argv):
-    """Each model's step with every fused form off, each one alone and all on, the runs
-    alternated step by step (this machine's speed drifts): median ms and the gain over off."""
-    options = parse_command("fusions", argv, {"--steps": (10, int, "timed steps per run")})[0]
-    train.setup_mindspore()
-    for model, flags in FUSION_MODELS.items():
-        runs = [(name, fused_step(flags + extra)) for name, extra in fusion_variants(model)]
-        times = {name: [] for name, _ in runs}
-        for _ in range(options["steps"]):
-            for name, step in runs:
-                start = time.perf_counter()
-                step()
-                times[name].append(1000 * (time.perf_counter() - start))
-        base = float(np.median(times["all off"]))
-        for name, _ in runs:
-            ms_step = float(np.median(times[name]))
-            print(f"{model}: {name:28s} {ms_step:6.0f} ms  {base / ms_step:.2f}x", flush=True)
-
-
 # ----------------------------------------------------------------------------- PyTorch reference
 def torch_reference(argv):
     """The benchmark shape in PyTorch eager (GPT-2 blocks, tied embedding, AdamW), on random tokens:
@@ -328,10 +255,5 @@ if __name__ == "__main__":
             print(e)
     elif sys.argv[1:2] == ["matmul-peak"]:
         matmul_peak()
-    elif sys.argv[1:2] == ["fusions"]:
-        try:
-            fusion_probe(sys.argv[2:])
-        except HelpRequested as e:
-            print(e)
     else:
         sys.exit(main(sys.argv[1:]))

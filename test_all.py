@@ -83,6 +83,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 import bench
+import bench_fusions
 import checkpoint
 import cli
 import config
@@ -124,10 +125,11 @@ SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
 MODULES = ["keys", "config", "cli", "tokenizer", "data", "optimizer", "parallel",
            "context_parallel", "moe", "gpt", "pipeline", "memory", "torch_format",
            "megatron_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler", "metrics", "train",
-           "fused", "bench", "tour"]
+           "fused", "bench", "bench_fusions", "tour"]
 
 
-@pytest.mark.parametrize("module", [m for m in MODULES if m not in ("train", "bench", "tour")])
+@pytest.mark.parametrize("module", [m for m in MODULES
+                                    if m not in ("train", "bench", "bench_fusions", "tour")])
 def test_a_library_module_run_directly_names_the_command(module):
     """`python checkpoint.py import-hf ...` once exited 0 having done nothing: a module that is
     not an entry point ends non-zero with one line naming `bash run.sh`."""
@@ -2184,9 +2186,9 @@ def test_fused_form_equals_its_plain_form(form, dtype, compiled):
                                    atol=tolerance * np.abs(want).max(), err_msg=str(i))
 
 
-# every fused form off: the plain model (bench.FUSIONS: each form's key and the flag that
+# every fused form off: the plain model (bench_fusions.FUSIONS: each form's key and the flag that
 # turns it off)
-UNFUSED = list(bench.FUSIONS.values())
+UNFUSED = list(bench_fusions.FUSIONS.values())
 LLAMA = [*VARIANTS["gqa"], *VARIANTS["rope"], *VARIANTS["swiglu"], *VARIANTS["rmsnorm"]]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
@@ -2225,17 +2227,17 @@ def test_fused_model_equals_the_plain_model(model, mode, extra):
 
 def test_fusion_flags_round_trip():
     """Each fused form is on by default (Megatron's default); its Megatron or MindSpeed flag and
-    its YAML key turn it off or on (bench.FUSIONS names the flag that turns each off)."""
+    its YAML key turn it off or on (bench_fusions.FUSIONS names the flag that turns each off)."""
     model = load_config("config.yaml", []).model_config
-    assert all(getattr(model, key) is True for key in bench.FUSIONS)
-    for key, off in bench.FUSIONS.items():
+    assert all(getattr(model, key) is True for key in bench_fusions.FUSIONS)
+    for key, off in bench_fusions.FUSIONS.items():
         assert getattr(load_config("config.yaml", [off]).model_config, key) is False, off
         assert getattr(load_config("config.yaml", [f"model_config.{key}=false"]).model_config,
                        key) is False
     for flag, key in [("--use-fused-swiglu", "apply_swiglu_fusion"),
                       ("--apply-rope-fusion", "apply_rope_fusion"),
                       ("--use-fused-rmsnorm", "use_fused_rmsnorm")]:
-        on = load_config("config.yaml", [bench.FUSIONS[key], flag]).model_config
+        on = load_config("config.yaml", [bench_fusions.FUSIONS[key], flag]).model_config
         assert getattr(on, key) is True, flag
 
 
