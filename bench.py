@@ -26,6 +26,7 @@ this machine's speed drifts; the table gives each run's figures per round.
                        `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`)
 
 `python bench.py torch-reference` is that PyTorch model; it imports torch only when run.
+`python bench_fusions.py` times each fused form (fused.py) in the benchmark's model.
 `python bench.py matmul-peak` measures this machine's fp32 matmul TFLOP/s with MindSpore (all
 cores): the denominator of the model FLOPs utilisation (MFU) the table reports.
 """

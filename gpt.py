@@ -19,6 +19,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.graph.api import _pynative_executor
 
 import context_parallel
+import fused
 import moe
 import parallel
 from config import moe_layer_pattern
@@ -42,28 +43,44 @@ class Linear(nn.Cell):
     """y = x W^T + b with W [out, in], the layout of torch and Megatron, computed in `dtype` (the
     compute dtype: float32 parameters are cast to it for the matmul, half ones are already)."""
 
-    def __init__(self, in_features, out_features, bias=True, dtype=F32):
+    def __init__(self, in_features, out_features, bias=True, dtype=F32, skip_bias_add=False,
+                 matmul_bias_grad=True):
         super().__init__()
         self.weight = Parameter(_zeros(out_features, in_features), name="weight")
         self.bias = Parameter(_zeros(out_features), name="bias") if bias else None
-        self.dtype = dtype
+        self.dtype, self.skip_bias_add = dtype, skip_bias_add
+        self.bias_add = parallel.BiasAdd(matmul_bias_grad)
 
     def construct(self, x):
-        return linear(x, self.weight, self.bias, self.dtype)
+        """x [..., in] -> [..., out]; with skip_bias_add (Megatron's) ([..., out] without the
+        bias, the bias), for a fused form to add it."""
+        if self.skip_bias_add:
+            return linear(x, self.weight, None, self.dtype), self.bias
+        return linear(x, self.weight, self.bias, self.dtype, self.bias_add)
 
 
-def make_linear(cfg, in_features, out_features, bias, kind, chunks=1):
+def make_linear(cfg, in_features, out_features, bias, kind, chunks=1, skip_bias_add=False):
     """The model's linears. `kind` is Megatron's role: "column" (qkv, fc1, output layer: the
     output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the
-    input dim is split). One TP rank: a plain Linear. The layout comes from parallel.get_state()."""
+    input dim is split). One TP rank: a plain Linear. The layout comes from parallel.get_state().
+    skip_bias_add: the linear returns (output, bias) for a fused form (fused.py) to add it."""
     state, dtype = parallel.get_state(), DTYPES[cfg.compute_dtype]
+    skip_bias_add, grad = skip_bias_add and bias, matmul_bias_grad(cfg)
     if state.tp == 1:
-        return Linear(in_features, out_features, bias, dtype)
+        return Linear(in_features, out_features, bias, dtype, skip_bias_add, grad)
     if kind == "column":
-        return parallel.ColumnParallelLinear(in_features, out_features, bias, sequence_parallel=
-                                             state.sequence_parallel, chunks=chunks, dtype=dtype)
+        return parallel.ColumnParallelLinear(
+            in_features, out_features, bias, sequence_parallel=state.sequence_parallel,
+            chunks=chunks, dtype=dtype, skip_bias_add=skip_bias_add, matmul_bias_grad=grad)
     return parallel.RowParallelLinear(in_features, out_features, bias,
-                                      sequence_parallel=state.sequence_parallel, dtype=dtype)
+                                      sequence_parallel=state.sequence_parallel, dtype=dtype,
+                                      skip_bias_add=skip_bias_add, matmul_bias_grad=grad)
+
+
+def matmul_bias_grad(cfg):
+    """Whether the biases' gradients are matmuls (parallel.BiasAdd): not under full recompute,
+    where MindSpore 2.10's op by op recompute fails with them."""
+    return cfg.recompute_granularity != "full"
 
 
 class Embedding(nn.Cell):
@@ -115,8 +132,12 @@ class RMSNorm(nn.Cell):
 
 def make_norm(cfg):
     """Norms are replicated over TP. With sequence parallelism each TP rank normalises its own
-    sequence shard, so its weight gradient is partial: marked for an all-reduce over TP."""
-    norm_class = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    sequence shard, so its weight gradient is partial: marked for an all-reduce over TP. The
+    fused forms (fused.py) when use_fused_rmsnorm / persist_layer_norm say so."""
+    if cfg.normalization == "RMSNorm":
+        norm_class = fused.RMSNorm if cfg.use_fused_rmsnorm else RMSNorm
+    else:
+        norm_class = fused.LayerNorm if cfg.persist_layer_norm else LayerNorm
     norm = norm_class(cfg.hidden_size, cfg.norm_epsilon)
     if parallel.get_state().sequence_parallel:
         for param in norm.get_parameters():
@@ -188,6 +209,10 @@ class CoreAttention(nn.Cell):
         coeff = layer_number if cfg.apply_query_key_layer_scaling else 1
         self.scale = 1.0 / (math.sqrt(cfg.hidden_size // cfg.num_attention_heads) * coeff)
         self.softmax_scale = float(coeff)                    # applied to the float32 scores
+        self.fused_softmax = None
+        if cfg.masked_softmax_fusion:
+            self.fused_softmax = fused.ScaledMaskedSoftmax(
+                self.softmax_scale if self.softmax_in_fp32 else 1.0)
 
     def to_heads(self, x, repeat):
         """[s, b, g, d] -> [b, g * repeat, s, d], each head repeated `repeat` times (GQA)."""
@@ -203,10 +228,14 @@ class CoreAttention(nn.Cell):
         scores = batch_matmul_nt(q * self.scale, k)                # [b, n, s, s]
         if self.softmax_in_fp32:
             scores = scores.astype(F32)
-            if self.softmax_scale != 1.0:
-                scores = scores * self.softmax_scale
         # in float16 the -1e30 of a masked score becomes -inf: exp gives 0 all the same
-        probs = ops.softmax(scores + cast(mask_bias, scores.dtype), -1).astype(q.dtype)
+        if self.fused_softmax is not None:
+            probs = self.fused_softmax(scores, mask_bias)
+        else:
+            if self.softmax_in_fp32 and self.softmax_scale != 1.0:
+                scores = scores * self.softmax_scale
+            probs = ops.softmax(scores + cast(mask_bias, scores.dtype), -1)
+        probs = probs.astype(q.dtype)
         return ops.bmm(self.dropout(probs), v).transpose(2, 0, 1, 3)   # [s, b, n, d]
 
 
@@ -366,8 +395,11 @@ class SelfAttention(nn.Cell):
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         qkv_out = (self.heads + 2 * self.groups) * self.head_dim
         self.linear_qkv = make_linear(cfg, cfg.hidden_size, qkv_out, cfg.qkv_has_bias, "column")
+        # with bias_dropout_fusion the layer adds linear_proj's bias (fused.bias_dropout_add)
         self.linear_proj = make_linear(cfg, self.heads * self.head_dim, cfg.hidden_size,
-                                       cfg.out_proj_has_bias, "row")
+                                       cfg.out_proj_has_bias, "row",
+                                       skip_bias_add=fuses_bias_dropout(cfg))
+        self.rotary = fused.Rotary() if cfg.apply_rope_fusion else None
         # Local head and group counts: TP may give this rank only some of the groups.
         self.per_group = self.heads // self.groups
         group_width = (self.per_group + 2) * self.head_dim    # its query heads, a key, a value
@@ -397,27 +429,41 @@ class SelfAttention(nn.Cell):
         qkv = qkv.reshape(s, b, groups, (per_group + 2) * self.head_dim)
         q, k, v = ops.split(qkv, [per_group * self.head_dim, self.head_dim, self.head_dim], axis=-1)
         q = q.reshape(s, b, heads, self.head_dim)                   # [s, b, n, d]
-        if rope is not None:
+        if rope is not None and self.rotary is not None:
+            q, k = self.rotary(q, *rope), self.rotary(k, *rope)
+        elif rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)   # k [s, b, g, d]
         context = self.core_attention(q, k, v, mask_bias)           # [s, b, n, d]
         return self.linear_proj(context.reshape(s, b, heads * self.head_dim))
 
 
 class MLP(nn.Cell):
-    """fc1 -> activation -> fc2. For SwiGLU (Shazeer 2020) fc1 outputs [gate; up], 2*ffn wide."""
+    """fc1 -> activation -> fc2. For SwiGLU (Shazeer 2020) fc1 outputs [gate; up], 2*ffn wide.
+    Fused forms (fused.py): fc1's bias added inside the GELU (bias_gelu_fusion), SwiGLU's hand
+    backward (apply_swiglu_fusion); fc2's bias left to the layer (bias_dropout_fusion)."""
 
     def __init__(self, cfg):
         super().__init__()
         self.act = cfg.hidden_act
         fc1_out = cfg.ffn_hidden_size * (2 if self.act == "swiglu" else 1)
+        self.bias_gelu = None
+        if cfg.bias_gelu_fusion and cfg.add_bias_linear and self.act != "swiglu":
+            self.bias_gelu = fused.BiasGelu(tanh=self.act == "gelu_tanh")
+        self.swiglu = fused.SwiGLU() if cfg.apply_swiglu_fusion else None
         self.linear_fc1 = make_linear(cfg, cfg.hidden_size, fc1_out, cfg.add_bias_linear, "column",
-                                      chunks=2 if self.act == "swiglu" else 1)
+                                      chunks=2 if self.act == "swiglu" else 1,
+                                      skip_bias_add=self.bias_gelu is not None)
         self.linear_fc2 = make_linear(cfg, cfg.ffn_hidden_size, cfg.hidden_size,
-                                      cfg.add_bias_linear, "row")
+                                      cfg.add_bias_linear, "row",
+                                      skip_bias_add=fuses_bias_dropout(cfg))
 
     def construct(self, x):
         y = self.linear_fc1(x)
-        if self.act == "swiglu":
+        if self.bias_gelu is not None:
+            y = self.bias_gelu(*y)                         # fc1's (output, bias)
+        elif self.act == "swiglu" and self.swiglu is not None:
+            y = self.swiglu(y)
+        elif self.act == "swiglu":
             gate, up = ops.chunk(y, 2, axis=-1)
             y = ops.silu(gate) * up
         elif self.act == "gelu_tanh":
@@ -425,6 +471,12 @@ class MLP(nn.Cell):
         else:
             y = ops.gelu(y, approximate="none")
         return self.linear_fc2(y)
+
+
+def fuses_bias_dropout(cfg):
+    """Whether the layers' residual adds take linear_proj's and linear_fc2's biases
+    (fused.bias_dropout_add): not with sandwich norm, which norms the output with its bias."""
+    return cfg.bias_dropout_fusion and not cfg.use_sandwich_norm
 
 
 def gelu_tanh(x):
@@ -500,10 +552,13 @@ class TransformerLayer(nn.Cell):
         self.input_layernorm = make_norm(cfg)
         self.self_attention = SelfAttention(cfg, rng, layer_number)
         self.pre_mlp_layernorm = make_norm(cfg)
-        if moe_layer_pattern(cfg)[layer_number - 1]:
-            self.mlp = moe.MoELayer(cfg)
-        else:
-            self.mlp = MLP(cfg)
+        moe_layer = moe_layer_pattern(cfg)[layer_number - 1]
+        self.mlp = moe.MoELayer(cfg) if moe_layer else MLP(cfg)
+        # fused.bias_dropout_add: which sub-layers return (output, bias)
+        self.attention_skips_bias = fuses_bias_dropout(cfg) and cfg.out_proj_has_bias
+        self.mlp_skips_bias = fuses_bias_dropout(cfg) and cfg.add_bias_linear and not moe_layer
+        self.add_attention_bias = parallel.BiasAdd(matmul_bias_grad(cfg))
+        self.add_mlp_bias = parallel.BiasAdd(matmul_bias_grad(cfg))
         self.sandwich = cfg.use_sandwich_norm
         if self.sandwich:
             self.post_attention_norm = make_norm(cfg)
@@ -518,10 +573,15 @@ class TransformerLayer(nn.Cell):
         y = self.self_attention(self.input_layernorm(x), rope, mask_bias)
         if self.sandwich:
             y = self.post_attention_norm(y)
-        x = x + cast(self.hidden_dropout(y), x.dtype)
+        if self.attention_skips_bias:       # y = (linear_proj's output, its bias)
+            x = fused.bias_dropout_add(*y, x, self.hidden_dropout, self.add_attention_bias)
+        else:
+            x = x + cast(self.hidden_dropout(y), x.dtype)
         y = self.mlp(self.pre_mlp_layernorm(x))
         if self.sandwich:
             y = self.post_mlp_norm(y)
+        if self.mlp_skips_bias:
+            return fused.bias_dropout_add(*y, x, self.hidden_dropout, self.add_mlp_bias)
         return x + cast(self.hidden_dropout(y), x.dtype)
 
 

@@ -8,7 +8,7 @@ sections, MindSpore Transformers' scheduler keys). Three kinds of row:
 
 - `key`:   honoured; the run does what it says.
 - `fixed`: accepted at the one value that is this project's only behaviour (transformer_impl
-           local, apply_rope_fusion false, ...); any other value is refused with the row's reason.
+           local, moe_permute_fusion false, ...); any other value is refused with the row's reason.
 - `inert`: a graph-mode, Ascend-only or launcher setting that means nothing in PyNative here
            (context.mode, parallel.parallel_mode, ...): accepted with one warning saying why.
 
@@ -80,6 +80,8 @@ _MS_TRAIN = "train_config.ms_training_config."
 _GRAPH = "a graph-mode setting: this project runs PyNative (ms.jit compiles the model's step)"
 _DEVICE_PROFILER = "collected by the Ascend/GPU profiler only (on CPU: one warning, op times only)"
 _FUSIONS = "this project builds unfused operators only"
+_FUSED_OPS = ("each fused form has its own key here (apply_rope_fusion, apply_swiglu_fusion, "
+              "use_fused_rmsnorm, masked_softmax_fusion, ...; docs/performance.md#fusions)")
 _FUSED_FA = ("a setting of Ascend's fused FlashAttentionScore kernel, not used on CPU "
              "(--use-flash-attn runs gpt.FlashAttention, written out)")
 
@@ -466,10 +468,30 @@ MODEL = [
     inert("model_config.fa_config.pre_tokens", _FUSED_FA, flag="--pre-tockens"),
     inert("model_config.fa_config.next_tokens", _FUSED_FA, flag="--next-tockens"),
     inert("model_config.fa_config.input_layout", _FUSED_FA, flag="--shape-order"),
-    fixed("model_config.apply_swiglu_fusion", False, _FUSIONS, switch={"--use-fused-swiglu": True}),
-    fixed("model_config.apply_rope_fusion", False, _FUSIONS, switch={"--apply-rope-fusion": True}),
-    inert("accelerate_config.precision.fused_operators", _FUSIONS),
-    inert("accelerate_config.precision.nofused_operators", _FUSIONS),
+    # the fused forms (fused.py), on by default as Megatron's fusions are
+    key("model_config.apply_swiglu_fusion", True, bool, None,
+        "SwiGLU with a hand backward reusing its sigmoid (fused.SwiGLU)",
+        switch={"--use-fused-swiglu": True, "--no-bias-swiglu-fusion": False}),
+    key("model_config.apply_rope_fusion", True, bool, None,
+        "RoPE with its backward written out (fused.Rotary)",
+        switch={"--apply-rope-fusion": True, "--no-rope-fusion": False}),
+    key("model_config.use_fused_rmsnorm", True, bool, None,
+        "RMSNorm with its mean as a matmul and a hand backward (fused.RMSNorm)",
+        switch={"--use-fused-rmsnorm": True}),
+    key("model_config.persist_layer_norm", True, bool, None,
+        "LayerNorm with its means as matmuls and a hand backward (fused.LayerNorm); false: "
+        "the LayerNorm kernel", switch={"--no-persist-layer-norm": False}),
+    key("model_config.bias_gelu_fusion", True, bool, None,
+        "fc1's bias added inside the GELU, one hand backward (fused.BiasGelu)",
+        switch={"--no-bias-gelu-fusion": False}),
+    key("model_config.masked_softmax_fusion", True, bool, None,
+        "the attention's scale, mask and softmax with row sums as a matmul "
+        "(fused.ScaledMaskedSoftmax)", switch={"--no-masked-softmax-fusion": False}),
+    key("model_config.bias_dropout_fusion", True, bool, None,
+        "the output linears' biases added with the dropout and residual "
+        "(fused.bias_dropout_add)", switch={"--no-bias-dropout-fusion": False}),
+    inert("accelerate_config.precision.fused_operators", _FUSED_OPS),
+    inert("accelerate_config.precision.nofused_operators", _FUSED_OPS),
     fixed("model_config.encoder_attn_mask_type", "causal",
           "a GPT's attention is causal (a document mask: dataset_config.reset_attention_mask)"),
     *MOE,

@@ -47,6 +47,8 @@ MIB = 1024 ** 2
 # x, 0.0447 x, 0.0447 x^2, the tanh, 1 + tanh, 0.5 x and the output; SwiGLU keeps the gate, the
 # up projection, silu(gate) and the output
 MLP_KEPT = {"gelu": 2, "gelu_tanh": 7, "swiglu": 4}
+# fused.BiasGelu keeps fc1's output, x = it + bias, tanh or Phi, and its output
+BIAS_GELU_KEPT = 4
 # Temporaries of one layer's core attention, in units of its scores [b, n/tp, s, s]: the forward's
 # scores and scores + mask; the backward's gradient of the softmax output, the softmax gradient's
 # three intermediates, the scores' gradient and its transpose (for the key gradient)
@@ -197,6 +199,20 @@ def optimizer_bytes(cfg, params, experts=0):
 
 
 # ============================================================================ activations
+def norm_kept(model_cfg):
+    """[s, b, h] float32 tensors a norm keeps: the LayerNorm kernel its input; RMSNorm written
+    out, and both fused forms (fused.py), also x normalised."""
+    return 1 if model_cfg.normalization == "LayerNorm" and not model_cfg.persist_layer_norm else 2
+
+
+def mlp_kept(model_cfg):
+    """[s, b, ffn/tp] tensors a dense MLP's activation keeps (MLP_KEPT, or fused.BiasGelu's)."""
+    if (model_cfg.bias_gelu_fusion and model_cfg.add_bias_linear
+            and model_cfg.hidden_act != "swiglu"):
+        return BIAS_GELU_KEPT
+    return MLP_KEPT[model_cfg.hidden_act]
+
+
 def layer_activations(model_cfg, parallel_cfg, micro_batch_size, moe=False):
     """What the backward keeps of one transformer layer for one micro-batch on one rank:
     [(tensor, bytes, in the core attention)]. s = seq_length, h hidden, n heads, g query groups,
@@ -218,17 +234,20 @@ def layer_activations(model_cfg, parallel_cfg, micro_batch_size, moe=False):
     sp = tp if parallel_cfg.sequence_parallel else 1
     x = micro_batch_size * s * h // cp
     scores = micro_batch_size * n * s * s // (tp * cp)
-    # RMSNorm, written out, also keeps x / rms
-    norm = 1 if model_cfg.normalization == "LayerNorm" else 2
+    norm = norm_kept(model_cfg)
     c = DTYPE_BYTES[model_cfg.compute_dtype]
     softmax = c + (F32_BYTES if model_cfg.attention_softmax_in_fp32 and c < F32_BYTES else 0)
     mlp = moe_activations(model_cfg, parallel_cfg, micro_batch_size) if moe else [
         ("fc1 input [s, b, h]", c * x, False),
         ("MLP activations [s, b, ffn/tp]",
-         c * MLP_KEPT[model_cfg.hidden_act] * x * model_cfg.ffn_hidden_size // (h * tp), False)]
+         c * mlp_kept(model_cfg) * x * model_cfg.ffn_hidden_size // (h * tp), False)]
     core = [("q scaled, k and v repeated per query head [b, n/tp, s, h/n]",
              c * (1 + 2 * ring) * x // tp, True),
             ("softmax output [b, n/tp, s, s]", softmax * scores, True)]
+    if model_cfg.masked_softmax_fusion:
+        # fused.ScaledMaskedSoftmax's custom backward keeps its input, the scores, too
+        core.append(("softmax input, kept by the fused softmax [b, n/tp, s, s]",
+                     softmax * scores, True))
     if model_cfg.use_flash_attention:
         # gpt.FlashKernel's bprop keeps its inputs, its output and the log-sum-exp
         core = [("flash attention: q, k, v [s, b, n + 2g, h/n] and output [s, b, n/tp, h/n]",
@@ -362,7 +381,7 @@ def chunk_activations(model_cfg, parallel_cfg, micro_batch_size, layers, embeds,
     if has_loss:
         # the final norm's input (float32), the output layer's input, the logits and their
         # log-softmax [s/cp, b, V/tp]
-        norm = 1 if model_cfg.normalization == "LayerNorm" else 2
+        norm = norm_kept(model_cfg)
         cp_tp = cp * parallel_cfg.tensor_model_parallel_size
         vocab = micro_batch_size * s * model_cfg.padded_vocab_size // cp_tp
         kept += F32_BYTES * norm * x // sp + c * x + logits * 2 * vocab

@@ -253,6 +253,12 @@ class MoEAuxLossAutoScaler(nn.Cell):
         return output
 
     def bprop(self, output, aux_loss, scale, out, dout):
+        # a plain function call: written here, ms.jit failed to compile it beside
+        # fused.ScaledMaskedSoftmax ("The pointer[func_graph->get_return()] is null")
+        return MoEAuxLossAutoScaler.backward(aux_loss, scale, dout)
+
+    @staticmethod
+    def backward(aux_loss, scale, dout):
         return dout, ops.ones_like(aux_loss) * cast(scale, aux_loss.dtype), ops.zeros_like(scale)
 
     @staticmethod

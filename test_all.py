@@ -83,11 +83,13 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 import bench
+import bench_fusions
 import checkpoint
 import cli
 import config
 import context_parallel
 import data
+import fused
 import gpt
 import megatron_checkpoint
 import memory
@@ -123,10 +125,11 @@ SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
 MODULES = ["keys", "config", "cli", "tokenizer", "data", "optimizer", "parallel",
            "context_parallel", "moe", "gpt", "pipeline", "memory", "torch_format",
            "megatron_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler", "metrics", "train",
-           "bench", "tour"]
+           "fused", "bench", "bench_fusions", "tour"]
 
 
-@pytest.mark.parametrize("module", [m for m in MODULES if m not in ("train", "bench", "tour")])
+@pytest.mark.parametrize("module", [m for m in MODULES
+                                    if m not in ("train", "bench", "bench_fusions", "tour")])
 def test_a_library_module_run_directly_names_the_command(module):
     """`python checkpoint.py import-hf ...` once exited 0 having done nothing: a module that is
     not an entry point ends non-zero with one line naming `bash run.sh`."""
@@ -395,10 +398,8 @@ def test_repeated_config_files_layer_in_order_and_name_what_they_override(tmp_pa
      "weight_decay_incr_style=linear needs start_weight_decay and end_weight_decay"),
     (["model_config.transformer_impl=transformer_engine"], "model_config.transformer_impl="
      "'transformer_engine': only 'local' here: the layers are this project's own"),
-    (["--use-fused-swiglu"], "model_config.apply_swiglu_fusion=True: only False here"),
     (["training_config.resume_training=true"], "resume_training=true needs the checkpoint"),
-], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "swiglu_fusion",
-     "resume"])
+], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "resume"])
 def test_no_value_is_silently_replaced_or_ignored(args, message, capsys):
     """A value that contradicts another, or that this project cannot do, is one line (Megatron's
     assertions where it has them); micro_batch_num that agrees is taken."""
@@ -2024,6 +2025,222 @@ def test_flash_attention_flag_round_trips_and_refuses_in_one_line(args, message,
                    "drop --use-flash-attn")
 
 
+class Graph(nn.Cell):
+    """`net` compiled by ms.jit (its backward follows, as gpt.Compiled's)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    @ms.jit
+    def construct(self, *inputs):
+        return self.net(*inputs)
+
+
+class PlainBiasGelu(nn.Cell):
+    """gpt.MLP's plain path: linear_fc1's bias added, then gpt.gelu_tanh or the exact ops.gelu."""
+
+    def __init__(self, f, tanh):
+        super().__init__()
+        self.bias, self.tanh = Parameter(Tensor(np.linspace(-1, 1, f).astype(np.float32))), tanh
+
+    def construct(self, y):
+        y = y + self.bias.astype(y.dtype)
+        return gpt.gelu_tanh(y) if self.tanh else ops.gelu(y, approximate="none")
+
+
+class FusedBiasGelu(PlainBiasGelu):
+    def __init__(self, f, tanh):
+        super().__init__(f, tanh)
+        self.fused = fused.BiasGelu(tanh)
+
+    def construct(self, y):
+        return self.fused(y, self.bias)
+
+
+class PlainSwiGLU(nn.Cell):
+    def construct(self, y):
+        gate, up = ops.chunk(y, 2, axis=-1)
+        return ops.silu(gate) * up
+
+
+class PlainRotary(nn.Cell):
+    def construct(self, x, cos, sin):
+        return gpt.apply_rotary(x, cos, sin)
+
+
+class PlainSoftmax(nn.Cell):
+    """gpt.CoreAttention's float32 softmax, scaled (query-key layer scaling's 3) and masked."""
+
+    def construct(self, scores, mask_bias):
+        return ops.softmax(scores * 3.0 + mask_bias.astype(scores.dtype), -1)
+
+
+class PlainBiasDropoutAdd(nn.Cell):
+    """gpt.TransformerLayer's plain residual: x + dropout(linear output with its bias)."""
+
+    def __init__(self, h, rate):
+        super().__init__()
+        self.bias = Parameter(Tensor(np.linspace(-1, 1, h).astype(np.float32)))
+        self.dropout = gpt.Dropout(rate, DropoutRNG(0))
+        self.bias_add = parallel.BiasAdd()
+
+    def construct(self, y, residual):
+        return residual + self.dropout(y + self.bias.astype(y.dtype))
+
+
+class FusedBiasDropoutAdd(PlainBiasDropoutAdd):
+    def construct(self, y, residual):
+        return fused.bias_dropout_add(y, self.bias, residual, self.dropout, self.bias_add)
+
+
+class PlainBiasAdd(nn.Cell):
+    def __init__(self, f):
+        super().__init__()
+        self.bias = Parameter(Tensor(np.linspace(-1, 1, f).astype(np.float32)))
+
+    def construct(self, y):
+        return ops.bias_add(y, self.bias.astype(y.dtype))
+
+
+class MatmulBiasAdd(PlainBiasAdd):
+    def __init__(self, f):
+        super().__init__(f)
+        self.bias_add = parallel.BiasAdd()
+
+    def construct(self, y):
+        return self.bias_add(y, self.bias.astype(y.dtype))
+
+
+def _norms(plain, fused_class, h=24):
+    """A plain norm and its fused form, both with the same non-trivial weights."""
+    norms = (plain(h, 1e-5), fused_class(h, 1e-5))
+    for norm in norms:
+        for i, param in enumerate(norm.trainable_params()):
+            param.set_data(Tensor(np.linspace(0.5 - i, 1.5, h).astype(np.float32)))
+    return norms
+
+
+# form -> (plain Cell, fused Cell, input shapes, inputs that get a gradient)
+FUSED_FORMS = {
+    "layer_norm": (lambda: _norms(gpt.LayerNorm, fused.LayerNorm), [(6, 2, 24)], 1),
+    "rms_norm": (lambda: _norms(gpt.RMSNorm, fused.RMSNorm), [(6, 2, 24)], 1),
+    "bias_gelu_tanh": (lambda: (PlainBiasGelu(20, True), FusedBiasGelu(20, True)),
+                       [(6, 2, 20)], 1),
+    "bias_gelu_exact": (lambda: (PlainBiasGelu(20, False), FusedBiasGelu(20, False)),
+                        [(6, 2, 20)], 1),
+    "swiglu": (lambda: (PlainSwiGLU(), fused.SwiGLU()), [(6, 2, 40)], 1),
+    "rope": (lambda: (PlainRotary(), fused.Rotary()), [(6, 2, 3, 8), (6, 2, 1, 8), (6, 2, 1, 8)],
+             1),
+    "masked_softmax": (lambda: (PlainSoftmax(), fused.ScaledMaskedSoftmax(3.0)),
+                       [(2, 3, 10, 10), "mask"], 1),
+    "bias_dropout_add": (lambda: (PlainBiasDropoutAdd(16, 0.0), FusedBiasDropoutAdd(16, 0.0)),
+                         [(6, 2, 16), (6, 2, 16)], 2),
+    "bias_dropout_add_p0.3": (lambda: (PlainBiasDropoutAdd(16, 0.3),
+                                       FusedBiasDropoutAdd(16, 0.3)), [(6, 2, 16), (6, 2, 16)],
+                              2),
+    "bias_add": (lambda: (PlainBiasAdd(16), MatmulBiasAdd(16)), [(12, 16)], 1),
+}
+
+
+def _form_inputs(shapes, dtype):
+    """Random inputs of `shapes` in `dtype`; "mask" is a causal additive mask (float32)."""
+    rng = np.random.default_rng(1)
+    inputs = []
+    for shape in shapes:
+        if shape == "mask":
+            inputs.append(ops.tile(gpt.additive_mask(np.triu(np.ones((1, 1, 10, 10), bool), 1)),
+                                   (2, 3, 1, 1)))
+        else:
+            inputs.append(Tensor(rng.standard_normal(shape).astype(np.float32)).astype(dtype))
+    return inputs
+
+
+@pytest.mark.parametrize("form,dtype,compiled", [
+    (f, d, False) for f in FUSED_FORMS for d in ("float32", "float16")]
+    + [(f, "float32", True) for f in FUSED_FORMS if f != "bias_dropout_add_p0.3"])
+def test_fused_form_equals_its_plain_form(form, dtype, compiled):
+    """Each fused form (fused.py; parallel.BiasAdd) gives its plain form's values and the
+    gradients of its inputs and parameters: relative 1e-5 in float32, 2e-3 in float16 (the
+    norms compute in float32 inside, as the plain ones); op by op, and compiled (ms.jit; dropout
+    masks come from host streams, so the dropout case runs op by op)."""
+    build, shapes, graded = FUSED_FORMS[form]
+    dtype = gpt.DTYPES[dtype]
+    inputs = _form_inputs(shapes, dtype)
+    results = []
+    for cell in build():
+        net = Graph(cell) if compiled else cell
+        params = cell.trainable_params()
+        out = net(*inputs)
+        upstream = Tensor(np.cos(np.arange(out.size)).reshape(out.shape).astype(np.float32))
+        loss = lambda *x: (net(*x).astype(ms.float32) * upstream).sum()
+        grads = ms.grad(loss, tuple(range(graded)), params or None)(*inputs)
+        grads = (list(grads[0]) + list(grads[1])) if params else list(
+            grads if graded > 1 else [grads])
+        results.append([out] + grads)
+    tolerance = 1e-5 if dtype == ms.float32 else 2e-3
+    for i, (got, want) in enumerate(zip(*results)):
+        assert got.dtype == want.dtype, i
+        want = want.asnumpy().astype(np.float32)
+        np.testing.assert_allclose(got.asnumpy().astype(np.float32), want, rtol=tolerance,
+                                   atol=tolerance * np.abs(want).max(), err_msg=str(i))
+
+
+# every fused form off: the plain model (bench_fusions.FUSIONS: each form's key and the flag that
+# turns it off)
+UNFUSED = list(bench_fusions.FUSIONS.values())
+LLAMA = [*VARIANTS["gqa"], *VARIANTS["rope"], *VARIANTS["swiglu"], *VARIANTS["rmsnorm"]]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+
+
+@pytest.mark.parametrize("model,mode,extra", [
+    ("gpt2", "op by op", []), ("llama", "op by op", []), ("gpt2", "op by op", FULL_RECOMPUTE),
+    ("gpt2", "compiled", FULL_RECOMPUTE),
+    ("llama", "compiled", ["--recompute-activations"]),
+    ("gpt2", "op by op", ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]),
+    ("gpt2", "compiled", ["--fp16"])],
+    ids=["gpt2", "llama", "gpt2-full recompute", "gpt2-compiled-full recompute",
+         "llama-compiled-selective recompute",
+         "gpt2-dropout", "gpt2-fp16-compiled"])
+def test_fused_model_equals_the_plain_model(model, mode, extra):
+    """A tiny model with every fused form on (the defaults) gives the plain model's loss and
+    every parameter gradient (relative 1e-5; float16 2e-3): GPT-2 style (LayerNorm, tanh GELU,
+    biases) and LLaMA style (GQA, RoPE, SwiGLU, RMSNorm); op by op and compiled; inside full
+    and selective recompute (the fused softmax in the recomputed core attention); with dropout
+    (bias_dropout_add draws the same masks)."""
+    flags = (LLAMA if model == "llama" else []) + extra
+    results = []
+    for unfused in (UNFUSED, []):
+        cfg, model_ = tiny_model(*flags, *unfused)
+        net = gpt.Compiled(model_) if mode == "compiled" else model_
+        grad_fn = ms.value_and_grad(net, None, model_.trainable_params())
+        loss, grads = grad_fn(*train.to_tensors(random_batch(cfg)))
+        results.append([loss.asnumpy()] + [g.asnumpy().astype(np.float32) for g in grads])
+    fused_layer = model_.layers[0]
+    assert isinstance(fused_layer.input_layernorm, (fused.LayerNorm, fused.RMSNorm))
+    assert fused_layer.self_attention.core_attention.fused_softmax is not None
+    tolerance = 2e-3 if "--fp16" in extra else 1e-5
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
+
+
+def test_fusion_flags_round_trip():
+    """Each fused form is on by default (Megatron's default); its Megatron or MindSpeed flag and
+    its YAML key turn it off or on (bench_fusions.FUSIONS names the flag that turns each off)."""
+    model = load_config("config.yaml", []).model_config
+    assert all(getattr(model, key) is True for key in bench_fusions.FUSIONS)
+    for key, off in bench_fusions.FUSIONS.items():
+        assert getattr(load_config("config.yaml", [off]).model_config, key) is False, off
+        assert getattr(load_config("config.yaml", [f"model_config.{key}=false"]).model_config,
+                       key) is False
+    for flag, key in [("--use-fused-swiglu", "apply_swiglu_fusion"),
+                      ("--apply-rope-fusion", "apply_rope_fusion"),
+                      ("--use-fused-rmsnorm", "use_fused_rmsnorm")]:
+        on = load_config("config.yaml", [bench_fusions.FUSIONS[key], flag]).model_config
+        assert getattr(on, key) is True, flag
+
+
 def test_init_is_megatron_and_layout_independent():
     cfg, model = tiny_model()
     w = {n: p.asnumpy() for n, p in model.parameters_and_names()}
@@ -2864,7 +3081,7 @@ def test_memory_activations_of_an_moe_layer_by_hand():
     B, n, x = 4, 2 * 16 // 2, 2 * 16 * 8
     flags = [*PLAN_TINY, "--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
              "--sequence-parallel", "--num-experts", "4", "--expert-model-parallel-size", "2",
-             "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"]
+             "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01", *UNFUSED]
     cfg = load_config(os.path.join(HERE, "config.yaml"), flags, 4)
     m, p = cfg.model_config, cfg.parallel_config
     attention = 2 * x // 2 + x + 3 * x // 2 + 2 * 2 * 16 * 16 // 2 + x // 2
@@ -2901,7 +3118,7 @@ def test_memory_activations_per_layer_by_hand():
     every tensor is 4 bytes a value (B); test_memory_counts_half_precision has float16."""
     B = 4
     cfg = load_config(os.path.join(HERE, "config.yaml"), [*PLAN_TINY, "--micro-batch-size", "2",
-                      "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2)
+                      "--tensor-model-parallel-size", "2", "--sequence-parallel", *UNFUSED], 2)
     m, p = cfg.model_config, cfg.parallel_config
     x, scores = 2 * 16 * 8, 2 * 2 * 16 * 16 // 2
     layer = (2 * x // 2            # input and pre-MLP LayerNorm inputs, [s/tp, b, h] under SP
@@ -2911,6 +3128,12 @@ def test_memory_activations_per_layer_by_hand():
              + x // 2              # proj input
              + 7 * 2 * 16 * 16 // 2)  # gelu_tanh's seven [s, b, ffn/tp] tensors
     assert sum(e for _, e, _ in memory.layer_activations(m, p, 2)) == B * layer == B * 3584
+    # the fused forms (fused.py): each LayerNorm also keeps x normalised, the bias-GeLU 4 tensors
+    # instead of 7, the fused softmax its input scores too
+    m.persist_layer_norm = m.bias_gelu_fusion = m.masked_softmax_fusion = True
+    assert (sum(e for _, e, _ in memory.layer_activations(m, p, 2))
+            == B * (layer + 2 * x // 2 - 3 * 2 * 16 * 16 // 2 + scores))
+    m.persist_layer_norm = m.bias_gelu_fusion = m.masked_softmax_fusion = False
     core = 3 * x // 2 + scores
     m.use_flash_attention = True  # keeps q, k, v and the output (x / tp each), log-sum-exp b n s
     assert (sum(e for _, e, _ in memory.layer_activations(m, p, 2))
@@ -5172,7 +5395,7 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     assert {p.dtype for p in model.get_parameters()} == {ms.float16}
     assert all(main.dtype == ms.float32 and main is not p
                for p, main in zip(optim.params, optim.main_params))
-    assert model.layers[0].mlp.linear_fc1(ones).dtype == ms.float16
+    assert model.layers[0].self_attention.linear_qkv(ones).dtype == ms.float16
     assert (type(optim.scaler), optim.scaler.scale, optim.scaler.growth_interval,
             optim.scaler.hysteresis) == (DynamicGradScaler, 2.0 ** 32, 1000, 2)
     assert config.main_grad_dtype(cfg) == "float16" and model.logits_dtype == ms.float32
@@ -5182,7 +5405,7 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     optim, _ = train.build_optimizer(cfg, model)
     assert {p.dtype for p in model.get_parameters()} == {ms.float32}
     assert all(main is p for p, main in zip(optim.params, optim.main_params))
-    assert (model.layers[0].mlp.linear_fc1(ones).dtype == ms.float16
+    assert (model.layers[0].self_attention.linear_qkv(ones).dtype == ms.float16
             and type(optim.scaler) is DynamicGradScaler)
     assert tiny_model("--fp16", "--fp16-lm-cross-entropy")[1].logits_dtype == ms.float16
     cfg, model = tiny_model("--fp16", "--fp32-residual-connection")
