@@ -71,8 +71,7 @@ linear_fc2 with std / sqrt(2 num_layers), the experts' other biases zero. Expert
 known by their names (`is_expert`: Megatron marks them `allreduce = False` when ep > 1 or etp !=
 tp, tensor_parallel/layers.py:1033-1037, 1090; with EP = 1 their group is DP x CP anyway), have
 their gradients summed over the expert-data-parallel group; they carry `partition_dim` like the
-TP layers; the router's and the
-gate's `sequence_parallel` as Megatron marks them.
+TP layers; the router's and the gate's `sequence_parallel` as Megatron marks them.
 """
 import itertools
 import math
