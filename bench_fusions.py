@@ -27,7 +27,8 @@ FUSIONS = {"bias_gelu_fusion": "--no-bias-gelu-fusion",
            "persist_layer_norm": "--no-persist-layer-norm",
            "apply_rope_fusion": "--no-rope-fusion",
            "apply_swiglu_fusion": "--no-bias-swiglu-fusion",
-           "use_fused_rmsnorm": "model_config.use_fused_rmsnorm=false"}
+           "use_fused_rmsnorm": "model_config.use_fused_rmsnorm=false",
+           "cross_entropy_loss_fusion": "--no-cross-entropy-loss-fusion"}
 # the benchmark's model, and a LLaMA-style one for RoPE, SwiGLU and RMSNorm
 FUSION_MODELS = {"gpt2": [], "llama": ["--position-embedding-type", "rope", "--swiglu",
                                        "--disable-bias-linear", "--normalization", "RMSNorm"]}

@@ -445,7 +445,8 @@ def _check_flash_attention(model_cfg, parallel_cfg):
     """What gpt.FlashAttention does not build, refused: attention dropout (its backward would have
     to replay each block's mask), a half-precision softmax (its blocks' softmax is float32, as
     Megatron's flash kernels'), selective recompute (its backward already recomputes the
-    s x s part) and context parallelism (the ring attends in its own blocks)."""
+    s x s part) and ring attention (it attends in its own blocks); Ulysses runs the flash core
+    over the whole sequence with its share of the heads."""
     if not model_cfg.use_flash_attention:
         return
     fix = "or drop --use-flash-attn (model_config.use_flash_attention)"
@@ -460,11 +461,13 @@ def _check_flash_attention(model_cfg, parallel_cfg):
         raise ConfigError("model_config.recompute_granularity=selective with use_flash_attention:"
                           " flash attention already recomputes its blocks in the backward; "
                           "remove --recompute-activations, " + fix)
-    if parallel_cfg.context_parallel_size > 1:
-        raise ConfigError("parallel_config.context_parallel_size="
-                          f"{parallel_cfg.context_parallel_size} with use_flash_attention: "
-                          "not built (the ring attends in its own blocks); use "
-                          "--context-parallel-size 1, " + fix)
+    cp = parallel_cfg.context_parallel_size
+    if cp_ring_size(cp, parallel_cfg.ulysses_degree_in_cp) > 1:
+        raise ConfigError(f"parallel_config.context_parallel_algo="
+                          f"{parallel_cfg.context_parallel_algo} (a ring of "
+                          f"{cp_ring_size(cp, parallel_cfg.ulysses_degree_in_cp)}) with "
+                          "use_flash_attention: not built (the ring attends in its own blocks); "
+                          "use context_parallel_algo=ulysses_cp_algo, " + fix)
 
 
 def per_stage_and_chunk(values):

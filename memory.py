@@ -380,7 +380,7 @@ def chunk_activations(model_cfg, parallel_cfg, micro_batch_size, layers, embeds,
             kept += c * x // sp
     if has_loss:
         # the final norm's input (float32), the output layer's input, the logits and their
-        # log-softmax [s/cp, b, V/tp]
+        # log-softmax [s/cp, b, V/tp] (fused.CrossEntropy: its softmax, again in the backward)
         norm = norm_kept(model_cfg)
         cp_tp = cp * parallel_cfg.tensor_model_parallel_size
         vocab = micro_batch_size * s * model_cfg.padded_vocab_size // cp_tp
@@ -410,15 +410,16 @@ def in_flight(cfg, rank):
 
 def flash_transients(cfg, tp):
     """gpt.FlashAttention's transients: (mask bytes, values in one block pair's scores, bytes of
-    the backward's dq, dk, dv [b, n/tp, s, h/n] and their scattered updates). The mask is not
-    tiled: none beside the model's causal one, a document mask [b, 1, s, s] in float32."""
+    the backward's dq, dk, dv [b, n/(tp cp), s, h/n] and their scattered updates; Ulysses, the
+    only CP flash attention runs under, spreads the heads). The mask is not tiled: none beside
+    the model's causal one, a document mask [b, 1, s, s] in float32."""
     model_cfg, micro_batch_size = cfg.model_config, cfg.dataset_config.batch_size
-    s = model_cfg.seq_length
+    s, heads = model_cfg.seq_length, tp * cfg.parallel_config.context_parallel_size
     block = gpt.flash_block(s, gpt.FLASH_BLOCK)
     mask = F32_BYTES * micro_batch_size * s ** 2 * cfg.dataset_config.reset_attention_mask
-    scores = micro_batch_size * model_cfg.num_attention_heads * block ** 2 // tp
+    scores = micro_batch_size * model_cfg.num_attention_heads * block ** 2 // heads
     c = DTYPE_BYTES[model_cfg.compute_dtype]
-    return mask, scores, 2 * 3 * c * micro_batch_size * s * model_cfg.hidden_size // tp
+    return mask, scores, 2 * 3 * c * micro_batch_size * s * model_cfg.hidden_size // heads
 
 
 def stage_activations(cfg, rank):

@@ -2012,9 +2012,10 @@ def test_flash_attention_model_equals_the_plain_model(compiled, recompute):
      "use_flash_attention: its softmax is float32"),
     (["--recompute-activations"], "model_config.recompute_granularity=selective with "
      "use_flash_attention"),
-    (["--context-parallel-size", "2", "--nproc", "2"], "parallel_config.context_parallel_size=2 "
-     "with use_flash_attention: not built"),
-], ids=["dropout", "softmax", "selective", "cp"])
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--nproc", "2"],
+     "parallel_config.context_parallel_algo=megatron_cp_algo (a ring of 2) with "
+     "use_flash_attention: not built"),
+], ids=["dropout", "softmax", "selective", "ring"])
 def test_flash_attention_flag_round_trips_and_refuses_in_one_line(args, message, capsys):
     """--use-flash-attn and the YAML key set model_config.use_flash_attention (default off); what
     FlashAttention does not build is one line naming the field and the fix."""
@@ -2112,6 +2113,47 @@ class MatmulBiasAdd(PlainBiasAdd):
         return self.bias_add(y, self.bias.astype(y.dtype))
 
 
+class PlainCrossEntropy(nn.Cell):
+    """gpt.cross_entropy (log_softmax and a gather) against fixed labels, one per row."""
+
+    def __init__(self, n, vocab):
+        super().__init__()
+        self.labels = Tensor((np.arange(n) * 7 % vocab).astype(np.int32))
+
+    def construct(self, logits):
+        return gpt.cross_entropy(logits, self.labels)
+
+
+class FusedCrossEntropy(PlainCrossEntropy):
+    def __init__(self, n, vocab):
+        super().__init__(n, vocab)
+        self.kernel = fused.CrossEntropy()
+
+    def construct(self, logits):
+        return self.kernel(logits, self.labels)
+
+
+class PlainMatMul(nn.Cell):
+    """A linear's matmul x [n, in] @ W [out, in]^T, autodiff's backward."""
+
+    def __init__(self, out_features, in_features):
+        super().__init__()
+        weight = np.cos(np.arange(out_features * in_features)).reshape(out_features, -1)
+        self.weight = Parameter(Tensor(weight.astype(np.float32)))
+
+    def construct(self, x):
+        return parallel.linear(x, self.weight)
+
+
+class HandMatMul(PlainMatMul):
+    def __init__(self, out_features, in_features):
+        super().__init__(out_features, in_features)
+        self.matmul = parallel.LinearMatMul()
+
+    def construct(self, x):
+        return parallel.linear(x, self.weight, matmul=self.matmul)
+
+
 def _norms(plain, fused_class, h=24):
     """A plain norm and its fused form, both with the same non-trivial weights."""
     norms = (plain(h, 1e-5), fused_class(h, 1e-5))
@@ -2140,6 +2182,11 @@ FUSED_FORMS = {
                                        FusedBiasDropoutAdd(16, 0.3)), [(6, 2, 16), (6, 2, 16)],
                               2),
     "bias_add": (lambda: (PlainBiasAdd(16), MatmulBiasAdd(16)), [(12, 16)], 1),
+    "cross_entropy": (lambda: (PlainCrossEntropy(12, 40), FusedCrossEntropy(12, 40)),
+                      [(12, 40)], 1),
+    # out > in: the weight gradient as (x^T dy)^T; out <= in: as dy^T x
+    "linear_matmul_wide": (lambda: (PlainMatMul(24, 8), HandMatMul(24, 8)), [(6, 2, 8)], 1),
+    "linear_matmul_narrow": (lambda: (PlainMatMul(8, 24), HandMatMul(8, 24)), [(6, 2, 24)], 1),
 }
 
 
@@ -2160,10 +2207,10 @@ def _form_inputs(shapes, dtype):
     (f, d, False) for f in FUSED_FORMS for d in ("float32", "float16")]
     + [(f, "float32", True) for f in FUSED_FORMS if f != "bias_dropout_add_p0.3"])
 def test_fused_form_equals_its_plain_form(form, dtype, compiled):
-    """Each fused form (fused.py; parallel.BiasAdd) gives its plain form's values and the
-    gradients of its inputs and parameters: relative 1e-5 in float32, 2e-3 in float16 (the
-    norms compute in float32 inside, as the plain ones); op by op, and compiled (ms.jit; dropout
-    masks come from host streams, so the dropout case runs op by op)."""
+    """Each fused form (fused.py; parallel.BiasAdd and LinearMatMul) gives its plain form's
+    values and the gradients of its inputs and parameters: relative 1e-5 in float32, 2e-3 in
+    float16 (the norms compute in float32 inside, as the plain ones); op by op, and compiled
+    (ms.jit; dropout masks come from host streams, so the dropout case runs op by op)."""
     build, shapes, graded = FUSED_FORMS[form]
     dtype = gpt.DTYPES[dtype]
     inputs = _form_inputs(shapes, dtype)
@@ -2226,8 +2273,9 @@ def test_fused_model_equals_the_plain_model(model, mode, extra):
 
 
 def test_fusion_flags_round_trip():
-    """Each fused form is on by default (Megatron's default); its Megatron or MindSpeed flag and
-    its YAML key turn it off or on (bench_fusions.FUSIONS names the flag that turns each off)."""
+    """Each fused form is on by default (Megatron's default; the loss fusion, off in Megatron,
+    because it measured faster here); its Megatron or MindSpeed flag and its YAML key turn it
+    off or on (bench_fusions.FUSIONS names the flag that turns each off)."""
     model = load_config("config.yaml", []).model_config
     assert all(getattr(model, key) is True for key in bench_fusions.FUSIONS)
     for key, off in bench_fusions.FUSIONS.items():
@@ -2236,7 +2284,8 @@ def test_fusion_flags_round_trip():
                        key) is False
     for flag, key in [("--use-fused-swiglu", "apply_swiglu_fusion"),
                       ("--apply-rope-fusion", "apply_rope_fusion"),
-                      ("--use-fused-rmsnorm", "use_fused_rmsnorm")]:
+                      ("--use-fused-rmsnorm", "use_fused_rmsnorm"),
+                      ("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion")]:
         on = load_config("config.yaml", [bench_fusions.FUSIONS[key], flag]).model_config
         assert getattr(on, key) is True, flag
 
@@ -6281,6 +6330,8 @@ EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size
 GRADIENT_CHECKS = {2: [("pp2", [], PP2), ("pp2 vpp2", [], PP2 + VPP2), ("pp2 untied", UNTIED, PP2),
                        ("pp2 num_layer_list [3,1]", [], PP2 + UNEVEN),
                        ("cp2 ulysses, documents", CP_CHECK + [DOCUMENTS], CP2),
+                       ("cp2 ulysses, flash attention, documents",
+                        CP_CHECK + [DOCUMENTS, "--use-flash-attn"], CP2),
                        ("cp2 ring, selective recompute", CP_CHECK,
                         CP2 + RING + RECOMPUTE["selective"]),
                        ("ep2 alltoall", MOE_CHECK + ALLTOALL, EP2)],
