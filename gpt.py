@@ -404,6 +404,8 @@ class SelfAttention(nn.Cell):
         self.rotary = fused.Rotary() if cfg.apply_rope_fusion else None
         # Local head and group counts: TP may give this rank only some of the groups.
         self.per_group = self.heads // self.groups
+        self.qkv_sizes = (self.per_group * self.head_dim, self.head_dim, self.head_dim)
+        self.split_qkv = parallel.SplitLastDim(self.qkv_sizes) if hand_backward(cfg) else None
         group_width = (self.per_group + 2) * self.head_dim    # its query heads, a key, a value
         self.local_groups = self.linear_qkv.weight.shape[0] // group_width
         self.local_heads = self.local_groups * self.per_group
@@ -429,7 +431,10 @@ class SelfAttention(nn.Cell):
         qkv = self.linear_qkv(x)                                    # [s, b, (n + 2g) d / tp]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.reshape(s, b, groups, (per_group + 2) * self.head_dim)
-        q, k, v = ops.split(qkv, [per_group * self.head_dim, self.head_dim, self.head_dim], axis=-1)
+        if self.split_qkv is None:
+            q, k, v = ops.split(qkv, self.qkv_sizes, axis=-1)       # [s, b, g, (n/g or 1) d]
+        else:
+            q, k, v = self.split_qkv(qkv)
         q = q.reshape(s, b, heads, self.head_dim)                   # [s, b, n, d]
         if rope is not None and self.rotary is not None:
             q, k = self.rotary(q, *rope), self.rotary(k, *rope)

@@ -600,6 +600,28 @@ class LinearMatMul(nn.Cell):
         return ops.matmul(dout, weight), d_weight
 
 
+class SplitLastDim(nn.Cell):
+    """ops.split(x, sizes, -1) (gpt.SelfAttention's q, k, v) with its backward one Concat of the
+    pieces' gradients: autodiff writes each piece's gradient into a zero tensor of x's shape
+    (StridedSliceGrad) and adds the three, 45 ms of a benchmark step (profile of 2026-11-25).
+    As LinearMatMul, not under full recompute (gpt.hand_backward)."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.sizes = tuple(sizes)
+
+    def construct(self, x):
+        return ops.split(x, self.sizes, axis=-1)
+
+    def bprop(self, x, out, dout):
+        # a plain function call: see fused.py on MindSpore 2.10's ms.jit and bprop bodies
+        return SplitLastDim.backward(dout)
+
+    @staticmethod
+    def backward(dout):
+        return (ops.cat(dout, -1),)
+
+
 def linear(x, weight, bias=None, dtype=None, bias_add=None, matmul=None):
     """x [..., in] -> [..., out], computed in `dtype` (default: x's), to which x, the weight and
     the bias are cast. A 2-D MatMul plus BiasAdd: on CPU 3x faster than ops.dense on 3-D input;

@@ -2154,6 +2154,28 @@ class HandMatMul(PlainMatMul):
         return parallel.linear(x, self.weight, matmul=self.matmul)
 
 
+class PlainSplit(nn.Cell):
+    """ops.split into q, k, v widths (GQA: 2 query heads a group), each piece then weighted
+    differently so that each one's gradient is told apart."""
+
+    def construct(self, x):
+        return self.combine(ops.split(x, (8, 4, 4), axis=-1))
+
+    @staticmethod
+    def combine(pieces):
+        q, k, v = pieces
+        return ops.cat((q * 2.0, k * 3.0, v * -1.0), -1)
+
+
+class HandSplit(PlainSplit):
+    def __init__(self):
+        super().__init__()
+        self.split = parallel.SplitLastDim((8, 4, 4))
+
+    def construct(self, x):
+        return self.combine(self.split(x))
+
+
 def _norms(plain, fused_class, h=24):
     """A plain norm and its fused form, both with the same non-trivial weights."""
     norms = (plain(h, 1e-5), fused_class(h, 1e-5))
@@ -2187,6 +2209,7 @@ FUSED_FORMS = {
     # out > in: the weight gradient as (x^T dy)^T; out <= in: as dy^T x
     "linear_matmul_wide": (lambda: (PlainMatMul(24, 8), HandMatMul(24, 8)), [(6, 2, 8)], 1),
     "linear_matmul_narrow": (lambda: (PlainMatMul(8, 24), HandMatMul(8, 24)), [(6, 2, 24)], 1),
+    "split_qkv": (lambda: (PlainSplit(), HandSplit()), [(6, 2, 3, 16)], 1),
 }
 
 
@@ -2207,10 +2230,11 @@ def _form_inputs(shapes, dtype):
     (f, d, False) for f in FUSED_FORMS for d in ("float32", "float16")]
     + [(f, "float32", True) for f in FUSED_FORMS if f != "bias_dropout_add_p0.3"])
 def test_fused_form_equals_its_plain_form(form, dtype, compiled):
-    """Each fused form (fused.py; parallel.BiasAdd and LinearMatMul) gives its plain form's
-    values and the gradients of its inputs and parameters: relative 1e-5 in float32, 2e-3 in
-    float16 (the norms compute in float32 inside, as the plain ones); op by op, and compiled
-    (ms.jit; dropout masks come from host streams, so the dropout case runs op by op)."""
+    """Each fused form (fused.py; parallel.BiasAdd, LinearMatMul and SplitLastDim) gives its
+    plain form's values and the gradients of its inputs and parameters: relative 1e-5 in
+    float32, 2e-3 in float16 (the norms compute in float32 inside, as the plain ones); op by op,
+    and compiled (ms.jit; dropout masks come from host streams, so the dropout case runs op by
+    op)."""
     build, shapes, graded = FUSED_FORMS[form]
     dtype = gpt.DTYPES[dtype]
     inputs = _form_inputs(shapes, dtype)
