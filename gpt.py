@@ -85,6 +85,29 @@ def hand_backward(cfg):
     return cfg.recompute_granularity != "full"
 
 
+def cast_parameters(model, dtype):
+    """Every parameter of `model` in `dtype`, each replaced by a Parameter made in that dtype,
+    with its name and marks (sequence_parallel, shared_embedding, ...); one replacement for a
+    parameter two Cells hold. Parameter.set_dtype is not enough in MindSpore 2.10: op by op, a
+    custom-bprop Cell (parallel.LinearMatMul) hands a set_dtype'd parameter its gradient in the
+    dtype it was made in, and the tied embedding then fails to add its float16 and float32
+    gradients (test_half_precision_parameters_take_their_gradients_in_their_dtype)."""
+    made = {}
+    for _, cell in model.cells_and_names():
+        for attr, param in list(cell.parameters_and_names(expand=False)):
+            if param.dtype == dtype:
+                continue
+            if id(param) not in made:
+                new = Parameter(param.astype(dtype), name=param.name,
+                                requires_grad=param.requires_grad)
+                fresh = set(vars(new))
+                for key, value in vars(param).items():
+                    if key not in fresh:
+                        setattr(new, key, value)
+                made[id(param)] = new
+            setattr(cell, attr, made[id(param)])
+
+
 class Embedding(nn.Cell):
     """Word embedding table [V, h]; ids [b, s] -> [b, s, h] (VocabParallelEmbedding under TP)."""
 
@@ -652,8 +675,7 @@ class GPTModel(nn.Cell):
         self.causal_bias = additive_mask(np.triu(np.ones((1, 1, length, length), bool), 1))
         self.hidden_dtype = hidden_dtype(cfg)
         self.logits_dtype = self.dtype if cfg.fp16_lm_cross_entropy else F32
-        for param in self.get_parameters():    # Megatron's Float16Module: half-precision parameters
-            param.set_dtype(DTYPES[cfg.params_dtype])
+        cast_parameters(self, DTYPES[cfg.params_dtype])   # Megatron's Float16Module
 
     def global_name(self, name):
         """A parameter's name in the whole model (gpt.global_name), its experts numbered among

@@ -47,12 +47,16 @@ MIB = 1024 ** 2
 # x, 0.0447 x, 0.0447 x^2, the tanh, 1 + tanh, 0.5 x and the output; SwiGLU keeps the gate, the
 # up projection, silu(gate) and the output
 MLP_KEPT = {"gelu": 2, "gelu_tanh": 7, "swiglu": 4}
-# fused.BiasGelu keeps fc1's output, x = it + bias, tanh or Phi, and its output
-BIAS_GELU_KEPT = 4
+# fused.BiasGelu keeps fc1's output, its own output and the GELU's slope
+BIAS_GELU_KEPT = 3
 # Temporaries of one layer's core attention, in units of its scores [b, n/tp, s, s]: the forward's
 # scores and scores + mask; the backward's gradient of the softmax output, the softmax gradient's
-# three intermediates, the scores' gradient and its transpose (for the key gradient)
+# three intermediates, the scores' gradient and its transpose (for the key gradient). The fused
+# softmax's backward (fused.ScaledMaskedSoftmax) has four at its peak: the softmax-output
+# gradient, dY * Y, the row sums made full and Y times them (measured 4 scores lower than the
+# plain form's, 2026-11-26, docs/memory.md)
 CORE_TEMPORARIES = 8
+FUSED_CORE_TEMPORARIES = 4
 
 
 # ============================================================================ the model's shapes
@@ -380,7 +384,7 @@ def chunk_activations(model_cfg, parallel_cfg, micro_batch_size, layers, embeds,
             kept += c * x // sp
     if has_loss:
         # the final norm's input (float32), the output layer's input, the logits and their
-        # log-softmax [s/cp, b, V/tp] (fused.CrossEntropy: its softmax, again in the backward)
+        # log-softmax [s/cp, b, V/tp] (fused.CrossEntropy: its softmax)
         norm = norm_kept(model_cfg)
         cp_tp = cp * parallel_cfg.tensor_model_parallel_size
         vocab = micro_batch_size * s * model_cfg.padded_vocab_size // cp_tp
@@ -428,8 +432,8 @@ def stage_activations(cfg, rank):
     equal chunks). transient, beside them: the causal-mask bias tiled to [b, n/tp, s, s] once per
     forward (gpt.GPTModel.construct; flash_transients with flash attention), then the larger of
     two moments of the backward: the loss's, with the logits' gradient [s, b, V/tp] (last stage),
-    and a layer's, with its core attention's temporaries (CORE_TEMPORARIES), the gradients of its
-    kept tensors and the recompute working set."""
+    and a layer's, with its core attention's temporaries (CORE_TEMPORARIES, or
+    FUSED_CORE_TEMPORARIES), the gradients of its kept tensors and the recompute working set."""
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
     micro_batch_size, s = cfg.dataset_config.batch_size, model_cfg.seq_length
     stage = stage_chunks(model_cfg, parallel_cfg)[rank]
@@ -450,7 +454,8 @@ def stage_activations(cfg, rank):
     if model_cfg.use_flash_attention:
         mask, scores, flash_gradients = flash_transients(cfg, tp)
         gradients += flash_gradients
-    layer = softmax * CORE_TEMPORARIES * scores + gradients + max(w for _, w in chunks)
+    temporaries = FUSED_CORE_TEMPORARIES if model_cfg.masked_softmax_fusion else CORE_TEMPORARIES
+    layer = softmax * temporaries * scores + gradients + max(w for _, w in chunks)
     logits = 0
     if any(c[2] for c in stage):                                  # the stage has the loss
         vocab = model_cfg.padded_vocab_size

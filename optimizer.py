@@ -254,20 +254,26 @@ def build_optimizer(optimizer_type, params, betas=(0.9, 0.999), eps=1e-8, moment
 
 
 # ----------------------------------------------------------------------------- clipping
-def grad_norm_sq(grads):
-    """Local sum of squares (Megatron get_grad_norm_fp32 before its all-reduce), as a float."""
+def grad_norm_sq(grads, compiled=True):
+    """Local sum of squares (Megatron get_grad_norm_fp32 before its all-reduce), as a float;
+    `compiled` False (--no-jit) runs it op by op: compiling it costs the first step ~200 MiB of
+    resident memory (a 6-layer run op by op: 677 MiB peak growth against 504 MiB)."""
     if not grads:
         return 0.0
-    return float(_sum_of_squares(ms.mutable(tuple(grads))).asnumpy())   # mutable: one compile
+    if not compiled:
+        return float(sum_of_squares(grads).asnumpy())
+    return float(_compiled_sum_of_squares(ms.mutable(tuple(grads))).asnumpy())  # one compile
 
 
-@ms.jit
-def _sum_of_squares(grads):
-    """sum(g * g) over every tensor of `grads`, compiled (once for a model's gradient shapes),
-    each as the MatMul g[1, n] @ g[n, 1]: on the benchmark's 52 gradients 20 ms a step against
+def sum_of_squares(grads):
+    """sum(g * g) over every tensor of `grads`, each as the MatMul g[1, n] @ g[n, 1]: compiled
+    (once for a model's gradient shapes) on the benchmark's 52 gradients 20 ms a step against
     53 ms for (g * g).sum() op by op (and 38 ms compiled) (Megatron's multi_tensor_l2norm, one
     kernel for all the tensors)."""
     return ops.addn([ops.matmul(g.reshape(1, -1), g.reshape(-1, 1)).reshape(()) for g in grads])
+
+
+_compiled_sum_of_squares = ms.jit(sum_of_squares)
 
 
 def clip_grads_by_global_norm(grads, max_norm, total_norm):
@@ -376,12 +382,13 @@ class MixedPrecisionOptimizer:
     `collectives` is parallel.collectives, passed in: optimizer.py comes before parallel.py in the
     import order. The parameters' gradients are reduced over the data-parallel `group` of `dp`
     ranks (reduce_grads; Megatron's DDP buffer): summed, divided by `mean_over` (default dp), one
-    all-reduce per bucket of `buffer`."""
+    all-reduce per bucket of `buffer`. `compiled`: the gradient norm by ms.jit (off with
+    --no-jit, grad_norm_sq)."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                  collectives, norm_groups, counted, group=None, dp=1, bucket_size=None,
-                 mean_over=None):
-        self.params = list(params)
+                 mean_over=None, compiled=True):
+        self.params, self.compiled = list(params), compiled
         self.scaler, self.clip_type, self.clip_value = scaler, clip_type, clip_value
         self.collectives = collectives
         self.norm_groups, self.counted = [g for g in norm_groups if g is not None], list(counted)
@@ -456,7 +463,8 @@ class MixedPrecisionOptimizer:
     def global_norm_sq(self, main_grads):
         """Squared norm of the whole model's gradient: this rank's counted gradients, summed over
         the ranks that hold other parts of the model (`norm_groups`)."""
-        local = Tensor([grad_norm_sq([g for g, c in zip(main_grads, self.counted) if c])], F32)
+        local = Tensor([grad_norm_sq([g for g, c in zip(main_grads, self.counted) if c],
+                                     self.compiled)], F32)
         for group in self.norm_groups:
             local = self.collectives(group).all_reduce(local)
         return float(local.asnumpy()[0])
@@ -670,7 +678,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                  collectives, norm_groups, counted, group, dp_rank, dp, bucket_size=None,
-                 mean_over=None):
+                 mean_over=None, compiled=True):
         self.rank = dp_rank
         buffer = GradBuffer(params, dp, bucket_size)
         self.shards = buffer.shard_ranges(dp_rank)             # this rank's range in each bucket
@@ -679,7 +687,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                          collectives, [group] + list(norm_groups),
                          [counted[i] for _, i, _, _ in self.pieces], group, dp, bucket_size,
-                         mean_over)
+                         mean_over, compiled)
 
     def _main_params(self):
         flat = self.buffer.flatten(self.params)

@@ -544,6 +544,19 @@ def column_sum(y):
     return ops.matmul(ops.ones((1, flat.shape[0]), F32), flat).reshape(-1)
 
 
+def broadcast_column(col, width):
+    """col [..., n, 1] -> [..., n, width], each row's value repeated, as col @ ones[1, width]: an
+    elementwise op with a [n, 1] operand broadcasts 2-2.5x slower on this CPU than the same op
+    on two full tensors, and this MatMul (inner size 1) costs less than the difference
+    (docs/performance.md#fusions). The values are col's exactly (products with 1)."""
+    return ops.matmul(col, ops.ones((1, width), col.dtype))
+
+
+def broadcast_row(row, rows):
+    """row [m] -> [rows, m], as ones[rows, 1] @ row[1, m] (broadcast_column's reason)."""
+    return ops.matmul(ops.ones((rows, 1), row.dtype), row.reshape(1, -1))
+
+
 class BiasAdd(nn.Cell):
     """y [n, m] + bias [m] by the BiasAdd kernel (4x faster than a broadcasting `+`); its bias
     gradient the BiasAddGrad kernel, or with `matmul_grad` column_sum(dy), 3x faster. One per
