@@ -1,24 +1,30 @@
 """Each fused form's gain in the benchmark's model, the figures of docs/performance.md#fusions:
 
     .venv/bin/python bench_fusions.py [--steps 10]
+    .venv/bin/python bench_fusions.py broadcast
 
 One process times a compiled forward + backward of bench.py's model (micro-batch 8), and of it
 LLaMA-style (RoPE, SwiGLU, RMSNorm, no biases), with every fused form (fused.py) off, each one
 alone, and all on, the runs alternated step by step (this machine's speed drifts): the median
-ms of each and its gain over all off. Not part of bench.py, whose PyTorch reference runs under a
-python without MindSpore.
+ms of each and its gain over all off. `broadcast` times an elementwise product whose second
+operand is a column [n, 1] or a row [h] broadcast by the op itself, against the same operand
+made full-size first by a MatMul with a ones vector (parallel.broadcast_column, broadcast_row),
+the reason the fused forms do the latter. Not part of bench.py, whose PyTorch reference runs
+under a python without MindSpore.
 """
 import sys
 import time
 
 import numpy as np
 import mindspore as ms
+from mindspore import nn
 
 import gpt
 import train
 from bench import MODEL, SHAPE
 from cli import HelpRequested, load_config, parse_command
 from config import padded_vocab_size
+from parallel import broadcast_column, broadcast_row
 
 # each fused form's key and its flag that turns it off (a plain model: all of them)
 FUSIONS = {"bias_gelu_fusion": "--no-bias-gelu-fusion",
@@ -88,8 +94,57 @@ def fusion_probe(argv):
             print(f"{model}: {name:28s} {ms_step:6.0f} ms  {base / ms_step:.2f}x", flush=True)
 
 
+class _Products(nn.Cell):
+    """x * operand `repeats` times, the operand broadcast by Mul ("broadcast") or made full-size
+    first, each time, as the fused forms do ("column": broadcast_column, "row": broadcast_row);
+    returns one element (the rest stays in the graph)."""
+
+    def __init__(self, mode, repeats):
+        super().__init__()
+        self.mode, self.repeats = mode, repeats
+
+    def construct(self, x, operand):
+        for _ in range(self.repeats):
+            if self.mode == "column":
+                x = x * broadcast_column(operand, x.shape[-1])
+            elif self.mode == "row":
+                x = x * broadcast_row(operand, x.shape[0])
+            else:
+                x = x * operand
+        return x.reshape(-1)[:1]
+
+
+def broadcast_probe(repeats=8, rounds=15):
+    """Median ms of one product over [2048, 256] (a LayerNorm's input) and [8, 8, 256, 256] (the
+    benchmark's attention scores), by broadcast and by full-size operand, alternated."""
+    train.setup_mindspore()
+    rng = np.random.default_rng(0)
+    x, scores = (ms.Tensor(rng.standard_normal(shape).astype(np.float32))
+                 for shape in ((2048, 256), (8, 8, 256, 256)))
+    cases = {"[2048, 256] x column [2048, 1]": (x, (2048, 1), "column"),
+             "[2048, 256] x row [256]": (x, (256,), "row"),
+             "[8, 8, 256, 256] x column [8, 8, 256, 1]": (scores, (8, 8, 256, 1), "column")}
+    runs = {}
+    for name, (tensor, shape, mode) in cases.items():
+        operand = ms.Tensor(rng.standard_normal(shape).astype(np.float32))
+        for how, kind in (("broadcast by Mul", "broadcast"), ("made full first", mode)):
+            graph = ms.jit(_Products(kind, repeats).construct)
+            graph(tensor, operand).asnumpy()
+            runs[(name, how)] = (graph, tensor, operand, [])
+    for _ in range(rounds):
+        for graph, tensor, operand, times in runs.values():
+            start = time.perf_counter()
+            graph(tensor, operand).asnumpy()
+            times.append(1000 * (time.perf_counter() - start) / repeats)
+    for (name, how), (*_, times) in runs.items():
+        print(f"{name:42s} {how:17s} {np.median(times):6.2f} ms", flush=True)
+
+
 if __name__ == "__main__":
     try:
+        if sys.argv[1:2] == ["broadcast"]:
+            broadcast_probe()
+            sys.exit(0)
         fusion_probe(sys.argv[1:])
     except HelpRequested as e:
         print(e)
