@@ -6,10 +6,14 @@ Why, on MindSpore 2.10's CPU backend (cpu_kernel_probes.py; docs/performance.md#
   run 3x slower than a MatMul against a ones (or 1/h) vector doing the same sum. So a norm's
   means are `x @ avg` with avg a [h, 1] column of 1/h, a softmax backward's row sums
   `(dY * Y) @ ones[s, 1]`, and every bias or norm weight gradient parallel.column_sum.
-- Autodiff of a written-out formula keeps and re-reads its intermediates and adds a gradient op
-  per forward op; a custom backward (an nn.Cell's `bprop`) does the algebra once: the saved
-  outputs (a norm's normalised x and 1/rms, a GELU's tanh, SwiGLU's sigmoid) are returned as
-  extra outputs of the Cell, so its bprop gets them in `out` instead of recomputing them.
+- Broadcasting is slow too: an elementwise op with a [n, 1] or [h] operand runs 2-2.7x slower
+  than on two full tensors (bench_fusions.py broadcast), so such an operand is made full-size
+  first by a MatMul with a ones vector (parallel.broadcast_column, broadcast_row).
+- Each elementwise pass over [n, h] is a kernel of its own, and autodiff of a written-out
+  formula keeps and re-reads its intermediates and adds a gradient op per forward op; a custom
+  backward (an nn.Cell's `bprop`) does the algebra once: what it needs (a norm's normalised x
+  and 1/rms, the GeLU's slope, SwiGLU's sigmoid, the loss's softmax) is returned as extra
+  outputs of the Cell, so its bprop gets them in `out` instead of recomputing them.
 
 MindSpore 2.10 facts these Cells are written around: gradients reach a custom-bprop Cell's
 inputs only (weights and biases are passed in as inputs); a backward written inside `bprop`

@@ -254,26 +254,16 @@ def build_optimizer(optimizer_type, params, betas=(0.9, 0.999), eps=1e-8, moment
 
 
 # ----------------------------------------------------------------------------- clipping
-def grad_norm_sq(grads, compiled=True):
-    """Local sum of squares (Megatron get_grad_norm_fp32 before its all-reduce), as a float;
-    `compiled` False (--no-jit) runs it op by op: compiling it costs the first step ~200 MiB of
-    resident memory (a 6-layer run op by op: 677 MiB peak growth against 504 MiB)."""
+def grad_norm_sq(grads):
+    """Local sum of squares (Megatron get_grad_norm_fp32 before its all-reduce), as a float:
+    each gradient's as the MatMul g[1, n] @ g[n, 1], op by op (Megatron's multi_tensor_l2norm
+    is one kernel for all the tensors). On the benchmark's 52 gradients 22 ms a step against 53
+    ms for (g * g).sum(); compiled by ms.jit it took 16 ms, but its compilation cost every run 2-3
+    s and ~200 MiB of resident memory at the first step (probes of 2026-11-26)."""
     if not grads:
         return 0.0
-    if not compiled:
-        return float(sum_of_squares(grads).asnumpy())
-    return float(_compiled_sum_of_squares(ms.mutable(tuple(grads))).asnumpy())  # one compile
-
-
-def sum_of_squares(grads):
-    """sum(g * g) over every tensor of `grads`, each as the MatMul g[1, n] @ g[n, 1]: compiled
-    (once for a model's gradient shapes) on the benchmark's 52 gradients 20 ms a step against
-    53 ms for (g * g).sum() op by op (and 38 ms compiled) (Megatron's multi_tensor_l2norm, one
-    kernel for all the tensors)."""
-    return ops.addn([ops.matmul(g.reshape(1, -1), g.reshape(-1, 1)).reshape(()) for g in grads])
-
-
-_compiled_sum_of_squares = ms.jit(sum_of_squares)
+    squares = [ops.matmul(g.reshape(1, -1), g.reshape(-1, 1)).reshape(()) for g in grads]
+    return float(ops.addn(squares).asnumpy())
 
 
 def clip_grads_by_global_norm(grads, max_norm, total_norm):
@@ -382,13 +372,12 @@ class MixedPrecisionOptimizer:
     `collectives` is parallel.collectives, passed in: optimizer.py comes before parallel.py in the
     import order. The parameters' gradients are reduced over the data-parallel `group` of `dp`
     ranks (reduce_grads; Megatron's DDP buffer): summed, divided by `mean_over` (default dp), one
-    all-reduce per bucket of `buffer`. `compiled`: the gradient norm by ms.jit (off with
-    --no-jit, grad_norm_sq)."""
+    all-reduce per bucket of `buffer`."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                  collectives, norm_groups, counted, group=None, dp=1, bucket_size=None,
-                 mean_over=None, compiled=True):
-        self.params, self.compiled = list(params), compiled
+                 mean_over=None):
+        self.params = list(params)
         self.scaler, self.clip_type, self.clip_value = scaler, clip_type, clip_value
         self.collectives = collectives
         self.norm_groups, self.counted = [g for g in norm_groups if g is not None], list(counted)
@@ -463,8 +452,7 @@ class MixedPrecisionOptimizer:
     def global_norm_sq(self, main_grads):
         """Squared norm of the whole model's gradient: this rank's counted gradients, summed over
         the ranks that hold other parts of the model (`norm_groups`)."""
-        local = Tensor([grad_norm_sq([g for g, c in zip(main_grads, self.counted) if c],
-                                     self.compiled)], F32)
+        local = Tensor([grad_norm_sq([g for g, c in zip(main_grads, self.counted) if c])], F32)
         for group in self.norm_groups:
             local = self.collectives(group).all_reduce(local)
         return float(local.asnumpy()[0])
@@ -678,7 +666,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                  collectives, norm_groups, counted, group, dp_rank, dp, bucket_size=None,
-                 mean_over=None, compiled=True):
+                 mean_over=None):
         self.rank = dp_rank
         buffer = GradBuffer(params, dp, bucket_size)
         self.shards = buffer.shard_ranges(dp_rank)             # this rank's range in each bucket
@@ -687,7 +675,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                          collectives, [group] + list(norm_groups),
                          [counted[i] for _, i, _, _ in self.pieces], group, dp, bucket_size,
-                         mean_over, compiled)
+                         mean_over)
 
     def _main_params(self):
         flat = self.buffer.flatten(self.params)

@@ -279,8 +279,7 @@ def _build_one_optimizer(cfg, named, scaler, counted, distributed, mean_over, gr
     clip = training_cfg.grad_clip_kwargs
     common = dict(scaler=scaler, clip_type=clip.grad_clip_type, clip_value=clip.clip_value,
                   collectives=parallel.collectives, norm_groups=norm_groups, counted=counted,
-                  group=group, dp=dp, bucket_size=training_cfg.bucket_size, mean_over=mean_over,
-                  compiled=training_cfg.use_jit)
+                  group=group, dp=dp, bucket_size=training_cfg.bucket_size, mean_over=mean_over)
     params = [param for _, param in named]
     if distributed:
         return opt.DistributedOptimizer(make, params, wd_mults, **common, dp_rank=dp_rank)
