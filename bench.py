@@ -25,7 +25,8 @@ this machine's speed drifts; the table gives each run's figures per round.
                        torch is not a dependency:
                        `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`)
 
-`python bench.py torch-reference` is that PyTorch model; it imports torch only when run.
+`python bench.py torch-reference` is that PyTorch model, `python bench.py torch-layernorm` its
+LayerNorm alone (bench_fusions.py layernorm); they import torch only when run.
 `python bench_fusions.py` times each fused form (fused.py) in the benchmark's model.
 `python bench.py matmul-peak` measures this machine's fp32 matmul TFLOP/s with MindSpore (all
 cores): the denominator of the model FLOPs utilisation (MFU) the table reports.
@@ -247,12 +248,44 @@ def torch_reference(argv):
     print(f"tokens/s: {b * s * steps / (time.perf_counter() - start):.1f}")
 
 
+def torch_layernorm(norms=9, muls=20, rounds=20):
+    """PyTorch on the benchmark's [b s, h] = [2048, 256], forward and backward, as
+    bench_fusions.layernorm_probe times MindSpore: `norms` LayerNorms chained as
+    x = norm(x) / 2 + x, and `muls` products x = x * 0.999 (2 `muls` elementwise passes: the cost
+    of one pass). Prints `layernorm: N` and `mul: N`, ms, medians of `rounds`."""
+    import torch
+    x = torch.randn(SHAPE["batch"] * SHAPE["seq"], SHAPE["hidden"], requires_grad=True)
+    layers = [torch.nn.LayerNorm(SHAPE["hidden"]) for _ in range(norms)]
+
+    def norm_chain():
+        y = x
+        for norm in layers:
+            y = norm(y) * 0.5 + y
+        y.sum().backward()
+
+    def mul_chain():
+        y = x
+        for _ in range(muls):
+            y = y * 0.999
+        y.sum().backward()
+
+    for name, step in (("layernorm", norm_chain), ("mul", mul_chain)):
+        times = []
+        for _ in range(rounds + 3):
+            start = time.perf_counter()
+            step()
+            times.append(1000 * (time.perf_counter() - start))
+        print(f"{name}: {sorted(times[3:])[rounds // 2]:.2f}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["torch-reference"]:
         try:
             torch_reference(sys.argv[2:])
         except HelpRequested as e:
             print(e)
+    elif sys.argv[1:2] == ["torch-layernorm"]:
+        torch_layernorm()
     elif sys.argv[1:2] == ["matmul-peak"]:
         matmul_peak()
     else:

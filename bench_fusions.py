@@ -2,6 +2,7 @@
 
     .venv/bin/python bench_fusions.py [--steps 10]
     .venv/bin/python bench_fusions.py broadcast
+    .venv/bin/python bench_fusions.py layernorm [--torch PYTHON]
 
 One process times a compiled forward + backward of bench.py's model (micro-batch 8), and of it
 LLaMA-style (RoPE, SwiGLU, RMSNorm, no biases), with every fused form (fused.py) off, each one
@@ -9,9 +10,13 @@ alone, and all on, the runs alternated step by step (this machine's speed drifts
 ms of each and its gain over all off. `broadcast` times an elementwise product whose second
 operand is a column [n, 1] or a row [h] broadcast by the op itself, against the same operand
 made full-size first by a MatMul with a ones vector (parallel.broadcast_column, broadcast_row),
-the reason the fused forms do the latter. Not part of bench.py, whose PyTorch reference runs
-under a python without MindSpore.
+the reason the fused forms do the latter. `layernorm` times 9 chained LayerNorms on [2048, 256],
+forward and backward, as the ops.LayerNorm kernel (gpt.LayerNorm) and as fused.LayerNorm, and
+with --torch as PyTorch's kernels (`PYTHON bench.py torch-layernorm`). Not part of bench.py,
+whose PyTorch reference runs under a python without MindSpore.
 """
+import os
+import subprocess
 import sys
 import time
 
@@ -19,9 +24,10 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn
 
+import fused
 import gpt
 import train
-from bench import MODEL, SHAPE
+from bench import HERE, MODEL, SHAPE
 from cli import HelpRequested, load_config, parse_command
 from config import padded_vocab_size
 from parallel import broadcast_column, broadcast_row
@@ -140,10 +146,77 @@ def broadcast_probe(repeats=8, rounds=15):
         print(f"{name:42s} {how:17s} {np.median(times):6.2f} ms", flush=True)
 
 
+class _NormChain(nn.Cell):
+    """`norms` LayerNorms of class `norm`, chained as x = norm(x) / 2 + x; returns sum(x)."""
+
+    def __init__(self, norm, norms=9):
+        super().__init__()
+        self.norms = nn.CellList([norm(SHAPE["hidden"], 1e-5) for _ in range(norms)])
+
+    def construct(self, x):
+        for norm in self.norms:
+            x = norm(x) * 0.5 + x
+        return x.sum()
+
+
+class _MulChain(nn.Cell):
+    """`muls` products x = x * 0.999, forward and backward 2 `muls` elementwise passes."""
+
+    def __init__(self, muls=20):
+        super().__init__()
+        self.muls = muls
+
+    def construct(self, x):
+        for _ in range(self.muls):
+            x = x * 0.999
+        return x.sum()
+
+
+def _alternated(cells, x, rounds):
+    """{name: median ms} of each cell's compiled forward + backward on x, alternated."""
+    runs = {}
+    for name, cell in cells.items():
+        step = ms.jit(ms.value_and_grad(cell, 0, cell.trainable_params() or None))
+        step(x)
+        runs[name] = (step, [])
+    for _ in range(rounds):
+        for step, times in runs.values():
+            start = time.perf_counter()
+            step(x)[1][0].asnumpy()
+            times.append(1000 * (time.perf_counter() - start))
+    return {name: float(np.median(times)) for name, (_, times) in runs.items()}
+
+
+def layernorm_probe(argv, rounds=20):
+    """Median ms of 9 chained LayerNorms forward and backward, as the ops.LayerNorm kernel and
+    as fused.LayerNorm, and of one elementwise pass (a chain of 20 products, 40 passes with the
+    backward); PyTorch's with --torch (`PYTHON bench.py torch-layernorm`)."""
+    options = parse_command("layernorm", argv, {"--torch": (None, str, "a python with torch")})[0]
+    train.setup_mindspore()
+    x = ms.Tensor(np.random.default_rng(0).standard_normal(
+        (SHAPE["batch"] * SHAPE["seq"], SHAPE["hidden"])).astype(np.float32))
+    ms_times = _alternated({"ops.LayerNorm kernel": _NormChain(gpt.LayerNorm),
+                            "fused.LayerNorm": _NormChain(fused.LayerNorm),
+                            "mul": _MulChain()}, x, rounds)
+    print(f"MindSpore: one elementwise pass {ms_times.pop('mul') / 40:.3f} ms")
+    for name, ms_ in ms_times.items():
+        print(f"MindSpore {name:22s} 9 norms {ms_:7.2f} ms", flush=True)
+    if options["torch"]:
+        out = subprocess.run([options["torch"], os.path.join(HERE, "bench.py"), "torch-layernorm"],
+                             check=True, capture_output=True, text=True).stdout
+        torch_times = dict(line.split(": ") for line in out.strip().splitlines())
+        print(f"PyTorch: one elementwise pass {float(torch_times['mul']) / 40:.3f} ms")
+        norms_ms = float(torch_times["layernorm"])
+        print(f"PyTorch {'torch.nn.LayerNorm':24s} 9 norms {norms_ms:7.2f} ms")
+
+
 if __name__ == "__main__":
     try:
         if sys.argv[1:2] == ["broadcast"]:
             broadcast_probe()
+            sys.exit(0)
+        if sys.argv[1:2] == ["layernorm"]:
+            layernorm_probe(sys.argv[2:])
             sys.exit(0)
         fusion_probe(sys.argv[1:])
     except HelpRequested as e:
