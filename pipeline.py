@@ -28,6 +28,7 @@ from mindspore import Tensor, mint, ops
 import gpt
 import parallel
 from config import stage_layer_counts
+from optimizer import eager_cast
 
 
 # ============================================================================ layer assignment
@@ -314,7 +315,7 @@ class PipelineRunner:
         else:
             g_inputs, g_params = self.grad_with_input(self.chunks[c], self.params[c])(*args, dout)
             outgoing[("grad", mb, vs - 1)] = g_inputs[0]
-        return [parallel.cast(g, self.grad_dtype) for g in g_params]
+        return [eager_cast(g, self.grad_dtype) for g in g_params]
 
 
 # ============================================================================ timeline

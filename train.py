@@ -357,7 +357,7 @@ class Trainer:
         for batch in micro_batches:
             loss, grads = self.grad_fn(*to_tensors(batch, self.state))
             losses.append(float(loss.asnumpy()) / self.loss_weight)
-            grads = [parallel.cast(g, self.grad_dtype) for g in grads]
+            grads = [opt.eager_cast(g, self.grad_dtype) for g in grads]
             acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
         return losses, acc
 
