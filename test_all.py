@@ -34,16 +34,19 @@ Sections, in the order of the modules' layers, each under a banner `# ==== name`
   README and docs (README.md, docs/*.md)
       every printed command valid, every named `module.name` and test exists, links resolve
   msrun harness (this file on the msrun workers)
-      parallel.py's checks, the layouts' gradients and trainings, the launches and their fixtures
+      the jobs (JOBS): parallel.py's checks, each layout's gradients, every layout's training
+      beside one process, resumes, conversions, planted bugs; the Harness that runs them
   msrun tests (parallel.py and the layouts, 2 and 4 workers)
-      one test per check family (`pytest test_all.py -k column`), every layout against one
-      process, resumes, conversions, the ledger, the timeline, two launches as one job
+      a test per check family and job (`pytest test_all.py -k row_parallel`), every layout
+      against one process (losses and gradient norms), each planted bug caught, resumes,
+      conversions, the ledger, failures, two launches as one job, each concept's own jobs
   tour (tour.py, bash run.sh tour)
       a subset of the tour's layouts beside one process, its rows; a layout that differs stops it
-The msrun harness makes this file the workers' program too: `python test_all.py RUNS.json` runs
-trainings, `python test_all.py` the checks (the `__main__` block at the end). The launches a
-session needs start in a background thread as it starts (MsrunJobs), so the one-process sections
-run while the workers train: the sections that wait for launches come last.
+Concepts (pytest.ini's marks): `bash run.sh test -m pipeline` runs the pipeline's tests, and only
+the jobs they read (their `reads` marks) start. The msrun harness makes this file the workers'
+program too: `python test_all.py JOBS.json` (the `__main__` block at the end). The jobs a session
+needs start in a background thread as it starts (Harness), so the one-process sections run while
+the workers train: the sections that wait for jobs come last.
 CPU; float32, and float16 where a test says so.
 """
 import argparse
@@ -71,6 +74,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import zipfile
 import zlib
 from types import SimpleNamespace
@@ -6092,28 +6096,29 @@ def test_readme_is_a_map_with_short_lines_and_links_that_resolve():
 
 
 # =================================================== msrun harness (this file on the msrun workers)
-# The checks below run on every rank of an msrun launch of `python test_all.py` (the fixture
-# msrun_checks); `python test_all.py RUNS.json` runs trainings instead (parallel_runs).
+# The work that needs msrun workers, as jobs (JOBS): checks of parallel.py and of each layout's
+# gradients, trainings of every layout beside one process, resumes, conversions, planted bugs.
+# The session's Harness runs the jobs its selected tests read in a background thread; on the
+# workers this file is the program (`python test_all.py JOBS.json`: run_jobs).
 ATOL = 1e-6
 S, B, H, FFN = 4, 2, 8, 16                 # sequence, micro-batch, hidden, ffn (divisible by 4)
 TOY_VOCAB, TOY_PADDED_VOCAB = 250, 256
-
-
-# Each check belongs to a family; pytest has one test per family (test_msrun_checks[column_...]).
-CHECK_FAMILIES = ["process_groups", "collectives", "column_parallel_linear", "row_parallel_linear",
-                  "tensor_parallel_mlp", "sequence_parallel_mlp", "vocab_parallel_embedding",
-                  "mappings", "vocab_parallel_cross_entropy", "layout_gradients"]
+# the families of checks of parallel.py's layers (check_layers); pytest has a test per family and
+# check job (test_msrun_checks[row_parallel_linear-tp2])
+LAYER_FAMILIES = ["column_parallel_linear", "row_parallel_linear", "tensor_parallel_mlp",
+                  "sequence_parallel_mlp", "vocab_parallel_embedding", "mappings",
+                  "vocab_parallel_cross_entropy"]
 
 
 class Checks:
-    """Prints one line per check, `[rank R] PASS family: name` (or FAIL, with the detail), and
+    """Prints one line per check, `[rank R] PASS job/family: name` (or FAIL, with the detail), and
     remembers the failures; `family` is set by the caller before each group of checks."""
 
-    def __init__(self, rank):
-        self.rank, self.failed, self.family = rank, [], "setup"
+    def __init__(self, rank, job):
+        self.rank, self.job, self.failed, self.family = rank, job, [], "setup"
 
     def __call__(self, name, ok, detail=""):
-        print(f"[rank {self.rank}] {'PASS' if ok else 'FAIL'} {self.family}: {name}"
+        print(f"[rank {self.rank}] {'PASS' if ok else 'FAIL'} {self.job}/{self.family}: {name}"
               + (f": {detail}" if detail and not ok else ""), flush=True)
         if not ok:
             self.failed.append(name)
@@ -6420,36 +6425,41 @@ RING, HYBRID2 = (["--cp-comm-type", "p2p"],
                  ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"])
 ROPE_GQA = ["--use-rotary-position-embeddings", "--num-attention-heads", "8",
             "--group-query-attention", "--num-query-groups", "4"]
-CP_CHECK = ROPE_GQA + ["--num-layers", "2"]       # gradient checks: 2 layers, 2 micro-batches
+CP_CHECK = ROPE_GQA + ["--num-layers", "2"]       # gradient checks: 2 layers
 DOCUMENTS = "documents"        # batches of several documents: reset position ids and attention mask
 # experts: 4 of them, top-2, both balancing losses (moe.py); EP carved out of DP x CP
 MOE_CHECK = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
              "--disable-bias-linear"]
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
 EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
-GRADIENT_CHECKS = {2: [("pp2", [], PP2), ("pp2 vpp2", [], PP2 + VPP2), ("pp2 untied", UNTIED, PP2),
-                       ("pp2 num_layer_list [3,1]", [], PP2 + UNEVEN),
-                       ("cp2 ulysses, documents", CP_CHECK + [DOCUMENTS], CP2),
-                       ("cp2 ulysses, flash attention, documents",
-                        CP_CHECK + [DOCUMENTS, "--use-flash-attn"], CP2),
-                       ("cp2 ring, selective recompute", CP_CHECK,
-                        CP2 + RING + RECOMPUTE["selective"]),
-                       ("ep2 alltoall", MOE_CHECK + ALLTOALL, EP2)],
-                   4: [("pp4", [], PP4), ("pp4 vpp2 8 layers", ["--num-layers", "8"], PP4 + VPP2),
-                       ("tp2 x pp2 sp", [], TP2 + PP2 + SP),
-                       ("cp2 ulysses x tp2 sp, selective recompute", CP_CHECK,
-                        CP2 + TP2 + SP + RECOMPUTE["selective"]),
-                       ("cp2 ring x pp2 vpp2", ROPE_GQA, CP2 + RING + PP2 + VPP2),
-                       ("cp4 hybrid (ulysses 2 x ring 2), full recompute", CP_CHECK,
-                        CP4 + HYBRID2 + RECOMPUTE["full uniform 2"]),
-                       ("cp2 ring x dp2 untied, full block recompute", CP_CHECK + UNTIED,
-                        CP2 + RING + RECOMPUTE["full block 1"]),
-                       ("ep2 x tp2 sp allgather", MOE_CHECK, EP2 + TP2 + SP),
-                       ("ep2 x tp2 sp alltoall", MOE_CHECK + ALLTOALL, EP2 + TP2 + SP),
-                       ("ep4 alltoall", MOE_CHECK + ALLTOALL, EP4),
-                       ("ep2 x dp2 (expert data parallel 2)", MOE_CHECK, EP2),
-                       ("ep2 x cp2 ring", MOE_CHECK + CP_CHECK, EP2 + CP2 + RING),
-                       ("ep2 x pp2 vpp2", MOE_CHECK, EP2 + PP2 + VPP2)]}
+MOE_2 = MOE_CHECK + ["--num-layers", "2"]          # without a pipeline: 2 layers
+# name: (model flags, layout flags, workers, concept): one step of the layout against one process
+GRADIENT_CHECKS = {
+    "pp2": ([], PP2, 2, "pipeline"),
+    "pp2_vpp2": ([], PP2 + VPP2, 2, "pipeline"),
+    "pp2_untied": (UNTIED, PP2, 2, "pipeline"),
+    "pp2_num_layer_list": ([], PP2 + UNEVEN, 2, "pipeline"),
+    "dp2": ([], [], 2, "dp"),
+    "dp2_distopt": ([], DISTOPT, 2, "dp"),
+    "cp2_ulysses_documents": (CP_CHECK + [DOCUMENTS], CP2, 2, "cp"),
+    "cp2_ulysses_flash_documents": (CP_CHECK + [DOCUMENTS, "--use-flash-attn"], CP2, 2, "cp"),
+    "cp2_ring_selective_recompute": (CP_CHECK, CP2 + RING + RECOMPUTE["selective"], 2, "cp"),
+    "ep2_alltoall": (MOE_2 + ALLTOALL, EP2, 2, "moe"),
+    "pp4": ([], PP4, 4, "pipeline"),
+    "pp4_vpp2_8_layers": (["--num-layers", "8"], PP4 + VPP2, 4, "pipeline"),
+    "tp2_pp2_sp": ([], TP2 + PP2 + SP, 4, "pipeline"),
+    "cp2_ulysses_tp2_sp_selective_recompute": (CP_CHECK, CP2 + TP2 + SP + RECOMPUTE["selective"],
+                                               4, "cp"),
+    "cp2_ring_pp2_vpp2": (ROPE_GQA, CP2 + RING + PP2 + VPP2, 4, "cp"),
+    "cp4_hybrid_full_recompute": (CP_CHECK, CP4 + HYBRID2 + RECOMPUTE["full uniform 2"], 4, "cp"),
+    "cp2_ring_dp2_untied_full_block_recompute": (CP_CHECK + UNTIED,
+                                                 CP2 + RING + RECOMPUTE["full block 1"], 4, "cp"),
+    "ep2_tp2_sp_allgather": (MOE_2, EP2 + TP2 + SP, 4, "moe"),
+    "ep2_tp2_sp_alltoall": (MOE_2 + ALLTOALL, EP2 + TP2 + SP, 4, "moe"),
+    "ep4_alltoall": (MOE_2 + ALLTOALL, EP4, 4, "moe"),
+    "ep2_dp2": (MOE_2, EP2, 4, "moe"),
+    "ep2_cp2_ring": (MOE_CHECK + CP_CHECK, EP2 + CP2 + RING, 4, "moe"),
+    "ep2_pp2_vpp2": (MOE_CHECK, EP2 + PP2 + VPP2, 4, "moe")}
 
 
 def check_batches(cfg, count, documents):
@@ -6469,76 +6479,114 @@ def check_batches(cfg, count, documents):
     return batches
 
 
-def check_gradients(c, world):
-    """One step of each layout of GRADIENT_CHECKS[world] (4 micro-batches through the schedule,
-    2 with CP, then the tied-embedding, sequence-parallel and DP x CP reductions) against the
-    one-process model on the same micro-batches: each stage's losses, and every gradient of every
-    rank (its TP slice of the full gradient; the last stage's tied output layer that of the word
-    embedding), relative difference in norm below 1e-5. Every DP rank takes the same batches.
-    Some layouts also recompute (the reference does not): recompute changes no gradient."""
+def check_gradients(c, name):
+    """One step of the layout GRADIENT_CHECKS[name] (4 micro-batches through a pipeline schedule,
+    else 2, then every reduction of finalize_model_grads) against the one-process model on the
+    same micro-batches: the last stage's losses, each router's choices, and every gradient the
+    optimizer takes on every rank (its TP slice of the full gradient, the last stage's tied output
+    layer that of the word embedding, a distributed optimizer's pieces of the flat buffer),
+    relative difference in norm below 1e-5. Every DP rank takes the same micro-batches, so the DP
+    mean is the one-process gradient (a sum would double it). Some layouts also recompute (the
+    reference does not): recompute changes no gradient."""
     c.family = "layout_gradients"
+    model_args, layout, world, _ = GRADIENT_CHECKS[name]
+    documents = DOCUMENTS in model_args
+    model_args = [a for a in model_args if a != DOCUMENTS]
+    ref_cfg = load_config(os.path.join(HERE, "config.yaml"), PIPELINE_CHECK_MODEL + model_args,
+                          world)
+    count = 4 if "--pipeline-model-parallel-size" in layout else 2
+    ref_losses, ref_grads, ref_maps = reference_gradients(ref_cfg, model_args, count, documents)
+    # op by op: one step needs no compilation (the trainings compile one layout per concept)
+    cfg = load_config(os.path.join(HERE, "config.yaml"),
+                      PIPELINE_CHECK_MODEL + model_args + layout + ["--no-jit"], world)
+    p = cfg.parallel_config
+    state = parallel.initialize_model_parallel(p.tensor_model_parallel_size,
+                                               p.pipeline_model_parallel_size,
+                                               p.context_parallel_size, p.sequence_parallel,
+                                               p.ulysses_degree_in_cp,
+                                               p.expert_model_parallel_size)
     tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
-    config_path = os.path.join(HERE, "config.yaml")
-    for label, model_args, layout in GRADIENT_CHECKS.get(world, []):
-        documents = DOCUMENTS in model_args
-        model_args = [a for a in model_args if a != DOCUMENTS]
-        ref_cfg = load_config(config_path, PIPELINE_CHECK_MODEL + model_args, world)
+    chunks, _ = train.build_model(cfg, tokenizer, state)
+    trainer = train.Trainer(cfg, chunks, *train.build_optimizer(cfg, chunks), state)
+    maps = record_routing_maps(chunks)
+    losses, grads = trainer.forward_backward(check_batches(ref_cfg, count, documents))
+    check_routing_maps(c, name, maps, ref_maps, state, ref_cfg.model_config.seq_length)
+    grads = optimizer.finalize_model_grads(grads, trainer.params, parallel.collectives, state,
+                                           trainer.optimizer)
+    if state.is_last_stage:
+        c(f"{name}: losses", np.allclose(losses, ref_losses, rtol=1e-5),
+          f"{losses} vs {ref_losses}")
+    else:
+        c(f"{name}: no loss before the last stage", losses == [])
+    check_reduced_gradients(c, name, chunks, grads, ref_grads, state, trainer.optimizer)
+
+
+def check_reduced_gradients(c, label, chunks, grads, ref_grads, state, optim):
+    """The gradients finalize_model_grads handed the optimizer `optim`, each against its share of
+    the one-process gradient `ref_grads` {name: array}: one per parameter in model order (a
+    ChainedOptimizer's lists put back in it), or a DistributedOptimizer's pieces of the flat
+    gradient buffer (bucket, parameter, start, end)."""
+    named = checkpoint.named_parameters(chunks)
+    wants = [wanted_gradient(name[len("model."):], param, chunks, ref_grads, state)
+             for name, param in named]
+    if isinstance(optim, optimizer.DistributedOptimizer):
+        for (_, i, lo, hi), g in zip(optim.pieces, grads):
+            start = lo - optim.buffer.offsets[i]
+            close_gradient(c, f"{label}: piece of {named[i][0]}@{start}", g,
+                           wants[i].reshape(-1)[start:start + hi - lo])
+        c(f"{label}: one piece per overlap of a parameter and the shard",
+          len(grads) == len(optim.pieces))
+        return
+    if isinstance(optim, optimizer.ChainedOptimizer):                 # back to model order
+        by_position = dict(zip([i for ps in optim.indices for i in ps], sum(grads, [])))
+        grads = [by_position[i] for i in range(len(by_position))]
+    c(f"{label}: one gradient per parameter", len(grads) == len(named))
+    for (name, _), g, want in zip(named, grads, wants):
+        close_gradient(c, f"{label}: gradient of {name[len('model.'):]}", g, want)
+
+
+def wanted_gradient(name, param, chunks, ref_grads, state):
+    """This rank's share of the one-process gradient of parameter `name`: its TP slice; the
+    word embedding's for the last stage's tied output layer."""
+    want = ref_grads["word_embeddings.weight"
+                     if name == "output_layer.weight" and chunks[0].tied else name]
+    dim = getattr(param, "partition_dim", None)
+    if dim is not None:
+        want = shard(want, dim, state.tp_rank, state.tp, getattr(param, "partition_chunks", 1))
+    return want
+
+
+def close_gradient(c, name, got, want):
+    """A check that `got` is `want` to a relative difference in norm below 1e-5."""
+    got = got.asnumpy().reshape(want.shape)
+    rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)
+    c(name, rel < 1e-5, f"relative difference {rel:.2e}")
+
+
+_REFERENCES = {}
+
+
+def reference_gradients(ref_cfg, model_args, count, documents):
+    """The one-process model's losses of check_batches(count, documents), its gradients {name:
+    array} of their mean loss (micro-batch by micro-batch, as the schedules accumulate them) and
+    its routers' choices; computed once per worker for each model and batch set."""
+    key = (tuple(model_args), count, documents)
+    if key not in _REFERENCES:
+        tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
         [ref], _ = train.build_model(ref_cfg, tokenizer, parallel.initialize_model_parallel())
-        batches = check_batches(ref_cfg, 2 if "--context-parallel-size" in layout else 4, documents)
-        ref_maps = record_routing_maps([ref])
-        ref_losses, ref_grads = reference_gradients(ref, batches)
-        # op by op: one step needs no compilation (the 10-step training runs are compiled)
-        cfg = load_config(config_path,
-                          PIPELINE_CHECK_MODEL + model_args + layout + ["--no-jit"], world)
-        p = cfg.parallel_config
-        state = parallel.initialize_model_parallel(p.tensor_model_parallel_size,
-                                                   p.pipeline_model_parallel_size,
-                                                   p.context_parallel_size, p.sequence_parallel,
-                                                   p.ulysses_degree_in_cp,
-                                                   p.expert_model_parallel_size)
-        chunks, _ = train.build_model(cfg, tokenizer, state)
-        trainer = train.Trainer(cfg, chunks, *train.build_optimizer(cfg, chunks), state)
-        maps = record_routing_maps(chunks)
-        losses, grads = trainer.forward_backward(batches)
-        check_routing_maps(c, label, maps, ref_maps, state, ref_cfg.model_config.seq_length)
-        grads = optimizer.finalize_model_grads(grads, trainer.params, parallel.collectives, state,
-                                               trainer.optimizer)
-        if isinstance(trainer.optimizer, optimizer.ChainedOptimizer):   # back to model order
-            chain = trainer.optimizer
-            by_position = dict(zip([i for ps in chain.indices for i in ps], sum(grads, [])))
-            grads = [by_position[i] for i in range(len(by_position))]
-        if state.is_last_stage:
-            c(f"{label}: losses", np.allclose(losses, ref_losses, rtol=1e-5),
-              f"{losses} vs {ref_losses}")
-        else:
-            c(f"{label}: no loss before the last stage", losses == [])
-        named = checkpoint.named_parameters(chunks)
-        c(f"{label}: one gradient per parameter", len(grads) == len(named))
-        for (name, param), g in zip(named, grads):
-            name = name[len("model."):]
-            want = ref_grads["word_embeddings.weight"
-                             if name == "output_layer.weight" and chunks[0].tied else name]
-            dim = getattr(param, "partition_dim", None)
-            if dim is not None:
-                want = shard(want, dim, state.tp_rank, state.tp,
-                             getattr(param, "partition_chunks", 1))
-            rel = np.linalg.norm(g.asnumpy() - want) / max(np.linalg.norm(want), 1e-12)
-            c(f"{label}: gradient of {name}", rel < 1e-5, f"relative difference {rel:.2e}")
-
-
-def reference_gradients(ref, batches):
-    """The one-process model's losses of `batches` and its gradients {name: array} of their
-    mean loss, micro-batch by micro-batch as the schedules accumulate them."""
-    names = [n for n, _ in ref.parameters_and_names()]
-    grad_fn = ms.value_and_grad(lambda *inputs: ref(*inputs) / len(batches), None,
-                                list(ref.get_parameters()))
-    losses, sums = [], {n: 0.0 for n in names}
-    for batch in batches:
-        loss, grads = grad_fn(*train.to_tensors(batch))
-        losses.append(float(loss.asnumpy()) * len(batches))
-        for n, g in zip(names, grads):
-            sums[n] = sums[n] + g.asnumpy()
-    return losses, sums
+        maps = record_routing_maps([ref])
+        batches = check_batches(ref_cfg, count, documents)
+        names = [n for n, _ in ref.parameters_and_names()]
+        grad_fn = ms.value_and_grad(lambda *inputs: ref(*inputs) / count, None,
+                                    list(ref.get_parameters()))
+        losses, sums = [], {n: 0.0 for n in names}
+        for batch in batches:
+            loss, grads = grad_fn(*train.to_tensors(batch))
+            losses.append(float(loss.asnumpy()) * count)
+            for n, g in zip(names, grads):
+                sums[n] = sums[n] + g.asnumpy()
+        _REFERENCES[key] = losses, sums, maps
+    return _REFERENCES[key]
 
 
 def record_routing_maps(chunks):
@@ -6571,16 +6619,13 @@ def check_routing_maps(c, label, maps, ref_maps, state, seq_length):
           f"{len(calls)} forwards against {len(want)}")
 
 
-# ------------------------------ the worker program (the __main__ block at the end) and its launches
-def run_checks(world):
-    """All checks on this rank (under msrun with `world` workers); returns the failed names."""
-    state = parallel.initialize_model_parallel()
-    c = Checks(state.rank)
-    c(f"world size {state.world_size}", state.world_size == world)
+def check_groups(c, world):
+    """Process groups and collectives on this launch's `world` ranks: Megatron's grid by hand,
+    then for each layout of layouts(world) this rank's coordinates and groups, every collective
+    on every group of more than one rank, and the pipeline's pair exchanges."""
     check_rank_groups(c)
     for tp, cp, pp in layouts(world):
         state = parallel.initialize_model_parallel(tp=tp, pp=pp, cp=cp)
-        print(f"[rank {state.rank}] layout tp={tp} cp={cp} pp={pp} dp={state.dp}", flush=True)
         if state.rank == 0:
             print(parallel.grid_table(world, tp, cp, pp), flush=True)
         check_state(c, state, tp, cp, pp)
@@ -6589,194 +6634,342 @@ def run_checks(world):
             if group is not None and len(parallel.group_ranks(group)) > 1:
                 check_comm(c, state, kind, group)
         check_exchange(c, state)
-        if state.tp == world > 1:  # the layers once per launch, split over all ranks
-            check_layers(c, state)
-    check_gradients(c, world)
-    print(f"[rank {state.rank}] {len(c.failed)} check(s) failed" if c.failed
-          else f"[rank {state.rank}] all checks passed", flush=True)
-    return c.failed
 
 
-def run_trainings(runs_file):
-    """Each [name, argv, sigterm_step?] of `runs_file` through train.main, on every msrun
-    worker or in one process (MsrunJobs.one_process); returns the names that failed."""
-    failed = []
-    for name, args, *sigterm_step in json.loads(open(runs_file).read()):
-        step = train.Trainer.train_step
-        if sigterm_step and sigterm_step[0] and int(os.environ.get("RANK_ID", 0)) == 0:
-            def train_step(self, micro_batches, calls=[]):    # SIGTERM to rank 0 alone
-                calls.append(1)
-                if len(calls) == sigterm_step[0]:
-                    signal.raise_signal(signal.SIGTERM)
-                return step(self, micro_batches)
-            train.Trainer.train_step = train_step
-        if train.main(args) != 0:
-            failed.append(name)
-        train.Trainer.train_step = step
-    return failed
+def check_tensor_parallel_layers(c, world):
+    """parallel.py's layers, mappings and cross-entropy split over all `world` ranks (TP = world)
+    against their dense forms."""
+    check_layers(c, parallel.initialize_model_parallel(tp=world))
 
 
-def msrun_command(workers, log_dir, runs_file=None):
-    """The msrun command (and its environment) that runs this file on `workers` workers: the
-    training runs listed in `runs_file`, or without it parallel.py's checks (worker output:
-    log_dir/worker_<rank>.log)."""
-    return cli.msrun_command(workers, log_dir,
-                             [os.path.abspath(__file__), *([runs_file] if runs_file else [])])
+# A check job of the harness: its checks on every rank of a launch. name: (function, its
+# argument, the families it prints, workers, concept)
+CHECK_JOBS = {f"groups_{w}w": (check_groups, w, ["process_groups", "collectives"], w, "tp")
+              for w in (2, 4)}
+CHECK_JOBS.update({f"layers_tp{w}": (check_tensor_parallel_layers, w, LAYER_FAMILIES, w, "tp")
+                   for w in (2, 4)})
+CHECK_JOBS.update({f"gradients_{name}": (check_gradients, name, ["layout_gradients"], workers,
+                                         concept)
+                   for name, (_, _, workers, concept) in GRADIENT_CHECKS.items()})
 
 
-class MsrunJobs:
-    """The msrun launches a session needs (the checks, the trainings), started in a background
-    thread when the session starts, so that the one-process tests run while the workers train: a
-    launch of 4 workers on this machine's 2 cores leaves about a quarter of the CPU idle (ranks
-    wait in collectives and pipeline hops). The work between the launches (the runs whose
-    checkpoints they convert, the conversions, the one-process references) runs in one-process
-    subprocesses of this file, not in the test process, which is busy with the other tests.
-    Only one msrun job may run on a machine at a time (two corrupt each other's CPU
-    collectives): a test that launches msrun itself first waits for these (`msrun_free`)."""
-
-    def __init__(self, tmp_path_factory, checks, trainings):
-        self.wanted = {"checks": checks, "trainings": trainings}
-        self.folders = {name: tmp_path_factory.mktemp(name)
-                        for name, wanted in self.wanted.items() if wanted}
-        self.prefix = shakespeare_bytes(self.folders["trainings"]) if trainings else None
-        self.results, self.processes, self.stopped = {}, set(), False
-        self.done = {name: threading.Event() for name in self.wanted}
-        self.thread = threading.Thread(target=self._run_all, daemon=True)
-        self.thread.start()
-
-    def _run_all(self):
-        for name, job in (("checks", self._checks), ("trainings", self._trainings)):
-            try:
-                if self.wanted[name] and not self.stopped:
-                    self.results[name] = job(self.folders[name])
-            except Exception as error:                # raised again in the test that asks
-                self.results[name] = error
-            finally:
-                self.done[name].set()
-
-    def result(self, name):
-        """What the job `name` returned, once it has ended (its error is raised here)."""
-        self.done[name].wait()
-        if isinstance(self.results[name], Exception):
-            raise self.results[name]
-        return self.results[name]
-
-    def wait(self):
-        """Until every job of the session has ended."""
-        for event in self.done.values():
-            event.wait()
-
-    def stop(self):
-        """At the end of the session: a launch still running (the session stopped early) is
-        killed with its workers."""
-        self.stopped = True
-        for process in list(self.processes):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        self.thread.join()
-
-    def run(self, cmd, env=None, timeout=1200):
-        """`cmd` in its own process group (so that stop() kills msrun's workers too)."""
-        if self.stopped:
-            raise RuntimeError("the session ended")
-        process = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
-        self.processes.add(process)
-        out, err = process.communicate(timeout=timeout)
-        self.processes.discard(process)
-        return subprocess.CompletedProcess(cmd, process.returncode, out, err)
-
-    def one_process(self, runs_file, runs):
-        """`runs` ([name, train.py argv]) one after another in one process, without msrun."""
-        runs_file.write_text(json.dumps(runs))
-        done = self.run([sys.executable, os.path.abspath(__file__), str(runs_file)])
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    def _checks(self, tmp):
-        return tmp, {world: self.run(*msrun_command(world, str(tmp / f"msrun{world}")))
-                     for world in (4, 2)}
-
-    def _trainings(self, tmp):
-        return train_layouts(self, tmp, self.prefix)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def msrun_jobs(request, tmp_path_factory):
-    """The session's msrun launches, started at once in the background (MsrunJobs): only those
-    the selected tests use, so `-k column` launches the checks alone."""
-    needed = {name for item in request.session.items for name in item.fixturenames}
-    jobs = MsrunJobs(tmp_path_factory, "msrun_checks" in needed, "parallel_runs" in needed)
-    yield jobs
-    jobs.stop()
-
-
-@pytest.fixture
-def msrun_free(msrun_jobs):
-    """For a test that launches msrun itself: the session's own launches have ended."""
-    msrun_jobs.wait()
-
-
-@pytest.fixture(scope="module")
-def msrun_checks(msrun_jobs):
-    """Two msrun launches of the checks below, 4 then 2 workers, no training: (their folder, the
-    finished launches by world size)."""
-    return msrun_jobs.result("checks")
-
-
-# --------------------- the trainings: every layout, its one-process reference, resumes, conversions
+# ----------------------------------------------------- the trainings: every layout and its proofs
+# The tiny GPT every layout trains (2 layers, hidden 64, sequences of 32 bytes, 8 per step), op by
+# op: its steps cost less than a compilation, and the proofs are about arithmetic. One layout per
+# concept compiles (COMPILED), as production does.
+STEPS = 4
 PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hidden-size", "64",
                 "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
-                "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "10",
+                "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(STEPS),
                 "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3",
-                "--lr-warmup-iters", "2", "training_config.log_comm_ledger=true"]
-# every layout compiled by ms.jit, as in production
+                "--lr-warmup-iters", "2", "training_config.log_comm_ledger=true", "--no-jit"]
+COMPILED = ["training_config.use_jit=true"]
+# float16 compiles: op by op its CPU kernels take about 4 times float32's
+HALF = FP16 + COMPILED
+# pipelines: 4 layers, 4 micro-batches of 2 (the 1F1B steady state), evaluated at steps 2 and 4
 PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1",
-                "--eval-interval", "5"]
+                "--eval-interval", "2"]
 # experts: micro-batches of 2 sequences in every layout (DP4 on 4 workers), since the balancing
 # losses are the micro-batch's
 MOE_RUN = MOE_CHECK + ["--micro-batch-size", "2"]
 # Megatron's per-rank capacity: ceil(n k / E * 1.0) = n / 2 slots per expert of a rank's n tokens
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
-# one process, same model and data
-REFERENCES = {"one": [], "one_pp": PIPELINE_RUN, "one_rope_gqa": ROPE_GQA, "one_fp16": FP16,
-              "one_pp_fp16": PIPELINE_RUN + FP16, "one_rope_gqa_fp16": ROPE_GQA + FP16,
-              "one_moe": MOE_RUN, "one_moe_capacity": MOE_RUN + CAPACITY,
-              "one_moe_pp": PIPELINE_RUN + MOE_RUN, "one_moe_rope_gqa": ROPE_GQA + MOE_RUN}
+SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and converted runs start at
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
-# PP2 with dropout (op by op: 5 steps, each as long as a compiled run's 10), without and with
-# full recompute of each stage's first layer
-DROPOUT_RUNS = {2: {"pp2_dropout": PIPELINE_RUN + PP2 + DROPOUT + ["--train-iters", "5"],
-                    "pp2_dropout_recompute": (PIPELINE_RUN + PP2 + DROPOUT + ["--train-iters", "5"]
-                                              + RECOMPUTE["full block 1"])}}
-# layout: (flags, its one-process reference); the float16 ones (FP16) against a float16 process.
-# DP2 and PP2 (1F1B, traced) alone are the tour's dp and pp (tour_subset); TP2 x DP2 + SP and
-# CP2 ring x DP2 with the distributed optimizer train steps 6-10 from converted checkpoints
-# (CONVERTED); PP4, PP2 with num_layer_list and CP2 ring x PP2 have one step's gradients checked
-# (GRADIENT_CHECKS), their code compiled in the layouts here; so has CP4 hybrid (Ulysses 2 x ring
-# 2), its Ulysses and ring code trained by the CP2 layouts. The experts (MoE layers in place of
-# the MLPs) ride on layouts of 4 workers: PP2 x VPP2 with the distributed optimizer, CP2 Ulysses
-# x TP2 + SP with the alltoall dispatcher, both with EP2; EP2 x CP2 ring and the allgather
-# dispatcher under TP2 + SP have one step's gradients checked
-LAYOUTS = {2: {"tp2": (TP2, "one"), "tp2_sp": (TP2 + SP + FP16, "one_fp16"),
-               "dp2_distopt": (DISTOPT + FP16, "one_fp16"),
-               "pp2_vpp2": (PIPELINE_RUN + PP2 + VPP2 + FP16, "one_pp_fp16"),
-               "pp2_afab": (PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"],
-                            "one_pp"),
-               "cp2_ulysses": (ROPE_GQA + CP2 + FP16, "one_rope_gqa_fp16"),
-               "cp2_ring": (ROPE_GQA + CP2 + RING, "one_rope_gqa"),
-               "ep2_alltoall_distopt": (MOE_RUN + EP2 + ALLTOALL + DISTOPT, "one_moe"),
-               "ep2_capacity": (MOE_RUN + CAPACITY + EP2, "one_moe_capacity")},
-           4: {"tp2_pp2_sp": (PIPELINE_RUN + TP2 + PP2 + SP + FP16, "one_pp_fp16"),
-               "ep2_pp2_vpp2_distopt": (PIPELINE_RUN + MOE_RUN + EP2 + PP2 + VPP2 + DISTOPT,
-                                        "one_moe_pp"),
-               "ep2_cp2_ulysses_tp2_sp_alltoall": (ROPE_GQA + MOE_RUN + EP2 + CP2 + TP2 + SP
-                                                   + ALLTOALL, "one_moe_rope_gqa"),
-               "ep2_dp2_distopt": (MOE_RUN + EP2 + DISTOPT, "one_moe"),
-               "ep2_pp2_capacity": (MOE_RUN + CAPACITY + EP2 + PP2, "one_moe_capacity")}}
-# layouts of the last launch (4 workers, after the 2-worker launch: AFTER_TWO)
-LATE_LAYOUTS = {"ep4_distopt": (MOE_RUN + EP4 + DISTOPT, "one_moe")}
-# every layout also saves its step 5, where resumed and converted runs start (--ckpt-step 5)
-AT_5 = ["--save-interval", "5"]
+TORCH = ["--ckpt-format", "torch"]
+
+
+class Job:
+    """A unit of the harness's background work, run once per session if a selected test reads it
+    (its `reads` mark) or a job it reads needs it (`after`): a training (`flags` after
+    PARALLEL_RUN, or a whole train.py argv from `argv(tmp, prefix)`), a check job (CHECK_JOBS),
+    or a call in the background thread (`call(harness)`, for tests that launch run.sh
+    themselves). `workers`: 1, a one-process run; 2 or 4, the msrun launch of that many workers
+    (the jobs of a launch run one after another on every worker); 0, a call. `concepts`: the
+    pytest marks (pytest.ini) of the tests that may read it. `plant`: a bug planted for the run
+    (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM."""
+
+    def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
+                 sigterm=None, call=None, check=None):
+        self.name, self.workers, self.concepts = name, workers, set(concepts.split())
+        self.flags, self.argv_of, self.after = list(flags), argv, tuple(after)
+        self.plant, self.sigterm, self.call, self.check = plant, sigterm, call, check
+
+    def argv(self, tmp, prefix):
+        """train.py's argv in the harness's folder `tmp` ("{tmp}" in a flag) on data `prefix`."""
+        if self.argv_of is not None:
+            return self.argv_of(tmp, prefix)
+        flags = [flag.replace("{tmp}", str(tmp)) for flag in self.flags]
+        return ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix,
+                *PARALLEL_RUN, *flags, "--save", str(tmp / self.name)]
+
+
+JOBS = {}          # name -> Job, in an order where every job comes after the jobs it needs
+REFERENCE = {}     # a layout -> the one-process run it equals (float16 against float16)
+
+
+def add(name, workers, concepts, flags=(), **kwargs):
+    JOBS[name] = Job(name, workers, concepts, flags, **kwargs)
+
+
+def layout(name, workers, concepts, flags, reference, **kwargs):
+    """A layout trained beside its one-process reference."""
+    add(name, workers, concepts, flags, **kwargs)
+    REFERENCE[name] = reference
+
+
+def resumed(name, workers, concepts, flags, source, step=STEPS // 2):
+    """A run that resumes from step `step` of the checkpoints of job `source`."""
+    add(name, workers, concepts, [*flags, "--load", "{tmp}/" + source, "--ckpt-step", str(step)],
+        after=[source])
+
+
+def converted(name, concepts, source, layout_flags, step=STEPS // 2):
+    """`bash run.sh convert` of step `step` of job `source` to another layout (one process)."""
+    add(name, 1, concepts, after=[source],
+        argv=lambda tmp, prefix: ["convert", "--load", str(tmp / source), "--save",
+                                  str(tmp / name), "--ckpt-step", str(step), *layout_flags])
+
+
+# the check jobs, first in their launches
+for _check, (_, _, _, _workers, _concept) in CHECK_JOBS.items():
+    add(_check, _workers, _concept, check=_check)
+
+
+# The jobs. The one-process references first (op by op; a compiled layout equals them too).
+ROPE = ROPE_GQA
+add("one", 1, "tp dp checkpoint", SAVE_HALF)
+add("one_fp16", 1, "tp dp fp16", HALF)
+add("one_pp", 1, "pipeline", PIPELINE_RUN)
+add("one_pp_fp16", 1, "pipeline fp16", PIPELINE_RUN + HALF)
+add("one_rope_gqa", 1, "cp checkpoint", ROPE + SAVE_HALF)
+add("one_rope_gqa_fp16", 1, "cp fp16", ROPE + HALF)
+add("one_moe", 1, "moe", MOE_RUN)
+add("one_moe_capacity", 1, "moe", MOE_RUN + CAPACITY)
+add("one_moe_pp", 1, "moe", PIPELINE_RUN + MOE_RUN)
+add("one_moe_rope_gqa", 1, "moe", ROPE + MOE_RUN)
+# one process's step-2 checkpoints converted to layouts of 4 workers, before their launch
+converted("one_as_tp2_dp2", "checkpoint", "one", ["--nproc", "4", *TP2, *DISTOPT])
+converted("one_rope_gqa_as_cp2_dp2", "checkpoint", "one_rope_gqa",
+          ["--nproc", "4", *CP2, *RING, *DISTOPT])
+
+# 4 workers. TP2 x PP2 + SP: the default run's layout. Stopped by SIGTERM on
+# rank 0 alone after step 2 (every rank stops after the same step: one all-reduce of a flag,
+# train.exit_reason) and resumed, both in Megatron's torch format: the losses of the run that
+# never stopped, bit for bit. --exit-interval and --exit-duration-in-mins stop every rank as
+# SIGTERM to one does: tested in one process (test_a_stopped_job_resumes_bit_identical).
+TP2_PP2 = PIPELINE_RUN + TP2 + PP2 + SP
+layout("tp2_pp2_sp", 4, "pipeline checkpoint", TP2_PP2, "one_pp")
+add("tp2_pp2_sp_first", 4, "checkpoint", TP2_PP2 + ["--exit-signal-handler"] + TORCH,
+    sigterm=STEPS // 2)
+add("tp2_pp2_sp_resumed", 4, "checkpoint",
+    TP2_PP2 + TORCH + ["--load", "{tmp}/tp2_pp2_sp_first"], after=["tp2_pp2_sp_first"])
+resumed("one_to_tp2_dp2_distopt", 4, "checkpoint", TP2 + SP + DISTOPT, "one_as_tp2_dp2")
+resumed("one_to_cp2_ring_dp2_distopt", 4, "checkpoint", ROPE + CP2 + RING + DISTOPT,
+        "one_rope_gqa_as_cp2_dp2")
+# the experts (MoE layers in place of the MLPs) with EP carved out of DP x CP
+layout("ep2_pp2_vpp2_distopt", 4, "moe", PIPELINE_RUN + MOE_RUN + EP2 + PP2 + VPP2 + DISTOPT,
+       "one_moe_pp")
+layout("ep2_cp2_ulysses_tp2_sp_alltoall", 4, "moe",
+       ROPE + MOE_RUN + EP2 + CP2 + TP2 + SP + ALLTOALL, "one_moe_rope_gqa")
+layout("ep2_dp2_distopt", 4, "moe", MOE_RUN + EP2 + DISTOPT, "one_moe")
+layout("ep2_pp2_capacity", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2 + SAVE_HALF,
+       "one_moe_capacity")
+resumed("ep2_pp2_capacity_resumed", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2,
+        "ep2_pp2_capacity")
+layout("ep4_distopt", 4, "moe checkpoint", MOE_RUN + EP4 + DISTOPT + SAVE_HALF, "one_moe")
+
+# their step-2 checkpoints converted, between the launches: TP2 x PP2 to PP2 x VPP2 and to one
+# process; EP4 to one process, and that to EP2
+converted("tp2_pp2_as_pp2_vpp2", "checkpoint", "tp2_pp2_sp_first", ["--nproc", "2", *PP2, *VPP2])
+converted("tp2_pp2_as_one", "checkpoint", "tp2_pp2_sp_first", [])
+converted("ep4_as_one", "moe checkpoint", "ep4_distopt", [])
+converted("ep4_as_ep2", "moe checkpoint", "ep4_as_one", ["--nproc", "2", *EP2, *DISTOPT])
+resumed("tp2_pp2_to_one", 1, "checkpoint", PIPELINE_RUN, "tp2_pp2_as_one")
+resumed("ep4_to_one", 1, "moe checkpoint", MOE_RUN, "ep4_as_one")
+
+# 2 workers: a layout per parallelism, float16 in some (against a float16 process)
+layout("tp2", 2, "tp", TP2, "one")
+layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + HALF + TORCH, "one_fp16")
+layout("dp2", 2, "dp", [], "one")
+layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + HALF + SAVE_HALF, "one_fp16")
+resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + HALF, "dp2_distopt")
+layout("pp2", 2, "pipeline", PIPELINE_RUN + PP2 + COMPILED, "one_pp")
+layout("pp2_vpp2", 2, "pipeline fp16", PIPELINE_RUN + PP2 + VPP2 + HALF, "one_pp_fp16")
+layout("pp2_afab", 2, "pipeline", PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"],
+       "one_pp")
+# PP2 with dropout, without and with full recompute of each stage's first layer
+PP2_DROPOUT = PIPELINE_RUN + PP2 + DROPOUT + ["--train-iters", "3"]
+add("pp2_dropout", 2, "pipeline", PP2_DROPOUT)
+add("pp2_dropout_recompute", 2, "pipeline", PP2_DROPOUT + RECOMPUTE["full block 1"])
+layout("cp2_ulysses", 2, "cp fp16", ROPE + CP2 + HALF, "one_rope_gqa_fp16")
+layout("cp2_ring", 2, "cp", ROPE + CP2 + RING + COMPILED, "one_rope_gqa")
+layout("ep2_alltoall_distopt", 2, "moe", MOE_RUN + EP2 + ALLTOALL + DISTOPT + COMPILED, "one_moe")
+layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
+resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
+resumed("one_to_cp2_ulysses", 2, "checkpoint", ROPE + CP2, "one_rope_gqa")
+resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_RUN + EP2 + DISTOPT, "ep4_as_ep2")
+# where a converted run resumes: (the run whose checkpoint was converted, what changed)
+CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed optimizer"),
+             "one_to_cp2_ring_dp2_distopt": ("one_rope_gqa", "one process -> CP2 x DP2"),
+             "one_to_cp2_ulysses": ("one_rope_gqa", "one process -> CP2, no conversion"),
+             "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_sp", "TP2 x PP2 -> PP2 with VPP2"),
+             "tp2_pp2_to_one": ("tp2_pp2_sp", "TP2 x PP2 -> one process"),
+             "ep4_to_one": ("ep4_distopt", "EP4 -> one process"),
+             "ep4_to_ep2": ("ep4_distopt", "EP4 -> one process -> EP2")}
+
+
+# ---------------------------------------------------------------------------------- planted bugs
+# The bugs a learner is likely to write, each planted in a short run of one layout (its worker
+# program patches the code for that run alone) to prove that the suite's proof of the layout
+# catches it: test_planted_bug_is_caught.
+def plant_sp_norm_unreduced():
+    """Sequence parallelism: the norms' and row biases' gradients (each TP rank's tokens' share)
+    not all-reduced over TP (finalize_model_grads step 1)."""
+    return unmarked_during_finalize("sequence_parallel")
+
+
+def plant_tied_embedding_unreduced():
+    """Pipeline: the tied word embedding's two copies (first and last stage) not all-reduced over
+    the embedding group (finalize_model_grads step 2)."""
+    return unmarked_during_finalize("shared_embedding")
+
+
+def unmarked_during_finalize(mark):
+    """optimizer.finalize_model_grads run as if no parameter had the attribute `mark`."""
+    real = optimizer.finalize_model_grads
+
+    def finalize(grads, params, *rest):
+        marked = [p for p in params if getattr(p, mark, False)]
+        for p in marked:
+            setattr(p, mark, False)
+        try:
+            return real(grads, params, *rest)
+        finally:
+            for p in marked:
+                setattr(p, mark, True)
+    return [(optimizer, "finalize_model_grads", finalize)]
+
+
+def plant_dp_sum():
+    """Data parallelism: the gradients summed over DP, not averaged."""
+    real = optimizer.all_reduce_grads
+    return [(optimizer, "all_reduce_grads",
+             lambda buffer, grads, group_collectives, mean_over: real(buffer, grads,
+                                                                      group_collectives, 1))]
+
+
+def plant_dp_sum_distopt():
+    """The distributed optimizer: its reduce-scatter sums over DP, not averages."""
+    real = optimizer.DistributedOptimizer.reduce_grads
+
+    def reduce_grads(self, grads):
+        mean_over, self.mean_over = self.mean_over, 1
+        try:
+            return real(self, grads)
+        finally:
+            self.mean_over = mean_over
+    return [(optimizer.DistributedOptimizer, "reduce_grads", reduce_grads)]
+
+
+def plant_dp_same_samples():
+    """Every DP rank reads rank 0's micro-batches."""
+    real = data.MicroBatchIterator.__init__
+
+    def init(self, dataset, micro_batch_size, data_parallel_rank=0, data_parallel_size=1,
+             consumed_samples=0):
+        real(self, dataset, micro_batch_size, 0, data_parallel_size, consumed_samples)
+    return [(data.MicroBatchIterator, "__init__", init)]
+
+
+def plant_ring_causal_case():
+    """Ring attention: the diagonal block (this rank's own keys) attended without the causal
+    mask, so queries see later tokens."""
+    real = context_parallel.RingAttention.block
+    return [(context_parallel.RingAttention, "block",
+             lambda self, q, k, v, bias: real(self, q, k, v, None))]
+
+
+def plant_ulysses_head_split():
+    """Ulysses with GQA: the all-to-alls deal the heads (and the key/value groups) to the cp ranks
+    round-robin (rank r: heads r, r + u, ...) instead of in contiguous blocks, and back: each rank
+    pairs its query heads with key/value groups they do not belong to."""
+    def interleaved(c, heads):                          # new order -> old head, for u = c.size
+        return np.array([h for r in range(c.size) for h in range(r, heads, c.size)])
+
+    def sequence_to_heads(c, x, dim):
+        return c.all_to_all(x[:, :, Tensor(interleaved(c, x.shape[2]))], 2, 0)
+
+    def heads_to_sequence(c, x, dim):
+        x = c.all_to_all(x, 0, 2)
+        return x[:, :, Tensor(np.argsort(interleaved(c, x.shape[2])))]
+    return [(parallel, "_sequence_to_heads", sequence_to_heads),
+            (parallel, "_heads_to_sequence", heads_to_sequence)]
+
+
+def plant_aux_loss_scaled_twice():
+    """MoE: the aux and z losses' gradients scaled by the main loss' weight (loss scale / m)
+    twice."""
+    real = moe.MoEAuxLossAutoScaler.set_loss_scale
+    return [(moe.MoEAuxLossAutoScaler, "set_loss_scale",
+             staticmethod(lambda scale: real(scale * scale)))]
+
+
+def plant_skipped_last_backward():
+    """Pipeline: the last stage skips the last micro-batch's backward (sending a zero gradient to
+    the stage before, so the exchanges still pair)."""
+    run, backward = pipeline.PipelineRunner._run, pipeline.PipelineRunner._backward
+
+    def _run(self, micro_batches, *rest):
+        self.last_micro_batch = len(micro_batches) - 1
+        return run(self, micro_batches, *rest)
+
+    def _backward(self, args, mb, c, loss_weight, received, outgoing):
+        vs = c * self.p + self.rank
+        if vs == self.p * self.v - 1 and mb == self.last_micro_batch:
+            outgoing[("grad", mb, vs - 1)] = ops.zeros_like(args[0])
+            return [ops.zeros(p.shape, self.grad_dtype) for p in self.params[c]]
+        return backward(self, args, mb, c, loss_weight, received, outgoing)
+    return [(pipeline.PipelineRunner, "_run", _run),
+            (pipeline.PipelineRunner, "_backward", _backward)]
+
+
+@contextlib.contextmanager
+def planted(name):
+    """The bug PLANTS[name] in the code for the duration of the block (none for None)."""
+    patches = PLANTS[name][0]() if name else []
+    saved = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in patches]
+    for owner, attribute, replacement in patches:
+        setattr(owner, attribute, replacement)
+    try:
+        yield
+    finally:
+        for owner, attribute, value in saved:
+            setattr(owner, attribute, value)
+
+
+# name: (the plant, the layout's flags, its reference, concept, what its proof names when it
+# fails: "loss" or "grad norm"). Each trains PLANTED_STEPS steps on 2 workers, op by op.
+PLANTED_STEPS = 3
+PLANTS = {
+    "sp_norm_unreduced": (plant_sp_norm_unreduced, TP2 + SP, "one", "tp", "grad norm"),
+    "dp_sum": (plant_dp_sum, [], "one", "dp", "grad norm"),
+    "dp_sum_distopt": (plant_dp_sum_distopt, DISTOPT, "one", "dp", "grad norm"),
+    "dp_same_samples": (plant_dp_same_samples, [], "one", "dp", "loss"),
+    "tied_embedding_unreduced": (plant_tied_embedding_unreduced, PIPELINE_RUN + PP2, "one_pp",
+                                 "pipeline", "grad norm"),
+    "skipped_last_backward": (plant_skipped_last_backward, PIPELINE_RUN + PP2, "one_pp",
+                              "pipeline", "grad norm"),
+    "ring_causal_case": (plant_ring_causal_case, ROPE + CP2 + RING, "one_rope_gqa", "cp", "loss"),
+    "ulysses_head_split": (plant_ulysses_head_split, ROPE + CP2, "one_rope_gqa", "cp", "loss"),
+    "aux_loss_scaled_twice": (plant_aux_loss_scaled_twice, MOE_RUN + EP2 + ALLTOALL, "one_moe",
+                              "moe", "grad norm")}
+for _name, (_, _flags, _reference, _concept, _) in PLANTS.items():
+    layout(f"planted_{_name}", 2, _concept,
+           _flags + ["--train-iters", str(PLANTED_STEPS), "--lr-decay-iters", str(STEPS),
+                     "--eval-iters", "0"], _reference,
+           plant=_name)
+
 
 # each guide file (configs/guides) shrunk by flags appended after it, on the byte-level corpus,
 # in its own precision (bfloat16 -> float16 on this CPU): name: (files, the flags that fit it
@@ -6785,7 +6978,7 @@ GUIDE_SHRINK = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
                 "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
                 "--max-position-embeddings", "32", "--micro-batch-size", "2",
                 "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "1",
-                "--eval-iters", "0", "--initial-loss-scale", "4096"]
+                "--eval-iters", "0", "--initial-loss-scale", "4096", "--no-jit"]
 TO_FP16 = ["model_config.compute_dtype=float16"]
 ONE_LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
 GUIDE_RUNS = {
@@ -6804,173 +6997,399 @@ GUIDE_RUNS = {
 }
 
 
-def guide_run(name, prefix, save, workers):
-    """The argv of a GUIDE_RUNS entry: its files, verbatim, then the flags appended after them."""
+def guide_run(name, workers):
+    """The argv of a GUIDE_RUNS entry (its job: `name` on 2 workers, `name`_one in one process):
+    its files, verbatim, then the flags appended after them."""
     files, fit, one, two = GUIDE_RUNS[name]
     configs = [a for f in files for a in ("--config", os.path.join(GUIDES, f))]
-    return [*configs, *GUIDE_SHRINK, "--data-path", prefix, *fit, *(one if workers == 1 else two),
-            "--save", str(save)]
+    job = name if workers == 2 else f"{name}_one"
+    return lambda tmp, prefix: [*configs, *GUIDE_SHRINK, "--data-path", prefix, *fit,
+                                *(one if workers == 1 else two), "--save", str(tmp / job)]
 
 
-ALL_LAYOUTS = {name: spec for layouts in [*LAYOUTS.values(), LATE_LAYOUTS]
-               for name, spec in layouts.items()}
-# resumed from step 5: DP2 from the full run's checkpoint (AT_5), TP2 x PP2 after a stop
-RESUMED = {2: "dp2_distopt", 4: "tp2_pp2_sp"}
-# TP2 x PP2 stopped as Megatron stops a job, the second run resuming the first (RESUMED[4]):
-# (run, flags, the step of the run during which rank 0 alone gets SIGTERM, the iteration it
-# stops after); both save Megatron's torch format (model_optim_rng.pt). --exit-interval and
-# --exit-duration-in-mins stop every rank after the same step as SIGTERM to one rank does (one
-# all-reduce of a flag, train.exit_reason): tested in one process
-# (test_a_stopped_job_resumes_bit_identical)
-TORCH = ["--ckpt-format", "torch"]
-STOP_CHAIN = [("tp2_pp2_sp_first", ["--exit-signal-handler"] + TORCH, 5, 5),
-              ("tp2_pp2_sp_resumed", TORCH, None, 10)]
-# run: (checkpoint of step 5 it resumes from, its source layout's full run, what changed, the new
-# layout's flags, workers); the convert command rewrote the checkpoint, except where the layouts
-# differ only in DP and CP without the distributed optimizer: the same files serve both
-CONVERTED = {"one_to_tp2_dp2_distopt": ("one_as_tp2_dp2", "one",
-                                        "TP1 -> TP2 x DP2, distributed optimizer",
-                                        TP2 + SP + DISTOPT, 4),
-             "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_as_pp2_vpp2", "tp2_pp2_sp",
-                                     "TP2 x PP2 -> PP2 with VPP2, float16",
-                                     PIPELINE_RUN + PP2 + VPP2 + FP16, 2),
-             "tp2_pp2_to_one": ("tp2_pp2_as_one", "tp2_pp2_sp", "TP2 x PP2 -> one process, float16",
-                                PIPELINE_RUN + FP16, 1),
-             "one_to_cp2_ring_dp2_distopt": ("one_rope_gqa_as_cp2_dp2", "one_rope_gqa",
-                                             "one process -> CP2 x DP2, distributed optimizer",
-                                             ROPE_GQA + CP2 + RING + DISTOPT, 4),
-             "one_to_cp2_ulysses": ("one_rope_gqa_first", "one_rope_gqa",
-                                    "one process -> CP2, no conversion", ROPE_GQA + CP2, 2),
-             "ep2_pp2_capacity_resumed": ("ep2_pp2_capacity", "ep2_pp2_capacity",
-                                          "EP2 x PP2, no conversion",
-                                          MOE_RUN + CAPACITY + EP2 + PP2, 4),
-             "ep2_to_one": ("ep2_as_one", "one_moe", "EP2 -> one process", MOE_RUN, 1),
-             "ep2_to_ep4": ("ep2_as_ep4", "ep4_distopt", "EP2 -> one process -> EP4",
-                            MOE_RUN + EP4 + DISTOPT, 4)}
-# converted from the 2-worker launch's checkpoints: resumed after it, in one process and in a
-# last launch of 4 workers
-AFTER_TWO = ("ep2_to_one", "ep2_to_ep4")
-LATE = "4_late"                                     # that launch's name (its logs: msrun4_late)
-LAUNCHES = {4: 4, 2: 2, LATE: 4}                    # the trainings' launches: their workers
+for _guide in GUIDE_RUNS:
+    add(f"{_guide}_one", 1, "", argv=guide_run(_guide, 1))
+    add(_guide, 2, "", argv=guide_run(_guide, 2))
 
 
-def train_layouts(jobs, tmp, prefix):
-    """What `parallel_runs` holds, made by `jobs` (MsrunJobs) in its background thread: the
-    one-process runs whose checkpoints are converted, the conversions, the launch of 4 workers,
-    then the launch of 2 beside the one-process references (a launch of 2 workers leaves a core
-    idle about a quarter of the time too), then the conversions of its checkpoints (AFTER_TWO)
-    and a last launch of 4 workers beside their one-process resume."""
-    common = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix, *PARALLEL_RUN]
-    half = ["--train-iters", "5", "--lr-decay-iters", "10"]
-
-    def convert(source, target, *layout):
-        return [f"convert {source} to {target}",
-                ["convert", "--load", str(tmp / source), "--save", str(tmp / target), *layout]]
-
-    jobs.one_process(tmp / "before4.json", [
-        ["one_first", [*common, "--save", str(tmp / "one_first"), *half]],
-        ["one_rope_gqa_first", [*common, *ROPE_GQA, "--save", str(tmp / "one_rope_gqa_first"),
-                                *half]],
-        convert("one_first", "one_as_tp2_dp2", "--nproc", "4", *TP2, *DISTOPT),
-        convert("one_rope_gqa_first", "one_rope_gqa_as_cp2_dp2", "--nproc", "4", *CP2, *RING,
-                *DISTOPT)])
-    for world in (4, 2):
-        (tmp / f"runs{world}.json").write_text(json.dumps(layout_runs(world, tmp, prefix, common)))
-    launches = {4: jobs.run(*msrun_command(4, str(tmp / "msrun4"), str(tmp / "runs4.json")))}
-    jobs.one_process(tmp / "before2.json", [
-        convert("tp2_pp2_sp_first", "tp2_pp2_as_pp2_vpp2", "--nproc", "2", *PP2, *VPP2),
-        convert("tp2_pp2_sp_first", "tp2_pp2_as_one")])
-    one = [[name, [*common, "--save", str(tmp / name), *args]]
-           for name, args in REFERENCES.items()]
-    one += [[name, guide_run(name, prefix, tmp / f"{name}_one", 1)] for name in GUIDE_RUNS]
-    one += converted_runs(tmp, common, 1)
-    with concurrent.futures.ThreadPoolExecutor(1) as beside:
-        references = beside.submit(jobs.one_process, tmp / "one.json", one)
-        launches[2] = jobs.run(*msrun_command(2, str(tmp / "msrun2"), str(tmp / "runs2.json")))
-        references.result()                             # its error, if any, raised here
-    jobs.one_process(tmp / "after2.json", [
-        convert("ep2_alltoall_distopt", "ep2_as_one", "--ckpt-step", "5"),
-        convert("ep2_as_one", "ep2_as_ep4", "--nproc", "4", *EP4, *DISTOPT)])
-    late = [[name, [*common, "--save", str(tmp / name), *args]]
-            for name, (args, _) in LATE_LAYOUTS.items()]
-    (tmp / "late4.json").write_text(json.dumps(late + converted_runs(tmp, common, 4, late=True)))
-    with concurrent.futures.ThreadPoolExecutor(1) as beside:
-        resumed = beside.submit(jobs.one_process, tmp / "late1.json",
-                                converted_runs(tmp, common, 1, late=True))
-        launches[LATE] = jobs.run(*msrun_command(4, str(tmp / f"msrun{LATE}"),
-                                                 str(tmp / "late4.json")))
-        resumed.result()
-    return tmp, launches
+# ----------------------------------------------------------- the tests that launch run.sh themselves
+# Their launches run in the harness's background thread too, after its own (one msrun job at a
+# time on a machine: two corrupt each other's CPU collectives), while the one-process tests run.
+def call_tour(harness):
+    """`bash run.sh tour --layouts pp,dp`: (its output folder, the finished process)."""
+    out = harness.tmp / "tour"
+    done = subprocess.run(["bash", "run.sh", "tour", "--layouts", "pp,dp", "--output", str(out)],
+                          cwd=HERE, capture_output=True, text=True, timeout=600)
+    return out, done
 
 
-def converted_runs(tmp, common, workers, late=False):
-    """The CONVERTED runs of `workers` workers: those resumed after the 2-worker launch (AFTER_TWO)
-    when `late`, the others otherwise."""
-    return [[run, [*common, *args, "--load", str(tmp / source), "--ckpt-step", "5",
-                   "--save", str(tmp / run)]]
-            for run, (source, _, _, args, count) in CONVERTED.items()
-            if count == workers and (run in AFTER_TWO) == late]
+def call_failing_rank(harness):
+    """TP2 resumed from the tp2 job's checkpoint with rank 1's shard gone: (the damaged folder,
+    the finished run.sh)."""
+    damaged = harness.tmp / "tp2_damaged"
+    shutil.copytree(harness.tmp / "tp2", damaged)
+    shutil.rmtree(damaged / f"iter_{STEPS:07d}" / "mp_rank_01")
+    result = subprocess.run(["bash", "run.sh", "--nproc", "2", "--config",
+                             os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
+                             *PARALLEL_RUN, *TP2, "--train-iters", str(STEPS + 2),
+                             "--load", str(damaged), "--save", str(damaged)],
+                            cwd=HERE, capture_output=True, text=True, timeout=300)
+    return damaged, result
 
 
-def layout_runs(world, tmp, prefix, common):
-    """The runs of the msrun launch of `world` workers: [name, train.py argv, sigterm step?]."""
-    layouts = LAYOUTS[world]
-    runs = [[name, [*common, "--save", str(tmp / name), *args, *AT_5]]
-            for name, (args, _) in layouts.items()]
-    runs += [[name, [*common, "--save", str(tmp / name), *args]]
-             for name, args in DROPOUT_RUNS.get(world, {}).items()]
-    if world == 2:
-        runs += [[name, guide_run(name, prefix, tmp / name, 2)] for name in GUIDE_RUNS]
-    args = layouts[RESUMED[world]][0]
-    if world == 4:
-        previous = []
-        for name, flags, sigterm_step, _ in STOP_CHAIN:
-            runs.append([name, [*common, *args, *previous, "--save", str(tmp / name), *flags],
-                         sigterm_step])
-            previous = ["--load", str(tmp / name)]
-    else:
-        resumed = tmp / f"{RESUMED[world]}_resumed"
-        runs += [["resumed", [*common, *args, "--load", str(tmp / RESUMED[world]),
-                              "--ckpt-step", "5", "--save", str(resumed)]]]
-    return runs + converted_runs(tmp, common, world)
+def call_killed_worker(harness):
+    """A TP2 job whose rank 1 gets kill -9 once the first step is logged: (its pid, the console,
+    run.sh's exit code)."""
+    save = harness.tmp / "killed"
+    job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", *TINY_RUN, "--no-jit",
+                            "--tensor-model-parallel-size", "2", "--train-iters", "100000",
+                            "--save", str(save)],
+                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = save / "log" / "rank_0" / "info.log"
+    for _ in range(300):                                        # until the first step is logged
+        if log.exists() and "train: " in log.read_text() or job.poll() is not None:
+            break
+        time.sleep(0.5)
+    if job.poll() is not None:
+        return None, job.communicate()[0], job.returncode                 # ended before the kill
+    pid = int((pathlib.Path(HERE) / "output" / "msrun_log" / "pids" / "rank_1.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    console, _ = job.communicate(timeout=180)
+    return pid, console, job.returncode
 
 
-@pytest.fixture(scope="module")
-def parallel_runs(msrun_jobs):
-    """One msrun launch of trainings per world size (4, then 2 workers): every layout of LAYOUTS
-    trains 10 steps, one layout of each resumes from its step 5 (RESUMED), checkpoints of step 5
-    converted from another layout resume (CONVERTED), the guides' files train (GUIDE_RUNS); and
-    the same trainings in one process (REFERENCES): (their folder, the launches by world size)."""
-    return msrun_jobs.result("trainings")
+def call_two_nodes(harness):
+    """The multi-node form, as the guides launch it: `bash run.sh` with torchrun's flags on each
+    node, --node_rank 0 and 1, DP2 of one worker each. The second "node" lives in its own network
+    namespace (a veth pair, 10.213.0.1 <-> 10.213.0.2): msrun starts a scheduler wherever
+    --master_addr is a local address, so two launches on one host's 127.0.0.1 would both try to
+    bind it. Returns (the runs' folder, both exit codes, both consoles)."""
+    tmp, pid = harness.tmp, os.getpid()
+    ns, host_if, node_if = f"gptnode{pid}", f"gpta{pid % 100000}", f"gptb{pid % 100000}"
+    inside = ["ip", "netns", "exec", ns]
+    setup = [["ip", "netns", "add", ns],
+             ["ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if],
+             ["ip", "link", "set", node_if, "netns", ns],
+             ["ip", "addr", "add", "10.213.0.1/24", "dev", host_if],
+             ["ip", "link", "set", host_if, "up"],
+             [*inside, "ip", "addr", "add", "10.213.0.2/24", "dev", node_if],
+             [*inside, "ip", "link", "set", node_if, "up"],
+             [*inside, "ip", "link", "set", "lo", "up"]]
+    out = tmp / "two_nodes"
+    args = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
+            *PARALLEL_RUN, "--save", str(out)]
+    port = str(random.randint(8100, 8900))
+    try:
+        for cmd in setup:
+            subprocess.run(cmd, check=True, capture_output=True)
+        nodes = []
+        for node in (0, 1):
+            cmd = ["bash", os.path.join(HERE, "run.sh"), "--nproc_per_node", "1", "--nnodes", "2",
+                   "--node_rank", str(node), "--master_addr", "10.213.0.1", "--master_port", port,
+                   "--log_dir", str(tmp / f"node{node}"), *args]
+            with open(tmp / f"node{node}.console", "w") as console:
+                nodes.append(subprocess.Popen((inside if node else []) + cmd, stdout=console,
+                                              stderr=subprocess.STDOUT))
+        codes = [n.wait(timeout=300) for n in nodes]
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+    return out, codes, [(tmp / f"node{n}.console").read_text() for n in (0, 1)]
+
+
+def call_guides_script(harness):
+    """003's pretrain_single.sh as a reader would run it: its paths filled in, GPUS_PER_NODE=2,
+    the guide's "\\ " defect fixed, `torchrun $DISTRIBUTED_ARGS pretrain_gpt.py` replaced by
+    `bash run.sh $DISTRIBUTED_ARGS`, and shrunk by flags appended after its last line: (its
+    checkpoint folder, the finished script)."""
+    folder = harness.tmp / "guides_script"
+    folder.mkdir()
+    script = open(os.path.join(GUIDES, "pretrain_single.sh")).read()
+    ckpt = folder / "ckpt"
+    shrink = " ".join(GUIDE_SHRINK[2:])      # without the byte tokenizer: the script's GPT-2 stays
+    for old, new in (("GPUS_PER_NODE=8", "GPUS_PER_NODE=2"),
+                     ("CHECKPOINT_PATH=./ckpt", f"CHECKPOINT_PATH={ckpt}"),
+                     ("./gpt-tokenizer/gpt2-vocab.json", "data/gpt2-vocab.json"),
+                     ("./gpt-tokenizer/gpt2-merges.txt", "data/gpt2-merges.txt"),
+                     ("./gpt_pretrain_data/alpaca_text_document",
+                      "data/tinyshakespeare_text_document"),
+                     ("--hidden-size 1024 \\ \n", "--hidden-size 1024 \\\n"),
+                     ("torchrun $DISTRIBUTED_ARGS pretrain_gpt.py",
+                      f"bash {HERE}/run.sh $DISTRIBUTED_ARGS"),
+                     ("--ckpt-format torch", f"--ckpt-format torch {shrink}")):
+        assert script.count(old) == 1, old
+        script = script.replace(old, new)
+    (folder / "pretrain_single.sh").write_text(script)
+    return ckpt, subprocess.run(["bash", str(folder / "pretrain_single.sh")], cwd=folder,
+                                capture_output=True, text=True, timeout=600)
+
+
+add("tour_pp_dp", 0, "", call=call_tour)
+add("failing_rank", 0, "", call=call_failing_rank, after=["tp2"])
+add("killed_worker", 0, "", call=call_killed_worker)
+add("two_nodes", 0, "", call=call_two_nodes, after=["one"])
+add("guides_script", 0, "", call=call_guides_script)
+
+
+# ------------------------------------------------------------------------------------ the harness
+def run_jobs(jobs_file):
+    """The worker program (`python test_all.py JOBS.json`, on every msrun worker or in one
+    process): each job of the file, one after another; each writes `ok` or `failed` to
+    <status>/<name>.<rank>. Returns how many failed."""
+    rank = int(os.environ.get("RANK_ID", "0"))
+    failed = 0
+    for spec in json.loads(open(jobs_file).read()):
+        started = time.time()
+        try:
+            ok = run_job(spec, rank)
+        except Exception:                          # the next job still runs; the log has it
+            traceback.print_exc()
+            ok = False
+        failed += not ok
+        pathlib.Path(spec["status"], f"{spec['name']}.{rank}").write_text("ok" if ok else "failed")
+        print(f"[rank {rank}] job {spec['name']}: {'ok' if ok else 'FAILED'} in "
+              f"{time.time() - started:.1f} s", flush=True)
+    return failed
+
+
+def run_job(spec, rank):
+    """One job of run_jobs: its checks, or its training with its bug planted and its SIGTERM."""
+    if "check" in spec:
+        function, argument, _, _, _ = CHECK_JOBS[spec["check"]]
+        checks = Checks(rank, spec["name"])
+        function(checks, argument)
+        return not checks.failed
+    step, sigterm = train.Trainer.train_step, spec.get("sigterm")
+    if sigterm and rank == 0:
+        def train_step(self, micro_batches, calls=[]):            # SIGTERM to rank 0 alone
+            calls.append(1)
+            if len(calls) == sigterm:
+                signal.raise_signal(signal.SIGTERM)
+            return step(self, micro_batches)
+        train.Trainer.train_step = train_step
+    try:
+        with planted(spec.get("plant")):
+            return train.main(spec["argv"]) == 0
+    finally:
+        train.Trainer.train_step = step
+
+
+def needed_jobs(names):
+    """`names` and every job they need (Job.after), in JOBS' order."""
+    wanted, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo += JOBS[name].after
+    return [name for name in JOBS if name in wanted]
+
+
+def jobs_read(items):
+    """The jobs the test items read (their `reads` marks)."""
+    return {name for item in items for mark in item.iter_markers("reads") for name in mark.args}
+
+
+class Harness:
+    """The session's background work: the jobs its selected tests read, and the jobs they need,
+    run in a background thread as the session starts, so that the one-process tests run while the
+    workers train. Only one msrun job may run on a machine at a time (two corrupt each other's
+    CPU collectives), so the thread runs them in turn, one launch per worker count:
+      1. the one-process jobs the launch of 4 workers needs (the runs it converts, the
+         conversions), one process;
+      2. the launch of 4 workers, beside the other one-process jobs that need no launch (a
+         launch leaves part of the CPU idle while its ranks wait in collectives);
+      3. the one-process jobs the launch of 2 workers needs from the first (conversions);
+      4. the launch of 2 workers, beside the remaining one-process jobs;
+      5. the calls (tests that launch run.sh themselves), in turn.
+    A launch runs this file on its workers (run_jobs); a selection with no job of a step skips
+    it, so `-m pipeline` launches only pipeline runs."""
+
+    def __init__(self, tmp, names):
+        self.tmp, self.names = tmp, needed_jobs(names)
+        self.status = tmp / "status"
+        self.status.mkdir()
+        self.prefix = shakespeare_bytes(tmp) if self.names else None
+        self.done = {name: threading.Event() for name in self.names}
+        self.launches, self.launch_of, self.results = {}, {}, {}
+        self.processes, self.stopped = set(), False
+        self.thread = threading.Thread(target=self._run_all, daemon=True)
+        self.thread.start()
+
+    def steps(self):
+        """The plan above: [(one-process jobs, launch workers or None, its jobs)] and the calls."""
+        jobs = [JOBS[n] for n in self.names]
+        four, two = ([j for j in jobs if j.workers == w] for w in (4, 2))
+        ones = [j for j in jobs if j.workers == 1]
+        before_four = self.supporting(ones, four)
+        after_four = [j for j in ones if self.depends(j, four) and j not in before_four]
+        before_two = self.supporting(after_four, two)
+        beside_four = [j for j in ones if j not in before_four + after_four]
+        beside_two = [j for j in after_four if j not in before_two]
+        assert not any(self.depends(j, two) for j in ones + four), "a job needs a later launch"
+        return ([(before_four, None, []), (beside_four, 4, four), (before_two, None, []),
+                 (beside_two, 2, two)], [j for j in jobs if j.workers == 0])
+
+    def depends(self, job, group):
+        """Whether `job` needs (through Job.after) a job of `group`."""
+        names = {g.name for g in group}
+        return any(n in names for n in needed_jobs(job.after))
+
+    def supporting(self, candidates, group):
+        """The candidates a job of `group` needs."""
+        needed = {n for job in group for n in needed_jobs(job.after)}
+        return [j for j in candidates if j.name in needed]
+
+    def _run_all(self):
+        ones_and_launches, calls = self.steps()
+        for ones, workers, launched in ones_and_launches:
+            with concurrent.futures.ThreadPoolExecutor(1) as beside:
+                side = beside.submit(self._launch, ones, None) if ones else None
+                if launched:
+                    self._launch(launched, workers)
+                if side is not None:
+                    side.result()
+        for job in calls:
+            if not self.stopped:
+                try:
+                    self.results[job.name] = job.call(self)
+                except Exception as error:               # raised again in the test that asks
+                    self.results[job.name] = error
+            self.done[job.name].set()
+
+    def _launch(self, jobs, workers):
+        """`jobs` in one process (`workers` None) or one msrun launch; their events set after."""
+        label = f"{workers}w" if workers else f"one_{jobs[0].name}"
+        specs = [{"name": j.name, "status": str(self.status),
+                  **({"check": j.check} if j.check else
+                     {"argv": j.argv(self.tmp, self.prefix), "plant": j.plant,
+                      "sigterm": j.sigterm})} for j in jobs]
+        jobs_file = self.tmp / f"{label}.json"
+        jobs_file.write_text(json.dumps(specs))
+        program = [os.path.abspath(__file__), str(jobs_file)]
+        if workers:
+            cmd, env = cli.msrun_command(workers, str(self.tmp / f"msrun{label}"), program)
+        else:
+            cmd, env = [sys.executable, *program], None
+        try:
+            self.launches[label] = self.run(cmd, env, self.tmp / f"{label}.console")
+        except Exception as error:
+            self.launches[label] = error
+        for job in jobs:
+            self.launch_of[job.name] = label
+            self.done[job.name].set()
+
+    def run(self, cmd, env, console, timeout=1500):
+        """`cmd` in its own process group (so that stop() kills msrun's workers too), its output
+        to the file `console`; returns its exit code."""
+        if self.stopped:
+            raise RuntimeError("the session ended")
+        with open(console, "w") as out:
+            process = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=out,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+            self.processes.add(process)
+            process.wait(timeout=timeout)
+        self.processes.discard(process)
+        return process.returncode
+
+    def folder(self, name):
+        """Job `name`'s folder once it has ended, every one of its processes having said `ok`
+        (otherwise the test fails here, with its launch's log)."""
+        self.done[name].wait()
+        workers = max(JOBS[name].workers, 1)
+        said = [self.status / f"{name}.{rank}" for rank in range(workers)]
+        if not all(p.exists() and p.read_text() == "ok" for p in said):
+            pytest.fail(f"job {name} did not pass on every rank: {self.log_tail(name)}")
+        return self.tmp / name
+
+    def log_tail(self, name, chars=3000):
+        """The end of the log of job `name`'s launch (its first worker's, or the process's)."""
+        label = self.launch_of.get(name)
+        if isinstance(self.launches.get(label), Exception):
+            return repr(self.launches[label])
+        worker = self.tmp / f"msrun{label}" / "worker_0.log"
+        console = self.tmp / f"{label}.console"
+        log = worker if worker.exists() else console
+        return log.read_text()[-chars:] if log.exists() else f"no log of {label}"
+
+    def result(self, name):
+        """What the call `name` returned, once it has run (its error is raised here)."""
+        self.done[name].wait()
+        if isinstance(self.results.get(name), Exception):
+            raise self.results[name]
+        return self.results[name]
+
+    def wait(self):
+        """Until every job of the session has ended."""
+        for event in self.done.values():
+            event.wait()
+
+    def stop(self):
+        """At the end of the session: a launch still running (the session stopped early) is
+        killed with its workers."""
+        self.stopped = True
+        for process in list(self.processes):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        self.thread.join()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def runs(request, tmp_path_factory):
+    """The session's Harness: the jobs the selected tests read, started at once in the
+    background (so `-m pipeline` starts only pipeline runs, `-k column` the TP checks)."""
+    harness = Harness(tmp_path_factory.mktemp("runs"), jobs_read(request.session.items))
+    yield harness
+    harness.stop()
+
+
+def reads(*names, concepts=None):
+    """The marks of a test (or a parameter) that reads jobs `names`: `reads` and its concepts
+    (given, or those every job read shares)."""
+    if concepts is None:
+        concepts = set.intersection(*(JOBS[n].concepts for n in names))
+    return [pytest.mark.reads(*names), *(getattr(pytest.mark, c) for c in sorted(concepts))]
+
+
+def reading(*names, concepts=None):
+    """A test's decorator: the marks of reads(*names, concepts=concepts)."""
+    def decorate(test):
+        for mark in reads(*names, concepts=concepts):
+            test = mark(test)
+        return test
+    return decorate
 
 
 # ======================================= msrun tests (parallel.py and the layouts, 2 and 4 workers)
-# Each test reads what the launches of the harness left (msrun_checks, parallel_runs), or
-# launches a job of its own through run.sh.
-@pytest.mark.parametrize("world", [2, 4])
-def test_msrun_check_launch_passes(msrun_checks, world):
-    """Each launch of the checks (2 and 4 workers) ends cleanly, every rank's checks passed."""
-    tmp, launches = msrun_checks
-    logs = [(tmp / f"msrun{world}" / f"worker_{r}.log").read_text() for r in range(world)]
-    assert launches[world].returncode == 0, launches[world].stdout[-3000:] + logs[0][-3000:]
-    for rank, text in enumerate(logs):
-        assert f"[rank {rank}] all checks passed" in text
+# Each test reads the jobs of its `reads` marks (the harness runs them in the background).
+def check_lines(harness, job):
+    """Every rank's lines of check job `job`: [rank][line]."""
+    harness.folder(job)
+    label, workers = harness.launch_of[job], JOBS[job].workers
+    return [[line for line in (harness.tmp / f"msrun{label}" / f"worker_{r}.log").read_text()
+             .splitlines() if line.startswith(f"[rank {r}] ") and f" {job}/" in line]
+            for r in range(workers)]
 
 
-@pytest.mark.parametrize("family", CHECK_FAMILIES)
-def test_msrun_checks(msrun_checks, family):
-    """parallel.py on every rank of both launches, one family of checks: process groups,
-    collectives (and their CPU constructions) with the ledger, each layer and mapping against its
-    dense equivalent (forward and gradients, atol 1e-6), the pipeline's gradients against one
-    process (relative 1e-5). `pytest test_all.py -k column` runs the column-parallel checks."""
-    tmp, _ = msrun_checks
+def check_params():
+    """(family, check job) of every family of checks each check job prints, with its marks."""
+    return [pytest.param(family, job, id=f"{family}-{job.split('_', 1)[1]}",
+                         marks=reads(job, concepts={concept}))
+            for job, (_, _, families, _, concept) in CHECK_JOBS.items() for family in families]
+
+
+@pytest.mark.parametrize("family,job", check_params())
+def test_msrun_checks(runs, family, job):
+    """One family of checks of one check job on every rank of its launch: process groups and
+    collectives (and their CPU constructions) with the ledger on 2 and 4 workers, each layer and
+    mapping split over TP2 and TP4 against its dense equivalent (forward and gradients, atol
+    1e-6), each layout's one step of gradients against one process (GRADIENT_CHECKS: relative
+    1e-5). `pytest test_all.py -k row_parallel` runs the row-parallel checks alone."""
     passed = 0
-    for world in sorted(LAYOUTS):
-        for rank in range(world):
-            lines = (tmp / f"msrun{world}" / f"worker_{rank}.log").read_text().splitlines()
-            failed = [l for l in lines if l.startswith(f"[rank {rank}] FAIL {family}: ")]
-            assert not failed, "\n".join(failed)
-            passed += sum(l.startswith(f"[rank {rank}] PASS {family}: ") for l in lines)
+    for rank, lines in enumerate(check_lines(runs, job)):
+        failed = [l for l in lines if l.startswith(f"[rank {rank}] FAIL {job}/{family}: ")]
+        assert not failed, "\n".join(failed)
+        passed += sum(l.startswith(f"[rank {rank}] PASS {job}/{family}: ") for l in lines)
     assert passed > 0, f"no {family} check ran"
 
 
@@ -6984,164 +7403,103 @@ def train_lines(folder, prefix="train: "):
     return []
 
 
-@pytest.mark.parametrize("launch", LAUNCHES)
-def test_msrun_launch_passes(parallel_runs, launch):
-    """Each msrun launch of the trainings (4 workers, 2, then 4 again) ends cleanly: every run
-    passed."""
-    tmp, launches = parallel_runs
-    logs = [(tmp / f"msrun{launch}" / f"worker_{r}.log").read_text()
-            for r in range(LAUNCHES[launch])]
-    assert launches[launch].returncode == 0, launches[launch].stdout[-3000:] + logs[0][-3000:]
-
-
-def test_a_failing_rank_names_itself_and_stops_the_job(parallel_runs, tmp_path):
-    """Rank 1 alone fails (its shard of a TP2 checkpoint is gone): its own error line reaches the
-    console prefixed by its rank, and the job ends non-zero without a worker's traceback (the issue:
-    a timeout traceback blaming worker 0 after 65 s)."""
-    tmp, _ = parallel_runs
-    damaged = tmp_path / "tp2"
-    shutil.copytree(tmp / "tp2", damaged)
-    shutil.rmtree(damaged / "iter_0000010" / "mp_rank_01")
-    result = subprocess.run(["bash", "run.sh", "--nproc", "2", "--config",
-                             os.path.join(HERE, "config.yaml"), "--data-path",
-                             shakespeare_bytes(tmp), *PARALLEL_RUN, *TP2, "--train-iters", "12",
-                             "--load", str(damaged), "--save", str(damaged)],
-                            cwd=HERE, capture_output=True, text=True, timeout=300)
-    console = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert (f"[rank 1] error: {damaged}/iter_0000010/mp_rank_01/meta.json is missing"
-            in console), console[-3000:]
-    assert ("error: training failed" not in console
-            and "[rank 0] error" not in console), console[-3000:]
-
-
-def test_a_killed_worker_is_named_by_its_rank(tmp_path, msrun_free):
-    """kill -9 of one worker (as the out-of-memory killer does): it prints nothing and msrun names
-    only its process id; run.sh names its rank from the pid each worker wrote, and the job ends."""
-    save = tmp_path / "run"
-    job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", *TINY_RUN,
-                            "--tensor-model-parallel-size", "2", "--train-iters", "100000",
-                            "--save", str(save)],
-                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = save / "log" / "rank_0" / "info.log"
-    for _ in range(300):                                        # until the first step is logged
-        if log.exists() and "train: " in log.read_text() or job.poll() is not None:
-            break
-        time.sleep(0.5)
-    assert job.poll() is None, job.communicate()[0][-3000:]            # training, not ended
-    pid = int((pathlib.Path(HERE) / "output" / "msrun_log" / "pids" / "rank_1.pid").read_text())
-    os.kill(pid, signal.SIGKILL)
-    console, _ = job.communicate(timeout=180)
-    assert job.returncode == 1
-    assert (f"error: rank 1 (pid {pid}) was killed by signal 9; its log: "
-            "output/msrun_log/worker_1.log" in console), console[-2000:]
-
-
 def loss_rtol(reference):
-    """How close a layout's losses are to one process: float32, 1e-5; float16, FP16_RTOL (the
-    tour's rule, tour.RTOL: a layout reorders float16 sums whose roundings, 2^-11 relative each,
-    mostly cancel in a loss averaged over 256 tokens: measured at most 6e-6 over 10 steps)."""
-    return FP16_RTOL if reference.endswith("_fp16") else tour.RTOL["one"]
+    """How close a layout's losses and gradient norms are to those of the one-process run
+    `reference`: the tour's rule (tour.RTOL), float32 1e-5, float16 3e-5 and 5e-4."""
+    return tour.FLOAT16 if reference.endswith("_fp16") else tour.FLOAT32
 
 
-FP16_RTOL = tour.RTOL["one_fp16"]
+def assert_trains_like(folder, reference_folder, rtol, steps=None):
+    """The run in `folder` logged the losses and gradient norms of the run in `reference_folder`
+    (of their first `steps` steps) within `rtol` (loss_rtol), else AssertionError naming which
+    differed: the tour's rule (tour.differences, tour.verdict). A gradient off by a constant
+    factor changes the norm, not the losses: Adam and clipping hide it from them."""
+    said = tour.verdict(tour.differences(str(folder), str(reference_folder), steps), rtol)
+    assert said == "equal", f"{pathlib.Path(folder).name} {said}"
 
 
-@pytest.mark.parametrize("layout", sorted(ALL_LAYOUTS))
-def test_layout_trains_like_one_process(parallel_runs, layout):
-    """10 steps of each layout give the one-process losses (loss_rtol: float32 1e-5, float16
-    3e-5), and so do the validation and test losses of the pipeline layouts (PIPELINE_RUN:
-    forward-only schedules; the others do not evaluate). A float16 layout's log shows its loss
-    scale."""
-    tmp, _ = parallel_runs
-    reference = ALL_LAYOUTS[layout][1]
-    one, par = losses_of(train_lines(tmp / reference)), losses_of(train_lines(tmp / layout))
-    assert len(one) == len(par) == 10
-    np.testing.assert_allclose(par, one, rtol=loss_rtol(reference))
-    assert ("Loss_scale: 4096.0" in train_lines(tmp / layout)[-1]) == reference.endswith("_fp16")
-    one, par = (train_lines(tmp / name, " validation") + train_lines(tmp / name, " test")
-                for name in (reference, layout))
-    assert len(one) == len(par) == (3 if "--eval-interval" in REFERENCES[reference] else 0)
+def layout_params(names):
+    return [pytest.param(name, marks=reads(name, REFERENCE[name],
+                                           concepts=JOBS[name].concepts - {"checkpoint"}))
+            for name in names]
+
+
+@pytest.mark.parametrize("layout", layout_params(
+    name for name in REFERENCE if not name.startswith("planted_")))
+def test_layout_trains_like_one_process(runs, layout):
+    """Each layout's STEPS steps give the one-process losses and gradient norms (loss_rtol:
+    float32 1e-5, float16 3e-5 and 5e-4), and so do the validation and test losses of the pipeline
+    layouts (PIPELINE_RUN: forward-only schedules; the others do not evaluate). A float16 layout's
+    log shows its loss scale."""
+    reference = REFERENCE[layout]
+    folder, one = runs.folder(layout), runs.folder(reference)
+    assert len(train_lines(folder)) == len(train_lines(one)) == STEPS
+    assert_trains_like(folder, one, loss_rtol(reference))
+    assert ("Loss_scale: 4096.0" in train_lines(folder)[-1]) == reference.endswith("_fp16")
+    evaluated = [train_lines(f, " validation") + train_lines(f, " test") for f in (one, folder)]
+    assert len(evaluated[0]) == len(evaluated[1]) == (3 if "--eval-interval" in
+                                                      JOBS[reference].flags else 0)
     value = re.compile(r"lm loss value: (\S+) ")
-    np.testing.assert_allclose([float(value.search(l).group(1)) for l in par],
-                               [float(value.search(l).group(1)) for l in one],
-                               rtol=loss_rtol(reference))
+    np.testing.assert_allclose(*[[float(value.search(l).group(1)) for l in lines]
+                                 for lines in reversed(evaluated)],
+                               rtol=loss_rtol(reference)["loss"])
 
 
-@pytest.mark.parametrize("name", sorted(GUIDE_RUNS))
-def test_the_guides_files_train_shrunk(parallel_runs, name):
+@pytest.mark.parametrize("plant", [pytest.param(name, marks=reads(f"planted_{name}", spec[2]))
+                                   for name, spec in PLANTS.items()])
+def test_planted_bug_is_caught(runs, plant):
+    """Each bug of PLANTS, planted in a short run of its layout, makes that layout's proof
+    (assert_trains_like) fail, naming the quantity that shows it: the loss, or for a bug in a
+    gradient's scale or sum (DP summing instead of averaging, an unreduced sequence-parallel norm
+    or tied embedding, the aux loss scaled twice, a skipped backward) the gradient norm. The
+    proofs can fail."""
+    _, _, reference, _, named = PLANTS[plant]
+    with pytest.raises(AssertionError, match=f"DIFFERS: .*its {named} by"):
+        assert_trains_like(runs.folder(f"planted_{plant}"), runs.folder(reference),
+                           loss_rtol(reference), PLANTED_STEPS)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=reads(n, f"{n}_one"))
+                                  for n in sorted(GUIDE_RUNS)])
+def test_the_guides_files_train_shrunk(runs, name):
     """Each guide file, verbatim, shrunk by flags appended after it (GUIDE_RUNS), trains 4 steps
     in one process and on 2 workers (TP2 or PP2) in its own precision, float16 where the guide
-    says bfloat16 (its loss scale logged): the layouts' losses agree (loss_rtol)."""
-    tmp, _ = parallel_runs
-    one, par = train_lines(tmp / f"{name}_one"), train_lines(tmp / name)
+    says bfloat16 (its loss scale logged): the layouts' losses and gradient norms agree."""
+    one, par = train_lines(runs.folder(f"{name}_one")), train_lines(runs.folder(name))
     assert len(one) == len(par) == 4
     fp16 = GUIDE_RUNS[name][1][:1] == TO_FP16
     assert ("Loss_scale: 4096.0" in one[-1]) == ("Loss_scale: 4096.0" in par[-1]) == fp16
-    np.testing.assert_allclose(losses_of(par), losses_of(one), rtol=FP16_RTOL if fp16 else 1e-5)
+    assert_trains_like(runs.tmp / name, runs.tmp / f"{name}_one",
+                       tour.FLOAT16 if fp16 else tour.FLOAT32)
 
 
-def test_pipeline_recompute_with_dropout_is_bit_identical(parallel_runs):
-    """PP2 with dropout: recomputing each stage's first layer (full, block 1) logs the losses of
-    the run without recompute, bit for bit."""
-    tmp, _ = parallel_runs
-    plain = losses_of(train_lines(tmp / "pp2_dropout"))
-    assert len(plain) == 5 and losses_of(train_lines(tmp / "pp2_dropout_recompute")) == plain
+
+@reading("pp2_dropout", "pp2_dropout_recompute")
+def test_pipeline_recompute_with_dropout_is_bit_identical(runs):
+    """PP2 with dropout: recomputing each stage's first layer (full, block 1) logs the losses and
+    gradient norms of the run without recompute, bit for bit."""
+    plain = train_lines(runs.folder("pp2_dropout"))
+    assert len(plain) == 3
+    assert ([l.split(", Time")[0] for l in train_lines(runs.folder("pp2_dropout_recompute"))]
+            == [l.split(", Time")[0] for l in plain])
 
 
-@pytest.mark.parametrize("layout", sorted(RESUMED.values()))
-def test_parallel_resume_is_bit_exact(parallel_runs, layout):
-    """A run resumed from step 5 in the same layout (TP2 x PP2: stopped there by SIGTERM, the
-    stop chain; DP2: from the step-5 checkpoint of the run that went on, --ckpt-step 5) logs the
-    same losses as the run that never stopped, and ends with the same weights and optimizer state
-    on every rank, bit for bit."""
-    tmp, _ = parallel_runs
-    full, resumed = tmp / layout, tmp / f"{layout}_resumed"
-    assert losses_of(train_lines(resumed)) == losses_of(train_lines(full))[5:]
+@pytest.mark.parametrize("full,resumed", [
+    pytest.param("dp2_distopt", "dp2_distopt_resumed", marks=reads(
+        "dp2_distopt", "dp2_distopt_resumed", concepts={"checkpoint", "dp"})),
+    pytest.param("tp2_pp2_sp", "tp2_pp2_sp_resumed", marks=reads(
+        "tp2_pp2_sp", "tp2_pp2_sp_first", "tp2_pp2_sp_resumed", concepts={"checkpoint"})),
+    pytest.param("ep2_pp2_capacity", "ep2_pp2_capacity_resumed", marks=reads(
+        "ep2_pp2_capacity", "ep2_pp2_capacity_resumed", concepts={"checkpoint", "moe"}))])
+def test_parallel_resume_is_bit_exact(runs, full, resumed):
+    """A run resumed from step 2 in the same layout (DP2 with the distributed optimizer and EP2 x
+    PP2 with a capacity factor, from the step-2 checkpoint of the run that went on, --ckpt-step;
+    TP2 x PP2 after a SIGTERM stop) logs the losses and gradient norms of the run that never
+    stopped, and ends with the same weights and optimizer state on every rank, bit for bit."""
+    full, resumed = runs.folder(full), runs.folder(resumed)
+    assert ([l.split(", Time")[0] for l in train_lines(resumed)]
+            == [l.split(", Time")[0] for l in train_lines(full)[STEPS // 2:]])
     assert_same_checkpoints(full, resumed)
-
-
-def test_torch_format_checkpoint_holds_megatrons_names_and_per_rank_shapes(parallel_runs):
-    """The TP2 x PP2 float16 run saved with --ckpt-format torch (step 5 of the stop chain) is
-    Megatron's layout, read with this project's torch reader: model_optim_rng.pt per rank with
-    args, checkpoint_version 3.0, iteration, the model under Megatron-core's names (stage-local
-    layer numbers, each rank's TP piece), Float16OptimizerWithFloat16Params' state, the schedule
-    and RNG state; the last stage holds the tied embedding's copy as output_layer.weight."""
-    tmp, _ = parallel_runs
-    h, f, v, positions = 64, 128, 384, 32            # PIPELINE_RUN: 4 layers, hidden 64, ffn 128
-    layer = {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
-             "self_attention.linear_proj.weight": (h, h // 2),
-             "self_attention.linear_proj.bias": (h,),
-             "self_attention.linear_qkv.weight": (3 * h // 2, h),
-             "self_attention.linear_qkv.bias": (3 * h // 2,), "pre_mlp_layernorm.weight": (h,),
-             "pre_mlp_layernorm.bias": (h,), "mlp.linear_fc1.weight": (f // 2, h),
-             "mlp.linear_fc1.bias": (f // 2,), "mlp.linear_fc2.weight": (h, f // 2),
-             "mlp.linear_fc2.bias": (h,)}
-    stage = {0: {"embedding.word_embeddings.weight": (v // 2, h),
-                 "embedding.position_embeddings.weight": (positions, h)},
-             1: {"decoder.final_layernorm.weight": (h,), "decoder.final_layernorm.bias": (h,),
-                 "output_layer.weight": (v // 2, h)}}
-    for t in range(2):
-        for p in range(2):
-            path = (tmp / "tp2_pp2_sp_first" / "iter_0000005" / checkpoint.shard_name(t, p, 2)
-                    / "model_optim_rng.pt")
-            state = torch_format.load(str(path))
-            assert list(state) == ["args", "checkpoint_version", "iteration", "model", "optimizer",
-                                   "opt_param_scheduler", "rng_state",
-                                   "num_floating_point_operations_so_far"]
-            assert (state["checkpoint_version"], state["iteration"],
-                    state["args"].tensor_model_parallel_size,
-                    state["args"].pipeline_model_parallel_size,
-                    state["args"].fp16) == (3.0, 5, 2, 2, True)
-            want = {f"decoder.layers.{i}.{k}": shape for i in range(2)
-                    for k, shape in layer.items()}
-            want.update(stage[p])
-            weights = {k: w for k, w in state["model"].items() if not k.endswith("_extra_state")}
-            assert {k: w.shape for k, w in weights.items()} == want, (t, p)
-            assert {w.dtype for w in weights.values()} == {np.dtype(np.float16)}
-            assert sorted(state["optimizer"]) == ["fp32_from_fp16_params",
-                                                  "grad_scaler", "optimizer"]
-            assert sum(len(g) for g in state["optimizer"]["fp32_from_fp16_params"]) == len(weights)
 
 
 def assert_same_checkpoints(a_root, b_root):
@@ -7163,59 +7521,119 @@ def assert_same_checkpoints(a_root, b_root):
             np.testing.assert_array_equal(a[key], b[key], err_msg=f"{shard_name} {key}")
 
 
-@pytest.mark.parametrize("stop", range(len(STOP_CHAIN) - 1))
-def test_parallel_stopped_job_resumes_bit_exact(parallel_runs, stop):
-    """TP2 x PP2 stopped by SIGTERM on rank 0 alone (every rank stops after the same step), then
-    resumed: the stop leaves its checkpoint and the losses are those of the run that never
-    stopped, bit for bit."""
-    tmp, _ = parallel_runs
-    full = losses_of(train_lines(tmp / "tp2_pp2_sp"))
-    name, _, _, stopped_at = STOP_CHAIN[stop]
-    begun_at = STOP_CHAIN[stop - 1][3] if stop else 0
-    assert checkpoint.latest_iteration(str(tmp / name)) == stopped_at
-    assert losses_of(train_lines(tmp / name)) == full[begun_at:stopped_at]
-    resumed, _, _, resumed_to = STOP_CHAIN[stop + 1]
-    assert losses_of(train_lines(tmp / resumed)) == full[stopped_at:resumed_to]
+@reading("tp2_pp2_sp", "tp2_pp2_sp_first", "tp2_pp2_sp_resumed", concepts={"checkpoint"})
+def test_parallel_stopped_job_resumes_bit_exact(runs):
+    """TP2 x PP2 stopped by SIGTERM on rank 0 alone during step 2 (every rank stops after the same
+    step) leaves its checkpoint of step 2 and the losses of the run that never stopped; resumed,
+    it logs that run's steps 3 and 4, bit for bit."""
+    full = losses_of(train_lines(runs.folder("tp2_pp2_sp")))
+    first = runs.folder("tp2_pp2_sp_first")
+    assert checkpoint.latest_iteration(str(first)) == STEPS // 2
+    assert losses_of(train_lines(first)) == full[:STEPS // 2]
+    assert losses_of(train_lines(runs.folder("tp2_pp2_sp_resumed"))) == full[STEPS // 2:]
 
 
-@pytest.mark.parametrize("run", sorted(CONVERTED))
-def test_converted_checkpoint_trains_like_the_original_layout(parallel_runs, run):
-    """A step-5 checkpoint converted to another layout (weights, float32 main params and optimizer
-    state) resumes so that steps 6 to 10 give the original layout's losses (loss_rtol)."""
-    tmp, _ = parallel_runs
-    _, original, _, _, _ = CONVERTED[run]
-    resumed, full = losses_of(train_lines(tmp / run)), losses_of(train_lines(tmp / original))
-    assert len(resumed) == 5 and len(full) == 10
-    np.testing.assert_allclose(resumed, full[5:],
-                               rtol=loss_rtol(ALL_LAYOUTS.get(original, (0, original))[1]))
+TORCH_KEYS = ["args", "checkpoint_version", "iteration", "model", "optimizer",
+              "opt_param_scheduler", "rng_state", "num_floating_point_operations_so_far"]
 
 
-@pytest.mark.parametrize("run,ep", [("ep2_alltoall_distopt", 2), ("ep2_as_ep4", 4)])
-def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(parallel_runs, run, ep):
-    """EP2 with the distributed optimizer (2 workers): its checkpoint of step 5, and the EP4 one
+def torch_weights(path):
+    """(a model_optim_rng.pt read with this project's torch reader, its weights by name)."""
+    state = torch_format.load(str(path))
+    assert list(state) == TORCH_KEYS and state["checkpoint_version"] == 3.0
+    return state, {k: w for k, w in state["model"].items() if not k.endswith("_extra_state")}
+
+
+@reading("tp2_pp2_sp_first", concepts={"checkpoint"})
+def test_torch_format_checkpoint_holds_megatrons_names_and_per_rank_shapes(runs):
+    """The TP2 x PP2 run saved with --ckpt-format torch (step 2 of the stop chain) is Megatron's
+    layout, read with this project's torch reader: model_optim_rng.pt per rank with args,
+    checkpoint_version 3.0, iteration, the model under Megatron-core's names (stage-local layer
+    numbers, each rank's TP piece), FP32Optimizer's torch state (a state per weight), the
+    schedule and RNG state; the last stage holds the tied embedding's copy as
+    output_layer.weight."""
+    first = runs.folder("tp2_pp2_sp_first")
+    h, f, v, positions = 64, 128, 384, 32            # PIPELINE_RUN: 4 layers, hidden 64, ffn 128
+    layer = {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
+             "self_attention.linear_proj.weight": (h, h // 2),
+             "self_attention.linear_proj.bias": (h,),
+             "self_attention.linear_qkv.weight": (3 * h // 2, h),
+             "self_attention.linear_qkv.bias": (3 * h // 2,), "pre_mlp_layernorm.weight": (h,),
+             "pre_mlp_layernorm.bias": (h,), "mlp.linear_fc1.weight": (f // 2, h),
+             "mlp.linear_fc1.bias": (f // 2,), "mlp.linear_fc2.weight": (h, f // 2),
+             "mlp.linear_fc2.bias": (h,)}
+    stage = {0: {"embedding.word_embeddings.weight": (v // 2, h),
+                 "embedding.position_embeddings.weight": (positions, h)},
+             1: {"decoder.final_layernorm.weight": (h,), "decoder.final_layernorm.bias": (h,),
+                 "output_layer.weight": (v // 2, h)}}
+    for t in range(2):
+        for p in range(2):
+            state, weights = torch_weights(first / f"iter_{STEPS // 2:07d}"
+                                           / checkpoint.shard_name(t, p, 2) / "model_optim_rng.pt")
+            assert (state["iteration"], state["args"].tensor_model_parallel_size,
+                    state["args"].pipeline_model_parallel_size,
+                    state["args"].fp16) == (STEPS // 2, 2, 2, False)
+            want = {f"decoder.layers.{i}.{k}": shape for i in range(2)
+                    for k, shape in layer.items()}
+            want.update(stage[p])
+            assert {k: w.shape for k, w in weights.items()} == want, (t, p)
+            assert {w.dtype for w in weights.values()} == {np.dtype(np.float32)}
+            assert sorted(state["optimizer"]) == ["param_groups", "state"]
+            assert len(state["optimizer"]["state"]) == len(weights)
+
+
+@reading("tp2_sp", concepts={"fp16", "checkpoint"})
+def test_torch_format_float16_checkpoint_holds_megatrons_float16_optimizer(runs):
+    """TP2 + SP in float16 saved with --ckpt-format torch: each TP rank's model_optim_rng.pt holds
+    its float16 pieces of the weights and Megatron's Float16OptimizerWithFloat16Params state (the
+    torch optimizer, the grad scaler, a float32 main param per weight, each the weight's shape)."""
+    for t in range(2):
+        state, weights = torch_weights(runs.folder("tp2_sp") / f"iter_{STEPS:07d}"
+                                       / checkpoint.shard_name(t, 0, 1) / "model_optim_rng.pt")
+        assert state["args"].fp16 and state["args"].tensor_model_parallel_size == 2
+        assert weights["embedding.word_embeddings.weight"].shape == (384 // 2, 64)
+        assert {w.dtype for w in weights.values()} == {np.dtype(np.float16)}
+        half = state["optimizer"]
+        assert sorted(half) == ["fp32_from_fp16_params", "grad_scaler", "optimizer"]
+        mains = [m for group in half["fp32_from_fp16_params"] for m in group]
+        assert sorted(m.shape for m in mains) == sorted(w.shape for w in weights.values())
+        assert {m.dtype for m in mains} == {np.dtype(np.float32)}
+
+
+@pytest.mark.parametrize("run", [pytest.param(run, marks=reads(
+    run, source, concepts=JOBS[run].concepts)) for run, (source, _) in CONVERTED.items()])
+def test_converted_checkpoint_trains_like_the_original_layout(runs, run):
+    """A step-2 checkpoint converted to another layout (weights, float32 main params and optimizer
+    state) resumes so that steps 3 and 4 give the original layout's losses and gradient norms
+    (loss_rtol): CONVERTED says which."""
+    source, _ = CONVERTED[run]
+    resumed, full = runs.folder(run), runs.folder(source)
+    assert len(train_lines(resumed)) == STEPS // 2 and len(train_lines(full)) == STEPS
+    rtol = loss_rtol(REFERENCE.get(source, source))
+    for key, name in tour.COMPARED.items():
+        np.testing.assert_allclose([r[key] for r in tour.train_records(str(resumed))],
+                                   [r[key] for r in tour.train_records(str(full))[STEPS // 2:]],
+                                   rtol=rtol[name], err_msg=name)
+
+
+@pytest.mark.parametrize("run,ep", [
+    pytest.param("ep4_distopt", 4, marks=reads("ep4_distopt", concepts={"moe", "checkpoint"})),
+    pytest.param("ep4_as_ep2", 2, marks=reads("ep4_as_ep2", concepts={"moe", "checkpoint"}))])
+def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(runs, run, ep):
+    """EP4 with the distributed optimizer (4 workers): its checkpoint of step 2, and the EP2 one
     convert wrote from it through one process, have Megatron's expert folders mp_rank_00_EEE,
     each with its rank's experts and distrib_optim file (both conversions resume in
     test_converted_checkpoint_trains_like_the_original_layout)."""
-    tmp, _ = parallel_runs
-    folder = tmp / run / "iter_0000005"
+    folder = runs.folder(run) / f"iter_{STEPS // 2:07d}"
     assert sorted(os.listdir(folder)) == [f"mp_rank_00_{e:03d}" for e in range(ep)]
     local = 4 // ep                                                 # of the 4 experts
     for e in range(ep):
-        tensors, _ = checkpoint.load_checkpoint(str(tmp / run), f"mp_rank_00_{e:03d}",
+        tensors, _ = checkpoint.load_checkpoint(str(runs.tmp / run), f"mp_rank_00_{e:03d}",
                                                 stems=("model_optim_rng", "distrib_optim_000"),
-                                                step=5)
+                                                step=STEPS // 2)
         experts = {int(re.search(r"local_experts\.(\d+)\.", k).group(1)) for k in tensors
                    if "local_experts" in k}
         assert experts == set(range(e * local, (e + 1) * local)), (e, experts)
-
-
-def test_expert_parallel_pipeline_resumes_bit_for_bit(parallel_runs):
-    """EP2 x PP2 with a capacity factor, resumed from its step-5 checkpoint (--ckpt-step 5): the
-    losses of steps 6 to 10 are those of the run that went on, bit for bit."""
-    tmp, _ = parallel_runs
-    resumed, full = (losses_of(train_lines(tmp / name))
-                     for name in ("ep2_pp2_capacity_resumed", "ep2_pp2_capacity"))
-    assert resumed == full[5:]
 
 
 def ledger_of(line):
@@ -7223,178 +7641,111 @@ def ledger_of(line):
     return {key: calls for key, (calls, _) in tour.ledger_items(line).items()}
 
 
-def test_ledger_counts_match_the_formulas(parallel_runs):
+def planned_communication(run):
+    """memory.communication of rank 0 (stage 0) for layout `run`'s config."""
+    cfg = load_config(os.path.join(HERE, "config.yaml"), [*PARALLEL_RUN, *JOBS[run].flags],
+                      max(JOBS[run].workers, 1))
+    cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
+    return memory.communication(cfg, 0)
+
+
+L_M = 2, 2                  # the layers and micro-batches per rank of a step of PARALLEL_RUN
+LEDGERS = {"tp2": {("tp", "all_reduce"): L_M[1] * (4 * L_M[0] + 5), ("mp", "all_reduce"): 1},
+           "tp2_sp": {("tp", "all_reduce"): L_M[1] * 4 + 6 * L_M[0] + 2,
+                      ("tp", "all_gather"): L_M[1] * (4 * L_M[0] + 2),
+                      ("tp", "reduce_scatter"): L_M[1] * (4 * L_M[0] + 1),
+                      ("mp", "all_reduce"): 1},
+           "dp2": {("dp_cp", "all_reduce"): 2},
+           "dp2_distopt": {("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
+                           ("dp_cp", "all_reduce"): 2}}
+
+
+@pytest.mark.parametrize("run", [pytest.param(r, marks=reads(r, concepts=JOBS[r].concepts
+                                                             & {"tp", "dp"})) for r in LEDGERS])
+def test_ledger_counts_match_the_formulas(runs, run):
     """Per step of L layers and m micro-batches. TP: per micro-batch 4L + 5 all-reduces (2 forward
     and 2 backward per layer, the embedding's forward, the logits' backward, the cross-entropy's
     three); one more for the gradient norm (mp group). SP: the layers' all-reduces become
     all-gathers and reduce-scatters (per layer 2 + 2 forward, 2 + 2 backward), plus the
     embedding scatter and logits gather; the 6L + 2 norm and row-bias gradients are all-reduced.
-    DP2 alone: test_tour_runs_layouts_beside_one_process."""
-    tmp, _ = parallel_runs
-    L, m = 2, 2
-    tp = ledger_of(train_lines(tmp / "tp2", "comm: ")[1])
-    assert tp == {("tp", "all_reduce"): m * (4 * L + 5), ("mp", "all_reduce"): 1}, tp
-    sp = ledger_of(train_lines(tmp / "tp2_sp", "comm: ")[1])
-    assert sp == {("tp", "all_reduce"): m * 4 + 6 * L + 2, ("tp", "all_gather"): m * (4 * L + 2),
-                  ("tp", "reduce_scatter"): m * (4 * L + 1), ("mp", "all_reduce"): 1}, sp
-    distopt = ledger_of(train_lines(tmp / "dp2_distopt", "comm: ")[1])
-    assert distopt == {("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
-                       ("dp_cp", "all_reduce"): 2}, distopt   # + norm over the shards, and the loss
-    # bytes too: float32, and float16 (tp2_sp, distopt)
-    for run in ("tp2", "tp2_sp", "dp2_distopt"):
-        ledger = tour.ledger_items(train_lines(tmp / run, "comm: ")[1])
-        cfg = load_config(os.path.join(HERE, "config.yaml"),
-                          [*PARALLEL_RUN, *LAYOUTS[2][run][0]], 2)
-        cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
-        assert memory.communication(cfg, 0) == ledger, run
+    DP2: one bucket and the logged loss all-reduced; with the distributed optimizer the bucket
+    reduce-scattered and the parameters all-gathered, the norm over the shards. Bytes too
+    (float32, and float16 in tp2_sp and dp2_distopt): memory.communication's formula."""
+    line = train_lines(runs.folder(run), "comm: ")[1]
+    assert ledger_of(line) == LEDGERS[run]
+    assert planned_communication(run) == tour.ledger_items(line)
 
 
-def test_context_parallel_ledger_matches_the_formulas(parallel_runs):
+@reading("cp2_ulysses", "cp2_ring")
+def test_context_parallel_ledger_matches_the_formulas(runs):
     """Per step of L layers and m micro-batches, each cp rank holding q and the context
     [s/cp, b, n, d] and k, v [s/cp, b, g, d]: Ulysses runs 4 all-to-alls per layer forward (q, k, v,
     context) and 4 backward, of the same sizes; the ring all-gathers k and v forward and
     reduce-scatters their gradients [s, b, g, d] backward; both sum the loss and the token count
     over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP: the gradient bucket and the
     logged loss. `bash run.sh plan` (memory.communication) gives the same CP collectives."""
-    tmp, _ = parallel_runs
     L, m, s, b, n, g, d, cp = 2, 2, 32, 4, 8, 4, 8, 2
     # q and k, v bytes: Ulysses runs in float16
     half = 2 * s // cp * b * n * d, 2 * s // cp * b * g * d
-    q, kv = 4 * s // cp * b * n * d, 4 * s // cp * b * g * d
+    kv = 4 * s // cp * b * g * d
     common = {("cp", "all_reduce"): (2 * m, 2 * m * 4), ("dp_cp", "all_reduce"): (2, None)}
     ulysses = {("cp", "all_to_all"): (8 * m * L, 2 * m * L * (2 * half[0] + 2 * half[1])), **common}
     ring = {("cp", "all_gather"): (2 * m * L, 2 * m * L * kv),
             ("cp", "reduce_scatter"): (2 * m * L, 2 * m * L * cp * kv), **common}
     for run, want in (("cp2_ulysses", ulysses), ("cp2_ring", ring)):
-        ledger = tour.ledger_items(train_lines(tmp / run, "comm: ")[1])
+        ledger = tour.ledger_items(train_lines(runs.folder(run), "comm: ")[1])
         got = {key: (calls, nbytes if want.get(key, (0, 0))[1] is not None else None)
                for key, (calls, nbytes) in ledger.items()}
         assert got == want, (run, got)
-        cfg = load_config(os.path.join(HERE, "config.yaml"),
-                          [*PARALLEL_RUN, *LAYOUTS[2][run][0]], 2)
-        cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
-        planned = {k: v for k, v in memory.communication(cfg, 0).items() if k[0] == "cp"}
+        planned = {k: v for k, v in planned_communication(run).items() if k[0] == "cp"}
         assert planned == {key: value for key, value in ledger.items() if key[0] == "cp"}
 
 
-def test_expert_parallel_ledger_matches_the_formulas(parallel_runs):
+EP_LAYOUTS = [name for name in REFERENCE if name.startswith("ep")]
+
+
+@reading("ep2_alltoall_distopt", *EP_LAYOUTS)
+def test_expert_parallel_ledger_matches_the_formulas(runs):
     """EP2 alltoall with the distributed optimizer by hand, per step of L = 2 MoE layers and m = 2
     micro-batches of n = 2 x 32 tokens on a rank, E = 4 experts, h = 64, float32, dropless (C = n
     slots an expert): 6 L m all-to-alls (tokens [E C, h], probs [E C], output [E C, h], forward
     and backward), the experts' norm over EP, report_metrics' sum [3] over DP; over DP the dense
     gradients' reduce-scatter, the parameters' all-gather, the norm of the shards and the logged
-    loss (the experts' group, EDP, is one rank). Then every EP layout's ledger (LAYOUTS) equals
+    loss (the experts' group, EDP, is one rank). Then every EP layout's ledger equals
     memory.communication, call for call and byte for byte: the alltoall dispatcher under TP +
     SP and CP, the expert shards of the distributed optimizer over the expert-data-parallel
     group, capacity, VPP."""
-    tmp, _ = parallel_runs
     L, m, n, E, h = 2, 2, 64, 4, 64
-    ledger = tour.ledger_items(train_lines(tmp / "ep2_alltoall_distopt", "comm: ")[1])
+    ledger = tour.ledger_items(train_lines(runs.folder("ep2_alltoall_distopt"), "comm: ")[1])
     assert ledger[("ep", "all_to_all")] == (6 * L * m, 2 * L * m * E * n * (2 * h * 4 + 4))
     assert {k: v[0] for k, v in ledger.items()} == {
         ("ep", "all_to_all"): 6 * L * m, ("ep", "all_reduce"): 1, ("dp", "all_reduce"): 1,
         ("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
         ("dp_cp", "all_reduce"): 2}, ledger
-    for run in [name for name in ALL_LAYOUTS if name.startswith("ep")]:
-        world = 2 if run in LAYOUTS[2] else 4
-        ledger = tour.ledger_items(train_lines(tmp / run, "comm: ")[1])
-        cfg = load_config(os.path.join(HERE, "config.yaml"), [*PARALLEL_RUN, *ALL_LAYOUTS[run][0]],
-                          world)
-        cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
-        assert memory.communication(cfg, 0) == ledger, run      # rank 0's: stage 0
+    for run in EP_LAYOUTS:
+        ledger = tour.ledger_items(train_lines(runs.folder(run), "comm: ")[1])
+        assert planned_communication(run) == ledger, run      # rank 0's: stage 0
 
 
-def test_two_run_sh_launches_make_one_job(parallel_runs):
-    """The multi-node form, as the guides launch it: `bash run.sh` with torchrun's flags on each
-    node, --node_rank 0 and 1, joins into one DP2 job whose losses equal one process's. The second
-    "node" lives in its own network namespace (a veth pair, 10.213.0.1 <-> 10.213.0.2): msrun
-    starts a scheduler wherever --master_addr is a local address, so two launches on one host's
-    127.0.0.1 would both try to bind it."""
-    tmp, _ = parallel_runs
-    pid = os.getpid()
-    ns, host_if, node_if = f"gptnode{pid}", f"gpta{pid % 100000}", f"gptb{pid % 100000}"
-    inside = ["ip", "netns", "exec", ns]
-    setup = [["ip", "netns", "add", ns],
-             ["ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if],
-             ["ip", "link", "set", node_if, "netns", ns],
-             ["ip", "addr", "add", "10.213.0.1/24", "dev", host_if],
-             ["ip", "link", "set", host_if, "up"],
-             [*inside, "ip", "addr", "add", "10.213.0.2/24", "dev", node_if],
-             [*inside, "ip", "link", "set", node_if, "up"],
-             [*inside, "ip", "link", "set", "lo", "up"]]
-    out = tmp / "two_nodes"
-    args = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", shakespeare_bytes(tmp),
-            "--save", str(out), *PARALLEL_RUN]
-    port = str(random.randint(8100, 8900))
-    try:
-        for cmd in setup:
-            subprocess.run(cmd, check=True, capture_output=True)
-        nodes = []
-        for node in (0, 1):
-            cmd = ["bash", os.path.join(HERE, "run.sh"), "--nproc_per_node", "1", "--nnodes", "2",
-                   "--node_rank", str(node), "--master_addr", "10.213.0.1", "--master_port", port,
-                   "--log_dir", str(tmp / f"node{node}"), *args]
-            with open(tmp / f"node{node}.console", "w") as console:
-                nodes.append(subprocess.Popen((inside if node else []) + cmd, stdout=console,
-                                              stderr=subprocess.STDOUT))
-        codes = [n.wait(timeout=300) for n in nodes]
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-    assert codes == [0, 0], [(tmp / f"node{n}.console").read_text()[-2000:] for n in (0, 1)]
-    assert "1 -> 0, 0, 1, 0" in (out / "log" / "rank_0" / "info.log").read_text()   # dp 2
-    np.testing.assert_allclose(losses_of(train_lines(out)), losses_of(train_lines(tmp / "one")),
-                               rtol=1e-5)
-
-
-def test_the_guides_pretrain_script_runs_on_two_workers(tmp_path, capsys, msrun_free):
-    """003's pretrain_single.sh as a reader would run it: its paths filled in, GPUS_PER_NODE=2,
-    the guide's "\\ " defect fixed, `torchrun $DISTRIBUTED_ARGS pretrain_gpt.py` replaced by
-    `bash run.sh $DISTRIBUTED_ARGS`, and shrunk by flags appended after its last line. Two workers
-    train in float16 and save Megatron's torch format, which import-megatron reads back."""
-    script = open(os.path.join(GUIDES, "pretrain_single.sh")).read()
-    ckpt = tmp_path / "ckpt"
-    shrink = " ".join(GUIDE_SHRINK[2:])      # without the byte tokenizer: the script's GPT-2 stays
-    for old, new in (("GPUS_PER_NODE=8", "GPUS_PER_NODE=2"),
-                     ("CHECKPOINT_PATH=./ckpt", f"CHECKPOINT_PATH={ckpt}"),
-                     ("./gpt-tokenizer/gpt2-vocab.json", "data/gpt2-vocab.json"),
-                     ("./gpt-tokenizer/gpt2-merges.txt", "data/gpt2-merges.txt"),
-                     ("./gpt_pretrain_data/alpaca_text_document",
-                      "data/tinyshakespeare_text_document"),
-                     ("--hidden-size 1024 \\ \n", "--hidden-size 1024 \\\n"),
-                     ("torchrun $DISTRIBUTED_ARGS pretrain_gpt.py",
-                      f"bash {HERE}/run.sh $DISTRIBUTED_ARGS"),
-                     ("--ckpt-format torch", f"--ckpt-format torch {shrink}")):
-        assert script.count(old) == 1, old
-        script = script.replace(old, new)
-    (tmp_path / "pretrain_single.sh").write_text(script)
-    result = subprocess.run(["bash", str(tmp_path / "pretrain_single.sh")], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    lines = train_lines(ckpt)
-    assert len(lines) == 4 and all("Loss_scale: 4096.0" in l for l in lines), lines
-    log = (ckpt / "log" / "rank_0" / "info.log").read_text()
-    assert "(tp=1 cp=1 dp=2 pp=1)" in log, log[:2000]
-    assert (ckpt / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").is_file()
-    assert train.main(["import-megatron", str(ckpt), "--save", str(tmp_path / "ours")]) == 0
-
-
-@pytest.mark.parametrize("layout", ["tp2", "tp2_pp2_sp", "pp2_vpp2", "ep2_alltoall_distopt"])
-def test_parallel_checkpoint_merges_to_the_one_process_model(parallel_runs, layout, capsys):
+@pytest.mark.parametrize("layout", [
+    pytest.param(name, marks=reads(name, REFERENCE[name], concepts={concept}))
+    for name, concept in (("tp2", "tp"), ("tp2_pp2_sp", "pipeline"), ("pp2_vpp2", "pipeline"),
+                          ("ep2_alltoall_distopt", "moe"))])
+def test_parallel_checkpoint_merges_to_the_one_process_model(runs, layout, capsys):
     """generate unites the pipeline stages' files and merges the mp_rank_TT shards: the merged
-    weights equal the one-process run's after the same 10 steps, to training's rounding: in
+    weights equal the one-process run's after the same steps, to training's rounding: in
     float32 within 2e-4; in float16 (tp2_pp2_sp, pp2_vpp2) within 10% in norm per tensor, since
     AdamW moves a weight by about lr whatever its gradient's size, so a near-zero float16 gradient
     whose sign a layout's rounding flips moves it 2 lr apart (a misplaced shard differs by ~100%).
     The last stage's copy of a tied embedding stayed equal to the first stage's; it generates."""
-    tmp, _ = parallel_runs
-    one, _ = checkpoint.load_checkpoint(str(tmp / ALL_LAYOUTS[layout][1]))
-    shards, meta = checkpoint.load_shards(str(tmp / layout))
+    folder, reference = runs.folder(layout), REFERENCE[layout]
+    one, _ = checkpoint.load_checkpoint(str(runs.folder(reference)), step=STEPS)
+    shards, meta = checkpoint.load_shards(str(folder))
     assert len(shards) == meta["layout"]["tp"]
     full = {k: v.shape for k, v in one.items() if k.startswith("model.")}
     merged = parallel.merge_tensor_parallel(shards, full)
     for name in full:
-        if ALL_LAYOUTS[layout][1].endswith("_fp16"):
+        if reference.endswith("_fp16"):
             a, b = merged[name].astype(np.float64), one[name].astype(np.float64)
             assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b), name
         else:
@@ -7404,9 +7755,100 @@ def test_parallel_checkpoint_merges_to_the_one_process_model(parallel_runs, layo
             np.testing.assert_allclose(shard_tensors["model.output_layer.weight"],
                                        shard_tensors["model.word_embeddings.weight"], atol=1e-6)
     capsys.readouterr()
-    assert train.main(["generate", "--load", str(tmp / layout), "--prompt", "ROMEO:",
+    assert train.main(["generate", "--load", str(folder), "--prompt", "ROMEO:",
                        "--max-new-tokens", "4", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+@reading("failing_rank")
+def test_a_failing_rank_names_itself_and_stops_the_job(runs):
+    """Rank 1 alone fails (its shard of a TP2 checkpoint is gone): its own error line reaches the
+    console prefixed by its rank, and the job ends non-zero without a worker's traceback (the
+    alternative: a timeout traceback blaming worker 0 after 65 s)."""
+    damaged, result = runs.result("failing_rank")
+    console = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert (f"[rank 1] error: {damaged}/iter_{STEPS:07d}/mp_rank_01/meta.json is missing"
+            in console), console[-3000:]
+    assert ("error: training failed" not in console
+            and "[rank 0] error" not in console), console[-3000:]
+
+
+@reading("killed_worker")
+def test_a_killed_worker_is_named_by_its_rank(runs):
+    """kill -9 of one worker (as the out-of-memory killer does): it prints nothing and msrun names
+    only its process id; run.sh names its rank from the pid each worker wrote, and the job ends."""
+    pid, console, code = runs.result("killed_worker")
+    assert pid is not None, console[-3000:]                          # training, not ended
+    assert code == 1
+    assert (f"error: rank 1 (pid {pid}) was killed by signal 9; its log: "
+            "output/msrun_log/worker_1.log" in console), console[-2000:]
+
+
+@reading("two_nodes", "one")
+def test_two_run_sh_launches_make_one_job(runs):
+    """Two `bash run.sh --nnodes 2` launches, --node_rank 0 and 1, each with one worker in its
+    own network namespace (call_two_nodes), join into one DP2 job whose losses and gradient norms
+    equal one process's."""
+    out, codes, consoles = runs.result("two_nodes")
+    assert codes == [0, 0], [c[-2000:] for c in consoles]
+    assert "1 -> 0, 0, 1, 0" in (out / "log" / "rank_0" / "info.log").read_text()   # dp 2
+    assert_trains_like(out, runs.folder("one"), tour.FLOAT32)
+
+
+@reading("guides_script")
+def test_the_guides_pretrain_script_runs_on_two_workers(runs, tmp_path):
+    """003's pretrain_single.sh as a reader would run it (call_guides_script): two workers train
+    in float16 and save Megatron's torch format, which import-megatron reads back."""
+    ckpt, result = runs.result("guides_script")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    lines = train_lines(ckpt)
+    assert len(lines) == 4 and all("Loss_scale: 4096.0" in l for l in lines), lines
+    log = (ckpt / "log" / "rank_0" / "info.log").read_text()
+    assert "(tp=1 cp=1 dp=2 pp=1)" in log, log[:2000]
+    assert (ckpt / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    assert train.main(["import-megatron", str(ckpt), "--save", str(tmp_path / "ours")]) == 0
+
+
+def test_the_harness_launches_end_cleanly(runs):
+    """Every launch of the session's harness (one process, 2 and 4 workers) ended with exit code
+    0: every job on every worker passed (each test reads its own jobs' verdicts too)."""
+    runs.wait()
+    for label, code in runs.launches.items():
+        assert code == 0, (label, runs.tmp, (runs.tmp / f"{label}.console").read_text()[-3000:])
+
+
+CONCEPTS = ["tp", "dp", "pipeline", "cp", "moe", "fp16", "checkpoint", "data"]
+COLLECT = """
+import json, sys, pytest
+class Dump:
+    def pytest_collection_finish(self, session):
+        json.dump([[[m.name for m in item.iter_markers()],
+                    [a for m in item.iter_markers("reads") for a in m.args]]
+                   for item in session.items], open(sys.argv[1], "w"))
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "test_all.py"],
+                     plugins=[Dump()]))
+"""
+
+
+def test_each_concept_selection_starts_only_its_own_jobs(tmp_path):
+    """`bash run.sh test -m CONCEPT` (README's Tests, pytest.ini's marks) selects the tests of one
+    concept; the harness then starts only the jobs they read and the jobs those need: every one of
+    them serves that concept (Job.concepts), so a learner who changed pipeline.py waits for no
+    expert or context-parallel run. Each parallel concept proves something across workers."""
+    dump = tmp_path / "items.json"
+    done = subprocess.run([sys.executable, "-c", COLLECT, str(dump)], cwd=HERE,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    items = json.loads(dump.read_text())
+    for concept in CONCEPTS:
+        selected = [reads_ for marks, reads_ in items if concept in marks]
+        assert selected, f"no test is marked {concept}"
+        jobs = needed_jobs({name for names in selected for name in names})
+        foreign = [name for name in jobs if concept not in JOBS[name].concepts]
+        assert not foreign, f"-m {concept} would start {foreign}"
+        if concept in ("tp", "dp", "pipeline", "cp", "moe", "fp16", "checkpoint"):
+            assert any(JOBS[name].workers > 1 for name in jobs), concept
 
 
 # ================================================================ tour (tour.py, bash run.sh tour)
@@ -7430,52 +7872,47 @@ def test_tour_rows_name_code_that_exists():
                     layout.workers)
 
 
-@pytest.fixture(scope="module")
-def tour_subset(msrun_jobs, tmp_path_factory):
-    """`bash run.sh tour --layouts pp,dp` once the session's launches have ended: (its output
-    folder, the finished process)."""
-    msrun_jobs.wait()
-    out = tmp_path_factory.mktemp("tour") / "tour"
-    done = subprocess.run(["bash", "run.sh", "tour", "--layouts", "pp,dp", "--output", str(out)],
-                          cwd=HERE, capture_output=True, text=True, timeout=600)
-    return out, done
-
-
-def test_tour_runs_layouts_beside_one_process(tour_subset, tmp_path):
+@reading("tour_pp_dp")
+def test_tour_runs_layouts_beside_one_process(runs, tmp_path):
     """`bash run.sh tour --layouts pp,dp`: one process, then one msrun launch of both layouts;
-    each row `equal`, its ledger equal to the formula on every rank ("="; DP2's: one bucket and
-    the logged loss all-reduced), the pipeline's row with its measured bubble beside
-    (p - 1) / m = 0.25 and its timeline. A reference whose loss moved by 1e-4 makes the same row
-    DIFFERS and stops the tour, naming the layout."""
-    out, done = tour_subset
+    each row `equal` (loss and gradient norm), its ledger equal to the formula on every rank
+    ("="; DP2's: one bucket and the logged loss all-reduced), the pipeline's row with its measured
+    bubble beside (p - 1) / m = 0.25 and its timeline. A reference whose loss moved by 1e-4
+    makes the same row DIFFERS and stops the tour, naming the layout and the loss; one whose
+    gradient norm moved, naming the gradient norm."""
+    out, done = runs.result("tour_pp_dp")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     rows = {l.split()[0]: l.split() for l in lines if l.split()[:1] in (["dp"], ["pp"])}
     assert list(rows) == ["dp", "pp"], lines                  # in LAYOUTS' order
     for name, words in rows.items():
-        assert words[1:2] == ["2"] and words[3:4] == ["equal"] and words[5:6] == ["="], words
-        assert float(words[2]) <= tour.RTOL["one"] and words[4] == words[6], words
-    assert rows["dp"][7:9] == ["-", "-"] and rows["pp"][8] == "0.250", rows
+        assert words[1:2] == ["2"] and words[4:5] == ["equal"] and words[6:7] == ["="], words
+        assert float(words[2]) <= 1e-5 and float(words[3]) <= 1e-5, words
+        assert words[5] == words[7], words
+    assert rows["dp"][8:10] == ["-", "-"] and rows["pp"][9] == "0.250", rows
     assert f"    timeline: {out}/pp/pipeline_timeline.svg" in lines
     assert re.fullmatch(r"tour: 2 layout\(s\), each equal to one process, in \d+ min \d+ s",
                         lines[-1]), lines[-1]
     assert ledger_of(train_lines(out / "dp", f"comm: Step:{tour.STEPS - 1},")[0]) == {
         ("dp_cp", "all_reduce"): 2}
-    moved = tmp_path / "moved"
-    shutil.copytree(out / "one", moved / "one")
-    records = [json.loads(l) for l in (moved / "one" / "metrics.jsonl").read_text().splitlines()]
-    records[3]["loss"] *= 1 + 1e-4
-    (moved / "one" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    with pytest.raises(tour.RunFailed, match=r"^pp differs from one process by 1\.0e-04"):
-        tour.report("pp", str(out / "pp"), str(moved))
+    for key, factor, named in (("loss", 1 + 1e-4, r"its loss by 1\.0e-04 \(more than 1e-05\)"),
+                               ("grad_norm", 2.0, r"its grad norm by 5\.0e-01 \(more")):
+        moved = tmp_path / key / "one"
+        shutil.copytree(out / "one", moved)
+        records = [json.loads(l) for l in (moved / "metrics.jsonl").read_text().splitlines()]
+        records[3][key] *= factor
+        (moved / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        with pytest.raises(tour.RunFailed, match=rf"^pp differs from one process: {named}"):
+            tour.report("pp", str(out / "pp"), str(moved.parent))
 
 
-def test_pipeline_timeline_and_bubble_figures(tour_subset):
+@reading("tour_pp_dp")
+def test_pipeline_timeline_and_bubble_figures(runs):
     """The tour's pp (PP2, 1F1B, 4 micro-batches) traced its last step: a text and an SVG
     timeline, the SVG with the unit-time schedule (a box per pass at its tick) above the measured
     passes (a box per pass: 2 stages x 4 micro-batches x forward and backward), the bubble
     figures next to the theory in the log and in the SVG's title."""
-    out, _ = tour_subset
+    out, _ = runs.result("tour_pp_dp")
     line = next(l for l in train_lines(out / "pp", "pipeline: bubble"))
     assert ("unit-time schedule 0.250, theory 0.250; peak micro-batches in flight per stage "
             "[2, 1]" in line), line
@@ -7503,11 +7940,6 @@ def test_pipeline_timeline_and_bubble_figures(tour_subset):
     assert "F3' = the same on the stage's second model chunk" in text
 
 
-# The msrun worker program (msrun_command and MsrunJobs, in the msrun harness): `python
-# test_all.py RUNS.json` runs the trainings of RUNS.json, `python test_all.py` the checks.
+# The worker program of the harness's launches (Harness, run_jobs): `python test_all.py JOBS.json`.
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        failed = run_trainings(sys.argv[1])
-    else:
-        failed = run_checks(int(os.environ.get("MS_WORKER_NUM", "1")))
-    sys.exit(1 if failed else 0)
+    sys.exit(1 if run_jobs(sys.argv[1]) else 0)

@@ -9,8 +9,11 @@ fp16 row against a float16 process). The layouts of one worker count share one m
 workers running them one after another (this file is their program too: `python tour.py --runs
 RUNS.json`, which calls train.main per run); a row is printed as each run ends:
 
-    loss vs one   the largest relative difference of the STEPS losses from one process's, then
-                  `equal` within RTOL, else `DIFFERS`: the tour stops there, naming the layout
+    vs one        the largest relative difference of the STEPS losses and gradient norms from
+                  one process's, then `equal` within RTOL, else `DIFFERS`: the tour stops there,
+                  naming the layout and which differed (a gradient off by a constant factor, as
+                  a DP sum instead of a mean makes it, moves the norm; Adam and clipping keep
+                  the losses within 1e-7)
     comm MiB      what a step hands to collectives on the busiest rank, from the ledger
                   (parallel.Ledger, training_config.log_comm_ledger) beside memory.communication's
                   formula for that rank; "=" when every rank's ledger equals its formula, call
@@ -59,10 +62,13 @@ MODEL = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "4", "--hidden-siz
 MOE = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
        "--disable-bias-linear"]
 REFERENCES = {"one": [], "one_fp16": ["--fp16", "--initial-loss-scale", "4096"], "one_moe": MOE}
-# how far a layout's losses may be from one process's: float32 1e-5; float16 3e-5 (a layout
-# reorders float16 sums whose roundings, 2^-11 relative each, mostly cancel in a loss averaged
-# over every token of the batch: docs/half-precision.md)
-RTOL = {"one": 1e-5, "one_fp16": 3e-5, "one_moe": 1e-5}
+# how far a layout's losses and gradient norms may be from one process's, relative: float32 1e-5
+# both; float16 3e-5 for the loss (a layout reorders float16 sums whose roundings, 2^-11 relative
+# each, mostly cancel in a loss averaged over every token of the batch) and 5e-4 for the gradient
+# norm (the gradients themselves are float16, Megatron's main_grad, summed and reduced in another
+# order: about one float16 rounding, 2^-11 = 4.9e-4): docs/half-precision.md
+FLOAT32, FLOAT16 = {"loss": 1e-5, "grad norm": 1e-5}, {"loss": 3e-5, "grad norm": 5e-4}
+RTOL = {"one": FLOAT32, "one_fp16": FLOAT16, "one_moe": FLOAT32}
 
 TP2, SP = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"]
 PP2, VPP2 = (["--pipeline-model-parallel-size", "2", "training_config.pipeline_trace=true"],
@@ -197,12 +203,27 @@ def rank_lines(folder, rank, prefix):
         return [line.rstrip("\n") for line in f if line.startswith(prefix)]
 
 
-def loss_difference(folder, reference_folder):
-    """The largest relative difference of the run's losses from the reference's."""
-    run, one = ([r["loss"] for r in train_records(f)] for f in (folder, reference_folder))
+COMPARED = {"loss": "loss", "grad_norm": "grad norm"}     # metrics.jsonl key: what the rows say
+
+
+def differences(folder, reference_folder, steps=None):
+    """{"loss": d, "grad norm": d}: the largest relative difference of the run's values of each
+    step from the reference's (of the first `steps` steps, else of all)."""
+    run, one = (train_records(f)[:steps] for f in (folder, reference_folder))
     if len(run) != len(one):
-        raise RunFailed(f"{folder}: {len(run)} losses, one process {len(one)}")
-    return float(np.max(np.abs(np.subtract(run, one)) / np.abs(one)))
+        raise RunFailed(f"{folder}: {len(run)} steps, one process {len(one)}")
+    return {name: float(np.max(np.abs(np.subtract([r[key] for r in run], [r[key] for r in one]))
+                               / np.abs([r[key] for r in one])))
+            for key, name in COMPARED.items()}
+
+
+def verdict(found, rtol):
+    """`equal` when every difference of `found` (differences) is within its tolerance of `rtol`
+    (RTOL's kind), else `DIFFERS: its grad norm by 1.0e+00 (more than 1e-05)`, naming each that
+    is not."""
+    beyond = [f"its {name} by {d:.1e} (more than {rtol[name]:g})" for name, d in found.items()
+              if not d <= rtol[name]]
+    return f"DIFFERS: {', '.join(beyond)}" if beyond else "equal"
 
 
 def ledger_items(line):
@@ -252,26 +273,28 @@ def tokens_per_s(folder):
     return float(np.median([r["tokens_per_s"] for r in train_records(folder)[2:]]))
 
 
-HEADER = ("layout      ranks  loss vs one        comm MiB/step     bubble       peak MiB    "
-          "tokens/s\n"
-          "                                      ledger  formula   meas. (p-1)/vm  meas. plan")
+HEADER = ("layout      ranks  vs one process             comm MiB/step     bubble       "
+          "peak MiB    tokens/s\n"
+          "                   loss    grad norm          ledger  formula   meas. (p-1)/vm  "
+          "meas. plan")
 
 
 def row(name, folder, reference_folder):
-    """The tour's row for the run `name` in `folder`, and the relative loss difference."""
+    """The tour's row for the run `name` in `folder`, and its verdict (verdict)."""
     layout = LAYOUTS[name]
     cfg = load_config(PROJECT_CONFIG, [*MODEL, *layout.flags], layout.workers)
     cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
-    difference = loss_difference(folder, reference_folder)
-    verdict = "equal" if difference <= RTOL[layout.reference] else "DIFFERS"
+    found = differences(folder, reference_folder)
+    said = verdict(found, RTOL[layout.reference])
     ledger, formula, same = communication(folder, cfg, layout.workers)
     pipe = bubble(folder, cfg, layout.workers)
     pipe = f"{pipe[0]:5.3f} {pipe[1]:5.3f}" if pipe else f"{'-':>5} {'-':>5}"
     measured, estimate = peak_memory(folder, layout.workers)
-    text = (f"{name:<11} {layout.workers:>4}  {difference:7.1e} {verdict:<7}  "
+    text = (f"{name:<11} {layout.workers:>4}  {found['loss']:7.1e} {found['grad norm']:7.1e} "
+            f"{said[:7]:<7}  "
             f"{ledger:7.3f} {'=' if same else '!='} {formula:7.3f}  {pipe}  "
             f"{measured:6.0f} {estimate:5.1f}  {tokens_per_s(folder):7.0f}")
-    return text, difference, verdict == "equal"
+    return text, said
 
 
 # ----------------------------------------------------------------------------- bash run.sh tour
@@ -315,14 +338,14 @@ def report(name, folder, output):
     """The lines of layout `name` (its row, the code that does its work, its timeline), or
     RunFailed if its losses differ from one process's."""
     layout = LAYOUTS[name]
-    text, difference, equal = row(name, folder, os.path.join(output, layout.reference))
+    text, said = row(name, folder, os.path.join(output, layout.reference))
     lines = [text, f"    {layout.title}: {layout.code}"]
     if "training_config.pipeline_trace=true" in layout.flags:
         lines.append(f"    timeline: {shown(folder)}/pipeline_timeline.svg")
-    if not equal:
+    if said != "equal":
         print("\n".join(lines), flush=True)
-        raise RunFailed(f"{name} differs from one process by {difference:.1e} (more than "
-                        f"{RTOL[layout.reference]:g}): its log is in {shown(folder)}/log")
+        raise RunFailed(f"{name} differs from one process: {said[len('DIFFERS: '):]}: its log "
+                        f"is in {shown(folder)}/log")
     return "\n".join(lines)
 
 
