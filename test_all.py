@@ -7012,7 +7012,7 @@ for _guide in GUIDE_RUNS:
     add(_guide, 2, "", argv=guide_run(_guide, 2))
 
 
-# ----------------------------------------------------------- the tests that launch run.sh themselves
+# ---------------------------------------------------- the tests that launch run.sh themselves
 # Their launches run in the harness's background thread too, after its own (one msrun job at a
 # time on a machine: two corrupt each other's CPU collectives), while the one-process tests run.
 def call_tour(harness):
