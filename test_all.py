@@ -7185,6 +7185,18 @@ def needed_jobs(names):
     return [name for name in JOBS if name in wanted]
 
 
+def needs(job, group):
+    """Whether `job` needs (through Job.after) a job of `group`."""
+    names = {g.name for g in group}
+    return any(n in names for n in needed_jobs(job.after))
+
+
+def needed_by(candidates, group):
+    """The candidates a job of `group` needs."""
+    needed = {n for job in group for n in needed_jobs(job.after)}
+    return [j for j in candidates if j.name in needed]
+
+
 def jobs_read(items):
     """The jobs the test items read (their `reads` marks)."""
     return {name for item in items for mark in item.iter_markers("reads") for name in mark.args}
@@ -7221,24 +7233,14 @@ class Harness:
         jobs = [JOBS[n] for n in self.names]
         four, two = ([j for j in jobs if j.workers == w] for w in (4, 2))
         ones = [j for j in jobs if j.workers == 1]
-        before_four = self.supporting(ones, four)
-        after_four = [j for j in ones if self.depends(j, four) and j not in before_four]
-        before_two = self.supporting(after_four, two)
+        before_four = needed_by(ones, four)
+        after_four = [j for j in ones if needs(j, four) and j not in before_four]
+        before_two = needed_by(after_four, two)
         beside_four = [j for j in ones if j not in before_four + after_four]
         beside_two = [j for j in after_four if j not in before_two]
-        assert not any(self.depends(j, two) for j in ones + four), "a job needs a later launch"
+        assert not any(needs(j, two) for j in ones + four), "a job needs a later launch"
         return ([(before_four, None, []), (beside_four, 4, four), (before_two, None, []),
                  (beside_two, 2, two)], [j for j in jobs if j.workers == 0])
-
-    def depends(self, job, group):
-        """Whether `job` needs (through Job.after) a job of `group`."""
-        names = {g.name for g in group}
-        return any(n in names for n in needed_jobs(job.after))
-
-    def supporting(self, candidates, group):
-        """The candidates a job of `group` needs."""
-        needed = {n for job in group for n in needed_jobs(job.after)}
-        return [j for j in candidates if j.name in needed]
 
     def _run_all(self):
         ones_and_launches, calls = self.steps()
