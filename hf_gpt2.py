@@ -16,7 +16,7 @@ import shutil
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save as safetensors_bytes
 
 from checkpoint import (build_rank_chunks, check_new_folder, first_shard, full_state,
                         latest_iteration, layout_of, load_checkpoint, write_layout)
@@ -233,6 +233,8 @@ def _hf_config(model_cfg, vocab):
             "layer_norm_epsilon": model_cfg.norm_epsilon,
             "activation_function": "gelu_new" if model_cfg.hidden_act == "gelu_tanh" else "gelu",
             "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256,
+            # the weights' dtype: transformers 4.56+ and 5 read "dtype", earlier 4.x "torch_dtype"
+            "dtype": "float32", "torch_dtype": "float32",
             "resid_pdrop": model_cfg.hidden_dropout_rate,
             "embd_pdrop": model_cfg.hidden_dropout_rate,
             "attn_pdrop": model_cfg.attention_dropout_rate}
@@ -276,7 +278,10 @@ def export_main(argv):
     tensors, meta = full_state(load, optimizer=False)
     weights = project_to_hf(tensors, model_cfg, vocab)
     os.makedirs(save, exist_ok=True)
-    save_file(weights, os.path.join(save, "model.safetensors"), metadata={"format": "np"})
+    # "pt": the format transformers' loaders accept in the header (4.x refuses "np"); the bytes
+    # of a float32 tensor are the same whoever writes them
+    write_atomic(os.path.join(save, "model.safetensors"),
+                 safetensors_bytes(weights, metadata={"format": "pt"}))
     write_atomic(os.path.join(save, "config.json"),
                  json.dumps(_hf_config(model_cfg, vocab), indent=1))
     if gpt2_bpe:
