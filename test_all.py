@@ -6445,6 +6445,7 @@ GRADIENT_CHECKS = {
     "cp2_ulysses_flash_documents": (CP_CHECK + [DOCUMENTS, "--use-flash-attn"], CP2, 2, "cp"),
     "cp2_ring_selective_recompute": (CP_CHECK, CP2 + RING + RECOMPUTE["selective"], 2, "cp"),
     "ep2_alltoall": (MOE_2 + ALLTOALL, EP2, 2, "moe"),
+    "ep2_cp2_ring": (MOE_CHECK + CP_CHECK, EP2 + CP2 + RING, 2, "moe"),
     "pp4": ([], PP4, 4, "pipeline"),
     "pp4_vpp2_8_layers": (["--num-layers", "8"], PP4 + VPP2, 4, "pipeline"),
     "tp2_pp2_sp": ([], TP2 + PP2 + SP, 4, "pipeline"),
@@ -6458,7 +6459,6 @@ GRADIENT_CHECKS = {
     "ep2_tp2_sp_alltoall": (MOE_2 + ALLTOALL, EP2 + TP2 + SP, 4, "moe"),
     "ep4_alltoall": (MOE_2 + ALLTOALL, EP4, 4, "moe"),
     "ep2_dp2": (MOE_2, EP2, 4, "moe"),
-    "ep2_cp2_ring": (MOE_CHECK + CP_CHECK, EP2 + CP2 + RING, 4, "moe"),
     "ep2_pp2_vpp2": (MOE_CHECK, EP2 + PP2 + VPP2, 4, "moe")}
 
 
@@ -6480,8 +6480,8 @@ def check_batches(cfg, count, documents):
 
 
 def check_gradients(c, name):
-    """One step of the layout GRADIENT_CHECKS[name] (4 micro-batches through a pipeline schedule,
-    else 2, then every reduction of finalize_model_grads) against the one-process model on the
+    """One step of the layout GRADIENT_CHECKS[name] (2 micro-batches, 4 through PP4's schedule,
+    then every reduction of finalize_model_grads) against the one-process model on the
     same micro-batches: the last stage's losses, each router's choices, and every gradient the
     optimizer takes on every rank (its TP slice of the full gradient, the last stage's tied output
     layer that of the word embedding, a distributed optimizer's pieces of the flat buffer),
@@ -6494,7 +6494,7 @@ def check_gradients(c, name):
     model_args = [a for a in model_args if a != DOCUMENTS]
     ref_cfg = load_config(os.path.join(HERE, "config.yaml"), PIPELINE_CHECK_MODEL + model_args,
                           world)
-    count = 4 if "--pipeline-model-parallel-size" in layout else 2
+    count = 4 if layout[:2] == PP4 else 2
     ref_losses, ref_grads, ref_maps = reference_gradients(ref_cfg, model_args, count, documents)
     # op by op: one step needs no compilation (the trainings compile one layout per concept)
     cfg = load_config(os.path.join(HERE, "config.yaml"),
@@ -6664,14 +6664,14 @@ PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
                 "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3",
                 "--lr-warmup-iters", "2", "training_config.log_comm_ledger=true", "--no-jit"]
 COMPILED = ["training_config.use_jit=true"]
-# float16 compiles: op by op its CPU kernels take about 4 times float32's
-HALF = FP16 + COMPILED
-# pipelines: 4 layers, 4 micro-batches of 2 (the 1F1B steady state), evaluated at steps 2 and 4
-PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--eval-iters", "1",
-                "--eval-interval", "2"]
+# pipelines: 4 layers, 2 micro-batches of 2 a step (stage 0: F0 F1 B0 B1, the 1F1B steady state
+# F1 B0 between warm-up and cool-down), evaluated at steps 2 and 4
+PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--global-batch-size", "4",
+                "--eval-iters", "1", "--eval-interval", "2"]
 # experts: micro-batches of 2 sequences in every layout (DP4 on 4 workers), since the balancing
 # losses are the micro-batch's
-MOE_RUN = MOE_CHECK + ["--micro-batch-size", "2"]
+MOE_RUN = MOE_CHECK + ["--micro-batch-size", "2", "--global-batch-size", "8"]
+FOUR = ["--global-batch-size", "4"]              # one step of 2 micro-batches where DP is 1
 # Megatron's per-rank capacity: ceil(n k / E * 1.0) = n / 2 slots per expert of a rank's n tokens
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and converted runs start at
@@ -6739,15 +6739,15 @@ for _check, (_, _, _, _workers, _concept) in CHECK_JOBS.items():
 # The jobs. The one-process references first (op by op; a compiled layout equals them too).
 ROPE = ROPE_GQA
 add("one", 1, "tp dp checkpoint", SAVE_HALF)
-add("one_fp16", 1, "tp dp fp16", HALF)
+add("one_fp16", 1, "tp dp fp16", FP16)
 add("one_pp", 1, "pipeline", PIPELINE_RUN)
-add("one_pp_fp16", 1, "pipeline fp16", PIPELINE_RUN + HALF)
+add("one_pp_fp16", 1, "pipeline fp16", PIPELINE_RUN + FP16)
 add("one_rope_gqa", 1, "cp checkpoint", ROPE + SAVE_HALF)
-add("one_rope_gqa_fp16", 1, "cp fp16", ROPE + HALF)
+add("one_rope_gqa_fp16", 1, "cp fp16", ROPE + FP16)
 add("one_moe", 1, "moe", MOE_RUN)
 add("one_moe_capacity", 1, "moe", MOE_RUN + CAPACITY)
 add("one_moe_pp", 1, "moe", PIPELINE_RUN + MOE_RUN)
-add("one_moe_rope_gqa", 1, "moe", ROPE + MOE_RUN)
+add("one_moe_rope_gqa", 1, "moe", ROPE + MOE_RUN + FOUR)
 # one process's step-2 checkpoints converted to layouts of 4 workers, before their launch
 converted("one_as_tp2_dp2", "checkpoint", "one", ["--nproc", "4", *TP2, *DISTOPT])
 converted("one_rope_gqa_as_cp2_dp2", "checkpoint", "one_rope_gqa",
@@ -6771,7 +6771,7 @@ resumed("one_to_cp2_ring_dp2_distopt", 4, "checkpoint", ROPE + CP2 + RING + DIST
 layout("ep2_pp2_vpp2_distopt", 4, "moe", PIPELINE_RUN + MOE_RUN + EP2 + PP2 + VPP2 + DISTOPT,
        "one_moe_pp")
 layout("ep2_cp2_ulysses_tp2_sp_alltoall", 4, "moe",
-       ROPE + MOE_RUN + EP2 + CP2 + TP2 + SP + ALLTOALL, "one_moe_rope_gqa")
+       ROPE + MOE_RUN + FOUR + EP2 + CP2 + TP2 + SP + ALLTOALL, "one_moe_rope_gqa")
 layout("ep2_dp2_distopt", 4, "moe", MOE_RUN + EP2 + DISTOPT, "one_moe")
 layout("ep2_pp2_capacity", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2 + SAVE_HALF,
        "one_moe_capacity")
@@ -6790,19 +6790,19 @@ resumed("ep4_to_one", 1, "moe checkpoint", MOE_RUN, "ep4_as_one")
 
 # 2 workers: a layout per parallelism, float16 in some (against a float16 process)
 layout("tp2", 2, "tp", TP2, "one")
-layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + HALF + TORCH, "one_fp16")
+layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + FP16 + COMPILED + TORCH, "one_fp16")
 layout("dp2", 2, "dp", [], "one")
-layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + HALF + SAVE_HALF, "one_fp16")
-resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + HALF, "dp2_distopt")
+layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + FP16 + SAVE_HALF, "one_fp16")
+resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + FP16, "dp2_distopt")
 layout("pp2", 2, "pipeline", PIPELINE_RUN + PP2 + COMPILED, "one_pp")
-layout("pp2_vpp2", 2, "pipeline fp16", PIPELINE_RUN + PP2 + VPP2 + HALF, "one_pp_fp16")
+layout("pp2_vpp2", 2, "pipeline fp16", PIPELINE_RUN + PP2 + VPP2 + FP16, "one_pp_fp16")
 layout("pp2_afab", 2, "pipeline", PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"],
        "one_pp")
 # PP2 with dropout, without and with full recompute of each stage's first layer
 PP2_DROPOUT = PIPELINE_RUN + PP2 + DROPOUT + ["--train-iters", "3"]
 add("pp2_dropout", 2, "pipeline", PP2_DROPOUT)
 add("pp2_dropout_recompute", 2, "pipeline", PP2_DROPOUT + RECOMPUTE["full block 1"])
-layout("cp2_ulysses", 2, "cp fp16", ROPE + CP2 + HALF, "one_rope_gqa_fp16")
+layout("cp2_ulysses", 2, "cp fp16", ROPE + CP2 + FP16, "one_rope_gqa_fp16")
 layout("cp2_ring", 2, "cp", ROPE + CP2 + RING + COMPILED, "one_rope_gqa")
 layout("ep2_alltoall_distopt", 2, "moe", MOE_RUN + EP2 + ALLTOALL + DISTOPT + COMPILED, "one_moe")
 layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
@@ -7016,9 +7016,9 @@ for _guide in GUIDE_RUNS:
 # Their launches run in the harness's background thread too, after its own (one msrun job at a
 # time on a machine: two corrupt each other's CPU collectives), while the one-process tests run.
 def call_tour(harness):
-    """`bash run.sh tour --layouts pp,dp`: (its output folder, the finished process)."""
+    """`bash run.sh tour --layouts pp`: (its output folder, the finished process)."""
     out = harness.tmp / "tour"
-    done = subprocess.run(["bash", "run.sh", "tour", "--layouts", "pp,dp", "--output", str(out)],
+    done = subprocess.run(["bash", "run.sh", "tour", "--layouts", "pp", "--output", str(out)],
                           cwd=HERE, capture_output=True, text=True, timeout=600)
     return out, done
 
@@ -7124,7 +7124,7 @@ def call_guides_script(harness):
                                 capture_output=True, text=True, timeout=600)
 
 
-add("tour_pp_dp", 0, "", call=call_tour)
+add("tour_pp", 0, "", call=call_tour)
 add("failing_rank", 0, "", call=call_failing_rank, after=["tp2"])
 add("killed_worker", 0, "", call=call_killed_worker)
 add("two_nodes", 0, "", call=call_two_nodes, after=["one"])
@@ -7874,29 +7874,23 @@ def test_tour_rows_name_code_that_exists():
                     layout.workers)
 
 
-@reading("tour_pp_dp")
+@reading("tour_pp")
 def test_tour_runs_layouts_beside_one_process(runs, tmp_path):
-    """`bash run.sh tour --layouts pp,dp`: one process, then one msrun launch of both layouts;
-    each row `equal` (loss and gradient norm), its ledger equal to the formula on every rank
-    ("="; DP2's: one bucket and the logged loss all-reduced), the pipeline's row with its measured
-    bubble beside (p - 1) / m = 0.25 and its timeline. A reference whose loss moved by 1e-4
-    makes the same row DIFFERS and stops the tour, naming the layout and the loss; one whose
-    gradient norm moved, naming the gradient norm."""
-    out, done = runs.result("tour_pp_dp")
+    """`bash run.sh tour --layouts pp`: one process, then one msrun launch; its row `equal` (loss
+    and gradient norm), its ledger equal to the formula on every rank ("="), its measured bubble
+    beside (p - 1) / m = 0.25 and its timeline. A reference whose loss moved by 1e-4 makes the
+    same row DIFFERS and stops the tour, naming the layout and the loss; one whose gradient norm
+    moved, naming the gradient norm."""
+    out, done = runs.result("tour_pp")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    rows = {l.split()[0]: l.split() for l in lines if l.split()[:1] in (["dp"], ["pp"])}
-    assert list(rows) == ["dp", "pp"], lines                  # in LAYOUTS' order
-    for name, words in rows.items():
-        assert words[1:2] == ["2"] and words[4:5] == ["equal"] and words[6:7] == ["="], words
-        assert float(words[2]) <= 1e-5 and float(words[3]) <= 1e-5, words
-        assert words[5] == words[7], words
-    assert rows["dp"][8:10] == ["-", "-"] and rows["pp"][9] == "0.250", rows
+    words = next(l.split() for l in lines if l.startswith("pp "))
+    assert words[1:2] == ["2"] and words[4:5] == ["equal"] and words[6:7] == ["="], words
+    assert float(words[2]) <= 1e-5 and float(words[3]) <= 1e-5, words
+    assert words[5] == words[7] and words[9] == "0.250", words
     assert f"    timeline: {out}/pp/pipeline_timeline.svg" in lines
-    assert re.fullmatch(r"tour: 2 layout\(s\), each equal to one process, in \d+ min \d+ s",
+    assert re.fullmatch(r"tour: 1 layout\(s\), each equal to one process, in \d+ min \d+ s",
                         lines[-1]), lines[-1]
-    assert ledger_of(train_lines(out / "dp", f"comm: Step:{tour.STEPS - 1},")[0]) == {
-        ("dp_cp", "all_reduce"): 2}
     for key, factor, named in (("loss", 1 + 1e-4, r"its loss by 1\.0e-04 \(more than 1e-05\)"),
                                ("grad_norm", 2.0, r"its grad norm by 5\.0e-01 \(more")):
         moved = tmp_path / key / "one"
@@ -7908,13 +7902,13 @@ def test_tour_runs_layouts_beside_one_process(runs, tmp_path):
             tour.report("pp", str(out / "pp"), str(moved.parent))
 
 
-@reading("tour_pp_dp")
+@reading("tour_pp")
 def test_pipeline_timeline_and_bubble_figures(runs):
     """The tour's pp (PP2, 1F1B, 4 micro-batches) traced its last step: a text and an SVG
     timeline, the SVG with the unit-time schedule (a box per pass at its tick) above the measured
     passes (a box per pass: 2 stages x 4 micro-batches x forward and backward), the bubble
     figures next to the theory in the log and in the SVG's title."""
-    out, _ = runs.result("tour_pp_dp")
+    out, _ = runs.result("tour_pp")
     line = next(l for l in train_lines(out / "pp", "pipeline: bubble"))
     assert ("unit-time schedule 0.250, theory 0.250; peak micro-batches in flight per stage "
             "[2, 1]" in line), line
