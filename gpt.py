@@ -548,7 +548,10 @@ class RecomputedLayers(nn.Cell):
         super().__init__()
         # the model's own layers: their names stay layers.i
         self.members = nn.CellList(layers)
-        self.recompute(use_reentrant=False, context_fn=replay_dropout(rng))
+        # early_stop=False: the early stop ends the recomputation by an exception, which a
+        # custom-bprop Cell on its way (the TP mappings) turns into "Stack input_args_info_stack_
+        # is empty" op by op (MindSpore 2.10)
+        self.recompute(use_reentrant=False, early_stop=False, context_fn=replay_dropout(rng))
 
     def construct(self, x, rope, mask_bias):
         for layer in self.members:

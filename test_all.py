@@ -6435,6 +6435,7 @@ EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size
 MOE_2 = MOE_CHECK + ["--num-layers", "2"]          # without a pipeline: 2 layers
 # name: (model flags, layout flags, workers, concept): one step of the layout against one process
 GRADIENT_CHECKS = {
+    "tp2_full_recompute": ([], TP2 + RECOMPUTE["full uniform 2"], 2, "tp"),
     "pp2": ([], PP2, 2, "pipeline"),
     "pp2_vpp2": ([], PP2 + VPP2, 2, "pipeline"),
     "pp2_untied": (UNTIED, PP2, 2, "pipeline"),
