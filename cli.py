@@ -225,6 +225,11 @@ def _usage(command, flags, positional, passthrough, about):
     return "\n".join(lines)
 
 
+# --config, as every command that reads a training config takes it (training, check, plan)
+CONFIG_FLAG = ([], list, "YAML files, each layered over config.yaml and the ones before it "
+                         "(repeat the flag or list several; presets in configs/)")
+
+
 def parse_command(command, argv, flags, positional=(), passthrough=None, about=""):
     """Every command's flags through one mechanism. flags: {"--name": (default, type, help)}, the
     default REQUIRED for a flag that must be given, type bool for a switch, list for one or more

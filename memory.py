@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import gpt
 import pipeline
-from cli import REQUIRED, load_config, parse_command
+from cli import CONFIG_FLAG, REQUIRED, load_config, parse_command
 from config import (ConfigError, cp_ring_size, main_grad_dtype, moe_layer_pattern,
                     padded_vocab_size, recompute_counts)
 from tokenizer import build_tokenizer
@@ -849,7 +849,7 @@ def reset_peak():
 
 
 # ============================================================================ bash run.sh plan
-PLAN_FLAGS = {"--config": ("config.yaml", str, "the YAML (presets in configs/)"),
+PLAN_FLAGS = {"--config": CONFIG_FLAG,
               "--world-size": (REQUIRED, int, "the number of ranks to plan for"),
               "--memory-per-device": (None, float,
                                       "GiB per device: list the layouts whose peak fits")}

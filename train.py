@@ -35,7 +35,8 @@ import optimizer as opt
 import parallel
 import pipeline
 import sample
-from cli import HelpRequested, load_config, parse_command, raw_config, training_help
+from cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
+                 training_help)
 from config import (ConfigError, main_grad_dtype, moe_layer_pattern, padded_vocab_size,
                     recompute_counts, to_dict)
 from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
@@ -794,8 +795,7 @@ def configure(command, argv):
     --use-checkpoint-args), then check_inputs."""
     if command == "train" and ("--help" in argv or "-h" in argv):
         raise HelpRequested(training_help())
-    flags = {"--config": ([], list, "YAML files, each layered over config.yaml and the ones "
-                                    "before it (repeat the flag or list several)"),
+    flags = {"--config": CONFIG_FLAG,
              "--use-checkpoint-args": (None, bool, "the model and tokenizer of the --load "
                                                    "checkpoint, unless given")}
     about = ""
