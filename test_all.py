@@ -1875,10 +1875,11 @@ def test_causality(variant):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variant_trains(variant):
-    """Each architecture option runs forward/backward and AdamW lowers the loss on a fixed batch."""
+    """Each architecture option runs forward/backward and AdamW lowers the loss on a fixed batch
+    (op by op: compiling is test_fused_model_equals_the_plain_model's)."""
     cfg, model = tiny_model(*VARIANTS[variant], "--lr", "3e-3", "--min-lr", "3e-3",
                             "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
-                            "--train-iters", "12")
+                            "--train-iters", "12", "--no-jit")
     trainer = train.Trainer(cfg, model, *train.build_optimizer(cfg, model))
     batch = random_batch(cfg)
     losses = [trainer.train_step([batch])[0] for _ in range(12)]
@@ -4293,8 +4294,9 @@ TINY_RUN = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidde
 
 
 def tiny_run(save, *args):
+    """train.main of TINY_RUN, op by op: these runs are about files, logs, errors and resume."""
     return train.main(["--config", os.path.join(HERE, "config.yaml"), "--save", str(save),
-                       *TINY_RUN, *args])
+                       *TINY_RUN, "--no-jit", *args])
 
 
 def saved(folder):
@@ -4814,7 +4816,7 @@ def tiny_checkpoint(tmp_path_factory):
                        "--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64",
                        "--num-attention-heads", "2", "--seq-length", "16",
                        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
-                       "--eval-iters", "0"]) == 0
+                       "--eval-iters", "0", "--no-jit"]) == 0
     return str(out)
 
 
@@ -5293,9 +5295,11 @@ def test_metrics_of_a_killed_run_resume_from_its_checkpoint(tmp_path, monkeypatc
 
 
 # ====================================================================== training (train.py, run.sh)
-def run_training(tmp_path, name, *args):
-    """train.main in this process on the byte-level shipped corpus; returns the train: lines. No
-    evaluation unless `args` ask (--eval-iters): compiling its forward took ~3 s of a run."""
+def run_training(tmp_path, name, *args, jit=False):
+    """train.main in this process on the byte-level shipped corpus; returns the train: lines and
+    all the log's lines. Op by op (--no-jit) unless `jit`: ms.jit spends seconds compiling a
+    run's first step, many times what a few steps of this model cost op by op. No evaluation
+    unless `args` ask (--eval-iters)."""
     out = tmp_path / name
     code = train.main(["--config", os.path.join(HERE, "config.yaml"), "--save", str(out),
                        "--data-path", shakespeare_bytes(tmp_path),
@@ -5303,7 +5307,8 @@ def run_training(tmp_path, name, *args):
                        "--hidden-size", "64", "--ffn-hidden-size", "128",
                        "--num-attention-heads", "4", "--seq-length", "32",
                        "--micro-batch-size", "4", "--log-interval", "1",
-                       "--eval-interval", "1000", "--eval-iters", "0", *args])
+                       "--eval-interval", "1000", "--eval-iters", "0",
+                       *([] if jit else ["--no-jit"]), *args])
     assert code == 0
     lines = (out / "log" / "rank_0" / "info.log").read_text().splitlines()
     return [l for l in lines if l.startswith("train: ")], lines
@@ -5324,6 +5329,12 @@ def shakespeare_bytes(tmp_path):
 
 def losses_of(lines):
     return [float(re.search(r"Loss: ([0-9.]+)", l).group(1)) for l in lines]
+
+
+def grad_norms_of(lines):
+    """The gradient norm of each train line: two runs whose losses agree can still differ in
+    their gradients by a constant factor, which Adam's update and clipping hide."""
+    return [float(re.search(r"Grad_norm: ([0-9.]+)", l).group(1)) for l in lines]
 
 
 def test_log_line_format(tmp_path):
@@ -5380,84 +5391,134 @@ def test_profiler_writes_a_trace_and_names_what_cpu_cannot_collect(tmp_path):
 
 
 def test_loss_falls_on_shipped_corpus_and_writes_outputs(tmp_path):
-    lines, all_lines = run_training(tmp_path, "falls", "--train-iters", "60", "--lr", "3e-3",
-                                    "--eval-interval", "30", "--eval-iters", "2",
-                                    "--save-interval", "30")
+    """30 steps on the shipped corpus: the loss falls by more than 2 from ln(257); validation
+    at 15 and 30, the test loss at the end, checkpoints at 15 and 30."""
+    lines, all_lines = run_training(tmp_path, "falls", "--train-iters", "30", "--lr", "3e-3",
+                                    "--eval-interval", "15", "--eval-iters", "2",
+                                    "--save-interval", "15")
     losses = losses_of(lines)
     assert losses[0] > 5.0 and np.mean(losses[-5:]) < losses[0] - 2.0, losses   # ln(257) = 5.55
     assert sum("validation loss at iteration" in l for l in all_lines) == 2
-    assert any("test loss at iteration 60" in l for l in all_lines)
+    assert any("test loss at iteration 30" in l for l in all_lines)
     out = tmp_path / "falls"
-    assert (out / "latest_checkpointed_iteration.txt").read_text() == "60"
-    assert (out / "iter_0000030" / "mp_rank_00" / "model_optim_rng.ckpt").is_file()
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "30"
+    assert (out / "iter_0000015" / "mp_rank_00" / "model_optim_rng.ckpt").is_file()
 
 
-def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-    big = losses_of(run_training(tmp_path, "big", "--train-iters", "4",
-                                 "--micro-batch-size", "4")[0])
-    acc = losses_of(run_training(tmp_path, "acc", "--train-iters", "4", "--micro-batch-size", "2",
-                                 "--global-batch-size", "4")[0])
-    np.testing.assert_allclose(acc, big, rtol=1e-5)
+def train_records(folder):
+    """(loss, gradient norm) of each train step of a run, at full precision (metrics.jsonl)."""
+    return [(r["loss"], r["grad_norm"]) for r in metrics.read_records(str(folder / metrics.JSONL))
+            if r["split"] == "train"]
 
 
-@pytest.mark.parametrize("precision", ["float32", "float16"])
+def assert_same_training(got, want, rtol=1e-5):
+    """Two runs' train lines agree step by step in the loss, then in the gradient norm (relative
+    `rtol`); the AssertionError names which of the two differed."""
+    assert len(got) == len(want) > 0, (len(got), len(want))
+    for name, of in (("loss", losses_of), ("grad norm", grad_norms_of)):
+        np.testing.assert_allclose(of(got), of(want), rtol=rtol,
+                                   err_msg=f"the runs' {name} differs")
+
+
+@pytest.fixture(scope="module")
+def one_big_batch(tmp_path_factory):
+    """The train lines of 4 steps of one micro-batch of 4 sequences."""
+    return run_training(tmp_path_factory.mktemp("big"), "big", "--train-iters", "4",
+                        "--micro-batch-size", "4")[0]
+
+
+def accumulated(tmp_path):
+    """The train lines of the same 4 steps as 2 micro-batches of 2, gradients accumulated."""
+    return run_training(tmp_path, "acc", "--train-iters", "4", "--micro-batch-size", "2",
+                        "--global-batch-size", "4")[0]
+
+
+@pytest.mark.dp
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, one_big_batch):
+    """Two micro-batches of 2 accumulated train as one micro-batch of 4: the same loss and the
+    same gradient norm at every step (relative 1e-5)."""
+    assert_same_training(accumulated(tmp_path), one_big_batch)
+
+
+@pytest.mark.dp
+def test_planted_micro_batch_sum_is_caught_by_the_grad_norm(tmp_path, one_big_batch,
+                                                            monkeypatch):
+    """A planted bug, the micro-batches' losses summed instead of averaged (each weighted by the
+    loss scale alone, not scale / 2: the accumulated gradients twice the mean's, the logged losses
+    unchanged): clipping and Adam's update hide the factor, so every loss still agrees with one
+    big batch, and the accumulation test's comparison fails naming the gradient norm."""
+    forward_backward = train.Trainer.forward_backward
+
+    def summed(self, micro_batches):
+        losses, grads = forward_backward(self, micro_batches)
+        return losses, [g * len(micro_batches) for g in grads]
+    monkeypatch.setattr(train.Trainer, "forward_backward", summed)
+    planted = accumulated(tmp_path)
+    np.testing.assert_allclose(losses_of(planted), losses_of(one_big_batch), rtol=1e-5)
+    with pytest.raises(AssertionError, match="the runs' grad norm differs"):
+        assert_same_training(planted, one_big_batch)
+
+
+@pytest.mark.parametrize("precision", ["float32", pytest.param("float16", marks=pytest.mark.fp16)])
 def test_recompute_trains_bit_identical_with_dropout(tmp_path, precision):
-    """10 steps with dropout and full recompute log the losses of the same run without recompute,
-    bit for bit (the recomputation replays the numpy dropout streams), in float32 and float16."""
-    common = ["--train-iters", "10", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+    """3 steps with dropout and full recompute train as the same run without recompute, bit for
+    bit: each step's loss and gradient norm (the recomputation replays the numpy dropout streams,
+    and leaves them where the run without it does), in float32 and float16."""
+    common = ["--train-iters", "3", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
               *(FP16 if precision == "float16" else [])]
     plain = run_training(tmp_path, "plain", *common)[0]
     recomputed = run_training(tmp_path, "recomputed", *common, *RECOMPUTE["full uniform 2"])[0]
-    assert len(plain) == 10 and losses_of(recomputed) == losses_of(plain)
+    assert len(plain) == 3 and losses_of(recomputed) == losses_of(plain)
+    assert train_records(tmp_path / "recomputed") == train_records(tmp_path / "plain")
 
 
 def test_finetune_no_load_optim_and_no_load_rng(tmp_path):
     """As in Megatron: --finetune loads the weights only and starts at iteration 0; --no-load-optim
     resumes at the saved iteration with a fresh optimizer and schedule; --no-load-rng resumes with
     fresh dropout streams. Each differs from the run that never stopped where it should."""
-    common = ["--train-iters", "8", "--hidden-dropout", "0.1", "--lr-warmup-iters", "2"]
+    common = ["--train-iters", "5", "--hidden-dropout", "0.1", "--lr-warmup-iters", "2"]
     full = losses_of(run_training(tmp_path, "full", *common)[0])
-    run_training(tmp_path, "first", *common, "--save-interval", "4", "--train-iters", "4",
-                 "--lr-decay-iters", "8")
+    run_training(tmp_path, "first", *common, "--save-interval", "3", "--train-iters", "3",
+                 "--lr-decay-iters", "5")
     first = str(tmp_path / "first")
-    fresh = losses_of(run_training(tmp_path, "fresh", *common, "--train-iters", "3")[0])
+    fresh = losses_of(run_training(tmp_path, "fresh", *common, "--train-iters", "1",
+                                   "--lr-decay-iters", "3")[0])
     lines, log = run_training(tmp_path, "ft", *common, "--train-iters", "3", "--load",
                               first, "--finetune")
     assert [l.split(",")[1] for l in lines] == [" Step:1", " Step:2", " Step:3"]
     assert any("(finetune: iteration 0)" in l for l in log)
     assert losses_of(lines)[0] < fresh[0] - 0.1  # the trained weights, not new ones
     lines, _ = run_training(tmp_path, "no_optim", *common, "--load", first, "--no-load-optim")
-    assert lines[0].split(",")[1] == " Step:5" and losses_of(lines)[1:] != full[5:]
+    assert lines[0].split(",")[1] == " Step:4" and losses_of(lines)[1:] != full[4:]
     lines, _ = run_training(tmp_path, "no_rng", *common, "--load", first, "--no-load-rng")
-    assert lines[0].split(",")[1] == " Step:5" and losses_of(lines) != full[4:]
+    assert lines[0].split(",")[1] == " Step:4" and losses_of(lines) != full[3:]
 
 
 def test_compiled_model_equals_eager(tmp_path):
-    _, compiled_log = run_training(tmp_path, "jit", "--train-iters", "5")
-    _, eager_log = run_training(tmp_path, "eager", "--train-iters", "5", "--no-jit")
+    """3 steps of the model compiled by ms.jit train as op by op: each step's loss and gradient
+    norm (relative 1e-5)."""
+    compiled, compiled_log = run_training(tmp_path, "jit", "--train-iters", "3", jit=True)
+    eager, eager_log = run_training(tmp_path, "eager", "--train-iters", "3")
     assert ("model compiled with ms.jit" in compiled_log
             and "model runs op by op (PyNative)" in eager_log)
-    jit_losses = losses_of([l for l in compiled_log if l.startswith("train: ")])
-    np.testing.assert_allclose(jit_losses,
-                               losses_of([l for l in eager_log if l.startswith("train: ")]),
-                               rtol=1e-5)
+    assert_same_training(compiled, eager)
 
 
 def test_moe_model_trains_and_compiled_equals_op_by_op(tmp_path):
     """A GPT whose first layer is an MoE layer (4 experts with biases, top-2, aux and z losses,
     2 micro-batches: the losses' gradients weighted 1/2 like the main loss'): the loss falls over
     8 compiled steps, the train lines (and metrics.jsonl) carry Megatron's load_balancing_loss and
-    z_loss, and op by op (--no-jit) trains the same losses."""
+    z_loss, and op by op (--no-jit) trains the same losses and gradient norms."""
     args = [*MOE_FLAGS, "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "64",
             "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
             "--global-batch-size", "8", "--train-iters", "8"]
-    compiled, compiled_log = run_training(tmp_path, "moe_jit", *args)
-    eager, eager_log = run_training(tmp_path, "moe_eager", *args, "--no-jit")
+    compiled, compiled_log = run_training(tmp_path, "moe_jit", *args, jit=True)
+    eager, eager_log = run_training(tmp_path, "moe_eager", *args)
     assert ("model compiled with ms.jit" in compiled_log
             and "model runs op by op (PyNative)" in eager_log)
     losses = losses_of(compiled)
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
-    np.testing.assert_allclose(losses, losses_of(eager), rtol=1e-5)
+    assert_same_training(compiled, eager)
     records = metrics.read_records(str(tmp_path / "moe_jit" / metrics.JSONL))
     for name in ("load_balancing_loss", "z_loss"):
         values = [[float(re.search(name + r": ([-+.0-9E]+)", l).group(1)) for l in lines]
@@ -5469,8 +5530,12 @@ def test_moe_model_trains_and_compiled_equals_op_by_op(tmp_path):
         assert all(0.9 < v <= 2.0 if name != "z_loss" else v > 0 for v in values[0]), values
 
 
+@pytest.mark.fp16
 def test_loss_scaler_skips_a_step_with_nan_gradients():
-    cfg, model = tiny_model()
+    """A step whose gradients are nan (a nan in the loss mask) changes no weight, does not step
+    the optimizer or the scheduler, and halves the dynamic loss scale (hysteresis 1); the next
+    clean step updates (op by op)."""
+    cfg, model = tiny_model("--no-jit")
     optim, scheduler = train.build_optimizer(cfg, model)
     optim.scaler = scaler = DynamicGradScaler(2.0 ** 16, 1.0, growth_interval=1000, hysteresis=1)
     trainer = train.Trainer(cfg, model, optim, scheduler)
@@ -5584,12 +5649,13 @@ def test_query_key_layer_scaling_and_the_softmax_dtype():
 
 def test_fp16_trains_within_2_percent_of_fp32(tmp_path):
     """20 steps in float16 (Megatron's --fp16, and the guides' float32 parameters computing in
-    float16) end within 2% of the float32 run's loss, having computed in float16 (not equal)."""
+    float16) end within 2% of the float32 run's loss, having computed in float16 (not equal).
+    Compiled: a float16 step op by op costs more than a tenth of the compilation."""
     common = ["--train-iters", "20", "--lr", "3e-3", "--global-batch-size", "8"]
-    fp32 = losses_of(run_training(tmp_path, "fp32", *common)[0])
+    fp32 = losses_of(run_training(tmp_path, "fp32", *common, jit=True)[0])
     for name, flags in (("fp16", FP16), ("mixed", ["model_config.compute_dtype=float16",
                                                    "--initial-loss-scale", "4096"])):
-        half = losses_of(run_training(tmp_path, name, *common, *flags)[0])
+        half = losses_of(run_training(tmp_path, name, *common, *flags, jit=True)[0])
         assert len(half) == 20 and half != fp32 and fp32[-1] < fp32[0] - 1.0
         assert abs(half[-1] - fp32[-1]) < 0.02 * fp32[-1], (name, half[-1], fp32[-1])
 
@@ -5605,7 +5671,7 @@ def test_forced_overflow_skips_the_step_and_lowers_the_scale_by_megatrons_rule(t
     and optimizer state bit-identical, the scheduler not stepped; hysteresis 2 keeps the scale at
     the first overflow and halves it from the second on (Megatron's DynamicGradScaler); once the
     updates come through, loss_scale_window clean steps double it. The log says so."""
-    cfg, model = tiny_model("--fp16")
+    cfg, model = tiny_model("--fp16", "--no-jit")
     optim, scheduler = train.build_optimizer(cfg, model)
     optim.scaler = DynamicGradScaler(2.0 ** 40, 1.0, growth_interval=3, hysteresis=2)
     trainer = train.Trainer(cfg, model, optim, scheduler)
@@ -5637,20 +5703,23 @@ def test_forced_overflow_skips_the_step_and_lowers_the_scale_by_megatrons_rule(t
     assert scales[first + 2] == 2 * scales[first]          # 3 clean steps: the scale doubles
 
 
-@pytest.mark.parametrize("precision", ["float32", "float16"])
+@pytest.mark.checkpoint
+@pytest.mark.parametrize("precision", ["float32", pytest.param("float16", marks=pytest.mark.fp16)])
 def test_resume_equals_run_that_never_stopped(tmp_path, precision):
-    """A run saved at step 4 and resumed logs the losses of the run that never stopped, bit for
-    bit (with dropout; in float16 the float32 main params and the loss scaler are restored; the
-    float16 run saves Megatron's torch format, model_optim_rng.pt)."""
-    common = ["--train-iters", "8", "--hidden-dropout", "0.1", "--lr-warmup-iters", "2",
+    """A run saved at step 2 of 4 and resumed trains as the run that never stopped, bit for bit:
+    each step's loss and gradient norm, its whole train line but the time (with dropout; in
+    float16 the float32 main params and the loss scaler are restored; the float16 run saves
+    Megatron's torch format, model_optim_rng.pt)."""
+    common = ["--train-iters", "4", "--hidden-dropout", "0.1", "--lr-warmup-iters", "2",
               *(FP16 + ["--ckpt-format", "torch"] if precision == "float16" else [])]
     full = run_training(tmp_path, "full", *common)[0]
-    run_training(tmp_path, "first", *common, "--save-interval", "4", "--train-iters", "4",
-                 "--lr-decay-iters", "8")
+    run_training(tmp_path, "first", *common, "--save-interval", "2", "--train-iters", "2",
+                 "--lr-decay-iters", "4")
     first_dir = tmp_path / "first"
     resumed = run_training(tmp_path, "resumed", *common, "--load", str(first_dir))[0]
-    assert losses_of(resumed) == losses_of(full)[4:]               # bit for bit
-    assert [l.split(", Time")[0] for l in resumed] == [l.split(", Time")[0] for l in full[4:]]
+    assert losses_of(resumed) == losses_of(full)[2:]               # bit for bit
+    assert [l.split(", Time")[0] for l in resumed] == [l.split(", Time")[0] for l in full[2:]]
+    assert train_records(tmp_path / "resumed") == train_records(tmp_path / "full")[2:]
 
 
 # ------------------------------------------------------------------------------------------- run.sh
