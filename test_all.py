@@ -304,6 +304,8 @@ def test_bad_config_gives_one_line_error(args, message, capsys, tmp_path):
     assert not (tmp_path / "out").exists()          # nothing written before the error
 
 
+@pytest.mark.checkpoint
+@pytest.mark.dp
 def test_torch_format_refuses_the_distributed_optimizer():
     """Megatron's distrib_optim.pt is not written: --ckpt-format torch with the distributed
     optimizer over several ranks is one line (alone, with one DP rank, it is no distributed
@@ -411,6 +413,7 @@ def test_no_value_is_silently_replaced_or_ignored(args, message, capsys):
                        ["dataset_config.micro_batch_num=3"]).dataset_config.global_batch_size == 24
 
 
+@pytest.mark.tp
 def test_padded_vocabulary_is_the_models_not_the_layouts():
     """GPT-2's 50,257 rows pad to 50,304 under every TP size (Megatron's would be 50,432 under TP2),
     so every layout trains the same model; TP must divide the padded size, checked up front."""
@@ -516,6 +519,7 @@ MOE_ERRORS = [
 ]
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("args,message", MOE_ERRORS, ids=[" ".join(a) for a, _ in MOE_ERRORS])
 def test_moe_keys_follow_megatrons_rules(args, message, capsys, tmp_path):
     """Megatron's MoE validation (arguments.py, transformer_config.py, moe_layer.py), each one
@@ -525,6 +529,7 @@ def test_moe_keys_follow_megatrons_rules(args, message, capsys, tmp_path):
                    ["check", "--nproc", str(world), "--save", str(tmp_path / "o"), *args], message)
 
 
+@pytest.mark.moe
 def test_moe_keys_take_megatrons_defaults_and_select_layers():
     """Megatron's defaults; moe_layer_freq as N or a list; a 0 expert count (or no flag) is a
     dense model, and a negative capacity factor dropless, as in Megatron."""
@@ -792,6 +797,7 @@ def gpt2():
 # --------------------------------------------------------------------------------------- tokenizers
 
 
+@pytest.mark.data
 def test_gpt2_known_ids(gpt2):
     assert gpt2.encode("Hello world") == [15496, 995]
     assert gpt2.encode(" the") == [262]
@@ -799,6 +805,7 @@ def test_gpt2_known_ids(gpt2):
     assert gpt2.decode([gpt2.eod]) == "<|endoftext|>"
 
 
+@pytest.mark.data
 def test_gpt2_unicode_round_trip_and_pretokenizer(gpt2):
     text = "Ünïcode ² 12345 _foo__ émoji 🎉 中文 it's  \n\n  x\t"
     assert gpt2.decode(gpt2.encode(text)) == text
@@ -806,6 +813,7 @@ def test_gpt2_unicode_round_trip_and_pretokenizer(gpt2):
     assert words == ["it", "'s", " 12", "abc", " ²", "!!", " x", " ", " y"]
 
 
+@pytest.mark.data
 def test_gpt2_tinyshakespeare_nanogpt_counts(gpt2):
     text = open(SHAKESPEARE, encoding="utf-8").read()
     n = len(text)
@@ -814,6 +822,7 @@ def test_gpt2_tinyshakespeare_nanogpt_counts(gpt2):
     assert gpt2.decode(train) + gpt2.decode(val) == text
 
 
+@pytest.mark.data
 def test_null_and_byte_tokenizers():
     null = build_tokenizer("NullTokenizer", vocab_size=100)
     assert null.encode("3 7 99") == [3, 7, 99] and null.decode([3, 7]) == "3 7"
@@ -823,6 +832,7 @@ def test_null_and_byte_tokenizers():
     assert byte.eod == 256 and byte.vocab_size == 257
 
 
+@pytest.mark.data
 def test_build_tokenizer_errors():
     with pytest.raises(ValueError, match="--vocab-size"):
         build_tokenizer("NullTokenizer")
@@ -832,6 +842,7 @@ def test_build_tokenizer_errors():
         build_tokenizer("SentencePiece")
 
 
+@pytest.mark.data
 def test_gpt2_tokenizer_refuses_bad_vocab_and_merges_naming_the_file(tmp_path):
     bad = tmp_path / "bad"
     for content, message in ((b'{"a": 0}', ': not a JSON object of token ids with "<|endoftext|>"'),
@@ -865,6 +876,7 @@ def _megatron_idx_bytes(code, lengths, itemsize, doc_indices):
     return out + b"".join(struct.pack("<q", d) for d in doc_indices)
 
 
+@pytest.mark.data
 def test_idx_header_bytes_exact(tmp_path):
     b = data.IndexedDatasetBuilder(str(tmp_path / "x.bin"), dtype=np.uint16)
     b.add_document([1, 2, 3])
@@ -877,6 +889,7 @@ def test_idx_header_bytes_exact(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["x.bin", "x.idx"]  # no temporary files left
 
 
+@pytest.mark.data
 def test_builder_reader_round_trip(tmp_path):
     rng = np.random.RandomState(0)
     docs = [rng.randint(0, 70000, size=n) for n in (5, 0, 17, 1)]
@@ -896,6 +909,7 @@ def test_builder_reader_round_trip(tmp_path):
     assert data.optimal_dtype(50257) == np.uint16
 
 
+@pytest.mark.data
 def test_reads_megatron_written_files(tmp_path):
     seqs = [[10, 11, 12, 13], [7], [1, 2]]
     (tmp_path / "m.idx").write_bytes(_megatron_idx_bytes(4, [4, 1, 2], 4, [0, 2, 3]))
@@ -907,6 +921,7 @@ def test_reads_megatron_written_files(tmp_path):
     assert ds.get(0, offset=1, length=2).tolist() == [11, 12]
 
 
+@pytest.mark.data
 def test_damaged_indexed_dataset_names_the_file_and_the_fix(tmp_path):
     good = _megatron_idx_bytes(8, [3], 2, [0, 1])
     fix = "re-run preprocess to rebuild " + re.escape(str(tmp_path / "a") + ".bin/.idx")
@@ -928,6 +943,7 @@ def test_damaged_indexed_dataset_names_the_file_and_the_fix(tmp_path):
         data.IndexedDataset(str(tmp_path / "missing"))
 
 
+@pytest.mark.data
 def test_failed_data_writes_leave_no_temporary_file(tmp_path):
     def fail(f):
         f.write(b"half")
@@ -943,6 +959,7 @@ def test_failed_data_writes_leave_no_temporary_file(tmp_path):
 # ------------------------------------------------------------------------------------ preprocessing
 
 
+@pytest.mark.data
 def test_preprocess_jsonl_and_text_workers_identical(tmp_path, gpt2):
     texts = [f"Document number {i}: to be, or not to be{'!' * i}" for i in range(40)]
     jsonl = tmp_path / "in.jsonl"
@@ -974,6 +991,7 @@ def test_preprocess_jsonl_and_text_workers_identical(tmp_path, gpt2):
     assert gpt2.decode(titles[5][:-1]) == "T5"
 
 
+@pytest.mark.data
 def test_preprocess_null_tokenizer_without_eod(tmp_path):
     src = tmp_path / "ids.txt"
     src.write_text("1 2 3\n4\n\n\n5 6\n")
@@ -1005,6 +1023,7 @@ BAD_INPUTS = {  # file name, bytes, extra flags, the message after "<tmp_path>/<
 }
 
 
+@pytest.mark.data
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_preprocess_bad_input_names_file_and_line_and_leaves_nothing(tmp_path, case, workers):
@@ -1019,6 +1038,7 @@ def test_preprocess_bad_input_names_file_and_line_and_leaves_nothing(tmp_path, c
     assert os.listdir(tmp_path / "out") == []  # no .bin.tmp<pid>, no half .idx
 
 
+@pytest.mark.data
 def test_preprocess_command_bad_line_is_one_line_exit_2(tmp_path, capfd):
     """Through `train.py preprocess` with a worker pool reading ahead: exit code 2 and one line,
     no traceback, in all that reaches stdout and stderr (the workers' too), nothing written."""
@@ -1035,6 +1055,7 @@ def test_preprocess_command_bad_line_is_one_line_exit_2(tmp_path, capfd):
     assert os.listdir(tmp_path) == ["in.jsonl"]
 
 
+@pytest.mark.data
 def test_ensure_preprocessed_caches_and_redoes(tmp_path):
     src = tmp_path / "corpus.txt"
     src.write_text("hello there\n\ngeneral kenobi\n")
@@ -1062,6 +1083,7 @@ def test_ensure_preprocessed_caches_and_redoes(tmp_path):
 # -------------------------------------------------------------------------------------- GPT dataset
 
 
+@pytest.mark.data
 def test_split_document_ranges():
     assert data.split_document_ranges(1000, "949,50,1") == [(0, 949), (949, 999), (999, 1000)]
     assert data.split_document_ranges(10, "949,50,1") == [(0, 9), (9, 10), (10, 10)]
@@ -1092,6 +1114,7 @@ def _cpp_build_sample_idx(sizes, doc_idx, seq_length):
     return out
 
 
+@pytest.mark.data
 def test_build_sample_index_matches_cpp_loop():
     rng = np.random.RandomState(3)
     for seq_length in (1, 4, 7, 32):
@@ -1112,6 +1135,7 @@ def _toy_indexed(tmp_path, n_docs=30, eod=99, seed=0):
     return data.IndexedDataset(str(tmp_path / "toy"))
 
 
+@pytest.mark.data
 def test_gpt_dataset_samples_overlap_and_cover(tmp_path):
     ds = _toy_indexed(tmp_path)
     docs = np.arange(5, 25)
@@ -1136,6 +1160,7 @@ def test_gpt_dataset_samples_overlap_and_cover(tmp_path):
         "loss_mask": (np.float32, (8,)), "position_ids": (np.int32, (8,))}
 
 
+@pytest.mark.data
 def test_gpt_dataset_seed_determinism_and_epochs(tmp_path):
     ds = _toy_indexed(tmp_path)
     docs = np.arange(0, 10)
@@ -1158,6 +1183,7 @@ def test_gpt_dataset_seed_determinism_and_epochs(tmp_path):
     assert sorted(many.shuffle_index[:n_first].tolist()) == list(range(n_first))
 
 
+@pytest.mark.data
 def test_shuffle_false_serves_the_corpus_in_order_and_a_folder_names_its_corpus(tmp_path, capsys):
     """MindSpore Transformers' dataset_config.shuffle: false serves the samples in corpus order
     (documents and samples unshuffled, a cache of its own); dataset_dir, a folder, is the one
@@ -1179,6 +1205,7 @@ def test_shuffle_false_serves_the_corpus_in_order_and_a_folder_names_its_corpus(
         data.data_prefix(str(tmp_path / "c"))
 
 
+@pytest.mark.data
 def test_gpt_dataset_index_cache(tmp_path):
     ds = _toy_indexed(tmp_path)
     cache = tmp_path / "cache"
@@ -1206,6 +1233,7 @@ def _interrupted_line(*prefixes):
     return f"preprocess: interrupted; nothing written ({names} not created)"
 
 
+@pytest.mark.data
 @pytest.mark.parametrize("workers", [1, 2])
 def test_preprocess_ctrl_c_is_one_line_exit_130_and_leaves_nothing(tmp_path, workers):
     """Ctrl-C as a terminal sends it, to the parent and its pool workers, while documents are
@@ -1240,6 +1268,7 @@ def test_preprocess_ctrl_c_is_one_line_exit_130_and_leaves_nothing(tmp_path, wor
     assert os.listdir(out) == []
 
 
+@pytest.mark.data
 @pytest.mark.parametrize("at", [1, 2, 3, 4])
 def test_preprocess_interrupted_while_placing_files_takes_them_back(tmp_path, monkeypatch, at):
     """Two keys, four renames (.bin and .idx of each): Ctrl-C at any of them leaves no pair
@@ -1292,6 +1321,7 @@ DAMAGES = {  # name: cached file -> what is left of it
 }
 
 
+@pytest.mark.data
 @pytest.mark.parametrize("index", ["document", "sample", "shuffle"])
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_damaged_index_cache_is_rebuilt_with_one_warning(tmp_path, capfd, index, damage):
@@ -1312,6 +1342,7 @@ def test_damaged_index_cache_is_rebuilt_with_one_warning(tmp_path, capfd, index,
     np.testing.assert_array_equal(third.shuffle_index, first.shuffle_index)
 
 
+@pytest.mark.data
 def test_damaged_index_cache_that_cannot_be_rebuilt_is_one_error(tmp_path, monkeypatch, capfd):
     """A read-only cache folder, simulated: the suite may run as root, whom chmod does not stop."""
     ds, cache = _toy_cache_corpus(tmp_path), tmp_path / "cache"
@@ -1331,6 +1362,7 @@ def test_damaged_index_cache_that_cannot_be_rebuilt_is_one_error(tmp_path, monke
     assert capfd.readouterr().err == ""
 
 
+@pytest.mark.data
 def test_training_over_a_damaged_cache_warns_once_and_trains(tmp_path, capfd):
     """Through train.main: before, a truncated sample index ended the run in a traceback; now one
     warning line on stderr, the cache rebuilt, the run trains."""
@@ -1355,6 +1387,7 @@ def test_training_over_a_damaged_cache_warns_once_and_trains(tmp_path, capfd):
     assert path.read_bytes() == good
 
 
+@pytest.mark.data
 def test_ltor_masks_and_position_ids():
     eod = 0
     tokens = np.array([5, 6, eod, 7, 8, 9, eod, 4], np.int32)
@@ -1374,6 +1407,7 @@ def test_ltor_masks_and_position_ids():
     np.testing.assert_array_equal(mask[0], expected)
 
 
+@pytest.mark.data
 def test_gpt_dataset_mask_options(tmp_path):
     b = data.IndexedDatasetBuilder(str(tmp_path / "e.bin"), dtype=np.uint16)
     for doc in ([1, 2, 0], [3, 4, 5, 0], [6, 0]):
@@ -1393,6 +1427,7 @@ def test_gpt_dataset_mask_options(tmp_path):
             and item["attention_mask"][0, eods[0] + 1, eods[0]])
 
 
+@pytest.mark.data
 def test_build_gpt_datasets(tmp_path):
     ds = _toy_indexed(tmp_path, n_docs=40)
     train, valid, test = data.build_gpt_datasets(str(tmp_path / "toy"), "90,10,0", 8, 1,
@@ -1410,6 +1445,7 @@ def test_build_gpt_datasets(tmp_path):
         data.build_gpt_datasets(str(tmp_path / "toy"), "0,1,0", 8, 1, (16, 4, 0), eod=99)
 
 
+@pytest.mark.data
 @pytest.mark.parametrize("case", ["vocab", "idx", "no documents", "few tokens"])
 def test_training_data_errors_are_one_line_exit_2(tmp_path, case, capfd):
     """Errors found while training builds its tokenizer and datasets: one line naming the file,
@@ -1438,6 +1474,7 @@ def test_training_data_errors_are_one_line_exit_2(tmp_path, case, capfd):
     assert len(err.splitlines()) == 1 and err.startswith("error: " + expected), err
 
 
+@pytest.mark.data
 def test_mock_dataset():
     m = data.MockGPTDataset(10, 16, vocab_size=50, seed=3)
     assert len(m) == 10
@@ -1453,6 +1490,7 @@ def test_mock_dataset():
 # ------------------------------------------------------------------------------------------ sampler
 
 
+@pytest.mark.data
 def test_micro_batch_iterator_dp_partition_and_resume():
     m = data.MockGPTDataset(50, 4, vocab_size=1000, seed=0)
     mbs, dp = 2, 3
@@ -1499,6 +1537,7 @@ def lr_at(s, n):
 
 
 # ---------------------------------------------------------------------------------------- scheduler
+@pytest.mark.dp
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine", "inverse-square-root"])
 def test_warmup_is_linear_from_init_lr(style):
     s = sched(style, init_lr=1e-5)
@@ -1507,6 +1546,7 @@ def test_warmup_is_linear_from_init_lr(style):
     assert lr_at(s, 10) == pytest.approx(1e-3)
 
 
+@pytest.mark.dp
 def test_lr_decay_styles_closed_form():
     # decay window is steps 10..110 (100 steps), max 1e-3, min 1e-4
     assert lr_at(sched("constant"), 60) == pytest.approx(1e-3)
@@ -1522,6 +1562,7 @@ def test_lr_decay_styles_closed_form():
         assert lr_at(sched(style), 10_000) == 1e-4
 
 
+@pytest.mark.dp
 def test_step_counts_iterations():
     s = sched("linear")
     for _ in range(35):
@@ -1531,6 +1572,7 @@ def test_step_counts_iterations():
     assert s.num_steps == 60 and s.get_lr() == pytest.approx(1e-3 - 0.5 * 9e-4)
 
 
+@pytest.mark.dp
 def test_wd_increment_styles():
     s = sched("cosine", start_wd=0.0, end_wd=0.1, wd_incr_style="linear")
     s.num_steps = 25
@@ -1549,6 +1591,7 @@ def test_wd_increment_styles():
     assert s.get_wd() == 0.05
 
 
+@pytest.mark.dp
 def test_scheduler_validation():
     with pytest.raises(ValueError, match="lr_decay_style.*inverse-square-root"):
         sched("exp")
@@ -1558,6 +1601,7 @@ def test_scheduler_validation():
         sched("cosine", start_wd=0.0, end_wd=0.1, wd_incr_style="constant")
 
 
+@pytest.mark.dp
 def test_scheduler_state_dict_round_trip():
     s = sched("cosine", start_wd=0.0, end_wd=0.1, wd_incr_style="linear")
     s.step(42)
@@ -1600,6 +1644,7 @@ def rand_grads(rng):
     return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
 
 
+@pytest.mark.dp
 @pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD"])
 def test_optimizers_match_numpy(name):
     rng = np.random.default_rng(0)
@@ -1624,6 +1669,7 @@ def test_optimizers_match_numpy(name):
     assert opt.state_dict()["step"] == 5
 
 
+@pytest.mark.dp
 @pytest.mark.parametrize("name", ["AdamW", "Adam"])
 def test_fused_adam_kernel_equals_the_written_out_formula(name):
     """AdamW.step's fused kernel (eps rescaled) against optimizer.adam_update, the formula written
@@ -1643,6 +1689,7 @@ def test_fused_adam_kernel_equals_the_written_out_formula(name):
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.dp
 def test_adamw_and_adam_differ_and_wd_mult_zero_is_not_decayed():
     outs = {}
     for cls in (AdamW, Adam):
@@ -1657,6 +1704,7 @@ def test_adamw_and_adam_differ_and_wd_mult_zero_is_not_decayed():
     np.testing.assert_array_equal(outs["Adam", 0.5][1], outs["Adam", 0.0][1])
 
 
+@pytest.mark.dp
 @pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD"])
 def test_state_dict_round_trip_continues_identically(name):
     rng = np.random.default_rng(3)
@@ -1677,6 +1725,7 @@ def test_state_dict_round_trip_continues_identically(name):
         np.testing.assert_array_equal(x.asnumpy(), y.asnumpy())
 
 
+@pytest.mark.dp
 def test_state_bytes_and_build_errors():
     n = sum(int(np.prod(s)) for s in SHAPES)
     assert AdamW(make_params(np.random.default_rng(0))[1]).state_bytes() == 2 * 4 * n
@@ -1687,6 +1736,7 @@ def test_state_bytes_and_build_errors():
 
 
 # ----------------------------------------------------------------------------------------- clipping
+@pytest.mark.dp
 def test_clip_grad_norm_above_and_below_threshold():
     rng = np.random.default_rng(5)
     g = rand_grads(rng)
@@ -1704,12 +1754,14 @@ def test_clip_grad_norm_above_and_below_threshold():
         np.testing.assert_array_equal(k.asnumpy(), x)
 
 
+@pytest.mark.dp
 def test_clip_by_global_norm_uses_given_total():
     g = [Tensor(np.full((3,), 2.0, np.float32))]
     out = clip_grads_by_global_norm(g, max_norm=1.0, total_norm=4.0)  # e.g. norm over all ranks
     np.testing.assert_allclose(out[0].asnumpy(), 2.0 / (4.0 + 1e-6), rtol=1e-6)
 
 
+@pytest.mark.dp
 def test_clip_grads_by_value():
     g = [Tensor(np.array([-3.0, -0.5, 0.2, 7.0], np.float32))]
     np.testing.assert_array_equal(clip_grads_by_value(g, 1.0)[0].asnumpy(),
@@ -1717,12 +1769,16 @@ def test_clip_grads_by_value():
 
 
 # ------------------------------------------------------------------------------------- loss scaling
+@pytest.mark.dp
+@pytest.mark.fp16
 def test_constant_scaler_never_changes():
     s = ConstantGradScaler(1024.0)
     s.update(True)
     assert s.scale == 1024.0 and s.inv_scale == 1 / 1024.0
 
 
+@pytest.mark.dp
+@pytest.mark.fp16
 def test_dynamic_scaler_hysteresis_backoff_and_floor():
     s = DynamicGradScaler(initial_scale=8.0, min_scale=2.0, growth_interval=3, hysteresis=2)
     s.update(True)
@@ -1735,6 +1791,8 @@ def test_dynamic_scaler_hysteresis_backoff_and_floor():
     assert s.scale == 2.0 and s.inv_scale == 0.5   # min_scale floor
 
 
+@pytest.mark.dp
+@pytest.mark.fp16
 def test_dynamic_scaler_growth_and_state_dict():
     s = DynamicGradScaler(initial_scale=4.0, min_scale=1.0, growth_interval=3, hysteresis=2)
     s.update(False); s.update(False)
@@ -1752,6 +1810,8 @@ def test_dynamic_scaler_growth_and_state_dict():
     assert s.scale == t.scale == 16.0
 
 
+@pytest.mark.dp
+@pytest.mark.fp16
 def test_grad_norm_sq_detects_inf_and_nan():
     """train.py's inf/nan check is the squared norm being finite."""
     ok = [Tensor(np.ones((2, 2), np.float32)), Tensor(np.full(3, 2.0, np.float32))]
@@ -1770,6 +1830,7 @@ def rand(seed, *shape):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+@pytest.mark.cp
 def test_context_parallel_split_written_out():
     """Which positions each cp rank holds, by hand for 16 tokens: Ulysses contiguous quarters...;
     the ring's 2 x cp chunks of 4 zig-zagged (rank 0: chunks 0 and 3); hybrid ulysses 2 x ring 2:
@@ -1788,6 +1849,7 @@ def test_context_parallel_split_written_out():
             and part["attention_mask"].shape == (2, 1, 16, 16))
 
 
+@pytest.mark.cp
 def test_zig_zag_balances_the_causal_attention_work():
     """Query-key pairs per ring rank under the causal mask, 8 tokens over 2 ranks, by hand:
     contiguous halves 1+2+3+4 = 10 and 5+6+7+8 = 26; zig-zag (positions 0,1,6,7 and 2..5)
@@ -1797,6 +1859,7 @@ def test_zig_zag_balances_the_causal_attention_work():
     assert len(set(context_parallel.attention_work(64, 4))) == 1
 
 
+@pytest.mark.cp
 def test_online_softmax_merge_equals_one_softmax():
     """Attention over keys split in two blocks, merged by log-sum-exp, equals softmax attention
     over all keys, in value and in every gradient (ring attention's step)."""
@@ -1950,8 +2013,9 @@ def flash_inputs(cfg, documents, s=40, b=2):
 
 
 # compiled: the document mask here (GQA: test_flash_attention_model_equals_the_plain_model)
-@pytest.mark.parametrize("case,compiled", [(c, False) for c in sorted(FLASH_CASES)]
-                         + [("documents", True)],
+@pytest.mark.parametrize("case,compiled", [
+    pytest.param(c, False, marks=[pytest.mark.fp16] if "fp16" in c else [])
+    for c in sorted(FLASH_CASES)] + [("documents", True)],
                          ids=[f"{c}-op by op" for c in sorted(FLASH_CASES)]
                          + ["documents-compiled"])
 def test_flash_attention_equals_core_attention(case, compiled, monkeypatch):
@@ -2233,7 +2297,8 @@ def _form_inputs(shapes, dtype):
 
 
 @pytest.mark.parametrize("form,dtype,compiled", [
-    (f, d, False) for f in FUSED_FORMS for d in ("float32", "float16")]
+    pytest.param(f, d, False, marks=[pytest.mark.fp16] if d == "float16" else [])
+    for f in FUSED_FORMS for d in ("float32", "float16")]
     + [(f, "float32", True) for f in FUSED_FORMS if f != "bias_dropout_add_p0.3"])
 def test_fused_form_equals_its_plain_form(form, dtype, compiled):
     """Each fused form (fused.py; parallel.BiasAdd, LinearMatMul and SplitLastDim) gives its
@@ -2310,7 +2375,7 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
     ("gpt2", "compiled", FULL_RECOMPUTE),
     ("llama", "compiled", ["--recompute-activations"]),
     ("gpt2", "op by op", ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]),
-    ("gpt2", "compiled", ["--fp16"])],
+    pytest.param("gpt2", "compiled", ["--fp16"], marks=pytest.mark.fp16)],
     ids=["gpt2", "llama", "gpt2-full recompute", "gpt2-compiled-full recompute",
          "llama-compiled-selective recompute",
          "gpt2-dropout", "gpt2-fp16-compiled"])
@@ -2541,6 +2606,7 @@ def np_route(logits, k, score_function, pre_softmax, scaling_factor):
     return dense, routing_map
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("score_function, pre_softmax, k, scaling_factor", [
     ("softmax", False, 2, None), ("softmax", True, 2, None), ("softmax", True, 1, None),
     ("sigmoid", False, 2, None), ("sigmoid", False, 1, None), ("softmax", False, 3, 2.5),
@@ -2573,6 +2639,7 @@ def hand_router(policy, pad):
     return np_softmax(logits), probs.asnumpy(), routing_map.asnumpy()
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("policy, kept", [("probs", [1, 2]), ("position", [0, 1])])
 def test_capacity_drops_the_lowest_probabilities_or_the_latest_tokens(policy, kept):
     scores, probs, routing_map = hand_router(policy, pad=False)
@@ -2582,6 +2649,7 @@ def test_capacity_drops_the_lowest_probabilities_or_the_latest_tokens(policy, ke
     np.testing.assert_allclose(probs, scores * want_map, rtol=1e-6)
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_padding_to_capacity_gives_every_expert_capacity_tokens_with_probability_0(policy):
     scores, probs, routing_map = hand_router(policy, pad=True)
@@ -2594,6 +2662,7 @@ def test_padding_to_capacity_gives_every_expert_capacity_tokens_with_probability
         np.testing.assert_array_equal(np.nonzero(routing_map[:, 2])[0], [0, 5])
 
 
+@pytest.mark.moe
 def test_capacity_above_the_token_count_drops_nothing():
     cfg = moe_config(moe_expert_capacity_factor=4.0)      # C = ceil(12 * 2 / 4 * 4) = 24 > 12
     router, plain = fill_normal(moe.TopKRouter(cfg)), fill_normal(moe.TopKRouter(moe_config()))
@@ -2602,6 +2671,7 @@ def test_capacity_above_the_token_count_drops_nothing():
         np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("overrides", [
     dict(moe_router_topk=1), dict(moe_router_score_function="sqrtsoftplus"),
     dict(moe_router_load_balancing_type="sinkhorn"), dict(moe_router_dtype="fp64"),
@@ -2665,6 +2735,7 @@ def record_losses(router, x):
     return dict(zip(moe.METRICS, logged))
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
 def test_logged_aux_and_z_losses_equal_a_hand_computation(kind, score_function):
@@ -2679,6 +2750,7 @@ def test_logged_aux_and_z_losses_equal_a_hand_computation(kind, score_function):
     assert router.metric_names == (name, "z_loss")
 
 
+@pytest.mark.moe
 def test_a_balanced_router_has_aux_loss_1():
     """Zero weights: equal scores, and the top-2 ties go to experts 0 and 1 for every token;
     f = (1/2, 1/2, 0, 0), P = 1/4 each: E * sum f P = 4 * (1/8 + 1/8) = 1."""
@@ -2707,6 +2779,7 @@ def ms_losses(router, x, cfg):
     return cfg.moe_aux_loss_coeff * aux + z
 
 
+@pytest.mark.moe
 @pytest.mark.usefixtures("unit_aux_loss_scale")
 @pytest.mark.parametrize("kind, score_function", [("aux_loss", "softmax"),
                                                   ("seq_aux_loss", "sigmoid"),
@@ -2742,6 +2815,7 @@ class ScaledSquare(ms.nn.Cell):
         return self.scaler(x, (x * x).sum(), self.scaler.main_loss_backward_scale)
 
 
+@pytest.mark.moe
 @pytest.mark.usefixtures("unit_aux_loss_scale")
 def test_the_scale_set_from_outside_reaches_a_compiled_backward():
     """d/dx sum(scaler(x, sum(x^2))) = 1 + scale * 2x, the scale read at every call of one
@@ -2754,6 +2828,7 @@ def test_the_scale_set_from_outside_reaches_a_compiled_backward():
         np.testing.assert_allclose(grad.asnumpy(), 1 + 2 * scale * x.asnumpy(), rtol=1e-6)
 
 
+@pytest.mark.moe
 def test_losses_are_computed_only_in_training_with_a_backward():
     router, _ = loss_router("aux_loss")
     x = gaussian((5, 3, 8), 8)
@@ -2767,6 +2842,7 @@ def test_losses_are_computed_only_in_training_with_a_backward():
     np.testing.assert_array_equal(router(x)[0].asnumpy(), probs)
 
 
+@pytest.mark.moe
 def test_report_metrics_averages_micro_batches_and_layers():
     """Megatron's report: each name's sum over layers and micro-batches times loss_scale (1/M),
     divided by the MoE layers; then cleared."""
@@ -2784,6 +2860,7 @@ def test_report_metrics_averages_micro_batches_and_layers():
     assert not any(layer.router.metrics[0].asnumpy().any() for layer in layers)
 
 
+@pytest.mark.moe
 @pytest.mark.usefixtures("unit_aux_loss_scale")
 def test_training_the_router_on_the_aux_loss_evens_the_expert_load():
     """A router whose bias sends every token to experts 0 and 1 (load max/mean = 2), trained on
@@ -2809,6 +2886,7 @@ def test_training_the_router_on_the_aux_loss_evens_the_expert_load():
 
 
 # the experts and dispatchers
+@pytest.mark.moe
 @pytest.mark.parametrize("act, bias", [("gelu_tanh", True), ("swiglu", False), ("gelu", True)])
 def test_grouped_mlp_equals_sequential_mlp(act, bias):
     """The same parameters (names and values); batched matmuls against a loop of experts."""
@@ -2863,6 +2941,7 @@ def np_layer(layer, x):
     return out.reshape(s, b, h)
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 @pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("act, bias", [("gelu_tanh", True), ("swiglu", False)])
@@ -2877,6 +2956,7 @@ def test_dropless_layer_equals_every_expert_on_every_token(dispatcher, grouped, 
                                    atol=1e-6)
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 @pytest.mark.parametrize("policy", ["probs", "position"])
 @pytest.mark.parametrize("pad", [False, True])
@@ -2893,6 +2973,7 @@ def test_capacity_layer_equals_the_dense_reference_of_the_kept_tokens(dispatcher
                  values_and_grads(lambda x: dense_reference(layer, x), x, layer))
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("gate", [False, True])
 def test_shared_expert_adds_a_dense_mlp_on_every_token(gate):
     layer = layer_of(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=gate,
@@ -2904,6 +2985,7 @@ def test_shared_expert_adds_a_dense_mlp_on_every_token(gate):
     assert np.abs(got["output"] - routed(x).asnumpy()).max() > 1e-2
 
 
+@pytest.mark.moe
 @pytest.mark.usefixtures("unit_aux_loss_scale")
 def test_both_dispatchers_give_the_same_layer():
     """allgather and alltoall compute the same layer, losses included (their exchanges over
@@ -2916,6 +2998,7 @@ def test_both_dispatchers_give_the_same_layer():
     assert_close(values_and_grads(alltoall, x, alltoall), values_and_grads(plain, x, plain))
 
 
+@pytest.mark.moe
 @pytest.mark.usefixtures("unit_aux_loss_scale")
 @pytest.mark.parametrize("dispatcher, capacity, grouped, shared", [
     ("allgather", None, False, 8), ("alltoall", 0.75, True, None)])
@@ -2938,6 +3021,7 @@ def test_compiled_layer_equals_op_by_op(dispatcher, capacity, grouped, shared):
     assert not layer.router.metrics[0].asnumpy().any()
 
 
+@pytest.mark.moe
 def test_parameter_names_and_attributes():
     """Megatron's module names; expert parameters known by their names and split like the TP
     layers (fc1 by rows in [gate; up] blocks, fc2 by columns); the logged sums and the shared
@@ -2962,6 +3046,7 @@ def test_parameter_names_and_attributes():
 
 
 # ================================================================= pipeline schedules (pipeline.py)
+@pytest.mark.pipeline
 def test_1f1b_and_interleaved_orders_follow_megatrons_rules():
     """p = 2, m = 4, written out from the rules. 1F1B: rank 0 warms up with p - 0 - 1 = 1
     forward, rank 1 with none. Interleaved (v = 2, ' = chunk 1): rank 0 warms up with
@@ -2983,6 +3068,7 @@ def test_1f1b_and_interleaved_orders_follow_megatrons_rules():
         "stage 1: .    F0   B0   F1   B1   F2   B2   F3   B3   .")
 
 
+@pytest.mark.pipeline
 def test_all_forward_all_backward_is_the_naive_schedule():
     """GPipe's order (kind="afab"): every forward, then every backward. Same length and bubble as
     1F1B with unit-time passes, but every micro-batch is in flight at once on every stage
@@ -3003,6 +3089,7 @@ def test_all_forward_all_backward_is_the_naive_schedule():
             assert peaks == [m] * p
 
 
+@pytest.mark.pipeline
 def test_peak_in_flight_is_p_minus_rank():
     """1F1B holds at most min(p - rank, m) micro-batches' activations on a stage."""
     for p in range(1, 7):
@@ -3011,6 +3098,7 @@ def test_peak_in_flight_is_p_minus_rank():
             assert peaks == [min(p - r, m) for r in range(p)], (p, m, peaks)
 
 
+@pytest.mark.pipeline
 @pytest.mark.parametrize("v", [1, 2, 3])
 def test_plan_pairs_every_exchange_and_bubble_matches_theory(v):
     """For every p <= 6 and m <= 12 (m a multiple of p when interleaved): the simulation ends
@@ -3034,6 +3122,7 @@ def test_plan_pairs_every_exchange_and_bubble_matches_theory(v):
                 assert bubble == pytest.approx(pipeline.theory_bubble(p, m, v)), (p, m, v)
 
 
+@pytest.mark.pipeline
 def test_layer_split():
     assert pipeline.layer_split(8, 2) == [(0, 4), (4, 4)]
     # vs = chunk * p + rank
@@ -3062,6 +3151,7 @@ PIPELINE_CONFIG_ERRORS = [
 ]
 
 
+@pytest.mark.pipeline
 @pytest.mark.parametrize("world,args,message", PIPELINE_CONFIG_ERRORS,
                          ids=[" ".join(a[-2:]) for _, a, _ in PIPELINE_CONFIG_ERRORS])
 def test_invalid_pipeline_layouts_are_refused(world, args, message):
@@ -3132,6 +3222,7 @@ def test_memory_parameter_counts_equal_the_models_own(variant):
             assert memory.total_parameters(m) == held
 
 
+@pytest.mark.moe
 @pytest.mark.parametrize("moe", [["--moe-layer-freq", "2"],
                                  ["--swiglu", "--moe-shared-expert-intermediate-size", "8",
                                   "--moe-shared-expert-gate"]], ids=["gpt2", "swiglu_shared"])
@@ -3155,6 +3246,7 @@ def test_memory_counts_experts_per_rank(moe):
             assert memory.total_parameters(m) == held
 
 
+@pytest.mark.moe
 def test_memory_shards_experts_over_the_expert_data_parallel_group():
     """With the distributed optimizer each rank keeps float32 main params and Adam's two moments
     (12 bytes a parameter) for 1/(dp x cp) of the dense parameters and 1/(dp x cp / ep) of its
@@ -3186,6 +3278,7 @@ def test_memory_shards_experts_over_the_expert_data_parallel_group():
             assert experts == memory.expert_parameters(cfg, 0) > 0
 
 
+@pytest.mark.moe
 def test_memory_activations_of_an_moe_layer_by_hand():
     """One MoE layer, micro-batch b = 2, s = 16, h = 8, 2 heads, E = 4 experts of ffn 16, top-2,
     gelu_tanh, TP2 + SP x EP2: n = b s / tp = 16 tokens routed on a rank. The attention keeps
@@ -3287,6 +3380,7 @@ def test_memory_activations_per_layer_by_hand():
                                                              2, 2, True, False, 0)[0])
 
 
+@pytest.mark.fp16
 def test_memory_counts_half_precision(capsys):
     """Bytes per parameter as Megatron counts them: float32 16 (weight, gradient, two moments);
     --fp16 18 with --accumulate-allreduce-grads-in-fp32 (float16 weight, float32 gradient, float32
@@ -3580,6 +3674,7 @@ def assert_same(a, b, where="obj"):
         assert type(a) is type(b) and a == b, where
 
 
+@pytest.mark.checkpoint
 def test_torch_format_round_trip_every_dtype_views_namespace_and_containers(tmp_path):
     """Every tensor dtype, BFloat16, views of one array, a Namespace with a torch dtype and a
     foreign enum, nested containers, numpy's and Python's random states come back as saved;
@@ -3599,6 +3694,7 @@ def test_torch_format_round_trip_every_dtype_views_namespace_and_containers(tmp_
     assert back["bfloat16"].float32().tolist() == [1.5, -2.25, np.float32(0.0030059814453125)]
 
 
+@pytest.mark.checkpoint
 def test_torch_format_reads_what_real_torch_wrote():
     """torch_sample.pt (torch.save of torch 2.13): views and shared storages at their offsets
     and strides, every dtype, a Parameter, args with torch dtypes and Megatron's ModelType
@@ -3637,12 +3733,14 @@ def test_torch_format_reads_what_real_torch_wrote():
     assert s["nested"] == {"t": (1, [2.5, None], {"x": True})} and s["np_scalar"] == 0.25
 
 
+@pytest.mark.checkpoint
 def test_torch_format_load_save_load_of_real_torch_file_is_exact(tmp_path):
     first = torch_format.load(os.path.join(FIXTURES, "torch_sample.pt"))
     torch_format.save(first, str(tmp_path / "again.pt"))
     assert_same(first, torch_format.load(str(tmp_path / "again.pt")))
 
 
+@pytest.mark.checkpoint
 def test_bfloat16_rounds_to_nearest_even():
     one, step = 1.0, 2.0 ** -7                       # bfloat16's spacing just above 1
     values = np.array([one + step / 2, one + 3 * step / 2, one + step / 2 + 2 ** -20, -0.0,
@@ -3681,6 +3779,7 @@ BROKEN = {
 }
 
 
+@pytest.mark.checkpoint
 @pytest.mark.parametrize("kind", BROKEN)
 def test_torch_format_refuses_broken_files_in_one_line_naming_them(kind, tmp_path):
     path = str(tmp_path / "x.pt")
@@ -3698,6 +3797,7 @@ def archive(path, pickled):
         a.writestr("x/version", "3\n")
 
 
+@pytest.mark.checkpoint
 def test_torch_format_runs_nothing_from_the_file(tmp_path):
     """A global outside the known names is an inert placeholder (os.system is not called);
     a pickle setting the state of a shared class is refused."""
@@ -3716,6 +3816,7 @@ def test_torch_format_runs_nothing_from_the_file(tmp_path):
     one_line(e, "build.pt", "its pickle sets the state of")
 
 
+@pytest.mark.checkpoint
 def test_torch_format_refuses_a_missing_file_and_a_folder(tmp_path):
     for path in (str(tmp_path / "none.pt"), str(tmp_path)):
         with pytest.raises(torch_format.TorchFormatError) as e:
@@ -3723,6 +3824,7 @@ def test_torch_format_refuses_a_missing_file_and_a_folder(tmp_path):
         one_line(e, path, "not found (or not a file)")
 
 
+@pytest.mark.checkpoint
 def test_torch_format_save_is_atomic(tmp_path, monkeypatch):
     """An object that does not pickle, or a failure while writing, leaves the old file as it
     was and no temporary file."""
@@ -3773,6 +3875,7 @@ OTHER_LAYOUT = {
     "legacy_tp2_pp2": ["--nproc", "2", "--tensor-model-parallel-size", "2"]}
 
 
+@pytest.mark.checkpoint
 @pytest.mark.parametrize("name", NAMES)
 def test_megatron_checkpoint_imports_and_generates_what_torch_computed(name, tmp_path, capsys):
     """Each Megatron-LM checkpoint written by real torch (mcore names at TP1; TP2 with RoPE,
@@ -3806,6 +3909,7 @@ def test_megatron_checkpoint_imports_and_generates_what_torch_computed(name, tmp
     assert capsys.readouterr().out.split() == [str(i) for i in want["prompt"] + want["greedy"]]
 
 
+@pytest.mark.checkpoint
 def test_read_checkpoint_gives_the_model_the_args_describe():
     """read_checkpoint: one-process float32 tensors, overrides naming each fixture's model
     (Megatron's activation rule included), the iteration."""
@@ -3833,6 +3937,7 @@ def megatron_args(name, **changes):
     return args
 
 
+@pytest.mark.checkpoint
 @pytest.mark.parametrize("legacy, flags, act", [
     (False, dict(bias_gelu_fusion=True, add_bias_linear=True), "gelu_tanh"),
     (False, dict(bias_gelu_fusion=False, add_bias_linear=True), "gelu"),
@@ -3862,6 +3967,7 @@ def as_float32(value):
     return value.float32() if isinstance(value, torch_format.BFloat16) else value.astype(np.float32)
 
 
+@pytest.mark.checkpoint
 @pytest.mark.parametrize("name, flags", [
     ("tp1_gpt2", []),
     ("tp2_llama_bf16", ["--nproc", "2", "--tensor-model-parallel-size", "2"]),
@@ -3902,6 +4008,7 @@ def test_megatron_names_both_ways_match_megatrons_files(name, flags, tmp_path):
                         np.testing.assert_array_equal(v, as_float32(theirs[key][n]), err_msg=n)
 
 
+@pytest.mark.checkpoint
 def test_project_ranks_written_as_megatron_files_read_back(tmp_path):
     """The way back, as --ckpt-format torch would write it: each rank of a TP2 x PP2 checkpoint
     of this project through rank_model_state into Megatron's folder layout (torch_format.save,
@@ -3960,6 +4067,8 @@ def torch_moe_checkpoint(tmp_path_factory):
     return str(tmp / "one")
 
 
+@pytest.mark.checkpoint
+@pytest.mark.moe
 def test_torch_format_moe_run_holds_megatrons_names_and_resumes_bit_for_bit(torch_moe_checkpoint,
                                                                            tmp_path):
     """A one-process MoE run saved with --ckpt-format torch: its model_optim_rng.pt holds
@@ -3994,6 +4103,8 @@ def test_torch_format_moe_run_holds_megatrons_names_and_resumes_bit_for_bit(torc
                                                                          "exp_avg_sq", "step"]
 
 
+@pytest.mark.checkpoint
+@pytest.mark.moe
 def test_torch_format_moe_converts_to_ep2_expert_folders_and_back_exactly(torch_moe_checkpoint,
                                                                          tmp_path):
     """convert --nproc 2 --expert-model-parallel-size 2 writes Megatron's mp_rank_00_000 and
@@ -4026,6 +4137,8 @@ def test_torch_format_moe_converts_to_ep2_expert_folders_and_back_exactly(torch_
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+@pytest.mark.checkpoint
+@pytest.mark.moe
 def test_import_megatron_reads_an_ep2_moe_folder(torch_moe_checkpoint, tmp_path):
     """import-megatron of Megatron's EP2 folders (mp_rank_00_000 and _001 read as EP ranks by
     their args, no meta.json, the nargs='+' list form of the balancing type and coefficient,
@@ -4053,6 +4166,8 @@ def test_import_megatron_reads_an_ep2_moe_folder(torch_moe_checkpoint, tmp_path)
         np.testing.assert_array_equal(tensors[key], want[key], err_msg=key)
 
 
+@pytest.mark.checkpoint
+@pytest.mark.moe
 def test_moe_names_both_ways_and_refusals():
     """Routed experts' indices local to an EP rank in Megatron's names, global here;
     transformer_engine's TEGroupedMLP weight<j> read as expert j; a global expert outside the
@@ -4080,6 +4195,7 @@ def test_moe_names_both_ways_and_refusals():
              "args.expert_tensor_parallel_size=2 (experts split over another TP size")
 
 
+@pytest.mark.checkpoint
 def test_project_name_aliases_and_refusals():
     """The legacy model's late *_norm names, transformer_engine's fused norms, `_extra_state`
     and RoPE's inv_freq (no weights); a module this project lacks is one line naming it."""
@@ -4136,6 +4252,7 @@ REFUSED = {"moe_router_enable_expert_bias": ("tp1_gpt2", True,
            "position_embedding_type": ("tp1_gpt2", "relative", "position embeddings other than")}
 
 
+@pytest.mark.checkpoint
 @pytest.mark.parametrize("key", REFUSED)
 def test_import_refuses_a_model_it_cannot_hold_in_one_line(key, tmp_path):
     name, value, message = REFUSED[key]
@@ -4147,12 +4264,14 @@ def test_import_refuses_a_model_it_cannot_hold_in_one_line(key, tmp_path):
     assert not os.path.exists(out)
 
 
+@pytest.mark.checkpoint
 def test_rope_settings_matter_to_rope_models_alone():
     args = megatron_args("tp1_gpt2", rotary_percent=0.5, rotary_interleaved=True)
     assert ("model_config.position_embedding_type=absolute"
             in megatron_checkpoint.model_overrides(args))
 
 
+@pytest.mark.checkpoint
 def test_import_names_every_setting_it_cannot_hold(tmp_path):
     root = copied("tp1_gpt2", tmp_path)
     change_file(rank_file(root), args={"moe_input_jitter_eps": 0.1, "qk_layernorm": True})
@@ -4200,6 +4319,7 @@ FOLDER_BREAKS = {
                     "no 1/2 piece of the model's (256, 64)")}
 
 
+@pytest.mark.checkpoint
 @pytest.mark.parametrize("kind", FOLDER_BREAKS)
 def test_import_refuses_a_broken_megatron_folder_in_one_line(kind, tmp_path):
     root, out = copied("legacy_tp2_pp2", tmp_path), str(tmp_path / "out")
@@ -4210,6 +4330,7 @@ def test_import_refuses_a_broken_megatron_folder_in_one_line(kind, tmp_path):
     assert not os.path.exists(out)
 
 
+@pytest.mark.checkpoint
 def test_import_reads_a_release_checkpoint(tmp_path, capsys):
     root = copied("tp1_gpt2", tmp_path)
     os.rename(os.path.join(root, "iter_0000010"), os.path.join(root, "release"))
@@ -4219,6 +4340,7 @@ def test_import_reads_a_release_checkpoint(tmp_path, capsys):
     assert "(iteration 0," in capsys.readouterr().out
 
 
+@pytest.mark.checkpoint
 def test_import_megatron_help_and_flags_checked_before_any_work(tmp_path):
     with pytest.raises(HelpRequested) as e:
         checkpoint.import_megatron_main(["--help"])
@@ -4244,6 +4366,7 @@ def test_import_megatron_help_and_flags_checked_before_any_work(tmp_path):
     one_line(e, "already holds a checkpoint")
 
 
+@pytest.mark.checkpoint
 def test_tokenizer_from_megatrons_args():
     """GPT2BPETokenizer: its files where they exist, else the project's copies of GPT-2's;
     NullTokenizer: Megatron's older vocab_size + 1 ids, or the newer vocab_size when only that
@@ -4267,6 +4390,7 @@ def test_tokenizer_from_megatrons_args():
     assert "HuggingFaceTokenizer is not in this project" in note
 
 
+@pytest.mark.checkpoint
 def test_import_with_gpt2_tokenizer_generates_text(tmp_path, capsys):
     """A Megatron GPT with GPT-2's tokenizer whose vocab files are not on this machine imports
     with the project's copies and `generate` continues a text prompt."""
@@ -4291,6 +4415,7 @@ def test_import_with_gpt2_tokenizer_generates_text(tmp_path, capsys):
 
 
 # ================================================ checkpoint (checkpoint.py, hf_gpt2.py, sample.py)
+@pytest.mark.checkpoint
 def test_convert_round_trip_and_refusals(tmp_path, capsys):
     """convert: one process -> TP2 x PP2 x DP2 with the distributed optimizer
     (8 ranks) -> one process gives back every weight and moment exactly; a layout that cannot
@@ -4344,6 +4469,8 @@ def saved(folder):
             checkpoint.latest_iteration(str(folder)))
 
 
+@pytest.mark.checkpoint
+@pytest.mark.fp16
 def test_half_precision_checkpoints_convert_export_import_and_generate(tmp_path, capsys):
     """An --fp16 run's checkpoint holds float16 weights beside their float32 main params (the
     weights are the main params rounded); convert to TP2 and back keeps weights, main params and
@@ -4385,6 +4512,7 @@ def test_half_precision_checkpoints_convert_export_import_and_generate(tmp_path,
         np.testing.assert_array_equal(imported[f"model.{n}"], tensors[f"model.{n}"], err_msg=n)
 
 
+@pytest.mark.checkpoint
 def test_one_folder_holds_one_run(tmp_path, capsys):
     """The issue's data loss: a fresh run saved beside an older run's higher iterations had its own
     checkpoint pruned and `latest` pointing at nothing. Now refused before any work; --load of the
@@ -4424,6 +4552,7 @@ def test_one_folder_holds_one_run(tmp_path, capsys):
     assert tiny_run(d, "--save-interval", "-1") == 2
 
 
+@pytest.mark.checkpoint
 def test_load_of_a_new_folder_starts_from_scratch(tmp_path, capsys):
     """Megatron's --save X --load X idiom works on the first run: a warning, then iteration 0."""
     d = tmp_path / "new"
@@ -4440,6 +4569,7 @@ def test_load_of_a_new_folder_starts_from_scratch(tmp_path, capsys):
             and effective["training_config"]["training_iters"] == 4)
 
 
+@pytest.mark.checkpoint
 def test_a_save_folder_another_rank_creates_meanwhile_is_no_file(tmp_path, monkeypatch):
     """Every rank checks --save while the first creates it (seen under load: a rank called the
     new folder a file): the folder appearing during the check's first look is taken as one."""
@@ -4456,6 +4586,7 @@ def test_a_save_folder_another_rank_creates_meanwhile_is_no_file(tmp_path, monke
         checkpoint.check_save_folder(str(tmp_path / "file"), None)
 
 
+@pytest.mark.checkpoint
 def test_a_failed_save_is_one_line_and_the_last_checkpoint_stays(tmp_path, monkeypatch, capsys):
     """A full disk (MindSpore raises RuntimeError from save_checkpoint) ends the run with one line
     naming the file and the fix, exit 2; the previous checkpoint is still the latest."""
@@ -4473,6 +4604,7 @@ def test_a_failed_save_is_one_line_and_the_last_checkpoint_stays(tmp_path, monke
     assert saved(d) == ([2], 2) and not list(d.glob(".iter_*"))  # no temporary folder left
 
 
+@pytest.mark.checkpoint
 def test_an_empty_split_is_named(tmp_path):
     _, lines = run_training(tmp_path, "nosplit", "--train-iters", "1", "--split", "100,0,0",
                             "--eval-iters", "1")
@@ -4480,6 +4612,7 @@ def test_an_empty_split_is_named(tmp_path):
     assert "no test loss: the test part of --split 100,0,0 holds no documents" in lines
 
 
+@pytest.mark.checkpoint
 def test_a_checkpoint_that_differs_from_the_run_is_named_before_training(tmp_path, capsys):
     """Every architecture key, the tokenizer and the optimizer compared in one line before any work
     (a different activation has the same shapes, so the shapes alone did not catch it);
@@ -4551,6 +4684,7 @@ def test_a_stopped_job_resumes_bit_identical(how, tmp_path, monkeypatch, capsys)
     assert train_records(d) == train_records(tmp_path / "whole")
 
 
+@pytest.mark.checkpoint
 def test_resumed_learning_rate_schedule_follows_megatrons_rules(tmp_path, capsys):
     """Resuming with another --train-iters changes the schedule's decay length: the
     checkpoint's schedule is kept and named in a warning (the guide's default
@@ -4577,6 +4711,7 @@ class Killed(Exception):
     """Raised in place of a process being killed mid-save."""
 
 
+@pytest.mark.checkpoint
 def test_a_save_killed_at_any_point_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """kill -9 during a save, simulated at each file operation in turn (folder made or removed,
     tensor file, meta.json, rename, tracker): `latest` always names a whole checkpoint, the old
@@ -4677,6 +4812,7 @@ def hf_gpt2_logits(w, ids, layers, heads):
     return ln(x, "ln_f") @ w["wte.weight"].T
 
 
+@pytest.mark.checkpoint
 def test_gpt2_import_generate_and_export(tmp_path, capsys, gpt2):
     """A GPT-2 directory built here imports (one process, and TP2 x PP2 on 4 ranks): the model's
     logits equal the Hugging Face forward's (max abs difference 1e-4, fp32); `generate
@@ -4713,6 +4849,7 @@ def test_gpt2_import_generate_and_export(tmp_path, capsys, gpt2):
             == (2, 32, 4, 50257))
 
 
+@pytest.mark.checkpoint
 def test_export_refuses_what_gpt2_cannot_hold(tmp_path, capsys):
     run_training(tmp_path, "rope", "--train-iters", "1", "--position-embedding-type", "rope")
     assert train.main(["export-hf", "--load", str(tmp_path / "rope"), "--save",
@@ -4721,6 +4858,7 @@ def test_export_refuses_what_gpt2_cannot_hold(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.checkpoint
 @pytest.mark.parametrize("command", ["convert", "import-hf"])
 @pytest.mark.parametrize("nproc", ["abc", "0"])
 def test_convert_and_import_refuse_a_bad_nproc(command, nproc, tiny_checkpoint, tmp_path, capsys):
@@ -4752,6 +4890,7 @@ HF_BREAKS = {"not_json": ("config.json", "is not JSON"),
              "truncated": ("model.safetensors", "is damaged or truncated")}
 
 
+@pytest.mark.checkpoint
 @pytest.mark.parametrize("kind", HF_BREAKS)
 def test_import_hf_refuses_a_broken_directory_naming_the_file(kind, tmp_path, capsys):
     tiny_hf_gpt2(tmp_path / "hf", layers=1, hidden=16, heads=2, positions=16, vocab=300)
@@ -4762,6 +4901,7 @@ def test_import_hf_refuses_a_broken_directory_naming_the_file(kind, tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.checkpoint
 def test_import_hf_maps_dropout(tmp_path, capsys):
     """resid_pdrop -> hidden_dropout_rate, attn_pdrop -> attention_dropout_rate
     (GPT2Config's 0.1 when absent); an embd_pdrop other than resid_pdrop is named, Megatron
@@ -4780,6 +4920,7 @@ def test_import_hf_maps_dropout(tmp_path, capsys):
         assert (m["hidden_dropout_rate"], m["attention_dropout_rate"]) == rates
 
 
+@pytest.mark.checkpoint
 def test_export_hf_refuses_a_file_and_writes_the_tokenizer(tmp_path, tiny_checkpoint, capsys):
     """export-hf writes vocab.json, merges.txt (the checkpoint's GPT-2 files), tokenizer_config.json
     and special_tokens_map.json, what transformers' AutoTokenizer reads; a ByteTokenizer model gets
@@ -4809,6 +4950,7 @@ def test_export_hf_refuses_a_file_and_writes_the_tokenizer(tmp_path, tiny_checkp
             == ["config.json", "model.safetensors"])
 
 
+@pytest.mark.checkpoint
 def test_keep_checkpoint_max_and_damaged_checkpoint(tmp_path, capsys):
     run_training(tmp_path, "keep", "--train-iters", "6", "--save-interval", "2",
                  "training_config.keep_checkpoint_max=2")
@@ -4822,6 +4964,7 @@ def test_keep_checkpoint_max_and_damaged_checkpoint(tmp_path, capsys):
         checkpoint.load_checkpoint(str(out))
 
 
+@pytest.mark.checkpoint
 def test_a_truncated_torch_format_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
     """--ckpt-format torch: a model_optim_rng.pt cut short is one error line naming the file
     when a run resumes from it, before any step."""
@@ -4840,6 +4983,7 @@ def test_a_truncated_torch_format_checkpoint_is_one_line_naming_the_file(tmp_pat
     assert code == 2 and err.count("\n") == 1 and str(weights) in err, err
 
 
+@pytest.mark.checkpoint
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
     run_training(tmp_path, "crash", "--train-iters", "2")
     out = tmp_path / "crash"
@@ -4879,11 +5023,13 @@ BAD_GENERATE = [(["--temperature", "-1"], "--temperature must be >= 0"),
                 (["--load", "/nonexistent/ckpt"], "no checkpoint in /nonexistent/ckpt")]
 
 
+@pytest.mark.checkpoint
 @pytest.mark.parametrize("args,message", BAD_GENERATE, ids=[" ".join(a) for a, _ in BAD_GENERATE])
 def test_generate_refuses_bad_flags_in_one_line(tiny_checkpoint, args, message, capsys):
     one_line_error(capsys, ["generate", "--load", tiny_checkpoint, *args], message)
 
 
+@pytest.mark.checkpoint
 def test_generate_command_line_error_has_no_traceback(tiny_checkpoint, capfd):
     """A bad generate flag is exit code 2 and one line, no traceback, in all that reaches the
     process's stdout and stderr (in this process: train.py's __main__ gives main's code as the
@@ -4895,6 +5041,7 @@ def test_generate_command_line_error_has_no_traceback(tiny_checkpoint, capfd):
                                 "vocabulary's 257, got 100000"]
 
 
+@pytest.mark.checkpoint
 def test_generate_streams_slides_past_seq_length_and_takes_tokenizer_flags(tiny_checkpoint, capsys):
     """gpt.generate hands each token to on_token as sampled and slides its window past seq_length
     (16 here); an empty prompt starts from the end-of-document token; the tokenizer flags replace
@@ -4914,6 +5061,7 @@ def test_generate_streams_slides_past_seq_length_and_takes_tokenizer_flags(tiny_
             and all(0 <= int(i) <= 200 for i in printed))
 
 
+@pytest.mark.checkpoint
 def test_text_stream_prints_whole_characters_as_one_decode_would(gpt2, capsys):
     """Multi-byte characters split over byte-level tokens come out whole; the pieces
     printed add up to one decode of all the tokens, for GPT-2 BPE, bytes and
@@ -4938,6 +5086,7 @@ def test_text_stream_prints_whole_characters_as_one_decode_would(gpt2, capsys):
     assert capsys.readouterr().out == "\ufffd"
 
 
+@pytest.mark.checkpoint
 def test_generate_command_from_checkpoint(tmp_path, capsys):
     run_training(tmp_path, "gen", "--train-iters", "2")
     capsys.readouterr()
@@ -5309,6 +5458,7 @@ def test_a_short_run_writes_tensorboard_events_equal_to_metrics_jsonl(metrics_ru
         assert dict(values) == {t: float(np.float32(v)) for t, v in expected.items()}, step
 
 
+@pytest.mark.checkpoint
 def test_metrics_of_a_killed_run_resume_from_its_checkpoint(tmp_path, monkeypatch, capsys):
     """A run killed at step 6 after saving at 4 (a bug's exception in place of kill -9) and then
     resumed: metrics.jsonl holds each step once, steps 5 and 6 as the resumed run trained them
@@ -5516,6 +5666,7 @@ def test_recompute_trains_bit_identical_with_dropout(tmp_path, precision):
     assert train_records(tmp_path / "recomputed") == train_records(tmp_path / "plain")
 
 
+@pytest.mark.checkpoint
 def test_finetune_no_load_optim_and_no_load_rng(tmp_path):
     """As in Megatron: --finetune loads the weights only and starts at iteration 0; --no-load-optim
     resumes at the saved iteration with a fresh optimizer and schedule; --no-load-rng resumes with
@@ -5548,6 +5699,7 @@ def test_compiled_model_equals_eager(tmp_path):
     assert_same_training(compiled, eager)
 
 
+@pytest.mark.moe
 def test_moe_model_trains_and_compiled_equals_op_by_op(tmp_path):
     """A GPT whose first layer is an MoE layer (4 experts with biases, top-2, aux and z losses,
     2 micro-batches: the losses' gradients weighted 1/2 like the main loss'): the loss falls over
@@ -5601,6 +5753,7 @@ def test_loss_scaler_skips_a_step_with_nan_gradients():
 FP16 = ["--fp16", "--initial-loss-scale", "4096"]
 
 
+@pytest.mark.fp16
 def test_eager_cast_equals_cast():
     """optimizer.eager_cast (a copy into a new tensor, the optimizer's op-by-op cast) gives the
     Cast kernel's bits both ways, overflow, subnormals, signed zero, nan and ties included, and
@@ -5617,6 +5770,7 @@ def test_eager_cast_equals_cast():
     assert optimizer.eager_cast(None, ms.float32) is None
 
 
+@pytest.mark.fp16
 def test_half_precision_dtypes_follow_megatron_and_the_guides():
     """--fp16 (Megatron): float16 parameters and compute, float32 main params in the optimizer,
     Megatron's dynamic loss scale (2^32, window 1000, hysteresis 2), gradients summed in float16
@@ -5652,6 +5806,7 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     assert type(train.build_scaler(tiny_cfg("--fp16", "--loss-scale", "8"))) is ConstantGradScaler
 
 
+@pytest.mark.fp16
 def test_half_precision_parameters_take_their_gradients_in_their_dtype():
     """--fp16 parameters are made in float16 (gpt.cast_parameters), not set_dtype'd: op by op, the
     tied embedding's two gradients (its lookup's, and the output layer's hand backward,
@@ -5675,6 +5830,7 @@ def test_half_precision_parameters_take_their_gradients_in_their_dtype():
     assert pair[0].weight.name == "shared" and pair[0].weight.sequence_parallel
 
 
+@pytest.mark.fp16
 def test_query_key_layer_scaling_and_the_softmax_dtype():
     """apply_query_key_layer_scaling divides q k^T by the layer number and multiplies it back in
     the float32 softmax: the same logits (float32, 1e-6) and a different scale per layer; in
@@ -5691,6 +5847,7 @@ def test_query_key_layer_scaling_and_the_softmax_dtype():
     assert 0 < np.abs(half - plain).max() < 1e-2 and 0 < np.abs(soft16 - half).max() < 1e-2
 
 
+@pytest.mark.fp16
 def test_fp16_trains_within_2_percent_of_fp32(tmp_path):
     """20 steps in float16 (Megatron's --fp16, and the guides' float32 parameters computing in
     float16) end within 2% of the float32 run's loss, having computed in float16 (not equal).
@@ -5710,6 +5867,7 @@ def optimizer_snapshot(optim):
     return [p.asnumpy().copy() for p in optim.params], arrays, step
 
 
+@pytest.mark.fp16
 def test_forced_overflow_skips_the_step_and_lowers_the_scale_by_megatrons_rule(tmp_path):
     """A loss scale of 2^40 overflows float16: the step is skipped, weights, float32 main params
     and optimizer state bit-identical, the scheduler not stepped; hysteresis 2 keeps the scale at
