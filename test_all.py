@@ -1984,18 +1984,6 @@ FLASH_CASES = {"mha": ([], False),
                "fp16 layer scaling": (["--fp16", "--apply-query-key-layer-scaling"], False)}
 
 
-class JitAttention(nn.Cell):
-    """A core attention compiled by ms.jit (its backward too)."""
-
-    def __init__(self, core):
-        super().__init__()
-        self.core = core
-
-    @ms.jit
-    def construct(self, q, k, v, bias):
-        return self.core(q, k, v, bias)
-
-
 def flash_inputs(cfg, documents, s=40, b=2):
     """q [s, b, n, d], k, v [s, b, g, d] and the causal mask [b, n, s, s], or with `documents`
     the document mask of reset_attention_mask (documents end at tokens 9 and 27), both as the
@@ -2013,19 +2001,17 @@ def flash_inputs(cfg, documents, s=40, b=2):
     return (q, k, v, bias), weights
 
 
-# compiled: the document mask here (GQA: test_flash_attention_model_equals_the_plain_model)
-@pytest.mark.parametrize("case,compiled", [
-    pytest.param(c, False, marks=[pytest.mark.fp16] if "fp16" in c else [])
-    for c in sorted(FLASH_CASES)] + [("documents", True)],
-                         ids=[f"{c}-op by op" for c in sorted(FLASH_CASES)]
-                         + ["documents-compiled"])
-def test_flash_attention_equals_core_attention(case, compiled, monkeypatch):
+# compiled: in a whole model, with a document mask
+# (test_flash_attention_model_equals_the_plain_model)
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=[pytest.mark.fp16] if "fp16" in c else []) for c in sorted(FLASH_CASES)],
+    ids=[f"{c}-op by op" for c in sorted(FLASH_CASES)])
+def test_flash_attention_equals_core_attention(case, monkeypatch):
     """gpt.FlashAttention asked for 16-token blocks over 40 tokens takes 4 blocks of 10 (the
     largest divisor of 40 not above 16; the 6 block pairs above the causal diagonal skipped) and
     gives CoreAttention's context and gradients of q, k and v (float32: relative 1e-5):
     multi-head, grouped-query, a document mask, query-key layer scaling (layer 3) in float32 and
-    float16 (2e-3); op by op, and the document mask compiled (ms.jit, against CoreAttention op
-    by op)."""
+    float16 (2e-3); op by op."""
     flags, documents = FLASH_CASES[case]
     cfg = tiny_cfg(*flags)
     dtype = gpt.DTYPES[cfg.model_config.compute_dtype]
@@ -2035,10 +2021,9 @@ def test_flash_attention_equals_core_attention(case, compiled, monkeypatch):
     for attention in (gpt.CoreAttention, functools.partial(gpt.FlashAttention, block_size=16)):
         core = attention(cfg.model_config, DropoutRNG(0), cfg.model_config.num_attention_heads
                          // cfg.model_config.num_query_groups, layer_number=3)
-        net = JitAttention(core) if compiled and attention is not gpt.CoreAttention else core
-        grads = ms.grad(lambda *x: (net(*x) * weights.astype(dtype)).astype(ms.float32).sum(),
+        grads = ms.grad(lambda *x: (core(*x) * weights.astype(dtype)).astype(ms.float32).sum(),
                         (0, 1, 2))(*inputs)
-        results.append([net(*inputs)] + list(grads))
+        results.append([core(*inputs)] + list(grads))
     scored, scores = [], context_parallel.attention_scores
     monkeypatch.setattr(context_parallel, "attention_scores",   # the key blocks scored, op by op
                         lambda q, k, *rest: scored.append(k.shape[2]) or scores(q, k, *rest))
@@ -2058,9 +2043,17 @@ def test_flash_attention_equals_core_attention(case, compiled, monkeypatch):
              "--recompute-num-layers", "2"])], ids=["op by op", "compiled", "full recompute"])
 def test_flash_attention_model_equals_the_plain_model(compiled, recompute):
     """A whole tiny model (GQA, RoPE) with --use-flash-attn, its layers' blocks 4 tokens (16 =
-    4 x 4), gives the plain model's loss and every parameter gradient (relative 1e-5), op by op
-    and compiled (against the plain model op by op); also inside full recompute (the flash
-    core's custom bprop in a recomputed layer)."""
+    4 x 4), gives the plain model's loss and every parameter gradient (relative 1e-5) on
+    sequences of three documents (reset_attention_mask's document mask, positions restarting),
+    op by op and compiled (against the plain model op by op); also inside full recompute (the
+    flash core's custom bprop in a recomputed layer)."""
+    batch = random_batch(tiny_cfg())
+    for row in range(len(batch["tokens"])):       # documents end at tokens 5 and 11 of each row
+        batch["tokens"][row, [5, 11]] = 256
+        batch["loss_mask"][row], batch["position_ids"][row], mask = (
+            data.get_ltor_masks_and_position_ids(batch["tokens"][row], 256, True, True, False))
+        batch.setdefault("attention_mask", np.zeros((len(batch["tokens"]), *mask.shape), bool))
+        batch["attention_mask"][row] = mask
     results = []
     for flash in ([], ["--use-flash-attn", *recompute]):
         cfg, model = tiny_model(*VARIANTS["gqa"], *VARIANTS["rope"], *flash)
@@ -2069,7 +2062,7 @@ def test_flash_attention_model_equals_the_plain_model(compiled, recompute):
                 layer.self_attention.core_attention.kernel.block_size = 4
         net = gpt.Compiled(model) if compiled and flash else model
         grad_fn = ms.value_and_grad(net, None, model.trainable_params())
-        loss, grads = grad_fn(*train.to_tensors(random_batch(cfg)))
+        loss, grads = grad_fn(*train.to_tensors(batch))
         results.append([loss.asnumpy()] + [g.asnumpy() for g in grads])
     assert isinstance(model.layers[1].self_attention.core_attention, gpt.FlashAttention)
     for got, want in zip(*results):
@@ -5648,10 +5641,11 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, one_big_batch):
 @pytest.mark.dp
 def test_planted_micro_batch_sum_is_caught_by_the_grad_norm(tmp_path, one_big_batch,
                                                             monkeypatch):
-    """A planted bug, the micro-batches' losses summed instead of averaged (each weighted by the
-    loss scale alone, not scale / 2: the accumulated gradients twice the mean's, the logged losses
-    unchanged): clipping and Adam's update hide the factor, so every loss still agrees with one
-    big batch, and the accumulation test's comparison fails naming the gradient norm."""
+    """A planted bug, the micro-batches' losses summed instead of averaged (as though each were
+    weighted by the loss scale alone, not scale / 2: the accumulated gradients twice the mean's,
+    the logged losses unchanged): clipping and Adam's update hide the factor, so every loss still
+    agrees with one big batch (relative 1e-5), and the accumulation test's comparison fails
+    naming the gradient norm."""
     forward_backward = train.Trainer.forward_backward
 
     def summed(self, micro_batches):
