@@ -2994,16 +2994,15 @@ def test_both_dispatchers_give_the_same_layer():
 
 @pytest.mark.moe
 @pytest.mark.usefixtures("unit_aux_loss_scale")
-@pytest.mark.parametrize("dispatcher, capacity, grouped, shared", [
-    ("allgather", None, False, 8), ("alltoall", 0.75, True, None)])
-def test_compiled_layer_equals_op_by_op(dispatcher, capacity, grouped, shared):
+def test_compiled_layer_equals_op_by_op():
     """The whole layer in one ms.jit graph (gpt.Compiled): output, every gradient (aux and z
-    injected) and the logged losses as op by op; evaluation compiles without the losses. (The
-    shared expert in one graph only, GroupedMLP in the other: each graph compiles in seconds.)"""
-    layer = layer_of(moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=capacity,
-                     moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, moe_grouped_gemm=grouped,
-                     moe_shared_expert_intermediate_size=shared,
-                     moe_shared_expert_gate=shared is not None)
+    injected) and the logged losses as op by op; evaluation compiles without the losses. One
+    graph holds the alltoall dispatcher, capacity drops, GroupedMLP and a gated shared expert
+    (the allgather dispatcher compiled, dropless, with SequentialMLP:
+    test_moe_model_trains_and_compiled_equals_op_by_op)."""
+    layer = layer_of(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=0.75,
+                     moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, moe_grouped_gemm=True,
+                     moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True)
     compiled, x = gpt.Compiled(layer), gaussian((6, 2, 8), 18)
     eager = values_and_grads(layer, x, layer)
     logged = moe.report_metrics([layer], 1.0, 1)
