@@ -4462,6 +4462,37 @@ def saved(folder):
             checkpoint.latest_iteration(str(folder)))
 
 
+# runs trained once a module for the tests that start from them (a test that writes into one, to
+# continue or damage it, takes a copy: copy_of)
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """The folder of a tiny_run of 2 steps."""
+    folder = tmp_path_factory.mktemp("two_steps") / "run"
+    assert tiny_run(folder, "--train-iters", "2") == 0
+    return folder
+
+
+@pytest.fixture(scope="module")
+def six_steps_kept_2(tmp_path_factory):
+    """The folder of a tiny_run of 6 steps saved every 2, keeping the last 2."""
+    folder = tmp_path_factory.mktemp("six_steps") / "run"
+    assert tiny_run(folder, "--train-iters", "6", "--save-interval", "2",
+                    "training_config.keep_checkpoint_max=2") == 0
+    return folder
+
+
+@pytest.fixture(scope="module")
+def byte_two_steps(tmp_path_factory):
+    """The folder of 2 steps of run_training (bytes of the shipped corpus: a text prompt)."""
+    tmp = tmp_path_factory.mktemp("byte_two_steps")
+    run_training(tmp, "run", "--train-iters", "2")
+    return tmp / "run"
+
+
+def copy_of(folder, tmp_path):
+    return pathlib.Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
 @pytest.mark.checkpoint
 @pytest.mark.fp16
 def test_half_precision_checkpoints_convert_export_import_and_generate(tmp_path, capsys):
@@ -4506,16 +4537,14 @@ def test_half_precision_checkpoints_convert_export_import_and_generate(tmp_path,
 
 
 @pytest.mark.checkpoint
-def test_one_folder_holds_one_run(tmp_path, capsys):
+def test_one_folder_holds_one_run(tmp_path, six_steps_kept_2, capsys):
     """The issue's data loss: a fresh run saved beside an older run's higher iterations had its own
     checkpoint pruned and `latest` pointing at nothing. Now refused before any work; --load of the
     same folder continues the run; a resumed run with nothing left to train saves nothing;
     --save-interval 0 means no periodic saves; --finetune into its own folder is refused.
     --ckpt-step (Megatron's) resumes from an earlier iteration, into another folder, bit for bit;
     an iteration that is not there, or saving over the later ones, is one line."""
-    d = tmp_path / "run"
-    assert tiny_run(d, "--train-iters", "6", "--save-interval", "2",
-                    "training_config.keep_checkpoint_max=2") == 0
+    d = copy_of(six_steps_kept_2, tmp_path)
     assert saved(d) == ([4, 6], 6)
     from_4 = tmp_path / "from_4"
     assert tiny_run(from_4, "--train-iters", "6", "--load", str(d), "--ckpt-step", "4") == 0
@@ -4580,11 +4609,11 @@ def test_a_save_folder_another_rank_creates_meanwhile_is_no_file(tmp_path, monke
 
 
 @pytest.mark.checkpoint
-def test_a_failed_save_is_one_line_and_the_last_checkpoint_stays(tmp_path, monkeypatch, capsys):
+def test_a_failed_save_is_one_line_and_the_last_checkpoint_stays(tmp_path, two_steps, monkeypatch,
+                                                                 capsys):
     """A full disk (MindSpore raises RuntimeError from save_checkpoint) ends the run with one line
     naming the file and the fix, exit 2; the previous checkpoint is still the latest."""
-    d = tmp_path / "run"
-    assert tiny_run(d, "--train-iters", "2") == 0
+    d = copy_of(two_steps, tmp_path)
     def full_disk(*args, **kwargs):
         raise RuntimeError("Write failed: No space left on device\nC++ stack ...")
     monkeypatch.setattr(checkpoint.ms, "save_checkpoint", full_disk)
@@ -4606,15 +4635,15 @@ def test_an_empty_split_is_named(tmp_path):
 
 
 @pytest.mark.checkpoint
-def test_a_checkpoint_that_differs_from_the_run_is_named_before_training(tmp_path, capsys):
+def test_a_checkpoint_that_differs_from_the_run_is_named_before_training(tmp_path, two_steps,
+                                                                        capsys):
     """Every architecture key, the tokenizer and the optimizer compared in one line before any work
     (a different activation has the same shapes, so the shapes alone did not catch it);
     --use-checkpoint-args takes the checkpoint's model and sequence length where the run gives
     none (Megatron's load_args_from_checkpoint: config.yaml's seq_length 128 would exceed the
     checkpoint's 32 positions), and a model key the run does give is still compared. Another
     global batch is refused too: the data is counted in global batches (it ran out of samples)."""
-    d = tmp_path / "a"
-    assert tiny_run(d, "--train-iters", "2") == 0
+    d = two_steps
     capsys.readouterr()
     assert tiny_run(tmp_path / "b", "--train-iters", "3", "--load", str(d), "--swiglu",
                     "--hidden-size", "32", "--optimizer", "sgd") == 2
@@ -4688,13 +4717,12 @@ def test_a_stopped_job_resumes_bit_identical(how, whole_run, tmp_path, monkeypat
 
 
 @pytest.mark.checkpoint
-def test_resumed_learning_rate_schedule_follows_megatrons_rules(tmp_path, capsys):
+def test_resumed_learning_rate_schedule_follows_megatrons_rules(tmp_path, two_steps, capsys):
     """Resuming with another --train-iters changes the schedule's decay length: the
     checkpoint's schedule is kept and named in a warning (the guide's default
     use_checkpoint_opt_param_scheduler), --override-opt_param-scheduler takes this run's, and
     with neither the run is refused."""
-    d = tmp_path / "a"
-    assert tiny_run(d, "--train-iters", "2") == 0
+    d = copy_of(two_steps, tmp_path)
     assert tiny_run(d, "--train-iters", "4", "--load", str(d)) == 0
     info = (d / "log" / "rank_0" / "info.log").read_text()
     assert ("learning-rate schedule: the checkpoint's values kept: lr_decay_steps (checkpoint 2, "
@@ -4954,10 +4982,10 @@ def test_export_hf_refuses_a_file_and_writes_the_tokenizer(tmp_path, tiny_checkp
 
 
 @pytest.mark.checkpoint
-def test_keep_checkpoint_max_and_damaged_checkpoint(tmp_path, capsys):
-    run_training(tmp_path, "keep", "--train-iters", "6", "--save-interval", "2",
-                 "training_config.keep_checkpoint_max=2")
-    out = tmp_path / "keep"
+def test_keep_checkpoint_max_and_damaged_checkpoint(tmp_path, six_steps_kept_2):
+    """keep_checkpoint_max=2 keeps the last two of the checkpoints saved every 2 steps; a byte
+    flipped in a model_optim_rng.ckpt is named as damaged when it is loaded."""
+    out = copy_of(six_steps_kept_2, tmp_path)
     assert sorted(p.name for p in out.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
     weights = out / "iter_0000006" / "mp_rank_00" / "model_optim_rng.ckpt"
     raw = bytearray(weights.read_bytes())
@@ -4987,9 +5015,8 @@ def test_a_truncated_torch_format_checkpoint_is_one_line_naming_the_file(tmp_pat
 
 
 @pytest.mark.checkpoint
-def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
-    run_training(tmp_path, "crash", "--train-iters", "2")
-    out = tmp_path / "crash"
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path, byte_two_steps):
+    out = copy_of(byte_two_steps, tmp_path)
     (out / ".iter_0000004.tmp" / "mp_rank_00").mkdir(parents=True)        # a save killed midway
     tensors, meta = checkpoint.load_checkpoint(str(out))
     assert meta["iteration"] == 2 and "model.word_embeddings.weight" in tensors
@@ -5090,10 +5117,9 @@ def test_text_stream_prints_whole_characters_as_one_decode_would(gpt2, capsys):
 
 
 @pytest.mark.checkpoint
-def test_generate_command_from_checkpoint(tmp_path, capsys):
-    run_training(tmp_path, "gen", "--train-iters", "2")
+def test_generate_command_from_checkpoint(byte_two_steps, capsys):
     capsys.readouterr()
-    assert train.main(["generate", "--load", str(tmp_path / "gen"), "--prompt", "ROMEO:",
+    assert train.main(["generate", "--load", str(byte_two_steps), "--prompt", "ROMEO:",
                        "--max-new-tokens", "12", "--temperature", "0"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:")
@@ -5670,27 +5696,56 @@ def test_recompute_trains_bit_identical_with_dropout(tmp_path, precision):
     assert train_records(tmp_path / "recomputed") == train_records(tmp_path / "plain")
 
 
+# 4 steps with dropout, the learning rate warmed up over 2: resumed, finetuned, with a fresh
+# optimizer or fresh dropout streams from its checkpoint at step 2 (stopped_runs)
+STOPPED_AT_2 = ["--train-iters", "4", "--hidden-dropout", "0.1", "--lr-warmup-iters", "2",
+                "--lr", "2e-3"]
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory):
+    """precision -> (STOPPED_AT_2's flags in it, the folder of its 4 steps never stopped, the
+    folder of its first 2 saved at 2 of the same schedule): trained on first use, once a module.
+    Float16: Megatron's --fp16 (FP16) and its torch format (model_optim_rng.pt)."""
+    runs = {}
+
+    def get(precision):
+        if precision not in runs:
+            tmp = tmp_path_factory.mktemp(precision)
+            flags = [*STOPPED_AT_2, *(FP16 + ["--ckpt-format", "torch"]
+                                      if precision == "float16" else [])]
+            run_training(tmp, "full", *flags)
+            run_training(tmp, "first", *flags, "--save-interval", "2", "--train-iters", "2",
+                         "--lr-decay-iters", "4")
+            runs[precision] = flags, tmp / "full", tmp / "first"
+        return runs[precision]
+    return get
+
+
+def train_lines_of(folder):
+    """The train: lines of a run's log."""
+    return [l for l in (folder / "log" / "rank_0" / "info.log").read_text().splitlines()
+            if l.startswith("train: ")]
+
+
 @pytest.mark.checkpoint
-def test_finetune_no_load_optim_and_no_load_rng(tmp_path):
+def test_finetune_no_load_optim_and_no_load_rng(tmp_path, stopped_runs):
     """As in Megatron: --finetune loads the weights only and starts at iteration 0; --no-load-optim
     resumes at the saved iteration with a fresh optimizer and schedule; --no-load-rng resumes with
     fresh dropout streams. Each differs from the run that never stopped where it should."""
-    common = ["--train-iters", "5", "--hidden-dropout", "0.1", "--lr-warmup-iters", "2"]
-    full = losses_of(run_training(tmp_path, "full", *common)[0])
-    run_training(tmp_path, "first", *common, "--save-interval", "3", "--train-iters", "3",
-                 "--lr-decay-iters", "5")
-    first = str(tmp_path / "first")
+    common, full, first = stopped_runs("float32")
+    full, first = losses_of(train_lines_of(full)), str(first)
     fresh = losses_of(run_training(tmp_path, "fresh", *common, "--train-iters", "1",
-                                   "--lr-decay-iters", "3")[0])
+                                   "--lr-decay-iters", "4")[0])
     lines, log = run_training(tmp_path, "ft", *common, "--train-iters", "3", "--load",
                               first, "--finetune")
     assert [l.split(",")[1] for l in lines] == [" Step:1", " Step:2", " Step:3"]
     assert any("(finetune: iteration 0)" in l for l in log)
     assert losses_of(lines)[0] < fresh[0] - 0.1  # the trained weights, not new ones
     lines, _ = run_training(tmp_path, "no_optim", *common, "--load", first, "--no-load-optim")
-    assert lines[0].split(",")[1] == " Step:4" and losses_of(lines)[1:] != full[4:]
+    assert lines[0].split(",")[1] == " Step:3" and losses_of(lines)[1:] != full[3:]
     lines, _ = run_training(tmp_path, "no_rng", *common, "--load", first, "--no-load-rng")
-    assert lines[0].split(",")[1] == " Step:4" and losses_of(lines) != full[3:]
+    assert lines[0].split(",")[1] == " Step:3" and losses_of(lines) != full[2:]
 
 
 # 20 steps of 2 micro-batches: the float32 run test_fp16_trains_within_2_percent_of_fp32 compares
@@ -5923,21 +5978,17 @@ def test_forced_overflow_skips_the_step_and_lowers_the_scale_by_megatrons_rule(t
 
 @pytest.mark.checkpoint
 @pytest.mark.parametrize("precision", ["float32", pytest.param("float16", marks=pytest.mark.fp16)])
-def test_resume_equals_run_that_never_stopped(tmp_path, precision):
+def test_resume_equals_run_that_never_stopped(tmp_path, precision, stopped_runs):
     """A run saved at step 2 of 4 and resumed trains as the run that never stopped, bit for bit:
     each step's loss and gradient norm, its whole train line but the time (with dropout; in
     float16 the float32 main params and the loss scaler are restored; the float16 run saves
     Megatron's torch format, model_optim_rng.pt)."""
-    common = ["--train-iters", "4", "--hidden-dropout", "0.1", "--lr-warmup-iters", "2",
-              *(FP16 + ["--ckpt-format", "torch"] if precision == "float16" else [])]
-    full = run_training(tmp_path, "full", *common)[0]
-    run_training(tmp_path, "first", *common, "--save-interval", "2", "--train-iters", "2",
-                 "--lr-decay-iters", "4")
-    first_dir = tmp_path / "first"
+    common, full_dir, first_dir = stopped_runs(precision)
+    full = train_lines_of(full_dir)
     resumed = run_training(tmp_path, "resumed", *common, "--load", str(first_dir))[0]
     assert losses_of(resumed) == losses_of(full)[2:]               # bit for bit
     assert [l.split(", Time")[0] for l in resumed] == [l.split(", Time")[0] for l in full[2:]]
-    assert train_records(tmp_path / "resumed") == train_records(tmp_path / "full")[2:]
+    assert train_records(tmp_path / "resumed") == train_records(full_dir)[2:]
 
 
 # ------------------------------------------------------------------------------------------- run.sh
