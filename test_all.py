@@ -4985,6 +4985,57 @@ def test_export_hf_refuses_a_file_and_writes_the_tokenizer(tmp_path, tiny_checkp
             == ["config.json", "model.safetensors"])
 
 
+def safetensors_header(path):
+    """The JSON header of a .safetensors file, read by its specification: an 8-byte little-endian
+    length, then that many bytes of JSON ({name: {dtype, shape, data_offsets}, __metadata__})."""
+    with open(path, "rb") as f:
+        return json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+
+
+@pytest.mark.checkpoint
+def test_export_hf_folder_follows_the_transformers_loaders_rules(tmp_path):
+    """What transformers' from_pretrained checks (4.x and 5.x), without transformers: the
+    safetensors header's format is "pt" (4.x refuses any other, "np" included), every tensor
+    GPT2LMHeadModel loads is there in float32 with its shape and no other (the output layer is
+    the tied embedding), and config.json names the architecture, the model type, the dtype (both
+    spellings), a vocabulary and positions that fit the tensors and the tie. import-hf reads such
+    a folder written with "pt", "np" or no metadata alike."""
+    layers, n, heads, positions = 2, 32, 4, 16
+    tiny_hf_gpt2(tmp_path / "hf", layers=layers, hidden=n, heads=heads, positions=positions)
+    assert train.main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
+    assert train.main(["export-hf", "--load", str(tmp_path / "ckpt"), "--save",
+                       str(tmp_path / "out")]) == 0
+    header = safetensors_header(tmp_path / "out" / "model.safetensors")
+    assert header.pop("__metadata__") == {"format": "pt"}
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    f = config["n_inner"]
+    block = {"ln_1.weight": [n], "ln_1.bias": [n], "attn.c_attn.weight": [n, 3 * n],
+             "attn.c_attn.bias": [3 * n], "attn.c_proj.weight": [n, n], "attn.c_proj.bias": [n],
+             "ln_2.weight": [n], "ln_2.bias": [n], "mlp.c_fc.weight": [n, f],
+             "mlp.c_fc.bias": [f], "mlp.c_proj.weight": [f, n], "mlp.c_proj.bias": [n]}
+    want = {"wte.weight": [config["vocab_size"], n], "wpe.weight": [config["n_positions"], n],
+            "ln_f.weight": [n], "ln_f.bias": [n],
+            **{f"h.{i}.{k}": shape for i in range(layers) for k, shape in block.items()}}
+    assert {k: v["shape"] for k, v in header.items()} == want
+    assert {v["dtype"] for v in header.values()} == {"F32"}
+    assert (config["architectures"], config["model_type"], config["dtype"],
+            config["torch_dtype"], config["tie_word_embeddings"], config["vocab_size"],
+            config["n_positions"], config["n_layer"], config["n_embd"], config["n_head"]) == (
+        ["GPT2LMHeadModel"], "gpt2", "float32", "float32", True, 50257, positions, layers, n,
+        heads)
+    from safetensors.numpy import load_file, save_file
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for metadata in ({"format": "pt"}, {"format": "np"}, None):
+        folder = tmp_path / f"again_{metadata}"
+        shutil.copytree(tmp_path / "out", folder)
+        save_file(weights, str(folder / "model.safetensors"), metadata=metadata)
+        assert train.main(["import-hf", str(folder), "--save", str(folder / "ckpt")]) == 0
+        again, _ = checkpoint.load_checkpoint(str(folder / "ckpt"))
+        first, _ = checkpoint.load_checkpoint(str(tmp_path / "ckpt"))
+        for key in first:
+            np.testing.assert_array_equal(again[key], first[key], err_msg=key)
+
+
 @pytest.mark.checkpoint
 def test_keep_checkpoint_max_and_damaged_checkpoint(tmp_path, six_steps_kept_2):
     """keep_checkpoint_max=2 keeps the last two of the checkpoints saved every 2 steps; a byte
