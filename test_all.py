@@ -3532,6 +3532,29 @@ def test_plan_lists_the_layouts_that_fit(capsys):
     assert peaks == sorted(peaks)
 
 
+def test_plan_layers_every_config_file_in_order(tmp_path, capsys):
+    """`plan --config A --config B ...` reads the files as training and `check` do (cli.CONFIG_FLAG):
+    each over config.yaml and the ones before it. The guide's PanGu is three files: the model
+    file alone is the 38B model on DP128; with the accelerate and train files, TP8 x PP4 with SP
+    and the distributed optimizer; a last file of one key overrides theirs."""
+    guides = [os.path.join("configs", "guides", f"pangu_38b_{part}.yaml")
+              for part in ("model", "accelerate", "train")]
+    last = tmp_path / "tp4.yaml"
+    last.write_text("accelerate_config:\n  parallelization:\n    tensor_parallel: 4\n")
+
+    def plan_of(*files):
+        argv = [a for f in files for a in ("--config", str(f))]
+        return plan_lines(capsys, *argv, "--world-size", "128")[:2]
+
+    model_only, layered, overridden = plan_of(guides[0]), plan_of(*guides), plan_of(*guides, last)
+    for parameters, _ in (model_only, layered, overridden):
+        assert parameters.startswith("plan: parameters 39093884928 (39.094 B: 62 layers")
+    assert model_only[1].startswith("plan: layout TP1 x CP1 x PP1 x DP128 = 128 ranks")
+    assert layered[1].startswith("plan: layout TP8 x CP1 x PP4 x DP4 = 128 ranks")
+    assert "sequence parallel; distributed optimizer" in layered[1]
+    assert overridden[1].startswith("plan: layout TP4 x CP1 x PP4 x DP8 = 128 ranks")
+
+
 def test_plan_communication_follows_the_ledger_formulas():
     """Calls per step as test_ledger_counts_match_the_formulas counts them (L = 2 layers, m = 2
     micro-batches), and the bytes of DP2's gradient all-reduce and logged loss that README's
