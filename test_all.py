@@ -3533,10 +3533,10 @@ def test_plan_lists_the_layouts_that_fit(capsys):
 
 
 def test_plan_layers_every_config_file_in_order(tmp_path, capsys):
-    """`plan --config A --config B ...` reads the files as training and `check` do (cli.CONFIG_FLAG):
-    each over config.yaml and the ones before it. The guide's PanGu is three files: the model
-    file alone is the 38B model on DP128; with the accelerate and train files, TP8 x PP4 with SP
-    and the distributed optimizer; a last file of one key overrides theirs."""
+    """`plan --config A --config B ...` reads the files as training and `check` do
+    (cli.CONFIG_FLAG): each over config.yaml and the ones before it. The guide's PanGu is three
+    files: the model file alone is the 38B model on DP128; with the accelerate and train files,
+    TP8 x PP4 with SP and the distributed optimizer; a last file of one key overrides theirs."""
     guides = [os.path.join("configs", "guides", f"pangu_38b_{part}.yaml")
               for part in ("model", "accelerate", "train")]
     last = tmp_path / "tp4.yaml"
@@ -7387,11 +7387,13 @@ for _name, (_, _flags, _reference, _concept, _) in PLANTS.items():
 # each guide file (configs/guides) shrunk by flags appended after it, on the byte-level corpus,
 # in its own precision (bfloat16 -> float16 on this CPU): name: (files, the flags that fit it
 # here, one process's layout, a 2-worker layout with TP or PP)
+GUIDE_STEPS = 2
 GUIDE_SHRINK = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hidden-size", "64",
                 "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
                 "--max-position-embeddings", "32", "--micro-batch-size", "2",
-                "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "1",
-                "--eval-iters", "0", "--initial-loss-scale", "4096", "--no-jit"]
+                "--global-batch-size", "4", "--train-iters", str(GUIDE_STEPS),
+                "--log-interval", "1", "--eval-iters", "0", "--initial-loss-scale", "4096",
+                "--no-jit"]
 TO_FP16 = ["model_config.compute_dtype=float16"]
 ONE_LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
 GUIDE_RUNS = {
@@ -7877,11 +7879,11 @@ def test_planted_bug_is_caught(runs, plant):
 @pytest.mark.parametrize("name", [pytest.param(n, marks=reads(n, f"{n}_one"))
                                   for n in sorted(GUIDE_RUNS)])
 def test_the_guides_files_train_shrunk(runs, name):
-    """Each guide file, verbatim, shrunk by flags appended after it (GUIDE_RUNS), trains 4 steps
+    """Each guide file, verbatim, shrunk by flags appended after it (GUIDE_RUNS), trains 2 steps
     in one process and on 2 workers (TP2 or PP2) in its own precision, float16 where the guide
     says bfloat16 (its loss scale logged): the layouts' losses and gradient norms agree."""
     one, par = train_lines(runs.folder(f"{name}_one")), train_lines(runs.folder(name))
-    assert len(one) == len(par) == 4
+    assert len(one) == len(par) == GUIDE_STEPS
     fp16 = GUIDE_RUNS[name][1][:1] == TO_FP16
     assert ("Loss_scale: 4096.0" in one[-1]) == ("Loss_scale: 4096.0" in par[-1]) == fp16
     assert_trains_like(runs.tmp / name, runs.tmp / f"{name}_one",
@@ -8218,10 +8220,10 @@ def test_the_guides_pretrain_script_runs_on_two_workers(runs, tmp_path):
     ckpt, result = runs.result("guides_script")
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     lines = train_lines(ckpt)
-    assert len(lines) == 4 and all("Loss_scale: 4096.0" in l for l in lines), lines
+    assert len(lines) == GUIDE_STEPS and all("Loss_scale: 4096.0" in l for l in lines), lines
     log = (ckpt / "log" / "rank_0" / "info.log").read_text()
     assert "(tp=1 cp=1 dp=2 pp=1)" in log, log[:2000]
-    assert (ckpt / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    assert (ckpt / f"iter_{GUIDE_STEPS:07d}" / "mp_rank_00" / "model_optim_rng.pt").is_file()
     assert train.main(["import-megatron", str(ckpt), "--save", str(tmp_path / "ours")]) == 0
 
 
