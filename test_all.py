@@ -7069,7 +7069,7 @@ CHECK_JOBS.update({f"gradients_{name}": (check_gradients, name, ["layout_gradien
 # ----------------------------------------------------- the trainings: every layout and its proofs
 # The tiny GPT every layout trains (2 layers, hidden 64, sequences of 32 bytes, 8 per step), op by
 # op: its steps cost less than a compilation, and the proofs are about arithmetic. One layout per
-# concept compiles (COMPILED), as production does.
+# concept compiles (COMPILED), as production does; the pipeline's is the tour's pp (tour_pp).
 STEPS = 4
 PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hidden-size", "64",
                 "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
@@ -7163,6 +7163,7 @@ add("one_moe_pp", 1, "moe", PIPELINE_RUN + MOE_RUN)
 add("one_moe_rope_gqa", 1, "moe", ROPE + MOE_RUN + FOUR)
 # one process's step-2 checkpoints converted to layouts of 4 workers, before their launch
 converted("one_as_tp2_dp2", "checkpoint", "one", ["--nproc", "4", *TP2, *DISTOPT])
+converted("one_as_tp2", "checkpoint", "one", ["--nproc", "2", *TP2])
 converted("one_rope_gqa_as_cp2_dp2", "checkpoint", "one_rope_gqa",
           ["--nproc", "4", *CP2, *RING, *DISTOPT])
 
@@ -7207,8 +7208,8 @@ layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + FP16 + COMPILED + TORCH, "o
 layout("dp2", 2, "dp", [], "one")
 layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + FP16 + SAVE_HALF, "one_fp16")
 resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + FP16, "dp2_distopt")
-layout("pp2", 2, "pipeline", PIPELINE_RUN + PP2 + COMPILED, "one_pp")
-layout("pp2_vpp2", 2, "pipeline fp16", PIPELINE_RUN + PP2 + VPP2 + FP16, "one_pp_fp16")
+layout("pp2", 2, "pipeline fp16", PIPELINE_RUN + PP2 + FP16, "one_pp_fp16")
+layout("pp2_vpp2", 2, "pipeline", PIPELINE_RUN + PP2 + VPP2, "one_pp")
 layout("pp2_afab", 2, "pipeline", PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"],
        "one_pp")
 # PP2 with dropout, without and with full recompute of each stage's first layer
@@ -7444,11 +7445,11 @@ def call_tour(harness):
 
 
 def call_failing_rank(harness):
-    """TP2 resumed from the tp2 job's checkpoint with rank 1's shard gone: (the damaged folder,
-    the finished run.sh)."""
+    """TP2 resumed from one process's checkpoint converted to TP2 with rank 1's shard gone: (the
+    damaged folder, the finished run.sh)."""
     damaged = harness.tmp / "tp2_damaged"
-    shutil.copytree(harness.tmp / "tp2", damaged)
-    shutil.rmtree(damaged / f"iter_{STEPS:07d}" / "mp_rank_01")
+    shutil.copytree(harness.tmp / "one_as_tp2", damaged)
+    shutil.rmtree(damaged / f"iter_{STEPS // 2:07d}" / "mp_rank_01")
     result = subprocess.run(["bash", "run.sh", "--nproc", "2", "--config",
                              os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
                              *PARALLEL_RUN, *TP2, "--train-iters", str(STEPS + 2),
@@ -7544,8 +7545,8 @@ def call_guides_script(harness):
                                 capture_output=True, text=True, timeout=600, env=BUSY_MACHINE)
 
 
-add("tour_pp", 0, "", call=call_tour)
-add("failing_rank", 0, "", call=call_failing_rank, after=["tp2"])
+add("tour_pp", 0, "pipeline", call=call_tour)        # the compiled pipeline beside one process
+add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"])
 add("killed_worker", 0, "", call=call_killed_worker)
 add("two_nodes", 0, "", call=call_two_nodes, after=["one"])
 add("guides_script", 0, "", call=call_guides_script)
@@ -7627,8 +7628,8 @@ class Harness:
     run in a background thread as the session starts, so that the one-process tests run while the
     workers train. Only one msrun job may run on a machine at a time (two corrupt each other's
     CPU collectives), so the thread runs them in turn, one launch per worker count:
-      1. the one-process jobs the launch of 4 workers needs (the runs it converts, the
-         conversions), one process;
+      1. the one-process jobs the launch of 4 workers and the calls need (the runs they
+         convert, the conversions), one process;
       2. the calls (tests that launch run.sh themselves) that need no launch, in turn, beside the
          one-process jobs that need no launch: a call waits for msrun's start and end, which
          those and the one-process tests fill;
@@ -7657,12 +7658,12 @@ class Harness:
         four, two = ([j for j in jobs if j.workers == w] for w in (4, 2))
         ones = [j for j in jobs if j.workers == 1]
         calls = [j for j in jobs if j.workers == 0]
-        before_four = needed_by(ones, four)
-        after_four = [j for j in ones if needs(j, four) and j not in before_four]
+        after_four = [j for j in ones if needs(j, four)]
+        before_four = [j for j in needed_by(ones, four + calls) if j not in after_four]
         before_two = needed_by(after_four, two)
         beside_four = [j for j in ones if j not in before_four + after_four]
         beside_two = [j for j in after_four if j not in before_two]
-        late = [j for j in calls if needs(j, four + two + after_four + beside_four)]
+        late = [j for j in calls if needs(j, four + two + after_four)]
         assert not any(needs(j, two) for j in ones + four), "a job needs a later launch"
         return [(before_four, None, [], []),
                 (beside_four, None, [], [j for j in calls if j not in late]),
@@ -8161,12 +8162,12 @@ def test_expert_parallel_ledger_matches_the_formulas(runs):
 
 @pytest.mark.parametrize("layout", [
     pytest.param(name, marks=reads(name, REFERENCE[name], concepts={concept}))
-    for name, concept in (("tp2", "tp"), ("tp2_pp2_sp", "pipeline"), ("pp2_vpp2", "pipeline"),
-                          ("ep2_alltoall_distopt", "moe"))])
+    for name, concept in (("tp2", "tp"), ("tp2_pp2_sp", "pipeline"), ("pp2", "pipeline"),
+                          ("pp2_vpp2", "pipeline"), ("ep2_alltoall_distopt", "moe"))])
 def test_parallel_checkpoint_merges_to_the_one_process_model(runs, layout, capsys):
     """generate unites the pipeline stages' files and merges the mp_rank_TT shards: the merged
     weights equal the one-process run's after the same steps, to training's rounding: in
-    float32 within 2e-4; in float16 (pp2_vpp2) within 10% in norm per tensor, since
+    float32 within 2e-4; in float16 (pp2) within 10% in norm per tensor, since
     AdamW moves a weight by about lr whatever its gradient's size, so a near-zero float16 gradient
     whose sign a layout's rounding flips moves it 2 lr apart (a misplaced shard differs by ~100%).
     The last stage's copy of a tied embedding stayed equal to the first stage's; it generates."""
@@ -8200,7 +8201,7 @@ def test_a_failing_rank_names_itself_and_stops_the_job(runs):
     damaged, result = runs.result("failing_rank")
     console = result.stdout + result.stderr
     assert result.returncode != 0
-    assert (f"[rank 1] error: {damaged}/iter_{STEPS:07d}/mp_rank_01/meta.json is missing"
+    assert (f"[rank 1] error: {damaged}/iter_{STEPS // 2:07d}/mp_rank_01/meta.json is missing"
             in console), console[-3000:]
     assert ("error: training failed" not in console
             and "[rank 0] error" not in console), console[-3000:]
