@@ -54,7 +54,7 @@ BIAS_GELU_KEPT = 3
 # three intermediates, the scores' gradient and its transpose (for the key gradient). The fused
 # softmax's backward (fused.ScaledMaskedSoftmax) has four at its peak: the softmax-output
 # gradient, dY * Y, the row sums made full and Y times them (measured 4 scores lower than the
-# plain form's, 2026-11-26, docs/memory.md)
+# plain form's: docs/memory.md)
 CORE_TEMPORARIES = 8
 FUSED_CORE_TEMPORARIES = 4
 

@@ -28,9 +28,9 @@ F32 = ms.float32
 def eager_cast(t, dtype):
     """t in `dtype` op by op (the main params and grads of half-precision training): t's values
     copied into a new tensor, rounded to nearest as by the Cast kernel
-    (test_eager_cast_equals_cast). Op by op MindSpore 2.10's CPU Cast costs about 1 ms a call
-    whatever the size, this copy 0.1 ms, and an --fp16 step casts every gradient and parameter
-    (probe of 2026-11-26). Compiled code casts with parallel.cast."""
+    (test_eager_cast_equals_cast). Op by op MindSpore 2.10's CPU Cast costs about ten times this
+    copy whatever the size, and an --fp16 step casts every gradient and parameter
+    (docs/half-precision.md). Compiled code casts with parallel.cast."""
     if t is None or t.dtype == dtype:
         return t
     return mint.empty(t.shape, dtype=dtype).copy_(t)
@@ -268,9 +268,8 @@ def build_optimizer(optimizer_type, params, betas=(0.9, 0.999), eps=1e-8, moment
 def grad_norm_sq(grads):
     """Local sum of squares (Megatron get_grad_norm_fp32 before its all-reduce), as a float:
     each gradient's as the MatMul g[1, n] @ g[n, 1], op by op (Megatron's multi_tensor_l2norm
-    is one kernel for all the tensors). On the benchmark's 52 gradients 22 ms a step against 53
-    ms for (g * g).sum(); compiled by ms.jit it took 16 ms, but its compilation cost every run 2-3
-    s and ~200 MiB of resident memory at the first step (probes of 2026-11-26)."""
+    is one kernel for all the tensors): faster here than (g * g).sum(), and not compiled, whose
+    compilation costs every run more at its first step than it saves (docs/performance.md)."""
     if not grads:
         return 0.0
     squares = [ops.matmul(g.reshape(1, -1), g.reshape(-1, 1)).reshape(()) for g in grads]

@@ -592,8 +592,8 @@ class LinearMatMul(nn.Cell):
     """x [n, in] @ W [out, in]^T -> [n, out], a linear's matmul with its backward written out
     to take the faster of two equal products for the weight gradient: dW = dy^T x as
     MatMul(transpose_a)(dy, x), or as (x^T dy)^T, which this CPU's MatMul computes 1.3-1.6x
-    faster when out > in (QKV, fc1, the output layer: [2048, 256] inputs, probe of 2026-11-25 in
-    docs/performance.md#fusions); dx = dy W as autodiff has it. Megatron's counterpart is the
+    faster when out > in (QKV, fc1, the output layer: docs/performance.md#fusions); dx = dy W as
+    autodiff has it. Megatron's counterpart is the
     linear's own autograd function (LinearWithGradAccumulationAndAsyncCommunication). One per
     linear, as BiasAdd, and not under full recompute (gpt.hand_backward)."""
 
@@ -616,7 +616,8 @@ class LinearMatMul(nn.Cell):
 class SplitLastDim(nn.Cell):
     """ops.split(x, sizes, -1) (gpt.SelfAttention's q, k, v) with its backward one Concat of the
     pieces' gradients: autodiff writes each piece's gradient into a zero tensor of x's shape
-    (StridedSliceGrad) and adds the three, 45 ms of a benchmark step (profile of 2026-11-25).
+    (StridedSliceGrad) and adds the three, a visible share of a benchmark step
+    (docs/performance.md).
     As LinearMatMul, not under full recompute (gpt.hand_backward)."""
 
     def __init__(self, sizes):

@@ -154,11 +154,9 @@ default_run=0
 if [ ${#args[@]} -eq 0 ]; then
   default_run=1                 # the default run ends with a sample from the trained model
   if [ -z "$per_node" ]; then
-    # 4 workers: tensor x pipeline parallel with SP, compiled; 2 micro-batches of 4 per step (the
-    # same 8 sequences as one process); the last step's pipeline timeline is written to output/
+    # the layout configs/default_run.yaml names (TP2 x PP2 with SP) on its 4 workers
     per_node=4
-    args=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
-          --micro-batch-size 4 --global-batch-size 8 training_config.pipeline_trace=true)
+    args=(--config configs/default_run.yaml)
   fi
 fi
 per_node=${per_node:-1}

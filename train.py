@@ -131,7 +131,7 @@ def check_inputs(cfg):
                           f"MindSpore has no {target} backend on this machine; set "
                           "training_config.device_target=CPU")
     if cfg.training_config.device_target == "CPU" and model_cfg.compute_dtype == "bfloat16":
-        # checked on MindSpore 2.10 (../shared/notes/mindspore.md): "Select CPU operator ... fail"
+        # probed on MindSpore 2.10: "Select CPU operator ... fail" (docs/half-precision.md)
         raise ConfigError("model_config.compute_dtype=bfloat16 (--bf16): MindSpore 2.10 has no "
                           "bfloat16 CPU kernel for MatMul, Softmax, Tanh or Sqrt; train with "
                           "--fp16 on the CPU, or set training_config.device_target to GPU or "
