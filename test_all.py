@@ -6529,6 +6529,41 @@ def test_readme_is_a_map_with_short_lines_and_links_that_resolve():
     assert not broken, broken
 
 
+# --------------------------------------------------------- the concept selections (pytest.ini)
+# before the msrun tests, so that it runs while the harness's jobs train
+CONCEPTS = ["tp", "dp", "pipeline", "cp", "moe", "fp16", "checkpoint", "data"]
+COLLECT = """
+import json, sys, pytest
+class Dump:
+    def pytest_collection_finish(self, session):
+        json.dump([[[m.name for m in item.iter_markers()],
+                    [a for m in item.iter_markers("reads") for a in m.args]]
+                   for item in session.items], open(sys.argv[1], "w"))
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "test_all.py"],
+                     plugins=[Dump()]))
+"""
+
+
+def test_each_concept_selection_starts_only_its_own_jobs(tmp_path):
+    """`bash run.sh test -m CONCEPT` (README's Tests, pytest.ini's marks) selects the tests of one
+    concept; the harness then starts only the jobs they read and the jobs those need: every one of
+    them serves that concept (Job.concepts), so a learner who changed pipeline.py waits for no
+    expert or context-parallel run. Each parallel concept proves something across workers."""
+    dump = tmp_path / "items.json"
+    done = subprocess.run([sys.executable, "-c", COLLECT, str(dump)], cwd=HERE,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    items = json.loads(dump.read_text())
+    for concept in CONCEPTS:
+        selected = [reads_ for marks, reads_ in items if concept in marks]
+        assert selected, f"no test is marked {concept}"
+        jobs = needed_jobs({name for names in selected for name in names})
+        foreign = [name for name in jobs if concept not in JOBS[name].concepts]
+        assert not foreign, f"-m {concept} would start {foreign}"
+        if concept in ("tp", "dp", "pipeline", "cp", "moe", "fp16", "checkpoint"):
+            assert any(JOBS[name].workers > 1 for name in jobs), concept
+
+
 # =================================================== msrun harness (this file on the msrun workers)
 # The work that needs msrun workers, as jobs (JOBS): checks of parallel.py and of each layout's
 # gradients, trainings of every layout beside one process, resumes, conversions, planted bugs.
@@ -7238,8 +7273,8 @@ layout("pp2_afab", 2, "pipeline", PIPELINE_RUN + PP2 + ["parallel_config.pipelin
 PP2_DROPOUT = PIPELINE_RUN + PP2 + DROPOUT + ["--train-iters", "3"]
 add("pp2_dropout", 2, "pipeline", PP2_DROPOUT)
 add("pp2_dropout_recompute", 2, "pipeline", PP2_DROPOUT + RECOMPUTE["full block 1"])
-layout("cp2_ulysses", 2, "cp fp16", ROPE + CP2 + FP16, "one_rope_gqa_fp16")
-layout("cp2_ring", 2, "cp", ROPE + CP2 + RING + COMPILED, "one_rope_gqa")
+layout("cp2_ulysses", 2, "cp", ROPE + CP2, "one_rope_gqa")
+layout("cp2_ring", 2, "cp fp16", ROPE + CP2 + RING + FP16 + COMPILED, "one_rope_gqa_fp16")
 layout("ep2_alltoall_distopt", 2, "moe", MOE_RUN + EP2 + ALLTOALL + DISTOPT + COMPILED, "one_moe")
 layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
 resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
@@ -7900,35 +7935,6 @@ def test_layout_trains_like_one_process(runs, layout):
                                rtol=loss_rtol(reference)["loss"])
 
 
-@pytest.mark.parametrize("plant", [pytest.param(name, marks=reads(f"planted_{name}", spec[2]))
-                                   for name, spec in PLANTS.items()])
-def test_planted_bug_is_caught(runs, plant):
-    """Each bug of PLANTS, planted in a short run of its layout, makes that layout's proof
-    (assert_trains_like) fail, naming the quantity that shows it: the loss, or for a bug in a
-    gradient's scale or sum (DP summing instead of averaging, an unreduced sequence-parallel norm
-    or tied embedding, the aux loss scaled twice, a skipped backward) the gradient norm. The
-    proofs can fail."""
-    _, _, reference, _, named = PLANTS[plant]
-    with pytest.raises(AssertionError, match=f"DIFFERS: .*its {named} by"):
-        assert_trains_like(runs.folder(f"planted_{plant}"), runs.folder(reference),
-                           loss_rtol(reference), PLANTED_STEPS)
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=reads(n, f"{n}_one"))
-                                  for n in sorted(GUIDE_RUNS)])
-def test_the_guides_files_train_shrunk(runs, name):
-    """Each guide file, verbatim, shrunk by flags appended after it (GUIDE_RUNS), trains 2 steps
-    in one process and on 2 workers (TP2 or PP2) in its own precision, float16 where the guide
-    says bfloat16 (its loss scale logged): the layouts' losses and gradient norms agree."""
-    one, par = train_lines(runs.folder(f"{name}_one")), train_lines(runs.folder(name))
-    assert len(one) == len(par) == GUIDE_STEPS
-    fp16 = GUIDE_RUNS[name][1][:1] == TO_FP16
-    assert ("Loss_scale: 4096.0" in one[-1]) == ("Loss_scale: 4096.0" in par[-1]) == fp16
-    assert_trains_like(runs.tmp / name, runs.tmp / f"{name}_one",
-                       tour.FLOAT16 if fp16 else tour.FLOAT32)
-
-
-
 @reading("pp2_dropout", "pp2_dropout_recompute")
 def test_pipeline_recompute_with_dropout_is_bit_identical(runs):
     """PP2 with dropout: recomputing each stage's first layer (full, block 1) logs the losses and
@@ -8140,11 +8146,11 @@ def test_context_parallel_ledger_matches_the_formulas(runs):
     over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP: the gradient bucket and the
     logged loss. `bash run.sh plan` (memory.communication) gives the same CP collectives."""
     L, m, s, b, n, g, d, cp = 2, 2, 32, 4, 8, 4, 8, 2
-    # q and k, v bytes: Ulysses runs in float16
-    half = 2 * s // cp * b * n * d, 2 * s // cp * b * g * d
-    kv = 4 * s // cp * b * g * d
+    # q and k, v bytes: the ring runs in float16
+    q, k = 4 * s // cp * b * n * d, 4 * s // cp * b * g * d
+    kv = 2 * s // cp * b * g * d
     common = {("cp", "all_reduce"): (2 * m, 2 * m * 4), ("dp_cp", "all_reduce"): (2, None)}
-    ulysses = {("cp", "all_to_all"): (8 * m * L, 2 * m * L * (2 * half[0] + 2 * half[1])), **common}
+    ulysses = {("cp", "all_to_all"): (8 * m * L, 2 * m * L * (2 * q + 2 * k)), **common}
     ring = {("cp", "all_gather"): (2 * m * L, 2 * m * L * kv),
             ("cp", "reduce_scatter"): (2 * m * L, 2 * m * L * cp * kv), **common}
     for run, want in (("cp2_ulysses", ulysses), ("cp2_ring", ring)):
@@ -8265,45 +8271,40 @@ def test_the_guides_pretrain_script_runs_on_two_workers(runs, tmp_path):
     assert train.main(["import-megatron", str(ckpt), "--save", str(tmp_path / "ours")]) == 0
 
 
+@pytest.mark.parametrize("plant", [pytest.param(name, marks=reads(f"planted_{name}", spec[2]))
+                                   for name, spec in PLANTS.items()])
+def test_planted_bug_is_caught(runs, plant):
+    """Each bug of PLANTS, planted in a short run of its layout, makes that layout's proof
+    (assert_trains_like) fail, naming the quantity that shows it: the loss, or for a bug in a
+    gradient's scale or sum (DP summing instead of averaging, an unreduced sequence-parallel norm
+    or tied embedding, the aux loss scaled twice, a skipped backward) the gradient norm. The
+    proofs can fail."""
+    _, _, reference, _, named = PLANTS[plant]
+    with pytest.raises(AssertionError, match=f"DIFFERS: .*its {named} by"):
+        assert_trains_like(runs.folder(f"planted_{plant}"), runs.folder(reference),
+                           loss_rtol(reference), PLANTED_STEPS)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=reads(n, f"{n}_one"))
+                                  for n in sorted(GUIDE_RUNS)])
+def test_the_guides_files_train_shrunk(runs, name):
+    """Each guide file, verbatim, shrunk by flags appended after it (GUIDE_RUNS), trains 2 steps
+    in one process and on 2 workers (TP2 or PP2) in its own precision, float16 where the guide
+    says bfloat16 (its loss scale logged): the layouts' losses and gradient norms agree."""
+    one, par = train_lines(runs.folder(f"{name}_one")), train_lines(runs.folder(name))
+    assert len(one) == len(par) == GUIDE_STEPS
+    fp16 = GUIDE_RUNS[name][1][:1] == TO_FP16
+    assert ("Loss_scale: 4096.0" in one[-1]) == ("Loss_scale: 4096.0" in par[-1]) == fp16
+    assert_trains_like(runs.tmp / name, runs.tmp / f"{name}_one",
+                       tour.FLOAT16 if fp16 else tour.FLOAT32)
+
+
 def test_the_harness_launches_end_cleanly(runs):
     """Every launch of the session's harness (one process, 2 and 4 workers) ended with exit code
     0: every job on every worker passed (each test reads its own jobs' verdicts too)."""
     runs.wait()
     for label, code in runs.launches.items():
         assert code == 0, (label, runs.tmp, (runs.tmp / f"{label}.console").read_text()[-3000:])
-
-
-CONCEPTS = ["tp", "dp", "pipeline", "cp", "moe", "fp16", "checkpoint", "data"]
-COLLECT = """
-import json, sys, pytest
-class Dump:
-    def pytest_collection_finish(self, session):
-        json.dump([[[m.name for m in item.iter_markers()],
-                    [a for m in item.iter_markers("reads") for a in m.args]]
-                   for item in session.items], open(sys.argv[1], "w"))
-sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "test_all.py"],
-                     plugins=[Dump()]))
-"""
-
-
-def test_each_concept_selection_starts_only_its_own_jobs(tmp_path):
-    """`bash run.sh test -m CONCEPT` (README's Tests, pytest.ini's marks) selects the tests of one
-    concept; the harness then starts only the jobs they read and the jobs those need: every one of
-    them serves that concept (Job.concepts), so a learner who changed pipeline.py waits for no
-    expert or context-parallel run. Each parallel concept proves something across workers."""
-    dump = tmp_path / "items.json"
-    done = subprocess.run([sys.executable, "-c", COLLECT, str(dump)], cwd=HERE,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    items = json.loads(dump.read_text())
-    for concept in CONCEPTS:
-        selected = [reads_ for marks, reads_ in items if concept in marks]
-        assert selected, f"no test is marked {concept}"
-        jobs = needed_jobs({name for names in selected for name in names})
-        foreign = [name for name in jobs if concept not in JOBS[name].concepts]
-        assert not foreign, f"-m {concept} would start {foreign}"
-        if concept in ("tp", "dp", "pipeline", "cp", "moe", "fp16", "checkpoint"):
-            assert any(JOBS[name].workers > 1 for name in jobs), concept
 
 
 # ================================================================ tour (tour.py, bash run.sh tour)
