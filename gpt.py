@@ -43,14 +43,13 @@ class Linear(nn.Cell):
     """y = x W^T + b with W [out, in], the layout of torch and Megatron, computed in `dtype` (the
     compute dtype: float32 parameters are cast to it for the matmul, half ones are already)."""
 
-    def __init__(self, in_features, out_features, bias=True, dtype=F32, skip_bias_add=False,
-                 hand_backward=True):
+    def __init__(self, in_features, out_features, bias=True, dtype=F32, skip_bias_add=False):
         super().__init__()
         self.weight = Parameter(_zeros(out_features, in_features), name="weight")
         self.bias = Parameter(_zeros(out_features), name="bias") if bias else None
         self.dtype, self.skip_bias_add = dtype, skip_bias_add
-        self.bias_add = parallel.BiasAdd(hand_backward)
-        self.matmul = parallel.LinearMatMul() if hand_backward else None
+        self.bias_add = parallel.BiasAdd()
+        self.matmul = parallel.LinearMatMul()
 
     def construct(self, x):
         """x [..., in] -> [..., out]; with skip_bias_add (Megatron's) ([..., out] without the
@@ -66,23 +65,16 @@ def make_linear(cfg, in_features, out_features, bias, kind, chunks=1, skip_bias_
     input dim is split). One TP rank: a plain Linear. The layout comes from parallel.get_state().
     skip_bias_add: the linear returns (output, bias) for a fused form (fused.py) to add it."""
     state, dtype = parallel.get_state(), DTYPES[cfg.compute_dtype]
-    skip_bias_add, grad = skip_bias_add and bias, hand_backward(cfg)
+    skip_bias_add = skip_bias_add and bias
     if state.tp == 1:
-        return Linear(in_features, out_features, bias, dtype, skip_bias_add, grad)
+        return Linear(in_features, out_features, bias, dtype, skip_bias_add)
     if kind == "column":
         return parallel.ColumnParallelLinear(
             in_features, out_features, bias, sequence_parallel=state.sequence_parallel,
-            chunks=chunks, dtype=dtype, skip_bias_add=skip_bias_add, hand_backward=grad)
+            chunks=chunks, dtype=dtype, skip_bias_add=skip_bias_add)
     return parallel.RowParallelLinear(in_features, out_features, bias,
                                       sequence_parallel=state.sequence_parallel, dtype=dtype,
-                                      skip_bias_add=skip_bias_add, hand_backward=grad)
-
-
-def hand_backward(cfg):
-    """Whether the linears' matmuls and biases have their hand backwards (parallel.LinearMatMul,
-    parallel.BiasAdd): not under full recompute, where MindSpore 2.10's op by op recompute fails
-    with them."""
-    return cfg.recompute_granularity != "full"
+                                      skip_bias_add=skip_bias_add)
 
 
 def cast_parameters(model, dtype):
@@ -428,7 +420,7 @@ class SelfAttention(nn.Cell):
         # Local head and group counts: TP may give this rank only some of the groups.
         self.per_group = self.heads // self.groups
         self.qkv_sizes = (self.per_group * self.head_dim, self.head_dim, self.head_dim)
-        self.split_qkv = parallel.SplitLastDim(self.qkv_sizes) if hand_backward(cfg) else None
+        self.split_qkv = parallel.SplitLastDim(self.qkv_sizes)
         group_width = (self.per_group + 2) * self.head_dim    # its query heads, a key, a value
         self.local_groups = self.linear_qkv.weight.shape[0] // group_width
         self.local_heads = self.local_groups * self.per_group
@@ -454,10 +446,7 @@ class SelfAttention(nn.Cell):
         qkv = self.linear_qkv(x)                                    # [s, b, (n + 2g) d / tp]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.reshape(s, b, groups, (per_group + 2) * self.head_dim)
-        if self.split_qkv is None:
-            q, k, v = ops.split(qkv, self.qkv_sizes, axis=-1)       # [s, b, g, (n/g or 1) d]
-        else:
-            q, k, v = self.split_qkv(qkv)
+        q, k, v = self.split_qkv(qkv)                               # [s, b, g, (n/g or 1) d]
         q = q.reshape(s, b, heads, self.head_dim)                   # [s, b, n, d]
         if rope is not None and self.rotary is not None:
             q, k = self.rotary(q, *rope), self.rotary(k, *rope)
@@ -549,8 +538,8 @@ class RecomputedLayers(nn.Cell):
         # the model's own layers: their names stay layers.i
         self.members = nn.CellList(layers)
         # early_stop=False: the early stop ends the recomputation by an exception, which a
-        # custom-bprop Cell on its way (the TP mappings) turns into "Stack input_args_info_stack_
-        # is empty" op by op (MindSpore 2.10)
+        # custom-bprop Cell on its way (the TP mappings, the linears' parallel.LinearMatMul)
+        # turns into "Stack input_args_info_stack_ is empty" op by op (MindSpore 2.10)
         self.recompute(use_reentrant=False, early_stop=False, context_fn=replay_dropout(rng))
 
     def construct(self, x, rope, mask_bias):
@@ -590,8 +579,8 @@ class TransformerLayer(nn.Cell):
         # fused.bias_dropout_add: which sub-layers return (output, bias)
         self.attention_skips_bias = fuses_bias_dropout(cfg) and cfg.out_proj_has_bias
         self.mlp_skips_bias = fuses_bias_dropout(cfg) and cfg.add_bias_linear and not moe_layer
-        self.add_attention_bias = parallel.BiasAdd(hand_backward(cfg))
-        self.add_mlp_bias = parallel.BiasAdd(hand_backward(cfg))
+        self.add_attention_bias = parallel.BiasAdd()
+        self.add_mlp_bias = parallel.BiasAdd()
         self.sandwich = cfg.use_sandwich_norm
         if self.sandwich:
             self.post_attention_norm = make_norm(cfg)
@@ -658,7 +647,7 @@ class GPTModel(nn.Cell):
             if not self.tied or not pre_process:
                 self.output_layer = make_linear(cfg, h, vocab, False, "column")
             else:           # the tied output layer: the word embedding's weight, this matmul
-                self.output_matmul = parallel.LinearMatMul() if hand_backward(cfg) else None
+                self.output_matmul = parallel.LinearMatMul()
         if self.tied and not (pre_process and post_process):
             # Megatron's shared_embedding, the one mark of the tie: the model is cut into stages
             # and the last stage's output layer is a copy of the first stage's word embedding;

@@ -559,15 +559,12 @@ def broadcast_row(row, rows):
 
 class BiasAdd(nn.Cell):
     """y [n, m] + bias [m] by the BiasAdd kernel (4x faster than a broadcasting `+`); its bias
-    gradient the BiasAddGrad kernel, or with `matmul_grad` column_sum(dy), 3x faster. One per
-    linear: one instance shared by several layers gave wrong gradients compiled under full
-    recompute, and op by op full recompute fails with the matmul gradient ("Stack
-    input_args_info_stack_ is empty", MindSpore 2.10), so models with full recompute build
-    matmul_grad=False (test_fused_model_equals_the_plain_model runs both)."""
+    gradient column_sum(dy), 3x faster than the BiasAddGrad kernel. One per linear: one instance
+    shared by several layers gave wrong gradients compiled under full recompute."""
 
-    def __init__(self, matmul_grad=True):
+    def __init__(self):
         super().__init__()
-        self.kernel = MatmulGradBiasAdd() if matmul_grad else ops.BiasAdd()
+        self.kernel = MatmulGradBiasAdd()
 
     def construct(self, y, bias):
         return self.kernel(y, bias)
@@ -589,13 +586,12 @@ class MatmulGradBiasAdd(nn.Cell):
 
 
 class LinearMatMul(nn.Cell):
-    """x [n, in] @ W [out, in]^T -> [n, out], a linear's matmul with its backward written out
-    to take the faster of two equal products for the weight gradient: dW = dy^T x as
+    """x [n, in] @ W [out, in]^T -> [n, out], a linear's matmul with its backward written out to
+    take the faster of two equal products for the weight gradient: dW = dy^T x as
     MatMul(transpose_a)(dy, x), or as (x^T dy)^T, which this CPU's MatMul computes 1.3-1.6x
-    faster when out > in (QKV, fc1, the output layer: docs/performance.md#fusions); dx = dy W as
-    autodiff has it. Megatron's counterpart is the
-    linear's own autograd function (LinearWithGradAccumulationAndAsyncCommunication). One per
-    linear, as BiasAdd, and not under full recompute (gpt.hand_backward)."""
+    faster when out > in (QKV, fc1, the output layer: docs/performance.md#fusions); dx = dy W
+    as autodiff has it. Megatron's counterpart is the linear's own autograd function
+    (LinearWithGradAccumulationAndAsyncCommunication). One per linear, as BiasAdd."""
 
     def construct(self, x, weight):
         return _matmul_nt(x, weight)
@@ -617,8 +613,7 @@ class SplitLastDim(nn.Cell):
     """ops.split(x, sizes, -1) (gpt.SelfAttention's q, k, v) with its backward one Concat of the
     pieces' gradients: autodiff writes each piece's gradient into a zero tensor of x's shape
     (StridedSliceGrad) and adds the three, a visible share of a benchmark step
-    (docs/performance.md).
-    As LinearMatMul, not under full recompute (gpt.hand_backward)."""
+    (docs/performance.md). One per attention layer, as LinearMatMul."""
 
     def __init__(self, sizes):
         super().__init__()
@@ -690,8 +685,7 @@ class ColumnParallelLinear(nn.Cell):
     (Megatron's): (output without the bias, the bias), for a fused form to add it."""
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
-                 sequence_parallel=False, chunks=1, dtype=F32, skip_bias_add=False,
-                 hand_backward=True):
+                 sequence_parallel=False, chunks=1, dtype=F32, skip_bias_add=False):
         super().__init__()
         state = get_state()
         self.dtype = dtype                                  # the compute dtype (see linear)
@@ -708,8 +702,8 @@ class ColumnParallelLinear(nn.Cell):
             self.gather_output = gather_from_tensor_model_parallel_region()
         self.weight = _param((out_features // state.tp, in_features), "weight", 0, chunks)
         self.bias = _param((out_features // state.tp,), "bias", 0, chunks) if bias else None
-        self.bias_add = BiasAdd(hand_backward)
-        self.matmul = LinearMatMul() if hand_backward else None
+        self.bias_add = BiasAdd()
+        self.matmul = LinearMatMul()
 
     def construct(self, x):
         # cast before f/f~: sequence parallelism all-gathers the compute dtype
@@ -728,8 +722,7 @@ class RowParallelLinear(nn.Cell):
     with skip_bias_add returned beside the reduced output for a fused form to add once."""
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
-                 sequence_parallel=False, dtype=F32, skip_bias_add=False,
-                 hand_backward=True):
+                 sequence_parallel=False, dtype=F32, skip_bias_add=False):
         super().__init__()
         state = get_state()
         self.dtype = dtype                                  # the compute dtype (see linear)
@@ -750,8 +743,8 @@ class RowParallelLinear(nn.Cell):
             self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel)
         else:
             self.bias = None
-        self.bias_add = BiasAdd(hand_backward)
-        self.matmul = LinearMatMul() if hand_backward else None
+        self.bias_add = BiasAdd()
+        self.matmul = LinearMatMul()
 
     def construct(self, x):
         if self.scatter_input is not None:
