@@ -58,6 +58,7 @@ import functools
 import glob
 import hashlib
 import importlib
+import inspect
 import json
 import math
 import os
@@ -6293,7 +6294,7 @@ LAUNCH = {"--nproc": "per_node", "--nproc_per_node": "per_node", "--local_worker
 DEFAULT_RUN = ["--config", "configs/default_run.yaml"]
 PLACEHOLDER = re.compile(r"^([A-Z][A-Z_]*(\.yaml)?|\[.*|\$.*|.*\.\.\..*)$")
 FILE_SUFFIXES = {"py", "yaml", "yml", "json", "jsonl", "md", "txt", "sh", "pt", "ckpt", "svg",
-                 "csv", "log", "bin", "idx"}
+                 "csv", "log", "bin", "idx", "pkl"}
 
 
 # -------------------------------------------------------------------------------- reading the pages
@@ -6474,22 +6475,44 @@ def test_every_printed_command_is_valid(page, scratch, capsys, monkeypatch):
     assert kinds.count("synopsis") <= 3, (page, kinds)
 
 
-def test_every_named_module_attribute_exists():
-    modules = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(HERE, "*.py"))}
-    dotted = re.compile(r"(?<![\w./-])([A-Za-z_]\w*)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
-    names = {f"{module}.{chain}" for span in inline_code("README.md")
-             for module, chain in dotted.findall(span)
-             if module in modules and chain.rsplit(".", 1)[-1] not in FILE_SUFFIXES}
-    assert len(names) >= 30, names
-    missing = []
-    for name in sorted(names):
-        module, *chain = name.split(".")
-        obj = importlib.import_module(module)
-        for attr in chain:
-            obj = getattr(obj, attr, None)
-        if obj is None:
-            missing.append(name)
-    assert not missing, f"README.md names what the code does not hold: {missing}"
+DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+
+
+def resolve(name):
+    """The object `module.attr.attr` names, or None."""
+    module, *chain = name.split(".")
+    obj = importlib.import_module(module)
+    for attr in chain:
+        obj = getattr(obj, attr, None)
+    return obj
+
+
+@pytest.mark.parametrize("page", DOCS)
+def test_every_named_module_attribute_exists(page):
+    yaml_keys = set(KEYS) | {alias for row in KEYS.values() for alias in row.aliases or ()}
+    names = {f"{module}.{chain}" for span in inline_code(page)
+             for module, chain in DOTTED.findall(span)
+             if module in MODULES and chain.rsplit(".", 1)[-1] not in FILE_SUFFIXES}
+    missing = sorted(name for name in names - yaml_keys if resolve(name) is None)
+    assert not missing, f"{page} names what the code does not hold: {missing}"
+
+
+def test_reading_order_is_on_the_first_screen_with_true_lengths():
+    """README's reading order starts on its first screen; every `module.name` (N) in it is
+    code of N lines, give or take a tenth."""
+    readme = read("README.md")
+    assert readme[:readme.index("## Read it in this order")].count("\n") < 25
+    section = readme.split("## Read it in this order")[1].split("\n## ")[0]
+    stated = re.findall(r"`(\w+\.[\w.]+)` \((\d+)\)", " ".join(section.split()))
+    assert len(stated) >= 25, stated
+    wrong = []
+    for name, lines in stated:
+        actual = len(inspect.getsourcelines(resolve(name))[0])
+        if abs(actual - int(lines)) > actual / 10:
+            wrong.append(f"{name} ({lines}): {actual} lines")
+    assert not wrong, f"README's reading order: lengths to correct: {wrong}"
+    names = {name for name, _ in stated}
+    assert not names & set(re.findall(r"`(fused\.\w+)`", section)), "fast forms come later"
 
 
 def test_every_named_test_exists():
