@@ -136,8 +136,8 @@ MODULES = ["keys", "config", "cli", "tokenizer", "data", "optimizer", "parallel"
 @pytest.mark.parametrize("module", [m for m in MODULES
                                     if m not in ("train", "bench", "bench_fusions", "tour")])
 def test_a_library_module_run_directly_names_the_command(module):
-    """`python checkpoint.py import-hf ...` once exited 0 having done nothing: a module that is
-    not an entry point ends non-zero with one line naming `bash run.sh`."""
+    """A module that is not an entry point (`python checkpoint.py import-hf ...`) does nothing
+    and ends non-zero with one line naming `bash run.sh`."""
     with pytest.raises(SystemExit) as stop:
         runpy.run_path(os.path.join(HERE, module + ".py"), run_name="__main__")
     assert str(stop.value.code).startswith(f"error: {module}.py is a library: run `bash run.sh")
