@@ -7729,6 +7729,7 @@ class Harness:
         self.prefix = shakespeare_bytes(tmp) if self.names else None
         self.done = {name: threading.Event() for name in self.names}
         self.launches, self.launch_of, self.results = {}, {}, {}
+        self.seconds = {}                  # a launch or call -> its wall time, for the summary
         self.processes, self.stopped = set(), False
         self.thread = threading.Thread(target=self._run_all, daemon=True)
         self.thread.start()
@@ -7765,10 +7766,12 @@ class Harness:
     def _call(self, job):
         """Runs the call `job` (its result or error kept for the test that asks)."""
         if not self.stopped:
+            start = time.monotonic()
             try:
                 self.results[job.name] = job.call(self)
             except Exception as error:                   # raised again in the test that asks
                 self.results[job.name] = error
+            self.seconds[job.name] = time.monotonic() - start
         self.done[job.name].set()
 
     def _launch(self, jobs, workers):
@@ -7785,10 +7788,12 @@ class Harness:
             cmd, env = cli.msrun_command(workers, str(self.tmp / f"msrun{label}"), program)
         else:
             cmd, env = [sys.executable, *program], None
+        start = time.monotonic()
         try:
             self.launches[label] = self.run(cmd, env, self.tmp / f"{label}.console")
         except Exception as error:
             self.launches[label] = error
+        self.seconds[label] = time.monotonic() - start
         for job in jobs:
             self.launch_of[job.name] = label
             self.done[job.name].set()
@@ -7847,6 +7852,12 @@ class Harness:
                 os.killpg(process.pid, signal.SIGKILL)
         self.thread.join()
 
+    def summary(self):
+        """One line: each launch's and call's wall time in the order they ran (`2w` the launch
+        of 2 workers, `one_<job>` a one-process launch beside the others)."""
+        return "msrun harness (s): " + ", ".join(f"{label} {seconds:.0f}"
+                                                 for label, seconds in self.seconds.items())
+
 
 @pytest.fixture(scope="session", autouse=True)
 def runs(request, tmp_path_factory):
@@ -7855,6 +7866,9 @@ def runs(request, tmp_path_factory):
     harness = Harness(tmp_path_factory.mktemp("runs"), jobs_read(request.session.items))
     yield harness
     harness.stop()
+    if harness.seconds:                        # what each launch cost, beside pytest's durations
+        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            request.config.get_terminal_writer().line("\n" + harness.summary())
 
 
 def reads(*names, concepts=None):
