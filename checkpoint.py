@@ -35,7 +35,7 @@ from config import ConfigError, to_dict, to_namespace
 from data import write_atomic
 from gpt import is_embedding_copy
 from megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
-from optimizer import GradBuffer
+from distributed import GradBuffer
 from pipeline import build_chunks, layer_split
 from tokenizer import build_tokenizer
 

@@ -78,13 +78,12 @@ import math
 import re
 
 import numpy as np
-import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.graph.api import _pynative_executor
 from mindspore.ops import constexpr
 
 import parallel
-from parallel import F32, cast, linear
+from parallel import DTYPES, F32, cast, linear
 
 # Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
 METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
@@ -431,7 +430,7 @@ class ExpertMLP(nn.Cell):
         self.linear_fc1 = ExpertLinear(cfg.hidden_size, ffn_hidden_size * chunks,
                                        cfg.add_bias_linear, 0, tp, chunks)
         self.linear_fc2 = ExpertLinear(ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, 1, tp)
-        self.act, self.dtype = cfg.hidden_act, getattr(ms, cfg.compute_dtype)
+        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
 
     def construct(self, x, probs):
         """x [T, h], probs [T] -> [T, h] (partial over TP)."""
@@ -450,7 +449,7 @@ class SequentialMLP(nn.Cell):
 
     def __init__(self, cfg, num_local_experts, tp):
         super().__init__()
-        self.act, self.dtype = cfg.hidden_act, getattr(ms, cfg.compute_dtype)
+        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
         # transformer_config.py:1685-1687: moe_ffn_hidden_size defaults to ffn_hidden_size
         ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
         self.local_experts = nn.CellList([ExpertMLP(cfg, ffn, tp)
@@ -496,7 +495,7 @@ class SharedExpertMLP(nn.Cell):
             raise ValueError("shared experts have no bias: disable add_bias_linear "
                              "(Megatron shared_experts.py:124)")
         sp, size = parallel.get_state().sequence_parallel, cfg.moe_shared_expert_intermediate_size
-        self.act, self.dtype = cfg.hidden_act, getattr(ms, cfg.compute_dtype)
+        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
         chunks = 2 if self.act == "swiglu" else 1
         self.linear_fc1 = parallel.ColumnParallelLinear(cfg.hidden_size, size * chunks, False,
                                                         sequence_parallel=sp, chunks=chunks,
@@ -640,7 +639,7 @@ class MoELayer(nn.Cell):
             raise ValueError(f"num_moe_experts {cfg.num_moe_experts} is not a multiple of the "
                              f"expert-parallel size {state.ep}")
         self.num_local_experts = cfg.num_moe_experts // state.ep
-        self.dtype = getattr(ms, cfg.compute_dtype)
+        self.dtype = DTYPES[cfg.compute_dtype]
         self.router = TopKRouter(cfg, state.tp_cp_group)
         self.experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
             cfg, self.num_local_experts, state.tp)

@@ -39,7 +39,8 @@ from mindspore.ops import constexpr
 
 from config import cp_ring_size
 
-F32 = ms.float32                # the one float32 alias (gpt.py and context_parallel.py import it)
+F32 = ms.float32                                     # the one float32 alias, imported where used
+DTYPES = {"float32": F32, "float16": ms.float16, "bfloat16": ms.bfloat16}    # config's dtype names
 
 # ============================================================================ process groups
 _GROUPS = {}        # group name -> (kind, global ranks); every group this process has named
