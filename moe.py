@@ -83,6 +83,7 @@ from mindspore.graph.api import _pynative_executor
 from mindspore.ops import constexpr
 
 import parallel
+from config import check_moe_rules
 from parallel import DTYPES, F32, cast, linear
 
 # Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
@@ -368,8 +369,8 @@ class TopKRouter(nn.Cell):
 
 
 def _check_router_config(cfg):
-    """What this router computes; Megatron's own rules (transformer_config.py:1836-1866,
-    2661-2669) belong to the configuration."""
+    """What this router computes; Megatron's own rules for the settings are
+    config.check_moe_rules, which MoELayer checks."""
     if cfg.moe_router_score_function not in ("softmax", "sigmoid"):
         raise ValueError(f"moe_router_score_function {cfg.moe_router_score_function!r}: "
                          "softmax or sigmoid")
@@ -380,11 +381,6 @@ def _check_router_config(cfg):
         raise ValueError(f"moe_router_dtype {cfg.moe_router_dtype!r}: fp32 or unset")
     if cfg.moe_token_drop_policy not in ("probs", "position"):
         raise ValueError(f"moe_token_drop_policy {cfg.moe_token_drop_policy!r}: probs or position")
-    if cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is None:
-        raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
-    if cfg.moe_router_topk == 1 and cfg.moe_router_score_function == "softmax" \
-            and not cfg.moe_router_pre_softmax:    # softmax over one logit: no gradient
-        raise ValueError("moe_router_topk 1 with softmax needs moe_router_pre_softmax")
 
 
 # ============================================================================ experts
@@ -491,9 +487,6 @@ class SharedExpertMLP(nn.Cell):
 
     def __init__(self, cfg):
         super().__init__()
-        if cfg.add_bias_linear:
-            raise ValueError("shared experts have no bias: disable add_bias_linear "
-                             "(Megatron shared_experts.py:124)")
         sp, size = parallel.get_state().sequence_parallel, cfg.moe_shared_expert_intermediate_size
         self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
         chunks = 2 if self.act == "swiglu" else 1
@@ -629,15 +622,7 @@ class MoELayer(nn.Cell):
         super().__init__()
         state = parallel.get_state()
         ep_group = state.ep_group if state.ep > 1 else None
-        if state.tp > 1 and not state.sequence_parallel:
-            raise ValueError("MoE with tensor parallelism needs sequence parallelism "
-                             "(Megatron moe_layer.py:637-641)")
-        if cfg.add_bias_linear and state.tp > 1:
-            raise ValueError("MoE experts split over TP have no bias: disable add_bias_linear "
-                             "(Megatron transformer_config.py:2612-2615)")
-        if cfg.num_moe_experts % state.ep:
-            raise ValueError(f"num_moe_experts {cfg.num_moe_experts} is not a multiple of the "
-                             f"expert-parallel size {state.ep}")
+        check_moe_rules(cfg, state.tp, state.sequence_parallel, state.ep)
         self.num_local_experts = cfg.num_moe_experts // state.ep
         self.dtype = DTYPES[cfg.compute_dtype]
         self.router = TopKRouter(cfg, state.tp_cp_group)

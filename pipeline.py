@@ -336,10 +336,11 @@ def gather_trace(trace, state):
              for k, mb, c, s, e in ranks] for ranks in gathered]
 
 
-def write_timeline(traces, m, v, kind, path, ranks_per_stage=1):
+def write_timeline(traces, m, v, kind, path, grid=None):
     """Write a step's measured timeline (gather_trace's `traces`, one per stage) to path.txt, with
     the unit-time schedule above it, and path.svg; return the bubble line for the log: measured
-    (idle over busy time per stage), in the unit-time schedule, and in theory."""
+    (idle over busy time per stage), in the unit-time schedule, and in theory. `grid`: the
+    layout's parallel.rank_grid, which names each stage's ranks (default: one rank a stage)."""
     p = len(traces)
     span = max(e for t in traces for *_, e in t)
     measured = bubble_fraction([sum(e - s for *_, s, e in t) for t in traces], span)
@@ -347,7 +348,8 @@ def write_timeline(traces, m, v, kind, path, ranks_per_stage=1):
     unit = bubble_fraction([len(t) for t in ticks], max(t[-1][0] for t in ticks) + 1)
     peaks = [peak_in_flight(schedule(p, r, m, v, kind=kind)) for r in range(p)]
     name = schedule_name(kind, v)
-    stages = [stage_label(r, ranks_per_stage) for r in range(p)]
+    grid = np.arange(p) if grid is None else grid
+    stages = [stage_label(r, grid[r]) for r in range(p)]
     timeline = "\n".join(
         f"{stages[r]}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
                                      for k, mb, c, s, e in t)
@@ -378,9 +380,10 @@ NOTATION = ("F3 = forward of micro-batch 3, B3 = its backward, F3' = the same on
             "second model chunk")
 
 
-def stage_label(stage, ranks_per_stage):
-    """Stage s holds global ranks s*n .. s*n+n-1 (pp is the outermost grid dimension)."""
-    first, last = stage * ranks_per_stage, (stage + 1) * ranks_per_stage - 1
+def stage_label(stage, ranks):
+    """"stage s (ranks a-b)": `ranks`, the stage's slice of parallel.rank_grid, are adjacent (pp
+    is the grid's outermost axis)."""
+    first, last = int(np.min(ranks)), int(np.max(ranks))
     if first == last:
         return f"stage {stage} (rank {first})"
     return f"stage {stage} (ranks {first}-{last})"

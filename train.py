@@ -725,20 +725,21 @@ def report_pipeline_trace(cfg, trainer):
     """Gather the step's pass times over the pipeline; the loss rank writes the timeline (text
     and SVG under output_dir) and logs the bubble: measured, in the unit-time schedule, in
     theory."""
-    traces = pipeline.gather_trace(trainer.trace, trainer.state)
-    if trainer.state.rank != loss_rank(trainer.state):
+    state = trainer.state
+    traces = pipeline.gather_trace(trainer.trace, state)
+    if state.rank != loss_rank(state):
         return
     path = os.path.join(cfg.training_config.output_dir, "pipeline_timeline")
     log.info(pipeline.write_timeline(traces, cfg.dataset_config.micro_batch_num,
                                      len(trainer.chunks), cfg.parallel_config.pipeline_schedule,
-                                     path, trainer.state.world_size // trainer.state.pp))
+                                     path, parallel.rank_grid(state.world_size, state.tp,
+                                                              state.cp, state.pp)))
     log.info(f"pipeline: timeline written to {path}.svg and {path}.txt")
 
 
 def loss_rank(state):
-    """The global rank that logs the loss: tp, cp, dp rank 0 of the last pipeline stage (rank
-    order tp-cp-dp-pp, so that is tp*cp*dp*(pp-1))."""
-    return state.tp * state.cp * state.dp * (state.pp - 1)
+    """The global rank that logs the loss: tp, cp, dp rank 0 of the last pipeline stage."""
+    return int(parallel.rank_grid(state.world_size, state.tp, state.cp, state.pp)[-1, 0, 0, 0])
 
 
 def log_eval_loss(split, iteration, loss, metrics):
