@@ -270,7 +270,7 @@ def shard_offsets(meta, shard):
     pp, vpp = layout["pp"], layout["vpp"]
     pp_rank = int(shard.split("_")[3]) if pp > 1 else 0           # mp_rank_TT_PPP[_EEE]
     split = layer_split(saved_model["num_layers"], pp, vpp, layout["num_layer_list"])
-    return [split[c * pp + pp_rank][0] for c in range(vpp)]
+    return [split[chunk_id * pp + pp_rank][0] for chunk_id in range(vpp)]
 
 
 def shard_ep_rank(meta, shard):
@@ -359,8 +359,9 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
         files[WEIGHTS] = {**model_tensors(trainer.chunks),
                           **({} if trainer.distributed else opt_tensors)}
         if training_cfg.ckpt_format == "torch":
-            files[WEIGHTS] = megatron_checkpoint.rank_file(
-                cfg, meta, files[WEIGHTS], [c.layer_offset for c in trainer.chunks], state.ep_rank)
+            offsets = [chunk.layer_offset for chunk in trainer.chunks]
+            files[WEIGHTS] = megatron_checkpoint.rank_file(cfg, meta, files[WEIGHTS], offsets,
+                                                           state.ep_rank)
     if trainer.distributed:
         files[f"distrib_optim_{state.edp_rank:03d}"] = opt_tensors
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)

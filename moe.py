@@ -510,10 +510,10 @@ class SharedExpertMLP(nn.Cell):
 
 
 # ============================================================================ dispatchers
-def _all_to_all(c, x, dim):
+def _all_to_all(comm, x, dim):
     """Equal-split all-to-all over the group along dim 0: x [size * L, ...] -> [size * L, ...]
     whose block i is rank i's block for this rank (a parallel.Mapping half; dim is 0)."""
-    y = c.all_to_all(x.reshape((c.size, -1) + x.shape[1:]), 0, 1)            # [1, size*L, ..]
+    y = comm.all_to_all(x.reshape((comm.size, -1) + x.shape[1:]), 0, 1)            # [1, size*L, ..]
     return y.reshape(x.shape)
 
 

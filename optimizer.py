@@ -444,7 +444,8 @@ class MixedPrecisionOptimizer:
     def global_norm_sq(self, main_grads):
         """Squared norm of the whole model's gradient: this rank's counted gradients, summed over
         the ranks that hold other parts of the model (`norm_groups`)."""
-        local = Tensor([grad_norm_sq([g for g, c in zip(main_grads, self.counted) if c])], F32)
+        mine = [g for g, is_counted in zip(main_grads, self.counted) if is_counted]
+        local = Tensor([grad_norm_sq(mine)], F32)
         for group in self.norm_groups:
             local = collectives(group).all_reduce(local)
         return float(local.asnumpy()[0])

@@ -435,34 +435,34 @@ def exchange(t, peer_global_rank):
 
 
 # ============================================================================ mappings (f, g)
-# The halves of the mappings: functions (collectives, x, dim) -> tensor, a Mapping's forward and
+# The halves of the mappings: functions (comm, x, dim) -> tensor, a Mapping's forward and
 # backward.
-def _identity(c, x, dim):
+def _identity(comm, x, dim):
     return x
 
 
-def _all_reduce(c, x, dim):
-    return c.all_reduce(x)
+def _all_reduce(comm, x, dim):
+    return comm.all_reduce(x)
 
 
-def _all_gather(c, x, dim):               # [.., d, ..] -> [.., n*d, ..]
-    return c.all_gather(x, dim)
+def _all_gather(comm, x, dim):               # [.., d, ..] -> [.., n*d, ..]
+    return comm.all_gather(x, dim)
 
 
-def _reduce_scatter(c, x, dim):           # [.., n*d, ..] -> [.., d, ..], summed
-    return c.reduce_scatter(x, dim)
+def _reduce_scatter(comm, x, dim):           # [.., n*d, ..] -> [.., d, ..], summed
+    return comm.reduce_scatter(x, dim)
 
 
-def _keep_own(c, x, dim):                 # [.., n*d, ..] -> [.., d, ..], no communication
-    return ops.split(x, x.shape[dim] // c.size, dim)[c.rank]
+def _keep_own(comm, x, dim):                 # [.., n*d, ..] -> [.., d, ..], no communication
+    return ops.split(x, x.shape[dim] // comm.size, dim)[comm.rank]
 
 
-def _sequence_to_heads(c, x, dim):        # [s/n, b, heads, d] -> [s, b, heads/n, d]
-    return c.all_to_all(x, 2, 0)
+def _sequence_to_heads(comm, x, dim):        # [s/n, b, heads, d] -> [s, b, heads/n, d]
+    return comm.all_to_all(x, 2, 0)
 
 
-def _heads_to_sequence(c, x, dim):        # [s, b, heads/n, d] -> [s/n, b, heads, d]
-    return c.all_to_all(x, 0, 2)
+def _heads_to_sequence(comm, x, dim):        # [s, b, heads/n, d] -> [s/n, b, heads, d]
+    return comm.all_to_all(x, 0, 2)
 
 
 class Mapping(nn.Cell):

@@ -7371,15 +7371,15 @@ def plant_ulysses_head_split():
     """Ulysses with GQA: the all-to-alls deal the heads (and the key/value groups) to the cp ranks
     round-robin (rank r: heads r, r + u, ...) instead of in contiguous blocks, and back: each rank
     pairs its query heads with key/value groups they do not belong to."""
-    def interleaved(c, heads):                          # new order -> old head, for u = c.size
-        return np.array([h for r in range(c.size) for h in range(r, heads, c.size)])
+    def interleaved(comm, heads):                       # new order -> old head, for u = comm.size
+        return np.array([h for r in range(comm.size) for h in range(r, heads, comm.size)])
 
-    def sequence_to_heads(c, x, dim):
-        return c.all_to_all(x[:, :, Tensor(interleaved(c, x.shape[2]))], 2, 0)
+    def sequence_to_heads(comm, x, dim):
+        return comm.all_to_all(x[:, :, Tensor(interleaved(comm, x.shape[2]))], 2, 0)
 
-    def heads_to_sequence(c, x, dim):
-        x = c.all_to_all(x, 0, 2)
-        return x[:, :, Tensor(np.argsort(interleaved(c, x.shape[2])))]
+    def heads_to_sequence(comm, x, dim):
+        x = comm.all_to_all(x, 0, 2)
+        return x[:, :, Tensor(np.argsort(interleaved(comm, x.shape[2])))]
     return [(parallel, "_sequence_to_heads", sequence_to_heads),
             (parallel, "_heads_to_sequence", heads_to_sequence)]
 
@@ -7401,12 +7401,12 @@ def plant_skipped_last_backward():
         self.last_micro_batch = len(micro_batches) - 1
         return run(self, micro_batches, *rest)
 
-    def _backward(self, args, mb, c, loss_weight, received, outgoing):
-        vs = c * self.p + self.rank
+    def _backward(self, args, mb, chunk_id, loss_weight, received, outgoing):
+        vs = chunk_id * self.p + self.rank
         if vs == self.p * self.v - 1 and mb == self.last_micro_batch:
             outgoing[("grad", mb, vs - 1)] = ops.zeros_like(args[0])
-            return [ops.zeros(p.shape, self.grad_dtype) for p in self.params[c]]
-        return backward(self, args, mb, c, loss_weight, received, outgoing)
+            return [ops.zeros(p.shape, self.grad_dtype) for p in self.params[chunk_id]]
+        return backward(self, args, mb, chunk_id, loss_weight, received, outgoing)
     return [(pipeline.PipelineRunner, "_run", _run),
             (pipeline.PipelineRunner, "_backward", _backward)]
 

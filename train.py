@@ -580,8 +580,8 @@ def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
              + (": dropout inside" if training_cfg.use_jit else ""))
     if trainer.pipeline is not None:
         log.info(f"pipeline stage {state.pp_rank}: " + ", ".join(
-            f"chunk {c} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
-            for c, ch in enumerate(trainer.chunks)))
+            f"chunk {chunk_id} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
+            for chunk_id, ch in enumerate(trainer.chunks)))
     return estimate
 
 
