@@ -35,7 +35,7 @@ from config import ConfigError, to_dict, to_namespace
 from data import write_atomic
 from gpt import is_embedding_copy
 from megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
-from optimizer import GradBuffer
+from distributed import GradBuffer
 from pipeline import build_chunks, layer_split
 from tokenizer import build_tokenizer
 
@@ -270,7 +270,7 @@ def shard_offsets(meta, shard):
     pp, vpp = layout["pp"], layout["vpp"]
     pp_rank = int(shard.split("_")[3]) if pp > 1 else 0           # mp_rank_TT_PPP[_EEE]
     split = layer_split(saved_model["num_layers"], pp, vpp, layout["num_layer_list"])
-    return [split[c * pp + pp_rank][0] for c in range(vpp)]
+    return [split[chunk_id * pp + pp_rank][0] for chunk_id in range(vpp)]
 
 
 def shard_ep_rank(meta, shard):
@@ -359,8 +359,9 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
         files[WEIGHTS] = {**model_tensors(trainer.chunks),
                           **({} if trainer.distributed else opt_tensors)}
         if training_cfg.ckpt_format == "torch":
-            files[WEIGHTS] = megatron_checkpoint.rank_file(
-                cfg, meta, files[WEIGHTS], [c.layer_offset for c in trainer.chunks], state.ep_rank)
+            offsets = [chunk.layer_offset for chunk in trainer.chunks]
+            files[WEIGHTS] = megatron_checkpoint.rank_file(cfg, meta, files[WEIGHTS], offsets,
+                                                           state.ep_rank)
     if trainer.distributed:
         files[f"distrib_optim_{state.edp_rank:03d}"] = opt_tensors
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
@@ -527,16 +528,16 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
     return names, params, values
 
 
-def _distrib_optim_files(values, names, params, dp, bucket_size, kinds, ep=1, ep_rank=0):
+def _distrib_optim_files(values, names, params, dp_cp, bucket_size, kinds, ep=1, ep_rank=0):
     """{distrib_optim_DDD: the pieces of the float32 main params and the state that the rank of
     expert-data-parallel rank DDD in EP rank `ep_rank` holds}: of the dense parameters its DP x
-    CP rank's (ep_rank + ep * DDD) shard over the `dp` DP x CP ranks, of the experts its shard
-    over the dp / ep ranks that hold them (train.build_optimizer's two optimizers)."""
+    CP rank's (ep_rank + ep * DDD) shard over the `dp_cp` DP x CP ranks, of the experts its shard
+    over the dp_cp / ep ranks that hold them (train.build_data_parallel's two buffers)."""
     expert = [moe.is_expert(name) for name in names]
-    groups = [([i for i, e in enumerate(expert) if not e], dp, lambda d: ep_rank + ep * d),
-              ([i for i, e in enumerate(expert) if e], dp // ep, lambda d: d)]
+    groups = [([i for i, e in enumerate(expert) if not e], dp_cp, lambda d: ep_rank + ep * d),
+              ([i for i, e in enumerate(expert) if e], dp_cp // ep, lambda d: d)]
     files = {}
-    for edp_rank in range(dp // ep):
+    for edp_rank in range(dp_cp // ep):
         pieces = {}
         for positions, size, shard_of in groups:
             some = [names[i] for i in positions]
@@ -559,7 +560,7 @@ def write_layout(root, tensors, meta, cfg):
     the distributed optimizer's pieces."""
     parallel_cfg, model_cfg = cfg.parallel_config, cfg.model_config
     tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
-    dp = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
+    dp_cp = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
     layout = layout_of(cfg)
     distributed = layout["distributed_optimizer"]
     kinds = sorted({k.split(".")[1] for k in tensors if k.startswith("optimizer.")})
@@ -587,7 +588,7 @@ def write_layout(root, tensors, meta, cfg):
             files[WEIGHTS] = megatron_checkpoint.rank_file(
                 cfg, meta, files[WEIGHTS], [chunk.layer_offset for chunk in chunks], ep_rank)
         if distributed:
-            files.update(_distrib_optim_files(values, names, params, dp,
+            files.update(_distrib_optim_files(values, names, params, dp_cp,
                                               layout["bucket_size"], kinds, ep, ep_rank))
         shard_meta = dict(meta, layout=layout, config=to_dict(cfg),
                           ckpt_format=cfg.training_config.ckpt_format)

@@ -352,17 +352,12 @@ def _finalize_parallel(parallel_cfg, model_cfg, dataset_cfg, world_size):
         raise ConfigError(f"model_config.seq_length={model_cfg.seq_length} is not divisible by "
                           f"tensor_model_parallel_size={tp}, as sequence_parallel needs")
     pp, cp = parallel_cfg.pipeline_model_parallel_size, parallel_cfg.context_parallel_size
-    model_parallel = tp * pp * cp
-    if world_size % model_parallel:
-        raise ConfigError(f"world size {world_size} is not a multiple of tensor x context x "
-                          f"pipeline parallel sizes = {model_parallel}: change --nproc or the "
-                          "parallel sizes")
-    dp = world_size // model_parallel
+    dp = data_parallel_size(world_size, tp, cp, pp)
     if parallel_cfg.data_parallel_size not in (None, dp):
         raise ConfigError("parallel_config.data_parallel_size="
                           f"{parallel_cfg.data_parallel_size}, but world "
                           f"size {world_size} / (tensor x context x pipeline parallel sizes "
-                          f"{model_parallel}) = {dp}: the data-parallel size follows from the "
+                          f"{tp * cp * pp}) = {dp}: the data-parallel size follows from the "
                           "number of workers; change --nproc or leave it null")
     _finalize_batch(dataset_cfg, dp)
     if parallel_cfg.virtual_pipeline_model_parallel_size > 1 and dataset_cfg.micro_batch_num % pp:
@@ -370,6 +365,24 @@ def _finalize_parallel(parallel_cfg, model_cfg, dataset_cfg, world_size):
                           f"divisible by pipeline_model_parallel_size={pp}, as the interleaved "
                           "schedule needs: change global_batch_size or batch_size")
     parallel_cfg.data_parallel_size = dp
+
+
+def data_parallel_size(world_size, tp, cp, pp):
+    """The layout's first divisibility rule (Megatron's initialize_model_parallel): tp x cp x pp
+    divides the world size, and the data-parallel size is what is left."""
+    if world_size % (tp * cp * pp):
+        raise ConfigError(f"world size {world_size} is not a multiple of tensor x context x "
+                          f"pipeline parallel sizes = {tp * cp * pp}: change --nproc or the "
+                          "parallel sizes")
+    return world_size // (tp * cp * pp)
+
+
+def check_expert_parallel_size(ep, dp_cp):
+    """The layout's second divisibility rule: EP is carved out of DP x CP (Megatron's
+    parallel_state.py), so it divides dp x cp."""
+    if dp_cp % ep:
+        raise ConfigError(f"parallel_config.expert_model_parallel_size={ep} does not divide data "
+                          f"x context parallel sizes = {dp_cp}: change --nproc or the sizes")
 
 
 def _finalize_batch(dataset_cfg, dp):
@@ -667,44 +680,46 @@ def _finalize_moe(model_cfg, parallel_cfg):
     if m.moe_router_topk > m.num_moe_experts:
         raise ConfigError(f"{where}moe_router_topk={m.moe_router_topk} exceeds num_moe_experts="
                           f"{m.num_moe_experts}")
+    p = parallel_cfg
+    check_moe_rules(m, p.tensor_model_parallel_size, p.sequence_parallel,
+                    p.expert_model_parallel_size)
+    check_expert_parallel_size(p.expert_model_parallel_size,
+                               p.data_parallel_size * p.context_parallel_size)
+    if m.recompute_granularity == "full":          # Megatron: --recompute-modules moe
+        raise ConfigError("model_config.num_moe_experts with recompute_granularity=full: a "
+                          "recomputed router would record its aux and z losses twice; use "
+                          "selective or none")
+
+
+def check_moe_rules(model_cfg, tp, sequence_parallel, ep):
+    """Megatron's rules for an MoE model that moe.MoELayer computes (transformer_config.py,
+    moe_layer.py, arguments.py), in one process or over TP (+ SP) and EP: config.finalize and
+    the layer check them here."""
+    m, where = model_cfg, "model_config.num_moe_experts"
     if (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax"
             and not m.moe_router_pre_softmax):     # transformer_config.py:2662-2669
-        raise ConfigError(f"{where}moe_router_topk=1 with softmax needs --moe-router-pre-softmax "
-                          "(a softmax over one expert is 1: the router would get no gradient)")
+        raise ConfigError("model_config.moe_router_topk=1 with softmax needs "
+                          "--moe-router-pre-softmax (a softmax over one expert is 1: the router "
+                          "would get no gradient)")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
-        raise ConfigError(f"{where}moe_pad_expert_input_to_capacity needs "
+        raise ConfigError("model_config.moe_pad_expert_input_to_capacity needs "
                           "moe_expert_capacity_factor (--moe-expert-capacity-factor)")
     if m.moe_shared_expert_intermediate_size and m.add_bias_linear:
-        raise ConfigError(f"{where}moe_shared_expert_intermediate_size: a shared expert has no "
-                          "bias (Megatron shared_experts.py:124): add --disable-bias-linear")
-    _check_moe_layout(m, parallel_cfg)
-
-
-def _check_moe_layout(model_cfg, parallel_cfg):
-    """Megatron's rules for the layouts of an MoE model: TP with sequence parallelism and no
-    biases, experts divisible by EP, EP within DP x CP."""
-    tp, where = parallel_cfg.tensor_model_parallel_size, "model_config.num_moe_experts"
-    if tp > 1 and not parallel_cfg.sequence_parallel:       # moe_layer.py:637-640
+        raise ConfigError("model_config.moe_shared_expert_intermediate_size: a shared expert has "
+                          "no bias (Megatron shared_experts.py:124): add --disable-bias-linear")
+    if tp > 1 and not sequence_parallel:                    # moe_layer.py:637-640
         raise ConfigError(f"{where} with tensor_model_parallel_size={tp} needs "
                           "--sequence-parallel, as Megatron's MoELayer")
-    if tp > 1 and model_cfg.add_bias_linear:                # transformer_config.py:2612-2615
+    if tp > 1 and m.add_bias_linear:                        # transformer_config.py:2612-2615
         raise ConfigError(f"{where} with tensor_model_parallel_size={tp}: experts split over TP "
                           "have no bias; add --disable-bias-linear")
     for k in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-        if (getattr(model_cfg, k) or 0) % tp:
-            raise ConfigError(f"model_config.{k}={getattr(model_cfg, k)} is not divisible by "
+        if (getattr(m, k) or 0) % tp:
+            raise ConfigError(f"model_config.{k}={getattr(m, k)} is not divisible by "
                               f"tensor_model_parallel_size={tp}")
-    ep, dp_cp = parallel_cfg.expert_model_parallel_size, (parallel_cfg.data_parallel_size
-                                                           * parallel_cfg.context_parallel_size)
-    if model_cfg.num_moe_experts % ep:                      # arguments.py:1100-1102
-        raise ConfigError(f"{where}={model_cfg.num_moe_experts} is not divisible by "
+    if m.num_moe_experts % ep:                              # arguments.py:1100-1102
+        raise ConfigError(f"{where}={m.num_moe_experts} is not divisible by "
                           f"expert_model_parallel_size={ep}")
-    if dp_cp % ep:                           # parallel_state.py: EP is carved out of DP x CP
-        raise ConfigError(f"parallel_config.expert_model_parallel_size={ep} does not divide data "
-                          f"x context parallel sizes = {dp_cp}: change --nproc or the sizes")
-    if model_cfg.recompute_granularity == "full":     # Megatron: --recompute-modules moe
-        raise ConfigError(f"{where} with recompute_granularity=full: a recomputed router would "
-                          "record its aux and z losses twice; use selective or none")
 
 
 def _finalize_training(training_cfg):

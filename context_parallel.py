@@ -110,20 +110,20 @@ def merge_partial_attention(a, b):
     return cast(ops.exp(lse_a - lse) * out_a + ops.exp(lse_b - lse) * out_b, out_a.dtype), lse
 
 
-def _halves(part, c):
-    """(out, lse) of 2c queries -> the same of the first c and of the last c queries."""
+def _halves(part, half):
+    """(out, lse) of 2 * half queries -> the same of the first half and of the last half."""
     out, lse = part
-    return (out[:, :, :c], lse[:, :, :c]), (out[:, :, c:], lse[:, :, c:])
+    return (out[:, :, :half], lse[:, :, :half]), (out[:, :, half:], lse[:, :, half:])
 
 
 class RingAttention(nn.Cell):
     """Ring attention over the zig-zag split. This rank (ring rank r) holds queries, keys and values
-    of chunks r and 2R-1-r (c tokens each); ring rank j holds chunks j and 2R-1-j. Causally, chunk a
-    attends chunk b fully if b < a, with the causal mask if b == a, not at all if b > a, so against
-    rank j's block:
+    of chunks r and 2R-1-r (S/2 tokens each); ring rank j holds chunks j and 2R-1-j. Causally,
+    chunk a attends chunk b fully if b < a, with the causal mask if b == a, not at all if b > a,
+    so against rank j's block:
       j == r: both local chunks, the local causal mask;
-      j <  r: both local chunks against chunk j only (2c x c);
-      j >  r: only local chunk 2R-1-r, against both of rank j's chunks (c x 2c).
+      j <  r: both local chunks against chunk j only (S x S/2 scores);
+      j >  r: only local chunk 2R-1-r, against both of rank j's chunks (S/2 x S).
     Every rank computes the same number of scores; blocks that would be masked out are skipped."""
 
     def __init__(self, core, state):
@@ -134,10 +134,10 @@ class RingAttention(nn.Cell):
         self.gather_values = gather_from_sequence_parallel_region(state.cp_ring_group)
 
     def construct(self, q, k, v, bias):
-        """q [S, b, n, d], k, v [S, b, g, d] (S = 2c local tokens), bias [b, n, S, S] the causal
+        """q [S, b, n, d], k, v [S, b, g, d] (S local tokens), bias [b, n, S, S] the causal
         mask of the local tokens -> context [S, b, n, d]."""
         core, S = self.core, q.shape[0]
-        c = S // 2
+        half = S // 2
         keys, values = self.gather_keys(k), self.gather_values(v)             # [R*S, b, g, d]
         q = core.to_heads(q * core.scale, 1)                                   # [b, n, S, d]
         first = second = None                        # (out, lse) of local chunks r and 2R-1-r
@@ -145,13 +145,13 @@ class RingAttention(nn.Cell):
             k_j = core.to_heads(keys[j * S:(j + 1) * S], core.per_group)     # [b, n, S, d]
             v_j = core.to_heads(values[j * S:(j + 1) * S], core.per_group)
             if j == self.rank:
-                first, second = _halves(self.block(q, k_j, v_j, bias), c)
+                first, second = _halves(self.block(q, k_j, v_j, bias), half)
             elif j < self.rank:
-                a, b = _halves(self.block(q, k_j[:, :, :c], v_j[:, :, :c], None), c)
+                a, b = _halves(self.block(q, k_j[:, :, :half], v_j[:, :, :half], None), half)
                 first = merge_partial_attention(first, a)
                 second = merge_partial_attention(second, b)
             else:
-                later = self.block(q[:, :, c:], k_j, v_j, None)         # chunk 2R-1-r only
+                later = self.block(q[:, :, half:], k_j, v_j, None)      # chunk 2R-1-r only
                 second = merge_partial_attention(second, later)
         return ops.cat((first[0], second[0]), 2).transpose(2, 0, 1, 3)         # [S, b, n, d]
 

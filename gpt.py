@@ -24,7 +24,7 @@ import moe
 import parallel
 from config import moe_layer_pattern
 from context_parallel import attention_block, attention_scores, merge_partial_attention
-from parallel import F32, batch_matmul_nt, cast, linear
+from parallel import DTYPES, F32, batch_matmul_nt, cast, linear
 
 FLASH_BLOCK = 128       # FlashAttention's default block (tokens), memory.py's estimate's too
 MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic
@@ -109,9 +109,6 @@ class Embedding(nn.Cell):
 
     def construct(self, ids):
         return ops.gather(self.weight, ids, 0)
-
-
-DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
 
 def hidden_dtype(cfg):
@@ -651,7 +648,7 @@ class GPTModel(nn.Cell):
         if self.tied and not (pre_process and post_process):
             # Megatron's shared_embedding, the one mark of the tie: the model is cut into stages
             # and the last stage's output layer is a copy of the first stage's word embedding;
-            # optimizer.finalize_model_grads sums their gradients over the embedding group
+            # distributed.finalize_model_grads sums their gradients over the embedding group
             if pre_process:
                 self.word_embeddings.weight.shared_embedding = True
             elif post_process:

@@ -491,7 +491,7 @@ def load_rank(path):
 
 
 def is_legacy(state):
-    return any(k.startswith("language_model.") for c in model_chunks(state) for k in c)
+    return any(k.startswith("language_model.") for chunk in model_chunks(state) for k in chunk)
 
 
 def checkpoint_overrides(state, path, tp, pp, ep=1):

@@ -80,7 +80,7 @@ def chunk_first_layers(model_cfg, parallel_cfg):
     pp = parallel_cfg.pipeline_model_parallel_size
     vpp = parallel_cfg.virtual_pipeline_model_parallel_size
     split = pipeline.layer_split(model_cfg.num_layers, pp, vpp, parallel_cfg.num_layer_list)
-    return [[split[c * pp + r][0] for c in range(vpp)] for r in range(pp)]
+    return [[split[chunk_id * pp + r][0] for chunk_id in range(vpp)] for r in range(pp)]
 
 
 def cp_split(parallel_cfg):
@@ -98,7 +98,8 @@ def stage_chunks(model_cfg, parallel_cfg):
     vpp = parallel_cfg.virtual_pipeline_model_parallel_size
     split = pipeline.layer_split(model_cfg.num_layers, pp, vpp, parallel_cfg.num_layer_list)
     last = len(split) - 1
-    return [[(split[c * pp + r][1], c * pp + r == 0, c * pp + r == last) for c in range(vpp)]
+    return [[(split[chunk_id * pp + r][1], chunk_id * pp + r == 0, chunk_id * pp + r == last)
+             for chunk_id in range(vpp)]
             for r in range(pp)]
 
 
@@ -457,7 +458,7 @@ def stage_activations(cfg, rank):
     temporaries = FUSED_CORE_TEMPORARIES if model_cfg.masked_softmax_fusion else CORE_TEMPORARIES
     layer = softmax * temporaries * scores + gradients + max(w for _, w in chunks)
     logits = 0
-    if any(c[2] for c in stage):                                  # the stage has the loss
+    if any(chunk[2] for chunk in stage):                              # the stage has the loss
         vocab = model_cfg.padded_vocab_size
         logits = c_or_f32(model_cfg) * micro_batch_size * s * vocab // (cp * tp)
     count = in_flight(cfg, rank)
@@ -482,7 +483,7 @@ def communication(cfg, rank):
     and token count are all-reduced over CP. Experts: _expert_collectives."""
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
     chunks = stage_chunks(model_cfg, parallel_cfg)[rank]
-    layers = sum(c[0] for c in chunks)
+    layers = sum(chunk[0] for chunk in chunks)
     first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
     out = {}
 
@@ -746,7 +747,7 @@ def stage_memory(cfg, rank):
     holds three times the gradients while a micro-batch's are added to the sum (old sum, new, sum),
     or in the optimizer step the gradients, the float32 main grads made of them (divided by the
     loss scale; none when that is 1 and they are float32) and the copy clipping makes. The
-    data-parallel reduction's flat buffers (optimizer.GradBuffer) are not counted."""
+    data-parallel reduction's flat buffers (distributed.GradBuffer) are not counted."""
     params = stage_parameters(cfg, rank)
     weights = params * DTYPE_BYTES[cfg.model_config.params_dtype]
     grads = params * DTYPE_BYTES[main_grad_dtype(cfg)]
@@ -898,7 +899,7 @@ def plan_lines(cfg, world):
              f"{sequence}{distributed}{recompute_text(model_cfg)}"]
     for rank in range(pp):
         mem = stage_memory(cfg, rank)
-        layers = [c[0] for c in stage_chunks(model_cfg, parallel_cfg)[rank]]
+        layers = [chunk[0] for chunk in stage_chunks(model_cfg, parallel_cfg)[rank]]
         lines.append(f"plan: stage {rank} parameters per rank {mem.parameters} "
                      f"({mem.parameters / 1e9:.3f} B; layers {layers}): "
                      f"weights {gib(mem.weights)}, gradients {gib(mem.gradients)}, "

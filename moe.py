@@ -47,7 +47,7 @@ Process groups, the current ParallelState's (parallel.rank_groups; Megatron's pa
                   router's token counts are summed (the TP group when CP = 1)
     edp_group     the expert-data-parallel group (_EXPERT_DATA_PARALLEL_GROUP): the ranks that
                   hold the same experts, over which the trainer sums the experts' gradients
-                  (train.build_optimizer, optimizer.ChainedOptimizer)
+                  (train.build_data_parallel, optimizer.ChainedOptimizer)
 Experts are split over TP as Megatron's default expert_tensor_parallel_size = tp does. Why EP
 sits inside DP x CP: the ranks of an EP group hold different tokens (different data or sequence
 chunks) and different experts, so the dispatcher sends each token to its experts' rank and back;
@@ -78,13 +78,13 @@ import math
 import re
 
 import numpy as np
-import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.graph.api import _pynative_executor
 from mindspore.ops import constexpr
 
 import parallel
-from parallel import F32, cast, linear
+from config import check_moe_rules
+from parallel import DTYPES, F32, cast, linear
 
 # Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
 METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
@@ -369,8 +369,8 @@ class TopKRouter(nn.Cell):
 
 
 def _check_router_config(cfg):
-    """What this router computes; Megatron's own rules (transformer_config.py:1836-1866,
-    2661-2669) belong to the configuration."""
+    """What this router computes; Megatron's own rules for the settings are
+    config.check_moe_rules, which MoELayer checks."""
     if cfg.moe_router_score_function not in ("softmax", "sigmoid"):
         raise ValueError(f"moe_router_score_function {cfg.moe_router_score_function!r}: "
                          "softmax or sigmoid")
@@ -381,11 +381,6 @@ def _check_router_config(cfg):
         raise ValueError(f"moe_router_dtype {cfg.moe_router_dtype!r}: fp32 or unset")
     if cfg.moe_token_drop_policy not in ("probs", "position"):
         raise ValueError(f"moe_token_drop_policy {cfg.moe_token_drop_policy!r}: probs or position")
-    if cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is None:
-        raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
-    if cfg.moe_router_topk == 1 and cfg.moe_router_score_function == "softmax" \
-            and not cfg.moe_router_pre_softmax:    # softmax over one logit: no gradient
-        raise ValueError("moe_router_topk 1 with softmax needs moe_router_pre_softmax")
 
 
 # ============================================================================ experts
@@ -431,7 +426,7 @@ class ExpertMLP(nn.Cell):
         self.linear_fc1 = ExpertLinear(cfg.hidden_size, ffn_hidden_size * chunks,
                                        cfg.add_bias_linear, 0, tp, chunks)
         self.linear_fc2 = ExpertLinear(ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, 1, tp)
-        self.act, self.dtype = cfg.hidden_act, getattr(ms, cfg.compute_dtype)
+        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
 
     def construct(self, x, probs):
         """x [T, h], probs [T] -> [T, h] (partial over TP)."""
@@ -450,7 +445,7 @@ class SequentialMLP(nn.Cell):
 
     def __init__(self, cfg, num_local_experts, tp):
         super().__init__()
-        self.act, self.dtype = cfg.hidden_act, getattr(ms, cfg.compute_dtype)
+        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
         # transformer_config.py:1685-1687: moe_ffn_hidden_size defaults to ffn_hidden_size
         ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
         self.local_experts = nn.CellList([ExpertMLP(cfg, ffn, tp)
@@ -492,11 +487,8 @@ class SharedExpertMLP(nn.Cell):
 
     def __init__(self, cfg):
         super().__init__()
-        if cfg.add_bias_linear:
-            raise ValueError("shared experts have no bias: disable add_bias_linear "
-                             "(Megatron shared_experts.py:124)")
         sp, size = parallel.get_state().sequence_parallel, cfg.moe_shared_expert_intermediate_size
-        self.act, self.dtype = cfg.hidden_act, getattr(ms, cfg.compute_dtype)
+        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
         chunks = 2 if self.act == "swiglu" else 1
         self.linear_fc1 = parallel.ColumnParallelLinear(cfg.hidden_size, size * chunks, False,
                                                         sequence_parallel=sp, chunks=chunks,
@@ -518,10 +510,10 @@ class SharedExpertMLP(nn.Cell):
 
 
 # ============================================================================ dispatchers
-def _all_to_all(c, x, dim):
+def _all_to_all(comm, x, dim):
     """Equal-split all-to-all over the group along dim 0: x [size * L, ...] -> [size * L, ...]
     whose block i is rank i's block for this rank (a parallel.Mapping half; dim is 0)."""
-    y = c.all_to_all(x.reshape((c.size, -1) + x.shape[1:]), 0, 1)            # [1, size*L, ..]
+    y = comm.all_to_all(x.reshape((comm.size, -1) + x.shape[1:]), 0, 1)            # [1, size*L, ..]
     return y.reshape(x.shape)
 
 
@@ -630,17 +622,9 @@ class MoELayer(nn.Cell):
         super().__init__()
         state = parallel.get_state()
         ep_group = state.ep_group if state.ep > 1 else None
-        if state.tp > 1 and not state.sequence_parallel:
-            raise ValueError("MoE with tensor parallelism needs sequence parallelism "
-                             "(Megatron moe_layer.py:637-641)")
-        if cfg.add_bias_linear and state.tp > 1:
-            raise ValueError("MoE experts split over TP have no bias: disable add_bias_linear "
-                             "(Megatron transformer_config.py:2612-2615)")
-        if cfg.num_moe_experts % state.ep:
-            raise ValueError(f"num_moe_experts {cfg.num_moe_experts} is not a multiple of the "
-                             f"expert-parallel size {state.ep}")
+        check_moe_rules(cfg, state.tp, state.sequence_parallel, state.ep)
         self.num_local_experts = cfg.num_moe_experts // state.ep
-        self.dtype = getattr(ms, cfg.compute_dtype)
+        self.dtype = DTYPES[cfg.compute_dtype]
         self.router = TopKRouter(cfg, state.tp_cp_group)
         self.experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
             cfg, self.num_local_experts, state.tp)

@@ -1,9 +1,9 @@
-"""Optimizer side of Megatron-style training: schedules, optimizers, clipping, loss scaling, the
-step of mixed-precision training, data-parallel gradient reduction and the distributed optimizer.
+"""The optimizer step of Megatron-style training: schedules, optimizers, clipping, loss scaling,
+the step of mixed-precision training and the distributed optimizer's shards. The data-parallel
+reduction that hands it the gradients is distributed.py.
 
-Mirrors megatron/core/optimizer_param_scheduler.py, megatron/core/optimizer/{optimizer,
-distrib_optimizer,clip_grads,grad_scaler}.py and megatron/core/distributed/, written with basic
-MindSpore ops (PyNative).
+Mirrors megatron/core/optimizer_param_scheduler.py and megatron/core/optimizer/{optimizer,
+distrib_optimizer,clip_grads,grad_scaler}.py, written with basic MindSpore ops (PyNative).
 
 The inner optimizers (AdamW, Adam, SGD) update a list of float32 tensors in place with
 `Tensor.copy_` (the in-place arithmetic methods such as `mul_` do not write back on CPU in
@@ -17,12 +17,10 @@ step_with_ready_grads (update, copy back).
 import math
 
 import numpy as np
-import mindspore as ms
 from mindspore import Tensor, mint, ops
 
 from keys import LR_DECAY_STYLES, WD_INCR_STYLES
-
-F32 = ms.float32
+from parallel import F32, collectives
 
 
 def eager_cast(t, dtype):
@@ -144,7 +142,7 @@ class _Optimizer:
             raise ValueError(f"wd_mults has {len(self.wd_mults)} entries for "
                              f"{len(self.params)} params")
         self.step_count = 0
-        self.state = {name: [ops.zeros(param.shape, ms.float32) for param in self.params]
+        self.state = {name: [ops.zeros(param.shape, F32) for param in self.params]
                       for name in self.state_names}
 
     def state_dict(self):
@@ -195,7 +193,7 @@ class AdamW(_Optimizer):
         is exactly torch's lr * m_hat / (sqrt(v_hat) + eps)."""
         self.step_count += 1
         b1, b2, t = self.beta1, self.beta2, self.step_count
-        f32 = lambda x: Tensor(x, ms.float32)                                   # noqa: E731
+        f32 = lambda x: Tensor(x, F32)                                   # noqa: E731
         args = (f32(b1 ** t), f32(b2 ** t), f32(lr), f32(b1), f32(b2),
                 f32(self.eps * math.sqrt(1 - b2 ** t)))
         for param, g, m, v, mult in zip(self.params, grads, self.state["exp_avg"],
@@ -369,8 +367,8 @@ class MixedPrecisionOptimizer:
     (`make_optimizer(main_params, wd_mults)`) updates float32 main params, which are the model's
     parameters themselves when those are float32, and float32 copies of them when they are half
     precision (Micikevicius et al. 2018, "Mixed Precision Training": the copies keep the small
-    updates that a float16 weight would round away). step(grads, lr, wd), after the gradients'
-    reductions (finalize_model_grads), runs Megatron's three phases:
+    updates that a float16 weight would round away). step(grads, lr, wd) takes the gradients
+    distributed.finalize_model_grads reduced and runs Megatron's three phases:
       1. prepare_grads: main grads (float32, divided by the loss scale); inf/nan found through the
          gradient norm's reduction over `norm_groups`; the loss scaler's update; on overflow the
          step ends there, weights and state untouched;
@@ -378,22 +376,13 @@ class MixedPrecisionOptimizer:
       3. step_with_ready_grads: the inner update of the main params, then main params -> model
          params.
     `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
-    Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all).
-    `collectives` is parallel.collectives, passed in: optimizer.py comes before parallel.py in the
-    import order. The parameters' gradients are reduced over the data-parallel `group` of `dp`
-    ranks (reduce_grads; Megatron's DDP buffer): summed, divided by `mean_over` (default dp), one
-    all-reduce per bucket of `buffer`."""
+    Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all)."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
-                 collectives, norm_groups, counted, group=None, dp=1, bucket_size=None,
-                 mean_over=None):
+                 norm_groups, counted):
         self.params = list(params)
         self.scaler, self.clip_type, self.clip_value = scaler, clip_type, clip_value
-        self.collectives = collectives
         self.norm_groups, self.counted = [g for g in norm_groups if g is not None], list(counted)
-        self.group, self.dp = group, dp
-        self.mean_over = dp if mean_over is None else mean_over
-        self.buffer = GradBuffer(self.params, dp, bucket_size)
         self.main_params = self._main_params()
         self.inner = make_optimizer(self.main_params, self._main_wd_mults(wd_mults))
 
@@ -407,13 +396,6 @@ class MixedPrecisionOptimizer:
     @property
     def step_count(self):
         return self.inner.step_count
-
-    def reduce_grads(self, grads):
-        """The data-parallel reduction of finalize_model_grads: all-reduced over `group` (experts
-        with EP = DP x CP: a group of one rank, their gradients still divided by the DP size)."""
-        if self.dp == 1 and self.mean_over == 1:
-            return grads
-        return all_reduce_grads(self.buffer, grads, self.collectives(self.group), self.mean_over)
 
     def step(self, grads, lr, wd):
         """Megatron's optimizer.step() from the step's reduced gradients (model dtype or float32,
@@ -462,9 +444,10 @@ class MixedPrecisionOptimizer:
     def global_norm_sq(self, main_grads):
         """Squared norm of the whole model's gradient: this rank's counted gradients, summed over
         the ranks that hold other parts of the model (`norm_groups`)."""
-        local = Tensor([grad_norm_sq([g for g, c in zip(main_grads, self.counted) if c])], F32)
+        mine = [g for g, is_counted in zip(main_grads, self.counted) if is_counted]
+        local = Tensor([grad_norm_sq(mine)], F32)
         for group in self.norm_groups:
-            local = self.collectives(group).all_reduce(local)
+            local = collectives(group).all_reduce(local)
         return float(local.asnumpy()[0])
 
     def _copy_main_params_to_model_params(self):
@@ -503,11 +486,12 @@ class MixedPrecisionOptimizer:
 
 class ChainedOptimizer:
     """Megatron's ChainedOptimizer (megatron/core/optimizer/optimizer.py): with experts, the dense
-    parameters' optimizer and the experts' (moe.py), each reducing its gradients over its own
-    data-parallel group (DP x CP; the expert-data-parallel group) and its norm over the ranks
-    holding other parts (the experts also over EP), stepped as one: one gradient norm over both,
-    one loss-scaler update, one clip. `indices[k]`: the positions, in the model's parameter
-    order, of optimizer k's parameters; the optimizers share one scaler."""
+    parameters' optimizer and the experts' (moe.py), each taking the gradients of its own
+    data-parallel buffer (distributed.DistributedDataParallel: DP x CP; the expert-data-parallel
+    group) and reducing its norm over the ranks holding other parts (the experts also over EP),
+    stepped as one: one gradient norm over both, one loss-scaler update, one clip. `indices[k]`:
+    the positions, in the model's parameter order, of optimizer k's parameters; the optimizers
+    share one scaler."""
 
     def __init__(self, optimizers, indices):
         self.optimizers, self.indices = optimizers, indices
@@ -521,12 +505,9 @@ class ChainedOptimizer:
     def step_count(self):
         return self.optimizers[0].step_count
 
-    def reduce_grads(self, grads):
-        return [opt.reduce_grads(g) for opt, g in zip(self.optimizers, self.split(grads))]
-
     def step(self, grads, lr, wd):
-        """MixedPrecisionOptimizer.step over the chain, from reduce_grads' lists: the norm is
-        the square root of the optimizers' squared norms summed."""
+        """MixedPrecisionOptimizer.step over the chain, from one list of reduced gradients per
+        optimizer: the norm is the square root of the optimizers' squared norms summed."""
         main_grads = [opt.main_grads(gs) for opt, gs in zip(self.optimizers, grads)]
         norm_sq = sum(opt.global_norm_sq(gs) for opt, gs in zip(self.optimizers, main_grads))
         found_inf, grad_norm = found_inf_and_norm(norm_sq, self.scaler)
@@ -563,147 +544,46 @@ def found_inf_and_norm(norm_sq, scaler):
     return found_inf, math.sqrt(norm_sq)
 
 
-# ----------------------------------------------------------------------------- data parallelism
-class GradBuffer:
-    """Megatron's ParamAndGradBuffer, rebuilt each step from the accumulated gradients.
-
-    Parameter i owns elements [offsets[i], offsets[i] + numel_i) of one flat buffer, in order.
-    The buffer is cut into buckets of about `bucket_size` elements along parameter boundaries,
-    each padded to a multiple of `dp` so that it splits into dp equal shards: the shard a
-    distributed optimizer owns on each rank."""
-
-    def __init__(self, params, dp, bucket_size=None):
-        self.shapes = [tuple(param.shape) for param in params]
-        sizes = [int(np.prod(s)) for s in self.shapes]
-        self.offsets, self.buckets = [], []            # buckets: (start, end) in the buffer
-        start = position = 0
-        for i, n in enumerate(sizes):
-            self.offsets.append(position)
-            position += n
-            last = i == len(sizes) - 1
-            if last or (bucket_size and position - start >= bucket_size):
-                end = start + -(-(position - start) // dp) * dp
-                self.buckets.append((start, end))
-                start = position = end
-        self.numel, self.sizes, self.dp = position, sizes, dp
-
-    def flatten(self, tensors, dtype=F32):
-        """list of tensors shaped like the params -> flat [numel] in `dtype`, zeros in the
-        padding."""
-        pieces, position = [], 0
-        for t, offset, n in zip(tensors, self.offsets, self.sizes):
-            if offset > position:
-                pieces.append(ops.zeros(offset - position, dtype))
-            pieces.append(eager_cast(t.reshape(-1), dtype))
-            position = offset + n
-        if self.numel > position:
-            pieces.append(ops.zeros(self.numel - position, dtype))
-        return ops.cat(pieces)
-
-    def unflatten(self, flat):
-        """flat [numel] -> new tensors shaped like the params. A slice is a view of the whole
-        buffer in MindSpore, which in-place kernels (copy_) refuse once reshaped: copy it."""
-        return [flat[o:o + n].reshape(s).copy()
-                for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
-
-    def shard_ranges(self, rank):
-        """The (start, end) ranges of the buffer that `rank` owns: its 1/dp of every bucket."""
-        return [(b0 + rank * (b1 - b0) // self.dp, b0 + (rank + 1) * (b1 - b0) // self.dp)
-                for b0, b1 in self.buckets]
-
-    def piece_names(self, rank, names):
-        """One name per piece of `rank` (`names`: one per parameter): "<name>@<first element>",
-        so the pieces of every DP rank together cover each parameter and join back."""
-        return [f"{names[i]}@{lo - self.offsets[i]}" for _, i, lo, _ in self.pieces(rank)]
-
-    def pieces(self, rank):
-        """(bucket, param index, start, end) of each overlap of a parameter with `rank`'s shard
-        of a bucket, start and end in the buffer: what a distributed optimizer updates."""
-        out = []
-        for b, (s0, s1) in enumerate(self.shard_ranges(rank)):
-            for i, (o, n) in enumerate(zip(self.offsets, self.sizes)):
-                lo, hi = max(s0, o), min(s1, o + n)
-                if lo < hi:
-                    out.append((b, i, lo, hi))
-        return out
-
-
-def finalize_model_grads(grads, params, collectives, state, optimizer):
-    """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
-    reduction of a step's gradients, in one place, after the last backward, in the gradients'
-    dtype (Megatron's main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32
-    parameters, else the parameters' half precision):
-      1. sequence parallelism: norm weights and row-parallel biases saw only this rank's shard of
-         the sequence, so their gradients (marked `sequence_parallel`) are all-reduced over TP;
-      2. tied embeddings over pipeline stages: the first stage's word embedding and the last
-         stage's output-layer copy (marked `shared_embedding`) are all-reduced over the embedding
-         group, so both copies take the same step and stay equal;
-      3. data parallelism (optimizer.reduce_grads): summed over CP (each cp rank's gradient is
-         its tokens' share of the loss, see gpt.GPTModel) and averaged over DP, one all-reduce
-         over the DP x CP group per bucket of the optimizer's contiguous buffer, or, with the
-         distributed optimizer, reduce-scattered to this rank's pieces; experts' gradients over
-         the expert-data-parallel group instead (ChainedOptimizer).
-    `collectives` and `state` are parallel.py's: parallel.collectives and the current
-    ParallelState. Returns the gradients the optimizer takes."""
-    grads = [collectives(state.tp_group).all_reduce(g)
-             if getattr(param, "sequence_parallel", False) else g
-             for g, param in zip(grads, params)]
-    grads = [collectives(state.embedding_group).all_reduce(g)
-             if getattr(param, "shared_embedding", False) else g
-             for g, param in zip(grads, params)]
-    return optimizer.reduce_grads(grads)
-
-
-def all_reduce_grads(buffer, grads, group_collectives, mean_over):
-    """Data-parallel gradient reduction: divided by `mean_over` (DP) and summed over the group of
-    `group_collectives` (DP x CP), one all-reduce per bucket of the contiguous buffer, in the
-    gradients' dtype (Megatron's DDP without overlap: it scales by 1/dp before the sum, which
-    keeps a float16 sum in range)."""
-    flat = buffer.flatten(grads, grads[0].dtype) * (1.0 / mean_over)
-    reduced = [group_collectives.all_reduce(flat[b0:b1]) for b0, b1 in buffer.buckets]
-    return buffer.unflatten(ops.cat(reduced))
-
-
 class DistributedOptimizer(MixedPrecisionOptimizer):
-    """Megatron's distributed optimizer (ZeRO stage 1, Rajbhandari et al. 2020): each DP rank
-    keeps float32 main params and optimizer state for only its 1/dp shard of every bucket.
+    """Megatron's distributed optimizer (ZeRO stage 1, Rajbhandari et al. 2020): each rank of a
+    data-parallel group keeps float32 main params and optimizer state for only its shard of
+    every bucket of the group's gradient buffer (`buffer`, a distributed.GradBuffer).
 
-    The gradients are reduce-scattered over the DP x CP `group` (each rank gets its shard, divided
-    by `mean_over`, the DP size; see finalize_model_grads); step() updates the shard with the inner
-    optimizer and all-gathers the updated shards, in the model's dtype, into every rank's params.
-    The inner optimizer sees one flat tensor per (parameter, shard) overlap, a "piece", so
-    per-parameter weight-decay multipliers still apply."""
+    It takes this rank's pieces of the gradients, which the buffer reduce-scattered
+    (distributed.finalize_model_grads); step() updates them with the inner optimizer and
+    all-gathers the updated shards, in the model's dtype, into every rank's params. The inner
+    optimizer sees one flat tensor per (parameter, shard) overlap, a "piece", so per-parameter
+    weight-decay multipliers still apply."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
-                 collectives, norm_groups, counted, group, dp_rank, dp, bucket_size=None,
-                 mean_over=None):
-        self.rank = dp_rank
-        buffer = GradBuffer(params, dp, bucket_size)
-        self.shards = buffer.shard_ranges(dp_rank)             # this rank's range in each bucket
-        self.pieces = buffer.pieces(dp_rank)                   # (bucket, param index, start, end)
+                 norm_groups, counted, buffer):
+        self.buffer = buffer
+        self.shards = buffer.shard_ranges(buffer.rank)         # this rank's range in each bucket
+        self.pieces = buffer.pieces(buffer.rank)               # (bucket, param index, start, end)
         # the norm: this rank's pieces, summed over the shards first
         super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
-                         collectives, [group] + list(norm_groups),
-                         [counted[i] for _, i, _, _ in self.pieces], group, dp, bucket_size,
-                         mean_over)
+                         [buffer.group] + list(norm_groups),
+                         [counted[i] for _, i, _, _ in self.pieces])
 
     def _main_params(self):
-        flat = self.buffer.flatten(self.params)
-        return [flat[lo:hi].copy() for _, _, lo, hi in self.pieces]     # float32 pieces
+        return [piece.copy() for piece in self._pieces_of_params()]      # float32 pieces
+
+    def _pieces_of_params(self):
+        flat = self.buffer.flatten([eager_cast(param, F32) for param in self.params])
+        return [flat[lo:hi] for _, _, lo, hi in self.pieces]
 
     def _main_wd_mults(self, wd_mults):
         return [wd_mults[i] for _, i, _, _ in self.pieces]
 
     def reload_main_params(self):
         """The float32 pieces from the model's parameters (after loading weights)."""
-        flat = self.buffer.flatten(self.params)
-        for (_, _, lo, hi), main in zip(self.pieces, self.main_params):
-            main.copy_(flat[lo:hi].copy())
+        for piece, main in zip(self._pieces_of_params(), self.main_params):
+            main.copy_(piece.copy())
 
     def named_state(self, names):
         """(arrays, step): this rank's pieces of the float32 main params "main.<piece>" and of the
         inner optimizer's state "optimizer.<state>.<piece>" (`names`: one per parameter)."""
-        pieces = self.buffer.piece_names(self.rank, names)
+        pieces = self.buffer.piece_names(self.buffer.rank, names)
         arrays, step = self.inner.named_state(pieces)
         arrays.update({f"main.{piece}": main.asnumpy()
                        for piece, main in zip(pieces, self.main_params)})
@@ -711,20 +591,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def load_named_state(self, arrays, step, names):
         """The inverse of named_state."""
-        pieces = self.buffer.piece_names(self.rank, names)
+        pieces = self.buffer.piece_names(self.buffer.rank, names)
         for piece, main in zip(pieces, self.main_params):
             main.copy_(Tensor(arrays[f"main.{piece}"]))
         self.inner.load_named_state(arrays, step, pieces)
-
-    def reduce_grads(self, grads):
-        """Full local grads -> this rank's pieces of the DP average, one float32 tensor per piece:
-        reduce-scattered in the gradients' dtype, divided by mean_over first (as
-        all_reduce_grads)."""
-        flat = self.buffer.flatten(grads, grads[0].dtype) * (1.0 / self.mean_over)
-        shard = [self.collectives(self.group).reduce_scatter(flat[b0:b1])
-                 for b0, b1 in self.buffer.buckets]
-        return [eager_cast(shard[b][lo - self.shards[b][0]:hi - self.shards[b][0]], F32)
-                for b, _, lo, hi in self.pieces]
 
     def _copy_main_params_to_model_params(self):
         """All-gather each bucket's updated shards, in the parameters' dtype, into the params."""
@@ -736,7 +606,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 mine.append(ops.zeros(s1 - s0 - filled, F32))
             shard = ops.cat(mine)
             shard = eager_cast(shard, dtype)
-            buckets.append(self.collectives(self.group).all_gather(shard))
+            buckets.append(collectives(self.buffer.group).all_gather(shard))
         for param, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
             param.copy_(value)
 

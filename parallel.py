@@ -37,13 +37,26 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.communication import GlobalComm, create_group, get_rank, init
 from mindspore.ops import constexpr
 
-from config import cp_ring_size
+from config import check_expert_parallel_size, cp_ring_size, data_parallel_size
 
-F32 = ms.float32                # the one float32 alias (gpt.py and context_parallel.py import it)
+F32 = ms.float32                                     # the one float32 alias, imported where used
+DTYPES = {"float32": F32, "float16": ms.float16, "bfloat16": ms.bfloat16}    # config's dtype names
 
 # ============================================================================ process groups
 _GROUPS = {}        # group name -> (kind, global ranks); every group this process has named
 _STATE = None
+
+
+def rank_grid(world_size, tp, cp, pp, ep=None):
+    """The global ranks as an array [pp, dp, cp, tp], axes from slowest to fastest (the rank
+    formula above), after the layout's divisibility rules (config.data_parallel_size,
+    config.check_expert_parallel_size); with `ep`, the same ranks as [pp, edp, ep, tp]."""
+    dp = data_parallel_size(world_size, tp, cp, pp)
+    grid = np.arange(world_size).reshape(pp, dp, cp, tp)
+    if ep is None:
+        return grid
+    check_expert_parallel_size(ep, dp * cp)
+    return grid.reshape(pp, dp * cp // ep, ep, tp)
 
 
 def rank_groups(world_size, tp, cp, pp, ulysses=None, ep=1):
@@ -53,13 +66,7 @@ def rank_groups(world_size, tp, cp, pp, ulysses=None, ep=1):
     apart. Experts (moe.py): "ep" groups `ep` adjacent DP x CP ranks, "edp" the ranks holding
     the same experts, "tp_ep" is TP x EP (the allgather dispatcher's group), "tp_cp" TP x CP
     (over which a router counts its tokens)."""
-    if world_size % (tp * cp * pp):
-        raise ValueError(f"world size {world_size} is not a multiple of tp*cp*pp = {tp * cp * pp}")
-    dp = world_size // (tp * cp * pp)
-    if (dp * cp) % ep:
-        raise ValueError(f"expert parallel size {ep} does not divide dp*cp = {dp * cp}")
-    grid = np.arange(world_size).reshape(pp, dp, cp, tp)         # axes from slowest to fastest
-    expert_grid = grid.reshape(pp, dp * cp // ep, ep, tp)         # pp, edp, ep, tp
+    grid, expert_grid = rank_grid(world_size, tp, cp, pp), rank_grid(world_size, tp, cp, pp, ep)
 
     def along(*axes, of=grid):   # groups varying `axes` (of pp=0, dp=1, cp=2, tp=3), the rest fixed
         rest = [a for a in range(4) if a not in axes]
@@ -182,7 +189,7 @@ def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses
     pairs = {next(r for r in g if r != rank): _use_group("pp_pair", g)
              for g in groups["pp_pairs"] if rank in g}
     _STATE = ParallelState(
-        world_size=world, rank=rank, tp=tp, cp=cp, dp=world // (tp * cp * pp), pp=pp,
+        world_size=world, rank=rank, tp=tp, cp=cp, dp=len(mine["dp"]), pp=pp,
         tp_rank=mine["tp"].index(rank), cp_rank=mine["cp"].index(rank),
         dp_rank=mine["dp"].index(rank), pp_rank=mine["pp"].index(rank),
         tp_group=names["tp"], cp_group=names["cp"], dp_group=names["dp"], pp_group=names["pp"],
@@ -230,13 +237,14 @@ def any_rank(flag):
 def grid_table(world_size, tp, cp, pp, ep=1):
     """One line per rank: its coordinates in the tp-cp-dp-pp grid, and with expert parallelism
     its EP rank (its place among `ep` adjacent DP x CP ranks)."""
-    dp = world_size // (tp * cp * pp)
+    grid, expert_grid = rank_grid(world_size, tp, cp, pp), rank_grid(world_size, tp, cp, pp, ep)
     experts = f" ep={ep}" if ep > 1 else ""
     lines = [f"rank -> tp, cp, dp, pp{', ep' if ep > 1 else ''}   "
-             f"(tp={tp} cp={cp} dp={dp} pp={pp}{experts})"]
-    for r in range(world_size):
-        lines.append(f"{r:4d} -> {r % tp}, {r // tp % cp}, {r // (tp * cp) % dp}, "
-                     f"{r // (tp * cp * dp)}" + (f", {r // tp % ep}" if ep > 1 else ""))
+             f"(tp={tp} cp={cp} dp={grid.shape[1]} pp={pp}{experts})"]
+    for (pp_rank, dp_rank, cp_rank, tp_rank), r in np.ndenumerate(grid):
+        ep_rank = np.unravel_index(r, expert_grid.shape)[2]
+        lines.append(f"{r:4d} -> {tp_rank}, {cp_rank}, {dp_rank}, {pp_rank}"
+                     + (f", {ep_rank}" if ep > 1 else ""))
     return "\n".join(lines)
 
 
@@ -427,34 +435,34 @@ def exchange(t, peer_global_rank):
 
 
 # ============================================================================ mappings (f, g)
-# The halves of the mappings: functions (collectives, x, dim) -> tensor, a Mapping's forward and
+# The halves of the mappings: functions (comm, x, dim) -> tensor, a Mapping's forward and
 # backward.
-def _identity(c, x, dim):
+def _identity(comm, x, dim):
     return x
 
 
-def _all_reduce(c, x, dim):
-    return c.all_reduce(x)
+def _all_reduce(comm, x, dim):
+    return comm.all_reduce(x)
 
 
-def _all_gather(c, x, dim):               # [.., d, ..] -> [.., n*d, ..]
-    return c.all_gather(x, dim)
+def _all_gather(comm, x, dim):               # [.., d, ..] -> [.., n*d, ..]
+    return comm.all_gather(x, dim)
 
 
-def _reduce_scatter(c, x, dim):           # [.., n*d, ..] -> [.., d, ..], summed
-    return c.reduce_scatter(x, dim)
+def _reduce_scatter(comm, x, dim):           # [.., n*d, ..] -> [.., d, ..], summed
+    return comm.reduce_scatter(x, dim)
 
 
-def _keep_own(c, x, dim):                 # [.., n*d, ..] -> [.., d, ..], no communication
-    return ops.split(x, x.shape[dim] // c.size, dim)[c.rank]
+def _keep_own(comm, x, dim):                 # [.., n*d, ..] -> [.., d, ..], no communication
+    return ops.split(x, x.shape[dim] // comm.size, dim)[comm.rank]
 
 
-def _sequence_to_heads(c, x, dim):        # [s/n, b, heads, d] -> [s, b, heads/n, d]
-    return c.all_to_all(x, 2, 0)
+def _sequence_to_heads(comm, x, dim):        # [s/n, b, heads, d] -> [s, b, heads/n, d]
+    return comm.all_to_all(x, 2, 0)
 
 
-def _heads_to_sequence(c, x, dim):        # [s, b, heads/n, d] -> [s/n, b, heads, d]
-    return c.all_to_all(x, 0, 2)
+def _heads_to_sequence(comm, x, dim):        # [s, b, heads/n, d] -> [s/n, b, heads, d]
+    return comm.all_to_all(x, 0, 2)
 
 
 class Mapping(nn.Cell):

@@ -43,8 +43,8 @@ def layer_split(num_layers, pp, vpp=1, num_layer_list=None):
 
 
 def build_chunks(model_cfg, pp, pp_rank, vpp=1, num_layer_list=None, rng=None, recomputed=None):
-    """This pipeline rank's model chunks (gpt.GPTModel, weights not initialised): chunk c is
-    virtual stage c * pp + pp_rank; the first virtual stage embeds, the last has the loss.
+    """This pipeline rank's model chunks (gpt.GPTModel, weights not initialised): chunk i is
+    virtual stage i * pp + pp_rank; the first virtual stage embeds, the last has the loss.
     recomputed: per chunk, the layers full recompute rebuilds (config.recompute_counts)."""
     split = layer_split(model_cfg.num_layers, pp, vpp, num_layer_list)
     chunks = []
@@ -177,7 +177,7 @@ def schedule_table(ticks):
         cells = ["."] * width
         for tick, kind, mb, chunk in events:
             cells[tick] = f"{kind}{mb}" + PRIME * chunk
-        rows.append(f"stage {r}: " + " ".join(f"{c:<4}" for c in cells).rstrip())
+        rows.append(f"stage {r}: " + " ".join(f"{cell:<4}" for cell in cells).rstrip())
     return "\n".join(rows)
 
 
@@ -202,19 +202,19 @@ def hop_shape(model_cfg, micro_batch_size, cp=1, tp=1, sequence_parallel=False):
 
 
 class PipelineRunner:
-    """Runs one step's passes for this rank's model chunks (a list of gpt.GPTModel, chunk c being
-    virtual stage c * pp + pp_rank), each compiled by ms.jit if `compiled`: a training step, or
+    """Runs one step's passes for this rank's model chunks (a list of gpt.GPTModel, chunk i being
+    virtual stage i * pp + pp_rank), each compiled by ms.jit if `compiled`: a training step, or
     with forward_only an evaluation. A hop is `hop_shape` (see hop_shape) in `hop_dtype`
     (gpt.hidden_dtype); the gradients are summed over micro-batches in `grad_dtype`."""
 
     def __init__(self, chunks, state, hop_shape, hop_dtype, grad_dtype, compiled=False,
                  kind="1f1b"):
         self.kind = kind                                        # "1f1b" or "afab" (see schedule)
-        self.chunks = [gpt.Compiled(c) for c in chunks] if compiled else chunks
+        self.chunks = [gpt.Compiled(chunk) for chunk in chunks] if compiled else chunks
         self.state = state
         self.hop_shape, self.hop_dtype, self.grad_dtype = hop_shape, hop_dtype, grad_dtype
         self.p, self.v, self.rank = state.pp, len(chunks), state.pp_rank
-        self.params = [list(c.get_parameters()) for c in chunks]
+        self.params = [list(chunk.get_parameters()) for chunk in chunks]
         self.peers = parallel.group_ranks(state.pp_group)          # pp rank -> global rank
         self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
         # the first virtual stage takes token ids, which have no gradient
@@ -263,20 +263,21 @@ class PipelineRunner:
                 self._exchange(step, outgoing, received)
                 seconds["exchange"] += time.perf_counter() - start  # waiting for the peer included
                 continue
-            kind, mb, c = step
+            kind, mb, chunk_id = step
             start, clock = time.time(), time.perf_counter()
             if kind == "F":
-                args = self._forward(micro_batches[mb], mb, c, received, outgoing, losses)
+                args = self._forward(micro_batches[mb], mb, chunk_id, received, outgoing, losses)
                 if not forward_only:
-                    saved[(mb, c)] = args
+                    saved[(mb, chunk_id)] = args
             else:
-                g_params = self._backward(saved.pop((mb, c)), mb, c, loss_weight, received,
-                                          outgoing)
-                grads[c] = [g if a is None else a + g for a, g in zip(grads[c], g_params)]
+                g_params = self._backward(saved.pop((mb, chunk_id)), mb, chunk_id, loss_weight,
+                                          received, outgoing)
+                grads[chunk_id] = [g if a is None else a + g
+                                   for a, g in zip(grads[chunk_id], g_params)]
             if trace is not None:
                 if ms.get_context("device_target") != "CPU":   # on CPU ops run in this thread
                     ms.runtime.synchronize()          # PyNative is asynchronous: time the real work
-                trace.append((kind, mb, c, start, time.time()))
+                trace.append((kind, mb, chunk_id, start, time.time()))
             seconds["compute"] += time.perf_counter() - clock
         return [float(loss.asnumpy()) for loss in losses], [g for chunk in grads for g in chunk]
 
@@ -290,30 +291,31 @@ class PipelineRunner:
         if in_key:
             received[in_key] = got
 
-    def _forward(self, inputs, mb, c, received, outgoing, losses):
-        """Chunk c's forward of micro-batch mb: its output goes out as a hop, or on the last
+    def _forward(self, inputs, mb, chunk_id, received, outgoing, losses):
+        """Chunk chunk_id's forward of micro-batch mb: its output goes out as a hop, or on the last
         virtual stage is the loss. Returns the chunk's inputs (for its backward)."""
-        vs, last = c * self.p + self.rank, self.p * self.v - 1
+        vs, last = chunk_id * self.p + self.rank, self.p * self.v - 1
         tokens, position_ids, mask, labels, loss_mask = inputs
         x = tokens if vs == 0 else received.pop(("act", mb, vs))
         args = (x, position_ids, mask) + ((labels, loss_mask) if vs == last else ())
-        out = self.chunks[c](*args)
+        out = self.chunks[chunk_id](*args)
         if vs == last:
             losses.append(out)
         else:
             outgoing[("act", mb, vs + 1)] = out
         return args
 
-    def _backward(self, args, mb, c, loss_weight, received, outgoing):
-        """Chunk c's backward of micro-batch mb from its saved inputs `args`, seeded by
+    def _backward(self, args, mb, chunk_id, loss_weight, received, outgoing):
+        """Chunk chunk_id's backward of micro-batch mb from its saved inputs `args`, seeded by
         loss_weight on the last virtual stage, else by the received output gradient; the input
         gradient goes out as a hop. Returns the parameters' gradients in grad_dtype."""
-        vs, last = c * self.p + self.rank, self.p * self.v - 1
+        vs, last = chunk_id * self.p + self.rank, self.p * self.v - 1
         dout = Tensor(loss_weight, ms.float32) if vs == last else received.pop(("grad", mb, vs))
+        chunk, params = self.chunks[chunk_id], self.params[chunk_id]
         if vs == 0:
-            g_params = self.grad_params_only(self.chunks[c], self.params[c])(*args, dout)
+            g_params = self.grad_params_only(chunk, params)(*args, dout)
         else:
-            g_inputs, g_params = self.grad_with_input(self.chunks[c], self.params[c])(*args, dout)
+            g_inputs, g_params = self.grad_with_input(chunk, params)(*args, dout)
             outgoing[("grad", mb, vs - 1)] = g_inputs[0]
         return [eager_cast(g, self.grad_dtype) for g in g_params]
 
@@ -327,19 +329,20 @@ def gather_trace(trace, state):
     origin = parallel.broadcast(Tensor([trace[0][3]], ms.float64), first, state.pp_group)
     origin = float(origin.asnumpy()[0])
     # [passes, 5]: kind (0 F, 1 B), micro-batch, chunk, start, end
-    rows = np.array([[0.0 if k == "F" else 1.0, mb, c, s - origin, e - origin]
-                     for k, mb, c, s, e in trace], np.float32)
+    rows = np.array([[0.0 if k == "F" else 1.0, mb, chunk_id, s - origin, e - origin]
+                     for k, mb, chunk_id, s, e in trace], np.float32)
     gathered = parallel.collectives(state.pp_group).all_gather(Tensor(rows[None]), 0)
     gathered = gathered.asnumpy().astype(np.float64)             # [pp, passes, 5]
     base = gathered[:, :, 3].min()
-    return [[("F" if k == 0 else "B", int(mb), int(c), float(s - base), float(e - base))
-             for k, mb, c, s, e in ranks] for ranks in gathered]
+    return [[("F" if k == 0 else "B", int(mb), int(chunk_id), float(s - base), float(e - base))
+             for k, mb, chunk_id, s, e in ranks] for ranks in gathered]
 
 
-def write_timeline(traces, m, v, kind, path, ranks_per_stage=1):
+def write_timeline(traces, m, v, kind, path, grid=None):
     """Write a step's measured timeline (gather_trace's `traces`, one per stage) to path.txt, with
     the unit-time schedule above it, and path.svg; return the bubble line for the log: measured
-    (idle over busy time per stage), in the unit-time schedule, and in theory."""
+    (idle over busy time per stage), in the unit-time schedule, and in theory. `grid`: the
+    layout's parallel.rank_grid, which names each stage's ranks (default: one rank a stage)."""
     p = len(traces)
     span = max(e for t in traces for *_, e in t)
     measured = bubble_fraction([sum(e - s for *_, s, e in t) for t in traces], span)
@@ -347,10 +350,11 @@ def write_timeline(traces, m, v, kind, path, ranks_per_stage=1):
     unit = bubble_fraction([len(t) for t in ticks], max(t[-1][0] for t in ticks) + 1)
     peaks = [peak_in_flight(schedule(p, r, m, v, kind=kind)) for r in range(p)]
     name = schedule_name(kind, v)
-    stages = [stage_label(r, ranks_per_stage) for r in range(p)]
+    grid = np.arange(p) if grid is None else grid
+    stages = [stage_label(r, grid[r]) for r in range(p)]
     timeline = "\n".join(
-        f"{stages[r]}: " + "  ".join(f"{k}{mb}{PRIME * c} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
-                                     for k, mb, c, s, e in t)
+        f"{stages[r]}: " + "  ".join(f"{k}{mb}{PRIME * chunk_id} {s * 1e3:.0f}-{e * 1e3:.0f}ms"
+                                     for k, mb, chunk_id, s, e in t)
         for r, t in enumerate(traces))
     with open(path + ".txt", "w") as f:
         f.write(f"pipeline schedule: {name}, p={p}, m={m} (unit time)\n{schedule_table(ticks)}\n\n"
@@ -378,9 +382,10 @@ NOTATION = ("F3 = forward of micro-batch 3, B3 = its backward, F3' = the same on
             "second model chunk")
 
 
-def stage_label(stage, ranks_per_stage):
-    """Stage s holds global ranks s*n .. s*n+n-1 (pp is the outermost grid dimension)."""
-    first, last = stage * ranks_per_stage, (stage + 1) * ranks_per_stage - 1
+def stage_label(stage, ranks):
+    """"stage s (ranks a-b)": `ranks`, the stage's slice of parallel.rank_grid, are adjacent (pp
+    is the grid's outermost axis)."""
+    first, last = int(np.min(ranks)), int(np.max(ranks))
     if first == last:
         return f"stage {stage} (rank {first})"
     return f"stage {stage} (ranks {first}-{last})"
@@ -393,18 +398,19 @@ def timeline_svg(traces, ticks, title, stages):
     backwards green, darker for later chunks; a legend; an axis under each panel (ticks, ms)."""
     width, row, top = 1100.0, 28, 44
     panel = 30 + row * len(traces) + 40                 # heading, rows, axis
-    chunks = max(c for t in traces for *_, c, _, _ in t) + 1
+    chunks = max(chunk_id for t in traces for *_, chunk_id, _, _ in t) + 1
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" '
            f'height="{top + 2 * panel}" font-family="monospace" font-size="11">',
            f'<text x="4" y="14">{title}</text>']
-    legend = [(f"{word}{f' chunk {c} ({k}{PRIME * c})' if chunks > 1 else ''}",
-               TIMELINE_COLOURS[k][min(c, 2)])
-              for k, word in (("F", "forward"), ("B", "backward")) for c in range(chunks)]
+    legend = [(f"{word}{f' chunk {chunk_id} ({k}{PRIME * chunk_id})' if chunks > 1 else ''}",
+               TIMELINE_COLOURS[k][min(chunk_id, 2)])
+              for k, word in (("F", "forward"), ("B", "backward")) for chunk_id in range(chunks)]
     for i, (text, fill) in enumerate(legend):
         out.append(f'<rect x="{4 + i * 150}" y="21" width="12" height="12" fill="{fill}" '
                    'stroke="#333" stroke-width="0.5"/>'
                    f'<text x="{20 + i * 150}" y="31">{text}</text>')
-    unit = [[(kind, mb, c, tick, tick + 1) for tick, kind, mb, c in t] for t in ticks]
+    unit = [[(kind, mb, chunk_id, tick, tick + 1) for tick, kind, mb, chunk_id in t]
+            for t in ticks]
     _timeline_panel(out, unit, stages, top, width, "unit-time schedule: every pass one tick",
                     "ticks", 1.0)
     _timeline_panel(out, traces, stages, top + panel, width, "measured: this step's passes",
@@ -427,12 +433,12 @@ def _timeline_panel(out, rows, stages, top, width, heading, unit, per_unit):
     for r, events in enumerate(rows):
         y = top + 24 + r * row
         out.append(f'<text x="4" y="{y + 17}">{stages[r]}</text>')
-        for kind, mb, c, s, e in events:
+        for kind, mb, chunk_id, s, e in events:
             x, w = left + s * scale, max((e - s) * scale, 1.0)
-            label = f"{kind}{mb}{PRIME * c}"
+            label = f"{kind}{mb}{PRIME * chunk_id}"
             size = min(11.0, max(5.0, 1.6 * w / len(label)))   # shrink it to fit a narrow box
             out.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 4}" '
-                       f'fill="{TIMELINE_COLOURS[kind][min(c, 2)]}" stroke="#333" '
+                       f'fill="{TIMELINE_COLOURS[kind][min(chunk_id, 2)]}" stroke="#333" '
                        f'stroke-width="0.5"><title>{label}: {s * per_unit:.1f}-'
                        f'{e * per_unit:.1f} {unit}</title></rect>'
                        f'<text x="{x + 1:.1f}" y="{y + 16}" font-size="{size:.1f}">{label}</text>')

@@ -94,6 +94,7 @@ import cli
 import config
 import context_parallel
 import data
+import distributed
 import fused
 import gpt
 import megatron_checkpoint
@@ -127,7 +128,7 @@ SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
 
 
 # ======================================================================================== structure
-MODULES = ["keys", "config", "cli", "tokenizer", "data", "optimizer", "parallel",
+MODULES = ["keys", "config", "cli", "tokenizer", "data", "parallel", "distributed", "optimizer",
            "context_parallel", "moe", "gpt", "pipeline", "memory", "torch_format",
            "megatron_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler", "metrics", "train",
            "fused", "bench", "bench_fusions", "tour"]
@@ -177,7 +178,8 @@ def test_code_cites_no_outside_file_and_no_dated_measurement():
 def test_imports_go_one_way_and_only_at_the_top():
     """Every project import is at a module's top level (none inside a function, where ms.jit
     cannot compile them and a reader does not look), and the import graph has no cycle: layers
-    config, data, optimizer, parallel -> gpt -> pipeline -> checkpoint -> hf_gpt2 -> train."""
+    config, data -> parallel -> distributed, optimizer, gpt -> pipeline -> checkpoint -> hf_gpt2
+    -> train."""
     edges = {}
     for module in MODULES:
         tree = ast.parse(open(os.path.join(HERE, module + ".py")).read())
@@ -1964,7 +1966,8 @@ def test_variant_trains(variant):
     cfg, model = tiny_model(*VARIANTS[variant], "--lr", "3e-3", "--min-lr", "3e-3",
                             "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
                             "--train-iters", "4", "--no-jit")
-    trainer = train.Trainer(cfg, model, *train.build_optimizer(cfg, model))
+    ddp = train.build_data_parallel(cfg, model)
+    trainer = train.Trainer(cfg, model, ddp, *train.build_optimizer(cfg, model, ddp))
     batch = random_batch(cfg)
     losses = [trainer.train_step([batch])[0] for _ in range(4)]
     assert all(np.isfinite(losses))
@@ -2031,7 +2034,7 @@ def test_flash_attention_equals_core_attention(case, monkeypatch):
     float16 (2e-3); op by op."""
     flags, documents = FLASH_CASES[case]
     cfg = tiny_cfg(*flags)
-    dtype = gpt.DTYPES[cfg.model_config.compute_dtype]
+    dtype = parallel.DTYPES[cfg.model_config.compute_dtype]
     inputs, weights = flash_inputs(cfg, documents)
     inputs = [x.astype(dtype) for x in inputs[:3]] + [inputs[3]]
     results = []
@@ -2318,7 +2321,7 @@ def test_fused_form_equals_its_plain_form(form, dtype, compiled):
     and compiled (ms.jit; dropout masks come from host streams, so the dropout case runs op by
     op)."""
     build, shapes, graded = FUSED_FORMS[form]
-    dtype = gpt.DTYPES[dtype]
+    dtype = parallel.DTYPES[dtype]
     inputs = _form_inputs(shapes, dtype)
     results = []
     for cell in build():
@@ -3282,7 +3285,8 @@ def test_memory_shards_experts_over_the_expert_data_parallel_group():
                 dp_rank=rank, pp_rank=0, tp_group="", cp_group="", dp_group="", pp_group="",
                 dp_cp_group="", mp_group="", ep=ep, ep_rank=ep_rank, edp_rank=edp_rank,
                 ep_group="", edp_group="")
-            optimizer, _ = train.build_optimizer(cfg, chunks, state)
+            ddp = train.build_data_parallel(cfg, chunks, state)
+            optimizer, _ = train.build_optimizer(cfg, chunks, ddp, state)
             assert (memory.stage_memory(cfg, 0).optimizer == optimizer.state_bytes() == hand), \
                 (dp, ep, rank)
             assert experts == memory.expert_parameters(cfg, 0) > 0
@@ -5895,9 +5899,10 @@ def test_loss_scaler_skips_a_step_with_nan_gradients():
     the optimizer or the scheduler, and halves the dynamic loss scale (hysteresis 1); the next
     clean step updates (op by op)."""
     cfg, model = tiny_model("--no-jit")
-    optim, scheduler = train.build_optimizer(cfg, model)
+    ddp = train.build_data_parallel(cfg, model)
+    optim, scheduler = train.build_optimizer(cfg, model, ddp)
     optim.scaler = scaler = DynamicGradScaler(2.0 ** 16, 1.0, growth_interval=1000, hysteresis=1)
-    trainer = train.Trainer(cfg, model, optim, scheduler)
+    trainer = train.Trainer(cfg, model, ddp, optim, scheduler)
     before = [p.asnumpy().copy() for p in optim.params]
     poisoned = random_batch(cfg)
     poisoned["loss_mask"][0, 3] = np.nan                      # gradients become nan
@@ -5956,7 +5961,7 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     --fp32-residual-connection; bf16 loads (plan) and sums gradients in float32."""
     ones = Tensor(np.ones((16, 2, 64), np.float32))
     cfg, model = tiny_model("--fp16")
-    optim, _ = train.build_optimizer(cfg, model)
+    optim, _ = train.build_optimizer(cfg, model, train.build_data_parallel(cfg, model))
     assert {p.dtype for p in model.get_parameters()} == {ms.float16}
     assert all(main.dtype == ms.float32 and main is not p
                for p, main in zip(optim.params, optim.main_params))
@@ -5967,7 +5972,7 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     assert config.main_grad_dtype(
         tiny_cfg("--fp16", "--accumulate-allreduce-grads-in-fp32")) == "float32"
     cfg, model = tiny_model("model_config.compute_dtype=float16")
-    optim, _ = train.build_optimizer(cfg, model)
+    optim, _ = train.build_optimizer(cfg, model, train.build_data_parallel(cfg, model))
     assert {p.dtype for p in model.get_parameters()} == {ms.float32}
     assert all(main is p for p, main in zip(optim.params, optim.main_params))
     assert (model.layers[0].self_attention.linear_qkv(ones).dtype == ms.float16
@@ -6049,9 +6054,10 @@ def test_forced_overflow_skips_the_step_and_lowers_the_scale_by_megatrons_rule(t
     the first overflow and halves it from the second on (Megatron's DynamicGradScaler); once the
     updates come through, loss_scale_window clean steps double it. The log says so."""
     cfg, model = tiny_model("--fp16", "--no-jit")
-    optim, scheduler = train.build_optimizer(cfg, model)
+    ddp = train.build_data_parallel(cfg, model)
+    optim, scheduler = train.build_optimizer(cfg, model, ddp)
     optim.scaler = DynamicGradScaler(2.0 ** 40, 1.0, growth_interval=3, hysteresis=2)
-    trainer = train.Trainer(cfg, model, optim, scheduler)
+    trainer = train.Trainer(cfg, model, ddp, optim, scheduler)
     before = optimizer_snapshot(optim)
     _, updated, norm, _ = trainer.train_step([random_batch(cfg)])
     assert (not updated and not math.isfinite(norm) and optim.scaler.scale == 2.0 ** 40
@@ -7001,12 +7007,12 @@ def check_gradients(c, name):
                                                p.expert_model_parallel_size)
     tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
     chunks, _ = train.build_model(cfg, tokenizer, state)
-    trainer = train.Trainer(cfg, chunks, *train.build_optimizer(cfg, chunks), state)
+    ddp = train.build_data_parallel(cfg, chunks, state)
+    trainer = train.Trainer(cfg, chunks, ddp, *train.build_optimizer(cfg, chunks, ddp), state)
     maps = record_routing_maps(chunks)
     losses, grads = trainer.forward_backward(check_batches(ref_cfg, count, documents))
     check_routing_maps(c, name, maps, ref_maps, state, ref_cfg.model_config.seq_length)
-    grads = optimizer.finalize_model_grads(grads, trainer.params, parallel.collectives, state,
-                                           trainer.optimizer)
+    grads = distributed.finalize_model_grads(grads, trainer.params, state, ddp)
     if state.is_last_stage:
         c(f"{name}: losses", np.allclose(losses, ref_losses, rtol=1e-5),
           f"{losses} vs {ref_losses}")
@@ -7331,8 +7337,8 @@ def plant_tied_embedding_unreduced():
 
 
 def unmarked_during_finalize(mark):
-    """optimizer.finalize_model_grads run as if no parameter had the attribute `mark`."""
-    real = optimizer.finalize_model_grads
+    """distributed.finalize_model_grads run as if no parameter had the attribute `mark`."""
+    real = distributed.finalize_model_grads
 
     def finalize(grads, params, *rest):
         marked = [p for p in params if getattr(p, mark, False)]
@@ -7343,28 +7349,28 @@ def unmarked_during_finalize(mark):
         finally:
             for p in marked:
                 setattr(p, mark, True)
-    return [(optimizer, "finalize_model_grads", finalize)]
+    return [(distributed, "finalize_model_grads", finalize)]
 
 
 def plant_dp_sum():
     """Data parallelism: the gradients summed over DP, not averaged."""
-    real = optimizer.all_reduce_grads
-    return [(optimizer, "all_reduce_grads",
-             lambda buffer, grads, group_collectives, mean_over: real(buffer, grads,
-                                                                      group_collectives, 1))]
+    return unscaled_during(distributed.GradBuffer.all_reduce)
 
 
 def plant_dp_sum_distopt():
     """The distributed optimizer: its reduce-scatter sums over DP, not averages."""
-    real = optimizer.DistributedOptimizer.reduce_grads
+    return unscaled_during(distributed.GradBuffer.reduce_scatter)
 
-    def reduce_grads(self, grads):
-        mean_over, self.mean_over = self.mean_over, 1
+
+def unscaled_during(method):
+    """The GradBuffer `method` run with a gradient_scaling_factor of 1."""
+    def unscaled(self, grads):
+        factor, self.gradient_scaling_factor = self.gradient_scaling_factor, 1.0
         try:
-            return real(self, grads)
+            return method(self, grads)
         finally:
-            self.mean_over = mean_over
-    return [(optimizer.DistributedOptimizer, "reduce_grads", reduce_grads)]
+            self.gradient_scaling_factor = factor
+    return [(distributed.GradBuffer, method.__name__, unscaled)]
 
 
 def plant_dp_same_samples():
@@ -7389,15 +7395,15 @@ def plant_ulysses_head_split():
     """Ulysses with GQA: the all-to-alls deal the heads (and the key/value groups) to the cp ranks
     round-robin (rank r: heads r, r + u, ...) instead of in contiguous blocks, and back: each rank
     pairs its query heads with key/value groups they do not belong to."""
-    def interleaved(c, heads):                          # new order -> old head, for u = c.size
-        return np.array([h for r in range(c.size) for h in range(r, heads, c.size)])
+    def interleaved(comm, heads):                       # new order -> old head, for u = comm.size
+        return np.array([h for r in range(comm.size) for h in range(r, heads, comm.size)])
 
-    def sequence_to_heads(c, x, dim):
-        return c.all_to_all(x[:, :, Tensor(interleaved(c, x.shape[2]))], 2, 0)
+    def sequence_to_heads(comm, x, dim):
+        return comm.all_to_all(x[:, :, Tensor(interleaved(comm, x.shape[2]))], 2, 0)
 
-    def heads_to_sequence(c, x, dim):
-        x = c.all_to_all(x, 0, 2)
-        return x[:, :, Tensor(np.argsort(interleaved(c, x.shape[2])))]
+    def heads_to_sequence(comm, x, dim):
+        x = comm.all_to_all(x, 0, 2)
+        return x[:, :, Tensor(np.argsort(interleaved(comm, x.shape[2])))]
     return [(parallel, "_sequence_to_heads", sequence_to_heads),
             (parallel, "_heads_to_sequence", heads_to_sequence)]
 
@@ -7419,12 +7425,12 @@ def plant_skipped_last_backward():
         self.last_micro_batch = len(micro_batches) - 1
         return run(self, micro_batches, *rest)
 
-    def _backward(self, args, mb, c, loss_weight, received, outgoing):
-        vs = c * self.p + self.rank
+    def _backward(self, args, mb, chunk_id, loss_weight, received, outgoing):
+        vs = chunk_id * self.p + self.rank
         if vs == self.p * self.v - 1 and mb == self.last_micro_batch:
             outgoing[("grad", mb, vs - 1)] = ops.zeros_like(args[0])
-            return [ops.zeros(p.shape, self.grad_dtype) for p in self.params[c]]
-        return backward(self, args, mb, c, loss_weight, received, outgoing)
+            return [ops.zeros(p.shape, self.grad_dtype) for p in self.params[chunk_id]]
+        return backward(self, args, mb, chunk_id, loss_weight, received, outgoing)
     return [(pipeline.PipelineRunner, "_run", _run),
             (pipeline.PipelineRunner, "_backward", _backward)]
 

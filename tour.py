@@ -43,6 +43,7 @@ import numpy as np
 
 import data
 import memory
+import parallel
 import train
 from cli import (HelpRequested, PROJECT_CONFIG, load_config, msrun_command,
                  parse_command)
@@ -82,7 +83,8 @@ LAYOUTS = {
                  "parallel.ColumnParallelLinear, parallel.RowParallelLinear"),
     "tp_sp": Layout("TP2 + sequence parallel", 2, TP2 + SP, "one",
                     "parallel.reduce_scatter_to_sequence_parallel_region"),
-    "dp": Layout("DP2", 2, [], "one", "optimizer.GradBuffer, optimizer.all_reduce_grads"),
+    "dp": Layout("DP2", 2, [], "one",
+                 "distributed.GradBuffer, distributed.DistributedDataParallel"),
     "dp_distopt": Layout("DP2 + distributed optimizer", 2, DISTOPT, "one",
                          "optimizer.DistributedOptimizer"),
     "pp": Layout("PP2, 1F1B", 2, PP2, "one", "pipeline.schedule, pipeline.PipelineRunner"),
@@ -250,8 +252,10 @@ def communication(folder, cfg, workers):
 def bubble(folder, cfg, workers):
     """(measured, theory) from the pipeline line of the rank that logs the loss (the first of
     the last stage, as train.loss_rank), or None without a pipeline."""
-    pp = cfg.parallel_config.pipeline_model_parallel_size
-    lines = rank_lines(folder, workers // pp * (pp - 1), "pipeline: bubble")
+    p = cfg.parallel_config
+    grid = parallel.rank_grid(workers, p.tensor_model_parallel_size, p.context_parallel_size,
+                              p.pipeline_model_parallel_size)
+    lines = rank_lines(folder, int(grid[-1, 0, 0, 0]), "pipeline: bubble")
     if not lines:
         return None
     words = lines[-1].replace(",", "").replace(";", "").split()

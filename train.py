@@ -9,8 +9,9 @@ in one process), `generate --load DIR --prompt TEXT` (sample.py), and the checkp
 
 One training step (Megatron's train_step, one process):
   for each of micro_batch_num micro-batches: loss_i * loss_scale / micro_batch_num, backward,
-  gradients summed; then optimizer.step() (optimizer.py): unscale, check inf/nan (skip the step
-  if found), clip, update with the scheduler's lr and weight decay.
+  gradients summed; then their data-parallel reduction (distributed.py) and optimizer.step()
+  (optimizer.py): unscale, check inf/nan (skip the step if found), clip, update with the
+  scheduler's lr and weight decay.
 """
 import logging
 import math
@@ -28,6 +29,7 @@ from mindspore import Tensor
 import checkpoint
 import context_parallel
 import data
+import distributed
 import hf_gpt2
 import memory
 import moe
@@ -39,7 +41,7 @@ from cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_con
                  training_help)
 from config import (ConfigError, main_grad_dtype, moe_layer_pattern, padded_vocab_size,
                     recompute_counts, to_dict)
-from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
+from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
                  num_floating_point_operations)
 from metrics import Metrics
 from profiler import StepProfiler
@@ -229,31 +231,55 @@ def counted_in_norm(chunks, state):
             for chunk in chunks for _, param in chunk.parameters_and_names()]
 
 
-def build_optimizer(cfg, model, state=None):
-    """(optimizer, scheduler) for a model or a list of model chunks: Megatron's mixed-precision
-    optimizer around AdamW/Adam/SGD (optimizer.MixedPrecisionOptimizer), or with
-    use_distributed_optimizer and several DP x CP ranks the DistributedOptimizer; with experts
-    (moe.is_expert) one for the dense parameters and one for the experts,
-    chained (optimizer.ChainedOptimizer)."""
-    optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
+def build_data_parallel(cfg, model, state=None):
+    """Megatron's DistributedDataParallel (distributed.py) for a model or a list of model chunks:
+    the dense parameters' gradients in a buffer reduced over the DP x CP group, the experts'
+    (moe.is_expert) in one over the expert-data-parallel group; both divided by the DP size
+    (averaged over DP, summed over CP: gpt.GPTModel); reduce-scattered for the distributed
+    optimizer (use_distributed_optimizer with several DP x CP ranks), else all-reduced."""
     state = state or parallel.get_state()
-    chunks = model if isinstance(model, list) else [model]
-    named = [item for chunk in chunks for item in chunk.parameters_and_names()]
-    counted = counted_in_norm(chunks, state)
-    distributed = training_cfg.use_distributed_optimizer and state.dp * state.cp > 1
+    named = [item for chunk in _chunks(model) for item in chunk.parameters_and_names()]
     expert = [i for i, (name, _) in enumerate(named) if moe.is_expert(name)]
     dense = [i for i in range(len(named)) if i not in set(expert)]
+    bucket_size, scale = cfg.training_config.bucket_size, 1.0 / state.dp
+    dp_cp = state.dp * state.cp
+    groups = [(dense, dict(group=state.dp_cp_group, group_size=dp_cp, rank=state.dp_cp_rank)),
+              (expert, dict(group=state.edp_group, group_size=dp_cp // state.ep,
+                            rank=state.edp_rank))]
+    groups = [(positions, group) for positions, group in groups if positions]
+    buffers = [distributed.GradBuffer([named[i][1] for i in positions], bucket_size=bucket_size,
+                                      gradient_scaling_factor=scale, **group)
+               for positions, group in groups]
+    reduce_scatter = cfg.training_config.use_distributed_optimizer and dp_cp > 1
+    return distributed.DistributedDataParallel(buffers, [positions for positions, _ in groups],
+                                               reduce_scatter)
+
+
+def _chunks(model):
+    return model if isinstance(model, list) else [model]
+
+
+def build_optimizer(cfg, model, ddp, state=None):
+    """(optimizer, scheduler) for a model or a list of model chunks and its
+    DistributedDataParallel `ddp`: Megatron's mixed-precision optimizer around AdamW/Adam/SGD
+    (optimizer.MixedPrecisionOptimizer), or, where ddp reduce-scatters, the
+    DistributedOptimizer over each buffer's shards; one per buffer of ddp (the dense parameters,
+    the experts'), chained (optimizer.ChainedOptimizer) when there are two."""
+    optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
+    state = state or parallel.get_state()
+    chunks = _chunks(model)
+    named = [item for chunk in chunks for item in chunk.parameters_and_names()]
+    counted = counted_in_norm(chunks, state)
     scaler = build_scaler(cfg)
-    # dense: reduced over DP x CP, norm over TP x PP; experts: over the expert-data-parallel
-    # group, norm over TP x PP and EP (Megatron's expert_tensor_model_pipeline group)
-    groups = [(dense, state.dp_cp_group, state.dp * state.cp, state.dp_cp_rank, [state.mp_group]),
-              (expert, state.edp_group, state.dp * state.cp // state.ep, state.edp_rank,
-               [state.mp_group, state.ep_group if state.ep > 1 else None])]
+    # ddp's buffers: the dense parameters', then the experts' if any. The norm over TP x PP; the
+    # experts' also over EP (Megatron's expert_tensor_model_pipeline group)
+    norm_groups = [[state.mp_group], [state.mp_group, state.ep_group if state.ep > 1 else None]]
     optimizers = [_build_one_optimizer(cfg, [named[i] for i in positions], scaler,
-                                       [counted[i] for i in positions], distributed, state.dp,
-                                       *group)
-                  for positions, *group in groups if positions]
-    optim = optimizers[0] if not expert else opt.ChainedOptimizer(optimizers, [dense, expert])
+                                       [counted[i] for i in positions], norm,
+                                       buffer if ddp.reduce_scatter else None)
+                  for positions, buffer, norm in zip(ddp.positions, ddp.buffers, norm_groups)]
+    optim = (optimizers[0] if len(optimizers) == 1
+             else opt.ChainedOptimizer(optimizers, ddp.positions))
     schedule = optimizer_cfg.learning_rate_scheduler_kwargs
     scheduler = opt.OptimizerParamScheduler(
         max_lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr,
@@ -264,12 +290,10 @@ def build_optimizer(cfg, model, state=None):
     return optim, scheduler
 
 
-def _build_one_optimizer(cfg, named, scaler, counted, distributed, mean_over, group, dp, dp_rank,
-                         norm_groups):
-    """The optimizer of parameters `named` ([(name, param)]) whose gradients are summed over the
-    data-parallel `group` of `dp` ranks (this one `dp_rank`) and divided by `mean_over` (the DP
-    size: averaged over DP, summed over CP, gpt.GPTModel); `distributed`: the
-    DistributedOptimizer, sharding over `group`."""
+def _build_one_optimizer(cfg, named, scaler, counted, norm_groups, sharded_buffer):
+    """The optimizer of parameters `named` ([(name, param)]), its gradient norm reduced over
+    `norm_groups`; with `sharded_buffer` (their distributed.GradBuffer) the
+    DistributedOptimizer over its shards."""
     optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
     wd_mults = [0.0 if opt.no_weight_decay(n, param.shape) else 1.0 for n, param in named]
 
@@ -279,11 +303,10 @@ def _build_one_optimizer(cfg, named, scaler, counted, distributed, mean_over, gr
                                    momentum=optimizer_cfg.momentum, wd_mults=mults)
     clip = training_cfg.grad_clip_kwargs
     common = dict(scaler=scaler, clip_type=clip.grad_clip_type, clip_value=clip.clip_value,
-                  collectives=parallel.collectives, norm_groups=norm_groups, counted=counted,
-                  group=group, dp=dp, bucket_size=training_cfg.bucket_size, mean_over=mean_over)
+                  norm_groups=norm_groups, counted=counted)
     params = [param for _, param in named]
-    if distributed:
-        return opt.DistributedOptimizer(make, params, wd_mults, **common, dp_rank=dp_rank)
+    if sharded_buffer is not None:
+        return opt.DistributedOptimizer(make, params, wd_mults, **common, buffer=sharded_buffer)
     return opt.MixedPrecisionOptimizer(make, params, wd_mults, **common)
 
 
@@ -302,19 +325,18 @@ def to_tensors(batch, state=None):
 class Trainer:
     """Forward/backward over micro-batches, then the optimizer step (Megatron train_step).
     `model` is a GPTModel or, with pipeline parallelism, this rank's list of model chunks;
-    `optimizer` and `scheduler` come from build_optimizer."""
+    `ddp` comes from build_data_parallel, `optimizer` and `scheduler` from build_optimizer."""
 
-    def __init__(self, cfg, model, optimizer, scheduler, state=None):
-        self.cfg, self.optimizer, self.scheduler = cfg, optimizer, scheduler
+    def __init__(self, cfg, model, ddp, optimizer, scheduler, state=None):
+        self.cfg, self.ddp, self.optimizer, self.scheduler = cfg, ddp, optimizer, scheduler
         self.scaler = optimizer.scaler
         self.chunks = model if isinstance(model, list) else [model]
         self.state = state or parallel.get_state()
         self.params = [param for chunk in self.chunks for param in chunk.get_parameters()]
-        chain = getattr(optimizer, "optimizers", [optimizer])     # a ChainedOptimizer's
-        self.distributed = isinstance(chain[0], opt.DistributedOptimizer)
-        self.dp_size = self.state.dp * self.state.cp
+        self.distributed = ddp.reduce_scatter            # the distributed optimizer's shards
+        self.dp_cp_size = self.state.dp * self.state.cp
         model_cfg = cfg.model_config
-        self.grad_dtype = DTYPES[main_grad_dtype(cfg)]    # micro-batches' gradients summed in it
+        self.grad_dtype = parallel.DTYPES[main_grad_dtype(cfg)]   # micro-batches' gradients' sum
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
         dropout = model_cfg.hidden_dropout_rate or model_cfg.attention_dropout_rate
         self.compiled = cfg.training_config.use_jit and not dropout
@@ -364,7 +386,7 @@ class Trainer:
 
     def train_step(self, micro_batches):
         """Megatron's train_step: forward and backward over the micro-batches, the gradients'
-        reductions (optimizer.finalize_model_grads), then optimizer.step(), called once (prepare
+        reductions (distributed.finalize_model_grads), then optimizer.step(), called once (prepare
         the grads: unscale, inf/nan check, and on overflow nothing more; clip; update), then the
         scheduler's step if it updated. Returns (mean loss over the micro-batches,
         updated, gradient norm, lr used)."""
@@ -378,8 +400,7 @@ class Trainer:
                                                  self.num_moe_layers, state.pp_group,
                                                  state.tp_cp_group, state.dp_group)
         clock = self._lap("forward-backward", clock)
-        grads = opt.finalize_model_grads(grads, self.params, parallel.collectives, self.state,
-                                         self.optimizer)
+        grads = distributed.finalize_model_grads(grads, self.params, self.state, self.ddp)
         clock = self._lap("grads-reduce", clock)
         lr = self.scheduler.get_lr()
         updated, grad_norm, _ = self.optimizer.step(grads, lr, self.scheduler.get_wd())
@@ -415,11 +436,11 @@ class Trainer:
 
     def dp_mean(self, value):
         """A per-rank number averaged over the data-parallel ranks (for the log)."""
-        if self.dp_size == 1:
+        if self.dp_cp_size == 1:
             return value
         total = parallel.collectives(self.state.dp_cp_group).all_reduce(
             Tensor([value], ms.float32))
-        return float(total.asnumpy()[0]) / self.dp_size
+        return float(total.asnumpy()[0]) / self.dp_cp_size
 
 
 def evaluate(trainer, dataset, consumed, iters, cfg):
@@ -528,8 +549,8 @@ def set_up(cfg, tokenizer, notes):
     if state.world_size > 1:
         log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp, state.ep))
     model, rng = build_model(cfg, tokenizer, state)
-    optimizer, scheduler = build_optimizer(cfg, model, state)
-    return Trainer(cfg, model, optimizer, scheduler, state), rng
+    ddp = build_data_parallel(cfg, model, state)
+    return Trainer(cfg, model, ddp, *build_optimizer(cfg, model, ddp, state), state), rng
 
 
 def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
@@ -559,8 +580,8 @@ def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
              + (": dropout inside" if training_cfg.use_jit else ""))
     if trainer.pipeline is not None:
         log.info(f"pipeline stage {state.pp_rank}: " + ", ".join(
-            f"chunk {c} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
-            for c, ch in enumerate(trainer.chunks)))
+            f"chunk {chunk_id} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
+            for chunk_id, ch in enumerate(trainer.chunks)))
     return estimate
 
 
@@ -704,20 +725,21 @@ def report_pipeline_trace(cfg, trainer):
     """Gather the step's pass times over the pipeline; the loss rank writes the timeline (text
     and SVG under output_dir) and logs the bubble: measured, in the unit-time schedule, in
     theory."""
-    traces = pipeline.gather_trace(trainer.trace, trainer.state)
-    if trainer.state.rank != loss_rank(trainer.state):
+    state = trainer.state
+    traces = pipeline.gather_trace(trainer.trace, state)
+    if state.rank != loss_rank(state):
         return
     path = os.path.join(cfg.training_config.output_dir, "pipeline_timeline")
     log.info(pipeline.write_timeline(traces, cfg.dataset_config.micro_batch_num,
                                      len(trainer.chunks), cfg.parallel_config.pipeline_schedule,
-                                     path, trainer.state.world_size // trainer.state.pp))
+                                     path, parallel.rank_grid(state.world_size, state.tp,
+                                                              state.cp, state.pp)))
     log.info(f"pipeline: timeline written to {path}.svg and {path}.txt")
 
 
 def loss_rank(state):
-    """The global rank that logs the loss: tp, cp, dp rank 0 of the last pipeline stage (rank
-    order tp-cp-dp-pp, so that is tp*cp*dp*(pp-1))."""
-    return state.tp * state.cp * state.dp * (state.pp - 1)
+    """The global rank that logs the loss: tp, cp, dp rank 0 of the last pipeline stage."""
+    return int(parallel.rank_grid(state.world_size, state.tp, state.cp, state.pp)[-1, 0, 0, 0])
 
 
 def log_eval_loss(split, iteration, loss, metrics):
