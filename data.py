@@ -6,6 +6,7 @@ tokenizer -> tools/preprocess_data.py (.bin/.idx indexed dataset) -> GPTDataset
 import functools
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -490,25 +491,8 @@ class GPTDataset:
         if self.built_anew:
             indices = self._build_indices(num_samples, seed)
             if paths:
-                self._save_cache(cache_dir, paths, indices, damage)
+                _save_indices(cache_dir, paths, indices, self.description, damage)
         self.document_index, self.sample_index, self.shuffle_index = indices
-
-    def _save_cache(self, cache_dir, paths, indices, damage):
-        """Write the indices, then the description; a damaged file replaced is one warning."""
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-            for path, arr in zip(paths, indices):
-                write_atomic(path, lambda f, a=arr: np.save(f, a))
-            write_atomic(paths[3], self.description)
-        except OSError as e:
-            if damage is None:
-                raise  # nothing damaged: the OSError as before, one line from train.py
-            raise ConfigError(f"{damage[0]}: damaged GPTDataset index cache ({damage[1]}) that "
-                              f"cannot be rebuilt here ({e.strerror or e}): delete it, or give a "
-                              "writable --data-cache-path") from None
-        if damage is not None:
-            print(f"warning: {damage[0]}: damaged GPTDataset index cache ({damage[1]}); rebuilt",
-                  file=sys.stderr, flush=True)
 
     def _build_indices(self, num_samples, seed):
         """gpt_dataset._build_document_sample_shuffle_indices."""
@@ -560,6 +544,26 @@ class GPTDataset:
         return _make_sample(text, self.eod, *self.mask_options)
 
 
+def _save_indices(cache_dir, paths, indices, description, damage):
+    """Write a dataset's index arrays, then its description (paths[-1]); a damaged file replaced
+    is one warning naming the dataset's class."""
+    kind = json.loads(description)["class"]
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        for path, arr in zip(paths, indices):
+            write_atomic(path, lambda f, a=arr: np.save(f, a))
+        write_atomic(paths[-1], description)
+    except OSError as e:
+        if damage is None:
+            raise  # nothing damaged: the OSError as before, one line from train.py
+        raise ConfigError(f"{damage[0]}: damaged {kind} index cache ({damage[1]}) that "
+                          f"cannot be rebuilt here ({e.strerror or e}): delete it, or give a "
+                          "writable --data-cache-path") from None
+    if damage is not None:
+        print(f"warning: {damage[0]}: damaged {kind} index cache ({damage[1]}); rebuilt",
+              file=sys.stderr, flush=True)
+
+
 def _make_sample(text, eod, reset_position_ids=False, reset_attention_mask=False,
                  eod_mask_loss=False):
     """[s + 1] tokens -> dict of tokens, labels, loss_mask and position_ids, each [s] (and
@@ -590,40 +594,183 @@ class MockGPTDataset:
         return _make_sample(rng.randint(0, self.vocab_size, size=self.seq_length + 1), eod=-1)
 
 
-def data_prefix(path):
-    """The .bin/.idx prefix `path` names: itself, or, for a folder (MindSpore Transformers'
-    dataset_dir), the one tokenized corpus in it."""
+def data_prefixes(path):
+    """The .bin/.idx prefixes `path` names: itself, or, for a folder (MindSpore Transformers'
+    dataset_dir), every tokenized corpus in it, sorted by name (a blend weighed by their
+    samples)."""
     if not os.path.isdir(path):
-        return path
+        return [path]
     prefixes = sorted(f[:-4] for f in os.listdir(path)
                       if f.endswith(".bin") and os.path.isfile(os.path.join(path, f[:-4] + ".idx")))
-    if len(prefixes) != 1:
-        found = "none"
-        if prefixes:
-            found = f"{len(prefixes)} .bin/.idx pairs ({', '.join(prefixes[:3])})"
-        raise ConfigError(f"dataset_config.data_path={path} is a folder holding {found}: give the "
-                          "prefix of one tokenized corpus (bash run.sh preprocess writes them)")
-    return os.path.join(path, prefixes[0])
+    if not prefixes:
+        raise ConfigError(f"dataset_config.data_path={path} is a folder holding no .bin/.idx "
+                          "pair: give the prefix of a tokenized corpus (bash run.sh preprocess "
+                          "writes them)")
+    return [os.path.join(path, p) for p in prefixes]
 
 
-def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, cache_dir=None,
-                       **mask_options):
-    """BlendedMegatronDatasetBuilder for one data prefix: (train, valid, test) GPTDatasets.
+# ----------------------------------------------------------------------------- blends
 
-    num_samples: (train, valid, test) samples wanted. A valid or test split with no documents or
-    0 samples is None; a train split without enough tokens raises ConfigError.
-    """
-    indexed = IndexedDataset(data_prefix)
-    num_docs = len(indexed.document_indices) - 1
+SPLITS = ("train", "valid", "test")
+SURPLUS = 0.005   # BlendedMegatronDatasetConfig.mid_level_dataset_surplus
+
+
+def normalize(weights):
+    """megatron/core/datasets/utils.py normalize: the weights over their sum, in float64 as
+    Megatron rounds them (the builder normalises a blend's weights, BlendedDataset once more)."""
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+def size_per_dataset(weights, sizes, surplus=0.0):
+    """blended_megatron_dataset_builder._get_size_per_split_per_dataset: samples to draw (surplus
+    0) or to build (the surplus keeps the blend from running dry) per corpus per split:
+    [corpus][split] = ceil(ceil(size * weight) * (1 + surplus))."""
+    return [[int(math.ceil(math.ceil(n * w) * (1 + surplus))) for n in sizes] for w in weights]
+
+
+def build_blending_indices(weights, size):
+    """helpers.cpp build_blending_indices: global sample i comes from the corpus furthest below
+    its share, weight * max(i, 1) - samples taken so far (the first on a tie). Returns
+    dataset_index int16 [size] and dataset_sample_index int64 [size] (the corpus's i-th sample)."""
+    dataset_index = np.zeros(size, dtype=np.int16)
+    dataset_sample_index = np.zeros(size, dtype=np.int64)
+    counts = [0] * len(weights)
+    for i in range(size):
+        t = max(float(i), 1.0)
+        best, best_error = 0, weights[0] * t - counts[0]
+        for d in range(1, len(weights)):
+            error = weights[d] * t - counts[d]
+            if error > best_error:
+                best, best_error = d, error
+        dataset_index[i], dataset_sample_index[i] = best, counts[best]
+        counts[best] += 1
+    return dataset_index, dataset_sample_index
+
+
+def _read_blend_cache(paths, size):
+    """The cached (dataset_index, dataset_sample_index), or (None, (path, what is wrong))."""
+    indices = []
+    for path, dtype in zip(paths, (np.int16, np.int64)):
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (ValueError, EOFError, OSError) as e:
+            return None, (path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if arr.dtype != dtype or arr.shape != (size,):
+            return None, (path, f"{arr.dtype} {list(arr.shape)}, expected "
+                                f"{np.dtype(dtype).name} [{size}]")
+        indices.append(arr)
+    return indices, None
+
+
+class BlendedDataset:
+    """Megatron-core BlendedDataset (blended_dataset.py): `size` samples drawn from `datasets` in
+    proportion to `weights` (normalised here, as Megatron does with a size). Global sample i is
+    sample dataset_sample_index[i] of datasets[dataset_index[i]]. With cache_dir set, the two
+    indices are saved there as .npy (named by an md5 of the description, as Megatron names them),
+    each written atomically and the description last."""
+
+    def __init__(self, datasets, weights, size, name, cache_dir=None):
+        self.datasets, self.weights, self.size, self.name = datasets, normalize(weights), size, name
+        self.description = json.dumps({
+            "class": "BlendedDataset", "datasets": [json.loads(d.description) for d in datasets],
+            "split": name, "weights": self.weights, "size": size}, indent=4)
+        paths = []
+        if cache_dir is not None:
+            digest = hashlib.md5(self.description.encode()).hexdigest()
+            base = os.path.join(cache_dir, f"{digest}-BlendedDataset-{name}")
+            paths = [f"{base}-{k}.npy" for k in ("dataset_index", "dataset_sample_index")]
+            paths.append(base + "-description.txt")
+        indices, damage = None, None
+        if paths and all(map(os.path.isfile, paths)):
+            indices, damage = _read_blend_cache(paths[:2], size)
+        if indices is None:
+            indices = build_blending_indices(self.weights, size)
+            self._check_sizes(indices[0])
+            if paths:
+                _save_indices(cache_dir, paths, indices, self.description, damage)
+        self.dataset_index, self.dataset_sample_index = indices
+
+    def _check_sizes(self, dataset_index):
+        """Megatron's IndexError: a corpus asked for more samples than it was built with."""
+        counts = np.bincount(dataset_index, minlength=len(self.datasets))
+        for dataset, count in zip(self.datasets, counts):
+            if count > len(dataset):
+                raise ConfigError(f"{dataset.dataset.path_prefix}: the {self.name} blend draws "
+                                  f"{count} samples from it, more than its {len(dataset)}: give "
+                                  "it a smaller weight or more data")
+
+    def __len__(self):
+        return len(self.dataset_index)
+
+    def __getitem__(self, i):
+        return self.datasets[self.dataset_index[i]][int(self.dataset_sample_index[i])]
+
+
+def _corpus_splits(prefix, split, num_samples, make):
+    """_build_megatron_dataset_splits: the train, valid and test GPTDatasets of one corpus, its
+    documents split by `split`; a split with no documents (but train) or 0 samples is None."""
+    indexed = IndexedDataset(prefix)
+    ranges = split_document_ranges(len(indexed.document_indices) - 1, split)
     datasets = []
-    ranges = split_document_ranges(num_docs, split)
-    for name, (begin, end), n in zip(("train", "valid", "test"), ranges, num_samples):
-        if name != "train" and not (end > begin and n):
-            datasets.append(None)
+    for name, (begin, end), n in zip(SPLITS, ranges, num_samples):
+        empty = name != "train" and end <= begin
+        datasets.append(None if n == 0 or empty else
+                        make(indexed, np.arange(begin, end, dtype=np.int32), n, name))
+    return datasets
+
+
+def _build_blend(blend, split, num_samples, make, cache_dir, single_is_plain):
+    """The three splits of one blend (prefixes, weights or None): BlendedMegatronDatasetBuilder's
+    cases. One prefix: its GPTDatasets. Weights: each corpus built with its share plus the
+    surplus, the blend of size sum(ceil(size * weight)). No weights: each corpus one epoch, the
+    blend weighed by their samples, of at most `num_samples`."""
+    prefixes, weights = blend
+    if len(prefixes) == 1 and (weights is None or single_is_plain):
+        return _corpus_splits(prefixes[0], split, num_samples, make)
+    if weights is None:
+        wanted = [[None if n else 0 for n in num_samples]] * len(prefixes)   # one epoch each
+    else:
+        weights = normalize(weights)
+        target = size_per_dataset(weights, num_samples)
+        wanted = size_per_dataset(weights, num_samples, SURPLUS)
+    corpora = [_corpus_splits(p, split, n, make) for p, n in zip(prefixes, wanted)]
+    blended = []
+    for i, name in enumerate(SPLITS):
+        parts = [corpus[i] for corpus in corpora]
+        if not num_samples[i] or None in parts:
+            blended.append(None)
             continue
-        documents = np.arange(begin, end, dtype=np.int32)
-        datasets.append(GPTDataset(indexed, documents, n, seq_length, seed, eod, name, cache_dir,
-                                   **mask_options))
+        if weights is None:
+            shares = [len(part) for part in parts]
+            size = min(num_samples[i], sum(shares))
+        else:
+            shares, size = weights, sum(t[i] for t in target)
+        blended.append(BlendedDataset(parts, shares, size, name, cache_dir))
+    return blended
+
+
+def build_gpt_datasets(blend, split, seq_length, seed, num_samples, eod, cache_dir=None,
+                       per_split=None, **gpt_options):
+    """BlendedMegatronDatasetBuilder: (train, valid, test), each a GPTDataset, a BlendedDataset
+    or None (a valid or test split with no documents or 0 samples).
+
+    blend: (prefixes, weights or None) (config.parse_blend), every corpus split by `split`; or
+    per_split: one blend (or None) per split (Megatron's blend_per_split), each corpus whole.
+    num_samples: (train, valid, test) samples wanted. A train split without enough tokens raises
+    ConfigError.
+    """
+    def make(indexed, documents, n, name):
+        return GPTDataset(indexed, documents, n, seq_length, seed, eod, name, cache_dir,
+                          **gpt_options)
+
+    if per_split is None:
+        return tuple(_build_blend(blend, split, num_samples, make, cache_dir, False))
+    datasets = []
+    for i, one in enumerate(per_split):
+        only = [n if j == i else 0 for j, n in enumerate(num_samples)]
+        whole = ",".join("1" if j == i else "0" for j in range(3))   # all documents in split i
+        datasets.append(one and _build_blend(one, whole, only, make, cache_dir, True)[i])
     return tuple(datasets)
 
 

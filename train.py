@@ -37,8 +37,8 @@ import pipeline
 import sample
 from cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
                  training_help)
-from config import (ConfigError, main_grad_dtype, moe_layer_pattern, padded_vocab_size,
-                    recompute_counts, to_dict)
+from config import (PER_SPLIT_PATHS, ConfigError, main_grad_dtype, moe_layer_pattern,
+                    padded_vocab_size, parse_blend, recompute_counts, to_dict)
 from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
                  num_floating_point_operations)
 from metrics import Metrics
@@ -142,19 +142,10 @@ def check_inputs(cfg):
                 wanted = "vocab.json" if key == "vocab_file" else "merges.txt"
                 raise ConfigError(f"dataset_config.{key}={getattr(dataset_cfg, key)} not found: "
                                   f"give the GPT-2 {wanted} (--{key.replace('_', '-')})")
-    shipped = dataset_cfg.data_path == SHIPPED_CORPUS[1] + "_text_document"
-    if not dataset_cfg.mock_data and shipped and parallel.launched_world_size() == 1:
-        # tokenized on first use
-        data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
-                                 "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
     if not dataset_cfg.mock_data:
-        dataset_cfg.data_path = data.data_prefix(dataset_cfg.data_path)
-        prefix = dataset_cfg.data_path
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(prefix + ext):
-                raise ConfigError(f"dataset_config.data_path={prefix}: {prefix}{ext} "
-                                  "not found; run `bash run.sh preprocess ...` (or `bash run.sh` "
-                                  "for the shipped corpus) or use --mock-data")
+        for key in ("data_path", *PER_SPLIT_PATHS):
+            if getattr(dataset_cfg, key) is not None:
+                setattr(dataset_cfg, key, resolve_corpora(getattr(dataset_cfg, key), key))
     training_cfg = cfg.training_config
     load = training_cfg.load_checkpoint
     if load and not checkpoint.holds_checkpoint(load):
@@ -165,6 +156,41 @@ def check_inputs(cfg):
         checkpoint.check_fits(cfg, training_cfg.load_checkpoint)
     checkpoint.check_save_folder(training_cfg.output_dir, training_cfg.load_checkpoint,
                                  training_cfg.finetune, training_cfg.ckpt_step)
+
+
+def resolve_corpora(words, key):
+    """A blend's words (config.parse_blend) with each folder (MindSpore Transformers'
+    dataset_dir) replaced by the corpora in it, and each corpus's .bin/.idx checked; the
+    shipped corpus is tokenized on first use."""
+    prefixes, weights = parse_blend(words, "dataset_config." + key)
+    shipped = SHIPPED_CORPUS[1] + "_text_document"
+    if shipped in prefixes and parallel.launched_world_size() == 1:
+        data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
+                                 "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
+    resolved = []
+    for k, prefix in enumerate(prefixes):
+        found = data.data_prefixes(prefix)
+        if weights is not None and len(found) > 1:
+            raise ConfigError(f"dataset_config.{key}: the folder {prefix} holds {len(found)} "
+                              "corpora but has one weight: give each corpus its own weight")
+        for corpus in found:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(corpus + ext):
+                    raise ConfigError(f"dataset_config.{key}={corpus}: {corpus}{ext} not found; "
+                                      "run `bash run.sh preprocess ...` (or `bash run.sh` for "
+                                      "the shipped corpus) or use --mock-data")
+        resolved += ([words[2 * k]] if weights is not None else []) + found
+    return resolved[0] if len(resolved) == 1 else resolved
+
+
+def data_blends(dataset_cfg):
+    """(blend, per_split) for data.build_gpt_datasets: the blend of --data-path, or one blend (or
+    None) per split."""
+    if dataset_cfg.train_data_path is None:
+        return parse_blend(dataset_cfg.data_path), None
+    return None, [None if getattr(dataset_cfg, key) is None
+                  else parse_blend(getattr(dataset_cfg, key), "dataset_config." + key)
+                  for key in PER_SPLIT_PATHS]
 
 
 def build_data(cfg, tokenizer):
@@ -178,11 +204,12 @@ def build_data(cfg, tokenizer):
         vocab = dataset_cfg.vocab_size or tokenizer.vocab_size
         return tuple(data.MockGPTDataset(n, seq_length, vocab, training_cfg.seed + i) if n else None
                      for i, n in enumerate((n_train, n_valid, n_test)))
-    cache = dataset_cfg.data_cache_path or os.path.join(
-        os.path.dirname(dataset_cfg.data_path) or ".", "cache")
-    return data.build_gpt_datasets(dataset_cfg.data_path, dataset_cfg.split, seq_length,
-                                   training_cfg.seed, (n_train, n_valid, n_test),
-                                   tokenizer.eod, cache_dir=cache,
+    blend, per_split = data_blends(dataset_cfg)
+    first = (blend or per_split[0])[0][0]
+    cache = dataset_cfg.data_cache_path or os.path.join(os.path.dirname(first) or ".", "cache")
+    return data.build_gpt_datasets(blend, dataset_cfg.split, seq_length, training_cfg.seed,
+                                   (n_train, n_valid, n_test), tokenizer.eod, cache_dir=cache,
+                                   per_split=per_split,
                                    reset_position_ids=dataset_cfg.reset_position_ids,
                                    reset_attention_mask=dataset_cfg.reset_attention_mask,
                                    eod_mask_loss=dataset_cfg.eod_mask_loss,
