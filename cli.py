@@ -134,7 +134,7 @@ def _apply_flag(flag, inline, args, i, raw, notes):
     value = _typed(row, text)
     if row.type == (str, list) and inline is None:
         words = [value]                                  # Megatron's nargs='*': 0.3 web 0.7 books
-        while i < len(args) and not args[i].startswith("--"):
+        while i < len(args) and not args[i].startswith("--") and "=" not in args[i]:
             words.append(args[i])
             i += 1
         value = words if len(words) > 1 else value

@@ -351,6 +351,16 @@ def parse_blend(words, key="dataset_config.data_path"):
     return [p.strip() for p in prefixes], [w / total for w in weights]
 
 
+def samples_per_split(cfg):
+    """(train, valid, test) samples a run asks of its data, Megatron's
+    train_valid_test_datasets_provider sizes: every step's global batch, eval_iters batches at
+    each evaluation and at the end, and eval_iters batches of test."""
+    training_cfg, gbs = cfg.training_config, cfg.dataset_config.global_batch_size
+    iters, eval_iters = training_cfg.training_iters, training_cfg.eval_iters
+    return (iters * gbs, (iters // training_cfg.eval_interval + 1) * eval_iters * gbs,
+            eval_iters * gbs)
+
+
 def _finalize_dataset(dataset_cfg):
     """The blend (or per-split blends) and split, and what the tokenizer and mock data need.
     Megatron's BlendedMegatronDatasetConfig: a blend with --split, or a blend per split without

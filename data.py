@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from cli import REQUIRED, parse_command
-from config import ConfigError, parse_split
+from config import PER_SPLIT_PATHS, ConfigError, parse_blend, parse_split
 from tokenizer import build_tokenizer, read_lines
 
 
@@ -610,6 +610,53 @@ def data_prefixes(path):
 
 
 # ----------------------------------------------------------------------------- blends
+
+def data_blends(dataset_cfg):
+    """(blend, per_split) for data.build_gpt_datasets: the blend of --data-path, or one blend (or
+    None) per split."""
+    if dataset_cfg.train_data_path is None:
+        return parse_blend(dataset_cfg.data_path), None
+    return None, [None if getattr(dataset_cfg, key) is None
+                  else parse_blend(getattr(dataset_cfg, key), "dataset_config." + key)
+                  for key in PER_SPLIT_PATHS]
+
+
+def blend_lines(blend, per_split, split, num_samples):
+    """What a run draws from its corpora, from the config alone (bash run.sh plan): per split,
+    the samples asked, each corpus with its weight, the samples drawn (ceil(size * weight)) and
+    built (with Megatron's surplus)."""
+    lines = []
+    for i, name in enumerate(SPLITS):
+        prefixes, weights = blend if per_split is None else per_split[i] or (None, None)
+        if not num_samples[i] or prefixes is None:
+            continue
+        where = f" (split {split})" if per_split is None else ""
+        if weights is None and len(prefixes) > 1:
+            parts = ", ".join(prefixes) + " weighed by their samples (one epoch each)"
+        elif len(prefixes) == 1 and (weights is None or per_split is not None):
+            parts = prefixes[0]
+        else:
+            weights = normalize(weights)
+            drawn = size_per_dataset(weights, num_samples)
+            built = size_per_dataset(weights, num_samples, SURPLUS)
+            parts = ", ".join(f"{p} weight {w:.3f} ({d[i]} drawn, {b[i]} built)"
+                              for p, w, d, b in zip(prefixes, weights, drawn, built))
+        lines.append(f"{name} {num_samples[i]} samples{where}: {parts}")
+    return lines
+
+
+def describe(name, dataset):
+    """The log's line for a built split: its corpus, or each corpus of its blend with its
+    weight and the samples the blend draws of those built."""
+    if isinstance(dataset, GPTDataset):
+        return (f"data: {name} {len(dataset)} samples of {dataset.dataset.path_prefix} "
+                f"({len(dataset.documents)} documents)")
+    counts = np.bincount(dataset.dataset_index, minlength=len(dataset.datasets))
+    parts = ", ".join(f"{d.dataset.path_prefix} weight {w:.3f} ({c} of {len(d)} samples)"
+                      for d, w, c in zip(dataset.datasets, dataset.weights, counts))
+    return f"data: {name} blend of {len(dataset)} samples: {parts}"
+
+
 
 SPLITS = ("train", "valid", "test")
 SURPLUS = 0.005   # BlendedMegatronDatasetConfig.mid_level_dataset_surplus

@@ -1199,10 +1199,11 @@ def test_gpt_dataset_seed_determinism_and_epochs(tmp_path):
 
 
 @pytest.mark.data
-def test_shuffle_false_serves_the_corpus_in_order_and_a_folder_names_its_corpus(tmp_path, capsys):
+def test_shuffle_false_serves_the_corpus_in_order_and_a_folder_names_its_corpora(tmp_path, capsys):
     """MindSpore Transformers' dataset_config.shuffle: false serves the samples in corpus order
-    (documents and samples unshuffled, a cache of its own); dataset_dir, a folder, is the one
-    tokenized corpus in it, and a folder with none or several is one line."""
+    (documents and samples unshuffled, a cache of its own); dataset_dir, a folder, is the
+    tokenized corpora in it (test_a_folder_of_corpora_is_a_blend), and a folder with none is one
+    line."""
     ds = _toy_indexed(tmp_path)
     docs = np.arange(0, 10)
     plain = data.GPTDataset(ds, docs, 12, 6, seed=1, eod=99, shuffle=False,
@@ -1213,11 +1214,11 @@ def test_shuffle_false_serves_the_corpus_in_order_and_a_folder_names_its_corpus(
     np.testing.assert_array_equal(plain[1]["tokens"], stream[6:12])
     shuffled = data.GPTDataset(ds, docs, 12, 6, seed=1, eod=99, cache_dir=str(tmp_path / "c"))
     assert shuffled.built_anew and shuffled.shuffle_index.tolist() != plain.shuffle_index.tolist()
-    assert data.data_prefix(os.path.dirname(ds.path_prefix)) == ds.path_prefix
+    assert data.data_prefixes(os.path.dirname(ds.path_prefix)) == [ds.path_prefix]
     cfg = load_config("config.yaml", ["dataset_config.dataset_dir=" + str(tmp_path / "c")])
     assert cfg.dataset_config.data_path == str(tmp_path / "c")
-    with pytest.raises(ConfigError, match="is a folder holding none: give the prefix"):
-        data.data_prefix(str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match="is a folder holding no .bin/.idx pair: give the"):
+        data.data_prefixes(str(tmp_path / "c"))
 
 
 @pytest.mark.data
@@ -1445,19 +1446,153 @@ def test_gpt_dataset_mask_options(tmp_path):
 @pytest.mark.data
 def test_build_gpt_datasets(tmp_path):
     ds = _toy_indexed(tmp_path, n_docs=40)
-    train, valid, test = data.build_gpt_datasets(str(tmp_path / "toy"), "90,10,0", 8, 1,
+    toy = ([str(tmp_path / "toy")], None)                     # a blend of one corpus
+    train, valid, test = data.build_gpt_datasets(toy, "90,10,0", 8, 1,
                                                  (16, 4, 4), eod=99, reset_position_ids=True)
     assert test is None and len(train) >= 16 and len(valid) >= 4
     assert sorted(set(train.document_index.tolist())) == list(range(36))
     assert sorted(set(valid.document_index.tolist())) == list(range(36, 40))
-    assert data.build_gpt_datasets(str(tmp_path / "toy"), "90,10,0", 8, 1, (16, 0, 4),
+    assert data.build_gpt_datasets(toy, "90,10,0", 8, 1, (16, 0, 4),
                                    eod=99)[1] is None
     with pytest.raises(ValueError, match="valid split .*seq-length"):
-        data.build_gpt_datasets(str(tmp_path / "toy"), "95,5,0", 64, 1, (16, 4, 0), eod=99)
+        data.build_gpt_datasets(toy, "95,5,0", 64, 1, (16, 4, 0), eod=99)
     assert int(ds.sequence_lengths[38:].sum()) < 65 <= int(ds.sequence_lengths[:38].sum())
     with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "toy.bin"))
                        + ": the train split has 0 tokens"):
-        data.build_gpt_datasets(str(tmp_path / "toy"), "0,1,0", 8, 1, (16, 4, 0), eod=99)
+        data.build_gpt_datasets(toy, "0,1,0", 8, 1, (16, 4, 0), eod=99)
+
+
+# --------------------------------------------------------------------------------------- blends
+# data/megatron/blends/: three small corpora and what megatron-core 0.16.1's own
+# BlendedMegatronDatasetBuilder built from them (data/megatron/make_blend_fixtures.py, run by hand)
+BLENDS = os.path.join(HERE, "data", "megatron", "blends")
+
+
+def _blend_words(words):
+    return [w if w[0].isdigit() else os.path.join(BLENDS, w) for w in words]
+
+
+@pytest.fixture(scope="module")
+def megatron_blends():
+    with open(os.path.join(BLENDS, "expected.json")) as f:
+        return json.load(f)
+
+
+def _build_fixture_blend(expected, name, cache_dir=None):
+    case = expected[name]
+    blend = config.parse_blend(_blend_words(case["data_path"])) if case["data_path"] else None
+    per_split = case["per_split"] and [config.parse_blend(_blend_words(w))
+                                       for w in case["per_split"]]
+    return data.build_gpt_datasets(blend, case["split"], expected["seq_length"], expected["seed"],
+                                   case["sizes"], expected["eod"], cache_dir=cache_dir,
+                                   per_split=per_split)
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("name", ["two_weighted", "three_uneven", "unweighted", "per_split"])
+def test_blends_equal_megatron_core(megatron_blends, name):
+    """Two and three corpora with uneven weights and --split, a blend without weights (weighed by
+    the corpora's samples) and per-split blends: each split's class and length, its blending
+    indices (helpers.cpp build_blending_indices over the surplus-built corpora) and every
+    sample's tokens in order equal megatron-core's own."""
+    built = _build_fixture_blend(megatron_blends, name)
+    for split, dataset in zip(data.SPLITS, built):
+        want = megatron_blends[name][split]
+        assert (dataset is None) == (want is None), split
+        if want is None:
+            continue
+        assert (type(dataset).__name__, len(dataset)) == (want["class"], want["length"]), split
+        if want["class"] == "BlendedDataset":
+            assert dataset.dataset_index.tolist() == want["dataset_index"], split
+            assert dataset.dataset_sample_index.tolist() == want["dataset_sample_index"], split
+        tokens = [dataset[i]["tokens"].tolist() for i in range(len(dataset))]
+        assert tokens == want["tokens"], split
+
+
+@pytest.mark.data
+def test_build_blending_indices_follow_the_weights():
+    """Every prefix of the blend is within one sample of each corpus's share (the greedy rule
+    of helpers.cpp), and each corpus's samples are taken in order."""
+    weights = data.normalize([2, 5, 3])
+    index, sample = data.build_blending_indices(weights, 1000)
+    counts = np.zeros(3)
+    for i, d in enumerate(index):
+        assert sample[i] == counts[d]
+        counts[d] += 1
+        assert np.all(np.abs(counts - np.array(weights) * (i + 1)) <= 1.0 + 1e-9), i
+    assert index.dtype == np.int16 and sample.dtype == np.int64
+    assert data.size_per_dataset(weights, [1000, 10, 0], data.SURPLUS) == [
+        [201, 3, 0], [503, 6, 0], [302, 4, 0]]
+
+
+@pytest.mark.data
+def test_blend_cache_is_reused_and_a_damaged_file_rebuilt(megatron_blends, tmp_path, monkeypatch,
+                                                          capsys):
+    """--data-cache-path holds each BlendedDataset's two indices and its description (Megatron's
+    names, an md5 of the description); a second run reads them, and a damaged file is rebuilt
+    with one warning."""
+    cache = tmp_path / "cache"
+    first = _build_fixture_blend(megatron_blends, "two_weighted", str(cache))
+    files = sorted(p.name.split("-", 1)[1] for p in cache.glob("*-BlendedDataset-*"))
+    assert files == [f"BlendedDataset-{s}-{k}" for s in ("test", "train", "valid")
+                     for k in ("dataset_index.npy", "dataset_sample_index.npy",
+                               "description.txt")]
+    assert not [p for p in cache.iterdir() if ".tmp" in p.name]
+    monkeypatch.setattr(data, "build_blending_indices", None)      # a rebuild would fail
+    second = _build_fixture_blend(megatron_blends, "two_weighted", str(cache))
+    assert second[0].dataset_index.tolist() == first[0].dataset_index.tolist()
+    monkeypatch.undo()
+    (path,) = cache.glob("*-BlendedDataset-train-dataset_index.npy")
+    path.write_bytes(path.read_bytes()[:40])
+    third = _build_fixture_blend(megatron_blends, "two_weighted", str(cache))
+    assert third[0].dataset_index.tolist() == first[0].dataset_index.tolist()
+    assert capsys.readouterr().err.startswith(f"warning: {path}: damaged BlendedDataset index "
+                                              "cache (")
+
+
+BAD_BLENDS = {  # flags -> the one line
+    "odd count": (["--data-path", "0.3", "A", "0.7"],
+                  "dataset_config.data_path=0.3 A 0.7: 3 words; a weighted blend is pairs"),
+    "zero weight": (["--data-path", "0", "A", "1", "B"],
+                    "dataset_config.data_path=0 A 1 B: every weight must be a number above 0"),
+    "negative weight": (["--data-path", "0.5", "A", "-0.5", "B"],
+                        "dataset_config.data_path=0.5 A -0.5 B: every weight must be a number"),
+    "weight among prefixes": (["--data-path", "A", "0.5", "B"],
+                              "dataset_config.data_path=A 0.5 B: '0.5' is a weight among"),
+    "split beside per-split": (["--train-data-path", "A", "--split", "98,2"],
+                               "dataset_config.split (--split) with train_data_path: the "
+                               "per-split paths name each split's corpus; remove --split"),
+    "data path beside per-split": (["--train-data-path", "A", "--data-path", "B"],
+                                   "dataset_config.data_path (--data-path) with train_data_path"),
+    "valid without train": (["--valid-data-path", "A"],
+                            "dataset_config.valid_data_path without train_data_path"),
+    "missing prefix": (["--data-path", "0.5", "{a}", "0.5", "{tmp}/none"],
+                       "dataset_config.data_path={tmp}/none: {tmp}/none.bin not found"),
+    "too small for its share": (["--data-path", "0.5", "{a}", "0.5", "{tmp}/tiny"],
+                                "{tmp}/tiny.bin: the train split has 3 tokens"),
+    "folder with one weight": (["--data-path", "1", "{tmp}", "1", "{a}"],
+                               "dataset_config.data_path: the folder {tmp} holds 2 corpora but "
+                               "has one weight"),
+}
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("case", BAD_BLENDS)
+def test_bad_blends_are_one_line_exit_2(tmp_path, case, capfd):
+    """Each bad blend stops the run before any work: one line naming the key and the fix."""
+    b = data.IndexedDatasetBuilder(str(tmp_path / "tiny.bin"))
+    b.add_document([1, 2, 3])
+    b.finalize(str(tmp_path / "tiny.idx"))
+    shutil.copy(os.path.join(BLENDS, "b.bin"), tmp_path / "b.bin")
+    shutil.copy(os.path.join(BLENDS, "b.idx"), tmp_path / "b.idx")
+    flags, expected = BAD_BLENDS[case]
+    fill = lambda text: text.format(tmp=tmp_path, a=os.path.join(BLENDS, "a"))
+    code = train.main([*map(fill, flags), "--seq-length", "8", "--tokenizer-type",
+                       "ByteTokenizer", "--save", str(tmp_path / "out"), "--data-cache-path",
+                       str(tmp_path / "cache")])
+    out, err = capfd.readouterr()
+    assert code == 2 and "Traceback" not in out + err
+    assert len(err.splitlines()) == 1 and err.startswith("error: " + fill(expected)), err
 
 
 @pytest.mark.data

@@ -38,7 +38,8 @@ import sample
 from cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
                  training_help)
 from config import (PER_SPLIT_PATHS, ConfigError, main_grad_dtype, moe_layer_pattern,
-                    padded_vocab_size, parse_blend, recompute_counts, to_dict)
+                    padded_vocab_size, parse_blend, recompute_counts, samples_per_split,
+                    to_dict)
 from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
                  num_floating_point_operations)
 from metrics import Metrics
@@ -183,32 +184,18 @@ def resolve_corpora(words, key):
     return resolved[0] if len(resolved) == 1 else resolved
 
 
-def data_blends(dataset_cfg):
-    """(blend, per_split) for data.build_gpt_datasets: the blend of --data-path, or one blend (or
-    None) per split."""
-    if dataset_cfg.train_data_path is None:
-        return parse_blend(dataset_cfg.data_path), None
-    return None, [None if getattr(dataset_cfg, key) is None
-                  else parse_blend(getattr(dataset_cfg, key), "dataset_config." + key)
-                  for key in PER_SPLIT_PATHS]
-
-
 def build_data(cfg, tokenizer):
     dataset_cfg, training_cfg = cfg.dataset_config, cfg.training_config
-    gbs, seq_length = dataset_cfg.global_batch_size, cfg.model_config.seq_length
-    iters, eval_iters = training_cfg.training_iters, training_cfg.eval_iters
-    n_train = iters * gbs
-    n_valid = (iters // training_cfg.eval_interval + 1) * eval_iters * gbs
-    n_test = eval_iters * gbs
+    seq_length, num_samples = cfg.model_config.seq_length, samples_per_split(cfg)
     if dataset_cfg.mock_data:
         vocab = dataset_cfg.vocab_size or tokenizer.vocab_size
         return tuple(data.MockGPTDataset(n, seq_length, vocab, training_cfg.seed + i) if n else None
-                     for i, n in enumerate((n_train, n_valid, n_test)))
-    blend, per_split = data_blends(dataset_cfg)
+                     for i, n in enumerate(num_samples))
+    blend, per_split = data.data_blends(dataset_cfg)
     first = (blend or per_split[0])[0][0]
     cache = dataset_cfg.data_cache_path or os.path.join(os.path.dirname(first) or ".", "cache")
     return data.build_gpt_datasets(blend, dataset_cfg.split, seq_length, training_cfg.seed,
-                                   (n_train, n_valid, n_test), tokenizer.eod, cache_dir=cache,
+                                   num_samples, tokenizer.eod, cache_dir=cache,
                                    per_split=per_split,
                                    reset_position_ids=dataset_cfg.reset_position_ids,
                                    reset_attention_mask=dataset_cfg.reset_attention_mask,
@@ -572,10 +559,14 @@ def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
              f"{' on this rank' if state.world_size > 1 else ''}; "
              f"global batch {dataset_cfg.global_batch_size} = {dataset_cfg.batch_size} x "
              f"{dataset_cfg.micro_batch_num} micro-batches; {len(train_ds)} train samples")
-    for name, dataset in (("validation", valid_ds), ("test", test_ds)):
-        if dataset is None and training_cfg.eval_iters and not dataset_cfg.mock_data:
-            log.info(f"no {name} loss: the {name} part of --split {dataset_cfg.split} holds no "
-                     "documents")
+    for name, dataset in zip(data.SPLITS, (train_ds, valid_ds, test_ds)):
+        if isinstance(dataset, (data.GPTDataset, data.BlendedDataset)):
+            log.info(data.describe(name, dataset))
+        elif name != "train" and training_cfg.eval_iters and not dataset_cfg.mock_data:
+            label = "validation" if name == "valid" else name
+            why = (f"the {label} part of --split {dataset_cfg.split} holds no documents"
+                   if dataset_cfg.train_data_path is None else f"no --{name}-data-path")
+            log.info(f"no {label} loss: {why}")
     if state.rank == 0:                          # every key as this run uses it, defaults filled in
         path = os.path.join(training_cfg.output_dir, "effective_config.yaml")
         data.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
