@@ -845,14 +845,63 @@ class MicroBatchIterator:
     def __iter__(self):
         return self
 
-    def __next__(self):
-        global_batch = self.micro_batch_size * self.dp
-        if self.consumed_samples + global_batch > len(self.dataset):
-            raise StopIteration
+    @property
+    def epoch(self):
+        return self.consumed_samples // len(self.dataset)
+
+    def indices(self):
+        """This rank's samples of the next global batch (None when the dataset is used up)."""
+        if self.consumed_samples + self.micro_batch_size * self.dp > len(self.dataset):
+            return None
         start = self.consumed_samples + self.rank * self.micro_batch_size
-        samples = [self.dataset[i] for i in range(start, start + self.micro_batch_size)]
-        self.consumed_samples += global_batch
+        return range(start, start + self.micro_batch_size)
+
+    def __next__(self):
+        indices = self.indices()
+        if indices is None:
+            raise StopIteration
+        samples = [self.dataset[int(i)] for i in indices]
+        self.consumed_samples += self.micro_batch_size * self.dp
         return {k: np.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def randperm(n, seed):
+    """torch.randperm(n, generator=torch.Generator().manual_seed(seed)) without torch: the CPU
+    kernel's swaps (aten randperm_cpu: z = mt19937() % (n - i)), the mt19937 draws from numpy's
+    RandomState, the same generator seeded the same way. int64 [n]."""
+    draws = np.random.RandomState(seed).randint(0, 2**32, size=max(n - 1, 0), dtype=np.uint32)
+    perm = np.arange(n, dtype=np.int64)
+    for i, draw in enumerate(draws.tolist()):
+        z = i + draw % (n - i)
+        perm[i], perm[z] = perm[z], perm[i]
+    return perm
+
+
+class RandomMicroBatchIterator(MicroBatchIterator):
+    """--dataloader-type cyclic: Megatron's MegatronPretrainingRandomSampler (data_sharding on,
+    its default) wrapped in cyclic_iter. Each rank owns a bucket of (len // (mbs*dp)) * mbs
+    samples, served in the order of torch.randperm seeded by the epoch; epochs go round without
+    end. Everything follows from consumed_samples, so a resumed run takes the same next batch."""
+
+    @property
+    def epoch(self):
+        return self.consumed_samples // self._active()
+
+    def _active(self):
+        """Samples per epoch: the dataset less its last partial global batch."""
+        global_batch = self.micro_batch_size * self.dp
+        if len(self.dataset) < global_batch:
+            raise ConfigError(f"--dataloader-type cyclic: {len(self.dataset)} samples, fewer "
+                              f"than one global batch of {global_batch}")
+        return len(self.dataset) - len(self.dataset) % global_batch
+
+    def indices(self):
+        epoch, in_epoch = divmod(self.consumed_samples, self._active())
+        bucket = (len(self.dataset) // (self.micro_batch_size * self.dp)) * self.micro_batch_size
+        if getattr(self, "_perm_epoch", None) != epoch:         # one permutation per epoch
+            self._perm, self._perm_epoch = randperm(bucket, epoch), epoch
+        offset = in_epoch // self.dp
+        return self.rank * bucket + self._perm[offset:offset + self.micro_batch_size]
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

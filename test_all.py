@@ -1550,6 +1550,67 @@ def test_blend_cache_is_reused_and_a_damaged_file_rebuilt(megatron_blends, tmp_p
                                               "cache (")
 
 
+@pytest.mark.data
+def test_randperm_equals_torch(megatron_blends):
+    """data.randperm is torch.randperm seeded by manual_seed, for every size and seed torch's
+    own values were written for (make_blend_fixtures.py)."""
+    for key, want in megatron_blends["randperm"].items():
+        n, seed = map(int, key.split(","))
+        assert data.randperm(n, seed).tolist() == want, key
+
+
+def _megatron_random_sampler(total, consumed, mbs, rank, dp):
+    """Line-by-line port of Megatron's MegatronPretrainingRandomSampler.__iter__ (data_sharding)
+    inside cyclic_iter, torch.randperm as data.randperm: this rank's micro-batches, forever."""
+    while True:
+        active = total - total % (mbs * dp)
+        epoch, current = consumed // active, consumed % active
+        bucket_size = (total // (mbs * dp)) * mbs
+        start_idx = rank * bucket_size
+        batch = []
+        for idx in [start_idx + x for x in data.randperm(bucket_size, epoch)[current // dp:]]:
+            batch.append(int(idx))
+            if len(batch) == mbs:
+                consumed += mbs * dp
+                yield batch
+                batch = []
+
+
+class _Numbered:
+    """A dataset whose sample i is the number i."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"tokens": np.array([i])}
+
+
+@pytest.mark.data
+def test_cyclic_loader_is_megatrons_random_sampler_and_resumes():
+    """--dataloader-type cyclic serves each DP rank Megatron's MegatronPretrainingRandomSampler
+    order over several epochs (each epoch a new permutation of the rank's bucket), and an
+    iterator made at any consumed sample continues with the same next micro-batch."""
+    total, mbs, dp, steps = 13, 2, 2, 20                # 3 global batches an epoch, 1 left over
+    for rank in range(dp):
+        it = data.RandomMicroBatchIterator(_Numbered(total), mbs, rank, dp, 0)
+        served = [next(it)["tokens"][:, 0].tolist() for _ in range(steps)]
+        port = _megatron_random_sampler(total, 0, mbs, rank, dp)
+        assert served == [next(port) for _ in range(steps)]
+        bucket = list(range(rank * 6, rank * 6 + 6))
+        epochs = [sorted(sum(served[k:k + 3], [])) for k in range(0, steps - 2, 3)]
+        assert all(e == bucket for e in epochs)
+        assert len({tuple(sum(served[k:k + 3], [])) for k in range(0, steps - 2, 3)}) > 1
+        for k in (1, 4, 7):
+            resumed = data.RandomMicroBatchIterator(_Numbered(total), mbs, rank, dp, k * mbs * dp)
+            assert resumed.epoch == k // 3 and next(resumed)["tokens"][:, 0].tolist() == served[k]
+    with pytest.raises(ConfigError, match="fewer than one global batch of 4"):
+        data.RandomMicroBatchIterator(_Numbered(3), mbs, 0, dp, 0).indices()
+
+
 BAD_BLENDS = {  # flags -> the one line
     "odd count": (["--data-path", "0.3", "A", "0.7"],
                   "dataset_config.data_path=0.3 A 0.7: 3 words; a weighted blend is pairs"),

@@ -436,14 +436,21 @@ class Trainer:
         return float(total.asnumpy()[0]) / self.dp_size
 
 
+def batches(cfg, dataset, state, consumed):
+    """This DP rank's micro-batches of `dataset` from sample `consumed`, as --dataloader-type
+    says (Megatron's build_pretraining_data_loader)."""
+    sampler = (data.RandomMicroBatchIterator if cfg.dataset_config.dataloader_type == "cyclic"
+               else data.MicroBatchIterator)
+    return sampler(dataset, cfg.dataset_config.batch_size, state.dp_rank, state.dp, consumed)
+
+
 def evaluate(trainer, dataset, consumed, iters, cfg):
     """Mean loss of the trainer's forward (the model, maybe compiled) over `iters` global batches
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
     state, runner = trainer.state, trainer.pipeline
     trainer.set_train(False)
-    dataset_cfg = cfg.dataset_config
-    micro_batch_size, num_microbatches = dataset_cfg.batch_size, dataset_cfg.micro_batch_num
-    it = data.MicroBatchIterator(dataset, micro_batch_size, state.dp_rank, state.dp, consumed)
+    num_microbatches = cfg.dataset_config.micro_batch_num
+    it = batches(cfg, dataset, state, consumed)
     losses = []
     for _ in range(iters):
         batches = [to_tensors(b, state) for _, b in zip(range(num_microbatches), it)]
@@ -476,16 +483,14 @@ def pretrain(cfg, notes=()):
         signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.append(signum))
     estimate = log_start(cfg, trainer, train_ds, valid_ds, test_ds)
     state = trainer.state
-    micro_batch_size = dataset_cfg.batch_size         # MindFormers' batch_size is per micro-batch
-    it = data.MicroBatchIterator(train_ds, micro_batch_size, state.dp_rank, state.dp, consumed)
-    samples_per_epoch = getattr(train_ds, "samples_per_epoch", None) or len(train_ds)
+    it = batches(cfg, train_ds, state, consumed)     # MindFormers' batch_size is per micro-batch
     profiler = StepProfiler(cfg, state.rank)
     metrics = open_metrics(cfg, state, iteration)
     window = LogWindow(cfg, trainer, iteration + 1, metrics)
     last_saved = iteration
     estimate.begin()                                  # the measured peak counts from here
     while iteration < training_cfg.training_iters:
-        epoch = it.consumed_samples // samples_per_epoch
+        epoch = it.epoch
         scale = trainer.scaler.scale                  # the step may change it
         iteration += 1
         window.log(iteration, epoch, scale, *profiled_step(cfg, trainer, it, profiler, iteration))

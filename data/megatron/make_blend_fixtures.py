@@ -12,7 +12,8 @@ IndexedDatasetBuilder) and, for every blend of BLENDS, what BlendedMegatronDatas
 from them (blended_megatron_dataset_builder.py, blended_dataset.py, helpers.cpp
 build_blending_indices, gpt_dataset.py): per split its class, length, the blending indices
 (dataset_index, dataset_sample_index) and the tokens of every sample in order, as
-`expected.json`.
+`expected.json`, with torch.randperm(n) seeded by each of RANDPERM's seeds (the order of
+MegatronPretrainingRandomSampler, --dataloader-type cyclic).
 """
 import json
 import os
@@ -37,6 +38,8 @@ BLENDS = {
     "per_split": (None, None, (["0.6", "a", "0.4", "c"], ["b"], ["1", "b", "3", "c"]),
                   (40, 8, 6)),
 }
+
+RANDPERM = {"n": (1, 2, 12, 40, 1000), "seeds": (0, 1, 2, 7)}
 
 
 def write_corpora():
@@ -82,6 +85,9 @@ def main():
         expected[name] = {"data_path": words, "split": split, "per_split": per_split,
                           "sizes": sizes,
                           **{k: describe(d) for k, d in zip(("train", "valid", "test"), splits)}}
+    expected["randperm"] = {f"{n},{seed}": torch.randperm(
+        n, generator=torch.Generator().manual_seed(seed)).tolist()
+        for n in RANDPERM["n"] for seed in RANDPERM["seeds"]}
     for name in CORPORA:            # GPTDataset's index caches (<name>/cache/), not kept
         shutil.rmtree(os.path.join(HERE, name), ignore_errors=True)
     with open(os.path.join(HERE, "expected.json"), "w") as f:
