@@ -4,6 +4,7 @@ tokenizer -> tools/preprocess_data.py (.bin/.idx indexed dataset) -> GPTDataset
 (document/sample/shuffle indices) -> MegatronPretrainingSampler (micro-batches per dp rank).
 """
 import functools
+import glob
 import hashlib
 import json
 import math
@@ -218,8 +219,10 @@ def _read_documents(path, keys):
 
 
 PREPROCESS_FLAGS = {  # Megatron's tools/preprocess_data.py flags
-    "--input": (REQUIRED, str, "jsonl, or text with blank-line separated documents"),
-    "--output-prefix": (REQUIRED, str, "writes <prefix>_<key>_document.bin/.idx"),
+    "--input": (REQUIRED, list, "jsonl, or text with blank-line separated documents; several "
+                                "files or a glob ('data/*.txt'): one prefix each"),
+    "--output-prefix": (REQUIRED, str, "writes <prefix>_<key>_document.bin/.idx (several "
+                                       "inputs: <prefix>_<input name>_<key>_document)"),
     "--json-keys": (["text"], list, "jsonl keys to tokenize"),
     "--tokenizer-type": (REQUIRED, str, "GPT2BPETokenizer, NullTokenizer or ByteTokenizer"),
     "--vocab-file": (None, str, "GPT-2 vocab.json"),
@@ -235,23 +238,52 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C in preprocess, its files removed; str() is the line to print (train.py exits 130)."""
 
 
-def preprocess_main(argv):
-    """Megatron's tools/preprocess_data.py: text -> `<prefix>_<key>_document.{bin,idx}`.
+def _inputs(patterns, output_prefix):
+    """(input file, output prefix) per input: the files and globs given, in order, each once;
+    several inputs name their outputs after the input files (Megatron's own tool takes one)."""
+    files = []
+    for pattern in patterns:
+        found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not found:
+            raise ConfigError(f"preprocess: --input {pattern} matches no file: give existing "
+                              "files or a glob that matches some")
+        files += [f for f in found if f not in files]
+    if len(files) == 1:
+        return [(files[0], output_prefix)]
+    stems = [os.path.splitext(os.path.basename(f))[0] for f in files]
+    for stem in stems:
+        if stems.count(stem) > 1:
+            twins = [f for f, s in zip(files, stems) if s == stem]
+            raise ConfigError(f"preprocess: --input {twins[0]} and {twins[1]} would both write "
+                              f"{output_prefix}_{stem}_*: give them different file names or "
+                              "preprocess them apart")
+    return [(f, f"{output_prefix}_{stem}") for f, stem in zip(files, stems)]
 
-    Each document becomes one sequence. Returns the list of written data prefixes.
+
+def preprocess_main(argv):
+    """Megatron's tools/preprocess_data.py: text -> `<prefix>_<key>_document.{bin,idx}`, for each
+    input file (each its own corpus, as a blend names them: --data-path 0.3 A 0.7 B).
+
+    Each document becomes one sequence. Returns the list of written data prefixes; each input's
+    files are written whole or not at all.
     """
     options, _ = parse_command("preprocess", argv, PREPROCESS_FLAGS,
                                about="Tokenize text into Megatron .bin/.idx files.")
     args = SimpleNamespace(**options)
-    keys = args.json_keys if args.input.endswith((".json", ".jsonl")) else ["text"]
-    prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
-    try:
-        _tokenize(args, keys, prefixes)
-    except KeyboardInterrupt:
-        names = ", ".join(f"{pre}.bin/.idx" for pre in prefixes)
-        message = f"preprocess: interrupted; nothing written ({names} not created)"
-        raise Interrupted(message) from None
-    return prefixes
+    written = []
+    for path, output_prefix in _inputs(args.input, args.output_prefix):
+        keys = args.json_keys if path.endswith((".json", ".jsonl")) else ["text"]
+        prefixes = [f"{output_prefix}_{k}_document" for k in keys]
+        try:
+            _tokenize(args, path, output_prefix, keys, prefixes)
+        except KeyboardInterrupt:
+            names = ", ".join(f"{pre}.bin/.idx" for pre in prefixes)
+            message = f"preprocess: interrupted; nothing written ({names} not created)"
+            if written:
+                message += f"; complete: {', '.join(written)}"
+            raise Interrupted(message) from None
+        written += prefixes
+    return written
 
 
 def _init_pool_worker(tokenizer_kwargs):
@@ -261,14 +293,15 @@ def _init_pool_worker(tokenizer_kwargs):
     _init_worker(tokenizer_kwargs)
 
 
-def _tokenize(args, keys, prefixes):
-    """preprocess_main's work: `<prefix>.bin/.idx` for every prefix, or none of them."""
+def _tokenize(args, path, output_prefix, keys, prefixes):
+    """preprocess_main's work for the input `path`: `<prefix>.bin/.idx` for every prefix, or none
+    of them."""
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, vocab_size=args.vocab_size)
     _init_worker(tok_kwargs)
     dtype = optimal_dtype(_worker_tokenizer.vocab_size)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    docs = _read_documents(args.input, keys)
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    docs = _read_documents(path, keys)
     encode = functools.partial(_encode_document, append_eod=args.append_eod)
     pool, builders = None, []
     t0, total_bytes, n = time.time(), 0, 0
@@ -287,7 +320,7 @@ def _tokenize(args, keys, prefixes):
                 print(f"Processed {n} documents ({n / dt:.1f} docs/s, "
                       f"{total_bytes / dt / 2**20:.2f} MB/s).", flush=True)
         if n == 0:
-            raise ConfigError(f"{args.input}: no documents: give jsonl (one JSON object per line) "
+            raise ConfigError(f"{path}: no documents: give jsonl (one JSON object per line) "
                               "or text (documents separated by blank lines)")
         if pool:
             pool.close()

@@ -1054,6 +1054,33 @@ def test_preprocess_bad_input_names_file_and_line_and_leaves_nothing(tmp_path, c
 
 
 @pytest.mark.data
+def test_preprocess_several_inputs_or_a_glob_write_one_prefix_each(tmp_path):
+    """Several --input files, or a glob, are each their own corpus: <prefix>_<input name>_
+    <key>_document, byte for byte what preprocessing each alone writes; a glob matching nothing
+    and two inputs of one name are one line each."""
+    for name, text in (("web", "one\n\ntwo three\n"), ("books", "four\n\nfive\n\nsix\n")):
+        (tmp_path / f"{name}.txt").write_text(text)
+    flags = ["--tokenizer-type", "ByteTokenizer", "--append-eod"]
+    out = str(tmp_path / "out" / "mix")
+    prefixes = data.preprocess_main(["--input", str(tmp_path / "*.txt"), "--output-prefix", out,
+                                     *flags])
+    assert prefixes == [f"{out}_books_text_document", f"{out}_web_text_document"]
+    for name, prefix in zip(("books", "web"), prefixes):
+        alone = data.preprocess_main(["--input", str(tmp_path / f"{name}.txt"),
+                                      "--output-prefix", str(tmp_path / name), *flags])[0]
+        for ext in (".bin", ".idx"):
+            assert open(prefix + ext, "rb").read() == open(alone + ext, "rb").read()
+    assert len(data.IndexedDataset(prefixes[0])) == 3
+    with pytest.raises(ConfigError, match=r"^preprocess: --input .*\*.md matches no file"):
+        data.preprocess_main(["--input", str(tmp_path / "*.md"), "--output-prefix", out, *flags])
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "web.txt").write_text("seven\n")
+    with pytest.raises(ConfigError, match=r"would both write .*mix_web_\*: give them"):
+        data.preprocess_main(["--input", str(tmp_path / "web.txt"),
+                              str(tmp_path / "again" / "web.txt"), "--output-prefix", out, *flags])
+
+
+@pytest.mark.data
 def test_preprocess_command_bad_line_is_one_line_exit_2(tmp_path, capfd):
     """Through `train.py preprocess` with a worker pool reading ahead: exit code 2 and one line,
     no traceback, in all that reaches stdout and stderr (the workers' too), nothing written."""
