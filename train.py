@@ -436,7 +436,7 @@ class Trainer:
         return float(total.asnumpy()[0]) / self.dp_size
 
 
-def batches(cfg, dataset, state, consumed):
+def data_loader(cfg, dataset, state, consumed):
     """This DP rank's micro-batches of `dataset` from sample `consumed`, as --dataloader-type
     says (Megatron's build_pretraining_data_loader)."""
     sampler = (data.RandomMicroBatchIterator if cfg.dataset_config.dataloader_type == "cyclic"
@@ -450,7 +450,7 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
     state, runner = trainer.state, trainer.pipeline
     trainer.set_train(False)
     num_microbatches = cfg.dataset_config.micro_batch_num
-    it = batches(cfg, dataset, state, consumed)
+    it = data_loader(cfg, dataset, state, consumed)
     losses = []
     for _ in range(iters):
         batches = [to_tensors(b, state) for _, b in zip(range(num_microbatches), it)]
@@ -483,7 +483,7 @@ def pretrain(cfg, notes=()):
         signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.append(signum))
     estimate = log_start(cfg, trainer, train_ds, valid_ds, test_ds)
     state = trainer.state
-    it = batches(cfg, train_ds, state, consumed)     # MindFormers' batch_size is per micro-batch
+    it = data_loader(cfg, train_ds, state, consumed)     # MindFormers' batch_size is per micro-batch
     profiler = StepProfiler(cfg, state.rank)
     metrics = open_metrics(cfg, state, iteration)
     window = LogWindow(cfg, trainer, iteration + 1, metrics)
