@@ -123,6 +123,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = os.path.join(HERE, "data", "gpt2-vocab.json")
 MERGES = os.path.join(HERE, "data", "gpt2-merges.txt")
 SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
+ALICE = os.path.join(HERE, "data", "alice_in_wonderland.txt")
 
 
 # ======================================================================================== structure
@@ -5862,6 +5863,16 @@ def shakespeare_bytes(tmp_path):
     return _BYTES["prefix"]
 
 
+def mixture_flags(tmp_path):
+    """--data-path 0.6 of the shipped corpus and 0.4 of the shipped Alice text, both
+    byte-tokenized (once per session): a blend as Megatron-core builds it."""
+    if "alice" not in _BYTES:
+        folder = tmp_path.parent / "bytes"
+        folder.mkdir(exist_ok=True)
+        _BYTES["alice"] = data.ensure_preprocessed(ALICE, str(folder / "alice"), "ByteTokenizer")
+    return ["--data-path", "0.6", shakespeare_bytes(tmp_path), "0.4", _BYTES["alice"]]
+
+
 def losses_of(lines):
     return [float(re.search(r"Loss: ([0-9.]+)", l).group(1)) for l in lines]
 
@@ -6018,14 +6029,15 @@ STOPPED_AT_2 = ["--train-iters", "4", "--hidden-dropout", "0.1", "--lr-warmup-it
 def stopped_runs(tmp_path_factory):
     """precision -> (STOPPED_AT_2's flags in it, the folder of its 4 steps never stopped, the
     folder of its first 2 saved at 2 of the same schedule): trained on first use, once a module.
-    Float16: Megatron's --fp16 (FP16) and its torch format (model_optim_rng.pt)."""
+    Float32 reads a blend of the two shipped texts (mixture_flags); float16: Megatron's --fp16
+    (FP16) and its torch format (model_optim_rng.pt)."""
     runs = {}
 
     def get(precision):
         if precision not in runs:
             tmp = tmp_path_factory.mktemp(precision)
             flags = [*STOPPED_AT_2, *(FP16 + ["--ckpt-format", "torch"]
-                                      if precision == "float16" else [])]
+                                      if precision == "float16" else mixture_flags(tmp))]
             run_training(tmp, "full", *flags)
             run_training(tmp, "first", *flags, "--save-interval", "2", "--train-iters", "2",
                          "--lr-decay-iters", "4")
@@ -6306,10 +6318,14 @@ def test_forced_overflow_skips_the_step_and_lowers_the_scale_by_megatrons_rule(t
 def test_resume_equals_run_that_never_stopped(tmp_path, precision, stopped_runs):
     """A run saved at step 2 of 4 and resumed trains as the run that never stopped, bit for bit:
     each step's loss and gradient norm, its whole train line but the time (with dropout; in
-    float16 the float32 main params and the loss scaler are restored; the float16 run saves
-    Megatron's torch format, model_optim_rng.pt)."""
+    float32 on a blend of two corpora, whose next sample the resumed run takes; in float16 the
+    float32 main params and the loss scaler are restored; the float16 run saves Megatron's
+    torch format, model_optim_rng.pt)."""
     common, full_dir, first_dir = stopped_runs(precision)
     full = train_lines_of(full_dir)
+    corpus = (r"data: train blend of 17 samples: .*shakespeare.* weight 0.600 .*alice.* weight "
+              r"0.400" if precision == "float32" else r"data: train \d+ samples of .*shakespeare")
+    assert any(re.match(corpus, l) for l in (full_dir / "log/rank_0/info.log").open()), corpus
     resumed = run_training(tmp_path, "resumed", *common, "--load", str(first_dir))[0]
     assert losses_of(resumed) == losses_of(full)[2:]               # bit for bit
     assert [l.split(", Time")[0] for l in resumed] == [l.split(", Time")[0] for l in full[2:]]
