@@ -503,8 +503,9 @@ MODEL = [
 
 DATASET = [
     key("dataset_config.data_path", None, (str, list), "--data-path",
-        "the .bin/.idx prefix of the tokenized corpus (bash run.sh preprocess), a folder of "
-        "corpora, or a blend: weights and prefixes (0.3 web 0.7 books; a YAML list); null = "
+        "the .bin/.idx prefix of the tokenized corpus (bash run.sh preprocess), or a blend: "
+        "weights and prefixes (0.3 web 0.7 books; the guides' YAML list ['0.3', web, '0.7', "
+        "books]); a folder: every corpus in it, weighed by its samples; null = "
         "data/tinyshakespeare_text_document", aliases={"dataset_config.dataset_dir": None}),
     key("dataset_config.split", None, str, "--split",
         "train, validation, test weights of each corpus's documents; null = 949,50,1"),

@@ -1639,6 +1639,38 @@ def test_cyclic_loader_is_megatrons_random_sampler_and_resumes():
         data.RandomMicroBatchIterator(_Numbered(3), mbs, 0, dp, 0).indices()
 
 
+@pytest.mark.data
+def test_the_guides_list_and_a_folder_of_corpora_are_blends(megatron_blends, tmp_path, capsys):
+    """MindSpore Transformers' dataset_config.data_path (or dataset_dir) as a YAML list of weights
+    and prefixes is the blend --data-path gives; a folder of several corpora is the blend of
+    them all weighed by their samples; plan and the log name each corpus with its weight."""
+    flags = ["--data-path", "0.3", os.path.join(BLENDS, "a"), "0.7", os.path.join(BLENDS, "b")]
+    (tmp_path / "guide.yaml").write_text(yaml.safe_dump({"dataset_config": {"dataset_dir": [
+        0.3, os.path.join(BLENDS, "a"), "0.7", os.path.join(BLENDS, "b")]}}))
+    listed = load_config(["config.yaml", str(tmp_path / "guide.yaml")], [])
+    given = load_config("config.yaml", flags)
+    assert (config.parse_blend(listed.dataset_config.data_path)
+            == config.parse_blend(given.dataset_config.data_path)
+            == ([os.path.join(BLENDS, "a"), os.path.join(BLENDS, "b")], [0.3, 0.7]))
+    folder = tmp_path / "corpora"
+    folder.mkdir()
+    for name in ("a", "c"):
+        for ext in (".bin", ".idx"):
+            shutil.copy(os.path.join(BLENDS, name + ext), folder / (name + ext))
+    assert train.resolve_corpora(str(folder), "data_path") == [str(folder / "a"),
+                                                                str(folder / "c")]
+    case = megatron_blends["unweighted"]
+    built = data.build_gpt_datasets(config.parse_blend([str(folder / "a"), str(folder / "c")]),
+                                    case["split"], 8, megatron_blends["seed"], case["sizes"], 99)
+    assert built[0].dataset_index.tolist() == case["train"]["dataset_index"]
+    line = data.describe("train", built[0])
+    assert line.startswith(f"data: train blend of 30 samples: {folder / 'a'} weight 0.4")
+    assert memory.plan_main(["--world-size", "1", *flags, "--train-iters", "10"]) is None
+    plan = [l for l in capsys.readouterr().out.splitlines() if l.startswith("plan: data ")]
+    assert plan[0] == (f"plan: data train 80 samples (split 949,50,1): {BLENDS}/a weight 0.300 "
+                       f"(24 drawn, 25 built), {BLENDS}/b weight 0.700 (56 drawn, 57 built)")
+
+
 BAD_BLENDS = {  # flags -> the one line
     "odd count": (["--data-path", "0.3", "A", "0.7"],
                   "dataset_config.data_path=0.3 A 0.7: 3 words; a weighted blend is pairs"),
@@ -6672,6 +6704,8 @@ def check_valid_command(words, output, capsys):
         if flag in flags:
             value = None if "=" in word or not rest or rest[0].startswith("--") else rest.pop(0)
             nproc = value if flag == "--nproc" else nproc
+            while value and rest and not rest[0].startswith("--") and "=" not in rest[0]:
+                rest.pop(0)                                 # a list flag's further values
         else:
             assert command in PASSING_ON, f"{command}: {word} is not one of its flags {flags}"
             passed_on.append(word)
@@ -6687,11 +6721,14 @@ def written_outputs(words):
     def values(flag):
         after = words[words.index(flag) + 1:] if flag in words else []
         return after[:next((i for i, w in enumerate(after) if w.startswith("--")), len(after))]
-    keys = values("--json-keys") or ["text"]
-    if not values("--input")[0].endswith((".json", ".jsonl")):
-        keys = ["text"]
-    return [f"{values('--output-prefix')[0]}_{key}_document{ext}"
-            for key in keys for ext in (".bin", ".idx")]
+    inputs, prefix = values("--input"), values("--output-prefix")[0]
+    outputs = []
+    for path in inputs:         # several inputs: <prefix>_<input name>_<key>_document each
+        keys = values("--json-keys") or ["text"] if path.endswith((".json", ".jsonl")) else ["text"]
+        stem = os.path.splitext(os.path.basename(path))[0]
+        named = prefix if len(inputs) == 1 else f"{prefix}_{stem}"
+        outputs += [f"{named}_{key}_document{ext}" for key in keys for ext in (".bin", ".idx")]
+    return outputs
 
 
 # ---------------------------------------------------------------------------------------- the tests

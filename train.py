@@ -483,7 +483,7 @@ def pretrain(cfg, notes=()):
         signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.append(signum))
     estimate = log_start(cfg, trainer, train_ds, valid_ds, test_ds)
     state = trainer.state
-    it = data_loader(cfg, train_ds, state, consumed)     # MindFormers' batch_size is per micro-batch
+    it = data_loader(cfg, train_ds, state, consumed)
     profiler = StepProfiler(cfg, state.rank)
     metrics = open_metrics(cfg, state, iteration)
     window = LogWindow(cfg, trainer, iteration + 1, metrics)
