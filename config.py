@@ -309,7 +309,8 @@ def parse_split(split):
     return [w / sum(weights) for w in weights]
 
 
-SHIPPED_DATA_PATH = "data/tinyshakespeare_text_document"   # bash run.sh tokenizes it on first use
+# the shipped text and the prefix `bash run.sh` tokenizes it to on first use (the default data)
+SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
 DEFAULT_SPLIT = "949,50,1"
 PER_SPLIT_PATHS = ("train_data_path", "valid_data_path", "test_data_path")
 
@@ -323,10 +324,10 @@ def _number(word):
 
 
 def parse_blend(words, key="dataset_config.data_path"):
-    """Megatron's get_blend_from_list: ["0.3", "web", "0.7", "books"] -> (["web", "books"],
-    [0.3, 0.7]) (weights normalised to sum 1, blend_megatron_dataset_builder's normalize); a list
-    of prefixes (or one prefix) -> (prefixes, None), each weighed by its samples. A blend is
-    weighted when its first word is a number; then every other word must be one."""
+    """Megatron's get_blend_from_list: ["30", "web", "70", "books"] -> (["web", "books"],
+    [30.0, 70.0]) (data.py normalises the weights where Megatron does); a list of prefixes (or
+    one prefix) -> (prefixes, None), each weighed by its samples. A blend is weighted when its
+    first word is a number; then every other word must be one."""
     words = [words] if isinstance(words, str) else list(words or [])
     shown = f"{key}={' '.join(map(str, words))}"
     if not words:
@@ -347,8 +348,7 @@ def parse_blend(words, key="dataset_config.data_path"):
     if not all(math.isfinite(w) and w > 0 for w in weights):
         raise ConfigError(f"{shown}: every weight must be a number above 0 (Megatron's "
                           "BlendedDataset); drop a corpus rather than give it weight 0")
-    total = math.fsum(weights)
-    return [p.strip() for p in prefixes], [w / total for w in weights]
+    return [p.strip() for p in prefixes], weights
 
 
 def samples_per_split(cfg):
@@ -380,7 +380,7 @@ def _finalize_dataset(dataset_cfg):
             parse_blend(getattr(dataset_cfg, k), "dataset_config." + k)
     else:
         if dataset_cfg.data_path is None:
-            dataset_cfg.data_path = SHIPPED_DATA_PATH
+            dataset_cfg.data_path = SHIPPED_CORPUS[1] + "_text_document"
         if dataset_cfg.split is None:
             dataset_cfg.split = DEFAULT_SPLIT
         parse_split(dataset_cfg.split)

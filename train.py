@@ -37,9 +37,9 @@ import pipeline
 import sample
 from cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
                  training_help)
-from config import (PER_SPLIT_PATHS, ConfigError, main_grad_dtype, moe_layer_pattern,
-                    padded_vocab_size, parse_blend, recompute_counts, samples_per_split,
-                    to_dict)
+from config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, main_grad_dtype,
+                    moe_layer_pattern, padded_vocab_size, parse_blend, recompute_counts,
+                    samples_per_split, to_dict)
 from gpt import (DTYPES, Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
                  num_floating_point_operations)
 from metrics import Metrics
@@ -48,7 +48,6 @@ from tokenizer import build_tokenizer
 
 log = logging.getLogger("train")
 TIMERS = ("forward-backward", "grads-reduce", "optimizer")      # the phases of a step, timed
-SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
 
 
 # ----------------------------------------------------------------------------- set-up
