@@ -517,7 +517,8 @@ DATASET = [
         "the test split's corpus or blend (with --train-data-path)"),
     key("dataset_config.dataloader_type", "single", str, "--dataloader-type",
         "single: samples in order from consumed_samples (MegatronPretrainingSampler); cyclic: "
-        "each epoch reshuffled by the seed (MegatronPretrainingRandomSampler)",
+        "each rank's bucket reshuffled every epoch, torch.randperm seeded by the epoch "
+        "(MegatronPretrainingRandomSampler)",
         choices=("single", "cyclic")),
     key("dataset_config.shuffle", True, bool, None,
         "shuffle the samples (Megatron's GPTDataset); false = in corpus order"),

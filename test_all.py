@@ -1637,6 +1637,12 @@ def test_cyclic_loader_is_megatrons_random_sampler_and_resumes():
             assert resumed.epoch == k // 3 and next(resumed)["tokens"][:, 0].tolist() == served[k]
     with pytest.raises(ConfigError, match="fewer than one global batch of 4"):
         data.RandomMicroBatchIterator(_Numbered(3), mbs, 0, dp, 0).indices()
+    state = SimpleNamespace(dp_rank=1, dp=dp)
+    for kind, sampler in (("single", data.MicroBatchIterator),
+                          ("cyclic", data.RandomMicroBatchIterator)):
+        cfg = load_config("config.yaml", ["--dataloader-type", kind, "--micro-batch-size", "2"])
+        it = train.data_loader(cfg, _Numbered(total), state, 4)
+        assert type(it) is sampler and (it.rank, it.consumed_samples) == (1, 4)
 
 
 @pytest.mark.data
