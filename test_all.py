@@ -7429,6 +7429,10 @@ CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and converted runs start at
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
 TORCH = ["--ckpt-format", "torch"]
+# a blend of the two shipped texts (mixture_flags; "{data}" is the harness's corpus): the float16
+# reference and its layouts read it, so TP2 + SP, DP2 and a resumed DP2 each equal one process on
+# a mixture
+MIXTURE = ["--data-path", "0.6", "{data}", "0.4", "{alice}"]
 
 
 class Job:
@@ -7451,7 +7455,9 @@ class Job:
         """train.py's argv in the harness's folder `tmp` ("{tmp}" in a flag) on data `prefix`."""
         if self.argv_of is not None:
             return self.argv_of(tmp, prefix)
-        flags = [flag.replace("{tmp}", str(tmp)) for flag in self.flags]
+        alice = mixture_flags(tmp)[-1] if "{alice}" in self.flags else None
+        flags = [flag.replace("{tmp}", str(tmp)).replace("{data}", prefix)
+                 .replace("{alice}", str(alice)) for flag in self.flags]
         return ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix,
                 *PARALLEL_RUN, *flags, "--save", str(tmp / self.name)]
 
@@ -7491,7 +7497,7 @@ for _check, (_, _, _, _workers, _concept) in CHECK_JOBS.items():
 # The jobs. The one-process references first (op by op; a compiled layout equals them too).
 ROPE = ROPE_GQA
 add("one", 1, "tp dp checkpoint", SAVE_HALF)
-add("one_fp16", 1, "tp dp fp16", FP16)
+add("one_fp16", 1, "tp dp fp16", FP16 + MIXTURE)
 add("one_pp", 1, "pipeline", PIPELINE_RUN)
 add("one_pp_fp16", 1, "pipeline fp16", PIPELINE_RUN + FP16)
 add("one_rope_gqa", 1, "cp checkpoint", ROPE + SAVE_HALF)
@@ -7543,10 +7549,11 @@ resumed("ep4_to_one", 1, "moe checkpoint", MOE_RUN, "ep4_as_one")
 
 # 2 workers: a layout per parallelism, float16 in some (against a float16 process)
 layout("tp2", 2, "tp", TP2, "one")
-layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + FP16 + COMPILED + TORCH, "one_fp16")
+layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + FP16 + COMPILED + TORCH + MIXTURE,
+       "one_fp16")
 layout("dp2", 2, "dp", [], "one")
-layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + FP16 + SAVE_HALF, "one_fp16")
-resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + FP16, "dp2_distopt")
+layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + FP16 + SAVE_HALF + MIXTURE, "one_fp16")
+resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + FP16 + MIXTURE, "dp2_distopt")
 layout("pp2", 2, "pipeline fp16", PIPELINE_RUN + PP2 + FP16, "one_pp_fp16")
 layout("pp2_vpp2", 2, "pipeline", PIPELINE_RUN + PP2 + VPP2, "one_pp")
 layout("pp2_afab", 2, "pipeline", PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"],
@@ -8202,10 +8209,12 @@ def test_layout_trains_like_one_process(runs, layout):
     """Each layout's STEPS steps give the one-process losses and gradient norms (loss_rtol:
     float32 1e-5, float16 3e-5 and 5e-4), and so do the validation and test losses of the pipeline
     layouts (PIPELINE_RUN: forward-only schedules; the others do not evaluate). A float16 layout's
-    log shows its loss scale."""
+    log shows its loss scale; the float16 ones and their reference read a blend (MIXTURE)."""
     reference = REFERENCE[layout]
     folder, one = runs.folder(layout), runs.folder(reference)
     assert len(train_lines(folder)) == len(train_lines(one)) == STEPS
+    blended = [bool(train_lines(f, "data: train blend of 33 samples: ")) for f in (folder, one)]
+    assert blended == [MIXTURE[-1] in JOBS[name].flags for name in (layout, reference)]
     assert_trains_like(folder, one, loss_rtol(reference))
     assert ("Loss_scale: 4096.0" in train_lines(folder)[-1]) == reference.endswith("_fp16")
     evaluated = [train_lines(f, " validation") + train_lines(f, " test") for f in (one, folder)]
