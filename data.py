@@ -1,7 +1,8 @@
 """Data pipeline for Megatron-style GPT pretraining: pure Python + numpy, no MindSpore.
 
 tokenizer -> tools/preprocess_data.py (.bin/.idx indexed dataset) -> GPTDataset
-(document/sample/shuffle indices) -> MegatronPretrainingSampler (micro-batches per dp rank).
+(document/sample/shuffle indices) -> BlendedDataset of several corpora (blending indices) ->
+MegatronPretrainingSampler or MegatronPretrainingRandomSampler (micro-batches per dp rank).
 """
 import functools
 import glob
