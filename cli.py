@@ -111,8 +111,11 @@ def _flag_value(flag, inline, args, i):
 
 def _typed(row, text):
     """A command-line text as the key's type: strings as given (a path stays a path), the rest
-    as YAML reads them (numbers, true/false, lists)."""
-    return text if row.type is str else yaml.safe_load(text) if text != "" else ""
+    as YAML reads them (numbers, true/false, lists); a path or a list of them (a blend) stays
+    text unless written as a YAML list."""
+    if row.type is str or (row.type == (str, list) and not text.startswith("[")):
+        return text
+    return yaml.safe_load(text) if text != "" else ""
 
 
 def _apply_flag(flag, inline, args, i, raw, notes):
@@ -129,7 +132,13 @@ def _apply_flag(flag, inline, args, i, raw, notes):
     (row, _, element), = targets
     text, i = _flag_value(flag, inline, args, i)
     value = _typed(row, text)
-    if row.type is list and element is None and not isinstance(value, list):
+    if row.type == (str, list) and inline is None:
+        words = [value]                                  # Megatron's nargs='*': 0.3 web 0.7 books
+        while i < len(args) and not args[i].startswith("--") and "=" not in args[i]:
+            words.append(args[i])
+            i += 1
+        value = words if len(words) > 1 else value
+    elif row.type is list and element is None and not isinstance(value, list):
         value = [value]                                  # Megatron: --profile-ranks 0 1 ...
         while i < len(args) and args[i].isdigit():
             value.append(int(args[i]))

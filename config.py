@@ -309,9 +309,87 @@ def parse_split(split):
     return [w / sum(weights) for w in weights]
 
 
+# the shipped text and the prefix `bash run.sh` tokenizes it to on first use (the default data)
+SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
+DEFAULT_SPLIT = "949,50,1"
+PER_SPLIT_PATHS = ("train_data_path", "valid_data_path", "test_data_path")
+
+
+def _number(word):
+    """float(word), or None for a word that is not a number (a prefix)."""
+    try:
+        return float(word)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_blend(words, key="dataset_config.data_path"):
+    """Megatron's get_blend_from_list: ["30", "web", "70", "books"] -> (["web", "books"],
+    [30.0, 70.0]) (data.py normalises the weights where Megatron does); a list of prefixes (or
+    one prefix) -> (prefixes, None), each weighed by its samples. A blend is weighted when its
+    first word is a number; then every other word must be one."""
+    words = [words] if isinstance(words, str) else list(words or [])
+    shown = f"{key}={' '.join(map(str, words))}"
+    if not words:
+        raise ConfigError(f"{key} is empty: give a prefix, or weights and prefixes "
+                          "(--data-path 0.3 web 0.7 books)")
+    if _number(words[0]) is None:
+        bad = [w for w in words if _number(w) is not None or not isinstance(w, str)]
+        if bad:
+            raise ConfigError(f"{shown}: {bad[0]!r} is a weight among prefixes: give a weight "
+                              "before every prefix (0.3 web 0.7 books) or none")
+        return [w.strip() for w in words], None
+    weights, prefixes = words[0::2], words[1::2]
+    if len(words) % 2 or any(_number(w) is None for w in weights) or any(
+            _number(p) is not None or not isinstance(p, str) for p in prefixes):
+        raise ConfigError(f"{shown}: {len(words)} words; a weighted blend is pairs of a weight "
+                          "and a prefix (0.3 web 0.7 books)")
+    weights = [_number(w) for w in weights]
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ConfigError(f"{shown}: every weight must be a number above 0 (Megatron's "
+                          "BlendedDataset); drop a corpus rather than give it weight 0")
+    return [p.strip() for p in prefixes], weights
+
+
+def samples_per_split(cfg):
+    """(train, valid, test) samples a run asks of its data, Megatron's
+    train_valid_test_datasets_provider sizes: every step's global batch, eval_iters batches at
+    each evaluation and at the end, and eval_iters batches of test."""
+    training_cfg, gbs = cfg.training_config, cfg.dataset_config.global_batch_size
+    iters, eval_iters = training_cfg.training_iters, training_cfg.eval_iters
+    return (iters * gbs, (iters // training_cfg.eval_interval + 1) * eval_iters * gbs,
+            eval_iters * gbs)
+
+
 def _finalize_dataset(dataset_cfg):
-    """The split weights, and what the tokenizer and mock data need."""
-    parse_split(dataset_cfg.split)
+    """The blend (or per-split blends) and split, and what the tokenizer and mock data need.
+    Megatron's BlendedMegatronDatasetConfig: a blend with --split, or a blend per split without
+    it ("split and blend_per_split are incompatible")."""
+    per_split = [k for k in PER_SPLIT_PATHS if getattr(dataset_cfg, k) is not None]
+    if per_split and not dataset_cfg.mock_data:
+        given = [k for k in ("data_path", "split") if getattr(dataset_cfg, k) is not None]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"dataset_config.{given[0]} ({flag}) with {per_split[0]}: the "
+                              "per-split paths name each split's corpus; remove "
+                              f"{flag}, as Megatron does")
+        if "train_data_path" not in per_split:
+            raise ConfigError(f"dataset_config.{per_split[0]} without train_data_path: give "
+                              "--train-data-path too (or --data-path and --split for all three)")
+        for k in per_split:
+            parse_blend(getattr(dataset_cfg, k), "dataset_config." + k)
+    else:
+        if dataset_cfg.data_path is None:
+            dataset_cfg.data_path = SHIPPED_CORPUS[1] + "_text_document"
+        if dataset_cfg.split is None:
+            dataset_cfg.split = DEFAULT_SPLIT
+        parse_split(dataset_cfg.split)
+        parse_blend(dataset_cfg.data_path)
+    _finalize_tokens(dataset_cfg)
+
+
+def _finalize_tokens(dataset_cfg):
+    """What the tokenizer, mock data and the document masks need."""
     if dataset_cfg.tokenizer_type == "NullTokenizer" and dataset_cfg.vocab_size is None:
         raise ConfigError("dataset_config.tokenizer_type=NullTokenizer needs "
                           "dataset_config.vocab_size (--vocab-size)")

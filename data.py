@@ -1,11 +1,14 @@
 """Data pipeline for Megatron-style GPT pretraining: pure Python + numpy, no MindSpore.
 
 tokenizer -> tools/preprocess_data.py (.bin/.idx indexed dataset) -> GPTDataset
-(document/sample/shuffle indices) -> MegatronPretrainingSampler (micro-batches per dp rank).
+(document/sample/shuffle indices) -> BlendedDataset of several corpora (blending indices) ->
+MegatronPretrainingSampler or MegatronPretrainingRandomSampler (micro-batches per dp rank).
 """
 import functools
+import glob
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -18,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from cli import REQUIRED, parse_command
-from config import ConfigError, parse_split
+from config import PER_SPLIT_PATHS, ConfigError, parse_blend, parse_split
 from tokenizer import build_tokenizer, read_lines
 
 
@@ -217,8 +220,10 @@ def _read_documents(path, keys):
 
 
 PREPROCESS_FLAGS = {  # Megatron's tools/preprocess_data.py flags
-    "--input": (REQUIRED, str, "jsonl, or text with blank-line separated documents"),
-    "--output-prefix": (REQUIRED, str, "writes <prefix>_<key>_document.bin/.idx"),
+    "--input": (REQUIRED, list, "jsonl, or text with blank-line separated documents; several "
+                                "files or a glob ('data/*.txt'): one prefix each"),
+    "--output-prefix": (REQUIRED, str, "writes <prefix>_<key>_document.bin/.idx (several "
+                                       "inputs: <prefix>_<input name>_<key>_document)"),
     "--json-keys": (["text"], list, "jsonl keys to tokenize"),
     "--tokenizer-type": (REQUIRED, str, "GPT2BPETokenizer, NullTokenizer or ByteTokenizer"),
     "--vocab-file": (None, str, "GPT-2 vocab.json"),
@@ -234,23 +239,52 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C in preprocess, its files removed; str() is the line to print (train.py exits 130)."""
 
 
-def preprocess_main(argv):
-    """Megatron's tools/preprocess_data.py: text -> `<prefix>_<key>_document.{bin,idx}`.
+def _inputs(patterns, output_prefix):
+    """(input file, output prefix) per input: the files and globs given, in order, each once;
+    several inputs name their outputs after the input files (Megatron's own tool takes one)."""
+    files = []
+    for pattern in patterns:
+        found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not found:
+            raise ConfigError(f"preprocess: --input {pattern} matches no file: give existing "
+                              "files or a glob that matches some")
+        files += [f for f in found if f not in files]
+    if len(files) == 1:
+        return [(files[0], output_prefix)]
+    stems = [os.path.splitext(os.path.basename(f))[0] for f in files]
+    for stem in stems:
+        if stems.count(stem) > 1:
+            twins = [f for f, s in zip(files, stems) if s == stem]
+            raise ConfigError(f"preprocess: --input {twins[0]} and {twins[1]} would both write "
+                              f"{output_prefix}_{stem}_*: give them different file names or "
+                              "preprocess them apart")
+    return [(f, f"{output_prefix}_{stem}") for f, stem in zip(files, stems)]
 
-    Each document becomes one sequence. Returns the list of written data prefixes.
+
+def preprocess_main(argv):
+    """Megatron's tools/preprocess_data.py: text -> `<prefix>_<key>_document.{bin,idx}`, for each
+    input file (each its own corpus, as a blend names them: --data-path 0.3 A 0.7 B).
+
+    Each document becomes one sequence. Returns the list of written data prefixes; each input's
+    files are written whole or not at all.
     """
     options, _ = parse_command("preprocess", argv, PREPROCESS_FLAGS,
                                about="Tokenize text into Megatron .bin/.idx files.")
     args = SimpleNamespace(**options)
-    keys = args.json_keys if args.input.endswith((".json", ".jsonl")) else ["text"]
-    prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
-    try:
-        _tokenize(args, keys, prefixes)
-    except KeyboardInterrupt:
-        names = ", ".join(f"{pre}.bin/.idx" for pre in prefixes)
-        message = f"preprocess: interrupted; nothing written ({names} not created)"
-        raise Interrupted(message) from None
-    return prefixes
+    written = []
+    for path, output_prefix in _inputs(args.input, args.output_prefix):
+        keys = args.json_keys if path.endswith((".json", ".jsonl")) else ["text"]
+        prefixes = [f"{output_prefix}_{k}_document" for k in keys]
+        try:
+            _tokenize(args, path, output_prefix, keys, prefixes)
+        except KeyboardInterrupt:
+            names = ", ".join(f"{pre}.bin/.idx" for pre in prefixes)
+            message = f"preprocess: interrupted; nothing written ({names} not created)"
+            if written:
+                message += f"; complete: {', '.join(written)}"
+            raise Interrupted(message) from None
+        written += prefixes
+    return written
 
 
 def _init_pool_worker(tokenizer_kwargs):
@@ -260,14 +294,15 @@ def _init_pool_worker(tokenizer_kwargs):
     _init_worker(tokenizer_kwargs)
 
 
-def _tokenize(args, keys, prefixes):
-    """preprocess_main's work: `<prefix>.bin/.idx` for every prefix, or none of them."""
+def _tokenize(args, path, output_prefix, keys, prefixes):
+    """preprocess_main's work for the input `path`: `<prefix>.bin/.idx` for every prefix, or none
+    of them."""
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, vocab_size=args.vocab_size)
     _init_worker(tok_kwargs)
     dtype = optimal_dtype(_worker_tokenizer.vocab_size)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    docs = _read_documents(args.input, keys)
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    docs = _read_documents(path, keys)
     encode = functools.partial(_encode_document, append_eod=args.append_eod)
     pool, builders = None, []
     t0, total_bytes, n = time.time(), 0, 0
@@ -286,7 +321,7 @@ def _tokenize(args, keys, prefixes):
                 print(f"Processed {n} documents ({n / dt:.1f} docs/s, "
                       f"{total_bytes / dt / 2**20:.2f} MB/s).", flush=True)
         if n == 0:
-            raise ConfigError(f"{args.input}: no documents: give jsonl (one JSON object per line) "
+            raise ConfigError(f"{path}: no documents: give jsonl (one JSON object per line) "
                               "or text (documents separated by blank lines)")
         if pool:
             pool.close()
@@ -490,25 +525,8 @@ class GPTDataset:
         if self.built_anew:
             indices = self._build_indices(num_samples, seed)
             if paths:
-                self._save_cache(cache_dir, paths, indices, damage)
+                _save_indices(cache_dir, paths, indices, self.description, damage)
         self.document_index, self.sample_index, self.shuffle_index = indices
-
-    def _save_cache(self, cache_dir, paths, indices, damage):
-        """Write the indices, then the description; a damaged file replaced is one warning."""
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-            for path, arr in zip(paths, indices):
-                write_atomic(path, lambda f, a=arr: np.save(f, a))
-            write_atomic(paths[3], self.description)
-        except OSError as e:
-            if damage is None:
-                raise  # nothing damaged: the OSError as before, one line from train.py
-            raise ConfigError(f"{damage[0]}: damaged GPTDataset index cache ({damage[1]}) that "
-                              f"cannot be rebuilt here ({e.strerror or e}): delete it, or give a "
-                              "writable --data-cache-path") from None
-        if damage is not None:
-            print(f"warning: {damage[0]}: damaged GPTDataset index cache ({damage[1]}); rebuilt",
-                  file=sys.stderr, flush=True)
 
     def _build_indices(self, num_samples, seed):
         """gpt_dataset._build_document_sample_shuffle_indices."""
@@ -560,6 +578,26 @@ class GPTDataset:
         return _make_sample(text, self.eod, *self.mask_options)
 
 
+def _save_indices(cache_dir, paths, indices, description, damage):
+    """Write a dataset's index arrays, then its description (paths[-1]); a damaged file replaced
+    is one warning naming the dataset's class."""
+    kind = json.loads(description)["class"]
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        for path, arr in zip(paths, indices):
+            write_atomic(path, lambda f, a=arr: np.save(f, a))
+        write_atomic(paths[-1], description)
+    except OSError as e:
+        if damage is None:
+            raise  # nothing damaged: the OSError as before, one line from train.py
+        raise ConfigError(f"{damage[0]}: damaged {kind} index cache ({damage[1]}) that "
+                          f"cannot be rebuilt here ({e.strerror or e}): delete it, or give a "
+                          "writable --data-cache-path") from None
+    if damage is not None:
+        print(f"warning: {damage[0]}: damaged {kind} index cache ({damage[1]}); rebuilt",
+              file=sys.stderr, flush=True)
+
+
 def _make_sample(text, eod, reset_position_ids=False, reset_attention_mask=False,
                  eod_mask_loss=False):
     """[s + 1] tokens -> dict of tokens, labels, loss_mask and position_ids, each [s] (and
@@ -590,40 +628,230 @@ class MockGPTDataset:
         return _make_sample(rng.randint(0, self.vocab_size, size=self.seq_length + 1), eod=-1)
 
 
-def data_prefix(path):
-    """The .bin/.idx prefix `path` names: itself, or, for a folder (MindSpore Transformers'
-    dataset_dir), the one tokenized corpus in it."""
+def data_prefixes(path):
+    """The .bin/.idx prefixes `path` names: itself, or, for a folder (MindSpore Transformers'
+    dataset_dir), every tokenized corpus in it, sorted by name (a blend weighed by their
+    samples)."""
     if not os.path.isdir(path):
-        return path
+        return [path]
     prefixes = sorted(f[:-4] for f in os.listdir(path)
                       if f.endswith(".bin") and os.path.isfile(os.path.join(path, f[:-4] + ".idx")))
-    if len(prefixes) != 1:
-        found = "none"
-        if prefixes:
-            found = f"{len(prefixes)} .bin/.idx pairs ({', '.join(prefixes[:3])})"
-        raise ConfigError(f"dataset_config.data_path={path} is a folder holding {found}: give the "
-                          "prefix of one tokenized corpus (bash run.sh preprocess writes them)")
-    return os.path.join(path, prefixes[0])
+    if not prefixes:
+        raise ConfigError(f"dataset_config.data_path={path} is a folder holding no .bin/.idx "
+                          "pair: give the prefix of a tokenized corpus (bash run.sh preprocess "
+                          "writes them)")
+    return [os.path.join(path, p) for p in prefixes]
 
 
-def build_gpt_datasets(data_prefix, split, seq_length, seed, num_samples, eod, cache_dir=None,
-                       **mask_options):
-    """BlendedMegatronDatasetBuilder for one data prefix: (train, valid, test) GPTDatasets.
+# ----------------------------------------------------------------------------- blends
 
-    num_samples: (train, valid, test) samples wanted. A valid or test split with no documents or
-    0 samples is None; a train split without enough tokens raises ConfigError.
-    """
-    indexed = IndexedDataset(data_prefix)
-    num_docs = len(indexed.document_indices) - 1
-    datasets = []
-    ranges = split_document_ranges(num_docs, split)
-    for name, (begin, end), n in zip(("train", "valid", "test"), ranges, num_samples):
-        if name != "train" and not (end > begin and n):
-            datasets.append(None)
+def data_blends(dataset_cfg):
+    """(blend, per_split) for data.build_gpt_datasets: the blend of --data-path, or one blend (or
+    None) per split."""
+    if dataset_cfg.train_data_path is None:
+        return parse_blend(dataset_cfg.data_path), None
+    return None, [None if getattr(dataset_cfg, key) is None
+                  else parse_blend(getattr(dataset_cfg, key), "dataset_config." + key)
+                  for key in PER_SPLIT_PATHS]
+
+
+def blend_lines(blend, per_split, split, num_samples):
+    """What a run draws from its corpora, from the config alone (bash run.sh plan): per split,
+    the samples asked, each corpus with its weight, the samples drawn (ceil(size * weight)) and
+    built (with Megatron's surplus)."""
+    lines = []
+    for i, name in enumerate(SPLITS):
+        prefixes, weights = blend if per_split is None else per_split[i] or (None, None)
+        if not num_samples[i] or prefixes is None:
             continue
-        documents = np.arange(begin, end, dtype=np.int32)
-        datasets.append(GPTDataset(indexed, documents, n, seq_length, seed, eod, name, cache_dir,
-                                   **mask_options))
+        where = f" (split {split})" if per_split is None else ""
+        if weights is None and len(prefixes) > 1:
+            parts = ", ".join(prefixes) + " weighed by their samples (one epoch each)"
+        elif len(prefixes) == 1 and (weights is None or per_split is not None):
+            parts = prefixes[0]
+        else:
+            weights = normalize(weights)
+            drawn = size_per_dataset(weights, num_samples)
+            built = size_per_dataset(weights, num_samples, SURPLUS)
+            parts = ", ".join(f"{p} weight {w:.3f} ({d[i]} drawn, {b[i]} built)"
+                              for p, w, d, b in zip(prefixes, weights, drawn, built))
+        lines.append(f"{name} {num_samples[i]} samples{where}: {parts}")
+    return lines
+
+
+def describe(name, dataset):
+    """The log's line for a built split: its corpus, or each corpus of its blend with its
+    weight and the samples the blend draws of those built."""
+    if isinstance(dataset, GPTDataset):
+        return (f"data: {name} {len(dataset)} samples of {dataset.dataset.path_prefix} "
+                f"({len(dataset.documents)} documents)")
+    counts = np.bincount(dataset.dataset_index, minlength=len(dataset.datasets))
+    parts = ", ".join(f"{d.dataset.path_prefix} weight {w:.3f} ({c} of {len(d)} samples)"
+                      for d, w, c in zip(dataset.datasets, dataset.weights, counts))
+    return f"data: {name} blend of {len(dataset)} samples: {parts}"
+
+
+
+SPLITS = ("train", "valid", "test")
+SURPLUS = 0.005   # BlendedMegatronDatasetConfig.mid_level_dataset_surplus
+
+
+def normalize(weights):
+    """megatron/core/datasets/utils.py normalize: the weights over their sum, in float64 as
+    Megatron rounds them (the builder normalises a blend's weights, BlendedDataset once more)."""
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+def size_per_dataset(weights, sizes, surplus=0.0):
+    """blended_megatron_dataset_builder._get_size_per_split_per_dataset: samples to draw (surplus
+    0) or to build (the surplus keeps the blend from running dry) per corpus per split:
+    [corpus][split] = ceil(ceil(size * weight) * (1 + surplus))."""
+    return [[int(math.ceil(math.ceil(n * w) * (1 + surplus))) for n in sizes] for w in weights]
+
+
+def build_blending_indices(weights, size):
+    """helpers.cpp build_blending_indices: global sample i comes from the corpus furthest below
+    its share, weight * max(i, 1) - samples taken so far (the first on a tie). Returns
+    dataset_index int16 [size] and dataset_sample_index int64 [size] (the corpus's i-th sample)."""
+    dataset_index = np.zeros(size, dtype=np.int16)
+    dataset_sample_index = np.zeros(size, dtype=np.int64)
+    counts = [0] * len(weights)
+    for i in range(size):
+        t = max(float(i), 1.0)
+        best, best_error = 0, weights[0] * t - counts[0]
+        for d in range(1, len(weights)):
+            error = weights[d] * t - counts[d]
+            if error > best_error:
+                best, best_error = d, error
+        dataset_index[i], dataset_sample_index[i] = best, counts[best]
+        counts[best] += 1
+    return dataset_index, dataset_sample_index
+
+
+def _read_blend_cache(paths, size):
+    """The cached (dataset_index, dataset_sample_index), or (None, (path, what is wrong))."""
+    indices = []
+    for path, dtype in zip(paths, (np.int16, np.int64)):
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (ValueError, EOFError, OSError) as e:
+            return None, (path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if arr.dtype != dtype or arr.shape != (size,):
+            return None, (path, f"{arr.dtype} {list(arr.shape)}, expected "
+                                f"{np.dtype(dtype).name} [{size}]")
+        indices.append(arr)
+    return indices, None
+
+
+class BlendedDataset:
+    """Megatron-core BlendedDataset (blended_dataset.py): `size` samples drawn from `datasets` in
+    proportion to `weights` (normalised here, as Megatron does with a size). Global sample i is
+    sample dataset_sample_index[i] of datasets[dataset_index[i]]. With cache_dir set, the two
+    indices are saved there as .npy (named by an md5 of the description, as Megatron names them),
+    each written atomically and the description last."""
+
+    def __init__(self, datasets, weights, size, name, cache_dir=None):
+        self.datasets, self.weights, self.size, self.name = datasets, normalize(weights), size, name
+        self.description = json.dumps({
+            "class": "BlendedDataset", "datasets": [json.loads(d.description) for d in datasets],
+            "split": name, "weights": self.weights, "size": size}, indent=4)
+        paths = []
+        if cache_dir is not None:
+            digest = hashlib.md5(self.description.encode()).hexdigest()
+            base = os.path.join(cache_dir, f"{digest}-BlendedDataset-{name}")
+            paths = [f"{base}-{k}.npy" for k in ("dataset_index", "dataset_sample_index")]
+            paths.append(base + "-description.txt")
+        indices, damage = None, None
+        if paths and all(map(os.path.isfile, paths)):
+            indices, damage = _read_blend_cache(paths[:2], size)
+        if indices is None:
+            indices = build_blending_indices(self.weights, size)
+            self._check_sizes(indices[0])
+            if paths:
+                _save_indices(cache_dir, paths, indices, self.description, damage)
+        self.dataset_index, self.dataset_sample_index = indices
+
+    def _check_sizes(self, dataset_index):
+        """Megatron's IndexError: a corpus asked for more samples than it was built with."""
+        counts = np.bincount(dataset_index, minlength=len(self.datasets))
+        for dataset, count in zip(self.datasets, counts):
+            if count > len(dataset):
+                raise ConfigError(f"{dataset.dataset.path_prefix}: the {self.name} blend draws "
+                                  f"{count} samples from it, more than its {len(dataset)}: give "
+                                  "it a smaller weight or more data")
+
+    def __len__(self):
+        return len(self.dataset_index)
+
+    def __getitem__(self, i):
+        return self.datasets[self.dataset_index[i]][int(self.dataset_sample_index[i])]
+
+
+def _corpus_splits(prefix, split, num_samples, make):
+    """_build_megatron_dataset_splits: the train, valid and test GPTDatasets of one corpus, its
+    documents split by `split`; a split with no documents (but train) or 0 samples is None."""
+    indexed = IndexedDataset(prefix)
+    ranges = split_document_ranges(len(indexed.document_indices) - 1, split)
+    datasets = []
+    for name, (begin, end), n in zip(SPLITS, ranges, num_samples):
+        empty = name != "train" and end <= begin
+        datasets.append(None if n == 0 or empty else
+                        make(indexed, np.arange(begin, end, dtype=np.int32), n, name))
+    return datasets
+
+
+def _build_blend(blend, split, num_samples, make, cache_dir, single_is_plain):
+    """The three splits of one blend (prefixes, weights or None): BlendedMegatronDatasetBuilder's
+    cases. One prefix: its GPTDatasets. Weights: each corpus built with its share plus the
+    surplus, the blend of size sum(ceil(size * weight)). No weights: each corpus one epoch, the
+    blend weighed by their samples, of at most `num_samples`."""
+    prefixes, weights = blend
+    if len(prefixes) == 1 and (weights is None or single_is_plain):
+        return _corpus_splits(prefixes[0], split, num_samples, make)
+    if weights is None:
+        wanted = [[None if n else 0 for n in num_samples]] * len(prefixes)   # one epoch each
+    else:
+        weights = normalize(weights)
+        target = size_per_dataset(weights, num_samples)
+        wanted = size_per_dataset(weights, num_samples, SURPLUS)
+    corpora = [_corpus_splits(p, split, n, make) for p, n in zip(prefixes, wanted)]
+    blended = []
+    for i, name in enumerate(SPLITS):
+        parts = [corpus[i] for corpus in corpora]
+        if not num_samples[i] or None in parts:
+            blended.append(None)
+            continue
+        if weights is None:
+            shares = [len(part) for part in parts]
+            size = min(num_samples[i], sum(shares))
+        else:
+            shares, size = weights, sum(t[i] for t in target)
+        blended.append(BlendedDataset(parts, shares, size, name, cache_dir))
+    return blended
+
+
+def build_gpt_datasets(blend, split, seq_length, seed, num_samples, eod, cache_dir=None,
+                       per_split=None, **gpt_options):
+    """BlendedMegatronDatasetBuilder: (train, valid, test), each a GPTDataset, a BlendedDataset
+    or None (a valid or test split with no documents or 0 samples).
+
+    blend: (prefixes, weights or None) (config.parse_blend), every corpus split by `split`; or
+    per_split: one blend (or None) per split (Megatron's blend_per_split), each corpus whole.
+    num_samples: (train, valid, test) samples wanted. A train split without enough tokens raises
+    ConfigError.
+    """
+    def make(indexed, documents, n, name):
+        return GPTDataset(indexed, documents, n, seq_length, seed, eod, name, cache_dir,
+                          **gpt_options)
+
+    if per_split is None:
+        return tuple(_build_blend(blend, split, num_samples, make, cache_dir, False))
+    datasets = []
+    for i, one in enumerate(per_split):
+        only = [n if j == i else 0 for j, n in enumerate(num_samples)]
+        whole = ",".join("1" if j == i else "0" for j in range(3))   # all documents in split i
+        datasets.append(one and _build_blend(one, whole, only, make, cache_dir, True)[i])
     return tuple(datasets)
 
 
@@ -651,14 +879,63 @@ class MicroBatchIterator:
     def __iter__(self):
         return self
 
-    def __next__(self):
-        global_batch = self.micro_batch_size * self.dp
-        if self.consumed_samples + global_batch > len(self.dataset):
-            raise StopIteration
+    @property
+    def epoch(self):
+        return self.consumed_samples // len(self.dataset)
+
+    def indices(self):
+        """This rank's samples of the next global batch (None when the dataset is used up)."""
+        if self.consumed_samples + self.micro_batch_size * self.dp > len(self.dataset):
+            return None
         start = self.consumed_samples + self.rank * self.micro_batch_size
-        samples = [self.dataset[i] for i in range(start, start + self.micro_batch_size)]
-        self.consumed_samples += global_batch
+        return range(start, start + self.micro_batch_size)
+
+    def __next__(self):
+        indices = self.indices()
+        if indices is None:
+            raise StopIteration
+        samples = [self.dataset[int(i)] for i in indices]
+        self.consumed_samples += self.micro_batch_size * self.dp
         return {k: np.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def randperm(n, seed):
+    """torch.randperm(n, generator=torch.Generator().manual_seed(seed)) without torch: the CPU
+    kernel's swaps (aten randperm_cpu: z = mt19937() % (n - i)), the mt19937 draws from numpy's
+    RandomState, the same generator seeded the same way. int64 [n]."""
+    draws = np.random.RandomState(seed).randint(0, 2**32, size=max(n - 1, 0), dtype=np.uint32)
+    perm = np.arange(n, dtype=np.int64)
+    for i, draw in enumerate(draws.tolist()):
+        z = i + draw % (n - i)
+        perm[i], perm[z] = perm[z], perm[i]
+    return perm
+
+
+class RandomMicroBatchIterator(MicroBatchIterator):
+    """--dataloader-type cyclic: Megatron's MegatronPretrainingRandomSampler (data_sharding on,
+    its default) wrapped in cyclic_iter. Each rank owns a bucket of (len // (mbs*dp)) * mbs
+    samples, served in the order of torch.randperm seeded by the epoch; epochs go round without
+    end. Everything follows from consumed_samples, so a resumed run takes the same next batch."""
+
+    @property
+    def epoch(self):
+        return self.consumed_samples // self._active()
+
+    def _active(self):
+        """Samples per epoch: the dataset less its last partial global batch."""
+        global_batch = self.micro_batch_size * self.dp
+        if len(self.dataset) < global_batch:
+            raise ConfigError(f"--dataloader-type cyclic: {len(self.dataset)} samples, fewer "
+                              f"than one global batch of {global_batch}")
+        return len(self.dataset) - len(self.dataset) % global_batch
+
+    def indices(self):
+        epoch, in_epoch = divmod(self.consumed_samples, self._active())
+        bucket = (len(self.dataset) // (self.micro_batch_size * self.dp)) * self.micro_batch_size
+        if getattr(self, "_perm_epoch", None) != epoch:         # one permutation per epoch
+            self._perm, self._perm_epoch = randperm(bucket, epoch), epoch
+        offset = in_epoch // self.dp
+        return self.rank * bucket + self._perm[offset:offset + self.micro_batch_size]
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

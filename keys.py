@@ -502,11 +502,24 @@ MODEL = [
 ]
 
 DATASET = [
-    key("dataset_config.data_path", "data/tinyshakespeare_text_document", str, "--data-path",
-        "the .bin/.idx prefix of the tokenized corpus (bash run.sh preprocess), or its folder",
-        aliases={"dataset_config.dataset_dir": None}),
-    key("dataset_config.split", "949,50,1", str, "--split",
-        "train, validation, test weights of the documents"),
+    key("dataset_config.data_path", None, (str, list), "--data-path",
+        "the .bin/.idx prefix of the tokenized corpus (bash run.sh preprocess), or a blend: "
+        "weights and prefixes (0.3 web 0.7 books; the guides' YAML list ['0.3', web, '0.7', "
+        "books]); a folder: every corpus in it, weighed by its samples; null = "
+        "data/tinyshakespeare_text_document", aliases={"dataset_config.dataset_dir": None}),
+    key("dataset_config.split", None, str, "--split",
+        "train, validation, test weights of each corpus's documents; null = 949,50,1"),
+    key("dataset_config.train_data_path", None, (str, list), "--train-data-path",
+        "the training split's corpus or blend, instead of --data-path and --split"),
+    key("dataset_config.valid_data_path", None, (str, list), "--valid-data-path",
+        "the validation split's corpus or blend (with --train-data-path)"),
+    key("dataset_config.test_data_path", None, (str, list), "--test-data-path",
+        "the test split's corpus or blend (with --train-data-path)"),
+    key("dataset_config.dataloader_type", "single", str, "--dataloader-type",
+        "single: samples in order from consumed_samples (MegatronPretrainingSampler); cyclic: "
+        "each rank's bucket reshuffled every epoch, torch.randperm seeded by the epoch "
+        "(MegatronPretrainingRandomSampler)",
+        choices=("single", "cyclic")),
     key("dataset_config.shuffle", True, bool, None,
         "shuffle the samples (Megatron's GPTDataset); false = in corpus order"),
     key("dataset_config.mock_data", False, bool, None, "random tokens instead of a corpus",

@@ -31,11 +31,12 @@ import math
 import re
 from types import SimpleNamespace
 
+import data
 import gpt
 import pipeline
 from cli import CONFIG_FLAG, REQUIRED, load_config, parse_command
 from config import (ConfigError, cp_ring_size, main_grad_dtype, moe_layer_pattern,
-                    padded_vocab_size, recompute_counts)
+                    padded_vocab_size, recompute_counts, samples_per_split)
 from tokenizer import build_tokenizer
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -869,6 +870,10 @@ def plan_main(argv):
     cfg.model_config.padded_vocab_size = vocab_rows(cfg)
     for line in plan_lines(cfg, options["world_size"]):
         print(line)
+    if not cfg.dataset_config.mock_data:
+        for line in data.blend_lines(*data.data_blends(cfg.dataset_config),
+                                     cfg.dataset_config.split, samples_per_split(cfg)):
+            print("plan: data " + line)
     if options["memory_per_device"] is not None:
         for line in fit_lines(cfg, options["config"], rest, options["world_size"],
                               options["memory_per_device"]):

@@ -125,6 +125,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = os.path.join(HERE, "data", "gpt2-vocab.json")
 MERGES = os.path.join(HERE, "data", "gpt2-merges.txt")
 SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
+ALICE = os.path.join(HERE, "data", "alice_in_wonderland.txt")
 
 
 # ======================================================================================== structure
@@ -1058,6 +1059,33 @@ def test_preprocess_bad_input_names_file_and_line_and_leaves_nothing(tmp_path, c
 
 
 @pytest.mark.data
+def test_preprocess_several_inputs_or_a_glob_write_one_prefix_each(tmp_path):
+    """Several --input files, or a glob, are each their own corpus: <prefix>_<input name>_
+    <key>_document, byte for byte what preprocessing each alone writes; a glob matching nothing
+    and two inputs of one name are one line each."""
+    for name, text in (("web", "one\n\ntwo three\n"), ("books", "four\n\nfive\n\nsix\n")):
+        (tmp_path / f"{name}.txt").write_text(text)
+    flags = ["--tokenizer-type", "ByteTokenizer", "--append-eod"]
+    out = str(tmp_path / "out" / "mix")
+    prefixes = data.preprocess_main(["--input", str(tmp_path / "*.txt"), "--output-prefix", out,
+                                     *flags])
+    assert prefixes == [f"{out}_books_text_document", f"{out}_web_text_document"]
+    for name, prefix in zip(("books", "web"), prefixes):
+        alone = data.preprocess_main(["--input", str(tmp_path / f"{name}.txt"),
+                                      "--output-prefix", str(tmp_path / name), *flags])[0]
+        for ext in (".bin", ".idx"):
+            assert open(prefix + ext, "rb").read() == open(alone + ext, "rb").read()
+    assert len(data.IndexedDataset(prefixes[0])) == 3
+    with pytest.raises(ConfigError, match=r"^preprocess: --input .*\*.md matches no file"):
+        data.preprocess_main(["--input", str(tmp_path / "*.md"), "--output-prefix", out, *flags])
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "web.txt").write_text("seven\n")
+    with pytest.raises(ConfigError, match=r"would both write .*mix_web_\*: give them"):
+        data.preprocess_main(["--input", str(tmp_path / "web.txt"),
+                              str(tmp_path / "again" / "web.txt"), "--output-prefix", out, *flags])
+
+
+@pytest.mark.data
 def test_preprocess_command_bad_line_is_one_line_exit_2(tmp_path, capfd):
     """Through `train.py preprocess` with a worker pool reading ahead: exit code 2 and one line,
     no traceback, in all that reaches stdout and stderr (the workers' too), nothing written."""
@@ -1203,10 +1231,11 @@ def test_gpt_dataset_seed_determinism_and_epochs(tmp_path):
 
 
 @pytest.mark.data
-def test_shuffle_false_serves_the_corpus_in_order_and_a_folder_names_its_corpus(tmp_path, capsys):
+def test_shuffle_false_serves_the_corpus_in_order_and_a_folder_names_its_corpora(tmp_path, capsys):
     """MindSpore Transformers' dataset_config.shuffle: false serves the samples in corpus order
-    (documents and samples unshuffled, a cache of its own); dataset_dir, a folder, is the one
-    tokenized corpus in it, and a folder with none or several is one line."""
+    (documents and samples unshuffled, a cache of its own); dataset_dir, a folder, is the
+    tokenized corpora in it (test_a_folder_of_corpora_is_a_blend), and a folder with none is one
+    line."""
     ds = _toy_indexed(tmp_path)
     docs = np.arange(0, 10)
     plain = data.GPTDataset(ds, docs, 12, 6, seed=1, eod=99, shuffle=False,
@@ -1217,11 +1246,11 @@ def test_shuffle_false_serves_the_corpus_in_order_and_a_folder_names_its_corpus(
     np.testing.assert_array_equal(plain[1]["tokens"], stream[6:12])
     shuffled = data.GPTDataset(ds, docs, 12, 6, seed=1, eod=99, cache_dir=str(tmp_path / "c"))
     assert shuffled.built_anew and shuffled.shuffle_index.tolist() != plain.shuffle_index.tolist()
-    assert data.data_prefix(os.path.dirname(ds.path_prefix)) == ds.path_prefix
+    assert data.data_prefixes(os.path.dirname(ds.path_prefix)) == [ds.path_prefix]
     cfg = load_config("config.yaml", ["dataset_config.dataset_dir=" + str(tmp_path / "c")])
     assert cfg.dataset_config.data_path == str(tmp_path / "c")
-    with pytest.raises(ConfigError, match="is a folder holding none: give the prefix"):
-        data.data_prefix(str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match="is a folder holding no .bin/.idx pair: give the"):
+        data.data_prefixes(str(tmp_path / "c"))
 
 
 @pytest.mark.data
@@ -1449,19 +1478,252 @@ def test_gpt_dataset_mask_options(tmp_path):
 @pytest.mark.data
 def test_build_gpt_datasets(tmp_path):
     ds = _toy_indexed(tmp_path, n_docs=40)
-    train, valid, test = data.build_gpt_datasets(str(tmp_path / "toy"), "90,10,0", 8, 1,
+    toy = ([str(tmp_path / "toy")], None)                     # a blend of one corpus
+    train, valid, test = data.build_gpt_datasets(toy, "90,10,0", 8, 1,
                                                  (16, 4, 4), eod=99, reset_position_ids=True)
     assert test is None and len(train) >= 16 and len(valid) >= 4
     assert sorted(set(train.document_index.tolist())) == list(range(36))
     assert sorted(set(valid.document_index.tolist())) == list(range(36, 40))
-    assert data.build_gpt_datasets(str(tmp_path / "toy"), "90,10,0", 8, 1, (16, 0, 4),
+    assert data.build_gpt_datasets(toy, "90,10,0", 8, 1, (16, 0, 4),
                                    eod=99)[1] is None
     with pytest.raises(ValueError, match="valid split .*seq-length"):
-        data.build_gpt_datasets(str(tmp_path / "toy"), "95,5,0", 64, 1, (16, 4, 0), eod=99)
+        data.build_gpt_datasets(toy, "95,5,0", 64, 1, (16, 4, 0), eod=99)
     assert int(ds.sequence_lengths[38:].sum()) < 65 <= int(ds.sequence_lengths[:38].sum())
     with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "toy.bin"))
                        + ": the train split has 0 tokens"):
-        data.build_gpt_datasets(str(tmp_path / "toy"), "0,1,0", 8, 1, (16, 4, 0), eod=99)
+        data.build_gpt_datasets(toy, "0,1,0", 8, 1, (16, 4, 0), eod=99)
+
+
+# --------------------------------------------------------------------------------------- blends
+# data/megatron/blends/: three small corpora and what megatron-core 0.16.1's own
+# BlendedMegatronDatasetBuilder built from them (data/megatron/make_blend_fixtures.py, run by hand)
+BLENDS = os.path.join(HERE, "data", "megatron", "blends")
+
+
+def _blend_words(words):
+    return [w if w[0].isdigit() else os.path.join(BLENDS, w) for w in words]
+
+
+@pytest.fixture(scope="module")
+def megatron_blends():
+    with open(os.path.join(BLENDS, "expected.json")) as f:
+        return json.load(f)
+
+
+def _build_fixture_blend(expected, name, cache_dir=None):
+    case = expected[name]
+    blend = config.parse_blend(_blend_words(case["data_path"])) if case["data_path"] else None
+    per_split = case["per_split"] and [config.parse_blend(_blend_words(w))
+                                       for w in case["per_split"]]
+    return data.build_gpt_datasets(blend, case["split"], expected["seq_length"], expected["seed"],
+                                   case["sizes"], expected["eod"], cache_dir=cache_dir,
+                                   per_split=per_split)
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("name", ["two_weighted", "three_uneven", "unweighted", "per_split"])
+def test_blends_equal_megatron_core(megatron_blends, name):
+    """Two and three corpora with uneven weights and --split, a blend without weights (weighed by
+    the corpora's samples) and per-split blends: each split's class and length, its blending
+    indices (helpers.cpp build_blending_indices over the surplus-built corpora) and every
+    sample's tokens in order equal megatron-core's own."""
+    built = _build_fixture_blend(megatron_blends, name)
+    for split, dataset in zip(data.SPLITS, built):
+        want = megatron_blends[name][split]
+        assert (dataset is None) == (want is None), split
+        if want is None:
+            continue
+        assert (type(dataset).__name__, len(dataset)) == (want["class"], want["length"]), split
+        if want["class"] == "BlendedDataset":
+            assert dataset.dataset_index.tolist() == want["dataset_index"], split
+            assert dataset.dataset_sample_index.tolist() == want["dataset_sample_index"], split
+        tokens = [dataset[i]["tokens"].tolist() for i in range(len(dataset))]
+        assert tokens == want["tokens"], split
+
+
+@pytest.mark.data
+def test_build_blending_indices_follow_the_weights():
+    """Every prefix of the blend is within one sample of each corpus's share (the greedy rule
+    of helpers.cpp), and each corpus's samples are taken in order."""
+    weights = data.normalize([2, 5, 3])
+    index, sample = data.build_blending_indices(weights, 1000)
+    counts = np.zeros(3)
+    for i, d in enumerate(index):
+        assert sample[i] == counts[d]
+        counts[d] += 1
+        assert np.all(np.abs(counts - np.array(weights) * (i + 1)) <= 1.0 + 1e-9), i
+    assert index.dtype == np.int16 and sample.dtype == np.int64
+    assert data.size_per_dataset(weights, [1000, 10, 0], data.SURPLUS) == [
+        [201, 3, 0], [503, 6, 0], [302, 4, 0]]
+
+
+@pytest.mark.data
+def test_blend_cache_is_reused_and_a_damaged_file_rebuilt(megatron_blends, tmp_path, monkeypatch,
+                                                          capsys):
+    """--data-cache-path holds each BlendedDataset's two indices and its description (Megatron's
+    names, an md5 of the description); a second run reads them, and a damaged file is rebuilt
+    with one warning."""
+    cache = tmp_path / "cache"
+    first = _build_fixture_blend(megatron_blends, "two_weighted", str(cache))
+    files = sorted(p.name.split("-", 1)[1] for p in cache.glob("*-BlendedDataset-*"))
+    assert files == [f"BlendedDataset-{s}-{k}" for s in ("test", "train", "valid")
+                     for k in ("dataset_index.npy", "dataset_sample_index.npy",
+                               "description.txt")]
+    assert not [p for p in cache.iterdir() if ".tmp" in p.name]
+    monkeypatch.setattr(data, "build_blending_indices", None)      # a rebuild would fail
+    second = _build_fixture_blend(megatron_blends, "two_weighted", str(cache))
+    assert second[0].dataset_index.tolist() == first[0].dataset_index.tolist()
+    monkeypatch.undo()
+    (path,) = cache.glob("*-BlendedDataset-train-dataset_index.npy")
+    path.write_bytes(path.read_bytes()[:40])
+    third = _build_fixture_blend(megatron_blends, "two_weighted", str(cache))
+    assert third[0].dataset_index.tolist() == first[0].dataset_index.tolist()
+    assert capsys.readouterr().err.startswith(f"warning: {path}: damaged BlendedDataset index "
+                                              "cache (")
+
+
+@pytest.mark.data
+def test_randperm_equals_torch(megatron_blends):
+    """data.randperm is torch.randperm seeded by manual_seed, for every size and seed torch's
+    own values were written for (make_blend_fixtures.py)."""
+    for key, want in megatron_blends["randperm"].items():
+        n, seed = map(int, key.split(","))
+        assert data.randperm(n, seed).tolist() == want, key
+
+
+def _megatron_random_sampler(total, consumed, mbs, rank, dp):
+    """Line-by-line port of Megatron's MegatronPretrainingRandomSampler.__iter__ (data_sharding)
+    inside cyclic_iter, torch.randperm as data.randperm: this rank's micro-batches, forever."""
+    while True:
+        active = total - total % (mbs * dp)
+        epoch, current = consumed // active, consumed % active
+        bucket_size = (total // (mbs * dp)) * mbs
+        start_idx = rank * bucket_size
+        batch = []
+        for idx in [start_idx + x for x in data.randperm(bucket_size, epoch)[current // dp:]]:
+            batch.append(int(idx))
+            if len(batch) == mbs:
+                consumed += mbs * dp
+                yield batch
+                batch = []
+
+
+class _Numbered:
+    """A dataset whose sample i is the number i."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"tokens": np.array([i])}
+
+
+@pytest.mark.data
+def test_cyclic_loader_is_megatrons_random_sampler_and_resumes():
+    """--dataloader-type cyclic serves each DP rank Megatron's MegatronPretrainingRandomSampler
+    order over several epochs (each epoch a new permutation of the rank's bucket), and an
+    iterator made at any consumed sample continues with the same next micro-batch."""
+    total, mbs, dp, steps = 13, 2, 2, 20                # 3 global batches an epoch, 1 left over
+    for rank in range(dp):
+        it = data.RandomMicroBatchIterator(_Numbered(total), mbs, rank, dp, 0)
+        served = [next(it)["tokens"][:, 0].tolist() for _ in range(steps)]
+        port = _megatron_random_sampler(total, 0, mbs, rank, dp)
+        assert served == [next(port) for _ in range(steps)]
+        bucket = list(range(rank * 6, rank * 6 + 6))
+        epochs = [sorted(sum(served[k:k + 3], [])) for k in range(0, steps - 2, 3)]
+        assert all(e == bucket for e in epochs)
+        assert len({tuple(sum(served[k:k + 3], [])) for k in range(0, steps - 2, 3)}) > 1
+        for k in (1, 4, 7):
+            resumed = data.RandomMicroBatchIterator(_Numbered(total), mbs, rank, dp, k * mbs * dp)
+            assert resumed.epoch == k // 3 and next(resumed)["tokens"][:, 0].tolist() == served[k]
+    with pytest.raises(ConfigError, match="fewer than one global batch of 4"):
+        data.RandomMicroBatchIterator(_Numbered(3), mbs, 0, dp, 0).indices()
+    state = SimpleNamespace(dp_rank=1, dp=dp)
+    for kind, sampler in (("single", data.MicroBatchIterator),
+                          ("cyclic", data.RandomMicroBatchIterator)):
+        cfg = load_config("config.yaml", ["--dataloader-type", kind, "--micro-batch-size", "2"])
+        it = train.data_loader(cfg, _Numbered(total), state, 4)
+        assert type(it) is sampler and (it.rank, it.consumed_samples) == (1, 4)
+
+
+@pytest.mark.data
+def test_the_guides_list_and_a_folder_of_corpora_are_blends(megatron_blends, tmp_path, capsys):
+    """MindSpore Transformers' dataset_config.data_path (or dataset_dir) as a YAML list of weights
+    and prefixes is the blend --data-path gives; a folder of several corpora is the blend of
+    them all weighed by their samples; plan and the log name each corpus with its weight."""
+    flags = ["--data-path", "0.3", os.path.join(BLENDS, "a"), "0.7", os.path.join(BLENDS, "b")]
+    (tmp_path / "guide.yaml").write_text(yaml.safe_dump({"dataset_config": {"dataset_dir": [
+        0.3, os.path.join(BLENDS, "a"), "0.7", os.path.join(BLENDS, "b")]}}))
+    listed = load_config(["config.yaml", str(tmp_path / "guide.yaml")], [])
+    given = load_config("config.yaml", flags)
+    assert (config.parse_blend(listed.dataset_config.data_path)
+            == config.parse_blend(given.dataset_config.data_path)
+            == ([os.path.join(BLENDS, "a"), os.path.join(BLENDS, "b")], [0.3, 0.7]))
+    folder = tmp_path / "corpora"
+    folder.mkdir()
+    for name in ("a", "c"):
+        for ext in (".bin", ".idx"):
+            shutil.copy(os.path.join(BLENDS, name + ext), folder / (name + ext))
+    assert train.resolve_corpora(str(folder), "data_path") == [str(folder / "a"),
+                                                                str(folder / "c")]
+    case = megatron_blends["unweighted"]
+    built = data.build_gpt_datasets(config.parse_blend([str(folder / "a"), str(folder / "c")]),
+                                    case["split"], 8, megatron_blends["seed"], case["sizes"], 99)
+    assert built[0].dataset_index.tolist() == case["train"]["dataset_index"]
+    line = data.describe("train", built[0])
+    assert line.startswith(f"data: train blend of 30 samples: {folder / 'a'} weight 0.4")
+    assert memory.plan_main(["--world-size", "1", *flags, "--train-iters", "10"]) is None
+    plan = [l for l in capsys.readouterr().out.splitlines() if l.startswith("plan: data ")]
+    assert plan[0] == (f"plan: data train 80 samples (split 949,50,1): {BLENDS}/a weight 0.300 "
+                       f"(24 drawn, 25 built), {BLENDS}/b weight 0.700 (56 drawn, 57 built)")
+
+
+BAD_BLENDS = {  # flags -> the one line
+    "odd count": (["--data-path", "0.3", "A", "0.7"],
+                  "dataset_config.data_path=0.3 A 0.7: 3 words; a weighted blend is pairs"),
+    "zero weight": (["--data-path", "0", "A", "1", "B"],
+                    "dataset_config.data_path=0 A 1 B: every weight must be a number above 0"),
+    "negative weight": (["--data-path", "0.5", "A", "-0.5", "B"],
+                        "dataset_config.data_path=0.5 A -0.5 B: every weight must be a number"),
+    "weight among prefixes": (["--data-path", "A", "0.5", "B"],
+                              "dataset_config.data_path=A 0.5 B: '0.5' is a weight among"),
+    "split beside per-split": (["--train-data-path", "A", "--split", "98,2"],
+                               "dataset_config.split (--split) with train_data_path: the "
+                               "per-split paths name each split's corpus; remove --split"),
+    "data path beside per-split": (["--train-data-path", "A", "--data-path", "B"],
+                                   "dataset_config.data_path (--data-path) with train_data_path"),
+    "valid without train": (["--valid-data-path", "A"],
+                            "dataset_config.valid_data_path without train_data_path"),
+    "missing prefix": (["--data-path", "0.5", "{a}", "0.5", "{tmp}/none"],
+                       "dataset_config.data_path={tmp}/none: {tmp}/none.bin not found"),
+    "too small for its share": (["--data-path", "0.5", "{a}", "0.5", "{tmp}/tiny"],
+                                "{tmp}/tiny.bin: the train split has 3 tokens"),
+    "folder with one weight": (["--data-path", "1", "{tmp}", "1", "{a}"],
+                               "dataset_config.data_path: the folder {tmp} holds 2 corpora but "
+                               "has one weight"),
+}
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("case", BAD_BLENDS)
+def test_bad_blends_are_one_line_exit_2(tmp_path, case, capfd):
+    """Each bad blend stops the run before any work: one line naming the key and the fix."""
+    b = data.IndexedDatasetBuilder(str(tmp_path / "tiny.bin"))
+    b.add_document([1, 2, 3])
+    b.finalize(str(tmp_path / "tiny.idx"))
+    shutil.copy(os.path.join(BLENDS, "b.bin"), tmp_path / "b.bin")
+    shutil.copy(os.path.join(BLENDS, "b.idx"), tmp_path / "b.idx")
+    flags, expected = BAD_BLENDS[case]
+    fill = lambda text: text.format(tmp=tmp_path, a=os.path.join(BLENDS, "a"))
+    code = train.main([*map(fill, flags), "--seq-length", "8", "--tokenizer-type",
+                       "ByteTokenizer", "--save", str(tmp_path / "out"), "--data-cache-path",
+                       str(tmp_path / "cache")])
+    out, err = capfd.readouterr()
+    assert code == 2 and "Traceback" not in out + err
+    assert len(err.splitlines()) == 1 and err.startswith("error: " + fill(expected)), err
 
 
 @pytest.mark.data
@@ -5645,6 +5907,16 @@ def shakespeare_bytes(tmp_path):
     return _BYTES["prefix"]
 
 
+def mixture_flags(tmp_path):
+    """--data-path 0.6 of the shipped corpus and 0.4 of the shipped Alice text, both
+    byte-tokenized (once per session): a blend as Megatron-core builds it."""
+    if "alice" not in _BYTES:
+        folder = tmp_path.parent / "bytes"
+        folder.mkdir(exist_ok=True)
+        _BYTES["alice"] = data.ensure_preprocessed(ALICE, str(folder / "alice"), "ByteTokenizer")
+    return ["--data-path", "0.6", shakespeare_bytes(tmp_path), "0.4", _BYTES["alice"]]
+
+
 def losses_of(lines):
     return [float(re.search(r"Loss: ([0-9.]+)", l).group(1)) for l in lines]
 
@@ -5801,14 +6073,15 @@ STOPPED_AT_2 = ["--train-iters", "4", "--hidden-dropout", "0.1", "--lr-warmup-it
 def stopped_runs(tmp_path_factory):
     """precision -> (STOPPED_AT_2's flags in it, the folder of its 4 steps never stopped, the
     folder of its first 2 saved at 2 of the same schedule): trained on first use, once a module.
-    Float16: Megatron's --fp16 (FP16) and its torch format (model_optim_rng.pt)."""
+    Float32 reads a blend of the two shipped texts (mixture_flags); float16: Megatron's --fp16
+    (FP16) and its torch format (model_optim_rng.pt)."""
     runs = {}
 
     def get(precision):
         if precision not in runs:
             tmp = tmp_path_factory.mktemp(precision)
             flags = [*STOPPED_AT_2, *(FP16 + ["--ckpt-format", "torch"]
-                                      if precision == "float16" else [])]
+                                      if precision == "float16" else mixture_flags(tmp))]
             run_training(tmp, "full", *flags)
             run_training(tmp, "first", *flags, "--save-interval", "2", "--train-iters", "2",
                          "--lr-decay-iters", "4")
@@ -6091,10 +6364,14 @@ def test_forced_overflow_skips_the_step_and_lowers_the_scale_by_megatrons_rule(t
 def test_resume_equals_run_that_never_stopped(tmp_path, precision, stopped_runs):
     """A run saved at step 2 of 4 and resumed trains as the run that never stopped, bit for bit:
     each step's loss and gradient norm, its whole train line but the time (with dropout; in
-    float16 the float32 main params and the loss scaler are restored; the float16 run saves
-    Megatron's torch format, model_optim_rng.pt)."""
+    float32 on a blend of two corpora, whose next sample the resumed run takes; in float16 the
+    float32 main params and the loss scaler are restored; the float16 run saves Megatron's
+    torch format, model_optim_rng.pt)."""
     common, full_dir, first_dir = stopped_runs(precision)
     full = train_lines_of(full_dir)
+    corpus = (r"data: train blend of 17 samples: .*shakespeare.* weight 0.600 .*alice.* weight "
+              r"0.400" if precision == "float32" else r"data: train \d+ samples of .*shakespeare")
+    assert any(re.match(corpus, l) for l in (full_dir / "log/rank_0/info.log").open()), corpus
     resumed = run_training(tmp_path, "resumed", *common, "--load", str(first_dir))[0]
     assert losses_of(resumed) == losses_of(full)[2:]               # bit for bit
     assert [l.split(", Time")[0] for l in resumed] == [l.split(", Time")[0] for l in full[2:]]
@@ -6441,6 +6718,8 @@ def check_valid_command(words, output, capsys):
         if flag in flags:
             value = None if "=" in word or not rest or rest[0].startswith("--") else rest.pop(0)
             nproc = value if flag == "--nproc" else nproc
+            while value and rest and not rest[0].startswith("--") and "=" not in rest[0]:
+                rest.pop(0)                                 # a list flag's further values
         else:
             assert command in PASSING_ON, f"{command}: {word} is not one of its flags {flags}"
             passed_on.append(word)
@@ -6456,11 +6735,14 @@ def written_outputs(words):
     def values(flag):
         after = words[words.index(flag) + 1:] if flag in words else []
         return after[:next((i for i, w in enumerate(after) if w.startswith("--")), len(after))]
-    keys = values("--json-keys") or ["text"]
-    if not values("--input")[0].endswith((".json", ".jsonl")):
-        keys = ["text"]
-    return [f"{values('--output-prefix')[0]}_{key}_document{ext}"
-            for key in keys for ext in (".bin", ".idx")]
+    inputs, prefix = values("--input"), values("--output-prefix")[0]
+    outputs = []
+    for path in inputs:         # several inputs: <prefix>_<input name>_<key>_document each
+        keys = values("--json-keys") or ["text"] if path.endswith((".json", ".jsonl")) else ["text"]
+        stem = os.path.splitext(os.path.basename(path))[0]
+        named = prefix if len(inputs) == 1 else f"{prefix}_{stem}"
+        outputs += [f"{named}_{key}_document{ext}" for key in keys for ext in (".bin", ".idx")]
+    return outputs
 
 
 # ---------------------------------------------------------------------------------------- the tests
@@ -7177,6 +7459,10 @@ CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and converted runs start at
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
 TORCH = ["--ckpt-format", "torch"]
+# a blend of the two shipped texts (mixture_flags; "{data}" is the harness's corpus): the float16
+# reference and its layouts read it, so TP2 + SP, DP2 and a resumed DP2 each equal one process on
+# a mixture
+MIXTURE = ["--data-path", "0.6", "{data}", "0.4", "{alice}"]
 
 
 class Job:
@@ -7199,7 +7485,9 @@ class Job:
         """train.py's argv in the harness's folder `tmp` ("{tmp}" in a flag) on data `prefix`."""
         if self.argv_of is not None:
             return self.argv_of(tmp, prefix)
-        flags = [flag.replace("{tmp}", str(tmp)) for flag in self.flags]
+        alice = mixture_flags(tmp)[-1] if "{alice}" in self.flags else None
+        flags = [flag.replace("{tmp}", str(tmp)).replace("{data}", prefix)
+                 .replace("{alice}", str(alice)) for flag in self.flags]
         return ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix,
                 *PARALLEL_RUN, *flags, "--save", str(tmp / self.name)]
 
@@ -7239,7 +7527,7 @@ for _check, (_, _, _, _workers, _concept) in CHECK_JOBS.items():
 # The jobs. The one-process references first (op by op; a compiled layout equals them too).
 ROPE = ROPE_GQA
 add("one", 1, "tp dp checkpoint", SAVE_HALF)
-add("one_fp16", 1, "tp dp fp16", FP16)
+add("one_fp16", 1, "tp dp fp16", FP16 + MIXTURE)
 add("one_pp", 1, "pipeline", PIPELINE_RUN)
 add("one_pp_fp16", 1, "pipeline fp16", PIPELINE_RUN + FP16)
 add("one_rope_gqa", 1, "cp checkpoint", ROPE + SAVE_HALF)
@@ -7291,10 +7579,11 @@ resumed("ep4_to_one", 1, "moe checkpoint", MOE_RUN, "ep4_as_one")
 
 # 2 workers: a layout per parallelism, float16 in some (against a float16 process)
 layout("tp2", 2, "tp", TP2, "one")
-layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + FP16 + COMPILED + TORCH, "one_fp16")
+layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + FP16 + COMPILED + TORCH + MIXTURE,
+       "one_fp16")
 layout("dp2", 2, "dp", [], "one")
-layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + FP16 + SAVE_HALF, "one_fp16")
-resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + FP16, "dp2_distopt")
+layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + FP16 + SAVE_HALF + MIXTURE, "one_fp16")
+resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + FP16 + MIXTURE, "dp2_distopt")
 layout("pp2", 2, "pipeline fp16", PIPELINE_RUN + PP2 + FP16, "one_pp_fp16")
 layout("pp2_vpp2", 2, "pipeline", PIPELINE_RUN + PP2 + VPP2, "one_pp")
 layout("pp2_afab", 2, "pipeline", PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"],
@@ -7964,10 +8253,12 @@ def test_layout_trains_like_one_process(runs, layout):
     """Each layout's STEPS steps give the one-process losses and gradient norms (loss_rtol:
     float32 1e-5, float16 3e-5 and 5e-4), and so do the validation and test losses of the pipeline
     layouts (PIPELINE_RUN: forward-only schedules; the others do not evaluate). A float16 layout's
-    log shows its loss scale."""
+    log shows its loss scale; the float16 ones and their reference read a blend (MIXTURE)."""
     reference = REFERENCE[layout]
     folder, one = runs.folder(layout), runs.folder(reference)
     assert len(train_lines(folder)) == len(train_lines(one)) == STEPS
+    blended = [bool(train_lines(f, "data: train blend of 33 samples: ")) for f in (folder, one)]
+    assert blended == [MIXTURE[-1] in JOBS[name].flags for name in (layout, reference)]
     assert_trains_like(folder, one, loss_rtol(reference))
     assert ("Loss_scale: 4096.0" in train_lines(folder)[-1]) == reference.endswith("_fp16")
     evaluated = [train_lines(f, " validation") + train_lines(f, " test") for f in (one, folder)]

@@ -39,8 +39,9 @@ import pipeline
 import sample
 from cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
                  training_help)
-from config import (ConfigError, main_grad_dtype, moe_layer_pattern, padded_vocab_size,
-                    recompute_counts, to_dict)
+from config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, main_grad_dtype,
+                    moe_layer_pattern, padded_vocab_size, parse_blend, recompute_counts,
+                    samples_per_split, to_dict)
 from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
                  num_floating_point_operations)
 from metrics import Metrics
@@ -49,7 +50,6 @@ from tokenizer import build_tokenizer
 
 log = logging.getLogger("train")
 TIMERS = ("forward-backward", "grads-reduce", "optimizer")      # the phases of a step, timed
-SHIPPED_CORPUS = ("data/tinyshakespeare.txt", "data/tinyshakespeare")
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -144,19 +144,10 @@ def check_inputs(cfg):
                 wanted = "vocab.json" if key == "vocab_file" else "merges.txt"
                 raise ConfigError(f"dataset_config.{key}={getattr(dataset_cfg, key)} not found: "
                                   f"give the GPT-2 {wanted} (--{key.replace('_', '-')})")
-    shipped = dataset_cfg.data_path == SHIPPED_CORPUS[1] + "_text_document"
-    if not dataset_cfg.mock_data and shipped and parallel.launched_world_size() == 1:
-        # tokenized on first use
-        data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
-                                 "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
     if not dataset_cfg.mock_data:
-        dataset_cfg.data_path = data.data_prefix(dataset_cfg.data_path)
-        prefix = dataset_cfg.data_path
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(prefix + ext):
-                raise ConfigError(f"dataset_config.data_path={prefix}: {prefix}{ext} "
-                                  "not found; run `bash run.sh preprocess ...` (or `bash run.sh` "
-                                  "for the shipped corpus) or use --mock-data")
+        for key in ("data_path", *PER_SPLIT_PATHS):
+            if getattr(dataset_cfg, key) is not None:
+                setattr(dataset_cfg, key, resolve_corpora(getattr(dataset_cfg, key), key))
     training_cfg = cfg.training_config
     load = training_cfg.load_checkpoint
     if load and not checkpoint.holds_checkpoint(load):
@@ -169,22 +160,44 @@ def check_inputs(cfg):
                                  training_cfg.finetune, training_cfg.ckpt_step)
 
 
+def resolve_corpora(words, key):
+    """A blend's words (config.parse_blend) with each folder (MindSpore Transformers'
+    dataset_dir) replaced by the corpora in it, and each corpus's .bin/.idx checked; the
+    shipped corpus is tokenized on first use."""
+    prefixes, weights = parse_blend(words, "dataset_config." + key)
+    shipped = SHIPPED_CORPUS[1] + "_text_document"
+    if shipped in prefixes and parallel.launched_world_size() == 1:
+        data.ensure_preprocessed(SHIPPED_CORPUS[0], SHIPPED_CORPUS[1], "GPT2BPETokenizer",
+                                 "data/gpt2-vocab.json", "data/gpt2-merges.txt", workers=2)
+    resolved = []
+    for k, prefix in enumerate(prefixes):
+        found = data.data_prefixes(prefix)
+        if weights is not None and len(found) > 1:
+            raise ConfigError(f"dataset_config.{key}: the folder {prefix} holds {len(found)} "
+                              "corpora but has one weight: give each corpus its own weight")
+        for corpus in found:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(corpus + ext):
+                    raise ConfigError(f"dataset_config.{key}={corpus}: {corpus}{ext} not found; "
+                                      "run `bash run.sh preprocess ...` (or `bash run.sh` for "
+                                      "the shipped corpus) or use --mock-data")
+        resolved += ([words[2 * k]] if weights is not None else []) + found
+    return resolved[0] if len(resolved) == 1 else resolved
+
+
 def build_data(cfg, tokenizer):
     dataset_cfg, training_cfg = cfg.dataset_config, cfg.training_config
-    gbs, seq_length = dataset_cfg.global_batch_size, cfg.model_config.seq_length
-    iters, eval_iters = training_cfg.training_iters, training_cfg.eval_iters
-    n_train = iters * gbs
-    n_valid = (iters // training_cfg.eval_interval + 1) * eval_iters * gbs
-    n_test = eval_iters * gbs
+    seq_length, num_samples = cfg.model_config.seq_length, samples_per_split(cfg)
     if dataset_cfg.mock_data:
         vocab = dataset_cfg.vocab_size or tokenizer.vocab_size
         return tuple(data.MockGPTDataset(n, seq_length, vocab, training_cfg.seed + i) if n else None
-                     for i, n in enumerate((n_train, n_valid, n_test)))
-    cache = dataset_cfg.data_cache_path or os.path.join(
-        os.path.dirname(dataset_cfg.data_path) or ".", "cache")
-    return data.build_gpt_datasets(dataset_cfg.data_path, dataset_cfg.split, seq_length,
-                                   training_cfg.seed, (n_train, n_valid, n_test),
-                                   tokenizer.eod, cache_dir=cache,
+                     for i, n in enumerate(num_samples))
+    blend, per_split = data.data_blends(dataset_cfg)
+    first = (blend or per_split[0])[0][0]
+    cache = dataset_cfg.data_cache_path or os.path.join(os.path.dirname(first) or ".", "cache")
+    return data.build_gpt_datasets(blend, dataset_cfg.split, seq_length, training_cfg.seed,
+                                   num_samples, tokenizer.eod, cache_dir=cache,
+                                   per_split=per_split,
                                    reset_position_ids=dataset_cfg.reset_position_ids,
                                    reset_attention_mask=dataset_cfg.reset_attention_mask,
                                    eod_mask_loss=dataset_cfg.eod_mask_loss,
@@ -443,14 +456,21 @@ class Trainer:
         return float(total.asnumpy()[0]) / self.dp_cp_size
 
 
+def data_loader(cfg, dataset, state, consumed):
+    """This DP rank's micro-batches of `dataset` from sample `consumed`, as --dataloader-type
+    says (Megatron's build_pretraining_data_loader)."""
+    sampler = (data.RandomMicroBatchIterator if cfg.dataset_config.dataloader_type == "cyclic"
+               else data.MicroBatchIterator)
+    return sampler(dataset, cfg.dataset_config.batch_size, state.dp_rank, state.dp, consumed)
+
+
 def evaluate(trainer, dataset, consumed, iters, cfg):
     """Mean loss of the trainer's forward (the model, maybe compiled) over `iters` global batches
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
     state, runner = trainer.state, trainer.pipeline
     trainer.set_train(False)
-    dataset_cfg = cfg.dataset_config
-    micro_batch_size, num_microbatches = dataset_cfg.batch_size, dataset_cfg.micro_batch_num
-    it = data.MicroBatchIterator(dataset, micro_batch_size, state.dp_rank, state.dp, consumed)
+    num_microbatches = cfg.dataset_config.micro_batch_num
+    it = data_loader(cfg, dataset, state, consumed)
     losses = []
     for _ in range(iters):
         batches = [to_tensors(b, state) for _, b in zip(range(num_microbatches), it)]
@@ -483,16 +503,14 @@ def pretrain(cfg, notes=()):
         signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.append(signum))
     estimate = log_start(cfg, trainer, train_ds, valid_ds, test_ds)
     state = trainer.state
-    micro_batch_size = dataset_cfg.batch_size         # MindFormers' batch_size is per micro-batch
-    it = data.MicroBatchIterator(train_ds, micro_batch_size, state.dp_rank, state.dp, consumed)
-    samples_per_epoch = getattr(train_ds, "samples_per_epoch", None) or len(train_ds)
+    it = data_loader(cfg, train_ds, state, consumed)
     profiler = StepProfiler(cfg, state.rank)
     metrics = open_metrics(cfg, state, iteration)
     window = LogWindow(cfg, trainer, iteration + 1, metrics)
     last_saved = iteration
     estimate.begin()                                  # the measured peak counts from here
     while iteration < training_cfg.training_iters:
-        epoch = it.consumed_samples // samples_per_epoch
+        epoch = it.epoch
         scale = trainer.scaler.scale                  # the step may change it
         iteration += 1
         window.log(iteration, epoch, scale, *profiled_step(cfg, trainer, it, profiler, iteration))
@@ -566,10 +584,14 @@ def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
              f"{' on this rank' if state.world_size > 1 else ''}; "
              f"global batch {dataset_cfg.global_batch_size} = {dataset_cfg.batch_size} x "
              f"{dataset_cfg.micro_batch_num} micro-batches; {len(train_ds)} train samples")
-    for name, dataset in (("validation", valid_ds), ("test", test_ds)):
-        if dataset is None and training_cfg.eval_iters and not dataset_cfg.mock_data:
-            log.info(f"no {name} loss: the {name} part of --split {dataset_cfg.split} holds no "
-                     "documents")
+    for name, dataset in zip(data.SPLITS, (train_ds, valid_ds, test_ds)):
+        if isinstance(dataset, (data.GPTDataset, data.BlendedDataset)):
+            log.info(data.describe(name, dataset))
+        elif name != "train" and training_cfg.eval_iters and not dataset_cfg.mock_data:
+            label = "validation" if name == "valid" else name
+            why = (f"the {label} part of --split {dataset_cfg.split} holds no documents"
+                   if dataset_cfg.train_data_path is None else f"no --{name}-data-path")
+            log.info(f"no {label} loss: {why}")
     if state.rank == 0:                          # every key as this run uses it, defaults filled in
         path = os.path.join(training_cfg.output_dir, "effective_config.yaml")
         data.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
