@@ -317,7 +317,8 @@ def layer_spec(cfg):
         rotary=fused.Rotary if cfg.apply_rope_fusion else local.rotary,
         softmax=fused.ScaledMaskedSoftmax if cfg.masked_softmax_fusion else local.softmax,
         activation=lambda act: fused_activation(cfg, act),
-        bias_dropout_add=fused.BiasDropoutAdd if cfg.bias_dropout_fusion else BiasDropoutAdd,
+        bias_dropout_add=(fused.BiasDropoutAdd if cfg.bias_dropout_fusion
+                          else local.bias_dropout_add),
         cross_entropy=fused.CrossEntropy if cfg.cross_entropy_loss_fusion else local.cross_entropy,
         # flash attention adds the mask block by block: tiled, it would only keep b x n copies
         attention_mask=keep_mask if cfg.use_flash_attention else fused.tile_mask)
