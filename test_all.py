@@ -5801,6 +5801,18 @@ def test_finetune_no_load_optim_and_no_load_rng(tmp_path, stopped_runs):
 FP32_RUN = ["--train-iters", "20", "--lr", "3e-3", "--global-batch-size", "8"]
 
 
+def test_the_plain_model_trains_as_the_default_build(tmp_path):
+    """--no-fusions (every operator in its plain form, gpt.local_spec) trains as the default
+    build with every fast form: 4 steps with MLP biases (bias-GeLU, bias-dropout-add), their
+    losses and gradient norms within the tour's float32 tolerance of a layout (tour.RTOL)."""
+    runs = [run_training(tmp_path, name, "--train-iters", "4", "--add-bias-linear", *flags)[0]
+            for name, flags in (("fused", []), ("plain", ["--no-fusions"]))]
+    for values, key in ((losses_of, "loss"), (grad_norms_of, "grad norm")):
+        fused_values, plain_values = (np.array(values(lines)) for lines in runs)
+        assert len(fused_values) == 4
+        np.testing.assert_allclose(plain_values, fused_values, rtol=tour.RTOL["one"][key])
+
+
 @pytest.fixture(scope="module")
 def compiled_fp32_run(tmp_path_factory):
     """FP32_RUN compiled by ms.jit: (its train lines, all its log's lines)."""
