@@ -9,7 +9,7 @@ LLaMA-style (RoPE, SwiGLU, RMSNorm, no biases), with every fused form (fused.py)
 alone, and all on, the runs alternated step by step (this machine's speed drifts): the median
 ms of each and its gain over all off. `broadcast` times an elementwise product whose second
 operand is a column [n, 1] or a row [h] broadcast by the op itself, against the same operand
-made full-size first by a MatMul with a ones vector (parallel.broadcast_column, broadcast_row),
+made full-size first by a MatMul with a ones vector (fused.broadcast_column, broadcast_row),
 the reason the fused forms do the latter. `layernorm` times 9 chained LayerNorms on [2048, 256],
 forward and backward, as the ops.LayerNorm kernel (gpt.LayerNorm) and as fused.LayerNorm, and
 with --torch as PyTorch's kernels (`PYTHON bench.py torch-layernorm`). Not part of bench.py,
@@ -30,7 +30,7 @@ import train
 from bench import HERE, MODEL, SHAPE
 from cli import HelpRequested, load_config, parse_command
 from config import padded_vocab_size
-from parallel import broadcast_column, broadcast_row
+from fused import broadcast_column, broadcast_row
 
 # each fused form's key and its flag that turns it off (a plain model: all of them)
 FUSIONS = {"bias_gelu_fusion": "--no-bias-gelu-fusion",

@@ -178,9 +178,19 @@ def finalize(cfg, world_size=1):
     return cfg
 
 
+# the keys of the fused forms (fused.py), each on by default; model_config.fusions false turns
+# them all off (gpt.layer_spec: the plain model)
+FUSION_KEYS = ("apply_swiglu_fusion", "apply_rope_fusion", "use_fused_rmsnorm",
+               "persist_layer_norm", "bias_gelu_fusion", "masked_softmax_fusion",
+               "bias_dropout_fusion", "cross_entropy_loss_fusion")
+
+
 def _finalize_model(model_cfg):
     """Defaults derived from other keys (ffn 4h, one query group per head, positions), shapes that
-    must divide, dropout ranges."""
+    must divide, dropout ranges; no fused form without model_config.fusions."""
+    if not model_cfg.fusions:
+        for key in FUSION_KEYS:
+            setattr(model_cfg, key, False)
     if model_cfg.ffn_hidden_size is None:
         model_cfg.ffn_hidden_size = 4 * model_cfg.hidden_size
     if model_cfg.num_query_groups is not None and not model_cfg.group_query_attention:

@@ -1,14 +1,17 @@
-"""Fused forms of the model's small operators, each equal to a plain form in gpt.py or parallel.py
-(values and gradients: test_fused_form_equals_its_plain_form), chosen by its config key.
+"""Fast forms of the model's small operators, each equal to a plain form in gpt.py or parallel.py
+(values and gradients: test_fused_form_equals_its_plain_form). The layer spec (gpt.layer_spec) puts
+them in place at model build, each chosen by its config key, none with model_config.fusions
+false (--no-fusions: the plain model), as Megatron-core's layer specs put Transformer
+Engine's layers in place of its local ones (docs/performance.md#fusions).
 
-Why, on MindSpore 2.10's CPU backend (cpu_kernel_probes.py; docs/performance.md#fusions):
+Why, on MindSpore 2.10's CPU backend (bench_fusions.py; docs/performance.md#fusions):
 - Reductions over rows are slow kernels: BiasAddGrad, ReduceSum, ReduceMean and LayerNormGrad
   run 3x slower than a MatMul against a ones (or 1/h) vector doing the same sum. So a norm's
   means are `x @ avg` with avg a [h, 1] column of 1/h, a softmax backward's row sums
-  `(dY * Y) @ ones[s, 1]`, and every bias or norm weight gradient parallel.column_sum.
+  `(dY * Y) @ ones[s, 1]`, and every bias or norm weight gradient column_sum.
 - Broadcasting is slow too: an elementwise op with a [n, 1] or [h] operand runs 2-2.7x slower
   than on two full tensors (bench_fusions.py broadcast), so such an operand is made full-size
-  first by a MatMul with a ones vector (parallel.broadcast_column, broadcast_row).
+  first by a MatMul with a ones vector (broadcast_column, broadcast_row).
 - Each elementwise pass over [n, h] is a kernel of its own, and autodiff of a written-out
   formula keeps and re-reads its intermediates and adds a gradient op per forward op; a custom
   backward (an nn.Cell's `bprop`) does the algebra once: what it needs (a norm's normalised x
@@ -20,13 +23,130 @@ inputs only (weights and biases are passed in as inputs); a backward written ins
 sometimes fails to compile under ms.jit ("The pointer[func_graph->get_return()] is null"), so
 each bprop calls its class's `backward` as a plain function, as gpt.FlashKernel does; and
 recompute fails when a custom-bprop Cell gives the recomputed block's output, so none of these
-ends a layer (bias_dropout_add is plain ops). Norms and the softmax compute in float32 inside,
+ends a layer (BiasDropoutAdd is plain ops). Norms and the softmax compute in float32 inside,
 as their plain forms do.
 """
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from parallel import F32, broadcast_column, broadcast_row, cast, column_sum
+import parallel
+from parallel import F32, GELU_TANH_C, GELU_TANH_K, cast
+
+_matmul_nt = ops.MatMul(transpose_b=True)          # x [n, in] @ W[out, in]^T, no transpose copy
+_matmul_tn = ops.MatMul(transpose_a=True)          # a [n, p]^T @ b [n, q] -> [p, q]
+
+
+# ============================================================================ sums and broadcasts
+def column_sum(y):
+    """y [..., m] summed over every leading dim -> [m] float32, as ones[1, n] @ y[n, m]: on this
+    CPU 3x faster than ReduceSum or BiasAddGrad (bench_fusions.py); float32 whatever y's dtype,
+    so a float16 sum of n rows keeps its precision."""
+    flat = cast(y, F32).reshape(-1, y.shape[-1])                                    # [n, m]
+    return ops.matmul(ops.ones((1, flat.shape[0]), F32), flat).reshape(-1)
+
+
+def broadcast_column(col, width):
+    """col [..., n, 1] -> [..., n, width], each row's value repeated, as col @ ones[1, width]: an
+    elementwise op with a [n, 1] operand broadcasts 2-2.5x slower on this CPU than the same op
+    on two full tensors, and this MatMul (inner size 1) costs less than the difference
+    (docs/performance.md#fusions). The values are col's exactly (products with 1)."""
+    return ops.matmul(col, ops.ones((1, width), col.dtype))
+
+
+def broadcast_row(row, rows):
+    """row [m] -> [rows, m], as ones[rows, 1] @ row[1, m] (broadcast_column's reason)."""
+    return ops.matmul(ops.ones((rows, 1), row.dtype), row.reshape(1, -1))
+
+
+def tile_mask(mask_bias, batch, heads):
+    """The attention's mask bias [1 or b, 1, s, s] tiled once to [b, n, s, s]: each layer then
+    does a same-shape add, on CPU ~10x cheaper than adding the broadcast mask (the plain form
+    keeps it [.., 1, s, s])."""
+    return ops.tile(mask_bias, (batch // mask_bias.shape[0], heads, 1, 1))
+
+
+# ============================================================================ the linears
+class BiasAdd(nn.Cell):
+    """y [n, m] + bias [m] by the BiasAdd kernel (4x faster than a broadcasting `+`), its bias
+    gradient column_sum(dy), 3x faster than the BiasAddGrad kernel. One per call site: one
+    instance shared by several layers gave wrong gradients compiled under full recompute."""
+
+    def construct(self, y, bias):
+        return ops.bias_add(y, bias)
+
+    def bprop(self, y, bias, out, dout):
+        return BiasAdd.backward(bias, dout)
+
+    @staticmethod
+    def backward(bias, dout):
+        return dout, cast(column_sum(dout), bias.dtype)
+
+
+class LinearMatMul(nn.Cell):
+    """x [n, in] @ W [out, in]^T -> [n, out], a linear's matmul with its backward written out to
+    take the faster of two equal products for the weight gradient: dW = dy^T x as
+    MatMul(transpose_a)(dy, x), or as (x^T dy)^T, which this CPU's MatMul computes 1.3-1.6x
+    faster when out > in (QKV, fc1, the output layer: docs/performance.md#fusions); dx = dy W
+    as autodiff has it. Megatron's counterpart is the linear's own autograd function
+    (LinearWithGradAccumulationAndAsyncCommunication). One per linear, as BiasAdd."""
+
+    def construct(self, x, weight):
+        return _matmul_nt(x, weight)
+
+    def bprop(self, x, weight, out, dout):
+        return LinearMatMul.backward(x, weight, dout)
+
+    @staticmethod
+    def backward(x, weight, dout):
+        if weight.shape[0] > weight.shape[1]:
+            d_weight = _matmul_tn(x, dout).T                             # [in, out] -> [out, in]
+        else:
+            d_weight = _matmul_tn(dout, x)                               # [out, in]
+        return ops.matmul(dout, weight), d_weight
+
+
+def linear_forms():
+    """A linear's (matmul, bias_add) in their fast forms (parallel.plain_forms' plain ones)."""
+    return LinearMatMul(), BiasAdd()
+
+
+class Linear(parallel.Linear):
+    """parallel.Linear with the fast matmul and bias add."""
+    forms = staticmethod(linear_forms)
+
+
+class ColumnParallelLinear(parallel.ColumnParallelLinear):
+    """parallel.ColumnParallelLinear with the fast matmul and bias add."""
+    forms = staticmethod(linear_forms)
+
+
+class RowParallelLinear(parallel.RowParallelLinear):
+    """parallel.RowParallelLinear with the fast matmul and bias add."""
+    forms = staticmethod(linear_forms)
+
+
+class SplitLastDim(nn.Cell):
+    """gpt.SplitLastDim (q, k, v of gpt.SelfAttention) with its backward one Concat of the
+    pieces' gradients: autodiff writes each piece's gradient into a zero tensor of x's shape
+    (StridedSliceGrad) and adds the three, a visible share of a benchmark step
+    (docs/performance.md). One per attention layer, as LinearMatMul."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.sizes = tuple(sizes)
+
+    def construct(self, x):
+        return ops.split(x, self.sizes, axis=-1)
+
+    def bprop(self, x, out, dout):
+        return SplitLastDim.backward(dout)
+
+    @staticmethod
+    def backward(dout):
+        return (ops.cat(dout, -1),)
+
+
+# ============================================================================ norms
 
 
 def _mean_column(h):
@@ -124,8 +244,7 @@ class RMSNorm(nn.Cell):
         return cast(y.reshape(x.shape), x.dtype)
 
 
-GELU_TANH_K = 0.7978845608028654        # sqrt(2 / pi), gpt.gelu_tanh's
-GELU_TANH_C = 0.044715
+# ============================================================================ activations
 INV_SQRT_2PI = 0.3989422804014327
 
 
@@ -134,7 +253,7 @@ class _BiasGeluKernel(nn.Cell):
     its backward needs, so the backward is one product and the Cell keeps one [n, f] tensor
     (the slope) besides its output, where keeping x and the tanh took two and the slope's
     formula ran after the forward anyway: 13 elementwise passes over [n, f] in all, where
-    gelu_tanh and its autodiff take 22. The tanh form as a sigmoid:
+    parallel.gelu_tanh and its autodiff take 22. The tanh form as a sigmoid:
         (1 + tanh(u)) / 2 = sigmoid(2u),  gelu(x) = x s,  s = sigmoid(x (a + b x^2)),
         gelu'(x) = s + x s (1 - s) (a + 3 b x^2),  a = 2k, b = 2kc;
     the exact form gelu(x) = x Phi(x), gelu'(x) = Phi(x) + x phi(x)."""
@@ -165,9 +284,9 @@ class _BiasGeluKernel(nn.Cell):
 
 
 class BiasGelu(nn.Cell):
-    """gelu(y + bias): the plain MLP's bias add in linear_fc1 (parallel.BiasAdd) and then
-    gpt.gelu_tanh (tanh) or ops.gelu (exact), as one Cell with a hand backward (Megatron's
-    bias_gelu fusion, --no-bias-gelu-fusion; model_config.bias_gelu_fusion)."""
+    """gpt.BiasActivation of a GELU, gelu(y + bias) (parallel.gelu_tanh, or the exact ops.gelu),
+    as one Cell with a hand backward (Megatron's bias_gelu fusion, --no-bias-gelu-fusion;
+    model_config.bias_gelu_fusion)."""
 
     def __init__(self, tanh):
         super().__init__()
@@ -201,20 +320,26 @@ class _SwiGLUKernel(nn.Cell):
 
 
 class SwiGLU(nn.Cell):
-    """gpt.MLP's `ops.silu(gate) * up` with a hand backward that reuses the forward's sigmoid
-    (MindSpeed's --use-fused-swiglu; model_config.apply_swiglu_fusion)."""
+    """gpt.BiasActivation of SwiGLU, `ops.silu(gate) * up` after fc1's bias, with a hand
+    backward that reuses the forward's sigmoid (MindSpeed's --use-fused-swiglu;
+    model_config.apply_swiglu_fusion)."""
 
     def __init__(self):
         super().__init__()
         self.kernel = _SwiGLUKernel()
+        self.bias_add = BiasAdd()
 
-    def construct(self, y):
-        """y [..., 2f] = [gate, up] (fc1's output, bias included) -> [..., f]."""
+    def construct(self, y, bias):
+        """y [..., 2f] = [gate, up] (fc1's output), bias None or [2f] -> [..., f]."""
+        if bias is not None:
+            flat = self.bias_add(y.reshape(-1, y.shape[-1]), cast(bias, y.dtype))
+            y = flat.reshape(y.shape)
         return self.kernel(y)[0]
 
 
+# ============================================================================ attention
 class Rotary(nn.Cell):
-    """gpt.apply_rotary, x cos + rotate_half(x) sin, with its backward written out: the
+    """gpt.Rotary, x cos + rotate_half(x) sin, with its backward written out: the
     transpose of rotate_half is a rotation back, dx = dy cos + rotate_half^T(dy sin)
     (Megatron's --apply-rope-fusion / --no-rope-fusion; model_config.apply_rope_fusion)."""
 
@@ -233,8 +358,8 @@ class Rotary(nn.Cell):
 
 
 class ScaledMaskedSoftmax(nn.Cell):
-    """softmax(scores * scale + mask_bias) over the last dim, gpt.CoreAttention's softmax, with
-    its backward's row sums as a MatMul: dx = scale (dY Y - Y (dY Y) @ ones[s, 1]) (Megatron's
+    """gpt.ScaledMaskedSoftmax, softmax(scores * scale + mask_bias) over the last dim, with its
+    backward's row sums as a MatMul: dx = scale (dY Y - Y (dY Y) @ ones[s, 1]) (Megatron's
     masked softmax fusion, --no-masked-softmax-fusion; model_config.masked_softmax_fusion)."""
 
     def __init__(self, scale):
@@ -242,7 +367,8 @@ class ScaledMaskedSoftmax(nn.Cell):
         self.scale = scale
 
     def construct(self, scores, mask_bias):
-        """scores [b, n, s, t] in the softmax's dtype; mask_bias [b, n, s, t] (0 or -1e30)."""
+        """scores [b, n, s, t] in the softmax's dtype; mask_bias broadcasting to it (0 or
+        -1e30)."""
         if self.scale != 1.0:
             scores = scores * self.scale
         return ops.softmax(scores + cast(mask_bias, scores.dtype), -1)
@@ -259,6 +385,7 @@ class ScaledMaskedSoftmax(nn.Cell):
         return d_scores, ops.zeros_like(mask_bias)
 
 
+# ============================================================================ loss and residual
 class _CrossEntropyKernel(nn.Cell):
     """(loss [n], softmax(z) [n, V]) of logits z [n, V] and labels [n]; CrossEntropy's."""
 
@@ -287,7 +414,7 @@ class _CrossEntropyKernel(nn.Cell):
 
 
 class CrossEntropy(nn.Cell):
-    """gpt.cross_entropy, the per-token loss [n] from logits [n, V] and labels [n], from one
+    """gpt.CrossEntropy, the per-token loss [n] from logits [n, V] and labels [n], from one
     softmax kernel: lse = max(z) - log(max(softmax(z))), since the largest probability is
     1 / sum(exp(z - max(z))) and never below 1/V, so its log cannot underflow (and it is the
     largest logit's, found with the max); loss = lse - z[label]. The backward is (softmax(z) -
@@ -304,15 +431,23 @@ class CrossEntropy(nn.Cell):
         return self.kernel(logits, labels)[0]
 
 
-def bias_dropout_add(y, bias, residual, dropout, bias_add):
-    """residual + dropout(y + bias), y [s, b, h] the reduced output of a row-parallel linear
-    that skipped its bias (skip_bias_add), added once here: gpt.TransformerLayer's
-    `x + dropout(linear_proj(...))` (Megatron's bias_dropout_add, --no-bias-dropout-fusion;
-    model_config.bias_dropout_fusion). Plain ops, no custom backward: it ends a layer, and a
-    custom-bprop Cell there breaks MindSpore 2.10's recompute. `bias_add` is the layer's own
-    parallel.BiasAdd."""
-    y = bias_add(y.reshape(-1, y.shape[-1]), cast(bias, y.dtype)).reshape(y.shape)
-    return residual + cast(dropout(y), residual.dtype)
+class BiasDropoutAdd(nn.Cell):
+    """gpt.BiasDropoutAdd, residual + dropout(y + bias), its bias added by BiasAdd (Megatron's
+    bias_dropout_add, --no-bias-dropout-fusion; model_config.bias_dropout_fusion). Plain ops
+    otherwise, no custom backward: it ends a layer, and a custom-bprop Cell there breaks
+    MindSpore 2.10's recompute."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        self.dropout, self.bias_add = dropout, BiasAdd()
+
+    def construct(self, y, bias, residual):
+        """y [s, b, h] (a row-parallel linear's reduced output), bias None or [h], residual
+        [s, b, h] -> [s, b, h] in the residual's dtype."""
+        if bias is not None:
+            flat = self.bias_add(y.reshape(-1, y.shape[-1]), cast(bias, y.dtype))
+            y = flat.reshape(y.shape)
+        return residual + cast(self.dropout(y), residual.dtype)
 
 
 if __name__ == "__main__":          # imported by gpt.py, not a script

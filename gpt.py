@@ -4,11 +4,15 @@ Activations flow as [s, b, h] (sequence first), as in Megatron, so that sequence
 later split dim 0. A model may be one pipeline stage: `pre_process` builds the embedding (input is
 token ids [b, s]), `post_process` the final norm, output layer and loss (input is hidden [s, b, h]).
 
-Every linear layer is a `Linear` built by `make_linear`, so that parallel.py can swap in column- and
-row-parallel versions. Initial weights come from numpy, seeded by the seed and the parameter's
-*global* name (`init_weights`), so a model's start is identical whatever the layout.
+Every small operator (the linears' matmul and bias add, the norms, activations, softmax, loss) is
+the plain form written here or in parallel.py, unless the layer spec (`layer_spec`, chosen once at
+model build) puts its fast form from fused.py in its place; every linear is built by `make_linear`,
+a one-rank linear or its column- or row-parallel version. Initial weights come from numpy, seeded
+by the seed and the parameter's *global* name (`init_weights`), so a model's start is identical
+whatever the layout.
 """
 import contextlib
+import dataclasses
 import math
 import re
 import zlib
@@ -24,7 +28,7 @@ import moe
 import parallel
 from config import moe_layer_pattern
 from context_parallel import attention_block, attention_scores, merge_partial_attention
-from parallel import DTYPES, F32, batch_matmul_nt, cast, linear
+from parallel import DTYPES, F32, activation, batch_matmul_nt, cast, linear
 
 FLASH_BLOCK = 128       # FlashAttention's default block (tokens), memory.py's estimate's too
 MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic
@@ -35,53 +39,38 @@ def additive_mask(mask):
     return Tensor(np.where(mask, MASKED, 0.0).astype(np.float32))
 
 
+def causal_mask_bias(s):
+    """The causal mask of s tokens as an additive bias [1, 1, s, s]: token i sees tokens <= i."""
+    return additive_mask(np.triu(np.ones((1, 1, s, s), bool), 1))
+
+
 def _zeros(*shape):
     return Tensor(np.zeros(shape, np.float32))
 
 
-class Linear(nn.Cell):
-    """y = x W^T + b with W [out, in], the layout of torch and Megatron, computed in `dtype` (the
-    compute dtype: float32 parameters are cast to it for the matmul, half ones are already)."""
-
-    def __init__(self, in_features, out_features, bias=True, dtype=F32, skip_bias_add=False):
-        super().__init__()
-        self.weight = Parameter(_zeros(out_features, in_features), name="weight")
-        self.bias = Parameter(_zeros(out_features), name="bias") if bias else None
-        self.dtype, self.skip_bias_add = dtype, skip_bias_add
-        self.bias_add = parallel.BiasAdd()
-        self.matmul = parallel.LinearMatMul()
-
-    def construct(self, x):
-        """x [..., in] -> [..., out]; with skip_bias_add (Megatron's) ([..., out] without the
-        bias, the bias), for a fused form to add it."""
-        if self.skip_bias_add:
-            return linear(x, self.weight, None, self.dtype, matmul=self.matmul), self.bias
-        return linear(x, self.weight, self.bias, self.dtype, self.bias_add, self.matmul)
-
-
-def make_linear(cfg, in_features, out_features, bias, kind, chunks=1, skip_bias_add=False):
-    """The model's linears. `kind` is Megatron's role: "column" (qkv, fc1, output layer: the
-    output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the
-    input dim is split). One TP rank: a plain Linear. The layout comes from parallel.get_state().
-    skip_bias_add: the linear returns (output, bias) for a fused form (fused.py) to add it."""
+def make_linear(cfg, spec, in_features, out_features, bias, kind, chunks=1, skip_bias_add=False):
+    """The model's linears, of the spec's classes. `kind` is Megatron's role: "column" (qkv, fc1,
+    output layer: the output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or
+    "row" (proj, fc2: the input dim is split). One TP rank: a plain linear. The layout comes from
+    parallel.get_state(). skip_bias_add: the linear returns (output, bias or None), the bias
+    added by what follows (the activation, the residual's bias-dropout-add)."""
     state, dtype = parallel.get_state(), DTYPES[cfg.compute_dtype]
-    skip_bias_add = skip_bias_add and bias
     if state.tp == 1:
-        return Linear(in_features, out_features, bias, dtype, skip_bias_add)
+        return spec.linear(in_features, out_features, bias, dtype, skip_bias_add)
     if kind == "column":
-        return parallel.ColumnParallelLinear(
+        return spec.column_parallel_linear(
             in_features, out_features, bias, sequence_parallel=state.sequence_parallel,
             chunks=chunks, dtype=dtype, skip_bias_add=skip_bias_add)
-    return parallel.RowParallelLinear(in_features, out_features, bias,
-                                      sequence_parallel=state.sequence_parallel, dtype=dtype,
-                                      skip_bias_add=skip_bias_add)
+    return spec.row_parallel_linear(in_features, out_features, bias,
+                                    sequence_parallel=state.sequence_parallel, dtype=dtype,
+                                    skip_bias_add=skip_bias_add)
 
 
 def cast_parameters(model, dtype):
     """Every parameter of `model` in `dtype`, each replaced by a Parameter made in that dtype,
     with its name and marks (sequence_parallel, shared_embedding, ...); one replacement for a
     parameter two Cells hold. Parameter.set_dtype is not enough in MindSpore 2.10: op by op, a
-    custom-bprop Cell (parallel.LinearMatMul) hands a set_dtype'd parameter its gradient in the
+    custom-bprop Cell (fused.LinearMatMul) hands a set_dtype'd parameter its gradient in the
     dtype it was made in, and the tied embedding then fails to add its float16 and float32
     gradients (test_half_precision_parameters_take_their_gradients_in_their_dtype)."""
     made = {}
@@ -144,18 +133,11 @@ class RMSNorm(nn.Cell):
         return cast(y, x.dtype)
 
 
-def make_norm(cfg):
-    """Norms are replicated over TP. With sequence parallelism each TP rank normalises its own
-    sequence shard, so its weight gradient is partial: marked for an all-reduce over TP. The
-    fused forms (fused.py) when use_fused_rmsnorm / persist_layer_norm say so."""
-    if cfg.normalization == "RMSNorm":
-        norm_class = fused.RMSNorm if cfg.use_fused_rmsnorm else RMSNorm
-    else:
-        norm_class = fused.LayerNorm if cfg.persist_layer_norm else LayerNorm
-    norm = norm_class(cfg.hidden_size, cfg.norm_epsilon)
-    if parallel.get_state().sequence_parallel:
-        for param in norm.get_parameters():
-            param.sequence_parallel = True
+def make_norm(cfg, spec):
+    """A norm of the spec's class. Norms are replicated over TP; with sequence parallelism each TP
+    rank normalises its own sequence shard (parallel.mark_sequence_parallel)."""
+    norm = spec.norm(cfg.hidden_size, cfg.norm_epsilon)
+    parallel.mark_sequence_parallel(norm.get_parameters(), parallel.get_state().sequence_parallel)
     return norm
 
 
@@ -193,6 +175,14 @@ class Dropout(nn.Cell):
         return x * self.rng.mask(x.shape, self.rate, self.stream, x.dtype)
 
 
+def hidden_dropout(cfg, rng):
+    """The dropout of the hidden states [s, b, h] (the embeddings', the residual adds'): replicated
+    activations draw the "default" stream, the same over TP; sequence shards [s/tp, b, h] differ,
+    so under sequence parallelism each TP rank draws its own ("model-parallel")."""
+    stream = "model-parallel" if parallel.get_state().sequence_parallel else "default"
+    return Dropout(cfg.hidden_dropout_rate, rng, stream)
+
+
 def rotary_tables(max_positions, dim, base):
     """cos/sin [max_positions, dim] of RoPE (Su et al. 2021), Megatron's non-interleaved layout."""
     inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
@@ -201,10 +191,144 @@ def rotary_tables(max_positions, dim, base):
     return Tensor(np.cos(emb).astype(np.float32)), Tensor(np.sin(emb).astype(np.float32))
 
 
-def apply_rotary(x, cos, sin):
-    """x [s, b, n, d]; cos, sin [s, b, 1, d]."""
-    x1, x2 = ops.split(x, x.shape[-1] // 2, axis=-1)
-    return x * cos + ops.cat((-x2, x1), axis=-1) * sin
+class Rotary(nn.Cell):
+    """RoPE's rotation of queries or keys at their positions, x cos + rotate_half(x) sin."""
+
+    def construct(self, x, cos, sin):
+        """x [s, b, n, d]; cos, sin [s, b, 1, d]."""
+        x1, x2 = ops.split(x, x.shape[-1] // 2, axis=-1)
+        return x * cos + ops.cat((-x2, x1), axis=-1) * sin
+
+
+class ScaledMaskedSoftmax(nn.Cell):
+    """softmax(scores * scale + mask_bias) over the last dim: the core attention's softmax, `scale`
+    query-key layer scaling's layer number (1 without it)."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def construct(self, scores, mask_bias):
+        """scores [b, n, s, t] in the softmax's dtype; mask_bias broadcasting to it (0 or
+        -1e30)."""
+        if self.scale != 1.0:
+            scores = scores * self.scale
+        return ops.softmax(scores + cast(mask_bias, scores.dtype), -1)
+
+
+class SplitLastDim(nn.Cell):
+    """x [..., sum(sizes)] -> its pieces of `sizes` along the last dim (the q, k, v of a query
+    group)."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.sizes = tuple(sizes)
+
+    def construct(self, x):
+        return ops.split(x, self.sizes, axis=-1)
+
+
+class BiasActivation(nn.Cell):
+    """An MLP's activation (parallel.activation) of fc1's output y plus its bias."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+
+    def construct(self, y, bias):
+        """y [..., f], bias None or [f] -> [..., f] (SwiGLU: [..., 2f] -> [..., f])."""
+        if bias is not None:
+            y = y + cast(bias, y.dtype)
+        return activation(y, self.act)
+
+
+class BiasDropoutAdd(nn.Cell):
+    """residual + dropout(y + bias): a sub-layer's output joining the residual stream (Megatron's
+    bias_dropout_add), `dropout` the layer's hidden_dropout."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        self.dropout = dropout
+
+    def construct(self, y, bias, residual):
+        """y [s, b, h] (a row-parallel linear's reduced output), bias None or [h], residual
+        [s, b, h] -> [s, b, h] in the residual's dtype."""
+        if bias is not None:
+            y = y + cast(bias, y.dtype)
+        return residual + cast(self.dropout(y), residual.dtype)
+
+
+def keep_mask(mask_bias, batch, heads):
+    """The attention's mask bias as it is, [1 or b, 1, s, s]: each score add broadcasts it."""
+    return mask_bias
+
+
+# ============================================================================ the layer spec
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """The class (or builder) of each small operator a model is built with, chosen once by
+    layer_spec: Megatron-core's layer specs (megatron/core/models/gpt/gpt_layer_specs.py), whose
+    local spec builds Megatron's own layers and whose transformer_engine spec puts Transformer
+    Engine's fused ones in their place, the layers' code the same. Each builder makes one Cell
+    per call site."""
+    linear: type                    # (in, out, bias, dtype, skip_bias_add): one TP rank
+    column_parallel_linear: type    # parallel.ColumnParallelLinear's arguments
+    row_parallel_linear: type       # parallel.RowParallelLinear's arguments
+    norm: type                      # (hidden, eps): x [..., h] -> [..., h]
+    split: type                     # (sizes): x [..., sum(sizes)] -> pieces
+    rotary: type                    # (): (x [s, b, n, d], cos, sin [s, b, 1, d]) -> x rotated
+    softmax: type                   # (scale): (scores, mask_bias) -> probabilities
+    activation: object              # (act): (fc1's y, bias or None) -> act(y + bias)
+    bias_dropout_add: type          # (dropout): (y, bias or None, residual) -> residual + ...
+    cross_entropy: type             # (): (logits [n, V], labels [n]) -> loss [n] (one TP rank)
+    attention_mask: object          # (mask_bias, batch, heads) -> the mask bias the layers add
+
+
+def local_spec(cfg):
+    """Every operator in its plain form (written in this file and parallel.py), what a learner
+    reads: model_config.fusions false, --no-fusions."""
+    return LayerSpec(linear=parallel.Linear,
+                     column_parallel_linear=parallel.ColumnParallelLinear,
+                     row_parallel_linear=parallel.RowParallelLinear,
+                     norm=RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm,
+                     split=SplitLastDim, rotary=Rotary, softmax=ScaledMaskedSoftmax,
+                     activation=BiasActivation, bias_dropout_add=BiasDropoutAdd,
+                     cross_entropy=CrossEntropy, attention_mask=keep_mask)
+
+
+def layer_spec(cfg):
+    """The spec a model is built with: the local spec, with model_config.fusions (the default)
+    the fast forms of fused.py in place of the plain ones, each where its own key asks for it
+    (config.py turns every such key off without fusions); each tested equal to its plain
+    form (test_fused_form_equals_its_plain_form). The linears' matmul and bias add, the q/k/v
+    split and the tiled mask have no key of their own."""
+    local = local_spec(cfg)
+    if not cfg.fusions:
+        return local
+    rms = cfg.normalization == "RMSNorm"
+    fused_norm = cfg.use_fused_rmsnorm if rms else cfg.persist_layer_norm
+    return dataclasses.replace(
+        local, linear=fused.Linear, column_parallel_linear=fused.ColumnParallelLinear,
+        row_parallel_linear=fused.RowParallelLinear, split=fused.SplitLastDim,
+        norm=(fused.RMSNorm if rms else fused.LayerNorm) if fused_norm else local.norm,
+        rotary=fused.Rotary if cfg.apply_rope_fusion else local.rotary,
+        softmax=fused.ScaledMaskedSoftmax if cfg.masked_softmax_fusion else local.softmax,
+        activation=lambda act: fused_activation(cfg, act),
+        bias_dropout_add=(fused.BiasDropoutAdd if cfg.bias_dropout_fusion
+                          else local.bias_dropout_add),
+        cross_entropy=fused.CrossEntropy if cfg.cross_entropy_loss_fusion else local.cross_entropy,
+        # flash attention adds the mask block by block: tiled, it would only keep b x n copies
+        attention_mask=keep_mask if cfg.use_flash_attention else fused.tile_mask)
+
+
+def fused_activation(cfg, act):
+    """The MLP's activation, fused as its key asks: SwiGLU (apply_swiglu_fusion), or a GELU with
+    fc1's bias (bias_gelu_fusion; without MLP biases there is no bias to fuse)."""
+    if act == "swiglu":
+        return fused.SwiGLU() if cfg.apply_swiglu_fusion else BiasActivation(act)
+    if cfg.bias_gelu_fusion and cfg.add_bias_linear:
+        return fused.BiasGelu(tanh=act == "gelu_tanh")
+    return BiasActivation(act)
 
 
 class CoreAttention(nn.Cell):
@@ -215,7 +339,7 @@ class CoreAttention(nn.Cell):
     apply_query_key_layer_scaling divides q k^T by the layer number (1-based) in half precision,
     where deep layers' scores could overflow, and multiplies it back in the float32 softmax."""
 
-    def __init__(self, cfg, rng, per_group, layer_number=1):
+    def __init__(self, cfg, spec, rng, per_group, layer_number=1):
         super().__init__()
         self.per_group = per_group
         self.dropout = Dropout(cfg.attention_dropout_rate, rng, "model-parallel")
@@ -223,10 +347,7 @@ class CoreAttention(nn.Cell):
         coeff = layer_number if cfg.apply_query_key_layer_scaling else 1
         self.scale = 1.0 / (math.sqrt(cfg.hidden_size // cfg.num_attention_heads) * coeff)
         self.softmax_scale = float(coeff)                    # applied to the float32 scores
-        self.fused_softmax = None
-        if cfg.masked_softmax_fusion:
-            self.fused_softmax = fused.ScaledMaskedSoftmax(
-                self.softmax_scale if self.softmax_in_fp32 else 1.0)
+        self.softmax = spec.softmax(self.softmax_scale if self.softmax_in_fp32 else 1.0)
 
     def to_heads(self, x, repeat):
         """[s, b, g, d] -> [b, g * repeat, s, d], each head repeated `repeat` times (GQA)."""
@@ -234,8 +355,8 @@ class CoreAttention(nn.Cell):
         return ops.repeat_interleave(x, repeat, 1) if repeat > 1 else x
 
     def construct(self, q, k, v, mask_bias):
-        """q [s, b, n, d], k, v [s, b, g, d], mask_bias [b, n, s, s] (0 where attention is allowed,
-        -1e30 where masked) -> context [s, b, n, d]."""
+        """q [s, b, n, d], k, v [s, b, g, d], mask_bias broadcasting to [b, n, s, s] (0 where
+        attention is allowed, -1e30 where masked) -> context [s, b, n, d]."""
         # [b, n, s, d] each: k and v repeated for the query heads of their group
         q = self.to_heads(q, 1)
         k, v = self.to_heads(k, self.per_group), self.to_heads(v, self.per_group)
@@ -243,13 +364,7 @@ class CoreAttention(nn.Cell):
         if self.softmax_in_fp32:
             scores = scores.astype(F32)
         # in float16 the -1e30 of a masked score becomes -inf: exp gives 0 all the same
-        if self.fused_softmax is not None:
-            probs = self.fused_softmax(scores, mask_bias)
-        else:
-            if self.softmax_in_fp32 and self.softmax_scale != 1.0:
-                scores = scores * self.softmax_scale
-            probs = ops.softmax(scores + cast(mask_bias, scores.dtype), -1)
-        probs = probs.astype(q.dtype)
+        probs = self.softmax(scores, mask_bias).astype(q.dtype)
         return ops.bmm(self.dropout(probs), v).transpose(2, 0, 1, 3)   # [s, b, n, d]
 
 
@@ -283,12 +398,12 @@ class FlashAttention(CoreAttention):
     so the largest s x s tensor of a layer is one block's [b, n, block, block]. Scores and softmax
     are float32 and there is no attention dropout (config.py refuses both other settings)."""
 
-    def __init__(self, cfg, rng, per_group, layer_number=1, block_size=None):
-        super().__init__(cfg, rng, per_group, layer_number)
+    def __init__(self, cfg, spec, rng, per_group, layer_number=1, block_size=None):
+        super().__init__(cfg, spec, rng, per_group, layer_number)
         self.kernel = FlashKernel(self, block_size or FLASH_BLOCK)
 
     def construct(self, q, k, v, mask_bias):
-        """As CoreAttention; mask_bias may also be [b or 1, n or 1, s, s] (it is broadcast)."""
+        """As CoreAttention."""
         return self.kernel(q, k, v, mask_bias)[0]
 
 
@@ -403,26 +518,28 @@ class SelfAttention(nn.Cell):
     dimension into equal contiguous pieces hands whole groups to each TP rank. With context
     parallelism the core attention runs across the cp ranks (context_parallel.py)."""
 
-    def __init__(self, cfg, rng, layer_number=1):
+    def __init__(self, cfg, spec, rng, layer_number=1):
         super().__init__()
         self.heads, self.groups = cfg.num_attention_heads, cfg.num_query_groups
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         qkv_out = (self.heads + 2 * self.groups) * self.head_dim
-        self.linear_qkv = make_linear(cfg, cfg.hidden_size, qkv_out, cfg.qkv_has_bias, "column")
-        # with bias_dropout_fusion the layer adds linear_proj's bias (fused.bias_dropout_add)
-        self.linear_proj = make_linear(cfg, self.heads * self.head_dim, cfg.hidden_size,
+        self.linear_qkv = make_linear(cfg, spec, cfg.hidden_size, qkv_out, cfg.qkv_has_bias,
+                                      "column")
+        # (output, bias): the layer's bias-dropout-add adds the bias, unless a sandwich norm
+        # norms the output with it
+        self.linear_proj = make_linear(cfg, spec, self.heads * self.head_dim, cfg.hidden_size,
                                        cfg.out_proj_has_bias, "row",
-                                       skip_bias_add=fuses_bias_dropout(cfg))
-        self.rotary = fused.Rotary() if cfg.apply_rope_fusion else None
+                                       skip_bias_add=not cfg.use_sandwich_norm)
+        self.rotary = spec.rotary()
         # Local head and group counts: TP may give this rank only some of the groups.
         self.per_group = self.heads // self.groups
         self.qkv_sizes = (self.per_group * self.head_dim, self.head_dim, self.head_dim)
-        self.split_qkv = parallel.SplitLastDim(self.qkv_sizes)
+        self.split_qkv = spec.split(self.qkv_sizes)
         group_width = (self.per_group + 2) * self.head_dim    # its query heads, a key, a value
         self.local_groups = self.linear_qkv.weight.shape[0] // group_width
         self.local_heads = self.local_groups * self.per_group
         core = FlashAttention if cfg.use_flash_attention else CoreAttention
-        self.core_attention = core(cfg, rng, self.per_group, layer_number)
+        self.core_attention = core(cfg, spec, rng, self.per_group, layer_number)
         state = parallel.get_state()
         if state.cp > 1:
             self.core_attention = context_parallel.ContextParallelAttention(
@@ -437,68 +554,39 @@ class SelfAttention(nn.Cell):
 
     def construct(self, x, rope, mask_bias):
         """x [s, b, h] ([s/tp, b, h] with sequence parallelism; s is this cp rank's share); rope
-        None or (cos, sin) [s, b, 1, d]; mask_bias [b, n, s', s'] float for the core attention's
-        heads and sequence, 0 where attention is allowed and -1e30 where it is masked."""
+        None or (cos, sin) [s, b, 1, d]; mask_bias broadcasting to [b, n, s', s'], float for the
+        core attention's heads and sequence, 0 where attention is allowed and -1e30 where it is
+        masked -> linear_proj's [s, b, h] (with its bias beside it, as skip_bias_add)."""
         heads, groups, per_group = self.local_heads, self.local_groups, self.per_group
         qkv = self.linear_qkv(x)                                    # [s, b, (n + 2g) d / tp]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.reshape(s, b, groups, (per_group + 2) * self.head_dim)
         q, k, v = self.split_qkv(qkv)                               # [s, b, g, (n/g or 1) d]
         q = q.reshape(s, b, heads, self.head_dim)                   # [s, b, n, d]
-        if rope is not None and self.rotary is not None:
-            q, k = self.rotary(q, *rope), self.rotary(k, *rope)
-        elif rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)   # k [s, b, g, d]
+        if rope is not None:
+            q, k = self.rotary(q, *rope), self.rotary(k, *rope)     # k [s, b, g, d]
         context = self.core_attention(q, k, v, mask_bias)           # [s, b, n, d]
         return self.linear_proj(context.reshape(s, b, heads * self.head_dim))
 
 
 class MLP(nn.Cell):
-    """fc1 -> activation -> fc2. For SwiGLU (Shazeer 2020) fc1 outputs [gate; up], 2*ffn wide.
-    Fused forms (fused.py): fc1's bias added inside the GELU (bias_gelu_fusion), SwiGLU's hand
-    backward (apply_swiglu_fusion); fc2's bias left to the layer (bias_dropout_fusion)."""
+    """fc1 -> activation -> fc2. For SwiGLU (Shazeer 2020) fc1 outputs [gate; up], 2*ffn wide. fc1's
+    bias is added by the activation, fc2's by the layer's bias-dropout-add (Megatron's
+    skip_bias_add), unless a sandwich norm norms fc2's output with it."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, spec):
         super().__init__()
-        self.act = cfg.hidden_act
-        fc1_out = cfg.ffn_hidden_size * (2 if self.act == "swiglu" else 1)
-        self.bias_gelu = None
-        if cfg.bias_gelu_fusion and cfg.add_bias_linear and self.act != "swiglu":
-            self.bias_gelu = fused.BiasGelu(tanh=self.act == "gelu_tanh")
-        self.swiglu = fused.SwiGLU() if cfg.apply_swiglu_fusion else None
-        self.linear_fc1 = make_linear(cfg, cfg.hidden_size, fc1_out, cfg.add_bias_linear, "column",
-                                      chunks=2 if self.act == "swiglu" else 1,
-                                      skip_bias_add=self.bias_gelu is not None)
-        self.linear_fc2 = make_linear(cfg, cfg.ffn_hidden_size, cfg.hidden_size,
+        swiglu = cfg.hidden_act == "swiglu"
+        fc1_out = cfg.ffn_hidden_size * (2 if swiglu else 1)
+        self.linear_fc1 = make_linear(cfg, spec, cfg.hidden_size, fc1_out, cfg.add_bias_linear,
+                                      "column", chunks=2 if swiglu else 1, skip_bias_add=True)
+        self.activation = spec.activation(cfg.hidden_act)
+        self.linear_fc2 = make_linear(cfg, spec, cfg.ffn_hidden_size, cfg.hidden_size,
                                       cfg.add_bias_linear, "row",
-                                      skip_bias_add=fuses_bias_dropout(cfg))
+                                      skip_bias_add=not cfg.use_sandwich_norm)
 
     def construct(self, x):
-        y = self.linear_fc1(x)
-        if self.bias_gelu is not None:
-            y = self.bias_gelu(*y)                         # fc1's (output, bias)
-        elif self.act == "swiglu" and self.swiglu is not None:
-            y = self.swiglu(y)
-        elif self.act == "swiglu":
-            gate, up = ops.chunk(y, 2, axis=-1)
-            y = ops.silu(gate) * up
-        elif self.act == "gelu_tanh":
-            y = gelu_tanh(y)
-        else:
-            y = ops.gelu(y, approximate="none")
-        return self.linear_fc2(y)
-
-
-def fuses_bias_dropout(cfg):
-    """Whether the layers' residual adds take linear_proj's and linear_fc2's biases
-    (fused.bias_dropout_add): not with sandwich norm, which norms the output with its bias."""
-    return cfg.bias_dropout_fusion and not cfg.use_sandwich_norm
-
-
-def gelu_tanh(x):
-    """GPT-2's gelu_new, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), written out: on CPU these
-    elementwise ops and their gradients are 4x faster than the GeLU kernel."""
-    return 0.5 * x * (1.0 + ops.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+        return self.linear_fc2(self.activation(*self.linear_fc1(x)))
 
 
 def replay_dropout(rng):
@@ -535,7 +623,7 @@ class RecomputedLayers(nn.Cell):
         # the model's own layers: their names stay layers.i
         self.members = nn.CellList(layers)
         # early_stop=False: the early stop ends the recomputation by an exception, which a
-        # custom-bprop Cell on its way (the TP mappings, the linears' parallel.LinearMatMul)
+        # custom-bprop Cell on its way (the TP mappings, the linears' fused.LinearMatMul)
         # turns into "Stack input_args_info_stack_ is empty" op by op (MindSpore 2.10)
         self.recompute(use_reentrant=False, early_stop=False, context_fn=replay_dropout(rng))
 
@@ -566,47 +654,43 @@ class TransformerLayer(nn.Cell):
     an MoE layer (moe.MoELayer, same input and output) on the layers moe_layer_freq selects
     (Megatron's gpt_layer_specs: layer_number is 1-based and global)."""
 
-    def __init__(self, cfg, rng, layer_number=1):
+    def __init__(self, cfg, spec, rng, layer_number=1):
         super().__init__()
-        self.input_layernorm = make_norm(cfg)
-        self.self_attention = SelfAttention(cfg, rng, layer_number)
-        self.pre_mlp_layernorm = make_norm(cfg)
-        moe_layer = moe_layer_pattern(cfg)[layer_number - 1]
-        self.mlp = moe.MoELayer(cfg) if moe_layer else MLP(cfg)
-        # fused.bias_dropout_add: which sub-layers return (output, bias)
-        self.attention_skips_bias = fuses_bias_dropout(cfg) and cfg.out_proj_has_bias
-        self.mlp_skips_bias = fuses_bias_dropout(cfg) and cfg.add_bias_linear and not moe_layer
-        self.add_attention_bias = parallel.BiasAdd()
-        self.add_mlp_bias = parallel.BiasAdd()
+        self.input_layernorm = make_norm(cfg, spec)
+        self.self_attention = SelfAttention(cfg, spec, rng, layer_number)
+        self.pre_mlp_layernorm = make_norm(cfg, spec)
+        self.moe = moe_layer_pattern(cfg)[layer_number - 1]
+        self.mlp = moe.MoELayer(cfg) if self.moe else MLP(cfg, spec)
         self.sandwich = cfg.use_sandwich_norm
         if self.sandwich:
-            self.post_attention_norm = make_norm(cfg)
-            self.post_mlp_norm = make_norm(cfg)
-        # Replicated activations share the "default" stream over TP; sequence shards differ.
-        stream = "model-parallel" if parallel.get_state().sequence_parallel else "default"
-        self.hidden_dropout = Dropout(cfg.hidden_dropout_rate, rng, stream)
+            self.post_attention_norm = make_norm(cfg, spec)
+            self.post_mlp_norm = make_norm(cfg, spec)
+        self.attention_bda = spec.bias_dropout_add(hidden_dropout(cfg, rng))
+        self.mlp_bda = spec.bias_dropout_add(hidden_dropout(cfg, rng))
 
     def construct(self, x, rope, mask_bias):
         """x [s, b, h] ([s/tp, b, h] under SP): the residual stream, in gpt.hidden_dtype; the
-        sub-layers compute in the compute dtype."""
+        sub-layers compute in the compute dtype and return (output, bias or None), except a
+        sandwich norm's output (its bias normed in) and an MoE layer's."""
         y = self.self_attention(self.input_layernorm(x), rope, mask_bias)
         if self.sandwich:
-            y = self.post_attention_norm(y)
-        if self.attention_skips_bias:       # y = (linear_proj's output, its bias)
-            x = fused.bias_dropout_add(*y, x, self.hidden_dropout, self.add_attention_bias)
-        else:
-            x = x + cast(self.hidden_dropout(y), x.dtype)
+            y = (self.post_attention_norm(y), None)
+        x = self.attention_bda(y[0], y[1], x)
         y = self.mlp(self.pre_mlp_layernorm(x))
         if self.sandwich:
-            y = self.post_mlp_norm(y)
-        if self.mlp_skips_bias:
-            return fused.bias_dropout_add(*y, x, self.hidden_dropout, self.add_mlp_bias)
-        return x + cast(self.hidden_dropout(y), x.dtype)
+            y = (self.post_mlp_norm(y), None)
+        elif self.moe:
+            y = (y, None)
+        return self.mlp_bda(y[0], y[1], x)
 
 
-def cross_entropy(logits, labels):
-    """Per-token loss [n] from logits [n, V] and labels [n]: -log_softmax(z)[label]."""
-    return -ops.gather_elements(ops.log_softmax(logits, -1), 1, labels.reshape(-1, 1)).reshape(-1)
+class CrossEntropy(nn.Cell):
+    """The loss of one TP rank (VocabParallelCrossEntropy under TP)."""
+
+    def construct(self, logits, labels):
+        """Per-token loss [n] from logits [n, V] and labels [n]: -log_softmax(z)[label]."""
+        log_probs = ops.log_softmax(logits, -1)                             # [n, V]
+        return -ops.gather_elements(log_probs, 1, labels.reshape(-1, 1)).reshape(-1)
 
 
 class GPTModel(nn.Cell):
@@ -630,21 +714,22 @@ class GPTModel(nn.Cell):
         state = parallel.get_state()
         self.tp, self.sequence_parallel = state.tp, state.sequence_parallel
         self.expert_offset = moe.first_expert(cfg.num_moe_experts, state.ep, state.ep_rank)
+        spec = layer_spec(cfg)
         if pre_process:
             self._build_embeddings(cfg)
         n = cfg.num_layers if num_layers is None else num_layers
-        self.layers = nn.CellList([TransformerLayer(cfg, self.rng, layer_offset + i + 1)
+        self.layers = nn.CellList([TransformerLayer(cfg, spec, self.rng, layer_offset + i + 1)
                                    for i in range(n)])
         # full recompute (block): how many of this chunk's first layers, by default
         # recompute_num_layers
         rebuilt = cfg.recompute_num_layers if recomputed_layers is None else recomputed_layers
         self.blocks = recompute_blocks(cfg, self.layers, self.rng, rebuilt)
         if post_process:
-            self.final_layernorm = make_norm(cfg)
+            self.final_layernorm = make_norm(cfg, spec)
             if not self.tied or not pre_process:
-                self.output_layer = make_linear(cfg, h, vocab, False, "column")
+                self.output_layer = make_linear(cfg, spec, h, vocab, False, "column")
             else:           # the tied output layer: the word embedding's weight, this matmul
-                self.output_matmul = parallel.LinearMatMul()
+                self.output_matmul = spec.linear.forms()[0]
         if self.tied and not (pre_process and post_process):
             # Megatron's shared_embedding, the one mark of the tie: the model is cut into stages
             # and the last stage's output layer is a copy of the first stage's word embedding;
@@ -658,10 +743,12 @@ class GPTModel(nn.Cell):
             self.rope = rotary_tables(cfg.max_position_embeddings, h // cfg.num_attention_heads,
                                       cfg.rotary_base)
         self.cp, self.cp_ulysses = state.cp, state.cp_ulysses
-        self._build_edge_mappings(state)
+        self._build_edge_mappings(state, spec)
         # the core attention's tokens: the sequence, or a ring rank's share (context_parallel.py)
-        length = cfg.seq_length // state.cp_ring
-        self.causal_bias = additive_mask(np.triu(np.ones((1, 1, length, length), bool), 1))
+        self.causal_bias = causal_mask_bias(cfg.seq_length // state.cp_ring)
+        self.attention_mask = spec.attention_mask
+        # heads in a core attention, to which the mask may be tiled
+        self.mask_heads = self.layers[0].self_attention.core_heads if n else 1
         self.hidden_dtype = hidden_dtype(cfg)
         self.logits_dtype = self.dtype if cfg.fp16_lm_cross_entropy else F32
         cast_parameters(self, DTYPES[cfg.params_dtype])   # Megatron's Float16Module
@@ -682,11 +769,9 @@ class GPTModel(nn.Cell):
         if cfg.position_embedding_type == "absolute":
             self.position_embeddings = Parameter(_zeros(cfg.max_position_embeddings, h),
                                                  name="position_embeddings")
-        # as the layers' hidden dropout: one stream over TP, or one per sequence shard
-        stream = "model-parallel" if self.sequence_parallel else "default"
-        self.embedding_dropout = Dropout(cfg.hidden_dropout_rate, self.rng, stream)
+        self.embedding_dropout = hidden_dropout(cfg, self.rng)
 
-    def _build_edge_mappings(self, state):
+    def _build_edge_mappings(self, state, spec):
         """Megatron's mappings at the model's edges (the layers hold their own): under TP the
         sequence scattered after the embedding, the logits' input entering the TP region, the
         logits gathered and the vocabulary-parallel cross-entropy; under CP the loss and the
@@ -700,8 +785,7 @@ class GPTModel(nn.Cell):
             self.gather_logits = parallel.gather_from_tensor_model_parallel_region()
             self.cross_entropy = parallel.VocabParallelCrossEntropy()
         elif self.post_process:
-            fusion = self.cfg.cross_entropy_loss_fusion
-            self.cross_entropy = fused.CrossEntropy() if fusion else cross_entropy
+            self.cross_entropy = spec.cross_entropy()
         if self.post_process and self.cp > 1:
             # Megatron's loss_func: each cp rank has part of every sequence's tokens, so the loss
             # sum (forward all-reduce, backward identity: g over the CP group) and the token
@@ -744,13 +828,8 @@ class GPTModel(nn.Cell):
         elif s == self.causal_bias.shape[-1]:
             bias = self.causal_bias
         else:
-            bias = additive_mask(np.triu(np.ones((1, 1, s, s), bool), 1))
-        # Tile once to [b, n, s, s]: each layer then does a same-shape add, which on CPU is ~10x
-        # cheaper than adding a broadcast [1, 1, s, s] mask. Flash attention adds it block by
-        # block and would only keep b x n copies of it.
-        if not self.cfg.use_flash_attention:
-            heads = self.layers[0].self_attention.core_heads if len(self.layers) else 1
-            bias = ops.tile(bias, (x.shape[1] // bias.shape[0], heads, 1, 1))
+            bias = causal_mask_bias(s)
+        bias = self.attention_mask(bias, x.shape[1], self.mask_heads)         # the spec's form
         # layers, or recomputed groups of them
         for block in self.blocks:
             x = block(x, rope, bias)

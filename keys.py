@@ -469,6 +469,9 @@ MODEL = [
     inert("model_config.fa_config.next_tokens", _FUSED_FA, flag="--next-tockens"),
     inert("model_config.fa_config.input_layout", _FUSED_FA, flag="--shape-order"),
     # the fused forms (fused.py), on by default as Megatron's fusions are
+    key("model_config.fusions", True, bool, None,
+        "the fast forms of fused.py where their keys below ask (gpt.layer_spec); false: every "
+        "operator in its plain form, those keys too", switch={"--no-fusions": False}),
     key("model_config.apply_swiglu_fusion", True, bool, None,
         "SwiGLU with a hand backward reusing its sigmoid (fused.SwiGLU)",
         switch={"--use-fused-swiglu": True, "--no-bias-swiglu-fusion": False}),
@@ -489,7 +492,7 @@ MODEL = [
         "(fused.ScaledMaskedSoftmax)", switch={"--no-masked-softmax-fusion": False}),
     key("model_config.bias_dropout_fusion", True, bool, None,
         "the output linears' biases added with the dropout and residual "
-        "(fused.bias_dropout_add)", switch={"--no-bias-dropout-fusion": False}),
+        "(fused.BiasDropoutAdd)", switch={"--no-bias-dropout-fusion": False}),
     key("model_config.cross_entropy_loss_fusion", True, bool, None,
         "the loss from one softmax with a hand backward (fused.CrossEntropy; Megatron's default "
         "is off, measured 2.7x faster here)",

@@ -84,7 +84,7 @@ from mindspore.ops import constexpr
 
 import parallel
 from config import check_moe_rules
-from parallel import DTYPES, F32, cast, linear
+from parallel import DTYPES, F32, activation, cast, linear
 
 # Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
 METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
@@ -103,17 +103,6 @@ def grad_enabled():
 def get_capacity(num_tokens, num_experts, capacity_factor):
     """Megatron's get_capacity (moe_utils.py:248-266): ceil(num_tokens / E * factor)."""
     return math.ceil((num_tokens / num_experts) * capacity_factor)
-
-
-def apply_activation(y, act):
-    """gpt.MLP's activations on fc1's output: SwiGLU on its [gate; up] halves (each TP shard
-    holds its halves' slices), GPT-2's tanh GELU written out, or the exact GELU."""
-    if act == "swiglu":
-        gate, up = ops.chunk(y, 2, axis=-1)
-        return ops.silu(gate) * up
-    if act == "gelu_tanh":
-        return 0.5 * y * (1.0 + ops.tanh(0.7978845608028654 * (y + 0.044715 * y * y * y)))
-    return ops.gelu(y, approximate="none")
 
 
 EXPERT_INDEX = re.compile(r"(^|\.)local_experts\.(\d+)\.")    # a routed expert's parameter
@@ -308,9 +297,8 @@ class TopKRouter(nn.Cell):
                                 name="weight")
         self.bias = Parameter(Tensor(np.zeros(self.num_experts, np.float32)), name="bias") \
             if cfg.add_bias_linear else None
-        if state.sequence_parallel:      # each TP rank routes its own tokens (router.py:85-88)
-            for p in self.get_parameters():
-                p.sequence_parallel = True
+        # each TP rank routes its own tokens (router.py:85-88)
+        parallel.mark_sequence_parallel(self.get_parameters(), state.sequence_parallel)
         self.aux_loss_scaler, self.z_loss_scaler = MoEAuxLossAutoScaler(), MoEAuxLossAutoScaler()
         self.metrics = (Parameter(Tensor(np.zeros(len(METRICS), np.float32)), requires_grad=False,
                                   name=f"moe_router_metrics.{next(_ROUTER_IDS)}"),)
@@ -432,7 +420,7 @@ class ExpertMLP(nn.Cell):
         """x [T, h], probs [T] -> [T, h] (partial over TP)."""
         fc1, fc2, dtype = self.linear_fc1, self.linear_fc2, self.dtype
         y = linear(x, fc1.weight, fc1.bias, dtype)                               # [T, F1/tp]
-        y = linear(_scale_by_probs(apply_activation(y, self.act), probs), fc2.weight, None, dtype)
+        y = linear(_scale_by_probs(activation(y, self.act), probs), fc2.weight, None, dtype)
         if fc2.bias is None:
             return y
         return y + _scale_by_probs(ops.broadcast_to(cast(fc2.bias, dtype), y.shape), probs)
@@ -471,7 +459,7 @@ class GroupedMLP(SequentialMLP):
         y = _bmm_nt(cast(tokens, dtype), w1)                                     # [E_l, T, F1/tp]
         if experts[0].linear_fc1.bias is not None:
             y = y + ops.stack([cast(e.linear_fc1.bias, dtype) for e in experts]).expand_dims(1)
-        y = _bmm_nt(_scale_by_probs(apply_activation(y, self.act), probs), w2)  # [E_l, T, h]
+        y = _bmm_nt(_scale_by_probs(activation(y, self.act), probs), w2)  # [E_l, T, h]
         if experts[0].linear_fc2.bias is None:
             return y
         b2 = ops.stack([cast(e.linear_fc2.bias, dtype) for e in experts]).expand_dims(1)
@@ -499,11 +487,10 @@ class SharedExpertMLP(nn.Cell):
         if cfg.moe_shared_expert_gate:
             self.gate_weight = Parameter(Tensor(np.zeros((1, cfg.hidden_size), np.float32)),
                                          name="gate_weight")
-            if sp:                     # each TP rank gates its own tokens
-                self.gate_weight.sequence_parallel = True
+            parallel.mark_sequence_parallel([self.gate_weight], sp)    # each gates its tokens
 
     def construct(self, x):
-        y = self.linear_fc2(apply_activation(self.linear_fc1(x), self.act))
+        y = self.linear_fc2(activation(self.linear_fc1(x), self.act))
         if self.gate_weight is None:
             return y
         return y * ops.sigmoid(linear(x, self.gate_weight, None, self.dtype))   # [s, b, 1]

@@ -532,8 +532,8 @@ def all_to_all_heads_to_sequence(group=None):
 
 
 # ============================================================================ layers
-_matmul_nt = ops.MatMul(transpose_b=True)          # x [n, in] @ W[out, in]^T, no transpose copy
-_matmul_tn = ops.MatMul(transpose_a=True)          # a [n, p]^T @ b [n, q] -> [p, q]
+# x [n, in] @ W [out, in]^T, no transpose copy of W: a linear's matmul
+_matmul_nt = ops.MatMul(transpose_b=True)
 # attention scores q [b, n, s, d] @ k [b, n, t, d]^T -> [b, n, s, t], no transpose copy of k
 # (gpt.CoreAttention and context_parallel.attention_block)
 batch_matmul_nt = ops.BatchMatMul(transpose_b=True)
@@ -544,112 +544,75 @@ def cast(t, dtype):
     return t if t is None or t.dtype == dtype else t.astype(dtype)
 
 
-def column_sum(y):
-    """y [..., m] summed over every leading dim -> [m] float32, as ones[1, n] @ y[n, m]: on this
-    CPU 3x faster than ReduceSum or BiasAddGrad (cpu_kernel_probes.py); float32 whatever y's
-    dtype, so a float16 sum of n rows keeps its precision."""
-    flat = cast(y, F32).reshape(-1, y.shape[-1])                                    # [n, m]
-    return ops.matmul(ops.ones((1, flat.shape[0]), F32), flat).reshape(-1)
+def linear(x, weight, bias=None, dtype=None, matmul=_matmul_nt, bias_add=ops.bias_add):
+    """x [..., in] -> [..., out] = x W^T + b, computed in `dtype` (default: x's), to which x, the
+    weight and the bias are cast; as a 2-D `matmul` [n, in] x [out, in] -> [n, out] and a
+    `bias_add` [n, out] + [out] (a linear's own, see plain_forms)."""
+    dtype = dtype or x.dtype
+    y = matmul(cast(x, dtype).reshape(-1, x.shape[-1]), cast(weight, dtype))     # [n, out]
+    if bias is not None:
+        y = bias_add(y, cast(bias, dtype))
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def broadcast_column(col, width):
-    """col [..., n, 1] -> [..., n, width], each row's value repeated, as col @ ones[1, width]: an
-    elementwise op with a [n, 1] operand broadcasts 2-2.5x slower on this CPU than the same op
-    on two full tensors, and this MatMul (inner size 1) costs less than the difference
-    (docs/performance.md#fusions). The values are col's exactly (products with 1)."""
-    return ops.matmul(col, ops.ones((1, width), col.dtype))
+def plain_forms():
+    """A linear's (matmul, bias_add): x [n, in] @ W [out, in]^T and y [n, out] + b [out] with
+    autodiff's backward. fused.linear_forms gives this CPU's fast ones (the layer spec,
+    gpt.layer_spec, picks fused.Linear, ColumnParallelLinear or RowParallelLinear for them)."""
+    return ops.MatMul(transpose_b=True), ops.bias_add
 
 
-def broadcast_row(row, rows):
-    """row [m] -> [rows, m], as ones[rows, 1] @ row[1, m] (broadcast_column's reason)."""
-    return ops.matmul(ops.ones((rows, 1), row.dtype), row.reshape(1, -1))
+# GPT-2's gelu_new, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Hendrycks & Gimpel 2016)
+GELU_TANH_K = 0.7978845608028654        # sqrt(2 / pi)
+GELU_TANH_C = 0.044715
 
 
-class BiasAdd(nn.Cell):
-    """y [n, m] + bias [m] by the BiasAdd kernel (4x faster than a broadcasting `+`); its bias
-    gradient column_sum(dy), 3x faster than the BiasAddGrad kernel. One per linear: one instance
-    shared by several layers gave wrong gradients compiled under full recompute."""
+def gelu_tanh(x):
+    """GPT-2's gelu_new written out: on CPU these elementwise ops and their gradients are faster
+    than the GeLU kernel's."""
+    return 0.5 * x * (1.0 + ops.tanh(GELU_TANH_K * (x + GELU_TANH_C * x * x * x)))
 
-    def __init__(self):
+
+def activation(y, act):
+    """An MLP's activation of fc1's output y (gpt.MLP and moe.py's experts): "swiglu" on its
+    [gate; up] halves (Shazeer 2020; each TP shard holds its halves' slices), "gelu_tanh" or the
+    exact "gelu"."""
+    if act == "swiglu":
+        gate, up = ops.chunk(y, 2, axis=-1)
+        return ops.silu(gate) * up
+    if act == "gelu_tanh":
+        return gelu_tanh(y)
+    return ops.gelu(y, approximate="none")
+
+
+class Linear(nn.Cell):
+    """y = x W^T + b with W [out, in], the layout of torch and Megatron: the linear of one TP
+    rank, computed in `dtype` (the compute dtype: float32 parameters are cast to it for the
+    matmul, half ones are already). skip_bias_add (Megatron's): (y without the bias, the bias or
+    None), for what follows to add it."""
+    forms = staticmethod(plain_forms)
+
+    def __init__(self, in_features, out_features, bias=True, dtype=F32, skip_bias_add=False):
         super().__init__()
-        self.kernel = MatmulGradBiasAdd()
-
-    def construct(self, y, bias):
-        return self.kernel(y, bias)
-
-
-class MatmulGradBiasAdd(nn.Cell):
-    """ops.bias_add of y [n, m] and bias [m] whose bias gradient is column_sum(dy)."""
-
-    def construct(self, y, bias):
-        return ops.bias_add(y, bias)
-
-    def bprop(self, y, bias, out, dout):
-        # a plain function call: see fused.py on MindSpore 2.10's ms.jit and bprop bodies
-        return MatmulGradBiasAdd.backward(bias, dout)
-
-    @staticmethod
-    def backward(bias, dout):
-        return dout, cast(column_sum(dout), bias.dtype)
-
-
-class LinearMatMul(nn.Cell):
-    """x [n, in] @ W [out, in]^T -> [n, out], a linear's matmul with its backward written out to
-    take the faster of two equal products for the weight gradient: dW = dy^T x as
-    MatMul(transpose_a)(dy, x), or as (x^T dy)^T, which this CPU's MatMul computes 1.3-1.6x
-    faster when out > in (QKV, fc1, the output layer: docs/performance.md#fusions); dx = dy W
-    as autodiff has it. Megatron's counterpart is the linear's own autograd function
-    (LinearWithGradAccumulationAndAsyncCommunication). One per linear, as BiasAdd."""
-
-    def construct(self, x, weight):
-        return _matmul_nt(x, weight)
-
-    def bprop(self, x, weight, out, dout):
-        # a plain function call: see fused.py on MindSpore 2.10's ms.jit and bprop bodies
-        return LinearMatMul.backward(x, weight, dout)
-
-    @staticmethod
-    def backward(x, weight, dout):
-        if weight.shape[0] > weight.shape[1]:
-            d_weight = _matmul_tn(x, dout).T                             # [in, out] -> [out, in]
-        else:
-            d_weight = _matmul_tn(dout, x)                               # [out, in]
-        return ops.matmul(dout, weight), d_weight
-
-
-class SplitLastDim(nn.Cell):
-    """ops.split(x, sizes, -1) (gpt.SelfAttention's q, k, v) with its backward one Concat of the
-    pieces' gradients: autodiff writes each piece's gradient into a zero tensor of x's shape
-    (StridedSliceGrad) and adds the three, a visible share of a benchmark step
-    (docs/performance.md). One per attention layer, as LinearMatMul."""
-
-    def __init__(self, sizes):
-        super().__init__()
-        self.sizes = tuple(sizes)
+        self.weight = _param((out_features, in_features), "weight")
+        self.bias = _param((out_features,), "bias") if bias else None
+        self.dtype, self.skip_bias_add = dtype, skip_bias_add
+        self.matmul, self.bias_add = self.forms()
 
     def construct(self, x):
-        return ops.split(x, self.sizes, axis=-1)
-
-    def bprop(self, x, out, dout):
-        # a plain function call: see fused.py on MindSpore 2.10's ms.jit and bprop bodies
-        return SplitLastDim.backward(dout)
-
-    @staticmethod
-    def backward(dout):
-        return (ops.cat(dout, -1),)
+        """x [..., in] -> [..., out]"""
+        if self.skip_bias_add:
+            return linear(x, self.weight, None, self.dtype, self.matmul), self.bias
+        return linear(x, self.weight, self.bias, self.dtype, self.matmul, self.bias_add)
 
 
-def linear(x, weight, bias=None, dtype=None, bias_add=None, matmul=None):
-    """x [..., in] -> [..., out], computed in `dtype` (default: x's), to which x, the weight and
-    the bias are cast. A 2-D MatMul plus BiasAdd: on CPU 3x faster than ops.dense on 3-D input;
-    `bias_add` the linear's own BiasAdd Cell (its matmul bias gradient), else ops.bias_add;
-    `matmul` its own LinearMatMul (its faster weight gradient), else the MatMul kernel."""
-    dtype = dtype or x.dtype
-    y = (matmul or _matmul_nt)(cast(x, dtype).reshape(-1, x.shape[-1]),
-                               cast(weight, dtype))                      # [n, out]
-    if bias is not None:
-        y = (bias_add or ops.bias_add)(y, cast(bias, dtype))
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+def mark_sequence_parallel(params, sequence_parallel):
+    """With sequence parallelism, mark parameters replicated over TP that see only this rank's
+    sequence shard [s/tp, b, h] (the norms, the row-parallel linears' biases, a router): each
+    rank's gradient is a partial sum, all-reduced over TP (optimizer.finalize_model_grads)."""
+    if sequence_parallel:
+        for param in params:
+            param.sequence_parallel = True
 
 
 def shard(full, dim, rank, size, chunks=1):
@@ -677,12 +640,10 @@ def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
     return merged
 
 
-def _param(shape, name, partition_dim=None, chunks=1, sequence_parallel=False):
+def _param(shape, name, partition_dim=None, chunks=1):
     param = Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
     if partition_dim is not None:
         param.partition_dim, param.partition_chunks = partition_dim, chunks
-    if sequence_parallel:
-        param.sequence_parallel = True          # grad is partial per TP rank: all-reduce it over TP
     return param
 
 
@@ -690,7 +651,8 @@ class ColumnParallelLinear(nn.Cell):
     """Y = X A with A split by columns: A = [A_1 .. A_n], rank i computes Y_i = X A_i.
     Weight [out/tp, in]; input [s, b, in] through f (or [s/tp, b, in] through f~ with sequence
     parallelism); output [s, b, out/tp], or [s, b, out] with gather_output. skip_bias_add
-    (Megatron's): (output without the bias, the bias), for a fused form to add it."""
+    (Megatron's): (output without the bias, the bias or None), for what follows to add it."""
+    forms = staticmethod(plain_forms)
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
                  sequence_parallel=False, chunks=1, dtype=F32, skip_bias_add=False):
@@ -710,14 +672,13 @@ class ColumnParallelLinear(nn.Cell):
             self.gather_output = gather_from_tensor_model_parallel_region()
         self.weight = _param((out_features // state.tp, in_features), "weight", 0, chunks)
         self.bias = _param((out_features // state.tp,), "bias", 0, chunks) if bias else None
-        self.bias_add = BiasAdd()
-        self.matmul = LinearMatMul()
+        self.matmul, self.bias_add = self.forms()
 
     def construct(self, x):
         # cast before f/f~: sequence parallelism all-gathers the compute dtype
         x = self.enter(cast(x, self.dtype))                              # [s, b, in]
         bias = None if self.skip_bias_add else self.bias
-        y = linear(x, self.weight, bias, self.dtype, self.bias_add, self.matmul)  # [s, b, out/tp]
+        y = linear(x, self.weight, bias, self.dtype, self.matmul, self.bias_add)  # [s, b, out/tp]
         if self.gather_output is not None:
             y = self.gather_output(y)                                    # [s, b, out]
         return (y, self.bias) if self.skip_bias_add else y
@@ -727,7 +688,8 @@ class RowParallelLinear(nn.Cell):
     """Y = X A with A split by rows: A = [A_1; ..; A_n], X = [X_1 .. X_n], Y = sum_i X_i A_i
     through g (or g~ with sequence parallelism). Weight [out, in/tp]; input [s, b, in/tp];
     output [s, b, out] (or [s/tp, b, out]); the bias is added once, after the reduction, or
-    with skip_bias_add returned beside the reduced output for a fused form to add once."""
+    with skip_bias_add returned beside the reduced output for what follows to add once."""
+    forms = staticmethod(plain_forms)
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
                  sequence_parallel=False, dtype=F32, skip_bias_add=False):
@@ -747,18 +709,16 @@ class RowParallelLinear(nn.Cell):
         else:
             self.reduce = reduce_from_tensor_model_parallel_region()             # g
         self.weight = _param((out_features, in_features // state.tp), "weight", 1)
+        self.bias = _param((out_features,), "bias") if bias else None
         if bias:
-            self.bias = _param((out_features,), "bias", sequence_parallel=sequence_parallel)
-        else:
-            self.bias = None
-        self.bias_add = BiasAdd()
-        self.matmul = LinearMatMul()
+            mark_sequence_parallel([self.bias], sequence_parallel)
+        self.matmul, self.bias_add = self.forms()
 
     def construct(self, x):
         if self.scatter_input is not None:
             x = self.scatter_input(x)                                    # [s, b, in/tp]
         # [s, b, out], or [s/tp, b, out] with sequence parallelism
-        y = self.reduce(linear(x, self.weight, None, self.dtype, matmul=self.matmul))
+        y = self.reduce(linear(x, self.weight, None, self.dtype, self.matmul))
         if self.skip_bias_add:
             return y, self.bias
         if self.bias is None:

@@ -2301,7 +2301,8 @@ def test_flash_attention_equals_core_attention(case, monkeypatch):
     inputs = [x.astype(dtype) for x in inputs[:3]] + [inputs[3]]
     results = []
     for attention in (gpt.CoreAttention, functools.partial(gpt.FlashAttention, block_size=16)):
-        core = attention(cfg.model_config, DropoutRNG(0), cfg.model_config.num_attention_heads
+        core = attention(cfg.model_config, gpt.layer_spec(cfg.model_config), DropoutRNG(0),
+                         cfg.model_config.num_attention_heads
                          // cfg.model_config.num_query_groups, layer_number=3)
         grads = ms.grad(lambda *x: (core(*x) * weights.astype(dtype)).astype(ms.float32).sum(),
                         (0, 1, 2))(*inputs)
@@ -2384,142 +2385,60 @@ class Graph(nn.Cell):
         return self.net(*inputs)
 
 
-class PlainBiasGelu(nn.Cell):
-    """gpt.MLP's plain path: linear_fc1's bias added, then gpt.gelu_tanh or the exact ops.gelu."""
+class WithBias(nn.Cell):
+    """form(y, bias) of a float32 bias parameter [f] (a linear's skipped bias: gpt.BiasActivation,
+    fused.BiasGelu and SwiGLU, the bias-dropout-adds), with further inputs after y; `cast`: the
+    bias cast to y's dtype first, as a linear passes it to its bias add."""
 
-    def __init__(self, f, tanh):
+    def __init__(self, form, f, cast=False):
         super().__init__()
-        self.bias, self.tanh = Parameter(Tensor(np.linspace(-1, 1, f).astype(np.float32))), tanh
-
-    def construct(self, y):
-        y = y + self.bias.astype(y.dtype)
-        return gpt.gelu_tanh(y) if self.tanh else ops.gelu(y, approximate="none")
-
-
-class FusedBiasGelu(PlainBiasGelu):
-    def __init__(self, f, tanh):
-        super().__init__(f, tanh)
-        self.fused = fused.BiasGelu(tanh)
-
-    def construct(self, y):
-        return self.fused(y, self.bias)
-
-
-class PlainSwiGLU(nn.Cell):
-    def construct(self, y):
-        gate, up = ops.chunk(y, 2, axis=-1)
-        return ops.silu(gate) * up
-
-
-class PlainRotary(nn.Cell):
-    def construct(self, x, cos, sin):
-        return gpt.apply_rotary(x, cos, sin)
-
-
-class PlainSoftmax(nn.Cell):
-    """gpt.CoreAttention's float32 softmax, scaled (query-key layer scaling's 3) and masked."""
-
-    def construct(self, scores, mask_bias):
-        return ops.softmax(scores * 3.0 + mask_bias.astype(scores.dtype), -1)
-
-
-class PlainBiasDropoutAdd(nn.Cell):
-    """gpt.TransformerLayer's plain residual: x + dropout(linear output with its bias)."""
-
-    def __init__(self, h, rate):
-        super().__init__()
-        self.bias = Parameter(Tensor(np.linspace(-1, 1, h).astype(np.float32)))
-        self.dropout = gpt.Dropout(rate, DropoutRNG(0))
-        self.bias_add = parallel.BiasAdd()
-
-    def construct(self, y, residual):
-        return residual + self.dropout(y + self.bias.astype(y.dtype))
-
-
-class FusedBiasDropoutAdd(PlainBiasDropoutAdd):
-    def construct(self, y, residual):
-        return fused.bias_dropout_add(y, self.bias, residual, self.dropout, self.bias_add)
-
-
-class PlainBiasAdd(nn.Cell):
-    def __init__(self, f):
-        super().__init__()
+        self.form, self.cast = form, cast
         self.bias = Parameter(Tensor(np.linspace(-1, 1, f).astype(np.float32)))
 
-    def construct(self, y):
-        return ops.bias_add(y, self.bias.astype(y.dtype))
+    def construct(self, y, *rest):
+        return self.form(y, self.bias.astype(y.dtype) if self.cast else self.bias, *rest)
 
 
-class MatmulBiasAdd(PlainBiasAdd):
-    def __init__(self, f):
-        super().__init__(f)
-        self.bias_add = parallel.BiasAdd()
-
-    def construct(self, y):
-        return self.bias_add(y, self.bias.astype(y.dtype))
+def _bias_dropout_adds(h, rate):
+    """gpt.BiasDropoutAdd and fused.BiasDropoutAdd, each with a dropout of its own stream."""
+    return (WithBias(gpt.BiasDropoutAdd(gpt.Dropout(rate, DropoutRNG(0))), h),
+            WithBias(fused.BiasDropoutAdd(gpt.Dropout(rate, DropoutRNG(0))), h))
 
 
-class PlainCrossEntropy(nn.Cell):
-    """gpt.cross_entropy (log_softmax and a gather) against fixed labels, one per row."""
+class WithLabels(nn.Cell):
+    """A loss form (gpt.CrossEntropy, fused.CrossEntropy) against fixed labels, one per row."""
 
-    def __init__(self, n, vocab):
+    def __init__(self, form, n, vocab):
         super().__init__()
-        self.labels = Tensor((np.arange(n) * 7 % vocab).astype(np.int32))
+        self.form, self.labels = form, Tensor((np.arange(n) * 7 % vocab).astype(np.int32))
 
     def construct(self, logits):
-        return gpt.cross_entropy(logits, self.labels)
+        return self.form(logits, self.labels)
 
 
-class FusedCrossEntropy(PlainCrossEntropy):
-    def __init__(self, n, vocab):
-        super().__init__(n, vocab)
-        self.kernel = fused.CrossEntropy()
+def _linears(out_features, in_features):
+    """parallel.Linear and fused.Linear (its matmul and bias add in their fast forms) with the
+    same weight and bias."""
+    weight = np.cos(np.arange(out_features * in_features)).reshape(out_features, -1)
+    linears = (parallel.Linear(in_features, out_features), fused.Linear(in_features, out_features))
+    for linear in linears:
+        linear.weight.set_data(Tensor(weight.astype(np.float32)))
+        linear.bias.set_data(Tensor(np.linspace(-1, 1, out_features).astype(np.float32)))
+    return linears
 
-    def construct(self, logits):
-        return self.kernel(logits, self.labels)
 
+class Split(nn.Cell):
+    """q, k, v widths (GQA: 2 query heads a group) split by a form (gpt.SplitLastDim,
+    fused.SplitLastDim), each piece then weighted differently so that each one's gradient is
+    told apart."""
 
-class PlainMatMul(nn.Cell):
-    """A linear's matmul x [n, in] @ W [out, in]^T, autodiff's backward."""
-
-    def __init__(self, out_features, in_features):
+    def __init__(self, form):
         super().__init__()
-        weight = np.cos(np.arange(out_features * in_features)).reshape(out_features, -1)
-        self.weight = Parameter(Tensor(weight.astype(np.float32)))
+        self.split = form((8, 4, 4))
 
     def construct(self, x):
-        return parallel.linear(x, self.weight)
-
-
-class HandMatMul(PlainMatMul):
-    def __init__(self, out_features, in_features):
-        super().__init__(out_features, in_features)
-        self.matmul = parallel.LinearMatMul()
-
-    def construct(self, x):
-        return parallel.linear(x, self.weight, matmul=self.matmul)
-
-
-class PlainSplit(nn.Cell):
-    """ops.split into q, k, v widths (GQA: 2 query heads a group), each piece then weighted
-    differently so that each one's gradient is told apart."""
-
-    def construct(self, x):
-        return self.combine(ops.split(x, (8, 4, 4), axis=-1))
-
-    @staticmethod
-    def combine(pieces):
-        q, k, v = pieces
+        q, k, v = self.split(x)
         return ops.cat((q * 2.0, k * 3.0, v * -1.0), -1)
-
-
-class HandSplit(PlainSplit):
-    def __init__(self):
-        super().__init__()
-        self.split = parallel.SplitLastDim((8, 4, 4))
-
-    def construct(self, x):
-        return self.combine(self.split(x))
 
 
 def _norms(plain, fused_class, h=24):
@@ -2531,42 +2450,59 @@ def _norms(plain, fused_class, h=24):
     return norms
 
 
-# form -> (plain Cell, fused Cell, input shapes, inputs that get a gradient)
+# form -> (plain Cell, fused Cell, input shapes, inputs that get a gradient): every form
+# gpt.layer_spec puts in place, against the local spec's
 FUSED_FORMS = {
     "layer_norm": (lambda: _norms(gpt.LayerNorm, fused.LayerNorm), [(6, 2, 24)], 1),
     "rms_norm": (lambda: _norms(gpt.RMSNorm, fused.RMSNorm), [(6, 2, 24)], 1),
-    "bias_gelu_tanh": (lambda: (PlainBiasGelu(20, True), FusedBiasGelu(20, True)),
-                       [(6, 2, 20)], 1),
-    "bias_gelu_exact": (lambda: (PlainBiasGelu(20, False), FusedBiasGelu(20, False)),
-                        [(6, 2, 20)], 1),
-    "swiglu": (lambda: (PlainSwiGLU(), fused.SwiGLU()), [(6, 2, 40)], 1),
-    "rope": (lambda: (PlainRotary(), fused.Rotary()), [(6, 2, 3, 8), (6, 2, 1, 8), (6, 2, 1, 8)],
+    "bias_gelu_tanh": (lambda: (WithBias(gpt.BiasActivation("gelu_tanh"), 20),
+                                WithBias(fused.BiasGelu(True), 20)), [(6, 2, 20)], 1),
+    "bias_gelu_exact": (lambda: (WithBias(gpt.BiasActivation("gelu"), 20),
+                                 WithBias(fused.BiasGelu(False), 20)), [(6, 2, 20)], 1),
+    "bias_swiglu": (lambda: (WithBias(gpt.BiasActivation("swiglu"), 40),
+                             WithBias(fused.SwiGLU(), 40)), [(6, 2, 40)], 1),
+    "rope": (lambda: (gpt.Rotary(), fused.Rotary()), [(6, 2, 3, 8), (6, 2, 1, 8), (6, 2, 1, 8)],
              1),
-    "masked_softmax": (lambda: (PlainSoftmax(), fused.ScaledMaskedSoftmax(3.0)),
+    "masked_softmax": (lambda: (gpt.ScaledMaskedSoftmax(3.0), fused.ScaledMaskedSoftmax(3.0)),
                        [(2, 3, 10, 10), "mask"], 1),
-    "bias_dropout_add": (lambda: (PlainBiasDropoutAdd(16, 0.0), FusedBiasDropoutAdd(16, 0.0)),
-                         [(6, 2, 16), (6, 2, 16)], 2),
-    "bias_dropout_add_p0.3": (lambda: (PlainBiasDropoutAdd(16, 0.3),
-                                       FusedBiasDropoutAdd(16, 0.3)), [(6, 2, 16), (6, 2, 16)],
-                              2),
-    "bias_add": (lambda: (PlainBiasAdd(16), MatmulBiasAdd(16)), [(12, 16)], 1),
-    "cross_entropy": (lambda: (PlainCrossEntropy(12, 40), FusedCrossEntropy(12, 40)),
-                      [(12, 40)], 1),
+    "bias_dropout_add": (lambda: _bias_dropout_adds(16, 0.0), [(6, 2, 16), (6, 2, 16)], 2),
+    "bias_dropout_add_p0.3": (lambda: _bias_dropout_adds(16, 0.3), [(6, 2, 16), (6, 2, 16)], 2),
+    "bias_add": (lambda: (WithBias(ops.bias_add, 16, True), WithBias(fused.BiasAdd(), 16, True)),
+                 [(12, 16)], 1),
+    "cross_entropy": (lambda: (WithLabels(gpt.CrossEntropy(), 12, 40),
+                               WithLabels(fused.CrossEntropy(), 12, 40)), [(12, 40)], 1),
     # out > in: the weight gradient as (x^T dy)^T; out <= in: as dy^T x
-    "linear_matmul_wide": (lambda: (PlainMatMul(24, 8), HandMatMul(24, 8)), [(6, 2, 8)], 1),
-    "linear_matmul_narrow": (lambda: (PlainMatMul(8, 24), HandMatMul(8, 24)), [(6, 2, 24)], 1),
-    "split_qkv": (lambda: (PlainSplit(), HandSplit()), [(6, 2, 3, 16)], 1),
+    "linear_wide": (lambda: _linears(24, 8), [(6, 2, 8)], 1),
+    "linear_narrow": (lambda: _linears(8, 24), [(6, 2, 24)], 1),
+    "split_qkv": (lambda: (Split(gpt.SplitLastDim), Split(fused.SplitLastDim)), [(6, 2, 3, 16)],
+                  1),
+    "attention_mask": (lambda: (Masked(gpt.keep_mask), Masked(fused.tile_mask)),
+                       [(2, 3, 10, 10), "causal"], 1),
 }
 
 
+class Masked(nn.Cell):
+    """Scores [2, 3, 10, 10] plus the mask bias as the model adds it, in the form `form` gives it
+    (gpt.keep_mask, fused.tile_mask)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
+    def construct(self, scores, mask_bias):
+        return ops.softmax(scores + self.form(mask_bias, 2, 3), -1)
+
+
 def _form_inputs(shapes, dtype):
-    """Random inputs of `shapes` in `dtype`; "mask" is a causal additive mask (float32)."""
+    """Random inputs of `shapes` in `dtype`; "mask" is a causal additive mask tiled to
+    [2, 3, 10, 10], "causal" the mask [1, 1, 10, 10] (float32)."""
     rng = np.random.default_rng(1)
     inputs = []
     for shape in shapes:
         if shape == "mask":
-            inputs.append(ops.tile(gpt.additive_mask(np.triu(np.ones((1, 1, 10, 10), bool), 1)),
-                                   (2, 3, 1, 1)))
+            inputs.append(ops.tile(gpt.causal_mask_bias(10), (2, 3, 1, 1)))
+        elif shape == "causal":
+            inputs.append(gpt.causal_mask_bias(10))
         else:
             inputs.append(Tensor(rng.standard_normal(shape).astype(np.float32)).astype(dtype))
     return inputs
@@ -2577,11 +2513,10 @@ def _form_inputs(shapes, dtype):
     for f in FUSED_FORMS for d in ("float32", "float16")]
     + [(f, "float32", True) for f in FUSED_FORMS if f != "bias_dropout_add_p0.3"])
 def test_fused_form_equals_its_plain_form(form, dtype, compiled):
-    """Each fused form (fused.py; parallel.BiasAdd, LinearMatMul and SplitLastDim) gives its
-    plain form's values and the gradients of its inputs and parameters: relative 1e-5 in
-    float32, 2e-3 in float16 (the norms compute in float32 inside, as the plain ones); op by op,
-    and compiled (ms.jit; dropout masks come from host streams, so the dropout case runs op by
-    op)."""
+    """Each fused form (fused.py) gives its plain form's values (gpt.local_spec's) and the
+    gradients of its inputs and parameters: relative 1e-5 in float32, 2e-3 in float16 (the norms
+    compute in float32 inside, as the plain ones); op by op, and compiled (ms.jit; dropout masks
+    come from host streams, so the dropout case runs op by op)."""
     build, shapes, graded = FUSED_FORMS[form]
     dtype = parallel.DTYPES[dtype]
     inputs = _form_inputs(shapes, dtype)
@@ -2607,7 +2542,7 @@ def test_fused_form_equals_its_plain_form(form, dtype, compiled):
 
 
 # MindSpore 2.10's CPU Tanh kernel is off by up to 1.0e-4 (against numpy's tanh, in [-6, 6]):
-# gpt.gelu_tanh carries that error, fused.BiasGelu's sigmoid form does not
+# parallel.gelu_tanh carries that error, fused.BiasGelu's sigmoid form does not
 TANH_KERNEL_ERROR = 2e-4
 
 
@@ -2638,9 +2573,7 @@ def test_fused_gelu_is_accurate(tanh):
         assert 1e-6 < error < TANH_KERNEL_ERROR
 
 
-# every fused form off: the plain model (bench_fusions.FUSIONS: each form's key and the flag that
-# turns it off)
-UNFUSED = list(bench_fusions.FUSIONS.values())
+UNFUSED = ["--no-fusions"]            # every fused form off: the plain model (gpt.local_spec)
 LLAMA = [*VARIANTS["gqa"], *VARIANTS["rope"], *VARIANTS["swiglu"], *VARIANTS["rmsnorm"]]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
@@ -2656,12 +2589,12 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
          "llama-compiled-selective recompute",
          "gpt2-dropout", "gpt2-fp16-compiled"])
 def test_fused_model_equals_the_plain_model(model, mode, extra):
-    """A tiny model with every fused form on (the defaults) gives the plain model's loss and
-    every parameter gradient (relative 1e-5; float16 2e-3): GPT-2 style (LayerNorm, tanh GELU,
-    biases) and LLaMA style (GQA, RoPE, SwiGLU, RMSNorm); op by op and compiled (against the
-    plain model op by op: one compilation a case); inside full and selective recompute (the
-    fused softmax in the recomputed core attention); with dropout (bias_dropout_add draws the
-    same masks)."""
+    """A tiny model with every fused form on (the defaults) gives the plain model's
+    (--no-fusions) loss and every parameter gradient (relative 1e-5; float16 2e-3): GPT-2 style
+    (LayerNorm, tanh GELU, biases) and LLaMA style (GQA, RoPE, SwiGLU, RMSNorm); op by op and
+    compiled (against the plain model op by op: one compilation a case); inside full and
+    selective recompute (the fused softmax in the recomputed core attention); with dropout
+    (the bias-dropout-adds draw the same masks)."""
     flags = (LLAMA if model == "llama" else []) + extra
     results = []
     for unfused in (UNFUSED, []):
@@ -2672,10 +2605,36 @@ def test_fused_model_equals_the_plain_model(model, mode, extra):
         results.append([loss.asnumpy()] + [g.asnumpy().astype(np.float32) for g in grads])
     fused_layer = model_.layers[0]
     assert isinstance(fused_layer.input_layernorm, (fused.LayerNorm, fused.RMSNorm))
-    assert fused_layer.self_attention.core_attention.fused_softmax is not None
+    assert isinstance(fused_layer.self_attention.core_attention.softmax, fused.ScaledMaskedSoftmax)
     tolerance = 2e-3 if "--fp16" in extra else 1e-5
     for got, want in zip(*results):
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_no_fusions_builds_the_local_spec(model):
+    """--no-fusions (model_config.fusions false) turns every fused form's key off
+    (config.FUSION_KEYS, bench_fusions.FUSIONS' keys) and builds a model of plain forms only: no
+    Cell of fused.py in it, the mask kept [1, 1, s, s]; the default build has a fused form for
+    every field of the spec that the model uses."""
+    flags = LLAMA if model == "llama" else ["--add-bias-linear"]
+    assert set(config.FUSION_KEYS) == set(bench_fusions.FUSIONS)
+    plain_cfg, plain = tiny_model(*flags, "--no-fusions")
+    assert not any(getattr(plain_cfg.model_config, key) for key in config.FUSION_KEYS)
+    assert gpt.layer_spec(plain_cfg.model_config) == gpt.local_spec(plain_cfg.model_config)
+    assert not [name for name, cell in plain.cells_and_names()
+                if type(cell).__module__ == "fused"]
+    assert plain.attention_mask is gpt.keep_mask
+    fused_cfg, model_ = tiny_model(*flags)
+    kinds = {type(cell).__name__ for _, cell in model_.cells_and_names()
+             if type(cell).__module__ == "fused"}
+    norm = "RMSNorm" if model == "llama" else "LayerNorm"
+    activation = "SwiGLU" if model == "llama" else "BiasGelu"
+    rotary = {"Rotary"} if model == "llama" else set()
+    linears = {"Linear", "LinearMatMul", "BiasAdd", "SplitLastDim", "ScaledMaskedSoftmax",
+               "BiasDropoutAdd", "CrossEntropy"}
+    assert linears | {norm, activation} | rotary <= kinds, kinds
+    assert model_.attention_mask is fused.tile_mask
 
 
 def test_fusion_flags_round_trip():
@@ -3185,12 +3144,12 @@ def dense_reference(layer, x):
     out = 0.0
     for e, expert in enumerate(layer.experts.local_experts):
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-        y = moe.apply_activation(parallel.linear(tokens, fc1.weight, fc1.bias), act)
+        y = parallel.activation(parallel.linear(tokens, fc1.weight, fc1.bias), act)
         out = out + probs[:, e:e + 1] * parallel.linear(y, fc2.weight, fc2.bias)
     out = out.reshape(s, b, h)
     shared = layer.shared_experts
     if shared is not None:
-        y = moe.apply_activation(ops.matmul(x, shared.linear_fc1.weight.T), act)
+        y = parallel.activation(ops.matmul(x, shared.linear_fc1.weight.T), act)
         y = ops.matmul(y, shared.linear_fc2.weight.T)
         if shared.gate_weight is not None:
             y = y * ops.sigmoid(ops.matmul(x, shared.gate_weight.T))
@@ -6121,6 +6080,18 @@ def test_finetune_no_load_optim_and_no_load_rng(tmp_path, stopped_runs):
 FP32_RUN = ["--train-iters", "20", "--lr", "3e-3", "--global-batch-size", "8"]
 
 
+def test_the_plain_model_trains_as_the_default_build(tmp_path):
+    """--no-fusions (every operator in its plain form, gpt.local_spec) trains as the default
+    build with every fast form: 4 steps with MLP biases (bias-GeLU, bias-dropout-add), their
+    losses and gradient norms within the tour's float32 tolerance of a layout (tour.RTOL)."""
+    runs = [run_training(tmp_path, name, "--train-iters", "4", "--add-bias-linear", *flags)[0]
+            for name, flags in (("fused", []), ("plain", ["--no-fusions"]))]
+    for values, key in ((losses_of, "loss"), (grad_norms_of, "grad norm")):
+        fused_values, plain_values = (np.array(values(lines)) for lines in runs)
+        assert len(fused_values) == 4
+        np.testing.assert_allclose(plain_values, fused_values, rtol=tour.RTOL["one"][key])
+
+
 @pytest.fixture(scope="module")
 def compiled_fp32_run(tmp_path_factory):
     """FP32_RUN compiled by ms.jit: (its train lines, all its log's lines)."""
@@ -6264,7 +6235,7 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
 def test_half_precision_parameters_take_their_gradients_in_their_dtype():
     """--fp16 parameters are made in float16 (gpt.cast_parameters), not set_dtype'd: op by op, the
     tied embedding's two gradients (its lookup's, and the output layer's hand backward,
-    parallel.LinearMatMul) are both float16 and add (with set_dtype MindSpore 2.10 returned the
+    fused.LinearMatMul) are both float16 and add (with set_dtype MindSpore 2.10 returned the
     hand backward's in float32: "For primitive[Add] ... Float32 and Float16"). The weights are
     the float32 model's, cast; a parameter two Cells hold stays one, with its name and marks."""
     cfg, model = tiny_model("--fp16")
@@ -7029,7 +7000,8 @@ class DenseEmbedding(nn.Cell):
 
 
 class TwoLayerMLP(nn.Cell):
-    """fc1 -> gelu -> fc2: dense (gpt.Linear) or Column -> Row parallel, same parameter names."""
+    """fc1 -> gelu -> fc2: dense (parallel.Linear) or Column -> Row parallel, same parameter
+    names."""
 
     def __init__(self, fc1, fc2):
         super().__init__()
@@ -7092,20 +7064,22 @@ def check_layers(c, state):
     x = rand(11, S, B, H)
     full, part = S * B * H * 4, S // tp * B * H * 4              # activation bytes, fp32
     c.family = "column_parallel_linear"
-    check_layer(c, state, "column", gpt.Linear(H, FFN), ColumnParallelLinear(H, FFN), x, out_dim=2,
+    check_layer(c, state, "column", parallel.Linear(H, FFN), ColumnParallelLinear(H, FFN), x,
+                out_dim=2,
                 expected=({}, {("tp", "all_reduce"): (1, full)}))
-    check_layer(c, state, "column gather_output", gpt.Linear(H, FFN),
+    check_layer(c, state, "column gather_output", parallel.Linear(H, FFN),
                 ColumnParallelLinear(H, FFN, gather_output=True), x)
-    check_layer(c, state, "column chunks=2", gpt.Linear(H, FFN),
+    check_layer(c, state, "column chunks=2", parallel.Linear(H, FFN),
                 ColumnParallelLinear(H, FFN, chunks=2), x, out_dim=2, out_chunks=2)
     x_wide = rand(12, S, B, FFN)
     c.family = "row_parallel_linear"
-    check_layer(c, state, "row", gpt.Linear(FFN, H), RowParallelLinear(FFN, H), x_wide, in_dim=2,
+    check_layer(c, state, "row", parallel.Linear(FFN, H), RowParallelLinear(FFN, H), x_wide,
+                in_dim=2,
                 expected=({("tp", "all_reduce"): (1, full)}, {}))
-    check_layer(c, state, "row input_is_parallel=False", gpt.Linear(FFN, H),
+    check_layer(c, state, "row input_is_parallel=False", parallel.Linear(FFN, H),
                 RowParallelLinear(FFN, H, input_is_parallel=False), x_wide)
     c.family = "tensor_parallel_mlp"
-    check_layer(c, state, "mlp", TwoLayerMLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)),
+    check_layer(c, state, "mlp", TwoLayerMLP(parallel.Linear(H, FFN), parallel.Linear(FFN, H)),
                 TwoLayerMLP(ColumnParallelLinear(H, FFN), RowParallelLinear(FFN, H)), x,
                 expected=({("tp", "all_reduce"): (1, full)}, {("tp", "all_reduce"): (1, full)}))
     sp = {("tp", "all_gather"): (1, part), ("tp", "reduce_scatter"): (1, full)}
@@ -7114,7 +7088,7 @@ def check_layers(c, state):
         sp_mlp = TwoLayerMLP(ColumnParallelLinear(H, FFN, sequence_parallel=True),
                      RowParallelLinear(FFN, H, sequence_parallel=True))
         check_layer(c, state, "mlp sequence parallel" + (" compiled" if compiled else ""),
-                    TwoLayerMLP(gpt.Linear(H, FFN), gpt.Linear(FFN, H)),
+                    TwoLayerMLP(parallel.Linear(H, FFN), parallel.Linear(FFN, H)),
                     gpt.Compiled(sp_mlp) if compiled else sp_mlp, x, in_dim=0, out_dim=0,
                     expected=(sp, sp))
     ids = np.random.default_rng(13).integers(0, TOY_VOCAB, (B, S)).astype(np.int32)
@@ -7165,8 +7139,8 @@ def check_cross_entropy(c, state):
     loss = cross_entropy(local, labels)
     c.close("vocab cross-entropy forward", loss,
             dense_cross_entropy(Tensor(logits), labels).asnumpy())
-    err = float(np.abs(loss.asnumpy() - gpt.cross_entropy(Tensor(logits), labels).asnumpy()).max())
-    c("vocab cross-entropy = gpt.cross_entropy (log_softmax) to 1e-5", err <= 1e-5, f"{err:.2e}")
+    err = float(np.abs(loss.asnumpy() - gpt.CrossEntropy()(Tensor(logits), labels).asnumpy()).max())
+    c("vocab cross-entropy = gpt.CrossEntropy (log_softmax) to 1e-5", err <= 1e-5, f"{err:.2e}")
     c("vocab cross-entropy ledger forward",
       ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)}, str(ledger.counts()))
     want = ms.grad(lambda z: (dense_cross_entropy(z, labels) * weights).sum())(Tensor(logits))

@@ -1,11 +1,12 @@
 """The tour: every parallelism of the project trained beside one process, a row per layout.
 
-    bash run.sh tour [--layouts tp,pp_vpp,...] [--output output/tour]
+    bash run.sh tour [--layouts tp,pp_vpp,...] [--output output/tour] [--no-fusions]
 
 A tiny GPT (MODEL: 4 layers, hidden 64, 4 heads, sequence 64, byte tokens of the shipped
 tinyshakespeare) trains STEPS steps, compiled by ms.jit as in production, in each layout of
 LAYOUTS and in one process, from the same initial weights on the same batches (float32; the
-fp16 row against a float16 process). The layouts of one worker count share one msrun launch, its
+fp16 row against a float16 process); with --no-fusions every run, the one-process ones too, is
+the plain model (gpt.local_spec). The layouts of one worker count share one msrun launch, its
 workers running them one after another (this file is their program too: `python tour.py --runs
 RUNS.json`, which calls train.main per run); a row is printed as each run ends:
 
@@ -112,11 +113,14 @@ LAYOUTS = {
 TOUR_FLAGS = {"--layouts": (list(LAYOUTS), list, "the layouts to run, in this order: "
                             + ", ".join(LAYOUTS) + " (comma- or space-separated)"),
               "--output": (os.path.join("output", "tour"), str,
-                           "the folder of every run's log, metrics and timeline")}
+                           "the folder of every run's log, metrics and timeline"),
+              "--no-fusions": (False, bool, "every run, one process's too, with every operator "
+                               "in its plain form (model_config.fusions=false)")}
 
 
 def parse(argv):
-    """The options of `bash run.sh tour`: (layout names in LAYOUTS' order, output folder)."""
+    """The options of `bash run.sh tour`: (layout names in LAYOUTS' order, output folder, the
+    flags every run adds to MODEL)."""
     options, _ = parse_command("tour", argv, TOUR_FLAGS,
                                about="Every layout of a tiny GPT trained beside one process.")
     names = [n for item in options["layouts"] for n in item.split(",") if n]
@@ -124,7 +128,8 @@ def parse(argv):
     if unknown or not names:
         raise ConfigError(f"tour: --layouts {','.join(unknown) or '(none)'}: choose from "
                           f"{', '.join(LAYOUTS)}")
-    return [n for n in LAYOUTS if n in names], os.path.abspath(options["output"])
+    model_flags = ["--no-fusions"] if options["no_fusions"] else []
+    return [n for n in LAYOUTS if n in names], os.path.abspath(options["output"]), model_flags
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -173,9 +178,9 @@ class RunFailed(Exception):
     """A run of the tour that did not finish or does not equal one process."""
 
 
-def run_argv(name, flags, prefix, output):
+def run_argv(name, flags, prefix, output, model_flags=()):
     """train.py's argv for the run `name` of the tour."""
-    return ["--config", PROJECT_CONFIG, *MODEL, "--data-path", prefix, *flags,
+    return ["--config", PROJECT_CONFIG, *MODEL, *model_flags, "--data-path", prefix, *flags,
             "--save", os.path.join(output, name)]
 
 
@@ -283,10 +288,10 @@ HEADER = ("layout      ranks  vs one process             comm MiB/step     bubbl
           "meas. plan")
 
 
-def row(name, folder, reference_folder):
+def row(name, folder, reference_folder, model_flags=()):
     """The tour's row for the run `name` in `folder`, and its verdict (verdict)."""
     layout = LAYOUTS[name]
-    cfg = load_config(PROJECT_CONFIG, [*MODEL, *layout.flags], layout.workers)
+    cfg = load_config(PROJECT_CONFIG, [*MODEL, *model_flags, *layout.flags], layout.workers)
     cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
     found = differences(folder, reference_folder)
     said = verdict(found, RTOL[layout.reference])
@@ -302,18 +307,18 @@ def row(name, folder, reference_folder):
 
 
 # ----------------------------------------------------------------------------- bash run.sh tour
-def start(workers, names, prefix, output):
+def start(workers, names, prefix, output, model_flags):
     """Launch the runs `names` (references or layouts) on `workers` workers, their folders
     emptied first."""
     runs = []
     for name in names:
         shutil.rmtree(os.path.join(output, name), ignore_errors=True)
         flags = REFERENCES[name] if name in REFERENCES else LAYOUTS[name].flags
-        runs.append([name, run_argv(name, flags, prefix, output)])
+        runs.append([name, run_argv(name, flags, prefix, output, model_flags)])
     return Launch(workers, runs, output)
 
 
-def tour(names, output):
+def tour(names, output, model_flags=()):
     """Run the references, then each worker count's layouts in one launch, printing a row per
     layout as it ends; stop at the first that fails or differs. Returns the exit code."""
     with contextlib.redirect_stdout(io.StringIO()):          # preprocessing's progress lines
@@ -324,12 +329,12 @@ def tour(names, output):
                                   for w in sorted({LAYOUTS[n].workers for n in names})]
     print(HEADER, flush=True)
     for workers, group in groups:
-        launch = start(workers, group, prefix, output)
+        launch = start(workers, group, prefix, output, model_flags)
         try:
             for name in group:
                 folder = launch.wait(name)
                 if name not in REFERENCES:
-                    print(report(name, folder, output), flush=True)
+                    print(report(name, folder, output, model_flags), flush=True)
         except RunFailed as e:
             print(f"tour: stopped: {e}", flush=True)
             return 1
@@ -338,11 +343,11 @@ def tour(names, output):
     return 0
 
 
-def report(name, folder, output):
+def report(name, folder, output, model_flags=()):
     """The lines of layout `name` (its row, the code that does its work, its timeline), or
     RunFailed if its losses differ from one process's."""
     layout = LAYOUTS[name]
-    text, said = row(name, folder, os.path.join(output, layout.reference))
+    text, said = row(name, folder, os.path.join(output, layout.reference), model_flags)
     lines = [text, f"    {layout.title}: {layout.code}"]
     if "training_config.pipeline_trace=true" in layout.flags:
         lines.append(f"    timeline: {shown(folder)}/pipeline_timeline.svg")
@@ -362,7 +367,7 @@ def shown(path):
 def main(argv):
     """bash run.sh tour: see the module docstring."""
     try:
-        names, output = parse(argv)
+        names, output, model_flags = parse(argv)
     except HelpRequested as e:
         print(e)
         return 0
@@ -373,7 +378,7 @@ def main(argv):
     os.makedirs(output, exist_ok=True)
     print(f"tour: {len(names)} layout(s) of a tiny GPT, {STEPS} compiled steps each, beside one "
           f"process (output: {shown(output)})", flush=True)
-    code = tour(names, output)
+    code = tour(names, output, model_flags)
     if code == 0:
         minutes, seconds = divmod(round(time.time() - started), 60)
         print(f"tour: {len(names)} layout(s), each equal to one process, in {minutes} min "
