@@ -26,6 +26,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor
 
+import dist_checkpoint
 import megatron_checkpoint
 import moe
 import parallel
@@ -667,16 +668,54 @@ def _megatron_weights(files, model_cfg, first):
     return megatron_checkpoint.read_weights(files, shapes, model_cfg, first)
 
 
-def read_megatron(root):
-    """(tensors, overrides, iteration) of the Megatron-LM checkpoint in `root` (any TP and PP,
-    virtual too; mcore or legacy names; float32, float16 or bfloat16 weights): one-process
-    tensors {"model.<name>": float32}, the model and tokenizer as section.key=value overrides,
-    the iteration. A model this project cannot hold is one ConfigError line naming the setting."""
+def _dist_weights(folder, index, model_cfg):
+    """One-process float32 tensors of the torch_dist checkpoint in `folder` (its .metadata
+    `index`), checked against this project's model of `model_cfg`."""
+    [one] = build_rank_chunks(model_cfg, 1, 1)
+    shapes = {f"model.{n}": tuple(param.shape) for n, param in one.parameters_and_names()}
+    values = dist_checkpoint.model_tensors(folder, index)
+    if not model_cfg.untie_embeddings_and_output_weights:
+        values.pop("model.output_layer.weight", None)
+    megatron_checkpoint.check_shards([values], shapes, 1)
+    return {k: v.astype(np.float32) for k, v in values.items()}
+
+
+def megatron_source(root):
+    """(iteration, overrides, note, weights, what) of the latest Megatron-LM checkpoint in `root`,
+    --ckpt-format torch or torch_dist: the model and tokenizer as section.key=value overrides
+    (note: a tokenizer this project lacks), `weights(model_cfg)` its one-process float32 tensors
+    {"model.<name>"} for this project's model of `model_cfg`, `what` its layout and dtype for
+    the log. A model this project cannot hold is one ConfigError line naming the setting."""
+    iteration, folder = megatron_checkpoint.checkpoint_folder(root)
+    if dist_checkpoint.is_dist(folder):
+        common = dist_checkpoint.read_common(folder)
+        index, _ = dist_checkpoint.read_index(folder)
+        args = common["args"]
+        try:
+            model = megatron_checkpoint.model_overrides(args)
+        except ConfigError as e:
+            raise ConfigError(f"{folder}/{dist_checkpoint.COMMON}: {e}") from None
+        tokenizer, note = megatron_checkpoint.tokenizer_overrides(
+            args, int(vars(args)["padded_vocab_size"]))
+        dtypes = "/".join(sorted({dtype for dtype, _, _ in index.values()}))
+        return (iteration, model + tokenizer, note,
+                lambda model_cfg: _dist_weights(folder, index, model_cfg),
+                f"torch_dist, {dtypes} weights")
     iteration, files, first = megatron_checkpoint.checkpoint_files(root)
-    overrides, _ = megatron_checkpoint.checkpoint_overrides(
-        first, files[0, 0, 0], *megatron_checkpoint.folder_sizes(files))
-    weights = _megatron_weights(files, _megatron_config(overrides).model_config, first)
-    return weights, overrides, iteration
+    tp, pp, ep = megatron_checkpoint.folder_sizes(files)
+    overrides, note = megatron_checkpoint.checkpoint_overrides(first, files[0, 0, 0], tp, pp, ep)
+    return (iteration, overrides, note,
+            lambda model_cfg: _megatron_weights(files, model_cfg, first),
+            f"{tp} x {pp} x {ep} (EP) ranks, {megatron_checkpoint.weights_dtype(first)} weights")
+
+
+def read_megatron(root):
+    """(tensors, overrides, iteration) of the Megatron-LM checkpoint in `root` (either format; any
+    TP and PP, virtual too; mcore or legacy names; float32, float16 or bfloat16 weights):
+    one-process tensors {"model.<name>": float32}, the model and tokenizer as section.key=value
+    overrides, the iteration."""
+    iteration, overrides, _, weights, _ = megatron_source(root)
+    return weights(_megatron_config(overrides).model_config), overrides, iteration
 
 
 def _check_tokenizer(dataset_cfg, padded):
@@ -699,30 +738,28 @@ IMPORT_MEGATRON_FLAGS = {"--save": (REQUIRED, str, "new or empty folder"),
 
 def import_megatron_main(argv):
     """import-megatron DIR --save OUT [--nproc N] [layout flags] [flags]: the latest Megatron-LM
-    checkpoint (--ckpt-format torch) in DIR as a checkpoint of this project in any layout, its
-    weights only (training starts its own optimizer), the model and tokenizer from its args."""
+    checkpoint (--ckpt-format torch or torch_dist) in DIR as a checkpoint of this project in
+    any layout, its weights only (training starts its own optimizer), the model and tokenizer
+    from its args."""
     options, argv = parse_command("import-megatron", argv, IMPORT_MEGATRON_FLAGS,
                                   positional=("DIR",), passthrough="layout and training flags",
-                                  about="A Megatron-LM checkpoint (--ckpt-format torch) as a "
-                                        "checkpoint.")
+                                  about="A Megatron-LM checkpoint (--ckpt-format torch or "
+                                        "torch_dist) as a checkpoint.")
     root, save, world = options["dir"], options["save"], options["nproc"]
     check_new_folder("import-megatron", save, world)
-    iteration, files, first = megatron_checkpoint.checkpoint_files(root)
-    tp, pp, ep = megatron_checkpoint.folder_sizes(files)
-    overrides, note = megatron_checkpoint.checkpoint_overrides(first, files[0, 0, 0], tp, pp, ep)
+    iteration, overrides, note, weights, what = megatron_source(root)
     cfg = _megatron_config(overrides, argv, world)
     model_cfg = cfg.model_config
     cfg.training_config.output_dir = save
     _check_tokenizer(cfg.dataset_config, model_cfg.padded_vocab_size)
-    tensors = _megatron_weights(files, model_cfg, first)
+    tensors = weights(model_cfg)
     meta = {"iteration": iteration, "consumed_train_samples": 0, "optimizer_step": None,
             "opt_param_scheduler": None, "grad_scaler": None, "rng_state": None,
             "imported_from": os.path.abspath(root)}
     path = write_layout(save, tensors, meta, cfg)
     if note:
         print(f"import-megatron: {note}")
-    print(f"imported {root} (iteration {iteration}, {tp} x {pp} x {ep} (EP) ranks, "
-          f"{megatron_checkpoint.weights_dtype(first)} weights; {model_cfg.num_layers} layers, "
+    print(f"imported {root} (iteration {iteration}, {what}; {model_cfg.num_layers} layers, "
           f"hidden {model_cfg.hidden_size}) to {path} in {model_cfg.params_dtype}, layout "
           f"{layout_of(cfg)}")
 

@@ -213,8 +213,8 @@ class _Unpickler(pickle._Unpickler):
         super().load_build()
     dispatch[pickle.BUILD[0]] = load_build
 
-    def __init__(self, archive, prefix, byteorder):
-        super().__init__(io.BytesIO(archive.read(prefix + "data.pkl")))
+    def __init__(self, file, archive=None, prefix="", byteorder="little"):
+        super().__init__(file)
         self.archive, self.prefix, self.byteorder = archive, prefix, byteorder
         self.storages, self.foreign = {}, {}
 
@@ -231,6 +231,8 @@ class _Unpickler(pickle._Unpickler):
         return self.foreign[dotted]
 
     def persistent_load(self, pid):
+        if self.archive is None:
+            raise TorchFormatError(f"a bare pickle names the storage {pid!r:.60}")
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise TorchFormatError(f"unknown persistent id {pid!r:.60}")
         _, kind, key, _, numel = pid
@@ -265,7 +267,43 @@ def _load_archive(archive):
         byteorder = archive.read(prefix + "byteorder").decode("ascii", "replace").strip()
     if byteorder not in ("little", "big"):
         raise TorchFormatError(f"{prefix}byteorder holds {byteorder!r:.20}, not little or big")
-    return _Unpickler(archive, prefix, byteorder).load()
+    return _Unpickler(io.BytesIO(archive.read(prefix + "data.pkl")), archive, prefix,
+                      byteorder).load()
+
+
+def _one_line(name, e):
+    """A failure of reading `name` as one TorchFormatError line."""
+    if isinstance(e, TorchFormatError):
+        return TorchFormatError(f"{name}: {e}")
+    if isinstance(e, zipfile.BadZipFile):
+        return TorchFormatError(f"{name} is not a file of torch.save, or a truncated one ({e})")
+    first = str(e).splitlines()[0] if str(e) else ""
+    return TorchFormatError(f"{name} is damaged: its pickle fails ({type(e).__name__}: "
+                            f"{first:.120})")
+
+
+PICKLE_ERRORS = (TorchFormatError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError,
+                 zlib.error, KeyError, TypeError, AttributeError, IndexError, ValueError,
+                 MemoryError)
+
+
+def loads(raw, name):
+    """The object torch.save wrote into the bytes `raw` (a piece of a larger file, `name` in
+    errors), as `load` reads a file."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            return _load_archive(archive)
+    except PICKLE_ERRORS as e:
+        raise _one_line(name, e) from None
+
+
+def load_pickle(raw, name):
+    """A bare pickle's object (torch.distributed.checkpoint's .metadata), its classes mapped by
+    name as in `load`: torch.Size a tuple, dtypes TorchDtype, the rest Foreign placeholders."""
+    try:
+        return _Unpickler(io.BytesIO(raw)).load()
+    except PICKLE_ERRORS as e:
+        raise _one_line(name, e) from None
 
 
 def load(path):
@@ -284,18 +322,10 @@ def load(path):
                                    "and save it again with a newer torch")
         with zipfile.ZipFile(path) as archive:
             return _load_archive(archive)
-    except TorchFormatError as e:
-        raise TorchFormatError(f"{path}: {e}") from None
-    except zipfile.BadZipFile as e:
-        raise TorchFormatError(f"{path} is not a file of torch.save, or a truncated one "
-                               f"({e})") from None
     except OSError as e:
         raise TorchFormatError(f"{path} cannot be read ({e.strerror or e})") from None
-    except (pickle.UnpicklingError, EOFError, zlib.error, KeyError, TypeError, AttributeError,
-            IndexError, ValueError, MemoryError) as e:
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise TorchFormatError(f"{path} is damaged: its pickle fails ({type(e).__name__}: "
-                               f"{first:.120})") from None
+    except PICKLE_ERRORS as e:
+        raise _one_line(path, e) from None
 
 
 # ----------------------------------------------------------------------------- writing

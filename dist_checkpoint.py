@@ -1,0 +1,197 @@
+"""Megatron-LM's torch_dist checkpoints (its default --ckpt-format) read and written with numpy.
+
+Megatron-LM saves them through megatron.core.dist_checkpointing (strategies/torch.py) on
+PyTorch Distributed Checkpoint (torch/distributed/checkpoint/filesystem.py, metadata.py):
+
+    <save>/latest_checkpointed_iteration.txt
+    <save>/iter_0000100/.metadata        pickle of Metadata: per key, TensorStorageMetadata (dtype,
+                                         global size, chunks: offsets and sizes) or
+                                         BytesStorageMetadata; storage_data: per (key, offsets),
+                                         _StorageInfo(relative_path, offset, length)
+    <save>/iter_0000100/__<rank>_<k>.distcp
+                                         each piece a torch.save archive (torch_format.py) at its
+                                         offset: a tensor chunk, or an object's bytes
+    <save>/iter_0000100/common.pt        torch.save of what is not sharded: args, iteration, ...
+    <save>/iter_0000100/metadata.json    {"sharded_backend": "torch_dist", ...}
+
+The keys are Megatron-core's sharded names (GPTModel.sharded_state_dict): the layers stacked on
+a leading layer axis, `decoder.layers.self_attention.linear_qkv.weight` of global shape
+[num_layers, 3h, h] (transformer_block.py, sharded_offsets), the pipeline's layers at their
+global numbers, TP pieces at their place in the one-process tensor (SwiGLU's fc1 as [gate; up],
+mlp.py apply_swiglu_sharded_factory), the local norms under transformer_engine's fused names
+(`linear_qkv.layer_norm_weight`; gpt_layer_specs.py's sharded_state_dict_keys_map), each linear's
+`_extra_state/shard_<layer>_<num_layers>` an object. A key assembled from its chunks is the
+one-process tensor, whatever layout saved it: what makes the format layout-free.
+"""
+import json
+import os
+
+import numpy as np
+
+import torch_format
+from megatron_checkpoint import CheckpointError, project_name
+
+METADATA = ".metadata"
+COMMON = "common.pt"
+BACKEND = "metadata.json"
+LAYERS = "decoder.layers."
+# the versions whose names this reader knows (metadata.json, .metadata, common.pt)
+BACKEND_VERSION = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+DCP_VERSION = "1.0.0"
+CHECKPOINT_VERSION = 3.0
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+          "float64": np.float64}
+
+
+def is_dist(folder):
+    """An iteration folder of a torch_dist checkpoint (its .metadata index is there)."""
+    return os.path.isfile(os.path.join(folder, METADATA))
+
+
+def _state(obj, field):
+    """A field of a dataclass object the index pickles (a torch_format.Foreign's BUILD state)."""
+    state = getattr(obj, "state", None)
+    if not isinstance(state, dict) or field not in state:
+        raise CheckpointError(f"its {METADATA} holds {obj!r:.80} without {field}: not the index "
+                              "of PyTorch Distributed Checkpoint")
+    return state[field]
+
+
+def read_index(folder):
+    """(tensors, objects) of the folder's .metadata: tensors {key: (dtype name, global shape,
+    [(offsets, sizes, file, byte offset, length)])}, objects {key: (file, byte offset,
+    length)}. The version and every piece's file are checked."""
+    _check_backend(folder)
+    path = os.path.join(folder, METADATA)
+    try:
+        with open(path, "rb") as f:
+            metadata = torch_format.load_pickle(f.read(), path)
+    except torch_format.TorchFormatError as e:
+        raise CheckpointError(str(e)) from None
+    version = getattr(metadata, "state", {}).get("version", DCP_VERSION)
+    if version != DCP_VERSION:
+        raise CheckpointError(f"{path} is of PyTorch Distributed Checkpoint {version}, this reader "
+                              f"knows {DCP_VERSION}: save it with torch 2.4 to 2.13")
+    where = {}
+    for index, info in _state(metadata, "storage_data").items():
+        fields = {k: _state(info, k) for k in ("relative_path", "offset", "length")}
+        offsets = getattr(index, "state", {}).get("offset")
+        where[_state(index, "fqn"), offsets and tuple(offsets)] = (
+            fields["relative_path"], fields["offset"], fields["length"])
+    tensors, objects = {}, {}
+    for key, entry in _state(metadata, "state_dict_metadata").items():
+        if not isinstance(entry.state, dict) or "chunks" not in entry.state:
+            objects[key] = _located(where, key, None, path)
+            continue
+        dtype = getattr(entry.state["properties"].state[0], "name", "?")
+        pieces = [(tuple(_state(c, "offsets")), tuple(_state(c, "sizes")))
+                  for c in entry.state["chunks"]]
+        tensors[key] = (dtype, tuple(entry.state["size"]),
+                        [(o, s, *_located(where, key, o, path)) for o, s in pieces])
+    return tensors, objects
+
+
+def _located(where, key, offsets, path):
+    if (key, offsets) not in where:
+        raise CheckpointError(f"{path} lists {key} at {offsets} but not where it is stored: the "
+                              "index is damaged")
+    return where[key, offsets]
+
+
+def _check_backend(folder):
+    path = os.path.join(folder, BACKEND)
+    try:
+        with open(path) as f:
+            backend = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read ({e}): not a complete torch_dist "
+                              "checkpoint") from None
+    got = {k: backend.get(k) for k in BACKEND_VERSION}
+    if got != BACKEND_VERSION:
+        raise CheckpointError(f"{path} says {got}, this reader knows {BACKEND_VERSION}: a "
+                              "checkpoint of another Megatron format or version")
+
+
+def read_piece(folder, file, offset, length, what):
+    """The object torch.save wrote at [offset, offset + length) of `file` in `folder`."""
+    path = os.path.join(folder, file)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: its {METADATA} names it for {what}")
+    with open(path, "rb") as f:
+        f.seek(offset)
+        raw = f.read(length)
+    if len(raw) < length:
+        raise CheckpointError(f"{path} holds {os.path.getsize(path)} bytes, {what} ends at byte "
+                              f"{offset + length}: the file is truncated")
+    try:
+        return torch_format.loads(raw, f"{path} at byte {offset} ({what})")
+    except torch_format.TorchFormatError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def read_tensor(folder, key, dtype, shape, pieces):
+    """The global tensor `key` assembled from its pieces: float32 (bfloat16 widened exactly),
+    float16 and float64 as stored."""
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{key} in {folder} is {dtype}, not a floating-point tensor")
+    out = np.zeros(shape, DTYPES[dtype] if dtype != "bfloat16" else np.float32)
+    covered = 0
+    for offsets, sizes, file, offset, length in pieces:
+        value = read_piece(folder, file, offset, length, f"{key} at {offsets}")
+        value = value.float32() if isinstance(value, torch_format.BFloat16) else value
+        if not isinstance(value, np.ndarray) or value.shape != sizes:
+            raise CheckpointError(f"{folder}/{file}: {key} at {offsets} holds "
+                                  f"{getattr(value, 'shape', type(value).__name__)}, its index "
+                                  f"says {sizes}: the file is damaged")
+        out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = value
+        covered += int(np.prod(sizes))
+    if covered != out.size:
+        raise CheckpointError(f"the pieces of {key} in {folder} cover {covered} of its {out.size} "
+                              "elements: a rank's file is missing from the index")
+    return out
+
+
+def read_common(folder):
+    """common.pt: the run's args, iteration and checkpoint_version, checked."""
+    path = os.path.join(folder, COMMON)
+    try:
+        common = torch_format.load(path)
+    except torch_format.TorchFormatError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(common, dict) or "args" not in common:
+        raise CheckpointError(f"{path} holds no args: not the common state of Megatron-LM's "
+                              "save_checkpoint")
+    version = common.get("checkpoint_version")
+    if version != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint_version {version}, this reader knows "
+                              f"{CHECKPOINT_VERSION}: a Megatron-LM newer or older than its names")
+    return common
+
+
+def model_tensors(folder, tensors):
+    """{"model.<name>": array} of the index `tensors` (read_index) read from `folder`, under this
+    project's global names: stacked layers split on their layer axis; objects (_extra_state)
+    and the optimizer's keys left out. A key this project has no place for is one
+    CheckpointError line naming it."""
+    out = {}
+    for key, (dtype, shape, pieces) in tensors.items():
+        if key.startswith("optimizer."):
+            continue
+        try:
+            stacked = key.startswith(LAYERS)
+            names = ([project_name(f"{LAYERS}{i}.{key[len(LAYERS):]}") for i in range(shape[0])]
+                     if stacked else [project_name(key)])
+        except CheckpointError as e:
+            raise CheckpointError(f"{folder}: {e}; a torch_dist checkpoint of a Megatron-LM "
+                                  "newer or older than the names this project knows?") from None
+        if all(n is None for n in names):
+            continue
+        value = read_tensor(folder, key, dtype, shape, pieces)
+        for i, name in enumerate(names):
+            out[f"model.{name}"] = value[i] if stacked else value
+    return out
+
+
+if __name__ == "__main__":          # imported by checkpoint.py, not a script
+    raise SystemExit("error: dist_checkpoint.py is a library: run "
+                     "`bash run.sh import-megatron ...` (bash run.sh --help lists the commands)")
