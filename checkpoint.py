@@ -36,7 +36,7 @@ from config import ConfigError, to_dict, to_namespace
 from data import write_atomic
 from gpt import is_embedding_copy
 from megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
-from optimizer import GradBuffer
+from optimizer import DistributedOptimizer, GradBuffer
 from pipeline import build_chunks, layer_split
 from tokenizer import build_tokenizer
 
@@ -233,8 +233,11 @@ def latest_iteration(root):
 
 def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,), step=None):
     """(tensors name -> numpy array, meta) of the files `stems` of the checkpoint `latest`
-    points at (or of iteration `step`), in this rank's `shard` folder."""
+    points at (or of iteration `step`), in this rank's `shard` folder; of a torch_dist
+    checkpoint (no shard folders) its meta alone."""
     iteration = load_iteration(root, step)
+    if dist_checkpoint.is_dist(iteration_dir(root, iteration)):
+        return {}, dist_state(root, iteration, tensors=False)[1]
     folder = os.path.join(iteration_dir(root, iteration), shard)
     meta_path = os.path.join(folder, "meta.json")
     if not os.path.isfile(meta_path):
@@ -372,8 +375,12 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
 
 
 def load_training_state(cfg, trainer, rng):
-    """Restore from training_config.load_checkpoint (same layout); returns (iteration, consumed)."""
+    """Restore from training_config.load_checkpoint (same layout; a torch_dist checkpoint in any
+    layout); returns (iteration, consumed)."""
     training_cfg, state, chunks = cfg.training_config, trainer.state, trainer.chunks
+    root, step = training_cfg.load_checkpoint, training_cfg.ckpt_step
+    if dist_checkpoint.is_dist(iteration_dir(root, load_iteration(root, step))):
+        return _load_dist_training_state(cfg, trainer, rng)
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
     stems = [WEIGHTS]
     if trainer.distributed and not (training_cfg.finetune or training_cfg.no_load_optim):
@@ -396,6 +403,13 @@ def load_training_state(cfg, trainer, rng):
             f"checkpoint {training_cfg.load_checkpoint} was saved with layout {saved_layout}, this "
             f"run is {layout}: convert it first (bash run.sh convert --load "
             f"{training_cfg.load_checkpoint} --save NEW <layout flags>)")
+    return _restore(cfg, trainer, rng, tensors, meta, weights_only)
+
+
+def _restore(cfg, trainer, rng, tensors, meta, weights_only):
+    """This rank's weights, optimizer state (`tensors`, global names), schedule, loss scale and
+    RNG streams (`meta`) put in place; returns (iteration, consumed)."""
+    training_cfg, chunks = cfg.training_config, trainer.chunks
     for name, param in named_parameters(chunks):
         saved = tensors.get(name)
         if saved is None or saved.shape != tuple(param.shape):
@@ -405,7 +419,7 @@ def load_training_state(cfg, trainer, rng):
                 f"{got}, the model wants {tuple(param.shape)}; use the model_config it was saved "
                 "with")
     for name, param in named_parameters(chunks):
-        param.set_data(Tensor(tensors[name]))                  # in the parameter's own dtype
+        param.set_data(Tensor(tensors[name], param.dtype))      # in the parameter's own dtype
     trainer.optimizer.reload_main_params()
     if weights_only:
         why = "finetune" if training_cfg.finetune else "no optimizer state saved"
@@ -421,6 +435,45 @@ def load_training_state(cfg, trainer, rng):
     log.info(f"loaded checkpoint of iteration {meta['iteration']} from "
              f"{training_cfg.load_checkpoint}")
     return meta["iteration"], meta["consumed_train_samples"]
+
+
+def _load_dist_training_state(cfg, trainer, rng):
+    """load_training_state of a torch_dist checkpoint: its one-process tensors cut for this
+    rank's TP piece, stage and experts (and the distributed optimizer's pieces), whatever layout
+    saved it; Megatron-LM's own (no optimizer state of this project's) loads its weights."""
+    training_cfg, state = cfg.training_config, trainer.state
+    full, meta = dist_state(training_cfg.load_checkpoint, training_cfg.ckpt_step)
+    weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
+    optim = not (weights_only or training_cfg.no_load_optim)
+    kinds = sorted({k.split(".")[1] for k in full if k.startswith("optimizer.")}) if optim else []
+    for key in [k for k in full if k.startswith("model.") and optim]:
+        full.setdefault("main." + key[len("model."):], full[key].astype(np.float32))
+    prefixes = ["model"] + (["main"] + [f"optimizer.{k}" for k in kinds] if optim else [])
+    names, _, tensors = _rank_values(full, trainer.chunks, state.tp_rank, state.tp, prefixes)
+    if optim:
+        tensors.update(_optimizer_pieces(trainer.optimizer, names, tensors, prefixes[1:]))
+    saved = f"layout {meta['layout']}" if meta.get("layout") else "Megatron-LM"
+    log.info(f"torch_dist checkpoint {training_cfg.load_checkpoint} (saved by {saved}) cut for "
+             f"this run's layout {layout_of(cfg)}")
+    return _restore(cfg, trainer, rng, tensors, meta, weights_only)
+
+
+def _optimizer_pieces(optimizer, names, values, prefixes):
+    """The distributed optimizer's "<prefix>.<name>@<start>" pieces of this rank (of each
+    optimizer of a chain that is one) from the rank's whole "<prefix>.<name>" `values`."""
+    chain = getattr(optimizer, "optimizers", [optimizer])
+    parts = optimizer.split(names) if len(chain) > 1 else [names]
+    out = {}
+    for opt, some in zip(chain, parts):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        for (_, i, lo, hi), piece in zip(opt.buffer.pieces(opt.rank),
+                                         opt.buffer.piece_names(opt.rank, some)):
+            start = lo - opt.buffer.offsets[i]
+            for prefix in prefixes:
+                flat = values[f"{prefix}.{some[i]}"].reshape(-1)
+                out[f"{prefix}.{piece}"] = flat[start:start + hi - lo]
+    return out
 
 
 def _load_scheduler(optimizer_cfg, scheduler, saved):
@@ -465,6 +518,10 @@ def full_state(root, optimizer=True, step=None):
     would hold them: weights "model.<name>" and, with `optimizer` and if saved, moments
     "optimizer.<kind>.<name>" and float32 main params "main.<name>", full size, whatever layout
     wrote them (TP shards merged, stages united, distributed-optimizer pieces joined)."""
+    if dist_checkpoint.is_dist(iteration_dir(root, load_iteration(root, step))):
+        tensors, meta = dist_state(root, step)
+        return ({k: v for k, v in tensors.items() if optimizer or k.startswith("model.")},
+                meta)
     shards, meta = load_shards(root, optimizer, step)
     model_cfg = to_namespace(meta["config"]).model_config
     [one] = build_rank_chunks(model_cfg, 1, 1)            # one process: its names and full shapes
@@ -678,6 +735,44 @@ def _dist_weights(folder, index, model_cfg):
         values.pop("model.output_layer.weight", None)
     megatron_checkpoint.check_shards([values], shapes, 1)
     return {k: v.astype(np.float32) for k, v in values.items()}
+
+
+def dist_state(root, step=None, tensors=True):
+    """(tensors, meta) of the torch_dist checkpoint of `root` (iteration `step`, or the latest):
+    one-process "model.<name>" weights (float32, or float16 as stored) and the optimizer's
+    "optimizer.<kind>.<name>" and "main.<name>" if this project saved them; its meta (this
+    project's, kept in common.pt, or one built from Megatron-LM's args: weights only)."""
+    folder = iteration_dir(root, load_iteration(root, step))
+    common = dist_checkpoint.read_common(folder)
+    if dist_checkpoint.META in common:
+        meta = json.loads(common[dist_checkpoint.META])
+    else:
+        meta = _megatron_meta(common, folder)
+    if not tensors:
+        return {}, meta
+    index, _ = dist_checkpoint.read_index(folder)
+    values = dist_checkpoint.model_tensors(folder, index)
+    values.update(dist_checkpoint.optimizer_tensors(folder, index))
+    if not meta["config"]["model_config"]["untie_embeddings_and_output_weights"]:
+        values.pop("model.output_layer.weight", None)
+    return values, meta
+
+
+def _megatron_meta(common, folder):
+    """A meta of this project's for Megatron-LM's torch_dist checkpoint: its model and
+    tokenizer from the args, its iteration, no optimizer state (weights only)."""
+    args = common["args"]
+    try:
+        overrides = megatron_checkpoint.model_overrides(args)
+    except ConfigError as e:
+        raise ConfigError(f"{folder}/{dist_checkpoint.COMMON}: {e}") from None
+    overrides += megatron_checkpoint.tokenizer_overrides(
+        args, int(vars(args)["padded_vocab_size"]))[0]
+    config = to_dict(_megatron_config(overrides))
+    config["dataset_config"]["global_batch_size"] = vars(args).get("global_batch_size")
+    return {"iteration": common.get("iteration", 0), "consumed_train_samples": 0,
+            "optimizer_step": None, "opt_param_scheduler": None, "grad_scaler": None,
+            "rng_state": None, "ckpt_format": "torch_dist", "layout": None, "config": config}
 
 
 def megatron_source(root):

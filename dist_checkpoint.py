@@ -39,6 +39,9 @@ LAYERS = "decoder.layers."
 BACKEND_VERSION = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 DCP_VERSION = "1.0.0"
 CHECKPOINT_VERSION = 3.0
+OPTIMIZER = "optimizer.state."
+MAIN = "fp32_param"                    # Float16OptimizerWithFloat16Params' float32 copies
+META = "meta_json"                     # common.pt's entry of this project's meta.json text
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
           "float64": np.float64}
 
@@ -168,6 +171,17 @@ def read_common(folder):
     return common
 
 
+def _project_names(key, shape, folder):
+    """This project's global names of the sharded `key` (one per layer of a stacked key)."""
+    try:
+        if key.startswith(LAYERS):
+            return [project_name(f"{LAYERS}{i}.{key[len(LAYERS):]}") for i in range(shape[0])]
+        return [project_name(key)]
+    except CheckpointError as e:
+        raise CheckpointError(f"{folder}: {e}; a torch_dist checkpoint of a Megatron-LM newer or "
+                              "older than the names this project knows?") from None
+
+
 def model_tensors(folder, tensors):
     """{"model.<name>": array} of the index `tensors` (read_index) read from `folder`, under this
     project's global names: stacked layers split on their layer axis; objects (_extra_state)
@@ -175,20 +189,32 @@ def model_tensors(folder, tensors):
     CheckpointError line naming it."""
     out = {}
     for key, (dtype, shape, pieces) in tensors.items():
-        if key.startswith("optimizer."):
+        if key.startswith(OPTIMIZER):
             continue
-        try:
-            stacked = key.startswith(LAYERS)
-            names = ([project_name(f"{LAYERS}{i}.{key[len(LAYERS):]}") for i in range(shape[0])]
-                     if stacked else [project_name(key)])
-        except CheckpointError as e:
-            raise CheckpointError(f"{folder}: {e}; a torch_dist checkpoint of a Megatron-LM "
-                                  "newer or older than the names this project knows?") from None
+        names = _project_names(key, shape, folder)
         if all(n is None for n in names):
             continue
         value = read_tensor(folder, key, dtype, shape, pieces)
         for i, name in enumerate(names):
-            out[f"model.{name}"] = value[i] if stacked else value
+            out[f"model.{name}"] = value[i] if key.startswith(LAYERS) else value
+    return out
+
+
+def optimizer_tensors(folder, tensors):
+    """The optimizer state of the index `tensors`, sharded as its parameters (Megatron's
+    non-distributed optimizers, optimizer.py sharded_state_dict: "optimizer.state.<kind>.<key>",
+    the float32 main params as kind fp32_param): {"optimizer.<kind>.<name>", "main.<name>":
+    float32 array}."""
+    out = {}
+    for key, (dtype, shape, pieces) in tensors.items():
+        if not key.startswith(OPTIMIZER):
+            continue
+        kind, _, param = key[len(OPTIMIZER):].partition(".")
+        names = _project_names(param, shape, folder)
+        value = read_tensor(folder, key, dtype, shape, pieces).astype(np.float32)
+        prefix = "main" if kind == MAIN else f"optimizer.{kind}"
+        for i, name in enumerate(names):
+            out[f"{prefix}.{name}"] = value[i] if param.startswith(LAYERS) else value
     return out
 
 
