@@ -44,13 +44,14 @@ log = logging.getLogger("train")
 
 
 def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None,
-                    barrier=lambda: None, leader=True):
+                    barrier=lambda: None, leader=True, finish=None):
     """Write checkpoint `iteration` under `root`. `shards` maps a shard folder (mp_rank_..) to
     (files, meta): `files` maps a file stem to tensors (name -> numpy array or Tensor), `meta`
     (JSON-able, or None) goes to the folder's meta.json. With several ranks every rank calls
     this with what it writes: the leader makes the temporary folder, all ranks write their
-    files, then the leader renames it into place, points `latest` at it and keeps the newest
-    `keep_max` checkpoints."""
+    files, then the leader completes it (`finish(tmp)`: torch_dist's index of every rank's
+    files), renames it into place, points `latest` at it and keeps the newest `keep_max`
+    checkpoints."""
     final = iteration_dir(root, iteration)
     tmp = os.path.join(root, f".iter_{iteration:07d}.tmp")
     tracked = latest_iteration(root) if os.path.isfile(os.path.join(root, LATEST)) else -1
@@ -71,6 +72,12 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None,
         raise
     barrier()
     if leader:
+        try:
+            if finish:
+                finish(tmp)
+        except Exception:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         os.replace(tmp, final)
         write_atomic(os.path.join(root, LATEST), str(iteration))
         if keep_max:                          # the oldest go, never the one just written
@@ -86,11 +93,15 @@ EXTENSIONS = {"ckpt": "ckpt", "safetensors": "safetensors", "torch": "pt"}
 def _write_shards(tmp, shards, ckpt_format):
     """Each shard folder's files and meta.json, under the temporary folder: tensors (name ->
     array) as MindSpore ckpt or safetensors, CRC-checked; with the torch format a file's content
-    (megatron_checkpoint.rank_file) as torch.save writes it."""
+    (megatron_checkpoint.rank_file) as torch.save writes it; with torch_dist a rank's items
+    (dist_checkpoint.rank_items) as its .distcp file."""
     for shard, (files, meta) in shards.items():
         if files or meta is not None:
             os.makedirs(os.path.join(tmp, shard), exist_ok=True)
         for stem, content in files.items():
+            if ckpt_format == "torch_dist":
+                dist_checkpoint.write_rank_file(os.path.join(tmp, shard), stem, content)
+                continue
             path = os.path.join(tmp, shard, f"{stem}.{EXTENSIONS[ckpt_format]}")
             if ckpt_format == "torch":
                 torch_format.save(content, path)
@@ -354,6 +365,8 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     model_optim_rng.pt (megatron_checkpoint.rank_file)."""
     training_cfg, state = cfg.training_config, trainer.state
     opt_tensors, step = trainer.optimizer.named_state(parameter_names(trainer.chunks))
+    if training_cfg.ckpt_format == "torch_dist":
+        return _save_dist(cfg, iteration, consumed, trainer, rng, opt_tensors, step)
     writer = state.edp_rank == 0
     files, meta = {}, None
     if writer:
@@ -372,6 +385,87 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
                            training_cfg.ckpt_format, training_cfg.keep_checkpoint_max,
                            barrier=parallel.barrier, leader=state.rank == 0)
     log.info(f"saved checkpoint at iteration {iteration} to {path}")
+
+
+def _save_dist(cfg, iteration, consumed, trainer, rng, opt_tensors, step):
+    """save_training_state in torch_dist: each first expert-data-parallel rank writes the unique
+    pieces of its TP rank and stage (__<rank>_0.distcp), rank 0 the index and common.pt."""
+    training_cfg, state = cfg.training_config, trainer.state
+    meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(),
+                 trainer.scaler.state_dict(), rng.state_dict())
+    shards = {}
+    if state.edp_rank == 0:
+        values = {**model_tensors(trainer.chunks), **opt_tensors}
+        pieces = _dist_pieces(trainer.chunks, state.tp_rank, state.tp, values,
+                              cfg.model_config.params_dtype)
+        items = dist_checkpoint.rank_items(pieces, cfg.model_config.num_layers, state.rank == 0)
+        shards[""] = ({f"__{state.rank}_0": items}, None)
+    path = save_checkpoint(training_cfg.output_dir, iteration, shards, "torch_dist",
+                           training_cfg.keep_checkpoint_max, barrier=parallel.barrier,
+                           leader=state.rank == 0,
+                           finish=lambda tmp: dist_checkpoint.write_index(tmp, _dist_common(
+                               cfg, meta)))
+    log.info(f"saved checkpoint at iteration {iteration} to {path}")
+
+
+def _dist_common(cfg, meta):
+    """torch_dist's common.pt: Megatron's args, version, iteration and schedule, and this
+    project's meta (layout, config, optimizer step, loss scaler, RNG streams) as JSON text."""
+    args = megatron_checkpoint.megatron_args(cfg, meta["iteration"],
+                                             meta["consumed_train_samples"])
+    args.ckpt_format = "torch_dist"
+    return {"args": args, "checkpoint_version": dist_checkpoint.CHECKPOINT_VERSION,
+            "iteration": meta["iteration"], "opt_param_scheduler": meta["opt_param_scheduler"],
+            dist_checkpoint.META: json.dumps(meta), "num_floating_point_operations_so_far": 0}
+
+
+# this project's prefix -> the sharded key's (Megatron's optimizer sharded_state_dict)
+DIST_PREFIX = {"model": "", "main": dist_checkpoint.OPTIMIZER + dist_checkpoint.MAIN + "."}
+
+
+def _dist_pieces(chunks, tp_rank, tp, values, params_dtype):
+    """[(key prefix, global name, offsets, one-process shape, block)] of the parameters of
+    `chunks` this rank holds a unique part of (replicated ones on TP rank 0 alone; the tied
+    output layer's copy left out), for each of `values`' "model.", "main.", "optimizer.<kind>."
+    entries: a TP piece at its place in the one-process tensor, SwiGLU's [gate; up] halves
+    each at its own."""
+    kinds = sorted({k.split(".")[1] for k in values if k.startswith("optimizer.")})
+    prefixes = {**DIST_PREFIX, **{f"optimizer.{kind}": f"{dist_checkpoint.OPTIMIZER}{kind}."
+                                  for kind in kinds}}
+    out = []
+    for chunk in chunks:
+        for n, param in chunk.parameters_and_names():
+            dim, name = getattr(param, "partition_dim", None), chunk.global_name(n)
+            if is_embedding_copy(chunk, param) or (dim is None and tp_rank):
+                continue
+            blocks = getattr(param, "partition_chunks", 1) if dim is not None else 1
+            shape = list(param.shape)
+            if dim is not None:
+                shape[dim] *= tp
+            for prefix, key_prefix in prefixes.items():
+                value = values.get(f"{prefix}.{name}")
+                if value is None:                # float32 weights keep no separate main params
+                    continue
+                if prefix == "model" and params_dtype == "bfloat16":
+                    value = torch_format.BFloat16.from_float32(value.astype(np.float32))
+                out += _blocks(key_prefix, name, value, shape, dim, blocks, tp_rank)
+    return out
+
+
+def _blocks(prefix, name, value, shape, dim, blocks, tp_rank):
+    """The pieces of one rank's `value` of a parameter split on `dim` in `blocks` (or whole)."""
+    if dim is None:
+        return [(prefix, name, [0] * len(shape), shape, value)]
+    bf16 = isinstance(value, torch_format.BFloat16)
+    array = value.bits if bf16 else value
+    step = array.shape[dim] // blocks
+    out = []
+    for b in range(blocks):
+        offsets = [0] * len(shape)
+        offsets[dim] = b * shape[dim] // blocks + tp_rank * step
+        block = np.ascontiguousarray(np.take(array, range(b * step, (b + 1) * step), axis=dim))
+        out.append((prefix, name, offsets, shape, torch_format.BFloat16(block) if bf16 else block))
+    return out
 
 
 def load_training_state(cfg, trainer, rng):

@@ -29,7 +29,7 @@ import os
 import numpy as np
 
 import torch_format
-from megatron_checkpoint import CheckpointError, project_name
+from megatron_checkpoint import TE_NORMS, CheckpointError, megatron_name, project_name
 
 METADATA = ".metadata"
 COMMON = "common.pt"
@@ -39,6 +39,8 @@ LAYERS = "decoder.layers."
 BACKEND_VERSION = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 DCP_VERSION = "1.0.0"
 CHECKPOINT_VERSION = 3.0
+# the local spec's norms saved under transformer_engine's fused names (gpt_layer_specs.py)
+FUSED_NORMS = {v: k for k, v in TE_NORMS.items()}
 OPTIMIZER = "optimizer.state."
 MAIN = "fp32_param"                    # Float16OptimizerWithFloat16Params' float32 copies
 META = "meta_json"                     # common.pt's entry of this project's meta.json text
@@ -216,6 +218,124 @@ def optimizer_tensors(folder, tensors):
         for i, name in enumerate(names):
             out[f"{prefix}.{name}"] = value[i] if param.startswith(LAYERS) else value
     return out
+
+
+# ----------------------------------------------------------------------------- writing
+DCP = "torch.distributed.checkpoint.metadata"
+LINEAR_EXTRA = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                "mlp.linear_fc2")
+TORCH_DTYPE = {"float32": "float32", "float16": "float16", "uint16": "bfloat16"}
+
+
+def sharded_key(name):
+    """(Megatron-core's sharded key, layer or None) of this project's global parameter `name`:
+    a layer's parameter under the stacked key (its norms under the fused names the local spec
+    saves them as), the rest as megatron_checkpoint.megatron_name."""
+    key = megatron_name(name)
+    if not key.startswith(LAYERS):
+        return key, None
+    number, _, rest = key[len(LAYERS):].partition(".")
+    return LAYERS + FUSED_NORMS.get(rest, rest), int(number)
+
+
+def rank_items(pieces, num_layers, extra_states):
+    """One writer's items [(key, offsets, global shape, value)] (value an array, BFloat16, or for
+    an object offsets and shape None): `pieces` [(key prefix, global name, offsets in the
+    one-process tensor, its shape, this rank's block)], layers stacked on the layer axis (the
+    optimizer's state under "optimizer.state.<kind>." and its parameter's key); with
+    `extra_states`, each layer linear's `_extra_state/shard_<layer>_<num_layers>` object
+    (Megatron's [None])."""
+    items = []
+    for prefix, name, offsets, shape, value in pieces:
+        key, layer = sharded_key(name)
+        if layer is None:
+            items.append((prefix + key, tuple(offsets), tuple(shape), value))
+        else:
+            block = value.bits if isinstance(value, torch_format.BFloat16) else value
+            block = block[None] if not isinstance(value, torch_format.BFloat16) else \
+                torch_format.BFloat16(block[None])
+            items.append((prefix + key, (layer, *offsets), (num_layers, *shape), block))
+    if extra_states:
+        items += [(f"{LAYERS}{linear}._extra_state/shard_{layer}_{num_layers}", None, None,
+                   [None]) for layer in range(num_layers) for linear in LINEAR_EXTRA]
+    return items
+
+
+def write_rank_file(folder, stem, items):
+    """<stem>.distcp (__<rank>_0) of `items` (rank_items), each a torch.save archive one after
+    another, and its part of the index (<stem>.json, joined into .metadata by write_index)."""
+    index, raw, position = [], [], 0
+    for key, offsets, shape, value in items:
+        data = torch_format.dumps(value)
+        dtype = None
+        if offsets is not None:
+            bits = value.bits if isinstance(value, torch_format.BFloat16) else value
+            dtype = TORCH_DTYPE[str(bits.dtype)]
+        index.append({"key": key, "offsets": offsets, "shape": shape, "dtype": dtype,
+                      "sizes": None if offsets is None else list(value.shape),
+                      "file": stem + ".distcp", "offset": position, "length": len(data)})
+        raw.append(data)
+        position += len(data)
+    with open(os.path.join(folder, stem + ".distcp"), "wb") as f:
+        f.write(b"".join(raw))
+    with open(os.path.join(folder, stem + ".json"), "w") as f:
+        json.dump(index, f)
+
+
+def write_index(folder, common):
+    """The index (.metadata) of every writer's part, common.pt and metadata.json, in `folder`
+    (the checkpoint's temporary folder, after every writer is done)."""
+    parts = sorted(f for f in os.listdir(folder) if f.startswith("__") and f.endswith(".json"))
+    entries = []
+    for part in parts:
+        with open(os.path.join(folder, part)) as f:
+            entries += json.load(f)
+    with open(os.path.join(folder, METADATA), "wb") as f:
+        f.write(torch_format.dump_pickle(_metadata(entries)))
+    torch_format.save(common, os.path.join(folder, COMMON))
+    with open(os.path.join(folder, BACKEND), "w") as f:
+        json.dump({**BACKEND_VERSION, "common_backend": "torch", "common_backend_version": 1}, f)
+    for part in parts:
+        os.remove(os.path.join(folder, part))
+
+
+def _size(values):
+    """torch.Size(values), as pickle writes it."""
+    return torch_format.foreign_class("torch", "Size")(tuple(values))
+
+
+def _metadata(entries):
+    """torch.distributed.checkpoint.metadata.Metadata of the index entries, as torch pickles it:
+    per key its TensorStorageMetadata (dtype, global size, chunks) or BytesStorageMetadata, per
+    piece its _StorageInfo."""
+    layout = torch_format.foreign_class("torch.serialization", "_get_layout")("torch.strided")
+    memory = torch_format.foreign_class(DCP, "_MEM_FORMAT_ENCODING")(0)
+    described, storage = {}, {}
+    for e in entries:
+        key, offsets = e["key"], e["offsets"]
+        index = {"fqn": key, "index": None}
+        if offsets is None:
+            described[key] = torch_format.foreign_object(DCP, "BytesStorageMetadata", {})
+        else:
+            index["offset"] = _size(offsets)
+            if key not in described:
+                properties = torch_format.foreign_object(DCP, "TensorProperties", (
+                    torch_format.TorchDtype(e["dtype"]), layout, False, memory, False))
+                described[key] = torch_format.foreign_object(
+                    DCP, "TensorStorageMetadata",
+                    {"properties": properties, "size": _size(e["shape"]), "chunks": []})
+            described[key].state["chunks"].append(torch_format.foreign_object(
+                DCP, "ChunkStorageMetadata",
+                {"offsets": _size(offsets), "sizes": _size(e["sizes"])}))
+        where = torch_format.foreign_object("torch.distributed.checkpoint.filesystem",
+                                            "_StorageInfo", {"relative_path": e["file"],
+                                                             "offset": e["offset"],
+                                                             "length": e["length"],
+                                                             "transform_descriptors": None})
+        storage[torch_format.foreign_object(DCP, "MetadataIndex", index)] = where
+    return torch_format.foreign_object(DCP, "Metadata", {
+        "state_dict_metadata": described, "planner_data": None, "storage_data": storage,
+        "storage_meta": None, "version": DCP_VERSION})
 
 
 if __name__ == "__main__":          # imported by checkpoint.py, not a script
