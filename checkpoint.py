@@ -709,6 +709,8 @@ def write_layout(root, tensors, meta, cfg):
     stored in the run's params_dtype; float32 main params ("main.<name>", the weights themselves
     when `tensors` has none) where the optimizer keeps copies: half-precision parameters, or
     the distributed optimizer's pieces."""
+    if cfg.training_config.ckpt_format == "torch_dist":
+        return _write_dist_layout(root, tensors, meta, cfg)
     parallel_cfg, model_cfg = cfg.parallel_config, cfg.model_config
     tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
     dp = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
@@ -745,6 +747,27 @@ def write_layout(root, tensors, meta, cfg):
                           ckpt_format=cfg.training_config.ckpt_format)
         shards[shard_name(tp_rank, pp_rank, pp, ep_rank, ep)] = (files, shard_meta)
     return save_checkpoint(root, meta["iteration"], shards, cfg.training_config.ckpt_format)
+
+
+def _write_dist_layout(root, tensors, meta, cfg):
+    """write_layout in torch_dist: the one-process `tensors` as one writer's pieces (the format
+    is the same whatever layout will load it), weights in the run's params_dtype, float32 main
+    params beside half-precision ones."""
+    model_cfg = cfg.model_config
+    half = model_cfg.params_dtype != "float32"
+    values = {k: v for k, v in tensors.items()
+              if not k.startswith("main.") or (half and any(p.startswith("optimizer.")
+                                                            for p in tensors))}
+    for key in [k for k in values if k.startswith("model.")]:
+        if model_cfg.params_dtype in ("float32", "float16"):
+            values[key] = values[key].astype(model_cfg.params_dtype)
+    [one] = build_rank_chunks(model_cfg, 1, 1)
+    pieces = _dist_pieces([one], 0, 1, values, model_cfg.params_dtype)
+    items = dist_checkpoint.rank_items(pieces, model_cfg.num_layers, True)
+    meta = dict(meta, layout=layout_of(cfg), config=to_dict(cfg), ckpt_format="torch_dist")
+    return save_checkpoint(root, meta["iteration"], {"": ({"__0_0": items}, None)}, "torch_dist",
+                           finish=lambda tmp: dist_checkpoint.write_index(
+                               tmp, _dist_common(cfg, meta)))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -877,8 +900,8 @@ def megatron_source(root):
     the log. A model this project cannot hold is one ConfigError line naming the setting."""
     iteration, folder = megatron_checkpoint.checkpoint_folder(root)
     if dist_checkpoint.is_dist(folder):
-        common = dist_checkpoint.read_common(folder)
         index, _ = dist_checkpoint.read_index(folder)
+        common = dist_checkpoint.read_common(folder)
         args = common["args"]
         try:
             model = megatron_checkpoint.model_overrides(args)

@@ -157,7 +157,9 @@ def read_tensor(folder, key, dtype, shape, pieces):
 
 
 def read_common(folder):
-    """common.pt: the run's args, iteration and checkpoint_version, checked."""
+    """common.pt: the run's args, iteration and checkpoint_version, checked (metadata.json's
+    backend too)."""
+    _check_backend(folder)
     path = os.path.join(folder, COMMON)
     try:
         common = torch_format.load(path)

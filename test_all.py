@@ -93,6 +93,7 @@ import cli
 import config
 import context_parallel
 import data
+import dist_checkpoint
 import fused
 import gpt
 import megatron_checkpoint
@@ -246,8 +247,8 @@ BAD_CONFIGS = [
      "model_config.params_dtype=float16 with compute_dtype=float32"),
     (["--fp16-lm-cross-entropy"],
      "model_config.fp16_lm_cross_entropy (--fp16-lm-cross-entropy) needs float16"),
-    (["--ckpt-format", "torch_dist"],
-     "training_config.ckpt_format: 'torch_dist' is not one of ckpt, safetensors, torch"),
+    (["--ckpt-format", "zarr"],
+     "training_config.ckpt_format: 'zarr' is not one of ckpt, safetensors, torch, torch_dist"),
     (["--ckpt-format", "torch", "--use-sandwich-norm"],
      "training_config.ckpt_format=torch (Megatron's model_optim_rng.pt): Megatron-core's GPT has "
      "no counterpart for model_config.use_sandwich_norm=True"),
@@ -4343,7 +4344,7 @@ FOLDER_BREAKS = {
     "missing_rank": ("mp_rank_01_001/model_optim_rng.pt is missing: the checkpoint is incomplete",
                      ""),
     "truncated_rank": ("mp_rank_01_000/model_optim_rng.pt", "truncated"),
-    "torch_dist": ("a torch_dist checkpoint (Megatron's default --ckpt-format)", ""),
+    "torch_dist": ("metadata.json cannot be read", "not a complete torch_dist checkpoint"),
     "old_version": ("has checkpoint_version 1.0", "per-group layout"),
     "other_sizes": ("its args say tensor x pipeline parallel 1 x 2, the folder holds 2 x 2", ""),
     "other_model": ("model.word_embeddings.weight of TP rank 0 has shape (128, 32)",
@@ -4479,6 +4480,165 @@ def test_convert_round_trip_and_refusals(tmp_path, capsys):
     assert train.main(["convert", "--load", str(tmp_path / "src"), "--save",
                        str(tmp_path / "back")]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- dist_checkpoint.py
+DIST_NAMES = ["dist_tp1_gpt2", "dist_tp2_llama_bf16"]
+DIST_OTHER_LAYOUT = {"dist_tp1_gpt2": ["--nproc", "2", "--tensor-model-parallel-size", "2"],
+                     "dist_tp2_llama_bf16": ["--nproc", "2", "--pipeline-model-parallel-size", "2"]}
+
+
+@pytest.mark.checkpoint
+@pytest.mark.parametrize("name", DIST_NAMES)
+def test_megatron_core_torch_dist_checkpoint_imports_and_generates_its_tokens(name, tmp_path,
+                                                                            capsys):
+    """Each torch_dist checkpoint megatron-core saved (make_dist_fixtures.py: TP1 GPT-2 style in
+    float32; TP2 Llama style in bfloat16, RoPE, SwiGLU, RMSNorm, GQA, untied) imports without
+    torch: its logits after the prompt are megatron-core's forward's (1e-5) and greedy decoding
+    gives its tokens; imported into another layout it holds the same weights; `generate --load`
+    of Megatron's folder itself prints the same tokens."""
+    want, root = expected(name), fixture(name)
+    one, other = str(tmp_path / "one"), str(tmp_path / "other")
+    checkpoint.import_megatron_main([root, "--save", one])
+    assert f"torch_dist, {want['dtype']} weights" in capsys.readouterr().out
+    model, tokenizer, _ = sample.load_model(one)
+    np.testing.assert_allclose(logits_after(model, want["prompt"])[: want["vocab"]],
+                               want["prompt_logits"], atol=1e-5)
+    assert generate(model, want["prompt"], len(want["greedy"]), temperature=0,
+                    vocab_size=want["vocab"]) == want["greedy"]
+    checkpoint.import_megatron_main([root, "--save", other, *DIST_OTHER_LAYOUT[name]])
+    first, second = checkpoint.full_state(one)[0], checkpoint.full_state(other)[0]
+    assert sorted(first) == sorted(second)
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    capsys.readouterr()
+    prompt = " ".join(map(str, want["prompt"]))
+    assert train.main(["generate", "--load", root, "--prompt", prompt, "--max-new-tokens",
+                       str(len(want["greedy"])), "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.split() == [str(i) for i in want["prompt"] + want["greedy"]]
+
+
+def dist_run(save, *args):
+    """train.main of a one-step tiny run from megatron-core's TP1 GPT-2 checkpoint's model."""
+    return train.main(["--config", os.path.join(HERE, "config.yaml"), "--save", str(save),
+                       "--use-checkpoint-args", "--vocab-size", "250", "--mock-data",
+                       "--micro-batch-size", "4", "--global-batch-size", "8", "--eval-iters",
+                       "0", "--log-interval", "1", "--no-jit", "--train-iters", "1", *args])
+
+
+@pytest.mark.checkpoint
+def test_load_of_megatrons_torch_dist_folder_trains_as_its_import(tmp_path, capsys):
+    """--load of the folder megatron-core saved resumes directly (its weights: Megatron's optimizer
+    state is not read) and trains as the run loaded from its import-megatron copy, bit for
+    bit; the log says what it cut for this run's layout."""
+    root, imported = fixture("dist_tp1_gpt2"), str(tmp_path / "imported")
+    checkpoint.import_megatron_main([root, "--save", imported])
+    assert dist_run(tmp_path / "direct", "--load", root) == 0
+    log = (tmp_path / "direct" / "log" / "rank_0" / "info.log").read_text()
+    assert f"torch_dist checkpoint {root} (saved by Megatron-LM) cut for this run's layout" in log
+    assert dist_run(tmp_path / "via_import", "--load", imported) == 0
+    assert train_records(tmp_path / "direct") == train_records(tmp_path / "via_import")
+
+
+@pytest.mark.checkpoint
+def test_torch_dist_save_holds_megatrons_index_and_resumes_bit_for_bit(tmp_path):
+    """--ckpt-format torch_dist writes Megatron's files (.metadata, one .distcp per writer,
+    common.pt with Megatron's args, metadata.json), its keys megatron-core's sharded names (the
+    layers stacked on the layer axis, the local norms under the fused names, each linear's
+    _extra_state object per layer, the optimizer's moments sharded as their parameters), read
+    back without torch; a run resumed from step 1 trains step 2 as the run that never stopped,
+    bit for bit, and converts to TP2 with the same weights."""
+    run = tmp_path / "run"
+    assert tiny_run(run, "--train-iters", "2", "--save-interval", "1", "--ckpt-format",
+                    "torch_dist", "--hidden-dropout", "0.1") == 0
+    folder = os.path.join(str(run), "iter_0000001")
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "common.pt",
+                                          "metadata.json"]
+    tensors, objects = dist_checkpoint.read_index(folder)
+    shapes = {key: shape for key, (_, shape, _) in tensors.items()}
+    assert shapes["decoder.layers.self_attention.linear_qkv.weight"] == (2, 192, 64)
+    assert shapes["decoder.layers.self_attention.linear_qkv.layer_norm_weight"] == (2, 64)
+    assert shapes["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"] == (2, 256, 64)
+    assert shapes["embedding.word_embeddings.weight"] == (1024, 64)
+    assert "decoder.layers.mlp.linear_fc2._extra_state/shard_1_2" in objects
+    common = torch_format.load(os.path.join(folder, "common.pt"))
+    assert common["args"].ckpt_format == "torch_dist" and common["iteration"] == 1
+    assert tiny_run(tmp_path / "resumed", "--train-iters", "2", "--ckpt-format", "torch_dist",
+                    "--hidden-dropout", "0.1", "--load", str(run), "--ckpt-step", "1") == 0
+    assert train_records(tmp_path / "resumed") == train_records(run)[1:]
+    assert train.main(["convert", "--load", str(run), "--save", str(tmp_path / "tp2"),
+                       "--nproc", "2", "--tensor-model-parallel-size", "2"]) == 0
+    first, second = checkpoint.full_state(str(run))[0], checkpoint.full_state(
+        str(tmp_path / "tp2"))[0]
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+
+
+def _break_dist(root, kind):
+    """Damage the copy `root` of megatron-core's TP1 checkpoint as `kind` says."""
+    folder = os.path.join(root, "iter_0000010")
+    if kind == "truncated_distcp":
+        path = os.path.join(folder, "__0_1.distcp")
+        open(path, "r+b").truncate(os.path.getsize(path) - 100)
+    elif kind == "missing_distcp":
+        os.remove(os.path.join(folder, "__0_1.distcp"))
+    elif kind == "truncated_metadata":
+        path = os.path.join(folder, ".metadata")
+        open(path, "r+b").truncate(os.path.getsize(path) // 2)
+    elif kind == "newer_backend":
+        with open(os.path.join(folder, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 2}, f)
+    elif kind == "newer_version":
+        common = torch_format.load(os.path.join(folder, "common.pt"))
+        torch_format.save(dict(common, checkpoint_version=4.0), os.path.join(folder, "common.pt"))
+    elif kind == "unknown_name":
+        path = os.path.join(folder, ".metadata")
+        metadata = torch_format.load_pickle(open(path, "rb").read(), path)
+        entries = metadata.state["state_dict_metadata"]
+        old = "decoder.layers.mlp.linear_fc1.weight"
+        entries["decoder.layers.mlp.linear_fc1.weight1"] = entries.pop(old)
+        for index in metadata.state["storage_data"]:
+            if index.state["fqn"] == old:
+                index.state["fqn"] = old + "1"
+        open(path, "wb").write(torch_format.dump_pickle(metadata))
+
+
+DIST_BREAKS = {
+    "truncated_distcp": ("__0_1.distcp holds", "the file is truncated"),
+    "missing_distcp": ("__0_1.distcp is missing: its .metadata names it for", ""),
+    "truncated_metadata": ("iter_0000010/.metadata is damaged", ""),
+    "newer_backend": ("'sharded_backend_version': 2}, this reader knows", ""),
+    "newer_version": ("has checkpoint_version 4.0, this reader knows 3.0",
+                      "a Megatron-LM newer or older than its names"),
+    "unknown_name": ("decoder.layers.0.mlp.linear_fc1.weight1 has no place in this project's GPT",
+                     "a torch_dist checkpoint of a Megatron-LM newer or older")}
+
+
+@pytest.mark.checkpoint
+@pytest.mark.parametrize("kind", DIST_BREAKS)
+def test_a_broken_torch_dist_folder_is_one_line(kind, tmp_path, capsys):
+    """A truncated .distcp, a .metadata naming a missing file, a damaged index, a folder of a
+    newer Megatron (backend version, checkpoint_version, a name this project does not know):
+    import-megatron and --load each end in one error line naming it, before any work."""
+    root = copied("dist_tp1_gpt2", tmp_path)
+    _break_dist(root, kind)
+    one_line_error(capsys, ["import-megatron", root, "--save", str(tmp_path / "out")],
+                   *DIST_BREAKS[kind])
+    assert not os.path.exists(tmp_path / "out")
+    if kind != "newer_backend":        # --load reads the files the training needs first
+        return
+    one_line_error(capsys, ["--config", os.path.join(HERE, "config.yaml"), "--load", root,
+                            "--save", str(tmp_path / "run"), "--mock-data"], *DIST_BREAKS[kind])
+
+
+@pytest.mark.checkpoint
+def test_load_of_another_models_torch_dist_folder_is_one_line(tmp_path, capsys):
+    """--load of megatron-core's checkpoint into a run of another model is one line naming the
+    differences."""
+    one_line_error(capsys, ["--config", os.path.join(HERE, "config.yaml"), "--load",
+                            fixture("dist_tp1_gpt2"), "--save", str(tmp_path / "run"),
+                            *TINY_RUN], "does not match this run", "model_config.hidden_size "
+                   "(checkpoint 32, this run 64)")
 
 
 # ----------------------------------------------------------------------- saving, stopping, resuming
