@@ -399,6 +399,9 @@ def _save_dist(cfg, iteration, consumed, trainer, rng, opt_tensors, step):
         pieces = _dist_pieces(trainer.chunks, state.tp_rank, state.tp, values,
                               cfg.model_config.params_dtype)
         items = dist_checkpoint.rank_items(pieces, cfg.model_config.num_layers, state.rank == 0)
+        # each (stage, TP rank)'s dropout streams, as Megatron's ShardedObject rng_state
+        items.append((dist_checkpoint.rng_key(state.pp_rank, state.tp_rank, state.pp, state.tp),
+                      None, None, rng.state_dict()))
         shards[""] = ({f"__{state.rank}_0": items}, None)
     path = save_checkpoint(training_cfg.output_dir, iteration, shards, "torch_dist",
                            training_cfg.keep_checkpoint_max, barrier=parallel.barrier,
@@ -546,6 +549,11 @@ def _load_dist_training_state(cfg, trainer, rng):
     names, _, tensors = _rank_values(full, trainer.chunks, state.tp_rank, state.tp, prefixes)
     if optim:
         tensors.update(_optimizer_pieces(trainer.optimizer, names, tensors, prefixes[1:]))
+    folder = iteration_dir(training_cfg.load_checkpoint,
+                           load_iteration(training_cfg.load_checkpoint, training_cfg.ckpt_step))
+    own = dist_checkpoint.read_object(folder, dist_checkpoint.rng_key(
+        state.pp_rank, state.tp_rank, state.pp, state.tp))
+    meta = dict(meta, rng_state=own or meta["rng_state"])   # another layout: rank 0's streams
     saved = f"layout {meta['layout']}" if meta.get("layout") else "Megatron-LM"
     log.info(f"torch_dist checkpoint {training_cfg.load_checkpoint} (saved by {saved}) cut for "
              f"this run's layout {layout_of(cfg)}")

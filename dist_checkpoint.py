@@ -134,6 +134,18 @@ def read_piece(folder, file, offset, length, what):
         raise CheckpointError(str(e)) from None
 
 
+def rng_key(pp_rank, tp_rank, pp, tp):
+    """The unique key of a (stage, TP rank)'s RNG state (Megatron's ShardedObject rng_state of
+    global shape (pp, tp), checkpointing.py; here this project's dropout streams)."""
+    return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
+
+
+def read_object(folder, key):
+    """The object saved under `key` in the torch_dist folder, or None if it holds none."""
+    objects = read_index(folder)[1]
+    return read_piece(folder, *objects[key], key) if key in objects else None
+
+
 def read_tensor(folder, key, dtype, shape, pieces):
     """The global tensor `key` assembled from its pieces: float32 (bfloat16 widened exactly),
     float16 and float64 as stored."""
