@@ -758,22 +758,33 @@ def write_layout(root, tensors, meta, cfg):
 
 
 def _write_dist_layout(root, tensors, meta, cfg):
-    """write_layout in torch_dist: the one-process `tensors` as one writer's pieces (the format
-    is the same whatever layout will load it), weights in the run's params_dtype, float32 main
-    params beside half-precision ones."""
-    model_cfg = cfg.model_config
-    half = model_cfg.params_dtype != "float32"
-    values = {k: v for k, v in tensors.items()
-              if not k.startswith("main.") or (half and any(p.startswith("optimizer.")
-                                                            for p in tensors))}
-    for key in [k for k in values if k.startswith("model.")]:
+    """write_layout in torch_dist: the one-process `tensors` cut as the first data-parallel rank
+    of each TP rank and stage of cfg's layout would write them in training (one .distcp each;
+    the folder loads into any layout), weights in the run's params_dtype, float32 main params
+    beside half-precision ones."""
+    parallel_cfg, model_cfg = cfg.parallel_config, cfg.model_config
+    tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
+    kinds = sorted({k.split(".")[1] for k in tensors if k.startswith("optimizer.")})
+    prefixes = ["model"] + (["main"] if kinds and model_cfg.params_dtype != "float32" else []) \
+        + [f"optimizer.{kind}" for kind in kinds]
+    tensors = dict(tensors)
+    for key in [k for k in tensors if k.startswith("model.")]:
+        tensors.setdefault("main." + key[len("model."):], tensors[key].astype(np.float32))
         if model_cfg.params_dtype in ("float32", "float16"):
-            values[key] = values[key].astype(model_cfg.params_dtype)
-    [one] = build_rank_chunks(model_cfg, 1, 1)
-    pieces = _dist_pieces([one], 0, 1, values, model_cfg.params_dtype)
-    items = dist_checkpoint.rank_items(pieces, model_cfg.num_layers, True)
+            tensors[key] = tensors[key].astype(model_cfg.params_dtype)
+    files = {}
+    for tp_rank, pp_rank in itertools.product(range(tp), range(pp)):
+        chunks = build_rank_chunks(model_cfg, tp, pp, tp_rank, pp_rank,
+                                   parallel_cfg.virtual_pipeline_model_parallel_size,
+                                   parallel_cfg.num_layer_list)
+        values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)[2]
+        pieces = _dist_pieces(chunks, tp_rank, tp, values, model_cfg.params_dtype)
+        rank = tp_rank + tp * parallel_cfg.data_parallel_size * \
+            parallel_cfg.context_parallel_size * pp_rank                  # tp-cp-dp-pp order
+        files[f"__{rank}_0"] = dist_checkpoint.rank_items(pieces, model_cfg.num_layers,
+                                                          rank == 0)
     meta = dict(meta, layout=layout_of(cfg), config=to_dict(cfg), ckpt_format="torch_dist")
-    return save_checkpoint(root, meta["iteration"], {"": ({"__0_0": items}, None)}, "torch_dist",
+    return save_checkpoint(root, meta["iteration"], {"": (files, None)}, "torch_dist",
                            finish=lambda tmp: dist_checkpoint.write_index(
                                tmp, _dist_common(cfg, meta)))
 

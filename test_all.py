@@ -4547,7 +4547,8 @@ def test_torch_dist_save_holds_megatrons_index_and_resumes_bit_for_bit(tmp_path)
     layers stacked on the layer axis, the local norms under the fused names, each linear's
     _extra_state object per layer, the optimizer's moments sharded as their parameters), read
     back without torch; a run resumed from step 1 trains step 2 as the run that never stopped,
-    bit for bit, and converts to TP2 with the same weights."""
+    bit for bit; written as a TP2 x PP2 layout's four writers would (convert), it holds the same
+    state and one process resumed from it without convert trains step 2 bit for bit too."""
     run = tmp_path / "run"
     assert tiny_run(run, "--train-iters", "2", "--save-interval", "1", "--ckpt-format",
                     "torch_dist", "--hidden-dropout", "0.1") == 0
@@ -4566,12 +4567,21 @@ def test_torch_dist_save_holds_megatrons_index_and_resumes_bit_for_bit(tmp_path)
     assert tiny_run(tmp_path / "resumed", "--train-iters", "2", "--ckpt-format", "torch_dist",
                     "--hidden-dropout", "0.1", "--load", str(run), "--ckpt-step", "1") == 0
     assert train_records(tmp_path / "resumed") == train_records(run)[1:]
-    assert train.main(["convert", "--load", str(run), "--save", str(tmp_path / "tp2"),
-                       "--nproc", "2", "--tensor-model-parallel-size", "2"]) == 0
-    first, second = checkpoint.full_state(str(run))[0], checkpoint.full_state(
-        str(tmp_path / "tp2"))[0]
+    # as a TP2 x PP2 run's four writers would save it, then loaded by one process without convert
+    tp2pp2 = tmp_path / "tp2pp2"
+    assert train.main(["convert", "--load", str(run), "--ckpt-step", "1", "--save", str(tp2pp2),
+                       "--nproc", "4", "--tensor-model-parallel-size", "2",
+                       "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist"]) == 0
+    assert sorted(os.listdir(tp2pp2 / "iter_0000001")) == [
+        ".metadata", *[f"__{rank}_0.distcp" for rank in range(4)], "common.pt", "metadata.json"]
+    first, second = checkpoint.full_state(str(run), step=1)[0], checkpoint.full_state(
+        str(tp2pp2))[0]
+    assert sorted(first) == sorted(second)
     for key in first:
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    assert tiny_run(tmp_path / "from_tp2pp2", "--train-iters", "2", "--hidden-dropout", "0.1",
+                    "--load", str(tp2pp2)) == 0
+    assert train_records(tmp_path / "from_tp2pp2") == train_records(run)[1:]
 
 
 def _break_dist(root, kind):
