@@ -472,18 +472,14 @@ def _blocks(prefix, name, value, shape, dim, blocks, tp_rank):
 
 
 def load_training_state(cfg, trainer, rng):
-    """Restore from training_config.load_checkpoint (same layout; a torch_dist checkpoint in any
-    layout); returns (iteration, consumed)."""
-    training_cfg, state, chunks = cfg.training_config, trainer.state, trainer.chunks
+    """Restore from training_config.load_checkpoint; returns (iteration, consumed). A checkpoint
+    of another layout (TP, PP, VPP, CP, DP, EP, the distributed optimizer; this project's
+    formats and torch_dist) is converted on load, as `convert` would write it for this run."""
+    training_cfg, state = cfg.training_config, trainer.state
     root, step = training_cfg.load_checkpoint, training_cfg.ckpt_step
     if dist_checkpoint.is_dist(iteration_dir(root, load_iteration(root, step))):
         return _load_dist_training_state(cfg, trainer, rng)
-    shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
-    stems = [WEIGHTS]
-    if trainer.distributed and not (training_cfg.finetune or training_cfg.no_load_optim):
-        stems.append(f"distrib_optim_{state.edp_rank:03d}")
-    tensors, meta = load_checkpoint(training_cfg.load_checkpoint, shard, stems=stems,
-                                    step=training_cfg.ckpt_step)
+    _, meta = load_checkpoint(root, first_shard(root, step), stems=(), step=step)
     # --finetune, or imported weights (no optimizer step saved)
     weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
     layout = layout_of(cfg)
@@ -496,10 +492,15 @@ def load_training_state(cfg, trainer, rng):
     unsharded = same_model_split and not (saved_layout["distributed_optimizer"]
                                           or layout["distributed_optimizer"])
     if saved_layout != layout and not ((weights_only or unsharded) and same_model_split):
-        raise CheckpointError(
-            f"checkpoint {training_cfg.load_checkpoint} was saved with layout {saved_layout}, this "
-            f"run is {layout}: convert it first (bash run.sh convert --load "
-            f"{training_cfg.load_checkpoint} --save NEW <layout flags>)")
+        full, meta = full_state(root, optimizer=not weights_only, step=step)
+        log.info(f"checkpoint {root} converted on load from layout {saved_layout} to this run's "
+                 f"layout {layout}")
+        return _load_cut(cfg, trainer, rng, full, meta)
+    shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
+    stems = [WEIGHTS]
+    if trainer.distributed and not (training_cfg.finetune or training_cfg.no_load_optim):
+        stems.append(f"distrib_optim_{state.edp_rank:03d}")
+    tensors, meta = load_checkpoint(root, shard, stems=stems, step=step)
     return _restore(cfg, trainer, rng, tensors, meta, weights_only)
 
 
@@ -535,11 +536,27 @@ def _restore(cfg, trainer, rng, tensors, meta, weights_only):
 
 
 def _load_dist_training_state(cfg, trainer, rng):
-    """load_training_state of a torch_dist checkpoint: its one-process tensors cut for this
-    rank's TP piece, stage and experts (and the distributed optimizer's pieces), whatever layout
-    saved it; Megatron-LM's own (no optimizer state of this project's) loads its weights."""
+    """load_training_state of a torch_dist checkpoint, whatever layout saved it (_load_cut), each
+    (stage, TP rank) its own dropout streams where the folder holds them; Megatron-LM's own (no
+    optimizer state of this project's) loads its weights."""
     training_cfg, state = cfg.training_config, trainer.state
-    full, meta = dist_state(training_cfg.load_checkpoint, training_cfg.ckpt_step)
+    root, step = training_cfg.load_checkpoint, training_cfg.ckpt_step
+    full, meta = dist_state(root, step)
+    own = dist_checkpoint.read_object(iteration_dir(root, load_iteration(root, step)),
+                                      dist_checkpoint.rng_key(state.pp_rank, state.tp_rank,
+                                                              state.pp, state.tp))
+    meta = dict(meta, rng_state=own or meta["rng_state"])   # another layout: rank 0's streams
+    saved = f"layout {meta['layout']}" if meta.get("layout") else "Megatron-LM"
+    log.info(f"torch_dist checkpoint {root} (saved by {saved}) cut for this run's layout "
+             f"{layout_of(cfg)}")
+    return _load_cut(cfg, trainer, rng, full, meta)
+
+
+def _load_cut(cfg, trainer, rng, full, meta):
+    """Restore from the one-process tensors `full` (full_state's): this rank's TP piece, stage
+    and experts cut from them, and the distributed optimizer's pieces, as write_layout cuts them
+    for `convert`."""
+    training_cfg, state = cfg.training_config, trainer.state
     weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
     optim = not (weights_only or training_cfg.no_load_optim)
     kinds = sorted({k.split(".")[1] for k in full if k.startswith("optimizer.")}) if optim else []
@@ -549,14 +566,6 @@ def _load_dist_training_state(cfg, trainer, rng):
     names, _, tensors = _rank_values(full, trainer.chunks, state.tp_rank, state.tp, prefixes)
     if optim:
         tensors.update(_optimizer_pieces(trainer.optimizer, names, tensors, prefixes[1:]))
-    folder = iteration_dir(training_cfg.load_checkpoint,
-                           load_iteration(training_cfg.load_checkpoint, training_cfg.ckpt_step))
-    own = dist_checkpoint.read_object(folder, dist_checkpoint.rng_key(
-        state.pp_rank, state.tp_rank, state.pp, state.tp))
-    meta = dict(meta, rng_state=own or meta["rng_state"])   # another layout: rank 0's streams
-    saved = f"layout {meta['layout']}" if meta.get("layout") else "Megatron-LM"
-    log.info(f"torch_dist checkpoint {training_cfg.load_checkpoint} (saved by {saved}) cut for "
-             f"this run's layout {layout_of(cfg)}")
     return _restore(cfg, trainer, rng, tensors, meta, weights_only)
 
 

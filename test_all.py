@@ -4584,6 +4584,27 @@ def test_torch_dist_save_holds_megatrons_index_and_resumes_bit_for_bit(tmp_path)
     assert train_records(tmp_path / "from_tp2pp2") == train_records(run)[1:]
 
 
+@pytest.mark.checkpoint
+def test_load_converts_another_layout_on_load_as_convert_would(two_steps, tmp_path):
+    """--load of a checkpoint of another layout converts it on load: a step-2 checkpoint written
+    as TP2 x PP2 x DP2 with the distributed optimizer, or in Megatron's torch format as TP2,
+    resumes in one process without `convert`, step 3 bit for bit as from the one-process
+    checkpoint itself; the log says what it converted."""
+    assert tiny_run(tmp_path / "same", "--train-iters", "3", "--load", str(two_steps)) == 0
+    wide, torch_tp2 = tmp_path / "wide", tmp_path / "torch_tp2"
+    assert train.main(["convert", "--load", str(two_steps), "--save", str(wide), "--nproc", "8",
+                       "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--use-distributed-optimizer", "--micro-batch-size", "1"]) == 0
+    assert train.main(["convert", "--load", str(two_steps), "--save", str(torch_tp2), "--nproc",
+                       "2", "--tensor-model-parallel-size", "2", "--ckpt-format", "torch"]) == 0
+    for folder in (wide, torch_tp2):
+        out = tmp_path / f"from_{folder.name}"
+        assert tiny_run(out, "--train-iters", "3", "--load", str(folder)) == 0
+        assert train_records(out) == train_records(tmp_path / "same"), folder.name
+        log = (out / "log" / "rank_0" / "info.log").read_text()
+        assert f"checkpoint {folder} converted on load from layout {{'ep': 1, 'tp': 2" in log
+
+
 def _break_dist(root, kind):
     """Damage the copy `root` of megatron-core's TP1 checkpoint as `kind` says."""
     folder = os.path.join(root, "iter_0000010")
