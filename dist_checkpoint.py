@@ -73,10 +73,19 @@ def read_index(folder):
             metadata = torch_format.load_pickle(f.read(), path)
     except torch_format.TorchFormatError as e:
         raise CheckpointError(str(e)) from None
-    version = getattr(metadata, "state", {}).get("version", DCP_VERSION)
+    try:
+        return _parse_index(metadata, path)
+    except (AttributeError, TypeError, IndexError, ValueError) as e:
+        raise CheckpointError(f"{path} holds no index of PyTorch Distributed Checkpoint "
+                              f"({type(e).__name__}: {e}): the file is damaged") from None
+
+
+def _parse_index(metadata, path):
+    """read_index's plain data of the unpickled Metadata object."""
+    version = getattr(metadata, "state", None) and metadata.state.get("version", DCP_VERSION)
     if version != DCP_VERSION:
         raise CheckpointError(f"{path} is of PyTorch Distributed Checkpoint {version}, this reader "
-                              f"knows {DCP_VERSION}: save it with torch 2.4 to 2.13")
+                              f"knows {DCP_VERSION}: a checkpoint of a newer or older torch")
     where = {}
     for index, info in _state(metadata, "storage_data").items():
         fields = {k: _state(info, k) for k in ("relative_path", "offset", "length")}
@@ -104,6 +113,7 @@ def _located(where, key, offsets, path):
 
 
 def _check_backend(folder):
+    """metadata.json names the torch_dist backend of the version this reader knows."""
     path = os.path.join(folder, BACKEND)
     try:
         with open(path) as f:
@@ -205,8 +215,8 @@ def model_tensors(folder, tensors):
     CheckpointError line naming it."""
     out = {}
     for key, (dtype, shape, pieces) in tensors.items():
-        if key.startswith(OPTIMIZER):
-            continue
+        if key.startswith("optimizer."):     # optimizer_tensors' (the distributed optimizer's
+            continue                         # flattened buckets are not read)
         names = _project_names(key, shape, folder)
         if all(n is None for n in names):
             continue
