@@ -23,6 +23,7 @@ mlp.py apply_swiglu_sharded_factory), the local norms under transformer_engine's
 `_extra_state/shard_<layer>_<num_layers>` an object. A key assembled from its chunks is the
 one-process tensor, whatever layout saved it: what makes the format layout-free.
 """
+import collections
 import json
 import os
 
@@ -35,6 +36,7 @@ METADATA = ".metadata"
 COMMON = "common.pt"
 BACKEND = "metadata.json"
 LAYERS = "decoder.layers."
+EXPERTS = LAYERS + "mlp.experts.experts."
 # the versions whose names this reader knows (metadata.json, .metadata, common.pt)
 BACKEND_VERSION = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 DCP_VERSION = "1.0.0"
@@ -157,12 +159,14 @@ def read_object(folder, key):
 
 
 def read_tensor(folder, key, dtype, shape, pieces):
-    """The global tensor `key` assembled from its pieces: float32 (bfloat16 widened exactly),
-    float16 and float64 as stored."""
+    """(the global tensor `key` assembled from its pieces, the set of its first axis's indices
+    they cover): float32 (bfloat16 widened exactly), float16 and float64 as stored. A stacked
+    key may skip layers (experts in every other layer: --moe-layer-freq); every index present is
+    covered whole."""
     if dtype not in DTYPES:
         raise CheckpointError(f"{key} in {folder} is {dtype}, not a floating-point tensor")
     out = np.zeros(shape, DTYPES[dtype] if dtype != "bfloat16" else np.float32)
-    covered = 0
+    covered = collections.Counter()
     for offsets, sizes, file, offset, length in pieces:
         value = read_piece(folder, file, offset, length, f"{key} at {offsets}")
         value = value.float32() if isinstance(value, torch_format.BFloat16) else value
@@ -171,11 +175,14 @@ def read_tensor(folder, key, dtype, shape, pieces):
                                   f"{getattr(value, 'shape', type(value).__name__)}, its index "
                                   f"says {sizes}: the file is damaged")
         out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = value
-        covered += int(np.prod(sizes))
-    if covered != out.size:
-        raise CheckpointError(f"the pieces of {key} in {folder} cover {covered} of its {out.size} "
-                              "elements: a rank's file is missing from the index")
-    return out
+        for first in range(offsets[0], offsets[0] + sizes[0]) if shape else [0]:
+            covered[first] += int(np.prod(sizes[1:]))
+    whole = int(np.prod(shape[1:])) if shape else 1
+    if any(n != whole for n in covered.values()) or (
+            not key.startswith(LAYERS) and len(covered) != (shape[0] if shape else 1)):
+        raise CheckpointError(f"the pieces of {key} in {folder} cover {sum(covered.values())} of "
+                              f"its {out.size} elements: a rank's file is missing from the index")
+    return out, set(covered)
 
 
 def read_common(folder):
@@ -197,32 +204,48 @@ def read_common(folder):
     return common
 
 
-def _project_names(key, shape, folder):
-    """This project's global names of the sharded `key` (one per layer of a stacked key)."""
+def _split(key, shape, folder):
+    """[(index into the global tensor of `key`, this project's global name)] of a sharded key:
+    a layer of a stacked key, and of routed experts' (decoder.layers.mlp.experts.experts.*,
+    [num_layers, num_experts, ...]: experts.py SequentialMLP.sharded_state_dict) each expert,
+    by Megatron's per-layer name (project_name); None for what holds no weight."""
     try:
+        if key.startswith(EXPERTS):
+            rest = key[len(EXPERTS):]
+            return [((i, j), project_name(f"{LAYERS}{i}.mlp.experts.local_experts.{j}.{rest}"))
+                    for i in range(shape[0]) for j in range(shape[1])]
         if key.startswith(LAYERS):
-            return [project_name(f"{LAYERS}{i}.{key[len(LAYERS):]}") for i in range(shape[0])]
-        return [project_name(key)]
+            return [((i,), project_name(f"{LAYERS}{i}.{key[len(LAYERS):]}"))
+                    for i in range(shape[0])]
+        return [((), project_name(key))]
     except CheckpointError as e:
         raise CheckpointError(f"{folder}: {e}; a torch_dist checkpoint of a Megatron-LM newer or "
                               "older than the names this project knows?") from None
 
 
+def _named(folder, key, entry, param_key):
+    """{global name: array} of the index entry `key` (its parameter's sharded key `param_key`):
+    the layers (and experts) its pieces hold."""
+    dtype, shape, pieces = entry
+    names = _split(param_key, shape, folder)
+    if all(name is None for _, name in names):
+        return {}
+    value, present = read_tensor(folder, key, dtype, shape, pieces)
+    stacked = param_key.startswith(LAYERS)
+    return {name: value[index] for index, name in names
+            if name is not None and (not stacked or index[0] in present)}
+
+
 def model_tensors(folder, tensors):
     """{"model.<name>": array} of the index `tensors` (read_index) read from `folder`, under this
-    project's global names: stacked layers split on their layer axis; objects (_extra_state)
-    and the optimizer's keys left out. A key this project has no place for is one
-    CheckpointError line naming it."""
+    project's global names: stacked layers (and experts) split; objects (_extra_state) and the
+    optimizer's keys left out. A key this project has no place for is one CheckpointError line
+    naming it."""
     out = {}
-    for key, (dtype, shape, pieces) in tensors.items():
-        if key.startswith("optimizer."):     # optimizer_tensors' (the distributed optimizer's
-            continue                         # flattened buckets are not read)
-        names = _project_names(key, shape, folder)
-        if all(n is None for n in names):
-            continue
-        value = read_tensor(folder, key, dtype, shape, pieces)
-        for i, name in enumerate(names):
-            out[f"model.{name}"] = value[i] if key.startswith(LAYERS) else value
+    for key, entry in tensors.items():
+        if not key.startswith("optimizer."):   # optimizer_tensors' (the distributed optimizer's
+            out.update({f"model.{n}": v       # flattened buckets are not read)
+                        for n, v in _named(folder, key, entry, key).items()})
     return out
 
 
@@ -232,15 +255,12 @@ def optimizer_tensors(folder, tensors):
     the float32 main params as kind fp32_param): {"optimizer.<kind>.<name>", "main.<name>":
     float32 array}."""
     out = {}
-    for key, (dtype, shape, pieces) in tensors.items():
-        if not key.startswith(OPTIMIZER):
-            continue
-        kind, _, param = key[len(OPTIMIZER):].partition(".")
-        names = _project_names(param, shape, folder)
-        value = read_tensor(folder, key, dtype, shape, pieces).astype(np.float32)
-        prefix = "main" if kind == MAIN else f"optimizer.{kind}"
-        for i, name in enumerate(names):
-            out[f"{prefix}.{name}"] = value[i] if param.startswith(LAYERS) else value
+    for key, entry in tensors.items():
+        if key.startswith(OPTIMIZER):
+            kind, _, param = key[len(OPTIMIZER):].partition(".")
+            prefix = "main" if kind == MAIN else f"optimizer.{kind}"
+            out.update({f"{prefix}.{n}": v.astype(np.float32)
+                        for n, v in _named(folder, key, entry, param).items()})
     return out
 
 

@@ -4483,9 +4483,10 @@ def test_convert_round_trip_and_refusals(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- dist_checkpoint.py
-DIST_NAMES = ["dist_tp1_gpt2", "dist_tp2_llama_bf16"]
+DIST_NAMES = ["dist_tp1_gpt2", "dist_tp2_llama_bf16", "dist_tp1_moe"]
 DIST_OTHER_LAYOUT = {"dist_tp1_gpt2": ["--nproc", "2", "--tensor-model-parallel-size", "2"],
-                     "dist_tp2_llama_bf16": ["--nproc", "2", "--pipeline-model-parallel-size", "2"]}
+                     "dist_tp2_llama_bf16": ["--nproc", "2", "--pipeline-model-parallel-size", "2"],
+                     "dist_tp1_moe": ["--nproc", "2", "--expert-model-parallel-size", "2"]}
 
 
 @pytest.mark.checkpoint
@@ -4493,8 +4494,8 @@ DIST_OTHER_LAYOUT = {"dist_tp1_gpt2": ["--nproc", "2", "--tensor-model-parallel-
 def test_megatron_core_torch_dist_checkpoint_imports_and_generates_its_tokens(name, tmp_path,
                                                                             capsys):
     """Each torch_dist checkpoint megatron-core saved (make_dist_fixtures.py: TP1 GPT-2 style in
-    float32; TP2 Llama style in bfloat16, RoPE, SwiGLU, RMSNorm, GQA, untied) imports without
-    torch: its logits after the prompt are megatron-core's forward's (1e-5) and greedy decoding
+    float32; TP2 Llama style in bfloat16, RoPE, SwiGLU, RMSNorm, GQA, untied; four experts,
+    top-2, stacked on the layer and expert axes) imports without torch: its logits after the prompt are megatron-core's forward's (1e-5) and greedy decoding
     gives its tokens; imported into another layout it holds the same weights; `generate --load`
     of Megatron's folder itself prints the same tokens."""
     want, root = expected(name), fixture(name)

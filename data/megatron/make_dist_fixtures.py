@@ -18,15 +18,17 @@ the CPU with gloo, TP1 or TP2 ranks in processes of torch.multiprocessing, its w
 --ckpt-format torch_dist: `latest_checkpointed_iteration.txt` and `iter_000000N/` written by
 megatron.core.dist_checkpointing.save from {args, checkpoint_version, iteration, model:
 GPTModel.sharded_state_dict(), num_floating_point_operations_so_far}: `.metadata`,
-`__<rank>_<k>.distcp`, `common.pt`, `metadata.json`. Its `expected.json` holds a prompt, the
+`__<rank>_<k>.distcp`, `common.pt`, `metadata.json`. `dist_tp1_moe` has four experts (SequentialMLP,
+top-2, the allgather dispatcher) in each layer. Its `expected.json` holds a prompt, the
 logits after it and the greedy continuation computed by megatron-core's own forward (float32, on
 the weights as stored; the seed is the first whose greedy path keeps the top-1/top-2 gap at least
 MIN_MARGIN).
 
-megatron-core runs on the CPU once four CUDA-only corners are replaced (`cpu_corners`), nothing
+megatron-core runs on the CPU once a few CUDA-only corners are replaced (`cpu_corners`), nothing
 of the arithmetic: torch.cuda.current_device (RoPE moves its frequencies there, the global
-memory buffer allocates there), the default causal mask's device (transformer/utils.py) and the
-RNG tracker's fork (tensor_parallel/random.py; dropout is 0 here).
+memory buffer allocates there), torch.cuda.synchronize (the checkpoint writer), the default
+causal mask's device (transformer/utils.py), the RNG tracker's fork (tensor_parallel/random.py;
+dropout is 0 here) and, for experts, the router's transformer_engine gemm (moe/moe_utils.py).
 """
 import argparse
 import contextlib
@@ -58,7 +60,15 @@ SPECS = {
                                 hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                                 seq_length=16, position_embedding_type="rope",
                                 normalization="RMSNorm", add_bias_linear=False, swiglu=True,
-                                num_query_groups=2, untie_embeddings_and_output_weights=True)}
+                                num_query_groups=2, untie_embeddings_and_output_weights=True),
+    "dist_tp1_moe": dict(tp=1, iteration=30, dtype="float32", num_layers=2, hidden_size=32,
+                         num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
+                         position_embedding_type="rope", normalization="RMSNorm",
+                         add_bias_linear=False, swiglu=True, num_query_groups=4,
+                         untie_embeddings_and_output_weights=True, num_experts=4,
+                         moe_router_topk=2, moe_ffn_hidden_size=48)}
+MOE_ARGS = dict(moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+                moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=False)
 
 
 def cpu_corners():
@@ -71,6 +81,8 @@ def cpu_corners():
     transformer_utils.get_default_causal_mask = lambda sq: torch.triu(
         torch.ones(sq, sq), diagonal=1).bool()
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    from megatron.core.transformer.moe import moe_utils
+    moe_utils.te_general_gemm = None        # the router's gemm names it without transformer_engine
 
 
 def megatron_args(spec, tp):
@@ -94,7 +106,10 @@ def megatron_args(spec, tp):
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
         fp16=False, bf16=spec["dtype"] == "bfloat16", transformer_impl="local",
-        ckpt_format="torch_dist", use_distributed_optimizer=False, iteration=spec["iteration"])
+        ckpt_format="torch_dist", use_distributed_optimizer=False, iteration=spec["iteration"],
+        num_experts=spec.get("num_experts"), moe_router_topk=spec.get("moe_router_topk", 2),
+        moe_ffn_hidden_size=spec.get("moe_ffn_hidden_size"),
+        **(MOE_ARGS if spec.get("num_experts") else {}))
 
 
 def build_model(args, dtype=torch.float32):
@@ -114,8 +129,12 @@ def build_model(args, dtype=torch.float32):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False)
-    spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        apply_rope_fusion=False, num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        **({k: getattr(args, k) for k in MOE_ARGS if k != "moe_grouped_gemm"}
+           if args.num_experts else {}))
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts,
+                                    normalization=args.normalization)
     return GPTModel(config, spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings,
                     position_embedding_type=args.position_embedding_type,
