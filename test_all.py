@@ -4485,7 +4485,8 @@ def test_convert_round_trip_and_refusals(tmp_path, capsys):
 # --------------------------------------------------------------------------- dist_checkpoint.py
 DIST_NAMES = ["dist_tp1_gpt2", "dist_tp2_llama_bf16", "dist_tp1_moe"]
 DIST_OTHER_LAYOUT = {"dist_tp1_gpt2": ["--nproc", "2", "--tensor-model-parallel-size", "2"],
-                     "dist_tp2_llama_bf16": ["--nproc", "2", "--pipeline-model-parallel-size", "2"],
+                     "dist_tp2_llama_bf16": ["--nproc", "2",
+                                             "--pipeline-model-parallel-size", "2"],
                      "dist_tp1_moe": ["--nproc", "2", "--expert-model-parallel-size", "2"]}
 
 
