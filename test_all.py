@@ -4496,9 +4496,10 @@ def test_megatron_core_torch_dist_checkpoint_imports_and_generates_its_tokens(na
                                                                             capsys):
     """Each torch_dist checkpoint megatron-core saved (make_dist_fixtures.py: TP1 GPT-2 style in
     float32; TP2 Llama style in bfloat16, RoPE, SwiGLU, RMSNorm, GQA, untied; four experts,
-    top-2, stacked on the layer and expert axes) imports without torch: its logits after the prompt are megatron-core's forward's (1e-5) and greedy decoding
-    gives its tokens; imported into another layout it holds the same weights; `generate --load`
-    of Megatron's folder itself prints the same tokens."""
+    top-2, stacked on the layer and expert axes) imports without torch: its logits after the
+    prompt are megatron-core's forward's (1e-5) and greedy decoding gives its tokens; imported
+    into another layout it holds the same weights; `generate --load` of Megatron's folder
+    itself prints the same tokens."""
     want, root = expected(name), fixture(name)
     one, other = str(tmp_path / "one"), str(tmp_path / "other")
     checkpoint.import_megatron_main([root, "--save", one])
