@@ -397,8 +397,9 @@ def _save_dist(cfg, iteration, consumed, trainer, rng, opt_tensors, step):
     if state.edp_rank == 0:
         values = {**model_tensors(trainer.chunks), **opt_tensors}
         pieces = _dist_pieces(trainer.chunks, state.tp_rank, state.tp, values,
-                              cfg.model_config.params_dtype)
-        items = dist_checkpoint.rank_items(pieces, cfg.model_config.num_layers, state.rank == 0)
+                              cfg.model_config.params_dtype, state.ep_rank)
+        items = dist_checkpoint.rank_items(pieces, cfg.model_config.num_layers,
+                                           cfg.model_config.num_moe_experts)
         # each (stage, TP rank)'s dropout streams, as Megatron's ShardedObject rng_state
         items.append((dist_checkpoint.rng_key(state.pp_rank, state.tp_rank, state.pp, state.tp),
                       None, None, rng.state_dict()))
@@ -426,12 +427,12 @@ def _dist_common(cfg, meta):
 DIST_PREFIX = {"model": "", "main": dist_checkpoint.OPTIMIZER + dist_checkpoint.MAIN + "."}
 
 
-def _dist_pieces(chunks, tp_rank, tp, values, params_dtype):
+def _dist_pieces(chunks, tp_rank, tp, values, params_dtype, ep_rank=0):
     """[(key prefix, global name, offsets, one-process shape, block)] of the parameters of
-    `chunks` this rank holds a unique part of (replicated ones on TP rank 0 alone; the tied
-    output layer's copy left out), for each of `values`' "model.", "main.", "optimizer.<kind>."
-    entries: a TP piece at its place in the one-process tensor, SwiGLU's [gate; up] halves
-    each at its own."""
+    `chunks` this rank holds a unique part of (replicated ones on TP rank 0 alone, dense ones on
+    EP rank 0 alone; the tied output layer's copy left out), for each of `values`' "model.",
+    "main.", "optimizer.<kind>." entries: a TP piece at its place in the one-process tensor,
+    SwiGLU's [gate; up] halves each at its own."""
     kinds = sorted({k.split(".")[1] for k in values if k.startswith("optimizer.")})
     prefixes = {**DIST_PREFIX, **{f"optimizer.{kind}": f"{dist_checkpoint.OPTIMIZER}{kind}."
                                   for kind in kinds}}
@@ -439,7 +440,8 @@ def _dist_pieces(chunks, tp_rank, tp, values, params_dtype):
     for chunk in chunks:
         for n, param in chunk.parameters_and_names():
             dim, name = getattr(param, "partition_dim", None), chunk.global_name(n)
-            if is_embedding_copy(chunk, param) or (dim is None and tp_rank):
+            if is_embedding_copy(chunk, param) or (dim is None and tp_rank) or \
+                    (ep_rank and not moe.is_expert(name)):
                 continue
             blocks = getattr(param, "partition_chunks", 1) if dim is not None else 1
             shape = list(param.shape)
@@ -781,17 +783,16 @@ def _write_dist_layout(root, tensors, meta, cfg):
         tensors.setdefault("main." + key[len("model."):], tensors[key].astype(np.float32))
         if model_cfg.params_dtype in ("float32", "float16"):
             tensors[key] = tensors[key].astype(model_cfg.params_dtype)
-    files = {}
-    for tp_rank, pp_rank in itertools.product(range(tp), range(pp)):
+    files, ep = {}, parallel_cfg.expert_model_parallel_size
+    for tp_rank, pp_rank, ep_rank in itertools.product(range(tp), range(pp), range(ep)):
         chunks = build_rank_chunks(model_cfg, tp, pp, tp_rank, pp_rank,
                                    parallel_cfg.virtual_pipeline_model_parallel_size,
-                                   parallel_cfg.num_layer_list)
+                                   parallel_cfg.num_layer_list, ep, ep_rank)
         values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)[2]
-        pieces = _dist_pieces(chunks, tp_rank, tp, values, model_cfg.params_dtype)
-        rank = tp_rank + tp * parallel_cfg.data_parallel_size * \
-            parallel_cfg.context_parallel_size * pp_rank                  # tp-cp-dp-pp order
+        pieces = _dist_pieces(chunks, tp_rank, tp, values, model_cfg.params_dtype, ep_rank)
+        rank = tp_rank + tp * (ep_rank + ep * pp_rank)        # a writer of each model piece
         files[f"__{rank}_0"] = dist_checkpoint.rank_items(pieces, model_cfg.num_layers,
-                                                          rank == 0)
+                                                          model_cfg.num_moe_experts)
     meta = dict(meta, layout=layout_of(cfg), config=to_dict(cfg), ckpt_format="torch_dist")
     return save_checkpoint(root, meta["iteration"], {"": (files, None)}, "torch_dist",
                            finish=lambda tmp: dist_checkpoint.write_index(

@@ -608,8 +608,7 @@ def _check_full_recompute(model_cfg, parallel_cfg):
 def _check_torch_format(training_cfg, model_cfg, parallel_cfg):
     """--ckpt-format torch and torch_dist write Megatron-core's GPT: a model it has no
     counterpart for, and the distributed optimizer's files (Megatron's distrib_optim.pt and
-    its torch_dist flattened buckets are not written here), are refused; torch_dist's names of
-    experts too."""
+    its torch_dist flattened buckets are not written here), are refused."""
     fmt = training_cfg.ckpt_format
     if fmt not in ("torch", "torch_dist"):
         return
@@ -619,9 +618,6 @@ def _check_torch_format(training_cfg, model_cfg, parallel_cfg):
     if training_cfg.use_distributed_optimizer and shards > 1:
         raise ConfigError(f"{where} is not written with the distributed optimizer here: use "
                           "--ckpt-format ckpt or safetensors")
-    if fmt == "torch_dist" and model_cfg.num_moe_experts:
-        raise ConfigError(f"{where} is not written for experts here (model_config."
-                          f"num_moe_experts={model_cfg.num_moe_experts}): use --ckpt-format torch")
     biases = model_cfg.add_bias_linear
     differences = [f"model_config.{k}={v}" for k, v, bad in (
         ("use_sandwich_norm", model_cfg.use_sandwich_norm, model_cfg.use_sandwich_norm),

@@ -26,6 +26,7 @@ one-process tensor, whatever layout saved it: what makes the format layout-free.
 import collections
 import json
 import os
+import re
 
 import numpy as np
 
@@ -266,42 +267,47 @@ def optimizer_tensors(folder, tensors):
 
 # ----------------------------------------------------------------------------- writing
 DCP = "torch.distributed.checkpoint.metadata"
-LINEAR_EXTRA = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                "mlp.linear_fc2")
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")   # with an _extra_state
+LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 TORCH_DTYPE = {"float32": "float32", "float16": "float16", "uint16": "bfloat16"}
 
 
 def sharded_key(name):
-    """(Megatron-core's sharded key, layer or None) of this project's global parameter `name`:
-    a layer's parameter under the stacked key (its norms under the fused names the local spec
-    saves them as), the rest as megatron_checkpoint.megatron_name."""
+    """(Megatron-core's sharded key, the stacked axes' indices) of this project's global parameter
+    `name`: a layer's parameter under the stacked key at (layer,), its norms under the fused names
+    the local spec saves them as, a routed expert's at (layer, expert); the rest as
+    megatron_checkpoint.megatron_name at ()."""
     key = megatron_name(name)
     if not key.startswith(LAYERS):
-        return key, None
+        return key, ()
     number, _, rest = key[len(LAYERS):].partition(".")
-    return LAYERS + FUSED_NORMS.get(rest, rest), int(number)
+    expert = LOCAL_EXPERT.fullmatch(rest)
+    if expert:
+        return EXPERTS + expert.group(2), (int(number), int(expert.group(1)))
+    return LAYERS + FUSED_NORMS.get(rest, rest), (int(number),)
 
 
-def rank_items(pieces, num_layers, extra_states):
+def rank_items(pieces, num_layers, num_experts):
     """One writer's items [(key, offsets, global shape, value)] (value an array, BFloat16, or for
     an object offsets and shape None): `pieces` [(key prefix, global name, offsets in the
-    one-process tensor, its shape, this rank's block)], layers stacked on the layer axis (the
-    optimizer's state under "optimizer.state.<kind>." and its parameter's key); with
-    `extra_states`, each layer linear's `_extra_state/shard_<layer>_<num_layers>` object
-    (Megatron's [None])."""
+    one-process tensor, its shape, this rank's block)], layers (and routed experts) stacked on
+    leading axes (the optimizer's state under "optimizer.state.<kind>." and its parameter's key);
+    with the first piece of a layer linear's weight its `_extra_state/shard_<index>_<shape>`
+    object (Megatron's [None]; ShardedObject's unique_key)."""
     items = []
     for prefix, name, offsets, shape, value in pieces:
-        key, layer = sharded_key(name)
-        if layer is None:
-            items.append((prefix + key, tuple(offsets), tuple(shape), value))
-        else:
-            block = value.bits if isinstance(value, torch_format.BFloat16) else value
-            block = block[None] if not isinstance(value, torch_format.BFloat16) else \
-                torch_format.BFloat16(block[None])
-            items.append((prefix + key, (layer, *offsets), (num_layers, *shape), block))
-    if extra_states:
-        items += [(f"{LAYERS}{linear}._extra_state/shard_{layer}_{num_layers}", None, None,
-                   [None]) for layer in range(num_layers) for linear in LINEAR_EXTRA]
+        key, index = sharded_key(name)
+        stacked = (num_layers, num_experts)[:len(index)]
+        bits = value.bits if isinstance(value, torch_format.BFloat16) else value
+        block = bits.reshape((1,) * len(index) + bits.shape)
+        block = torch_format.BFloat16(block) if bits is not value else block
+        items.append((prefix + key, (*index, *offsets), (*stacked, *shape), block))
+        module, _, leaf = key.rpartition(".")
+        if index and not prefix and leaf == "weight" and module.endswith(LINEARS) \
+                and not any(offsets):
+            where = ".".join(map(str, index)), ".".join(map(str, stacked))
+            items.append((f"{module}._extra_state/shard_{where[0]}_{where[1]}", None, None,
+                          [None]))
     return items
 
 

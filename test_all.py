@@ -4521,6 +4521,37 @@ def test_megatron_core_torch_dist_checkpoint_imports_and_generates_its_tokens(na
     assert capsys.readouterr().out.split() == [str(i) for i in want["prompt"] + want["greedy"]]
 
 
+@pytest.mark.checkpoint
+@pytest.mark.moe
+@pytest.mark.parametrize("name,flags", [
+    ("dist_tp2_llama_bf16", ["--bf16", "--nproc", "2", "--tensor-model-parallel-size", "2"]),
+    ("dist_tp1_moe", ["--nproc", "2", "--expert-model-parallel-size", "2"])])
+def test_torch_dist_written_here_has_megatron_cores_index(name, flags, tmp_path):
+    """import-megatron --ckpt-format torch_dist of megatron-core's checkpoint writes its index
+    back key for key: each key's dtype, global shape (layers and experts stacked) and, in the
+    same TP layout, its chunks; every _extra_state object; from EP2's two writers too (the dense
+    weights from EP rank 0 alone); the weights read back equal."""
+    out = str(tmp_path / "out")
+    checkpoint.import_megatron_main([fixture(name), "--save", out, "--ckpt-format", "torch_dist",
+                                     *flags])
+    ours = dist_checkpoint.read_index(checkpoint.iteration_dir(out, expected_iteration(name)))
+    theirs = dist_checkpoint.read_index(checkpoint.iteration_dir(fixture(name),
+                                                                 expected_iteration(name)))
+    assert sorted(ours[1]) == sorted(theirs[1])
+    assert {k: v[:2] for k, v in ours[0].items()} == {k: v[:2] for k, v in theirs[0].items()}
+    if name == "dist_tp2_llama_bf16":
+        assert {k: sorted(c[:2] for c in v[2]) for k, v in ours[0].items()} == \
+            {k: sorted(c[:2] for c in v[2]) for k, v in theirs[0].items()}
+    mine, megatron = checkpoint.full_state(out)[0], checkpoint.read_megatron(fixture(name))[0]
+    assert sorted(mine) == sorted(megatron)
+    for key, value in megatron.items():
+        np.testing.assert_array_equal(mine[key].astype(np.float32), value, err_msg=key)
+
+
+def expected_iteration(name):
+    return megatron_checkpoint.checkpoint_folder(fixture(name))[0]
+
+
 def dist_run(save, *args):
     """train.main of a one-step tiny run from megatron-core's TP1 GPT-2 checkpoint's model."""
     return train.main(["--config", os.path.join(HERE, "config.yaml"), "--save", str(save),
