@@ -66,7 +66,7 @@ SPECS = {
                          position_embedding_type="rope", normalization="RMSNorm",
                          add_bias_linear=False, swiglu=True, num_query_groups=4,
                          untie_embeddings_and_output_weights=True, num_experts=4,
-                         moe_router_topk=2, moe_ffn_hidden_size=48)}
+                         moe_router_topk=2, moe_ffn_hidden_size=16)}
 MOE_ARGS = dict(moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
                 moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=False)
 
