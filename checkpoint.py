@@ -26,6 +26,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor
 
+import dist_checkpoint
 import megatron_checkpoint
 import moe
 import parallel
@@ -36,6 +37,7 @@ from data import write_atomic
 from gpt import is_embedding_copy
 from megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
 from distributed import GradBuffer
+from optimizer import DistributedOptimizer
 from pipeline import build_chunks, layer_split
 from tokenizer import build_tokenizer
 
@@ -43,13 +45,14 @@ log = logging.getLogger("train")
 
 
 def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None,
-                    barrier=lambda: None, leader=True):
+                    barrier=lambda: None, leader=True, finish=None):
     """Write checkpoint `iteration` under `root`. `shards` maps a shard folder (mp_rank_..) to
     (files, meta): `files` maps a file stem to tensors (name -> numpy array or Tensor), `meta`
     (JSON-able, or None) goes to the folder's meta.json. With several ranks every rank calls
     this with what it writes: the leader makes the temporary folder, all ranks write their
-    files, then the leader renames it into place, points `latest` at it and keeps the newest
-    `keep_max` checkpoints."""
+    files, then the leader completes it (`finish(tmp)`: torch_dist's index of every rank's
+    files), renames it into place, points `latest` at it and keeps the newest `keep_max`
+    checkpoints."""
     final = iteration_dir(root, iteration)
     tmp = os.path.join(root, f".iter_{iteration:07d}.tmp")
     tracked = latest_iteration(root) if os.path.isfile(os.path.join(root, LATEST)) else -1
@@ -70,6 +73,12 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None,
         raise
     barrier()
     if leader:
+        try:
+            if finish:
+                finish(tmp)
+        except Exception:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         os.replace(tmp, final)
         write_atomic(os.path.join(root, LATEST), str(iteration))
         if keep_max:                          # the oldest go, never the one just written
@@ -85,11 +94,15 @@ EXTENSIONS = {"ckpt": "ckpt", "safetensors": "safetensors", "torch": "pt"}
 def _write_shards(tmp, shards, ckpt_format):
     """Each shard folder's files and meta.json, under the temporary folder: tensors (name ->
     array) as MindSpore ckpt or safetensors, CRC-checked; with the torch format a file's content
-    (megatron_checkpoint.rank_file) as torch.save writes it."""
+    (megatron_checkpoint.rank_file) as torch.save writes it; with torch_dist a rank's items
+    (dist_checkpoint.rank_items) as its .distcp file."""
     for shard, (files, meta) in shards.items():
         if files or meta is not None:
             os.makedirs(os.path.join(tmp, shard), exist_ok=True)
         for stem, content in files.items():
+            if ckpt_format == "torch_dist":
+                dist_checkpoint.write_rank_file(os.path.join(tmp, shard), stem, content)
+                continue
             path = os.path.join(tmp, shard, f"{stem}.{EXTENSIONS[ckpt_format]}")
             if ckpt_format == "torch":
                 torch_format.save(content, path)
@@ -232,8 +245,11 @@ def latest_iteration(root):
 
 def load_checkpoint(root, shard="mp_rank_00", crc_check=True, stems=(WEIGHTS,), step=None):
     """(tensors name -> numpy array, meta) of the files `stems` of the checkpoint `latest`
-    points at (or of iteration `step`), in this rank's `shard` folder."""
+    points at (or of iteration `step`), in this rank's `shard` folder; of a torch_dist
+    checkpoint (no shard folders) its meta alone."""
     iteration = load_iteration(root, step)
+    if dist_checkpoint.is_dist(iteration_dir(root, iteration)):
+        return {}, dist_state(root, iteration, tensors=False)[1]
     folder = os.path.join(iteration_dir(root, iteration), shard)
     meta_path = os.path.join(folder, "meta.json")
     if not os.path.isfile(meta_path):
@@ -350,6 +366,8 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     model_optim_rng.pt (megatron_checkpoint.rank_file)."""
     training_cfg, state = cfg.training_config, trainer.state
     opt_tensors, step = trainer.optimizer.named_state(parameter_names(trainer.chunks))
+    if training_cfg.ckpt_format == "torch_dist":
+        return _save_dist(cfg, iteration, consumed, trainer, rng, opt_tensors, step)
     writer = state.edp_rank == 0
     files, meta = {}, None
     if writer:
@@ -371,15 +389,101 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     log.info(f"saved checkpoint at iteration {iteration} to {path}")
 
 
+def _save_dist(cfg, iteration, consumed, trainer, rng, opt_tensors, step):
+    """save_training_state in torch_dist: each first expert-data-parallel rank writes the unique
+    pieces of its TP rank and stage (__<rank>_0.distcp), rank 0 the index and common.pt."""
+    training_cfg, state = cfg.training_config, trainer.state
+    meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(),
+                 trainer.scaler.state_dict(), rng.state_dict())
+    shards = {}
+    if state.edp_rank == 0:
+        values = {**model_tensors(trainer.chunks), **opt_tensors}
+        pieces = _dist_pieces(trainer.chunks, state.tp_rank, state.tp, values,
+                              cfg.model_config.params_dtype, state.ep_rank)
+        items = dist_checkpoint.rank_items(pieces, cfg.model_config.num_layers,
+                                           cfg.model_config.num_moe_experts)
+        # each (stage, TP rank)'s dropout streams, as Megatron's ShardedObject rng_state
+        items.append((dist_checkpoint.rng_key(state.pp_rank, state.tp_rank, state.pp, state.tp),
+                      None, None, rng.state_dict()))
+        shards[""] = ({f"__{state.rank}_0": items}, None)
+    path = save_checkpoint(training_cfg.output_dir, iteration, shards, "torch_dist",
+                           training_cfg.keep_checkpoint_max, barrier=parallel.barrier,
+                           leader=state.rank == 0,
+                           finish=lambda tmp: dist_checkpoint.write_index(tmp, _dist_common(
+                               cfg, meta)))
+    log.info(f"saved checkpoint at iteration {iteration} to {path}")
+
+
+def _dist_common(cfg, meta):
+    """torch_dist's common.pt: Megatron's args, version, iteration and schedule, and this
+    project's meta (layout, config, optimizer step, loss scaler, RNG streams) as JSON text."""
+    args = megatron_checkpoint.megatron_args(cfg, meta["iteration"],
+                                             meta["consumed_train_samples"])
+    args.ckpt_format = "torch_dist"
+    return {"args": args, "checkpoint_version": dist_checkpoint.CHECKPOINT_VERSION,
+            "iteration": meta["iteration"], "opt_param_scheduler": meta["opt_param_scheduler"],
+            dist_checkpoint.META: json.dumps(meta), "num_floating_point_operations_so_far": 0}
+
+
+# this project's prefix -> the sharded key's (Megatron's optimizer sharded_state_dict)
+DIST_PREFIX = {"model": "", "main": dist_checkpoint.OPTIMIZER + dist_checkpoint.MAIN + "."}
+
+
+def _dist_pieces(chunks, tp_rank, tp, values, params_dtype, ep_rank=0):
+    """[(key prefix, global name, offsets, one-process shape, block)] of the parameters of
+    `chunks` this rank holds a unique part of (replicated ones on TP rank 0 alone, dense ones on
+    EP rank 0 alone; the tied output layer's copy left out), for each of `values`' "model.",
+    "main.", "optimizer.<kind>." entries: a TP piece at its place in the one-process tensor,
+    SwiGLU's [gate; up] halves each at its own."""
+    kinds = sorted({k.split(".")[1] for k in values if k.startswith("optimizer.")})
+    prefixes = {**DIST_PREFIX, **{f"optimizer.{kind}": f"{dist_checkpoint.OPTIMIZER}{kind}."
+                                  for kind in kinds}}
+    out = []
+    for chunk in chunks:
+        for n, param in chunk.parameters_and_names():
+            dim, name = getattr(param, "partition_dim", None), chunk.global_name(n)
+            if is_embedding_copy(chunk, param) or (dim is None and tp_rank) or \
+                    (ep_rank and not moe.is_expert(name)):
+                continue
+            blocks = getattr(param, "partition_chunks", 1) if dim is not None else 1
+            shape = list(param.shape)
+            if dim is not None:
+                shape[dim] *= tp
+            for prefix, key_prefix in prefixes.items():
+                value = values.get(f"{prefix}.{name}")
+                if value is None:                # float32 weights keep no separate main params
+                    continue
+                if prefix == "model" and params_dtype == "bfloat16":
+                    value = torch_format.BFloat16.from_float32(value.astype(np.float32))
+                out += _blocks(key_prefix, name, value, shape, dim, blocks, tp_rank)
+    return out
+
+
+def _blocks(prefix, name, value, shape, dim, blocks, tp_rank):
+    """The pieces of one rank's `value` of a parameter split on `dim` in `blocks` (or whole)."""
+    if dim is None:
+        return [(prefix, name, [0] * len(shape), shape, value)]
+    bf16 = isinstance(value, torch_format.BFloat16)
+    array = value.bits if bf16 else value
+    step = array.shape[dim] // blocks
+    out = []
+    for b in range(blocks):
+        offsets = [0] * len(shape)
+        offsets[dim] = b * shape[dim] // blocks + tp_rank * step
+        block = np.ascontiguousarray(np.take(array, range(b * step, (b + 1) * step), axis=dim))
+        out.append((prefix, name, offsets, shape, torch_format.BFloat16(block) if bf16 else block))
+    return out
+
+
 def load_training_state(cfg, trainer, rng):
-    """Restore from training_config.load_checkpoint (same layout); returns (iteration, consumed)."""
-    training_cfg, state, chunks = cfg.training_config, trainer.state, trainer.chunks
-    shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
-    stems = [WEIGHTS]
-    if trainer.distributed and not (training_cfg.finetune or training_cfg.no_load_optim):
-        stems.append(f"distrib_optim_{state.edp_rank:03d}")
-    tensors, meta = load_checkpoint(training_cfg.load_checkpoint, shard, stems=stems,
-                                    step=training_cfg.ckpt_step)
+    """Restore from training_config.load_checkpoint; returns (iteration, consumed). A checkpoint
+    of another layout (TP, PP, VPP, CP, DP, EP, the distributed optimizer; this project's
+    formats and torch_dist) is converted on load, as `convert` would write it for this run."""
+    training_cfg, state = cfg.training_config, trainer.state
+    root, step = training_cfg.load_checkpoint, training_cfg.ckpt_step
+    if dist_checkpoint.is_dist(iteration_dir(root, load_iteration(root, step))):
+        return _load_dist_training_state(cfg, trainer, rng)
+    _, meta = load_checkpoint(root, first_shard(root, step), stems=(), step=step)
     # --finetune, or imported weights (no optimizer step saved)
     weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
     layout = layout_of(cfg)
@@ -392,10 +496,22 @@ def load_training_state(cfg, trainer, rng):
     unsharded = same_model_split and not (saved_layout["distributed_optimizer"]
                                           or layout["distributed_optimizer"])
     if saved_layout != layout and not ((weights_only or unsharded) and same_model_split):
-        raise CheckpointError(
-            f"checkpoint {training_cfg.load_checkpoint} was saved with layout {saved_layout}, this "
-            f"run is {layout}: convert it first (bash run.sh convert --load "
-            f"{training_cfg.load_checkpoint} --save NEW <layout flags>)")
+        full, meta = full_state(root, optimizer=not weights_only, step=step)
+        log.info(f"checkpoint {root} converted on load from layout {saved_layout} to this run's "
+                 f"layout {layout}")
+        return _load_cut(cfg, trainer, rng, full, meta)
+    shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
+    stems = [WEIGHTS]
+    if trainer.distributed and not (training_cfg.finetune or training_cfg.no_load_optim):
+        stems.append(f"distrib_optim_{state.edp_rank:03d}")
+    tensors, meta = load_checkpoint(root, shard, stems=stems, step=step)
+    return _restore(cfg, trainer, rng, tensors, meta, weights_only)
+
+
+def _restore(cfg, trainer, rng, tensors, meta, weights_only):
+    """This rank's weights, optimizer state (`tensors`, global names), schedule, loss scale and
+    RNG streams (`meta`) put in place; returns (iteration, consumed)."""
+    training_cfg, chunks = cfg.training_config, trainer.chunks
     for name, param in named_parameters(chunks):
         saved = tensors.get(name)
         if saved is None or saved.shape != tuple(param.shape):
@@ -405,7 +521,7 @@ def load_training_state(cfg, trainer, rng):
                 f"{got}, the model wants {tuple(param.shape)}; use the model_config it was saved "
                 "with")
     for name, param in named_parameters(chunks):
-        param.set_data(Tensor(tensors[name]))                  # in the parameter's own dtype
+        param.set_data(Tensor(tensors[name], param.dtype))      # in the parameter's own dtype
     trainer.optimizer.reload_main_params()
     if weights_only:
         why = "finetune" if training_cfg.finetune else "no optimizer state saved"
@@ -421,6 +537,58 @@ def load_training_state(cfg, trainer, rng):
     log.info(f"loaded checkpoint of iteration {meta['iteration']} from "
              f"{training_cfg.load_checkpoint}")
     return meta["iteration"], meta["consumed_train_samples"]
+
+
+def _load_dist_training_state(cfg, trainer, rng):
+    """load_training_state of a torch_dist checkpoint, whatever layout saved it (_load_cut), each
+    (stage, TP rank) its own dropout streams where the folder holds them; Megatron-LM's own (no
+    optimizer state of this project's) loads its weights."""
+    training_cfg, state = cfg.training_config, trainer.state
+    root, step = training_cfg.load_checkpoint, training_cfg.ckpt_step
+    full, meta = dist_state(root, step)
+    own = dist_checkpoint.read_object(iteration_dir(root, load_iteration(root, step)),
+                                      dist_checkpoint.rng_key(state.pp_rank, state.tp_rank,
+                                                              state.pp, state.tp))
+    meta = dict(meta, rng_state=own or meta["rng_state"])   # another layout: rank 0's streams
+    saved = f"layout {meta['layout']}" if meta.get("layout") else "Megatron-LM"
+    log.info(f"torch_dist checkpoint {root} (saved by {saved}) cut for this run's layout "
+             f"{layout_of(cfg)}")
+    return _load_cut(cfg, trainer, rng, full, meta)
+
+
+def _load_cut(cfg, trainer, rng, full, meta):
+    """Restore from the one-process tensors `full` (full_state's): this rank's TP piece, stage
+    and experts cut from them, and the distributed optimizer's pieces, as write_layout cuts them
+    for `convert`."""
+    training_cfg, state = cfg.training_config, trainer.state
+    weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
+    optim = not (weights_only or training_cfg.no_load_optim)
+    kinds = sorted({k.split(".")[1] for k in full if k.startswith("optimizer.")}) if optim else []
+    for key in [k for k in full if k.startswith("model.") and optim]:
+        full.setdefault("main." + key[len("model."):], full[key].astype(np.float32))
+    prefixes = ["model"] + (["main"] + [f"optimizer.{k}" for k in kinds] if optim else [])
+    names, _, tensors = _rank_values(full, trainer.chunks, state.tp_rank, state.tp, prefixes)
+    if optim:
+        tensors.update(_optimizer_pieces(trainer.optimizer, names, tensors, prefixes[1:]))
+    return _restore(cfg, trainer, rng, tensors, meta, weights_only)
+
+
+def _optimizer_pieces(optimizer, names, values, prefixes):
+    """The distributed optimizer's "<prefix>.<name>@<start>" pieces of this rank (of each
+    optimizer of a chain that is one) from the rank's whole "<prefix>.<name>" `values`."""
+    chain = getattr(optimizer, "optimizers", [optimizer])
+    parts = optimizer.split(names) if len(chain) > 1 else [names]
+    out = {}
+    for opt, some in zip(chain, parts):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        for (_, i, lo, hi), piece in zip(opt.buffer.pieces(opt.buffer.rank),
+                                         opt.buffer.piece_names(opt.buffer.rank, some)):
+            start = lo - opt.buffer.offsets[i]
+            for prefix in prefixes:
+                flat = values[f"{prefix}.{some[i]}"].reshape(-1)
+                out[f"{prefix}.{piece}"] = flat[start:start + hi - lo]
+    return out
 
 
 def _load_scheduler(optimizer_cfg, scheduler, saved):
@@ -465,6 +633,10 @@ def full_state(root, optimizer=True, step=None):
     would hold them: weights "model.<name>" and, with `optimizer` and if saved, moments
     "optimizer.<kind>.<name>" and float32 main params "main.<name>", full size, whatever layout
     wrote them (TP shards merged, stages united, distributed-optimizer pieces joined)."""
+    if dist_checkpoint.is_dist(iteration_dir(root, load_iteration(root, step))):
+        tensors, meta = dist_state(root, step)
+        return ({k: v for k, v in tensors.items() if optimizer or k.startswith("model.")},
+                meta)
     shards, meta = load_shards(root, optimizer, step)
     model_cfg = to_namespace(meta["config"]).model_config
     [one] = build_rank_chunks(model_cfg, 1, 1)            # one process: its names and full shapes
@@ -558,6 +730,8 @@ def write_layout(root, tensors, meta, cfg):
     stored in the run's params_dtype; float32 main params ("main.<name>", the weights themselves
     when `tensors` has none) where the optimizer keeps copies: half-precision parameters, or
     the distributed optimizer's pieces."""
+    if cfg.training_config.ckpt_format == "torch_dist":
+        return _write_dist_layout(root, tensors, meta, cfg)
     parallel_cfg, model_cfg = cfg.parallel_config, cfg.model_config
     tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
     dp_cp = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
@@ -594,6 +768,37 @@ def write_layout(root, tensors, meta, cfg):
                           ckpt_format=cfg.training_config.ckpt_format)
         shards[shard_name(tp_rank, pp_rank, pp, ep_rank, ep)] = (files, shard_meta)
     return save_checkpoint(root, meta["iteration"], shards, cfg.training_config.ckpt_format)
+
+
+def _write_dist_layout(root, tensors, meta, cfg):
+    """write_layout in torch_dist: the one-process `tensors` cut as the first data-parallel rank
+    of each TP rank and stage of cfg's layout would write them in training (one .distcp each;
+    the folder loads into any layout), weights in the run's params_dtype, float32 main params
+    beside half-precision ones."""
+    parallel_cfg, model_cfg = cfg.parallel_config, cfg.model_config
+    tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
+    kinds = sorted({k.split(".")[1] for k in tensors if k.startswith("optimizer.")})
+    prefixes = ["model"] + (["main"] if kinds and model_cfg.params_dtype != "float32" else []) \
+        + [f"optimizer.{kind}" for kind in kinds]
+    tensors = dict(tensors)
+    for key in [k for k in tensors if k.startswith("model.")]:
+        tensors.setdefault("main." + key[len("model."):], tensors[key].astype(np.float32))
+        if model_cfg.params_dtype in ("float32", "float16"):
+            tensors[key] = tensors[key].astype(model_cfg.params_dtype)
+    files, ep = {}, parallel_cfg.expert_model_parallel_size
+    for tp_rank, pp_rank, ep_rank in itertools.product(range(tp), range(pp), range(ep)):
+        chunks = build_rank_chunks(model_cfg, tp, pp, tp_rank, pp_rank,
+                                   parallel_cfg.virtual_pipeline_model_parallel_size,
+                                   parallel_cfg.num_layer_list, ep, ep_rank)
+        values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)[2]
+        pieces = _dist_pieces(chunks, tp_rank, tp, values, model_cfg.params_dtype, ep_rank)
+        rank = tp_rank + tp * (ep_rank + ep * pp_rank)        # a writer of each model piece
+        files[f"__{rank}_0"] = dist_checkpoint.rank_items(pieces, model_cfg.num_layers,
+                                                          model_cfg.num_moe_experts)
+    meta = dict(meta, layout=layout_of(cfg), config=to_dict(cfg), ckpt_format="torch_dist")
+    return save_checkpoint(root, meta["iteration"], {"": (files, None)}, "torch_dist",
+                           finish=lambda tmp: dist_checkpoint.write_index(
+                               tmp, _dist_common(cfg, meta)))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -668,16 +873,92 @@ def _megatron_weights(files, model_cfg, first):
     return megatron_checkpoint.read_weights(files, shapes, model_cfg, first)
 
 
-def read_megatron(root):
-    """(tensors, overrides, iteration) of the Megatron-LM checkpoint in `root` (any TP and PP,
-    virtual too; mcore or legacy names; float32, float16 or bfloat16 weights): one-process
-    tensors {"model.<name>": float32}, the model and tokenizer as section.key=value overrides,
-    the iteration. A model this project cannot hold is one ConfigError line naming the setting."""
+def _dist_weights(folder, index, model_cfg):
+    """One-process float32 tensors of the torch_dist checkpoint in `folder` (its .metadata
+    `index`), checked against this project's model of `model_cfg`."""
+    [one] = build_rank_chunks(model_cfg, 1, 1)
+    shapes = {f"model.{n}": tuple(param.shape) for n, param in one.parameters_and_names()}
+    values = dist_checkpoint.model_tensors(folder, index)
+    if not model_cfg.untie_embeddings_and_output_weights:
+        values.pop("model.output_layer.weight", None)
+    megatron_checkpoint.check_shards([values], shapes, 1)
+    return {k: v.astype(np.float32) for k, v in values.items()}
+
+
+def dist_state(root, step=None, tensors=True):
+    """(tensors, meta) of the torch_dist checkpoint of `root` (iteration `step`, or the latest):
+    one-process "model.<name>" weights (float32, or float16 as stored) and the optimizer's
+    "optimizer.<kind>.<name>" and "main.<name>" if this project saved them; its meta (this
+    project's, kept in common.pt, or one built from Megatron-LM's args: weights only)."""
+    folder = iteration_dir(root, load_iteration(root, step))
+    common = dist_checkpoint.read_common(folder)
+    if dist_checkpoint.META in common:
+        meta = json.loads(common[dist_checkpoint.META])
+    else:
+        meta = _megatron_meta(common, folder)
+    if not tensors:
+        return {}, meta
+    index, _ = dist_checkpoint.read_index(folder)
+    values = dist_checkpoint.model_tensors(folder, index)
+    values.update(dist_checkpoint.optimizer_tensors(folder, index))
+    if not meta["config"]["model_config"]["untie_embeddings_and_output_weights"]:
+        values.pop("model.output_layer.weight", None)
+    return values, meta
+
+
+def _megatron_meta(common, folder):
+    """A meta of this project's for Megatron-LM's torch_dist checkpoint: its model and
+    tokenizer from the args, its iteration, no optimizer state (weights only)."""
+    args = common["args"]
+    try:
+        overrides = megatron_checkpoint.model_overrides(args)
+    except ConfigError as e:
+        raise ConfigError(f"{folder}/{dist_checkpoint.COMMON}: {e}") from None
+    overrides += megatron_checkpoint.tokenizer_overrides(
+        args, int(vars(args)["padded_vocab_size"]))[0]
+    config = to_dict(_megatron_config(overrides))
+    config["dataset_config"]["global_batch_size"] = vars(args).get("global_batch_size")
+    return {"iteration": common.get("iteration", 0), "consumed_train_samples": 0,
+            "optimizer_step": None, "opt_param_scheduler": None, "grad_scaler": None,
+            "rng_state": None, "ckpt_format": "torch_dist", "layout": None, "config": config}
+
+
+def megatron_source(root):
+    """(iteration, overrides, note, weights, what) of the latest Megatron-LM checkpoint in `root`,
+    --ckpt-format torch or torch_dist: the model and tokenizer as section.key=value overrides
+    (note: a tokenizer this project lacks), `weights(model_cfg)` its one-process float32 tensors
+    {"model.<name>"} for this project's model of `model_cfg`, `what` its layout and dtype for
+    the log. A model this project cannot hold is one ConfigError line naming the setting."""
+    iteration, folder = megatron_checkpoint.checkpoint_folder(root)
+    if dist_checkpoint.is_dist(folder):
+        index, _ = dist_checkpoint.read_index(folder)
+        common = dist_checkpoint.read_common(folder)
+        args = common["args"]
+        try:
+            model = megatron_checkpoint.model_overrides(args)
+        except ConfigError as e:
+            raise ConfigError(f"{folder}/{dist_checkpoint.COMMON}: {e}") from None
+        tokenizer, note = megatron_checkpoint.tokenizer_overrides(
+            args, int(vars(args)["padded_vocab_size"]))
+        dtypes = "/".join(sorted({dtype for dtype, _, _ in index.values()}))
+        return (iteration, model + tokenizer, note,
+                lambda model_cfg: _dist_weights(folder, index, model_cfg),
+                f"torch_dist, {dtypes} weights")
     iteration, files, first = megatron_checkpoint.checkpoint_files(root)
-    overrides, _ = megatron_checkpoint.checkpoint_overrides(
-        first, files[0, 0, 0], *megatron_checkpoint.folder_sizes(files))
-    weights = _megatron_weights(files, _megatron_config(overrides).model_config, first)
-    return weights, overrides, iteration
+    tp, pp, ep = megatron_checkpoint.folder_sizes(files)
+    overrides, note = megatron_checkpoint.checkpoint_overrides(first, files[0, 0, 0], tp, pp, ep)
+    return (iteration, overrides, note,
+            lambda model_cfg: _megatron_weights(files, model_cfg, first),
+            f"{tp} x {pp} x {ep} (EP) ranks, {megatron_checkpoint.weights_dtype(first)} weights")
+
+
+def read_megatron(root):
+    """(tensors, overrides, iteration) of the Megatron-LM checkpoint in `root` (either format; any
+    TP and PP, virtual too; mcore or legacy names; float32, float16 or bfloat16 weights):
+    one-process tensors {"model.<name>": float32}, the model and tokenizer as section.key=value
+    overrides, the iteration."""
+    iteration, overrides, _, weights, _ = megatron_source(root)
+    return weights(_megatron_config(overrides).model_config), overrides, iteration
 
 
 def _check_tokenizer(dataset_cfg, padded):
@@ -700,30 +981,28 @@ IMPORT_MEGATRON_FLAGS = {"--save": (REQUIRED, str, "new or empty folder"),
 
 def import_megatron_main(argv):
     """import-megatron DIR --save OUT [--nproc N] [layout flags] [flags]: the latest Megatron-LM
-    checkpoint (--ckpt-format torch) in DIR as a checkpoint of this project in any layout, its
-    weights only (training starts its own optimizer), the model and tokenizer from its args."""
+    checkpoint (--ckpt-format torch or torch_dist) in DIR as a checkpoint of this project in
+    any layout, its weights only (training starts its own optimizer), the model and tokenizer
+    from its args."""
     options, argv = parse_command("import-megatron", argv, IMPORT_MEGATRON_FLAGS,
                                   positional=("DIR",), passthrough="layout and training flags",
-                                  about="A Megatron-LM checkpoint (--ckpt-format torch) as a "
-                                        "checkpoint.")
+                                  about="A Megatron-LM checkpoint (--ckpt-format torch or "
+                                        "torch_dist) as a checkpoint.")
     root, save, world = options["dir"], options["save"], options["nproc"]
     check_new_folder("import-megatron", save, world)
-    iteration, files, first = megatron_checkpoint.checkpoint_files(root)
-    tp, pp, ep = megatron_checkpoint.folder_sizes(files)
-    overrides, note = megatron_checkpoint.checkpoint_overrides(first, files[0, 0, 0], tp, pp, ep)
+    iteration, overrides, note, weights, what = megatron_source(root)
     cfg = _megatron_config(overrides, argv, world)
     model_cfg = cfg.model_config
     cfg.training_config.output_dir = save
     _check_tokenizer(cfg.dataset_config, model_cfg.padded_vocab_size)
-    tensors = _megatron_weights(files, model_cfg, first)
+    tensors = weights(model_cfg)
     meta = {"iteration": iteration, "consumed_train_samples": 0, "optimizer_step": None,
             "opt_param_scheduler": None, "grad_scaler": None, "rng_state": None,
             "imported_from": os.path.abspath(root)}
     path = write_layout(save, tensors, meta, cfg)
     if note:
         print(f"import-megatron: {note}")
-    print(f"imported {root} (iteration {iteration}, {tp} x {pp} x {ep} (EP) ranks, "
-          f"{megatron_checkpoint.weights_dtype(first)} weights; {model_cfg.num_layers} layers, "
+    print(f"imported {root} (iteration {iteration}, {what}; {model_cfg.num_layers} layers, "
           f"hidden {model_cfg.hidden_size}) to {path} in {model_cfg.params_dtype}, layout "
           f"{layout_of(cfg)}")
 

@@ -707,11 +707,14 @@ def _check_full_recompute(model_cfg, parallel_cfg):
 
 
 def _check_torch_format(training_cfg, model_cfg, parallel_cfg):
-    """--ckpt-format torch writes Megatron-core's GPT: a model it has no counterpart for, and the
-    distributed optimizer's files (Megatron's distrib_optim.pt is not written here), are refused."""
-    if training_cfg.ckpt_format != "torch":
+    """--ckpt-format torch and torch_dist write Megatron-core's GPT: a model it has no
+    counterpart for, and the distributed optimizer's files (Megatron's distrib_optim.pt and
+    its torch_dist flattened buckets are not written here), are refused."""
+    fmt = training_cfg.ckpt_format
+    if fmt not in ("torch", "torch_dist"):
         return
-    where = "training_config.ckpt_format=torch (Megatron's model_optim_rng.pt)"
+    where = f"training_config.ckpt_format={fmt} (Megatron's " + (
+        "model_optim_rng.pt)" if fmt == "torch" else ".distcp files)")
     shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
     if training_cfg.use_distributed_optimizer and shards > 1:
         raise ConfigError(f"{where} is not written with the distributed optimizer here: use "

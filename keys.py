@@ -105,8 +105,9 @@ TRAINING = [
     key("training_config.keep_checkpoint_max", 5, int, "--keep-checkpoint-max",
         "iter_* folders kept (the oldest are deleted)"),
     key("training_config.ckpt_format", "ckpt", str, "--ckpt-format",
-        "ckpt, safetensors, or torch (Megatron-LM's model_optim_rng.pt per rank)",
-        choices=("ckpt", "safetensors", "torch")),
+        "ckpt, safetensors, torch (Megatron-LM's model_optim_rng.pt per rank) or torch_dist "
+        "(Megatron-LM's default: one layout-free .metadata index and .distcp files)",
+        choices=("ckpt", "safetensors", "torch", "torch_dist")),
     key("training_config.load_checkpoint", "", str, "--load",
         "a checkpoint folder to resume (or, with finetune, to start) from"),
     key("training_config.ckpt_step", None, int, "--ckpt-step",

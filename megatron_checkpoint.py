@@ -418,12 +418,9 @@ def tokenizer_overrides(args, padded):
 
 
 # ----------------------------------------------------------------------------- the folder
-def checkpoint_files(root):
-    """(iteration, {(tp_rank, pp_rank, ep_rank): path of model_optim_rng.pt}, rank 0's state) of
-    the checkpoint that root's latest_checkpointed_iteration.txt names (Megatron's read_metadata
-    and get_checkpoint_name: "release" is iteration 0 in release/; mp_rank_TT[_PPP][_EEE]),
-    every rank's file present. mp_rank_TT_NNN is a pipeline stage, or an EP rank when rank 0's
-    args have experts split over EP and one stage."""
+def checkpoint_folder(root):
+    """(iteration, folder) of the checkpoint that root's latest_checkpointed_iteration.txt names
+    (Megatron's read_metadata: "release" is iteration 0 in release/)."""
     tracker = os.path.join(root, LATEST)
     if not os.path.isfile(tracker):
         raise CheckpointError(f"no Megatron-LM checkpoint in {root}: {LATEST} is missing")
@@ -434,14 +431,21 @@ def checkpoint_files(root):
     folder = os.path.join(root, "release") if text == "release" else iteration_dir(root, iteration)
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder} is missing: {tracker} names it")
+    return iteration, folder
+
+
+def checkpoint_files(root):
+    """(iteration, {(tp_rank, pp_rank, ep_rank): path of model_optim_rng.pt}, rank 0's state) of
+    the --ckpt-format torch checkpoint that root's tracker names (checkpoint_folder; Megatron's
+    get_checkpoint_name: mp_rank_TT[_PPP][_EEE]), every rank's file present. mp_rank_TT_NNN is a
+    pipeline stage, or an EP rank when rank 0's args have experts split over EP and one stage."""
+    iteration, folder = checkpoint_folder(root)
     entries = sorted(os.listdir(folder))
     ranks = {e: [int(g.strip("_")) for g in m.groups() if g]
              for e, m in ((e, RANK_DIR.fullmatch(e)) for e in entries) if m}
     if not ranks:
-        dist = any(e.endswith(".distcp") or e in (".metadata", "common.pt") for e in entries)
-        raise CheckpointError(f"{folder} holds no mp_rank_* folders" + (
-            ": a torch_dist checkpoint (Megatron's default --ckpt-format); save with --ckpt-format "
-            "torch, or convert it with Megatron's tools/checkpoint/convert.py" if dist else ""))
+        raise CheckpointError(f"{folder} holds no mp_rank_* folders and no .metadata: not a "
+                              "Megatron-LM checkpoint (--ckpt-format torch or torch_dist)")
     zero = next((e for e in ranks if not any(ranks[e])), shard_name())
     first = load_rank(_present(os.path.join(folder, zero, WEIGHTS_FILE)))
     get = vars(first["args"]).get
@@ -540,7 +544,7 @@ def _float32(value, name):
     return np.ascontiguousarray(value, np.float32)
 
 
-def _check_shards(shards, shapes, tp):
+def check_shards(shards, shapes, tp):
     """Every TP rank holds every weight, each a 1/tp piece of one dimension or replicated."""
     for rank, shard in enumerate(shards):
         missing = sorted(set(shapes) - set(shard)) or sorted(set(shard) - set(shapes))
@@ -579,7 +583,7 @@ def read_weights(files, shapes, model_cfg, first=None):
         if not model_cfg.untie_embeddings_and_output_weights:
             shard.pop("model.output_layer.weight", None)
         shards.append(shard)
-    _check_shards(shards, shapes, tp)
+    check_shards(shards, shapes, tp)
     swiglu = model_cfg.hidden_act == "swiglu"
     return merge_tensor_parallel(shards, shapes, lambda n: 2 if swiglu and "linear_fc1" in n else 1)
 

@@ -94,6 +94,7 @@ import cli
 import config
 import context_parallel
 import data
+import dist_checkpoint
 import distributed
 import fused
 import gpt
@@ -131,8 +132,8 @@ ALICE = os.path.join(HERE, "data", "alice_in_wonderland.txt")
 # ======================================================================================== structure
 MODULES = ["keys", "config", "cli", "tokenizer", "data", "parallel", "distributed", "optimizer",
            "context_parallel", "moe", "gpt", "pipeline", "memory", "torch_format",
-           "megatron_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler", "metrics", "train",
-           "fused", "bench", "bench_fusions", "tour"]
+           "megatron_checkpoint", "dist_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler",
+           "metrics", "train", "fused", "bench", "bench_fusions", "tour"]
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES
@@ -251,8 +252,8 @@ BAD_CONFIGS = [
      "model_config.params_dtype=float16 with compute_dtype=float32"),
     (["--fp16-lm-cross-entropy"],
      "model_config.fp16_lm_cross_entropy (--fp16-lm-cross-entropy) needs float16"),
-    (["--ckpt-format", "torch_dist"],
-     "training_config.ckpt_format: 'torch_dist' is not one of ckpt, safetensors, torch"),
+    (["--ckpt-format", "zarr"],
+     "training_config.ckpt_format: 'zarr' is not one of ckpt, safetensors, torch, torch_dist"),
     (["--ckpt-format", "torch", "--use-sandwich-norm"],
      "training_config.ckpt_format=torch (Megatron's model_optim_rng.pt): Megatron-core's GPT has "
      "no counterpart for model_config.use_sandwich_norm=True"),
@@ -4570,7 +4571,7 @@ FOLDER_BREAKS = {
     "missing_rank": ("mp_rank_01_001/model_optim_rng.pt is missing: the checkpoint is incomplete",
                      ""),
     "truncated_rank": ("mp_rank_01_000/model_optim_rng.pt", "truncated"),
-    "torch_dist": ("a torch_dist checkpoint (Megatron's default --ckpt-format)", ""),
+    "torch_dist": ("metadata.json cannot be read", "not a complete torch_dist checkpoint"),
     "old_version": ("has checkpoint_version 1.0", "per-group layout"),
     "other_sizes": ("its args say tensor x pipeline parallel 1 x 2, the folder holds 2 x 2", ""),
     "other_model": ("model.word_embeddings.weight of TP rank 0 has shape (128, 32)",
@@ -4706,6 +4707,230 @@ def test_convert_round_trip_and_refusals(tmp_path, capsys):
     assert train.main(["convert", "--load", str(tmp_path / "src"), "--save",
                        str(tmp_path / "back")]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- dist_checkpoint.py
+DIST_NAMES = ["dist_tp1_gpt2", "dist_tp2_llama_bf16", "dist_tp1_moe"]
+DIST_OTHER_LAYOUT = {"dist_tp1_gpt2": ["--nproc", "2", "--tensor-model-parallel-size", "2"],
+                     "dist_tp2_llama_bf16": ["--nproc", "2",
+                                             "--pipeline-model-parallel-size", "2"],
+                     "dist_tp1_moe": ["--nproc", "2", "--expert-model-parallel-size", "2"]}
+
+
+@pytest.mark.checkpoint
+@pytest.mark.parametrize("name", DIST_NAMES)
+def test_megatron_core_torch_dist_checkpoint_imports_and_generates_its_tokens(name, tmp_path,
+                                                                            capsys):
+    """Each torch_dist checkpoint megatron-core saved (make_dist_fixtures.py: TP1 GPT-2 style in
+    float32; TP2 Llama style in bfloat16, RoPE, SwiGLU, RMSNorm, GQA, untied; four experts,
+    top-2, stacked on the layer and expert axes) imports without torch: its logits after the
+    prompt are megatron-core's forward's (1e-5) and greedy decoding gives its tokens; imported
+    into another layout it holds the same weights; `generate --load` of Megatron's folder
+    itself prints the same tokens."""
+    want, root = expected(name), fixture(name)
+    one, other = str(tmp_path / "one"), str(tmp_path / "other")
+    checkpoint.import_megatron_main([root, "--save", one])
+    assert f"torch_dist, {want['dtype']} weights" in capsys.readouterr().out
+    model, tokenizer, _ = sample.load_model(one)
+    np.testing.assert_allclose(logits_after(model, want["prompt"])[: want["vocab"]],
+                               want["prompt_logits"], atol=1e-5)
+    assert generate(model, want["prompt"], len(want["greedy"]), temperature=0,
+                    vocab_size=want["vocab"]) == want["greedy"]
+    checkpoint.import_megatron_main([root, "--save", other, *DIST_OTHER_LAYOUT[name]])
+    first, second = checkpoint.full_state(one)[0], checkpoint.full_state(other)[0]
+    assert sorted(first) == sorted(second)
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    capsys.readouterr()
+    prompt = " ".join(map(str, want["prompt"]))
+    assert train.main(["generate", "--load", root, "--prompt", prompt, "--max-new-tokens",
+                       str(len(want["greedy"])), "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.split() == [str(i) for i in want["prompt"] + want["greedy"]]
+
+
+@pytest.mark.checkpoint
+@pytest.mark.moe
+@pytest.mark.parametrize("name,flags", [
+    ("dist_tp2_llama_bf16", ["--bf16", "--nproc", "2", "--tensor-model-parallel-size", "2"]),
+    ("dist_tp1_moe", ["--nproc", "2", "--expert-model-parallel-size", "2"])])
+def test_torch_dist_written_here_has_megatron_cores_index(name, flags, tmp_path):
+    """import-megatron --ckpt-format torch_dist of megatron-core's checkpoint writes its index
+    back key for key: each key's dtype, global shape (layers and experts stacked) and, in the
+    same TP layout, its chunks; every _extra_state object; from EP2's two writers too (the dense
+    weights from EP rank 0 alone); the weights read back equal."""
+    out = str(tmp_path / "out")
+    checkpoint.import_megatron_main([fixture(name), "--save", out, "--ckpt-format", "torch_dist",
+                                     *flags])
+    ours = dist_checkpoint.read_index(checkpoint.iteration_dir(out, expected_iteration(name)))
+    theirs = dist_checkpoint.read_index(checkpoint.iteration_dir(fixture(name),
+                                                                 expected_iteration(name)))
+    assert sorted(ours[1]) == sorted(theirs[1])
+    assert {k: v[:2] for k, v in ours[0].items()} == {k: v[:2] for k, v in theirs[0].items()}
+    if name == "dist_tp2_llama_bf16":
+        assert {k: sorted(c[:2] for c in v[2]) for k, v in ours[0].items()} == \
+            {k: sorted(c[:2] for c in v[2]) for k, v in theirs[0].items()}
+    mine, megatron = checkpoint.full_state(out)[0], checkpoint.read_megatron(fixture(name))[0]
+    assert sorted(mine) == sorted(megatron)
+    for key, value in megatron.items():
+        np.testing.assert_array_equal(mine[key].astype(np.float32), value, err_msg=key)
+
+
+def expected_iteration(name):
+    return megatron_checkpoint.checkpoint_folder(fixture(name))[0]
+
+
+def dist_run(save, *args):
+    """train.main of a one-step tiny run from megatron-core's TP1 GPT-2 checkpoint's model."""
+    return train.main(["--config", os.path.join(HERE, "config.yaml"), "--save", str(save),
+                       "--use-checkpoint-args", "--vocab-size", "250", "--mock-data",
+                       "--micro-batch-size", "4", "--global-batch-size", "8", "--eval-iters",
+                       "0", "--log-interval", "1", "--no-jit", "--train-iters", "1", *args])
+
+
+@pytest.mark.checkpoint
+def test_load_of_megatrons_torch_dist_folder_trains_as_its_import(tmp_path, capsys):
+    """--load of the folder megatron-core saved resumes directly (its weights: Megatron's optimizer
+    state is not read) and trains as the run loaded from its import-megatron copy, bit for
+    bit; the log says what it cut for this run's layout."""
+    root, imported = fixture("dist_tp1_gpt2"), str(tmp_path / "imported")
+    checkpoint.import_megatron_main([root, "--save", imported])
+    assert dist_run(tmp_path / "direct", "--load", root) == 0
+    log = (tmp_path / "direct" / "log" / "rank_0" / "info.log").read_text()
+    assert f"torch_dist checkpoint {root} (saved by Megatron-LM) cut for this run's layout" in log
+    assert dist_run(tmp_path / "via_import", "--load", imported) == 0
+    assert train_records(tmp_path / "direct") == train_records(tmp_path / "via_import")
+
+
+@pytest.mark.checkpoint
+def test_torch_dist_save_holds_megatrons_index_and_resumes_bit_for_bit(tmp_path):
+    """--ckpt-format torch_dist writes Megatron's files (.metadata, one .distcp per writer,
+    common.pt with Megatron's args, metadata.json), its keys megatron-core's sharded names (the
+    layers stacked on the layer axis, the local norms under the fused names, each linear's
+    _extra_state object per layer, the optimizer's moments sharded as their parameters), read
+    back without torch; a run resumed from step 1 trains step 2 as the run that never stopped,
+    bit for bit; written as a TP2 x PP2 layout's four writers would (convert), it holds the same
+    state and one process resumed from it without convert trains step 2 bit for bit too."""
+    run = tmp_path / "run"
+    assert tiny_run(run, "--train-iters", "2", "--save-interval", "1", "--ckpt-format",
+                    "torch_dist", "--hidden-dropout", "0.1") == 0
+    folder = os.path.join(str(run), "iter_0000001")
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "common.pt",
+                                          "metadata.json"]
+    tensors, objects = dist_checkpoint.read_index(folder)
+    shapes = {key: shape for key, (_, shape, _) in tensors.items()}
+    assert shapes["decoder.layers.self_attention.linear_qkv.weight"] == (2, 192, 64)
+    assert shapes["decoder.layers.self_attention.linear_qkv.layer_norm_weight"] == (2, 64)
+    assert shapes["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"] == (2, 256, 64)
+    assert shapes["embedding.word_embeddings.weight"] == (1024, 64)
+    assert "decoder.layers.mlp.linear_fc2._extra_state/shard_1_2" in objects
+    common = torch_format.load(os.path.join(folder, "common.pt"))
+    assert common["args"].ckpt_format == "torch_dist" and common["iteration"] == 1
+    assert tiny_run(tmp_path / "resumed", "--train-iters", "2", "--ckpt-format", "torch_dist",
+                    "--hidden-dropout", "0.1", "--load", str(run), "--ckpt-step", "1") == 0
+    assert train_records(tmp_path / "resumed") == train_records(run)[1:]
+    # as a TP2 x PP2 run's four writers would save it, then loaded by one process without convert
+    tp2pp2 = tmp_path / "tp2pp2"
+    assert train.main(["convert", "--load", str(run), "--ckpt-step", "1", "--save", str(tp2pp2),
+                       "--nproc", "4", "--tensor-model-parallel-size", "2",
+                       "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist"]) == 0
+    assert sorted(os.listdir(tp2pp2 / "iter_0000001")) == [
+        ".metadata", *[f"__{rank}_0.distcp" for rank in range(4)], "common.pt", "metadata.json"]
+    first, second = checkpoint.full_state(str(run), step=1)[0], checkpoint.full_state(
+        str(tp2pp2))[0]
+    assert sorted(first) == sorted(second)
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    assert tiny_run(tmp_path / "from_tp2pp2", "--train-iters", "2", "--hidden-dropout", "0.1",
+                    "--load", str(tp2pp2)) == 0
+    assert train_records(tmp_path / "from_tp2pp2") == train_records(run)[1:]
+
+
+@pytest.mark.checkpoint
+def test_load_converts_another_layout_on_load_as_convert_would(two_steps, tmp_path):
+    """--load of a checkpoint of another layout converts it on load: a step-2 checkpoint written
+    as TP2 x PP2 x DP2 with the distributed optimizer, or in Megatron's torch format as TP2,
+    resumes in one process without `convert`, step 3 bit for bit as from the one-process
+    checkpoint itself; the log says what it converted."""
+    assert tiny_run(tmp_path / "same", "--train-iters", "3", "--load", str(two_steps)) == 0
+    wide, torch_tp2 = tmp_path / "wide", tmp_path / "torch_tp2"
+    assert train.main(["convert", "--load", str(two_steps), "--save", str(wide), "--nproc", "8",
+                       "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--use-distributed-optimizer", "--micro-batch-size", "1"]) == 0
+    assert train.main(["convert", "--load", str(two_steps), "--save", str(torch_tp2), "--nproc",
+                       "2", "--tensor-model-parallel-size", "2", "--ckpt-format", "torch"]) == 0
+    for folder in (wide, torch_tp2):
+        out = tmp_path / f"from_{folder.name}"
+        assert tiny_run(out, "--train-iters", "3", "--load", str(folder)) == 0
+        assert train_records(out) == train_records(tmp_path / "same"), folder.name
+        log = (out / "log" / "rank_0" / "info.log").read_text()
+        assert f"checkpoint {folder} converted on load from layout {{'ep': 1, 'tp': 2" in log
+
+
+def _break_dist(root, kind):
+    """Damage the copy `root` of megatron-core's TP1 checkpoint as `kind` says."""
+    folder = os.path.join(root, "iter_0000010")
+    if kind == "truncated_distcp":
+        path = os.path.join(folder, "__0_1.distcp")
+        open(path, "r+b").truncate(os.path.getsize(path) - 100)
+    elif kind == "missing_distcp":
+        os.remove(os.path.join(folder, "__0_1.distcp"))
+    elif kind == "truncated_metadata":
+        path = os.path.join(folder, ".metadata")
+        open(path, "r+b").truncate(os.path.getsize(path) // 2)
+    elif kind == "newer_backend":
+        with open(os.path.join(folder, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 2}, f)
+    elif kind == "newer_version":
+        common = torch_format.load(os.path.join(folder, "common.pt"))
+        torch_format.save(dict(common, checkpoint_version=4.0), os.path.join(folder, "common.pt"))
+    elif kind == "unknown_name":
+        path = os.path.join(folder, ".metadata")
+        metadata = torch_format.load_pickle(open(path, "rb").read(), path)
+        entries = metadata.state["state_dict_metadata"]
+        old = "decoder.layers.mlp.linear_fc1.weight"
+        entries["decoder.layers.mlp.linear_fc1.weight1"] = entries.pop(old)
+        for index in metadata.state["storage_data"]:
+            if index.state["fqn"] == old:
+                index.state["fqn"] = old + "1"
+        open(path, "wb").write(torch_format.dump_pickle(metadata))
+
+
+DIST_BREAKS = {
+    "truncated_distcp": ("__0_1.distcp holds", "the file is truncated"),
+    "missing_distcp": ("__0_1.distcp is missing: its .metadata names it for", ""),
+    "truncated_metadata": ("iter_0000010/.metadata is damaged", ""),
+    "newer_backend": ("'sharded_backend_version': 2}, this reader knows", ""),
+    "newer_version": ("has checkpoint_version 4.0, this reader knows 3.0",
+                      "a Megatron-LM newer or older than its names"),
+    "unknown_name": ("decoder.layers.0.mlp.linear_fc1.weight1 has no place in this project's GPT",
+                     "a torch_dist checkpoint of a Megatron-LM newer or older")}
+
+
+@pytest.mark.checkpoint
+@pytest.mark.parametrize("kind", DIST_BREAKS)
+def test_a_broken_torch_dist_folder_is_one_line(kind, tmp_path, capsys):
+    """A truncated .distcp, a .metadata naming a missing file, a damaged index, a folder of a
+    newer Megatron (backend version, checkpoint_version, a name this project does not know):
+    import-megatron and --load each end in one error line naming it, before any work."""
+    root = copied("dist_tp1_gpt2", tmp_path)
+    _break_dist(root, kind)
+    one_line_error(capsys, ["import-megatron", root, "--save", str(tmp_path / "out")],
+                   *DIST_BREAKS[kind])
+    assert not os.path.exists(tmp_path / "out")
+    if kind != "newer_backend":        # --load reads the files the training needs first
+        return
+    one_line_error(capsys, ["--config", os.path.join(HERE, "config.yaml"), "--load", root,
+                            "--save", str(tmp_path / "run"), "--mock-data"], *DIST_BREAKS[kind])
+
+
+@pytest.mark.checkpoint
+def test_load_of_another_models_torch_dist_folder_is_one_line(tmp_path, capsys):
+    """--load of megatron-core's checkpoint into a run of another model is one line naming the
+    differences."""
+    one_line_error(capsys, ["--config", os.path.join(HERE, "config.yaml"), "--load",
+                            fixture("dist_tp1_gpt2"), "--save", str(tmp_path / "run"),
+                            *TINY_RUN], "does not match this run", "model_config.hidden_size "
+                   "(checkpoint 32, this run 64)")
 
 
 # ----------------------------------------------------------------------- saving, stopping, resuming
@@ -6750,7 +6975,7 @@ def resolve(name):
 @pytest.mark.parametrize("page", DOCS)
 def test_every_named_module_attribute_exists(page):
     yaml_keys = set(KEYS) | {alias for row in KEYS.values() for alias in row.aliases or ()}
-    names = {f"{module}.{chain}" for span in inline_code(page)
+    names = {f"{module}.{chain}" for span in inline_code(page) if "<" not in span  # a pattern
              for module, chain in DOTTED.findall(span)
              if module in MODULES and chain.rsplit(".", 1)[-1] not in FILE_SUFFIXES}
     missing = sorted(name for name in names - yaml_keys if resolve(name) is None)

@@ -20,6 +20,7 @@ inert `Foreign` placeholder naming itself and recording its arguments (Megatron'
 """
 import argparse
 import collections
+import copyreg
 import io
 import os
 import pickle
@@ -91,13 +92,14 @@ class BFloat16:
 class Foreign:
     """An object of a class this reader does not hand out: its class's `module` and `qualname`
     (`dotted()`), the arguments it was built with and the state it was given (pickle's REDUCE or
-    NEWOBJ, then BUILD). Saving writes it back as it came."""
+    NEWOBJ, then BUILD). Saving writes it back as it came: called with its arguments (REDUCE),
+    or, `newobj` set, made with cls.__new__ (NEWOBJ, as pickle writes a dataclass)."""
 
     module, qualname = "?", "?"
 
     def __new__(cls, *args):
         obj = super().__new__(cls)
-        obj.args, obj.state = args, None
+        obj.args, obj.state, obj.newobj = args, None, False
         return obj
 
     def __init__(self, *args):
@@ -117,6 +119,14 @@ class Foreign:
 def foreign_class(module, name):
     """The placeholder class standing for the global `module`.`name`."""
     return type(name.rpartition(".")[2], (Foreign,), {"module": module, "qualname": name})
+
+
+def foreign_object(module, name, state):
+    """An object of the class `module`.`name` that pickle writes as cls.__new__(cls) given
+    `state` (a dataclass's fields, as torch.distributed.checkpoint's metadata pickles them)."""
+    obj = foreign_class(module, name)()
+    obj.state, obj.newobj = state, True
+    return obj
 
 
 # numpy dtype <-> torch storage class; bfloat16's storage holds uint16 bits here
@@ -213,8 +223,8 @@ class _Unpickler(pickle._Unpickler):
         super().load_build()
     dispatch[pickle.BUILD[0]] = load_build
 
-    def __init__(self, archive, prefix, byteorder):
-        super().__init__(io.BytesIO(archive.read(prefix + "data.pkl")))
+    def __init__(self, file, archive=None, prefix="", byteorder="little"):
+        super().__init__(file)
         self.archive, self.prefix, self.byteorder = archive, prefix, byteorder
         self.storages, self.foreign = {}, {}
 
@@ -231,6 +241,8 @@ class _Unpickler(pickle._Unpickler):
         return self.foreign[dotted]
 
     def persistent_load(self, pid):
+        if self.archive is None:
+            raise TorchFormatError(f"a bare pickle names the storage {pid!r:.60}")
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise TorchFormatError(f"unknown persistent id {pid!r:.60}")
         _, kind, key, _, numel = pid
@@ -265,7 +277,43 @@ def _load_archive(archive):
         byteorder = archive.read(prefix + "byteorder").decode("ascii", "replace").strip()
     if byteorder not in ("little", "big"):
         raise TorchFormatError(f"{prefix}byteorder holds {byteorder!r:.20}, not little or big")
-    return _Unpickler(archive, prefix, byteorder).load()
+    return _Unpickler(io.BytesIO(archive.read(prefix + "data.pkl")), archive, prefix,
+                      byteorder).load()
+
+
+def _one_line(name, e):
+    """A failure of reading `name` as one TorchFormatError line."""
+    if isinstance(e, TorchFormatError):
+        return TorchFormatError(f"{name}: {e}")
+    if isinstance(e, zipfile.BadZipFile):
+        return TorchFormatError(f"{name} is not a file of torch.save, or a truncated one ({e})")
+    first = str(e).splitlines()[0] if str(e) else ""
+    return TorchFormatError(f"{name} is damaged: its pickle fails ({type(e).__name__}: "
+                            f"{first:.120})")
+
+
+PICKLE_ERRORS = (TorchFormatError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError,
+                 zlib.error, KeyError, TypeError, AttributeError, IndexError, ValueError,
+                 MemoryError)
+
+
+def loads(raw, name):
+    """The object torch.save wrote into the bytes `raw` (a piece of a larger file, `name` in
+    errors), as `load` reads a file."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            return _load_archive(archive)
+    except PICKLE_ERRORS as e:
+        raise _one_line(name, e) from None
+
+
+def load_pickle(raw, name):
+    """A bare pickle's object (torch.distributed.checkpoint's .metadata), its classes mapped by
+    name as in `load`: torch.Size a tuple, dtypes TorchDtype, the rest Foreign placeholders."""
+    try:
+        return _Unpickler(io.BytesIO(raw)).load()
+    except PICKLE_ERRORS as e:
+        raise _one_line(name, e) from None
 
 
 def load(path):
@@ -284,18 +332,10 @@ def load(path):
                                    "and save it again with a newer torch")
         with zipfile.ZipFile(path) as archive:
             return _load_archive(archive)
-    except TorchFormatError as e:
-        raise TorchFormatError(f"{path}: {e}") from None
-    except zipfile.BadZipFile as e:
-        raise TorchFormatError(f"{path} is not a file of torch.save, or a truncated one "
-                               f"({e})") from None
     except OSError as e:
         raise TorchFormatError(f"{path} cannot be read ({e.strerror or e})") from None
-    except (pickle.UnpicklingError, EOFError, zlib.error, KeyError, TypeError, AttributeError,
-            IndexError, ValueError, MemoryError) as e:
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise TorchFormatError(f"{path} is damaged: its pickle fails ({type(e).__name__}: "
-                               f"{first:.120})") from None
+    except PICKLE_ERRORS as e:
+        raise _one_line(path, e) from None
 
 
 # ----------------------------------------------------------------------------- writing
@@ -369,6 +409,8 @@ class _Pickler(pickle._Pickler):
             return self._tensor(obj.bits, "BFloat16Storage")
         if isinstance(obj, np.ndarray) and obj.dtype.newbyteorder("=") in STORAGE_OF:
             return self._tensor(obj, STORAGE_OF[obj.dtype.newbyteorder("=")])
+        if isinstance(obj, Foreign) and obj.newobj:
+            return copyreg.__newobj__, (type(obj),), obj.state
         if isinstance(obj, Foreign):
             return (type(obj), obj.args) + (() if obj.state is None else (obj.state,))
         return NotImplemented
@@ -391,19 +433,32 @@ def save(obj, path):
     uint8 and bool become tensors of that dtype (views of one array share its storage); arrays
     of other dtypes (np.random.get_state()'s uint32 key) are pickled by numpy, as torch.save
     does. Atomic (data.write_atomic): a failure leaves the old file and nothing else."""
+    raw = dumps(obj, os.path.splitext(os.path.basename(path))[0] or "archive")
+    write_atomic(path, lambda f: f.write(raw))
+
+
+def dumps(obj, top="archive"):
+    """The bytes `save` writes (the archive's top folder `top`), as torch.save writes them into a
+    buffer (PyTorch Distributed Checkpoint's pieces are such archives)."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
-    pickler.dump(obj)                                    # fails before any file is opened
-    top = os.path.splitext(os.path.basename(path))[0] or "archive"
+    pickler.dump(obj)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr(f"{top}/data.pkl", buffer.getvalue())
+        archive.writestr(f"{top}/byteorder", "little")
+        for key, storage in pickler.storages.values():
+            archive.writestr(f"{top}/data/{key}", _little_endian(storage))
+        archive.writestr(f"{top}/version", "3\n")
+    return out.getvalue()
 
-    def write(f):
-        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as archive:
-            archive.writestr(f"{top}/data.pkl", buffer.getvalue())
-            archive.writestr(f"{top}/byteorder", "little")
-            for key, storage in pickler.storages.values():
-                archive.writestr(f"{top}/data/{key}", _little_endian(storage))
-            archive.writestr(f"{top}/version", "3\n")
-    write_atomic(path, write)
+
+def dump_pickle(obj):
+    """A bare pickle (protocol 2) of `obj`, written as `save` writes data.pkl (torch.distributed.
+    checkpoint's .metadata; arrays are not expected in it)."""
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

@@ -1,0 +1,393 @@
+"""Megatron-LM's torch_dist checkpoints (its default --ckpt-format) read and written with numpy.
+
+Megatron-LM saves them through megatron.core.dist_checkpointing (strategies/torch.py) on
+PyTorch Distributed Checkpoint (torch/distributed/checkpoint/filesystem.py, metadata.py):
+
+    <save>/latest_checkpointed_iteration.txt
+    <save>/iter_0000100/.metadata        pickle of Metadata: per key, TensorStorageMetadata (dtype,
+                                         global size, chunks: offsets and sizes) or
+                                         BytesStorageMetadata; storage_data: per (key, offsets),
+                                         _StorageInfo(relative_path, offset, length)
+    <save>/iter_0000100/__<rank>_<k>.distcp
+                                         each piece a torch.save archive (torch_format.py) at its
+                                         offset: a tensor chunk, or an object's bytes
+    <save>/iter_0000100/common.pt        torch.save of what is not sharded: args, iteration, ...
+    <save>/iter_0000100/metadata.json    {"sharded_backend": "torch_dist", ...}
+
+The keys are Megatron-core's sharded names (GPTModel.sharded_state_dict): the layers stacked on
+a leading layer axis, `decoder.layers.self_attention.linear_qkv.weight` of global shape
+[num_layers, 3h, h] (transformer_block.py, sharded_offsets), the pipeline's layers at their
+global numbers, TP pieces at their place in the one-process tensor (SwiGLU's fc1 as [gate; up],
+mlp.py apply_swiglu_sharded_factory), the local norms under transformer_engine's fused names
+(`linear_qkv.layer_norm_weight`; gpt_layer_specs.py's sharded_state_dict_keys_map), each linear's
+`_extra_state/shard_<layer>_<num_layers>` an object. A key assembled from its chunks is the
+one-process tensor, whatever layout saved it: what makes the format layout-free.
+"""
+import collections
+import json
+import os
+import re
+
+import numpy as np
+
+import torch_format
+from megatron_checkpoint import TE_NORMS, CheckpointError, megatron_name, project_name
+
+METADATA = ".metadata"
+COMMON = "common.pt"
+BACKEND = "metadata.json"
+LAYERS = "decoder.layers."
+EXPERTS = LAYERS + "mlp.experts.experts."
+# the versions whose names this reader knows (metadata.json, .metadata, common.pt)
+BACKEND_VERSION = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+DCP_VERSION = "1.0.0"
+CHECKPOINT_VERSION = 3.0
+# the local spec's norms saved under transformer_engine's fused names (gpt_layer_specs.py)
+FUSED_NORMS = {v: k for k, v in TE_NORMS.items()}
+OPTIMIZER = "optimizer.state."
+MAIN = "fp32_param"                    # Float16OptimizerWithFloat16Params' float32 copies
+META = "meta_json"                     # common.pt's entry of this project's meta.json text
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+          "float64": np.float64}
+
+
+def is_dist(folder):
+    """An iteration folder of a torch_dist checkpoint (its .metadata index is there)."""
+    return os.path.isfile(os.path.join(folder, METADATA))
+
+
+def _state(obj, field):
+    """A field of a dataclass object the index pickles (a torch_format.Foreign's BUILD state)."""
+    state = getattr(obj, "state", None)
+    if not isinstance(state, dict) or field not in state:
+        raise CheckpointError(f"its {METADATA} holds {obj!r:.80} without {field}: not the index "
+                              "of PyTorch Distributed Checkpoint")
+    return state[field]
+
+
+def read_index(folder):
+    """(tensors, objects) of the folder's .metadata: tensors {key: (dtype name, global shape,
+    [(offsets, sizes, file, byte offset, length)])}, objects {key: (file, byte offset,
+    length)}. The version and every piece's file are checked."""
+    _check_backend(folder)
+    path = os.path.join(folder, METADATA)
+    try:
+        with open(path, "rb") as f:
+            metadata = torch_format.load_pickle(f.read(), path)
+    except torch_format.TorchFormatError as e:
+        raise CheckpointError(str(e)) from None
+    try:
+        return _parse_index(metadata, path)
+    except (AttributeError, TypeError, IndexError, ValueError) as e:
+        raise CheckpointError(f"{path} holds no index of PyTorch Distributed Checkpoint "
+                              f"({type(e).__name__}: {e}): the file is damaged") from None
+
+
+def _parse_index(metadata, path):
+    """read_index's plain data of the unpickled Metadata object."""
+    version = getattr(metadata, "state", None) and metadata.state.get("version", DCP_VERSION)
+    if version != DCP_VERSION:
+        raise CheckpointError(f"{path} is of PyTorch Distributed Checkpoint {version}, this reader "
+                              f"knows {DCP_VERSION}: a checkpoint of a newer or older torch")
+    where = {}
+    for index, info in _state(metadata, "storage_data").items():
+        fields = {k: _state(info, k) for k in ("relative_path", "offset", "length")}
+        offsets = getattr(index, "state", {}).get("offset")
+        where[_state(index, "fqn"), offsets and tuple(offsets)] = (
+            fields["relative_path"], fields["offset"], fields["length"])
+    tensors, objects = {}, {}
+    for key, entry in _state(metadata, "state_dict_metadata").items():
+        if not isinstance(entry.state, dict) or "chunks" not in entry.state:
+            objects[key] = _located(where, key, None, path)
+            continue
+        dtype = getattr(entry.state["properties"].state[0], "name", "?")
+        pieces = [(tuple(_state(c, "offsets")), tuple(_state(c, "sizes")))
+                  for c in entry.state["chunks"]]
+        tensors[key] = (dtype, tuple(entry.state["size"]),
+                        [(o, s, *_located(where, key, o, path)) for o, s in pieces])
+    return tensors, objects
+
+
+def _located(where, key, offsets, path):
+    if (key, offsets) not in where:
+        raise CheckpointError(f"{path} lists {key} at {offsets} but not where it is stored: the "
+                              "index is damaged")
+    return where[key, offsets]
+
+
+def _check_backend(folder):
+    """metadata.json names the torch_dist backend of the version this reader knows."""
+    path = os.path.join(folder, BACKEND)
+    try:
+        with open(path) as f:
+            backend = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read ({e}): not a complete torch_dist "
+                              "checkpoint") from None
+    got = {k: backend.get(k) for k in BACKEND_VERSION}
+    if got != BACKEND_VERSION:
+        raise CheckpointError(f"{path} says {got}, this reader knows {BACKEND_VERSION}: a "
+                              "checkpoint of another Megatron format or version")
+
+
+def read_piece(folder, file, offset, length, what):
+    """The object torch.save wrote at [offset, offset + length) of `file` in `folder`."""
+    path = os.path.join(folder, file)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: its {METADATA} names it for {what}")
+    with open(path, "rb") as f:
+        f.seek(offset)
+        raw = f.read(length)
+    if len(raw) < length:
+        raise CheckpointError(f"{path} holds {os.path.getsize(path)} bytes, {what} ends at byte "
+                              f"{offset + length}: the file is truncated")
+    try:
+        return torch_format.loads(raw, f"{path} at byte {offset} ({what})")
+    except torch_format.TorchFormatError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def rng_key(pp_rank, tp_rank, pp, tp):
+    """The unique key of a (stage, TP rank)'s RNG state (Megatron's ShardedObject rng_state of
+    global shape (pp, tp), checkpointing.py; here this project's dropout streams)."""
+    return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
+
+
+def read_object(folder, key):
+    """The object saved under `key` in the torch_dist folder, or None if it holds none."""
+    objects = read_index(folder)[1]
+    return read_piece(folder, *objects[key], key) if key in objects else None
+
+
+def read_tensor(folder, key, dtype, shape, pieces):
+    """(the global tensor `key` assembled from its pieces, the set of its first axis's indices
+    they cover): float32 (bfloat16 widened exactly), float16 and float64 as stored. A stacked
+    key may skip layers (experts in every other layer: --moe-layer-freq); every index present is
+    covered whole."""
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{key} in {folder} is {dtype}, not a floating-point tensor")
+    out = np.zeros(shape, DTYPES[dtype] if dtype != "bfloat16" else np.float32)
+    covered = collections.Counter()
+    for offsets, sizes, file, offset, length in pieces:
+        value = read_piece(folder, file, offset, length, f"{key} at {offsets}")
+        value = value.float32() if isinstance(value, torch_format.BFloat16) else value
+        if not isinstance(value, np.ndarray) or value.shape != sizes:
+            raise CheckpointError(f"{folder}/{file}: {key} at {offsets} holds "
+                                  f"{getattr(value, 'shape', type(value).__name__)}, its index "
+                                  f"says {sizes}: the file is damaged")
+        out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = value
+        for first in range(offsets[0], offsets[0] + sizes[0]) if shape else [0]:
+            covered[first] += int(np.prod(sizes[1:]))
+    whole = int(np.prod(shape[1:])) if shape else 1
+    if any(n != whole for n in covered.values()) or (
+            not key.startswith(LAYERS) and len(covered) != (shape[0] if shape else 1)):
+        raise CheckpointError(f"the pieces of {key} in {folder} cover {sum(covered.values())} of "
+                              f"its {out.size} elements: a rank's file is missing from the index")
+    return out, set(covered)
+
+
+def read_common(folder):
+    """common.pt: the run's args, iteration and checkpoint_version, checked (metadata.json's
+    backend too)."""
+    _check_backend(folder)
+    path = os.path.join(folder, COMMON)
+    try:
+        common = torch_format.load(path)
+    except torch_format.TorchFormatError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(common, dict) or "args" not in common:
+        raise CheckpointError(f"{path} holds no args: not the common state of Megatron-LM's "
+                              "save_checkpoint")
+    version = common.get("checkpoint_version")
+    if version != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint_version {version}, this reader knows "
+                              f"{CHECKPOINT_VERSION}: a Megatron-LM newer or older than its names")
+    return common
+
+
+def _split(key, shape, folder):
+    """[(index into the global tensor of `key`, this project's global name)] of a sharded key:
+    a layer of a stacked key, and of routed experts' (decoder.layers.mlp.experts.experts.*,
+    [num_layers, num_experts, ...]: experts.py SequentialMLP.sharded_state_dict) each expert,
+    by Megatron's per-layer name (project_name); None for what holds no weight."""
+    try:
+        if key.startswith(EXPERTS):
+            rest = key[len(EXPERTS):]
+            return [((i, j), project_name(f"{LAYERS}{i}.mlp.experts.local_experts.{j}.{rest}"))
+                    for i in range(shape[0]) for j in range(shape[1])]
+        if key.startswith(LAYERS):
+            return [((i,), project_name(f"{LAYERS}{i}.{key[len(LAYERS):]}"))
+                    for i in range(shape[0])]
+        return [((), project_name(key))]
+    except CheckpointError as e:
+        raise CheckpointError(f"{folder}: {e}; a torch_dist checkpoint of a Megatron-LM newer or "
+                              "older than the names this project knows?") from None
+
+
+def _named(folder, key, entry, param_key):
+    """{global name: array} of the index entry `key` (its parameter's sharded key `param_key`):
+    the layers (and experts) its pieces hold."""
+    dtype, shape, pieces = entry
+    names = _split(param_key, shape, folder)
+    if all(name is None for _, name in names):
+        return {}
+    value, present = read_tensor(folder, key, dtype, shape, pieces)
+    stacked = param_key.startswith(LAYERS)
+    return {name: value[index] for index, name in names
+            if name is not None and (not stacked or index[0] in present)}
+
+
+def model_tensors(folder, tensors):
+    """{"model.<name>": array} of the index `tensors` (read_index) read from `folder`, under this
+    project's global names: stacked layers (and experts) split; objects (_extra_state) and the
+    optimizer's keys left out. A key this project has no place for is one CheckpointError line
+    naming it."""
+    out = {}
+    for key, entry in tensors.items():
+        if not key.startswith("optimizer."):   # optimizer_tensors' (the distributed optimizer's
+            out.update({f"model.{n}": v       # flattened buckets are not read)
+                        for n, v in _named(folder, key, entry, key).items()})
+    return out
+
+
+def optimizer_tensors(folder, tensors):
+    """The optimizer state of the index `tensors`, sharded as its parameters (Megatron's
+    non-distributed optimizers, optimizer.py sharded_state_dict: "optimizer.state.<kind>.<key>",
+    the float32 main params as kind fp32_param): {"optimizer.<kind>.<name>", "main.<name>":
+    float32 array}."""
+    out = {}
+    for key, entry in tensors.items():
+        if key.startswith(OPTIMIZER):
+            kind, _, param = key[len(OPTIMIZER):].partition(".")
+            prefix = "main" if kind == MAIN else f"optimizer.{kind}"
+            out.update({f"{prefix}.{n}": v.astype(np.float32)
+                        for n, v in _named(folder, key, entry, param).items()})
+    return out
+
+
+# ----------------------------------------------------------------------------- writing
+DCP = "torch.distributed.checkpoint.metadata"
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")   # with an _extra_state
+LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+TORCH_DTYPE = {"float32": "float32", "float16": "float16", "uint16": "bfloat16"}
+
+
+def sharded_key(name):
+    """(Megatron-core's sharded key, the stacked axes' indices) of this project's global parameter
+    `name`: a layer's parameter under the stacked key at (layer,), its norms under the fused names
+    the local spec saves them as, a routed expert's at (layer, expert); the rest as
+    megatron_checkpoint.megatron_name at ()."""
+    key = megatron_name(name)
+    if not key.startswith(LAYERS):
+        return key, ()
+    number, _, rest = key[len(LAYERS):].partition(".")
+    expert = LOCAL_EXPERT.fullmatch(rest)
+    if expert:
+        return EXPERTS + expert.group(2), (int(number), int(expert.group(1)))
+    return LAYERS + FUSED_NORMS.get(rest, rest), (int(number),)
+
+
+def rank_items(pieces, num_layers, num_experts):
+    """One writer's items [(key, offsets, global shape, value)] (value an array, BFloat16, or for
+    an object offsets and shape None): `pieces` [(key prefix, global name, offsets in the
+    one-process tensor, its shape, this rank's block)], layers (and routed experts) stacked on
+    leading axes (the optimizer's state under "optimizer.state.<kind>." and its parameter's key);
+    with the first piece of a layer linear's weight its `_extra_state/shard_<index>_<shape>`
+    object (Megatron's [None]; ShardedObject's unique_key)."""
+    items = []
+    for prefix, name, offsets, shape, value in pieces:
+        key, index = sharded_key(name)
+        stacked = (num_layers, num_experts)[:len(index)]
+        bits = value.bits if isinstance(value, torch_format.BFloat16) else value
+        block = bits.reshape((1,) * len(index) + bits.shape)
+        block = torch_format.BFloat16(block) if bits is not value else block
+        items.append((prefix + key, (*index, *offsets), (*stacked, *shape), block))
+        module, _, leaf = key.rpartition(".")
+        if index and not prefix and leaf == "weight" and module.endswith(LINEARS) \
+                and not any(offsets):
+            where = ".".join(map(str, index)), ".".join(map(str, stacked))
+            items.append((f"{module}._extra_state/shard_{where[0]}_{where[1]}", None, None,
+                          [None]))
+    return items
+
+
+def write_rank_file(folder, stem, items):
+    """<stem>.distcp (__<rank>_0) of `items` (rank_items), each a torch.save archive one after
+    another, and its part of the index (<stem>.json, joined into .metadata by write_index)."""
+    index, raw, position = [], [], 0
+    for key, offsets, shape, value in items:
+        data = torch_format.dumps(value)
+        dtype = None
+        if offsets is not None:
+            bits = value.bits if isinstance(value, torch_format.BFloat16) else value
+            dtype = TORCH_DTYPE[str(bits.dtype)]
+        index.append({"key": key, "offsets": offsets, "shape": shape, "dtype": dtype,
+                      "sizes": None if offsets is None else list(value.shape),
+                      "file": stem + ".distcp", "offset": position, "length": len(data)})
+        raw.append(data)
+        position += len(data)
+    with open(os.path.join(folder, stem + ".distcp"), "wb") as f:
+        f.write(b"".join(raw))
+    with open(os.path.join(folder, stem + ".json"), "w") as f:
+        json.dump(index, f)
+
+
+def write_index(folder, common):
+    """The index (.metadata) of every writer's part, common.pt and metadata.json, in `folder`
+    (the checkpoint's temporary folder, after every writer is done)."""
+    parts = sorted(f for f in os.listdir(folder) if f.startswith("__") and f.endswith(".json"))
+    entries = []
+    for part in parts:
+        with open(os.path.join(folder, part)) as f:
+            entries += json.load(f)
+    with open(os.path.join(folder, METADATA), "wb") as f:
+        f.write(torch_format.dump_pickle(_metadata(entries)))
+    torch_format.save(common, os.path.join(folder, COMMON))
+    with open(os.path.join(folder, BACKEND), "w") as f:
+        json.dump({**BACKEND_VERSION, "common_backend": "torch", "common_backend_version": 1}, f)
+    for part in parts:
+        os.remove(os.path.join(folder, part))
+
+
+def _size(values):
+    """torch.Size(values), as pickle writes it."""
+    return torch_format.foreign_class("torch", "Size")(tuple(values))
+
+
+def _metadata(entries):
+    """torch.distributed.checkpoint.metadata.Metadata of the index entries, as torch pickles it:
+    per key its TensorStorageMetadata (dtype, global size, chunks) or BytesStorageMetadata, per
+    piece its _StorageInfo."""
+    layout = torch_format.foreign_class("torch.serialization", "_get_layout")("torch.strided")
+    memory = torch_format.foreign_class(DCP, "_MEM_FORMAT_ENCODING")(0)
+    described, storage = {}, {}
+    for e in entries:
+        key, offsets = e["key"], e["offsets"]
+        index = {"fqn": key, "index": None}
+        if offsets is None:
+            described[key] = torch_format.foreign_object(DCP, "BytesStorageMetadata", {})
+        else:
+            index["offset"] = _size(offsets)
+            if key not in described:
+                properties = torch_format.foreign_object(DCP, "TensorProperties", (
+                    torch_format.TorchDtype(e["dtype"]), layout, False, memory, False))
+                described[key] = torch_format.foreign_object(
+                    DCP, "TensorStorageMetadata",
+                    {"properties": properties, "size": _size(e["shape"]), "chunks": []})
+            described[key].state["chunks"].append(torch_format.foreign_object(
+                DCP, "ChunkStorageMetadata",
+                {"offsets": _size(offsets), "sizes": _size(e["sizes"])}))
+        where = torch_format.foreign_object("torch.distributed.checkpoint.filesystem",
+                                            "_StorageInfo", {"relative_path": e["file"],
+                                                             "offset": e["offset"],
+                                                             "length": e["length"],
+                                                             "transform_descriptors": None})
+        storage[torch_format.foreign_object(DCP, "MetadataIndex", index)] = where
+    return torch_format.foreign_object(DCP, "Metadata", {
+        "state_dict_metadata": described, "planner_data": None, "storage_data": storage,
+        "storage_meta": None, "version": DCP_VERSION})
+
+
+if __name__ == "__main__":          # imported by checkpoint.py, not a script
+    raise SystemExit("error: dist_checkpoint.py is a library: run "
+                     "`bash run.sh import-megatron ...` (bash run.sh --help lists the commands)")
