@@ -85,14 +85,27 @@ def caller():
     the parallel.py line."""
     frame, fallback = sys._getframe(1), None
     while frame is not None:
-        name = frame.f_code.co_filename
-        if os.path.dirname(name) == HERE and name != NOT_CALLERS[1]:
-            where = f"{os.path.basename(name)}:{frame.f_lineno} ({frame.f_code.co_name})"
-            if name != NOT_CALLERS[0]:
-                return where
-            fallback = fallback or (where if frame.f_code.co_name != "_record" else None)
+        code = frame.f_code
+        kind = KINDS.get(code.co_filename)
+        if kind is None:
+            kind = KINDS[code.co_filename] = file_kind(code.co_filename)
+        if kind == "caller":
+            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} ({code.co_name})"
+        if kind == "parallel" and fallback is None and code.co_name != "_record":
+            fallback = f"parallel.py:{frame.f_lineno} ({code.co_name})"
         frame = frame.f_back
     return fallback or "?"
+
+
+KINDS = {}                # a frame's file name -> file_kind (the stack is walked per collective)
+
+
+def file_kind(name):
+    """"caller" for a module of the project other than parallel.py and this one, "parallel" for
+    parallel.py, "" for any other file."""
+    if os.path.dirname(name) != HERE or name == NOT_CALLERS[1]:
+        return ""
+    return "parallel" if name == NOT_CALLERS[0] else "caller"
 
 
 def record(op, group, ranks, shape, dtype):

@@ -6254,7 +6254,7 @@ def test_a_bad_launch_is_one_line_before_anything_starts(run_sh, argv, message):
     assert (result.returncode, result.stderr.splitlines(), calls) == (2, [message], [])
 
 
-# ================================================================ flight recorder (flight_recorder.py)
+# ============================================================= flight recorder (flight_recorder.py)
 def flight_records(events_of, idle=flight_recorder.STALL + 1, reasons=None):
     """{rank: record} as each rank would write it: {rank: [(op, group, ranks, shape)]} recorded in
     order (code line "x.py:N" with N the event's place), written `idle` seconds after its last
@@ -6519,6 +6519,9 @@ def check_valid_command(words, output, capsys):
     if command == "tour":
         tour.parse(words[1:])                     # a wrong layout or flag raises ConfigError
         return "tour"
+    if command == "diagnose":                     # a job's folder of worker logs
+        assert len(words) == 2 and not words[1].startswith("-"), words
+        return "diagnose"
     if command not in COMMANDS:
         if "--help" in words or "-h" in words:
             assert train.main(["--help"]) == 0
@@ -7719,10 +7722,11 @@ def call_guides_script(harness):
 # A launch runs fault_worker on its ranks (`python test_all.py fault NAME FOLDER`): steps of a
 # gradient all-reduce on TP2 and a barrier on the world, rank 1 planting the fault. Their
 # collectives wait run.sh's MS_CPU_COMM_OP_TIMEOUT (minutes), so only the recorder's watchdog ends
-# a hang soon; MS_NODE_TIMEOUT is run.sh's 10 s (msrun's heartbeat), shorter than the slow step.
-FAULT_STEPS, SLOW_STEP, FAULT_STEP, SLEEP = 5, 1, 3, 15
+# a hang soon; MS_NODE_TIMEOUT (msrun's heartbeat limit, and the scheduler's wait after a worker
+# fails) is shorter than the slow step, twice the watchdog's STALL.
+FAULT_STEPS, SLOW_STEP, FAULT_STEP, SLEEP = 5, 1, 3, 2 * flight_recorder.STALL
 FAULTS = {"shape": 2, "slow_then_skip": 2, "order": 4}          # name -> workers
-FAULT_ENV = {"MS_NODE_TIMEOUT": "10", "MS_CPU_COMM_OP_TIMEOUT": "600"}
+FAULT_ENV = {"MS_NODE_TIMEOUT": "5", "MS_CPU_COMM_OP_TIMEOUT": "600"}
 
 
 def fault_step(tp, rank, fault, step):
@@ -7775,7 +7779,7 @@ def call_fault(fault):
 
 
 for _fault in FAULTS:
-    add(f"fault_{_fault}", 0, "tp", call=call_fault(_fault))
+    add(f"fault_{_fault}", 0, "", call=call_fault(_fault))
 add("tour_pp", 0, "pipeline", call=call_tour)        # the compiled pipeline beside one process
 add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"])
 add("killed_worker", 0, "", call=call_killed_worker)
