@@ -88,7 +88,8 @@ def run_layout(name, steps, folder):
         cmd, env = msrun_command(workers, os.path.join(save, "msrun"), args)
     subprocess.run(cmd, cwd=HERE, env=env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
-    logs = sorted(os.listdir(os.path.join(save, "log")), key=lambda d: int(d[5:]))
+    logs = sorted((d for d in os.listdir(os.path.join(save, "log")) if d.startswith("rank_")),
+                  key=lambda d: int(d[5:]))
     texts = [open(os.path.join(save, "log", rank, "info.log")).read() for rank in logs]
     peaks = [float(re.search(r"measured peak growth ([\d.]+) MiB", t).group(1)) for t in texts]
     for text in texts:                        # the loss (and its train: line) is on the last stage

@@ -773,9 +773,9 @@ def train_main(argv):
     errors every worker reports itself (fail): 2 for an expected one, 1 for a bug."""
     cfg, notes = configure("train", argv)
     record_worker_pid()
-    rank, world = int(os.environ.get("RANK_ID", "0")), parallel.launched_world_size()
-    flight_recorder.start(os.environ.get("FLIGHT_RECORDER_DIR") or os.path.join(
-        cfg.training_config.output_dir, "log", f"rank_{rank}"), rank, world)
+    flight_recorder.start(os.environ.get("FLIGHT_RECORDER_DIR")          # run.sh: msrun's log
+                          or os.path.join(cfg.training_config.output_dir, "log"),
+                          int(os.environ.get("RANK_ID", "0")), parallel.launched_world_size())
     try:
         pretrain(cfg, notes)
     except (ConfigError, checkpoint.CheckpointError, OSError) as e:    # one line, the fix in it
