@@ -158,6 +158,7 @@ def start(folder, rank, world):
     os.makedirs(folder, exist_ok=True)
     first = RECORDER.path is None
     RECORDER.path, RECORDER.rank = os.path.join(folder, FILE.format(rank)), rank
+    RECORDER.reason = None                      # a new run in the same process (a test's jobs)
     if not first:
         return
     threading.Thread(target=_watch, args=(world,), daemon=True).start()
@@ -331,8 +332,10 @@ def explain(finding, found, records, waiting):
     message = f"rank {late} did not arrive at {head}, where {describe(first, event)} waits"
     if late not in records:
         return f"{message}; rank {late} left no record (killed?)", False
-    ended = (f"; rank {late} ended: {own_error(records[late]['reason'] or 'its work done')}"
-             if records[late]["ended"] or records[late]["reason"] else "")
+    reason = records[late]["reason"]
+    ended = (f"; rank {late} ended: {own_error(reason or 'its work done')}"
+             if records[late]["ended"] else f"; rank {late} failed: {own_error(reason)}"
+             if reason else "")
     pending = [(g, h[late]) for k, g, _, h, m in found if k == "missing" and late in h
                and first in m]
     if pending and cycle_through(late, waits(records), waiting):
@@ -341,7 +344,7 @@ def explain(finding, found, records, waiting):
                 f"{first} has not reached: {OUT_OF_STEP}{ended}"), True
     events = records[late]["events"]
     last = describe(None, events[-1], next(iter(events[-1]["at"]), None)) if events else "none"
-    return f"{message}; rank {late}'s last: {last}{ended}", bool(ended)
+    return f"{message}; rank {late}'s last: {last}{ended}", records[late]["ended"]
 
 
 def own_error(reason):
