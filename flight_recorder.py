@@ -9,13 +9,13 @@ flight recorder (torch/csrc/distributed/c10d/FlightRecorder.hpp) keeps the same 
 call; here the CPU's collectives are MindSpore's, so the recorder lives in Python.
 
 A thread writes the record to <folder>/flight_recorder_rank_N.json every WRITE_EVERY seconds (and
-on an error, SIGTERM, SIGUSR1 = "dump now", and at exit), so every rank's record is on disk when a
-job fails, a killed rank's included up to its last second. When this rank has waited STALL
-seconds without a new collective, the thread reads its peers' records (the same folder) and stops
-the job only for a fault that waiting cannot end: ranks that disagree on a collective, a cycle of
-ranks each waiting in a group another has not reached (groups entered in another order), or a
-peer that ended without it. A peer that is only slow (compiling, sleeping, sharing the CPU) waits
-for nothing: it is waited for, up to MS_CPU_COMM_OP_TIMEOUT (docs/when-a-run-hangs.md).
+on an error, SIGUSR1 = "dump now", and at exit), so every rank's record is on disk when a job
+fails, a rank killed (SIGTERM, SIGKILL) included up to its last second. When this rank has waited
+STALL seconds without a new collective, the thread reads its peers' records (the same folder) and
+stops the job only for a fault that waiting cannot end: ranks that disagree on a collective, a
+cycle of ranks each waiting in a group another has not reached (groups entered in another order),
+or a peer that ended without it. A peer that is only slow (compiling, sleeping, sharing the CPU)
+waits for nothing: it is waited for, up to MS_CPU_COMM_OP_TIMEOUT (docs/when-a-run-hangs.md).
 
 `python flight_recorder.py LOG_DIR` (`bash run.sh diagnose LOG_DIR`) prints one `error:` line
 naming the first event where the ranks' records disagree, then each failing rank's own error.
@@ -151,8 +151,8 @@ def dump(reason=None, ended=False):
 
 def start(folder, rank, world):
     """Record to <folder>/flight_recorder_rank_N.json: its writer and watchdog thread, SIGUSR1
-    (dump now), SIGTERM (dump, then the handler there was) and the write at exit. Several
-    workers only; again in the same process, the folder changes."""
+    (dump now) and the write at exit. Several workers only; again in the same process, the
+    folder changes."""
     if world < 2:
         return
     os.makedirs(folder, exist_ok=True)
@@ -164,16 +164,9 @@ def start(folder, rank, world):
     threading.Thread(target=_watch, args=(world,), daemon=True).start()
     atexit.register(dump, ended=True)
     if threading.current_thread() is threading.main_thread():
+        # SIGTERM keeps its default, an exit at once even in a collective's wait (a Python
+        # handler would run only after it): the writer's record is at most WRITE_EVERY s old
         signal.signal(signal.SIGUSR1, lambda signum, frame: dump())
-        before = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum, frame):
-            dump("SIGTERM")
-            if callable(before):
-                return before(signum, frame)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            return signal.raise_signal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _watch(world):
