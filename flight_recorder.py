@@ -141,12 +141,17 @@ def graph_done(graph, key, event):
     RECORDER.capture = None
 
 
+WRITING = threading.RLock()   # one write at a time: the writer thread, errors, SIGUSR1, exit
+
+
 def dump(reason=None, ended=False):
-    """Write this rank's record now (atomically); `reason` (an error) is kept in it."""
-    RECORDER.reason = reason or RECORDER.reason
-    RECORDER.ended = RECORDER.ended or ended
-    if RECORDER.path:
-        write_atomic(RECORDER.path, json.dumps(RECORDER.state()))
+    """Write this rank's record now (atomically); `reason` (an error) is kept in it. The write at
+    exit (`ended`) is the last: no later write of the writer thread is cut off half-way."""
+    with WRITING:
+        RECORDER.reason = reason or RECORDER.reason
+        if RECORDER.path and not RECORDER.ended:
+            RECORDER.ended = ended
+            write_atomic(RECORDER.path, json.dumps(RECORDER.state()))
 
 
 def start(folder, rank, world):
