@@ -158,7 +158,7 @@ def start(folder, rank, world):
     """Record to <folder>/flight_recorder_rank_N.json: its writer and watchdog thread, SIGUSR1
     (dump now) and the write at exit. Several workers only; again in the same process, the
     folder changes."""
-    if world < 2:
+    if world < 2 or os.environ.get("MS_ROLE") == "MS_SCHED":   # msrun's scheduler runs none
         return
     os.makedirs(folder, exist_ok=True)
     first = RECORDER.path is None
@@ -183,8 +183,8 @@ def _watch(world):
             dump()
         except (RuntimeError, OSError):       # an event changed while written: the next write
             continue
-        if time.time() - RECORDER.last < STALL:
-            continue
+        if time.time() - RECORDER.last < STALL or RECORDER.reason or RECORDER.ended:
+            continue                   # busy, or failed itself: msrun ends the job as it exits
         finding = diagnose(load(os.path.dirname(RECORDER.path), JOB), world, live=True)
         if finding is not None and finding[1]:
             message = f"error: {finding[0]}{WATCHDOG}"
@@ -342,7 +342,9 @@ def explain(finding, found, records, waiting):
                 f"{first} has not reached: {OUT_OF_STEP}{ended}"), True
     events = records[late]["events"]
     last = describe(None, events[-1], next(iter(events[-1]["at"]), None)) if events else "none"
-    return f"{message}; rank {late}'s last: {last}{ended}", records[late]["ended"]
+    # a peer that failed ends the job as it exits (msrun); one whose work is done never comes
+    return (f"{message}; rank {late}'s last: {last}{ended}",
+            records[late]["ended"] and not reason)
 
 
 def own_error(reason):
