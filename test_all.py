@@ -7753,8 +7753,6 @@ def fault_step(tp, rank, fault, step):
 def fault_worker(fault, folder):
     """One rank of a planted-fault launch: FAULT_STEPS steps of fault_step, its flight record in
     `folder` (an error in it, as train.py's workers do); rank 1 notes when it plants the fault."""
-    if os.environ.get("MS_ROLE") == "MS_SCHED":            # msrun's scheduler: no rank
-        return
     rank, world = int(os.environ["RANK_ID"]), parallel.launched_world_size()
     tp = parallel.collectives(parallel.initialize_model_parallel(tp=2).tp_group)
     flight_recorder.start(folder, rank, world)
