@@ -41,13 +41,11 @@ fi
 export PATH="$PWD/.venv/bin:$PATH"          # msrun starts `python` from PATH
 export GLOG_v="${GLOG_v:-3}"                # MindSpore: errors only on the console
 # msrun stops the other workers as soon as one fails, then its scheduler waits this many seconds
-# for their heartbeats (30 by default) before the job ends. It is also how long a CPU collective
-# waits for its peers: raise it if a worker compiling on a busy machine makes its peers time out
-# ("CollectiveWait ... failed" in their logs)
+# for their heartbeats (30 by default) before the job ends
 export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-10}"
-# ...unless MS_CPU_COMM_OP_TIMEOUT is set: then a CPU collective waits that long instead. A peer
-# that is only slow (compiling, sharing the CPU) is waited for, as NCCL's minutes; one that hangs
-# for good is named by the flight recorder's watchdog (docs/when-a-run-hangs.md)
+# How long a CPU collective waits for its peers (MS_NODE_TIMEOUT when unset): minutes, as NCCL's,
+# so that a peer only slow (compiling, sharing the CPU) is waited for; a collective that can never
+# complete is named by the flight recorder's watchdog within seconds (docs/when-a-run-hangs.md)
 export MS_CPU_COMM_OP_TIMEOUT="${MS_CPU_COMM_OP_TIMEOUT:-600}"
 
 case "${1:-}" in
