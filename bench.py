@@ -28,6 +28,10 @@ this machine's speed drifts; the table gives each run's figures per round.
 `python bench.py torch-reference` is that PyTorch model, `python bench.py torch-layernorm` its
 LayerNorm alone (bench_fusions.py layernorm); they import torch only when run.
 `python bench_fusions.py` times each fused form (fused.py) in the benchmark's model.
+`bash run.sh bench --flight-recorder --layouts tp2_sp` prints instead what the flight recorder
+(flight_recorder.py) costs a step of each layout: its collectives a step op by op
+(memory.communication, an upper bound: a compiled graph is one event), the time to record one at
+the stack depth of a backward, and its writer's share of a second, against the step's time.
 `python bench.py matmul-peak` measures this machine's fp32 matmul TFLOP/s with MindSpore (all
 cores): the denominator of the model FLOPs utilisation (MFU) the table reports.
 """
@@ -39,7 +43,9 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from cli import HelpRequested, msrun_command, parse_command
+import flight_recorder
+import memory
+from cli import HelpRequested, load_config, msrun_command, parse_command
 from config import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,7 +88,8 @@ def run_layout(name, steps, folder):
         cmd, env = msrun_command(workers, os.path.join(save, "msrun"), args)
     subprocess.run(cmd, cwd=HERE, env=env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
-    logs = sorted(os.listdir(os.path.join(save, "log")), key=lambda d: int(d[5:]))
+    logs = sorted((d for d in os.listdir(os.path.join(save, "log")) if d.startswith("rank_")),
+                  key=lambda d: int(d[5:]))
     texts = [open(os.path.join(save, "log", rank, "info.log")).read() for rank in logs]
     peaks = [float(re.search(r"measured peak growth ([\d.]+) MiB", t).group(1)) for t in texts]
     for text in texts:                        # the loss (and its train: line) is on the last stage
@@ -128,7 +135,9 @@ def matmul_peak(n=1024, reps=20):
 BENCH_FLAGS = {"--repeats": (2, int, "alternating rounds of all runs"),
                "--steps": (12, int, "training steps per run (the second half is timed)"),
                "--layouts": (list(LAYOUTS), list, "runs to compare"),
-               "--torch": (None, str, "a python with torch installed: adds the PyTorch reference")}
+               "--torch": (None, str, "a python with torch installed: adds the PyTorch reference"),
+               "--flight-recorder": (None, bool, "the flight recorder's cost per step of each "
+                                                 "layout, instead of the table")}
 
 
 def _report(name, rows, results, peak):
@@ -170,6 +179,8 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     a = SimpleNamespace(**options)
+    if a.flight_recorder:
+        return recorder_cost(a.layouts, a.steps)
     runs = a.layouts + (["torch"] if a.torch else [])
     results = {name: [] for name in runs}
     peak_out = subprocess.run([sys.executable, __file__, "matmul-peak"], check=True,
@@ -188,6 +199,53 @@ def main(argv):
     for name in runs:
         for line in _report(name, results[name], results, peak):
             print(line)
+
+
+def record_seconds(events=20000, depth=40):
+    """(seconds to record one collective, called `depth` frames below code outside the project
+    as a backward's collectives are, less those frames' own calls; CPU seconds of one write of a
+    full ring buffer)."""
+    saved, flight_recorder.RECORDER = flight_recorder.RECORDER, flight_recorder.Recorder()
+    chain = "def down(n):\n    return down(n - 1) if n else record(*ARGS)"
+    args = ("all_reduce", "tp-0-1", (0, 1), (8, 256, 256), "Float32")
+    spent = []
+    try:
+        for record in (flight_recorder.record, lambda *a: None):
+            outside = {"record": record, "ARGS": args}
+            exec(compile(chain, "<outside>", "exec"), outside)
+            start = time.perf_counter()
+            for _ in range(events):
+                outside["down"](depth)
+            spent.append((time.perf_counter() - start) / events)
+        with tempfile.TemporaryDirectory() as folder:
+            flight_recorder.RECORDER.path = os.path.join(folder, "record.json")
+            start = time.thread_time()        # the CPU it takes: its fsync waits hold no core
+            for _ in range(20):
+                flight_recorder.dump()
+            per_write = (time.thread_time() - start) / 20
+    finally:
+        flight_recorder.RECORDER = saved
+    return spent[0] - spent[1], per_write
+
+
+def recorder_cost(layouts, steps):
+    """bash run.sh bench --flight-recorder: per layout, the recorder's time per step as a share of
+    the step (its collectives op by op x the time per event, plus the writer's share)."""
+    per_event, per_write = record_seconds()
+    print(f"flight recorder: {per_event * 1e6:.1f} us per collective recorded, "
+          f"{per_write * 1e3:.2f} ms per write of {flight_recorder.EVENTS} events (one every "
+          f"{flight_recorder.WRITE_EVERY:.0f} s)")
+    with tempfile.TemporaryDirectory() as folder:
+        for name in layouts:
+            workers, flags = LAYOUTS[name]
+            cfg = load_config(os.path.join(HERE, "config.yaml"), [*MODEL, *flags], workers)
+            cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
+            calls = sum(c for c, _ in memory.communication(cfg, 0).values())
+            step = SHAPE["batch"] * SHAPE["seq"] / run_layout(name, steps, folder)[0]
+            cost = calls * per_event + per_write / flight_recorder.WRITE_EVERY * step
+            print(f"{name:8s} {calls} collectives a step, a step {step * 1e3:.0f} ms: recording "
+                  f"{cost * 1e3:.2f} ms = {cost / step:.2%} of a step")
+    return 0
 
 
 # ----------------------------------------------------------------------------- PyTorch reference

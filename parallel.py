@@ -37,6 +37,7 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.communication import GlobalComm, create_group, get_rank, init
 from mindspore.ops import constexpr
 
+import flight_recorder
 from config import check_expert_parallel_size, cp_ring_size, data_parallel_size
 
 F32 = ms.float32                                     # the one float32 alias, imported where used
@@ -220,6 +221,7 @@ def barrier():
     asynchronous; mint's barrier logs a spurious device error on CPU)."""
     if get_state().world_size > 1:
         flag = Tensor([0.0], ms.float32)
+        flight_recorder.record("barrier", "world", _GROUPS["world"][1], (1,), ms.float32)
         dist.all_reduce(flag, group=GlobalComm.WORLD_COMM_GROUP)
         flag.asnumpy()
 
@@ -230,6 +232,7 @@ def any_rank(flag):
     if get_state().world_size == 1:
         return bool(flag)
     count = Tensor([float(bool(flag))], ms.float32)
+    flight_recorder.record("any_rank", "world", _GROUPS["world"][1], (1,), ms.float32)
     dist.all_reduce(count, group=GlobalComm.WORLD_COMM_GROUP)
     return bool(count.asnumpy()[0] > 0)
 
@@ -276,10 +279,12 @@ class Ledger:
         """run() calls a compiled graph; graph_entries[key] keeps the collectives recorded when
         it was compiled, and they are added to the ledger on every call."""
         self.capture = []
+        event = flight_recorder.graph_call(id(graph_entries), key)
         try:
             out = run()
         finally:
             captured, self.capture = self.capture, None
+            flight_recorder.graph_done(id(graph_entries), key, event)
         if captured or key not in graph_entries:       # compiled now (maybe without collectives)
             graph_entries[key] = captured
         for kind, op, nbytes in graph_entries[key]:
@@ -306,9 +311,11 @@ ledger = Ledger()
 
 
 @constexpr
-def _record(kind, op, shape, dtype):
-    """Count one collective: at run time op by op, at compile time inside ms.jit (a constexpr)."""
+def _record(kind, op, shape, dtype, group):
+    """Count one collective on `group` (a name of this module), in the ledger and the flight
+    recorder: at run time op by op, at compile time inside ms.jit (a constexpr)."""
     entry = (kind, op, int(np.prod(shape)) * np.dtype(ms.dtype_to_nptype(dtype)).itemsize)
+    flight_recorder.record(op, group, _GROUPS.get(group, (None, []))[1], shape, dtype)
     if ledger.capture is not None:
         ledger.capture.append(entry)
     else:
@@ -321,7 +328,7 @@ class Collectives(nn.Cell):
 
     def __init__(self, group, size, rank, kind):
         super().__init__()
-        self.kind, self.size, self.rank = kind, size, rank
+        self.kind, self.size, self.rank, self.group = kind, size, rank, group
         self.native = ms.get_context("device_target") != "CPU"
         live = size > 1 and group is not None
         self.sum = ops.AllReduce(group=group) if live else None
@@ -335,14 +342,14 @@ class Collectives(nn.Cell):
     def all_reduce(self, x):
         if self.size == 1:
             return x
-        _record(self.kind, "all_reduce", x.shape, x.dtype)
+        _record(self.kind, "all_reduce", x.shape, x.dtype, self.group)
         return self.sum(x)
 
     def all_reduce_max(self, x):
         """Elementwise max over the group; on CPU the max of the all-gathered values."""
         if self.size == 1:
             return x
-        _record(self.kind, "all_reduce", x.shape, x.dtype)
+        _record(self.kind, "all_reduce", x.shape, x.dtype, self.group)
         if self.native:
             return self.max(x)
         return self._gather(x.expand_dims(0), 0).max(axis=0)
@@ -351,7 +358,7 @@ class Collectives(nn.Cell):
         """[.., d, ..] on each of n ranks -> [.., n*d, ..], in group-rank order."""
         if self.size == 1:
             return x
-        _record(self.kind, "all_gather", x.shape, x.dtype)
+        _record(self.kind, "all_gather", x.shape, x.dtype, self.group)
         return self._gather(x, dim % x.ndim)
 
     def _gather(self, x, dim):
@@ -368,7 +375,7 @@ class Collectives(nn.Cell):
         traffic of a real all-to-all)."""
         if self.size == 1:
             return x
-        _record(self.kind, "all_to_all", x.shape, x.dtype)
+        _record(self.kind, "all_to_all", x.shape, x.dtype, self.group)
         scatter_dim, gather_dim = scatter_dim % x.ndim, gather_dim % x.ndim
         if self.native:
             return self.alltoall[(scatter_dim, gather_dim)](x)
@@ -379,7 +386,7 @@ class Collectives(nn.Cell):
         """[.., n*d, ..] on each of n ranks -> this rank's [.., d, ..] slice of the sum."""
         if self.size == 1:
             return x
-        _record(self.kind, "reduce_scatter", x.shape, x.dtype)
+        _record(self.kind, "reduce_scatter", x.shape, x.dtype, self.group)
         dim = dim % x.ndim
         if self.native:
             src = x if dim == 0 else ops.cat(ops.chunk(x, self.size, dim), 0)     # [n*.., d, ..]
@@ -409,7 +416,7 @@ def broadcast(t, src_global_rank, group):
     it is), with mint.distributed: called between compiled graphs, never inside one."""
     if len(group_ranks(group)) == 1:
         return t
-    _record(_GROUPS[group][0], "broadcast", t.shape, t.dtype)
+    _record(_GROUPS[group][0], "broadcast", t.shape, t.dtype, group)
     out = t.copy()
     dist.broadcast(out, src=src_global_rank, group=group)
     return out
@@ -421,7 +428,7 @@ def exchange(t, peer_global_rank):
     pipeline's hops, between compiled graphs. On CPU, which has no send/recv, one all_gather over
     the pair."""
     group = get_state().pair_groups[peer_global_rank]
-    _record("pp_pair", "exchange", t.shape, t.dtype)
+    _record("pp_pair", "exchange", t.shape, t.dtype, group)
     if ms.get_context("device_target") == "CPU":
         bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(2)]
         dist.all_gather(bufs, t, group=group)

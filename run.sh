@@ -16,6 +16,8 @@
 #                                                 in any layout
 #   bash run.sh bench ...         tokens/s of one process and the 2-worker layouts, alternating
 #                                 (bench.py)
+#   bash run.sh diagnose LOG_DIR  the first collective where a failed job's ranks disagree, from
+#                                 their flight records (flight_recorder.py)
 #   bash run.sh plan ...          --world-size N [--config FILE] [--memory-per-device GB]: memory,
 #                                 communication and FLOPs per rank, nothing allocated (memory.py)
 #   bash run.sh --nproc 1         the same model and data in one process (about 6 minutes)
@@ -39,10 +41,12 @@ fi
 export PATH="$PWD/.venv/bin:$PATH"          # msrun starts `python` from PATH
 export GLOG_v="${GLOG_v:-3}"                # MindSpore: errors only on the console
 # msrun stops the other workers as soon as one fails, then its scheduler waits this many seconds
-# for their heartbeats (30 by default) before the job ends. It is also how long a CPU collective
-# waits for its peers: raise it if a worker compiling on a busy machine makes its peers time out
-# ("CollectiveWait ... failed" in their logs)
+# for their heartbeats (30 by default) before the job ends
 export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-10}"
+# How long a CPU collective waits for its peers (MS_NODE_TIMEOUT when unset): minutes, as NCCL's,
+# so that a peer only slow (compiling, sharing the CPU) is waited for; a collective that can never
+# complete is named by the flight recorder's watchdog within seconds (docs/when-a-run-hangs.md)
+export MS_CPU_COMM_OP_TIMEOUT="${MS_CPU_COMM_OP_TIMEOUT:-600}"
 
 case "${1:-}" in
   test)
@@ -55,6 +59,10 @@ case "${1:-}" in
   bench)
     shift
     exec python bench.py "$@"
+    ;;
+  diagnose)
+    shift
+    exec python flight_recorder.py "$@"
     ;;
   tour)
     shift
@@ -174,6 +182,8 @@ if [ "$workers" -gt 1 ]; then
   python train.py check --nproc "$workers" ${args[@]+"${args[@]}"}
   export RUN_SH_PID_DIR=$log_dir/pids            # each worker writes rank_N.pid
   rm -rf "$RUN_SH_PID_DIR" && mkdir -p "$RUN_SH_PID_DIR"
+  export FLIGHT_RECORDER_DIR=$log_dir            # each worker writes flight_recorder_rank_N.json
+  rm -f "$log_dir"/flight_recorder_rank_*.json
   # msrun relays every worker's console; MindSpore's "[INFO] DISTRIBUTED ... Event base dispatch
   # success!" lines are not news, so they are dropped (pipefail keeps msrun's exit code)
   if ! msrun --worker_num "$workers" --local_worker_num "$per_node" --node_rank "$node_rank" \
@@ -190,6 +200,8 @@ if [ "$workers" -gt 1 ]; then
              | sed 's/.*rank_\([0-9]*\)\.pid/\1/' || true)
       echo "error: rank ${rank:-?} (pid $1) was killed by signal $2;" \
            "its log: $log_dir/worker_${rank:-N}.log" >&2
+    else                # the first collective where the ranks' flight records disagree
+      python flight_recorder.py "$log_dir" || true
     fi
     exit 1
   fi

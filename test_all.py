@@ -96,6 +96,7 @@ import context_parallel
 import data
 import dist_checkpoint
 import distributed
+import flight_recorder
 import fused
 import gpt
 import megatron_checkpoint
@@ -130,14 +131,16 @@ ALICE = os.path.join(HERE, "data", "alice_in_wonderland.txt")
 
 
 # ======================================================================================== structure
-MODULES = ["keys", "config", "cli", "tokenizer", "data", "parallel", "distributed", "optimizer",
+MODULES = ["keys", "config", "cli", "tokenizer", "data", "flight_recorder", "parallel",
+           "distributed", "optimizer",
            "context_parallel", "moe", "gpt", "pipeline", "memory", "torch_format",
            "megatron_checkpoint", "dist_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler",
            "metrics", "train", "fused", "bench", "bench_fusions", "tour"]
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES
-                                    if m not in ("train", "bench", "bench_fusions", "tour")])
+                                    if m not in ("train", "bench", "bench_fusions", "tour",
+                                                 "flight_recorder")])
 def test_a_library_module_run_directly_names_the_command(module):
     """A module that is not an entry point (`python checkpoint.py import-hf ...`) does nothing
     and ends non-zero with one line naming `bash run.sh`."""
@@ -6733,6 +6736,121 @@ def test_a_bad_launch_is_one_line_before_anything_starts(run_sh, argv, message):
     assert (result.returncode, result.stderr.splitlines(), calls) == (2, [message], [])
 
 
+# ============================================================= flight recorder (flight_recorder.py)
+def flight_records(events_of, idle=flight_recorder.STALL + 1, reasons=None):
+    """{rank: record} as each rank would write it: {rank: [(op, group, ranks, shape)]} recorded in
+    order (code line "x.py:N" with N the event's place), written `idle` seconds after its last
+    event; `reasons` {rank: error} make those ranks ended."""
+    records = {}
+    for rank, events in events_of.items():
+        recorder = flight_recorder.Recorder()
+        recorder.rank = rank
+        for n, (op, group, ranks, shape) in enumerate(events):
+            recorder.add(op, {group: list(ranks)}, shape, "Float32", code=f"x.py:{n}")
+        if reasons and rank in reasons:
+            recorder.reason, recorder.ended = reasons[rank], True
+        records[rank] = recorder.state()
+        records[rank]["written"] = records[rank]["last"] + idle
+    return records
+
+
+AR, BAR = ("all_reduce", "tp-0-1", (0, 1), (4,)), ("barrier", "world", (0, 1), (1,))
+
+
+@pytest.mark.tp
+def test_the_flight_recorder_tells_a_slow_peer_from_a_stuck_one():
+    """While the job runs (live), only a fault waiting cannot end stops it: a peer that has not
+    yet reached the collective its peer waits in is only slow, one that failed ends the job as it
+    exits; two ranks each in a collective the other has not reached (a skipped all-reduce, groups
+    entered in another order) are stuck once both have been idle STALL s; different shapes, or a
+    peer whose work is done, are at once. After the job (run.sh), the first disagreement is named,
+    a rank without a record too."""
+    slow = flight_records({0: [AR, BAR, AR], 1: [AR, BAR]})
+    assert flight_recorder.diagnose(slow, 2, live=True) is None
+    assert flight_recorder.diagnose(slow, 2) == (
+        "rank 1 did not arrive at collective #1 of group tp-0-1 (ranks 0, 1), where rank 0 "
+        "all_reduce [4] Float32 at x.py:2 waits; rank 1's last: barrier [1] Float32 (#0 of group "
+        "world) at x.py:1", True)
+    stuck = {0: [AR, BAR, AR], 1: [AR, BAR, BAR]}
+    assert flight_recorder.diagnose(flight_records(stuck, idle=0), 2, live=True) is None
+    message, definite = flight_recorder.diagnose(flight_records(stuck), 2, live=True)
+    assert definite and message == (
+        "rank 1 did not arrive at collective #1 of group tp-0-1 (ranks 0, 1), where rank 0 "
+        "all_reduce [4] Float32 at x.py:2 waits; rank 1 went to barrier [1] Float32 (#1 of group "
+        "world) at x.py:2 instead, which rank 0 has not reached: a collective skipped, or the "
+        "groups entered in another order"), message
+    shapes = flight_records({0: [AR], 1: [("all_reduce", "tp-0-1", (0, 1), (8,))]}, idle=0)
+    assert flight_recorder.diagnose(shapes, 2, live=True) == (
+        "collective #0 of group tp-0-1 (ranks 0, 1) differs: rank 0 all_reduce [4] Float32 at "
+        "x.py:0; rank 1 all_reduce [8] Float32 at x.py:0", True)
+    failed = flight_records({0: [AR, AR], 1: [AR]}, idle=0, reasons={1: "error: disk full"})
+    assert flight_recorder.diagnose(failed, 2, live=True) is None     # msrun ends it as it exits
+    assert flight_recorder.diagnose(failed, 2)[0].endswith("rank 1 ended: disk full")
+    done = flight_records({0: [AR, AR], 1: [AR]}, idle=0, reasons={1: None})
+    assert flight_recorder.diagnose(done, 2, live=True)[0].endswith("rank 1 ended: its work done")
+    killed = flight_records({0: [AR]})
+    assert flight_recorder.diagnose(killed, 2, live=True) is None
+    assert flight_recorder.diagnose(killed, 2)[0].endswith("rank 1 left no record (killed?)")
+    assert flight_recorder.diagnose(flight_records({0: [AR, BAR], 1: [AR, BAR]}), 2) is None
+
+
+@pytest.mark.tp
+def test_the_flight_recorder_keeps_the_last_events_and_a_graphs_collectives(tmp_path):
+    """The ring buffer keeps the last EVENTS, each with the code line that asked for it; a
+    compiled graph's call is one event holding the collectives recorded while it compiled, counted
+    on their groups at each call; a dump is the record `bash run.sh diagnose` reads."""
+    saved, flight_recorder.RECORDER = flight_recorder.RECORDER, flight_recorder.Recorder()
+    try:
+        for _ in range(flight_recorder.EVENTS + 3):
+            flight_recorder.record("all_reduce", "tp-0-1", (0, 1), (4,), "Float32")
+        line = inspect.currentframe().f_lineno - 1
+        first = flight_recorder.graph_call("graph", "key")
+        flight_recorder.record("all_gather", "tp-0-1", (0, 1), (2, 4), "Float32")    # compiling
+        flight_recorder.graph_done("graph", "key", first)
+        again = flight_recorder.graph_call("graph", "key")
+        flight_recorder.graph_done("graph", "key", again)
+        flight_recorder.RECORDER.path = str(tmp_path / flight_recorder.FILE.format(0))
+        flight_recorder.dump()
+        events = flight_recorder.load(tmp_path)[0]["events"]
+    finally:
+        flight_recorder.RECORDER = saved
+    assert len(events) == flight_recorder.EVENTS and events[-1]["seq"] == flight_recorder.EVENTS + 5
+    assert events[0]["at"] == {"tp-0-1": 5} and events[0]["code"] == (
+        f"test_all.py:{line} (test_the_flight_recorder_keeps_the_last_events_and_a_graphs_"
+        "collectives)")
+    held = [{"op": "all_gather", "group": "tp-0-1", "ranks": [0, 1], "shape": [2, 4],
+             "dtype": "Float32"}]
+    assert [(e["op"], e["at"], e["holds"]) for e in events[-2:]] == [
+        ("graph", {"tp-0-1": flight_recorder.EVENTS + 3}, held),
+        ("graph", {"tp-0-1": flight_recorder.EVENTS + 4}, held)]
+
+
+@pytest.mark.tp
+def test_run_sh_diagnose_reads_a_folder_of_records(tmp_path):
+    """`bash run.sh diagnose DIR`: one error line and exit 1 where the records disagree, then the
+    failing rank's own error; exit 0 where they agree; exit 2 with one line for a folder without
+    records."""
+    def diagnose(records):
+        for rank, record in records.items():
+            data.write_atomic(str(tmp_path / flight_recorder.FILE.format(rank)), json.dumps(record))
+        return subprocess.run(["bash", "run.sh", "diagnose", str(tmp_path)], cwd=HERE,
+                              capture_output=True, text=True, timeout=120)
+    agree = diagnose(flight_records({0: [AR], 1: [AR]}))
+    assert agree.returncode == 0 and "agree" in agree.stdout, agree.stderr
+    failed = diagnose(flight_records({0: [AR, AR], 1: [AR]},
+                                     reasons={1: "error: training failed: Traceback ...\n"
+                                                 "ValueError: a bad shape"}))
+    assert failed.returncode == 1 and failed.stderr.splitlines() == [
+        "error: rank 1 did not arrive at collective #1 of group tp-0-1 (ranks 0, 1), where rank 0 "
+        "all_reduce [4] Float32 at x.py:1 waits; rank 1's last: all_reduce [4] Float32 (#0 of "
+        "group tp-0-1) at x.py:0; rank 1 ended: ValueError: a bad shape",
+        "rank 1's own error: ValueError: a bad shape"], failed.stderr
+    empty = subprocess.run(["bash", "run.sh", "diagnose", str(tmp_path / "none")], cwd=HERE,
+                           capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 2 and empty.stderr.startswith("error: usage: bash run.sh "
+                                                             "diagnose LOG_DIR"), empty.stderr
+
+
 # =========================================================== README and docs (README.md, docs/*.md)
 # README.md and docs/*.md held to the code.
 #
@@ -6887,6 +7005,9 @@ def check_valid_command(words, output, capsys):
     if command == "tour":
         tour.parse(words[1:])                     # a wrong layout or flag raises ConfigError
         return "tour"
+    if command == "diagnose":                     # a job's folder of worker logs
+        assert len(words) == 2 and not words[1].startswith("-"), words
+        return "diagnose"
     if command not in COMMANDS:
         if "--help" in words or "-h" in words:
             assert train.main(["--help"]) == 0
@@ -8120,6 +8241,68 @@ def call_guides_script(harness):
                                 capture_output=True, text=True, timeout=600, env=BUSY_MACHINE)
 
 
+# ------------------------------------ planted communication faults, read by the flight recorder
+# A launch runs fault_worker on its ranks (`python test_all.py fault NAME FOLDER`): steps of a
+# gradient all-reduce on TP2 and a barrier on the world, rank 1 planting the fault. Their
+# collectives wait run.sh's MS_CPU_COMM_OP_TIMEOUT (minutes), so only the recorder's watchdog ends
+# a hang soon; MS_NODE_TIMEOUT (msrun's heartbeat limit, and the scheduler's wait after a worker
+# fails) is shorter than the slow step, twice the watchdog's STALL.
+FAULT_STEPS, SLOW_STEP, FAULT_STEP, SLEEP = 5, 1, 3, 2 * flight_recorder.STALL
+FAULTS = {"shape": 2, "slow_then_skip": 2, "order": 4}          # name -> workers
+FAULT_ENV = {"MS_NODE_TIMEOUT": "5", "MS_CPU_COMM_OP_TIMEOUT": "600"}
+
+
+def fault_step(tp, rank, fault, step):
+    """One step of rank `rank`: [4] gradients all-reduced over TP, then a barrier. Rank 1 plants
+    `fault` at FAULT_STEP: shape, [8] gradients; slow_then_skip, no all-reduce (after sleeping
+    SLEEP s at SLOW_STEP, a slow peer); order, the barrier first."""
+    planted = rank == 1 and step == FAULT_STEP
+    if rank == 1 and step == SLOW_STEP and fault == "slow_then_skip":
+        time.sleep(SLEEP)
+    grads = Tensor(np.ones(8 if planted and fault == "shape" else 4, np.float32))
+    if planted and fault == "order":
+        parallel.barrier()
+    if not (planted and fault == "slow_then_skip"):
+        grads = tp.all_reduce(grads)
+    if not (planted and fault == "order"):
+        parallel.barrier()
+    return grads
+
+
+def fault_worker(fault, folder):
+    """One rank of a planted-fault launch: FAULT_STEPS steps of fault_step, its flight record in
+    `folder` (an error in it, as train.py's workers do); rank 1 notes when it plants the fault."""
+    rank, world = int(os.environ["RANK_ID"]), parallel.launched_world_size()
+    tp = parallel.collectives(parallel.initialize_model_parallel(tp=2).tp_group)
+    flight_recorder.start(folder, rank, world)
+    try:
+        for step in range(FAULT_STEPS):
+            if rank == 1 and step == FAULT_STEP:
+                data.write_atomic(os.path.join(folder, "planted"), repr(time.time()))
+            fault_step(tp, rank, fault, step).asnumpy()
+    except Exception as e:
+        flight_recorder.dump(f"error: {e}")
+        raise
+
+
+def call_fault(fault):
+    """The call of a planted fault: its msrun launch, then `bash run.sh diagnose` of its folder:
+    (the launch's exit code, the finished diagnosis, seconds from the fault to the diagnosis's
+    end)."""
+    def call(harness):
+        folder = harness.tmp / f"fault_{fault}"
+        cmd, env = cli.msrun_command(FAULTS[fault], str(folder),
+                                     [os.path.abspath(__file__), "fault", fault, str(folder)])
+        code = harness.run(cmd, {**env, **FAULT_ENV}, harness.tmp / f"fault_{fault}.console",
+                           timeout=300)
+        diagnosis = subprocess.run(["bash", "run.sh", "diagnose", str(folder)], cwd=HERE,
+                                   capture_output=True, text=True, timeout=60)
+        return code, diagnosis, time.time() - float((folder / "planted").read_text())
+    return call
+
+
+for _fault in FAULTS:
+    add(f"fault_{_fault}", 0, "", call=call_fault(_fault))
 add("tour_pp", 0, "pipeline", call=call_tour)        # the compiled pipeline beside one process
 add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"])
 add("killed_worker", 0, "", call=call_killed_worker)
@@ -8780,6 +8963,44 @@ def test_a_killed_worker_is_named_by_its_rank(runs):
             "output/msrun_log/worker_1.log" in console), console[-2000:]
 
 
+def fault_lines():
+    """`test_all.py:N (fault_step)` of fault_step's all-reduce, its planted barrier (order) and
+    its barrier, as the flight recorder names them."""
+    source, first = inspect.getsourcelines(fault_step)
+    at = [f"test_all.py:{first + i} (fault_step)" for i, line in enumerate(source)
+          if "tp.all_reduce(" in line or "parallel.barrier()" in line]
+    return dict(zip(("planted_barrier", "all_reduce", "barrier"), at))
+
+
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=reads(f"fault_{f}")) for f in FAULTS])
+def test_a_planted_fault_is_named_by_the_flight_recorder(runs, fault):
+    """Rank 1 plants a fault at step FAULT_STEP (fault_step): [8] gradients where rank 0 sends
+    [4] (2 workers); no all-reduce, after a step SLEEP s slow (2 workers); the barrier before the
+    all-reduce (4 workers). The job fails and `bash run.sh diagnose` prints one line naming the op,
+    the ranks and both code lines, within 30 s of the fault; the slow step was waited for."""
+    code, diagnosis, since_fault = runs.result(f"fault_{fault}")
+    at = fault_lines()
+    waits = (f"error: rank 1 did not arrive at collective #{FAULT_STEP} of group tp-0-1 (ranks 0, "
+             f"1), where rank 0 all_reduce [4] Float32 at {at['all_reduce']} waits; rank 1 went "
+             f"to barrier [1] Float32 (#{FAULT_STEP} of group world) at ")
+    expected = {"shape": f"error: collective #{FAULT_STEP} of group tp-0-1 (ranks 0, 1) differs: "
+                         f"rank 0 all_reduce [4] Float32 at {at['all_reduce']}; rank 1 "
+                         f"all_reduce [8] Float32 at {at['all_reduce']}",
+                "slow_then_skip": f"{waits}{at['barrier']} instead, which rank 0 has not reached",
+                "order": f"{waits}{at['planted_barrier']} instead, which rank 0 has not reached"}
+    lines = diagnosis.stderr.splitlines()
+    assert code != 0 and diagnosis.returncode == 1, diagnosis.stderr
+    assert lines[0].startswith(expected[fault]), lines
+    assert sum(line.startswith("error:") for line in lines) == 1, lines
+    assert since_fault <= 30, since_fault
+    if fault == "slow_then_skip":            # rank 0 waited SLEEP s in the slow step's all-reduce
+        events = flight_recorder.load(runs.tmp / "fault_slow_then_skip")[0]["events"]
+        joined = {(e["op"], e["at"].get("tp-0-1", e["at"].get("world"))): e["time"]
+                  for e in events}
+        assert (joined[("barrier", SLOW_STEP)] - joined[("all_reduce", SLOW_STEP)]
+                >= SLEEP - 1), joined
+
+
 @reading("two_nodes", "one")
 def test_two_run_sh_launches_make_one_job(runs):
     """Two `bash run.sh --nnodes 2` launches, --node_rank 0 and 1, each with one worker in its
@@ -8926,4 +9147,6 @@ def test_pipeline_timeline_and_bubble_figures(runs):
 
 # The worker program of the harness's launches (Harness, run_jobs): `python test_all.py JOBS.json`.
 if __name__ == "__main__":
+    if sys.argv[1] == "fault":                             # a planted-fault launch's rank
+        sys.exit(fault_worker(*sys.argv[2:]))
     sys.exit(1 if run_jobs(sys.argv[1]) else 0)

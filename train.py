@@ -30,6 +30,7 @@ import checkpoint
 import context_parallel
 import data
 import distributed
+import flight_recorder
 import hf_gpt2
 import memory
 import moe
@@ -816,6 +817,9 @@ def train_main(argv):
     errors every worker reports itself (fail): 2 for an expected one, 1 for a bug."""
     cfg, notes = configure("train", argv)
     record_worker_pid()
+    flight_recorder.start(os.environ.get("FLIGHT_RECORDER_DIR")          # run.sh: msrun's log
+                          or os.path.join(cfg.training_config.output_dir, "log"),
+                          int(os.environ.get("RANK_ID", "0")), parallel.launched_world_size())
     try:
         pretrain(cfg, notes)
     except (ConfigError, checkpoint.CheckpointError, OSError) as e:    # one line, the fix in it
@@ -904,6 +908,7 @@ def fail(message):
         return
     if log.handlers:
         log.error(f"error: {message}")
+    flight_recorder.dump(f"error: {message}")
     world = parallel.launched_world_size()
     prefix = f"[rank {int(os.environ.get('RANK_ID', 0))}] " if world > 1 else ""
     print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
