@@ -300,7 +300,7 @@ def diagnose(records, world, live=False):
     end it), or None when they agree. `live`: read while the job runs, the first disagreement
     that waiting cannot end, where a rank without a record may still be starting and a wait
     counts only between ranks idle for STALL seconds."""
-    found = findings(records)
+    found = lowest_rank_first_on_a_cycle(findings(records), records)
     absent = [r for r in range(world) if r not in records]
     if not found and absent and not live:
         return f"rank {absent[0]} left no flight record (it ended before a collective)", True
@@ -310,6 +310,19 @@ def diagnose(records, world, live=False):
         if definite or not live:
             return message, definite or not live
     return None
+
+
+def lowest_rank_first_on_a_cycle(found, records):
+    """`found` (in time order), but when its first finding is a deadlock (ranks waiting on each
+    other in a cycle) that cycle's findings first, by their lowest waiting rank: a cycle has no
+    first event (which side's wait began first is a race), so every run names it alike."""
+    edges, ranks = waits(records), set(records)
+    on_cycle = [f for f in found if f[0] == "missing"
+                and any(cycle_through(r, edges, ranks) for r in f[3])]
+    if not found or found[0] not in on_cycle:
+        return found
+    return (sorted(on_cycle, key=lambda f: min(f[3]))
+            + [f for f in found if f not in on_cycle])
 
 
 OUT_OF_STEP = "a collective skipped, or the groups entered in another order"

@@ -6779,6 +6779,9 @@ def test_the_flight_recorder_tells_a_slow_peer_from_a_stuck_one():
         "all_reduce [4] Float32 at x.py:2 waits; rank 1 went to barrier [1] Float32 (#1 of group "
         "world) at x.py:2 instead, which rank 0 has not reached: a collective skipped, or the "
         "groups entered in another order"), message
+    # a cycle has no first event: named from its lowest waiting rank, whichever wait began first
+    rank_1_first = flight_records({1: stuck[1], 0: stuck[0]})
+    assert flight_recorder.diagnose(rank_1_first, 2)[0] == message
     shapes = flight_records({0: [AR], 1: [("all_reduce", "tp-0-1", (0, 1), (8,))]}, idle=0)
     assert flight_recorder.diagnose(shapes, 2, live=True) == (
         "collective #0 of group tp-0-1 (ranks 0, 1) differs: rank 0 all_reduce [4] Float32 at "
