@@ -723,6 +723,29 @@ def _distrib_optim_files(values, names, params, dp_cp, bucket_size, kinds, ep=1,
     return files
 
 
+def each_rank_chunks(parallel_cfg, model_cfg):
+    """(tp_rank, pp_rank, ep_rank, that model-parallel rank's chunks) for every rank of the
+    layout's TP x PP x EP grid."""
+    tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
+    ep = parallel_cfg.expert_model_parallel_size
+    for tp_rank, pp_rank, ep_rank in itertools.product(range(tp), range(pp), range(ep)):
+        yield tp_rank, pp_rank, ep_rank, build_rank_chunks(
+            model_cfg, tp, pp, tp_rank, pp_rank, parallel_cfg.virtual_pipeline_model_parallel_size,
+            parallel_cfg.num_layer_list, ep, ep_rank)
+
+
+def with_main_copies(tensors, model_cfg):
+    """`tensors` (one-process, "model.<name>" ...) with a float32 "main.<name>" beside every
+    weight that has none, the weights in the run's params_dtype (numpy has no bfloat16: kept as
+    saved)."""
+    tensors = dict(tensors)
+    for key in [k for k in tensors if k.startswith("model.")]:
+        tensors.setdefault("main." + key[len("model."):], tensors[key].astype(np.float32))
+        if model_cfg.params_dtype in ("float32", "float16"):
+            tensors[key] = tensors[key].astype(model_cfg.params_dtype)
+    return tensors
+
+
 def write_layout(root, tensors, meta, cfg):
     """Write `tensors` (one-process, from full_state) as checkpoint meta["iteration"] of `root`
     in cfg's layout: every (TP, stage, EP) folder, and with the distributed optimizer one
@@ -738,17 +761,9 @@ def write_layout(root, tensors, meta, cfg):
     layout = layout_of(cfg)
     distributed = layout["distributed_optimizer"]
     kinds = sorted({k.split(".")[1] for k in tensors if k.startswith("optimizer.")})
-    tensors = dict(tensors)
-    for key in [k for k in tensors if k.startswith("model.")]:
-        tensors.setdefault("main." + key[len("model."):], tensors[key].astype(np.float32))
-        # numpy has no bfloat16: kept as saved
-        if model_cfg.params_dtype in ("float32", "float16"):
-            tensors[key] = tensors[key].astype(model_cfg.params_dtype)
+    tensors = with_main_copies(tensors, model_cfg)
     shards, ep = {}, parallel_cfg.expert_model_parallel_size
-    for tp_rank, pp_rank, ep_rank in itertools.product(range(tp), range(pp), range(ep)):
-        chunks = build_rank_chunks(model_cfg, tp, pp, tp_rank, pp_rank,
-                                   parallel_cfg.virtual_pipeline_model_parallel_size,
-                                   parallel_cfg.num_layer_list, ep, ep_rank)
+    for tp_rank, pp_rank, ep_rank, chunks in each_rank_chunks(parallel_cfg, model_cfg):
         prefixes = ["model", "main"] + [f"optimizer.{kind}" for kind in kinds]
         names, params, values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)
         # half-precision parameters keep float32 copies in the optimizer (with its state)
@@ -780,16 +795,9 @@ def _write_dist_layout(root, tensors, meta, cfg):
     kinds = sorted({k.split(".")[1] for k in tensors if k.startswith("optimizer.")})
     prefixes = ["model"] + (["main"] if kinds and model_cfg.params_dtype != "float32" else []) \
         + [f"optimizer.{kind}" for kind in kinds]
-    tensors = dict(tensors)
-    for key in [k for k in tensors if k.startswith("model.")]:
-        tensors.setdefault("main." + key[len("model."):], tensors[key].astype(np.float32))
-        if model_cfg.params_dtype in ("float32", "float16"):
-            tensors[key] = tensors[key].astype(model_cfg.params_dtype)
+    tensors = with_main_copies(tensors, model_cfg)
     files, ep = {}, parallel_cfg.expert_model_parallel_size
-    for tp_rank, pp_rank, ep_rank in itertools.product(range(tp), range(pp), range(ep)):
-        chunks = build_rank_chunks(model_cfg, tp, pp, tp_rank, pp_rank,
-                                   parallel_cfg.virtual_pipeline_model_parallel_size,
-                                   parallel_cfg.num_layer_list, ep, ep_rank)
+    for tp_rank, pp_rank, ep_rank, chunks in each_rank_chunks(parallel_cfg, model_cfg):
         values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)[2]
         pieces = _dist_pieces(chunks, tp_rank, tp, values, model_cfg.params_dtype, ep_rank)
         rank = tp_rank + tp * (ep_rank + ep * pp_rank)        # a writer of each model piece

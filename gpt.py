@@ -209,11 +209,7 @@ class ScaledMaskedSoftmax(nn.Cell):
         self.scale = scale
 
     def construct(self, scores, mask_bias):
-        """scores [b, n, s, t] in the softmax's dtype; mask_bias broadcasting to it (0 or
-        -1e30)."""
-        if self.scale != 1.0:
-            scores = scores * self.scale
-        return ops.softmax(scores + cast(mask_bias, scores.dtype), -1)
+        return parallel.scaled_masked_softmax(scores, mask_bias, self.scale)
 
 
 class SplitLastDim(nn.Cell):

@@ -592,6 +592,15 @@ def activation(y, act):
     return ops.gelu(y, approximate="none")
 
 
+def scaled_masked_softmax(scores, mask_bias, scale):
+    """softmax(scores * scale + mask_bias) over the last dim (the core attention's): scores
+    [b, n, s, t] in the softmax's dtype, mask_bias broadcasting to it (0 or -1e30), `scale`
+    query-key layer scaling's layer number (1 without it)."""
+    if scale != 1.0:
+        scores = scores * scale
+    return ops.softmax(scores + cast(mask_bias, scores.dtype), -1)
+
+
 class Linear(nn.Cell):
     """y = x W^T + b with W [out, in], the layout of torch and Megatron: the linear of one TP
     rank, computed in `dtype` (the compute dtype: float32 parameters are cast to it for the
