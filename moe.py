@@ -84,11 +84,10 @@ from mindspore.ops import constexpr
 
 import parallel
 from config import check_moe_rules
-from parallel import DTYPES, F32, activation, cast, linear
+from parallel import DTYPES, F32, activation, batch_matmul_nt, cast, linear
 
 # Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
 METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
-_bmm_nt = ops.BatchMatMul(transpose_b=True)        # [E_l, T, in] x [E_l, out, in] -> [E_l, T, out]
 
 
 @constexpr
@@ -456,10 +455,10 @@ class GroupedMLP(SequentialMLP):
         dtype, experts = self.dtype, self.local_experts
         w1 = ops.stack([cast(e.linear_fc1.weight, dtype) for e in experts])     # [E_l, F1/tp, h]
         w2 = ops.stack([cast(e.linear_fc2.weight, dtype) for e in experts])     # [E_l, h, F/tp]
-        y = _bmm_nt(cast(tokens, dtype), w1)                                     # [E_l, T, F1/tp]
+        y = batch_matmul_nt(cast(tokens, dtype), w1)                             # [E_l, T, F1/tp]
         if experts[0].linear_fc1.bias is not None:
             y = y + ops.stack([cast(e.linear_fc1.bias, dtype) for e in experts]).expand_dims(1)
-        y = _bmm_nt(_scale_by_probs(activation(y, self.act), probs), w2)  # [E_l, T, h]
+        y = batch_matmul_nt(_scale_by_probs(activation(y, self.act), probs), w2)  # [E_l, T, h]
         if experts[0].linear_fc2.bias is None:
             return y
         b2 = ops.stack([cast(e.linear_fc2.bias, dtype) for e in experts]).expand_dims(1)
