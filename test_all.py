@@ -4137,6 +4137,25 @@ OTHER_LAYOUT = {
     "legacy_tp2_pp2": ["--nproc", "2", "--tensor-model-parallel-size", "2"]}
 
 
+def assert_same_weights(one, other, dtype=None):
+    """Checkpoint folders `one` and `other` hold the same tensors (as `dtype`, if given)."""
+    first, second = checkpoint.full_state(one)[0], checkpoint.full_state(other)[0]
+    assert sorted(first) == sorted(second)
+    for key in first:
+        np.testing.assert_array_equal(first[key].astype(dtype or first[key].dtype),
+                                      second[key].astype(dtype or second[key].dtype), err_msg=key)
+
+
+def assert_generates(folder, want, capsys):
+    """`generate --temperature 0` of checkpoint `folder` prints the fixture's prompt and greedy
+    tokens."""
+    capsys.readouterr()
+    prompt = " ".join(map(str, want["prompt"]))
+    assert train.main(["generate", "--load", folder, "--prompt", prompt, "--max-new-tokens",
+                       str(len(want["greedy"])), "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.split() == [str(i) for i in want["prompt"] + want["greedy"]]
+
+
 @pytest.mark.checkpoint
 @pytest.mark.parametrize("name", NAMES)
 def test_megatron_checkpoint_imports_and_generates_what_torch_computed(name, tmp_path, capsys):
@@ -4159,16 +4178,8 @@ def test_megatron_checkpoint_imports_and_generates_what_torch_computed(name, tmp
     checkpoint.import_megatron_main([root, "--save", other, *OTHER_LAYOUT[name]])
     meta = checkpoint.load_checkpoint(other, checkpoint.first_shard(other), stems=())[1]
     assert meta["optimizer_step"] is None and meta["layout"]["tp"] * meta["layout"]["pp"] > 1
-    first, second = checkpoint.full_state(one)[0], checkpoint.full_state(other)[0]
-    assert sorted(first) == sorted(second)
-    for key in first:
-        np.testing.assert_array_equal(first[key].astype(np.float32),
-                                      second[key].astype(np.float32), err_msg=key)
-    capsys.readouterr()
-    prompt = " ".join(map(str, want["prompt"]))
-    assert train.main(["generate", "--load", other, "--prompt", prompt, "--max-new-tokens",
-                       str(len(want["greedy"])), "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.split() == [str(i) for i in want["prompt"] + want["greedy"]]
+    assert_same_weights(one, other, np.float32)
+    assert_generates(other, want, capsys)
 
 
 @pytest.mark.checkpoint
@@ -4740,15 +4751,8 @@ def test_megatron_core_torch_dist_checkpoint_imports_and_generates_its_tokens(na
     assert generate(model, want["prompt"], len(want["greedy"]), temperature=0,
                     vocab_size=want["vocab"]) == want["greedy"]
     checkpoint.import_megatron_main([root, "--save", other, *DIST_OTHER_LAYOUT[name]])
-    first, second = checkpoint.full_state(one)[0], checkpoint.full_state(other)[0]
-    assert sorted(first) == sorted(second)
-    for key in first:
-        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
-    capsys.readouterr()
-    prompt = " ".join(map(str, want["prompt"]))
-    assert train.main(["generate", "--load", root, "--prompt", prompt, "--max-new-tokens",
-                       str(len(want["greedy"])), "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.split() == [str(i) for i in want["prompt"] + want["greedy"]]
+    assert_same_weights(one, other)
+    assert_generates(root, want, capsys)
 
 
 @pytest.mark.checkpoint
