@@ -7800,13 +7800,15 @@ class Job:
     themselves). `workers`: 1, a one-process run; 2 or 4, the msrun launch of that many workers
     (the jobs of a launch run one after another on every worker); 0, a call. `concepts`: the
     pytest marks (pytest.ini) of the tests that may read it. `plant`: a bug planted for the run
-    (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM."""
+    (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM; `waits`: a call whose
+    processes mostly wait (idle in a collective, asleep, failing at load), run beside the rest."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
-                 sigterm=None, call=None, check=None):
+                 sigterm=None, call=None, check=None, waits=False):
         self.name, self.workers, self.concepts = name, workers, set(concepts.split())
         self.flags, self.argv_of, self.after = list(flags), argv, tuple(after)
         self.plant, self.sigterm, self.call, self.check = plant, sigterm, call, check
+        self.waits = waits
 
     def argv(self, tmp, prefix):
         """train.py's argv in the harness's folder `tmp` ("{tmp}" in a flag) on data `prefix`."""
@@ -8153,7 +8155,8 @@ def call_failing_rank(harness):
     damaged = harness.tmp / "tp2_damaged"
     shutil.copytree(harness.tmp / "one_as_tp2", damaged)
     shutil.rmtree(damaged / f"iter_{STEPS // 2:07d}" / "mp_rank_01")
-    result = subprocess.run(["bash", "run.sh", "--nproc", "2", "--config",
+    result = subprocess.run(["bash", "run.sh", "--nproc", "2", "--log_dir",
+                             str(harness.tmp / "failing_rank_log"), "--config",
                              os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
                              *PARALLEL_RUN, *TP2, "--train-iters", str(STEPS + 2),
                              "--load", str(damaged), "--save", str(damaged)],
@@ -8163,9 +8166,10 @@ def call_failing_rank(harness):
 
 def call_killed_worker(harness):
     """A TP2 job whose rank 1 gets kill -9 once the first step is logged: (its pid, the console,
-    run.sh's exit code)."""
-    save = harness.tmp / "killed"
-    job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", *TINY_RUN, "--no-jit",
+    run.sh's exit code, its msrun log folder)."""
+    save, log_dir = harness.tmp / "killed", harness.tmp / "killed_log"
+    job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", "--log_dir", str(log_dir),
+                            *TINY_RUN, "--no-jit",
                             "--tensor-model-parallel-size", "2", "--train-iters", "100000",
                             "--save", str(save)],
                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -8175,11 +8179,11 @@ def call_killed_worker(harness):
             break
         time.sleep(0.5)
     if job.poll() is not None:
-        return None, job.communicate()[0], job.returncode                 # ended before the kill
-    pid = int((pathlib.Path(HERE) / "output" / "msrun_log" / "pids" / "rank_1.pid").read_text())
+        return None, job.communicate()[0], job.returncode, log_dir        # ended before the kill
+    pid = int((log_dir / "pids" / "rank_1.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     console, _ = job.communicate(timeout=180)
-    return pid, console, job.returncode
+    return pid, console, job.returncode, log_dir
 
 
 def call_two_nodes(harness):
@@ -8252,11 +8256,11 @@ def call_guides_script(harness):
 # A launch runs fault_worker on its ranks (`python test_all.py fault NAME FOLDER`): steps of a
 # gradient all-reduce on TP2 and a barrier on the world, rank 1 planting the fault. Their
 # collectives wait run.sh's MS_CPU_COMM_OP_TIMEOUT (minutes), so only the recorder's watchdog ends
-# a hang soon; MS_NODE_TIMEOUT (msrun's heartbeat limit, and the scheduler's wait after a worker
-# fails) is shorter than the slow step, twice the watchdog's STALL.
-FAULT_STEPS, SLOW_STEP, FAULT_STEP, SLEEP = 5, 1, 3, 2 * flight_recorder.STALL
+# a hang soon; run.sh's MS_NODE_TIMEOUT (msrun's heartbeat limit, and the scheduler's wait after a
+# worker fails) is a sixth of the slow step: a minute asleep, as a compiling peer may take.
+FAULT_STEPS, SLOW_STEP, FAULT_STEP, SLEEP = 5, 1, 3, 60
 FAULTS = {"shape": 2, "slow_then_skip": 2, "order": 4}          # name -> workers
-FAULT_ENV = {"MS_NODE_TIMEOUT": "5", "MS_CPU_COMM_OP_TIMEOUT": "600"}
+FAULT_ENV = {"MS_NODE_TIMEOUT": "10", "MS_CPU_COMM_OP_TIMEOUT": "600"}
 
 
 def fault_step(tp, rank, fault, step):
@@ -8309,10 +8313,10 @@ def call_fault(fault):
 
 
 for _fault in FAULTS:
-    add(f"fault_{_fault}", 0, "", call=call_fault(_fault))
+    add(f"fault_{_fault}", 0, "", call=call_fault(_fault), waits=True)
 add("tour_pp", 0, "pipeline", call=call_tour)        # the compiled pipeline beside one process
-add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"])
-add("killed_worker", 0, "", call=call_killed_worker)
+add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], waits=True)
+add("killed_worker", 0, "", call=call_killed_worker, waits=True)
 add("two_nodes", 0, "", call=call_two_nodes, after=["one"])
 add("guides_script", 0, "", call=call_guides_script)
 
@@ -8391,8 +8395,8 @@ def jobs_read(items):
 class Harness:
     """The session's background work: the jobs its selected tests read, and the jobs they need,
     run in a background thread as the session starts, so that the one-process tests run while the
-    workers train. Only one msrun job may run on a machine at a time (two corrupt each other's
-    CPU collectives), so the thread runs them in turn, one launch per worker count:
+    workers train. Two msrun jobs that compute at once starve each other's collectives on 2
+    cores, so the thread runs them in turn, one launch per worker count:
       1. the one-process jobs the launch of 4 workers and the calls need (the runs they
          convert, the conversions), one process;
       2. the calls (tests that launch run.sh themselves) that need no launch, in turn, beside the
@@ -8404,7 +8408,9 @@ class Harness:
       5. the launch of 2 workers, beside the remaining one-process jobs;
       6. the calls that need a launch's jobs.
     A launch runs this file on its workers (run_jobs); a selection with no job of a step skips
-    it, so `-m pipeline` launches only pipeline runs."""
+    it, so `-m pipeline` launches only pipeline runs. A second thread runs the calls that mostly
+    wait (Job.waits: the planted faults, a launch that fails at load) beside all this, in turn:
+    their msrun jobs (each its own scheduler port) take little of the CPU."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, needed_jobs(names)
@@ -8415,15 +8421,17 @@ class Harness:
         self.launches, self.launch_of, self.results = {}, {}, {}
         self.seconds = {}                  # a launch or call -> its wall time, for the summary
         self.processes, self.stopped = set(), False
-        self.thread = threading.Thread(target=self._run_all, daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._run_all, daemon=True),
+                        threading.Thread(target=self._run_waiting_calls, daemon=True)]
+        for thread in self.threads:
+            thread.start()
 
     def steps(self):
         """The plan above: [(one-process jobs, launch workers or None, its jobs, calls)]."""
         jobs = [JOBS[n] for n in self.names]
         four, two = ([j for j in jobs if j.workers == w] for w in (4, 2))
         ones = [j for j in jobs if j.workers == 1]
-        calls = [j for j in jobs if j.workers == 0]
+        calls = [j for j in jobs if j.workers == 0 and not j.waits]
         after_four = [j for j in ones if needs(j, four)]
         before_four = [j for j in needed_by(ones, four + calls) if j not in after_four]
         before_two = needed_by(after_four, two)
@@ -8446,6 +8454,15 @@ class Harness:
                     self._call(job)
                 if side is not None:
                     side.result()
+
+    def _run_waiting_calls(self):
+        """The second thread: the calls that mostly wait, in turn, each once the jobs it needs
+        have ended."""
+        for job in (JOBS[n] for n in self.names):
+            if job.waits:
+                for name in job.after:
+                    self.done[name].wait()
+                self._call(job)
 
     def _call(self, job):
         """Runs the call `job` (its result or error kept for the test that asks)."""
@@ -8534,7 +8551,8 @@ class Harness:
         for process in list(self.processes):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
-        self.thread.join()
+        for thread in self.threads:
+            thread.join()
 
     def summary(self):
         """One line: each launch's and call's wall time in the order they ran (`2w` the launch
@@ -8963,11 +8981,11 @@ def test_a_failing_rank_names_itself_and_stops_the_job(runs):
 def test_a_killed_worker_is_named_by_its_rank(runs):
     """kill -9 of one worker (as the out-of-memory killer does): it prints nothing and msrun names
     only its process id; run.sh names its rank from the pid each worker wrote, and the job ends."""
-    pid, console, code = runs.result("killed_worker")
+    pid, console, code, log_dir = runs.result("killed_worker")
     assert pid is not None, console[-3000:]                          # training, not ended
     assert code == 1
     assert (f"error: rank 1 (pid {pid}) was killed by signal 9; its log: "
-            "output/msrun_log/worker_1.log" in console), console[-2000:]
+            f"{log_dir}/worker_1.log" in console), console[-2000:]
 
 
 def fault_lines():
