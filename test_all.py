@@ -1525,12 +1525,14 @@ def _build_fixture_blend(expected, name, cache_dir=None):
 
 
 @pytest.mark.data
-@pytest.mark.parametrize("name", ["two_weighted", "three_uneven", "unweighted", "per_split"])
+@pytest.mark.parametrize("name", ["two_weighted", "three_uneven", "unweighted", "per_split",
+                                  "one_prefix"])
 def test_blends_equal_megatron_core(megatron_blends, name):
     """Two and three corpora with uneven weights and --split, a blend without weights (weighed by
-    the corpora's samples) and per-split blends: each split's class and length, its blending
-    indices (helpers.cpp build_blending_indices over the surplus-built corpora) and every
-    sample's tokens in order equal megatron-core's own."""
+    the corpora's samples), per-split blends (no --split) and one prefix with --split (no blend:
+    GPTDatasets, as the default run and the tour read): each split's class and length, its
+    blending indices (helpers.cpp build_blending_indices over the surplus-built corpora) and
+    every sample's tokens in order equal megatron-core's own."""
     built = _build_fixture_blend(megatron_blends, name)
     for split, dataset in zip(data.SPLITS, built):
         want = megatron_blends[name][split]
@@ -7787,8 +7789,8 @@ SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and conv
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
 TORCH = ["--ckpt-format", "torch"]
 # a blend of the two shipped texts (mixture_flags; "{data}" is the harness's corpus): the float16
-# reference and its layouts read it, so TP2 + SP, DP2 and a resumed DP2 each equal one process on
-# a mixture
+# reference and its layouts read it, so TP2 + SP, DP2, TP2 x DP2 and a resumed DP2 each equal one
+# process on a mixture
 MIXTURE = ["--data-path", "0.6", "{data}", "0.4", "{alice}"]
 
 
@@ -7894,6 +7896,9 @@ layout("ep2_pp2_capacity", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2 +
 resumed("ep2_pp2_capacity_resumed", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2,
         "ep2_pp2_capacity")
 layout("ep4_distopt", 4, "moe checkpoint", MOE_RUN + EP4 + DISTOPT + SAVE_HALF, "one_moe")
+# TP2 x DP2 in float16 on the blend (MIXTURE): each DP rank reads its share of the mixture's
+# global batch as one process reads the whole of it
+layout("tp2_dp2_blend", 4, "tp dp fp16", TP2 + FP16 + MIXTURE, "one_fp16")
 
 # their step-2 checkpoints converted, between the launches: TP2 x PP2 to PP2 x VPP2 and to one
 # process; EP4 to one process, and that to EP2
