@@ -1666,7 +1666,7 @@ def test_cyclic_loader_is_megatrons_random_sampler_and_resumes():
 def test_cyclic_loader_without_data_sharding_is_megatrons(total, mbs, dp):
     """--no-data-sharding: each rank's micro-batches are Megatron's MegatronPretrainingRandomSampler
     (data_sharding=False) in cyclic_iter: one permutation of the whole set an epoch, its samples
-    dealt to the ranks in turn, every epoch's global batches distinct samples. Resumed at a
+    dealt to the ranks in turn, the first epoch's global batches distinct samples. Resumed at a
     consumed count, a rank continues as Megatron's new sampler there does: with the same next
     micro-batch where every rank's pass holds whole epochs (mbs 2, dp 2); where a pass deals one
     rank a micro-batch more than an epoch's (mbs 1 below dp, a set not a multiple of dp),
