@@ -912,10 +912,21 @@ def randperm(n, seed):
 
 
 class RandomMicroBatchIterator(MicroBatchIterator):
-    """--dataloader-type cyclic: Megatron's MegatronPretrainingRandomSampler (data_sharding on,
-    its default) wrapped in cyclic_iter. Each rank owns a bucket of (len // (mbs*dp)) * mbs
-    samples, served in the order of torch.randperm seeded by the epoch; epochs go round without
-    end. Everything follows from consumed_samples, so a resumed run takes the same next batch."""
+    """--dataloader-type cyclic: Megatron's MegatronPretrainingRandomSampler wrapped in
+    cyclic_iter (megatron/training/datasets/data_samplers.py). With data_sharding (its default)
+    each rank owns a bucket of (len // (mbs*dp)) * mbs samples, served in the order of
+    torch.randperm seeded by the epoch; everything follows from consumed_samples, so a resumed run
+    takes the same next batch. --no-data-sharding: one permutation of (len // mbs) * mbs samples
+    an epoch, its rest from the pass's consumed count dealt to the ranks in turn (rank r takes
+    every dp-th from r); a pass ends at this rank's first incomplete micro-batch and the next one
+    starts from the consumed count, as Megatron's does (a run resumes with a new pass)."""
+
+    def __init__(self, dataset, micro_batch_size, data_parallel_rank=0, data_parallel_size=1,
+                 consumed_samples=0, data_sharding=True):
+        super().__init__(dataset, micro_batch_size, data_parallel_rank, data_parallel_size,
+                         consumed_samples)
+        self.data_sharding = data_sharding
+        self._pass = None       # without sharding: this rank's samples of the current pass [n]
 
     @property
     def epoch(self):
@@ -930,12 +941,23 @@ class RandomMicroBatchIterator(MicroBatchIterator):
         return len(self.dataset) - len(self.dataset) % global_batch
 
     def indices(self):
+        if not self.data_sharding:
+            return self._unsharded_indices()
         epoch, in_epoch = divmod(self.consumed_samples, self._active())
         bucket = (len(self.dataset) // (self.micro_batch_size * self.dp)) * self.micro_batch_size
         if getattr(self, "_perm_epoch", None) != epoch:         # one permutation per epoch
             self._perm, self._perm_epoch = randperm(bucket, epoch), epoch
         offset = in_epoch // self.dp
         return self.rank * bucket + self._perm[offset:offset + self.micro_batch_size]
+
+    def _unsharded_indices(self):
+        """The next micro-batch of the pass, a new pass once this one has no whole one left."""
+        if self._pass is None or len(self._pass) < self.micro_batch_size:
+            epoch, in_epoch = divmod(self.consumed_samples, self._active())
+            whole = (len(self.dataset) // self.micro_batch_size) * self.micro_batch_size
+            self._pass = randperm(whole, epoch)[in_epoch:][self.rank::self.dp]
+        batch, self._pass = np.split(self._pass, [self.micro_batch_size])
+        return batch
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

@@ -524,6 +524,10 @@ DATASET = [
         "each rank's bucket reshuffled every epoch, torch.randperm seeded by the epoch "
         "(MegatronPretrainingRandomSampler)",
         choices=("single", "cyclic")),
+    key("dataset_config.data_sharding", True, bool, None,
+        "cyclic: each rank shuffles its own bucket; false = one permutation of the whole set "
+        "an epoch, dealt to the ranks in turn (Megatron's data_sharding)",
+        switch={"--no-data-sharding": False}),
     key("dataset_config.shuffle", True, bool, None,
         "shuffle the samples (Megatron's GPTDataset); false = in corpus order"),
     key("dataset_config.mock_data", False, bool, None, "random tokens instead of a corpus",

@@ -1525,12 +1525,14 @@ def _build_fixture_blend(expected, name, cache_dir=None):
 
 
 @pytest.mark.data
-@pytest.mark.parametrize("name", ["two_weighted", "three_uneven", "unweighted", "per_split"])
+@pytest.mark.parametrize("name", ["two_weighted", "three_uneven", "unweighted", "per_split",
+                                  "one_prefix"])
 def test_blends_equal_megatron_core(megatron_blends, name):
     """Two and three corpora with uneven weights and --split, a blend without weights (weighed by
-    the corpora's samples) and per-split blends: each split's class and length, its blending
-    indices (helpers.cpp build_blending_indices over the surplus-built corpora) and every
-    sample's tokens in order equal megatron-core's own."""
+    the corpora's samples), per-split blends (no --split) and one prefix with --split (no blend:
+    GPTDatasets, as the default run and the tour read): each split's class and length, its
+    blending indices (helpers.cpp build_blending_indices over the surplus-built corpora) and
+    every sample's tokens in order equal megatron-core's own."""
     built = _build_fixture_blend(megatron_blends, name)
     for split, dataset in zip(data.SPLITS, built):
         want = megatron_blends[name][split]
@@ -1595,16 +1597,22 @@ def test_randperm_equals_torch(megatron_blends):
         assert data.randperm(n, seed).tolist() == want, key
 
 
-def _megatron_random_sampler(total, consumed, mbs, rank, dp):
-    """Line-by-line port of Megatron's MegatronPretrainingRandomSampler.__iter__ (data_sharding)
-    inside cyclic_iter, torch.randperm as data.randperm: this rank's micro-batches, forever."""
+def _megatron_random_sampler(total, consumed, mbs, rank, dp, data_sharding=True):
+    """Line-by-line port of Megatron's MegatronPretrainingRandomSampler.__iter__ inside
+    cyclic_iter, torch.randperm as data.randperm: this rank's micro-batches, forever."""
     while True:
         active = total - total % (mbs * dp)
         epoch, current = consumed // active, consumed % active
-        bucket_size = (total // (mbs * dp)) * mbs
-        start_idx = rank * bucket_size
+        assert current % (mbs * dp) == 0
+        if data_sharding:
+            bucket_size = (total // (mbs * dp)) * mbs
+            start_idx = rank * bucket_size
+            idx_range = [start_idx + x for x in data.randperm(bucket_size, epoch)[current // dp:]]
+        else:
+            full_bucket_size = (total // mbs) * mbs
+            idx_range = data.randperm(full_bucket_size, epoch).tolist()[current:][rank::dp]
         batch = []
-        for idx in [start_idx + x for x in data.randperm(bucket_size, epoch)[current // dp:]]:
+        for idx in idx_range:
             batch.append(int(idx))
             if len(batch) == mbs:
                 consumed += mbs * dp
@@ -1651,6 +1659,40 @@ def test_cyclic_loader_is_megatrons_random_sampler_and_resumes():
         cfg = load_config("config.yaml", ["--dataloader-type", kind, "--micro-batch-size", "2"])
         it = train.data_loader(cfg, _Numbered(total), state, 4)
         assert type(it) is sampler and (it.rank, it.consumed_samples) == (1, 4)
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("total,mbs,dp", [(13, 2, 2), (9, 1, 2), (22, 1, 4)])
+def test_cyclic_loader_without_data_sharding_is_megatrons(total, mbs, dp):
+    """--no-data-sharding: each rank's micro-batches are Megatron's MegatronPretrainingRandomSampler
+    (data_sharding=False) in cyclic_iter: one permutation of the whole set an epoch, its samples
+    dealt to the ranks in turn, the first epoch's global batches distinct samples. Resumed at a
+    consumed count, a rank continues as Megatron's new sampler there does: with the same next
+    micro-batch where every rank's pass holds whole epochs (mbs 2, dp 2); where a pass deals one
+    rank a micro-batch more than an epoch's (mbs 1 below dp, a set not a multiple of dp),
+    Megatron's ranks leave their epochs apart and so does this."""
+    steps, active = 24, total - total % (mbs * dp)
+    served = []
+    for rank in range(dp):
+        it = data.RandomMicroBatchIterator(_Numbered(total), mbs, rank, dp, 0, data_sharding=False)
+        served.append([next(it)["tokens"][:, 0].tolist() for _ in range(steps)])
+        port = _megatron_random_sampler(total, 0, mbs, rank, dp, data_sharding=False)
+        assert served[rank] == [next(port) for _ in range(steps)]
+        for k in (1, 4, 7):
+            resumed = data.RandomMicroBatchIterator(_Numbered(total), mbs, rank, dp,
+                                                    k * mbs * dp, data_sharding=False)
+            port = _megatron_random_sampler(total, k * mbs * dp, mbs, rank, dp, False)
+            assert [next(resumed)["tokens"][:, 0].tolist() for _ in range(5)] == [
+                next(port) for _ in range(5)]
+    first_epoch = sorted(sum((served[r][k] for r in range(dp)
+                              for k in range(active // (mbs * dp))), []))
+    assert len(set(first_epoch)) == active and len(served[0][0]) == mbs
+    uneven = total % dp and mbs < dp
+    assert (served[0][active // (mbs * dp)] == data.RandomMicroBatchIterator(
+        _Numbered(total), mbs, 0, dp, active, data_sharding=False).indices().tolist()) != uneven
+    cfg = load_config("config.yaml", ["--dataloader-type", "cyclic", "--no-data-sharding"])
+    it = train.data_loader(cfg, _Numbered(total), SimpleNamespace(dp_rank=0, dp=1), 0)
+    assert cfg.dataset_config.data_sharding is False and it.data_sharding is False
 
 
 @pytest.mark.data
@@ -7787,8 +7829,8 @@ SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and conv
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
 TORCH = ["--ckpt-format", "torch"]
 # a blend of the two shipped texts (mixture_flags; "{data}" is the harness's corpus): the float16
-# reference and its layouts read it, so TP2 + SP, DP2 and a resumed DP2 each equal one process on
-# a mixture
+# reference and its layouts read it, so TP2 + SP, DP2, TP2 x DP2 and a resumed DP2 each equal one
+# process on a mixture
 MIXTURE = ["--data-path", "0.6", "{data}", "0.4", "{alice}"]
 
 
@@ -7896,6 +7938,9 @@ layout("ep2_pp2_capacity", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2 +
 resumed("ep2_pp2_capacity_resumed", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2,
         "ep2_pp2_capacity")
 layout("ep4_distopt", 4, "moe checkpoint", MOE_RUN + EP4 + DISTOPT + SAVE_HALF, "one_moe")
+# TP2 x DP2 in float16 on the blend (MIXTURE): each DP rank reads its share of the mixture's
+# global batch as one process reads the whole of it
+layout("tp2_dp2_blend", 4, "tp dp fp16", TP2 + FP16 + MIXTURE, "one_fp16")
 
 # their step-2 checkpoints converted, between the launches: TP2 x PP2 to PP2 x VPP2 and to one
 # process; EP4 to one process, and that to EP2

@@ -460,9 +460,10 @@ class Trainer:
 def data_loader(cfg, dataset, state, consumed):
     """This DP rank's micro-batches of `dataset` from sample `consumed`, as --dataloader-type
     says (Megatron's build_pretraining_data_loader)."""
-    sampler = (data.RandomMicroBatchIterator if cfg.dataset_config.dataloader_type == "cyclic"
-               else data.MicroBatchIterator)
-    return sampler(dataset, cfg.dataset_config.batch_size, state.dp_rank, state.dp, consumed)
+    args = dataset, cfg.dataset_config.batch_size, state.dp_rank, state.dp, consumed
+    if cfg.dataset_config.dataloader_type == "cyclic":
+        return data.RandomMicroBatchIterator(*args, cfg.dataset_config.data_sharding)
+    return data.MicroBatchIterator(*args)
 
 
 def evaluate(trainer, dataset, consumed, iters, cfg):

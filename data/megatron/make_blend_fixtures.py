@@ -37,6 +37,7 @@ BLENDS = {
     "unweighted": (["a", "c"], "85,15", None, (30, 6, 0)),
     "per_split": (None, None, (["0.6", "a", "0.4", "c"], ["b"], ["1", "b", "3", "c"]),
                   (40, 8, 6)),
+    "one_prefix": (["c"], "70,20,10", None, (30, 8, 4)),     # no blend: the default run's data
 }
 
 RANDPERM = {"n": (1, 2, 12, 40, 1000), "seeds": (0, 1, 2, 7)}
