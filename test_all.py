@@ -7896,11 +7896,10 @@ resumed("ep2_pp2_capacity_resumed", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP
 layout("ep4_distopt", 4, "moe checkpoint", MOE_RUN + EP4 + DISTOPT + SAVE_HALF, "one_moe")
 
 # their step-2 checkpoints converted, between the launches: TP2 x PP2 to PP2 x VPP2 and to one
-# process; EP4 to one process, and that to EP2
+# process; EP4 to one process
 converted("tp2_pp2_as_pp2_vpp2", "checkpoint", "tp2_pp2_sp_first", ["--nproc", "2", *PP2, *VPP2])
 converted("tp2_pp2_as_one", "checkpoint", "tp2_pp2_sp_first", [])
 converted("ep4_as_one", "moe checkpoint", "ep4_distopt", [])
-converted("ep4_as_ep2", "moe checkpoint", "ep4_as_one", ["--nproc", "2", *EP2, *DISTOPT])
 resumed("tp2_pp2_to_one", 1, "checkpoint", PIPELINE_RUN, "tp2_pp2_as_one")
 resumed("ep4_to_one", 1, "moe checkpoint", MOE_RUN, "ep4_as_one")
 
@@ -7925,7 +7924,9 @@ layout("ep2_alltoall_distopt", 2, "moe", MOE_RUN + EP2 + ALLTOALL + DISTOPT + CO
 layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
 resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
 resumed("one_to_cp2_ulysses", 2, "checkpoint", ROPE + CP2, "one_rope_gqa")
-resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_RUN + EP2 + DISTOPT, "ep4_as_ep2")
+# resumed in another layout straight from the 4 workers' checkpoints, converted on load
+resumed("tp2_pp2_to_dp2_distopt", 2, "checkpoint", PIPELINE_RUN + DISTOPT, "tp2_pp2_sp_first")
+resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_RUN + EP2 + DISTOPT, "ep4_distopt")
 # where a converted run resumes: (the run whose checkpoint was converted, what changed)
 CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed optimizer"),
              "one_to_cp2_ring_dp2_distopt": ("one_rope_gqa", "one process -> CP2 x DP2"),
@@ -7933,7 +7934,15 @@ CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed op
              "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_sp", "TP2 x PP2 -> PP2 with VPP2"),
              "tp2_pp2_to_one": ("tp2_pp2_sp", "TP2 x PP2 -> one process"),
              "ep4_to_one": ("ep4_distopt", "EP4 -> one process"),
-             "ep4_to_ep2": ("ep4_distopt", "EP4 -> one process -> EP2")}
+             "tp2_pp2_to_dp2_distopt": ("tp2_pp2_sp", "TP2 x PP2 -> DP2, distributed optimizer,"
+                                        " on load"),
+             "ep4_to_ep2": ("ep4_distopt", "EP4 -> EP2, on load")}
+# the converted runs that loaded the other layout's checkpoint itself: (part of the layout their
+# log says they converted from, part of the layout it says they converted to)
+ON_LOAD = {"tp2_pp2_to_dp2_distopt": ({"tp": 2, "pp": 2, "dp": 1, "distributed_optimizer": False},
+                                      {"tp": 1, "pp": 1, "dp": 2, "distributed_optimizer": True}),
+           "ep4_to_ep2": ({"ep": 4, "dp": 4, "distributed_optimizer": True},
+                          {"ep": 2, "dp": 2, "distributed_optimizer": True})}
 
 
 # ---------------------------------------------------------------------------------- planted bugs
@@ -8789,11 +8798,18 @@ def test_torch_format_float16_checkpoint_holds_megatrons_float16_optimizer(runs)
     run, source, concepts=JOBS[run].concepts)) for run, (source, _) in CONVERTED.items()])
 def test_converted_checkpoint_trains_like_the_original_layout(runs, run):
     """A step-2 checkpoint converted to another layout (weights, float32 main params and optimizer
-    state) resumes so that steps 3 and 4 give the original layout's losses and gradient norms
-    (loss_rtol): CONVERTED says which."""
+    state), by `convert` or on load (--load of the other layout's checkpoint: ON_LOAD, whose log
+    says from which layout to which), resumes so that steps 3 and 4 give the original layout's
+    losses and gradient norms (loss_rtol): CONVERTED says which."""
     source, _ = CONVERTED[run]
     resumed, full = runs.folder(run), runs.folder(source)
     assert len(train_lines(resumed)) == STEPS // 2 and len(train_lines(full)) == STEPS
+    said = [re.search(r"converted on load from layout (\{.*\}) to this run's layout (\{.*\})$",
+                      line) for line in train_lines(resumed, "checkpoint ")]
+    layouts = [[ast.literal_eval(m.group(i)) for i in (1, 2)] for m in said if m]
+    assert len(layouts) == (run in ON_LOAD), layouts
+    for saved, wanted in zip(layouts[0] if layouts else [], ON_LOAD.get(run, [])):
+        assert {k: saved[k] for k in wanted} == wanted, (saved, wanted)
     rtol = loss_rtol(REFERENCE.get(source, source))
     for key, name in tour.COMPARED.items():
         np.testing.assert_allclose([r[key] for r in tour.train_records(str(resumed))],
@@ -8803,19 +8819,20 @@ def test_converted_checkpoint_trains_like_the_original_layout(runs, run):
 
 @pytest.mark.parametrize("run,ep", [
     pytest.param("ep4_distopt", 4, marks=reads("ep4_distopt", concepts={"moe", "checkpoint"})),
-    pytest.param("ep4_as_ep2", 2, marks=reads("ep4_as_ep2", concepts={"moe", "checkpoint"}))])
+    pytest.param("ep4_to_ep2", 2, marks=reads("ep4_to_ep2", concepts={"moe", "checkpoint"}))])
 def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(runs, run, ep):
-    """EP4 with the distributed optimizer (4 workers): its checkpoint of step 2, and the EP2 one
-    convert wrote from it through one process, have Megatron's expert folders mp_rank_00_EEE,
-    each with its rank's experts and distrib_optim file (both conversions resume in
+    """EP4 with the distributed optimizer (4 workers): its checkpoint of step 2, and that of the
+    EP2 run resumed from it (converted on load), have Megatron's expert folders mp_rank_00_EEE,
+    each with its rank's experts and distrib_optim file (both resume in
     test_converted_checkpoint_trains_like_the_original_layout)."""
-    folder = runs.folder(run) / f"iter_{STEPS // 2:07d}"
+    step = STEPS // 2 if run == "ep4_distopt" else STEPS
+    folder = runs.folder(run) / f"iter_{step:07d}"
     assert sorted(os.listdir(folder)) == [f"mp_rank_00_{e:03d}" for e in range(ep)]
     local = 4 // ep                                                 # of the 4 experts
     for e in range(ep):
         tensors, _ = checkpoint.load_checkpoint(str(runs.tmp / run), f"mp_rank_00_{e:03d}",
                                                 stems=("model_optim_rng", "distrib_optim_000"),
-                                                step=STEPS // 2)
+                                                step=step)
         experts = {int(re.search(r"local_experts\.(\d+)\.", k).group(1)) for k in tensors
                    if "local_experts" in k}
         assert experts == set(range(e * local, (e + 1) * local)), (e, experts)
