@@ -4853,6 +4853,36 @@ def test_torch_dist_save_holds_megatrons_index_and_resumes_bit_for_bit(tmp_path)
 
 
 @pytest.mark.checkpoint
+@pytest.mark.dp
+def test_torch_dist_with_the_distributed_optimizer_holds_its_state_per_parameter(two_steps,
+                                                                                  tmp_path):
+    """convert to TP2 x DP2 with the distributed optimizer in torch_dist writes one .distcp per
+    TP rank (the first DP rank's) and the optimizer state per parameter, as Megatron's
+    non-distributed optimizer keeps it (the fully reshardable form): assembled, the one-process
+    checkpoint's weights and moments bit for bit, no float32 copies of float32 weights; one
+    process resumed from it trains step 3 bit for bit as from the one-process checkpoint."""
+    wide = tmp_path / "wide"
+    assert train.main(["convert", "--load", str(two_steps), "--save", str(wide), "--nproc", "4",
+                       "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                       "--ckpt-format", "torch_dist"]) == 0
+    folder = wide / "iter_0000002"
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                          "common.pt", "metadata.json"]
+    index, _ = dist_checkpoint.read_index(str(folder))
+    assert index["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"][1] == (2, 256,
+                                                                                        64)
+    assert not [k for k in index if k.startswith("optimizer.state.fp32_param.")]
+    first, second = checkpoint.full_state(str(two_steps))[0], checkpoint.full_state(str(wide))[0]
+    assert sorted(first) == sorted(second) and any(k.startswith("optimizer.") for k in first)
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    for source in (two_steps, wide):
+        assert tiny_run(tmp_path / f"from_{source.name}", "--train-iters", "3", "--load",
+                        str(source)) == 0
+    assert train_records(tmp_path / "from_wide") == train_records(tmp_path / "from_run")
+
+
+@pytest.mark.checkpoint
 def test_load_converts_another_layout_on_load_as_convert_would(two_steps, tmp_path):
     """--load of a checkpoint of another layout converts it on load: a step-2 checkpoint written
     as TP2 x PP2 x DP2 with the distributed optimizer, or in Megatron's torch format as TP2,
@@ -7786,6 +7816,7 @@ CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and converted runs start at
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
 TORCH = ["--ckpt-format", "torch"]
+DIST = ["--ckpt-format", "torch_dist"]
 # a blend of the two shipped texts (mixture_flags; "{data}" is the harness's corpus): the float16
 # reference and its layouts read it, so TP2 + SP, DP2 and a resumed DP2 each equal one process on
 # a mixture
@@ -7888,7 +7919,7 @@ layout("ep2_pp2_vpp2_distopt", 4, "moe", PIPELINE_RUN + MOE_RUN + EP2 + PP2 + VP
        "one_moe_pp")
 layout("ep2_cp2_ulysses_tp2_sp_alltoall", 4, "moe",
        ROPE + MOE_RUN + FOUR + EP2 + CP2 + TP2 + SP + ALLTOALL, "one_moe_rope_gqa")
-layout("ep2_dp2_distopt", 4, "moe", MOE_RUN + EP2 + DISTOPT, "one_moe")
+layout("ep2_dp2_distopt", 4, "moe", MOE_RUN + EP2 + DISTOPT + DIST, "one_moe")
 layout("ep2_pp2_capacity", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2 + SAVE_HALF,
        "one_moe_capacity")
 resumed("ep2_pp2_capacity_resumed", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2,
@@ -7924,8 +7955,10 @@ layout("ep2_alltoall_distopt", 2, "moe", MOE_RUN + EP2 + ALLTOALL + DISTOPT + CO
 layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
 resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
 resumed("one_to_cp2_ulysses", 2, "checkpoint", ROPE + CP2, "one_rope_gqa")
-# resumed in another layout straight from the 4 workers' checkpoints, converted on load
-resumed("tp2_pp2_to_dp2_distopt", 2, "checkpoint", PIPELINE_RUN + DISTOPT, "tp2_pp2_sp_first")
+# resumed in another layout straight from the 4 workers' checkpoints, converted on load; TP2 x
+# PP2 as DP2 saved in torch_dist (the distributed optimizer's state gathered per parameter)
+resumed("tp2_pp2_to_dp2_distopt", 2, "checkpoint", PIPELINE_RUN + DISTOPT + DIST,
+        "tp2_pp2_sp_first")
 resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_RUN + EP2 + DISTOPT, "ep4_distopt")
 # where a converted run resumes: (the run whose checkpoint was converted, what changed)
 CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed optimizer"),
@@ -8836,6 +8869,33 @@ def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(runs, run, ep
         experts = {int(re.search(r"local_experts\.(\d+)\.", k).group(1)) for k in tensors
                    if "local_experts" in k}
         assert experts == set(range(e * local, (e + 1) * local)), (e, experts)
+
+
+DIST_RTOL = 1e-3
+@pytest.mark.parametrize("run,reference,writers", [
+    pytest.param("tp2_pp2_to_dp2_distopt", "tp2_pp2_sp", 1, marks=reads(
+        "tp2_pp2_to_dp2_distopt", "tp2_pp2_sp", concepts={"checkpoint", "dp"})),
+    pytest.param("ep2_dp2_distopt", "one_moe", 2, marks=reads(
+        "ep2_dp2_distopt", "one_moe", concepts={"checkpoint", "moe"}))])
+def test_distributed_optimizer_saves_torch_dist_per_parameter(runs, run, reference, writers):
+    """With the distributed optimizer (DP2, resumed from TP2 x PP2; EP2 x DP4, the dense and the
+    experts' optimizers chained), --ckpt-format torch_dist writes the optimizer state as Megatron's
+    non-distributed optimizer keeps it: each moment sharded as its parameter
+    (optimizer.state.exp_avg.<key>), no float32 copies of float32 weights, one writer per model
+    piece (the first data-parallel rank). Assembled, the weights and moments of step 4 are those
+    of the reference layout's run (DIST_RTOL of the largest: each piece of each rank in its
+    place)."""
+    folder = runs.folder(run) / f"iter_{STEPS:07d}"
+    index, _ = dist_checkpoint.read_index(str(folder))
+    assert {k.split(".")[2] for k in index if k.startswith("optimizer.")} == {"exp_avg",
+                                                                             "exp_avg_sq"}
+    assert len([f for f in os.listdir(folder) if f.endswith(".distcp")]) == writers
+    got = checkpoint.full_state(str(runs.tmp / run))[0]
+    want = checkpoint.full_state(str(runs.folder(reference)))[0]
+    assert sorted(got) == sorted(want) and want
+    for key, value in want.items():
+        scale = float(np.abs(value).max())
+        np.testing.assert_allclose(got[key], value, rtol=0, atol=DIST_RTOL * scale, err_msg=key)
 
 
 def ledger_of(line):
