@@ -365,9 +365,9 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     its DP x CP rank without EP). With the torch format the weights file is Megatron's
     model_optim_rng.pt (megatron_checkpoint.rank_file)."""
     training_cfg, state = cfg.training_config, trainer.state
-    opt_tensors, step = trainer.optimizer.named_state(parameter_names(trainer.chunks))
     if training_cfg.ckpt_format == "torch_dist":
-        return _save_dist(cfg, iteration, consumed, trainer, rng, opt_tensors, step)
+        return _save_dist(cfg, iteration, consumed, trainer, rng)
+    opt_tensors, step = trainer.optimizer.named_state(parameter_names(trainer.chunks))
     writer = state.edp_rank == 0
     files, meta = {}, None
     if writer:
@@ -389,10 +389,21 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     log.info(f"saved checkpoint at iteration {iteration} to {path}")
 
 
-def _save_dist(cfg, iteration, consumed, trainer, rng, opt_tensors, step):
+def _save_dist(cfg, iteration, consumed, trainer, rng):
     """save_training_state in torch_dist: each first expert-data-parallel rank writes the unique
-    pieces of its TP rank and stage (__<rank>_0.distcp), rank 0 the index and common.pt."""
+    pieces of its TP rank and stage (__<rank>_0.distcp), rank 0 the index and common.pt. The
+    optimizer state is per parameter, as Megatron's non-distributed optimizer keeps it: the
+    distributed optimizer's pieces gathered whole (Megatron's fully reshardable form), its
+    float32 main params kept only beside half-precision weights (of float32 ones they are the
+    weights)."""
     training_cfg, state = cfg.training_config, trainer.state
+    names = parameter_names(trainer.chunks)
+    if trainer.distributed:
+        opt_tensors, step = trainer.optimizer.gathered_state(names)
+        if cfg.model_config.params_dtype == "float32":
+            opt_tensors = {k: v for k, v in opt_tensors.items() if not k.startswith("main.")}
+    else:
+        opt_tensors, step = trainer.optimizer.named_state(names)
     meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(),
                  trainer.scaler.state_dict(), rng.state_dict())
     shards = {}

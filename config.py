@@ -708,17 +708,17 @@ def _check_full_recompute(model_cfg, parallel_cfg):
 
 def _check_torch_format(training_cfg, model_cfg, parallel_cfg):
     """--ckpt-format torch and torch_dist write Megatron-core's GPT: a model it has no
-    counterpart for, and the distributed optimizer's files (Megatron's distrib_optim.pt and
-    its torch_dist flattened buckets are not written here), are refused."""
+    counterpart for is refused, and so is the distributed optimizer with torch (Megatron's
+    distrib_optim.pt is not written here; torch_dist holds its state gathered per parameter)."""
     fmt = training_cfg.ckpt_format
     if fmt not in ("torch", "torch_dist"):
         return
     where = f"training_config.ckpt_format={fmt} (Megatron's " + (
         "model_optim_rng.pt)" if fmt == "torch" else ".distcp files)")
     shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
-    if training_cfg.use_distributed_optimizer and shards > 1:
+    if fmt == "torch" and training_cfg.use_distributed_optimizer and shards > 1:
         raise ConfigError(f"{where} is not written with the distributed optimizer here: use "
-                          "--ckpt-format ckpt or safetensors")
+                          "--ckpt-format torch_dist, ckpt or safetensors")
     biases = model_cfg.add_bias_linear
     differences = [f"model_config.{k}={v}" for k, v, bad in (
         ("use_sandwich_norm", model_cfg.use_sandwich_norm, model_cfg.use_sandwich_norm),

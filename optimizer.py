@@ -528,6 +528,15 @@ class ChainedOptimizer:
             arrays.update(part)
         return arrays, step
 
+    def gathered_state(self, names):
+        """DistributedOptimizer.gathered_state over the chain (every optimizer a distributed
+        one)."""
+        arrays, step = {}, None
+        for opt, some in zip(self.optimizers, self.split(names)):
+            part, step = opt.gathered_state(some)
+            arrays.update(part)
+        return arrays, step
+
     def load_named_state(self, arrays, step, names):
         for opt, some in zip(self.optimizers, self.split(names)):
             opt.load_named_state(arrays, step, some)
@@ -596,18 +605,37 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             main.copy_(Tensor(arrays[f"main.{piece}"]))
         self.inner.load_named_state(arrays, step, pieces)
 
-    def _copy_main_params_to_model_params(self):
-        """All-gather each bucket's updated shards, in the parameters' dtype, into the params."""
-        dtype, buckets = self.params[0].dtype, []
+    def gathered_state(self, names):
+        """(arrays, step): the float32 main params "main.<name>" and the inner optimizer's state
+        "optimizer.<state>.<name>" of every rank of the group, each gathered whole and shaped like
+        its parameter (`names`: one per parameter), on every rank: Megatron's fully reshardable
+        form (distrib_optimizer.py get_parameter_state_dp_zero), one all-gather per state and
+        bucket."""
+        kinds = {"main": self.main_params,
+                 **{f"optimizer.{kind}": pieces for kind, pieces in self.inner.state.items()}}
+        arrays = {}
+        for prefix, pieces in kinds.items():
+            whole = self.buffer.unflatten(self._gathered_buckets(pieces, F32))
+            arrays.update({f"{prefix}.{n}": t.asnumpy() for n, t in zip(names, whole)})
+        return arrays, self.inner.step_count
+
+    def _gathered_buckets(self, pieces, dtype):
+        """This rank's flat `pieces` (one per self.pieces) all-gathered in `dtype` over the group:
+        the whole buffer [numel], zeros in the buckets' padding."""
+        buckets = []
         for b, (s0, s1) in enumerate(self.shards):
-            mine = [v for (pb, _, _, _), v in zip(self.pieces, self.main_params) if pb == b]
+            mine = [v for (pb, _, _, _), v in zip(self.pieces, pieces) if pb == b]
             filled = sum(int(v.shape[0]) for v in mine)
             if filled < s1 - s0:                               # the bucket's padding
                 mine.append(ops.zeros(s1 - s0 - filled, F32))
-            shard = ops.cat(mine)
-            shard = eager_cast(shard, dtype)
+            shard = eager_cast(ops.cat(mine), dtype)
             buckets.append(collectives(self.buffer.group).all_gather(shard))
-        for param, value in zip(self.params, self.buffer.unflatten(ops.cat(buckets))):
+        return ops.cat(buckets)
+
+    def _copy_main_params_to_model_params(self):
+        """All-gather each bucket's updated shards, in the parameters' dtype, into the params."""
+        flat = self._gathered_buckets(self.main_params, self.params[0].dtype)
+        for param, value in zip(self.params, self.buffer.unflatten(flat)):
             param.copy_(value)
 
     def state_bytes(self):

@@ -2149,6 +2149,29 @@ def test_grad_norm_sq_detects_inf_and_nan():
         assert not math.isfinite(grad_norm_sq([ok[0], Tensor(arr)]))
 
 
+
+@pytest.mark.moe
+@pytest.mark.checkpoint
+def test_chained_optimizer_gathers_each_optimizers_state_over_its_parameters():
+    """ChainedOptimizer.gathered_state (a torch_dist save with experts and the distributed
+    optimizer): each optimizer's gathered state over the names of its own parameters (`indices`,
+    the dense ones then the experts'), joined, with the step."""
+    class Gathering:                     # DistributedOptimizer.gathered_state's contract
+        scaler = None
+
+        def __init__(self, tag):
+            self.tag = tag
+
+        def gathered_state(self, names):
+            return {f"main.{n}": np.full(2, self.tag, np.float32) for n in names}, 7
+
+    chain = optimizer.ChainedOptimizer([Gathering(1.0), Gathering(2.0)], [[0, 2], [1]])
+    arrays, step = chain.gathered_state(["dense_a", "expert", "dense_b"])
+    assert step == 7
+    assert {k: float(v[0]) for k, v in arrays.items()} == {"main.dense_a": 1.0,
+                                                            "main.dense_b": 1.0,
+                                                            "main.expert": 2.0}
+
 # =========================================================== context parallel (context_parallel.py)
 # context_parallel.py in one process: the tokens each cp rank holds, the zig-zag balance, the
 # ring's online-softmax merge. The CP layouts (cp2_*, CP4 hybrid) run under msrun and their
@@ -4892,6 +4915,36 @@ def test_torch_dist_save_holds_megatrons_index_and_resumes_bit_for_bit(tmp_path)
     assert tiny_run(tmp_path / "from_tp2pp2", "--train-iters", "2", "--hidden-dropout", "0.1",
                     "--load", str(tp2pp2)) == 0
     assert train_records(tmp_path / "from_tp2pp2") == train_records(run)[1:]
+
+
+@pytest.mark.checkpoint
+@pytest.mark.dp
+def test_torch_dist_with_the_distributed_optimizer_holds_its_state_per_parameter(two_steps,
+                                                                                  tmp_path):
+    """convert to TP2 x DP2 with the distributed optimizer in torch_dist writes one .distcp per
+    TP rank (the first DP rank's) and the optimizer state per parameter, as Megatron's
+    non-distributed optimizer keeps it (the fully reshardable form): assembled, the one-process
+    checkpoint's weights and moments bit for bit, no float32 copies of float32 weights; one
+    process resumed from it trains step 3 bit for bit as from the one-process checkpoint."""
+    wide = tmp_path / "wide"
+    assert train.main(["convert", "--load", str(two_steps), "--save", str(wide), "--nproc", "4",
+                       "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                       "--ckpt-format", "torch_dist"]) == 0
+    folder = wide / "iter_0000002"
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                          "common.pt", "metadata.json"]
+    index, _ = dist_checkpoint.read_index(str(folder))
+    assert index["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"][1] == (2, 256,
+                                                                                        64)
+    assert not [k for k in index if k.startswith("optimizer.state.fp32_param.")]
+    first, second = checkpoint.full_state(str(two_steps))[0], checkpoint.full_state(str(wide))[0]
+    assert sorted(first) == sorted(second) and any(k.startswith("optimizer.") for k in first)
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    for source in (two_steps, wide):
+        assert tiny_run(tmp_path / f"from_{source.name}", "--train-iters", "3", "--load",
+                        str(source)) == 0
+    assert train_records(tmp_path / "from_wide") == train_records(tmp_path / "from_run")
 
 
 @pytest.mark.checkpoint
@@ -7828,6 +7881,7 @@ CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and converted runs start at
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
 TORCH = ["--ckpt-format", "torch"]
+DIST = ["--ckpt-format", "torch_dist"]
 # a blend of the two shipped texts (mixture_flags; "{data}" is the harness's corpus): the float16
 # reference and its layouts read it, so TP2 + SP, DP2, TP2 x DP2 and a resumed DP2 each equal one
 # process on a mixture
@@ -7943,11 +7997,10 @@ layout("ep4_distopt", 4, "moe checkpoint", MOE_RUN + EP4 + DISTOPT + SAVE_HALF, 
 layout("tp2_dp2_blend", 4, "tp dp fp16", TP2 + FP16 + MIXTURE, "one_fp16")
 
 # their step-2 checkpoints converted, between the launches: TP2 x PP2 to PP2 x VPP2 and to one
-# process; EP4 to one process, and that to EP2
+# process; EP4 to one process
 converted("tp2_pp2_as_pp2_vpp2", "checkpoint", "tp2_pp2_sp_first", ["--nproc", "2", *PP2, *VPP2])
 converted("tp2_pp2_as_one", "checkpoint", "tp2_pp2_sp_first", [])
 converted("ep4_as_one", "moe checkpoint", "ep4_distopt", [])
-converted("ep4_as_ep2", "moe checkpoint", "ep4_as_one", ["--nproc", "2", *EP2, *DISTOPT])
 resumed("tp2_pp2_to_one", 1, "checkpoint", PIPELINE_RUN, "tp2_pp2_as_one")
 resumed("ep4_to_one", 1, "moe checkpoint", MOE_RUN, "ep4_as_one")
 
@@ -7972,7 +8025,11 @@ layout("ep2_alltoall_distopt", 2, "moe", MOE_RUN + EP2 + ALLTOALL + DISTOPT + CO
 layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
 resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
 resumed("one_to_cp2_ulysses", 2, "checkpoint", ROPE + CP2, "one_rope_gqa")
-resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_RUN + EP2 + DISTOPT, "ep4_as_ep2")
+# resumed in another layout straight from the 4 workers' checkpoints, converted on load; TP2 x
+# PP2 as DP2 saved in torch_dist (the distributed optimizer's state gathered per parameter)
+resumed("tp2_pp2_to_dp2_distopt", 2, "checkpoint", PIPELINE_RUN + DISTOPT + DIST,
+        "tp2_pp2_sp_first")
+resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_RUN + EP2 + DISTOPT, "ep4_distopt")
 # where a converted run resumes: (the run whose checkpoint was converted, what changed)
 CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed optimizer"),
              "one_to_cp2_ring_dp2_distopt": ("one_rope_gqa", "one process -> CP2 x DP2"),
@@ -7980,7 +8037,15 @@ CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed op
              "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_sp", "TP2 x PP2 -> PP2 with VPP2"),
              "tp2_pp2_to_one": ("tp2_pp2_sp", "TP2 x PP2 -> one process"),
              "ep4_to_one": ("ep4_distopt", "EP4 -> one process"),
-             "ep4_to_ep2": ("ep4_distopt", "EP4 -> one process -> EP2")}
+             "tp2_pp2_to_dp2_distopt": ("tp2_pp2_sp", "TP2 x PP2 -> DP2, distributed optimizer,"
+                                        " on load"),
+             "ep4_to_ep2": ("ep4_distopt", "EP4 -> EP2, on load")}
+# the converted runs that loaded the other layout's checkpoint itself: (part of the layout their
+# log says they converted from, part of the layout it says they converted to)
+ON_LOAD = {"tp2_pp2_to_dp2_distopt": ({"tp": 2, "pp": 2, "dp": 1, "distributed_optimizer": False},
+                                      {"tp": 1, "pp": 1, "dp": 2, "distributed_optimizer": True}),
+           "ep4_to_ep2": ({"ep": 4, "dp": 4, "distributed_optimizer": True},
+                          {"ep": 2, "dp": 2, "distributed_optimizer": True})}
 
 
 # ---------------------------------------------------------------------------------- planted bugs
@@ -8852,11 +8917,18 @@ def test_torch_format_float16_checkpoint_holds_megatrons_float16_optimizer(runs)
     run, source, concepts=JOBS[run].concepts)) for run, (source, _) in CONVERTED.items()])
 def test_converted_checkpoint_trains_like_the_original_layout(runs, run):
     """A step-2 checkpoint converted to another layout (weights, float32 main params and optimizer
-    state) resumes so that steps 3 and 4 give the original layout's losses and gradient norms
-    (loss_rtol): CONVERTED says which."""
+    state), by `convert` or on load (--load of the other layout's checkpoint: ON_LOAD, whose log
+    says from which layout to which), resumes so that steps 3 and 4 give the original layout's
+    losses and gradient norms (loss_rtol): CONVERTED says which."""
     source, _ = CONVERTED[run]
     resumed, full = runs.folder(run), runs.folder(source)
     assert len(train_lines(resumed)) == STEPS // 2 and len(train_lines(full)) == STEPS
+    said = [re.search(r"converted on load from layout (\{.*\}) to this run's layout (\{.*\})$",
+                      line) for line in train_lines(resumed, "checkpoint ")]
+    layouts = [[ast.literal_eval(m.group(i)) for i in (1, 2)] for m in said if m]
+    assert len(layouts) == (run in ON_LOAD), layouts
+    for saved, wanted in zip(layouts[0] if layouts else [], ON_LOAD.get(run, [])):
+        assert {k: saved[k] for k in wanted} == wanted, (saved, wanted)
     rtol = loss_rtol(REFERENCE.get(source, source))
     for key, name in tour.COMPARED.items():
         np.testing.assert_allclose([r[key] for r in tour.train_records(str(resumed))],
@@ -8866,22 +8938,50 @@ def test_converted_checkpoint_trains_like_the_original_layout(runs, run):
 
 @pytest.mark.parametrize("run,ep", [
     pytest.param("ep4_distopt", 4, marks=reads("ep4_distopt", concepts={"moe", "checkpoint"})),
-    pytest.param("ep4_as_ep2", 2, marks=reads("ep4_as_ep2", concepts={"moe", "checkpoint"}))])
+    pytest.param("ep4_to_ep2", 2, marks=reads("ep4_to_ep2", concepts={"moe", "checkpoint"}))])
 def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(runs, run, ep):
-    """EP4 with the distributed optimizer (4 workers): its checkpoint of step 2, and the EP2 one
-    convert wrote from it through one process, have Megatron's expert folders mp_rank_00_EEE,
-    each with its rank's experts and distrib_optim file (both conversions resume in
+    """EP4 with the distributed optimizer (4 workers): its checkpoint of step 2, and that of the
+    EP2 run resumed from it (converted on load), have Megatron's expert folders mp_rank_00_EEE,
+    each with its rank's experts and distrib_optim file (both resume in
     test_converted_checkpoint_trains_like_the_original_layout)."""
-    folder = runs.folder(run) / f"iter_{STEPS // 2:07d}"
+    step = STEPS // 2 if run == "ep4_distopt" else STEPS
+    folder = runs.folder(run) / f"iter_{step:07d}"
     assert sorted(os.listdir(folder)) == [f"mp_rank_00_{e:03d}" for e in range(ep)]
     local = 4 // ep                                                 # of the 4 experts
     for e in range(ep):
         tensors, _ = checkpoint.load_checkpoint(str(runs.tmp / run), f"mp_rank_00_{e:03d}",
                                                 stems=("model_optim_rng", "distrib_optim_000"),
-                                                step=STEPS // 2)
+                                                step=step)
         experts = {int(re.search(r"local_experts\.(\d+)\.", k).group(1)) for k in tensors
                    if "local_experts" in k}
         assert experts == set(range(e * local, (e + 1) * local)), (e, experts)
+
+
+# Adam moves a weight by about lr whatever its gradient's size, so one whose gradient is near 0
+# moves differently in another layout's order of reduction; a piece out of place is off by about
+# the largest value
+DIST_ATOL = 1e-3
+
+
+@reading("tp2_pp2_to_dp2_distopt", "tp2_pp2_sp", concepts={"checkpoint", "dp"})
+def test_distributed_optimizer_saves_torch_dist_per_parameter(runs):
+    """DP2 with the distributed optimizer (two workers, resumed from TP2 x PP2) saved with
+    --ckpt-format torch_dist holds the optimizer state as Megatron's non-distributed optimizer
+    keeps it: each moment sharded as its parameter (optimizer.state.exp_avg.<key>), no float32
+    copies of float32 weights, one writer (the first data-parallel rank). Assembled, its weights
+    and moments of step 4 are those of the TP2 x PP2 run that never stopped (DIST_ATOL of each
+    tensor's largest value): each rank's pieces gathered into their places."""
+    folder = runs.folder("tp2_pp2_to_dp2_distopt") / f"iter_{STEPS:07d}"
+    index, _ = dist_checkpoint.read_index(str(folder))
+    assert {k.split(".")[2] for k in index if k.startswith("optimizer.")} == {"exp_avg",
+                                                                             "exp_avg_sq"}
+    assert [f for f in os.listdir(folder) if f.endswith(".distcp")] == ["__0_0.distcp"]
+    got = checkpoint.full_state(str(runs.tmp / "tp2_pp2_to_dp2_distopt"))[0]
+    want = checkpoint.full_state(str(runs.folder("tp2_pp2_sp")))[0]
+    assert sorted(got) == sorted(want) and any(k.startswith("optimizer.") for k in want)
+    for key, value in want.items():
+        scale = float(np.abs(value).max())
+        np.testing.assert_allclose(got[key], value, rtol=0, atol=DIST_ATOL * scale, err_msg=key)
 
 
 def ledger_of(line):
