@@ -8963,7 +8963,7 @@ def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(runs, run, ep
 DIST_ATOL = 1e-3
 
 
-@reading("tp2_pp2_to_dp2_distopt", "tp2_pp2_sp", concepts={"checkpoint", "dp"})
+@reading("tp2_pp2_to_dp2_distopt", "tp2_pp2_sp", concepts={"checkpoint"})
 def test_distributed_optimizer_saves_torch_dist_per_parameter(runs):
     """DP2 with the distributed optimizer (two workers, resumed from TP2 x PP2) saved with
     --ckpt-format torch_dist holds the optimizer state as Megatron's non-distributed optimizer
