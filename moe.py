@@ -82,6 +82,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.graph.api import _pynative_executor
 from mindspore.ops import constexpr
 
+import fused
 import parallel
 from config import check_moe_rules
 from parallel import DTYPES, F32, activation, batch_matmul_nt, cast, linear
@@ -308,7 +309,8 @@ class TopKRouter(nn.Cell):
     def construct(self, hidden):
         """routing() (router.py:746-837); the losses only in training with a backward recorded."""
         s, b = hidden.shape[0], hidden.shape[1]
-        logits = linear(hidden.reshape(s * b, -1), self.weight, self.bias, self.router_dtype)
+        dtype = hidden.dtype if self.router_dtype is None else self.router_dtype
+        logits = router_gating_linear(hidden.reshape(s * b, -1), self.weight, self.bias, dtype)
         training = self.training and grad_enabled()
         if training and self.z_loss_coeff:
             logits = self.apply_z_loss(logits)                                    # [n, E]
@@ -371,6 +373,12 @@ def _check_router_config(cfg):
 
 
 # ============================================================================ experts
+def router_gating_linear(x, weight, bias, dtype):
+    """Megatron's router_gating_linear (moe_utils.py): the router's logits x [n, h] W^T + b in
+    `dtype` (moe_router_dtype, else the input's), to which x, W [E, h] and b [E] are cast."""
+    return linear(cast(x, dtype), cast(weight, dtype), cast(bias, dtype))
+
+
 def _expert_param(shape, name, partition_dim=None, chunks=1):
     """An expert's parameter (is_expert by its name: gradients summed over the
     expert-data-parallel group, not DP), split over TP along partition_dim."""
@@ -388,8 +396,9 @@ def _scale_by_probs(y, probs):
 
 class ExpertLinear(nn.Cell):
     """One expert's weight [out/tp, in] (fc1, partition_dim 0, fc1's [gate; up] split in
-    `chunks` blocks) or [out, in/tp] (fc2, partition_dim 1), and bias. No TP mappings: the
-    dispatcher communicates (Megatron's explicit_expert_comm, tensor_parallel/layers.py:1032)."""
+    `chunks` blocks) or [out, in/tp] (fc2, partition_dim 1), bias, and its matmul and bias add
+    (parallel.plain_forms). No TP mappings: the dispatcher communicates (Megatron's
+    explicit_expert_comm, tensor_parallel/layers.py:1032)."""
 
     def __init__(self, in_features, out_features, bias, partition_dim, tp, chunks=1):
         super().__init__()
@@ -401,6 +410,7 @@ class ExpertLinear(nn.Cell):
         self.weight = _expert_param(shape, "weight", partition_dim, chunks)
         self.bias = _expert_param((shape[0],), "bias", 0 if partition_dim == 0 else None, chunks) \
             if bias else None
+        self.matmul, self.bias_add = parallel.plain_forms()
 
 
 class ExpertMLP(nn.Cell):
@@ -409,20 +419,21 @@ class ExpertMLP(nn.Cell):
 
     def __init__(self, cfg, ffn_hidden_size, tp):
         super().__init__()
-        chunks = 2 if cfg.hidden_act == "swiglu" else 1
-        self.linear_fc1 = ExpertLinear(cfg.hidden_size, ffn_hidden_size * chunks,
-                                       cfg.add_bias_linear, 0, tp, chunks)
-        self.linear_fc2 = ExpertLinear(ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, 1, tp)
-        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
+        chunks, dtype = 2 if cfg.hidden_act == "swiglu" else 1, DTYPES[cfg.compute_dtype]
+        self.linear_fc1 = fused.computing_in(ExpertLinear(
+            cfg.hidden_size, ffn_hidden_size * chunks, cfg.add_bias_linear, 0, tp, chunks), dtype)
+        self.linear_fc2 = fused.computing_in(ExpertLinear(
+            ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, 1, tp), dtype)
+        self.act = cfg.hidden_act
 
     def construct(self, x, probs):
         """x [T, h], probs [T] -> [T, h] (partial over TP)."""
-        fc1, fc2, dtype = self.linear_fc1, self.linear_fc2, self.dtype
-        y = linear(x, fc1.weight, fc1.bias, dtype)                               # [T, F1/tp]
-        y = linear(_scale_by_probs(activation(y, self.act), probs), fc2.weight, None, dtype)
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        y = linear(x, fc1.weight, fc1.bias, fc1.matmul, fc1.bias_add)            # [T, F1/tp]
+        y = linear(_scale_by_probs(activation(y, self.act), probs), fc2.weight, None, fc2.matmul)
         if fc2.bias is None:
             return y
-        return y + _scale_by_probs(ops.broadcast_to(cast(fc2.bias, dtype), y.shape), probs)
+        return y + _scale_by_probs(ops.broadcast_to(cast(fc2.bias, y.dtype), y.shape), probs)
 
 
 class SequentialMLP(nn.Cell):
@@ -475,13 +486,13 @@ class SharedExpertMLP(nn.Cell):
     def __init__(self, cfg):
         super().__init__()
         sp, size = parallel.get_state().sequence_parallel, cfg.moe_shared_expert_intermediate_size
-        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
+        self.act, dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
         chunks = 2 if self.act == "swiglu" else 1
-        self.linear_fc1 = parallel.ColumnParallelLinear(cfg.hidden_size, size * chunks, False,
-                                                        sequence_parallel=sp, chunks=chunks,
-                                                        dtype=self.dtype)
-        self.linear_fc2 = parallel.RowParallelLinear(size, cfg.hidden_size, False,
-                                                     sequence_parallel=sp, dtype=self.dtype)
+        self.linear_fc1 = fused.computing_in(parallel.ColumnParallelLinear(
+            cfg.hidden_size, size * chunks, False, sequence_parallel=sp, chunks=chunks), dtype)
+        self.linear_fc2 = fused.computing_in(parallel.RowParallelLinear(
+            size, cfg.hidden_size, False, sequence_parallel=sp), dtype)
+        self.gate_matmul = fused.in_compute_dtype(parallel.plain_forms()[0], dtype)
         self.gate_weight = None
         if cfg.moe_shared_expert_gate:
             self.gate_weight = Parameter(Tensor(np.zeros((1, cfg.hidden_size), np.float32)),
@@ -492,7 +503,7 @@ class SharedExpertMLP(nn.Cell):
         y = self.linear_fc2(activation(self.linear_fc1(x), self.act))
         if self.gate_weight is None:
             return y
-        return y * ops.sigmoid(linear(x, self.gate_weight, None, self.dtype))   # [s, b, 1]
+        return y * ops.sigmoid(linear(x, self.gate_weight, None, self.gate_matmul))  # [s, b, 1]
 
 
 # ============================================================================ dispatchers
@@ -610,7 +621,6 @@ class MoELayer(nn.Cell):
         ep_group = state.ep_group if state.ep > 1 else None
         check_moe_rules(cfg, state.tp, state.sequence_parallel, state.ep)
         self.num_local_experts = cfg.num_moe_experts // state.ep
-        self.dtype = DTYPES[cfg.compute_dtype]
         self.router = TopKRouter(cfg, state.tp_cp_group)
         self.experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
             cfg, self.num_local_experts, state.tp)
@@ -632,9 +642,8 @@ class MoELayer(nn.Cell):
         # the shared expert first, as Megatron (moe_layer.py:660-662)
         shared = self.shared_experts(hidden) if self.shared_experts is not None else None
         probs, routing_map = self.router(hidden)                                  # [n, E] each
-        # cast before the dispatcher's gathers, as ColumnParallelLinear before f~
-        tokens = cast(hidden.reshape(s * b, h), self.dtype)
-        tokens, probs, indices = self.token_dispatcher.dispatch(tokens, probs, routing_map)
+        tokens, probs, indices = self.token_dispatcher.dispatch(hidden.reshape(s * b, h), probs,
+                                                                routing_map)
         output = self.token_dispatcher.combine(self.experts(tokens, probs), indices, s * b)
         output = output.reshape(s, b, h)
         return output if shared is None else output + shared
