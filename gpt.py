@@ -659,7 +659,7 @@ class TransformerLayer(nn.Cell):
         self.self_attention = SelfAttention(cfg, spec, rng, layer_number)
         self.pre_mlp_layernorm = make_norm(cfg, spec)
         self.moe = moe_layer_pattern(cfg)[layer_number - 1]
-        self.mlp = moe.MoELayer(cfg) if self.moe else MLP(cfg, spec)
+        self.mlp = moe.MoELayer(cfg, spec) if self.moe else MLP(cfg, spec)
         self.sandwich = cfg.use_sandwich_norm
         if self.sandwich:
             self.post_attention_norm = make_norm(cfg, spec)

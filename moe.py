@@ -379,74 +379,66 @@ def router_gating_linear(x, weight, bias, dtype):
     return linear(cast(x, dtype), cast(weight, dtype), cast(bias, dtype))
 
 
-def _expert_param(shape, name, partition_dim=None, chunks=1):
-    """An expert's parameter (is_expert by its name: gradients summed over the
-    expert-data-parallel group, not DP), split over TP along partition_dim."""
-    p = Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
-    if partition_dim is not None:
-        p.partition_dim, p.partition_chunks = partition_dim, chunks
-    return p
-
-
 def _scale_by_probs(y, probs):
     """y [..., T, f] times each token's probability [..., T], in the probs' dtype and back
     (Megatron's per_token_scale, mlp.py:336-340)."""
     return cast(cast(y, probs.dtype) * probs.expand_dims(-1), y.dtype)
 
 
-class ExpertLinear(nn.Cell):
-    """One expert's weight [out/tp, in] (fc1, partition_dim 0, fc1's [gate; up] split in
-    `chunks` blocks) or [out, in/tp] (fc2, partition_dim 1), bias, and its matmul and bias add
-    (parallel.plain_forms). No TP mappings: the dispatcher communicates (Megatron's
-    explicit_expert_comm, tensor_parallel/layers.py:1032)."""
-
-    def __init__(self, in_features, out_features, bias, partition_dim, tp, chunks=1):
-        super().__init__()
-        if (out_features if partition_dim == 0 else in_features) % (tp * chunks):
-            raise ValueError(f"expert linear {in_features} -> {out_features} is not divisible "
-                             f"by tp*chunks = {tp * chunks}")
-        shape = (out_features // tp, in_features) if partition_dim == 0 else \
-            (out_features, in_features // tp)
-        self.weight = _expert_param(shape, "weight", partition_dim, chunks)
-        self.bias = _expert_param((shape[0],), "bias", 0 if partition_dim == 0 else None, chunks) \
-            if bias else None
-        self.matmul, self.bias_add = parallel.plain_forms()
+def expert_linear(cfg, spec, in_features, out_features, partition_dim, tp, chunks=1,
+                  skip_bias_add=False):
+    """One expert's linear, of the spec's one-rank class (spec.linear, as a dense layer's at TP1)
+    computing in the compute dtype: weight [out/tp, in] (fc1, partition_dim 0, fc1's [gate; up]
+    split in `chunks` blocks) or [out, in/tp] (fc2, partition_dim 1), marked so; is_expert by
+    its name (gradients summed over the expert-data-parallel group, not DP). No TP mappings: the
+    dispatcher communicates (Megatron's explicit_expert_comm, tensor_parallel/layers.py:1032)."""
+    if (out_features if partition_dim == 0 else in_features) % (tp * chunks):
+        raise ValueError(f"expert linear {in_features} -> {out_features} is not divisible "
+                         f"by tp*chunks = {tp * chunks}")
+    out_local, in_local = (out_features // tp, in_features) if partition_dim == 0 else \
+        (out_features, in_features // tp)
+    layer = spec.linear(in_local, out_local, cfg.add_bias_linear, skip_bias_add)
+    split = [layer.weight] + ([layer.bias] if layer.bias is not None and partition_dim == 0
+                              else [])
+    for param in split:
+        param.partition_dim, param.partition_chunks = partition_dim, chunks
+    return fused.computing_in(layer, DTYPES[cfg.compute_dtype])
 
 
 class ExpertMLP(nn.Cell):
     """An expert: Megatron's MLP with is_expert (mlp.py:257-358), fc2(act(fc1 x) * p) + b2 * p:
     the probability scales the activation (after the GLU), and fc2's bias."""
 
-    def __init__(self, cfg, ffn_hidden_size, tp):
+    def __init__(self, cfg, spec, ffn_hidden_size, tp):
         super().__init__()
-        chunks, dtype = 2 if cfg.hidden_act == "swiglu" else 1, DTYPES[cfg.compute_dtype]
-        self.linear_fc1 = fused.computing_in(ExpertLinear(
-            cfg.hidden_size, ffn_hidden_size * chunks, cfg.add_bias_linear, 0, tp, chunks), dtype)
-        self.linear_fc2 = fused.computing_in(ExpertLinear(
-            ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, 1, tp), dtype)
+        chunks = 2 if cfg.hidden_act == "swiglu" else 1
+        self.linear_fc1 = expert_linear(cfg, spec, cfg.hidden_size, ffn_hidden_size * chunks, 0,
+                                        tp, chunks)
+        self.linear_fc2 = expert_linear(cfg, spec, ffn_hidden_size, cfg.hidden_size, 1, tp,
+                                        skip_bias_add=True)
         self.act = cfg.hidden_act
 
     def construct(self, x, probs):
         """x [T, h], probs [T] -> [T, h] (partial over TP)."""
-        fc1, fc2 = self.linear_fc1, self.linear_fc2
-        y = linear(x, fc1.weight, fc1.bias, fc1.matmul, fc1.bias_add)            # [T, F1/tp]
-        y = linear(_scale_by_probs(activation(y, self.act), probs), fc2.weight, None, fc2.matmul)
-        if fc2.bias is None:
+        y = self.linear_fc1(x)                                                   # [T, F1/tp]
+        y, bias = self.linear_fc2(_scale_by_probs(activation(y, self.act), probs))
+        if bias is None:
             return y
-        return y + _scale_by_probs(ops.broadcast_to(cast(fc2.bias, y.dtype), y.shape), probs)
+        return y + _scale_by_probs(ops.broadcast_to(cast(bias, y.dtype), y.shape), probs)
 
 
 class SequentialMLP(nn.Cell):
     """Megatron's SequentialMLP (experts.py:1409-1519): this rank's E_l experts in
-    `local_experts`, run one after another. construct(tokens [E_l, T, h], probs [E_l, T]) ->
-    [E_l, T, h]: expert j's output for its T tokens, each scaled by its probability."""
+    `local_experts`, run one after another, their linears of the layer spec's class (Megatron's
+    MoE submodules). construct(tokens [E_l, T, h], probs [E_l, T]) -> [E_l, T, h]: expert j's
+    output for its T tokens, each scaled by its probability."""
 
-    def __init__(self, cfg, num_local_experts, tp):
+    def __init__(self, cfg, spec, num_local_experts, tp):
         super().__init__()
         self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
         # transformer_config.py:1685-1687: moe_ffn_hidden_size defaults to ffn_hidden_size
         ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
-        self.local_experts = nn.CellList([ExpertMLP(cfg, ffn, tp)
+        self.local_experts = nn.CellList([ExpertMLP(cfg, spec, ffn, tp)
                                           for _ in range(num_local_experts)])
 
     def construct(self, tokens, probs):
@@ -483,14 +475,14 @@ class SharedExpertMLP(nn.Cell):
     its output is scaled by sigmoid(x . gate_weight), gate_weight [1, h].
     construct(x [s, b, h]) -> [s, b, h]."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, spec):
         super().__init__()
         sp, size = parallel.get_state().sequence_parallel, cfg.moe_shared_expert_intermediate_size
         self.act, dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
         chunks = 2 if self.act == "swiglu" else 1
-        self.linear_fc1 = fused.computing_in(parallel.ColumnParallelLinear(
+        self.linear_fc1 = fused.computing_in(spec.column_parallel_linear(
             cfg.hidden_size, size * chunks, False, sequence_parallel=sp, chunks=chunks), dtype)
-        self.linear_fc2 = fused.computing_in(parallel.RowParallelLinear(
+        self.linear_fc2 = fused.computing_in(spec.row_parallel_linear(
             size, cfg.hidden_size, False, sequence_parallel=sp), dtype)
         self.gate_matmul = fused.in_compute_dtype(parallel.plain_forms()[0], dtype)
         self.gate_weight = None
@@ -615,7 +607,7 @@ class MoELayer(nn.Cell):
     parallel size and rank and the groups (the module docstring). This rank holds experts
     [ep_rank * E_l, (ep_rank + 1) * E_l) (moe_layer.py:187-196)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, spec):
         super().__init__()
         state = parallel.get_state()
         ep_group = state.ep_group if state.ep > 1 else None
@@ -623,7 +615,7 @@ class MoELayer(nn.Cell):
         self.num_local_experts = cfg.num_moe_experts // state.ep
         self.router = TopKRouter(cfg, state.tp_cp_group)
         self.experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
-            cfg, self.num_local_experts, state.tp)
+            cfg, spec, self.num_local_experts, state.tp)
         if cfg.moe_token_dispatcher_type == "allgather":
             self.token_dispatcher = MoEAllGatherTokenDispatcher(
                 self.num_local_experts, state.ep_rank * self.num_local_experts, state.tp_ep_group)
@@ -635,7 +627,7 @@ class MoELayer(nn.Cell):
                              "allgather or alltoall")
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
-            self.shared_experts = SharedExpertMLP(cfg)
+            self.shared_experts = SharedExpertMLP(cfg, spec)
 
     def construct(self, hidden):
         s, b, h = hidden.shape
