@@ -29,7 +29,7 @@ ends a layer (BiasDropoutAdd is plain ops). Norms and the softmax compute in flo
 as their plain forms do.
 """
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, mint, nn, ops
 
 import parallel
 from parallel import F32, GELU_TANH_C, GELU_TANH_K, cast
@@ -176,6 +176,17 @@ def computing_in(linear, dtype):
     linear.matmul = in_compute_dtype(linear.matmul, dtype)
     linear.bias_add = in_compute_dtype(linear.bias_add, dtype)
     return linear
+
+
+def eager_cast(t, dtype):
+    """t in `dtype` op by op (the main params and grads of half-precision training), the fast
+    form of parallel.cast there: t's values copied into a new tensor, rounded to nearest as by
+    the Cast kernel (test_eager_cast_equals_cast). Op by op MindSpore 2.10's CPU Cast costs about
+    ten times this copy whatever the size, and an --fp16 step casts every gradient and parameter
+    (docs/half-precision.md). Compiled code casts with parallel.cast."""
+    if t is None or t.dtype == dtype:
+        return t
+    return mint.empty(t.shape, dtype=dtype).copy_(t)
 
 
 # ============================================================================ norms

@@ -6430,19 +6430,19 @@ FP16 = ["--fp16", "--initial-loss-scale", "4096"]
 
 @pytest.mark.fp16
 def test_eager_cast_equals_cast():
-    """optimizer.eager_cast (a copy into a new tensor, the optimizer's op-by-op cast) gives the
+    """fused.eager_cast (a copy into a new tensor, the optimizer's op-by-op cast) gives the
     Cast kernel's bits both ways, overflow, subnormals, signed zero, nan and ties included, and
     returns a tensor already in the dtype itself."""
     x = np.array([1e5, -1e5, 65519, 65520, 1e-8, 6e-8, -0.0, np.nan, np.inf, 1 / 3, 2049, 2051],
                  np.float32)
     for source, dtype, bits in ((Tensor(x), ms.float16, np.uint16),
                                 (Tensor(x).astype(ms.float16), ms.float32, np.uint32)):
-        got = optimizer.eager_cast(source, dtype)
+        got = fused.eager_cast(source, dtype)
         assert got.dtype == dtype
         assert np.array_equal(got.asnumpy().view(bits), source.astype(dtype).asnumpy().view(bits))
     same = Tensor(x)
-    assert optimizer.eager_cast(same, ms.float32) is same
-    assert optimizer.eager_cast(None, ms.float32) is None
+    assert fused.eager_cast(same, ms.float32) is same
+    assert fused.eager_cast(None, ms.float32) is None
 
 
 @pytest.mark.fp16
