@@ -2520,12 +2520,14 @@ def test_fused_form_equals_its_plain_form(form, dtype, compiled):
     """Each fused form (fused.py) gives its plain form's values (gpt.local_spec's) and the
     gradients of its inputs and parameters: relative 1e-5 in float32, 2e-3 in float16 (the norms
     compute in float32 inside, as the plain ones); op by op, and compiled (ms.jit; dropout masks
-    come from host streams, so the dropout case runs op by op)."""
+    come from host streams, so the dropout case runs op by op). In float16 the parameters are
+    too, as in the --fp16 model (gpt.cast_parameters)."""
     build, shapes, graded = FUSED_FORMS[form]
     dtype = parallel.DTYPES[dtype]
     inputs = _form_inputs(shapes, dtype)
     results = []
     for cell in build():
+        gpt.cast_parameters(cell, dtype)
         net = Graph(cell) if compiled else cell
         params = cell.trainable_params()
         out = net(*inputs)
