@@ -2,7 +2,9 @@
 (values and gradients: test_fused_form_equals_its_plain_form). The layer spec (gpt.layer_spec) puts
 them in place at model build, each chosen by its config key, none with model_config.fusions
 false (--no-fusions: the plain model), as Megatron-core's layer specs put Transformer
-Engine's layers in place of its local ones (docs/performance.md#fusions).
+Engine's layers in place of its local ones (docs/performance.md#fusions). Beside them, the one
+half-precision form: a linear's matmul and bias add casting their inputs to the compute dtype
+(ComputeIn), put in place at build by computing_in, so that no concept class casts.
 
 Why, on MindSpore 2.10's CPU backend (bench_fusions.py; docs/performance.md#fusions):
 - Reductions over rows are slow kernels: BiasAddGrad, ReduceSum, ReduceMean and LayerNormGrad
@@ -27,7 +29,7 @@ ends a layer (BiasDropoutAdd is plain ops). Norms and the softmax compute in flo
 as their plain forms do.
 """
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, mint, nn, ops
 
 import parallel
 from parallel import F32, GELU_TANH_C, GELU_TANH_K, cast
@@ -144,6 +146,47 @@ class SplitLastDim(nn.Cell):
     @staticmethod
     def backward(dout):
         return (ops.cat(dout, -1),)
+
+
+# ============================================================================ half precision
+class ComputeIn(nn.Cell):
+    """A linear's matmul or bias add, `form`, with its two inputs cast to `dtype` first: the
+    half-precision compute dtype, in which float32 parameters (params_dtype float32 with a
+    half compute_dtype, the guides' MindSpore keys) and a float32 residual stream's norm outputs
+    (fp32_residual_connection) are not. Megatron's parameters are in the compute dtype (its
+    Float16Module); MindSpore's nn.Dense casts its weight to its compute dtype as this does."""
+
+    def __init__(self, form, dtype):
+        super().__init__()
+        self.form, self.dtype = form, dtype
+
+    def construct(self, a, b):
+        return self.form(cast(a, self.dtype), cast(b, self.dtype))
+
+
+def in_compute_dtype(form, dtype):
+    """A linear's `form` (matmul or bias add) computing in `dtype`: in ComputeIn under half
+    precision, itself in float32 (where every input already is)."""
+    return form if dtype == F32 else ComputeIn(form, dtype)
+
+
+def computing_in(linear, dtype):
+    """`linear` (a Linear, ColumnParallelLinear or RowParallelLinear) with its matmul and bias
+    add computing in `dtype`, put in place at build (gpt.make_linear, moe.SharedExpertMLP)."""
+    linear.matmul = in_compute_dtype(linear.matmul, dtype)
+    linear.bias_add = in_compute_dtype(linear.bias_add, dtype)
+    return linear
+
+
+def eager_cast(t, dtype):
+    """t in `dtype` op by op (the main params and grads of half-precision training), the fast
+    form of parallel.cast there: t's values copied into a new tensor, rounded to nearest as by
+    the Cast kernel (test_eager_cast_equals_cast). Op by op MindSpore 2.10's CPU Cast costs about
+    ten times this copy whatever the size, and an --fp16 step casts every gradient and parameter
+    (docs/half-precision.md). Compiled code casts with parallel.cast."""
+    if t is None or t.dtype == dtype:
+        return t
+    return mint.empty(t.shape, dtype=dtype).copy_(t)
 
 
 # ============================================================================ norms

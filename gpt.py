@@ -49,21 +49,24 @@ def _zeros(*shape):
 
 
 def make_linear(cfg, spec, in_features, out_features, bias, kind, chunks=1, skip_bias_add=False):
-    """The model's linears, of the spec's classes. `kind` is Megatron's role: "column" (qkv, fc1,
-    output layer: the output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or
-    "row" (proj, fc2: the input dim is split). One TP rank: a plain linear. The layout comes from
-    parallel.get_state(). skip_bias_add: the linear returns (output, bias or None), the bias
-    added by what follows (the activation, the residual's bias-dropout-add)."""
-    state, dtype = parallel.get_state(), DTYPES[cfg.compute_dtype]
+    """The model's linears, of the spec's classes, computing in the compute dtype
+    (fused.computing_in). `kind` is Megatron's role: "column" (qkv, fc1, output layer: the output
+    dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the input
+    dim is split). One TP rank: a plain linear. The layout comes from parallel.get_state().
+    skip_bias_add: the linear returns (output, bias or None), the bias added by what follows (the
+    activation, the residual's bias-dropout-add)."""
+    state = parallel.get_state()
     if state.tp == 1:
-        return spec.linear(in_features, out_features, bias, dtype, skip_bias_add)
-    if kind == "column":
-        return spec.column_parallel_linear(
+        layer = spec.linear(in_features, out_features, bias, skip_bias_add)
+    elif kind == "column":
+        layer = spec.column_parallel_linear(
             in_features, out_features, bias, sequence_parallel=state.sequence_parallel,
-            chunks=chunks, dtype=dtype, skip_bias_add=skip_bias_add)
-    return spec.row_parallel_linear(in_features, out_features, bias,
-                                    sequence_parallel=state.sequence_parallel, dtype=dtype,
-                                    skip_bias_add=skip_bias_add)
+            chunks=chunks, skip_bias_add=skip_bias_add)
+    else:
+        layer = spec.row_parallel_linear(in_features, out_features, bias,
+                                         sequence_parallel=state.sequence_parallel,
+                                         skip_bias_add=skip_bias_add)
+    return fused.computing_in(layer, DTYPES[cfg.compute_dtype])
 
 
 def cast_parameters(model, dtype):
@@ -267,7 +270,7 @@ class LayerSpec:
     local spec builds Megatron's own layers and whose transformer_engine spec puts Transformer
     Engine's fused ones in their place, the layers' code the same. Each builder makes one Cell
     per call site."""
-    linear: type                    # (in, out, bias, dtype, skip_bias_add): one TP rank
+    linear: type                    # (in, out, bias, skip_bias_add): one TP rank
     column_parallel_linear: type    # parallel.ColumnParallelLinear's arguments
     row_parallel_linear: type       # parallel.RowParallelLinear's arguments
     norm: type                      # (hidden, eps): x [..., h] -> [..., h]
@@ -656,7 +659,7 @@ class TransformerLayer(nn.Cell):
         self.self_attention = SelfAttention(cfg, spec, rng, layer_number)
         self.pre_mlp_layernorm = make_norm(cfg, spec)
         self.moe = moe_layer_pattern(cfg)[layer_number - 1]
-        self.mlp = moe.MoELayer(cfg) if self.moe else MLP(cfg, spec)
+        self.mlp = moe.MoELayer(cfg, spec) if self.moe else MLP(cfg, spec)
         self.sandwich = cfg.use_sandwich_norm
         if self.sandwich:
             self.post_attention_norm = make_norm(cfg, spec)
@@ -725,7 +728,7 @@ class GPTModel(nn.Cell):
             if not self.tied or not pre_process:
                 self.output_layer = make_linear(cfg, spec, h, vocab, False, "column")
             else:           # the tied output layer: the word embedding's weight, this matmul
-                self.output_matmul = spec.linear.forms()[0]
+                self.output_matmul = fused.in_compute_dtype(spec.linear.forms()[0], self.dtype)
         if self.tied and not (pre_process and post_process):
             # Megatron's shared_embedding, the one mark of the tie: the model is cut into stages
             # and the last stage's output layer is a copy of the first stage's word embedding;
@@ -796,10 +799,9 @@ class GPTModel(nn.Cell):
         split), returned in float32 for the loss unless fp16_lm_cross_entropy."""
         if not (self.tied and self.pre_process):
             return cast(self.output_layer(x), self.logits_dtype)
-        x = cast(x, self.dtype)
         if self.tp > 1:
             x = self.enter_logits(x)                                          # [s, b, h]
-        logits = linear(x, self.word_embeddings.weight, None, self.dtype, matmul=self.output_matmul)
+        logits = linear(x, self.word_embeddings.weight, None, matmul=self.output_matmul)
         return cast(logits, self.logits_dtype)
 
     def construct(self, x, position_ids, attention_mask=None, labels=None, loss_mask=None):

@@ -82,6 +82,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.graph.api import _pynative_executor
 from mindspore.ops import constexpr
 
+import fused
 import parallel
 from config import check_moe_rules
 from parallel import DTYPES, F32, activation, batch_matmul_nt, cast, linear
@@ -308,7 +309,8 @@ class TopKRouter(nn.Cell):
     def construct(self, hidden):
         """routing() (router.py:746-837); the losses only in training with a backward recorded."""
         s, b = hidden.shape[0], hidden.shape[1]
-        logits = linear(hidden.reshape(s * b, -1), self.weight, self.bias, self.router_dtype)
+        dtype = hidden.dtype if self.router_dtype is None else self.router_dtype
+        logits = router_gating_linear(hidden.reshape(s * b, -1), self.weight, self.bias, dtype)
         training = self.training and grad_enabled()
         if training and self.z_loss_coeff:
             logits = self.apply_z_loss(logits)                                    # [n, E]
@@ -371,13 +373,10 @@ def _check_router_config(cfg):
 
 
 # ============================================================================ experts
-def _expert_param(shape, name, partition_dim=None, chunks=1):
-    """An expert's parameter (is_expert by its name: gradients summed over the
-    expert-data-parallel group, not DP), split over TP along partition_dim."""
-    p = Parameter(Tensor(np.zeros(shape, np.float32)), name=name)
-    if partition_dim is not None:
-        p.partition_dim, p.partition_chunks = partition_dim, chunks
-    return p
+def router_gating_linear(x, weight, bias, dtype):
+    """Megatron's router_gating_linear (moe_utils.py): the router's logits x [n, h] W^T + b in
+    `dtype` (moe_router_dtype, else the input's), to which x, W [E, h] and b [E] are cast."""
+    return linear(cast(x, dtype), cast(weight, dtype), cast(bias, dtype))
 
 
 def _scale_by_probs(y, probs):
@@ -386,56 +385,60 @@ def _scale_by_probs(y, probs):
     return cast(cast(y, probs.dtype) * probs.expand_dims(-1), y.dtype)
 
 
-class ExpertLinear(nn.Cell):
-    """One expert's weight [out/tp, in] (fc1, partition_dim 0, fc1's [gate; up] split in
-    `chunks` blocks) or [out, in/tp] (fc2, partition_dim 1), and bias. No TP mappings: the
+def expert_linear(cfg, spec, in_features, out_features, partition_dim, tp, chunks=1,
+                  skip_bias_add=False):
+    """One expert's linear, of the spec's one-rank class (spec.linear, as a dense layer's at TP1)
+    computing in the compute dtype: weight [out/tp, in] (fc1, partition_dim 0, fc1's [gate; up]
+    split in `chunks` blocks) or [out, in/tp] (fc2, partition_dim 1), marked so; is_expert by
+    its name (gradients summed over the expert-data-parallel group, not DP). No TP mappings: the
     dispatcher communicates (Megatron's explicit_expert_comm, tensor_parallel/layers.py:1032)."""
-
-    def __init__(self, in_features, out_features, bias, partition_dim, tp, chunks=1):
-        super().__init__()
-        if (out_features if partition_dim == 0 else in_features) % (tp * chunks):
-            raise ValueError(f"expert linear {in_features} -> {out_features} is not divisible "
-                             f"by tp*chunks = {tp * chunks}")
-        shape = (out_features // tp, in_features) if partition_dim == 0 else \
-            (out_features, in_features // tp)
-        self.weight = _expert_param(shape, "weight", partition_dim, chunks)
-        self.bias = _expert_param((shape[0],), "bias", 0 if partition_dim == 0 else None, chunks) \
-            if bias else None
+    if (out_features if partition_dim == 0 else in_features) % (tp * chunks):
+        raise ValueError(f"expert linear {in_features} -> {out_features} is not divisible "
+                         f"by tp*chunks = {tp * chunks}")
+    out_local, in_local = (out_features // tp, in_features) if partition_dim == 0 else \
+        (out_features, in_features // tp)
+    layer = spec.linear(in_local, out_local, cfg.add_bias_linear, skip_bias_add)
+    split = [layer.weight] + ([layer.bias] if layer.bias is not None and partition_dim == 0
+                              else [])
+    for param in split:
+        param.partition_dim, param.partition_chunks = partition_dim, chunks
+    return fused.computing_in(layer, DTYPES[cfg.compute_dtype])
 
 
 class ExpertMLP(nn.Cell):
     """An expert: Megatron's MLP with is_expert (mlp.py:257-358), fc2(act(fc1 x) * p) + b2 * p:
     the probability scales the activation (after the GLU), and fc2's bias."""
 
-    def __init__(self, cfg, ffn_hidden_size, tp):
+    def __init__(self, cfg, spec, ffn_hidden_size, tp):
         super().__init__()
         chunks = 2 if cfg.hidden_act == "swiglu" else 1
-        self.linear_fc1 = ExpertLinear(cfg.hidden_size, ffn_hidden_size * chunks,
-                                       cfg.add_bias_linear, 0, tp, chunks)
-        self.linear_fc2 = ExpertLinear(ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, 1, tp)
-        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
+        self.linear_fc1 = expert_linear(cfg, spec, cfg.hidden_size, ffn_hidden_size * chunks, 0,
+                                        tp, chunks)
+        self.linear_fc2 = expert_linear(cfg, spec, ffn_hidden_size, cfg.hidden_size, 1, tp,
+                                        skip_bias_add=True)
+        self.act = cfg.hidden_act
 
     def construct(self, x, probs):
         """x [T, h], probs [T] -> [T, h] (partial over TP)."""
-        fc1, fc2, dtype = self.linear_fc1, self.linear_fc2, self.dtype
-        y = linear(x, fc1.weight, fc1.bias, dtype)                               # [T, F1/tp]
-        y = linear(_scale_by_probs(activation(y, self.act), probs), fc2.weight, None, dtype)
-        if fc2.bias is None:
+        y = self.linear_fc1(x)                                                   # [T, F1/tp]
+        y, bias = self.linear_fc2(_scale_by_probs(activation(y, self.act), probs))
+        if bias is None:
             return y
-        return y + _scale_by_probs(ops.broadcast_to(cast(fc2.bias, dtype), y.shape), probs)
+        return y + _scale_by_probs(ops.broadcast_to(cast(bias, y.dtype), y.shape), probs)
 
 
 class SequentialMLP(nn.Cell):
     """Megatron's SequentialMLP (experts.py:1409-1519): this rank's E_l experts in
-    `local_experts`, run one after another. construct(tokens [E_l, T, h], probs [E_l, T]) ->
-    [E_l, T, h]: expert j's output for its T tokens, each scaled by its probability."""
+    `local_experts`, run one after another, their linears of the layer spec's class (Megatron's
+    MoE submodules). construct(tokens [E_l, T, h], probs [E_l, T]) -> [E_l, T, h]: expert j's
+    output for its T tokens, each scaled by its probability."""
 
-    def __init__(self, cfg, num_local_experts, tp):
+    def __init__(self, cfg, spec, num_local_experts, tp):
         super().__init__()
         self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
         # transformer_config.py:1685-1687: moe_ffn_hidden_size defaults to ffn_hidden_size
         ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
-        self.local_experts = nn.CellList([ExpertMLP(cfg, ffn, tp)
+        self.local_experts = nn.CellList([ExpertMLP(cfg, spec, ffn, tp)
                                           for _ in range(num_local_experts)])
 
     def construct(self, tokens, probs):
@@ -472,16 +475,16 @@ class SharedExpertMLP(nn.Cell):
     its output is scaled by sigmoid(x . gate_weight), gate_weight [1, h].
     construct(x [s, b, h]) -> [s, b, h]."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, spec):
         super().__init__()
         sp, size = parallel.get_state().sequence_parallel, cfg.moe_shared_expert_intermediate_size
-        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
+        self.act, dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
         chunks = 2 if self.act == "swiglu" else 1
-        self.linear_fc1 = parallel.ColumnParallelLinear(cfg.hidden_size, size * chunks, False,
-                                                        sequence_parallel=sp, chunks=chunks,
-                                                        dtype=self.dtype)
-        self.linear_fc2 = parallel.RowParallelLinear(size, cfg.hidden_size, False,
-                                                     sequence_parallel=sp, dtype=self.dtype)
+        self.linear_fc1 = fused.computing_in(spec.column_parallel_linear(
+            cfg.hidden_size, size * chunks, False, sequence_parallel=sp, chunks=chunks), dtype)
+        self.linear_fc2 = fused.computing_in(spec.row_parallel_linear(
+            size, cfg.hidden_size, False, sequence_parallel=sp), dtype)
+        self.gate_matmul = fused.in_compute_dtype(parallel.plain_forms()[0], dtype)
         self.gate_weight = None
         if cfg.moe_shared_expert_gate:
             self.gate_weight = Parameter(Tensor(np.zeros((1, cfg.hidden_size), np.float32)),
@@ -492,7 +495,7 @@ class SharedExpertMLP(nn.Cell):
         y = self.linear_fc2(activation(self.linear_fc1(x), self.act))
         if self.gate_weight is None:
             return y
-        return y * ops.sigmoid(linear(x, self.gate_weight, None, self.dtype))   # [s, b, 1]
+        return y * ops.sigmoid(linear(x, self.gate_weight, None, self.gate_matmul))  # [s, b, 1]
 
 
 # ============================================================================ dispatchers
@@ -604,16 +607,15 @@ class MoELayer(nn.Cell):
     parallel size and rank and the groups (the module docstring). This rank holds experts
     [ep_rank * E_l, (ep_rank + 1) * E_l) (moe_layer.py:187-196)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, spec):
         super().__init__()
         state = parallel.get_state()
         ep_group = state.ep_group if state.ep > 1 else None
         check_moe_rules(cfg, state.tp, state.sequence_parallel, state.ep)
         self.num_local_experts = cfg.num_moe_experts // state.ep
-        self.dtype = DTYPES[cfg.compute_dtype]
         self.router = TopKRouter(cfg, state.tp_cp_group)
         self.experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
-            cfg, self.num_local_experts, state.tp)
+            cfg, spec, self.num_local_experts, state.tp)
         if cfg.moe_token_dispatcher_type == "allgather":
             self.token_dispatcher = MoEAllGatherTokenDispatcher(
                 self.num_local_experts, state.ep_rank * self.num_local_experts, state.tp_ep_group)
@@ -625,16 +627,15 @@ class MoELayer(nn.Cell):
                              "allgather or alltoall")
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
-            self.shared_experts = SharedExpertMLP(cfg)
+            self.shared_experts = SharedExpertMLP(cfg, spec)
 
     def construct(self, hidden):
         s, b, h = hidden.shape
         # the shared expert first, as Megatron (moe_layer.py:660-662)
         shared = self.shared_experts(hidden) if self.shared_experts is not None else None
         probs, routing_map = self.router(hidden)                                  # [n, E] each
-        # cast before the dispatcher's gathers, as ColumnParallelLinear before f~
-        tokens = cast(hidden.reshape(s * b, h), self.dtype)
-        tokens, probs, indices = self.token_dispatcher.dispatch(tokens, probs, routing_map)
+        tokens, probs, indices = self.token_dispatcher.dispatch(hidden.reshape(s * b, h), probs,
+                                                                routing_map)
         output = self.token_dispatcher.combine(self.experts(tokens, probs), indices, s * b)
         output = output.reshape(s, b, h)
         return output if shared is None else output + shared

@@ -17,21 +17,11 @@ step_with_ready_grads (update, copy back).
 import math
 
 import numpy as np
-from mindspore import Tensor, mint, ops
+from mindspore import Tensor, ops
 
+from fused import eager_cast
 from keys import LR_DECAY_STYLES, WD_INCR_STYLES
 from parallel import F32, collectives
-
-
-def eager_cast(t, dtype):
-    """t in `dtype` op by op (the main params and grads of half-precision training): t's values
-    copied into a new tensor, rounded to nearest as by the Cast kernel
-    (test_eager_cast_equals_cast). Op by op MindSpore 2.10's CPU Cast costs about ten times this
-    copy whatever the size, and an --fp16 step casts every gradient and parameter
-    (docs/half-precision.md). Compiled code casts with parallel.cast."""
-    if t is None or t.dtype == dtype:
-        return t
-    return mint.empty(t.shape, dtype=dtype).copy_(t)
 
 
 # ----------------------------------------------------------------------------- schedules

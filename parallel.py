@@ -551,14 +551,13 @@ def cast(t, dtype):
     return t if t is None or t.dtype == dtype else t.astype(dtype)
 
 
-def linear(x, weight, bias=None, dtype=None, matmul=_matmul_nt, bias_add=ops.bias_add):
-    """x [..., in] -> [..., out] = x W^T + b, computed in `dtype` (default: x's), to which x, the
-    weight and the bias are cast; as a 2-D `matmul` [n, in] x [out, in] -> [n, out] and a
-    `bias_add` [n, out] + [out] (a linear's own, see plain_forms)."""
-    dtype = dtype or x.dtype
-    y = matmul(cast(x, dtype).reshape(-1, x.shape[-1]), cast(weight, dtype))     # [n, out]
+def linear(x, weight, bias=None, matmul=_matmul_nt, bias_add=ops.bias_add):
+    """x [..., in] -> [..., out] = x W^T + b, as a 2-D `matmul` [n, in] x [out, in] -> [n, out]
+    and a `bias_add` [n, out] + [out] (a linear's own, see plain_forms); x, W and b in one dtype
+    (under half precision the forms cast them first: fused.computing_in)."""
+    y = matmul(x.reshape(-1, x.shape[-1]), weight)                               # [n, out]
     if bias is not None:
-        y = bias_add(y, cast(bias, dtype))
+        y = bias_add(y, bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -603,23 +602,22 @@ def scaled_masked_softmax(scores, mask_bias, scale):
 
 class Linear(nn.Cell):
     """y = x W^T + b with W [out, in], the layout of torch and Megatron: the linear of one TP
-    rank, computed in `dtype` (the compute dtype: float32 parameters are cast to it for the
-    matmul, half ones are already). skip_bias_add (Megatron's): (y without the bias, the bias or
-    None), for what follows to add it."""
+    rank. skip_bias_add (Megatron's): (y without the bias, the bias or None), for what follows
+    to add it."""
     forms = staticmethod(plain_forms)
 
-    def __init__(self, in_features, out_features, bias=True, dtype=F32, skip_bias_add=False):
+    def __init__(self, in_features, out_features, bias=True, skip_bias_add=False):
         super().__init__()
         self.weight = _param((out_features, in_features), "weight")
         self.bias = _param((out_features,), "bias") if bias else None
-        self.dtype, self.skip_bias_add = dtype, skip_bias_add
+        self.skip_bias_add = skip_bias_add
         self.matmul, self.bias_add = self.forms()
 
     def construct(self, x):
         """x [..., in] -> [..., out]"""
         if self.skip_bias_add:
-            return linear(x, self.weight, None, self.dtype, self.matmul), self.bias
-        return linear(x, self.weight, self.bias, self.dtype, self.matmul, self.bias_add)
+            return linear(x, self.weight, None, self.matmul), self.bias
+        return linear(x, self.weight, self.bias, self.matmul, self.bias_add)
 
 
 def mark_sequence_parallel(params, sequence_parallel):
@@ -671,10 +669,9 @@ class ColumnParallelLinear(nn.Cell):
     forms = staticmethod(plain_forms)
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
-                 sequence_parallel=False, chunks=1, dtype=F32, skip_bias_add=False):
+                 sequence_parallel=False, chunks=1, skip_bias_add=False):
         super().__init__()
         state = get_state()
-        self.dtype = dtype                                  # the compute dtype (see linear)
         self.skip_bias_add = skip_bias_add
         if out_features % (state.tp * chunks):
             raise ValueError(f"output size {out_features} is not divisible by tp*chunks = "
@@ -691,10 +688,9 @@ class ColumnParallelLinear(nn.Cell):
         self.matmul, self.bias_add = self.forms()
 
     def construct(self, x):
-        # cast before f/f~: sequence parallelism all-gathers the compute dtype
-        x = self.enter(cast(x, self.dtype))                              # [s, b, in]
+        x = self.enter(x)                                                # [s, b, in]
         bias = None if self.skip_bias_add else self.bias
-        y = linear(x, self.weight, bias, self.dtype, self.matmul, self.bias_add)  # [s, b, out/tp]
+        y = linear(x, self.weight, bias, self.matmul, self.bias_add)     # [s, b, out/tp]
         if self.gather_output is not None:
             y = self.gather_output(y)                                    # [s, b, out]
         return (y, self.bias) if self.skip_bias_add else y
@@ -708,10 +704,9 @@ class RowParallelLinear(nn.Cell):
     forms = staticmethod(plain_forms)
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
-                 sequence_parallel=False, dtype=F32, skip_bias_add=False):
+                 sequence_parallel=False, skip_bias_add=False):
         super().__init__()
         state = get_state()
-        self.dtype = dtype                                  # the compute dtype (see linear)
         self.skip_bias_add = skip_bias_add
         if in_features % state.tp:
             raise ValueError(f"input size {in_features} is not divisible by tp = {state.tp}")
@@ -734,12 +729,12 @@ class RowParallelLinear(nn.Cell):
         if self.scatter_input is not None:
             x = self.scatter_input(x)                                    # [s, b, in/tp]
         # [s, b, out], or [s/tp, b, out] with sequence parallelism
-        y = self.reduce(linear(x, self.weight, None, self.dtype, self.matmul))
+        y = self.reduce(linear(x, self.weight, None, self.matmul))
         if self.skip_bias_add:
             return y, self.bias
         if self.bias is None:
             return y
-        flat = self.bias_add(y.reshape(-1, y.shape[-1]), cast(self.bias, self.dtype))
+        flat = self.bias_add(y.reshape(-1, y.shape[-1]), self.bias)
         return flat.reshape(y.shape)
 
 

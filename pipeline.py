@@ -28,7 +28,7 @@ from mindspore import Tensor, mint, ops
 import gpt
 import parallel
 from config import stage_layer_counts
-from optimizer import eager_cast
+from fused import eager_cast
 
 
 # ============================================================================ layer assignment

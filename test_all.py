@@ -2585,12 +2585,14 @@ def test_fused_form_equals_its_plain_form(form, dtype, compiled):
     """Each fused form (fused.py) gives its plain form's values (gpt.local_spec's) and the
     gradients of its inputs and parameters: relative 1e-5 in float32, 2e-3 in float16 (the norms
     compute in float32 inside, as the plain ones); op by op, and compiled (ms.jit; dropout masks
-    come from host streams, so the dropout case runs op by op)."""
+    come from host streams, so the dropout case runs op by op). In float16 the parameters are
+    too, as in the --fp16 model (gpt.cast_parameters)."""
     build, shapes, graded = FUSED_FORMS[form]
     dtype = parallel.DTYPES[dtype]
     inputs = _form_inputs(shapes, dtype)
     results = []
     for cell in build():
+        gpt.cast_parameters(cell, dtype)
         net = Graph(cell) if compiled else cell
         params = cell.trainable_params()
         out = net(*inputs)
@@ -2837,9 +2839,15 @@ def moe_config(**overrides):
                moe_z_loss_coeff=None, moe_expert_capacity_factor=None,
                moe_pad_expert_input_to_capacity=False, moe_token_drop_policy="probs",
                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-               moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
+               moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
+               normalization="LayerNorm")
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
+
+
+def moe_layer(cfg):
+    """moe.MoELayer of `cfg` with the layer spec's plain forms (gpt.local_spec)."""
+    return moe.MoELayer(cfg, gpt.local_spec(cfg))
 
 
 def fill_normal(cell, seed=0, std=0.5):
@@ -2856,7 +2864,7 @@ def gaussian(shape, seed):
 
 
 def layer_of(seed=0, **overrides):
-    layer = fill_normal(moe.MoELayer(moe_config(**overrides)), seed)
+    layer = fill_normal(moe_layer(moe_config(**overrides)), seed)
     layer.set_train(True)
     return layer
 
@@ -2984,7 +2992,7 @@ def test_capacity_above_the_token_count_drops_nothing():
                                                  add_bias_linear=True)])
 def test_settings_the_layer_does_not_compute_are_refused(overrides):
     with pytest.raises(ValueError):
-        moe.MoELayer(moe_config(**overrides))
+        moe_layer(moe_config(**overrides))
 
 
 # the auxiliary losses
@@ -3195,13 +3203,38 @@ def test_training_the_router_on_the_aux_loss_evens_the_expert_load():
 def test_grouped_mlp_equals_sequential_mlp(act, bias):
     """The same parameters (names and values); batched matmuls against a loop of experts."""
     cfg = moe_config(hidden_act=act, add_bias_linear=bias)
-    sequential = fill_normal(moe.SequentialMLP(cfg, 3, 1))
-    grouped = fill_normal(moe.GroupedMLP(cfg, 3, 1))
+    sequential = fill_normal(moe.SequentialMLP(cfg, gpt.local_spec(cfg), 3, 1))
+    grouped = fill_normal(moe.GroupedMLP(cfg, gpt.local_spec(cfg), 3, 1))
     assert [n for n, _ in sequential.parameters_and_names()] == \
         [n for n, _ in grouped.parameters_and_names()]
     tokens, probs = gaussian((3, 5, 8), 12), ops.abs(gaussian((3, 5), 13))
     assert_close(values_and_grads(lambda t: grouped(t, probs), tokens, grouped),
                  values_and_grads(lambda t: sequential(t, probs), tokens, sequential))
+
+
+@pytest.mark.moe
+@pytest.mark.parametrize("overrides", [dict(add_bias_linear=True),
+                                       dict(hidden_act="swiglu",
+                                            moe_shared_expert_intermediate_size=8)],
+                         ids=["biases", "swiglu-shared"])
+def test_experts_linears_are_the_layer_specs(overrides):
+    """The routed and the shared experts' linears are of the layer spec's classes (Megatron's
+    MoE submodules): built with the fused linears (fused.Linear and its TP forms), the layer
+    gives the plain spec's output and gradients."""
+    cfg = moe_config(**overrides)
+    local = gpt.local_spec(cfg)
+    fast = gpt.LayerSpec(**{**vars(local), "linear": fused.Linear,
+                            "column_parallel_linear": fused.ColumnParallelLinear,
+                            "row_parallel_linear": fused.RowParallelLinear})
+    plain, fused_layer = (fill_normal(moe.MoELayer(cfg, spec)) for spec in (local, fast))
+    linears = [c for _, c in fused_layer.cells_and_names() if isinstance(c, parallel.Linear)]
+    assert len(linears) == 2 * cfg.num_moe_experts and all(
+        type(c) is fused.Linear for c in linears)
+    if fused_layer.shared_experts is not None:
+        assert type(fused_layer.shared_experts.linear_fc1) is fused.ColumnParallelLinear
+    x = gaussian((4, 2, 8), 3)
+    assert_close(values_and_grads(fused_layer, x, fused_layer),
+                 values_and_grads(plain, x, plain), tol=1e-5)
 
 
 def dense_reference(layer, x):
@@ -3329,9 +3362,9 @@ def test_parameter_names_and_attributes():
     """Megatron's module names; expert parameters known by their names and split like the TP
     layers (fc1 by rows in [gate; up] blocks, fc2 by columns); the logged sums and the shared
     scale are no parameters of the layer."""
-    layer = moe.MoELayer(moe_config(num_moe_experts=2, hidden_act="swiglu",
-                                    moe_shared_expert_intermediate_size=8,
-                                    moe_shared_expert_gate=True))
+    layer = moe_layer(moe_config(num_moe_experts=2, hidden_act="swiglu",
+                                 moe_shared_expert_intermediate_size=8,
+                                 moe_shared_expert_gate=True))
     params = dict(layer.parameters_and_names())
     expert = [f"experts.local_experts.{j}.linear_fc{i}.weight" for j in (0, 1) for i in (1, 2)]
     assert list(params) == ["router.weight"] + expert + [
@@ -6494,19 +6527,19 @@ FP16 = ["--fp16", "--initial-loss-scale", "4096"]
 
 @pytest.mark.fp16
 def test_eager_cast_equals_cast():
-    """optimizer.eager_cast (a copy into a new tensor, the optimizer's op-by-op cast) gives the
+    """fused.eager_cast (a copy into a new tensor, the optimizer's op-by-op cast) gives the
     Cast kernel's bits both ways, overflow, subnormals, signed zero, nan and ties included, and
     returns a tensor already in the dtype itself."""
     x = np.array([1e5, -1e5, 65519, 65520, 1e-8, 6e-8, -0.0, np.nan, np.inf, 1 / 3, 2049, 2051],
                  np.float32)
     for source, dtype, bits in ((Tensor(x), ms.float16, np.uint16),
                                 (Tensor(x).astype(ms.float16), ms.float32, np.uint32)):
-        got = optimizer.eager_cast(source, dtype)
+        got = fused.eager_cast(source, dtype)
         assert got.dtype == dtype
         assert np.array_equal(got.asnumpy().view(bits), source.astype(dtype).asnumpy().view(bits))
     same = Tensor(x)
-    assert optimizer.eager_cast(same, ms.float32) is same
-    assert optimizer.eager_cast(None, ms.float32) is None
+    assert fused.eager_cast(same, ms.float32) is same
+    assert fused.eager_cast(None, ms.float32) is None
 
 
 @pytest.mark.fp16

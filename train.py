@@ -31,6 +31,7 @@ import context_parallel
 import data
 import distributed
 import flight_recorder
+import fused
 import hf_gpt2
 import memory
 import moe
@@ -394,7 +395,7 @@ class Trainer:
         for batch in micro_batches:
             loss, grads = self.grad_fn(*to_tensors(batch, self.state))
             losses.append(float(loss.asnumpy()) / self.loss_weight)
-            grads = [opt.eager_cast(g, self.grad_dtype) for g in grads]
+            grads = [fused.eager_cast(g, self.grad_dtype) for g in grads]
             acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
         return losses, acc
 
