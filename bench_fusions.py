@@ -12,7 +12,7 @@ operand is a column [n, 1] or a row [h] broadcast by the op itself, against the 
 made full-size first by a MatMul with a ones vector (fused.broadcast_column, broadcast_row),
 the reason the fused forms do the latter. `layernorm` times 9 chained LayerNorms on [2048, 256],
 forward and backward, as the ops.LayerNorm kernel (gpt.LayerNorm) and as fused.LayerNorm, and
-with --torch as PyTorch's kernels (`PYTHON bench.py torch-layernorm`). Not part of bench.py,
+with --torch as PyTorch's kernels (`PYTHON bench_torch.py torch-layernorm`). Not part of bench.py,
 whose PyTorch reference runs under a python without MindSpore.
 """
 import os
@@ -27,7 +27,8 @@ from mindspore import nn
 import fused
 import gpt
 import train
-from bench import HERE, MODEL, SHAPE
+from bench import HERE, MODEL
+from bench_torch import SHAPE
 from cli import HelpRequested, load_config, parse_command
 from config import padded_vocab_size
 from fused import broadcast_column, broadcast_row
@@ -190,7 +191,7 @@ def _alternated(cells, x, rounds):
 def layernorm_probe(argv, rounds=20):
     """Median ms of 9 chained LayerNorms forward and backward, as the ops.LayerNorm kernel and
     as fused.LayerNorm, and of one elementwise pass (a chain of 20 products, 40 passes with the
-    backward); PyTorch's with --torch (`PYTHON bench.py torch-layernorm`)."""
+    backward); PyTorch's with --torch (`PYTHON bench_torch.py torch-layernorm`)."""
     options = parse_command("layernorm", argv, {"--torch": (None, str, "a python with torch")})[0]
     train.setup_mindspore()
     x = ms.Tensor(np.random.default_rng(0).standard_normal(
@@ -202,7 +203,8 @@ def layernorm_probe(argv, rounds=20):
     for name, ms_ in ms_times.items():
         print(f"MindSpore {name:22s} 9 norms {ms_:7.2f} ms", flush=True)
     if options["torch"]:
-        out = subprocess.run([options["torch"], os.path.join(HERE, "bench.py"), "torch-layernorm"],
+        out = subprocess.run([options["torch"], os.path.join(HERE, "bench_torch.py"),
+                              "torch-layernorm"],
                              check=True, capture_output=True, text=True).stdout
         torch_times = dict(line.split(": ") for line in out.strip().splitlines())
         print(f"PyTorch: one elementwise pass {float(torch_times['mul']) / 40:.3f} ms")

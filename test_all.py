@@ -135,18 +135,29 @@ MODULES = ["keys", "config", "cli", "tokenizer", "data", "flight_recorder", "par
            "distributed", "optimizer",
            "context_parallel", "moe", "gpt", "pipeline", "memory", "torch_format",
            "megatron_checkpoint", "dist_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler",
-           "metrics", "train", "fused", "bench", "bench_fusions", "tour"]
+           "metrics", "train", "fused", "bench_torch", "bench", "bench_fusions", "tour"]
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES
                                     if m not in ("train", "bench", "bench_fusions", "tour",
-                                                 "flight_recorder")])
+                                                 "flight_recorder", "bench_torch")])
 def test_a_library_module_run_directly_names_the_command(module):
     """A module that is not an entry point (`python checkpoint.py import-hf ...`) does nothing
     and ends non-zero with one line naming `bash run.sh`."""
     with pytest.raises(SystemExit) as stop:
         runpy.run_path(os.path.join(HERE, module + ".py"), run_name="__main__")
     assert str(stop.value.code).startswith(f"error: {module}.py is a library: run `bash run.sh")
+
+
+def test_the_pytorch_reference_imports_nothing_of_mindspore():
+    """bench_torch.py runs in another interpreter, one with torch, numpy and pyyaml alone
+    (`bash run.sh bench --torch PYTHON`): with MindSpore unimportable it still parses its flags."""
+    code = ("import runpy, sys; sys.modules['mindspore'] = None; "
+            "sys.argv = ['bench_torch.py', 'torch-reference', '--help']; "
+            "runpy.run_path('bench_torch.py', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "--steps" in done.stdout, done.stdout + done.stderr
 
 
 def test_lines_and_functions_stay_short():
