@@ -7940,15 +7940,16 @@ class Job:
     themselves). `workers`: 1, a one-process run; 2 or 4, the msrun launch of that many workers
     (the jobs of a launch run one after another on every worker); 0, a call. `concepts`: the
     pytest marks (pytest.ini) of the tests that may read it. `plant`: a bug planted for the run
-    (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM; `waits`: a call whose
-    processes mostly wait (idle in a collective, asleep, failing at load), run beside the rest."""
+    (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM; `light`: a call whose
+    processes take little of the CPU (idle in a collective, asleep, failing at load, or a few
+    steps of a tiny model on one worker a launch), run beside the rest."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
-                 sigterm=None, call=None, check=None, waits=False):
+                 sigterm=None, call=None, check=None, light=False):
         self.name, self.workers, self.concepts = name, workers, set(concepts.split())
         self.flags, self.argv_of, self.after = list(flags), argv, tuple(after)
         self.plant, self.sigterm, self.call, self.check = plant, sigterm, call, check
-        self.waits = waits
+        self.light = light
 
     def argv(self, tmp, prefix):
         """train.py's argv in the harness's folder `tmp` ("{tmp}" in a flag) on data `prefix`."""
@@ -8467,12 +8468,12 @@ def call_fault(fault):
 
 
 for _fault in FAULTS:
-    add(f"fault_{_fault}", 0, "", call=call_fault(_fault), waits=True)
+    add(f"fault_{_fault}", 0, "", call=call_fault(_fault), light=True)
 add("tour_pp", 0, "pipeline", call=call_tour)        # the compiled pipeline beside one process
-add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], waits=True)
-add("killed_worker", 0, "", call=call_killed_worker, waits=True)
-add("two_nodes", 0, "", call=call_two_nodes, after=["one"])
-add("guides_script", 0, "", call=call_guides_script)
+add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], light=True)
+add("killed_worker", 0, "", call=call_killed_worker, light=True)
+add("two_nodes", 0, "", call=call_two_nodes, after=["one"], light=True)
+add("guides_script", 0, "", call=call_guides_script, light=True)
 
 
 # ------------------------------------------------------------------------------------ the harness
@@ -8562,9 +8563,10 @@ class Harness:
       5. the launch of 2 workers, beside the remaining one-process jobs;
       6. the calls that need a launch's jobs.
     A launch runs this file on its workers (run_jobs); a selection with no job of a step skips
-    it, so `-m pipeline` launches only pipeline runs. A second thread runs the calls that mostly
-    wait (Job.waits: the planted faults, a launch that fails at load) beside all this, in turn:
-    their msrun jobs (each its own scheduler port) take little of the CPU."""
+    it, so `-m pipeline` launches only pipeline runs. A second thread runs the calls that take
+    little of the CPU (Job.light: the planted faults, a launch that fails at load, a killed
+    worker, the guide's script, two nodes) beside all this, in turn, each msrun job on its own
+    scheduler port."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, needed_jobs(names)
@@ -8576,7 +8578,7 @@ class Harness:
         self.seconds = {}                  # a launch or call -> its wall time, for the summary
         self.processes, self.stopped = set(), False
         self.threads = [threading.Thread(target=self._run_all, daemon=True),
-                        threading.Thread(target=self._run_waiting_calls, daemon=True)]
+                        threading.Thread(target=self._run_light_calls, daemon=True)]
         for thread in self.threads:
             thread.start()
 
@@ -8585,7 +8587,7 @@ class Harness:
         jobs = [JOBS[n] for n in self.names]
         four, two = ([j for j in jobs if j.workers == w] for w in (4, 2))
         ones = [j for j in jobs if j.workers == 1]
-        calls = [j for j in jobs if j.workers == 0 and not j.waits]
+        calls = [j for j in jobs if j.workers == 0 and not j.light]
         after_four = [j for j in ones if needs(j, four)]
         before_four = [j for j in needed_by(ones, four + calls) if j not in after_four]
         before_two = needed_by(after_four, two)
@@ -8609,11 +8611,11 @@ class Harness:
                 if side is not None:
                     side.result()
 
-    def _run_waiting_calls(self):
-        """The second thread: the calls that mostly wait, in turn, each once the jobs it needs
+    def _run_light_calls(self):
+        """The second thread: the light calls, in turn, each once the jobs it needs
         have ended."""
         for job in (JOBS[n] for n in self.names):
-            if job.waits:
+            if job.light:
                 for name in job.after:
                     self.done[name].wait()
                 self._call(job)
