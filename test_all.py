@@ -8717,13 +8717,6 @@ class Harness:
                                                  for label, seconds in self.seconds.items())
 
 
-def pytest_collection_modifyitems(items):
-    """The session's order (pytest.ini loads this file as a plugin, `-p test_all`, for this
-    hook): the tests that take the harness (`runs`) after all the others, in file order, so that
-    every one-process test runs while the workers train and none waits behind a launch."""
-    items.sort(key=lambda item: "runs" in inspect.signature(item.obj).parameters)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def runs(request, tmp_path_factory):
     """The session's Harness: the jobs the selected tests read, started at once in the
