@@ -3,8 +3,9 @@
 them in place at model build, each chosen by its config key, none with model_config.fusions
 false (--no-fusions: the plain model), as Megatron-core's layer specs put Transformer
 Engine's layers in place of its local ones (docs/performance.md#fusions). Beside them, the one
-half-precision form: a linear's matmul and bias add casting their inputs to the compute dtype
-(ComputeIn), put in place at build by computing_in, so that no concept class casts.
+half-precision form: a linear's matmul and bias add, and what adds a linear's skipped bias,
+casting their inputs to the compute dtype (ComputeIn), put in place at build by computing_in and
+in_compute_dtype, so that no concept class casts.
 
 Why, on MindSpore 2.10's CPU backend (bench_fusions.py; docs/performance.md#fusions):
 - Reductions over rows are slow kernels: BiasAddGrad, ReduceSum, ReduceMean and LayerNormGrad
@@ -150,37 +151,45 @@ class SplitLastDim(nn.Cell):
 
 # ============================================================================ half precision
 class ComputeIn(nn.Cell):
-    """A linear's matmul or bias add, `form`, with its two inputs cast to `dtype` first: the
-    half-precision compute dtype, in which float32 parameters (params_dtype float32 with a
-    half compute_dtype, the guides' MindSpore keys) and a float32 residual stream's norm outputs
-    (fp32_residual_connection) are not. Megatron's parameters are in the compute dtype (its
-    Float16Module); MindSpore's nn.Dense casts its weight to its compute dtype as this does."""
+    """`form` with its first two inputs cast to `dtype` first (x and a weight, y and a bias; the
+    inputs after them, a residual, as they are): the half-precision compute dtype, in which
+    float32 parameters (params_dtype float32 with a half compute_dtype, the guides' MindSpore
+    keys) and a float32 residual stream's norm outputs (fp32_residual_connection) are not.
+    Megatron's parameters are in the compute dtype (its Float16Module); MindSpore's nn.Dense
+    casts its weight to its compute dtype as this does."""
 
     def __init__(self, form, dtype):
         super().__init__()
         self.form, self.dtype = form, dtype
 
-    def construct(self, a, b):
-        return self.form(cast(a, self.dtype), cast(b, self.dtype))
+    def construct(self, a, b, *rest):
+        return self.form(cast(a, self.dtype), cast(b, self.dtype), *rest)
 
 
 def in_compute_dtype(form, dtype):
-    """A linear's `form` (matmul or bias add) computing in `dtype`: in ComputeIn under half
-    precision, itself in float32 (where every input already is)."""
+    """`form` computing in `dtype`: a linear's matmul or bias add, what adds a linear's skipped
+    bias (gpt.make_activation, gpt.make_bias_dropout_add), an expert's batched forms; in
+    ComputeIn under half precision, itself in float32 (where every input already is)."""
     return form if dtype == F32 else ComputeIn(form, dtype)
 
 
-def computing_in(linear, dtype):
-    """`linear` (a Linear, ColumnParallelLinear or RowParallelLinear) with its matmul and bias
-    add computing in `dtype`, put in place at build (gpt.make_linear, moe.SharedExpertMLP)."""
-    linear.matmul = in_compute_dtype(linear.matmul, dtype)
-    linear.bias_add = in_compute_dtype(linear.bias_add, dtype)
-    return linear
+FORMS = ("matmul", "bias_add", "broadcast")      # the forms computing_in puts in the compute dtype
+
+
+def computing_in(cell, dtype):
+    """`cell` with those of its FORMS it has computing in `dtype`, put in place at build: a
+    linear's matmul and bias add (gpt.make_linear, moe.expert_linear, moe.SharedExpertMLP), an
+    expert's broadcast of its fc2 bias and GroupedMLP's batched forms (moe.make_experts)."""
+    for name in FORMS:
+        if hasattr(cell, name):
+            setattr(cell, name, in_compute_dtype(getattr(cell, name), dtype))
+    return cell
 
 
 def eager_cast(t, dtype):
     """t in `dtype` op by op (the main params and grads of half-precision training), the fast
-    form of parallel.cast there: t's values copied into a new tensor, rounded to nearest as by
+    form of parallel.cast there (the layer spec's `cast`, which train.py hands to the optimizer
+    and the pipeline): t's values copied into a new tensor, rounded to nearest as by
     the Cast kernel (test_eager_cast_equals_cast). Op by op MindSpore 2.10's CPU Cast costs about
     ten times this copy whatever the size, and an --fp16 step casts every gradient and parameter
     (docs/half-precision.md). Compiled code casts with parallel.cast."""
@@ -337,7 +346,7 @@ class BiasGelu(nn.Cell):
 
     def construct(self, y, bias):
         """y [..., f] without its bias, bias [f] -> [..., f], in y's dtype."""
-        out = self.kernel(y.reshape(-1, y.shape[-1]), cast(bias, y.dtype))[0]
+        out = self.kernel(y.reshape(-1, y.shape[-1]), bias)[0]
         return out.reshape(y.shape)
 
 
@@ -375,7 +384,7 @@ class SwiGLU(nn.Cell):
     def construct(self, y, bias):
         """y [..., 2f] = [gate, up] (fc1's output), bias None or [2f] -> [..., f]."""
         if bias is not None:
-            flat = self.bias_add(y.reshape(-1, y.shape[-1]), cast(bias, y.dtype))
+            flat = self.bias_add(y.reshape(-1, y.shape[-1]), bias)
             y = flat.reshape(y.shape)
         return self.kernel(y)[0]
 
@@ -481,12 +490,11 @@ class BiasDropoutAdd(nn.Cell):
         self.dropout, self.bias_add = dropout, BiasAdd()
 
     def construct(self, y, bias, residual):
-        """y [s, b, h] (a row-parallel linear's reduced output), bias None or [h], residual
-        [s, b, h] -> [s, b, h] in the residual's dtype."""
+        """As gpt.BiasDropoutAdd."""
         if bias is not None:
-            flat = self.bias_add(y.reshape(-1, y.shape[-1]), cast(bias, y.dtype))
+            flat = self.bias_add(y.reshape(-1, y.shape[-1]), bias)
             y = flat.reshape(y.shape)
-        return residual + cast(self.dropout(y), residual.dtype)
+        return residual + self.dropout(y)
 
 
 if __name__ == "__main__":          # imported by gpt.py, not a script

@@ -69,6 +69,19 @@ def make_linear(cfg, spec, in_features, out_features, bias, kind, chunks=1, skip
     return fused.computing_in(layer, DTYPES[cfg.compute_dtype])
 
 
+def make_activation(cfg, spec):
+    """fc1's activation of the spec's form, fc1's bias added in the compute dtype
+    (fused.in_compute_dtype), as a linear adds its own."""
+    return fused.in_compute_dtype(spec.activation(cfg.hidden_act), DTYPES[cfg.compute_dtype])
+
+
+def make_bias_dropout_add(cfg, spec, rng):
+    """A sub-layer's bias-dropout-add of the spec's form with the layer's hidden_dropout, the
+    linear's bias added in the compute dtype (fused.in_compute_dtype; the residual as it is)."""
+    return fused.in_compute_dtype(spec.bias_dropout_add(hidden_dropout(cfg, rng)),
+                                  DTYPES[cfg.compute_dtype])
+
+
 def cast_parameters(model, dtype):
     """Every parameter of `model` in `dtype`, each replaced by a Parameter made in that dtype,
     with its name and marks (sequence_parallel, shared_embedding, ...); one replacement for a
@@ -237,7 +250,7 @@ class BiasActivation(nn.Cell):
     def construct(self, y, bias):
         """y [..., f], bias None or [f] -> [..., f] (SwiGLU: [..., 2f] -> [..., f])."""
         if bias is not None:
-            y = y + cast(bias, y.dtype)
+            y = y + bias
         return activation(y, self.act)
 
 
@@ -251,10 +264,11 @@ class BiasDropoutAdd(nn.Cell):
 
     def construct(self, y, bias, residual):
         """y [s, b, h] (a row-parallel linear's reduced output), bias None or [h], residual
-        [s, b, h] -> [s, b, h] in the residual's dtype."""
+        [s, b, h] -> [s, b, h] in the residual's dtype (float32 with fp32_residual_connection:
+        the add promotes y, as in Megatron)."""
         if bias is not None:
-            y = y + cast(bias, y.dtype)
-        return residual + cast(self.dropout(y), residual.dtype)
+            y = y + bias
+        return residual + self.dropout(y)
 
 
 def keep_mask(mask_bias, batch, heads):
@@ -269,7 +283,8 @@ class LayerSpec:
     layer_spec: Megatron-core's layer specs (megatron/core/models/gpt/gpt_layer_specs.py), whose
     local spec builds Megatron's own layers and whose transformer_engine spec puts Transformer
     Engine's fused ones in their place, the layers' code the same. Each builder makes one Cell
-    per call site."""
+    per call site. Beside the layers' operators, the training step's cast (train.py hands it to
+    the optimizer and the pipeline)."""
     linear: type                    # (in, out, bias, skip_bias_add): one TP rank
     column_parallel_linear: type    # parallel.ColumnParallelLinear's arguments
     row_parallel_linear: type       # parallel.RowParallelLinear's arguments
@@ -281,6 +296,7 @@ class LayerSpec:
     bias_dropout_add: type          # (dropout): (y, bias or None, residual) -> residual + ...
     cross_entropy: type             # (): (logits [n, V], labels [n]) -> loss [n] (one TP rank)
     attention_mask: object          # (mask_bias, batch, heads) -> the mask bias the layers add
+    cast: object                    # (t, dtype) -> t in dtype, op by op: gradients, main params
 
 
 def local_spec(cfg):
@@ -292,7 +308,7 @@ def local_spec(cfg):
                      norm=RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm,
                      split=SplitLastDim, rotary=Rotary, softmax=ScaledMaskedSoftmax,
                      activation=BiasActivation, bias_dropout_add=BiasDropoutAdd,
-                     cross_entropy=CrossEntropy, attention_mask=keep_mask)
+                     cross_entropy=CrossEntropy, attention_mask=keep_mask, cast=cast)
 
 
 def layer_spec(cfg):
@@ -300,7 +316,7 @@ def layer_spec(cfg):
     the fast forms of fused.py in place of the plain ones, each where its own key asks for it
     (config.py turns every such key off without fusions); each tested equal to its plain
     form (test_fused_form_equals_its_plain_form). The linears' matmul and bias add, the q/k/v
-    split and the tiled mask have no key of their own."""
+    split, the tiled mask and the step's cast have no key of their own."""
     local = local_spec(cfg)
     if not cfg.fusions:
         return local
@@ -317,7 +333,8 @@ def layer_spec(cfg):
                           else local.bias_dropout_add),
         cross_entropy=fused.CrossEntropy if cfg.cross_entropy_loss_fusion else local.cross_entropy,
         # flash attention adds the mask block by block: tiled, it would only keep b x n copies
-        attention_mask=keep_mask if cfg.use_flash_attention else fused.tile_mask)
+        attention_mask=keep_mask if cfg.use_flash_attention else fused.tile_mask,
+        cast=fused.eager_cast)
 
 
 def fused_activation(cfg, act):
@@ -543,11 +560,6 @@ class SelfAttention(nn.Cell):
         if state.cp > 1:
             self.core_attention = context_parallel.ContextParallelAttention(
                 self.core_attention, state)
-        if cfg.recompute_granularity == "selective":      # Korthikanti et al.: the s x s part
-            # with CP, what runs between the Ulysses all-to-alls (the ring's gathers included):
-            # MindSpore 2.10's recompute fails when a custom-bprop Cell gives the block's output
-            inner = self.core_attention.attend if state.cp > 1 else self.core_attention
-            inner.recompute(use_reentrant=False, context_fn=replay_dropout(rng))
         # heads in a core attention (fewer under Ulysses, which spreads them over its ranks)
         self.core_heads = self.local_heads // state.cp_ulysses
 
@@ -579,7 +591,7 @@ class MLP(nn.Cell):
         fc1_out = cfg.ffn_hidden_size * (2 if swiglu else 1)
         self.linear_fc1 = make_linear(cfg, spec, cfg.hidden_size, fc1_out, cfg.add_bias_linear,
                                       "column", chunks=2 if swiglu else 1, skip_bias_add=True)
-        self.activation = spec.activation(cfg.hidden_act)
+        self.activation = make_activation(cfg, spec)
         self.linear_fc2 = make_linear(cfg, spec, cfg.ffn_hidden_size, cfg.hidden_size,
                                       cfg.add_bias_linear, "row",
                                       skip_bias_add=not cfg.use_sandwich_norm)
@@ -632,10 +644,25 @@ class RecomputedLayers(nn.Cell):
         return x
 
 
+def recompute_core_attention(attention, rng):
+    """Selective recompute (Korthikanti et al. 2022): a SelfAttention's core attention, the s x s
+    part, recomputed in the backward. With CP, what runs between the Ulysses all-to-alls (the
+    ring's gathers included): MindSpore 2.10's recompute fails when a custom-bprop Cell gives the
+    recomputed block's output."""
+    core = attention.core_attention
+    inner = core.attend if isinstance(core, context_parallel.ContextParallelAttention) else core
+    inner.recompute(use_reentrant=False, context_fn=replay_dropout(rng))
+
+
 def recompute_blocks(cfg, layers, rng, rebuilt):
-    """The units a model chunk runs, in order (Megatron's recompute_granularity=full): uniform,
-    groups of recompute_num_layers layers, every group recomputed; block, the first `rebuilt`
-    layers of the chunk (config.recompute_counts) recomputed one by one, the others kept."""
+    """The units a model chunk runs, in order, Megatron's recompute_granularity applied: selective,
+    the layers with their core attention recomputed (recompute_core_attention); full, uniform:
+    groups of recompute_num_layers layers, every group recomputed; full, block: the first
+    `rebuilt` layers of the chunk (config.recompute_counts) recomputed one by one, the others
+    kept."""
+    if cfg.recompute_granularity == "selective":
+        for layer in layers:
+            recompute_core_attention(layer.self_attention, rng)
     if cfg.recompute_granularity != "full" or not len(layers):
         return layers
     layers = list(layers)
@@ -664,8 +691,8 @@ class TransformerLayer(nn.Cell):
         if self.sandwich:
             self.post_attention_norm = make_norm(cfg, spec)
             self.post_mlp_norm = make_norm(cfg, spec)
-        self.attention_bda = spec.bias_dropout_add(hidden_dropout(cfg, rng))
-        self.mlp_bda = spec.bias_dropout_add(hidden_dropout(cfg, rng))
+        self.attention_bda = make_bias_dropout_add(cfg, spec, rng)
+        self.mlp_bda = make_bias_dropout_add(cfg, spec, rng)
 
     def construct(self, x, rope, mask_bias):
         """x [s, b, h] ([s/tp, b, h] under SP): the residual stream, in gpt.hidden_dtype; the
@@ -719,8 +746,8 @@ class GPTModel(nn.Cell):
         n = cfg.num_layers if num_layers is None else num_layers
         self.layers = nn.CellList([TransformerLayer(cfg, spec, self.rng, layer_offset + i + 1)
                                    for i in range(n)])
-        # full recompute (block): how many of this chunk's first layers, by default
-        # recompute_num_layers
+        # the recompute choices; full recompute (block): how many of this chunk's first layers,
+        # by default recompute_num_layers
         rebuilt = cfg.recompute_num_layers if recomputed_layers is None else recomputed_layers
         self.blocks = recompute_blocks(cfg, self.layers, self.rng, rebuilt)
         if post_process:

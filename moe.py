@@ -385,6 +385,12 @@ def _scale_by_probs(y, probs):
     return cast(cast(y, probs.dtype) * probs.expand_dims(-1), y.dtype)
 
 
+def broadcast_like(bias, y):
+    """An fc2 bias [..., 1 or T, h] broadcast to y's shape [..., T, h] (scaled then by each
+    token's probability); in the compute dtype under half precision (make_experts)."""
+    return ops.broadcast_to(bias, y.shape)
+
+
 def expert_linear(cfg, spec, in_features, out_features, partition_dim, tp, chunks=1,
                   skip_bias_add=False):
     """One expert's linear, of the spec's one-rank class (spec.linear, as a dense layer's at TP1)
@@ -416,7 +422,7 @@ class ExpertMLP(nn.Cell):
                                         tp, chunks)
         self.linear_fc2 = expert_linear(cfg, spec, ffn_hidden_size, cfg.hidden_size, 1, tp,
                                         skip_bias_add=True)
-        self.act = cfg.hidden_act
+        self.act, self.broadcast = cfg.hidden_act, broadcast_like
 
     def construct(self, x, probs):
         """x [T, h], probs [T] -> [T, h] (partial over TP)."""
@@ -424,7 +430,7 @@ class ExpertMLP(nn.Cell):
         y, bias = self.linear_fc2(_scale_by_probs(activation(y, self.act), probs))
         if bias is None:
             return y
-        return y + _scale_by_probs(ops.broadcast_to(cast(bias, y.dtype), y.shape), probs)
+        return y + _scale_by_probs(self.broadcast(bias, y), probs)
 
 
 class SequentialMLP(nn.Cell):
@@ -435,7 +441,7 @@ class SequentialMLP(nn.Cell):
 
     def __init__(self, cfg, spec, num_local_experts, tp):
         super().__init__()
-        self.act, self.dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
+        self.act = cfg.hidden_act
         # transformer_config.py:1685-1687: moe_ffn_hidden_size defaults to ffn_hidden_size
         ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
         self.local_experts = nn.CellList([ExpertMLP(cfg, spec, ffn, tp)
@@ -452,20 +458,36 @@ class GroupedMLP(SequentialMLP):
     """moe_grouped_gemm: the same experts and parameters as SequentialMLP (so the two load each
     other's checkpoints and are tested equal), run together as batched matmuls over weights
     stacked at each call. Megatron's TEGroupedMLP (experts.py:183) names them
-    experts.linear_fc1.weight{j} instead."""
+    experts.linear_fc1.weight{j} instead. Its forms compute in the compute dtype under half
+    precision, as the experts' linears (make_experts)."""
+
+    def __init__(self, cfg, spec, num_local_experts, tp):
+        super().__init__(cfg, spec, num_local_experts, tp)
+        self.matmul, self.bias_add, self.broadcast = batch_matmul_nt, ops.add, broadcast_like
 
     def construct(self, tokens, probs):
-        dtype, experts = self.dtype, self.local_experts
-        w1 = ops.stack([cast(e.linear_fc1.weight, dtype) for e in experts])     # [E_l, F1/tp, h]
-        w2 = ops.stack([cast(e.linear_fc2.weight, dtype) for e in experts])     # [E_l, h, F/tp]
-        y = batch_matmul_nt(cast(tokens, dtype), w1)                             # [E_l, T, F1/tp]
+        experts = self.local_experts
+        w1 = ops.stack([e.linear_fc1.weight for e in experts])                  # [E_l, F1/tp, h]
+        w2 = ops.stack([e.linear_fc2.weight for e in experts])                  # [E_l, h, F/tp]
+        y = self.matmul(tokens, w1)                                              # [E_l, T, F1/tp]
         if experts[0].linear_fc1.bias is not None:
-            y = y + ops.stack([cast(e.linear_fc1.bias, dtype) for e in experts]).expand_dims(1)
-        y = batch_matmul_nt(_scale_by_probs(activation(y, self.act), probs), w2)  # [E_l, T, h]
+            y = self.bias_add(y, ops.stack([e.linear_fc1.bias for e in experts]).expand_dims(1))
+        y = self.matmul(_scale_by_probs(activation(y, self.act), probs), w2)     # [E_l, T, h]
         if experts[0].linear_fc2.bias is None:
             return y
-        b2 = ops.stack([cast(e.linear_fc2.bias, dtype) for e in experts]).expand_dims(1)
-        return y + _scale_by_probs(ops.broadcast_to(b2, y.shape), probs)
+        b2 = ops.stack([e.linear_fc2.bias for e in experts]).expand_dims(1)     # [E_l, 1, h]
+        return y + _scale_by_probs(self.broadcast(b2, y), probs)
+
+
+def make_experts(cfg, spec, num_local_experts, tp):
+    """This rank's experts, SequentialMLP or with moe_grouped_gemm GroupedMLP, the forms of each
+    expert and of the group computing in the compute dtype (fused.computing_in)."""
+    experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
+        cfg, spec, num_local_experts, tp)
+    dtype = DTYPES[cfg.compute_dtype]
+    for expert in experts.local_experts:
+        fused.computing_in(expert, dtype)
+    return fused.computing_in(experts, dtype)
 
 
 class SharedExpertMLP(nn.Cell):
@@ -614,8 +636,7 @@ class MoELayer(nn.Cell):
         check_moe_rules(cfg, state.tp, state.sequence_parallel, state.ep)
         self.num_local_experts = cfg.num_moe_experts // state.ep
         self.router = TopKRouter(cfg, state.tp_cp_group)
-        self.experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
-            cfg, spec, self.num_local_experts, state.tp)
+        self.experts = make_experts(cfg, spec, self.num_local_experts, state.tp)
         if cfg.moe_token_dispatcher_type == "allgather":
             self.token_dispatcher = MoEAllGatherTokenDispatcher(
                 self.num_local_experts, state.ep_rank * self.num_local_experts, state.tp_ep_group)

@@ -19,9 +19,8 @@ import math
 import numpy as np
 from mindspore import Tensor, ops
 
-from fused import eager_cast
 from keys import LR_DECAY_STYLES, WD_INCR_STYLES
-from parallel import F32, collectives
+from parallel import F32, cast, collectives
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -366,11 +365,13 @@ class MixedPrecisionOptimizer:
       3. step_with_ready_grads: the inner update of the main params, then main params -> model
          params.
     `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
-    Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all)."""
+    Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all).
+    `cast(t, dtype)`: parallel.cast, or its op-by-op fast form the layer spec gives
+    (gpt.layer_spec: fused.eager_cast)."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
-                 norm_groups, counted):
-        self.params = list(params)
+                 norm_groups, counted, cast=cast):
+        self.params, self.cast = list(params), cast
         self.scaler, self.clip_type, self.clip_value = scaler, clip_type, clip_value
         self.norm_groups, self.counted = [g for g in norm_groups if g is not None], list(counted)
         self.main_params = self._main_params()
@@ -378,7 +379,7 @@ class MixedPrecisionOptimizer:
 
     def _main_params(self):
         """float32 parameters are their own main params; half ones get a float32 copy."""
-        return [eager_cast(param, F32) for param in self.params]
+        return [self.cast(param, F32) for param in self.params]
 
     def _main_wd_mults(self, wd_mults):
         return wd_mults
@@ -428,7 +429,7 @@ class MixedPrecisionOptimizer:
     def main_grads(self, grads):
         """Reduced gradients in float32, divided by the loss scale: one new tensor each, or none."""
         inv_scale = self.scaler.inv_scale
-        grads = [eager_cast(g, F32) for g in grads]
+        grads = [self.cast(g, F32) for g in grads]
         return grads if inv_scale == 1.0 else [g * inv_scale for g in grads]
 
     def global_norm_sq(self, main_grads):
@@ -555,20 +556,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     weight-decay multipliers still apply."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
-                 norm_groups, counted, buffer):
+                 norm_groups, counted, buffer, cast=cast):
         self.buffer = buffer
         self.shards = buffer.shard_ranges(buffer.rank)         # this rank's range in each bucket
         self.pieces = buffer.pieces(buffer.rank)               # (bucket, param index, start, end)
         # the norm: this rank's pieces, summed over the shards first
         super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                          [buffer.group] + list(norm_groups),
-                         [counted[i] for _, i, _, _ in self.pieces])
+                         [counted[i] for _, i, _, _ in self.pieces], cast)
 
     def _main_params(self):
         return [piece.copy() for piece in self._pieces_of_params()]      # float32 pieces
 
     def _pieces_of_params(self):
-        flat = self.buffer.flatten([eager_cast(param, F32) for param in self.params])
+        flat = self.buffer.flatten([self.cast(param, F32) for param in self.params])
         return [flat[lo:hi] for _, _, lo, hi in self.pieces]
 
     def _main_wd_mults(self, wd_mults):
@@ -618,7 +619,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             filled = sum(int(v.shape[0]) for v in mine)
             if filled < s1 - s0:                               # the bucket's padding
                 mine.append(ops.zeros(s1 - s0 - filled, F32))
-            shard = eager_cast(ops.cat(mine), dtype)
+            shard = self.cast(ops.cat(mine), dtype)
             buckets.append(collectives(self.buffer.group).all_gather(shard))
         return ops.cat(buckets)
 

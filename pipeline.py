@@ -28,7 +28,6 @@ from mindspore import Tensor, mint, ops
 import gpt
 import parallel
 from config import stage_layer_counts
-from fused import eager_cast
 
 
 # ============================================================================ layer assignment
@@ -205,11 +204,12 @@ class PipelineRunner:
     """Runs one step's passes for this rank's model chunks (a list of gpt.GPTModel, chunk i being
     virtual stage i * pp + pp_rank), each compiled by ms.jit if `compiled`: a training step, or
     with forward_only an evaluation. A hop is `hop_shape` (see hop_shape) in `hop_dtype`
-    (gpt.hidden_dtype); the gradients are summed over micro-batches in `grad_dtype`."""
+    (gpt.hidden_dtype); the gradients are summed over micro-batches in `grad_dtype`, each cast
+    to it by `cast` (parallel.cast, or the layer spec's fast form: gpt.layer_spec)."""
 
     def __init__(self, chunks, state, hop_shape, hop_dtype, grad_dtype, compiled=False,
-                 kind="1f1b"):
-        self.kind = kind                                        # "1f1b" or "afab" (see schedule)
+                 kind="1f1b", cast=parallel.cast):
+        self.kind, self.cast = kind, cast                       # kind "1f1b" or "afab" (schedule)
         self.chunks = [gpt.Compiled(chunk) for chunk in chunks] if compiled else chunks
         self.state = state
         self.hop_shape, self.hop_dtype, self.grad_dtype = hop_shape, hop_dtype, grad_dtype
@@ -317,7 +317,7 @@ class PipelineRunner:
         else:
             g_inputs, g_params = self.grad_with_input(chunk, params)(*args, dout)
             outgoing[("grad", mb, vs - 1)] = g_inputs[0]
-        return [eager_cast(g, self.grad_dtype) for g in g_params]
+        return [self.cast(g, self.grad_dtype) for g in g_params]
 
 
 # ============================================================================ timeline

@@ -31,7 +31,6 @@ import context_parallel
 import data
 import distributed
 import flight_recorder
-import fused
 import hf_gpt2
 import memory
 import moe
@@ -45,7 +44,7 @@ from config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, main_grad_dtyp
                     moe_layer_pattern, padded_vocab_size, parse_blend, recompute_counts,
                     samples_per_split, to_dict)
 from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
-                 num_floating_point_operations)
+                 layer_spec, num_floating_point_operations)
 from metrics import Metrics
 from profiler import StepProfiler
 from tokenizer import build_tokenizer
@@ -318,7 +317,8 @@ def _build_one_optimizer(cfg, named, scaler, counted, norm_groups, sharded_buffe
                                    momentum=optimizer_cfg.momentum, wd_mults=mults)
     clip = training_cfg.grad_clip_kwargs
     common = dict(scaler=scaler, clip_type=clip.grad_clip_type, clip_value=clip.clip_value,
-                  norm_groups=norm_groups, counted=counted)
+                  norm_groups=norm_groups, counted=counted,
+                  cast=layer_spec(cfg.model_config).cast)
     params = [param for _, param in named]
     if sharded_buffer is not None:
         return opt.DistributedOptimizer(make, params, wd_mults, **common, buffer=sharded_buffer)
@@ -352,6 +352,7 @@ class Trainer:
         self.dp_cp_size = self.state.dp * self.state.cp
         model_cfg = cfg.model_config
         self.grad_dtype = parallel.DTYPES[main_grad_dtype(cfg)]   # micro-batches' gradients' sum
+        self.cast = layer_spec(model_cfg).cast              # the gradients' cast to grad_dtype
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
         dropout = model_cfg.hidden_dropout_rate or model_cfg.attention_dropout_rate
         self.compiled = cfg.training_config.use_jit and not dropout
@@ -362,7 +363,8 @@ class Trainer:
             self.pipeline = pipeline.PipelineRunner(self.chunks, self.state, hop,
                                                     hidden_dtype(model_cfg), self.grad_dtype,
                                                     self.compiled,
-                                                    cfg.parallel_config.pipeline_schedule)
+                                                    cfg.parallel_config.pipeline_schedule,
+                                                    self.cast)
         self.trace = None                 # a list: the next step records its passes' times
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
         self.loss_weight = 1.0
@@ -395,7 +397,7 @@ class Trainer:
         for batch in micro_batches:
             loss, grads = self.grad_fn(*to_tensors(batch, self.state))
             losses.append(float(loss.asnumpy()) / self.loss_weight)
-            grads = [fused.eager_cast(g, self.grad_dtype) for g in grads]
+            grads = [self.cast(g, self.grad_dtype) for g in grads]
             acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
         return losses, acc
 
