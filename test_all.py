@@ -2697,8 +2697,9 @@ def test_fused_model_equals_the_plain_model(model, mode, extra):
 def test_no_fusions_builds_the_local_spec(model):
     """--no-fusions (model_config.fusions false) turns every fused form's key off
     (config.FUSION_KEYS, bench_fusions.FUSIONS' keys) and builds a model of plain forms only: no
-    Cell of fused.py in it, the mask kept [1, 1, s, s]; the default build has a fused form for
-    every field of the spec that the model uses."""
+    Cell of fused.py in it, the mask kept [1, 1, s, s], the training step casting (the optimizer's
+    main params and grads, the gradients' sum) with parallel.cast; the default build has a fused
+    form for every field of the spec that the model uses, and casts with fused.eager_cast."""
     flags = LLAMA if model == "llama" else ["--add-bias-linear"]
     assert set(config.FUSION_KEYS) == set(bench_fusions.FUSIONS)
     plain_cfg, plain = tiny_model(*flags, "--no-fusions")
@@ -2708,6 +2709,11 @@ def test_no_fusions_builds_the_local_spec(model):
                 if type(cell).__module__ == "fused"]
     assert plain.attention_mask is gpt.keep_mask
     fused_cfg, model_ = tiny_model(*flags)
+    for cfg, built, cast in ((plain_cfg, plain, parallel.cast),
+                             (fused_cfg, model_, fused.eager_cast)):
+        ddp = train.build_data_parallel(cfg, built)
+        optim, scheduler = train.build_optimizer(cfg, built, ddp)
+        assert train.Trainer(cfg, built, ddp, optim, scheduler).cast is optim.cast is cast
     kinds = {type(cell).__name__ for _, cell in model_.cells_and_names()
              if type(cell).__module__ == "fused"}
     norm = "RMSNorm" if model == "llama" else "LayerNorm"
@@ -3210,17 +3216,26 @@ def test_training_the_router_on_the_aux_loss_evens_the_expert_load():
 
 # the experts and dispatchers
 @pytest.mark.moe
-@pytest.mark.parametrize("act, bias", [("gelu_tanh", True), ("swiglu", False), ("gelu", True)])
-def test_grouped_mlp_equals_sequential_mlp(act, bias):
-    """The same parameters (names and values); batched matmuls against a loop of experts."""
-    cfg = moe_config(hidden_act=act, add_bias_linear=bias)
-    sequential = fill_normal(moe.SequentialMLP(cfg, gpt.local_spec(cfg), 3, 1))
-    grouped = fill_normal(moe.GroupedMLP(cfg, gpt.local_spec(cfg), 3, 1))
+@pytest.mark.parametrize("act, bias, dtype", [
+    ("gelu_tanh", True, "float32"), ("swiglu", False, "float32"), ("gelu", True, "float32"),
+    pytest.param("gelu", True, "float16", marks=pytest.mark.fp16)])
+def test_grouped_mlp_equals_sequential_mlp(act, bias, dtype):
+    """The same parameters (names and values); batched matmuls against a loop of experts. With
+    float32 parameters computing in float16 (moe.make_experts' forms), both compute in float16
+    from float32 tokens (a float32 residual stream's)."""
+    cfg = moe_config(hidden_act=act, add_bias_linear=bias, compute_dtype=dtype)
+    sequential = fill_normal(moe.make_experts(cfg, gpt.local_spec(cfg), 3, 1))
+    cfg.moe_grouped_gemm = True
+    grouped = fill_normal(moe.make_experts(cfg, gpt.local_spec(cfg), 3, 1))
+    assert type(grouped) is moe.GroupedMLP and type(sequential) is moe.SequentialMLP
     assert [n for n, _ in sequential.parameters_and_names()] == \
         [n for n, _ in grouped.parameters_and_names()]
     tokens, probs = gaussian((3, 5, 8), 12), ops.abs(gaussian((3, 5), 13))
+    assert (grouped(tokens, probs).dtype == sequential(tokens, probs).dtype
+            == parallel.DTYPES[dtype])
     assert_close(values_and_grads(lambda t: grouped(t, probs), tokens, grouped),
-                 values_and_grads(lambda t: sequential(t, probs), tokens, sequential))
+                 values_and_grads(lambda t: sequential(t, probs), tokens, sequential),
+                 1e-6 if dtype == "float32" else 1e-3)
 
 
 @pytest.mark.moe
@@ -6586,12 +6601,16 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     assert config.main_grad_dtype(cfg) == "float16" and model.logits_dtype == ms.float32
     assert config.main_grad_dtype(
         tiny_cfg("--fp16", "--accumulate-allreduce-grads-in-fp32")) == "float32"
-    cfg, model = tiny_model("model_config.compute_dtype=float16")
+    cfg, model = tiny_model("model_config.compute_dtype=float16", "--add-bias-linear")
     optim, _ = train.build_optimizer(cfg, model, train.build_data_parallel(cfg, model))
     assert {p.dtype for p in model.get_parameters()} == {ms.float32}
     assert all(main is p for p, main in zip(optim.params, optim.main_params))
     assert (model.layers[0].self_attention.linear_qkv(ones).dtype == ms.float16
             and type(optim.scaler) is DynamicGradScaler)
+    # the skipped biases added in float16 (gpt.make_activation, gpt.make_bias_dropout_add)
+    layer, half = model.layers[0], ms.float16
+    assert layer.mlp.activation(ops.ones((4, 128), half), layer.mlp.linear_fc1.bias).dtype == half
+    assert layer(ones.astype(half), None, Tensor(np.zeros((2, 4, 16, 16), np.float32))).dtype == half
     assert tiny_model("--fp16", "--fp16-lm-cross-entropy")[1].logits_dtype == ms.float16
     cfg, model = tiny_model("--fp16", "--fp32-residual-connection")
     assert gpt.hidden_dtype(cfg.model_config) == ms.float32
