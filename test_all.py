@@ -6608,9 +6608,9 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     assert (model.layers[0].self_attention.linear_qkv(ones).dtype == ms.float16
             and type(optim.scaler) is DynamicGradScaler)
     # the skipped biases added in float16 (gpt.make_activation, gpt.make_bias_dropout_add)
-    layer, half = model.layers[0], ms.float16
+    layer, half, mask = model.layers[0], ms.float16, Tensor(np.zeros((2, 4, 16, 16), np.float32))
     assert layer.mlp.activation(ops.ones((4, 128), half), layer.mlp.linear_fc1.bias).dtype == half
-    assert layer(ones.astype(half), None, Tensor(np.zeros((2, 4, 16, 16), np.float32))).dtype == half
+    assert layer(ones.astype(half), None, mask).dtype == half
     assert tiny_model("--fp16", "--fp16-lm-cross-entropy")[1].logits_dtype == ms.float16
     cfg, model = tiny_model("--fp16", "--fp32-residual-connection")
     assert gpt.hidden_dtype(cfg.model_config) == ms.float32
