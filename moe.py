@@ -422,6 +422,7 @@ class ExpertMLP(nn.Cell):
                                         tp, chunks)
         self.linear_fc2 = expert_linear(cfg, spec, ffn_hidden_size, cfg.hidden_size, 1, tp,
                                         skip_bias_add=True)
+        # fc2's bias to its output's shape: a form, in the compute dtype at build (make_experts)
         self.act, self.broadcast = cfg.hidden_act, broadcast_like
 
     def construct(self, x, probs):
