@@ -4934,6 +4934,8 @@ def test_megatrons_distributed_optimizer_state_loads_per_parameter(tmp_path, cap
         np.testing.assert_allclose([got[0].sum(), np.abs(got[0]).sum(), got[1].sum()],
                                    [avg, avg_abs, avg_sq], rtol=1e-5, atol=1e-9, err_msg=name)
         assert avg_abs > 0, name
+        # float32 weights: the distributed optimizer's main params (kind param) are the weights
+        np.testing.assert_array_equal(tensors[f"main.{ours}"], tensors[f"model.{ours}"])
     assert dist_run(tmp_path / "resumed", "--load", full, "--train-iters", "3") == 0
     log = (tmp_path / "resumed" / "log" / "rank_0" / "info.log").read_text()
     assert f"loaded checkpoint of iteration {want['step']} from {full}" in log
