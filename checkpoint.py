@@ -535,15 +535,18 @@ def _restore(cfg, trainer, rng, tensors, meta, weights_only):
         param.set_data(Tensor(tensors[name], param.dtype))      # in the parameter's own dtype
     trainer.optimizer.reload_main_params()
     if weights_only:
-        why = "finetune" if training_cfg.finetune else "no optimizer state saved"
+        why = ("finetune" if training_cfg.finetune else "--no-load-optim"
+               if training_cfg.no_load_optim else "no optimizer state saved")
         log.info(f"loaded weights of iteration {meta['iteration']} from "
                  f"{training_cfg.load_checkpoint} ({why}: iteration 0)")
         return 0, 0
     if not training_cfg.no_load_optim:
         trainer.optimizer.load_named_state(tensors, meta["optimizer_step"], parameter_names(chunks))
-        _load_scheduler(cfg.optimizer_config, trainer.scheduler, meta["opt_param_scheduler"])
-        trainer.scaler.load_state_dict(meta["grad_scaler"])
-    if not training_cfg.no_load_rng:
+        _load_scheduler(cfg.optimizer_config, trainer.scheduler, meta["opt_param_scheduler"],
+                        meta["iteration"])
+        if meta["grad_scaler"] is not None:     # Megatron-LM's own folder: this run's scale
+            trainer.scaler.load_state_dict(meta["grad_scaler"])
+    if not training_cfg.no_load_rng and meta["rng_state"] is not None:
         rng.load_state_dict(meta["rng_state"])
     log.info(f"loaded checkpoint of iteration {meta['iteration']} from "
              f"{training_cfg.load_checkpoint}")
@@ -556,11 +559,14 @@ def _load_dist_training_state(cfg, trainer, rng):
     optimizer state of this project's) loads its weights."""
     training_cfg, state = cfg.training_config, trainer.state
     root, step = training_cfg.load_checkpoint, training_cfg.ckpt_step
+    folder = iteration_dir(root, load_iteration(root, step))
+    if not (training_cfg.finetune or training_cfg.no_load_optim):
+        dist_checkpoint.check_optimizer_form(folder, dist_checkpoint.read_index(folder)[0])
     full, meta = dist_state(root, step)
-    own = dist_checkpoint.read_object(iteration_dir(root, load_iteration(root, step)),
-                                      dist_checkpoint.rng_key(state.pp_rank, state.tp_rank,
-                                                              state.pp, state.tp))
-    meta = dict(meta, rng_state=own or meta["rng_state"])   # another layout: rank 0's streams
+    if meta.get("layout"):          # this project's streams (Megatron-LM's are of torch)
+        own = dist_checkpoint.read_object(folder, dist_checkpoint.rng_key(
+            state.pp_rank, state.tp_rank, state.pp, state.tp))
+        meta = dict(meta, rng_state=own or meta["rng_state"])   # another layout: rank 0's
     saved = f"layout {meta['layout']}" if meta.get("layout") else "Megatron-LM"
     log.info(f"torch_dist checkpoint {root} (saved by {saved}) cut for this run's layout "
              f"{layout_of(cfg)}")
@@ -602,9 +608,16 @@ def _optimizer_pieces(optimizer, names, values, prefixes):
     return out
 
 
-def _load_scheduler(optimizer_cfg, scheduler, saved):
+def _load_scheduler(optimizer_cfg, scheduler, saved, iteration):
     """Megatron's rules when the run's lr schedule differs from the checkpoint's: override -> this
-    run's, use_checkpoint -> the checkpoint's (named in a warning), neither -> refused."""
+    run's, use_checkpoint -> the checkpoint's (named in a warning), neither -> refused. Without
+    a saved schedule (Megatron-LM's own folder: its schedule counts samples) this run's, at the
+    checkpoint's `iteration`."""
+    if saved is None:
+        scheduler.num_steps = iteration
+        log.info(f"learning-rate schedule: this run's, at iteration {iteration} (the checkpoint "
+                 "holds none of this project's)")
+        return
     override, differ = optimizer_cfg.override_opt_param_scheduler, scheduler.differences(saved)
     if differ and not (override or optimizer_cfg.use_checkpoint_opt_param_scheduler):
         raise CheckpointError("the learning-rate schedule differs from the checkpoint's: "
@@ -915,9 +928,11 @@ def dist_state(root, step=None, tensors=True):
         meta = json.loads(common[dist_checkpoint.META])
     else:
         meta = _megatron_meta(common, folder)
+    index, _ = dist_checkpoint.read_index(folder)
+    if dist_checkpoint.META not in common:
+        meta["optimizer_step"] = dist_checkpoint.optimizer_step(common, index)
     if not tensors:
         return {}, meta
-    index, _ = dist_checkpoint.read_index(folder)
     values = dist_checkpoint.model_tensors(folder, index)
     values.update(dist_checkpoint.optimizer_tensors(folder, index))
     if not meta["config"]["model_config"]["untie_embeddings_and_output_weights"]:
@@ -927,7 +942,8 @@ def dist_state(root, step=None, tensors=True):
 
 def _megatron_meta(common, folder):
     """A meta of this project's for Megatron-LM's torch_dist checkpoint: its model and
-    tokenizer from the args, its iteration, no optimizer state (weights only)."""
+    tokenizer from the args, its iteration and consumed samples; no optimizer step (dist_state
+    sets it where the folder holds optimizer state it reads), schedule, scale or streams."""
     args = common["args"]
     try:
         overrides = megatron_checkpoint.model_overrides(args)
@@ -937,7 +953,8 @@ def _megatron_meta(common, folder):
         args, int(vars(args)["padded_vocab_size"]))[0]
     config = to_dict(_megatron_config(overrides))
     config["dataset_config"]["global_batch_size"] = vars(args).get("global_batch_size")
-    return {"iteration": common.get("iteration", 0), "consumed_train_samples": 0,
+    return {"iteration": common.get("iteration", 0),
+            "consumed_train_samples": int(vars(args).get("consumed_train_samples") or 0),
             "optimizer_step": None, "opt_param_scheduler": None, "grad_scaler": None,
             "rng_state": None, "ckpt_format": "torch_dist", "layout": None, "config": config}
 

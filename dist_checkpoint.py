@@ -45,7 +45,14 @@ CHECKPOINT_VERSION = 3.0
 # the local spec's norms saved under transformer_engine's fused names (gpt_layer_specs.py)
 FUSED_NORMS = {v: k for k, v in TE_NORMS.items()}
 OPTIMIZER = "optimizer.state."
-MAIN = "fp32_param"                    # Float16OptimizerWithFloat16Params' float32 copies
+# the float32 main params' kinds: Float16OptimizerWithFloat16Params' copies (fp32_param), the
+# distributed optimizer's in its fully_reshardable form (param; distrib_optimizer.py
+# sharded_param_state_fully_reshardable)
+MAIN, DIST_MAIN = "fp32_param", "param"
+# the distributed optimizer's dp_reshardable form, Megatron-LM's default: per bucket of its
+# gradient buffer a flat key "optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<d>.
+# bucket_idx_<b>.<kind>" (sharded_param_state_dp_reshardable), laid out by Megatron's bucketing
+BUCKETS = "optimizer.distributed."
 META = "meta_json"                     # common.pt's entry of this project's meta.json text
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
           "float64": np.float64}
@@ -244,25 +251,53 @@ def model_tensors(folder, tensors):
     naming it."""
     out = {}
     for key, entry in tensors.items():
-        if not key.startswith("optimizer."):   # optimizer_tensors' (the distributed optimizer's
-            out.update({f"model.{n}": v       # flattened buckets are not read)
+        if not key.startswith("optimizer."):   # optimizer_tensors' (dp_reshardable buckets:
+            out.update({f"model.{n}": v       # check_optimizer_form)
                         for n, v in _named(folder, key, entry, key).items()})
     return out
 
 
 def optimizer_tensors(folder, tensors):
-    """The optimizer state of the index `tensors`, sharded as its parameters (Megatron's
-    non-distributed optimizers, optimizer.py sharded_state_dict: "optimizer.state.<kind>.<key>",
-    the float32 main params as kind fp32_param): {"optimizer.<kind>.<name>", "main.<name>":
-    float32 array}."""
+    """The optimizer state of the index `tensors`, sharded as its parameters
+    ("optimizer.state.<kind>.<key>": Megatron's non-distributed optimizers, optimizer.py
+    sharded_state_dict, the float32 main params as kind fp32_param; the distributed optimizer's
+    fully_reshardable form, its buckets gathered and cut per parameter, the main params as kind
+    param): {"optimizer.<kind>.<name>", "main.<name>": float32 array}."""
     out = {}
     for key, entry in tensors.items():
         if key.startswith(OPTIMIZER):
             kind, _, param = key[len(OPTIMIZER):].partition(".")
-            prefix = "main" if kind == MAIN else f"optimizer.{kind}"
+            prefix = "main" if kind in (MAIN, DIST_MAIN) else f"optimizer.{kind}"
             out.update({f"{prefix}.{n}": v.astype(np.float32)
                         for n, v in _named(folder, key, entry, param).items()})
     return out
+
+
+def optimizer_step(common, tensors):
+    """The optimizer step of Megatron-LM's folder (`common` its common.pt, `tensors` its index)
+    whose optimizer state optimizer_tensors reads, from the param groups common.pt keeps
+    (distrib_optimizer.py state_dict: {"optimizer": {"param_groups": [{"step": ...}]}}); None if
+    it holds no such state."""
+    optimizer = common.get("optimizer") or {}
+    # a ChainedOptimizer of several (dense, experts) keeps each under its index
+    parts = [optimizer] if "optimizer" in optimizer else list(optimizer.values())
+    groups = [group for part in parts if isinstance(part, dict)
+              for group in (part.get("optimizer") or {}).get("param_groups") or []]
+    steps = {int(group["step"]) for group in groups if "step" in group}
+    if not any(key.startswith(OPTIMIZER) for key in tensors) or len(steps) != 1:
+        return None
+    return steps.pop()
+
+
+def check_optimizer_form(folder, tensors):
+    """The optimizer state of the folder's index `tensors` is one optimizer_tensors reads: the
+    distributed optimizer's dp_reshardable buckets are one CheckpointError line naming the fix."""
+    if any(key.startswith(BUCKETS) for key in tensors):
+        raise CheckpointError(
+            f"{folder} holds Megatron's distributed optimizer state in its dp_reshardable form "
+            "(flat buckets of Megatron's own gradient-buffer layout, not per parameter): give "
+            "--no-load-optim to load its weights alone, or save it in Megatron-LM with "
+            "--dist-ckpt-optim-fully-reshardable")
 
 
 # ----------------------------------------------------------------------------- writing

@@ -4920,8 +4920,8 @@ def dist_run(save, *args):
 
 @pytest.mark.checkpoint
 def test_load_of_megatrons_torch_dist_folder_trains_as_its_import(tmp_path, capsys):
-    """--load of the folder megatron-core saved resumes directly (its weights: Megatron's optimizer
-    state is not read) and trains as the run loaded from its import-megatron copy, bit for
+    """--load of the folder megatron-core saved resumes directly (its weights: it holds no
+    optimizer state) and trains as the run loaded from its import-megatron copy, bit for
     bit; the log says what it cut for this run's layout."""
     root, imported = fixture("dist_tp1_gpt2"), str(tmp_path / "imported")
     checkpoint.import_megatron_main([root, "--save", imported])
@@ -4930,6 +4930,38 @@ def test_load_of_megatrons_torch_dist_folder_trains_as_its_import(tmp_path, caps
     assert f"torch_dist checkpoint {root} (saved by Megatron-LM) cut for this run's layout" in log
     assert dist_run(tmp_path / "via_import", "--load", imported) == 0
     assert train_records(tmp_path / "direct") == train_records(tmp_path / "via_import")
+
+
+@pytest.mark.checkpoint
+def test_megatrons_distributed_optimizer_state_loads_per_parameter(tmp_path, capsys):
+    """megatron-core's distributed optimizer (DP2, two Adam steps) saved in its fully_reshardable
+    form reads per parameter: each parameter's moments hold the sums megatron-core recorded
+    from its own gathered state, the step its param groups' count; --load resumes from it at
+    its iteration. Megatron-LM's default dp_reshardable form (flat buckets) is one error line
+    naming the form and both fixes, and with --no-load-optim its weights load."""
+    full, want = fixture("dist_dp2_optim_full"), expected("dist_dp2_optim_full")
+    tensors, meta = checkpoint.full_state(full)
+    assert meta["optimizer_step"] == want["step"] and want["form"] == "fully_reshardable"
+    for name, (avg, avg_abs, avg_sq) in want["moments"].items():
+        ours = megatron_checkpoint.project_name(name)
+        got = [tensors[f"optimizer.exp_avg.{ours}"].astype(np.float64)]
+        got.append(tensors[f"optimizer.exp_avg_sq.{ours}"].astype(np.float64))
+        np.testing.assert_allclose([got[0].sum(), np.abs(got[0]).sum(), got[1].sum()],
+                                   [avg, avg_abs, avg_sq], rtol=1e-5, atol=1e-9, err_msg=name)
+        assert avg_abs > 0, name
+        # float32 weights: the distributed optimizer's main params (kind param) are the weights
+        np.testing.assert_array_equal(tensors[f"main.{ours}"], tensors[f"model.{ours}"])
+    assert dist_run(tmp_path / "resumed", "--load", full, "--train-iters", "3") == 0
+    log = (tmp_path / "resumed" / "log" / "rank_0" / "info.log").read_text()
+    assert f"loaded checkpoint of iteration {want['step']} from {full}" in log
+    buckets = fixture("dist_dp2_optim_dp")
+    assert expected("dist_dp2_optim_dp")["form"] == "dp_reshardable"
+    capsys.readouterr()
+    one_line_error(capsys, ["--config", os.path.join(HERE, "config.yaml"), "--load", buckets,
+                            "--use-checkpoint-args", "--vocab-size", "250", "--save",
+                            str(tmp_path / "run"), "--mock-data"], "dp_reshardable",
+                   "--no-load-optim", "--dist-ckpt-optim-fully-reshardable")
+    assert dist_run(tmp_path / "weights", "--load", buckets, "--no-load-optim") == 0
 
 
 @pytest.mark.checkpoint

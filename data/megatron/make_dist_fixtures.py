@@ -19,7 +19,10 @@ the CPU with gloo, TP1 or TP2 ranks in processes of torch.multiprocessing, its w
 megatron.core.dist_checkpointing.save from {args, checkpoint_version, iteration, model:
 GPTModel.sharded_state_dict(), num_floating_point_operations_so_far}: `.metadata`,
 `__<rank>_<k>.distcp`, `common.pt`, `metadata.json`. `dist_tp1_moe` has four experts (SequentialMLP,
-top-2, the allgather dispatcher) in each layer. Its `expected.json` holds a prompt, the
+top-2, the allgather dispatcher) in each layer. `dist_dp2_optim_full` and `dist_dp2_optim_dp`
+hold the `dist_tp1_gpt2` model after two Adam steps as DP2 with the distributed optimizer, its
+state in the fully_reshardable and the dp_reshardable form (OPTIM_FORMS), their `expected.json`
+the moments' sums per parameter. Each other fixture's `expected.json` holds a prompt, the
 logits after it and the greedy continuation computed by megatron-core's own forward (float32, on
 the weights as stored; the seed is the first whose greedy path keeps the top-1/top-2 gap at least
 MIN_MARGIN).
@@ -67,6 +70,12 @@ SPECS = {
                          add_bias_linear=False, swiglu=True, num_query_groups=4,
                          untie_embeddings_and_output_weights=True, num_experts=4,
                          moe_router_topk=2, moe_ffn_hidden_size=16)}
+# the distributed optimizer's fixtures: the GPT-2 style model trained two Adam steps as DP2
+# (two processes) and saved in each of Megatron-LM's two forms of its state
+# (training/checkpointing.py _build_sharded_state_dict_metadata: dp_reshardable by default,
+# fully_reshardable with --dist-ckpt-optim-fully-reshardable)
+OPTIM_FORMS = {"dist_dp2_optim_full": "fully_reshardable", "dist_dp2_optim_dp": "dp_reshardable"}
+OPTIM_STEPS = 2
 MOE_ARGS = dict(moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
                 moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=False)
 
@@ -83,6 +92,23 @@ def cpu_corners():
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     from megatron.core.transformer.moe import moe_utils
     moe_utils.te_general_gemm = None        # the router's gemm names it without transformer_engine
+
+
+def optimizer_corners():
+    """The CUDA-only places of megatron-core 0.16.1's DistributedDataParallel and
+    DistributedOptimizer, pointed at the CPU: tensors made on device "cuda" (optimizer.py's
+    overflow flag), `.cuda()` (the state's all-gather), and `Tensor.type()`, which the optimizer
+    asks for "torch.cuda.FloatTensor" (distrib_optimizer.py _build_model_and_main_param_groups)."""
+    torch.Tensor.cuda = lambda self, *_, **__: self
+    named_type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *a, **k: (named_type(self, *a, **k) if a or k else
+                                               named_type(self).replace("torch.", "torch.cuda.", 1))
+    for name in ("tensor", "zeros", "empty", "ones", "full"):
+        def on_cpu(*a, made=getattr(torch, name), **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return made(*a, **k)
+        setattr(torch, name, on_cpu)
 
 
 def megatron_args(spec, tp):
@@ -209,6 +235,89 @@ def make(rank, name, port, out):
     os._exit(0)                # the checkpoint writer's helper process would keep it waiting
 
 
+def train_distributed(model, rank, args):
+    """OPTIM_STEPS Adam steps of `model` wrapped in DistributedDataParallel with the distributed
+    optimizer (each DP rank its own tokens); the optimizer."""
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=True), [ddp])
+    generator = torch.Generator().manual_seed(100 + rank)
+    positions = torch.arange(args.seq_length - 1)[None].expand(2, -1)
+    for _ in range(OPTIM_STEPS):
+        tokens = torch.randint(0, VOCAB, (2, args.seq_length), generator=generator)
+        out = ddp(tokens[:, :-1], positions, None).clone()    # [2, s-1, padded vocab]
+        F.cross_entropy(out.reshape(-1, out.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+    return optimizer
+
+
+def moments(model, optimizer):
+    """{parameter's name: [sum of exp_avg, sum of |exp_avg|, sum of exp_avg_sq]} of the
+    distributed optimizer's (the ChainedOptimizer's one) state gathered over DP (get_parameter_state_dp_zero), each
+    parameter's range of its buffer (param_index_map)."""
+    names = {p: n for n, p in model.named_parameters()}
+    (optimizer,) = optimizer.chained_optimizers   # one DistributedOptimizer (no experts)
+    state = optimizer.get_parameter_state_dp_zero(use_gloo_comm=False, return_on_all_ranks=True)
+    out = {}
+    for index, buffer in enumerate(optimizer.buffers):
+        (world,) = state[index].values()
+        for param, (start, end, _) in buffer.param_index_map.items():
+            avg, avg_sq = world["exp_avg"][start:end], world["exp_avg_sq"][start:end]
+            out[names[param]] = [float(avg.double().sum()), float(avg.double().abs().sum()),
+                                 float(avg_sq.double().sum())]
+    return dict(sorted(out.items()))
+
+
+def make_optimizer(rank, name, port, out):
+    """One DP rank's part of the distributed optimizer's fixture `name` (OPTIM_FORMS): the
+    GPT-2 style model trained, saved with its optimizer as Megatron-LM's save_checkpoint saves
+    it, the moments recorded."""
+    from megatron.core import dist_checkpointing
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    cpu_corners()
+    optimizer_corners()
+    args = megatron_args(SPECS["dist_tp1_gpt2"], 1)
+    args.use_distributed_optimizer, args.iteration = True, OPTIM_STEPS
+    torch.manual_seed(1)
+    model = build_model(args)
+    optimizer = train_distributed(model, rank, args)
+    recorded = moments(model, optimizer)
+    metadata = {"distrib_optim_sharding_type": OPTIM_FORMS[name], "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    if OPTIM_FORMS[name] == "fully_reshardable":
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    folder = f"iter_{OPTIM_STEPS:07d}"
+    if rank == 0:
+        os.makedirs(os.path.join(out, folder))
+    dist.barrier()
+    os.chdir(out)
+    model_state = model.sharded_state_dict(metadata=metadata)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": OPTIM_STEPS,
+             "model": model_state, "num_floating_point_operations_so_far": 0,
+             "optimizer": optimizer.sharded_state_dict(model_state, metadata=metadata)}
+    dist_checkpointing.save(state, folder, content_metadata=metadata)
+    dist.barrier()
+    if rank == 0:
+        with open("latest_checkpointed_iteration.txt", "w") as f:
+            f.write(str(OPTIM_STEPS))
+        with open("expected.json", "w") as f:
+            json.dump({"form": OPTIM_FORMS[name], "step": OPTIM_STEPS, "moments": recorded}, f,
+                      indent=1)
+        print(name, OPTIM_FORMS[name], len(recorded), "parameters")
+    dist.barrier()
+    os._exit(0)
+
+
 def check(rank, folder, tp, port):
     """Load the torch_dist checkpoint `folder` (its latest iteration) into megatron-core's
     GPTModel of `tp` ranks with dist_checkpointing.load and print the logits after the prompt."""
@@ -235,7 +344,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", metavar="DIR")
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--only", nargs="*", default=list(SPECS))
+    parser.add_argument("--only", nargs="*", default=list(SPECS) + list(OPTIM_FORMS))
     options = parser.parse_args()
     port = 29500 + os.getpid() % 1000
     if options.check:
@@ -244,7 +353,10 @@ def main():
     for name in options.only:
         out = os.path.join(HERE, name)
         shutil.rmtree(out, ignore_errors=True)
-        mp.spawn(make, (name, port, out), nprocs=SPECS[name]["tp"])
+        if name in OPTIM_FORMS:
+            mp.spawn(make_optimizer, (name, port, out), nprocs=2)
+        else:
+            mp.spawn(make, (name, port, out), nprocs=SPECS[name]["tp"])
         port += 1
 
 
