@@ -121,6 +121,11 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
                        SGD, build_optimizer, clip_grad_norm, clip_grads_by_global_norm,
                        clip_grads_by_value, grad_norm_sq)
 
+# The suite runs its msrun launches beside its one-process tests on a few cores: every process it
+# starts, and this one, takes one thread (train.setup_mindspore divides the cores by
+# LOCAL_WORKER_NUM), as msrun's workers here do; two threads a process cost more CPU time for
+# the same work when every core is busy.
+os.environ.setdefault("LOCAL_WORKER_NUM", str(os.cpu_count() or 1))
 train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -2815,14 +2820,15 @@ def test_recompute_gradients_are_bit_identical(compiled):
     """Two micro-batches' gradients (dropout on op by op: the recomputation must draw the same masks
     from the numpy streams; off when compiled) are bit for bit those without recompute, for each
     of selective, full uniform and full block recompute (2 layers: uniform 2 recomputes both as
-    one group, block 1 the first alone). Compiled, selective and full block 1 alone: uniform
-    recomputes through the same gpt.RecomputedLayers as block (its grouping is checked op by
-    op), and a compilation costs more than the rest of the test."""
+    one group, block 1 the first alone). Compiled, one layer, selective and full block 1 alone:
+    uniform recomputes through the same gpt.RecomputedLayers as block (its grouping is checked op
+    by op), and a compilation, longer the more layers, costs more than the rest of the test."""
     dropout = [] if compiled else ["--hidden-dropout", "0.2", "--attention-dropout", "0.2"]
     kinds = [k for k in RECOMPUTE if not (compiled and k == "full uniform 2")]
+    layers = "1" if compiled else "2"
     results = {}
     for name in ["none", *kinds]:
-        cfg, model = tiny_model("--num-layers", "2", *dropout, *RECOMPUTE.get(name, []))
+        cfg, model = tiny_model("--num-layers", layers, *dropout, *RECOMPUTE.get(name, []))
         model.set_train(True)
         net = gpt.Compiled(model) if compiled else model
         grad_fn = ms.value_and_grad(net, None, model.trainable_params())
