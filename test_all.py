@@ -8701,7 +8701,8 @@ class Harness:
         if workers:
             cmd, env = cli.msrun_command(workers, str(self.tmp / f"msrun{label}"), program)
         else:
-            cmd, env = [sys.executable, *program], None
+            # the one-process jobs lie on the plan's longest path: both cores' threads
+            cmd, env = [sys.executable, *program], dict(os.environ, LOCAL_WORKER_NUM="1")
         start = time.monotonic()
         try:
             self.launches[label] = self.run(cmd, env, self.tmp / f"{label}.console")
