@@ -7977,6 +7977,10 @@ PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--global-batch-
 # losses are the micro-batch's
 MOE_RUN = MOE_CHECK + ["--micro-batch-size", "2", "--global-batch-size", "8"]
 FOUR = ["--global-batch-size", "4"]              # one step of 2 micro-batches where DP is 1
+# float16 op by op is slow on this CPU (docs/half-precision.md, Speed): the float16 layouts and
+# their references train one layer, a pipeline of two stages one layer a stage
+HALF = FP16 + ["--num-layers", "1"]
+PIPELINE_HALF = PIPELINE_RUN + FP16 + ["--num-layers", "2"]
 # Megatron's per-rank capacity: ceil(n k / E * 1.0) = n / 2 slots per expert of a rank's n tokens
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and converted runs start at
@@ -8054,11 +8058,11 @@ for _check, (_, _, _, _workers, _concept) in CHECK_JOBS.items():
 # The jobs. The one-process references first (op by op; a compiled layout equals them too).
 ROPE = ROPE_GQA
 add("one", 1, "tp dp checkpoint", SAVE_HALF)
-add("one_fp16", 1, "tp dp fp16", FP16 + MIXTURE)
+add("one_fp16", 1, "tp dp fp16", HALF + MIXTURE)
 add("one_pp", 1, "pipeline", PIPELINE_RUN)
-add("one_pp_fp16", 1, "pipeline fp16", PIPELINE_RUN + FP16)
+add("one_pp_fp16", 1, "pipeline fp16", PIPELINE_HALF)
 add("one_rope_gqa", 1, "cp checkpoint", ROPE + SAVE_HALF)
-add("one_rope_gqa_fp16", 1, "cp fp16", ROPE + FP16)
+add("one_rope_gqa_fp16", 1, "cp fp16", ROPE + HALF)
 add("one_moe", 1, "moe", MOE_RUN)
 add("one_moe_capacity", 1, "moe", MOE_RUN + CAPACITY)
 add("one_moe_pp", 1, "moe", PIPELINE_RUN + MOE_RUN)
@@ -8096,7 +8100,7 @@ resumed("ep2_pp2_capacity_resumed", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP
 layout("ep4_distopt", 4, "moe checkpoint", MOE_RUN + EP4 + DISTOPT + SAVE_HALF, "one_moe")
 # TP2 x DP2 in float16 on the blend (MIXTURE): each DP rank reads its share of the mixture's
 # global batch as one process reads the whole of it
-layout("tp2_dp2_blend", 4, "tp dp fp16", TP2 + FP16 + MIXTURE, "one_fp16")
+layout("tp2_dp2_blend", 4, "tp dp fp16", TP2 + HALF + MIXTURE, "one_fp16")
 
 # their step-2 checkpoints converted, between the launches: TP2 x PP2 to PP2 x VPP2 and to one
 # process; EP4 to one process
@@ -8108,12 +8112,12 @@ resumed("ep4_to_one", 1, "moe checkpoint", MOE_RUN, "ep4_as_one")
 
 # 2 workers: a layout per parallelism, float16 in some (against a float16 process)
 layout("tp2", 2, "tp", TP2, "one")
-layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + FP16 + COMPILED + TORCH + MIXTURE,
+layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + HALF + COMPILED + TORCH + MIXTURE,
        "one_fp16")
 layout("dp2", 2, "dp", [], "one")
-layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + FP16 + SAVE_HALF + MIXTURE, "one_fp16")
-resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + FP16 + MIXTURE, "dp2_distopt")
-layout("pp2", 2, "pipeline fp16", PIPELINE_RUN + PP2 + FP16, "one_pp_fp16")
+layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + HALF + SAVE_HALF + MIXTURE, "one_fp16")
+resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + HALF + MIXTURE, "dp2_distopt")
+layout("pp2", 2, "pipeline fp16", PIPELINE_HALF + PP2, "one_pp_fp16")
 layout("pp2_vpp2", 2, "pipeline", PIPELINE_RUN + PP2 + VPP2, "one_pp")
 layout("pp2_afab", 2, "pipeline", PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"],
        "one_pp")
@@ -8122,7 +8126,7 @@ PP2_DROPOUT = PIPELINE_RUN + PP2 + DROPOUT + ["--train-iters", "3"]
 add("pp2_dropout", 2, "pipeline", PP2_DROPOUT)
 add("pp2_dropout_recompute", 2, "pipeline", PP2_DROPOUT + RECOMPUTE["full block 1"])
 layout("cp2_ulysses", 2, "cp", ROPE + CP2, "one_rope_gqa")
-layout("cp2_ring", 2, "cp fp16", ROPE + CP2 + RING + FP16 + COMPILED, "one_rope_gqa_fp16")
+layout("cp2_ring", 2, "cp fp16", ROPE + CP2 + RING + HALF + COMPILED, "one_rope_gqa_fp16")
 layout("ep2_alltoall_distopt", 2, "moe", MOE_RUN + EP2 + ALLTOALL + DISTOPT + COMPILED, "one_moe")
 layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
 resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
@@ -8313,6 +8317,7 @@ GUIDE_SHRINK = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
                 "--log-interval", "1", "--eval-iters", "0", "--initial-loss-scale", "4096",
                 "--no-jit"]
 TO_FP16 = ["model_config.compute_dtype=float16"]
+ONE_HALF_LAYER = [*TO_FP16, "--num-layers", "1"]           # as HALF: float16 is slow here
 ONE_LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
 GUIDE_RUNS = {
     "guide_001_gpt2_13b": (["gpt2_13b.yaml"], ["context.device_target=CPU",
@@ -8320,10 +8325,11 @@ GUIDE_RUNS = {
                            "parallel_config.micro_batch_num=2"],
                            ONE_LAYOUT, ["--tensor-model-parallel-size", "1",
                                         "--pipeline-model-parallel-size", "2"]),
-    "guide_002_example": (["mindspore_transformers_example.yaml"], TO_FP16, ONE_LAYOUT,
+    "guide_002_example": (["mindspore_transformers_example.yaml"], ONE_HALF_LAYER, ONE_LAYOUT,
                           ["--tensor-model-parallel-size", "2"]),
     "guide_000_pangu_38b": ([os.path.basename(f) for f in PANGU],
-                            [*TO_FP16, "--num-query-groups", "2", "model_config.vocab_size=null"],
+                            [*ONE_HALF_LAYER, "--num-query-groups", "2",
+                             "model_config.vocab_size=null"],
                             [*ONE_LAYOUT, "parallel_config.sequence_parallel=false"],
                             ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
                              "1"]),
@@ -9093,27 +9099,38 @@ def ledger_of(line):
     return {key: calls for key, (calls, _) in tour.ledger_items(line).items()}
 
 
-def planned_communication(run):
-    """memory.communication of rank 0 (stage 0) for layout `run`'s config."""
+def layout_config(run):
+    """The config of layout `run` (PARALLEL_RUN and its flags), its vocabulary padded."""
     cfg = load_config(os.path.join(HERE, "config.yaml"), [*PARALLEL_RUN, *JOBS[run].flags],
                       max(JOBS[run].workers, 1))
     cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
-    return memory.communication(cfg, 0)
+    return cfg
 
 
-L_M = 2, 2                  # the layers and micro-batches per rank of a step of PARALLEL_RUN
-LEDGERS = {"tp2": {("tp", "all_reduce"): L_M[1] * (4 * L_M[0] + 5), ("mp", "all_reduce"): 1},
-           "tp2_sp": {("tp", "all_reduce"): L_M[1] * 4 + 6 * L_M[0] + 2,
-                      ("tp", "all_gather"): L_M[1] * (4 * L_M[0] + 2),
-                      ("tp", "reduce_scatter"): L_M[1] * (4 * L_M[0] + 1),
-                      ("mp", "all_reduce"): 1},
-           "dp2": {("dp_cp", "all_reduce"): 2},
-           "dp2_distopt": {("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
-                           ("dp_cp", "all_reduce"): 2}}
+def planned_communication(run):
+    """memory.communication of rank 0 (stage 0) for layout `run`'s config."""
+    return memory.communication(layout_config(run), 0)
+
+
+def ledger_formula(run):
+    """{(group, op): calls} of a step of layout `run`: L layers (2; the float16 ones 1) and m = 2
+    micro-batches per rank (test_ledger_counts_match_the_formulas)."""
+    L, m = layout_config(run).model_config.num_layers, 2
+    return {"tp2": {("tp", "all_reduce"): m * (4 * L + 5), ("mp", "all_reduce"): 1},
+            "tp2_sp": {("tp", "all_reduce"): m * 4 + 6 * L + 2,
+                       ("tp", "all_gather"): m * (4 * L + 2),
+                       ("tp", "reduce_scatter"): m * (4 * L + 1), ("mp", "all_reduce"): 1},
+            "dp2": {("dp_cp", "all_reduce"): 2},
+            "dp2_distopt": {("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
+                            ("dp_cp", "all_reduce"): 2}}[run]
+
+
+LEDGER_RUNS = ["tp2", "tp2_sp", "dp2", "dp2_distopt"]
 
 
 @pytest.mark.parametrize("run", [pytest.param(r, marks=reads(r, concepts=JOBS[r].concepts
-                                                             & {"tp", "dp"})) for r in LEDGERS])
+                                                             & {"tp", "dp"}))
+                                 for r in LEDGER_RUNS])
 def test_ledger_counts_match_the_formulas(runs, run):
     """Per step of L layers and m micro-batches. TP: per micro-batch 4L + 5 all-reduces (2 forward
     and 2 backward per layer, the embedding's forward, the logits' backward, the cross-entropy's
@@ -9124,26 +9141,29 @@ def test_ledger_counts_match_the_formulas(runs, run):
     reduce-scattered and the parameters all-gathered, the norm over the shards. Bytes too
     (float32, and float16 in tp2_sp and dp2_distopt): memory.communication's formula."""
     line = train_lines(runs.folder(run), "comm: ")[1]
-    assert ledger_of(line) == LEDGERS[run]
+    assert ledger_of(line) == ledger_formula(run)
     assert planned_communication(run) == tour.ledger_items(line)
 
 
 @reading("cp2_ulysses", "cp2_ring")
 def test_context_parallel_ledger_matches_the_formulas(runs):
-    """Per step of L layers and m micro-batches, each cp rank holding q and the context
-    [s/cp, b, n, d] and k, v [s/cp, b, g, d]: Ulysses runs 4 all-to-alls per layer forward (q, k, v,
-    context) and 4 backward, of the same sizes; the ring all-gathers k and v forward and
-    reduce-scatters their gradients [s, b, g, d] backward; both sum the loss and the token count
-    over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP: the gradient bucket and the
-    logged loss. `bash run.sh plan` (memory.communication) gives the same CP collectives."""
-    L, m, s, b, n, g, d, cp = 2, 2, 32, 4, 8, 4, 8, 2
+    """Per step of L layers (Ulysses 2, the float16 ring 1) and m micro-batches, each cp rank
+    holding q and the context [s/cp, b, n, d] and k, v [s/cp, b, g, d]: Ulysses runs 4
+    all-to-alls per layer forward (q, k, v, context) and 4 backward, of the same sizes; the ring
+    all-gathers k and v forward and reduce-scatters their gradients [s, b, g, d] backward; both
+    sum the loss and the token count over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP:
+    the gradient bucket and the logged loss. `bash run.sh plan` (memory.communication) gives the same CP collectives."""
+    m, s, b, n, g, d, cp = 2, 32, 4, 8, 4, 8, 2
+    L = {run: layout_config(run).model_config.num_layers for run in ("cp2_ulysses", "cp2_ring")}
     # q and k, v bytes: the ring runs in float16
     q, k = 4 * s // cp * b * n * d, 4 * s // cp * b * g * d
     kv = 2 * s // cp * b * g * d
     common = {("cp", "all_reduce"): (2 * m, 2 * m * 4), ("dp_cp", "all_reduce"): (2, None)}
-    ulysses = {("cp", "all_to_all"): (8 * m * L, 2 * m * L * (2 * q + 2 * k)), **common}
-    ring = {("cp", "all_gather"): (2 * m * L, 2 * m * L * kv),
-            ("cp", "reduce_scatter"): (2 * m * L, 2 * m * L * cp * kv), **common}
+    ulysses = {("cp", "all_to_all"): (8 * m * L["cp2_ulysses"],
+                                      2 * m * L["cp2_ulysses"] * (2 * q + 2 * k)), **common}
+    ring = {("cp", "all_gather"): (2 * m * L["cp2_ring"], 2 * m * L["cp2_ring"] * kv),
+            ("cp", "reduce_scatter"): (2 * m * L["cp2_ring"], 2 * m * L["cp2_ring"] * cp * kv),
+            **common}
     for run, want in (("cp2_ulysses", ulysses), ("cp2_ring", ring)):
         ledger = tour.ledger_items(train_lines(runs.folder(run), "comm: ")[1])
         got = {key: (calls, nbytes if want.get(key, (0, 0))[1] is not None else None)
