@@ -9152,9 +9152,11 @@ def test_context_parallel_ledger_matches_the_formulas(runs):
     all-to-alls per layer forward (q, k, v, context) and 4 backward, of the same sizes; the ring
     all-gathers k and v forward and reduce-scatters their gradients [s, b, g, d] backward; both
     sum the loss and the token count over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP:
-    the gradient bucket and the logged loss. `bash run.sh plan` (memory.communication) gives the same CP collectives."""
+    the gradient bucket and the logged loss. `bash run.sh plan` (memory.communication) gives the
+    same CP collectives."""
     m, s, b, n, g, d, cp = 2, 32, 4, 8, 4, 8, 2
-    L = {run: layout_config(run).model_config.num_layers for run in ("cp2_ulysses", "cp2_ring")}
+    L = {run: layout_config(run).model_config.num_layers
+         for run in ("cp2_ulysses", "cp2_ring")}
     # q and k, v bytes: the ring runs in float16
     q, k = 4 * s // cp * b * n * d, 4 * s // cp * b * g * d
     kv = 2 * s // cp * b * g * d
