@@ -555,14 +555,13 @@ def _restore(cfg, trainer, rng, tensors, meta, weights_only):
 
 def _load_dist_training_state(cfg, trainer, rng):
     """load_training_state of a torch_dist checkpoint, whatever layout saved it (_load_cut), each
-    (stage, TP rank) its own dropout streams where the folder holds them; Megatron-LM's own (no
-    optimizer state of this project's) loads its weights."""
+    (stage, TP rank) its own dropout streams where the folder holds them; Megatron-LM's own loads
+    its weights, and its optimizer's moments and step where it holds them."""
     training_cfg, state = cfg.training_config, trainer.state
     root, step = training_cfg.load_checkpoint, training_cfg.ckpt_step
     folder = iteration_dir(root, load_iteration(root, step))
-    if not (training_cfg.finetune or training_cfg.no_load_optim):
-        dist_checkpoint.check_optimizer_form(folder, dist_checkpoint.read_index(folder)[0])
-    full, meta = dist_state(root, step)
+    full, meta = dist_state(root, step, optimizer=not (training_cfg.finetune
+                                                     or training_cfg.no_load_optim))
     if meta.get("layout"):          # this project's streams (Megatron-LM's are of torch)
         own = dist_checkpoint.read_object(folder, dist_checkpoint.rng_key(
             state.pp_rank, state.tp_rank, state.pp, state.tp))
@@ -658,9 +657,7 @@ def full_state(root, optimizer=True, step=None):
     "optimizer.<kind>.<name>" and float32 main params "main.<name>", full size, whatever layout
     wrote them (TP shards merged, stages united, distributed-optimizer pieces joined)."""
     if dist_checkpoint.is_dist(iteration_dir(root, load_iteration(root, step))):
-        tensors, meta = dist_state(root, step)
-        return ({k: v for k, v in tensors.items() if optimizer or k.startswith("model.")},
-                meta)
+        return dist_state(root, step, optimizer=optimizer)
     shards, meta = load_shards(root, optimizer, step)
     model_cfg = to_namespace(meta["config"]).model_config
     [one] = build_rank_chunks(model_cfg, 1, 1)            # one process: its names and full shapes
@@ -917,11 +914,11 @@ def _dist_weights(folder, index, model_cfg):
     return {k: v.astype(np.float32) for k, v in values.items()}
 
 
-def dist_state(root, step=None, tensors=True):
+def dist_state(root, step=None, tensors=True, optimizer=True):
     """(tensors, meta) of the torch_dist checkpoint of `root` (iteration `step`, or the latest):
-    one-process "model.<name>" weights (float32, or float16 as stored) and the optimizer's
-    "optimizer.<kind>.<name>" and "main.<name>" if this project saved them; its meta (this
-    project's, kept in common.pt, or one built from Megatron-LM's args: weights only)."""
+    one-process "model.<name>" weights (float32, or float16 as stored) and, with `optimizer`, the
+    optimizer's "optimizer.<kind>.<name>" and "main.<name>" if the folder holds them; its meta
+    (this project's, kept in common.pt, or one built from Megatron-LM's args)."""
     folder = iteration_dir(root, load_iteration(root, step))
     common = dist_checkpoint.read_common(folder)
     if dist_checkpoint.META in common:
@@ -930,11 +927,13 @@ def dist_state(root, step=None, tensors=True):
         meta = _megatron_meta(common, folder)
     index, _ = dist_checkpoint.read_index(folder)
     if dist_checkpoint.META not in common:
-        meta["optimizer_step"] = dist_checkpoint.optimizer_step(common, index)
+        meta["optimizer_step"] = dist_checkpoint.optimizer_step(folder, common, index)
     if not tensors:
         return {}, meta
     values = dist_checkpoint.model_tensors(folder, index)
-    values.update(dist_checkpoint.optimizer_tensors(folder, index))
+    if optimizer:                      # the TP size that saved it: Megatron-LM's buckets
+        tp = getattr(common["args"], "tensor_model_parallel_size", None) or 1
+        values.update(dist_checkpoint.optimizer_tensors(folder, index, values, tp))
     if not meta["config"]["model_config"]["untie_embeddings_and_output_weights"]:
         values.pop("model.output_layer.weight", None)
     return values, meta

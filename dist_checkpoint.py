@@ -51,8 +51,10 @@ OPTIMIZER = "optimizer.state."
 MAIN, DIST_MAIN = "fp32_param", "param"
 # the distributed optimizer's dp_reshardable form, Megatron-LM's default: per bucket of its
 # gradient buffer a flat key "optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>.dtype_<d>.
-# bucket_idx_<b>.<kind>" (sharded_param_state_dp_reshardable), laid out by Megatron's bucketing
+# bucket_idx_<b>.<kind>" (sharded_param_state_dp_reshardable), laid out by Megatron's bucketing;
+# <g> is the rank in the model-parallel group (TP x PP) whose parameters the bucket holds
 BUCKETS = "optimizer.distributed."
+BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_.+\.\w+$")
 META = "meta_json"                     # common.pt's entry of this project's meta.json text
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
           "float64": np.float64}
@@ -251,18 +253,19 @@ def model_tensors(folder, tensors):
     naming it."""
     out = {}
     for key, entry in tensors.items():
-        if not key.startswith("optimizer."):   # optimizer_tensors' (dp_reshardable buckets:
-            out.update({f"model.{n}": v       # check_optimizer_form)
-                        for n, v in _named(folder, key, entry, key).items()})
+        if not key.startswith("optimizer."):                  # optimizer_tensors'
+            out.update({f"model.{n}": v for n, v in _named(folder, key, entry, key).items()})
     return out
 
 
-def optimizer_tensors(folder, tensors):
-    """The optimizer state of the index `tensors`, sharded as its parameters
-    ("optimizer.state.<kind>.<key>": Megatron's non-distributed optimizers, optimizer.py
-    sharded_state_dict, the float32 main params as kind fp32_param; the distributed optimizer's
-    fully_reshardable form, its buckets gathered and cut per parameter, the main params as kind
-    param): {"optimizer.<kind>.<name>", "main.<name>": float32 array}."""
+def optimizer_tensors(folder, tensors, weights, tp=1):
+    """The optimizer state of the index `tensors`: {"optimizer.<kind>.<name>", "main.<name>":
+    float32 array}. Sharded as its parameters ("optimizer.state.<kind>.<key>": Megatron's
+    non-distributed optimizers, optimizer.py sharded_state_dict, the float32 main params as kind
+    fp32_param; the distributed optimizer's fully_reshardable form, its buckets gathered and cut
+    per parameter, the main params as kind param), or in the distributed optimizer's
+    dp_reshardable buckets, cut here (bucket_tensors; `weights` the folder's model_tensors, `tp`
+    the TP size that saved it)."""
     out = {}
     for key, entry in tensors.items():
         if key.startswith(OPTIMIZER):
@@ -270,34 +273,116 @@ def optimizer_tensors(folder, tensors):
             prefix = "main" if kind in (MAIN, DIST_MAIN) else f"optimizer.{kind}"
             out.update({f"{prefix}.{n}": v.astype(np.float32)
                         for n, v in _named(folder, key, entry, param).items()})
+    out.update(bucket_tensors(folder, tensors, weights, tp))
     return out
 
 
-def optimizer_step(common, tensors):
+def bucket_tensors(folder, tensors, weights, tp):
+    """The dp_reshardable buckets of the index `tensors` cut per parameter, as optimizer_tensors
+    gives them. Megatron's gradient buffer (param_and_grad_buffer.py) lays a bucket out as its
+    model-parallel rank's parameters in reverse order, each start padded to a multiple of 64;
+    the checkpoint keeps each bucket's float32 main params (kind param), exp_avg and exp_avg_sq
+    flat, one chunk per parameter's piece on a DP rank and one per padding. A parameter's TP
+    piece (tp_pieces) starts at the chunk where the main params round to that piece of its
+    weights (`weights`: {"model.<name>": array}, as stored), and goes to its place in the
+    one-process tensor."""
+    buckets = collections.defaultdict(dict)      # bucket's key -> {kind: (flat, chunk starts)}
+    for key, (dtype, shape, pieces) in tensors.items():
+        if BUCKET.match(key):
+            bucket, kind = key.rsplit(".", 1)
+            flat = read_tensor(folder, key, dtype, shape, pieces)[0].astype(np.float32)
+            buckets[bucket][kind] = flat, sorted(offsets[0] for offsets, *_ in pieces)
+    candidates = [(name[len("model."):], index, piece) for name, weight in weights.items()
+                  for index, piece in tp_pieces(weight, tp)]
+    left = {name[len("model."):]: weight.size for name, weight in weights.items()}
+    out = {}
+    for bucket, kinds in buckets.items():
+        if DIST_MAIN not in kinds:
+            raise CheckpointError(f"{folder}: the bucket {bucket} holds no main params ({DIST_MAIN}"
+                                  f"), only {sorted(kinds)}: the checkpoint is incomplete")
+        main, starts = kinds[DIST_MAIN]
+        for start in starts:
+            found = _starting_at(main, start, candidates, left)
+            if found is None:                  # padding, or a piece's part on the next DP rank
+                continue
+            name, index, piece = candidates.pop(found)        # a piece is placed once
+            left[name] -= piece.size
+            for kind, (flat, _) in kinds.items():
+                prefix = "main" if kind == DIST_MAIN else f"optimizer.{kind}"
+                shape = weights[f"model.{name}"].shape
+                whole = out.setdefault(f"{prefix}.{name}", np.zeros(shape, np.float32))
+                whole[index] = flat[start:start + piece.size].reshape(piece.shape)
+    missing = sorted(name for name, n in left.items() if n)
+    if buckets and missing:
+        raise CheckpointError(
+            f"{folder}: no bucket of its distributed optimizer holds main params that round to "
+            f"{missing[0]} ({len(missing)} parameters not covered): give --no-load-optim to load "
+            "its weights alone")
+    return out
+
+
+def tp_pieces(weight, tp):
+    """[(index into `weight`, the piece)] a TP rank of `tp` may hold of a parameter: the whole
+    (replicated), or for each rank its rows (column-parallel, the vocabulary), its columns
+    (row-parallel), its rows of each half (SwiGLU's fc1 [gate; up]); the whole first."""
+    out = [((), weight)]
+    if tp == 1 or not weight.ndim:
+        return out
+    rows, half = weight.shape[0] // tp, weight.shape[0] // 2 // tp
+    for t in range(tp):
+        out.append(((slice(t * rows, (t + 1) * rows),), weight[t * rows:(t + 1) * rows]))
+        if weight.ndim == 2:
+            cols = weight.shape[1] // tp
+            out.append(((slice(None), slice(t * cols, (t + 1) * cols)),
+                        weight[:, t * cols:(t + 1) * cols]))
+        both = np.r_[t * half:(t + 1) * half, (tp + t) * half:(tp + t + 1) * half]
+        out.append(((both,), weight[both]))
+    return out
+
+
+def _starting_at(main, start, candidates, left):
+    """The position in `candidates` of the first (name, index, piece) whose values the float32
+    main params `main` hold from `start` on, rounded to its dtype (float32, bfloat16 widened, or
+    float16), of a parameter with elements `left` to place; None if there is none."""
+    for position, (name, _, piece) in enumerate(candidates):
+        if not left[name] or not piece.size or start + piece.size > main.size:
+            continue
+        head = min(piece.size, 16)                            # most candidates differ at once
+        if (_rounds_to(main[start:start + head], piece.flat[:head])
+                and _rounds_to(main[start:start + piece.size].reshape(piece.shape), piece)):
+            return position
+    return None
+
+
+def _rounds_to(main, weight):
+    """The float32 `main` equals `weight`, or rounds to it in bfloat16 or in float16."""
+    if weight.dtype == np.float16:
+        return np.array_equal(main.astype(np.float16), weight)
+    return (np.array_equal(main, weight)
+            or np.array_equal(torch_format.BFloat16.from_float32(main).float32(), weight))
+
+
+def optimizer_step(folder, common, tensors):
     """The optimizer step of Megatron-LM's folder (`common` its common.pt, `tensors` its index)
     whose optimizer state optimizer_tensors reads, from the param groups common.pt keeps
-    (distrib_optimizer.py state_dict: {"optimizer": {"param_groups": [{"step": ...}]}}); None if
-    it holds no such state."""
+    (distrib_optimizer.py state_dict: {"optimizer": {"param_groups": [{"step": ...}]}}), in the
+    dp_reshardable form from the object "optimizer.distributed.dp_group_idx_<g>.optimizer";
+    None if it holds no such state."""
     optimizer = common.get("optimizer") or {}
     # a ChainedOptimizer of several (dense, experts) keeps each under its index
     parts = [optimizer] if "optimizer" in optimizer else list(optimizer.values())
     groups = [group for part in parts if isinstance(part, dict)
               for group in (part.get("optimizer") or {}).get("param_groups") or []]
+    if any(BUCKET.match(key) for key in tensors):
+        objects = read_index(folder)[1]
+        groups = [group for key in objects if key.startswith(BUCKETS) and ".optimizer/" in key
+                  for part in read_object(folder, key) or [] if isinstance(part, dict)
+                  for group in part.get("param_groups") or []]
     steps = {int(group["step"]) for group in groups if "step" in group}
-    if not any(key.startswith(OPTIMIZER) for key in tensors) or len(steps) != 1:
+    held = any(key.startswith(OPTIMIZER) or BUCKET.match(key) for key in tensors)
+    if not held or len(steps) != 1:
         return None
     return steps.pop()
-
-
-def check_optimizer_form(folder, tensors):
-    """The optimizer state of the folder's index `tensors` is one optimizer_tensors reads: the
-    distributed optimizer's dp_reshardable buckets are one CheckpointError line naming the fix."""
-    if any(key.startswith(BUCKETS) for key in tensors):
-        raise CheckpointError(
-            f"{folder} holds Megatron's distributed optimizer state in its dp_reshardable form "
-            "(flat buckets of Megatron's own gradient-buffer layout, not per parameter): give "
-            "--no-load-optim to load its weights alone, or save it in Megatron-LM with "
-            "--dist-ckpt-optim-fully-reshardable")
 
 
 # ----------------------------------------------------------------------------- writing

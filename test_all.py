@@ -3809,28 +3809,38 @@ print(json.dumps(results))
 """
 
 
-def test_memory_estimate_matches_the_measured_peak_and_recompute_lowers_it(tmp_path):
-    """A run whose memory is mostly activations (6 layers, 8 heads over 256 tokens, op by op, each
-    run a process of its own): the growth of resident memory from the first step to its peak is
-    within 25% of the estimate of what the step allocates (measured 0.91-1.21 over nine
-    configurations, README), without recompute and with selective and full recompute, and with
-    every MLP an MoE layer of 4 experts (the dispatched tokens and the experts' activations,
-    docs/memory.md: 0.94, where counting it as a dense MLP gave 1.85); recompute measures lower,
-    full below half."""
-    common = ["--mock-data", "--vocab-size", "256", "--tokenizer-type", "NullTokenizer",
-              "--no-jit", "--num-layers", "6", "--hidden-size", "64", "--ffn-hidden-size", "256",
-              "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "8",
-              "--train-iters", "2", "--eval-iters", "0"]
-    runs = {name: [*common, "--save", str(tmp_path / name), *flags] for name, flags in (
-        ("none", []), ("selective", RECOMPUTE["selective"]),
-        ("full", ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                  "--recompute-num-layers", "1"]),
-        ("moe", ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"]))}
+# The runs of the memory test: mostly activations (6 layers, 8 heads over 256 tokens, op by op)
+MEMORY_COMMON = ["--mock-data", "--vocab-size", "256", "--tokenizer-type", "NullTokenizer",
+                 "--no-jit", "--num-layers", "6", "--hidden-size", "64", "--ffn-hidden-size",
+                 "256", "--num-attention-heads", "8", "--seq-length", "256",
+                 "--micro-batch-size", "8", "--train-iters", "2", "--eval-iters", "0"]
+MEMORY_RUNS = {"none": [], "selective": RECOMPUTE["selective"],
+               "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                        "--recompute-num-layers", "1"],
+               "moe": ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"]}
+
+
+def call_memory_runs(harness):
+    """MEMORY_RUNS, each a process of its own (FORKED_RUNS), in the harness's background while
+    the one-process tests run: {name: [exit code, its output]}."""
+    runs = {name: [*MEMORY_COMMON, "--save", str(harness.tmp / "memory" / name), *flags]
+            for name, flags in MEMORY_RUNS.items()}
     result = subprocess.run([sys.executable, "-c", FORKED_RUNS, json.dumps(runs)], cwd=HERE,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.reads("memory_runs")
+def test_memory_estimate_matches_the_measured_peak_and_recompute_lowers_it(runs):
+    """A run whose memory is mostly activations (MEMORY_RUNS, each a process of its own): the
+    growth of resident memory from the first step to its peak is within 25% of the estimate of
+    what the step allocates (measured 0.91-1.21 over nine configurations, README), without
+    recompute and with selective and full recompute, and with every MLP an MoE layer of 4
+    experts (the dispatched tokens and the experts' activations, docs/memory.md: 0.94, where
+    counting it as a dense MLP gave 1.85); recompute measures lower, full below half."""
     measured = {}
-    for name, (code, output) in json.loads(result.stdout.splitlines()[-1]).items():
+    for name, (code, output) in runs.result("memory_runs").items():
         assert code == 0, (name, output)
         start = next(l for l in output.splitlines() if l.startswith("memory: estimate for rank 0"))
         counted, held = re.search(r"parameters (\d+) \(the model holds (\d+)\)", start).groups()
@@ -3843,7 +3853,7 @@ def test_memory_estimate_matches_the_measured_peak_and_recompute_lowers_it(tmp_p
         ratio = float(end.rsplit(" ", 1)[1])
         assert 0.75 <= ratio <= 1.25, (name, end)
         measured[name] = float(re.search(r"growth ([0-9.]+) MiB", end).group(1))
-    assert sorted(measured) == sorted(runs)
+    assert sorted(measured) == sorted(MEMORY_RUNS)
     assert (measured["full"] < 0.6 * measured["none"]
             and measured["selective"] < 0.9 * measured["none"]), measured
 
@@ -4939,34 +4949,57 @@ def test_load_of_megatrons_torch_dist_folder_trains_as_its_import(tmp_path, caps
 
 
 @pytest.mark.checkpoint
-def test_megatrons_distributed_optimizer_state_loads_per_parameter(tmp_path, capsys):
-    """megatron-core's distributed optimizer (DP2, two Adam steps) saved in its fully_reshardable
-    form reads per parameter: each parameter's moments hold the sums megatron-core recorded
-    from its own gathered state, the step its param groups' count; --load resumes from it at
-    its iteration. Megatron-LM's default dp_reshardable form (flat buckets) is one error line
-    naming the form and both fixes, and with --no-load-optim its weights load."""
-    full, want = fixture("dist_dp2_optim_full"), expected("dist_dp2_optim_full")
-    tensors, meta = checkpoint.full_state(full)
-    assert meta["optimizer_step"] == want["step"] and want["form"] == "fully_reshardable"
-    for name, (avg, avg_abs, avg_sq) in want["moments"].items():
-        ours = megatron_checkpoint.project_name(name)
+@pytest.mark.parametrize("name,form", [("dist_dp2_optim_full", "fully_reshardable"),
+                                       ("dist_dp2_optim_dp", "dp_reshardable"),
+                                       ("dist_tp2_dp2_optim_dp", "dp_reshardable")])
+def test_megatrons_distributed_optimizer_state_loads_per_parameter(tmp_path, name, form):
+    """megatron-core's distributed optimizer (DP2 and TP2 x DP2, two Adam steps) saved in its
+    fully_reshardable form, and in Megatron-LM's default dp_reshardable one (flat buckets of each
+    TP rank, cut where the main params equal a TP piece of a parameter's weights), reads per
+    parameter: each parameter's moments hold the sums megatron-core recorded from its own
+    gathered state, the step its param groups' count; --load resumes from it at its iteration
+    in one process. The same model and tokens as TP2 x DP2 hold the DP2 run's moments element
+    by element (1e-5 of each tensor's largest: a TP piece in another place is off by ~100%)."""
+    root, want = fixture(name), expected(name)
+    tensors, meta = checkpoint.full_state(root)
+    assert meta["optimizer_step"] == want["step"] and want["form"] == form
+    for key, (avg, avg_abs, avg_sq) in want["moments"].items():
+        ours = megatron_checkpoint.project_name(key)
         got = [tensors[f"optimizer.exp_avg.{ours}"].astype(np.float64)]
         got.append(tensors[f"optimizer.exp_avg_sq.{ours}"].astype(np.float64))
         np.testing.assert_allclose([got[0].sum(), np.abs(got[0]).sum(), got[1].sum()],
-                                   [avg, avg_abs, avg_sq], rtol=1e-5, atol=1e-9, err_msg=name)
-        assert avg_abs > 0, name
+                                   [avg, avg_abs, avg_sq], rtol=1e-5, atol=1e-9, err_msg=key)
+        assert avg_abs > 0, key
         # float32 weights: the distributed optimizer's main params (kind param) are the weights
         np.testing.assert_array_equal(tensors[f"main.{ours}"], tensors[f"model.{ours}"])
-    assert dist_run(tmp_path / "resumed", "--load", full, "--train-iters", "3") == 0
+    if "tp2" in name:
+        dp2 = checkpoint.full_state(fixture("dist_dp2_optim_dp"))[0]
+        for key in [k for k in dp2 if k.startswith("optimizer.")]:
+            np.testing.assert_allclose(tensors[key], dp2[key], rtol=0,
+                                       atol=1e-5 * np.abs(dp2[key]).max(), err_msg=key)
+    assert dist_run(tmp_path / "resumed", "--load", root, "--train-iters", "3") == 0
     log = (tmp_path / "resumed" / "log" / "rank_0" / "info.log").read_text()
-    assert f"loaded checkpoint of iteration {want['step']} from {full}" in log
+    assert f"loaded checkpoint of iteration {want['step']} from {root}" in log
+
+
+@pytest.mark.checkpoint
+def test_dp_reshardable_buckets_of_another_model_are_one_line(tmp_path, capsys, monkeypatch):
+    """dp_reshardable buckets where no main params equal a parameter's weights (another
+    model's, or a damaged bucket) are one error line naming the parameter and --no-load-optim,
+    with which the weights load."""
     buckets = fixture("dist_dp2_optim_dp")
-    assert expected("dist_dp2_optim_dp")["form"] == "dp_reshardable"
+    model_tensors = dist_checkpoint.model_tensors
+
+    def moved(folder, tensors):
+        values = model_tensors(folder, tensors)
+        values["model.final_layernorm.bias"] = values["model.final_layernorm.bias"] + 1
+        return values
+    monkeypatch.setattr(dist_checkpoint, "model_tensors", moved)
     capsys.readouterr()
     one_line_error(capsys, ["--config", os.path.join(HERE, "config.yaml"), "--load", buckets,
                             "--use-checkpoint-args", "--vocab-size", "250", "--save",
-                            str(tmp_path / "run"), "--mock-data"], "dp_reshardable",
-                   "--no-load-optim", "--dist-ckpt-optim-fully-reshardable")
+                            str(tmp_path / "run"), "--mock-data"],
+                   "round to final_layernorm.bias", "--no-load-optim")
     assert dist_run(tmp_path / "weights", "--load", buckets, "--no-load-optim") == 0
 
 
@@ -8533,6 +8566,7 @@ def call_fault(fault):
 for _fault in FAULTS:
     add(f"fault_{_fault}", 0, "", call=call_fault(_fault), light=True)
 add("tour_pp", 0, "pipeline", call=call_tour)        # the compiled pipeline beside one process
+add("memory_runs", 0, "", call=call_memory_runs)      # test_memory_estimate_matches_...'s runs
 add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], light=True)
 add("killed_worker", 0, "", call=call_killed_worker, light=True)
 add("two_nodes", 0, "", call=call_two_nodes, after=["one"], light=True)
@@ -8617,9 +8651,9 @@ class Harness:
     cores, so the thread runs them in turn, one launch per worker count:
       1. the one-process jobs the launch of 4 workers and the calls need (the runs they
          convert, the conversions), one process;
-      2. the calls (tests that launch run.sh themselves) that need no launch, in turn, beside the
-         one-process jobs that need no launch: a call waits for msrun's start and end, which
-         those and the one-process tests fill;
+      2. the calls (tests that launch run.sh themselves, the memory test's runs) that need no
+         launch, in turn, beside the one-process jobs that need no launch: a call waits for
+         msrun's start and end, which those and the one-process tests fill;
       3. the launch of 4 workers (its ranks wait in collectives for each other, for longer the
          more processes share the 2 cores);
       4. the one-process jobs the launch of 2 workers needs from the first (conversions);

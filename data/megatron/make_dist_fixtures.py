@@ -21,8 +21,9 @@ GPTModel.sharded_state_dict(), num_floating_point_operations_so_far}: `.metadata
 `__<rank>_<k>.distcp`, `common.pt`, `metadata.json`. `dist_tp1_moe` has four experts (SequentialMLP,
 top-2, the allgather dispatcher) in each layer. `dist_dp2_optim_full` and `dist_dp2_optim_dp`
 hold the `dist_tp1_gpt2` model after two Adam steps as DP2 with the distributed optimizer, its
-state in the fully_reshardable and the dp_reshardable form (OPTIM_FORMS), their `expected.json`
-the moments' sums per parameter. Each other fixture's `expected.json` holds a prompt, the
+state in the fully_reshardable and the dp_reshardable form, `dist_tp2_dp2_optim_dp` the same
+model as TP2 x DP2 in the dp_reshardable form (OPTIM_FORMS), their `expected.json` the moments'
+sums per parameter. Each other fixture's `expected.json` holds a prompt, the
 logits after it and the greedy continuation computed by megatron-core's own forward (float32, on
 the weights as stored; the seed is the first whose greedy path keeps the top-1/top-2 gap at least
 MIN_MARGIN).
@@ -71,10 +72,12 @@ SPECS = {
                          untie_embeddings_and_output_weights=True, num_experts=4,
                          moe_router_topk=2, moe_ffn_hidden_size=16)}
 # the distributed optimizer's fixtures: the GPT-2 style model trained two Adam steps as DP2
-# (two processes) and saved in each of Megatron-LM's two forms of its state
+# (TP1: two processes; TP2: four) and saved in each of Megatron-LM's two forms of its state
 # (training/checkpointing.py _build_sharded_state_dict_metadata: dp_reshardable by default,
-# fully_reshardable with --dist-ckpt-optim-fully-reshardable)
-OPTIM_FORMS = {"dist_dp2_optim_full": "fully_reshardable", "dist_dp2_optim_dp": "dp_reshardable"}
+# fully_reshardable with --dist-ckpt-optim-fully-reshardable): name: (form, TP)
+OPTIM_FORMS = {"dist_dp2_optim_full": ("fully_reshardable", 1),
+               "dist_dp2_optim_dp": ("dp_reshardable", 1),
+               "dist_tp2_dp2_optim_dp": ("dp_reshardable", 2)}
 OPTIM_STEPS = 2
 MOE_ARGS = dict(moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
                 moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=False)
@@ -245,7 +248,8 @@ def train_distributed(model, rank, args):
         use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=True), [ddp])
-    generator = torch.Generator().manual_seed(100 + rank)
+    from megatron.core import parallel_state
+    generator = torch.Generator().manual_seed(100 + parallel_state.get_data_parallel_rank())
     positions = torch.arange(args.seq_length - 1)[None].expand(2, -1)
     for _ in range(OPTIM_STEPS):
         tokens = torch.randint(0, VOCAB, (2, args.seq_length), generator=generator)
@@ -260,8 +264,10 @@ def train_distributed(model, rank, args):
 
 def moments(model, optimizer):
     """{parameter's name: [sum of exp_avg, sum of |exp_avg|, sum of exp_avg_sq]} of the
-    distributed optimizer's (the ChainedOptimizer's one) state gathered over DP (get_parameter_state_dp_zero), each
-    parameter's range of its buffer (param_index_map)."""
+    distributed optimizer's (the ChainedOptimizer's one) state gathered over DP
+    (get_parameter_state_dp_zero), each parameter's range of its buffer (param_index_map); a
+    parameter split over TP (tensor_model_parallel) summed over its TP pieces."""
+    from megatron.core import parallel_state
     names = {p: n for n, p in model.named_parameters()}
     (optimizer,) = optimizer.chained_optimizers   # one DistributedOptimizer (no experts)
     state = optimizer.get_parameter_state_dp_zero(use_gloo_comm=False, return_on_all_ranks=True)
@@ -272,7 +278,11 @@ def moments(model, optimizer):
             avg, avg_sq = world["exp_avg"][start:end], world["exp_avg_sq"][start:end]
             out[names[param]] = [float(avg.double().sum()), float(avg.double().abs().sum()),
                                  float(avg_sq.double().sum())]
-    return dict(sorted(out.items()))
+    split = {names[p] for p in names if getattr(p, "tensor_model_parallel", False)}
+    pieces = [None] * parallel_state.get_tensor_model_parallel_world_size()
+    dist.all_gather_object(pieces, out, group=parallel_state.get_tensor_model_parallel_group())
+    return {name: [sum(piece[name][i] for piece in pieces) if name in split else sums[i]
+                   for i in range(3)] for name, sums in sorted(out.items())}
 
 
 def make_optimizer(rank, name, port, out):
@@ -280,21 +290,22 @@ def make_optimizer(rank, name, port, out):
     GPT-2 style model trained, saved with its optimizer as Megatron-LM's save_checkpoint saves
     it, the moments recorded."""
     from megatron.core import dist_checkpointing
+    form, tp = OPTIM_FORMS[name]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2 * tp)
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     cpu_corners()
     optimizer_corners()
-    args = megatron_args(SPECS["dist_tp1_gpt2"], 1)
+    args = megatron_args(SPECS["dist_tp1_gpt2"], tp)
     args.use_distributed_optimizer, args.iteration = True, OPTIM_STEPS
     torch.manual_seed(1)
     model = build_model(args)
     optimizer = train_distributed(model, rank, args)
     recorded = moments(model, optimizer)
-    metadata = {"distrib_optim_sharding_type": OPTIM_FORMS[name], "singleton_local_shards": False,
+    metadata = {"distrib_optim_sharding_type": form, "singleton_local_shards": False,
                 "chained_optim_avoid_prefix": True}
-    if OPTIM_FORMS[name] == "fully_reshardable":
+    if form == "fully_reshardable":
         metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
     folder = f"iter_{OPTIM_STEPS:07d}"
     if rank == 0:
@@ -311,9 +322,9 @@ def make_optimizer(rank, name, port, out):
         with open("latest_checkpointed_iteration.txt", "w") as f:
             f.write(str(OPTIM_STEPS))
         with open("expected.json", "w") as f:
-            json.dump({"form": OPTIM_FORMS[name], "step": OPTIM_STEPS, "moments": recorded}, f,
+            json.dump({"form": form, "tp": tp, "step": OPTIM_STEPS, "moments": recorded}, f,
                       indent=1)
-        print(name, OPTIM_FORMS[name], len(recorded), "parameters")
+        print(name, form, "TP", tp, len(recorded), "parameters")
     dist.barrier()
     os._exit(0)
 
@@ -354,7 +365,7 @@ def main():
         out = os.path.join(HERE, name)
         shutil.rmtree(out, ignore_errors=True)
         if name in OPTIM_FORMS:
-            mp.spawn(make_optimizer, (name, port, out), nprocs=2)
+            mp.spawn(make_optimizer, (name, port, out), nprocs=2 * OPTIM_FORMS[name][1])
         else:
             mp.spawn(make, (name, port, out), nprocs=SPECS[name]["tp"])
         port += 1
