@@ -293,7 +293,7 @@ def bucket_tensors(folder, tensors, weights, tp):
             flat = read_tensor(folder, key, dtype, shape, pieces)[0].astype(np.float32)
             buckets[bucket][kind] = flat, sorted(offsets[0] for offsets, *_ in pieces)
     candidates = [(name[len("model."):], index, piece) for name, weight in weights.items()
-                  for index, piece in tp_pieces(weight, tp)]
+                  for index, piece in tp_pieces(name, weight, tp)]
     left = {name[len("model."):]: weight.size for name, weight in weights.items()}
     out = {}
     for bucket, kinds in buckets.items():
@@ -321,10 +321,10 @@ def bucket_tensors(folder, tensors, weights, tp):
     return out
 
 
-def tp_pieces(weight, tp):
-    """[(index into `weight`, the piece)] a TP rank of `tp` may hold of a parameter: the whole
-    (replicated), or for each rank its rows (column-parallel, the vocabulary), its columns
-    (row-parallel), its rows of each half (SwiGLU's fc1 [gate; up]); the whole first."""
+def tp_pieces(name, weight, tp):
+    """[(index into `weight`, the piece)] a TP rank of `tp` may hold of parameter `name`: the
+    whole (replicated), or for each rank its rows (column-parallel, the vocabulary), its columns
+    (row-parallel), for an fc1 its rows of each half (SwiGLU's [gate; up]); the whole first."""
     out = [((), weight)]
     if tp == 1 or not weight.ndim:
         return out
@@ -335,8 +335,9 @@ def tp_pieces(weight, tp):
             cols = weight.shape[1] // tp
             out.append(((slice(None), slice(t * cols, (t + 1) * cols)),
                         weight[:, t * cols:(t + 1) * cols]))
-        both = np.r_[t * half:(t + 1) * half, (tp + t) * half:(tp + t + 1) * half]
-        out.append(((both,), weight[both]))
+        if "linear_fc1" in name:
+            both = np.r_[t * half:(t + 1) * half, (tp + t) * half:(tp + t + 1) * half]
+            out.append(((both,), weight[both]))
     return out
 
 
