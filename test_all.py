@@ -4951,14 +4951,15 @@ def test_load_of_megatrons_torch_dist_folder_trains_as_its_import(tmp_path, caps
 @pytest.mark.checkpoint
 @pytest.mark.parametrize("name,form", [("dist_dp2_optim_full", "fully_reshardable"),
                                        ("dist_dp2_optim_dp", "dp_reshardable"),
-                                       ("dist_tp2_dp2_optim_dp", "dp_reshardable")])
+                                       ("dist_tp2_dp2_optim_dp", "dp_reshardable"),
+                                       ("dist_pp2_dp2_optim_dp", "dp_reshardable")])
 def test_megatrons_distributed_optimizer_state_loads_per_parameter(tmp_path, name, form):
-    """megatron-core's distributed optimizer (DP2 and TP2 x DP2, two Adam steps) saved in its
-    fully_reshardable form, and in Megatron-LM's default dp_reshardable one (flat buckets of each
-    TP rank, cut where the main params equal a TP piece of a parameter's weights), reads per
-    parameter: each parameter's moments hold the sums megatron-core recorded from its own
-    gathered state, the step its param groups' count; --load resumes from it at its iteration
-    in one process. The same model and tokens as TP2 x DP2 hold the DP2 run's moments element
+    """megatron-core's distributed optimizer (DP2, TP2 x DP2 and PP2 x DP2, two Adam steps) saved
+    in its fully_reshardable form, and in Megatron-LM's default dp_reshardable one (flat buckets
+    of each TP rank and stage, cut where the main params equal a TP piece of a parameter's
+    weights), reads per parameter: each parameter's moments hold the sums megatron-core recorded
+    from its own gathered state, the step its param groups' count; --load resumes from it at
+    its iteration in one process. The same model and tokens as TP2 x DP2 hold the DP2 run's moments element
     by element (1e-5 of each tensor's largest: a TP piece in another place is off by ~100%)."""
     root, want = fixture(name), expected(name)
     tensors, meta = checkpoint.full_state(root)

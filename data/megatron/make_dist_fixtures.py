@@ -21,9 +21,10 @@ GPTModel.sharded_state_dict(), num_floating_point_operations_so_far}: `.metadata
 `__<rank>_<k>.distcp`, `common.pt`, `metadata.json`. `dist_tp1_moe` has four experts (SequentialMLP,
 top-2, the allgather dispatcher) in each layer. `dist_dp2_optim_full` and `dist_dp2_optim_dp`
 hold the `dist_tp1_gpt2` model after two Adam steps as DP2 with the distributed optimizer, its
-state in the fully_reshardable and the dp_reshardable form, `dist_tp2_dp2_optim_dp` the same
-model as TP2 x DP2 in the dp_reshardable form (OPTIM_FORMS), their `expected.json` the moments'
-sums per parameter. Each other fixture's `expected.json` holds a prompt, the
+state in the fully_reshardable and the dp_reshardable form, `dist_tp2_dp2_optim_dp` and
+`dist_pp2_dp2_optim_dp` the same model as TP2 x DP2 and as PP2 x DP2 (gradients of a random
+linear loss of each stage's parameters: no pipeline schedule here) in the dp_reshardable form
+(OPTIM_FORMS), their `expected.json` the moments' sums per parameter. Each other fixture's `expected.json` holds a prompt, the
 logits after it and the greedy continuation computed by megatron-core's own forward (float32, on
 the weights as stored; the seed is the first whose greedy path keeps the top-1/top-2 gap at least
 MIN_MARGIN).
@@ -38,6 +39,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -72,12 +74,13 @@ SPECS = {
                          untie_embeddings_and_output_weights=True, num_experts=4,
                          moe_router_topk=2, moe_ffn_hidden_size=16)}
 # the distributed optimizer's fixtures: the GPT-2 style model trained two Adam steps as DP2
-# (TP1: two processes; TP2: four) and saved in each of Megatron-LM's two forms of its state
+# (two processes a model-parallel rank) and saved in each of Megatron-LM's two forms of its state
 # (training/checkpointing.py _build_sharded_state_dict_metadata: dp_reshardable by default,
-# fully_reshardable with --dist-ckpt-optim-fully-reshardable): name: (form, TP)
-OPTIM_FORMS = {"dist_dp2_optim_full": ("fully_reshardable", 1),
-               "dist_dp2_optim_dp": ("dp_reshardable", 1),
-               "dist_tp2_dp2_optim_dp": ("dp_reshardable", 2)}
+# fully_reshardable with --dist-ckpt-optim-fully-reshardable): name: (form, TP, PP)
+OPTIM_FORMS = {"dist_dp2_optim_full": ("fully_reshardable", 1, 1),
+               "dist_dp2_optim_dp": ("dp_reshardable", 1, 1),
+               "dist_tp2_dp2_optim_dp": ("dp_reshardable", 2, 1),
+               "dist_pp2_dp2_optim_dp": ("dp_reshardable", 1, 2)}
 OPTIM_STEPS = 2
 MOE_ARGS = dict(moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
                 moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=False)
@@ -156,6 +159,7 @@ def build_model(args, dtype=torch.float32):
         bias_activation_fusion=args.bias_gelu_fusion, hidden_dropout=0.0,
         attention_dropout=0.0, init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=dtype,
         use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, num_moe_experts=args.num_experts,
@@ -164,7 +168,10 @@ def build_model(args, dtype=torch.float32):
            if args.num_experts else {}))
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts,
                                     normalization=args.normalization)
+    from megatron.core import parallel_state
     return GPTModel(config, spec, vocab_size=args.padded_vocab_size,
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(),
                     max_sequence_length=args.max_position_embeddings,
                     position_embedding_type=args.position_embedding_type,
                     share_embeddings_and_output_weights=not
@@ -249,13 +256,21 @@ def train_distributed(model, rank, args):
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=True), [ddp])
     from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
     generator = torch.Generator().manual_seed(100 + parallel_state.get_data_parallel_rank())
     positions = torch.arange(args.seq_length - 1)[None].expand(2, -1)
     for _ in range(OPTIM_STEPS):
-        tokens = torch.randint(0, VOCAB, (2, args.seq_length), generator=generator)
-        out = ddp(tokens[:, :-1], positions, None).clone()    # [2, s-1, padded vocab]
-        F.cross_entropy(out.reshape(-1, out.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
-        ddp.finish_grad_sync()
+        if args.pipeline_model_parallel_size > 1:
+            # no pipeline schedule here: a random linear loss of each stage's parameters, the
+            # tied embedding's two copies all-reduced (finalize_model_grads)
+            sum((p * torch.randn(p.shape, generator=generator)).sum()
+                for p in model.parameters()).backward()
+            finalize_model_grads([ddp])
+        else:
+            tokens = torch.randint(0, VOCAB, (2, args.seq_length), generator=generator)
+            out = ddp(tokens[:, :-1], positions, None).clone()    # [2, s-1, padded vocab]
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+            ddp.finish_grad_sync()
         optimizer.step()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -281,8 +296,19 @@ def moments(model, optimizer):
     split = {names[p] for p in names if getattr(p, "tensor_model_parallel", False)}
     pieces = [None] * parallel_state.get_tensor_model_parallel_world_size()
     dist.all_gather_object(pieces, out, group=parallel_state.get_tensor_model_parallel_group())
-    return {name: [sum(piece[name][i] for piece in pieces) if name in split else sums[i]
-                   for i in range(3)] for name, sums in sorted(out.items())}
+    out = {name: [sum(piece[name][i] for piece in pieces) if name in split else sums[i]
+                  for i in range(3)] for name, sums in out.items()}
+    # a stage's layers under their global numbers; the last stage's copy of a tied embedding
+    # (output_layer, held as the embedding's) left out
+    offset = parallel_state.get_pipeline_model_parallel_rank() * len(model.decoder.layers)
+    def numbered(m):
+        return f"decoder.layers.{int(m.group(1)) + offset}."
+    out = {re.sub(r"^decoder\.layers\.(\d+)\.", numbered, name): sums
+           for name, sums in out.items()
+           if not (name == "output_layer.weight" and model.share_embeddings_and_output_weights)}
+    stages = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, out, group=parallel_state.get_pipeline_model_parallel_group())
+    return dict(sorted(item for stage in stages for item in stage.items()))
 
 
 def make_optimizer(rank, name, port, out):
@@ -290,15 +316,17 @@ def make_optimizer(rank, name, port, out):
     GPT-2 style model trained, saved with its optimizer as Megatron-LM's save_checkpoint saves
     it, the moments recorded."""
     from megatron.core import dist_checkpointing
-    form, tp = OPTIM_FORMS[name]
+    form, tp, pp = OPTIM_FORMS[name]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2 * tp)
+    dist.init_process_group("gloo", rank=rank, world_size=2 * tp * pp)
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp)
     cpu_corners()
     optimizer_corners()
     args = megatron_args(SPECS["dist_tp1_gpt2"], tp)
     args.use_distributed_optimizer, args.iteration = True, OPTIM_STEPS
+    args.pipeline_model_parallel_size = pp
     torch.manual_seed(1)
     model = build_model(args)
     optimizer = train_distributed(model, rank, args)
@@ -322,9 +350,9 @@ def make_optimizer(rank, name, port, out):
         with open("latest_checkpointed_iteration.txt", "w") as f:
             f.write(str(OPTIM_STEPS))
         with open("expected.json", "w") as f:
-            json.dump({"form": form, "tp": tp, "step": OPTIM_STEPS, "moments": recorded}, f,
-                      indent=1)
-        print(name, form, "TP", tp, len(recorded), "parameters")
+            json.dump({"form": form, "tp": tp, "pp": pp, "step": OPTIM_STEPS,
+                       "moments": recorded}, f, indent=1)
+        print(name, form, "TP", tp, "PP", pp, len(recorded), "parameters")
     dist.barrier()
     os._exit(0)
 
@@ -365,7 +393,8 @@ def main():
         out = os.path.join(HERE, name)
         shutil.rmtree(out, ignore_errors=True)
         if name in OPTIM_FORMS:
-            mp.spawn(make_optimizer, (name, port, out), nprocs=2 * OPTIM_FORMS[name][1])
+            mp.spawn(make_optimizer, (name, port, out),
+                     nprocs=2 * OPTIM_FORMS[name][1] * OPTIM_FORMS[name][2])
         else:
             mp.spawn(make, (name, port, out), nprocs=SPECS[name]["tp"])
         port += 1
