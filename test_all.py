@@ -4959,8 +4959,9 @@ def test_megatrons_distributed_optimizer_state_loads_per_parameter(tmp_path, nam
     of each TP rank and stage, cut where the main params equal a TP piece of a parameter's
     weights), reads per parameter: each parameter's moments hold the sums megatron-core recorded
     from its own gathered state, the step its param groups' count; --load resumes from it at
-    its iteration in one process. The same model and tokens as TP2 x DP2 hold the DP2 run's moments element
-    by element (1e-5 of each tensor's largest: a TP piece in another place is off by ~100%)."""
+    its iteration in one process. The same model and tokens as TP2 x DP2 hold the DP2 run's
+    moments element by element (1e-5 of each tensor's largest: a TP piece in another place is
+    off by ~100%)."""
     root, want = fixture(name), expected(name)
     tensors, meta = checkpoint.full_state(root)
     assert meta["optimizer_step"] == want["step"] and want["form"] == form
