@@ -122,11 +122,11 @@ from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, Optim
                        clip_grads_by_value, grad_norm_sq)
 
 # The suite runs its msrun launches beside its one-process tests on a few cores: every process it
-# starts takes one thread (train.setup_mindspore divides the cores by LOCAL_WORKER_NUM), as
-# msrun's workers here do, since two threads a process cost more CPU time for the same work when
-# every core is busy; this one, the longest path of the session, takes every core's.
-train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
+# starts, and this one, takes one thread (train.setup_mindspore divides the cores by
+# LOCAL_WORKER_NUM), as msrun's workers here do; two threads a process cost more CPU time for
+# the same work when every core is busy.
 os.environ.setdefault("LOCAL_WORKER_NUM", str(os.cpu_count() or 1))
+train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = os.path.join(HERE, "data", "gpt2-vocab.json")
