@@ -3809,6 +3809,14 @@ print(json.dumps(results))
 """
 
 
+def forked_runs(runs):
+    """FORKED_RUNS of `runs` ({name: train.py's argv}): {name: [exit code, its output]}."""
+    result = subprocess.run([sys.executable, "-c", FORKED_RUNS, json.dumps(runs)], cwd=HERE,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
 # The runs of the memory test: mostly activations (6 layers, 8 heads over 256 tokens, op by op)
 MEMORY_COMMON = ["--mock-data", "--vocab-size", "256", "--tokenizer-type", "NullTokenizer",
                  "--no-jit", "--num-layers", "6", "--hidden-size", "64", "--ffn-hidden-size",
@@ -3823,12 +3831,8 @@ MEMORY_RUNS = {"none": [], "selective": RECOMPUTE["selective"],
 def call_memory_runs(harness):
     """MEMORY_RUNS, each a process of its own (FORKED_RUNS), in the harness's background while
     the one-process tests run: {name: [exit code, its output]}."""
-    runs = {name: [*MEMORY_COMMON, "--save", str(harness.tmp / "memory" / name), *flags]
-            for name, flags in MEMORY_RUNS.items()}
-    result = subprocess.run([sys.executable, "-c", FORKED_RUNS, json.dumps(runs)], cwd=HERE,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.splitlines()[-1])
+    return forked_runs({name: [*MEMORY_COMMON, "--save", str(harness.tmp / "memory" / name),
+                               *flags] for name, flags in MEMORY_RUNS.items()})
 
 
 @pytest.mark.reads("memory_runs")
@@ -6748,12 +6752,9 @@ HALF_RUNS = {"fp16": FP16, "mixed": ["model_config.compute_dtype=float16",
 def call_half_runs(harness):
     """HALF_RUNS, compiled, each a process of its own (FORKED_RUNS), in the harness's background
     while the one-process tests run: {name: [exit code, its output]}."""
-    runs = {name: training_argv(harness.tmp / "half" / name, harness.prefix, *FP32_RUN, *flags,
-                                jit=True) for name, flags in HALF_RUNS.items()}
-    result = subprocess.run([sys.executable, "-c", FORKED_RUNS, json.dumps(runs)], cwd=HERE,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.splitlines()[-1])
+    return forked_runs({name: training_argv(harness.tmp / "half" / name, harness.prefix,
+                                            *FP32_RUN, *flags, jit=True)
+                        for name, flags in HALF_RUNS.items()})
 
 
 @pytest.mark.fp16

@@ -24,10 +24,10 @@ hold the `dist_tp1_gpt2` model after two Adam steps as DP2 with the distributed 
 state in the fully_reshardable and the dp_reshardable form, `dist_tp2_dp2_optim_dp` and
 `dist_pp2_dp2_optim_dp` the same model as TP2 x DP2 and as PP2 x DP2 (gradients of a random
 linear loss of each stage's parameters: no pipeline schedule here) in the dp_reshardable form
-(OPTIM_FORMS), their `expected.json` the moments' sums per parameter. Each other fixture's `expected.json` holds a prompt, the
-logits after it and the greedy continuation computed by megatron-core's own forward (float32, on
-the weights as stored; the seed is the first whose greedy path keeps the top-1/top-2 gap at least
-MIN_MARGIN).
+(OPTIM_FORMS), their `expected.json` the moments' sums per parameter. Each other fixture's
+`expected.json` holds a prompt, the logits after it and the greedy continuation computed by
+megatron-core's own forward (float32, on the weights as stored; the seed is the first whose
+greedy path keeps the top-1/top-2 gap at least MIN_MARGIN).
 
 megatron-core runs on the CPU once a few CUDA-only corners are replaced (`cpu_corners`), nothing
 of the arithmetic: torch.cuda.current_device (RoPE moves its frequencies there, the global
