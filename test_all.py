@@ -422,7 +422,8 @@ def test_repeated_config_files_layer_in_order_and_name_what_they_override(tmp_pa
     m = load_config([str(a), str(b)], [], 1, notes).model_config
     assert (m.num_layers, m.hidden_size, m.seq_length) == (8, 128, 128)
     assert notes == [f"{b}: model_config.num_layers=8 replaces 6 from {a}"]
-    assert train.main(["check", "--config", str(a), "--config", str(b), "--num-layers", "2"]) == 0
+    assert train.main(["check", "--config", str(a), "--config", str(b), "--num-layers", "2",
+                       "--save", str(tmp_path / "out")]) == 0
     capsys.readouterr()                      # a fresh clone tokenizes the shipped corpus here
     b.write_text("model_config:\n  num_layers: 8\n  llm:\n    blocks:\n      num_layers: 4\n")
     one_line_error(capsys, ["check", "--config", str(b)], f"{b}: model_config.num_layers=8 and "
@@ -757,11 +758,14 @@ def test_every_row_of_the_guides_tables_and_flags_is_a_key_here(capsys):
     (["pangu_38b_model.yaml", "pangu_38b_accelerate.yaml", "pangu_38b_train.yaml"], 32, [],
      "MindSpore 2.10 has no bfloat16 CPU kernel"),
 ], ids=["001_gpt2_13b", "002_example", "000_pangu_38b"])
-def test_the_guides_files_load_verbatim(files, nproc, extra, refused, capsys, monkeypatch):
+def test_the_guides_files_load_verbatim(files, nproc, extra, refused, capsys, monkeypatch,
+                                        tmp_path):
     """Each guide file, as printed, passes `check` for its layout on the machine it was written
     for: here its Ascend target (001) or bfloat16 (000, 002) is refused in one line, and the
-    check passes where an Ascend backend answers (mindspore.hal.is_available, faked)."""
+    check passes where an Ascend backend answers (mindspore.hal.is_available, faked). Saved
+    elsewhere than its ./output, which `bash run.sh` may have filled."""
     configs = [a for f in files for a in ("--config", os.path.join(GUIDES, f))]
+    extra = [*extra, "--save", str(tmp_path / "output")]
     one_line_error(capsys, ["check", "--nproc", str(nproc), *configs, *extra], refused)
     monkeypatch.setattr(ms.hal, "is_available", lambda target: True)
     ascend = [*configs, *extra, "training_config.device_target=Ascend"]
@@ -8504,8 +8508,8 @@ def call_two_nodes(harness):
 def call_guides_script(harness):
     """003's pretrain_single.sh as a reader would run it: its paths filled in, GPUS_PER_NODE=2,
     the guide's "\\ " defect fixed, `torchrun $DISTRIBUTED_ARGS pretrain_gpt.py` replaced by
-    `bash run.sh $DISTRIBUTED_ARGS`, and shrunk by flags appended after its last line: (its
-    checkpoint folder, the finished script)."""
+    `bash run.sh $DISTRIBUTED_ARGS` (msrun's logs in its folder, not the project's output/), and
+    shrunk by flags appended after its last line: (its checkpoint folder, the finished script)."""
     folder = harness.tmp / "guides_script"
     folder.mkdir()
     script = open(os.path.join(GUIDES, "pretrain_single.sh")).read()
@@ -8519,7 +8523,7 @@ def call_guides_script(harness):
                       "data/tinyshakespeare_text_document"),
                      ("--hidden-size 1024 \\ \n", "--hidden-size 1024 \\\n"),
                      ("torchrun $DISTRIBUTED_ARGS pretrain_gpt.py",
-                      f"bash {HERE}/run.sh $DISTRIBUTED_ARGS"),
+                      f"bash {HERE}/run.sh $DISTRIBUTED_ARGS --log_dir {folder}/msrun_log"),
                      ("--ckpt-format torch", f"--ckpt-format torch {shrink}")):
         assert script.count(old) == 1, old
         script = script.replace(old, new)
