@@ -2417,8 +2417,9 @@ def test_flash_attention_model_equals_the_plain_model(compiled, recompute):
     """A whole tiny model (GQA, RoPE) with --use-flash-attn, its layers' blocks 4 tokens (16 =
     4 x 4), gives the plain model's loss and every parameter gradient (relative 1e-5) on
     sequences of three documents (reset_attention_mask's document mask, positions restarting),
-    op by op and compiled (against the plain model op by op); also inside full recompute (the
-    flash core's custom bprop in a recomputed layer)."""
+    op by op and compiled (against the plain model op by op; one layer: ms.jit unrolls every
+    block pair, and compiling each layer costs more than the rest of the test); also inside
+    full recompute (the flash core's custom bprop in a recomputed layer)."""
     batch = random_batch(tiny_cfg())
     for row in range(len(batch["tokens"])):       # documents end at tokens 5 and 11 of each row
         batch["tokens"][row, [5, 11]] = 256
@@ -2426,9 +2427,9 @@ def test_flash_attention_model_equals_the_plain_model(compiled, recompute):
             data.get_ltor_masks_and_position_ids(batch["tokens"][row], 256, True, True, False))
         batch.setdefault("attention_mask", np.zeros((len(batch["tokens"]), *mask.shape), bool))
         batch["attention_mask"][row] = mask
-    results = []
+    results, layers = [], ["--num-layers", "1"] if compiled else []
     for flash in ([], ["--use-flash-attn", *recompute]):
-        cfg, model = tiny_model(*VARIANTS["gqa"], *VARIANTS["rope"], *flash)
+        cfg, model = tiny_model(*VARIANTS["gqa"], *VARIANTS["rope"], *layers, *flash)
         if flash:
             for layer in model.layers:
                 layer.self_attention.core_attention.kernel.block_size = 4
@@ -2436,7 +2437,7 @@ def test_flash_attention_model_equals_the_plain_model(compiled, recompute):
         grad_fn = ms.value_and_grad(net, None, model.trainable_params())
         loss, grads = grad_fn(*train.to_tensors(batch))
         results.append([loss.asnumpy()] + [g.asnumpy() for g in grads])
-    assert isinstance(model.layers[1].self_attention.core_attention, gpt.FlashAttention)
+    assert isinstance(model.layers[-1].self_attention.core_attention, gpt.FlashAttention)
     for got, want in zip(*results):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -6504,13 +6505,13 @@ def stopped_runs(tmp_path_factory):
     """precision -> (STOPPED_AT_2's flags in it, the folder of its 4 steps never stopped, the
     folder of its first 2 saved at 2 of the same schedule): trained on first use, once a module.
     Float32 reads a blend of the two shipped texts (mixture_flags); float16: Megatron's --fp16
-    (FP16) and its torch format (model_optim_rng.pt)."""
+    (FP16) and its torch format (model_optim_rng.pt), one layer (float16 is slow here)."""
     runs = {}
 
     def get(precision):
         if precision not in runs:
             tmp = tmp_path_factory.mktemp(precision)
-            flags = [*STOPPED_AT_2, *(FP16 + ["--ckpt-format", "torch"]
+            flags = [*STOPPED_AT_2, *(HALF + ["--ckpt-format", "torch"]
                                       if precision == "float16" else mixture_flags(tmp))]
             run_training(tmp, "full", *flags)
             run_training(tmp, "first", *flags, "--save-interval", "2", "--train-iters", "2",
@@ -6547,7 +6548,7 @@ def test_finetune_no_load_optim_and_no_load_rng(tmp_path, stopped_runs):
 
 
 # 20 steps of 2 micro-batches: the float32 run test_fp16_trains_within_2_percent_of_fp32 compares
-# with, compiled once (compiled_fp32_run) for that test and test_compiled_model_equals_eager
+# with, compiled once (COMPILED_RUNS) for that test and test_compiled_model_equals_eager
 FP32_RUN = ["--train-iters", "20", "--lr", "3e-3", "--global-batch-size", "8"]
 
 
@@ -6563,41 +6564,52 @@ def test_the_plain_model_trains_as_the_default_build(tmp_path):
         np.testing.assert_allclose(plain_values, fused_values, rtol=tour.RTOL["one"][key])
 
 
-@pytest.fixture(scope="module")
-def compiled_fp32_run(tmp_path_factory):
-    """FP32_RUN compiled by ms.jit: (its train lines, all its log's lines)."""
-    return run_training(tmp_path_factory.mktemp("fp32"), "jit", *FP32_RUN, jit=True)
-
-
-def test_compiled_model_equals_eager(tmp_path, compiled_fp32_run):
+@pytest.mark.reads("compiled_runs")
+def test_compiled_model_equals_eager(tmp_path, runs):
     """The model compiled by ms.jit trains as op by op: each step's loss and gradient norm
     (relative 1e-5), over the first 3 steps of FP32_RUN (op by op stopped there by
     --exit-interval, the learning-rate schedule the same)."""
-    compiled, compiled_log = compiled_fp32_run
+    compiled, compiled_log = compiled_run(runs, "fp32")
     eager, eager_log = run_training(tmp_path, "eager", *FP32_RUN, "--exit-interval", "3")
     assert ("model compiled with ms.jit" in compiled_log
             and "model runs op by op (PyNative)" in eager_log)
     assert_same_training(compiled[:3], eager)
 
 
+# test_moe_model_trains_and_compiled_equals_op_by_op's runs: 8 steps compiled, 4 op by op
+MOE_TRAINING = [*MOE_FLAGS, "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "64",
+                "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+                "--global-batch-size", "8", "--train-iters", "8"]
+MOE_RUNS = {"moe_jit": (MOE_TRAINING, True),
+            "moe_eager": ([*MOE_TRAINING, "--exit-interval", "4"], False)}
+
+
+def call_moe_runs(harness):
+    """MOE_RUNS, each a process of its own (FORKED_RUNS), in the harness's background:
+    {name: [exit code, its output]}."""
+    return forked_runs({name: training_argv(harness.tmp / name, harness.prefix, *flags, jit=jit)
+                        for name, (flags, jit) in MOE_RUNS.items()})
+
+
 @pytest.mark.moe
-def test_moe_model_trains_and_compiled_equals_op_by_op(tmp_path):
+@pytest.mark.reads("moe_runs")
+def test_moe_model_trains_and_compiled_equals_op_by_op(runs):
     """A GPT whose first layer is an MoE layer (4 experts with biases, top-2, aux and z losses,
     2 micro-batches: the losses' gradients weighted 1/2 like the main loss'): the loss falls over
     8 compiled steps, the train lines (and metrics.jsonl) carry Megatron's load_balancing_loss and
     z_loss, and op by op (--no-jit; stopped after 4 steps by --exit-interval, the schedule the
-    same) trains the same losses, gradient norms, balancing and z losses."""
-    args = [*MOE_FLAGS, "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "64",
-            "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
-            "--global-batch-size", "8", "--train-iters", "8"]
-    compiled, compiled_log = run_training(tmp_path, "moe_jit", *args, jit=True)
-    eager, eager_log = run_training(tmp_path, "moe_eager", *args, "--exit-interval", "4")
-    assert ("model compiled with ms.jit" in compiled_log
-            and "model runs op by op (PyNative)" in eager_log)
+    same) trains the same losses, gradient norms, balancing and z losses (MOE_RUNS)."""
+    for name, (code, output) in runs.result("moe_runs").items():
+        assert code == 0, (name, output[-3000:])
+    logs = {name: (runs.tmp / name / "log" / "rank_0" / "info.log").read_text()
+            for name in MOE_RUNS}
+    compiled, eager = (train_lines_of(runs.tmp / name) for name in MOE_RUNS)
+    assert ("model compiled with ms.jit" in logs["moe_jit"]
+            and "model runs op by op (PyNative)" in logs["moe_eager"])
     losses = losses_of(compiled)
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
     assert_same_training(compiled[:4], eager)
-    records = metrics.read_records(str(tmp_path / "moe_jit" / metrics.JSONL))
+    records = metrics.read_records(str(runs.tmp / "moe_jit" / metrics.JSONL))
     for name in ("load_balancing_loss", "z_loss"):
         values = [[float(re.search(name + r": ([-+.0-9E]+)", l).group(1)) for l in lines]
                   for lines in (compiled, eager)]
@@ -6747,30 +6759,38 @@ def test_query_key_layer_scaling_and_the_softmax_dtype():
     assert 0 < np.abs(half - plain).max() < 1e-2 and 0 < np.abs(soft16 - half).max() < 1e-2
 
 
-# test_fp16_trains_within_2_percent_of_fp32's runs: --fp16, and float32 parameters computing in
-# float16 (the guides' form)
-HALF_RUNS = {"fp16": FP16, "mixed": ["model_config.compute_dtype=float16",
-                                     "--initial-loss-scale", "4096"]}
+# test_fp16_trains_within_2_percent_of_fp32's runs, compiled (a float16 step op by op costs more
+# than a tenth of the compilation): float32, Megatron's --fp16, and float32 parameters computing
+# in float16 (the guides' form)
+COMPILED_RUNS = {"fp32": [], "fp16": FP16, "mixed": ["model_config.compute_dtype=float16",
+                                                     "--initial-loss-scale", "4096"]}
 
 
-def call_half_runs(harness):
-    """HALF_RUNS, compiled, each a process of its own (FORKED_RUNS), in the harness's background
-    while the one-process tests run: {name: [exit code, its output]}."""
-    return forked_runs({name: training_argv(harness.tmp / "half" / name, harness.prefix,
+def call_compiled_runs(harness):
+    """COMPILED_RUNS (FP32_RUN compiled by ms.jit), each a process of its own (FORKED_RUNS), in
+    the harness's background: {name: [exit code, its output]}."""
+    return forked_runs({name: training_argv(harness.tmp / "compiled" / name, harness.prefix,
                                             *FP32_RUN, *flags, jit=True)
-                        for name, flags in HALF_RUNS.items()})
+                        for name, flags in COMPILED_RUNS.items()})
+
+
+def compiled_run(runs, name):
+    """(train lines, all the log's lines) of COMPILED_RUNS' run `name`."""
+    code, output = runs.result("compiled_runs")[name]
+    assert code == 0, output[-3000:]
+    lines = (runs.tmp / "compiled" / name / "log" / "rank_0" / "info.log").read_text()
+    return [l for l in lines.splitlines() if l.startswith("train: ")], lines.splitlines()
 
 
 @pytest.mark.fp16
-@pytest.mark.reads("half_runs")
-def test_fp16_trains_within_2_percent_of_fp32(runs, compiled_fp32_run):
+@pytest.mark.reads("compiled_runs")
+def test_fp16_trains_within_2_percent_of_fp32(runs):
     """20 steps in float16 (Megatron's --fp16, and the guides' float32 parameters computing in
     float16) end within 2% of the float32 run's loss, having computed in float16 (not equal).
-    Compiled: a float16 step op by op costs more than a tenth of the compilation."""
-    fp32 = losses_of(compiled_fp32_run[0])
-    for name, (code, output) in runs.result("half_runs").items():
-        assert code == 0, output[-3000:]
-        half = losses_of(train_lines_of(runs.tmp / "half" / name))
+    Compiled (COMPILED_RUNS)."""
+    fp32 = losses_of(compiled_run(runs, "fp32")[0])
+    for name in ("fp16", "mixed"):
+        half = losses_of(compiled_run(runs, name)[0])
         assert len(half) == 20 and half != fp32 and fp32[-1] < fp32[0] - 1.0
         assert abs(half[-1] - fp32[-1]) < 0.02 * fp32[-1], (name, half[-1], fp32[-1])
 
@@ -7438,14 +7458,20 @@ sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "test_al
 """
 
 
-def test_each_concept_selection_starts_only_its_own_jobs(tmp_path):
+def call_collected(harness):
+    """COLLECT in the harness's background: (its finished process, the file of its items)."""
+    dump = harness.tmp / "items.json"
+    return subprocess.run([sys.executable, "-c", COLLECT, str(dump)], cwd=HERE,
+                          capture_output=True, text=True, timeout=300), dump
+
+
+@pytest.mark.reads("collected")
+def test_each_concept_selection_starts_only_its_own_jobs(runs):
     """`bash run.sh test -m CONCEPT` (README's Tests, pytest.ini's marks) selects the tests of one
     concept; the harness then starts only the jobs they read and the jobs those need: every one of
     them serves that concept (Job.concepts), so a learner who changed pipeline.py waits for no
     expert or context-parallel run. Each parallel concept proves something across workers."""
-    dump = tmp_path / "items.json"
-    done = subprocess.run([sys.executable, "-c", COLLECT, str(dump)], cwd=HERE,
-                          capture_output=True, text=True, timeout=300)
+    done, dump = runs.result("collected")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     items = json.loads(dump.read_text())
     for concept in CONCEPTS:
@@ -8063,16 +8089,17 @@ class Job:
     themselves). `workers`: 1, a one-process run; 2 or 4, the msrun launch of that many workers
     (the jobs of a launch run one after another on every worker); 0, a call. `concepts`: the
     pytest marks (pytest.ini) of the tests that may read it. `plant`: a bug planted for the run
-    (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM; `light`: a call whose
-    processes take little of the CPU (idle in a collective, asleep, failing at load, or a few
-    steps of a tiny model on one worker a launch), run beside the rest."""
+    (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM; `beside`: a call run in
+    the harness's second thread, beside the rest: the forked runs of one-process tests, and the
+    launches whose processes take little of the CPU (idle in a collective, asleep, failing at
+    load, or a few steps of a tiny model on one worker a launch)."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
-                 sigterm=None, call=None, check=None, light=False):
+                 sigterm=None, call=None, check=None, beside=False):
         self.name, self.workers, self.concepts = name, workers, set(concepts.split())
         self.flags, self.argv_of, self.after = list(flags), argv, tuple(after)
         self.plant, self.sigterm, self.call, self.check = plant, sigterm, call, check
-        self.light = light
+        self.beside = beside
 
     def argv(self, tmp, prefix):
         """train.py's argv in the harness's folder `tmp` ("{tmp}" in a flag) on data `prefix`."""
@@ -8592,15 +8619,18 @@ def call_fault(fault):
     return call
 
 
+# the runs of one-process tests, forked in the second thread, first: their tests come early
+add("memory_runs", 0, "", call=call_memory_runs, beside=True)     # MEMORY_RUNS
+add("compiled_runs", 0, "fp16", call=call_compiled_runs, beside=True)     # COMPILED_RUNS
+add("moe_runs", 0, "moe", call=call_moe_runs, beside=True)        # MOE_RUNS
+add("collected", 0, "", call=call_collected, beside=True)        # COLLECT
 for _fault in FAULTS:
-    add(f"fault_{_fault}", 0, "", call=call_fault(_fault), light=True)
+    add(f"fault_{_fault}", 0, "", call=call_fault(_fault), beside=True)
 add("tour_pp", 0, "pipeline", call=call_tour)        # the compiled pipeline beside one process
-add("memory_runs", 0, "", call=call_memory_runs)      # test_memory_estimate_matches_...'s runs
-add("half_runs", 0, "fp16", call=call_half_runs)      # test_fp16_trains_within_2_percent_...'s
-add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], light=True)
-add("killed_worker", 0, "", call=call_killed_worker, light=True)
-add("two_nodes", 0, "", call=call_two_nodes, after=["one"], light=True)
-add("guides_script", 0, "", call=call_guides_script, light=True)
+add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], beside=True)
+add("killed_worker", 0, "", call=call_killed_worker, beside=True)
+add("two_nodes", 0, "", call=call_two_nodes, after=["one"], beside=True)
+add("guides_script", 0, "", call=call_guides_script, beside=True)
 
 
 # ------------------------------------------------------------------------------------ the harness
@@ -8611,7 +8641,7 @@ def run_jobs(jobs_file):
     rank = int(os.environ.get("RANK_ID", "0"))
     failed = 0
     for spec in json.loads(open(jobs_file).read()):
-        started = time.time()
+        started, cpu = time.time(), time.process_time()
         try:
             ok = run_job(spec, rank)
         except Exception:                          # the next job still runs; the log has it
@@ -8620,7 +8650,7 @@ def run_jobs(jobs_file):
         failed += not ok
         pathlib.Path(spec["status"], f"{spec['name']}.{rank}").write_text("ok" if ok else "failed")
         print(f"[rank {rank}] job {spec['name']}: {'ok' if ok else 'FAILED'} in "
-              f"{time.time() - started:.1f} s", flush=True)
+              f"{time.time() - started:.1f} s, {time.process_time() - cpu:.1f} CPU-s", flush=True)
     return failed
 
 
@@ -8681,19 +8711,20 @@ class Harness:
     cores, so the thread runs them in turn, one launch per worker count:
       1. the one-process jobs the launch of 4 workers and the calls need (the runs they
          convert, the conversions), one process;
-      2. the calls (tests that launch run.sh themselves, the memory test's runs) that need no
-         launch, in turn, beside the one-process jobs that need no launch: a call waits for
-         msrun's start and end, which those and the one-process tests fill;
+      2. the calls that need no launch (the tour, which launches run.sh itself), beside the
+         one-process jobs that need no launch: a call waits for msrun's start and end, which
+         those and the one-process tests fill;
       3. the launch of 4 workers (its ranks wait in collectives for each other, for longer the
          more processes share the 2 cores);
       4. the one-process jobs the launch of 2 workers needs from the first (conversions);
       5. the launch of 2 workers, beside the remaining one-process jobs;
       6. the calls that need a launch's jobs.
     A launch runs this file on its workers (run_jobs); a selection with no job of a step skips
-    it, so `-m pipeline` launches only pipeline runs. A second thread runs the calls that take
-    little of the CPU (Job.light: the planted faults, a launch that fails at load, a killed
-    worker, the guide's script, two nodes) beside all this, in turn, each msrun job on its own
-    scheduler port."""
+    it, so `-m pipeline` launches only pipeline runs. A second thread runs the other calls
+    (Job.beside) beside all this, in turn: the forked runs of one-process tests first, whose tests
+    come early, then the launches that take little of the CPU (the planted faults, a launch
+    that fails at load, a killed worker, the guide's script, two nodes), each msrun job on its
+    own scheduler port."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, needed_jobs(names)
@@ -8705,7 +8736,7 @@ class Harness:
         self.seconds = {}                  # a launch or call -> its wall time, for the summary
         self.processes, self.stopped = set(), False
         self.threads = [threading.Thread(target=self._run_all, daemon=True),
-                        threading.Thread(target=self._run_light_calls, daemon=True)]
+                        threading.Thread(target=self._run_calls_beside, daemon=True)]
         for thread in self.threads:
             thread.start()
 
@@ -8714,7 +8745,7 @@ class Harness:
         jobs = [JOBS[n] for n in self.names]
         four, two = ([j for j in jobs if j.workers == w] for w in (4, 2))
         ones = [j for j in jobs if j.workers == 1]
-        calls = [j for j in jobs if j.workers == 0 and not j.light]
+        calls = [j for j in jobs if j.workers == 0 and not j.beside]
         after_four = [j for j in ones if needs(j, four)]
         before_four = [j for j in needed_by(ones, four + calls) if j not in after_four]
         before_two = needed_by(after_four, two)
@@ -8738,11 +8769,11 @@ class Harness:
                 if side is not None:
                     side.result()
 
-    def _run_light_calls(self):
-        """The second thread: the light calls, in turn, each once the jobs it needs
-        have ended."""
+    def _run_calls_beside(self):
+        """The second thread: the calls beside the rest (Job.beside), in turn, each once the jobs
+        it needs have ended."""
         for job in (JOBS[n] for n in self.names):
-            if job.light:
+            if job.beside:
                 for name in job.after:
                     self.done[name].wait()
                 self._call(job)
@@ -8771,8 +8802,7 @@ class Harness:
         if workers:
             cmd, env = cli.msrun_command(workers, str(self.tmp / f"msrun{label}"), program)
         else:
-            # the one-process jobs lie on the plan's longest path: both cores' threads
-            cmd, env = [sys.executable, *program], dict(os.environ, LOCAL_WORKER_NUM="1")
+            cmd, env = [sys.executable, *program], None
         start = time.monotonic()
         try:
             self.launches[label] = self.run(cmd, env, self.tmp / f"{label}.console")
