@@ -8090,12 +8090,12 @@ class Job:
     (the jobs of a launch run one after another on every worker); 0, a call. `concepts`: the
     pytest marks (pytest.ini) of the tests that may read it. `plant`: a bug planted for the run
     (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM; `beside`: a call run in
-    the harness's second thread, beside the rest: the forked runs of one-process tests, and the
-    launches whose processes take little of the CPU (idle in a collective, asleep, failing at
-    load, or a few steps of a tiny model on one worker a launch)."""
+    a thread of its kind beside the rest: "forked", the forked runs of one-process tests;
+    "launch", a launch whose processes take little of the CPU (idle in a collective, asleep,
+    failing at load, or a few steps of a tiny model on one worker a launch)."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
-                 sigterm=None, call=None, check=None, beside=False):
+                 sigterm=None, call=None, check=None, beside=None):
         self.name, self.workers, self.concepts = name, workers, set(concepts.split())
         self.flags, self.argv_of, self.after = list(flags), argv, tuple(after)
         self.plant, self.sigterm, self.call, self.check = plant, sigterm, call, check
@@ -8619,18 +8619,18 @@ def call_fault(fault):
     return call
 
 
-# the runs of one-process tests, forked in the second thread, first: their tests come early
-add("memory_runs", 0, "", call=call_memory_runs, beside=True)     # MEMORY_RUNS
-add("compiled_runs", 0, "fp16", call=call_compiled_runs, beside=True)     # COMPILED_RUNS
-add("moe_runs", 0, "moe", call=call_moe_runs, beside=True)        # MOE_RUNS
-add("collected", 0, "", call=call_collected, beside=True)        # COLLECT
+# the runs of one-process tests, forked beside the rest
+add("memory_runs", 0, "", call=call_memory_runs, beside="forked")       # MEMORY_RUNS
+add("compiled_runs", 0, "fp16", call=call_compiled_runs, beside="forked")       # COMPILED_RUNS
+add("moe_runs", 0, "moe", call=call_moe_runs, beside="forked")          # MOE_RUNS
+add("collected", 0, "", call=call_collected, beside="forked")          # COLLECT
 for _fault in FAULTS:
-    add(f"fault_{_fault}", 0, "", call=call_fault(_fault), beside=True)
+    add(f"fault_{_fault}", 0, "", call=call_fault(_fault), beside="launch")
 add("tour_pp", 0, "pipeline", call=call_tour)        # the compiled pipeline beside one process
-add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], beside=True)
-add("killed_worker", 0, "", call=call_killed_worker, beside=True)
-add("two_nodes", 0, "", call=call_two_nodes, after=["one"], beside=True)
-add("guides_script", 0, "", call=call_guides_script, beside=True)
+add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], beside="launch")
+add("killed_worker", 0, "", call=call_killed_worker, beside="launch")
+add("two_nodes", 0, "", call=call_two_nodes, after=["one"], beside="launch")
+add("guides_script", 0, "", call=call_guides_script, beside="launch")
 
 
 # ------------------------------------------------------------------------------------ the harness
@@ -8720,11 +8720,11 @@ class Harness:
       5. the launch of 2 workers, beside the remaining one-process jobs;
       6. the calls that need a launch's jobs.
     A launch runs this file on its workers (run_jobs); a selection with no job of a step skips
-    it, so `-m pipeline` launches only pipeline runs. A second thread runs the other calls
-    (Job.beside) beside all this, in turn: the forked runs of one-process tests first, whose tests
-    come early, then the launches that take little of the CPU (the planted faults, a launch
-    that fails at load, a killed worker, the guide's script, two nodes), each msrun job on its
-    own scheduler port."""
+    it, so `-m pipeline` launches only pipeline runs. Two more threads run the other calls
+    (Job.beside) beside all this, each its kind in turn: the forked runs of one-process tests,
+    and the launches that take little of the CPU (the planted faults, a launch that fails at
+    load, a killed worker, the guide's script, two nodes), each msrun job on its own scheduler
+    port."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, needed_jobs(names)
@@ -8735,8 +8735,9 @@ class Harness:
         self.launches, self.launch_of, self.results = {}, {}, {}
         self.seconds = {}                  # a launch or call -> its wall time, for the summary
         self.processes, self.stopped = set(), False
-        self.threads = [threading.Thread(target=self._run_all, daemon=True),
-                        threading.Thread(target=self._run_calls_beside, daemon=True)]
+        self.threads = [threading.Thread(target=self._run_all, daemon=True)] + [
+            threading.Thread(target=self._run_calls_beside, args=(kind,), daemon=True)
+            for kind in ("forked", "launch")]
         for thread in self.threads:
             thread.start()
 
@@ -8769,11 +8770,11 @@ class Harness:
                 if side is not None:
                     side.result()
 
-    def _run_calls_beside(self):
-        """The second thread: the calls beside the rest (Job.beside), in turn, each once the jobs
-        it needs have ended."""
+    def _run_calls_beside(self, kind):
+        """A thread of the calls beside the rest (Job.beside) of `kind`, in turn, each once the
+        jobs it needs have ended."""
         for job in (JOBS[n] for n in self.names):
-            if job.beside:
+            if job.beside == kind:
                 for name in job.after:
                     self.done[name].wait()
                 self._call(job)
