@@ -6778,8 +6778,8 @@ def compiled_run(runs, name):
     """(train lines, all the log's lines) of COMPILED_RUNS' run `name`."""
     code, output = runs.result("compiled_runs")[name]
     assert code == 0, output[-3000:]
-    lines = (runs.tmp / "compiled" / name / "log" / "rank_0" / "info.log").read_text()
-    return [l for l in lines.splitlines() if l.startswith("train: ")], lines.splitlines()
+    folder = runs.tmp / "compiled" / name
+    return train_lines_of(folder), (folder / "log" / "rank_0" / "info.log").read_text().splitlines()
 
 
 @pytest.mark.fp16
