@@ -9,6 +9,7 @@ training logs once at start.
 """
 import os
 import random
+import socket
 import sys
 
 import yaml
@@ -302,6 +303,17 @@ def _flag_rows():
             yield flag, sets, "switch", row.help
 
 
+def scheduler_port():
+    """A random free port for msrun's scheduler on this machine, from run.sh's range: MindSpore's
+    workers listen from 8118 up (256 ports a rank, servers above them to 16309), and a scheduler
+    that finds its port taken leaves its workers waiting for --cluster_time_out (run.sh)."""
+    while True:
+        port = random.randint(20000, 28999)
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) != 0:             # no process accepts there
+                return port
+
+
 def msrun_command(workers, log_dir, program):
     """(argv, environment) of an msrun launch of `workers` workers on this machine that run
     `program` ([script, its arguments]) with this interpreter: msrun starts `python` from PATH,
@@ -314,7 +326,7 @@ def msrun_command(workers, log_dir, program):
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"],
                GLOG_v=os.environ.get("GLOG_v", "3"), MS_NODE_TIMEOUT="90")
     cmd = [os.path.join(bin_dir, "msrun"), "--worker_num", str(workers), "--local_worker_num",
-           str(workers), "--master_port", str(random.randint(8100, 8900)), "--join", "True",
+           str(workers), "--master_port", str(scheduler_port()), "--join", "True",
            "--cluster_time_out", "120", "--log_dir", log_dir, *program]
     return cmd, env
 

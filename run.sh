@@ -147,8 +147,18 @@ if [ "$nnodes" -gt 1 ]; then
 fi
 node_rank=${node_rank:-0}
 master_addr=${master_addr:-127.0.0.1}
-# one node: a random port, so that two jobs on one machine do not collide
-master_port=${master_port:-$((8100 + RANDOM % 800))}
+# One node: the scheduler's port is random, so that two jobs on one machine do not collide, and
+# free. MindSpore's workers listen from 8118 up (256 ports a rank; servers above them to 16309): a
+# scheduler that finds its port taken fails, and its workers register with whatever listens there
+# and wait out --cluster_time_out (probed: a second job on a first job's worker port hung so).
+listened() { (exec 3<>"/dev/tcp/$master_addr/$1") 2>/dev/null; }   # PORT: a process accepts there
+if [ "$nnodes" -eq 1 ] && [ -n "$master_port" ] && listened "$master_port"; then
+  error "--master_port $master_port: another process listens there; choose a free port" \
+        "or leave the flag out (a random free one)"
+fi
+while [ -z "$master_port" ] || { [ "$nnodes" -eq 1 ] && listened "$master_port"; }; do
+  master_port=$((20000 + RANDOM % 9000))              # the range cli.scheduler_port picks from
+done
 
 if [ -z "$per_node" ] && [ -n "${ASCEND_RT_VISIBLE_DEVICES:-}" ]; then
   # the MindSpore Transformers guide's script starts one worker per device listed ("0,1,2,3");

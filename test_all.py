@@ -70,6 +70,7 @@ import runpy
 import shlex
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -6950,9 +6951,23 @@ def test_one_node_keeps_nproc_and_a_random_port(run_sh):
     _, calls = run_sh("--nproc", "3", "--lr", "1e-3")
     port = int(calls[1][10])
     assert calls[1] == msrun_args(3, 3, 0, "127.0.0.1", port, train_args=["--lr", "1e-3"])
-    assert 8100 <= port < 8900
+    assert 20000 <= port < 29000               # above MindSpore's worker and server ports
     _, calls = run_sh("--nproc_per_node", "1", "--nnodes", "1", "--lr", "1e-3")  # no msrun
     assert calls == [["python", "train.py", "--lr", "1e-3"]]
+
+
+def test_a_taken_scheduler_port_is_refused_before_msrun_starts(run_sh):
+    """A scheduler whose port is taken fails, and its workers would register with whatever
+    listens there (another job's worker: MindSpore's workers listen from 8118 up) and wait out
+    --cluster_time_out: run.sh names the port instead."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result, calls = run_sh("--nproc", "2", "--master_port", str(port), "--lr", "1e-3")
+    assert (result.returncode, result.stderr.splitlines(), calls) == (2, [
+        f"error: --master_port {port}: another process listens there; choose a free port or "
+        "leave the flag out (a random free one)"], [])
 
 
 def test_a_yaml_file_first_is_the_config(run_sh):
@@ -8513,7 +8528,7 @@ def call_two_nodes(harness):
     out = tmp / "two_nodes"
     args = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
             *PARALLEL_RUN, "--save", str(out)]
-    port = str(random.randint(8100, 8900))
+    port = str(cli.scheduler_port())
     try:
         for cmd in setup:
             subprocess.run(cmd, check=True, capture_output=True)
