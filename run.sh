@@ -147,11 +147,16 @@ if [ "$nnodes" -gt 1 ]; then
 fi
 node_rank=${node_rank:-0}
 master_addr=${master_addr:-127.0.0.1}
+# PORT: a process accepts there. Only a loopback address is asked: elsewhere a proxy can accept a
+# connection whatever listens (probed: any outside address here)
+listened() {
+  case "$master_addr" in 127.*|localhost) ;; *) return 1 ;; esac
+  (exec 3<>"/dev/tcp/$master_addr/$1") 2>/dev/null
+}
 # One node: the scheduler's port is random, so that two jobs on one machine do not collide, and
 # free. MindSpore's workers listen from 8118 up (256 ports a rank; servers above them to 16309): a
 # scheduler that finds its port taken fails, and its workers register with whatever listens there
 # and wait out --cluster_time_out (probed: a second job on a first job's worker port hung so).
-listened() { (exec 3<>"/dev/tcp/$master_addr/$1") 2>/dev/null; }   # PORT: a process accepts there
 if [ "$nnodes" -eq 1 ] && [ -n "$master_port" ] && listened "$master_port"; then
   error "--master_port $master_port: another process listens there; choose a free port" \
         "or leave the flag out (a random free one)"

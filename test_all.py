@@ -8725,6 +8725,18 @@ def jobs_read(items):
     return {name for item in items for mark in item.iter_markers("reads") for name in mark.args}
 
 
+# The harness's threads, and what they start, at a lower priority than the pytest process: its
+# own tests are the session's longest stream of work, and once they end the launches left
+# (2 workers) take both cores
+HARNESS_NICE = 10
+
+
+def background_priority():
+    """The calling thread (Linux keeps a nice value per thread) and the processes it starts from
+    now on: HARNESS_NICE."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HARNESS_NICE)
+
+
 class Harness:
     """The session's background work: the jobs its selected tests read, and the jobs they need,
     run in a background thread as the session starts, so that the one-process tests run while the
@@ -8745,7 +8757,7 @@ class Harness:
     (Job.beside) beside all this, each its kind in turn: the forked runs of one-process tests,
     and the launches that take little of the CPU (the planted faults, a launch that fails at
     load, a killed worker, the guide's script, two nodes), each msrun job on its own scheduler
-    port."""
+    port. All of it yields the CPU to the one-process tests (HARNESS_NICE)."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, needed_jobs(names)
@@ -8781,8 +8793,10 @@ class Harness:
                 ([], None, [], late)]
 
     def _run_all(self):
+        background_priority()
         for ones, workers, launched, calls in self.steps():
-            with concurrent.futures.ThreadPoolExecutor(1) as beside:
+            with concurrent.futures.ThreadPoolExecutor(
+                    1, initializer=background_priority) as beside:
                 side = beside.submit(self._launch, ones, None) if ones else None
                 if launched:
                     self._launch(launched, workers)
@@ -8794,6 +8808,7 @@ class Harness:
     def _run_calls_beside(self, kind):
         """A thread of the calls beside the rest (Job.beside) of `kind`, in turn, each once the
         jobs it needs have ended."""
+        background_priority()
         for job in (JOBS[n] for n in self.names):
             if job.beside == kind:
                 for name in job.after:
