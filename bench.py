@@ -23,7 +23,9 @@ this machine's speed drifts; the table gives each run's figures per round.
                        is skipped)
     torch              the same GPT in PyTorch eager (`--torch /path/to/python-with-torch`;
                        torch is not a dependency:
-                       `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`)
+                       `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`),
+                       in an environment of its own (torch_environment: none of the variables
+                       MindSpore's import and run.sh set, which halve PyTorch's speed)
 
 bench_torch.py is that PyTorch model (and its LayerNorm alone, for bench_fusions.py), run by the
 python given to --torch.
@@ -103,13 +105,25 @@ def run_layout(name, steps, folder):
     raise RuntimeError(f"{name}: no train: line in {save}/log")
 
 
+def torch_environment():
+    """The environment the PyTorch reference runs in: PATH=/usr/bin:/bin and the user's HOME,
+    LANG and TMPDIR, nothing else. This process has imported MindSpore, which sets
+    LD_LIBRARY_PATH to its own CPU libraries (and PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION,
+    HCCL_CONNECT_TIMEOUT), and run.sh adds its own; PyTorch started with them ran at about half
+    its speed from a shell (docs/performance.md)."""
+    kept = {name: os.environ[name] for name in ("HOME", "LANG", "TMPDIR") if name in os.environ}
+    return {"PATH": "/usr/bin:/bin", **kept}
+
+
 def run_torch(python, steps):
-    """(tokens/s, no TFLOP/s, a description) of the PyTorch reference run by `python`."""
+    """(tokens/s, no TFLOP/s, a description) of the PyTorch reference run by `python`, in
+    torch_environment()."""
     out = subprocess.run([python, os.path.join(HERE, "bench_torch.py"), "torch-reference",
-                          "--steps", str(steps)],
+                          "--steps", str(steps)], env=torch_environment(),
                          check=True, capture_output=True, text=True).stdout
     tokens = float(re.search(r"tokens/s: ([\d.]+)", out).group(1))
-    return tokens, None, "PyTorch eager, forward + backward + AdamW", None
+    return tokens, None, ("PyTorch eager, forward + backward + AdamW; its environment: "
+                          + ", ".join(torch_environment())), None
 
 
 def matmul_peak(n=1024, reps=20):

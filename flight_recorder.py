@@ -164,7 +164,10 @@ def start(folder, rank, world):
     os.makedirs(folder, exist_ok=True)
     first = RECORDER.path is None
     RECORDER.path, RECORDER.rank = os.path.join(folder, FILE.format(rank)), rank
-    RECORDER.reason = None                      # a new run in the same process (a test's jobs)
+    # a new run in the same process (the tour's, a test's jobs): a graph of the last run may
+    # share an id (graph_call's key) with one of this run
+    RECORDER.reason, RECORDER.capture = None, None
+    RECORDER.graphs.clear()
     if not first:
         return
     threading.Thread(target=_watch, args=(world,), daemon=True).start()
@@ -209,23 +212,31 @@ def load(folder, job=None):
     return records
 
 
-def signature(event):
-    """What every rank of a group must agree on, or the collective fails or hangs: the op, shape
-    and dtype (of each collective a graph holds)."""
-    held = [(h["op"], h["group"], h["shape"], h["dtype"]) for h in event.get("holds") or []]
+def held_on(event, group):
+    """The collectives a graph's event holds on `group`, in order."""
+    return [h for h in event.get("holds") or [] if h["group"] == group]
+
+
+def signature(event, group):
+    """What the ranks of `group` must agree on at this event, or the collective fails or hangs:
+    the op, shape and dtype; of a compiled graph, those of each collective it holds on `group`.
+    Its collectives on a rank's other groups are compared in those groups: their names differ
+    between the ranks of this one (tp-0-1's rank 0 holds cp-0-2, its rank 1 cp-1-3)."""
+    held = [(h["op"], h["shape"], h["dtype"]) for h in held_on(event, group)]
     return (event["op"], str(event.get("shape")), event.get("dtype"), str(held))
 
 
-def describe(rank, event, group=None):
-    """`rank R all_reduce [4] Float32 at file:line (function)` (rank None: without `rank R`), and
-    `(#3 of group tp-0-1)` when `group` is given."""
+def describe(rank, event, group=None, numbered=True):
+    """`rank R all_reduce [4] Float32 at file:line (function)` (rank None: without `rank R`); when
+    `group` is given, a graph's collectives on it alone and, `numbered`, `(#3 of group tp-0-1)`."""
     what = event["op"]
     if "shape" in event:
         what += f" {event['shape']} {event['dtype']}"
-    if event.get("holds"):
-        what += " holding " + ", ".join(f"{h['op']} {h['shape']} on {h['group']}"
-                                        for h in event["holds"])
-    where = f" (#{event['at'][group]} of group {group})" if group in event["at"] else ""
+    held = held_on(event, group) if group in event["at"] else event.get("holds")
+    if held:
+        what += " holding " + ", ".join(f"{h['op']} {h['shape']} on {h['group']}" for h in held)
+    numbered = numbered and group in event["at"]
+    where = f" (#{event['at'][group]} of group {group})" if numbered else ""
     return f"{'' if rank is None else f'rank {rank} '}{what}{where} at {event['code']}"
 
 
@@ -259,7 +270,7 @@ def findings(records):
             here = {r: seen[r][index] for r in ranks if index in seen.get(r, {})}
             missing = [r for r in ranks if r not in here and last[r] is not None
                        and last[r] < index]
-            if len({signature(e) for e in here.values()}) > 1:
+            if len({signature(e, group) for e in here.values()}) > 1:
                 found.append(("differs", group, index, here, []))
             elif missing:
                 found.append(("missing", group, index, here, missing))
@@ -336,12 +347,13 @@ def explain(finding, found, records, waiting):
     ranks = next(iter(here.values()))["ranks"][group]
     head = f"collective #{index} of group {group} (ranks {', '.join(map(str, ranks))})"
     if kind != "missing":
-        sides = "; ".join(describe(r, e) for r, e in sorted(here.items()))
+        sides = "; ".join(describe(r, e, group, numbered=False) for r, e in sorted(here.items()))
         return (f"{head} differs: {sides}" if kind == "differs" else
                 f"{head} is called from different lines (one rank skipped or added one): "
                 f"{sides}"), kind == "differs"
     late, (first, event) = missing[0], sorted(here.items())[0]
-    message = f"rank {late} did not arrive at {head}, where {describe(first, event)} waits"
+    message = (f"rank {late} did not arrive at {head}, where "
+               f"{describe(first, event, group, numbered=False)} waits")
     if late not in records:
         return f"{message}; rank {late} left no record (killed?)", False
     reason = records[late]["reason"]

@@ -3975,6 +3975,23 @@ def test_plan_communication_follows_the_ledger_formulas():
     assert memory.communication(shape, 0) == {("dp_cp", "all_reduce"): (2, 17_094_660)}
 
 
+def test_the_bench_runs_pytorch_in_an_environment_of_its_own(tmp_path, monkeypatch):
+    """`bash run.sh bench --torch PYTHON` starts PYTHON with PATH=/usr/bin:/bin, HOME, LANG and
+    TMPDIR alone: none of the variables this process's MindSpore import and run.sh set (its
+    LD_LIBRARY_PATH halved PyTorch's speed)."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nenv > {tmp_path}/env\necho 'tokens/s: 123.0'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/mindspore/lib/plugin/cpu")
+    monkeypatch.setenv("HOME", "/home/reader")
+    tokens, _, description, _ = bench.run_torch(str(fake), 2)
+    seen = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines())
+    seen.pop("PWD", None), seen.pop("SHLVL", None), seen.pop("_", None)    # set by sh itself
+    assert tokens == 123.0 and seen == bench.torch_environment(), seen
+    assert seen["PATH"] == "/usr/bin:/bin" and seen["HOME"] == "/home/reader"
+    assert "LD_LIBRARY_PATH" not in seen and "environment: PATH, HOME" in description
+
+
 def test_plan_flops_add_the_recomputed_forward():
     """Recompute adds forward passes: full, a third of each recomputed layer's forward + backward
     (the model's FLOPs without the output layer's 6 B s h V, over 3, per recomputed layer share);
@@ -7096,6 +7113,45 @@ def test_the_flight_recorder_tells_a_slow_peer_from_a_stuck_one():
     assert flight_recorder.diagnose(flight_records({0: [AR, BAR], 1: [AR, BAR]}), 2) is None
 
 
+def graph_records(ranks_cp_shape, idle):
+    """{rank: record} of TP2 x CP2 ranks 0-3 that each called one compiled graph holding an
+    all-gather on its CP group ({rank: its shape}) and an all-reduce on its TP group, rank 1 `idle`
+    seconds since (its peers wait for it in their next all-reduce)."""
+    records = {}
+    for rank, shape in ranks_cp_shape.items():
+        tp, cp = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]
+        held = [{"op": "all_gather", "group": "cp-{}-{}".format(*cp), "ranks": cp, "shape": shape,
+                 "dtype": "Float32"},
+                {"op": "all_reduce", "group": "tp-{}-{}".format(*tp), "ranks": tp, "shape": [4],
+                 "dtype": "Float32"}]
+        recorder = flight_recorder.Recorder()
+        recorder.rank = rank
+        recorder.add("graph", {h["group"]: h["ranks"] for h in held}, holds=held, code="x.py:1")
+        if rank != 1:
+            recorder.add("all_reduce", {held[1]["group"]: tp}, [4], "Float32", code="x.py:2")
+        records[rank] = recorder.state()
+        records[rank]["written"] = records[rank]["last"] + (idle if rank == 1 else idle + 1)
+    return records
+
+
+@pytest.mark.tp
+def test_the_flight_recorder_compares_a_graph_on_each_of_its_groups():
+    """A compiled graph holding collectives on several kinds of groups, whose names differ between
+    the ranks of one group (tp-0-1's rank 0 holds cp-0-2, its rank 1 cp-1-3), agrees where each
+    group's own collectives do: a peer idle past STALL is waited for. A collective that does
+    differ is named on its group, with that group's collectives alone."""
+    same = {rank: [16, 4] for rank in range(4)}
+    assert flight_recorder.diagnose(graph_records(same, flight_recorder.STALL + 1), 4,
+                                    live=True) is None
+    assert flight_recorder.diagnose(graph_records(same, 0), 4)[0].startswith(
+        "rank 1 did not arrive at collective #1 of group tp-0-1 (ranks 0, 1)")
+    message, definite = flight_recorder.diagnose(graph_records({**same, 3: [8, 4]}, 0), 4,
+                                                 live=True)
+    assert definite and message == (
+        "collective #0 of group cp-1-3 (ranks 1, 3) differs: rank 1 graph holding all_gather "
+        "[16, 4] on cp-1-3 at x.py:1; rank 3 graph holding all_gather [8, 4] on cp-1-3 at x.py:1")
+
+
 @pytest.mark.tp
 def test_the_flight_recorder_keeps_the_last_events_and_a_graphs_collectives(tmp_path):
     """The ring buffer keeps the last EVENTS, each with the code line that asked for it; a
@@ -8109,16 +8165,18 @@ class Job:
     themselves). `workers`: 1, a one-process run; 2 or 4, the msrun launch of that many workers
     (the jobs of a launch run one after another on every worker); 0, a call. `concepts`: the
     pytest marks (pytest.ini) of the tests that may read it. `plant`: a bug planted for the run
-    (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM; `beside`: a call run in
+    (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM; `hold`: the step rank 1
+    starts HELD seconds late, its peers waiting in their collectives; `beside`: a call run in
     a thread of its kind beside the rest: "forked", the forked runs of one-process tests;
     "launch", a launch whose processes take little of the CPU (idle in a collective, asleep,
     failing at load, or a few steps of a tiny model on one worker a launch)."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
-                 sigterm=None, call=None, check=None, beside=None):
+                 sigterm=None, hold=None, call=None, check=None, beside=None):
         self.name, self.workers, self.concepts = name, workers, set(concepts.split())
         self.flags, self.argv_of, self.after = list(flags), argv, tuple(after)
         self.plant, self.sigterm, self.call, self.check = plant, sigterm, call, check
+        self.hold = hold
         self.beside = beside
 
     def argv(self, tmp, prefix):
@@ -8199,8 +8257,16 @@ resumed("one_to_cp2_ring_dp2_distopt", 4, "checkpoint", ROPE + CP2 + RING + DIST
 # the experts (MoE layers in place of the MLPs) with EP carved out of DP x CP
 layout("ep2_pp2_vpp2_distopt", 4, "moe", PIPELINE_RUN + MOE_RUN + EP2 + PP2 + VPP2 + DISTOPT,
        "one_moe_pp")
+# Compiled graphs holding collectives of several kinds of groups (each rank's own tp-, cp-, ep-
+# subgroups), rank 1 HELD s late to step 2 while its peers wait inside the graph: the flight
+# recorder's watchdog reads the records then, and must wait, as for any slow peer
 layout("ep2_cp2_ulysses_tp2_sp_alltoall", 4, "moe",
-       ROPE + MOE_LAYER + FOUR + EP2 + CP2 + TP2 + SP + ALLTOALL, "one_moe_rope_gqa")
+       ROPE + MOE_LAYER + FOUR + EP2 + CP2 + TP2 + SP + ALLTOALL + COMPILED, "one_moe_rope_gqa",
+       hold=2)
+layout("tp2_sp_cp2_ring", 4, "tp cp", ROPE + TP2 + SP + CP2 + RING + COMPILED, "one_rope_gqa",
+       hold=2)
+layout("cp4_hybrid", 4, "cp", ROPE + CP4 + HYBRID2 + COMPILED, "one_rope_gqa", hold=2)
+HELD_LAYOUTS = [name for name, job in JOBS.items() if job.hold]
 layout("ep2_dp2_distopt", 4, "moe", MOE_LAYER + EP2 + DISTOPT, "one_moe")
 layout("ep2_pp2_capacity", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2 + SAVE_HALF,
        "one_moe_capacity")
@@ -8589,6 +8655,7 @@ def call_guides_script(harness):
 FAULT_STEPS, SLOW_STEP, FAULT_STEP, SLEEP = 5, 1, 3, 60
 FAULTS = {"shape": 2, "slow_then_skip": 2, "order": 4}          # name -> workers
 FAULT_ENV = {"MS_NODE_TIMEOUT": "10", "MS_CPU_COMM_OP_TIMEOUT": "600"}
+HELD = flight_recorder.STALL + 3     # Job.hold: how late a rank is, its peers idle past STALL
 
 
 def fault_step(tp, rank, fault, step):
@@ -8676,25 +8743,38 @@ def run_jobs(jobs_file):
 
 
 def run_job(spec, rank):
-    """One job of run_jobs: its checks, or its training with its bug planted and its SIGTERM."""
+    """One job of run_jobs: its checks, or its training with its bug planted, its SIGTERM and its
+    held rank."""
     if "check" in spec:
         function, argument, _, _, _ = CHECK_JOBS[spec["check"]]
         checks = Checks(rank, spec["name"])
         function(checks, argument)
         return not checks.failed
-    step, sigterm = train.Trainer.train_step, spec.get("sigterm")
-    if sigterm and rank == 0:
-        def train_step(self, micro_batches, calls=[]):            # SIGTERM to rank 0 alone
-            calls.append(1)
-            if len(calls) == sigterm:
-                signal.raise_signal(signal.SIGTERM)
-            return step(self, micro_batches)
-        train.Trainer.train_step = train_step
+    step = train.Trainer.train_step
+    train.Trainer.train_step = step_of(spec, rank, step)
     try:
         with planted(spec.get("plant")):
             return train.main(spec["argv"]) == 0
     finally:
         train.Trainer.train_step = step
+
+
+def step_of(spec, rank, step):
+    """Trainer.train_step for this rank of the job `spec`: `step`, with SIGTERM to rank 0 alone
+    during step `sigterm`, or rank 1 asleep HELD s before step `hold`."""
+    sigterm = spec.get("sigterm") if rank == 0 else None
+    hold = spec.get("hold") if rank == 1 else None
+    if not (sigterm or hold):
+        return step
+
+    def train_step(self, micro_batches, calls=[]):
+        calls.append(1)
+        if len(calls) == sigterm:
+            signal.raise_signal(signal.SIGTERM)
+        if len(calls) == hold:
+            time.sleep(HELD)
+        return step(self, micro_batches)
+    return train_step
 
 
 def needed_jobs(names):
@@ -8832,7 +8912,7 @@ class Harness:
         specs = [{"name": j.name, "status": str(self.status),
                   **({"check": j.check} if j.check else
                      {"argv": j.argv(self.tmp, self.prefix), "plant": j.plant,
-                      "sigterm": j.sigterm})} for j in jobs]
+                      "sigterm": j.sigterm, "hold": j.hold})} for j in jobs]
         jobs_file = self.tmp / f"{label}.json"
         jobs_file.write_text(json.dumps(specs))
         program = [os.path.abspath(__file__), str(jobs_file)]
@@ -9026,6 +9106,24 @@ def test_layout_trains_like_one_process(runs, layout):
     np.testing.assert_allclose(*[[float(value.search(l).group(1)) for l in lines]
                                  for lines in reversed(evaluated)],
                                rtol=loss_rtol(reference)["loss"])
+
+
+@pytest.mark.parametrize("layout", layout_params(HELD_LAYOUTS))
+def test_a_late_rank_in_a_compiled_graph_of_several_kinds_of_groups_is_waited_for(runs, layout):
+    """A compiled layout whose graph holds collectives on several kinds of groups (each rank its
+    own tp-, cp-, ep- subgroups: tp-0-1's rank 0 in cp-0-2, its rank 1 in cp-1-3), rank 1 HELD s
+    late to step 2: its peers wait in the graph past the watchdog's STALL, and the job trains to
+    its end (the watchdog compares each group's own collectives: it stopped these jobs when it
+    compared the other groups' names too). Their records, read as the watchdog reads them, hold
+    no disagreement that waiting cannot end."""
+    folder = runs.folder(layout)
+    times = [float(re.search(r"Time: (\S+) ms", l).group(1)) for l in train_lines(folder)]
+    assert len(times) == STEPS and times[1] > flight_recorder.STALL * 1e3, times
+    records = flight_recorder.load(str(folder / "log"))
+    assert sorted(records) == [0, 1, 2, 3]
+    kinds = {h["group"].split("-")[0] for e in records[0]["events"] for h in e.get("holds") or []}
+    assert len(kinds) >= 2, kinds
+    assert flight_recorder.diagnose(records, 4, live=True) is None
 
 
 @reading("pp2_dropout", "pp2_dropout_recompute")
