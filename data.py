@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from cli import REQUIRED, parse_command
-from config import PER_SPLIT_PATHS, ConfigError, parse_blend, parse_split
+from settings.cli import REQUIRED, parse_command
+from settings.config import PER_SPLIT_PATHS, ConfigError, parse_blend, parse_split
 from tokenizer import build_tokenizer, read_lines
 
 

@@ -26,9 +26,9 @@ import context_parallel
 import fused
 import moe
 import parallel
-from config import moe_layer_pattern
 from context_parallel import attention_block, attention_scores, merge_partial_attention
 from parallel import DTYPES, F32, activation, batch_matmul_nt, cast, linear
+from settings.config import moe_layer_pattern
 
 FLASH_BLOCK = 128       # FlashAttention's default block (tokens), memory.py's estimate's too
 MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic

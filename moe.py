@@ -84,8 +84,8 @@ from mindspore.ops import constexpr
 
 import fused
 import parallel
-from config import check_moe_rules
 from parallel import DTYPES, F32, activation, batch_matmul_nt, cast, linear
+from settings.config import check_moe_rules
 
 # Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
 METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")

@@ -19,8 +19,8 @@ import math
 import numpy as np
 from mindspore import Tensor, ops
 
-from keys import LR_DECAY_STYLES, WD_INCR_STYLES
 from parallel import F32, cast, collectives
+from settings.keys import LR_DECAY_STYLES, WD_INCR_STYLES
 
 
 # ----------------------------------------------------------------------------- schedules

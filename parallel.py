@@ -37,8 +37,8 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.communication import GlobalComm, create_group, get_rank, init
 from mindspore.ops import constexpr
 
-import flight_recorder
-from config import check_expert_parallel_size, cp_ring_size, data_parallel_size
+from settings.config import check_expert_parallel_size, cp_ring_size, data_parallel_size
+from tools import flight_recorder
 
 F32 = ms.float32                                     # the one float32 alias, imported where used
 DTYPES = {"float32": F32, "float16": ms.float16, "bfloat16": ms.bfloat16}    # config's dtype names

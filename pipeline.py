@@ -27,7 +27,7 @@ from mindspore import Tensor, mint, ops
 
 import gpt
 import parallel
-from config import stage_layer_counts
+from settings.config import stage_layer_counts
 
 
 # ============================================================================ layer assignment

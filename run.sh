@@ -4,7 +4,7 @@
 #                                 msrun workers (TP2 x PP2 with sequence parallelism), sample
 #   bash run.sh test              set up, then the test suite
 #   bash run.sh tour [--layouts a,b]   every layout of a tiny GPT trained beside one process, a
-#                                 row per layout (tour.py)
+#                                 row per layout (tools/tour.py)
 #   bash run.sh check ...         the config, layout (--nproc N) and inputs checked, nothing run
 #   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags ->
 #                                 <prefix>_text_document.bin/.idx
@@ -15,11 +15,11 @@
 #   bash run.sh import-megatron DIR --save OUT    a Megatron-LM checkpoint (--ckpt-format torch)
 #                                                 in any layout
 #   bash run.sh bench ...         tokens/s of one process and the 2-worker layouts, alternating
-#                                 (bench.py)
+#                                 (tools/bench.py)
 #   bash run.sh diagnose LOG_DIR  the first collective where a failed job's ranks disagree, from
-#                                 their flight records (flight_recorder.py)
+#                                 their flight records (tools/flight_recorder.py)
 #   bash run.sh plan ...          --world-size N [--config FILE] [--memory-per-device GB]: memory,
-#                                 communication and FLOPs per rank, nothing allocated (memory.py)
+#                                 communication and FLOPs per rank, nothing allocated (tools/memory.py)
 #   bash run.sh --nproc 1         the same model and data in one process (about 6 minutes)
 #   bash run.sh [FILE.yaml] [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]
 #                                 train (FILE.yaml: --config FILE.yaml)
@@ -58,15 +58,15 @@ case "${1:-}" in
     ;;
   bench)
     shift
-    exec python bench.py "$@"
+    exec python -m tools.bench "$@"
     ;;
   diagnose)
     shift
-    exec python flight_recorder.py "$@"
+    exec python -m tools.flight_recorder "$@"
     ;;
   tour)
     shift
-    exec python tour.py "$@"
+    exec python -m tools.tour "$@"
     ;;
 esac
 
@@ -216,7 +216,7 @@ if [ "$workers" -gt 1 ]; then
       echo "error: rank ${rank:-?} (pid $1) was killed by signal $2;" \
            "its log: $log_dir/worker_${rank:-N}.log" >&2
     else                # the first collective where the ranks' flight records disagree
-      python flight_recorder.py "$log_dir" || true
+      python -m tools.flight_recorder "$log_dir" || true
     fi
     exit 1
   fi

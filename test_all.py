@@ -88,39 +88,29 @@ import yaml
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-import bench
-import bench_fusions
-import checkpoint
-import cli
-import config
 import context_parallel
 import data
-import dist_checkpoint
 import distributed
-import flight_recorder
 import fused
 import gpt
-import megatron_checkpoint
-import memory
-import metrics
 import moe
 import optimizer
 import parallel
 import pipeline
-import sample
-import torch_format
-import tour
 import train
-from cli import HelpRequested, load_config
-from config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
-from keys import FLAGS, KEYS
-from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
+from formats import checkpoint, dist_checkpoint, megatron_checkpoint, torch_format
 from gpt import DropoutRNG, GPTModel, generate, init_weights
+from optimizer import (SGD, Adam, AdamW, ConstantGradScaler, DynamicGradScaler,
+                       OptimizerParamScheduler, build_optimizer, clip_grad_norm,
+                       clip_grads_by_global_norm, clip_grads_by_value, grad_norm_sq)
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
                       VocabParallelEmbedding, ledger, rank_groups, shard)
-from optimizer import (Adam, AdamW, ConstantGradScaler, DynamicGradScaler, OptimizerParamScheduler,
-                       SGD, build_optimizer, clip_grad_norm, clip_grads_by_global_norm,
-                       clip_grads_by_value, grad_norm_sq)
+from settings import cli, config
+from settings.cli import HelpRequested, load_config
+from settings.config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
+from settings.keys import FLAGS, KEYS
+from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
+from tools import bench, bench_fusions, flight_recorder, memory, metrics, sample, tour
 
 # The suite runs its msrun launches beside its one-process tests on a few cores: every process it
 # starts, and this one, takes one thread (train.setup_mindspore divides the cores by
@@ -137,21 +127,31 @@ ALICE = os.path.join(HERE, "data", "alice_in_wonderland.txt")
 
 
 # ======================================================================================== structure
-MODULES = ["keys", "config", "cli", "tokenizer", "data", "flight_recorder", "parallel",
-           "distributed", "optimizer",
-           "context_parallel", "moe", "gpt", "pipeline", "memory", "torch_format",
-           "megatron_checkpoint", "dist_checkpoint", "checkpoint", "hf_gpt2", "sample", "profiler",
-           "metrics", "train", "fused", "bench_torch", "bench", "bench_fusions", "tour"]
+# the project's modules: name -> its import path (the concepts at the top, the rest in folders)
+MODULES = {"tokenizer": "tokenizer", "data": "data", "parallel": "parallel",
+           "distributed": "distributed", "optimizer": "optimizer",
+           "context_parallel": "context_parallel", "moe": "moe", "fused": "fused", "gpt": "gpt",
+           "pipeline": "pipeline", "train": "train",
+           **{name: f"settings.{name}" for name in ("keys", "config", "cli")},
+           **{name: f"formats.{name}" for name in ("torch_format", "megatron_checkpoint",
+                                                   "dist_checkpoint", "checkpoint", "hf_gpt2")},
+           **{name: f"tools.{name}" for name in ("flight_recorder", "memory", "sample",
+                                                 "profiler", "metrics", "bench_torch", "bench",
+                                                 "bench_fusions", "tour")}}
+ENTRY_POINTS = ("train", "bench", "bench_fusions", "tour", "flight_recorder", "bench_torch")
 
 
-@pytest.mark.parametrize("module", [m for m in MODULES
-                                    if m not in ("train", "bench", "bench_fusions", "tour",
-                                                 "flight_recorder", "bench_torch")])
+def module_path(module):
+    """The file of a project module (MODULES' name), relative to the project's folder."""
+    return MODULES.get(module, module).replace(".", "/") + ".py"
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m not in ENTRY_POINTS])
 def test_a_library_module_run_directly_names_the_command(module):
-    """A module that is not an entry point (`python checkpoint.py import-hf ...`) does nothing
-    and ends non-zero with one line naming `bash run.sh`."""
+    """A module that is not an entry point (`python formats/checkpoint.py import-hf ...`) does
+    nothing and ends non-zero with one line naming `bash run.sh`."""
     with pytest.raises(SystemExit) as stop:
-        runpy.run_path(os.path.join(HERE, module + ".py"), run_name="__main__")
+        runpy.run_path(os.path.join(HERE, module_path(module)), run_name="__main__")
     assert str(stop.value.code).startswith(f"error: {module}.py is a library: run `bash run.sh")
 
 
@@ -160,7 +160,7 @@ def test_the_pytorch_reference_imports_nothing_of_mindspore():
     (`bash run.sh bench --torch PYTHON`): with MindSpore unimportable it still parses its flags."""
     code = ("import runpy, sys; sys.modules['mindspore'] = None; "
             "sys.argv = ['bench_torch.py', 'torch-reference', '--help']; "
-            "runpy.run_path('bench_torch.py', run_name='__main__')")
+            "runpy.run_module('tools.bench_torch', run_name='__main__')")
     done = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "--steps" in done.stdout, done.stdout + done.stderr
@@ -171,8 +171,8 @@ def test_lines_and_functions_stay_short():
     too): no line over 100 characters, no function over 60 lines (decorators and docstring
     included)."""
     long_lines, long_functions = [], []
-    for module in MODULES + ["test_all"]:
-        path = os.path.join(HERE, module + ".py")
+    for module in [*MODULES, "test_all"]:
+        path = os.path.join(HERE, module_path(module))
         text = open(path).read()
         long_lines += [f"{module}.py:{n}" for n, line in enumerate(text.splitlines(), 1)
                        if len(line) > 100]
@@ -189,7 +189,7 @@ def test_code_cites_no_outside_file_and_no_dated_measurement():
     """Comments a reader can follow: no reference to a file outside the repository (users have
     only the repository), no dated measurement in code (figures and dates live in docs/) and no
     history (this project's issue numbers)."""
-    files = [m + ".py" for m in MODULES + ["test_all"]] + ["run.sh", "config.yaml"] + [
+    files = [module_path(m) for m in [*MODULES, "test_all"]] + ["run.sh", "config.yaml"] + [
         os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "configs", "*.yaml"))]
     found = [f"{name}:{n}" for name in files
              for n, line in enumerate(open(os.path.join(HERE, name)).read().splitlines(), 1)
@@ -202,15 +202,17 @@ def test_imports_go_one_way_and_only_at_the_top():
     cannot compile them and a reader does not look), and the import graph has no cycle: layers
     config, data -> parallel -> distributed, optimizer, gpt -> pipeline -> checkpoint -> hf_gpt2
     -> train."""
-    edges = {}
+    edges, by_path = {}, {path: name for name, path in MODULES.items()}
     for module in MODULES:
-        tree = ast.parse(open(os.path.join(HERE, module + ".py")).read())
+        tree = ast.parse(open(os.path.join(HERE, module_path(module))).read())
         top = set(tree.body)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                names = [a.name.split(".")[0] for a in node.names]
+                names = [by_path.get(a.name) for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names = [node.module.split(".")[0]]
+                # `from settings.config import X`, or `from tools import memory, sample`
+                names = [by_path.get(node.module)] + [by_path.get(f"{node.module}.{a.name}")
+                                                      for a in node.names]
             else:
                 continue
             for name in set(names) & set(MODULES) - {module}:
@@ -7443,9 +7445,9 @@ DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*
 
 
 def resolve(name):
-    """The object `module.attr.attr` names, or None."""
+    """The object `module.attr.attr` names (`module` one of MODULES), or None."""
     module, *chain = name.split(".")
-    obj = importlib.import_module(module)
+    obj = importlib.import_module(MODULES[module])
     for attr in chain:
         obj = getattr(obj, attr, None)
     return obj
@@ -9603,7 +9605,7 @@ def test_tour_rows_name_code_that_exists():
         assert len(f"    {layout.title}: {layout.code}") < 100, name
         for dotted in layout.code.split(", "):
             module, attribute = dotted.split(".")
-            assert hasattr(importlib.import_module(module), attribute), dotted
+            assert hasattr(importlib.import_module(MODULES[module]), attribute), dotted
         load_config(os.path.join(HERE, "config.yaml"), [*tour.MODEL, *layout.flags],
                     layout.workers)
 

@@ -8,7 +8,7 @@ import re
 import sys
 import unicodedata
 
-from config import ConfigError
+from settings.config import ConfigError
 
 
 def read_lines(path):

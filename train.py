@@ -26,28 +26,25 @@ import yaml
 import mindspore as ms
 from mindspore import Tensor
 
-import checkpoint
 import context_parallel
 import data
 import distributed
-import flight_recorder
-import hf_gpt2
-import memory
 import moe
 import optimizer as opt
 import parallel
 import pipeline
-import sample
-from cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
-                 training_help)
-from config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, main_grad_dtype,
-                    moe_layer_pattern, padded_vocab_size, parse_blend, recompute_counts,
-                    samples_per_split, to_dict)
-from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy,
-                 layer_spec, num_floating_point_operations)
-from metrics import Metrics
-from profiler import StepProfiler
+from formats import checkpoint, hf_gpt2
+from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy, layer_spec,
+                 num_floating_point_operations)
+from settings.cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
+                          training_help)
+from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, main_grad_dtype,
+                             moe_layer_pattern, padded_vocab_size, parse_blend, recompute_counts,
+                             samples_per_split, to_dict)
 from tokenizer import build_tokenizer
+from tools import flight_recorder, memory, sample
+from tools.metrics import Metrics
+from tools.profiler import StepProfiler
 
 log = logging.getLogger("train")
 TIMERS = ("forward-backward", "grads-reduce", "optimizer")      # the phases of a step, timed

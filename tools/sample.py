@@ -10,10 +10,10 @@ MindSpore must be set up first (train.setup_mindspore, which train.main calls).
 import numpy as np
 import mindspore as ms
 
-import checkpoint
-from cli import REQUIRED, parse_command
-from config import ConfigError, to_namespace
+from formats import checkpoint
 from gpt import generate
+from settings.cli import REQUIRED, parse_command
+from settings.config import ConfigError, to_namespace
 from tokenizer import build_tokenizer
 
 TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "vocab_size")

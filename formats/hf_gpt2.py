@@ -18,11 +18,11 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save as safetensors_bytes
 
-from checkpoint import (build_rank_chunks, check_new_folder, first_shard, full_state,
-                        latest_iteration, layout_of, load_checkpoint, write_layout)
-from cli import REQUIRED, load_config, parse_command
-from config import ConfigError, padded_vocab_size, to_namespace
 from data import write_atomic
+from formats.checkpoint import (build_rank_chunks, check_new_folder, first_shard, full_state,
+                                latest_iteration, layout_of, load_checkpoint, write_layout)
+from settings.cli import PROJECT, REQUIRED, load_config, parse_command
+from settings.config import ConfigError, padded_vocab_size, to_namespace
 
 # Hugging Face GPT-2 (transformers' GPT2LMHeadModel) names per block, Conv1D weights [in, out]
 # (y = x W + b), against this project's [out, in]; c_attn's output is [Q | K | V], each
@@ -37,7 +37,6 @@ HF_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "ge
 HF_NEEDED = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")
 # transformers' GPT2Config default for the *_pdrop keys
 HF_DROPOUT = 0.1
-PROJECT = os.path.dirname(os.path.abspath(__file__))
 
 
 def _qkv_from_hf(x, heads):

@@ -14,10 +14,11 @@ import sys
 
 import yaml
 
-from config import ConfigError, finalize, merge, suggest, to_namespace
-from keys import ALIASES, FLAGS, KEYS, SCHEMA, SECTIONS, VALUE
+from settings.config import ConfigError, finalize, merge, suggest, to_namespace
+from settings.keys import ALIASES, FLAGS, KEYS, SCHEMA, SECTIONS, VALUE
 
-PROJECT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.yaml")
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))    # the project's folder
+PROJECT_CONFIG = os.path.join(PROJECT, "config.yaml")
 
 
 def _set(tree, dotted, value, element=None):

@@ -26,19 +26,17 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor
 
-import dist_checkpoint
-import megatron_checkpoint
 import moe
 import parallel
-import torch_format
-from cli import PROJECT_CONFIG, REQUIRED, from_saved, load_config, parse_command
-from config import ConfigError, to_dict, to_namespace
 from data import write_atomic
-from gpt import is_embedding_copy
-from megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
 from distributed import GradBuffer
+from formats import dist_checkpoint, megatron_checkpoint, torch_format
+from formats.megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
+from gpt import is_embedding_copy
 from optimizer import DistributedOptimizer
 from pipeline import build_chunks, layer_split
+from settings.cli import PROJECT_CONFIG, REQUIRED, from_saved, load_config, parse_command
+from settings.config import ConfigError, to_dict, to_namespace
 from tokenizer import build_tokenizer
 
 log = logging.getLogger("train")

@@ -45,13 +45,12 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-import flight_recorder
-import memory
-from bench_torch import SHAPE
-from cli import HelpRequested, load_config, msrun_command, parse_command
-from config import ConfigError
+from settings.cli import (PROJECT, PROJECT_CONFIG, HelpRequested, load_config, msrun_command,
+                          parse_command)
+from settings.config import ConfigError
+from tools import flight_recorder, memory
+from tools.bench_torch import SHAPE
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = ["--mock-data", "--vocab-size", str(SHAPE["vocab"]), "--num-layers", str(SHAPE["layers"]),
          "--hidden-size", str(SHAPE["hidden"]), "--num-attention-heads", str(SHAPE["heads"]),
          "--ffn-hidden-size", str(SHAPE["ffn"]), "--seq-length", str(SHAPE["seq"]),
@@ -88,7 +87,7 @@ def run_layout(name, steps, folder):
         cmd, env = [sys.executable, *args], None
     else:
         cmd, env = msrun_command(workers, os.path.join(save, "msrun"), args)
-    subprocess.run(cmd, cwd=HERE, env=env, check=True, stdout=subprocess.DEVNULL,
+    subprocess.run(cmd, cwd=PROJECT, env=env, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     logs = sorted((d for d in os.listdir(os.path.join(save, "log")) if d.startswith("rank_")),
                   key=lambda d: int(d[5:]))
@@ -118,8 +117,8 @@ def torch_environment():
 def run_torch(python, steps):
     """(tokens/s, no TFLOP/s, a description) of the PyTorch reference run by `python`, in
     torch_environment()."""
-    out = subprocess.run([python, os.path.join(HERE, "bench_torch.py"), "torch-reference",
-                          "--steps", str(steps)], env=torch_environment(),
+    out = subprocess.run([python, "-m", "tools.bench_torch", "torch-reference",
+                          "--steps", str(steps)], cwd=PROJECT, env=torch_environment(),
                          check=True, capture_output=True, text=True).stdout
     tokens = float(re.search(r"tokens/s: ([\d.]+)", out).group(1))
     return tokens, None, ("PyTorch eager, forward + backward + AdamW; its environment: "
@@ -197,7 +196,7 @@ def main(argv):
         return recorder_cost(a.layouts, a.steps)
     runs = a.layouts + (["torch"] if a.torch else [])
     results = {name: [] for name in runs}
-    peak_out = subprocess.run([sys.executable, __file__, "matmul-peak"], check=True,
+    peak_out = subprocess.run([sys.executable, "-m", "tools.bench", "matmul-peak"], check=True,
                               capture_output=True, text=True).stdout
     peak = float(re.search(r"TFLOP/s: ([\d.]+)", peak_out).group(1))
     with tempfile.TemporaryDirectory() as folder:
@@ -252,7 +251,7 @@ def recorder_cost(layouts, steps):
     with tempfile.TemporaryDirectory() as folder:
         for name in layouts:
             workers, flags = LAYOUTS[name]
-            cfg = load_config(os.path.join(HERE, "config.yaml"), [*MODEL, *flags], workers)
+            cfg = load_config(PROJECT_CONFIG, [*MODEL, *flags], workers)
             cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
             calls = sum(c for c, _ in memory.communication(cfg, 0).values())
             step = SHAPE["batch"] * SHAPE["seq"] / run_layout(name, steps, folder)[0]

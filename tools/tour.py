@@ -43,15 +43,14 @@ from collections import namedtuple
 import numpy as np
 
 import data
-import memory
 import parallel
 import train
-from cli import (HelpRequested, PROJECT_CONFIG, load_config, msrun_command,
-                 parse_command)
-from config import ConfigError
+from settings.cli import (PROJECT, PROJECT_CONFIG, HelpRequested, load_config, msrun_command,
+                          parse_command)
+from settings.config import ConfigError
+from tools import memory
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")      # the shipped corpus
+SHAKESPEARE = os.path.join(PROJECT, "data", "tinyshakespeare.txt")      # the shipped corpus
 STEPS = 10
 MODEL = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "4", "--hidden-size", "64",
          "--ffn-hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
@@ -143,15 +142,16 @@ class Launch:
         self.workers, self.output = workers, output
         runs_file = os.path.join(output, f"runs_{workers}.json")
         data.write_atomic(runs_file, json.dumps(runs))
-        program = [os.path.abspath(__file__), "--runs", runs_file]
+        # `python -m`: this file is in tools/, its imports are the project's folder's
+        program = ["-m", "tools.tour", "--runs", runs_file]
         self.log_dir = os.path.join(output, f"launch_{workers}")     # console.log, worker logs
         if workers == 1:
             cmd, env = [sys.executable, *program], None
         else:
-            cmd, env = msrun_command(workers, self.log_dir, program)
+            cmd, env = msrun_command(workers, self.log_dir, ["python", *program])
         os.makedirs(self.log_dir, exist_ok=True)
         self.console = open(os.path.join(self.log_dir, "console.log"), "w")
-        self.process = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=self.console,
+        self.process = subprocess.Popen(cmd, cwd=PROJECT, env=env, stdout=self.console,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait(self, name):

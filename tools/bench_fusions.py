@@ -27,11 +27,11 @@ from mindspore import nn
 import fused
 import gpt
 import train
-from bench import HERE, MODEL
-from bench_torch import SHAPE
-from cli import HelpRequested, load_config, parse_command
-from config import padded_vocab_size
 from fused import broadcast_column, broadcast_row
+from settings.cli import PROJECT, HelpRequested, load_config, parse_command
+from settings.config import padded_vocab_size
+from tools.bench import MODEL, torch_environment
+from tools.bench_torch import SHAPE
 
 # each fused form's key and its flag that turns it off (a plain model: all of them)
 FUSIONS = {"bias_gelu_fusion": "--no-bias-gelu-fusion",
@@ -203,9 +203,9 @@ def layernorm_probe(argv, rounds=20):
     for name, ms_ in ms_times.items():
         print(f"MindSpore {name:22s} 9 norms {ms_:7.2f} ms", flush=True)
     if options["torch"]:
-        out = subprocess.run([options["torch"], os.path.join(HERE, "bench_torch.py"),
-                              "torch-layernorm"],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run([options["torch"], "-m", "tools.bench_torch", "torch-layernorm"],
+                             cwd=PROJECT, env=torch_environment(), check=True,
+                             capture_output=True, text=True).stdout
         torch_times = dict(line.split(": ") for line in out.strip().splitlines())
         print(f"PyTorch: one elementwise pass {float(torch_times['mul']) / 40:.3f} ms")
         norms_ms = float(torch_times["layernorm"])

@@ -24,14 +24,14 @@ import re
 
 import numpy as np
 
-import keys
 import moe
-import torch_format
-from config import ConfigError
+from formats import torch_format
 from optimizer import no_weight_decay
 from parallel import merge_tensor_parallel
+from settings import keys
+from settings.cli import PROJECT
+from settings.config import ConfigError
 
-PROJECT = os.path.dirname(os.path.abspath(__file__))
 LATEST = "latest_checkpointed_iteration.txt"
 WEIGHTS = "model_optim_rng"                     # a rank's file: weights, optimizer state, RNG
 WEIGHTS_FILE = WEIGHTS + ".pt"

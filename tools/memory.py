@@ -34,9 +34,9 @@ from types import SimpleNamespace
 import data
 import gpt
 import pipeline
-from cli import CONFIG_FLAG, REQUIRED, load_config, parse_command
-from config import (ConfigError, cp_ring_size, main_grad_dtype, moe_layer_pattern,
-                    padded_vocab_size, recompute_counts, samples_per_split)
+from settings.cli import CONFIG_FLAG, REQUIRED, load_config, parse_command
+from settings.config import (ConfigError, cp_ring_size, main_grad_dtype, moe_layer_pattern,
+                             padded_vocab_size, recompute_counts, samples_per_split)
 from tokenizer import build_tokenizer
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

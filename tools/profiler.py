@@ -5,7 +5,7 @@ import os
 
 import mindspore as ms
 
-from keys import DEVICE_PROFILE_KEYS, SCHEMA
+from settings.keys import DEVICE_PROFILE_KEYS, SCHEMA
 
 log = logging.getLogger("train")
 

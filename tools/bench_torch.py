@@ -10,7 +10,7 @@ imports nothing of MindSpore's and torch only inside the functions that use it.
 import sys
 import time
 
-from cli import HelpRequested, parse_command
+from settings.cli import HelpRequested, parse_command
 
 # the benchmark shape, the same in both frameworks (bench.py trains it with MindSpore)
 SHAPE = {"layers": 4, "hidden": 256, "heads": 8, "ffn": 1024, "seq": 256, "vocab": 4096, "batch": 8}

@@ -32,12 +32,14 @@ import threading
 import time
 
 from data import write_atomic
+from settings.cli import PROJECT
 
 EVENTS = 128              # the ring buffer: enough for a step's collectives of a small model
 WRITE_EVERY = 1.0         # seconds between writes of the record
 STALL = 5.0               # seconds without a new collective before the peers' records are read
-HERE = os.path.dirname(os.path.abspath(__file__))
-NOT_CALLERS = (os.path.join(HERE, "parallel.py"), os.path.abspath(__file__))
+# the project's code: the files of its folder and of its folders of modules
+CODE = {PROJECT, *(os.path.join(PROJECT, folder) for folder in ("settings", "formats", "tools"))}
+NOT_CALLERS = (os.path.join(PROJECT, "parallel.py"), os.path.abspath(__file__))
 FILE = "flight_recorder_rank_{}.json"
 # a launch: msrun's scheduler port and the msrun process that started the worker (one node's)
 JOB = f"{os.environ.get('MS_SCHED_PORT', '')}-{os.getppid()}"
@@ -104,7 +106,7 @@ KINDS = {}                # a frame's file name -> file_kind (the stack is walke
 def file_kind(name):
     """"caller" for a module of the project other than parallel.py and this one, "parallel" for
     parallel.py, "" for any other file."""
-    if os.path.dirname(name) != HERE or name == NOT_CALLERS[1]:
+    if os.path.dirname(name) not in CODE or name == NOT_CALLERS[1]:
         return ""
     return "parallel" if name == NOT_CALLERS[0] else "caller"
 

@@ -30,8 +30,8 @@ import re
 
 import numpy as np
 
-import torch_format
-from megatron_checkpoint import TE_NORMS, CheckpointError, megatron_name, project_name
+from formats import torch_format
+from formats.megatron_checkpoint import TE_NORMS, CheckpointError, megatron_name, project_name
 
 METADATA = ".metadata"
 COMMON = "common.pt"

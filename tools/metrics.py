@@ -37,8 +37,8 @@ import struct
 import time
 from xml.sax.saxutils import escape
 
-from config import ConfigError
 from data import write_atomic
+from settings.config import ConfigError
 
 JSONL, SVG = "metrics.jsonl", "loss.svg"
 
