@@ -35,7 +35,8 @@ import numpy as np
 from mindspore import nn, ops
 
 from parallel import (F32, all_to_all_heads_to_sequence, all_to_all_sequence_to_heads,
-                      batch_matmul_nt, cast, gather_from_sequence_parallel_region)
+                      batch_matmul_nt, cast, collectives, gather_from_sequence_parallel_region,
+                      reduce_from_tensor_model_parallel_region)
 from settings.config import cp_ring_size
 
 
@@ -183,6 +184,25 @@ class ContextParallelAttention(nn.Cell):
         if self.ulysses > 1:
             context = self.gather_context(context)                             # [s/cp, b, n, d]
         return context
+
+
+class LossOverCP(nn.Cell):
+    """Megatron's loss_func under context parallelism: each cp rank holds part of every
+    sequence's tokens, so the loss sum (forward all-reduce, backward identity: g over the CP
+    group) and the token count are summed over CP before dividing; each rank's gradient is then
+    its tokens' share. (total [1], count [1]) -> the same summed over CP, as they are without."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.cp = state.cp
+        if self.cp > 1:
+            self.reduce_loss = reduce_from_tensor_model_parallel_region(state.cp_group)
+            self.count_tokens = collectives(state.cp_group)
+
+    def construct(self, total, count):
+        if self.cp == 1:
+            return total, count
+        return self.reduce_loss(total), self.count_tokens.all_reduce(ops.stop_gradient(count))
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

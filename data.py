@@ -479,9 +479,14 @@ def get_ltor_masks_and_position_ids(tokens, eod, reset_position_ids, reset_atten
         position_ids = (position_ids - seg_start[segment]).astype(np.int32)
     attention_mask = None
     if reset_attention_mask:
-        causal = np.tril(np.ones((s, s), dtype=bool))
-        attention_mask = ~(causal & (segment[:, None] == segment[None, :]))[None]
+        attention_mask = (causal_mask(s) | (segment[:, None] != segment[None, :]))[None]
     return loss_mask, position_ids, attention_mask
+
+
+def causal_mask(s):
+    """bool [s, s], True where token i may not see token j, j > i (Megatron's convention: True =
+    masked out)."""
+    return np.triu(np.ones((s, s), dtype=bool), 1)
 
 
 class GPTDataset:

@@ -14,7 +14,7 @@ The dense parameters are reduced over DP x CP, the experts over the expert-data-
 import numpy as np
 from mindspore import ops
 
-from parallel import collectives
+from parallel import collectives, get_state
 
 
 class GradBuffer:
@@ -71,11 +71,6 @@ class GradBuffer:
         n = self.group_size
         return [(b0 + rank * (b1 - b0) // n, b0 + (rank + 1) * (b1 - b0) // n)
                 for b0, b1 in self.buckets]
-
-    def piece_names(self, rank, names):
-        """One name per piece of `rank` (`names`: one per parameter): "<name>@<first element>",
-        so the pieces of every rank of the group together cover each parameter and join back."""
-        return [f"{names[i]}@{lo - self.offsets[i]}" for _, i, lo, _ in self.pieces(rank)]
 
     def pieces(self, rank):
         """(bucket, param index, start, end) of each overlap of a parameter with `rank`'s shard
@@ -153,6 +148,32 @@ def finalize_model_grads(grads, params, state, ddp):
              if getattr(param, "shared_embedding", False) else g
              for g, param in zip(grads, params)]
     return ddp.reduce_grads(grads)
+
+
+def build_data_parallel(cfg, model, state=None):
+    """Megatron's DistributedDataParallel for a model or a list of model chunks (their parameters
+    in order): the dense parameters' gradients in a buffer reduced over the DP x CP group, the
+    experts' (marked `allreduce = False`, Megatron's mark: moe.expert_linear) in one over the
+    expert-data-parallel group; both divided by the DP size (averaged over DP, summed over CP:
+    gpt.GPTModel's loss); reduce-scattered for the distributed optimizer
+    (use_distributed_optimizer with several DP x CP ranks), else all-reduced."""
+    state = state or get_state()
+    chunks = model if isinstance(model, list) else [model]
+    params = [param for chunk in chunks for param in chunk.get_parameters()]
+    expert = [i for i, param in enumerate(params) if not getattr(param, "allreduce", True)]
+    dense = [i for i in range(len(params)) if i not in set(expert)]
+    bucket_size, scale = cfg.training_config.bucket_size, 1.0 / state.dp
+    dp_cp = state.dp * state.cp
+    groups = [(dense, dict(group=state.dp_cp_group, group_size=dp_cp, rank=state.dp_cp_rank)),
+              (expert, dict(group=state.edp_group, group_size=dp_cp // state.ep,
+                            rank=state.edp_rank))]
+    groups = [(positions, group) for positions, group in groups if positions]
+    buffers = [GradBuffer([params[i] for i in positions], bucket_size=bucket_size,
+                          gradient_scaling_factor=scale, **group)
+               for positions, group in groups]
+    reduce_scatter = cfg.training_config.use_distributed_optimizer and dp_cp > 1
+    return DistributedDataParallel(buffers, [positions for positions, _ in groups],
+                                   reduce_scatter)
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

@@ -3,9 +3,9 @@
 them in place at model build, each chosen by its config key, none with model_config.fusions
 false (--no-fusions: the plain model), as Megatron-core's layer specs put Transformer
 Engine's layers in place of its local ones (docs/performance.md#fusions). Beside them, the one
-half-precision form: a linear's matmul and bias add, and what adds a linear's skipped bias,
-casting their inputs to the compute dtype (ComputeIn), put in place at build by computing_in and
-in_compute_dtype, so that no concept class casts.
+half-precision form, ComputeIn: a form with its inputs cast to the compute dtype first, chosen at
+build by in_compute_dtype (a linear's matmul and bias add, what adds a linear's skipped bias, an
+expert's batched forms), so that the layers that take these forms do not cast.
 
 Why, on MindSpore 2.10's CPU backend (bench_fusions.py; docs/performance.md#fusions):
 - Reductions over rows are slow kernels: BiasAddGrad, ReduceSum, ReduceMean and LayerNormGrad
@@ -109,26 +109,12 @@ class LinearMatMul(nn.Cell):
 
 
 def linear_forms():
-    """A linear's (matmul, bias_add) in their fast forms (parallel.plain_forms' plain ones)."""
+    """A linear's (matmul, bias_add) in their fast forms (parallel.plain_forms' plain ones): the
+    layer spec's `linear_forms` (gpt.layer_spec) when fusions are on."""
     return LinearMatMul(), BiasAdd()
 
 
-class Linear(parallel.Linear):
-    """parallel.Linear with the fast matmul and bias add."""
-    forms = staticmethod(linear_forms)
-
-
-class ColumnParallelLinear(parallel.ColumnParallelLinear):
-    """parallel.ColumnParallelLinear with the fast matmul and bias add."""
-    forms = staticmethod(linear_forms)
-
-
-class RowParallelLinear(parallel.RowParallelLinear):
-    """parallel.RowParallelLinear with the fast matmul and bias add."""
-    forms = staticmethod(linear_forms)
-
-
-class SplitLastDim(nn.Cell):
+class FusedSplitLastDim(nn.Cell):
     """gpt.SplitLastDim (q, k, v of gpt.SelfAttention) with its backward one Concat of the
     pieces' gradients: autodiff writes each piece's gradient into a zero tensor of x's shape
     (StridedSliceGrad) and adds the three, a visible share of a benchmark step
@@ -142,7 +128,7 @@ class SplitLastDim(nn.Cell):
         return ops.split(x, self.sizes, axis=-1)
 
     def bprop(self, x, out, dout):
-        return SplitLastDim.backward(dout)
+        return FusedSplitLastDim.backward(dout)
 
     @staticmethod
     def backward(dout):
@@ -173,17 +159,10 @@ def in_compute_dtype(form, dtype):
     return form if dtype == F32 else ComputeIn(form, dtype)
 
 
-FORMS = ("matmul", "bias_add", "broadcast")      # the forms computing_in puts in the compute dtype
-
-
-def computing_in(cell, dtype):
-    """`cell` with those of its FORMS it has computing in `dtype`, put in place at build: a
-    linear's matmul and bias add (gpt.make_linear, moe.expert_linear, moe.SharedExpertMLP), an
-    expert's broadcast of its fc2 bias and GroupedMLP's batched forms (moe.make_experts)."""
-    for name in FORMS:
-        if hasattr(cell, name):
-            setattr(cell, name, in_compute_dtype(getattr(cell, name), dtype))
-    return cell
+def forms_in(forms, dtype):
+    """Each of `forms` (a linear's matmul and bias add, the layer spec's linear_forms())
+    computing in `dtype`."""
+    return tuple(in_compute_dtype(form, dtype) for form in forms)
 
 
 def eager_cast(t, dtype):
@@ -238,7 +217,7 @@ class _LayerNormKernel(nn.Cell):
         return dx, column_sum(dy * xhat), column_sum(dy)
 
 
-class LayerNorm(nn.Cell):
+class FusedLayerNorm(nn.Cell):
     """gpt.LayerNorm (the ops.LayerNorm kernel) with its means as MatMuls and a hand backward
     (Megatron's fused LayerNorm; model_config.persist_layer_norm)."""
 
@@ -282,7 +261,7 @@ class _RMSNormKernel(nn.Cell):
         return dx, column_sum(dy * xhat)
 
 
-class RMSNorm(nn.Cell):
+class FusedRMSNorm(nn.Cell):
     """gpt.RMSNorm with its mean as a MatMul and a hand backward (MindSpeed's
     --use-fused-rmsnorm; model_config.use_fused_rmsnorm)."""
 
@@ -390,7 +369,7 @@ class SwiGLU(nn.Cell):
 
 
 # ============================================================================ attention
-class Rotary(nn.Cell):
+class FusedRotary(nn.Cell):
     """gpt.Rotary, x cos + rotate_half(x) sin, with its backward written out: the
     transpose of rotate_half is a rotation back, dx = dy cos + rotate_half^T(dy sin)
     (Megatron's --apply-rope-fusion / --no-rope-fusion; model_config.apply_rope_fusion)."""
@@ -401,7 +380,7 @@ class Rotary(nn.Cell):
         return x * cos + ops.cat((-x2, x1), axis=-1) * sin
 
     def bprop(self, x, cos, sin, out, dout):
-        return Rotary.backward(x, cos, sin, dout)
+        return FusedRotary.backward(x, cos, sin, dout)
 
     @staticmethod
     def backward(x, cos, sin, dout):
@@ -409,7 +388,7 @@ class Rotary(nn.Cell):
         return dout * cos + ops.cat((z2, -z1), axis=-1), ops.zeros_like(cos), ops.zeros_like(sin)
 
 
-class ScaledMaskedSoftmax(nn.Cell):
+class FusedScaleMaskSoftmax(nn.Cell):
     """gpt.ScaledMaskedSoftmax, softmax(scores * scale + mask_bias) over the last dim, with its
     backward's row sums as a MatMul: dx = scale (dY Y - Y (dY Y) @ ones[s, 1]) (Megatron's
     masked softmax fusion, --no-masked-softmax-fusion; model_config.masked_softmax_fusion)."""
@@ -422,7 +401,7 @@ class ScaledMaskedSoftmax(nn.Cell):
         return parallel.scaled_masked_softmax(scores, mask_bias, self.scale)
 
     def bprop(self, scores, mask_bias, out, dout):
-        return ScaledMaskedSoftmax.backward(self, mask_bias, out, dout)
+        return FusedScaleMaskSoftmax.backward(self, mask_bias, out, dout)
 
     def backward(self, mask_bias, out, dout):
         weighted = dout * out                                                # [b, n, s, t]
@@ -461,7 +440,7 @@ class _CrossEntropyKernel(nn.Cell):
         return d_logits, ops.zeros_like(labels)
 
 
-class CrossEntropy(nn.Cell):
+class FusedCrossEntropy(nn.Cell):
     """gpt.CrossEntropy, the per-token loss [n] from logits [n, V] and labels [n], from one
     softmax kernel: lse = max(z) - log(max(softmax(z))), since the largest probability is
     1 / sum(exp(z - max(z))) and never below 1/V, so its log cannot underflow (and it is the
@@ -479,7 +458,7 @@ class CrossEntropy(nn.Cell):
         return self.kernel(logits, labels)[0]
 
 
-class BiasDropoutAdd(nn.Cell):
+class FusedBiasDropoutAdd(nn.Cell):
     """gpt.BiasDropoutAdd, residual + dropout(y + bias), its bias added by BiasAdd (Megatron's
     bias_dropout_add, --no-bias-dropout-fusion; model_config.bias_dropout_fusion). Plain ops
     otherwise, no custom backward: it ends a layer, and a custom-bprop Cell there breaks

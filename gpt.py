@@ -20,15 +20,15 @@ import zlib
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
-from mindspore.graph.api import _pynative_executor
 
 import context_parallel
 import fused
 import moe
 import parallel
 from context_parallel import attention_block, attention_scores, merge_partial_attention
+from data import causal_mask
 from parallel import DTYPES, F32, activation, batch_matmul_nt, cast, linear
-from settings.config import moe_layer_pattern
+from settings.config import fc1_chunks, moe_layer_pattern
 
 FLASH_BLOCK = 128       # FlashAttention's default block (tokens), memory.py's estimate's too
 MASKED = -1e30          # added to masked attention scores: exp underflows to 0, no inf arithmetic
@@ -40,8 +40,8 @@ def additive_mask(mask):
 
 
 def causal_mask_bias(s):
-    """The causal mask of s tokens as an additive bias [1, 1, s, s]: token i sees tokens <= i."""
-    return additive_mask(np.triu(np.ones((1, 1, s, s), bool), 1))
+    """The causal mask of s tokens (data.causal_mask) as an additive bias [1, 1, s, s]."""
+    return additive_mask(causal_mask(s)[None, None])
 
 
 def _zeros(*shape):
@@ -49,24 +49,27 @@ def _zeros(*shape):
 
 
 def make_linear(cfg, spec, in_features, out_features, bias, kind, chunks=1, skip_bias_add=False):
-    """The model's linears, of the spec's classes, computing in the compute dtype
-    (fused.computing_in). `kind` is Megatron's role: "column" (qkv, fc1, output layer: the output
-    dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the input
-    dim is split). One TP rank: a plain linear. The layout comes from parallel.get_state().
+    """The model's linears, their matmul and bias add the spec's forms computing in the compute
+    dtype (linear_forms). `kind` is Megatron's role: "column" (qkv, fc1, output layer: the
+    output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the
+    input dim is split). One TP rank: a plain linear. The layout comes from parallel.get_state().
     skip_bias_add: the linear returns (output, bias or None), the bias added by what follows (the
     activation, the residual's bias-dropout-add)."""
-    state = parallel.get_state()
+    state, forms = parallel.get_state(), linear_forms(cfg, spec)
     if state.tp == 1:
-        layer = spec.linear(in_features, out_features, bias, skip_bias_add)
-    elif kind == "column":
-        layer = spec.column_parallel_linear(
+        return parallel.Linear(in_features, out_features, bias, skip_bias_add, forms)
+    if kind == "column":
+        return parallel.ColumnParallelLinear(
             in_features, out_features, bias, sequence_parallel=state.sequence_parallel,
-            chunks=chunks, skip_bias_add=skip_bias_add)
-    else:
-        layer = spec.row_parallel_linear(in_features, out_features, bias,
-                                         sequence_parallel=state.sequence_parallel,
-                                         skip_bias_add=skip_bias_add)
-    return fused.computing_in(layer, DTYPES[cfg.compute_dtype])
+            chunks=chunks, skip_bias_add=skip_bias_add, forms=forms)
+    return parallel.RowParallelLinear(in_features, out_features, bias,
+                                      sequence_parallel=state.sequence_parallel,
+                                      skip_bias_add=skip_bias_add, forms=forms)
+
+
+def linear_forms(cfg, spec):
+    """A linear's (matmul, bias_add): the spec's forms, computing in the compute dtype."""
+    return fused.forms_in(spec.linear_forms(), DTYPES[cfg.compute_dtype])
 
 
 def make_activation(cfg, spec):
@@ -285,9 +288,8 @@ class LayerSpec:
     Engine's fused ones in their place, the layers' code the same. Each builder makes one Cell
     per call site. Beside the layers' operators, the training step's cast (train.py hands it to
     the optimizer and the pipeline)."""
-    linear: type                    # (in, out, bias, skip_bias_add): one TP rank
-    column_parallel_linear: type    # parallel.ColumnParallelLinear's arguments
-    row_parallel_linear: type       # parallel.RowParallelLinear's arguments
+    linear_forms: object            # (): a linear's (matmul, bias_add), parallel.Linear's `forms`
+    core_attention: type            # CoreAttention's arguments: softmax(q k^T / sqrt(d)) v
     norm: type                      # (hidden, eps): x [..., h] -> [..., h]
     split: type                     # (sizes): x [..., sum(sizes)] -> pieces
     rotary: type                    # (): (x [s, b, n, d], cos, sin [s, b, 1, d]) -> x rotated
@@ -295,20 +297,19 @@ class LayerSpec:
     activation: object              # (act): (fc1's y, bias or None) -> act(y + bias)
     bias_dropout_add: type          # (dropout): (y, bias or None, residual) -> residual + ...
     cross_entropy: type             # (): (logits [n, V], labels [n]) -> loss [n] (one TP rank)
-    attention_mask: object          # (mask_bias, batch, heads) -> the mask bias the layers add
+    mask_layout: object             # (mask_bias, batch, heads) -> the mask bias the layers add
     cast: object                    # (t, dtype) -> t in dtype, op by op: gradients, main params
 
 
 def local_spec(cfg):
     """Every operator in its plain form (written in this file and parallel.py), what a learner
     reads: model_config.fusions false, --no-fusions."""
-    return LayerSpec(linear=parallel.Linear,
-                     column_parallel_linear=parallel.ColumnParallelLinear,
-                     row_parallel_linear=parallel.RowParallelLinear,
+    return LayerSpec(linear_forms=parallel.plain_forms,
+                     core_attention=FlashAttention if cfg.use_flash_attention else CoreAttention,
                      norm=RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm,
                      split=SplitLastDim, rotary=Rotary, softmax=ScaledMaskedSoftmax,
                      activation=BiasActivation, bias_dropout_add=BiasDropoutAdd,
-                     cross_entropy=CrossEntropy, attention_mask=keep_mask, cast=cast)
+                     cross_entropy=CrossEntropy, mask_layout=keep_mask, cast=cast)
 
 
 def layer_spec(cfg):
@@ -323,17 +324,17 @@ def layer_spec(cfg):
     rms = cfg.normalization == "RMSNorm"
     fused_norm = cfg.use_fused_rmsnorm if rms else cfg.persist_layer_norm
     return dataclasses.replace(
-        local, linear=fused.Linear, column_parallel_linear=fused.ColumnParallelLinear,
-        row_parallel_linear=fused.RowParallelLinear, split=fused.SplitLastDim,
-        norm=(fused.RMSNorm if rms else fused.LayerNorm) if fused_norm else local.norm,
-        rotary=fused.Rotary if cfg.apply_rope_fusion else local.rotary,
-        softmax=fused.ScaledMaskedSoftmax if cfg.masked_softmax_fusion else local.softmax,
+        local, linear_forms=fused.linear_forms, split=fused.FusedSplitLastDim,
+        norm=(fused.FusedRMSNorm if rms else fused.FusedLayerNorm) if fused_norm else local.norm,
+        rotary=fused.FusedRotary if cfg.apply_rope_fusion else local.rotary,
+        softmax=fused.FusedScaleMaskSoftmax if cfg.masked_softmax_fusion else local.softmax,
         activation=lambda act: fused_activation(cfg, act),
-        bias_dropout_add=(fused.BiasDropoutAdd if cfg.bias_dropout_fusion
+        bias_dropout_add=(fused.FusedBiasDropoutAdd if cfg.bias_dropout_fusion
                           else local.bias_dropout_add),
-        cross_entropy=fused.CrossEntropy if cfg.cross_entropy_loss_fusion else local.cross_entropy,
+        cross_entropy=(fused.FusedCrossEntropy if cfg.cross_entropy_loss_fusion
+                       else local.cross_entropy),
         # flash attention adds the mask block by block: tiled, it would only keep b x n copies
-        attention_mask=keep_mask if cfg.use_flash_attention else fused.tile_mask,
+        mask_layout=keep_mask if cfg.use_flash_attention else fused.tile_mask,
         cast=fused.eager_cast)
 
 
@@ -554,8 +555,7 @@ class SelfAttention(nn.Cell):
         group_width = (self.per_group + 2) * self.head_dim    # its query heads, a key, a value
         self.local_groups = self.linear_qkv.weight.shape[0] // group_width
         self.local_heads = self.local_groups * self.per_group
-        core = FlashAttention if cfg.use_flash_attention else CoreAttention
-        self.core_attention = core(cfg, spec, rng, self.per_group, layer_number)
+        self.core_attention = spec.core_attention(cfg, spec, rng, self.per_group, layer_number)
         state = parallel.get_state()
         if state.cp > 1:
             self.core_attention = context_parallel.ContextParallelAttention(
@@ -587,10 +587,9 @@ class MLP(nn.Cell):
 
     def __init__(self, cfg, spec):
         super().__init__()
-        swiglu = cfg.hidden_act == "swiglu"
-        fc1_out = cfg.ffn_hidden_size * (2 if swiglu else 1)
-        self.linear_fc1 = make_linear(cfg, spec, cfg.hidden_size, fc1_out, cfg.add_bias_linear,
-                                      "column", chunks=2 if swiglu else 1, skip_bias_add=True)
+        chunks = fc1_chunks(cfg)
+        self.linear_fc1 = make_linear(cfg, spec, cfg.hidden_size, cfg.ffn_hidden_size * chunks,
+                                      cfg.add_bias_linear, "column", chunks, skip_bias_add=True)
         self.activation = make_activation(cfg, spec)
         self.linear_fc2 = make_linear(cfg, spec, cfg.ffn_hidden_size, cfg.hidden_size,
                                       cfg.add_bias_linear, "row",
@@ -720,7 +719,10 @@ class CrossEntropy(nn.Cell):
 
 
 class GPTModel(nn.Cell):
-    """Layers [layer_offset, layer_offset + num_layers) of a GPT; the whole model by default.
+    """Megatron's GPTModel: the embedding, the layers [layer_offset, layer_offset + num_layers),
+    the final norm and the output layer; the whole model by default, or one pipeline stage
+    (`pre_process`: it embeds, `post_process`: it ends with the loss). Built with the layer
+    spec's forms (layer_spec); model_provider builds one as training does.
 
     construct(x, position_ids, attention_mask, labels, loss_mask):
       x: token ids [b, s] if pre_process, else hidden states [s, b, h] from the previous stage;
@@ -728,61 +730,35 @@ class GPTModel(nn.Cell):
       returns the mean loss over loss_mask if post_process and labels are given, the logits
       [b, s, V] if post_process without labels, else hidden states [s, b, h]."""
 
-    def __init__(self, cfg, pre_process=True, post_process=True, layer_offset=0, num_layers=None,
-                 rng=None, recomputed_layers=None):
+    def __init__(self, cfg, spec, pre_process=True, post_process=True, layer_offset=0,
+                 num_layers=None, rng=None):
         super().__init__()
         self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
-        self.layer_offset = layer_offset
-        self.rng = rng or DropoutRNG(0)
-        h, vocab = cfg.hidden_size, cfg.padded_vocab_size
-        self.tied = not cfg.untie_embeddings_and_output_weights
-        self.dtype = DTYPES[cfg.compute_dtype]
+        self.layer_offset, self.rng = layer_offset, rng or DropoutRNG(0)
         state = parallel.get_state()
         self.tp, self.sequence_parallel = state.tp, state.sequence_parallel
-        self.expert_offset = moe.first_expert(cfg.num_moe_experts, state.ep, state.ep_rank)
-        spec = layer_spec(cfg)
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        self.dtype, self.hidden_dtype = DTYPES[cfg.compute_dtype], hidden_dtype(cfg)
         if pre_process:
             self._build_embeddings(cfg)
         n = cfg.num_layers if num_layers is None else num_layers
         self.layers = nn.CellList([TransformerLayer(cfg, spec, self.rng, layer_offset + i + 1)
                                    for i in range(n)])
-        # the recompute choices; full recompute (block): how many of this chunk's first layers,
-        # by default recompute_num_layers
-        rebuilt = cfg.recompute_num_layers if recomputed_layers is None else recomputed_layers
-        self.blocks = recompute_blocks(cfg, self.layers, self.rng, rebuilt)
+        self.blocks = self.layers          # what construct runs: recompute_blocks may group them
         if post_process:
-            self.final_layernorm = make_norm(cfg, spec)
-            if not self.tied or not pre_process:
-                self.output_layer = make_linear(cfg, spec, h, vocab, False, "column")
-            else:           # the tied output layer: the word embedding's weight, this matmul
-                self.output_matmul = fused.in_compute_dtype(spec.linear.forms()[0], self.dtype)
-        if self.tied and not (pre_process and post_process):
-            # Megatron's shared_embedding, the one mark of the tie: the model is cut into stages
-            # and the last stage's output layer is a copy of the first stage's word embedding;
-            # distributed.finalize_model_grads sums their gradients over the embedding group
-            if pre_process:
-                self.word_embeddings.weight.shared_embedding = True
-            elif post_process:
-                self.output_layer.weight.shared_embedding = True
+            self._build_output_layer(cfg, spec)
         self.rope = None
         if cfg.position_embedding_type == "rope":
-            self.rope = rotary_tables(cfg.max_position_embeddings, h // cfg.num_attention_heads,
-                                      cfg.rotary_base)
-        self.cp, self.cp_ulysses = state.cp, state.cp_ulysses
-        self._build_edge_mappings(state, spec)
-        # the core attention's tokens: the sequence, or a ring rank's share (context_parallel.py)
+            self.rope = rotary_tables(cfg.max_position_embeddings,
+                                      cfg.hidden_size // cfg.num_attention_heads, cfg.rotary_base)
+        self._build_edge_mappings(state)
+        # the tokens a core attention sees: the sequence, or with context parallelism what this
+        # rank's share attends over (Ulysses: its group's tokens; the ring: its share)
+        self.cp_ulysses = state.cp_ulysses
         self.causal_bias = causal_mask_bias(cfg.seq_length // state.cp_ring)
-        self.attention_mask = spec.attention_mask
+        self.mask_layout = spec.mask_layout
         # heads in a core attention, to which the mask may be tiled
         self.mask_heads = self.layers[0].self_attention.core_heads if n else 1
-        self.hidden_dtype = hidden_dtype(cfg)
-        self.logits_dtype = self.dtype if cfg.fp16_lm_cross_entropy else F32
-        cast_parameters(self, DTYPES[cfg.params_dtype])   # Megatron's Float16Module
-
-    def global_name(self, name):
-        """A parameter's name in the whole model (gpt.global_name), its experts numbered among
-        all experts (moe.global_expert_name): every layout seeds and saves a weight under it."""
-        return moe.global_expert_name(global_name(name, self.layer_offset), self.expert_offset)
 
     def _build_embeddings(self, cfg):
         """The first stage's word embedding (split over the vocabulary under TP), its absolute
@@ -797,11 +773,25 @@ class GPTModel(nn.Cell):
                                                  name="position_embeddings")
         self.embedding_dropout = hidden_dropout(cfg, self.rng)
 
-    def _build_edge_mappings(self, state, spec):
-        """Megatron's mappings at the model's edges (the layers hold their own): under TP the
-        sequence scattered after the embedding, the logits' input entering the TP region, the
-        logits gathered and the vocabulary-parallel cross-entropy; under CP the loss and the
-        token count summed over the CP group."""
+    def _build_output_layer(self, cfg, spec):
+        """The last stage's final norm, its output layer (tied to the word embedding on a stage
+        that has it: its weight, this matmul) and the loss's cross-entropy, computed in float32
+        unless fp16_lm_cross_entropy."""
+        self.final_layernorm = make_norm(cfg, spec)
+        if self.tied and self.pre_process:
+            self.output_matmul = linear_forms(cfg, spec)[0]
+        else:
+            self.output_layer = make_linear(cfg, spec, cfg.hidden_size, cfg.padded_vocab_size,
+                                            False, "column")
+        self.cross_entropy = parallel.VocabParallelCrossEntropy() if self.tp > 1 else \
+            spec.cross_entropy()
+        self.logits_dtype = self.dtype if cfg.fp16_lm_cross_entropy else F32
+        self.loss_over_cp = context_parallel.LossOverCP(parallel.get_state())
+
+    def _build_edge_mappings(self, state):
+        """Megatron's tensor-parallel mappings at the model's edges (the layers hold their own):
+        the sequence scattered after the embedding, the logits' input entering the TP region,
+        the logits gathered."""
         if self.tp > 1:
             self.scatter_sequence = parallel.scatter_to_sequence_parallel_region()
             if self.sequence_parallel:
@@ -809,16 +799,36 @@ class GPTModel(nn.Cell):
             else:
                 self.enter_logits = parallel.copy_to_tensor_model_parallel_region()
             self.gather_logits = parallel.gather_from_tensor_model_parallel_region()
-            self.cross_entropy = parallel.VocabParallelCrossEntropy()
-        elif self.post_process:
-            self.cross_entropy = spec.cross_entropy()
-        if self.post_process and self.cp > 1:
-            # Megatron's loss_func: each cp rank has part of every sequence's tokens, so the loss
-            # sum (forward all-reduce, backward identity: g over the CP group) and the token
-            # count are summed over CP before dividing; each rank's gradient is then its tokens'
-            # share
-            self.reduce_loss = parallel.reduce_from_tensor_model_parallel_region(state.cp_group)
-            self.count_tokens = parallel.collectives(state.cp_group)
+
+    def embed(self, tokens, position_ids):
+        """tokens [b, s] -> the hidden states [s, b, h] ([s/tp, b, h] under SP) in hidden_dtype:
+        word and position embeddings, then dropout."""
+        x = self.word_embeddings(tokens)                                      # [b, s, h]
+        if self.cfg.position_embedding_type == "absolute":
+            x = x + ops.gather(self.position_embeddings, position_ids, 0)
+        x = cast(x, self.hidden_dtype).transpose(1, 0, 2)                     # [s, b, h]
+        if self.sequence_parallel:
+            x = self.scatter_sequence(x)                                      # [s/tp, b, h]
+        return self.embedding_dropout(x)
+
+    def rotary_at(self, position_ids):
+        """RoPE's (cos, sin) at the positions [b, s] -> [s, b, 1, d] each, or None."""
+        if self.rope is None:
+            return None
+        rope = tuple(cast(ops.gather(t, position_ids, 0), self.dtype) for t in self.rope)
+        return tuple(t.transpose(1, 0, 2).expand_dims(2) for t in rope)
+
+    def mask_bias(self, attention_mask, position_ids, batch):
+        """The additive mask the core attentions add, in the spec's layout: the document mask
+        (bool [b, 1, s, s]) or the causal one, for the tokens a core attention sees."""
+        s = position_ids.shape[1] * self.cp_ulysses
+        if attention_mask is not None:
+            bias = ops.masked_fill(ops.zeros(attention_mask.shape, F32), attention_mask, MASKED)
+        elif s == self.causal_bias.shape[-1]:
+            bias = self.causal_bias
+        else:
+            bias = causal_mask_bias(s)
+        return self.mask_layout(bias, batch, self.mask_heads)
 
     def logits(self, x):
         """x [s, b, h] ([s/tp, b, h] under SP) -> logits [s, b, V/tp] computed in the compute
@@ -831,85 +841,105 @@ class GPTModel(nn.Cell):
         logits = linear(x, self.word_embeddings.weight, None, matmul=self.output_matmul)
         return cast(logits, self.logits_dtype)
 
+    def loss(self, logits, labels, loss_mask):
+        """The mean cross-entropy over the tokens loss_mask keeps: logits [s, b, V/tp], labels
+        and loss_mask [b, s]; summed over the context-parallel ranks first (LossOverCP)."""
+        losses = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
+        mask = loss_mask.T.reshape(-1).astype(F32)
+        total, count = (cast(losses, F32) * mask).sum().reshape(1), mask.sum().reshape(1)
+        total, count = self.loss_over_cp(total, count)
+        return (total / ops.maximum(count, 1.0)).reshape(())
+
     def construct(self, x, position_ids, attention_mask=None, labels=None, loss_mask=None):
         if self.pre_process:
-            tokens = x
-            x = self.word_embeddings(tokens)                                  # [b, s, h]
-            if self.cfg.position_embedding_type == "absolute":
-                x = x + ops.gather(self.position_embeddings, position_ids, 0)
-            x = cast(x, self.hidden_dtype).transpose(1, 0, 2)                 # [s, b, h]
-            if self.sequence_parallel:
-                x = self.scatter_sequence(x)                                  # [s/tp, b, h]
-            x = self.embedding_dropout(x)
-        # Ulysses attends over its group's tokens
-        s = position_ids.shape[1] * self.cp_ulysses
-        rope = None
-        if self.rope is not None:
-            # cos and sin at the positions: [b, s, d] -> [s, b, 1, d]
-            rope = tuple(cast(ops.gather(t, position_ids, 0), self.dtype) for t in self.rope)
-            rope = tuple(t.transpose(1, 0, 2).expand_dims(2) for t in rope)
-        if attention_mask is not None:
-            bias = ops.masked_fill(ops.zeros(attention_mask.shape, F32), attention_mask, MASKED)
-        elif s == self.causal_bias.shape[-1]:
-            bias = self.causal_bias
-        else:
-            bias = causal_mask_bias(s)
-        bias = self.attention_mask(bias, x.shape[1], self.mask_heads)         # the spec's form
-        # layers, or recomputed groups of them
-        for block in self.blocks:
+            x = self.embed(x, position_ids)                                   # [s, b, h]
+        rope = self.rotary_at(position_ids)
+        bias = self.mask_bias(attention_mask, position_ids, x.shape[1])
+        for block in self.blocks:              # the layers, or recomputed groups of them
             x = block(x, rope, bias)
         if not self.post_process:
             return x
         logits = self.logits(self.final_layernorm(x))                         # [s, b, V/tp]
-        if labels is None:
-            if self.tp > 1:
-                logits = self.gather_logits(logits)
-            return logits.transpose(1, 0, 2)
-        losses = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
-        mask = loss_mask.T.reshape(-1).astype(F32)
-        total, count = (cast(losses, F32) * mask).sum().reshape(1), mask.sum().reshape(1)
-        if self.cp > 1:
-            total = self.reduce_loss(total)
-            count = self.count_tokens.all_reduce(ops.stop_gradient(count))
-        return (total / ops.maximum(count, 1.0)).reshape(())
+        if labels is not None:
+            return self.loss(logits, labels, loss_mask)
+        if self.tp > 1:
+            logits = self.gather_logits(logits)
+        return logits.transpose(1, 0, 2)                                      # [b, s, V]
+
+
+def model_provider(cfg, pre_process=True, post_process=True, layer_offset=0, num_layers=None,
+                   rng=None, recomputed_layers=None):
+    """A GPTModel (one pipeline stage, or the whole model) as training builds it, Megatron's
+    model_provider: the layer spec's forms (layer_spec), the recompute choices (recompute_blocks:
+    full recompute, block, rebuilds `recomputed_layers` of its first layers, by default
+    recompute_num_layers), a stage's marks of the tied embedding (tie_embeddings), its
+    parameters in params_dtype (cast_parameters, Megatron's Float16Module). Weights are not
+    initialised (init_weights)."""
+    model = GPTModel(cfg, layer_spec(cfg), pre_process, post_process, layer_offset, num_layers,
+                     rng)
+    rebuilt = cfg.recompute_num_layers if recomputed_layers is None else recomputed_layers
+    model.blocks = recompute_blocks(cfg, model.layers, model.rng, rebuilt)
+    tie_embeddings(model)
+    cast_parameters(model, DTYPES[cfg.params_dtype])
+    return model
+
+
+def tie_embeddings(chunk):
+    """Megatron's marks of the tie, when the model is cut into stages (language_module.py's
+    setup_embeddings_and_output_layer): the last stage's output layer is a copy of the first
+    stage's word embedding (`shared`: is_embedding_copy), and both are `shared_embedding`,
+    whose gradients distributed.finalize_model_grads sums over the embedding group."""
+    if not chunk.tied or (chunk.pre_process and chunk.post_process):
+        return
+    if chunk.pre_process:
+        chunk.word_embeddings.weight.shared_embedding = True
+    elif chunk.post_process:
+        chunk.output_layer.weight.shared_embedding = True
+        chunk.output_layer.weight.shared = True
 
 
 class Compiled(nn.Cell):
     """`model` compiled by ms.jit into one graph (and so its backward too): on CPU 2-3x faster
     than op-by-op PyNative, tensor-parallel collectives included. Dropout is not allowed inside:
     its masks come from host RNG streams, which a graph cannot call, so train.py runs dropout
-    models eagerly. The collectives of each compiled graph (one per input shapes, with or
-    without gradients) are counted in parallel.ledger on every call."""
+    models eagerly. Its calls go through parallel.compiled_call, where the collectives'
+    observers see them."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self.graph_collectives = {}
 
     def construct(self, *inputs):
-        key = (_pynative_executor.requires_grad(),
-               tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs))
-        return parallel.ledger.run_compiled(self.graph_collectives, key,
-                                            lambda: self.graph(*inputs))
+        return parallel.compiled_call(self, self.graph, inputs)
 
     @ms.jit
     def graph(self, *inputs):
         return self.model(*inputs)
 
 
-def is_embedding_copy(chunk, param):
-    """Whether `param` of model chunk `chunk` is the last stage's copy of the word embedding (its
-    output layer, tied embeddings over pipeline stages, marked shared_embedding): it starts,
-    loads and saves as the word embedding and counts in the gradient norm on the first stage
-    only."""
-    return getattr(param, "shared_embedding", False) and not chunk.pre_process
+def is_embedding_copy(param):
+    """Whether `param` is the last stage's copy of the word embedding, its output layer under
+    tied embeddings over pipeline stages (marked `shared` as Megatron marks it:
+    pipeline.tie_embeddings): it starts, loads and saves as the word embedding and counts in the
+    gradient norm on the first stage only (Megatron's param_is_not_shared)."""
+    return getattr(param, "shared", False)
 
 
-def global_name(name, layer_offset):
-    """Parameter name with the layer index made global ("layers.3." on a stage that starts at 4
-    -> "layers.7."), so every layout seeds and saves a weight under the same name."""
-    return re.sub(r"(^|\.)layers\.(\d+)\.",
-                  lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name)
+LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")          # a parameter of a model chunk's layer
+
+
+def global_name(chunk, name):
+    """The name of `chunk`'s parameter `name` in the whole model, so that every layout seeds and
+    saves a weight under one name: its layer numbered among all layers ("layers.3." on a stage
+    that starts at layer 4 -> "layers.7."), a routed expert among all experts (its MoE layer's
+    first expert, moe.global_expert_name)."""
+    match = LAYER_INDEX.match(name)
+    if match is None:
+        return name
+    layer = int(match.group(1))
+    if moe.is_expert(name):
+        name = moe.global_expert_name(name, chunk.layers[layer].mlp.local_expert_offset)
+    return f"layers.{layer + chunk.layer_offset}." + name[match.end():]
 
 
 def init_value(name, shape, cfg, seed):
@@ -945,8 +975,8 @@ def init_weights(model, seed):
     the two are tied."""
     tp_rank = parallel.get_state().tp_rank if model.tp > 1 else 0
     for name, param in model.parameters_and_names():
-        gname = model.global_name(name)
-        if is_embedding_copy(model, param):
+        gname = global_name(model, name)
+        if is_embedding_copy(param):
             gname = "word_embeddings.weight"
         dim = getattr(param, "partition_dim", None)
         if dim is None:

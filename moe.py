@@ -59,9 +59,10 @@ returned loss: MoEAuxLossAutoScaler adds scale * d(loss)/d(theta) in the backwar
 `MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches)` before a step's forwards
 (Megatron multiplies by cp too, schedules.py:355-366, because its gradients are averaged over
 CP; this project sums over CP). They are computed only in training while a backward is recorded
-(Megatron's `self.training and torch.is_grad_enabled()`), and then each router adds its values
-to `TopKRouter.metrics` (aux/coeff, z/(coeff/|tp_cp|), as router.py:594-601, 702-708 record
-them); `report_metrics` reduces and clears them once per step, as MoEMetricsTracker.report.
+(Megatron's `self.training and torch.is_grad_enabled()`), and then each router gives their
+values to its `tracker` hook, when what logs them has attached one (aux/coeff,
+z/(coeff/|tp_cp|), as router.py:594-601, 702-708 record them; tools/logs.py sums them over a
+step, then reduces and clears them, as Megatron's MoEMetricsTracker.report).
 
 Parameter names follow Megatron's modules: router.weight|bias, experts.local_experts.J.
 linear_fc1|linear_fc2.weight|bias (J local; `global_expert_name` makes it global),
@@ -73,7 +74,6 @@ tp, tensor_parallel/layers.py:1033-1037, 1090; with EP = 1 their group is DP x C
 their gradients summed over the expert-data-parallel group; they carry `partition_dim` like the
 TP layers; the router's and the gate's `sequence_parallel` as Megatron marks them.
 """
-import itertools
 import math
 import re
 
@@ -85,7 +85,7 @@ from mindspore.ops import constexpr
 import fused
 import parallel
 from parallel import DTYPES, F32, activation, batch_matmul_nt, cast, linear
-from settings.config import check_moe_rules
+from settings.config import fc1_chunks
 
 # Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
 METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
@@ -242,7 +242,7 @@ class MoEAuxLossAutoScaler(nn.Cell):
 
     def bprop(self, output, aux_loss, scale, out, dout):
         # a plain function call: written here, ms.jit failed to compile it beside
-        # fused.ScaledMaskedSoftmax ("The pointer[func_graph->get_return()] is null")
+        # fused.FusedScaleMaskSoftmax ("The pointer[func_graph->get_return()] is null")
         return MoEAuxLossAutoScaler.backward(aux_loss, scale, dout)
 
     @staticmethod
@@ -263,22 +263,18 @@ class MoEAuxLossAutoScaler(nn.Cell):
         MoEAuxLossAutoScaler.scale_parameter().set_data(Tensor(float(scale), F32))
 
 
-_ROUTER_IDS = itertools.count()             # unique names for the routers' metric Parameters
-
-
 class TopKRouter(nn.Cell):
     """Megatron's TopKRouter (router.py:144-884): logits = x W^T (+ b) with W [E, h] (computed
     in moe_router_dtype, else the input's); the z-loss on the logits; top-k probs and routing
     map; capacity dropping; the load-balancing loss attached to the probs. construct(hidden
     [s, b, h]) -> (probs [n, E], routing_map [n, E] bool), n = s*b.
 
-    `metrics` (a tuple, so that the optimizer, initialisation and checkpoints do not see it) is
-    one fp32 Parameter [3] summing, over the micro-batches of a step, the values Megatron records
-    under METRICS' names; `metric_names` lists those this router records."""
+    `tracker`: a hook, None or a Cell (index, value) that what logs the losses attaches
+    (tools/logs.py): each value Megatron records under the name METRICS[index] is given to it
+    (Megatron's save_to_aux_losses_tracker); `metric_names` lists those this router gives."""
 
     def __init__(self, cfg, tp_cp_group=None):
         super().__init__()
-        _check_router_config(cfg)
         state = parallel.get_state()
         self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
         self.score_function = cfg.moe_router_score_function
@@ -300,11 +296,9 @@ class TopKRouter(nn.Cell):
         # each TP rank routes its own tokens (router.py:85-88)
         parallel.mark_sequence_parallel(self.get_parameters(), state.sequence_parallel)
         self.aux_loss_scaler, self.z_loss_scaler = MoEAuxLossAutoScaler(), MoEAuxLossAutoScaler()
-        self.metrics = (Parameter(Tensor(np.zeros(len(METRICS), np.float32)), requires_grad=False,
-                                  name=f"moe_router_metrics.{next(_ROUTER_IDS)}"),)
-        self.basis = Tensor(np.eye(len(METRICS), dtype=np.float32))      # row i: METRICS[i]
         names = [METRICS[self.load_balancing_type == "seq_aux_loss"]] if self.aux_loss_coeff else []
         self.metric_names = tuple(names + (["z_loss"] if self.z_loss_coeff else []))
+        self.tracker = None
 
     def construct(self, hidden):
         """routing() (router.py:746-837); the losses only in training with a backward recorded."""
@@ -328,7 +322,8 @@ class TopKRouter(nn.Cell):
         that the group's sum is coeff * the micro-batch's mean; logged as z / that coefficient."""
         coeff = self.z_loss_coeff / self.tp_cp.size
         z_loss = z_loss_func(logits, coeff)
-        self.record(2, z_loss / coeff)
+        if self.tracker is not None:
+            self.tracker(2, z_loss / coeff)
         return self.z_loss_scaler(logits, z_loss, self.z_loss_scaler.main_loss_backward_scale)
 
     def apply_load_balancing_loss(self, probs, logits, seq_length, bsz):
@@ -349,27 +344,9 @@ class TopKRouter(nn.Cell):
                                                    self.topk, self.num_experts, self.aux_loss_coeff)
         if per_sequence:
             aux_loss = aux_loss / bsz
-        self.record(1 if per_sequence else 0, aux_loss / self.aux_loss_coeff)
+        if self.tracker is not None:
+            self.tracker(1 if per_sequence else 0, aux_loss / self.aux_loss_coeff)
         return self.aux_loss_scaler(probs, aux_loss, self.aux_loss_scaler.main_loss_backward_scale)
-
-    def record(self, index, value):
-        """get_moe_metrics_tracker().record (moe_logging.py:94-128): add the detached value."""
-        ops.assign_add(self.metrics[0], ops.stop_gradient(cast(value, F32)) * self.basis[index])
-
-
-def _check_router_config(cfg):
-    """What this router computes; Megatron's own rules for the settings are
-    config.check_moe_rules, which MoELayer checks."""
-    if cfg.moe_router_score_function not in ("softmax", "sigmoid"):
-        raise ValueError(f"moe_router_score_function {cfg.moe_router_score_function!r}: "
-                         "softmax or sigmoid")
-    if cfg.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
-        raise ValueError(f"moe_router_load_balancing_type {cfg.moe_router_load_balancing_type!r}: "
-                         "aux_loss, seq_aux_loss or none")
-    if cfg.moe_router_dtype not in (None, "fp32"):
-        raise ValueError(f"moe_router_dtype {cfg.moe_router_dtype!r}: fp32 or unset")
-    if cfg.moe_token_drop_policy not in ("probs", "position"):
-        raise ValueError(f"moe_token_drop_policy {cfg.moe_token_drop_policy!r}: probs or position")
 
 
 # ============================================================================ experts
@@ -387,28 +364,29 @@ def _scale_by_probs(y, probs):
 
 def broadcast_like(bias, y):
     """An fc2 bias [..., 1 or T, h] broadcast to y's shape [..., T, h] (scaled then by each
-    token's probability); in the compute dtype under half precision (make_experts)."""
+    token's probability): a form, built in the compute dtype."""
     return ops.broadcast_to(bias, y.shape)
 
 
 def expert_linear(cfg, spec, in_features, out_features, partition_dim, tp, chunks=1,
                   skip_bias_add=False):
-    """One expert's linear, of the spec's one-rank class (spec.linear, as a dense layer's at TP1)
-    computing in the compute dtype: weight [out/tp, in] (fc1, partition_dim 0, fc1's [gate; up]
-    split in `chunks` blocks) or [out, in/tp] (fc2, partition_dim 1), marked so; is_expert by
-    its name (gradients summed over the expert-data-parallel group, not DP). No TP mappings: the
-    dispatcher communicates (Megatron's explicit_expert_comm, tensor_parallel/layers.py:1032)."""
-    if (out_features if partition_dim == 0 else in_features) % (tp * chunks):
-        raise ValueError(f"expert linear {in_features} -> {out_features} is not divisible "
-                         f"by tp*chunks = {tp * chunks}")
+    """One expert's linear, a one-rank parallel.Linear with the spec's forms computing in the
+    compute dtype (as a dense layer's at TP1): weight [out/tp, in] (fc1, partition_dim 0, fc1's
+    [gate; up] split in `chunks` blocks) or [out, in/tp] (fc2, partition_dim 1), marked so, and
+    `allreduce = False` (Megatron's mark: gradients summed over the expert-data-parallel group,
+    not DP). No TP mappings: the dispatcher communicates (Megatron's explicit_expert_comm,
+    tensor_parallel/layers.py:1032)."""
     out_local, in_local = (out_features // tp, in_features) if partition_dim == 0 else \
         (out_features, in_features // tp)
-    layer = spec.linear(in_local, out_local, cfg.add_bias_linear, skip_bias_add)
+    forms = fused.forms_in(spec.linear_forms(), DTYPES[cfg.compute_dtype])
+    layer = parallel.Linear(in_local, out_local, cfg.add_bias_linear, skip_bias_add, forms)
     split = [layer.weight] + ([layer.bias] if layer.bias is not None and partition_dim == 0
                               else [])
     for param in split:
         param.partition_dim, param.partition_chunks = partition_dim, chunks
-    return fused.computing_in(layer, DTYPES[cfg.compute_dtype])
+    for param in layer.get_parameters():
+        param.allreduce = False
+    return layer
 
 
 class ExpertMLP(nn.Cell):
@@ -417,13 +395,14 @@ class ExpertMLP(nn.Cell):
 
     def __init__(self, cfg, spec, ffn_hidden_size, tp):
         super().__init__()
-        chunks = 2 if cfg.hidden_act == "swiglu" else 1
+        chunks = fc1_chunks(cfg)
         self.linear_fc1 = expert_linear(cfg, spec, cfg.hidden_size, ffn_hidden_size * chunks, 0,
                                         tp, chunks)
         self.linear_fc2 = expert_linear(cfg, spec, ffn_hidden_size, cfg.hidden_size, 1, tp,
                                         skip_bias_add=True)
-        # fc2's bias to its output's shape: a form, in the compute dtype at build (make_experts)
-        self.act, self.broadcast = cfg.hidden_act, broadcast_like
+        # fc2's bias to its output's shape: a form, in the compute dtype
+        self.act = cfg.hidden_act
+        self.broadcast = fused.in_compute_dtype(broadcast_like, DTYPES[cfg.compute_dtype])
 
     def construct(self, x, probs):
         """x [T, h], probs [T] -> [T, h] (partial over TP)."""
@@ -459,12 +438,13 @@ class GroupedMLP(SequentialMLP):
     """moe_grouped_gemm: the same experts and parameters as SequentialMLP (so the two load each
     other's checkpoints and are tested equal), run together as batched matmuls over weights
     stacked at each call. Megatron's TEGroupedMLP (experts.py:183) names them
-    experts.linear_fc1.weight{j} instead. Its forms compute in the compute dtype under half
-    precision, as the experts' linears (make_experts)."""
+    experts.linear_fc1.weight{j} instead. Its forms compute in the compute dtype, as the
+    experts' linears."""
 
     def __init__(self, cfg, spec, num_local_experts, tp):
         super().__init__(cfg, spec, num_local_experts, tp)
-        self.matmul, self.bias_add, self.broadcast = batch_matmul_nt, ops.add, broadcast_like
+        self.matmul, self.bias_add, self.broadcast = fused.forms_in(
+            (batch_matmul_nt, ops.add, broadcast_like), DTYPES[cfg.compute_dtype])
 
     def construct(self, tokens, probs):
         experts = self.local_experts
@@ -481,14 +461,9 @@ class GroupedMLP(SequentialMLP):
 
 
 def make_experts(cfg, spec, num_local_experts, tp):
-    """This rank's experts, SequentialMLP or with moe_grouped_gemm GroupedMLP, the forms of each
-    expert and of the group computing in the compute dtype (fused.computing_in)."""
-    experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
+    """This rank's experts, SequentialMLP or with moe_grouped_gemm GroupedMLP."""
+    return (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
         cfg, spec, num_local_experts, tp)
-    dtype = DTYPES[cfg.compute_dtype]
-    for expert in experts.local_experts:
-        fused.computing_in(expert, dtype)
-    return fused.computing_in(experts, dtype)
 
 
 class SharedExpertMLP(nn.Cell):
@@ -502,11 +477,13 @@ class SharedExpertMLP(nn.Cell):
         super().__init__()
         sp, size = parallel.get_state().sequence_parallel, cfg.moe_shared_expert_intermediate_size
         self.act, dtype = cfg.hidden_act, DTYPES[cfg.compute_dtype]
-        chunks = 2 if self.act == "swiglu" else 1
-        self.linear_fc1 = fused.computing_in(spec.column_parallel_linear(
-            cfg.hidden_size, size * chunks, False, sequence_parallel=sp, chunks=chunks), dtype)
-        self.linear_fc2 = fused.computing_in(spec.row_parallel_linear(
-            size, cfg.hidden_size, False, sequence_parallel=sp), dtype)
+        chunks = fc1_chunks(cfg)
+        self.linear_fc1 = parallel.ColumnParallelLinear(
+            cfg.hidden_size, size * chunks, False, sequence_parallel=sp, chunks=chunks,
+            forms=fused.forms_in(spec.linear_forms(), dtype))
+        self.linear_fc2 = parallel.RowParallelLinear(
+            size, cfg.hidden_size, False, sequence_parallel=sp,
+            forms=fused.forms_in(spec.linear_forms(), dtype))
         self.gate_matmul = fused.in_compute_dtype(parallel.plain_forms()[0], dtype)
         self.gate_weight = None
         if cfg.moe_shared_expert_gate:
@@ -634,19 +611,17 @@ class MoELayer(nn.Cell):
         super().__init__()
         state = parallel.get_state()
         ep_group = state.ep_group if state.ep > 1 else None
-        check_moe_rules(cfg, state.tp, state.sequence_parallel, state.ep)
         self.num_local_experts = cfg.num_moe_experts // state.ep
+        # this rank's first expert among all (Megatron's local_expert_indices_offset)
+        self.local_expert_offset = first_expert(cfg.num_moe_experts, state.ep, state.ep_rank)
         self.router = TopKRouter(cfg, state.tp_cp_group)
         self.experts = make_experts(cfg, spec, self.num_local_experts, state.tp)
         if cfg.moe_token_dispatcher_type == "allgather":
             self.token_dispatcher = MoEAllGatherTokenDispatcher(
-                self.num_local_experts, state.ep_rank * self.num_local_experts, state.tp_ep_group)
-        elif cfg.moe_token_dispatcher_type == "alltoall":
+                self.num_local_experts, self.local_expert_offset, state.tp_ep_group)
+        else:                                                     # "alltoall"
             self.token_dispatcher = MoEAlltoAllTokenDispatcher(cfg, self.num_local_experts,
                                                                ep_group)
-        else:
-            raise ValueError(f"moe_token_dispatcher_type {cfg.moe_token_dispatcher_type!r}: "
-                             "allgather or alltoall")
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpertMLP(cfg, spec)
@@ -661,36 +636,6 @@ class MoELayer(nn.Cell):
         output = self.token_dispatcher.combine(self.experts(tokens, probs), indices, s * b)
         output = output.reshape(s, b, h)
         return output if shared is None else output + shared
-
-
-def report_metrics(chunks, loss_scale, num_moe_layers, pp_group=None, tp_cp_group=None,
-                   dp_group=None):
-    """Megatron's MoEMetricsTracker.report (moe_logging.py:130-218, 255-340), once per step and
-    on every rank (the collectives run on all of METRICS): each router's sums over the step's
-    micro-batches, summed over this rank's MoE layers and the pipeline stages (pp_group) and,
-    for the balancing losses, over TP x CP (tp_cp_group); the z-loss averaged over TP x CP; all
-    averaged over DP (dp_group, without CP). Then times loss_scale (1 / micro-batches) and
-    divided by num_moe_layers (the model's MoE layers). Groups None: one rank. Returns {name:
-    value} for the names this rank's routers record, and clears the sums."""
-    routers = [cell for chunk in chunks for _, cell in chunk.cells_and_names()
-               if isinstance(cell, TopKRouter)]
-    totals = ops.zeros(len(METRICS), F32)
-    for router in routers:
-        totals = totals + router.metrics[0].value()
-        # in place: a compiled graph keeps adding to the memory it was compiled with, which
-        # set_data would replace
-        ops.assign(router.metrics[0], ops.zeros(len(METRICS), F32))
-    for group in (pp_group, tp_cp_group):
-        if group is not None:
-            totals = parallel.collectives(group).all_reduce(totals)
-    tp_cp = parallel.collectives(tp_cp_group).size if tp_cp_group is not None else 1
-    totals = totals * Tensor([1.0, 1.0, 1.0 / tp_cp], F32)
-    if dp_group is not None:
-        dp = parallel.collectives(dp_group)
-        totals = dp.all_reduce(totals) / dp.size
-    values = (totals * loss_scale / num_moe_layers).asnumpy()
-    names = {name for router in routers for name in router.metric_names}
-    return {name: float(values[METRICS.index(name)]) for name in METRICS if name in names}
 
 
 if __name__ == "__main__":          # imported by gpt.py, not a script

@@ -19,7 +19,8 @@ import math
 import numpy as np
 from mindspore import Tensor, ops
 
-from parallel import F32, cast, collectives
+from gpt import is_embedding_copy
+from parallel import F32, cast, collectives, get_state
 from settings.keys import LR_DECAY_STYLES, WD_INCR_STYLES
 
 
@@ -146,20 +147,6 @@ class _Optimizer:
             for i, t in enumerate(tensors):
                 t.copy_(Tensor(np.asarray(d[f"{name}.{i}"], dtype=np.float32)))
 
-    def state_bytes(self):
-        return sum(t.nbytes for tensors in self.state.values() for t in tensors)
-
-    def named_state(self, names):
-        """(arrays "optimizer.<state>.<name>", step): the state keyed by the names of the tensors
-        it updates, as a checkpoint stores it."""
-        return {f"optimizer.{kind}.{name}": t.asnumpy() for kind, tensors in self.state.items()
-                for name, t in zip(names, tensors)}, self.step_count
-
-    def load_named_state(self, arrays, step, names):
-        """The inverse of named_state."""
-        state = {f"{kind}.{i}": arrays[f"optimizer.{kind}.{name}"]
-                 for kind in self.state for i, name in enumerate(names)}
-        self.load_state_dict({"step": step, **state})
 
 
 class AdamW(_Optimizer):
@@ -240,9 +227,9 @@ class SGD(_Optimizer):
 OPTIMIZERS = {"AdamW": AdamW, "Adam": Adam, "SGD": SGD}
 
 
-def build_optimizer(optimizer_type, params, betas=(0.9, 0.999), eps=1e-8, momentum=0.0,
-                    wd_mults=None):
-    """Megatron's --optimizer switch."""
+def base_optimizer(optimizer_type, params, betas=(0.9, 0.999), eps=1e-8, momentum=0.0,
+                   wd_mults=None):
+    """Megatron's --optimizer switch: the optimizer that updates the main params."""
     if optimizer_type not in OPTIMIZERS:
         raise ValueError(f"optimizer_type must be one of {tuple(OPTIMIZERS)}, "
                          f"got {optimizer_type!r}")
@@ -452,27 +439,6 @@ class MixedPrecisionOptimizer:
             if main is not param:
                 main.copy_(param)
 
-    def named_state(self, names):
-        """(arrays, step): the inner optimizer's state "optimizer.<state>.<name>" and the float32
-        main params of half-precision parameters "main.<name>" (`names`: one per parameter)."""
-        arrays, step = self.inner.named_state(names)
-        arrays.update({f"main.{n}": main.asnumpy()
-                       for n, param, main in zip(names, self.params, self.main_params)
-                       if main is not param})
-        return arrays, step
-
-    def load_named_state(self, arrays, step, names):
-        """The inverse of named_state."""
-        for n, param, main in zip(names, self.params, self.main_params):
-            if main is not param:
-                main.copy_(Tensor(arrays[f"main.{n}"]))
-        self.inner.load_named_state(arrays, step, names)
-
-    def state_bytes(self):
-        """Optimizer state plus the float32 main params that are copies, on this rank."""
-        copies = sum(main.nbytes for param, main in zip(self.params, self.main_params)
-                     if main is not param)
-        return self.inner.state_bytes() + copies
 
 
 class ChainedOptimizer:
@@ -512,28 +478,6 @@ class ChainedOptimizer:
         for opt in self.optimizers:
             opt.reload_main_params()
 
-    def named_state(self, names):
-        arrays, step = {}, None
-        for opt, some in zip(self.optimizers, self.split(names)):
-            part, step = opt.named_state(some)
-            arrays.update(part)
-        return arrays, step
-
-    def gathered_state(self, names):
-        """DistributedOptimizer.gathered_state over the chain (every optimizer a distributed
-        one)."""
-        arrays, step = {}, None
-        for opt, some in zip(self.optimizers, self.split(names)):
-            part, step = opt.gathered_state(some)
-            arrays.update(part)
-        return arrays, step
-
-    def load_named_state(self, arrays, step, names):
-        for opt, some in zip(self.optimizers, self.split(names)):
-            opt.load_named_state(arrays, step, some)
-
-    def state_bytes(self):
-        return sum(opt.state_bytes() for opt in self.optimizers)
 
 
 def found_inf_and_norm(norm_sq, scaler):
@@ -580,37 +524,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for piece, main in zip(self._pieces_of_params(), self.main_params):
             main.copy_(piece.copy())
 
-    def named_state(self, names):
-        """(arrays, step): this rank's pieces of the float32 main params "main.<piece>" and of the
-        inner optimizer's state "optimizer.<state>.<piece>" (`names`: one per parameter)."""
-        pieces = self.buffer.piece_names(self.buffer.rank, names)
-        arrays, step = self.inner.named_state(pieces)
-        arrays.update({f"main.{piece}": main.asnumpy()
-                       for piece, main in zip(pieces, self.main_params)})
-        return arrays, step
-
-    def load_named_state(self, arrays, step, names):
-        """The inverse of named_state."""
-        pieces = self.buffer.piece_names(self.buffer.rank, names)
-        for piece, main in zip(pieces, self.main_params):
-            main.copy_(Tensor(arrays[f"main.{piece}"]))
-        self.inner.load_named_state(arrays, step, pieces)
-
-    def gathered_state(self, names):
-        """(arrays, step): the float32 main params "main.<name>" and the inner optimizer's state
-        "optimizer.<state>.<name>" of every rank of the group, each gathered whole and shaped like
-        its parameter (`names`: one per parameter), on every rank: Megatron's fully reshardable
-        form (distrib_optimizer.py get_parameter_state_dp_zero), one all-gather per state and
-        bucket."""
-        kinds = {"main": self.main_params,
-                 **{f"optimizer.{kind}": pieces for kind, pieces in self.inner.state.items()}}
-        arrays = {}
-        for prefix, pieces in kinds.items():
-            whole = self.buffer.unflatten(self._gathered_buckets(pieces, F32))
-            arrays.update({f"{prefix}.{n}": t.asnumpy() for n, t in zip(names, whole)})
-        return arrays, self.inner.step_count
-
-    def _gathered_buckets(self, pieces, dtype):
+    def gathered_buckets(self, pieces, dtype):
         """This rank's flat `pieces` (one per self.pieces) all-gathered in `dtype` over the group:
         the whole buffer [numel], zeros in the buckets' padding."""
         buckets = []
@@ -625,13 +539,75 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _copy_main_params_to_model_params(self):
         """All-gather each bucket's updated shards, in the parameters' dtype, into the params."""
-        flat = self._gathered_buckets(self.main_params, self.params[0].dtype)
+        flat = self.gathered_buckets(self.main_params, self.params[0].dtype)
         for param, value in zip(self.params, self.buffer.unflatten(flat)):
             param.copy_(value)
 
-    def state_bytes(self):
-        """Optimizer state plus the float32 main params of this rank's pieces."""
-        return self.inner.state_bytes() + sum(t.nbytes for t in self.main_params)
+
+
+# ----------------------------------------------------------------------------- from the config
+def get_megatron_optimizer(cfg, model, ddp, state=None, cast=cast):
+    """Megatron's get_megatron_optimizer for a model or a list of model chunks and its
+    distributed.DistributedDataParallel `ddp`: the mixed-precision optimizer around
+    AdamW/Adam/SGD (MixedPrecisionOptimizer), or, where ddp reduce-scatters, the
+    DistributedOptimizer over each buffer's shards; one per buffer of ddp (the dense parameters,
+    the experts'), chained (ChainedOptimizer) when there are two. `cast`: the layer spec's."""
+    state = state or get_state()
+    chunks = model if isinstance(model, list) else [model]
+    named = [item for chunk in chunks for item in chunk.parameters_and_names()]
+    counted = counted_in_norm(chunks, state)
+    scaler = build_scaler(cfg)
+    # ddp's buffers: the dense parameters', then the experts' if any. The norm over TP x PP; the
+    # experts' also over EP (Megatron's expert_tensor_model_pipeline group)
+    norm_groups = [[state.mp_group], [state.mp_group, state.ep_group if state.ep > 1 else None]]
+    optimizers = [_one_optimizer(cfg, [named[i] for i in positions], scaler,
+                                 [counted[i] for i in positions], norm,
+                                 buffer if ddp.reduce_scatter else None, cast)
+                  for positions, buffer, norm in zip(ddp.positions, ddp.buffers, norm_groups)]
+    return optimizers[0] if len(optimizers) == 1 else ChainedOptimizer(optimizers, ddp.positions)
+
+
+def _one_optimizer(cfg, named, scaler, counted, norm_groups, sharded_buffer, cast):
+    """The optimizer of parameters `named` ([(name, param)]), its gradient norm reduced over
+    `norm_groups`; with `sharded_buffer` (their distributed.GradBuffer) the
+    DistributedOptimizer over its shards."""
+    optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
+    wd_mults = [0.0 if no_weight_decay(n, param.shape) else 1.0 for n, param in named]
+
+    def make(params, mults):
+        return base_optimizer(optimizer_cfg.optimizer_type, params,
+                              betas=tuple(optimizer_cfg.betas), eps=optimizer_cfg.eps,
+                              momentum=optimizer_cfg.momentum, wd_mults=mults)
+    clip = training_cfg.grad_clip_kwargs
+    common = dict(scaler=scaler, clip_type=clip.grad_clip_type, clip_value=clip.clip_value,
+                  norm_groups=norm_groups, counted=counted, cast=cast)
+    params = [param for _, param in named]
+    if sharded_buffer is not None:
+        return DistributedOptimizer(make, params, wd_mults, **common, buffer=sharded_buffer)
+    return MixedPrecisionOptimizer(make, params, wd_mults, **common)
+
+
+def counted_in_norm(chunks, state):
+    """Per parameter of `chunks`, whether its gradient counts in the norm on this rank: one
+    replicated over TP (norms, row biases, position embeddings) on TP rank 0 (Megatron's
+    param_is_not_tensor_parallel_duplicate), and the word embedding on the first stage, not its
+    copy on the last (Megatron's param_is_not_shared: gpt.is_embedding_copy)."""
+    return [(hasattr(param, "partition_dim") or state.tp_rank == 0)
+            and not is_embedding_copy(param)
+            for chunk in chunks for param in chunk.get_parameters()]
+
+
+def build_scaler(cfg):
+    """Megatron's grad scaler: a static --loss-scale if given, else dynamic when computing in
+    float16 (its range needs it), else none (a constant 1.0; bfloat16 has float32's range)."""
+    training_cfg = cfg.training_config
+    if training_cfg.loss_scale is not None:
+        return ConstantGradScaler(training_cfg.loss_scale)
+    if cfg.model_config.compute_dtype == "float16":
+        return DynamicGradScaler(training_cfg.loss_scale_value, training_cfg.min_loss_scale,
+                                 growth_interval=training_cfg.loss_scale_window,
+                                 hysteresis=training_cfg.hysteresis)
+    return ConstantGradScaler(1.0)
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

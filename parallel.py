@@ -27,6 +27,7 @@ a zero buffer holding this rank's slice and reduce-scatter an AllReduce that kee
 slice; HCCL/NCCL use their native AllGather and ReduceScatter. Two functions run only between
 compiled calls, with mint.distributed: `broadcast` and the pipeline's point-to-point `exchange`.
 """
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -35,10 +36,10 @@ import mindspore as ms
 import mindspore.mint.distributed as dist
 from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.communication import GlobalComm, create_group, get_rank, init
+from mindspore.graph.api import _pynative_executor
 from mindspore.ops import constexpr
 
 from settings.config import check_expert_parallel_size, cp_ring_size, data_parallel_size
-from tools import flight_recorder
 
 F32 = ms.float32                                     # the one float32 alias, imported where used
 DTYPES = {"float32": F32, "float16": ms.float16, "bfloat16": ms.bfloat16}    # config's dtype names
@@ -221,7 +222,7 @@ def barrier():
     asynchronous; mint's barrier logs a spurious device error on CPU)."""
     if get_state().world_size > 1:
         flag = Tensor([0.0], ms.float32)
-        flight_recorder.record("barrier", "world", _GROUPS["world"][1], (1,), ms.float32)
+        _record("world", "barrier", (1,), ms.float32, "world")
         dist.all_reduce(flag, group=GlobalComm.WORLD_COMM_GROUP)
         flag.asnumpy()
 
@@ -232,7 +233,7 @@ def any_rank(flag):
     if get_state().world_size == 1:
         return bool(flag)
     count = Tensor([float(bool(flag))], ms.float32)
-    flight_recorder.record("any_rank", "world", _GROUPS["world"][1], (1,), ms.float32)
+    _record("world", "any_rank", (1,), ms.float32, "world")
     dist.all_reduce(count, group=GlobalComm.WORLD_COMM_GROUP)
     return bool(count.asnumpy()[0] > 0)
 
@@ -257,69 +258,40 @@ def group_ranks(group):
 
 
 # ============================================================================ communication
-class Ledger:
-    """Calls and payload bytes (of the input tensor) per (group kind, op).
-
-    Every collective calls `_record`. Op by op that adds to the ledger at once. Inside ms.jit it
-    runs once, while MindSpore compiles the graph (shapes are known then); gpt.Compiled captures
-    those entries per graph and adds them on every call of it, so the counts stay exact."""
-
-    def __init__(self):
-        self.entries = {}
-        self.capture = None           # a list while a graph is being compiled
-
-    def reset(self):
-        self.entries = {}
-
-    def add(self, kind, op, nbytes, calls=1):
-        old_calls, old_bytes = self.entries.get((kind, op), (0, 0))
-        self.entries[(kind, op)] = (old_calls + calls, old_bytes + nbytes * calls)
-
-    def run_compiled(self, graph_entries, key, run):
-        """run() calls a compiled graph; graph_entries[key] keeps the collectives recorded when
-        it was compiled, and they are added to the ledger on every call."""
-        self.capture = []
-        event = flight_recorder.graph_call(id(graph_entries), key)
-        try:
-            out = run()
-        finally:
-            captured, self.capture = self.capture, None
-            flight_recorder.graph_done(id(graph_entries), key, event)
-        if captured or key not in graph_entries:       # compiled now (maybe without collectives)
-            graph_entries[key] = captured
-        for kind, op, nbytes in graph_entries[key]:
-            self.add(kind, op, nbytes)
-        return out
-
-    def counts(self):
-        return dict(self.entries)
-
-    def line(self):
-        """`kind op calls bytes` per (group kind, op), for the log; "none" when empty."""
-        return ", ".join(f"{kind} {op} {calls} {nbytes}"
-                         for (kind, op), (calls, nbytes) in sorted(self.entries.items())) or "none"
-
-    def table(self):
-        """The entries as a table, one row per (group kind, op)."""
-        lines = [f"{'group':>10} {'op':>15} {'calls':>7} {'bytes':>12}"]
-        for (kind, op), (calls, nbytes) in sorted(self.entries.items()):
-            lines.append(f"{kind:>10} {op:>15} {calls:7d} {nbytes:12d}")
-        return "\n".join(lines)
+# Every collective passes one recording point, `_record`, which tells the observers what ran (the
+# ledger of a step's bytes, tools/ledger.py; the flight recorder, tools/flight_recorder.py): op by
+# op as it runs, inside ms.jit once, while the graph compiles. A compiled graph's call goes
+# through `compiled_call`, which each observer wraps, knowing from the compilation what it holds.
+OBSERVERS = []
 
 
-ledger = Ledger()
+def observe(observer):
+    """Tell `observer` of every collective from now on: `observer.collective(kind, op, group,
+    ranks, shape, dtype)` and `observer.graph_call(graph, key, run)` around a compiled graph's
+    `run()`. Once, however often it is asked."""
+    if observer not in OBSERVERS:
+        OBSERVERS.append(observer)
 
 
 @constexpr
 def _record(kind, op, shape, dtype, group):
-    """Count one collective on `group` (a name of this module), in the ledger and the flight
-    recorder: at run time op by op, at compile time inside ms.jit (a constexpr)."""
-    entry = (kind, op, int(np.prod(shape)) * np.dtype(ms.dtype_to_nptype(dtype)).itemsize)
-    flight_recorder.record(op, group, _GROUPS.get(group, (None, []))[1], shape, dtype)
-    if ledger.capture is not None:
-        ledger.capture.append(entry)
-    else:
-        ledger.add(*entry)
+    """One collective on `group` (a name of this module, of kind `kind`), to the observers: at
+    run time op by op, at compile time inside ms.jit (a constexpr)."""
+    ranks = _GROUPS.get(group, (None, []))[1]
+    for observer in OBSERVERS:
+        observer.collective(kind, op, group, ranks, tuple(shape), dtype)
+
+
+def compiled_call(graph, run, inputs):
+    """run(*inputs), a call of the compiled `graph` (gpt.Compiled), inside each observer's
+    graph_call. MindSpore compiles a graph per input shapes and dtypes, with or without
+    gradients: `key`."""
+    key = (_pynative_executor.requires_grad(),
+           tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs))
+    call = functools.partial(run, *inputs)
+    for observer in OBSERVERS:
+        call = functools.partial(observer.graph_call, graph, key, call)
+    return call()
 
 
 class Collectives(nn.Cell):
@@ -554,7 +526,7 @@ def cast(t, dtype):
 def linear(x, weight, bias=None, matmul=_matmul_nt, bias_add=ops.bias_add):
     """x [..., in] -> [..., out] = x W^T + b, as a 2-D `matmul` [n, in] x [out, in] -> [n, out]
     and a `bias_add` [n, out] + [out] (a linear's own, see plain_forms); x, W and b in one dtype
-    (under half precision the forms cast them first: fused.computing_in)."""
+    (under half precision the forms cast them first: fused.in_compute_dtype)."""
     y = matmul(x.reshape(-1, x.shape[-1]), weight)                               # [n, out]
     if bias is not None:
         y = bias_add(y, bias)
@@ -563,8 +535,8 @@ def linear(x, weight, bias=None, matmul=_matmul_nt, bias_add=ops.bias_add):
 
 def plain_forms():
     """A linear's (matmul, bias_add): x [n, in] @ W [out, in]^T and y [n, out] + b [out] with
-    autodiff's backward. fused.linear_forms gives this CPU's fast ones (the layer spec,
-    gpt.layer_spec, picks fused.Linear, ColumnParallelLinear or RowParallelLinear for them)."""
+    autodiff's backward; the linears' `forms` unless given (fused.linear_forms gives this CPU's
+    fast ones; the layer spec, gpt.layer_spec, chooses)."""
     return ops.MatMul(transpose_b=True), ops.bias_add
 
 
@@ -603,15 +575,14 @@ def scaled_masked_softmax(scores, mask_bias, scale):
 class Linear(nn.Cell):
     """y = x W^T + b with W [out, in], the layout of torch and Megatron: the linear of one TP
     rank. skip_bias_add (Megatron's): (y without the bias, the bias or None), for what follows
-    to add it."""
-    forms = staticmethod(plain_forms)
+    to add it. `forms`: its (matmul, bias_add), plain_forms' unless given."""
 
-    def __init__(self, in_features, out_features, bias=True, skip_bias_add=False):
+    def __init__(self, in_features, out_features, bias=True, skip_bias_add=False, forms=None):
         super().__init__()
         self.weight = _param((out_features, in_features), "weight")
         self.bias = _param((out_features,), "bias") if bias else None
         self.skip_bias_add = skip_bias_add
-        self.matmul, self.bias_add = self.forms()
+        self.matmul, self.bias_add = forms or plain_forms()
 
     def construct(self, x):
         """x [..., in] -> [..., out]"""
@@ -623,7 +594,7 @@ class Linear(nn.Cell):
 def mark_sequence_parallel(params, sequence_parallel):
     """With sequence parallelism, mark parameters replicated over TP that see only this rank's
     sequence shard [s/tp, b, h] (the norms, the row-parallel linears' biases, a router): each
-    rank's gradient is a partial sum, all-reduced over TP (optimizer.finalize_model_grads)."""
+    rank's gradient is a partial sum, all-reduced over TP (distributed.finalize_model_grads)."""
     if sequence_parallel:
         for param in params:
             param.sequence_parallel = True
@@ -665,17 +636,14 @@ class ColumnParallelLinear(nn.Cell):
     """Y = X A with A split by columns: A = [A_1 .. A_n], rank i computes Y_i = X A_i.
     Weight [out/tp, in]; input [s, b, in] through f (or [s/tp, b, in] through f~ with sequence
     parallelism); output [s, b, out/tp], or [s, b, out] with gather_output. skip_bias_add
-    (Megatron's): (output without the bias, the bias or None), for what follows to add it."""
-    forms = staticmethod(plain_forms)
+    (Megatron's): (output without the bias, the bias or None), for what follows to add it.
+    `forms`: its (matmul, bias_add), plain_forms' unless given."""
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
-                 sequence_parallel=False, chunks=1, skip_bias_add=False):
+                 sequence_parallel=False, chunks=1, skip_bias_add=False, forms=None):
         super().__init__()
         state = get_state()
         self.skip_bias_add = skip_bias_add
-        if out_features % (state.tp * chunks):
-            raise ValueError(f"output size {out_features} is not divisible by tp*chunks = "
-                             f"{state.tp * chunks}")
         if sequence_parallel:
             self.enter = gather_from_sequence_parallel_region()                  # f~
         else:
@@ -685,7 +653,7 @@ class ColumnParallelLinear(nn.Cell):
             self.gather_output = gather_from_tensor_model_parallel_region()
         self.weight = _param((out_features // state.tp, in_features), "weight", 0, chunks)
         self.bias = _param((out_features // state.tp,), "bias", 0, chunks) if bias else None
-        self.matmul, self.bias_add = self.forms()
+        self.matmul, self.bias_add = forms or plain_forms()
 
     def construct(self, x):
         x = self.enter(x)                                                # [s, b, in]
@@ -700,18 +668,15 @@ class RowParallelLinear(nn.Cell):
     """Y = X A with A split by rows: A = [A_1; ..; A_n], X = [X_1 .. X_n], Y = sum_i X_i A_i
     through g (or g~ with sequence parallelism). Weight [out, in/tp]; input [s, b, in/tp];
     output [s, b, out] (or [s/tp, b, out]); the bias is added once, after the reduction, or
-    with skip_bias_add returned beside the reduced output for what follows to add once."""
-    forms = staticmethod(plain_forms)
+    with skip_bias_add returned beside the reduced output for what follows to add once.
+    `forms`: its (matmul, bias_add), plain_forms' unless given. Sequence parallelism takes a
+    parallel input (Megatron's rule)."""
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
-                 sequence_parallel=False, skip_bias_add=False):
+                 sequence_parallel=False, skip_bias_add=False, forms=None):
         super().__init__()
         state = get_state()
         self.skip_bias_add = skip_bias_add
-        if in_features % state.tp:
-            raise ValueError(f"input size {in_features} is not divisible by tp = {state.tp}")
-        if sequence_parallel and not input_is_parallel:
-            raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.scatter_input = None
         if not input_is_parallel:
             self.scatter_input = scatter_to_tensor_model_parallel_region()
@@ -723,7 +688,7 @@ class RowParallelLinear(nn.Cell):
         self.bias = _param((out_features,), "bias") if bias else None
         if bias:
             mark_sequence_parallel([self.bias], sequence_parallel)
-        self.matmul, self.bias_add = self.forms()
+        self.matmul, self.bias_add = forms or plain_forms()
 
     def construct(self, x):
         if self.scatter_input is not None:
@@ -745,8 +710,6 @@ class VocabParallelEmbedding(nn.Cell):
     def __init__(self, num_embeddings, embedding_dim):
         super().__init__()
         state = get_state()
-        if num_embeddings % state.tp:
-            raise ValueError(f"vocabulary {num_embeddings} is not divisible by tp = {state.tp}")
         per_rank = num_embeddings // state.tp
         self.start, self.end = state.tp_rank * per_rank, (state.tp_rank + 1) * per_rank
         self.reduce = reduce_from_tensor_model_parallel_region()

@@ -99,18 +99,20 @@ import parallel
 import pipeline
 import train
 from formats import checkpoint, dist_checkpoint, megatron_checkpoint, torch_format
-from gpt import DropoutRNG, GPTModel, generate, init_weights
+from gpt import DropoutRNG, generate, init_weights
 from optimizer import (SGD, Adam, AdamW, ConstantGradScaler, DynamicGradScaler,
-                       OptimizerParamScheduler, build_optimizer, clip_grad_norm,
+                       OptimizerParamScheduler, base_optimizer, clip_grad_norm,
                        clip_grads_by_global_norm, clip_grads_by_value, grad_norm_sq)
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
-                      VocabParallelEmbedding, ledger, rank_groups, shard)
+                      VocabParallelEmbedding, rank_groups, shard)
 from settings import cli, config
 from settings.cli import HelpRequested, load_config
 from settings.config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
 from settings.keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
-from tools import bench, bench_fusions, flight_recorder, memory, metrics, sample, tour
+from tools import (bench, bench_fusions, flight_recorder, logs, memory, metrics, sample,
+                   timeline, tour)
+from tools.ledger import LEDGER as ledger
 
 # The suite runs its msrun launches beside its one-process tests on a few cores: every process it
 # starts, and this one, takes one thread (train.setup_mindspore divides the cores by
@@ -118,6 +120,7 @@ from tools import bench, bench_fusions, flight_recorder, memory, metrics, sample
 # the same work when every core is busy.
 os.environ.setdefault("LOCAL_WORKER_NUM", str(os.cpu_count() or 1))
 train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
+parallel.observe(ledger)       # the collectives' counts, as train.py's runs count them
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = os.path.join(HERE, "data", "gpt2-vocab.json")
@@ -1999,7 +2002,7 @@ def rand_grads(rng):
 def test_optimizers_match_numpy(name):
     rng = np.random.default_rng(0)
     ref, params = make_params(rng)
-    opt = build_optimizer(name, params, betas=(0.8, 0.95), eps=1e-6, momentum=0.9,
+    opt = base_optimizer(name, params, betas=(0.8, 0.95), eps=1e-6, momentum=0.9,
                           wd_mults=WD_MULTS)
     state = [[np.zeros(s, np.float32) for s in SHAPES] for _ in range(2)]
     lr, wd = 1e-2, 0.1
@@ -2027,8 +2030,8 @@ def test_fused_adam_kernel_equals_the_written_out_formula(name):
     rng = np.random.default_rng(1)
     arrs, fused_params = make_params(rng)
     plain_params = [Tensor(a.copy()) for a in arrs]
-    fused = build_optimizer(name, fused_params, betas=(0.8, 0.95), eps=1e-6, wd_mults=WD_MULTS)
-    plain = build_optimizer(name, plain_params, betas=(0.8, 0.95), eps=1e-6, wd_mults=WD_MULTS)
+    fused = base_optimizer(name, fused_params, betas=(0.8, 0.95), eps=1e-6, wd_mults=WD_MULTS)
+    plain = base_optimizer(name, plain_params, betas=(0.8, 0.95), eps=1e-6, wd_mults=WD_MULTS)
     plain.fused = False
     for _ in range(5):
         grads = rand_grads(rng)
@@ -2059,13 +2062,13 @@ def test_adamw_and_adam_differ_and_wd_mult_zero_is_not_decayed():
 def test_state_dict_round_trip_continues_identically(name):
     rng = np.random.default_rng(3)
     _, pa = make_params(np.random.default_rng(4))
-    a = build_optimizer(name, pa, (0.9, 0.999), 1e-8, 0.9, WD_MULTS)
+    a = base_optimizer(name, pa, (0.9, 0.999), 1e-8, 0.9, WD_MULTS)
     for _ in range(3):
         a.step([Tensor(g) for g in rand_grads(rng)], 1e-2, 0.1)
     d = a.state_dict()
     assert all(isinstance(v, np.ndarray) for k, v in d.items() if k != "step") and d["step"] == 3
     pb = [Parameter(Tensor(p.asnumpy()), name=f"b{i}") for i, p in enumerate(pa)]
-    b = build_optimizer(name, pb, (0.9, 0.999), 1e-8, 0.9, WD_MULTS)
+    b = base_optimizer(name, pb, (0.9, 0.999), 1e-8, 0.9, WD_MULTS)
     b.load_state_dict(d)
     for _ in range(2):
         grads = rand_grads(rng)
@@ -2078,11 +2081,12 @@ def test_state_dict_round_trip_continues_identically(name):
 @pytest.mark.dp
 def test_state_bytes_and_build_errors():
     n = sum(int(np.prod(s)) for s in SHAPES)
-    assert AdamW(make_params(np.random.default_rng(0))[1]).state_bytes() == 2 * 4 * n
-    assert SGD(make_params(np.random.default_rng(0))[1], momentum=0.9).state_bytes() == 4 * n
-    assert SGD(make_params(np.random.default_rng(0))[1]).state_bytes() == 0
+    state_bytes = memory.optimizer_state_bytes
+    assert state_bytes(AdamW(make_params(np.random.default_rng(0))[1])) == 2 * 4 * n
+    assert state_bytes(SGD(make_params(np.random.default_rng(0))[1], momentum=0.9)) == 4 * n
+    assert state_bytes(SGD(make_params(np.random.default_rng(0))[1])) == 0
     with pytest.raises(ValueError, match="optimizer_type"):
-        build_optimizer("Lion", [], (0.9, 0.999), 1e-8, 0.0, None)
+        base_optimizer("Lion", [], (0.9, 0.999), 1e-8, 0.0, None)
 
 
 # ----------------------------------------------------------------------------------------- clipping
@@ -2176,20 +2180,20 @@ def test_grad_norm_sq_detects_inf_and_nan():
 @pytest.mark.moe
 @pytest.mark.checkpoint
 def test_chained_optimizer_gathers_each_optimizers_state_over_its_parameters():
-    """ChainedOptimizer.gathered_state (a torch_dist save with experts and the distributed
-    optimizer): each optimizer's gathered state over the names of its own parameters (`indices`,
-    the dense ones then the experts'), joined, with the step."""
-    class Gathering:                     # DistributedOptimizer.gathered_state's contract
+    """A ChainedOptimizer's state (checkpoint.over_chain: a torch_dist save with experts and the
+    distributed optimizer gathers it so): each optimizer's over the names of its own parameters
+    (`indices`, the dense ones then the experts'), joined, with the step."""
+    class Part:
         scaler = None
 
         def __init__(self, tag):
             self.tag = tag
 
-        def gathered_state(self, names):
-            return {f"main.{n}": np.full(2, self.tag, np.float32) for n in names}, 7
+    def gathered(part, names):           # checkpoint.gathered_optimizer_state's, of one part
+        return {f"main.{n}": np.full(2, part.tag, np.float32) for n in names}, 7
 
-    chain = optimizer.ChainedOptimizer([Gathering(1.0), Gathering(2.0)], [[0, 2], [1]])
-    arrays, step = chain.gathered_state(["dense_a", "expert", "dense_b"])
+    chain = optimizer.ChainedOptimizer([Part(1.0), Part(2.0)], [[0, 2], [1]])
+    arrays, step = checkpoint.over_chain(chain, ["dense_a", "expert", "dense_b"], gathered)
     assert step == 7
     assert {k: float(v[0]) for k, v in arrays.items()} == {"main.dense_a": 1.0,
                                                             "main.dense_b": 1.0,
@@ -2268,7 +2272,7 @@ def tiny_cfg(*args):
 
 def tiny_model(*args, seed=0):
     cfg = tiny_cfg(*args)
-    model = GPTModel(cfg.model_config, rng=DropoutRNG(seed))
+    model = gpt.model_provider(cfg.model_config, rng=DropoutRNG(seed))
     init_weights(model, seed)
     return cfg, model
 
@@ -2320,8 +2324,8 @@ def test_variant_trains(variant):
     cfg, model = tiny_model(*VARIANTS[variant], "--lr", "3e-3", "--min-lr", "3e-3",
                             "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
                             "--train-iters", "4", "--no-jit")
-    ddp = train.build_data_parallel(cfg, model)
-    trainer = train.Trainer(cfg, model, ddp, *train.build_optimizer(cfg, model, ddp))
+    ddp = distributed.build_data_parallel(cfg, model)
+    trainer = train.Trainer(cfg, model, ddp, *train.optimizer_and_scheduler(cfg, model, ddp))
     batch = random_batch(cfg)
     losses = [trainer.train_step([batch])[0] for _ in range(4)]
     assert all(np.isfinite(losses))
@@ -2493,13 +2497,13 @@ class WithBias(nn.Cell):
 
 
 def _bias_dropout_adds(h, rate):
-    """gpt.BiasDropoutAdd and fused.BiasDropoutAdd, each with a dropout of its own stream."""
+    """gpt.BiasDropoutAdd and fused.FusedBiasDropoutAdd, each with a dropout of its own stream."""
     return (WithBias(gpt.BiasDropoutAdd(gpt.Dropout(rate, DropoutRNG(0))), h),
-            WithBias(fused.BiasDropoutAdd(gpt.Dropout(rate, DropoutRNG(0))), h))
+            WithBias(fused.FusedBiasDropoutAdd(gpt.Dropout(rate, DropoutRNG(0))), h))
 
 
 class WithLabels(nn.Cell):
-    """A loss form (gpt.CrossEntropy, fused.CrossEntropy) against fixed labels, one per row."""
+    """A loss form (gpt.CrossEntropy, fused.FusedCrossEntropy) against fixed labels, one per row."""
 
     def __init__(self, form, n, vocab):
         super().__init__()
@@ -2510,10 +2514,11 @@ class WithLabels(nn.Cell):
 
 
 def _linears(out_features, in_features):
-    """parallel.Linear and fused.Linear (its matmul and bias add in their fast forms) with the
-    same weight and bias."""
+    """parallel.Linear with its plain forms and with its fast ones (fused.linear_forms), the same
+    weight and bias."""
     weight = np.cos(np.arange(out_features * in_features)).reshape(out_features, -1)
-    linears = (parallel.Linear(in_features, out_features), fused.Linear(in_features, out_features))
+    linears = (parallel.Linear(in_features, out_features),
+               parallel.Linear(in_features, out_features, forms=fused.linear_forms()))
     for linear in linears:
         linear.weight.set_data(Tensor(weight.astype(np.float32)))
         linear.bias.set_data(Tensor(np.linspace(-1, 1, out_features).astype(np.float32)))
@@ -2522,7 +2527,7 @@ def _linears(out_features, in_features):
 
 class Split(nn.Cell):
     """q, k, v widths (GQA: 2 query heads a group) split by a form (gpt.SplitLastDim,
-    fused.SplitLastDim), each piece then weighted differently so that each one's gradient is
+    fused.FusedSplitLastDim), each piece then weighted differently so that each one's gradient is
     told apart."""
 
     def __init__(self, form):
@@ -2546,29 +2551,29 @@ def _norms(plain, fused_class, h=24):
 # form -> (plain Cell, fused Cell, input shapes, inputs that get a gradient): every form
 # gpt.layer_spec puts in place, against the local spec's
 FUSED_FORMS = {
-    "layer_norm": (lambda: _norms(gpt.LayerNorm, fused.LayerNorm), [(6, 2, 24)], 1),
-    "rms_norm": (lambda: _norms(gpt.RMSNorm, fused.RMSNorm), [(6, 2, 24)], 1),
+    "layer_norm": (lambda: _norms(gpt.LayerNorm, fused.FusedLayerNorm), [(6, 2, 24)], 1),
+    "rms_norm": (lambda: _norms(gpt.RMSNorm, fused.FusedRMSNorm), [(6, 2, 24)], 1),
     "bias_gelu_tanh": (lambda: (WithBias(gpt.BiasActivation("gelu_tanh"), 20),
                                 WithBias(fused.BiasGelu(True), 20)), [(6, 2, 20)], 1),
     "bias_gelu_exact": (lambda: (WithBias(gpt.BiasActivation("gelu"), 20),
                                  WithBias(fused.BiasGelu(False), 20)), [(6, 2, 20)], 1),
     "bias_swiglu": (lambda: (WithBias(gpt.BiasActivation("swiglu"), 40),
                              WithBias(fused.SwiGLU(), 40)), [(6, 2, 40)], 1),
-    "rope": (lambda: (gpt.Rotary(), fused.Rotary()), [(6, 2, 3, 8), (6, 2, 1, 8), (6, 2, 1, 8)],
-             1),
-    "masked_softmax": (lambda: (gpt.ScaledMaskedSoftmax(3.0), fused.ScaledMaskedSoftmax(3.0)),
+    "rope": (lambda: (gpt.Rotary(), fused.FusedRotary()),
+             [(6, 2, 3, 8), (6, 2, 1, 8), (6, 2, 1, 8)], 1),
+    "masked_softmax": (lambda: (gpt.ScaledMaskedSoftmax(3.0), fused.FusedScaleMaskSoftmax(3.0)),
                        [(2, 3, 10, 10), "mask"], 1),
     "bias_dropout_add": (lambda: _bias_dropout_adds(16, 0.0), [(6, 2, 16), (6, 2, 16)], 2),
     "bias_dropout_add_p0.3": (lambda: _bias_dropout_adds(16, 0.3), [(6, 2, 16), (6, 2, 16)], 2),
     "bias_add": (lambda: (WithBias(ops.bias_add, 16, True), WithBias(fused.BiasAdd(), 16, True)),
                  [(12, 16)], 1),
     "cross_entropy": (lambda: (WithLabels(gpt.CrossEntropy(), 12, 40),
-                               WithLabels(fused.CrossEntropy(), 12, 40)), [(12, 40)], 1),
+                               WithLabels(fused.FusedCrossEntropy(), 12, 40)), [(12, 40)], 1),
     # out > in: the weight gradient as (x^T dy)^T; out <= in: as dy^T x
     "linear_wide": (lambda: _linears(24, 8), [(6, 2, 8)], 1),
     "linear_narrow": (lambda: _linears(8, 24), [(6, 2, 24)], 1),
-    "split_qkv": (lambda: (Split(gpt.SplitLastDim), Split(fused.SplitLastDim)), [(6, 2, 3, 16)],
-                  1),
+    "split_qkv": (lambda: (Split(gpt.SplitLastDim), Split(fused.FusedSplitLastDim)),
+                  [(6, 2, 3, 16)], 1),
     "attention_mask": (lambda: (Masked(gpt.keep_mask), Masked(fused.tile_mask)),
                        [(2, 3, 10, 10), "causal"], 1),
 }
@@ -2700,8 +2705,9 @@ def test_fused_model_equals_the_plain_model(model, mode, extra):
         loss, grads = grad_fn(*train.to_tensors(random_batch(cfg)))
         results.append([loss.asnumpy()] + [g.asnumpy().astype(np.float32) for g in grads])
     fused_layer = model_.layers[0]
-    assert isinstance(fused_layer.input_layernorm, (fused.LayerNorm, fused.RMSNorm))
-    assert isinstance(fused_layer.self_attention.core_attention.softmax, fused.ScaledMaskedSoftmax)
+    assert isinstance(fused_layer.input_layernorm, (fused.FusedLayerNorm, fused.FusedRMSNorm))
+    assert isinstance(fused_layer.self_attention.core_attention.softmax,
+                      fused.FusedScaleMaskSoftmax)
     tolerance = 2e-3 if "--fp16" in extra else 1e-5
     for got, want in zip(*results):
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
@@ -2721,22 +2727,22 @@ def test_no_fusions_builds_the_local_spec(model):
     assert gpt.layer_spec(plain_cfg.model_config) == gpt.local_spec(plain_cfg.model_config)
     assert not [name for name, cell in plain.cells_and_names()
                 if type(cell).__module__ == "fused"]
-    assert plain.attention_mask is gpt.keep_mask
+    assert plain.mask_layout is gpt.keep_mask
     fused_cfg, model_ = tiny_model(*flags)
     for cfg, built, cast in ((plain_cfg, plain, parallel.cast),
                              (fused_cfg, model_, fused.eager_cast)):
-        ddp = train.build_data_parallel(cfg, built)
-        optim, scheduler = train.build_optimizer(cfg, built, ddp)
+        ddp = distributed.build_data_parallel(cfg, built)
+        optim, scheduler = train.optimizer_and_scheduler(cfg, built, ddp)
         assert train.Trainer(cfg, built, ddp, optim, scheduler).cast is optim.cast is cast
     kinds = {type(cell).__name__ for _, cell in model_.cells_and_names()
              if type(cell).__module__ == "fused"}
-    norm = "RMSNorm" if model == "llama" else "LayerNorm"
+    norm = "FusedRMSNorm" if model == "llama" else "FusedLayerNorm"
     activation = "SwiGLU" if model == "llama" else "BiasGelu"
-    rotary = {"Rotary"} if model == "llama" else set()
-    linears = {"Linear", "LinearMatMul", "BiasAdd", "SplitLastDim", "ScaledMaskedSoftmax",
-               "BiasDropoutAdd", "CrossEntropy"}
+    rotary = {"FusedRotary"} if model == "llama" else set()
+    linears = {"LinearMatMul", "BiasAdd", "FusedSplitLastDim", "FusedScaleMaskSoftmax",
+               "FusedBiasDropoutAdd", "FusedCrossEntropy"}
     assert linears | {norm, activation} | rotary <= kinds, kinds
-    assert model_.attention_mask is fused.tile_mask
+    assert model_.mask_layout is fused.tile_mask
 
 
 def test_fusion_flags_round_trip():
@@ -2766,8 +2772,8 @@ def test_init_is_megatron_and_layout_independent():
     assert not w["layers.0.mlp.linear_fc1.bias"].any()
     np.testing.assert_array_equal(w["final_layernorm.weight"], 1.0)
     # a stage holding layer 1 alone (a pipeline's second stage) draws the same layer-1 weights
-    stage = GPTModel(cfg.model_config, pre_process=False, post_process=True,
-                     layer_offset=1, num_layers=1)
+    stage = gpt.model_provider(cfg.model_config, pre_process=False, post_process=True,
+                               layer_offset=1, num_layers=1)
     init_weights(stage, 0)
     got = {n: p.asnumpy() for n, p in stage.parameters_and_names()}
     np.testing.assert_array_equal(got["layers.0.mlp.linear_fc1.weight"],
@@ -2872,7 +2878,7 @@ def moe_config(**overrides):
                moe_pad_expert_input_to_capacity=False, moe_token_drop_policy="probs",
                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
                moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
-               normalization="LayerNorm")
+               normalization="LayerNorm", use_flash_attention=False)
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
 
@@ -3017,14 +3023,17 @@ def test_capacity_above_the_token_count_drops_nothing():
 
 @pytest.mark.moe
 @pytest.mark.parametrize("overrides", [
-    dict(moe_router_topk=1), dict(moe_router_score_function="sqrtsoftplus"),
-    dict(moe_router_load_balancing_type="sinkhorn"), dict(moe_router_dtype="fp64"),
-    dict(moe_pad_expert_input_to_capacity=True), dict(moe_token_drop_policy="random"),
-    dict(moe_token_dispatcher_type="flex"), dict(moe_shared_expert_intermediate_size=8,
-                                                 add_bias_linear=True)])
+    ["--moe-router-topk", "1"], ["model_config.moe_router_score_function=sqrtsoftplus"],
+    ["model_config.moe_router_load_balancing_type=sinkhorn"],
+    ["model_config.moe_router_dtype=fp64"], ["model_config.moe_pad_expert_input_to_capacity=true"],
+    ["model_config.moe_token_drop_policy=random"], ["model_config.moe_token_dispatcher_type=flex"],
+    ["model_config.moe_shared_expert_intermediate_size=8", "model_config.add_bias_linear=true"]])
 def test_settings_the_layer_does_not_compute_are_refused(overrides):
-    with pytest.raises(ValueError):
-        moe_layer(moe_config(**overrides))
+    """What moe.MoELayer does not compute is refused with the config, one line before anything
+    is built (the key table's values, config.check_moe_rules): the layer does not check again."""
+    with pytest.raises(ConfigError):
+        load_config(os.path.join(HERE, "config.yaml"),
+                    ["--num-experts", "4", "--disable-bias-linear", *overrides])
 
 
 # the auxiliary losses
@@ -3072,10 +3081,11 @@ def np_losses(router, x, kind, score_function):
 
 
 def record_losses(router, x):
-    """One forward with a backward recorded; the values the router logged, by name."""
+    """One forward with a backward recorded; the values the router gave its tracker, by name."""
+    logs.track_router_losses([router])
     ms.grad(lambda x: router(x)[0].sum())(x)
-    logged = router.metrics[0].asnumpy()
-    router.metrics[0].set_data(ops.zeros(3, ms.float32))
+    logged = router.tracker.sums[0].asnumpy()
+    router.tracker.sums[0].set_data(ops.zeros(3, ms.float32))
     return dict(zip(moe.METRICS, logged))
 
 
@@ -3176,8 +3186,9 @@ def test_the_scale_set_from_outside_reaches_a_compiled_backward():
 def test_losses_are_computed_only_in_training_with_a_backward():
     router, _ = loss_router("aux_loss")
     x = gaussian((5, 3, 8), 8)
+    logs.track_router_losses([router])
     probs = router(x)[0].asnumpy()                           # no backward recorded
-    assert not router.metrics[0].asnumpy().any()
+    assert not router.tracker.sums[0].asnumpy().any()
     router.set_train(False)
     assert not any(record_losses(router, x).values())
     router.set_train(True)
@@ -3187,21 +3198,22 @@ def test_losses_are_computed_only_in_training_with_a_backward():
 
 
 @pytest.mark.moe
-def test_report_metrics_averages_micro_batches_and_layers():
+def test_router_losses_report_averages_micro_batches_and_layers():
     """Megatron's report: each name's sum over layers and micro-batches times loss_scale (1/M),
     divided by the MoE layers; then cleared."""
     cfg = dict(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, add_bias_linear=True)
     layers = [layer_of(seed, **cfg) for seed in (1, 2)]
+    logs.track_router_losses(layers)
     batches = [gaussian((4, 2, 8), seed) for seed in (9, 10)]
     for x in batches:
         for layer in layers:
             ms.grad(lambda x: layer(x).sum())(x)
     want = np.sum([np_losses(layer.router, x.asnumpy(), "aux_loss", "softmax")
                    for layer in layers for x in batches], 0) * (1 / 2) / 2
-    report = moe.report_metrics(layers, loss_scale=1 / 2, num_moe_layers=2)
+    report = logs.report_router_losses(layers, loss_scale=1 / 2, num_moe_layers=2)
     assert report.keys() == {"load_balancing_loss", "z_loss"}
     np.testing.assert_allclose([report["load_balancing_loss"], report["z_loss"]], want, rtol=1e-5)
-    assert not any(layer.router.metrics[0].asnumpy().any() for layer in layers)
+    assert not any(layer.router.tracker.sums[0].asnumpy().any() for layer in layers)
 
 
 @pytest.mark.moe
@@ -3259,20 +3271,18 @@ def test_grouped_mlp_equals_sequential_mlp(act, bias, dtype):
                                             moe_shared_expert_intermediate_size=8)],
                          ids=["biases", "swiglu-shared"])
 def test_experts_linears_are_the_layer_specs(overrides):
-    """The routed and the shared experts' linears are of the layer spec's classes (Megatron's
-    MoE submodules): built with the fused linears (fused.Linear and its TP forms), the layer
-    gives the plain spec's output and gradients."""
+    """The routed and the shared experts' linears take the layer spec's forms (Megatron's MoE
+    submodules): built with the fast ones (fused.linear_forms), the layer gives the plain
+    spec's output and gradients."""
     cfg = moe_config(**overrides)
     local = gpt.local_spec(cfg)
-    fast = gpt.LayerSpec(**{**vars(local), "linear": fused.Linear,
-                            "column_parallel_linear": fused.ColumnParallelLinear,
-                            "row_parallel_linear": fused.RowParallelLinear})
+    fast = gpt.LayerSpec(**{**vars(local), "linear_forms": fused.linear_forms})
     plain, fused_layer = (fill_normal(moe.MoELayer(cfg, spec)) for spec in (local, fast))
     linears = [c for _, c in fused_layer.cells_and_names() if isinstance(c, parallel.Linear)]
     assert len(linears) == 2 * cfg.num_moe_experts and all(
-        type(c) is fused.Linear for c in linears)
+        type(c.matmul) is fused.LinearMatMul for c in linears)
     if fused_layer.shared_experts is not None:
-        assert type(fused_layer.shared_experts.linear_fc1) is fused.ColumnParallelLinear
+        assert type(fused_layer.shared_experts.linear_fc1.matmul) is fused.LinearMatMul
     x = gaussian((4, 2, 8), 3)
     assert_close(values_and_grads(fused_layer, x, fused_layer),
                  values_and_grads(plain, x, plain), tol=1e-5)
@@ -3387,15 +3397,16 @@ def test_compiled_layer_equals_op_by_op():
     layer = layer_of(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=0.75,
                      moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1, moe_grouped_gemm=True,
                      moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True)
+    logs.track_router_losses([layer])
     compiled, x = gpt.Compiled(layer), gaussian((6, 2, 8), 18)
     eager = values_and_grads(layer, x, layer)
-    logged = moe.report_metrics([layer], 1.0, 1)
+    logged = logs.report_router_losses([layer], 1.0, 1)
     for _ in range(2):                  # the report's reset reaches the compiled graph too
         assert_close(values_and_grads(compiled, x, layer), eager)
-        assert moe.report_metrics([layer], 1.0, 1) == pytest.approx(logged, rel=1e-6)
+        assert logs.report_router_losses([layer], 1.0, 1) == pytest.approx(logged, rel=1e-6)
     layer.set_train(False)
     np.testing.assert_allclose(compiled(x).asnumpy(), layer(x).asnumpy(), rtol=1e-6, atol=1e-7)
-    assert not layer.router.metrics[0].asnumpy().any()
+    assert not layer.router.tracker.sums[0].asnumpy().any()
 
 
 @pytest.mark.moe
@@ -3440,7 +3451,7 @@ def test_1f1b_and_interleaved_orders_follow_megatrons_rules():
     assert names(pipeline.schedule(3, 0, 2)) == "F0 F1 B0 B1"            # m < p: warmup capped at m
     assert names(pipeline.schedule(2, 0, 3, forward_only=True)) == "F0 F1 F2"
     # one tick per pass: a stage starts a micro-batch one tick after the previous stage
-    assert pipeline.schedule_table(pipeline.simulate(2, 4)[1]) == (
+    assert timeline.schedule_table(pipeline.simulate(2, 4)[1]) == (
         "stage 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3\n"
         "stage 1: .    F0   B0   F1   B1   F2   B2   F3   B3   .")
 
@@ -3452,7 +3463,7 @@ def test_all_forward_all_backward_is_the_naive_schedule():
     (1F1B: min(p - rank, m))."""
     assert (" ".join(f"{k}{mb}" for k, mb, _ in pipeline.schedule(2, 0, 4, kind="afab"))
             == "F0 F1 F2 F3 B0 B1 B2 B3")
-    assert pipeline.schedule_table(pipeline.simulate(2, 4, kind="afab")[1]) == (
+    assert timeline.schedule_table(pipeline.simulate(2, 4, kind="afab")[1]) == (
         "stage 0: F0   F1   F2   F3   .    .    B0   B1   B2   B3\n"
         "stage 1: .    F0   F1   F2   F3   B0   B1   B2   B3   .")
     for p in range(1, 7):
@@ -3627,9 +3638,10 @@ def test_memory_counts_experts_per_rank(moe):
 def test_memory_shards_experts_over_the_expert_data_parallel_group():
     """With the distributed optimizer each rank keeps float32 main params and Adam's two moments
     (12 bytes a parameter) for 1/(dp x cp) of the dense parameters and 1/(dp x cp / ep) of its
-    experts'. Per DP rank, equal to the state train.build_optimizer's chained optimizers hold,
-    built in this process for that rank (construction needs the ranks, not the groups); with
-    DP2 x EP2 the experts are not sharded at all (an expert-data-parallel group of one)."""
+    experts'. Per DP rank, equal to the state the chained optimizers hold
+    (train.optimizer_and_scheduler), built in this process for that rank (construction needs
+    the ranks, not the groups); with DP2 x EP2 the experts are not sharded at all (an
+    expert-data-parallel group of one)."""
     for dp, ep in ((2, 2), (4, 2), (4, 1)):
         cfg = load_config(os.path.join(HERE, "config.yaml"),
                           [*PLAN_TINY, "--num-experts", "4", "--expert-model-parallel-size",
@@ -3649,10 +3661,10 @@ def test_memory_shards_experts_over_the_expert_data_parallel_group():
                 dp_rank=rank, pp_rank=0, tp_group="", cp_group="", dp_group="", pp_group="",
                 dp_cp_group="", mp_group="", ep=ep, ep_rank=ep_rank, edp_rank=edp_rank,
                 ep_group="", edp_group="")
-            ddp = train.build_data_parallel(cfg, chunks, state)
-            optimizer, _ = train.build_optimizer(cfg, chunks, ddp, state)
-            assert (memory.stage_memory(cfg, 0).optimizer == optimizer.state_bytes() == hand), \
-                (dp, ep, rank)
+            ddp = distributed.build_data_parallel(cfg, chunks, state)
+            optimizer, _ = train.optimizer_and_scheduler(cfg, chunks, ddp, state)
+            assert (memory.stage_memory(cfg, 0).optimizer
+                    == memory.optimizer_state_bytes(optimizer) == hand), (dp, ep, rank)
             assert experts == memory.expert_parameters(cfg, 0) > 0
 
 
@@ -3875,7 +3887,7 @@ def test_plan_allocates_nothing_and_prints_the_docs_output(tmp_path, capsys):
     """`plan` of PanGu 38B on 128 ranks builds no model and no process group, and its process stays
     small (MindSpore imported, nothing allocated: well under one stage's 4.9 GiB of weights). Its
     output is docs/memory.md's, line for line."""
-    script = ("import sys, gpt, memory, parallel, train\n"
+    script = ("import sys, gpt, parallel, train\nfrom tools import memory\n"
               "def refuse(*a, **k): raise AssertionError('plan built a model or process groups')\n"
               "gpt.GPTModel.__init__ = parallel.initialize_model_parallel = refuse\n"
               "code = train.main(['plan', '--config', 'configs/pangu_38b.yaml',"
@@ -6648,8 +6660,8 @@ def test_loss_scaler_skips_a_step_with_nan_gradients():
     the optimizer or the scheduler, and halves the dynamic loss scale (hysteresis 1); the next
     clean step updates (op by op)."""
     cfg, model = tiny_model("--no-jit")
-    ddp = train.build_data_parallel(cfg, model)
-    optim, scheduler = train.build_optimizer(cfg, model, ddp)
+    ddp = distributed.build_data_parallel(cfg, model)
+    optim, scheduler = train.optimizer_and_scheduler(cfg, model, ddp)
     optim.scaler = scaler = DynamicGradScaler(2.0 ** 16, 1.0, growth_interval=1000, hysteresis=1)
     trainer = train.Trainer(cfg, model, ddp, optim, scheduler)
     before = [p.asnumpy().copy() for p in optim.params]
@@ -6710,7 +6722,8 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     --fp32-residual-connection; bf16 loads (plan) and sums gradients in float32."""
     ones = Tensor(np.ones((16, 2, 64), np.float32))
     cfg, model = tiny_model("--fp16")
-    optim, _ = train.build_optimizer(cfg, model, train.build_data_parallel(cfg, model))
+    optim, _ = train.optimizer_and_scheduler(cfg, model,
+                                             distributed.build_data_parallel(cfg, model))
     assert {p.dtype for p in model.get_parameters()} == {ms.float16}
     assert all(main.dtype == ms.float32 and main is not p
                for p, main in zip(optim.params, optim.main_params))
@@ -6721,7 +6734,8 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
     assert config.main_grad_dtype(
         tiny_cfg("--fp16", "--accumulate-allreduce-grads-in-fp32")) == "float32"
     cfg, model = tiny_model("model_config.compute_dtype=float16", "--add-bias-linear")
-    optim, _ = train.build_optimizer(cfg, model, train.build_data_parallel(cfg, model))
+    optim, _ = train.optimizer_and_scheduler(cfg, model,
+                                             distributed.build_data_parallel(cfg, model))
     assert {p.dtype for p in model.get_parameters()} == {ms.float32}
     assert all(main is p for p, main in zip(optim.params, optim.main_params))
     assert (model.layers[0].self_attention.linear_qkv(ones).dtype == ms.float16
@@ -6737,7 +6751,8 @@ def test_half_precision_dtypes_follow_megatron_and_the_guides():
             == ms.float32)
     bf16 = tiny_cfg("--bf16")
     assert (bf16.model_config.params_dtype, config.main_grad_dtype(bf16)) == ("bfloat16", "float32")
-    assert type(train.build_scaler(tiny_cfg("--fp16", "--loss-scale", "8"))) is ConstantGradScaler
+    scaler = optimizer.build_scaler(tiny_cfg("--fp16", "--loss-scale", "8"))
+    assert type(scaler) is ConstantGradScaler
 
 
 @pytest.mark.fp16
@@ -6819,7 +6834,7 @@ def test_fp16_trains_within_2_percent_of_fp32(runs):
 
 def optimizer_snapshot(optim):
     """Every value an update would change: model params, float32 main params, optimizer state."""
-    arrays, step = optim.named_state([str(i) for i in range(len(optim.params))])
+    arrays, step = checkpoint.optimizer_state(optim, [str(i) for i in range(len(optim.params))])
     return [p.asnumpy().copy() for p in optim.params], arrays, step
 
 
@@ -6830,8 +6845,8 @@ def test_forced_overflow_skips_the_step_and_lowers_the_scale_by_megatrons_rule(t
     the first overflow and halves it from the second on (Megatron's DynamicGradScaler); once the
     updates come through, loss_scale_window clean steps double it. The log says so."""
     cfg, model = tiny_model("--fp16", "--no-jit")
-    ddp = train.build_data_parallel(cfg, model)
-    optim, scheduler = train.build_optimizer(cfg, model, ddp)
+    ddp = distributed.build_data_parallel(cfg, model)
+    optim, scheduler = train.optimizer_and_scheduler(cfg, model, ddp)
     optim.scaler = DynamicGradScaler(2.0 ** 40, 1.0, growth_interval=3, hysteresis=2)
     trainer = train.Trainer(cfg, model, ddp, optim, scheduler)
     before = optimizer_snapshot(optim)
@@ -7162,13 +7177,12 @@ def test_the_flight_recorder_keeps_the_last_events_and_a_graphs_collectives(tmp_
     saved, flight_recorder.RECORDER = flight_recorder.RECORDER, flight_recorder.Recorder()
     try:
         for _ in range(flight_recorder.EVENTS + 3):
-            flight_recorder.record("all_reduce", "tp-0-1", (0, 1), (4,), "Float32")
+            flight_recorder.collective("tp", "all_reduce", "tp-0-1", (0, 1), (4,), "Float32")
         line = inspect.currentframe().f_lineno - 1
-        first = flight_recorder.graph_call("graph", "key")
-        flight_recorder.record("all_gather", "tp-0-1", (0, 1), (2, 4), "Float32")    # compiling
-        flight_recorder.graph_done("graph", "key", first)
-        again = flight_recorder.graph_call("graph", "key")
-        flight_recorder.graph_done("graph", "key", again)
+        compiling = functools.partial(flight_recorder.collective, "tp", "all_gather", "tp-0-1",
+                                      (0, 1), (2, 4), "Float32")   # the first call compiles
+        flight_recorder.graph_call("graph", "key", compiling)
+        flight_recorder.graph_call("graph", "key", lambda: None)
         flight_recorder.RECORDER.path = str(tmp_path / flight_recorder.FILE.format(0))
         flight_recorder.dump()
         events = flight_recorder.load(tmp_path)[0]["events"]
@@ -7975,8 +7989,9 @@ def check_gradients(c, name):
                                                p.expert_model_parallel_size)
     tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
     chunks, _ = train.build_model(cfg, tokenizer, state)
-    ddp = train.build_data_parallel(cfg, chunks, state)
-    trainer = train.Trainer(cfg, chunks, ddp, *train.build_optimizer(cfg, chunks, ddp), state)
+    ddp = distributed.build_data_parallel(cfg, chunks, state)
+    trainer = train.Trainer(cfg, chunks, ddp, *train.optimizer_and_scheduler(cfg, chunks, ddp),
+                            state)
     maps = record_routing_maps(chunks)
     losses, grads = trainer.forward_backward(check_batches(ref_cfg, count, documents))
     check_routing_maps(c, name, maps, ref_maps, state, ref_cfg.model_config.seq_length)
@@ -8064,7 +8079,7 @@ def record_routing_maps(chunks):
     for chunk in chunks:
         for name, cell in chunk.cells_and_names():
             if isinstance(cell, moe.TopKRouter):
-                calls = maps.setdefault(chunk.global_name(name), [])
+                calls = maps.setdefault(gpt.global_name(chunk, name), [])
                 cell.register_forward_hook(
                     lambda _, inputs, outputs, calls=calls: calls.append(outputs[1].asnumpy()))
     return maps
@@ -9414,9 +9429,9 @@ def test_expert_parallel_ledger_matches_the_formulas(runs):
     """EP2 alltoall with the distributed optimizer by hand, per step of L = 1 MoE layer and m = 2
     micro-batches of n = 2 x 32 tokens on a rank, E = 4 experts, h = 64, float32, dropless (C = n
     slots an expert): 6 L m all-to-alls (tokens [E C, h], probs [E C], output [E C, h], forward
-    and backward), the experts' norm over EP, report_metrics' sum [3] over DP; over DP the dense
-    gradients' reduce-scatter, the parameters' all-gather, the norm of the shards and the logged
-    loss (the experts' group, EDP, is one rank). Then every EP layout's ledger equals
+    and backward), the experts' norm over EP, the routers' losses' sum [3] over DP; over DP the
+    dense gradients' reduce-scatter, the parameters' all-gather, the norm of the shards and the
+    logged loss (the experts' group, EDP, is one rank). Then every EP layout's ledger equals
     memory.communication, call for call and byte for byte: the alltoall dispatcher under TP +
     SP and CP, the expert shards of the distributed optimizer over the expert-data-parallel
     group, capacity, VPP."""

@@ -13,16 +13,13 @@ One training step (Megatron's train_step, one process):
   (optimizer.py): unscale, check inf/nan (skip the step if found), clip, update with the
   scheduler's lr and weight decay.
 """
-import logging
-import math
+import contextlib
 import os
 import signal
 import sys
 import time
 import traceback
 
-import numpy as np
-import yaml
 import mindspore as ms
 from mindspore import Tensor
 
@@ -34,42 +31,17 @@ import optimizer as opt
 import parallel
 import pipeline
 from formats import checkpoint, hf_gpt2
-from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, is_embedding_copy, layer_spec,
-                 num_floating_point_operations)
+from gpt import Compiled, DropoutRNG, hidden_dtype, init_weights, layer_spec
 from settings.cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
                           training_help)
 from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, main_grad_dtype,
                              moe_layer_pattern, padded_vocab_size, parse_blend, recompute_counts,
-                             samples_per_split, to_dict)
+                             samples_per_split)
 from tokenizer import build_tokenizer
 from tools import flight_recorder, memory, sample
-from tools.metrics import Metrics
-from tools.profiler import StepProfiler
-
-log = logging.getLogger("train")
-TIMERS = ("forward-backward", "grads-reduce", "optimizer")      # the phases of a step, timed
-
-
-# ----------------------------------------------------------------------------- set-up
-def setup_logging(output_dir, rank=0, to_console=True):
-    """Console (the rank that holds the loss) plus output/log/rank_N/{info,error}.log."""
-    folder = os.path.join(output_dir, "log", f"rank_{rank}")
-    os.makedirs(folder, exist_ok=True)
-    log.handlers.clear()
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    fmt = logging.Formatter("%(message)s")
-    handlers = [logging.FileHandler(os.path.join(folder, "info.log"))]
-    error_file = logging.FileHandler(os.path.join(folder, "error.log"), delay=True)
-    error_file.setLevel(logging.ERROR)
-    handlers.append(error_file)
-    if to_console:                                   # errors reach the console from main's fail()
-        console = logging.StreamHandler(sys.stdout)
-        console.addFilter(lambda record: record.levelno < logging.ERROR)
-        handlers.append(console)
-    for h in handlers:
-        h.setFormatter(fmt)
-        log.addHandler(h)
+from tools.ledger import LEDGER
+from tools.logs import (LogWindow, Timers, log, log_eval_loss, log_start, loss_rank, open_metrics,
+                        setup_logging)
 
 
 _MINDSPORE_READY = []
@@ -219,78 +191,13 @@ def build_model(cfg, tokenizer, state):
     return chunks, rng
 
 
-def build_scaler(cfg):
-    """Megatron's grad scaler: a static --loss-scale if given, else dynamic when computing in
-    float16 (its range needs it), else none (a constant 1.0; bfloat16 has float32's range)."""
-    training_cfg = cfg.training_config
-    if training_cfg.loss_scale is not None:
-        return opt.ConstantGradScaler(training_cfg.loss_scale)
-    if cfg.model_config.compute_dtype == "float16":
-        return opt.DynamicGradScaler(training_cfg.loss_scale_value, training_cfg.min_loss_scale,
-                                     growth_interval=training_cfg.loss_scale_window,
-                                     hysteresis=training_cfg.hysteresis)
-    return opt.ConstantGradScaler(1.0)
-
-
-def counted_in_norm(chunks, state):
-    """Per parameter of `chunks`, whether its gradient counts in the norm on this rank: one
-    replicated over TP (norms, row biases, position embeddings) on TP rank 0 (Megatron's
-    param_is_not_tensor_parallel_duplicate), and the word embedding on the first stage, not its
-    copy on the last (gpt.is_embedding_copy)."""
-    return [(hasattr(param, "partition_dim") or state.tp_rank == 0)
-            and not is_embedding_copy(chunk, param)
-            for chunk in chunks for _, param in chunk.parameters_and_names()]
-
-
-def build_data_parallel(cfg, model, state=None):
-    """Megatron's DistributedDataParallel (distributed.py) for a model or a list of model chunks:
-    the dense parameters' gradients in a buffer reduced over the DP x CP group, the experts'
-    (moe.is_expert) in one over the expert-data-parallel group; both divided by the DP size
-    (averaged over DP, summed over CP: gpt.GPTModel); reduce-scattered for the distributed
-    optimizer (use_distributed_optimizer with several DP x CP ranks), else all-reduced."""
-    state = state or parallel.get_state()
-    named = [item for chunk in _chunks(model) for item in chunk.parameters_and_names()]
-    expert = [i for i, (name, _) in enumerate(named) if moe.is_expert(name)]
-    dense = [i for i in range(len(named)) if i not in set(expert)]
-    bucket_size, scale = cfg.training_config.bucket_size, 1.0 / state.dp
-    dp_cp = state.dp * state.cp
-    groups = [(dense, dict(group=state.dp_cp_group, group_size=dp_cp, rank=state.dp_cp_rank)),
-              (expert, dict(group=state.edp_group, group_size=dp_cp // state.ep,
-                            rank=state.edp_rank))]
-    groups = [(positions, group) for positions, group in groups if positions]
-    buffers = [distributed.GradBuffer([named[i][1] for i in positions], bucket_size=bucket_size,
-                                      gradient_scaling_factor=scale, **group)
-               for positions, group in groups]
-    reduce_scatter = cfg.training_config.use_distributed_optimizer and dp_cp > 1
-    return distributed.DistributedDataParallel(buffers, [positions for positions, _ in groups],
-                                               reduce_scatter)
-
-
-def _chunks(model):
-    return model if isinstance(model, list) else [model]
-
-
-def build_optimizer(cfg, model, ddp, state=None):
-    """(optimizer, scheduler) for a model or a list of model chunks and its
-    DistributedDataParallel `ddp`: Megatron's mixed-precision optimizer around AdamW/Adam/SGD
-    (optimizer.MixedPrecisionOptimizer), or, where ddp reduce-scatters, the
-    DistributedOptimizer over each buffer's shards; one per buffer of ddp (the dense parameters,
-    the experts'), chained (optimizer.ChainedOptimizer) when there are two."""
+def optimizer_and_scheduler(cfg, model, ddp, state=None):
+    """(optimizer, scheduler) of a model or a list of model chunks and its
+    DistributedDataParallel `ddp`: Megatron's get_megatron_optimizer (optimizer.py), casting
+    with the layer spec's cast, and its get_optimizer_param_scheduler."""
     optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
-    state = state or parallel.get_state()
-    chunks = _chunks(model)
-    named = [item for chunk in chunks for item in chunk.parameters_and_names()]
-    counted = counted_in_norm(chunks, state)
-    scaler = build_scaler(cfg)
-    # ddp's buffers: the dense parameters', then the experts' if any. The norm over TP x PP; the
-    # experts' also over EP (Megatron's expert_tensor_model_pipeline group)
-    norm_groups = [[state.mp_group], [state.mp_group, state.ep_group if state.ep > 1 else None]]
-    optimizers = [_build_one_optimizer(cfg, [named[i] for i in positions], scaler,
-                                       [counted[i] for i in positions], norm,
-                                       buffer if ddp.reduce_scatter else None)
-                  for positions, buffer, norm in zip(ddp.positions, ddp.buffers, norm_groups)]
-    optim = (optimizers[0] if len(optimizers) == 1
-             else opt.ChainedOptimizer(optimizers, ddp.positions))
+    optimizer = opt.get_megatron_optimizer(cfg, model, ddp, state,
+                                           layer_spec(cfg.model_config).cast)
     schedule = optimizer_cfg.learning_rate_scheduler_kwargs
     scheduler = opt.OptimizerParamScheduler(
         max_lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr,
@@ -298,28 +205,7 @@ def build_optimizer(cfg, model, ddp, state=None):
         lr_decay_style=schedule.lr_decay_style, start_wd=optimizer_cfg.start_weight_decay,
         end_wd=optimizer_cfg.end_weight_decay, wd_incr_steps=training_cfg.training_iters,
         wd_incr_style=optimizer_cfg.weight_decay_incr_style)
-    return optim, scheduler
-
-
-def _build_one_optimizer(cfg, named, scaler, counted, norm_groups, sharded_buffer):
-    """The optimizer of parameters `named` ([(name, param)]), its gradient norm reduced over
-    `norm_groups`; with `sharded_buffer` (their distributed.GradBuffer) the
-    DistributedOptimizer over its shards."""
-    optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
-    wd_mults = [0.0 if opt.no_weight_decay(n, param.shape) else 1.0 for n, param in named]
-
-    def make(params, mults):
-        return opt.build_optimizer(optimizer_cfg.optimizer_type, params,
-                                   betas=tuple(optimizer_cfg.betas), eps=optimizer_cfg.eps,
-                                   momentum=optimizer_cfg.momentum, wd_mults=mults)
-    clip = training_cfg.grad_clip_kwargs
-    common = dict(scaler=scaler, clip_type=clip.grad_clip_type, clip_value=clip.clip_value,
-                  norm_groups=norm_groups, counted=counted,
-                  cast=layer_spec(cfg.model_config).cast)
-    params = [param for _, param in named]
-    if sharded_buffer is not None:
-        return opt.DistributedOptimizer(make, params, wd_mults, **common, buffer=sharded_buffer)
-    return opt.MixedPrecisionOptimizer(make, params, wd_mults, **common)
+    return optimizer, scheduler
 
 
 # ----------------------------------------------------------------------------- one step
@@ -335,39 +221,36 @@ def to_tensors(batch, state=None):
 
 
 class Trainer:
-    """Forward/backward over micro-batches, then the optimizer step (Megatron train_step).
-    `model` is a GPTModel or, with pipeline parallelism, this rank's list of model chunks;
-    `ddp` comes from build_data_parallel, `optimizer` and `scheduler` from build_optimizer."""
+    """Megatron's train_step: forward and backward over a step's micro-batches (through the
+    pipeline's schedule with pipeline parallelism), the gradients' reductions, the optimizer's
+    step. `model`: a GPTModel, or this rank's list of model chunks; `ddp`:
+    distributed.build_data_parallel's; `optimizer` and `scheduler`: optimizer_and_scheduler's.
+    `phase(name)`: a context manager around each phase of a step and each pipeline pass, for
+    what observes them (tools/logs.Timers); none by default."""
 
-    def __init__(self, cfg, model, ddp, optimizer, scheduler, state=None):
+    def __init__(self, cfg, model, ddp, optimizer, scheduler, state=None,
+                 phase=contextlib.nullcontext):
         self.cfg, self.ddp, self.optimizer, self.scheduler = cfg, ddp, optimizer, scheduler
-        self.scaler = optimizer.scaler
+        self.phase, self.scaler = phase, optimizer.scaler
         self.chunks = model if isinstance(model, list) else [model]
         self.state = state or parallel.get_state()
         self.params = [param for chunk in self.chunks for param in chunk.get_parameters()]
-        self.distributed = ddp.reduce_scatter            # the distributed optimizer's shards
-        self.dp_cp_size = self.state.dp * self.state.cp
         model_cfg = cfg.model_config
         self.grad_dtype = parallel.DTYPES[main_grad_dtype(cfg)]   # micro-batches' gradients' sum
         self.cast = layer_spec(model_cfg).cast              # the gradients' cast to grad_dtype
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
         dropout = model_cfg.hidden_dropout_rate or model_cfg.attention_dropout_rate
         self.compiled = cfg.training_config.use_jit and not dropout
-        self.pipeline = None
+        self.runner = None
         if self.state.pp > 1:
             hop = pipeline.hop_shape(model_cfg, cfg.dataset_config.batch_size, self.state.cp,
                                      self.state.tp, self.state.sequence_parallel)
-            self.pipeline = pipeline.PipelineRunner(self.chunks, self.state, hop,
-                                                    hidden_dtype(model_cfg), self.grad_dtype,
-                                                    self.compiled,
-                                                    cfg.parallel_config.pipeline_schedule,
-                                                    self.cast)
-        self.trace = None                 # a list: the next step records its passes' times
+            self.runner = pipeline.PipelineRunner(
+                self.chunks, self.state, hop, hidden_dtype(model_cfg), self.grad_dtype,
+                self.compiled, cfg.parallel_config.pipeline_schedule, self.cast, phase)
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
         self.loss_weight = 1.0
-        self.num_moe_layers = sum(moe_layer_pattern(model_cfg))
-        self.moe_losses = {}              # the last step's aux and z losses (moe.report_metrics)
-        self.seconds = dict.fromkeys(TIMERS, 0.0)       # time per phase since the last log line
+        self.has_moe = any(moe_layer_pattern(model_cfg))
         self.grad_fn = ms.value_and_grad(self._weighted_loss, None, self.params)
 
     def set_train(self, mode):
@@ -381,15 +264,14 @@ class Trainer:
         """(loss of each micro-batch, gradients of sum(loss) * scale / m summed over them in
         grad_dtype); with pipeline parallelism through the schedule, the losses only on the last
         stage."""
-        num_microbatches = len(micro_batches)
-        self.loss_weight = self.scaler.scale / num_microbatches
-        if self.num_moe_layers:
+        self.loss_weight = self.scaler.scale / len(micro_batches)
+        if self.has_moe:
             # the aux and z losses' gradients get the main loss' weight (Megatron's
             # schedules.py:366 multiplies by cp too: its CP gradients are averaged, ours summed)
             moe.MoEAuxLossAutoScaler.set_loss_scale(self.loss_weight)
-        if self.pipeline is not None:
-            return self.pipeline.run([to_tensors(b, self.state) for b in micro_batches],
-                                     self.loss_weight, trace=self.trace)
+        if self.runner is not None:
+            return self.runner.run([to_tensors(b, self.state) for b in micro_batches],
+                                   self.loss_weight)
         losses, acc = [], None
         for batch in micro_batches:
             loss, grads = self.grad_fn(*to_tensors(batch, self.state))
@@ -404,57 +286,27 @@ class Trainer:
         the grads: unscale, inf/nan check, and on overflow nothing more; clip; update), then the
         scheduler's step if it updated. Returns (mean loss over the micro-batches,
         updated, gradient norm, lr used)."""
-        parallel.ledger.reset()
         self.set_train(True)
-        clock = time.perf_counter()
-        losses, grads = self.forward_backward(micro_batches)
-        if self.num_moe_layers:         # Megatron's track_moe_metrics, every step on every rank
-            state = self.state
-            self.moe_losses = moe.report_metrics(self.chunks, 1 / len(micro_batches),
-                                                 self.num_moe_layers, state.pp_group,
-                                                 state.tp_cp_group, state.dp_group)
-        clock = self._lap("forward-backward", clock)
-        grads = distributed.finalize_model_grads(grads, self.params, self.state, self.ddp)
-        clock = self._lap("grads-reduce", clock)
-        lr = self.scheduler.get_lr()
-        updated, grad_norm, _ = self.optimizer.step(grads, lr, self.scheduler.get_wd())
-        if updated:                                  # Megatron: a skipped step does not count
-            self.scheduler.step(1)
-        self._lap("optimizer", clock)
+        with self.phase("forward-backward"):
+            losses, grads = self.forward_backward(micro_batches)
+        with self.phase("grads-reduce"):
+            grads = distributed.finalize_model_grads(grads, self.params, self.state, self.ddp)
+        with self.phase("optimizer"):
+            lr = self.scheduler.get_lr()
+            updated, grad_norm, _ = self.optimizer.step(grads, lr, self.scheduler.get_wd())
+            if updated:                              # Megatron: a skipped step does not count
+                self.scheduler.step(1)
         loss = sum(losses) / len(micro_batches) if losses else 0.0   # none before the last stage
         return self.dp_mean(loss), updated, grad_norm, lr
 
-    def _lap(self, name, since):
-        now = time.perf_counter()
-        self.seconds[name] += now - since
-        return now
-
-    def timers_line(self, steps):
-        """Milliseconds per step in each phase since the last call (Megatron's timers); with
-        pipeline parallelism forward-backward splits into this rank's passes and its exchanges
-        (the wait for the neighbour, so the bubble, included)."""
-        ms_per_step = {k: v * 1000 / steps for k, v in self.seconds.items()}
-        parts = [f"forward-backward {ms_per_step['forward-backward']:.1f}"]
-        if self.pipeline is not None:
-            runner = self.pipeline.seconds
-            parts[0] += (f" (passes {runner['compute'] * 1000 / steps:.1f}, exchanges and waiting "
-                         f"{runner['exchange'] * 1000 / steps:.1f})")
-        parts += [f"{k} {ms_per_step[k]:.1f}" for k in TIMERS[1:]]
-        self.reset_timers()
-        return "timers (ms per step): " + ", ".join(parts)
-
-    def reset_timers(self):
-        self.seconds = dict.fromkeys(TIMERS, 0.0)
-        if self.pipeline is not None:
-            self.pipeline.reset_timers()
-
     def dp_mean(self, value):
         """A per-rank number averaged over the data-parallel ranks (for the log)."""
-        if self.dp_cp_size == 1:
+        size = self.state.dp * self.state.cp
+        if size == 1:
             return value
         total = parallel.collectives(self.state.dp_cp_group).all_reduce(
             Tensor([value], ms.float32))
-        return float(total.asnumpy()[0]) / self.dp_cp_size
+        return float(total.asnumpy()[0]) / size
 
 
 def data_loader(cfg, dataset, state, consumed):
@@ -469,7 +321,7 @@ def data_loader(cfg, dataset, state, consumed):
 def evaluate(trainer, dataset, consumed, iters, cfg):
     """Mean loss of the trainer's forward (the model, maybe compiled) over `iters` global batches
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
-    state, runner = trainer.state, trainer.pipeline
+    state, runner = trainer.state, trainer.runner
     trainer.set_train(False)
     num_microbatches = cfg.dataset_config.micro_batch_num
     it = data_loader(cfg, dataset, state, consumed)
@@ -496,7 +348,8 @@ def pretrain(cfg, notes=()):
     tokenizer = build_tokenizer(dataset_cfg.tokenizer_type, dataset_cfg.vocab_file,
                                 dataset_cfg.merge_file, dataset_cfg.vocab_size)
     train_ds, valid_ds, test_ds = build_data(cfg, tokenizer)
-    trainer, rng = set_up(cfg, tokenizer, notes)
+    timers = Timers()
+    trainer, rng = set_up(cfg, tokenizer, notes, timers)
     iteration, consumed = 0, 0
     if training_cfg.load_checkpoint:
         iteration, consumed = checkpoint.load_training_state(cfg, trainer, rng)
@@ -506,16 +359,18 @@ def pretrain(cfg, notes=()):
     estimate = log_start(cfg, trainer, train_ds, valid_ds, test_ds)
     state = trainer.state
     it = data_loader(cfg, train_ds, state, consumed)
-    profiler = StepProfiler(cfg, state.rank)
     metrics = open_metrics(cfg, state, iteration)
-    window = LogWindow(cfg, trainer, iteration + 1, metrics)
+    window = LogWindow(cfg, trainer, iteration + 1, metrics, timers)
     last_saved = iteration
     estimate.begin()                                  # the measured peak counts from here
     while iteration < training_cfg.training_iters:
         epoch = it.epoch
         scale = trainer.scaler.scale                  # the step may change it
         iteration += 1
-        window.log(iteration, epoch, scale, *profiled_step(cfg, trainer, it, profiler, iteration))
+        batches = [next(it) for _ in range(dataset_cfg.micro_batch_num)]
+        with window.step(iteration):
+            step = trainer.train_step(batches)
+        window.log(iteration, epoch, scale, *step)
         if maybe_evaluate(cfg, trainer, valid_ds, iteration, metrics):
             window.restart_clock()
         if maybe_save(cfg, iteration, it.consumed_samples, trainer, rng):
@@ -537,25 +392,9 @@ def pretrain(cfg, notes=()):
     return trainer.chunks
 
 
-def profiled_step(cfg, trainer, it, profiler, iteration):
-    """Trainer.train_step on the next global batch of `it`, step `iteration` to the profiler;
-    with --pipeline-trace the last step's passes are timed and reported."""
-    training_cfg = cfg.training_config
-    last_step = iteration == training_cfg.training_iters
-    if training_cfg.pipeline_trace and trainer.pipeline is not None and last_step:
-        trainer.trace = []                        # time the passes of the last step
-    profiler.before(iteration)
-    step = trainer.train_step([next(it) for _ in range(cfg.dataset_config.micro_batch_num)])
-    profiler.after(iteration)
-    if trainer.trace is not None:
-        report_pipeline_trace(cfg, trainer)
-        trainer.trace = None
-    return step
-
-
-def set_up(cfg, tokenizer, notes):
+def set_up(cfg, tokenizer, notes, phase=contextlib.nullcontext):
     """MindSpore, the process groups, this rank's log (`notes` first), then the model, its
-    optimizer and the Trainer: (trainer, the dropout RNG)."""
+    optimizer and the Trainer, its phases observed by `phase`: (trainer, the dropout RNG)."""
     setup_mindspore(cfg)
     parallel_cfg = cfg.parallel_config
     state = parallel.initialize_model_parallel(
@@ -569,44 +408,10 @@ def set_up(cfg, tokenizer, notes):
     if state.world_size > 1:
         log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp, state.ep))
     model, rng = build_model(cfg, tokenizer, state)
-    ddp = build_data_parallel(cfg, model, state)
-    return Trainer(cfg, model, ddp, *build_optimizer(cfg, model, ddp, state), state), rng
-
-
-def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
-    """The run's opening lines: the model and batch, missing splits, the effective config (rank
-    0 writes it), the memory estimate, how the model runs, the pipeline stage's layers. Returns
-    the memory report (memory.RankReport), to be begun and measured."""
-    training_cfg, dataset_cfg = cfg.training_config, cfg.dataset_config
-    model_cfg, state = cfg.model_config, trainer.state
-    n_params = sum(int(np.prod(param.shape)) for param in trainer.params)
-    log.info(f"model: {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
-             f"heads {model_cfg.num_attention_heads}, vocab {model_cfg.padded_vocab_size} "
-             f"(padded), {n_params / 1e6:.2f}M parameters"
-             f"{' on this rank' if state.world_size > 1 else ''}; "
-             f"global batch {dataset_cfg.global_batch_size} = {dataset_cfg.batch_size} x "
-             f"{dataset_cfg.micro_batch_num} micro-batches; {len(train_ds)} train samples")
-    for name, dataset in zip(data.SPLITS, (train_ds, valid_ds, test_ds)):
-        if isinstance(dataset, (data.GPTDataset, data.BlendedDataset)):
-            log.info(data.describe(name, dataset))
-        elif name != "train" and training_cfg.eval_iters and not dataset_cfg.mock_data:
-            label = "validation" if name == "valid" else name
-            why = (f"the {label} part of --split {dataset_cfg.split} holds no documents"
-                   if dataset_cfg.train_data_path is None else f"no --{name}-data-path")
-            log.info(f"no {label} loss: {why}")
-    if state.rank == 0:                          # every key as this run uses it, defaults filled in
-        path = os.path.join(training_cfg.output_dir, "effective_config.yaml")
-        data.write_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        log.info(f"config: {path}")
-    estimate = memory.RankReport(cfg, state, n_params, trainer.optimizer.state_bytes())
-    log.info(estimate.startup(trainer.compiled))
-    log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
-             + (": dropout inside" if training_cfg.use_jit else ""))
-    if trainer.pipeline is not None:
-        log.info(f"pipeline stage {state.pp_rank}: " + ", ".join(
-            f"chunk {chunk_id} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
-            for chunk_id, ch in enumerate(trainer.chunks)))
-    return estimate
+    parallel.observe(LEDGER)
+    ddp = distributed.build_data_parallel(cfg, model, state)
+    return Trainer(cfg, model, ddp, *optimizer_and_scheduler(cfg, model, ddp, state), state,
+                   phase), rng
 
 
 def maybe_evaluate(cfg, trainer, dataset, iteration, metrics):
@@ -633,101 +438,6 @@ def maybe_save(cfg, iteration, consumed, trainer, rng):
     return True
 
 
-class LogWindow:
-    """Megatron's training_log over the steps since the last train line: their summed loss, how
-    many were skipped on inf/nan (Megatron's "number of skipped iterations"), and the time per
-    step since `start` over the `timed` steps; restart_clock leaves out time spent outside steps
-    (compilation, evaluation, saves). Each train line's numbers also go to `metrics` (a
-    metrics.Metrics on the rank that logs the loss, else None)."""
-
-    def __init__(self, cfg, trainer, first_iteration, metrics):
-        self.cfg, self.trainer, self.first_iteration = cfg, trainer, first_iteration
-        self.metrics = metrics
-        dataset_cfg, model_cfg = cfg.dataset_config, cfg.model_config
-        self.batch_size = dataset_cfg.global_batch_size
-        self.tokens_per_step = self.batch_size * model_cfg.seq_length
-        self.flops_per_step = num_floating_point_operations(model_cfg, self.batch_size)
-        self.reset()
-
-    def reset(self):
-        self.loss, self.steps, self.skipped = 0.0, 0, 0
-        self.moe_losses = {}                           # name -> sum over the window's steps
-        self.restart_clock()
-
-    def restart_clock(self):
-        self.timed, self.start = 0, time.perf_counter()
-
-    def add(self, loss, updated):
-        self.loss, self.steps, self.timed = self.loss + loss, self.steps + 1, self.timed + 1
-        self.skipped += not updated
-        for name, value in self.trainer.moe_losses.items():
-            self.moe_losses[name] = self.moe_losses.get(name, 0.0) + value
-
-    def seconds_per_step(self):
-        return (time.perf_counter() - self.start) / max(self.timed, 1)
-
-    def log(self, iteration, epoch, scale, loss, updated, grad_norm, lr):
-        """After step `iteration` (run with loss scale `scale`; the rest is train_step's): the
-        first step's time apart, a skipped step's warning, the ledger line, and every
-        log_interval steps (and the last) the train line and the timers."""
-        training_cfg, trainer = self.cfg.training_config, self.trainer
-        self.add(loss, updated)
-        log_now = (iteration % training_cfg.log_interval == 0
-                   or iteration == training_cfg.training_iters)
-        if iteration == self.first_iteration and not log_now:
-            # ms.jit compiles the graphs during the first step
-            log.info(f"step {iteration}: {time.perf_counter() - self.start:.1f} s with "
-                     "compilation and warm-up (left out of the Time: and timers averages)")
-            trainer.reset_timers()
-            self.restart_clock()
-        if not updated:
-            log.warning(f"skipped iteration {iteration}: inf/nan in the gradients; "
-                        + scale_change(scale, trainer.scaler))
-        if training_cfg.log_comm_ledger:
-            log.info(f"comm: Step:{iteration}, " + parallel.ledger.line())
-        if log_now:
-            if trainer.state.is_last_stage:           # the loss exists on the last stage only
-                scalars = self.scalars(grad_norm, lr)
-                moe_losses = {k: v / self.steps for k, v in self.moe_losses.items()}
-                log.info(train_line(iteration, epoch, updated, scalars, moe_losses))
-                if self.metrics is not None:
-                    self.metrics.train(iteration, **scalars, **moe_losses)
-            log.info(trainer.timers_line(self.timed))
-            self.reset()
-
-    def scalars(self, grad_norm, lr):
-        """The train line's numbers since the last one, named as metrics.TRAIN_TAGS's keys."""
-        elapsed = self.seconds_per_step()
-        return dict(loss=self.loss / self.steps, lr=lr, grad_norm=grad_norm,
-                    loss_scale=self.trainer.scaler.scale, skipped_iterations=self.skipped,
-                    tokens_per_s=self.tokens_per_step / elapsed,
-                    tflops=self.flops_per_step / elapsed / self.trainer.state.world_size / 1e12,
-                    iteration_time=elapsed, batch_size=self.batch_size)
-
-
-def train_line(iteration, epoch, updated, s, moe_losses=None):
-    """Megatron's training_log line (this project's spelling) from LogWindow.scalars `s`; an MoE
-    model's aux and z losses (means over the window's steps) as Megatron prints them."""
-    return (f"train: Epoch:{epoch}, Step:{iteration}, Loss: {s['loss']:.6f}, "
-            f"Finite_grads: {updated}, Loss_scale: {s['loss_scale']}, "
-            f"Grad_norm: {s['grad_norm']:.6f}, Skipped_iterations: {s['skipped_iterations']}, "
-            f"Learning_rate: {s['lr']:.6e}, Time: {s['iteration_time'] * 1000:.2f} ms, "
-            f"Tokens/s: {s['tokens_per_s']:.1f}, TFLOP/s: {s['tflops']:.4f}"
-            + "".join(f", {name}: {value:.6E}" for name, value in (moe_losses or {}).items()))
-
-
-def scale_change(before, scaler):
-    """The loss scaler's answer to an overflow, for the log: lowered (Megatron's backoff), or kept
-    while hysteresis allows more overflows."""
-    if scaler.scale != before:
-        return f"loss scale {before:g} -> {scaler.scale:g}"
-    left = getattr(scaler, "hysteresis_tracker", None)
-    if left is None:
-        return f"loss scale {before:g} (static)"
-    overflows = "1 more overflow lowers" if left == 1 else f"{left} more overflows lower"
-    return f"loss scale kept at {before:g} (hysteresis: {overflows} it)"
-
-
 _SIGTERM = []
 
 
@@ -743,49 +453,6 @@ def exit_reason(training_cfg, iteration, started):
     if minutes and parallel.any_rank(time.time() - started > 60 * minutes):
         return f"--exit-duration-in-mins {training_cfg.exit_duration_in_mins} reached"
     return None
-
-
-def report_pipeline_trace(cfg, trainer):
-    """Gather the step's pass times over the pipeline; the loss rank writes the timeline (text
-    and SVG under output_dir) and logs the bubble: measured, in the unit-time schedule, in
-    theory."""
-    state = trainer.state
-    traces = pipeline.gather_trace(trainer.trace, state)
-    if state.rank != loss_rank(state):
-        return
-    path = os.path.join(cfg.training_config.output_dir, "pipeline_timeline")
-    log.info(pipeline.write_timeline(traces, cfg.dataset_config.micro_batch_num,
-                                     len(trainer.chunks), cfg.parallel_config.pipeline_schedule,
-                                     path, parallel.rank_grid(state.world_size, state.tp,
-                                                              state.cp, state.pp)))
-    log.info(f"pipeline: timeline written to {path}.svg and {path}.txt")
-
-
-def loss_rank(state):
-    """The global rank that logs the loss: tp, cp, dp rank 0 of the last pipeline stage."""
-    return int(parallel.rank_grid(state.world_size, state.tp, state.cp, state.pp)[-1, 0, 0, 0])
-
-
-def log_eval_loss(split, iteration, loss, metrics):
-    """Megatron's evaluation line: the `split` loss at `iteration` and its perplexity, on the
-    last pipeline stage (the only one with a loss); recorded in `metrics` (None: not here)."""
-    if not parallel.get_state().is_last_stage:        # no loss before the last pipeline stage
-        return
-    ppl = math.exp(min(loss, 20.0))
-    log.info(f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-             f"lm loss PPL: {ppl:.6E} |")
-    if metrics is not None:
-        metrics.evaluation(iteration, split, loss)
-
-
-def open_metrics(cfg, state, iteration):
-    """The run's metrics.Metrics on the rank that logs the loss (None on the others): in the
-    save folder, where the log is (every run has one: --save, ./output by default), resumed at
-    `iteration` (0: a fresh run); with --tensorboard-dir, event files there too."""
-    if state.rank != loss_rank(state):
-        return None
-    training_cfg = cfg.training_config
-    return Metrics(training_cfg.output_dir, training_cfg.tensorboard_dir, resume_step=iteration)
 
 
 # ----------------------------------------------------------------------------- commands

@@ -27,13 +27,14 @@ import mindspore as ms
 from mindspore import Parameter, Tensor
 
 import moe
+import optimizer as opt
 import parallel
 from data import write_atomic
 from distributed import GradBuffer
 from formats import dist_checkpoint, megatron_checkpoint, torch_format
 from formats.megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
-from gpt import is_embedding_copy
-from optimizer import DistributedOptimizer
+from gpt import global_name, is_embedding_copy
+from parallel import F32
 from pipeline import build_chunks, layer_split
 from settings.cli import PROJECT_CONFIG, REQUIRED, from_saved, load_config, parse_command
 from settings.config import ConfigError, to_dict, to_namespace
@@ -319,7 +320,7 @@ def load_shards(root, optimizer=False, step=None):
 def named_parameters(chunks):
     """("model.<global name>", parameter) of this rank's model chunks. Global names tell the
     chunks of a virtual pipeline apart (their layer numbers differ)."""
-    return [(f"model.{chunk.global_name(n)}", param) for chunk in chunks
+    return [(f"model.{global_name(chunk, n)}", param) for chunk in chunks
             for n, param in chunk.parameters_and_names()]
 
 
@@ -356,6 +357,88 @@ def _meta(cfg, iteration, consumed, step, scheduler_state, scaler_state, rng_sta
             "layout": layout_of(cfg), "config": to_dict(cfg)}
 
 
+# ----------------------------------------------------------------------------- optimizer state
+def optimizer_state(optimizer, names):
+    """(arrays, step): the state of an optimizer.py optimizer keyed by its parameters' `names`
+    (one per parameter), as a checkpoint stores it: the inner optimizer's
+    "optimizer.<state>.<name>" and the float32 main params that are copies "main.<name>"; a
+    distributed optimizer's of this rank's pieces "<name>@<first element>"."""
+    return over_chain(optimizer, names, _state_of)
+
+
+def _state_of(optimizer, names):
+    names, copies = _main_copies(optimizer, names)
+    arrays = {f"optimizer.{kind}.{name}": t.asnumpy()
+              for kind, tensors in optimizer.inner.state.items()
+              for name, t in zip(names, tensors)}
+    arrays.update({f"main.{name}": main.asnumpy() for name, main in copies})
+    return arrays, optimizer.inner.step_count
+
+
+def load_optimizer_state(optimizer, arrays, step, names):
+    """The inverse of optimizer_state."""
+    over_chain(optimizer, names, lambda part, some: _load_state_of(part, arrays, step, some))
+
+
+def _load_state_of(optimizer, arrays, step, names):
+    names, copies = _main_copies(optimizer, names)
+    for name, main in copies:
+        main.copy_(Tensor(arrays[f"main.{name}"]))
+    inner = optimizer.inner
+    inner.load_state_dict({"step": step, **{f"{kind}.{i}": arrays[f"optimizer.{kind}.{name}"]
+                                           for kind in inner.state
+                                           for i, name in enumerate(names)}})
+    return {}, step
+
+
+def _main_copies(optimizer, names):
+    """(the names the inner optimizer's tensors go by, [(name, float32 main param that is a
+    copy)]): per parameter, or a distributed optimizer's per piece (all of them copies)."""
+    if isinstance(optimizer, opt.DistributedOptimizer):
+        pieces = piece_names(optimizer.buffer, optimizer.buffer.rank, names)
+        return pieces, list(zip(pieces, optimizer.main_params))
+    return names, [(name, main) for name, param, main
+                   in zip(names, optimizer.params, optimizer.main_params) if main is not param]
+
+
+def piece_names(buffer, rank, names):
+    """One name per piece of `rank`'s shard of `buffer` (a distributed.GradBuffer; `names`: one
+    per parameter), "<name>@<first element>": what a distributed optimizer updates, so that the
+    pieces of every rank of the group together cover each parameter and join back."""
+    return [f"{names[i]}@{lo - buffer.offsets[i]}" for _, i, lo, _ in buffer.pieces(rank)]
+
+
+def gathered_optimizer_state(optimizer, names):
+    """(arrays, step): a distributed optimizer's float32 main params "main.<name>" and inner state
+    "optimizer.<state>.<name>" of every rank of its group, each gathered whole and shaped like
+    its parameter, on every rank: Megatron's fully reshardable form (distrib_optimizer.py
+    get_parameter_state_dp_zero), one all-gather per state and bucket."""
+    return over_chain(optimizer, names, _gathered_state_of)
+
+
+def _gathered_state_of(optimizer, names):
+    kinds = {"main": optimizer.main_params,
+             **{f"optimizer.{kind}": pieces for kind, pieces in optimizer.inner.state.items()}}
+    arrays = {}
+    for prefix, pieces in kinds.items():
+        whole = optimizer.buffer.unflatten(optimizer.gathered_buckets(pieces, F32))
+        arrays.update({f"{prefix}.{name}": t.asnumpy() for name, t in zip(names, whole)})
+    return arrays, optimizer.inner.step_count
+
+
+def over_chain(optimizer, names, one):
+    """one(optimizer, names) -> (arrays, step) of `optimizer`, or of each optimizer of a
+    ChainedOptimizer with the names of its own parameters (its `indices`: the dense ones, then
+    the experts'), joined."""
+    if not isinstance(optimizer, opt.ChainedOptimizer):
+        return one(optimizer, names)
+    arrays, step = {}, None
+    for part, some in zip(optimizer.optimizers, optimizer.split(names)):
+        got, step = one(part, some)
+        arrays.update(got)
+    return arrays, step
+
+
 def save_training_state(cfg, iteration, consumed, trainer, rng):
     """Megatron layout: mp_rank_TT[_PPP][_EEE]/ per TP rank, stage and EP rank, written by its
     first DP x CP rank (its first expert-data-parallel rank); with the distributed optimizer
@@ -365,7 +448,7 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
     training_cfg, state = cfg.training_config, trainer.state
     if training_cfg.ckpt_format == "torch_dist":
         return _save_dist(cfg, iteration, consumed, trainer, rng)
-    opt_tensors, step = trainer.optimizer.named_state(parameter_names(trainer.chunks))
+    opt_tensors, step = optimizer_state(trainer.optimizer, parameter_names(trainer.chunks))
     writer = state.edp_rank == 0
     files, meta = {}, None
     if writer:
@@ -373,12 +456,12 @@ def save_training_state(cfg, iteration, consumed, trainer, rng):
                      trainer.scaler.state_dict(), rng.state_dict())
         # the optimizer state, unless the distributed optimizer's own files hold it
         files[WEIGHTS] = {**model_tensors(trainer.chunks),
-                          **({} if trainer.distributed else opt_tensors)}
+                          **({} if trainer.ddp.reduce_scatter else opt_tensors)}
         if training_cfg.ckpt_format == "torch":
             offsets = [chunk.layer_offset for chunk in trainer.chunks]
             files[WEIGHTS] = megatron_checkpoint.rank_file(cfg, meta, files[WEIGHTS], offsets,
                                                            state.ep_rank)
-    if trainer.distributed:
+    if trainer.ddp.reduce_scatter:
         files[f"distrib_optim_{state.edp_rank:03d}"] = opt_tensors
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
     path = save_checkpoint(training_cfg.output_dir, iteration, {shard: (files, meta)},
@@ -396,12 +479,12 @@ def _save_dist(cfg, iteration, consumed, trainer, rng):
     weights)."""
     training_cfg, state = cfg.training_config, trainer.state
     names = parameter_names(trainer.chunks)
-    if trainer.distributed:
-        opt_tensors, step = trainer.optimizer.gathered_state(names)
+    if trainer.ddp.reduce_scatter:
+        opt_tensors, step = gathered_optimizer_state(trainer.optimizer, names)
         if cfg.model_config.params_dtype == "float32":
             opt_tensors = {k: v for k, v in opt_tensors.items() if not k.startswith("main.")}
     else:
-        opt_tensors, step = trainer.optimizer.named_state(names)
+        opt_tensors, step = optimizer_state(trainer.optimizer, names)
     meta = _meta(cfg, iteration, consumed, step, trainer.scheduler.state_dict(),
                  trainer.scaler.state_dict(), rng.state_dict())
     shards = {}
@@ -450,8 +533,8 @@ def _dist_pieces(chunks, tp_rank, tp, values, params_dtype, ep_rank=0):
     out = []
     for chunk in chunks:
         for n, param in chunk.parameters_and_names():
-            dim, name = getattr(param, "partition_dim", None), chunk.global_name(n)
-            if is_embedding_copy(chunk, param) or (dim is None and tp_rank) or \
+            dim, name = getattr(param, "partition_dim", None), global_name(chunk, n)
+            if is_embedding_copy(param) or (dim is None and tp_rank) or \
                     (ep_rank and not moe.is_expert(name)):
                 continue
             blocks = getattr(param, "partition_chunks", 1) if dim is not None else 1
@@ -511,7 +594,7 @@ def load_training_state(cfg, trainer, rng):
         return _load_cut(cfg, trainer, rng, full, meta)
     shard = shard_name(state.tp_rank, state.pp_rank, state.pp, state.ep_rank, state.ep)
     stems = [WEIGHTS]
-    if trainer.distributed and not (training_cfg.finetune or training_cfg.no_load_optim):
+    if trainer.ddp.reduce_scatter and not (training_cfg.finetune or training_cfg.no_load_optim):
         stems.append(f"distrib_optim_{state.edp_rank:03d}")
     tensors, meta = load_checkpoint(root, shard, stems=stems, step=step)
     return _restore(cfg, trainer, rng, tensors, meta, weights_only)
@@ -539,7 +622,8 @@ def _restore(cfg, trainer, rng, tensors, meta, weights_only):
                  f"{training_cfg.load_checkpoint} ({why}: iteration 0)")
         return 0, 0
     if not training_cfg.no_load_optim:
-        trainer.optimizer.load_named_state(tensors, meta["optimizer_step"], parameter_names(chunks))
+        load_optimizer_state(trainer.optimizer, tensors, meta["optimizer_step"],
+                             parameter_names(chunks))
         _load_scheduler(cfg.optimizer_config, trainer.scheduler, meta["opt_param_scheduler"],
                         meta["iteration"])
         if meta["grad_scaler"] is not None:     # Megatron-LM's own folder: this run's scale
@@ -590,19 +674,18 @@ def _load_cut(cfg, trainer, rng, full, meta):
 def _optimizer_pieces(optimizer, names, values, prefixes):
     """The distributed optimizer's "<prefix>.<name>@<start>" pieces of this rank (of each
     optimizer of a chain that is one) from the rank's whole "<prefix>.<name>" `values`."""
-    chain = getattr(optimizer, "optimizers", [optimizer])
-    parts = optimizer.split(names) if len(chain) > 1 else [names]
-    out = {}
-    for opt, some in zip(chain, parts):
-        if not isinstance(opt, DistributedOptimizer):
-            continue
-        for (_, i, lo, hi), piece in zip(opt.buffer.pieces(opt.buffer.rank),
-                                         opt.buffer.piece_names(opt.buffer.rank, some)):
-            start = lo - opt.buffer.offsets[i]
+    def pieces_of(part, some):
+        if not isinstance(part, opt.DistributedOptimizer):
+            return {}, None
+        out = {}
+        for (_, i, lo, hi), piece in zip(part.pieces,
+                                         piece_names(part.buffer, part.buffer.rank, some)):
+            start = lo - part.buffer.offsets[i]
             for prefix in prefixes:
                 flat = values[f"{prefix}.{some[i]}"].reshape(-1)
                 out[f"{prefix}.{piece}"] = flat[start:start + hi - lo]
-    return out
+        return out, None
+    return over_chain(optimizer, names, pieces_of)[0]
 
 
 def _load_scheduler(optimizer_cfg, scheduler, saved, iteration):
@@ -639,14 +722,20 @@ def build_rank_chunks(model_cfg, tp, pp, tp_rank=0, pp_rank=0, vpp=1, num_layer_
     this process: construction needs the sizes and ranks, not the process groups. Values are
     not initialised. With tp = pp = ep = 1, the one-process model."""
     previous = parallel.use_state(parallel.ParallelState(
-        world_size=tp * pp * ep, rank=tp_rank + tp * (ep_rank + ep * pp_rank), tp=tp, cp=1, dp=ep,
-        pp=pp, tp_rank=tp_rank, cp_rank=0, dp_rank=ep_rank, pp_rank=pp_rank, tp_group="",
-        cp_group="", dp_group="", pp_group="", dp_cp_group="", mp_group="", ep=ep,
+        world_size=tp * pp * ep, rank=model_rank(tp, pp, ep, tp_rank, pp_rank, ep_rank), tp=tp,
+        cp=1, dp=ep, pp=pp, tp_rank=tp_rank, cp_rank=0, dp_rank=ep_rank, pp_rank=pp_rank,
+        tp_group="", cp_group="", dp_group="", pp_group="", dp_cp_group="", mp_group="", ep=ep,
         ep_rank=ep_rank, sequence_parallel=tp > 1))     # shapes do not depend on SP; MoE needs it
     try:
         return build_chunks(model_cfg, pp, pp_rank, vpp, num_layer_list)
     finally:
         parallel.use_state(previous)
+
+
+def model_rank(tp, pp, ep, tp_rank, pp_rank, ep_rank):
+    """The global rank of TP rank `tp_rank`, EP rank `ep_rank`, stage `pp_rank` in the
+    tp x ep x pp layout (DP = EP) of build_rank_chunks (parallel.rank_grid)."""
+    return int(parallel.rank_grid(tp * pp * ep, tp, 1, pp)[pp_rank, ep_rank, 0, tp_rank])
 
 
 def full_state(root, optimizer=True, step=None):
@@ -669,12 +758,8 @@ def full_state(root, optimizer=True, step=None):
     full_shapes = {}
     for name, param in one.parameters_and_names():
         full_shapes.update({f"{prefix}.{name}": tuple(param.shape) for prefix in prefixes})
-    swiglu = model_cfg.hidden_act == "swiglu"
-
-    def chunks_of(name):
-        """SwiGLU's fc1 is [gate; up], each half split over TP on its own."""
-        return 2 if swiglu and "linear_fc1" in name else 1
-    return parallel.merge_tensor_parallel(shards, full_shapes, chunks_of), meta
+    return parallel.merge_tensor_parallel(
+        shards, full_shapes, lambda name: megatron_checkpoint.tp_chunks(model_cfg, name)), meta
 
 
 def _join_pieces(tensors):
@@ -705,8 +790,8 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
     names, params, values = [], [], {}
     for chunk in chunks:
         for n, param in chunk.parameters_and_names():
-            name = chunk.global_name(n)
-            source = "word_embeddings.weight" if is_embedding_copy(chunk, param) else name
+            name = global_name(chunk, n)
+            source = "word_embeddings.weight" if is_embedding_copy(param) else name
             for prefix in prefixes:
                 value = tensors[f"{prefix}.{source}"]
                 dim = getattr(param, "partition_dim", None)
@@ -723,7 +808,7 @@ def _distrib_optim_files(values, names, params, dp_cp, bucket_size, kinds, ep=1,
     """{distrib_optim_DDD: the pieces of the float32 main params and the state that the rank of
     expert-data-parallel rank DDD in EP rank `ep_rank` holds}: of the dense parameters its DP x
     CP rank's (ep_rank + ep * DDD) shard over the `dp_cp` DP x CP ranks, of the experts its shard
-    over the dp_cp / ep ranks that hold them (train.build_data_parallel's two buffers)."""
+    over the dp_cp / ep ranks that hold them (distributed.build_data_parallel's two buffers)."""
     expert = [moe.is_expert(name) for name in names]
     groups = [([i for i, e in enumerate(expert) if not e], dp_cp, lambda d: ep_rank + ep * d),
               ([i for i, e in enumerate(expert) if e], dp_cp // ep, lambda d: d)]
@@ -734,7 +819,7 @@ def _distrib_optim_files(values, names, params, dp_cp, bucket_size, kinds, ep=1,
             some = [names[i] for i in positions]
             buffer, rank = GradBuffer([params[i] for i in positions], size, bucket_size), \
                 shard_of(edp_rank)
-            for (_, i, lo, hi), key in zip(buffer.pieces(rank), buffer.piece_names(rank, some)):
+            for (_, i, lo, hi), key in zip(buffer.pieces(rank), piece_names(buffer, rank, some)):
                 start, end = lo - buffer.offsets[i], hi - buffer.offsets[i]
                 for prefix in ["main"] + [f"optimizer.{kind}" for kind in kinds]:
                     pieces[f"{prefix}.{key}"] = values[f"{prefix}.{some[i]}"].reshape(-1)[start:end]
@@ -819,7 +904,7 @@ def _write_dist_layout(root, tensors, meta, cfg):
     for tp_rank, pp_rank, ep_rank, chunks in each_rank_chunks(parallel_cfg, model_cfg):
         values = _rank_values(tensors, chunks, tp_rank, tp, prefixes)[2]
         pieces = _dist_pieces(chunks, tp_rank, tp, values, model_cfg.params_dtype, ep_rank)
-        rank = tp_rank + tp * (ep_rank + ep * pp_rank)        # a writer of each model piece
+        rank = model_rank(tp, pp, ep, tp_rank, pp_rank, ep_rank)   # a writer of each piece
         files[f"__{rank}_0"] = dist_checkpoint.rank_items(pieces, model_cfg.num_layers,
                                                           model_cfg.num_moe_experts)
     meta = dict(meta, layout=layout_of(cfg), config=to_dict(cfg), ckpt_format="torch_dist")

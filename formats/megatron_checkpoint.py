@@ -30,7 +30,7 @@ from optimizer import no_weight_decay
 from parallel import merge_tensor_parallel
 from settings import keys
 from settings.cli import PROJECT
-from settings.config import ConfigError
+from settings.config import ConfigError, fc1_chunks
 
 LATEST = "latest_checkpointed_iteration.txt"
 WEIGHTS = "model_optim_rng"                     # a rank's file: weights, optimizer state, RNG
@@ -584,8 +584,13 @@ def read_weights(files, shapes, model_cfg, first=None):
             shard.pop("model.output_layer.weight", None)
         shards.append(shard)
     check_shards(shards, shapes, tp)
-    swiglu = model_cfg.hidden_act == "swiglu"
-    return merge_tensor_parallel(shards, shapes, lambda n: 2 if swiglu and "linear_fc1" in n else 1)
+    return merge_tensor_parallel(shards, shapes, lambda name: tp_chunks(model_cfg, name))
+
+
+def tp_chunks(model_cfg, name):
+    """The blocks of a parameter (any prefix and layer) split over TP, each on its own: fc1's,
+    config.fc1_chunks; one for every other."""
+    return fc1_chunks(model_cfg) if "linear_fc1" in name else 1
 
 
 def weights_dtype(state):

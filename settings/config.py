@@ -732,6 +732,12 @@ def _check_torch_format(training_cfg, model_cfg, parallel_cfg):
                           "use --ckpt-format ckpt")
 
 
+def fc1_chunks(model_cfg):
+    """The blocks of an MLP's fc1 output (dense, expert or shared expert): SwiGLU's [gate; up]
+    are two, each split over TP on its own (Megatron's apply_swiglu_sharded_factory); else one."""
+    return 2 if model_cfg.hidden_act == "swiglu" else 1
+
+
 def moe_layer_pattern(model_cfg):
     """Megatron's moe_layer_freq (gpt_layer_specs.py:643-671) as one 0/1 per layer (global,
     0-based): N selects the layers i with i % N == 0, a list is the pattern itself; no experts,
@@ -784,8 +790,8 @@ def _finalize_moe(model_cfg, parallel_cfg):
 
 def check_moe_rules(model_cfg, tp, sequence_parallel, ep):
     """Megatron's rules for an MoE model that moe.MoELayer computes (transformer_config.py,
-    moe_layer.py, arguments.py), in one process or over TP (+ SP) and EP: config.finalize and
-    the layer check them here."""
+    moe_layer.py, arguments.py), in one process or over TP (+ SP) and EP, checked when the
+    config is finalized."""
     m, where = model_cfg, "model_config.num_moe_experts"
     if (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax"
             and not m.moe_router_pre_softmax):     # transformer_config.py:2662-2669

@@ -220,10 +220,10 @@ def record_seconds(events=20000, depth=40):
     full ring buffer)."""
     saved, flight_recorder.RECORDER = flight_recorder.RECORDER, flight_recorder.Recorder()
     chain = "def down(n):\n    return down(n - 1) if n else record(*ARGS)"
-    args = ("all_reduce", "tp-0-1", (0, 1), (8, 256, 256), "Float32")
+    args = ("tp", "all_reduce", "tp-0-1", (0, 1), (8, 256, 256), "Float32")
     spent = []
     try:
-        for record in (flight_recorder.record, lambda *a: None):
+        for record in (flight_recorder.collective, lambda *a: None):
             outside = {"record": record, "ARGS": args}
             exec(compile(chain, "<outside>", "exec"), outside)
             start = time.perf_counter()

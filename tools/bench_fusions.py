@@ -11,11 +11,10 @@ ms of each and its gain over all off. `broadcast` times an elementwise product w
 operand is a column [n, 1] or a row [h] broadcast by the op itself, against the same operand
 made full-size first by a MatMul with a ones vector (fused.broadcast_column, broadcast_row),
 the reason the fused forms do the latter. `layernorm` times 9 chained LayerNorms on [2048, 256],
-forward and backward, as the ops.LayerNorm kernel (gpt.LayerNorm) and as fused.LayerNorm, and
+forward and backward, as the ops.LayerNorm kernel (gpt.LayerNorm) and as fused.FusedLayerNorm, and
 with --torch as PyTorch's kernels (`PYTHON bench_torch.py torch-layernorm`). Not part of bench.py,
 whose PyTorch reference runs under a python without MindSpore.
 """
-import os
 import subprocess
 import sys
 import time
@@ -52,7 +51,7 @@ def fused_step(flags):
     arguments, compiled and run twice (warm)."""
     cfg = load_config([], [*MODEL, "--micro-batch-size", "8", *flags])
     cfg.model_config.padded_vocab_size = padded_vocab_size(cfg.model_config, SHAPE["vocab"])
-    model = gpt.GPTModel(cfg.model_config)
+    model = gpt.model_provider(cfg.model_config)
     gpt.init_weights(model, 0)
     grad_fn = ms.value_and_grad(gpt.Compiled(model), None, model.trainable_params())
     rng = np.random.default_rng(0)
@@ -190,14 +189,14 @@ def _alternated(cells, x, rounds):
 
 def layernorm_probe(argv, rounds=20):
     """Median ms of 9 chained LayerNorms forward and backward, as the ops.LayerNorm kernel and
-    as fused.LayerNorm, and of one elementwise pass (a chain of 20 products, 40 passes with the
+    as fused.FusedLayerNorm, and of one elementwise pass (a chain of 20 products, 40 passes with the
     backward); PyTorch's with --torch (`PYTHON bench_torch.py torch-layernorm`)."""
     options = parse_command("layernorm", argv, {"--torch": (None, str, "a python with torch")})[0]
     train.setup_mindspore()
     x = ms.Tensor(np.random.default_rng(0).standard_normal(
         (SHAPE["batch"] * SHAPE["seq"], SHAPE["hidden"])).astype(np.float32))
     ms_times = _alternated({"ops.LayerNorm kernel": _NormChain(gpt.LayerNorm),
-                            "fused.LayerNorm": _NormChain(fused.LayerNorm),
+                            "fused.FusedLayerNorm": _NormChain(fused.FusedLayerNorm),
                             "mul": _MulChain()}, x, rounds)
     print(f"MindSpore: one elementwise pass {ms_times.pop('mul') / 40:.3f} ms")
     for name, ms_ in ms_times.items():

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 
+import parallel
 from data import write_atomic
 from settings.cli import PROJECT
 
@@ -111,9 +112,9 @@ def file_kind(name):
     return "parallel" if name == NOT_CALLERS[0] else "caller"
 
 
-def record(op, group, ranks, shape, dtype):
-    """One collective on `group` (its global `ranks`): an event, or while a graph compiles, one
-    of the collectives the graph holds."""
+def collective(kind, op, group, ranks, shape, dtype):
+    """One collective on `group` (its global `ranks`), told by parallel.py (parallel.observe): an
+    event, or while a graph compiles, one of the collectives the graph holds."""
     if RECORDER.capture is not None:
         RECORDER.capture.append({"op": op, "group": group, "ranks": list(ranks),
                                  "shape": list(shape), "dtype": str(dtype)})
@@ -121,27 +122,34 @@ def record(op, group, ranks, shape, dtype):
         RECORDER.add(op, {group: list(ranks)}, shape, dtype)
 
 
-def graph_call(graph, key):
-    """Before a compiled graph runs: its event, holding the collectives recorded when it was
-    compiled; a first call fills them while it compiles (graph_done then counts them)."""
+def graph_call(graph, key, run):
+    """run() calls a compiled graph (parallel.compiled_call): one event, holding the collectives
+    recorded when the graph compiled; a first call fills them while it compiles, and counts
+    them on their groups once it has run."""
     held = RECORDER.graphs.get((graph, key))
     if held is None:
         RECORDER.capture = []
-        return RECORDER.add("graph", {}, holds=RECORDER.capture)
-    return RECORDER.add("graph", {h["group"]: h["ranks"] for h in held}, holds=held)
+        event = RECORDER.add("graph", {}, holds=RECORDER.capture)
+    else:
+        event = RECORDER.add("graph", {h["group"]: h["ranks"] for h in held}, holds=held)
+    try:
+        return run()
+    finally:
+        if RECORDER.capture is not None and (graph, key) not in RECORDER.graphs:
+            _hold(graph, key, event)
+        RECORDER.capture = None
 
 
-def graph_done(graph, key, event):
-    """After a compiled graph's call: a first call's collectives, now known, kept for the next."""
-    if RECORDER.capture is not None and (graph, key) not in RECORDER.graphs:
-        held, RECORDER.capture = RECORDER.capture, None
-        RECORDER.graphs[(graph, key)] = held
-        for h in held:
-            event["ranks"][h["group"]] = h["ranks"]
-        for group in event["ranks"]:
-            event["at"][group] = RECORDER.counts[group]
-            RECORDER.counts[group] += 1
-    RECORDER.capture = None
+def _hold(graph, key, event):
+    """A graph's first call done: the collectives it holds, now known, kept for its next calls
+    and counted on their groups."""
+    held, RECORDER.capture = RECORDER.capture, None
+    RECORDER.graphs[(graph, key)] = held
+    for h in held:
+        event["ranks"][h["group"]] = h["ranks"]
+    for group in event["ranks"]:
+        event["at"][group] = RECORDER.counts[group]
+        RECORDER.counts[group] += 1
 
 
 WRITING = threading.RLock()   # one write at a time: the writer thread, errors, SIGUSR1, exit
@@ -166,12 +174,12 @@ def start(folder, rank, world):
     os.makedirs(folder, exist_ok=True)
     first = RECORDER.path is None
     RECORDER.path, RECORDER.rank = os.path.join(folder, FILE.format(rank)), rank
-    # a new run in the same process (the tour's, a test's jobs): a graph of the last run may
-    # share an id (graph_call's key) with one of this run
+    # a new run in the same process (the tour's, a test's jobs): its own graphs
     RECORDER.reason, RECORDER.capture = None, None
     RECORDER.graphs.clear()
     if not first:
         return
+    parallel.observe(sys.modules[__name__])          # collective() and graph_call() above
     threading.Thread(target=_watch, args=(world,), daemon=True).start()
     atexit.register(dump, ended=True)
     if threading.current_thread() is threading.main_thread():

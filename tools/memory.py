@@ -12,7 +12,7 @@ on the last stage is a copy of the word embedding):
   optimizer    float32 state: AdamW/Adam 2P (two moments), SGD P (momentum) or 0, plus the float32
                main params of half-precision parameters, P (optimizer.MixedPrecisionOptimizer); with
                the distributed optimizer each of the dp x cp ranks keeps 1/(dp x cp) of the state
-               and of the float32 main params (optimizer.DistributedOptimizer.state_bytes), of
+               and of the float32 main params (optimizer_state_bytes measures them), of
                the routed experts' 1/(dp x cp / ep), their expert-data-parallel group's share
   activations  what the backward keeps of each micro-batch in flight (`layer_activations`, after
                Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -33,13 +33,16 @@ from types import SimpleNamespace
 
 import data
 import gpt
+import optimizer as opt
 import pipeline
 from settings.cli import CONFIG_FLAG, REQUIRED, load_config, parse_command
-from settings.config import (ConfigError, cp_ring_size, main_grad_dtype, moe_layer_pattern,
-                             padded_vocab_size, recompute_counts, samples_per_split)
+from parallel import DTYPES
+from settings.config import (ConfigError, cp_ring_size, fc1_chunks, main_grad_dtype,
+                             moe_layer_pattern, padded_vocab_size, recompute_counts,
+                             samples_per_split)
 from tokenizer import build_tokenizer
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}   # config's dtype names
 F32_BYTES = 4
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -53,7 +56,7 @@ BIAS_GELU_KEPT = 3
 # Temporaries of one layer's core attention, in units of its scores [b, n/tp, s, s]: the forward's
 # scores and scores + mask; the backward's gradient of the softmax output, the softmax gradient's
 # three intermediates, the scores' gradient and its transpose (for the key gradient). The fused
-# softmax's backward (fused.ScaledMaskedSoftmax) has four at its peak: the softmax-output
+# softmax's backward (fused.FusedScaleMaskSoftmax) has four at its peak: the softmax-output
 # gradient, dY * Y, the row sums made full and Y times them (measured 4 scores lower than the
 # plain form's: docs/memory.md)
 CORE_TEMPORARIES = 8
@@ -126,7 +129,7 @@ def mlp_parameters(model_cfg, ffn, tp, bias=None):
     split, fc2's bias replicated; `bias` (default add_bias_linear) whether it has biases."""
     h = model_cfg.hidden_size
     bias = model_cfg.add_bias_linear if bias is None else bias
-    fc1 = ffn * (2 if model_cfg.hidden_act == "swiglu" else 1)       # SwiGLU: [gate; up]
+    fc1 = ffn * fc1_chunks(model_cfg)                                 # SwiGLU: [gate; up]
     return (h * fc1 + fc1 * bias + ffn * h) // tp + h * bias
 
 
@@ -251,7 +254,7 @@ def layer_activations(model_cfg, parallel_cfg, micro_batch_size, moe=False):
              c * (1 + 2 * ring) * x // tp, True),
             ("softmax output [b, n/tp, s, s]", softmax * scores, True)]
     if model_cfg.masked_softmax_fusion:
-        # fused.ScaledMaskedSoftmax's custom backward keeps its input, the scores, too
+        # fused.FusedScaleMaskSoftmax's custom backward keeps its input, the scores, too
         core.append(("softmax input, kept by the fused softmax [b, n/tp, s, s]",
                      softmax * scores, True))
     if model_cfg.use_flash_attention:
@@ -386,7 +389,7 @@ def chunk_activations(model_cfg, parallel_cfg, micro_batch_size, layers, embeds,
             kept += c * x // sp
     if has_loss:
         # the final norm's input (float32), the output layer's input, the logits and their
-        # log-softmax [s/cp, b, V/tp] (fused.CrossEntropy: its softmax)
+        # log-softmax [s/cp, b, V/tp] (fused.FusedCrossEntropy: its softmax)
         norm = norm_kept(model_cfg)
         cp_tp = cp * parallel_cfg.tensor_model_parallel_size
         vocab = micro_batch_size * s * model_cfg.padded_vocab_size // cp_tp
@@ -648,7 +651,7 @@ def _expert_collectives(cfg, rank, add):
     dp, pp = parallel_cfg.data_parallel_size, parallel_cfg.pipeline_model_parallel_size
     tp_cp = "tp_cp" if cp > 1 else "tp"                            # parallel.SAME_RANKS_AS
     calls = stage_moe_layers(cfg, rank) * dataset_cfg.micro_batch_num
-    size, experts, h = collective_bytes(cfg), model_cfg.num_moe_experts, model_cfg.hidden_size
+    size, experts = collective_bytes(cfg), model_cfg.num_moe_experts
     probs = F32_BYTES if model_cfg.moe_router_dtype == "fp32" else size.compute
     tokens = dataset_cfg.batch_size * model_cfg.seq_length // (cp * tp)     # n, this rank's
     counts = experts * (dataset_cfg.batch_size if model_cfg.moe_router_load_balancing_type
@@ -782,6 +785,22 @@ def gib(nbytes):
 
 def mib(nbytes):
     return f"{nbytes / MIB:.1f} MiB"
+
+
+def optimizer_state_bytes(optimizer):
+    """The optimizer state a rank holds, measured: an optimizer.py inner optimizer's tensors
+    (AdamW's two moments, SGD's momentum), plus, for a mixed-precision or distributed one, the
+    float32 main params that are copies of half-precision parameters (all of a distributed
+    optimizer's pieces); summed over a chain."""
+    if isinstance(optimizer, opt.ChainedOptimizer):
+        return sum(optimizer_state_bytes(part) for part in optimizer.optimizers)
+    if not hasattr(optimizer, "inner"):                       # AdamW, Adam, SGD
+        return sum(t.nbytes for tensors in optimizer.state.values() for t in tensors)
+    copies = [main for param, main in zip(optimizer.params, optimizer.main_params)
+              if main is not param]
+    if isinstance(optimizer, opt.DistributedOptimizer):
+        copies = optimizer.main_params
+    return optimizer_state_bytes(optimizer.inner) + sum(t.nbytes for t in copies)
 
 
 class RankReport:

@@ -256,7 +256,7 @@ def communication(folder, cfg, workers):
 
 def bubble(folder, cfg, workers):
     """(measured, theory) from the pipeline line of the rank that logs the loss (the first of
-    the last stage, as train.loss_rank), or None without a pipeline."""
+    the last stage, as logs.loss_rank), or None without a pipeline."""
     p = cfg.parallel_config
     grid = parallel.rank_grid(workers, p.tensor_model_parallel_size, p.context_parallel_size,
                               p.pipeline_model_parallel_size)
