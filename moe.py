@@ -509,7 +509,7 @@ def _all_to_all(comm, x, dim):
 def all_to_all(group):
     """Megatron's all_to_all mapping (tensor_parallel/mappings.py:424-484) with equal splits:
     its own inverse (block j of rank i <-> block i of rank j), so its backward is itself. On
-    CPU parallel.Collectives builds it from an all-gather."""
+    CPU parallel.CpuCollectives builds it from an all-gather."""
     return parallel.Mapping(_all_to_all, _all_to_all, 0, group)
 
 

@@ -1,5 +1,5 @@
 """Megatron-style model parallelism on MindSpore PyNative: process groups, one communication
-interface with a ledger, the f/g mappings, and the tensor-parallel layers.
+interface, the f/g mappings, and the tensor-parallel layers.
 
 Process groups follow Megatron's RankGenerator with order "tp-cp-dp-pp": global rank
     r = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),
@@ -22,10 +22,11 @@ Activations are [s, b, h] (sequence first), so sequence parallelism splits dim 0
 Communication goes through one name, `collectives(group)`: the Collectives Cell of a process
 group, one per group and process, e.g. `collectives(state.dp_cp_group).all_reduce(t)`. The same
 Cell serves the model op by op and compiled by ms.jit, and the optimizer between compiled calls.
-On CPU only the AllReduce primitive compiles (sum, on any group), so all-gather is an AllReduce of
-a zero buffer holding this rank's slice and reduce-scatter an AllReduce that keeps this rank's
-slice; HCCL/NCCL use their native AllGather and ReduceScatter. Two functions run only between
-compiled calls, with mint.distributed: `broadcast` and the pipeline's point-to-point `exchange`.
+Every collective passes one recording point, which tells its observers (the ledger, the flight
+recorder: tools/) what ran. HCCL/NCCL run the native primitives; on the CPU, where only
+AllReduce compiles, CpuCollectives builds the others from it (its own section, "on the CPU").
+Two functions run only between compiled calls, with mint.distributed: `broadcast` and the
+pipeline's point-to-point `exchange`.
 """
 import functools
 import os
@@ -295,21 +296,25 @@ def compiled_call(graph, run, inputs):
 
 
 class Collectives(nn.Cell):
-    """Out-of-place collectives on one process group, the same code op by op and inside ms.jit.
-    A one-rank group returns its input."""
+    """Out-of-place collectives on one process group, the same code op by op and inside ms.jit;
+    each tells the observers (_record), then runs. A one-rank group returns its input. The
+    device's native primitives (HCCL, NCCL); on the CPU, CpuCollectives."""
 
     def __init__(self, group, size, rank, kind):
         super().__init__()
         self.kind, self.size, self.rank, self.group = kind, size, rank, group
-        self.native = ms.get_context("device_target") != "CPU"
         live = size > 1 and group is not None
         self.sum = ops.AllReduce(group=group) if live else None
-        if live and self.native:
-            self.max = ops.AllReduce(ops.ReduceOp.MAX, group=group)
-            self.gather = ops.AllGather(group=group)
-            self.scatter = ops.ReduceScatter(group=group)
-            self.alltoall = {dims: ops.AlltoAll(size, dims[0], dims[1], group=group)
-                             for dims in ((2, 0), (0, 2))}       # Ulysses: [s, b, heads, d]
+        if live:
+            self.build(group, size)
+
+    def build(self, group, size):
+        """The native primitives beside the sum."""
+        self.max = ops.AllReduce(ops.ReduceOp.MAX, group=group)
+        self.gather = ops.AllGather(group=group)
+        self.scatter = ops.ReduceScatter(group=group)
+        self.alltoall = {dims: ops.AlltoAll(size, dims[0], dims[1], group=group)
+                         for dims in ((2, 0), (0, 2))}       # Ulysses: [s, b, heads, d]
 
     def all_reduce(self, x):
         if self.size == 1:
@@ -318,13 +323,11 @@ class Collectives(nn.Cell):
         return self.sum(x)
 
     def all_reduce_max(self, x):
-        """Elementwise max over the group; on CPU the max of the all-gathered values."""
+        """Elementwise max over the group."""
         if self.size == 1:
             return x
         _record(self.kind, "all_reduce", x.shape, x.dtype, self.group)
-        if self.native:
-            return self.max(x)
-        return self._gather(x.expand_dims(0), 0).max(axis=0)
+        return self._max(x)
 
     def all_gather(self, x, dim=0):
         """[.., d, ..] on each of n ranks -> [.., n*d, ..], in group-rank order."""
@@ -333,37 +336,34 @@ class Collectives(nn.Cell):
         _record(self.kind, "all_gather", x.shape, x.dtype, self.group)
         return self._gather(x, dim % x.ndim)
 
-    def _gather(self, x, dim):
-        if self.native:
-            out = self.gather(x)                                        # [n*d, ..]
-            return out if dim == 0 else ops.cat(ops.chunk(out, self.size, 0), dim)
-        pieces = [x if i == self.rank else ops.zeros_like(x) for i in range(self.size)]
-        return self.sum(ops.cat(pieces, dim))
-
     def all_to_all(self, x, scatter_dim, gather_dim):
         """Piece j (of n) of x along scatter_dim goes to rank j; the pieces received are joined
-        along gather_dim in rank order: [.., n*a, .., c, ..] -> [.., a, .., n*c, ..]. On CPU an
-        all-gather along gather_dim then keeping this rank's piece of scatter_dim (n times the
-        traffic of a real all-to-all)."""
+        along gather_dim in rank order: [.., n*a, .., c, ..] -> [.., a, .., n*c, ..]."""
         if self.size == 1:
             return x
         _record(self.kind, "all_to_all", x.shape, x.dtype, self.group)
-        scatter_dim, gather_dim = scatter_dim % x.ndim, gather_dim % x.ndim
-        if self.native:
-            return self.alltoall[(scatter_dim, gather_dim)](x)
-        whole = self._gather(x, gather_dim)
-        return ops.split(whole, x.shape[scatter_dim] // self.size, scatter_dim)[self.rank]
+        return self._all_to_all(x, scatter_dim % x.ndim, gather_dim % x.ndim)
 
     def reduce_scatter(self, x, dim=0):
         """[.., n*d, ..] on each of n ranks -> this rank's [.., d, ..] slice of the sum."""
         if self.size == 1:
             return x
         _record(self.kind, "reduce_scatter", x.shape, x.dtype, self.group)
-        dim = dim % x.ndim
-        if self.native:
-            src = x if dim == 0 else ops.cat(ops.chunk(x, self.size, dim), 0)     # [n*.., d, ..]
-            return self.scatter(src)
-        return ops.split(self.sum(x), x.shape[dim] // self.size, dim)[self.rank]
+        return self._reduce_scatter(x, dim % x.ndim)
+
+    def _max(self, x):
+        return self.max(x)
+
+    def _gather(self, x, dim):
+        out = self.gather(x)                                            # [n*d, ..]
+        return out if dim == 0 else ops.cat(ops.chunk(out, self.size, 0), dim)
+
+    def _all_to_all(self, x, scatter_dim, gather_dim):
+        return self.alltoall[(scatter_dim, gather_dim)](x)
+
+    def _reduce_scatter(self, x, dim):
+        src = x if dim == 0 else ops.cat(ops.chunk(x, self.size, dim), 0)   # [n*.., d, ..]
+        return self.scatter(src)
 
 
 _COLLECTIVES = {}
@@ -371,15 +371,17 @@ _COLLECTIVES = {}
 
 def collectives(group=None):
     """The Collectives Cell of a group named by this module (default: the current TP group), one
-    per group and process. A model built for a rank of another layout (checkpoint conversion
-    builds them all in one process) gets one that holds no primitives: it is never run."""
+    per group and process: CpuCollectives on the CPU. A model built for a rank of another layout
+    (checkpoint conversion builds them all in one process) gets one that holds no primitives: it
+    is never run."""
     state = get_state()
     group = state.tp_group if group is None else group
+    kind = CpuCollectives if ms.get_context("device_target") == "CPU" else Collectives
     if group not in _GROUPS:
-        return Collectives(None, state.tp, state.tp_rank, "tp")
+        return kind(None, state.tp, state.tp_rank, "tp")
     if group not in _COLLECTIVES:
-        kind, ranks = _GROUPS[group]
-        _COLLECTIVES[group] = Collectives(group, len(ranks), ranks.index(state.rank), kind)
+        group_kind, ranks = _GROUPS[group]
+        _COLLECTIVES[group] = kind(group, len(ranks), ranks.index(state.rank), group_kind)
     return _COLLECTIVES[group]
 
 
@@ -397,20 +399,52 @@ def broadcast(t, src_global_rank, group):
 def exchange(t, peer_global_rank):
     """Send t to the peer and return the peer's same-shape tensor (Megatron's
     send_forward_recv_backward), on the two ranks' pair group, with mint.distributed: the
-    pipeline's hops, between compiled graphs. On CPU, which has no send/recv, one all_gather over
-    the pair."""
+    pipeline's hops, between compiled graphs (on the CPU, cpu_exchange)."""
     group = get_state().pair_groups[peer_global_rank]
     _record("pp_pair", "exchange", t.shape, t.dtype, group)
     if ms.get_context("device_target") == "CPU":
-        bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(2)]
-        dist.all_gather(bufs, t, group=group)
-        return bufs[group_ranks(group).index(peer_global_rank)]
+        return cpu_exchange(t, peer_global_rank, group)
     out = mint.zeros(t.shape, dtype=t.dtype)
     ops_ = [dist.P2POp(dist.isend, t.contiguous(), peer_global_rank, group=group),
             dist.P2POp(dist.irecv, out, peer_global_rank, group=group)]
     for handle in dist.batch_isend_irecv(ops_):
         handle.wait()
     return out
+
+
+# ----------------------------------------------------------------------------- on the CPU
+# MindSpore's CPU backend compiles only the AllReduce primitive (a sum, on any group) and has no
+# send/recv: every other collective is built from what it has, with the same results as the
+# native ones (a sum of zero-padded pieces gathers), at up to n times their traffic.
+class CpuCollectives(Collectives):
+    """Collectives whose all-gather is an AllReduce of a zero buffer holding this rank's slice,
+    and whose reduce-scatter, all-to-all and max are built from it."""
+
+    def build(self, group, size):
+        """Nothing beside the sum."""
+
+    def _max(self, x):
+        return self._gather(x.expand_dims(0), 0).max(axis=0)     # the max of the gathered
+
+    def _gather(self, x, dim):
+        pieces = [x if i == self.rank else ops.zeros_like(x) for i in range(self.size)]
+        return self.sum(ops.cat(pieces, dim))
+
+    def _all_to_all(self, x, scatter_dim, gather_dim):
+        """An all-gather along gather_dim, then this rank's piece of scatter_dim."""
+        whole = self._gather(x, gather_dim)
+        return ops.split(whole, x.shape[scatter_dim] // self.size, scatter_dim)[self.rank]
+
+    def _reduce_scatter(self, x, dim):
+        """An all-reduce, then this rank's slice."""
+        return ops.split(self.sum(x), x.shape[dim] // self.size, dim)[self.rank]
+
+
+def cpu_exchange(t, peer_global_rank, group):
+    """parallel.exchange on the CPU: one all_gather over the pair, the peer's half kept."""
+    bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(2)]
+    dist.all_gather(bufs, t, group=group)
+    return bufs[group_ranks(group).index(peer_global_rank)]
 
 
 # ============================================================================ mappings (f, g)
@@ -605,24 +639,6 @@ def shard(full, dim, rank, size, chunks=1):
     each of the `chunks` blocks is split separately and the slices are concatenated."""
     return np.concatenate([np.split(block, size, axis=dim)[rank]
                            for block in np.split(full, chunks, axis=dim)], axis=dim)
-
-
-def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
-    """Full tensors from the per-TP-rank `shards` (list of name -> array, TP rank order). A
-    tensor whose shard is smaller than its full shape was split along that dimension (in
-    `chunks_of(name)` blocks, e.g. 2 for SwiGLU's [gate; up]); the others are replicated."""
-    merged = {}
-    for name, shape in full_shapes.items():
-        parts = [s[name] for s in shards]
-        split = [axis for axis, (a, b) in enumerate(zip(parts[0].shape, shape)) if a != b]
-        if not split:
-            merged[name] = parts[0]
-            continue
-        dim, chunks = split[0], chunks_of(name)
-        blocks = [np.concatenate([np.split(part, chunks, axis=dim)[c] for part in parts], axis=dim)
-                  for c in range(chunks)]
-        merged[name] = np.concatenate(blocks, axis=dim)
-    return merged
 
 
 def _param(shape, name, partition_dim=None, chunks=1):

@@ -138,9 +138,10 @@ MODULES = {"tokenizer": "tokenizer", "data": "data", "parallel": "parallel",
            **{name: f"settings.{name}" for name in ("keys", "config", "cli")},
            **{name: f"formats.{name}" for name in ("torch_format", "megatron_checkpoint",
                                                    "dist_checkpoint", "checkpoint", "hf_gpt2")},
-           **{name: f"tools.{name}" for name in ("flight_recorder", "memory", "sample",
-                                                 "profiler", "metrics", "bench_torch", "bench",
-                                                 "bench_fusions", "tour")}}
+           **{name: f"tools.{name}" for name in ("flight_recorder", "ledger", "timeline",
+                                                 "memory", "sample", "profiler", "metrics",
+                                                 "logs", "bench_torch", "bench", "bench_fusions",
+                                                 "tour")}}
 ENTRY_POINTS = ("train", "bench", "bench_fusions", "tour", "flight_recorder", "bench_torch")
 
 
@@ -9463,7 +9464,7 @@ def test_parallel_checkpoint_merges_to_the_one_process_model(runs, layout, capsy
     shards, meta = checkpoint.load_shards(str(folder))
     assert len(shards) == meta["layout"]["tp"]
     full = {k: v.shape for k, v in one.items() if k.startswith("model.")}
-    merged = parallel.merge_tensor_parallel(shards, full)
+    merged = megatron_checkpoint.merge_tensor_parallel(shards, full)
     for name in full:
         if reference.endswith("_fp16"):
             a, b = merged[name].astype(np.float64), one[name].astype(np.float64)

@@ -758,7 +758,7 @@ def full_state(root, optimizer=True, step=None):
     full_shapes = {}
     for name, param in one.parameters_and_names():
         full_shapes.update({f"{prefix}.{name}": tuple(param.shape) for prefix in prefixes})
-    return parallel.merge_tensor_parallel(
+    return megatron_checkpoint.merge_tensor_parallel(
         shards, full_shapes, lambda name: megatron_checkpoint.tp_chunks(model_cfg, name)), meta
 
 

@@ -27,7 +27,6 @@ import numpy as np
 import moe
 from formats import torch_format
 from optimizer import no_weight_decay
-from parallel import merge_tensor_parallel
 from settings import keys
 from settings.cli import PROJECT
 from settings.config import ConfigError, fc1_chunks
@@ -815,6 +814,24 @@ def rank_arrays(state, offsets, ep_rank=0, path="the file"):
         shapes = {n: arrays[f"model.{n}"].shape for n in names}
         arrays.update(optimizer_arrays(state["optimizer"], names, shapes, path)[0])
     return arrays
+
+
+def merge_tensor_parallel(shards, full_shapes, chunks_of=lambda name: 1):
+    """Full tensors from the per-TP-rank `shards` (list of name -> array, TP rank order). A
+    tensor whose shard is smaller than its full shape was split along that dimension (in
+    `chunks_of(name)` blocks, e.g. 2 for SwiGLU's [gate; up]); the others are replicated."""
+    merged = {}
+    for name, shape in full_shapes.items():
+        parts = [s[name] for s in shards]
+        split = [axis for axis, (a, b) in enumerate(zip(parts[0].shape, shape)) if a != b]
+        if not split:
+            merged[name] = parts[0]
+            continue
+        dim, chunks = split[0], chunks_of(name)
+        blocks = [np.concatenate([np.split(part, chunks, axis=dim)[c] for part in parts], axis=dim)
+                  for c in range(chunks)]
+        merged[name] = np.concatenate(blocks, axis=dim)
+    return merged
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

@@ -4,7 +4,7 @@ Every collective the project runs (parallel.py: the Collectives ops, broadcast, 
 exchange, barrier, any_rank) is an event in a ring buffer of the last EVENTS: its sequence number,
 op, group (name and ranks), its index among the group's collectives on this rank, shape, dtype and
 the line of the project's code that asked for it. A compiled graph's call is one event that holds
-the collectives recorded while it was compiled (as parallel.ledger counts them). PyTorch's
+the collectives recorded while it was compiled (as the ledger counts them). PyTorch's
 flight recorder (torch/csrc/distributed/c10d/FlightRecorder.hpp) keeps the same entries per NCCL
 call; here the CPU's collectives are MindSpore's, so the recorder lives in Python.
 

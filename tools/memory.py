@@ -471,7 +471,7 @@ def stage_activations(cfg, rank):
 
 # ============================================================================ communication
 def communication(cfg, rank):
-    """Collectives per step on a rank of pipeline stage `rank`, as parallel.ledger counts them
+    """Collectives per step on a rank of pipeline stage `rank`, as tools/ledger.py counts them
     ({(group kind, op): (calls, bytes of the input tensors)}), by the formulas
     test_ledger_counts_match_the_formulas checks: per micro-batch, tensor parallelism all-reduces
     [s, b, h] 4 times a layer, once for the embedding and once for the logits' gradient, plus the

@@ -16,10 +16,10 @@ RUNS.json`, which calls train.main per run); a row is printed as each run ends:
                   a DP sum instead of a mean makes it, moves the norm; Adam and clipping keep
                   the losses within 1e-7)
     comm MiB      what a step hands to collectives on the busiest rank, from the ledger
-                  (parallel.Ledger, training_config.log_comm_ledger) beside memory.communication's
+                  (tools/ledger.py, training_config.log_comm_ledger) beside memory.communication's
                   formula for that rank; "=" when every rank's ledger equals its formula, call
                   for call and byte for byte
-    bubble        the pipeline's measured idle / busy time (pipeline.write_timeline) beside
+    bubble        the pipeline's measured idle / busy time (timeline.write_timeline) beside
                   (p - 1) / (v m); each pipeline row leaves its timeline SVG in its folder
     peak MiB      the largest resident-memory growth of a rank during training (memory.RankReport)
                   beside that rank's estimate (memory.stage_memory, what `bash run.sh plan`
