@@ -696,7 +696,6 @@ def describe(name, dataset):
     return f"data: {name} blend of {len(dataset)} samples: {parts}"
 
 
-
 SPLITS = ("train", "valid", "test")
 SURPLUS = 0.005   # BlendedMegatronDatasetConfig.mid_level_dataset_surplus
 

@@ -224,18 +224,13 @@ def z_loss_func(logits, z_loss_coeff):
 class MoEAuxLossAutoScaler(nn.Cell):
     """Megatron's MoEAuxLossAutoScaler (moe_utils.py:291-341): the identity on an activation
     whose backward also sends `scale` as the gradient of `aux_loss`, so the backward adds
-    scale * d(aux_loss)/d(theta) without the loss joining the model's output. One instance per
-    call site (a custom-bprop Cell called twice in one ms.jit graph gets wrong gradients).
+    scale * d(aux_loss)/d(theta) without the loss joining the model's output. One per call site,
+    as every custom-bprop Cell. The scale is one Parameter for all layers, as Megatron's class
+    attribute, read at every call of a compiled graph; a bprop may not read a Parameter, so
+    callers pass `main_loss_backward_scale` in."""
 
-    The scale is one Parameter for all layers, as Megatron's class attribute: a bprop may not
-    read a Parameter, so callers pass `main_loss_backward_scale` in; compiled graphs read its
-    value at every call. It is read when the forward runs (Megatron: when the backward does)."""
-
-    main_loss_backward_scale = None
-
-    def __init__(self):
-        super().__init__()
-        MoEAuxLossAutoScaler.scale_parameter()
+    main_loss_backward_scale = Parameter(Tensor(1.0, F32), name="moe_aux_loss_scale",
+                                         requires_grad=False)      # Megatron's default: 1.0
 
     def construct(self, output, aux_loss, scale):
         return output
@@ -250,17 +245,9 @@ class MoEAuxLossAutoScaler(nn.Cell):
         return dout, ops.ones_like(aux_loss) * cast(scale, aux_loss.dtype), ops.zeros_like(scale)
 
     @staticmethod
-    def scale_parameter():
-        """The shared scale (created at the first call: 1.0, Megatron's default)."""
-        if MoEAuxLossAutoScaler.main_loss_backward_scale is None:
-            MoEAuxLossAutoScaler.main_loss_backward_scale = Parameter(
-                Tensor(1.0, F32), name="moe_aux_loss_scale", requires_grad=False)
-        return MoEAuxLossAutoScaler.main_loss_backward_scale
-
-    @staticmethod
     def set_loss_scale(scale):
         """The factor of every aux and z gradient from now on (the trainer: loss_scale / M)."""
-        MoEAuxLossAutoScaler.scale_parameter().set_data(Tensor(float(scale), F32))
+        MoEAuxLossAutoScaler.main_loss_backward_scale.set_data(Tensor(float(scale), F32))
 
 
 class TopKRouter(nn.Cell):
@@ -271,48 +258,40 @@ class TopKRouter(nn.Cell):
 
     `tracker`: a hook, None or a Cell (index, value) that what logs the losses attaches
     (tools/logs.py): each value Megatron records under the name METRICS[index] is given to it
-    (Megatron's save_to_aux_losses_tracker); `metric_names` lists those this router gives."""
+    (Megatron's save_to_aux_losses_tracker)."""
 
     def __init__(self, cfg, tp_cp_group=None):
         super().__init__()
-        state = parallel.get_state()
-        self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
-        self.score_function = cfg.moe_router_score_function
-        self.pre_softmax = cfg.moe_router_pre_softmax
-        self.scaling_factor = cfg.moe_router_topk_scaling_factor
-        self.router_dtype = F32 if cfg.moe_router_dtype == "fp32" else None
-        self.capacity_factor = cfg.moe_expert_capacity_factor
-        self.drop_policy, self.pad = cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity
-        self.load_balancing_type = cfg.moe_router_load_balancing_type
-        balancing = self.load_balancing_type in ("aux_loss", "seq_aux_loss")
+        self.cfg, self.topk = cfg, cfg.moe_router_topk
+        balancing = cfg.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss")
         # get_aux_loss_coeff (router.py:388-401): type "none" has no coefficient
         self.aux_loss_coeff = cfg.moe_aux_loss_coeff if balancing else 0.0
-        self.z_loss_coeff = cfg.moe_z_loss_coeff
         self.tp_cp = parallel.collectives(tp_cp_group)
-        self.weight = Parameter(Tensor(np.zeros((self.num_experts, cfg.hidden_size), np.float32)),
-                                name="weight")
-        self.bias = Parameter(Tensor(np.zeros(self.num_experts, np.float32)), name="bias") \
+        self.weight = Parameter(Tensor(np.zeros((cfg.num_moe_experts, cfg.hidden_size),
+                                                np.float32)), name="weight")
+        self.bias = Parameter(Tensor(np.zeros(cfg.num_moe_experts, np.float32)), name="bias") \
             if cfg.add_bias_linear else None
         # each TP rank routes its own tokens (router.py:85-88)
-        parallel.mark_sequence_parallel(self.get_parameters(), state.sequence_parallel)
+        sequence_parallel = parallel.get_state().sequence_parallel
+        parallel.mark_sequence_parallel(self.get_parameters(), sequence_parallel)
         self.aux_loss_scaler, self.z_loss_scaler = MoEAuxLossAutoScaler(), MoEAuxLossAutoScaler()
-        names = [METRICS[self.load_balancing_type == "seq_aux_loss"]] if self.aux_loss_coeff else []
-        self.metric_names = tuple(names + (["z_loss"] if self.z_loss_coeff else []))
         self.tracker = None
 
     def construct(self, hidden):
         """routing() (router.py:746-837); the losses only in training with a backward recorded."""
-        s, b = hidden.shape[0], hidden.shape[1]
-        dtype = hidden.dtype if self.router_dtype is None else self.router_dtype
+        cfg, (s, b) = self.cfg, hidden.shape[:2]
+        dtype = F32 if cfg.moe_router_dtype == "fp32" else hidden.dtype
         logits = router_gating_linear(hidden.reshape(s * b, -1), self.weight, self.bias, dtype)
         training = self.training and grad_enabled()
-        if training and self.z_loss_coeff:
+        if training and cfg.moe_z_loss_coeff:
             logits = self.apply_z_loss(logits)                                    # [n, E]
         probs, routing_map = topk_routing_with_score_function(
-            logits, self.topk, self.pre_softmax, self.scaling_factor, self.score_function)
-        if self.capacity_factor is not None:
+            logits, self.topk, cfg.moe_router_pre_softmax, cfg.moe_router_topk_scaling_factor,
+            cfg.moe_router_score_function)
+        if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
-                probs, routing_map, self.topk, self.capacity_factor, self.drop_policy, self.pad)
+                probs, routing_map, self.topk, cfg.moe_expert_capacity_factor,
+                cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity)
         if training and self.aux_loss_coeff > 0:
             probs = self.apply_load_balancing_loss(probs, logits, s, b)
         return probs, routing_map
@@ -320,7 +299,7 @@ class TopKRouter(nn.Cell):
     def apply_z_loss(self, logits):
         """Megatron's apply_z_loss (router.py:642-709): the coefficient divided by |TP x CP|, so
         that the group's sum is coeff * the micro-batch's mean; logged as z / that coefficient."""
-        coeff = self.z_loss_coeff / self.tp_cp.size
+        coeff = self.cfg.moe_z_loss_coeff / self.tp_cp.size
         z_loss = z_loss_func(logits, coeff)
         if self.tracker is not None:
             self.tracker(2, z_loss / coeff)
@@ -332,16 +311,17 @@ class TopKRouter(nn.Cell):
         [s, b*E], each (sequence, expert) pair an expert, and divides by b: the mean over the
         sequences of their losses. The counts are summed over TP x CP (no gradient); T is the
         group's tokens (per sequence for seq_aux_loss). Logged as aux / coeff."""
-        routing_map, scores = compute_routing_scores_for_aux_loss(logits, self.topk,
-                                                                  self.score_function)
-        per_sequence = self.load_balancing_type == "seq_aux_loss"
+        routing_map, scores = compute_routing_scores_for_aux_loss(
+            logits, self.topk, self.cfg.moe_router_score_function)
+        per_sequence = self.cfg.moe_router_load_balancing_type == "seq_aux_loss"
         if per_sequence:
             routing_map = routing_map.reshape(seq_length, -1)                     # [s, b*E]
             scores = scores.reshape(seq_length, -1)
         tokens_per_expert = self.tp_cp.all_reduce(routing_map.sum(0))             # [E] or [b*E]
         total_num_tokens = scores.shape[0] * self.tp_cp.size
         aux_loss = switch_load_balancing_loss_func(scores, tokens_per_expert, total_num_tokens,
-                                                   self.topk, self.num_experts, self.aux_loss_coeff)
+                                                   self.topk, self.cfg.num_moe_experts,
+                                                   self.aux_loss_coeff)
         if per_sequence:
             aux_loss = aux_loss / bsz
         if self.tracker is not None:

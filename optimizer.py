@@ -148,7 +148,6 @@ class _Optimizer:
                 t.copy_(Tensor(np.asarray(d[f"{name}.{i}"], dtype=np.float32)))
 
 
-
 class AdamW(_Optimizer):
     """Adam with decoupled weight decay (Loshchilov & Hutter), = torch AdamW / apex
     FusedAdam(adam_w_mode)."""
@@ -440,7 +439,6 @@ class MixedPrecisionOptimizer:
                 main.copy_(param)
 
 
-
 class ChainedOptimizer:
     """Megatron's ChainedOptimizer (megatron/core/optimizer/optimizer.py): with experts, the dense
     parameters' optimizer and the experts' (moe.py), each taking the gradients of its own
@@ -452,7 +450,7 @@ class ChainedOptimizer:
 
     def __init__(self, optimizers, indices):
         self.optimizers, self.indices = optimizers, indices
-        self.scaler = optimizers[0].scaler
+        self.scaler, self.cast = optimizers[0].scaler, optimizers[0].cast
 
     def split(self, items):
         """One per parameter of the model -> one list per optimizer."""
@@ -477,7 +475,6 @@ class ChainedOptimizer:
     def reload_main_params(self):
         for opt in self.optimizers:
             opt.reload_main_params()
-
 
 
 def found_inf_and_norm(norm_sq, scaler):
@@ -544,19 +541,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             param.copy_(value)
 
 
-
 # ----------------------------------------------------------------------------- from the config
-def get_megatron_optimizer(cfg, model, ddp, state=None, cast=cast):
+def get_megatron_optimizer(cfg, model, ddp, scaler, state=None, cast=cast):
     """Megatron's get_megatron_optimizer for a model or a list of model chunks and its
     distributed.DistributedDataParallel `ddp`: the mixed-precision optimizer around
     AdamW/Adam/SGD (MixedPrecisionOptimizer), or, where ddp reduce-scatters, the
     DistributedOptimizer over each buffer's shards; one per buffer of ddp (the dense parameters,
-    the experts'), chained (ChainedOptimizer) when there are two. `cast`: the layer spec's."""
+    the experts'), chained (ChainedOptimizer) when there are two, sharing the loss `scaler`
+    (build_scaler). `cast`: the layer spec's."""
     state = state or get_state()
     chunks = model if isinstance(model, list) else [model]
     named = [item for chunk in chunks for item in chunk.parameters_and_names()]
     counted = counted_in_norm(chunks, state)
-    scaler = build_scaler(cfg)
     # ddp's buffers: the dense parameters', then the experts' if any. The norm over TP x PP; the
     # experts' also over EP (Megatron's expert_tensor_model_pipeline group)
     norm_groups = [[state.mp_group], [state.mp_group, state.ep_group if state.ep > 1 else None]]

@@ -40,16 +40,18 @@ def layer_split(num_layers, pp, vpp=1, num_layer_list=None):
     return list(zip(offsets, counts))
 
 
-def build_chunks(model_cfg, pp, pp_rank, vpp=1, num_layer_list=None, rng=None, recomputed=None):
-    """This pipeline rank's model chunks (gpt.model_provider, weights not initialised): chunk i
-    is virtual stage i * pp + pp_rank; the first virtual stage embeds, the last has the loss.
-    recomputed: per chunk, the layers full recompute rebuilds (config.recompute_counts)."""
+def build_chunks(provider, model_cfg, pp, pp_rank, vpp=1, num_layer_list=None, rng=None,
+                 recomputed=None):
+    """This pipeline rank's model chunks, each built by `provider` (Megatron's get_model with its
+    model_provider: gpt.model_provider; weights not initialised): chunk i is virtual stage
+    i * pp + pp_rank; the first virtual stage embeds, the last has the loss. recomputed: per
+    chunk, the layers full recompute rebuilds (config.recompute_counts)."""
     split = layer_split(model_cfg.num_layers, pp, vpp, num_layer_list)
     chunks = []
     for chunk in range(vpp):
         vs = chunk * pp + pp_rank
         offset, count = split[vs]
-        chunks.append(gpt.model_provider(
+        chunks.append(provider(
             model_cfg, pre_process=vs == 0, post_process=vs == len(split) - 1,
             layer_offset=offset, num_layers=count, rng=rng,
             recomputed_layers=None if recomputed is None else recomputed[chunk]))

@@ -2177,7 +2177,6 @@ def test_grad_norm_sq_detects_inf_and_nan():
         assert not math.isfinite(grad_norm_sq([ok[0], Tensor(arr)]))
 
 
-
 @pytest.mark.moe
 @pytest.mark.checkpoint
 def test_chained_optimizer_gathers_each_optimizers_state_over_its_parameters():
@@ -2185,7 +2184,7 @@ def test_chained_optimizer_gathers_each_optimizers_state_over_its_parameters():
     distributed optimizer gathers it so): each optimizer's over the names of its own parameters
     (`indices`, the dense ones then the experts'), joined, with the step."""
     class Part:
-        scaler = None
+        scaler = cast = None
 
         def __init__(self, tag):
             self.tag = tag
@@ -3061,7 +3060,7 @@ def np_losses(router, x, kind, score_function):
     """(aux / coeff, z / coeff) by hand: Switch's E * sum_e f_e P_e (per sequence, then the
     mean over sequences, for seq_aux_loss) and ST-MoE's mean of logsumexp^2."""
     s, b, h = x.shape
-    e, k = router.num_experts, router.topk
+    e, k = router.cfg.num_moe_experts, router.topk
     logits = (x.reshape(s * b, h) @ router.weight.asnumpy().T + router.bias.asnumpy())
     top = logits.max(-1, keepdims=True)
     z = np.mean((top[:, 0] + np.log(np.exp(logits - top).sum(-1))) ** 2)
@@ -3102,7 +3101,7 @@ def test_logged_aux_and_z_losses_equal_a_hand_computation(kind, score_function):
     np.testing.assert_allclose(logged[name], aux, rtol=1e-5)
     np.testing.assert_allclose(logged["z_loss"], z, rtol=1e-5)
     assert sum(logged.values()) == pytest.approx(aux + z, rel=1e-5)     # nothing else logged
-    assert router.metric_names == (name, "z_loss")
+    assert logs.router_metric_names(router) == (name, "z_loss")
 
 
 @pytest.mark.moe
@@ -3315,9 +3314,10 @@ def np_layer(layer, x):
     """The dropless layer in numpy with its own router (gelu_tanh or swiglu experts)."""
     s, b, h = x.shape
     tokens = x.reshape(s * b, h)
-    cfg = layer.router
-    probs, _ = np_route(tokens @ cfg.weight.asnumpy().T, cfg.topk, cfg.score_function,
-                        cfg.pre_softmax, cfg.scaling_factor)
+    router, cfg = layer.router, layer.router.cfg
+    probs, _ = np_route(tokens @ router.weight.asnumpy().T, router.topk,
+                        cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
+                        cfg.moe_router_topk_scaling_factor)
     out = np.zeros_like(tokens)
     for e, expert in enumerate(layer.experts.local_experts):
         y = tokens @ expert.linear_fc1.weight.asnumpy().T

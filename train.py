@@ -31,7 +31,7 @@ import optimizer as opt
 import parallel
 import pipeline
 from formats import checkpoint, hf_gpt2
-from gpt import Compiled, DropoutRNG, hidden_dtype, init_weights, layer_spec
+from gpt import Compiled, DropoutRNG, hidden_dtype, init_weights, layer_spec, model_provider
 from settings.cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
                           training_help)
 from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, main_grad_dtype,
@@ -182,7 +182,7 @@ def build_model(cfg, tokenizer, state):
     model_cfg.padded_vocab_size = padded_vocab_size(model_cfg, vocab)
     rng = DropoutRNG(cfg.training_config.seed, state.tp_rank)
     parallel_cfg = cfg.parallel_config
-    chunks = pipeline.build_chunks(model_cfg, state.pp, state.pp_rank,
+    chunks = pipeline.build_chunks(model_provider, model_cfg, state.pp, state.pp_rank,
                                    parallel_cfg.virtual_pipeline_model_parallel_size,
                                    parallel_cfg.num_layer_list, rng,
                                    recompute_counts(parallel_cfg, model_cfg)[state.pp_rank])
@@ -196,7 +196,7 @@ def optimizer_and_scheduler(cfg, model, ddp, state=None):
     DistributedDataParallel `ddp`: Megatron's get_megatron_optimizer (optimizer.py), casting
     with the layer spec's cast, and its get_optimizer_param_scheduler."""
     optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
-    optimizer = opt.get_megatron_optimizer(cfg, model, ddp, state,
+    optimizer = opt.get_megatron_optimizer(cfg, model, ddp, opt.build_scaler(cfg), state,
                                            layer_spec(cfg.model_config).cast)
     schedule = optimizer_cfg.learning_rate_scheduler_kwargs
     scheduler = opt.OptimizerParamScheduler(
@@ -237,7 +237,7 @@ class Trainer:
         self.params = [param for chunk in self.chunks for param in chunk.get_parameters()]
         model_cfg = cfg.model_config
         self.grad_dtype = parallel.DTYPES[main_grad_dtype(cfg)]   # micro-batches' gradients' sum
-        self.cast = layer_spec(model_cfg).cast              # the gradients' cast to grad_dtype
+        self.cast = optimizer.cast              # the gradients' cast to grad_dtype: the spec's
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
         dropout = model_cfg.hidden_dropout_rate or model_cfg.attention_dropout_rate
         self.compiled = cfg.training_config.use_jit and not dropout

@@ -33,7 +33,7 @@ from data import write_atomic
 from distributed import GradBuffer
 from formats import dist_checkpoint, megatron_checkpoint, torch_format
 from formats.megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
-from gpt import global_name, is_embedding_copy
+from gpt import global_name, is_embedding_copy, model_provider
 from parallel import F32
 from pipeline import build_chunks, layer_split
 from settings.cli import PROJECT_CONFIG, REQUIRED, from_saved, load_config, parse_command
@@ -727,7 +727,7 @@ def build_rank_chunks(model_cfg, tp, pp, tp_rank=0, pp_rank=0, vpp=1, num_layer_
         tp_group="", cp_group="", dp_group="", pp_group="", dp_cp_group="", mp_group="", ep=ep,
         ep_rank=ep_rank, sequence_parallel=tp > 1))     # shapes do not depend on SP; MoE needs it
     try:
-        return build_chunks(model_cfg, pp, pp_rank, vpp, num_layer_list)
+        return build_chunks(model_provider, model_cfg, pp, pp_rank, vpp, num_layer_list)
     finally:
         parallel.use_state(previous)
 

@@ -353,8 +353,17 @@ def report_router_losses(cells, loss_scale, num_moe_layers, pp_group=None, tp_cp
         dp = parallel.collectives(dp_group)
         totals = dp.all_reduce(totals) / dp.size
     values = (totals * loss_scale / num_moe_layers).asnumpy()
-    names = {name for router in found for name in router.metric_names}
+    names = {name for router in found for name in router_metric_names(router)}
     return {name: float(values[METRICS.index(name)]) for name in METRICS if name in names}
+
+
+def router_metric_names(router):
+    """The names of METRICS a router records: its balancing loss's (with a coefficient) and the
+    z-loss (with one)."""
+    cfg = router.cfg
+    balancing = [METRICS[cfg.moe_router_load_balancing_type == "seq_aux_loss"]]
+    return tuple((balancing if router.aux_loss_coeff else [])
+                 + (["z_loss"] if cfg.moe_z_loss_coeff else []))
 
 
 if __name__ == "__main__":          # imported by train.py, not a script
