@@ -127,9 +127,9 @@ class DistributedDataParallel:
 
 def finalize_model_grads(grads, params, state, ddp):
     """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
-    reduction of a step's gradients, in one place, after the last backward, in the gradients'
-    dtype (Megatron's main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32
-    parameters, else the parameters' half precision):
+    reduction of a step's gradients, after the last backward, in the gradients' dtype (Megatron's
+    main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32 parameters, else the
+    parameters' half precision):
       1. sequence parallelism: norm weights and row-parallel biases saw only this rank's shard of
          the sequence, so their gradients (marked `sequence_parallel`) are all-reduced over TP;
       2. tied embeddings over pipeline stages: the first stage's word embedding and the last

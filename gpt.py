@@ -720,9 +720,8 @@ class CrossEntropy(nn.Cell):
 
 class GPTModel(nn.Cell):
     """Megatron's GPTModel: the embedding, the layers [layer_offset, layer_offset + num_layers),
-    the final norm and the output layer; the whole model by default, or one pipeline stage
-    (`pre_process`: it embeds, `post_process`: it ends with the loss). Built with the layer
-    spec's forms (layer_spec); model_provider builds one as training does.
+    the final norm and the output layer, with the layer spec's forms; the whole model, or one
+    pipeline stage (`pre_process`: it embeds, `post_process`: it ends with the loss).
 
     construct(x, position_ids, attention_mask, labels, loss_mask):
       x: token ids [b, s] if pre_process, else hidden states [s, b, h] from the previous stage;

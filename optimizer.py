@@ -352,8 +352,7 @@ class MixedPrecisionOptimizer:
          params.
     `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
     Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all).
-    `cast(t, dtype)`: parallel.cast, or its op-by-op fast form the layer spec gives
-    (gpt.layer_spec: fused.eager_cast)."""
+    `cast(t, dtype)`: the layer spec's (parallel.cast or its fast form, fused.eager_cast)."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                  norm_groups, counted, cast=cast):
@@ -377,14 +376,13 @@ class MixedPrecisionOptimizer:
     def step(self, grads, lr, wd):
         """Megatron's optimizer.step() from the step's reduced gradients (model dtype or float32,
         still scaled): prepare_grads, then on overflow nothing more, else clip_grad_norm and
-        step_with_ready_grads. Returns (update_successful, grad_norm, num_zeros_in_grad): the norm
-        is inf or nan on overflow (the train line shows it), num_zeros_in_grad None (Megatron
-        counts zeros only with --log-num-zeros-in-grad, which this project does not offer)."""
+        step_with_ready_grads. Returns (update_successful, grad_norm): the norm is inf or nan on
+        overflow (the train line shows it)."""
         found_inf, main_grads, grad_norm = self.prepare_grads(grads)
         if found_inf:                               # weights, state and schedule untouched
-            return False, grad_norm, None
+            return False, grad_norm
         main_grads = self.clip_grad_norm(main_grads, grad_norm)
-        return self.step_with_ready_grads(main_grads, lr, wd), grad_norm, None
+        return self.step_with_ready_grads(main_grads, lr, wd), grad_norm
 
     def prepare_grads(self, grads):
         """Megatron's prepare_grads: the main grads (float32, divided by the loss scale), whether
@@ -467,10 +465,10 @@ class ChainedOptimizer:
         norm_sq = sum(opt.global_norm_sq(gs) for opt, gs in zip(self.optimizers, main_grads))
         found_inf, grad_norm = found_inf_and_norm(norm_sq, self.scaler)
         if found_inf:
-            return False, grad_norm, None
+            return False, grad_norm
         for opt, gs in zip(self.optimizers, main_grads):
             opt.step_with_ready_grads(opt.clip_grad_norm(gs, grad_norm), lr, wd)
-        return True, grad_norm, None
+        return True, grad_norm
 
     def reload_main_params(self):
         for opt in self.optimizers:

@@ -3,15 +3,16 @@
 
 Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `check --nproc N [flags]`
 (what run.sh runs before msrun: the config, the layout for N workers and the input files, checked
-in one process), `generate --load DIR --prompt TEXT` (sample.py), and the checkpoint commands
-`convert`, `import-hf`, `export-hf`, `import-megatron` (checkpoint.py, hf_gpt2.py), and
-`plan --world-size N` (memory.py): the table COMMANDS.
+in one process), `generate --load DIR --prompt TEXT` (tools/sample.py), and the checkpoint
+commands `convert`, `import-hf`, `export-hf`, `import-megatron` (formats/), and `plan --world-size
+N` (tools/memory.py): the table COMMANDS.
 
 One training step (Megatron's train_step, one process):
   for each of micro_batch_num micro-batches: loss_i * loss_scale / micro_batch_num, backward,
   gradients summed; then their data-parallel reduction (distributed.py) and optimizer.step()
   (optimizer.py): unscale, check inf/nan (skip the step if found), clip, update with the
-  scheduler's lr and weight decay.
+  scheduler's lr and weight decay. What a run prints and records watches the steps from outside
+  (tools/logs.py).
 """
 import contextlib
 import os
@@ -223,10 +224,9 @@ def to_tensors(batch, state=None):
 class Trainer:
     """Megatron's train_step: forward and backward over a step's micro-batches (through the
     pipeline's schedule with pipeline parallelism), the gradients' reductions, the optimizer's
-    step. `model`: a GPTModel, or this rank's list of model chunks; `ddp`:
-    distributed.build_data_parallel's; `optimizer` and `scheduler`: optimizer_and_scheduler's.
-    `phase(name)`: a context manager around each phase of a step and each pipeline pass, for
-    what observes them (tools/logs.Timers); none by default."""
+    step, for `model`, a GPTModel or this rank's list of model chunks. `phase(name)`: a context
+    manager around each phase of a step and each pipeline pass, for what observes them
+    (tools/logs.Timers)."""
 
     def __init__(self, cfg, model, ddp, optimizer, scheduler, state=None,
                  phase=contextlib.nullcontext):
@@ -293,7 +293,7 @@ class Trainer:
             grads = distributed.finalize_model_grads(grads, self.params, self.state, self.ddp)
         with self.phase("optimizer"):
             lr = self.scheduler.get_lr()
-            updated, grad_norm, _ = self.optimizer.step(grads, lr, self.scheduler.get_wd())
+            updated, grad_norm = self.optimizer.step(grads, lr, self.scheduler.get_wd())
             if updated:                              # Megatron: a skipped step does not count
                 self.scheduler.step(1)
         loss = sum(losses) / len(micro_batches) if losses else 0.0   # none before the last stage

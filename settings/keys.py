@@ -477,26 +477,26 @@ MODEL = [
         "SwiGLU with a hand backward reusing its sigmoid (fused.SwiGLU)",
         switch={"--use-fused-swiglu": True, "--no-bias-swiglu-fusion": False}),
     key("model_config.apply_rope_fusion", True, bool, None,
-        "RoPE with its backward written out (fused.Rotary)",
+        "RoPE with its backward written out (fused.FusedRotary)",
         switch={"--apply-rope-fusion": True, "--no-rope-fusion": False}),
     key("model_config.use_fused_rmsnorm", True, bool, None,
-        "RMSNorm with its mean as a matmul and a hand backward (fused.RMSNorm)",
+        "RMSNorm with its mean as a matmul and a hand backward (fused.FusedRMSNorm)",
         switch={"--use-fused-rmsnorm": True}),
     key("model_config.persist_layer_norm", True, bool, None,
-        "LayerNorm with its means as matmuls and a hand backward (fused.LayerNorm); false: "
+        "LayerNorm with its means as matmuls and a hand backward (fused.FusedLayerNorm); false: "
         "the LayerNorm kernel", switch={"--no-persist-layer-norm": False}),
     key("model_config.bias_gelu_fusion", True, bool, None,
         "fc1's bias added inside the GELU, one hand backward (fused.BiasGelu)",
         switch={"--no-bias-gelu-fusion": False}),
     key("model_config.masked_softmax_fusion", True, bool, None,
         "the attention's scale, mask and softmax with row sums as a matmul "
-        "(fused.ScaledMaskedSoftmax)", switch={"--no-masked-softmax-fusion": False}),
+        "(fused.FusedScaleMaskSoftmax)", switch={"--no-masked-softmax-fusion": False}),
     key("model_config.bias_dropout_fusion", True, bool, None,
         "the output linears' biases added with the dropout and residual "
-        "(fused.BiasDropoutAdd)", switch={"--no-bias-dropout-fusion": False}),
+        "(fused.FusedBiasDropoutAdd)", switch={"--no-bias-dropout-fusion": False}),
     key("model_config.cross_entropy_loss_fusion", True, bool, None,
-        "the loss from one softmax with a hand backward (fused.CrossEntropy; Megatron's default "
-        "is off, measured 2.7x faster here)",
+        "the loss from one softmax with a hand backward (fused.FusedCrossEntropy; Megatron's "
+        "default is off, measured 2.7x faster here)",
         switch={"--cross-entropy-loss-fusion": True, "--no-cross-entropy-loss-fusion": False}),
     inert("accelerate_config.precision.fused_operators", _FUSED_OPS),
     inert("accelerate_config.precision.nofused_operators", _FUSED_OPS),

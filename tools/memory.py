@@ -183,8 +183,8 @@ def stage_parameters(cfg, rank):
 
 def optimizer_bytes(cfg, params, experts=0):
     """Bytes of float32 optimizer state and main params on a rank holding `params` parameters,
-    `experts` of them routed experts' (see the module doc). The distributed optimizer (train.
-    build_optimizer, with several dp x cp ranks) shards the dense parameters over the dp x cp
+    `experts` of them routed experts' (see the module doc). The distributed optimizer
+    (optimizer.get_megatron_optimizer, with several dp x cp ranks) shards the dense parameters over the dp x cp
     ranks and the experts' over their expert-data-parallel group of dp x cp / ep ranks (as
     Megatron's expert optimizer does), each shard a float32 copy with its state; a group of one
     rank still keeps the whole copy."""
@@ -640,7 +640,7 @@ def _expert_collectives(cfg, rank, add):
     (forward), the dispatcher's (moe.MoEAllGatherTokenDispatcher: tokens [n, h] and probs
     [n, E] all-gathered over TP x EP, the output [N, h] reduce-scattered, N = n tp ep, and
     backward the reverse of each; moe.MoEAlltoAllTokenDispatcher over EP: tokens, probs and
-    output [E C, h], [E C], [E C, h] forward and backward, TP 1); per step report_metrics' sums
+    output [E C, h], [E C], [E C, h] forward and backward, TP 1); per step the routers' losses' sums
     [3] over PP, TP x CP and DP, the experts' norm over EP and their gradients over the
     expert-data-parallel group."""
     model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
@@ -662,7 +662,7 @@ def _expert_collectives(cfg, rank, add):
     _dispatcher_collectives(model_cfg, tp, ep, tokens, calls, size.compute, probs, add)
     for kind, ranks in (("pp", pp), (tp_cp, tp * cp), ("dp", dp)):
         if ranks > 1:
-            add(kind, "all_reduce", 1, 3 * F32_BYTES)              # report_metrics
+            add(kind, "all_reduce", 1, 3 * F32_BYTES)              # the routers' losses (logs.py)
     if ep > 1:
         add("ep", "all_reduce", 1, F32_BYTES)                      # the experts' norm
     experts_here = expert_parameters(cfg, rank)
