@@ -1,58 +1,72 @@
 """The test suite: `bash run.sh test` (or `pytest test_all.py` in the activated venv).
 
-Sections, in the order of the modules' layers, each under a banner `# ==== name` below:
+Sections, in the order of the modules' layers, each under a banner `# ==== name` below; a
+concept's section holds its one-process tests and its proofs on msrun workers:
   structure
       a library module run directly names its command; imports go one way, none in a function;
       lines <= 100 characters, functions <= 60 lines
   config (keys.py, config.py, cli.py)
-      Megatron flags and YAML keys, one-line errors, config files, the guides' keys and files, help
+      Megatron flags and YAML keys, one-line errors, config files, the guides' keys and files
+      (trained shrunk on 2 workers, their script launched), help; the layouts' flags
   data (tokenizer.py, data.py)
       tokenizers, indexed dataset, preprocessing, GPTDataset indices and caches, the sampler
+  tensor + sequence parallel (parallel.py)
+      on 2 and 4 workers: process groups and collectives, each layer and mapping against its
+      dense form, TP2 and TP2 + SP beside one process, a planted bug, the ledger; the helpers of
+      every concept's checks and proofs on workers
+  data parallel (distributed.py)
+      DP2 and the distributed optimizer on workers: a step's gradients, training beside one
+      process (TP2 x DP2 on a blend too), planted bugs, the ledger
   optimizer (optimizer.py)
       schedules, AdamW/Adam/SGD against numpy, the fused Adam, clipping, loss scaling
   context parallel (context_parallel.py)
-      each cp rank's tokens, the zig-zag balance, the ring's online-softmax merge
+      each cp rank's tokens, the zig-zag balance, the ring's online-softmax merge; Ulysses, ring
+      and hybrid on workers: gradients, training, planted bugs, the ledger
   model (gpt.py)
       causality and training of each architecture option, init, masks, dropout, recompute
   moe (moe.py)
       the router against numpy, capacity and both drop policies by hand, the aux, seq-aux and
       z losses by hand and their injected gradients, the experts and both dispatchers against
-      a dense reference, shared experts, compiled equal to op by op, Megatron's names
+      a dense reference, shared experts, compiled equal to op by op, Megatron's names; the EP
+      layouts on workers: gradients and routing, training, a planted bug, the ledger
   pipeline schedules (pipeline.py)
-      1F1B, interleaved and all-forward-all-backward orders, simulation, bubble, refused layouts
+      1F1B, interleaved and all-forward-all-backward orders, simulation, bubble, refused layouts;
+      the pipeline layouts on workers: gradients, training, recompute with dropout, planted bugs
   memory (memory.py)
       parameters and activations by hand, the measured peak, `plan`, its FLOPs, the presets
   checkpoint formats (torch_format.py, megatron_checkpoint.py)
       torch.save files read and written, Megatron-LM checkpoints imported and named both ways
   checkpoint (checkpoint.py, hf_gpt2.py, sample.py)
-      convert, save/stop/resume, damage, GPT-2 import/export, generate
+      convert, save/stop/resume, damage, GPT-2 import/export, generate; the layouts' checkpoints
+      on workers stopped and resumed, converted, in Megatron's formats, merged to one process
   metrics (metrics.py)
       metrics.jsonl, loss.svg, TensorBoard's event file read back by its specification; a short
       run's own files, a killed run resumed
   training (train.py, run.sh)
-      log line, FLOPs, profiler, loss, accumulation, resume, half precision, run.sh's launch flags
+      log line, FLOPs, profiler, loss, accumulation, resume, half precision, run.sh's launch
+      flags, two run.sh launches as one job
+  flight recorder (flight_recorder.py)
+      the records, the watchdog and the diagnosis; on workers a failing rank, a killed worker,
+      planted communication faults, a late rank in a compiled graph
   README and docs (README.md, docs/*.md)
-      every printed command valid, every named `module.name` and test exists, links resolve
-  msrun harness (this file on the msrun workers)
-      the jobs (JOBS): parallel.py's checks, each layout's gradients, every layout's training
-      beside one process, resumes, conversions, planted bugs; the Harness that runs them
-  msrun tests (parallel.py and the layouts, 2 and 4 workers)
-      a test per check family and job (`pytest test_all.py -k row_parallel`), every layout
-      against one process (losses and gradient norms), each planted bug caught, resumes,
-      conversions, the ledger, failures, two launches as one job, each concept's own jobs
+      every printed command valid, every named `module.name` and test exists, links resolve;
+      each concept's selection starts only its own jobs
   tour (tour.py, bash run.sh tour)
       a subset of the tour's layouts beside one process, its rows; a layout that differs stops it
-Concepts (pytest.ini's marks): `bash run.sh test -m pipeline` runs the pipeline's tests, and only
-the jobs they read (their `reads` marks) start. The msrun harness makes this file the workers'
-program too: `python test_all.py JOBS.json` (the `__main__` block at the end). The jobs a session
-needs start in a background thread as it starts (Harness), so the one-process sections run while
-the workers train: the sections that wait for jobs come last.
+  the harness's launches (conftest.py)
+      every launch of the session ended cleanly
+The msrun harness is conftest.py, which pytest loads beside this file: the jobs (conftest.JOBS)
+that each section registers as this file is imported, and the Harness that runs the jobs the
+selected tests read in background threads as the session starts, so the one-process tests run
+while the workers train; the tests that wait for the workers run after all the others, each
+group in this file's order. On the workers this file is the program: `python test_all.py
+JOBS.json` (the `__main__` block at the end). Concepts (pytest.ini's marks): `bash run.sh test -m
+pipeline` runs the pipeline's tests, and only the jobs they read (their `reads` marks) start.
 CPU; float32, and float16 where a test says so.
 """
 import argparse
 import ast
 import collections
-import concurrent.futures
 import contextlib
 import functools
 import glob
@@ -74,9 +88,7 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
-import traceback
 import zipfile
 import zlib
 from types import SimpleNamespace
@@ -113,6 +125,10 @@ from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_toke
 from tools import (bench, bench_fusions, flight_recorder, logs, memory, metrics, sample,
                    timeline, tour)
 from tools.ledger import LEDGER as ledger
+# the msrun harness, which pytest loaded first (this import is that module)
+from conftest import (JOBS, PARALLEL_RUN, REFERENCE, STEPS, add, check_lines, converted,
+                      layout, mixture_flags, needed_jobs, reading, reads, resumed, run_jobs,
+                      shakespeare_bytes)
 
 # The suite runs its msrun launches beside its one-process tests on a few cores: every process it
 # starts, and this one, takes one thread (train.setup_mindspore divides the cores by
@@ -126,7 +142,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = os.path.join(HERE, "data", "gpt2-vocab.json")
 MERGES = os.path.join(HERE, "data", "gpt2-merges.txt")
 SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
-ALICE = os.path.join(HERE, "data", "alice_in_wonderland.txt")
 
 
 # ======================================================================================== structure
@@ -143,6 +158,7 @@ MODULES = {"tokenizer": "tokenizer", "data": "data", "parallel": "parallel",
                                                  "logs", "bench_torch", "bench", "bench_fusions",
                                                  "tour")}}
 ENTRY_POINTS = ("train", "bench", "bench_fusions", "tour", "flight_recorder", "bench_torch")
+SUITE = ("test_all", "conftest")          # the suite's own files: this one and its msrun harness
 
 
 def module_path(module):
@@ -171,11 +187,11 @@ def test_the_pytorch_reference_imports_nothing_of_mindspore():
 
 
 def test_lines_and_functions_stay_short():
-    """The reading rules of the design card, for every Python file of the project (this one
+    """The reading rules of the design card, for every Python file of the project (the suite's
     too): no line over 100 characters, no function over 60 lines (decorators and docstring
     included)."""
     long_lines, long_functions = [], []
-    for module in [*MODULES, "test_all"]:
+    for module in [*MODULES, *SUITE]:
         path = os.path.join(HERE, module_path(module))
         text = open(path).read()
         long_lines += [f"{module}.py:{n}" for n, line in enumerate(text.splitlines(), 1)
@@ -193,7 +209,7 @@ def test_code_cites_no_outside_file_and_no_dated_measurement():
     """Comments a reader can follow: no reference to a file outside the repository (users have
     only the repository), no dated measurement in code (figures and dates live in docs/) and no
     history (this project's issue numbers)."""
-    files = [module_path(m) for m in [*MODULES, "test_all"]] + ["run.sh", "config.yaml"] + [
+    files = [module_path(m) for m in [*MODULES, *SUITE]] + ["run.sh", "config.yaml"] + [
         os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "configs", "*.yaml"))]
     found = [f"{name}:{n}" for name in files
              for n, line in enumerate(open(os.path.join(HERE, name)).read().splitlines(), 1)
@@ -837,6 +853,175 @@ def test_bad_config_exit_code_from_the_command_line(tmp_path):
     assert result.returncode == 2
     assert (result.stderr.strip().splitlines()
             == ["error: model_config.hidden_size must be positive, got -4"])
+
+
+# ---------------------------------------------------- the guides' files and script on msrun workers
+# each guide file (configs/guides) shrunk by flags appended after it, on the byte-level corpus,
+# in its own precision (bfloat16 -> float16 on this CPU): name: (files, the flags that fit it
+# here, one process's layout, a 2-worker layout with TP or PP)
+GUIDE_STEPS = 2
+GUIDE_SHRINK = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hidden-size", "64",
+                "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
+                "--max-position-embeddings", "32", "--micro-batch-size", "2",
+                "--global-batch-size", "4", "--train-iters", str(GUIDE_STEPS),
+                "--log-interval", "1", "--eval-iters", "0", "--initial-loss-scale", "4096",
+                "--no-jit"]
+TO_FP16 = ["model_config.compute_dtype=float16"]
+ONE_HALF_LAYER = [*TO_FP16, "--num-layers", "1"]           # as HALF: float16 is slow here
+ONE_LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+GUIDE_RUNS = {
+    "guide_001_gpt2_13b": (["gpt2_13b.yaml"], ["context.device_target=CPU",
+                           "parallel_config.data_parallel_size=null",
+                           "parallel_config.micro_batch_num=2"],
+                           ONE_LAYOUT, ["--tensor-model-parallel-size", "1",
+                                        "--pipeline-model-parallel-size", "2"]),
+    "guide_002_example": (["mindspore_transformers_example.yaml"], ONE_HALF_LAYER, ONE_LAYOUT,
+                          ["--tensor-model-parallel-size", "2"]),
+    "guide_000_pangu_38b": ([os.path.basename(f) for f in PANGU],
+                            [*ONE_HALF_LAYER, "--num-query-groups", "2",
+                             "model_config.vocab_size=null"],
+                            [*ONE_LAYOUT, "parallel_config.sequence_parallel=false"],
+                            ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                             "1"]),
+}
+
+
+def guide_run(name, workers):
+    """The argv of a GUIDE_RUNS entry (its job: `name` on 2 workers, `name`_one in one process):
+    its files, verbatim, then the flags appended after them."""
+    files, fit, one, two = GUIDE_RUNS[name]
+    configs = [a for f in files for a in ("--config", os.path.join(GUIDES, f))]
+    job = name if workers == 2 else f"{name}_one"
+    return lambda tmp, prefix: [*configs, *GUIDE_SHRINK, "--data-path", prefix, *fit,
+                                *(one if workers == 1 else two), "--save", str(tmp / job)]
+
+
+for _guide in GUIDE_RUNS:
+    add(f"{_guide}_one", 1, "", argv=guide_run(_guide, 1))
+    add(_guide, 2, "", argv=guide_run(_guide, 2))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=reads(n, f"{n}_one"))
+                                  for n in sorted(GUIDE_RUNS)])
+def test_the_guides_files_train_shrunk(runs, name):
+    """Each guide file, verbatim, shrunk by flags appended after it (GUIDE_RUNS), trains 2 steps
+    in one process and on 2 workers (TP2 or PP2) in its own precision, float16 where the guide
+    says bfloat16 (its loss scale logged): the layouts' losses and gradient norms agree."""
+    one, par = train_lines(runs.folder(f"{name}_one")), train_lines(runs.folder(name))
+    assert len(one) == len(par) == GUIDE_STEPS
+    fp16 = GUIDE_RUNS[name][1][:1] == TO_FP16
+    assert ("Loss_scale: 4096.0" in one[-1]) == ("Loss_scale: 4096.0" in par[-1]) == fp16
+    assert_trains_like(runs.tmp / name, runs.tmp / f"{name}_one",
+                       tour.FLOAT16 if fp16 else tour.FLOAT32)
+
+
+# run.sh's MS_NODE_TIMEOUT of 10 s, raised as README says for a busy machine: the calls that launch
+# run.sh themselves run beside the one-process tests, where a worker can wait longer for a peer
+# that compiles
+BUSY_MACHINE = dict(os.environ, MS_NODE_TIMEOUT="90")
+
+
+def call_guides_script(harness):
+    """003's pretrain_single.sh as a reader would run it: its paths filled in, GPUS_PER_NODE=2,
+    the guide's "\\ " defect fixed, `torchrun $DISTRIBUTED_ARGS pretrain_gpt.py` replaced by
+    `bash run.sh $DISTRIBUTED_ARGS` (msrun's logs in its folder, not the project's output/), and
+    shrunk by flags appended after its last line: (its checkpoint folder, the finished script)."""
+    folder = harness.tmp / "guides_script"
+    folder.mkdir()
+    script = open(os.path.join(GUIDES, "pretrain_single.sh")).read()
+    ckpt = folder / "ckpt"
+    shrink = " ".join(GUIDE_SHRINK[2:])      # without the byte tokenizer: the script's GPT-2 stays
+    for old, new in (("GPUS_PER_NODE=8", "GPUS_PER_NODE=2"),
+                     ("CHECKPOINT_PATH=./ckpt", f"CHECKPOINT_PATH={ckpt}"),
+                     ("./gpt-tokenizer/gpt2-vocab.json", "data/gpt2-vocab.json"),
+                     ("./gpt-tokenizer/gpt2-merges.txt", "data/gpt2-merges.txt"),
+                     ("./gpt_pretrain_data/alpaca_text_document",
+                      "data/tinyshakespeare_text_document"),
+                     ("--hidden-size 1024 \\ \n", "--hidden-size 1024 \\\n"),
+                     ("torchrun $DISTRIBUTED_ARGS pretrain_gpt.py",
+                      f"bash {HERE}/run.sh $DISTRIBUTED_ARGS --log_dir {folder}/msrun_log"),
+                     ("--ckpt-format torch", f"--ckpt-format torch {shrink}")):
+        assert script.count(old) == 1, old
+        script = script.replace(old, new)
+    (folder / "pretrain_single.sh").write_text(script)
+    return ckpt, subprocess.run(["bash", str(folder / "pretrain_single.sh")], cwd=folder,
+                                capture_output=True, text=True, timeout=600, env=BUSY_MACHINE)
+
+
+add("guides_script", 0, "", call=call_guides_script, beside="launch")
+
+
+@reading("guides_script")
+def test_the_guides_pretrain_script_runs_on_two_workers(runs, tmp_path):
+    """003's pretrain_single.sh as a reader would run it (call_guides_script): two workers train
+    in float16 and save Megatron's torch format, which import-megatron reads back."""
+    ckpt, result = runs.result("guides_script")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    lines = train_lines(ckpt)
+    assert len(lines) == GUIDE_STEPS and all("Loss_scale: 4096.0" in l for l in lines), lines
+    log = (ckpt / "log" / "rank_0" / "info.log").read_text()
+    assert "(tp=1 cp=1 dp=2 pp=1)" in log, log[:2000]
+    assert (ckpt / f"iter_{GUIDE_STEPS:07d}" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    assert train.main(["import-megatron", str(ckpt), "--save", str(tmp_path / "ours")]) == 0
+
+
+# ------------------------------------------------------------------------------- the layouts' flags
+# The flags of the layouts the concept sections below train on msrun workers (conftest.py's
+# jobs), as Megatron spells them, and what they combine with: compilation, precision, recompute,
+# checkpoint formats, a blend. One-process tests use some of them too.
+TP2, SP, DISTOPT = (["--tensor-model-parallel-size", "2"], ["--sequence-parallel"],
+                    ["--use-distributed-optimizer"])
+PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
+VPP2, UNTIED = (["--virtual-pipeline-model-parallel-size", "2"],
+                ["--untie-embeddings-and-output-weights"])
+# context parallelism: Megatron's and MindSpeed's flags; models with RoPE and GQA
+# (8 heads, 4 groups)
+CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
+RING, HYBRID2 = (["--cp-comm-type", "p2p"],
+                 ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"])
+ROPE_GQA = ["--use-rotary-position-embeddings", "--num-attention-heads", "8",
+            "--group-query-attention", "--num-query-groups", "4"]
+ROPE = ROPE_GQA
+# experts: 4 of them, top-2, both balancing losses (moe.py); EP carved out of DP x CP
+MOE_CHECK = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+             "--disable-bias-linear"]
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
+# one layout per concept compiles, as production does; the pipeline's is the tour's pp (tour_pp)
+COMPILED = ["training_config.use_jit=true"]
+# pipelines: 4 layers, 2 micro-batches of 2 a step (stage 0: F0 F1 B0 B1, the 1F1B steady state
+# F1 B0 between warm-up and cool-down), evaluated at steps 2 and 4
+PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--global-batch-size", "4",
+                "--eval-iters", "1", "--eval-interval", "2"]
+# experts: micro-batches of 2 sequences in every layout (DP4 on 4 workers), since the balancing
+# losses are the micro-batch's
+MOE_RUN = MOE_CHECK + ["--micro-batch-size", "2", "--global-batch-size", "8"]
+# without a pipeline or capacity, one MoE layer: its dispatch, combine and expert gradients are
+# a layer's (the pipelines' 4 layers and capacity's 2 keep the per-layer sums proven)
+MOE_LAYER = MOE_RUN + ["--num-layers", "1"]
+FOUR = ["--global-batch-size", "4"]              # one step of 2 micro-batches where DP is 1
+# Megatron's --fp16 with a loss scale the tiny models' gradients never overflow in float16
+FP16 = ["--fp16", "--initial-loss-scale", "4096"]
+# float16 op by op is slow on this CPU (docs/half-precision.md, Speed): the float16 layouts and
+# their references train one layer, a pipeline of two stages one layer a stage
+HALF = FP16 + ["--num-layers", "1"]
+PIPELINE_HALF = PIPELINE_RUN + FP16 + ["--num-layers", "2"]
+# Megatron's per-rank capacity: ceil(n k / E * 1.0) = n / 2 slots per expert of a rank's n tokens
+CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
+SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and converted runs start at
+TORCH = ["--ckpt-format", "torch"]
+DIST = ["--ckpt-format", "torch_dist"]
+# a blend of the two shipped texts (mixture_flags; "{data}" is the harness's corpus): the float16
+# reference and its layouts read it, so TP2 + SP, DP2, TP2 x DP2 and a resumed DP2 each equal one
+# process on a mixture
+MIXTURE = ["--data-path", "0.6", "{data}", "0.4", "{alice}"]
+# recompute as Megatron's flags give it: selective, full of chunks of 2 layers (uniform), full of
+# each stage's first layer (block)
+RECOMPUTE = {"selective": ["--recompute-granularity", "selective"],
+             "full uniform 2": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                "--recompute-num-layers", "2"],
+             "full block 1": ["--recompute-granularity", "full", "--recompute-method", "block",
+                              "--recompute-num-layers", "1"]}
 
 
 # ===================================================================== data (tokenizer.py, data.py)
@@ -1872,6 +2057,802 @@ def test_micro_batch_iterator_dp_partition_and_resume():
         data.MicroBatchIterator(m, 2, data_parallel_rank=3, data_parallel_size=3)
 
 
+# ========================================================= tensor + sequence parallel (parallel.py)
+# parallel.py across msrun workers (conftest.py's jobs, trained while the one-process tests run;
+# the tests that read them run last): process groups and collectives on 2 and 4 workers, each
+# layer and mapping split over TP2 and TP4 against its dense form, TP2's step of gradients against
+# one process, TP2 and TP2 + SP trained beside one process, a planted bug, the ledger. The helpers
+# of every concept's msrun checks and proofs are here, in the first section that needs them.
+# ------------------------------------------------------------------------ the checks on the workers
+# A check job (check_job): its checks on every rank of a launch, a line each (conftest.Checks);
+# pytest has a test per family of checks and job (test_tp_msrun_checks[row_parallel_linear-tp2])
+FAMILIES = {}          # a check job -> the families of checks it prints
+
+
+def check_job(name, workers, concept, function, argument, families):
+    """The check job `name`: function(checks, argument) on every rank of a launch of `workers`,
+    printing the checks of `families`."""
+    add(name, workers, concept, check=(function, argument))
+    FAMILIES[name] = families
+
+
+def check_params(concept):
+    """(family, check job) of every family of checks each check job of `concept` prints, with its
+    marks."""
+    return [pytest.param(family, job, id=f"{family}-{job.split('_', 1)[1]}",
+                         marks=reads(job, concepts={concept}))
+            for job, families in FAMILIES.items() if concept in JOBS[job].concepts
+            for family in families]
+
+
+def assert_checks_pass(runs, family, job):
+    """One family of checks of one check job passed on every rank of its launch, and ran."""
+    passed = 0
+    for rank, lines in enumerate(check_lines(runs, job)):
+        failed = [l for l in lines if l.startswith(f"[rank {rank}] FAIL {job}/{family}: ")]
+        assert not failed, "\n".join(failed)
+        passed += sum(l.startswith(f"[rank {rank}] PASS {job}/{family}: ") for l in lines)
+    assert passed > 0, f"no {family} check ran"
+
+
+S, B, H, FFN = 4, 2, 8, 16                 # sequence, micro-batch, hidden, ffn (divisible by 4)
+TOY_VOCAB, TOY_PADDED_VOCAB = 250, 256
+# the families of checks of parallel.py's layers (check_layers)
+LAYER_FAMILIES = ["column_parallel_linear", "row_parallel_linear", "tensor_parallel_mlp",
+                  "sequence_parallel_mlp", "vocab_parallel_embedding", "mappings",
+                  "vocab_parallel_cross_entropy"]
+
+
+# ----------------------------------------------------------------------------------- process groups
+def check_rank_groups(c):
+    """Megatron's "tp-cp-dp-pp" order for 8 ranks, tp2 cp1 pp2 (so dp2), written out by hand."""
+    c.family = "process_groups"
+    pp = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    expected = {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "cp": [[r] for r in range(8)],
+                "dp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": pp,
+                "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]], "mp": [[0, 1, 4, 5], [2, 3, 6, 7]],
+                "embedding": pp, "pp_pairs": pp, "cp_ulysses": [[r] for r in range(8)],
+                "cp_ring": [[r] for r in range(8)], "tp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "ep": [[r] for r in range(8)], "edp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "tp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    c("rank_groups(8, tp=2, cp=1, pp=2)", rank_groups(8, 2, 1, 2) == expected)
+    # EP carved out of DP x CP = 4 ranks (Megatron's "tp-ep-dp-pp"): adjacent DP ranks
+    experts = rank_groups(8, 2, 1, 1, ep=2)
+    c("rank_groups(8, tp=2, ep=2) ep, edp, tp_ep",
+      (experts["ep"], experts["edp"], experts["tp_ep"])
+      == ([[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]],
+          [[0, 1, 2, 3], [4, 5, 6, 7]]))
+    c("rank_groups(8, tp=2, cp=2, pp=1) dp_cp",
+      rank_groups(8, 2, 2, 1)["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]])
+    c("rank_groups(4, 1, 1, 4) pp_pairs",
+      rank_groups(4, 1, 1, 4)["pp_pairs"] == [[0, 1], [1, 2], [2, 3], [3, 0]])
+    # cp groups [0,2,4,6] and [1,3,5,7]: ulysses 2 x ring 2
+    hybrid = rank_groups(8, 2, 4, 1, ulysses=2)
+    c("rank_groups(8, tp=2, cp=4, ulysses=2) cp_ulysses",
+      hybrid["cp_ulysses"] == [[0, 2], [4, 6], [1, 3], [5, 7]])
+    c("rank_groups(8, tp=2, cp=4, ulysses=2) cp_ring",
+      hybrid["cp_ring"] == [[0, 4], [2, 6], [1, 5], [3, 7]])
+    try:
+        rank_groups(6, 4, 1, 1)
+        c("rank_groups(6, tp=4) raises ValueError", False)
+    except ValueError:
+        c("rank_groups(6, tp=4) raises ValueError", True)
+    c("shard with chunks=2",
+      shard(np.arange(8)[:, None], 0, 1, 2, chunks=2).ravel().tolist() == [2, 3, 6, 7])
+
+
+def check_state(c, state, tp, cp, pp):
+    c.family = "process_groups"
+    r, dp = state.rank, state.world_size // (tp * cp * pp)
+    coords = (state.tp_rank, state.cp_rank, state.dp_rank, state.pp_rank)
+    want = (r % tp, r // tp % cp, r // (tp * cp) % dp, r // (tp * cp * dp))
+    c(f"state coordinates {coords}", coords == want, f"expected {want}")
+    c("state tp group", parallel.group_ranks(state.tp_group) == [r - r % tp + i for i in range(tp)])
+    c("state first/last stage",
+      (state.is_first_stage, state.is_last_stage) == (want[3] == 0, want[3] == pp - 1))
+    c("state embedding group", (state.embedding_group is None) == (pp == 1 or not (
+        state.is_first_stage or state.is_last_stage)))
+    ring = {(want[3] + d) % pp for d in (-1, 1)} if pp > 2 else {want[3] + d for d in (-1, 1)}
+    # wrap: for interleaving
+    peers = sorted(r + (s - want[3]) * tp * cp * dp for s in ring if 0 <= s < pp)
+    c(f"state pair groups {sorted(state.pair_groups)}", sorted(state.pair_groups) == peers)
+
+
+# ------------------------------------------------------------------------------------ communication
+def check_comm(c, state, kind, group):
+    """Each collective on `group` against its definition, inputs unchanged, and the ledger."""
+    c.family = "collectives"
+    ranks = parallel.group_ranks(group)
+    n, i, me = len(ranks), ranks.index(state.rank), state.rank
+    on_group = parallel.collectives(group)                     # the Cell under test
+    x = lambda r, *shape: rand(1000 + r, *shape)               # rank r's input
+    ledger.reset()
+    t = Tensor(x(me, 2, 3, 4))                                 # 96 bytes
+    c.close(f"{kind} all_gather dim 0", on_group.all_gather(t, 0),
+            np.concatenate([x(r, 2, 3, 4) for r in ranks], 0))
+    c.close(f"{kind} all_gather last dim", on_group.all_gather(t, -1),
+            np.concatenate([x(r, 2, 3, 4) for r in ranks], -1))
+    total = sum(x(r, 2 * n, 3, 4) for r in ranks)
+    c.close(f"{kind} reduce_scatter dim 0",
+            on_group.reduce_scatter(Tensor(x(me, 2 * n, 3, 4)), 0), np.split(total, n, 0)[i])
+    total = sum(x(r, 3, 2 * n, 4) for r in ranks)
+    c.close(f"{kind} reduce_scatter dim 1",
+            on_group.reduce_scatter(Tensor(x(me, 3, 2 * n, 4)), 1), np.split(total, n, 1)[i])
+    # rank r's piece i, joined on dim 2
+    pieces = [np.split(x(r, 2 * n, 3, 4), n, 0)[i] for r in ranks]
+    c.close(f"{kind} all_to_all",
+            parallel.collectives(group).all_to_all(Tensor(x(me, 2 * n, 3, 4)), 0, 2),
+            np.concatenate(pieces, 2))
+    c.close(f"{kind} all_reduce sum", on_group.all_reduce(t), sum(x(r, 2, 3, 4) for r in ranks))
+    c.close(f"{kind} all_reduce max", on_group.all_reduce_max(t),
+            np.max([x(r, 2, 3, 4) for r in ranks], 0))
+    c.close(f"{kind} broadcast from {ranks[-1]}", parallel.broadcast(t, ranks[-1], group),
+            x(ranks[-1], 2, 3, 4))
+    c(f"{kind} input unchanged", np.array_equal(t.asnumpy(), x(me, 2, 3, 4)))
+    expected = {(kind, "all_gather"): (2, 2 * 96), (kind, "reduce_scatter"): (2, 2 * n * 96),
+                (kind, "all_reduce"): (2, 2 * 96), (kind, "broadcast"): (1, 96),
+                (kind, "all_to_all"): (1, n * 96)}
+    c(f"{kind} ledger", ledger.counts() == expected, f"{ledger.counts()} != {expected}")
+    if state.rank == ranks[0] and kind == "tp":
+        print(ledger.table(), flush=True)
+
+
+def check_exchange(c, state):
+    c.family = "collectives"
+    ledger.reset()
+    for peer in state.pair_groups:
+        got = parallel.exchange(Tensor(rand(2000 + state.rank, 3, 5)), peer)
+        c.close(f"exchange with rank {peer}", got, rand(2000 + peer, 3, 5))
+    k = len(state.pair_groups)
+    want = {("pp_pair", "exchange"): (k, k * 60)} if k else {}
+    c("exchange ledger", ledger.counts() == want, str(ledger.counts()))
+
+
+# ------------------------------------------------------------------------------------------- layers
+class DenseEmbedding(nn.Cell):
+    def __init__(self, num_embeddings, embedding_dim):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.zeros((num_embeddings, embedding_dim), np.float32)),
+                                name="weight")
+
+    def construct(self, ids):
+        return ops.gather(self.weight, ids, 0)
+
+
+class TwoLayerMLP(nn.Cell):
+    """fc1 -> gelu -> fc2: dense (parallel.Linear) or Column -> Row parallel, same parameter
+    names."""
+
+    def __init__(self, fc1, fc2):
+        super().__init__()
+        self.fc1, self.fc2 = fc1, fc2
+
+    def construct(self, x):
+        return self.fc2(ops.gelu(self.fc1(x)))
+
+
+def load_full_weights(dense, par, state, seed):
+    """Draw each full master weight once; the dense net keeps it, the parallel net its shard."""
+    for (name, pd), (_, pp) in zip(dense.parameters_and_names(), par.parameters_and_names()):
+        full = 0.5 * rand(seed + zlib.crc32(name.encode()), *pd.shape)
+        pd.set_data(Tensor(full))
+        if hasattr(pp, "partition_dim"):
+            full = shard(full, pp.partition_dim, state.tp_rank, state.tp, pp.partition_chunks)
+        pp.set_data(Tensor(full))
+
+
+def check_layer(c, state, label, dense, par, x, in_dim=None, out_dim=None, out_chunks=1,
+                float_input=True, expected=None):
+    """Forward and gradients of `par` against `dense` on loss = sum(out * R). in_dim / out_dim:
+    the dimension along which the parallel input / output is this rank's slice (None = full).
+    expected: ((forward counts), (backward counts)) of parallel.ledger."""
+    tp, r = state.tp, state.tp_rank
+    cut = lambda a, dim, chunks=1: a if dim is None else shard(a, dim, r, tp, chunks)
+    load_full_weights(dense, par, state, seed=7)
+    y_dense = dense(Tensor(x)).asnumpy()
+    weights = np.random.default_rng(8).standard_normal(y_dense.shape).astype(np.float32)
+    x_par = Tensor(cut(x, in_dim))
+    ledger.reset()
+    c.close(f"{label} forward", par(x_par), cut(y_dense, out_dim, out_chunks))
+    forward = ledger.counts()
+    position = 0 if float_input else None
+    dense_loss = lambda inp: (dense(inp) * Tensor(weights)).sum()
+    par_loss = lambda inp: (par(inp) * Tensor(cut(weights, out_dim, out_chunks))).sum()
+    g_dense = ms.grad(dense_loss, position, dense.trainable_params())(Tensor(x))
+    ledger.reset()
+    g_par = ms.grad(par_loss, position, par.trainable_params())(x_par)
+    total = ledger.counts()
+    if float_input:
+        c.close(f"{label} d_input", g_par[0], cut(g_dense[0].asnumpy(), in_dim))
+        g_dense, g_par = g_dense[1], g_par[1]
+    for (name, p), gp, gd in zip(par.parameters_and_names(), g_par, g_dense):
+        if getattr(p, "sequence_parallel", False):        # partial per TP rank under SP
+            gp = parallel.collectives(state.tp_group).all_reduce(gp)
+        want = gd.asnumpy()
+        if hasattr(p, "partition_dim"):
+            want = shard(want, p.partition_dim, r, tp, p.partition_chunks)
+        c.close(f"{label} d_{name}", gp, want)
+    if expected is not None:
+        backward = {k: (v[0] - forward.get(k, (0, 0))[0], v[1] - forward.get(k, (0, 0))[1])
+                    for k, v in total.items() if v != forward.get(k)}
+        c(f"{label} ledger forward {forward}", forward == expected[0], f"expected {expected[0]}")
+        c(f"{label} ledger backward {backward}", backward == expected[1], f"expected {expected[1]}")
+
+
+def check_layers(c, state):
+    tp = state.tp
+    x = rand(11, S, B, H)
+    full, part = S * B * H * 4, S // tp * B * H * 4              # activation bytes, fp32
+    c.family = "column_parallel_linear"
+    check_layer(c, state, "column", parallel.Linear(H, FFN), ColumnParallelLinear(H, FFN), x,
+                out_dim=2,
+                expected=({}, {("tp", "all_reduce"): (1, full)}))
+    check_layer(c, state, "column gather_output", parallel.Linear(H, FFN),
+                ColumnParallelLinear(H, FFN, gather_output=True), x)
+    check_layer(c, state, "column chunks=2", parallel.Linear(H, FFN),
+                ColumnParallelLinear(H, FFN, chunks=2), x, out_dim=2, out_chunks=2)
+    x_wide = rand(12, S, B, FFN)
+    c.family = "row_parallel_linear"
+    check_layer(c, state, "row", parallel.Linear(FFN, H), RowParallelLinear(FFN, H), x_wide,
+                in_dim=2,
+                expected=({("tp", "all_reduce"): (1, full)}, {}))
+    check_layer(c, state, "row input_is_parallel=False", parallel.Linear(FFN, H),
+                RowParallelLinear(FFN, H, input_is_parallel=False), x_wide)
+    c.family = "tensor_parallel_mlp"
+    check_layer(c, state, "mlp", TwoLayerMLP(parallel.Linear(H, FFN), parallel.Linear(FFN, H)),
+                TwoLayerMLP(ColumnParallelLinear(H, FFN), RowParallelLinear(FFN, H)), x,
+                expected=({("tp", "all_reduce"): (1, full)}, {("tp", "all_reduce"): (1, full)}))
+    sp = {("tp", "all_gather"): (1, part), ("tp", "reduce_scatter"): (1, full)}
+    c.family = "sequence_parallel_mlp"
+    for compiled in (False, True):                 # the same Cells op by op and under ms.jit
+        sp_mlp = TwoLayerMLP(ColumnParallelLinear(H, FFN, sequence_parallel=True),
+                     RowParallelLinear(FFN, H, sequence_parallel=True))
+        check_layer(c, state, "mlp sequence parallel" + (" compiled" if compiled else ""),
+                    TwoLayerMLP(parallel.Linear(H, FFN), parallel.Linear(FFN, H)),
+                    gpt.Compiled(sp_mlp) if compiled else sp_mlp, x, in_dim=0, out_dim=0,
+                    expected=(sp, sp))
+    ids = np.random.default_rng(13).integers(0, TOY_VOCAB, (B, S)).astype(np.int32)
+    c.family = "vocab_parallel_embedding"
+    check_layer(c, state, "vocab embedding", DenseEmbedding(TOY_PADDED_VOCAB, H),
+                VocabParallelEmbedding(TOY_PADDED_VOCAB, H), ids, float_input=False,
+                expected=({("tp", "all_reduce"): (1, B * S * H * 4)}, {}))
+    check_mappings(c, state, x)
+    check_cross_entropy(c, state)
+
+
+def check_mappings(c, state, x):
+    """The mappings no layer above uses on its own, against slicing and concatenation."""
+    tp, r, weights = state.tp, state.tp_rank, rand(14, S, B, H)
+    c.family = "mappings"
+    cases = [("scatter_to_tensor_model_parallel_region", None, 2),
+             ("gather_from_tensor_model_parallel_region", 2, None),
+             ("scatter_to_sequence_parallel_region", None, 0),
+             ("gather_from_sequence_parallel_region", 0, None)]
+    for name, in_dim, out_dim in cases:
+        cut = lambda a, dim: a if dim is None else shard(a, dim, r, tp)
+        fn = getattr(parallel, name)()
+        c.close(f"{name} forward", fn(Tensor(cut(x, in_dim))), cut(x, out_dim))
+        # loss = sum over ranks of sum(out * weights): its gradient is weights, cut like the input
+        grad = ms.grad(lambda t: (fn(t) * Tensor(cut(weights, out_dim))).sum())(
+            Tensor(cut(x, in_dim)))
+        c.close(f"{name} backward", grad,
+                cut(weights, in_dim) * (tp if out_dim is None and in_dim == 0 else 1))
+
+
+def dense_cross_entropy(logits, labels):
+    """Megatron's formula in one process: log(sum(exp(z - max))) - (z - max)[label]."""
+    z = logits - ops.stop_gradient(logits.max(axis=-1, keepdims=True))
+    return (ops.log(ops.exp(z).sum(-1))
+            - ops.gather_elements(z, 1, labels.reshape(-1, 1)).reshape(-1))
+
+
+def check_cross_entropy(c, state):
+    """Vocabulary 250 padded to 256 (padding columns exist, labels never point into them)."""
+    c.family = "vocab_parallel_cross_entropy"
+    n = S * B
+    logits = 3.0 * rand(15, n, TOY_PADDED_VOCAB)
+    labels = Tensor(np.random.default_rng(16).integers(0, TOY_VOCAB, n).astype(np.int32))
+    weights = Tensor(rand(17, n))
+    local = Tensor(shard(logits, 1, state.tp_rank, state.tp))
+    ledger.reset()
+    cross_entropy = VocabParallelCrossEntropy()
+    loss = cross_entropy(local, labels)
+    c.close("vocab cross-entropy forward", loss,
+            dense_cross_entropy(Tensor(logits), labels).asnumpy())
+    err = float(np.abs(loss.asnumpy() - gpt.CrossEntropy()(Tensor(logits), labels).asnumpy()).max())
+    c("vocab cross-entropy = gpt.CrossEntropy (log_softmax) to 1e-5", err <= 1e-5, f"{err:.2e}")
+    c("vocab cross-entropy ledger forward",
+      ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)}, str(ledger.counts()))
+    want = ms.grad(lambda z: (dense_cross_entropy(z, labels) * weights).sum())(Tensor(logits))
+    ledger.reset()
+    got = ms.grad(lambda z: (cross_entropy(z, labels) * weights).sum())(local)
+    c.close("vocab cross-entropy d_logits", got, shard(want.asnumpy(), 1, state.tp_rank, state.tp))
+    c("vocab cross-entropy ledger backward (3 forward, none backward)",
+      ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)}, str(ledger.counts()))
+
+
+# -------------------------------------------------------------------- the check jobs of parallel.py
+def layouts(world):
+    """(tp, cp, pp) layouts to check: all-TP, TP x PP, and CP x DP and PP4 on 4 or more ranks."""
+    out = [(world, 1, 1)]
+    if world % 2 == 0:
+        out.append((world // 2, 1, 2))
+    if world % 4 == 0:
+        out += [(1, 2, 1), (1, 1, 4)]
+    return out
+
+
+def check_groups(c, world):
+    """Process groups and collectives on this launch's `world` ranks: Megatron's grid by hand,
+    then for each layout of layouts(world) this rank's coordinates and groups, every collective
+    on every group of more than one rank, and the pipeline's pair exchanges."""
+    check_rank_groups(c)
+    for tp, cp, pp in layouts(world):
+        state = parallel.initialize_model_parallel(tp=tp, pp=pp, cp=cp)
+        if state.rank == 0:
+            print(parallel.grid_table(world, tp, cp, pp), flush=True)
+        check_state(c, state, tp, cp, pp)
+        for kind in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding"):
+            group = getattr(state, f"{kind}_group")
+            if group is not None and len(parallel.group_ranks(group)) > 1:
+                check_comm(c, state, kind, group)
+        check_exchange(c, state)
+
+
+def check_tensor_parallel_layers(c, world):
+    """parallel.py's layers, mappings and cross-entropy split over all `world` ranks (TP = world)
+    against their dense forms."""
+    check_layers(c, parallel.initialize_model_parallel(tp=world))
+
+
+for _workers in (2, 4):
+    check_job(f"groups_{_workers}w", _workers, "tp", check_groups, _workers,
+              ["process_groups", "collectives"])
+for _workers in (2, 4):
+    check_job(f"layers_tp{_workers}", _workers, "tp", check_tensor_parallel_layers, _workers,
+              LAYER_FAMILIES)
+
+
+# --------------------------------------------- the layouts' gradients: one step against one process
+PIPELINE_CHECK_MODEL = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "4",
+                        "--hidden-size", "32", "--ffn-hidden-size", "64",
+                        "--num-attention-heads", "4", "--seq-length", "16",
+                        "--micro-batch-size", "2", "--global-batch-size", "8",
+                        "--init-method-std", "0.05", "model_config.vocab_size=512"]
+DOCUMENTS = "documents"        # batches of several documents: reset position ids and attention mask
+# name: (model flags, layout flags, workers, concept): one step of the layout against one
+# process; each concept's section registers its own (gradient_checks)
+GRADIENT_CHECKS = {}
+
+
+def gradient_checks(checks):
+    """Registers the layouts' gradient checks {name: (model flags, layout flags, workers,
+    concept)}, a check job each: gradients_<name> (check_gradients)."""
+    GRADIENT_CHECKS.update(checks)
+    for name, (_, _, workers, concept) in checks.items():
+        check_job(f"gradients_{name}", workers, concept, check_gradients, name,
+                  ["layout_gradients"])
+
+
+def check_batches(cfg, count, documents):
+    """`count` micro-batches of 2 sequences; the first tokens of each are left out of the loss (so
+    the cp ranks hold different token counts); with `documents`, EOD tokens cut each sequence into
+    documents whose positions restart and which do not see each other (reset_* in Megatron)."""
+    batches = [random_batch(cfg, b=2, seed=i) for i in range(count)]
+    for batch in batches:
+        batch["loss_mask"][0, :3] = 0.0
+        if documents:
+            eod = 0
+            batch["tokens"][:, [5, 11]] = eod
+            parts = [data.get_ltor_masks_and_position_ids(t, eod, True, True, False)
+                     for t in batch["tokens"]]
+            batch["position_ids"] = np.stack([p[1] for p in parts])
+            batch["attention_mask"] = np.stack([p[2] for p in parts])
+    return batches
+
+
+def check_gradients(c, name):
+    """One step of the layout GRADIENT_CHECKS[name] (2 micro-batches, 4 through PP4's schedule,
+    then every reduction of finalize_model_grads) against the one-process model on the
+    same micro-batches: the last stage's losses, each router's choices, and every gradient the
+    optimizer takes on every rank (its TP slice of the full gradient, the last stage's tied output
+    layer that of the word embedding, a distributed optimizer's pieces of the flat buffer),
+    relative difference in norm below 1e-5. Every DP rank takes the same micro-batches, so the DP
+    mean is the one-process gradient (a sum would double it). Some layouts also recompute (the
+    reference does not): recompute changes no gradient."""
+    c.family = "layout_gradients"
+    model_args, layout, world, _ = GRADIENT_CHECKS[name]
+    documents = DOCUMENTS in model_args
+    model_args = [a for a in model_args if a != DOCUMENTS]
+    ref_cfg = load_config(os.path.join(HERE, "config.yaml"), PIPELINE_CHECK_MODEL + model_args,
+                          world)
+    count = 4 if layout[:2] == PP4 else 2
+    ref_losses, ref_grads, ref_maps = reference_gradients(ref_cfg, model_args, count, documents)
+    # op by op: one step needs no compilation (the trainings compile one layout per concept)
+    cfg = load_config(os.path.join(HERE, "config.yaml"),
+                      PIPELINE_CHECK_MODEL + model_args + layout + ["--no-jit"], world)
+    p = cfg.parallel_config
+    state = parallel.initialize_model_parallel(p.tensor_model_parallel_size,
+                                               p.pipeline_model_parallel_size,
+                                               p.context_parallel_size, p.sequence_parallel,
+                                               p.ulysses_degree_in_cp,
+                                               p.expert_model_parallel_size)
+    tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
+    chunks, _ = train.build_model(cfg, tokenizer, state)
+    ddp = distributed.build_data_parallel(cfg, chunks, state)
+    trainer = train.Trainer(cfg, chunks, ddp, *train.optimizer_and_scheduler(cfg, chunks, ddp),
+                            state)
+    maps = record_routing_maps(chunks)
+    losses, grads = trainer.forward_backward(check_batches(ref_cfg, count, documents))
+    check_routing_maps(c, name, maps, ref_maps, state, ref_cfg.model_config.seq_length)
+    grads = distributed.finalize_model_grads(grads, trainer.params, state, ddp)
+    if state.is_last_stage:
+        c(f"{name}: losses", np.allclose(losses, ref_losses, rtol=1e-5),
+          f"{losses} vs {ref_losses}")
+    else:
+        c(f"{name}: no loss before the last stage", losses == [])
+    check_reduced_gradients(c, name, chunks, grads, ref_grads, state, trainer.optimizer)
+
+
+def check_reduced_gradients(c, label, chunks, grads, ref_grads, state, optim):
+    """The gradients finalize_model_grads handed the optimizer `optim`, each against its share of
+    the one-process gradient `ref_grads` {name: array}: one per parameter in model order (a
+    ChainedOptimizer's lists put back in it), or a DistributedOptimizer's pieces of the flat
+    gradient buffer (bucket, parameter, start, end)."""
+    named = checkpoint.named_parameters(chunks)
+    wants = [wanted_gradient(name[len("model."):], param, chunks, ref_grads, state)
+             for name, param in named]
+    if isinstance(optim, optimizer.DistributedOptimizer):
+        for (_, i, lo, hi), g in zip(optim.pieces, grads):
+            start = lo - optim.buffer.offsets[i]
+            close_gradient(c, f"{label}: piece of {named[i][0]}@{start}", g,
+                           wants[i].reshape(-1)[start:start + hi - lo])
+        c(f"{label}: one piece per overlap of a parameter and the shard",
+          len(grads) == len(optim.pieces))
+        return
+    if isinstance(optim, optimizer.ChainedOptimizer):                 # back to model order
+        by_position = dict(zip([i for ps in optim.indices for i in ps], sum(grads, [])))
+        grads = [by_position[i] for i in range(len(by_position))]
+    c(f"{label}: one gradient per parameter", len(grads) == len(named))
+    for (name, _), g, want in zip(named, grads, wants):
+        close_gradient(c, f"{label}: gradient of {name[len('model.'):]}", g, want)
+
+
+def wanted_gradient(name, param, chunks, ref_grads, state):
+    """This rank's share of the one-process gradient of parameter `name`: its TP slice; the
+    word embedding's for the last stage's tied output layer."""
+    want = ref_grads["word_embeddings.weight"
+                     if name == "output_layer.weight" and chunks[0].tied else name]
+    dim = getattr(param, "partition_dim", None)
+    if dim is not None:
+        want = shard(want, dim, state.tp_rank, state.tp, getattr(param, "partition_chunks", 1))
+    return want
+
+
+def close_gradient(c, name, got, want):
+    """A check that `got` is `want` to a relative difference in norm below 1e-5."""
+    got = got.asnumpy().reshape(want.shape)
+    rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)
+    c(name, rel < 1e-5, f"relative difference {rel:.2e}")
+
+
+_REFERENCES = {}
+
+
+def reference_gradients(ref_cfg, model_args, count, documents):
+    """The one-process model's losses of check_batches(count, documents), its gradients {name:
+    array} of their mean loss (micro-batch by micro-batch, as the schedules accumulate them) and
+    its routers' choices; computed once per worker for each model and batch set."""
+    key = (tuple(model_args), count, documents)
+    if key not in _REFERENCES:
+        tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
+        [ref], _ = train.build_model(ref_cfg, tokenizer, parallel.initialize_model_parallel())
+        maps = record_routing_maps([ref])
+        batches = check_batches(ref_cfg, count, documents)
+        names = [n for n, _ in ref.parameters_and_names()]
+        grad_fn = ms.value_and_grad(lambda *inputs: ref(*inputs) / count, None,
+                                    list(ref.get_parameters()))
+        losses, sums = [], {n: 0.0 for n in names}
+        for batch in batches:
+            loss, grads = grad_fn(*train.to_tensors(batch))
+            losses.append(float(loss.asnumpy()) * count)
+            for n, g in zip(names, grads):
+                sums[n] = sums[n] + g.asnumpy()
+        _REFERENCES[key] = losses, sums, maps
+    return _REFERENCES[key]
+
+
+gradient_checks({"tp2_full_recompute": ([], TP2 + RECOMPUTE["full uniform 2"], 2, "tp")})
+
+
+@pytest.mark.parametrize("family,job", check_params("tp"))
+def test_tp_msrun_checks(runs, family, job):
+    """One family of checks of one check job on every rank of its launch: process groups and
+    collectives (and their CPU constructions) with the ledger on 2 and 4 workers, each layer and
+    mapping split over TP2 and TP4 against its dense equivalent (forward and gradients, atol
+    1e-6), TP2's one step of gradients with full recompute against one process (GRADIENT_CHECKS:
+    relative 1e-5). `pytest test_all.py -k row_parallel` runs the row-parallel checks alone."""
+    assert_checks_pass(runs, family, job)
+
+
+# ---------------------------------------------------- the trainings: each layout beside one process
+# The one-process references first (op by op; a compiled layout equals them too), here those of
+# TP and DP: float32 (its step-2 checkpoint resumed in other layouts), and float16 on a blend
+add("one", 1, "tp dp checkpoint", SAVE_HALF)
+add("one_fp16", 1, "tp dp fp16", HALF + MIXTURE)
+# 2 workers: TP2, and TP2 + SP in float16, compiled, saved in Megatron's torch format
+layout("tp2", 2, "tp", TP2, "one")
+layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + HALF + COMPILED + TORCH + MIXTURE,
+       "one_fp16")
+
+
+def train_lines(folder, prefix="train: "):
+    """The lines of the lowest rank that logs them (the loss lives on the last pipeline stage)."""
+    for log in sorted((folder / "log").glob("rank_*/info.log"),
+                      key=lambda p: int(p.parent.name[5:])):
+        lines = [l for l in log.read_text().splitlines() if l.startswith(prefix)]
+        if lines:
+            return lines
+    return []
+
+
+def loss_rtol(reference):
+    """How close a layout's losses and gradient norms are to those of the one-process run
+    `reference`: the tour's rule (tour.RTOL), float32 1e-5, float16 3e-5 and 5e-4."""
+    return tour.FLOAT16 if reference.endswith("_fp16") else tour.FLOAT32
+
+
+def assert_trains_like(folder, reference_folder, rtol, steps=None):
+    """The run in `folder` logged the losses and gradient norms of the run in `reference_folder`
+    (of their first `steps` steps) within `rtol` (loss_rtol), else AssertionError naming which
+    differed: the tour's rule (tour.differences, tour.verdict). A gradient off by a constant
+    factor changes the norm, not the losses: Adam and clipping hide it from them."""
+    said = tour.verdict(tour.differences(str(folder), str(reference_folder), steps), rtol)
+    assert said == "equal", f"{pathlib.Path(folder).name} {said}"
+
+
+def layout_params(names):
+    return [pytest.param(name, marks=reads(name, REFERENCE[name],
+                                           concepts=JOBS[name].concepts - {"checkpoint"}))
+            for name in names]
+
+
+def assert_layout_trains_like_one_process(runs, layout):
+    """The layout's STEPS steps give the one-process losses and gradient norms (loss_rtol:
+    float32 1e-5, float16 3e-5 and 5e-4), and so do the validation and test losses of the pipeline
+    layouts (PIPELINE_RUN: forward-only schedules; the others do not evaluate). A float16 layout's
+    log shows its loss scale; the float16 ones and their reference read a blend (MIXTURE)."""
+    reference = REFERENCE[layout]
+    folder, one = runs.folder(layout), runs.folder(reference)
+    assert len(train_lines(folder)) == len(train_lines(one)) == STEPS
+    blended = [bool(train_lines(f, "data: train blend of 33 samples: ")) for f in (folder, one)]
+    assert blended == [MIXTURE[-1] in JOBS[name].flags for name in (layout, reference)]
+    assert_trains_like(folder, one, loss_rtol(reference))
+    assert ("Loss_scale: 4096.0" in train_lines(folder)[-1]) == reference.endswith("_fp16")
+    evaluated = [train_lines(f, " validation") + train_lines(f, " test") for f in (one, folder)]
+    assert len(evaluated[0]) == len(evaluated[1]) == (3 if "--eval-interval" in
+                                                      JOBS[reference].flags else 0)
+    value = re.compile(r"lm loss value: (\S+) ")
+    np.testing.assert_allclose(*[[float(value.search(l).group(1)) for l in lines]
+                                 for lines in reversed(evaluated)],
+                               rtol=loss_rtol(reference)["loss"])
+
+
+@pytest.mark.parametrize("layout", layout_params(["tp2", "tp2_sp"]))
+def test_tp_layouts_train_like_one_process(runs, layout):
+    """TP2, and TP2 + SP in float16 and compiled, train like one process
+    (assert_layout_trains_like_one_process)."""
+    assert_layout_trains_like_one_process(runs, layout)
+
+
+# ---------------------------------------------------------------------------------- planted bugs
+# The bugs a learner is likely to write, each planted in a short run of one layout (its worker
+# program patches the code for that run alone) to prove that the suite's proof of the layout
+# catches it: each concept's test_<concept>_planted_bug_is_caught.
+# name: (the plant, the layout's flags, its reference, concept, what its proof names when it
+# fails: "loss" or "grad norm"). Each trains PLANTED_STEPS steps on 2 workers, op by op.
+PLANTED_STEPS = 2
+PLANTS = {}
+
+
+def planted_job(name, plant, flags, reference, concept, named):
+    """PLANTS[name]: the bug `plant` (a function returning its patches: conftest.planted) in a
+    short run of the layout `flags`, its job planted_<name>."""
+    PLANTS[name] = (plant, flags, reference, concept, named)
+    layout(f"planted_{name}", 2, concept,
+           flags + ["--train-iters", str(PLANTED_STEPS), "--lr-decay-iters", str(STEPS),
+                    "--eval-iters", "0"], reference, plant=plant)
+
+
+def plant_params(concept):
+    """The plants of `concept`, each with its marks."""
+    return [pytest.param(name, marks=reads(f"planted_{name}", spec[2]))
+            for name, spec in PLANTS.items() if spec[3] == concept]
+
+
+def assert_planted_bug_is_caught(runs, plant):
+    """The bug PLANTS[plant], planted in a short run of its layout, makes that layout's proof
+    (assert_trains_like) fail, naming the quantity that shows it: the loss, or for a bug in a
+    gradient's scale or sum (DP summing instead of averaging, an unreduced sequence-parallel norm
+    or tied embedding, the aux loss scaled twice, a skipped backward) the gradient norm. The
+    proofs can fail."""
+    _, _, reference, _, named = PLANTS[plant]
+    with pytest.raises(AssertionError, match=f"DIFFERS: .*its {named} by"):
+        assert_trains_like(runs.folder(f"planted_{plant}"), runs.folder(reference),
+                           loss_rtol(reference), PLANTED_STEPS)
+
+
+def plant_sp_norm_unreduced():
+    """Sequence parallelism: the norms' and row biases' gradients (each TP rank's tokens' share)
+    not all-reduced over TP (finalize_model_grads step 1)."""
+    return unmarked_during_finalize("sequence_parallel")
+
+
+def unmarked_during_finalize(mark):
+    """distributed.finalize_model_grads run as if no parameter had the attribute `mark`."""
+    real = distributed.finalize_model_grads
+
+    def finalize(grads, params, *rest):
+        marked = [p for p in params if getattr(p, mark, False)]
+        for p in marked:
+            setattr(p, mark, False)
+        try:
+            return real(grads, params, *rest)
+        finally:
+            for p in marked:
+                setattr(p, mark, True)
+    return [(distributed, "finalize_model_grads", finalize)]
+
+
+planted_job("sp_norm_unreduced", plant_sp_norm_unreduced, TP2 + SP, "one", "tp", "grad norm")
+
+
+@pytest.mark.parametrize("plant", plant_params("tp"))
+def test_tp_planted_bug_is_caught(runs, plant):
+    """Sequence parallelism's norm gradients left unreduced over TP make TP2 + SP's proof fail on
+    the gradient norm (assert_planted_bug_is_caught)."""
+    assert_planted_bug_is_caught(runs, plant)
+
+
+# --------------------------------------------------------------------------------------- the ledger
+def ledger_of(line):
+    """`comm: Step:N, kind op calls bytes, ...` -> {(kind, op): calls} (tour.ledger_items)."""
+    return {key: calls for key, (calls, _) in tour.ledger_items(line).items()}
+
+
+def layout_config(run):
+    """The config of layout `run` (PARALLEL_RUN and its flags), its vocabulary padded."""
+    cfg = load_config(os.path.join(HERE, "config.yaml"), [*PARALLEL_RUN, *JOBS[run].flags],
+                      max(JOBS[run].workers, 1))
+    cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
+    return cfg
+
+
+def planned_communication(run):
+    """memory.communication of rank 0 (stage 0) for layout `run`'s config."""
+    return memory.communication(layout_config(run), 0)
+
+
+def assert_ledger_counts(runs, run, formula):
+    """Run `run`'s ledger of its second step: the calls of `formula` {(group, op): calls}, and
+    calls and bytes as memory.communication plans them for its config."""
+    line = train_lines(runs.folder(run), "comm: ")[1]
+    assert ledger_of(line) == formula
+    assert planned_communication(run) == tour.ledger_items(line)
+
+
+def tp_ledger_formula(run):
+    """{(group, op): calls} of a step of TP layout `run`: L layers (2; the float16 one 1) and
+    m = 2 micro-batches per rank (test_tp_ledger_counts_match_the_formulas)."""
+    L, m = layout_config(run).model_config.num_layers, 2
+    return {"tp2": {("tp", "all_reduce"): m * (4 * L + 5), ("mp", "all_reduce"): 1},
+            "tp2_sp": {("tp", "all_reduce"): m * 4 + 6 * L + 2,
+                       ("tp", "all_gather"): m * (4 * L + 2),
+                       ("tp", "reduce_scatter"): m * (4 * L + 1), ("mp", "all_reduce"): 1}}[run]
+
+
+@pytest.mark.parametrize("run", [pytest.param(r, marks=reads(r, concepts={"tp"}))
+                                 for r in ["tp2", "tp2_sp"]])
+def test_tp_ledger_counts_match_the_formulas(runs, run):
+    """Per step of L layers and m micro-batches. TP: per micro-batch 4L + 5 all-reduces (2 forward
+    and 2 backward per layer, the embedding's forward, the logits' backward, the cross-entropy's
+    three); one more for the gradient norm (mp group). SP: the layers' all-reduces become
+    all-gathers and reduce-scatters (per layer 2 + 2 forward, 2 + 2 backward), plus the
+    embedding scatter and logits gather; the 6L + 2 norm and row-bias gradients are all-reduced.
+    Bytes too (float32, and float16 in tp2_sp): memory.communication's formula."""
+    assert_ledger_counts(runs, run, tp_ledger_formula(run))
+
+
+# =================================================================== data parallel (distributed.py)
+# distributed.py across msrun workers: DP2's step of gradients against one process, with the
+# distributed optimizer too; DP2, the distributed optimizer and TP2 x DP2 trained beside one
+# process; the bugs a learner writes, planted; the ledger. The optimizers in one process: the
+# optimizer section.
+gradient_checks({"dp2": ([], [], 2, "dp"), "dp2_distopt": ([], DISTOPT, 2, "dp")})
+
+
+@pytest.mark.parametrize("family,job", check_params("dp"))
+def test_dp_msrun_checks(runs, family, job):
+    """DP2's one step of gradients, and with the distributed optimizer its pieces of the flat
+    gradient buffer, against one process (check_gradients: relative 1e-5)."""
+    assert_checks_pass(runs, family, job)
+
+
+# 2 workers: DP2, and with the distributed optimizer in float16 on the blend (MIXTURE), its step-2
+# checkpoint resumed (the checkpoint section)
+layout("dp2", 2, "dp", [], "one")
+layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + HALF + SAVE_HALF + MIXTURE, "one_fp16")
+# TP2 x DP2 in float16 on the blend (MIXTURE): each DP rank reads its share of the mixture's
+# global batch as one process reads the whole of it
+layout("tp2_dp2_blend", 4, "tp dp fp16", TP2 + HALF + MIXTURE, "one_fp16")
+
+
+@pytest.mark.parametrize("layout", layout_params(["dp2", "dp2_distopt", "tp2_dp2_blend"]))
+def test_dp_layouts_train_like_one_process(runs, layout):
+    """DP2, DP2 with the distributed optimizer in float16 on a blend, and TP2 x DP2 in float16 on
+    the blend, train like one process (assert_layout_trains_like_one_process)."""
+    assert_layout_trains_like_one_process(runs, layout)
+
+
+def plant_dp_sum():
+    """Data parallelism: the gradients summed over DP, not averaged."""
+    return unscaled_during(distributed.GradBuffer.all_reduce)
+
+
+def plant_dp_sum_distopt():
+    """The distributed optimizer: its reduce-scatter sums over DP, not averages."""
+    return unscaled_during(distributed.GradBuffer.reduce_scatter)
+
+
+def unscaled_during(method):
+    """The GradBuffer `method` run with a gradient_scaling_factor of 1."""
+    def unscaled(self, grads):
+        factor, self.gradient_scaling_factor = self.gradient_scaling_factor, 1.0
+        try:
+            return method(self, grads)
+        finally:
+            self.gradient_scaling_factor = factor
+    return [(distributed.GradBuffer, method.__name__, unscaled)]
+
+
+def plant_dp_same_samples():
+    """Every DP rank reads rank 0's micro-batches."""
+    real = data.MicroBatchIterator.__init__
+
+    def init(self, dataset, micro_batch_size, data_parallel_rank=0, data_parallel_size=1,
+             consumed_samples=0):
+        real(self, dataset, micro_batch_size, 0, data_parallel_size, consumed_samples)
+    return [(data.MicroBatchIterator, "__init__", init)]
+
+
+planted_job("dp_sum", plant_dp_sum, [], "one", "dp", "grad norm")
+planted_job("dp_sum_distopt", plant_dp_sum_distopt, DISTOPT, "one", "dp", "grad norm")
+planted_job("dp_same_samples", plant_dp_same_samples, [], "one", "dp", "loss")
+
+
+@pytest.mark.parametrize("plant", plant_params("dp"))
+def test_dp_planted_bug_is_caught(runs, plant):
+    """DP summing instead of averaging (the all-reduce, or the distributed optimizer's
+    reduce-scatter) makes DP2's proof fail on the gradient norm; every DP rank reading rank 0's
+    micro-batches, on the loss (assert_planted_bug_is_caught)."""
+    assert_planted_bug_is_caught(runs, plant)
+
+
+# {(group, op): calls} of a step of each DP layout (test_dp_ledger_counts_match_the_formulas)
+DP_LEDGER = {"dp2": {("dp_cp", "all_reduce"): 2},
+             "dp2_distopt": {("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
+                             ("dp_cp", "all_reduce"): 2}}
+
+
+@pytest.mark.parametrize("run", [pytest.param(r, marks=reads(r, concepts={"dp"}))
+                                 for r in DP_LEDGER])
+def test_dp_ledger_counts_match_the_formulas(runs, run):
+    """Per step: DP2's one bucket and logged loss all-reduced; with the distributed optimizer the
+    bucket reduce-scattered and the parameters all-gathered, the norm over the shards. Bytes too
+    (float32, and float16 in dp2_distopt): memory.communication's formula."""
+    assert_ledger_counts(runs, run, DP_LEDGER[run])
+
+
 # ========================================================================= optimizer (optimizer.py)
 SHAPES = [(4, 3), (5,), (2, 3, 2)]
 WD_MULTS = [1.0, 0.0, 1.0]  # entry 1 acts like a bias/norm: no decay
@@ -2201,8 +3182,8 @@ def test_chained_optimizer_gathers_each_optimizers_state_over_its_parameters():
 
 # =========================================================== context parallel (context_parallel.py)
 # context_parallel.py in one process: the tokens each cp rank holds, the zig-zag balance, the
-# ring's online-softmax merge. The CP layouts (cp2_*, CP4 hybrid) run under msrun and their
-# collectives are counted there: msrun harness and msrun tests, below.
+# ring's online-softmax merge. The CP layouts (cp2_*, CP4 hybrid) on msrun workers, their
+# collectives counted: the end of this section.
 def rand(seed, *shape):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
@@ -2257,6 +3238,124 @@ def test_online_softmax_merge_equals_one_softmax():
              for f in (merged, whole)]
     for got, want in zip(*grads):
         np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), atol=1e-5)
+
+
+# ------------------------------------------------------------- context parallelism on msrun workers
+# The CP layouts (Ulysses, ring, hybrid; beside TP + SP, PP x VPP, DP) across msrun workers: their
+# step of gradients against one process, their trainings beside one process, the bugs planted, the
+# ledger
+CP_CHECK = ROPE_GQA + ["--num-layers", "2"]       # gradient checks: 2 layers
+gradient_checks({
+    "cp2_ulysses_documents": (CP_CHECK + [DOCUMENTS], CP2, 2, "cp"),
+    "cp2_ulysses_flash_documents": (CP_CHECK + [DOCUMENTS, "--use-flash-attn"], CP2, 2, "cp"),
+    "cp2_ring_selective_recompute": (CP_CHECK, CP2 + RING + RECOMPUTE["selective"], 2, "cp"),
+    "cp2_ulysses_tp2_sp_selective_recompute": (CP_CHECK, CP2 + TP2 + SP + RECOMPUTE["selective"],
+                                               4, "cp"),
+    "cp2_ring_pp2_vpp2": (ROPE_GQA, CP2 + RING + PP2 + VPP2, 4, "cp"),
+    "cp4_hybrid_full_recompute": (CP_CHECK, CP4 + HYBRID2 + RECOMPUTE["full uniform 2"], 4, "cp"),
+    "cp2_ring_dp2_untied_full_block_recompute": (CP_CHECK + UNTIED,
+                                                 CP2 + RING + RECOMPUTE["full block 1"], 4, "cp")})
+
+
+@pytest.mark.parametrize("family,job", check_params("cp"))
+def test_cp_msrun_checks(runs, family, job):
+    """Each CP layout's one step of gradients against one process (check_gradients: relative
+    1e-5): Ulysses and the ring on batches of several documents, with flash attention, beside
+    TP2 + SP, PP2 x VPP2 and DP2, the hybrid of 4, with recompute."""
+    assert_checks_pass(runs, family, job)
+
+
+# the references: RoPE and GQA, float32 (its step-2 checkpoint resumed in other layouts) and
+# float16
+add("one_rope_gqa", 1, "cp checkpoint", ROPE + SAVE_HALF)
+add("one_rope_gqa_fp16", 1, "cp fp16", ROPE + HALF)
+layout("cp2_ulysses", 2, "cp", ROPE + CP2, "one_rope_gqa")
+layout("cp2_ring", 2, "cp fp16", ROPE + CP2 + RING + HALF + COMPILED, "one_rope_gqa_fp16")
+# Compiled graphs holding collectives of several kinds of groups (each rank's own tp- and cp-
+# subgroups), rank 1 HELD s late to step 2 while its peers wait inside the graph: the flight
+# recorder's watchdog reads the records then, and must wait, as for any slow peer (the flight
+# recorder section)
+layout("tp2_sp_cp2_ring", 4, "tp cp", ROPE + TP2 + SP + CP2 + RING + COMPILED, "one_rope_gqa",
+       hold=2)
+layout("cp4_hybrid", 4, "cp", ROPE + CP4 + HYBRID2 + COMPILED, "one_rope_gqa", hold=2)
+
+
+@pytest.mark.parametrize("layout", layout_params(["cp2_ulysses", "cp2_ring", "tp2_sp_cp2_ring",
+                                                  "cp4_hybrid"]))
+def test_cp_layouts_train_like_one_process(runs, layout):
+    """CP2 Ulysses, the CP2 ring in float16 and compiled, TP2 + SP x the CP2 ring and the hybrid
+    CP4 (both compiled, a rank late) train like one process
+    (assert_layout_trains_like_one_process)."""
+    assert_layout_trains_like_one_process(runs, layout)
+
+
+def plant_ring_causal_case():
+    """Ring attention: the diagonal block (this rank's own keys) attended without the causal
+    mask, so queries see later tokens."""
+    real = context_parallel.RingAttention.block
+    return [(context_parallel.RingAttention, "block",
+             lambda self, q, k, v, bias: real(self, q, k, v, None))]
+
+
+def plant_ulysses_head_split():
+    """Ulysses with GQA: the all-to-alls deal the heads (and the key/value groups) to the cp ranks
+    round-robin (rank r: heads r, r + u, ...) instead of in contiguous blocks, and back: each rank
+    pairs its query heads with key/value groups they do not belong to."""
+    def interleaved(comm, heads):                       # new order -> old head, for u = comm.size
+        return np.array([h for r in range(comm.size) for h in range(r, heads, comm.size)])
+
+    def sequence_to_heads(comm, x, dim):
+        return comm.all_to_all(x[:, :, Tensor(interleaved(comm, x.shape[2]))], 2, 0)
+
+    def heads_to_sequence(comm, x, dim):
+        x = comm.all_to_all(x, 0, 2)
+        return x[:, :, Tensor(np.argsort(interleaved(comm, x.shape[2])))]
+    return [(parallel, "_sequence_to_heads", sequence_to_heads),
+            (parallel, "_heads_to_sequence", heads_to_sequence)]
+
+
+planted_job("ring_causal_case", plant_ring_causal_case, ROPE + CP2 + RING, "one_rope_gqa",
+            "cp", "loss")
+planted_job("ulysses_head_split", plant_ulysses_head_split, ROPE + CP2, "one_rope_gqa", "cp",
+            "loss")
+
+
+@pytest.mark.parametrize("plant", plant_params("cp"))
+def test_cp_planted_bug_is_caught(runs, plant):
+    """A ring whose diagonal block drops the causal mask, and Ulysses dealing the heads round-robin
+    (each rank pairing its query heads with other groups' keys), make their layouts' proofs fail on
+    the loss (assert_planted_bug_is_caught)."""
+    assert_planted_bug_is_caught(runs, plant)
+
+
+@reading("cp2_ulysses", "cp2_ring")
+def test_context_parallel_ledger_matches_the_formulas(runs):
+    """Per step of L layers (Ulysses 2, the float16 ring 1) and m micro-batches, each cp rank
+    holding q and the context [s/cp, b, n, d] and k, v [s/cp, b, g, d]: Ulysses runs 4
+    all-to-alls per layer forward (q, k, v, context) and 4 backward, of the same sizes; the ring
+    all-gathers k and v forward and reduce-scatters their gradients [s, b, g, d] backward; both
+    sum the loss and the token count over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP:
+    the gradient bucket and the logged loss. `bash run.sh plan` (memory.communication) gives the
+    same CP collectives."""
+    m, s, b, n, g, d, cp = 2, 32, 4, 8, 4, 8, 2
+    L = {run: layout_config(run).model_config.num_layers
+         for run in ("cp2_ulysses", "cp2_ring")}
+    # q and k, v bytes: the ring runs in float16
+    q, k = 4 * s // cp * b * n * d, 4 * s // cp * b * g * d
+    kv = 2 * s // cp * b * g * d
+    common = {("cp", "all_reduce"): (2 * m, 2 * m * 4), ("dp_cp", "all_reduce"): (2, None)}
+    ulysses = {("cp", "all_to_all"): (8 * m * L["cp2_ulysses"],
+                                      2 * m * L["cp2_ulysses"] * (2 * q + 2 * k)), **common}
+    ring = {("cp", "all_gather"): (2 * m * L["cp2_ring"], 2 * m * L["cp2_ring"] * kv),
+            ("cp", "reduce_scatter"): (2 * m * L["cp2_ring"], 2 * m * L["cp2_ring"] * cp * kv),
+            **common}
+    for run, want in (("cp2_ulysses", ulysses), ("cp2_ring", ring)):
+        ledger = tour.ledger_items(train_lines(runs.folder(run), "comm: ")[1])
+        got = {key: (calls, nbytes if want.get(key, (0, 0))[1] is not None else None)
+               for key, (calls, nbytes) in ledger.items()}
+        assert got == want, (run, got)
+        planned = {k: v for k, v in planned_communication(run).items() if k[0] == "cp"}
+        assert planned == {key: value for key, value in ledger.items() if key[0] == "cp"}
 
 
 # =================================================================================== model (gpt.py)
@@ -2821,13 +3920,6 @@ def test_dropout_is_reproducible_from_rng_state():
     model.set_train(False)
     d, e = float(model(*batch).asnumpy()), float(model(*batch).asnumpy())
     assert a != b and a == c and d == e
-
-
-RECOMPUTE = {"selective": ["--recompute-granularity", "selective"],
-             "full uniform 2": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                                "--recompute-num-layers", "2"],
-             "full block 1": ["--recompute-granularity", "full", "--recompute-method", "block",
-                              "--recompute-num-layers", "1"]}
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["op by op", "compiled"])
@@ -3434,6 +4526,140 @@ def test_parameter_names_and_attributes():
         == "layers.3.mlp.experts.local_experts.9.linear_fc1.weight"
 
 
+# ------------------------------------------------------------------------- experts on msrun workers
+# The experts (MoE layers in place of the MLPs) with EP carved out of DP x CP, across msrun
+# workers: each layout's step of gradients and routing against one process, its training beside
+# one process, a planted bug, the ledger
+MOE_2 = MOE_CHECK + ["--num-layers", "2"]          # without a pipeline: 2 layers
+gradient_checks({
+    "ep2_alltoall": (MOE_2 + ALLTOALL, EP2, 2, "moe"),
+    "ep2_cp2_ring": (MOE_CHECK + CP_CHECK, EP2 + CP2 + RING, 2, "moe"),
+    "ep2_tp2_sp_allgather": (MOE_2, EP2 + TP2 + SP, 4, "moe"),
+    "ep2_tp2_sp_alltoall": (MOE_2 + ALLTOALL, EP2 + TP2 + SP, 4, "moe"),
+    "ep4_alltoall": (MOE_2 + ALLTOALL, EP4, 4, "moe"),
+    "ep2_dp2": (MOE_2, EP2, 4, "moe"),
+    "ep2_pp2_vpp2": (MOE_CHECK, EP2 + PP2 + VPP2, 4, "moe")})
+
+
+def record_routing_maps(chunks):
+    """{global name of a MoE layer's router: the routing maps [tokens, E] of its forwards, in
+    order}, recorded by forward hooks (op by op) on every router of `chunks`."""
+    maps = {}
+    for chunk in chunks:
+        for name, cell in chunk.cells_and_names():
+            if isinstance(cell, moe.TopKRouter):
+                calls = maps.setdefault(gpt.global_name(chunk, name), [])
+                cell.register_forward_hook(
+                    lambda _, inputs, outputs, calls=calls: calls.append(outputs[1].asnumpy()))
+    return maps
+
+
+def check_routing_maps(c, label, maps, ref_maps, state, seq_length):
+    """Each router of this rank chose the same experts for each of its tokens as the one-process
+    router of that layer, micro-batch by micro-batch: its tokens are the positions its CP rank
+    holds (context_parallel.cp_token_indices), of those its TP rank's slice under sequence
+    parallelism; rows run [s, b] flattened, as the router flattens its input."""
+    positions = context_parallel.cp_token_indices(seq_length, state.cp, state.cp_rank,
+                                                  state.cp_ulysses)
+    if state.sequence_parallel:
+        positions = np.split(positions, state.tp)[state.tp_rank]
+    for name, calls in maps.items():
+        want = [m.reshape(seq_length, -1, m.shape[-1])[positions].reshape(-1, m.shape[-1])
+                for m in ref_maps[name]]
+        same = len(calls) == len(want) and all(np.array_equal(a, b) for a, b in zip(calls, want))
+        c(f"{label}: routing maps of {name}", same,
+          f"{len(calls)} forwards against {len(want)}")
+
+
+@pytest.mark.parametrize("family,job", check_params("moe"))
+def test_moe_msrun_checks(runs, family, job):
+    """Each EP layout's one step of gradients, and every router's choices, against one process
+    (check_gradients: relative 1e-5): both dispatchers, beside CP2's ring, TP2 + SP, DP2 and PP2
+    x VPP2, EP4."""
+    assert_checks_pass(runs, family, job)
+
+
+# the references: one MoE layer, with a capacity factor, a pipeline's 4 layers, RoPE and GQA
+# (where CP2 x TP2 x EP2 leave DP 1: 4 sequences a step)
+add("one_moe", 1, "moe", MOE_LAYER)
+add("one_moe_capacity", 1, "moe", MOE_RUN + CAPACITY)
+add("one_moe_pp", 1, "moe", PIPELINE_RUN + MOE_RUN)
+add("one_moe_rope_gqa", 1, "moe", ROPE + MOE_LAYER + FOUR)
+# 4 workers
+layout("ep2_pp2_vpp2_distopt", 4, "moe", PIPELINE_RUN + MOE_RUN + EP2 + PP2 + VPP2 + DISTOPT,
+       "one_moe_pp")
+# Compiled graphs holding collectives of several kinds of groups (each rank's own tp-, cp-, ep-
+# subgroups), rank 1 HELD s late to step 2 while its peers wait inside the graph: the flight
+# recorder's watchdog reads the records then, and must wait, as for any slow peer (the flight
+# recorder section)
+layout("ep2_cp2_ulysses_tp2_sp_alltoall", 4, "moe",
+       ROPE + MOE_LAYER + FOUR + EP2 + CP2 + TP2 + SP + ALLTOALL + COMPILED, "one_moe_rope_gqa",
+       hold=2)
+layout("ep2_dp2_distopt", 4, "moe", MOE_LAYER + EP2 + DISTOPT, "one_moe")
+layout("ep2_pp2_capacity", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2 + SAVE_HALF,
+       "one_moe_capacity")
+layout("ep4_distopt", 4, "moe checkpoint", MOE_LAYER + EP4 + DISTOPT + SAVE_HALF, "one_moe")
+# 2 workers
+layout("ep2_alltoall_distopt", 2, "moe", MOE_LAYER + EP2 + ALLTOALL + DISTOPT + COMPILED,
+       "one_moe")
+layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
+
+
+@pytest.mark.parametrize("layout", layout_params([
+    "ep2_pp2_vpp2_distopt", "ep2_cp2_ulysses_tp2_sp_alltoall", "ep2_dp2_distopt",
+    "ep2_pp2_capacity", "ep4_distopt", "ep2_alltoall_distopt", "ep2_capacity"]))
+def test_moe_layouts_train_like_one_process(runs, layout):
+    """Each EP layout (both dispatchers, capacity, the distributed optimizer, beside PP2 x VPP2,
+    DP2, CP2 x TP2 + SP compiled with a rank late, EP4) trains like one process
+    (assert_layout_trains_like_one_process)."""
+    assert_layout_trains_like_one_process(runs, layout)
+
+
+def plant_aux_loss_scaled_twice():
+    """MoE: the aux and z losses' gradients scaled by the main loss' weight (loss scale / m)
+    twice."""
+    real = moe.MoEAuxLossAutoScaler.set_loss_scale
+    return [(moe.MoEAuxLossAutoScaler, "set_loss_scale",
+             staticmethod(lambda scale: real(scale * scale)))]
+
+
+planted_job("aux_loss_scaled_twice", plant_aux_loss_scaled_twice, MOE_LAYER + EP2 + ALLTOALL,
+            "one_moe", "moe", "grad norm")
+
+
+@pytest.mark.parametrize("plant", plant_params("moe"))
+def test_moe_planted_bug_is_caught(runs, plant):
+    """The aux and z losses' gradients scaled twice make EP2's proof fail on the gradient norm
+    (assert_planted_bug_is_caught)."""
+    assert_planted_bug_is_caught(runs, plant)
+
+
+EP_LAYOUTS = [name for name in REFERENCE if name.startswith("ep")]
+
+
+@reading("ep2_alltoall_distopt", *EP_LAYOUTS)
+def test_expert_parallel_ledger_matches_the_formulas(runs):
+    """EP2 alltoall with the distributed optimizer by hand, per step of L = 1 MoE layer and m = 2
+    micro-batches of n = 2 x 32 tokens on a rank, E = 4 experts, h = 64, float32, dropless (C = n
+    slots an expert): 6 L m all-to-alls (tokens [E C, h], probs [E C], output [E C, h], forward
+    and backward), the experts' norm over EP, the routers' losses' sum [3] over DP; over DP the
+    dense gradients' reduce-scatter, the parameters' all-gather, the norm of the shards and the
+    logged loss (the experts' group, EDP, is one rank). Then every EP layout's ledger equals
+    memory.communication, call for call and byte for byte: the alltoall dispatcher under TP +
+    SP and CP, the expert shards of the distributed optimizer over the expert-data-parallel
+    group, capacity, VPP."""
+    L, m, n, E, h = 1, 2, 64, 4, 64
+    ledger = tour.ledger_items(train_lines(runs.folder("ep2_alltoall_distopt"), "comm: ")[1])
+    assert ledger[("ep", "all_to_all")] == (6 * L * m, 2 * L * m * E * n * (2 * h * 4 + 4))
+    assert {k: v[0] for k, v in ledger.items()} == {
+        ("ep", "all_to_all"): 6 * L * m, ("ep", "all_reduce"): 1, ("dp", "all_reduce"): 1,
+        ("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
+        ("dp_cp", "all_reduce"): 2}, ledger
+    for run in EP_LAYOUTS:
+        ledger = tour.ledger_items(train_lines(runs.folder(run), "comm: ")[1])
+        assert planned_communication(run) == ledger, run      # rank 0's: stage 0
+
+
 # ================================================================= pipeline schedules (pipeline.py)
 @pytest.mark.pipeline
 def test_1f1b_and_interleaved_orders_follow_megatrons_rules():
@@ -3547,6 +4773,105 @@ def test_invalid_pipeline_layouts_are_refused(world, args, message):
     with pytest.raises(ConfigError) as e:
         load_config(os.path.join(HERE, "config.yaml"), args, world)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# ----------------------------------------------------------------------- pipelines on msrun workers
+# The pipeline layouts (1F1B, interleaved, all-forward-all-backward; beside TP2 + SP) across msrun
+# workers: each layout's step of gradients against one process, its training beside one process,
+# recompute with dropout, the bugs planted. The compiled pipeline: the tour section (tour_pp).
+UNEVEN = ["parallel_config.num_layer_list=[3,1]"]
+gradient_checks({
+    "pp2": ([], PP2, 2, "pipeline"),
+    "pp2_vpp2": ([], PP2 + VPP2, 2, "pipeline"),
+    "pp2_untied": (UNTIED, PP2, 2, "pipeline"),
+    "pp2_num_layer_list": ([], PP2 + UNEVEN, 2, "pipeline"),
+    "pp4": ([], PP4, 4, "pipeline"),
+    "pp4_vpp2_8_layers": (["--num-layers", "8"], PP4 + VPP2, 4, "pipeline"),
+    "tp2_pp2_sp": ([], TP2 + PP2 + SP, 4, "pipeline")})
+
+
+@pytest.mark.parametrize("family,job", check_params("pipeline"))
+def test_pipeline_msrun_checks(runs, family, job):
+    """Each pipeline layout's one step (2 micro-batches, 4 through PP4's schedule) of gradients
+    against one process (check_gradients: relative 1e-5): PP2, with VPP2, untied, uneven stages,
+    PP4, with VPP2 over 8 layers, TP2 x PP2 + SP; the last stage's losses too."""
+    assert_checks_pass(runs, family, job)
+
+
+# the references, float32 and float16 (PIPELINE_RUN: 4 layers, evaluated)
+add("one_pp", 1, "pipeline", PIPELINE_RUN)
+add("one_pp_fp16", 1, "pipeline fp16", PIPELINE_HALF)
+# 4 workers: TP2 x PP2 + SP, the default run's layout (stopped and resumed: the checkpoint section)
+TP2_PP2 = PIPELINE_RUN + TP2 + PP2 + SP
+layout("tp2_pp2_sp", 4, "pipeline checkpoint", TP2_PP2, "one_pp")
+# 2 workers: PP2 in float16, with VPP2, all-forward-all-backward
+layout("pp2", 2, "pipeline fp16", PIPELINE_HALF + PP2, "one_pp_fp16")
+layout("pp2_vpp2", 2, "pipeline", PIPELINE_RUN + PP2 + VPP2, "one_pp")
+layout("pp2_afab", 2, "pipeline", PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"],
+       "one_pp")
+
+
+@pytest.mark.parametrize("layout", layout_params(["tp2_pp2_sp", "pp2", "pp2_vpp2", "pp2_afab"]))
+def test_pipeline_layouts_train_like_one_process(runs, layout):
+    """TP2 x PP2 + SP, PP2 in float16, PP2 x VPP2 and all-forward-all-backward train like one
+    process, their validation and test losses too (assert_layout_trains_like_one_process)."""
+    assert_layout_trains_like_one_process(runs, layout)
+
+
+# PP2 with dropout, without and with full recompute of each stage's first layer
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
+PP2_DROPOUT = PIPELINE_RUN + PP2 + DROPOUT + ["--train-iters", "3"]
+add("pp2_dropout", 2, "pipeline", PP2_DROPOUT)
+add("pp2_dropout_recompute", 2, "pipeline", PP2_DROPOUT + RECOMPUTE["full block 1"])
+
+
+@reading("pp2_dropout", "pp2_dropout_recompute")
+def test_pipeline_recompute_with_dropout_is_bit_identical(runs):
+    """PP2 with dropout: recomputing each stage's first layer (full, block 1) logs the losses and
+    gradient norms of the run without recompute, bit for bit."""
+    plain = train_lines(runs.folder("pp2_dropout"))
+    assert len(plain) == 3
+    assert ([l.split(", Time")[0] for l in train_lines(runs.folder("pp2_dropout_recompute"))]
+            == [l.split(", Time")[0] for l in plain])
+
+
+def plant_tied_embedding_unreduced():
+    """Pipeline: the tied word embedding's two copies (first and last stage) not all-reduced over
+    the embedding group (finalize_model_grads step 2)."""
+    return unmarked_during_finalize("shared_embedding")
+
+
+def plant_skipped_last_backward():
+    """Pipeline: the last stage skips the last micro-batch's backward (sending a zero gradient to
+    the stage before, so the exchanges still pair)."""
+    run, backward = pipeline.PipelineRunner._run, pipeline.PipelineRunner._backward
+
+    def _run(self, micro_batches, *rest):
+        self.last_micro_batch = len(micro_batches) - 1
+        return run(self, micro_batches, *rest)
+
+    def _backward(self, args, mb, chunk_id, loss_weight, received, outgoing):
+        vs = chunk_id * self.p + self.rank
+        if vs == self.p * self.v - 1 and mb == self.last_micro_batch:
+            outgoing[("grad", mb, vs - 1)] = ops.zeros_like(args[0])
+            return [ops.zeros(p.shape, self.grad_dtype) for p in self.params[chunk_id]]
+        return backward(self, args, mb, chunk_id, loss_weight, received, outgoing)
+    return [(pipeline.PipelineRunner, "_run", _run),
+            (pipeline.PipelineRunner, "_backward", _backward)]
+
+
+planted_job("tied_embedding_unreduced", plant_tied_embedding_unreduced, PIPELINE_RUN + PP2,
+            "one_pp", "pipeline", "grad norm")
+planted_job("skipped_last_backward", plant_skipped_last_backward, PIPELINE_RUN + PP2, "one_pp",
+            "pipeline", "grad norm")
+
+
+@pytest.mark.parametrize("plant", plant_params("pipeline"))
+def test_pipeline_planted_bug_is_caught(runs, plant):
+    """The tied embedding's two copies left unreduced, and the last stage skipping its last
+    micro-batch's backward, make PP2's proof fail on the gradient norm
+    (assert_planted_bug_is_caught)."""
+    assert_planted_bug_is_caught(runs, plant)
 
 
 # =============================================================================== memory (memory.py)
@@ -3857,6 +5182,9 @@ def call_memory_runs(harness):
                                *flags] for name, flags in MEMORY_RUNS.items()})
 
 
+add("memory_runs", 0, "", call=call_memory_runs, beside="forked")       # MEMORY_RUNS
+
+
 @pytest.mark.reads("memory_runs")
 def test_memory_estimate_matches_the_measured_peak_and_recompute_lowers_it(runs):
     """A run whose memory is mostly activations (MEMORY_RUNS, each a process of its own): the
@@ -3964,9 +5292,10 @@ def test_plan_layers_every_config_file_in_order(tmp_path, capsys):
 
 
 def test_plan_communication_follows_the_ledger_formulas():
-    """Calls per step as test_ledger_counts_match_the_formulas counts them (L = 2 layers, m = 2
-    micro-batches), and the bytes of DP2's gradient all-reduce and logged loss that README's
-    ledger table measured for the bench shape (17,094,660 B: 4.27M parameters and 4 bytes)."""
+    """Calls per step as test_tp_ and test_dp_ledger_counts_match_the_formulas count them (L = 2
+    layers, m = 2 micro-batches), and the bytes of DP2's gradient all-reduce and logged loss that
+    README's ledger table measured for the bench shape (17,094,660 B: 4.27M parameters and 4
+    bytes)."""
     L, m = 2, 2
 
     def calls(world, *args):
@@ -5943,6 +7272,282 @@ def test_generate_command_from_checkpoint(byte_two_steps, capsys):
     assert text.startswith("ROMEO:") and len(text.rstrip("\n")) >= len("ROMEO:")
 
 
+# ------------------------------------------------------------ parallel checkpoints on msrun workers
+# The layouts' checkpoints across msrun workers, in Megatron's formats: stopped and resumed bit for
+# bit, converted to other layouts (by `convert` or on load) and resumed, merged to one process
+# one process's step-2 checkpoints converted to layouts of 4 workers, before their launch
+converted("one_as_tp2_dp2", "checkpoint", "one", ["--nproc", "4", *TP2, *DISTOPT])
+converted("one_as_tp2", "checkpoint", "one", ["--nproc", "2", *TP2])
+converted("one_rope_gqa_as_cp2_dp2", "checkpoint", "one_rope_gqa",
+          ["--nproc", "4", *CP2, *RING, *DISTOPT])
+# 4 workers. TP2 x PP2 + SP (the default run's layout, the pipeline section's tp2_pp2_sp) stopped
+# by SIGTERM on rank 0 alone after step 2 (every rank stops after the same step: one all-reduce of
+# a flag, train.exit_reason) and resumed, both in Megatron's torch format: the losses of the run
+# that never stopped, bit for bit. --exit-interval and --exit-duration-in-mins stop every rank as
+# SIGTERM to one does: tested in one process (test_a_stopped_job_resumes_bit_identical).
+add("tp2_pp2_sp_first", 4, "checkpoint", TP2_PP2 + ["--exit-signal-handler"] + TORCH,
+    sigterm=STEPS // 2)
+add("tp2_pp2_sp_resumed", 4, "checkpoint",
+    TP2_PP2 + TORCH + ["--load", "{tmp}/tp2_pp2_sp_first"], after=["tp2_pp2_sp_first"])
+resumed("one_to_tp2_dp2_distopt", 4, "checkpoint", TP2 + SP + DISTOPT, "one_as_tp2_dp2")
+resumed("one_to_cp2_ring_dp2_distopt", 4, "checkpoint", ROPE + CP2 + RING + DISTOPT,
+        "one_rope_gqa_as_cp2_dp2")
+resumed("ep2_pp2_capacity_resumed", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2,
+        "ep2_pp2_capacity")
+# their step-2 checkpoints converted, between the launches: TP2 x PP2 to PP2 x VPP2 and to one
+# process; EP4 to one process
+converted("tp2_pp2_as_pp2_vpp2", "checkpoint", "tp2_pp2_sp_first", ["--nproc", "2", *PP2, *VPP2])
+converted("tp2_pp2_as_one", "checkpoint", "tp2_pp2_sp_first", [])
+converted("ep4_as_one", "moe checkpoint", "ep4_distopt", [])
+resumed("tp2_pp2_to_one", 1, "checkpoint", PIPELINE_RUN, "tp2_pp2_as_one")
+resumed("ep4_to_one", 1, "moe checkpoint", MOE_LAYER, "ep4_as_one")
+# 2 workers: resumed in the same layout, or in another after a conversion
+resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + HALF + MIXTURE, "dp2_distopt")
+resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
+resumed("one_to_cp2_ulysses", 2, "checkpoint", ROPE + CP2, "one_rope_gqa")
+# resumed in another layout straight from the 4 workers' checkpoints, converted on load; TP2 x
+# PP2 as DP2 saved in torch_dist (the distributed optimizer's state gathered per parameter)
+resumed("tp2_pp2_to_dp2_distopt", 2, "checkpoint", PIPELINE_RUN + DISTOPT + DIST,
+        "tp2_pp2_sp_first")
+resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_LAYER + EP2 + DISTOPT, "ep4_distopt")
+# where a converted run resumes: (the run whose checkpoint was converted, what changed)
+CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed optimizer"),
+             "one_to_cp2_ring_dp2_distopt": ("one_rope_gqa", "one process -> CP2 x DP2"),
+             "one_to_cp2_ulysses": ("one_rope_gqa", "one process -> CP2, no conversion"),
+             "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_sp", "TP2 x PP2 -> PP2 with VPP2"),
+             "tp2_pp2_to_one": ("tp2_pp2_sp", "TP2 x PP2 -> one process"),
+             "ep4_to_one": ("ep4_distopt", "EP4 -> one process"),
+             "tp2_pp2_to_dp2_distopt": ("tp2_pp2_sp", "TP2 x PP2 -> DP2, distributed optimizer,"
+                                        " on load"),
+             "ep4_to_ep2": ("ep4_distopt", "EP4 -> EP2, on load")}
+# the converted runs that loaded the other layout's checkpoint itself: (part of the layout their
+# log says they converted from, part of the layout it says they converted to)
+ON_LOAD = {"tp2_pp2_to_dp2_distopt": ({"tp": 2, "pp": 2, "dp": 1, "distributed_optimizer": False},
+                                      {"tp": 1, "pp": 1, "dp": 2, "distributed_optimizer": True}),
+           "ep4_to_ep2": ({"ep": 4, "dp": 4, "distributed_optimizer": True},
+                          {"ep": 2, "dp": 2, "distributed_optimizer": True})}
+
+
+@pytest.mark.parametrize("full,resumed", [
+    pytest.param("dp2_distopt", "dp2_distopt_resumed", marks=reads(
+        "dp2_distopt", "dp2_distopt_resumed", concepts={"checkpoint", "dp"})),
+    pytest.param("tp2_pp2_sp", "tp2_pp2_sp_resumed", marks=reads(
+        "tp2_pp2_sp", "tp2_pp2_sp_first", "tp2_pp2_sp_resumed", concepts={"checkpoint"})),
+    pytest.param("ep2_pp2_capacity", "ep2_pp2_capacity_resumed", marks=reads(
+        "ep2_pp2_capacity", "ep2_pp2_capacity_resumed", concepts={"checkpoint", "moe"}))])
+def test_parallel_resume_is_bit_exact(runs, full, resumed):
+    """A run resumed from step 2 in the same layout (DP2 with the distributed optimizer and EP2 x
+    PP2 with a capacity factor, from the step-2 checkpoint of the run that went on, --ckpt-step;
+    TP2 x PP2 after a SIGTERM stop) logs the losses and gradient norms of the run that never
+    stopped, and ends with the same weights and optimizer state on every rank, bit for bit."""
+    full, resumed = runs.folder(full), runs.folder(resumed)
+    assert ([l.split(", Time")[0] for l in train_lines(resumed)]
+            == [l.split(", Time")[0] for l in train_lines(full)[STEPS // 2:]])
+    assert_same_checkpoints(full, resumed)
+
+
+def assert_same_checkpoints(a_root, b_root):
+    """The latest checkpoints of the two folders hold the same tensors in every shard folder, bit
+    for bit, whatever format each was saved in (MindSpore ckpt, or Megatron's torch files)."""
+    a_dir = pathlib.Path(checkpoint.iteration_dir(str(a_root),
+                                                  checkpoint.latest_iteration(str(a_root))))
+    b_dir = pathlib.Path(checkpoint.iteration_dir(str(b_root),
+                                                  checkpoint.latest_iteration(str(b_root))))
+    names = sorted(p.name for p in a_dir.iterdir())
+    assert names == sorted(p.name for p in b_dir.iterdir()) and names
+    for shard_name in names:
+        stems = sorted({f.stem for f in (a_dir / shard_name).iterdir()
+                        if f.suffix in (".ckpt", ".pt")})
+        a = checkpoint.load_checkpoint(str(a_root), shard_name, stems=stems)[0]
+        b = checkpoint.load_checkpoint(str(b_root), shard_name, stems=stems)[0]
+        assert sorted(a) == sorted(b) and a
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=f"{shard_name} {key}")
+
+
+@reading("tp2_pp2_sp", "tp2_pp2_sp_first", "tp2_pp2_sp_resumed", concepts={"checkpoint"})
+def test_parallel_stopped_job_resumes_bit_exact(runs):
+    """TP2 x PP2 stopped by SIGTERM on rank 0 alone during step 2 (every rank stops after the same
+    step) leaves its checkpoint of step 2 and the losses of the run that never stopped; resumed,
+    it logs that run's steps 3 and 4, bit for bit."""
+    full = losses_of(train_lines(runs.folder("tp2_pp2_sp")))
+    first = runs.folder("tp2_pp2_sp_first")
+    assert checkpoint.latest_iteration(str(first)) == STEPS // 2
+    assert losses_of(train_lines(first)) == full[:STEPS // 2]
+    assert losses_of(train_lines(runs.folder("tp2_pp2_sp_resumed"))) == full[STEPS // 2:]
+
+
+TORCH_KEYS = ["args", "checkpoint_version", "iteration", "model", "optimizer",
+              "opt_param_scheduler", "rng_state", "num_floating_point_operations_so_far"]
+
+
+def torch_weights(path):
+    """(a model_optim_rng.pt read with this project's torch reader, its weights by name)."""
+    state = torch_format.load(str(path))
+    assert list(state) == TORCH_KEYS and state["checkpoint_version"] == 3.0
+    return state, {k: w for k, w in state["model"].items() if not k.endswith("_extra_state")}
+
+
+@reading("tp2_pp2_sp_first", concepts={"checkpoint"})
+def test_torch_format_checkpoint_holds_megatrons_names_and_per_rank_shapes(runs):
+    """The TP2 x PP2 run saved with --ckpt-format torch (step 2 of the stop chain) is Megatron's
+    layout, read with this project's torch reader: model_optim_rng.pt per rank with args,
+    checkpoint_version 3.0, iteration, the model under Megatron-core's names (stage-local layer
+    numbers, each rank's TP piece), FP32Optimizer's torch state (a state per weight), the
+    schedule and RNG state; the last stage holds the tied embedding's copy as
+    output_layer.weight."""
+    first = runs.folder("tp2_pp2_sp_first")
+    h, f, v, positions = 64, 128, 384, 32            # PIPELINE_RUN: 4 layers, hidden 64, ffn 128
+    layer = {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
+             "self_attention.linear_proj.weight": (h, h // 2),
+             "self_attention.linear_proj.bias": (h,),
+             "self_attention.linear_qkv.weight": (3 * h // 2, h),
+             "self_attention.linear_qkv.bias": (3 * h // 2,), "pre_mlp_layernorm.weight": (h,),
+             "pre_mlp_layernorm.bias": (h,), "mlp.linear_fc1.weight": (f // 2, h),
+             "mlp.linear_fc1.bias": (f // 2,), "mlp.linear_fc2.weight": (h, f // 2),
+             "mlp.linear_fc2.bias": (h,)}
+    stage = {0: {"embedding.word_embeddings.weight": (v // 2, h),
+                 "embedding.position_embeddings.weight": (positions, h)},
+             1: {"decoder.final_layernorm.weight": (h,), "decoder.final_layernorm.bias": (h,),
+                 "output_layer.weight": (v // 2, h)}}
+    for t in range(2):
+        for p in range(2):
+            state, weights = torch_weights(first / f"iter_{STEPS // 2:07d}"
+                                           / checkpoint.shard_name(t, p, 2) / "model_optim_rng.pt")
+            assert (state["iteration"], state["args"].tensor_model_parallel_size,
+                    state["args"].pipeline_model_parallel_size,
+                    state["args"].fp16) == (STEPS // 2, 2, 2, False)
+            want = {f"decoder.layers.{i}.{k}": shape for i in range(2)
+                    for k, shape in layer.items()}
+            want.update(stage[p])
+            assert {k: w.shape for k, w in weights.items()} == want, (t, p)
+            assert {w.dtype for w in weights.values()} == {np.dtype(np.float32)}
+            assert sorted(state["optimizer"]) == ["param_groups", "state"]
+            assert len(state["optimizer"]["state"]) == len(weights)
+
+
+@reading("tp2_sp", concepts={"fp16", "checkpoint"})
+def test_torch_format_float16_checkpoint_holds_megatrons_float16_optimizer(runs):
+    """TP2 + SP in float16 saved with --ckpt-format torch: each TP rank's model_optim_rng.pt holds
+    its float16 pieces of the weights and Megatron's Float16OptimizerWithFloat16Params state (the
+    torch optimizer, the grad scaler, a float32 main param per weight, each the weight's shape)."""
+    for t in range(2):
+        state, weights = torch_weights(runs.folder("tp2_sp") / f"iter_{STEPS:07d}"
+                                       / checkpoint.shard_name(t, 0, 1) / "model_optim_rng.pt")
+        assert state["args"].fp16 and state["args"].tensor_model_parallel_size == 2
+        assert weights["embedding.word_embeddings.weight"].shape == (384 // 2, 64)
+        assert {w.dtype for w in weights.values()} == {np.dtype(np.float16)}
+        half = state["optimizer"]
+        assert sorted(half) == ["fp32_from_fp16_params", "grad_scaler", "optimizer"]
+        mains = [m for group in half["fp32_from_fp16_params"] for m in group]
+        assert sorted(m.shape for m in mains) == sorted(w.shape for w in weights.values())
+        assert {m.dtype for m in mains} == {np.dtype(np.float32)}
+
+
+@pytest.mark.parametrize("run", [pytest.param(run, marks=reads(
+    run, source, concepts=JOBS[run].concepts)) for run, (source, _) in CONVERTED.items()])
+def test_converted_checkpoint_trains_like_the_original_layout(runs, run):
+    """A step-2 checkpoint converted to another layout (weights, float32 main params and optimizer
+    state), by `convert` or on load (--load of the other layout's checkpoint: ON_LOAD, whose log
+    says from which layout to which), resumes so that steps 3 and 4 give the original layout's
+    losses and gradient norms (loss_rtol): CONVERTED says which."""
+    source, _ = CONVERTED[run]
+    resumed, full = runs.folder(run), runs.folder(source)
+    assert len(train_lines(resumed)) == STEPS // 2 and len(train_lines(full)) == STEPS
+    said = [re.search(r"converted on load from layout (\{.*\}) to this run's layout (\{.*\})$",
+                      line) for line in train_lines(resumed, "checkpoint ")]
+    layouts = [[ast.literal_eval(m.group(i)) for i in (1, 2)] for m in said if m]
+    assert len(layouts) == (run in ON_LOAD), layouts
+    for saved, wanted in zip(layouts[0] if layouts else [], ON_LOAD.get(run, [])):
+        assert {k: saved[k] for k in wanted} == wanted, (saved, wanted)
+    rtol = loss_rtol(REFERENCE.get(source, source))
+    for key, name in tour.COMPARED.items():
+        np.testing.assert_allclose([r[key] for r in tour.train_records(str(resumed))],
+                                   [r[key] for r in tour.train_records(str(full))[STEPS // 2:]],
+                                   rtol=rtol[name], err_msg=name)
+
+
+@pytest.mark.parametrize("run,ep", [
+    pytest.param("ep4_distopt", 4, marks=reads("ep4_distopt", concepts={"moe", "checkpoint"})),
+    pytest.param("ep4_to_ep2", 2, marks=reads("ep4_to_ep2", concepts={"moe", "checkpoint"}))])
+def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(runs, run, ep):
+    """EP4 with the distributed optimizer (4 workers): its checkpoint of step 2, and that of the
+    EP2 run resumed from it (converted on load), have Megatron's expert folders mp_rank_00_EEE,
+    each with its rank's experts and distrib_optim file (both resume in
+    test_converted_checkpoint_trains_like_the_original_layout)."""
+    step = STEPS // 2 if run == "ep4_distopt" else STEPS
+    folder = runs.folder(run) / f"iter_{step:07d}"
+    assert sorted(os.listdir(folder)) == [f"mp_rank_00_{e:03d}" for e in range(ep)]
+    local = 4 // ep                                                 # of the 4 experts
+    for e in range(ep):
+        tensors, _ = checkpoint.load_checkpoint(str(runs.tmp / run), f"mp_rank_00_{e:03d}",
+                                                stems=("model_optim_rng", "distrib_optim_000"),
+                                                step=step)
+        experts = {int(re.search(r"local_experts\.(\d+)\.", k).group(1)) for k in tensors
+                   if "local_experts" in k}
+        assert experts == set(range(e * local, (e + 1) * local)), (e, experts)
+
+
+# Adam moves a weight by about lr whatever its gradient's size, so one whose gradient is near 0
+# moves differently in another layout's order of reduction; a piece out of place is off by about
+# the largest value
+DIST_ATOL = 1e-3
+
+
+@reading("tp2_pp2_to_dp2_distopt", "tp2_pp2_sp", concepts={"checkpoint"})
+def test_distributed_optimizer_saves_torch_dist_per_parameter(runs):
+    """DP2 with the distributed optimizer (two workers, resumed from TP2 x PP2) saved with
+    --ckpt-format torch_dist holds the optimizer state as Megatron's non-distributed optimizer
+    keeps it: each moment sharded as its parameter (optimizer.state.exp_avg.<key>), no float32
+    copies of float32 weights, one writer (the first data-parallel rank). Assembled, its weights
+    and moments of step 4 are those of the TP2 x PP2 run that never stopped (DIST_ATOL of each
+    tensor's largest value): each rank's pieces gathered into their places."""
+    folder = runs.folder("tp2_pp2_to_dp2_distopt") / f"iter_{STEPS:07d}"
+    index, _ = dist_checkpoint.read_index(str(folder))
+    assert {k.split(".")[2] for k in index if k.startswith("optimizer.")} == {"exp_avg",
+                                                                             "exp_avg_sq"}
+    assert [f for f in os.listdir(folder) if f.endswith(".distcp")] == ["__0_0.distcp"]
+    got = checkpoint.full_state(str(runs.tmp / "tp2_pp2_to_dp2_distopt"))[0]
+    want = checkpoint.full_state(str(runs.folder("tp2_pp2_sp")))[0]
+    assert sorted(got) == sorted(want) and any(k.startswith("optimizer.") for k in want)
+    for key, value in want.items():
+        scale = float(np.abs(value).max())
+        np.testing.assert_allclose(got[key], value, rtol=0, atol=DIST_ATOL * scale, err_msg=key)
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(name, marks=reads(name, REFERENCE[name], concepts={concept}))
+    for name, concept in (("tp2", "tp"), ("tp2_pp2_sp", "pipeline"), ("pp2", "pipeline"),
+                          ("pp2_vpp2", "pipeline"), ("ep2_alltoall_distopt", "moe"))])
+def test_parallel_checkpoint_merges_to_the_one_process_model(runs, layout, capsys):
+    """generate unites the pipeline stages' files and merges the mp_rank_TT shards: the merged
+    weights equal the one-process run's after the same steps, to training's rounding: in
+    float32 within 2e-4; in float16 (pp2) within 10% in norm per tensor, since
+    AdamW moves a weight by about lr whatever its gradient's size, so a near-zero float16 gradient
+    whose sign a layout's rounding flips moves it 2 lr apart (a misplaced shard differs by ~100%).
+    The last stage's copy of a tied embedding stayed equal to the first stage's; it generates."""
+    folder, reference = runs.folder(layout), REFERENCE[layout]
+    one, _ = checkpoint.load_checkpoint(str(runs.folder(reference)), step=STEPS)
+    shards, meta = checkpoint.load_shards(str(folder))
+    assert len(shards) == meta["layout"]["tp"]
+    full = {k: v.shape for k, v in one.items() if k.startswith("model.")}
+    merged = megatron_checkpoint.merge_tensor_parallel(shards, full)
+    for name in full:
+        if reference.endswith("_fp16"):
+            a, b = merged[name].astype(np.float64), one[name].astype(np.float64)
+            assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b), name
+        else:
+            np.testing.assert_allclose(merged[name], one[name], atol=2e-4, err_msg=name)
+    if meta["layout"]["pp"] > 1:
+        for shard_tensors in shards:
+            np.testing.assert_allclose(shard_tensors["model.output_layer.weight"],
+                                       shard_tensors["model.word_embeddings.weight"], atol=1e-6)
+    capsys.readouterr()
+    assert train.main(["generate", "--load", str(folder), "--prompt", "ROMEO:",
+                       "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+
+
 # ============================================================================= metrics (metrics.py)
 # The event file is read back by a reader written here from the specification alone (TFRecord
 # framing with masked CRC-32C, tensorflow/core/lib/io/record_reader.cc; protobuf's wire format,
@@ -6359,29 +7964,6 @@ def run_training(tmp_path, name, *args, jit=False):
     return [l for l in lines if l.startswith("train: ")], lines
 
 
-_BYTES = {}
-
-
-def shakespeare_bytes(tmp_path):
-    """The shipped corpus preprocessed with the byte tokenizer (once per session)."""
-    if "prefix" not in _BYTES:
-        folder = tmp_path.parent / "bytes"
-        folder.mkdir(exist_ok=True)
-        _BYTES["prefix"] = data.ensure_preprocessed(SHAKESPEARE, str(folder / "shakespeare"),
-                                                    "ByteTokenizer")
-    return _BYTES["prefix"]
-
-
-def mixture_flags(tmp_path):
-    """--data-path 0.6 of the shipped corpus and 0.4 of the shipped Alice text, both
-    byte-tokenized (once per session): a blend as Megatron-core builds it."""
-    if "alice" not in _BYTES:
-        folder = tmp_path.parent / "bytes"
-        folder.mkdir(exist_ok=True)
-        _BYTES["alice"] = data.ensure_preprocessed(ALICE, str(folder / "alice"), "ByteTokenizer")
-    return ["--data-path", "0.6", shakespeare_bytes(tmp_path), "0.4", _BYTES["alice"]]
-
-
 def losses_of(lines):
     return [float(re.search(r"Loss: ([0-9.]+)", l).group(1)) for l in lines]
 
@@ -6679,10 +8261,6 @@ def test_loss_scaler_skips_a_step_with_nan_gradients():
 
 
 # ----------------------------------------------------------------------------------- half precision
-# Megatron's --fp16 with a loss scale the tiny models' gradients never overflow in float16
-FP16 = ["--fp16", "--initial-loss-scale", "4096"]
-
-
 @pytest.mark.fp16
 def test_eager_cast_equals_cast():
     """fused.eager_cast (a copy into a new tensor, the optimizer's op-by-op cast) gives the
@@ -6810,6 +8388,11 @@ def call_compiled_runs(harness):
     return forked_runs({name: training_argv(harness.tmp / "compiled" / name, harness.prefix,
                                             *FP32_RUN, *flags, jit=True)
                         for name, flags in COMPILED_RUNS.items()})
+
+
+# the runs of one-process tests forked beside the rest, in the order the tests read them
+add("compiled_runs", 0, "fp16", call=call_compiled_runs, beside="forked")  # COMPILED_RUNS
+add("moe_runs", 0, "moe", call=call_moe_runs, beside="forked")             # MOE_RUNS
 
 
 def compiled_run(runs, name):
@@ -7070,6 +8653,61 @@ def test_a_bad_launch_is_one_line_before_anything_starts(run_sh, argv, message):
     assert (result.returncode, result.stderr.splitlines(), calls) == (2, [message], [])
 
 
+# The multi-node form on one machine: two run.sh launches joined into one job, in the harness's
+# background (conftest.py) beside the one-process tests
+def call_two_nodes(harness):
+    """The multi-node form, as the guides launch it: `bash run.sh` with torchrun's flags on each
+    node, --node_rank 0 and 1, DP2 of one worker each. The second "node" lives in its own network
+    namespace (a veth pair, 10.213.0.1 <-> 10.213.0.2): msrun starts a scheduler wherever
+    --master_addr is a local address, so two launches on one host's 127.0.0.1 would both try to
+    bind it. Returns (the runs' folder, both exit codes, both consoles)."""
+    tmp, pid = harness.tmp, os.getpid()
+    ns, host_if, node_if = f"gptnode{pid}", f"gpta{pid % 100000}", f"gptb{pid % 100000}"
+    inside = ["ip", "netns", "exec", ns]
+    setup = [["ip", "netns", "add", ns],
+             ["ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if],
+             ["ip", "link", "set", node_if, "netns", ns],
+             ["ip", "addr", "add", "10.213.0.1/24", "dev", host_if],
+             ["ip", "link", "set", host_if, "up"],
+             [*inside, "ip", "addr", "add", "10.213.0.2/24", "dev", node_if],
+             [*inside, "ip", "link", "set", node_if, "up"],
+             [*inside, "ip", "link", "set", "lo", "up"]]
+    out = tmp / "two_nodes"
+    args = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
+            *PARALLEL_RUN, "--save", str(out)]
+    port = str(cli.scheduler_port())
+    try:
+        for cmd in setup:
+            subprocess.run(cmd, check=True, capture_output=True)
+        nodes = []
+        for node in (0, 1):
+            cmd = ["bash", os.path.join(HERE, "run.sh"), "--nproc_per_node", "1", "--nnodes", "2",
+                   "--node_rank", str(node), "--master_addr", "10.213.0.1", "--master_port", port,
+                   "--log_dir", str(tmp / f"node{node}"), *args]
+            with open(tmp / f"node{node}.console", "w") as console:
+                nodes.append(subprocess.Popen((inside if node else []) + cmd, stdout=console,
+                                              stderr=subprocess.STDOUT, env=BUSY_MACHINE))
+        codes = [n.wait(timeout=300) for n in nodes]
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+    return out, codes, [(tmp / f"node{n}.console").read_text() for n in (0, 1)]
+
+
+add("two_nodes", 0, "", call=call_two_nodes, after=["one"], beside="launch")
+
+
+@reading("two_nodes", "one")
+def test_two_run_sh_launches_make_one_job(runs):
+    """Two `bash run.sh --nnodes 2` launches, --node_rank 0 and 1, each with one worker in its
+    own network namespace (call_two_nodes), join into one DP2 job whose losses and gradient norms
+    equal one process's."""
+    out, codes, consoles = runs.result("two_nodes")
+    assert codes == [0, 0], [c[-2000:] for c in consoles]
+    assert "1 -> 0, 0, 1, 0" in (out / "log" / "rank_0" / "info.log").read_text()   # dp 2
+    assert_trains_like(out, runs.folder("one"), tour.FLOAT32)
+
+
 # ============================================================= flight recorder (flight_recorder.py)
 def flight_records(events_of, idle=flight_recorder.STALL + 1, reasons=None):
     """{rank: record} as each rank would write it: {rank: [(op, group, ranks, shape)]} recorded in
@@ -7224,6 +8862,197 @@ def test_run_sh_diagnose_reads_a_folder_of_records(tmp_path):
                            capture_output=True, text=True, timeout=60)
     assert empty.returncode == 2 and empty.stderr.startswith("error: usage: bash run.sh "
                                                              "diagnose LOG_DIR"), empty.stderr
+
+
+# ------------------------------------------------------------------------ failures on msrun workers
+# Launches that fail on purpose, in the harness's background (conftest.py) beside the trainings,
+# since their processes take little of the CPU: a rank that fails at load, a worker killed, planted
+# communication faults; and the held layouts of the concept sections, a rank late in a compiled
+# graph
+def call_failing_rank(harness):
+    """TP2 resumed from one process's checkpoint converted to TP2 with rank 1's shard gone: (the
+    damaged folder, the finished run.sh)."""
+    damaged = harness.tmp / "tp2_damaged"
+    shutil.copytree(harness.tmp / "one_as_tp2", damaged)
+    shutil.rmtree(damaged / f"iter_{STEPS // 2:07d}" / "mp_rank_01")
+    result = subprocess.run(["bash", "run.sh", "--nproc", "2", "--log_dir",
+                             str(harness.tmp / "failing_rank_log"), "--config",
+                             os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
+                             *PARALLEL_RUN, *TP2, "--train-iters", str(STEPS + 2),
+                             "--load", str(damaged), "--save", str(damaged)],
+                            cwd=HERE, capture_output=True, text=True, timeout=300)
+    return damaged, result
+
+
+def call_killed_worker(harness):
+    """A TP2 job whose rank 1 gets kill -9 once the first step is logged: (its pid, the console,
+    run.sh's exit code, its msrun log folder)."""
+    save, log_dir = harness.tmp / "killed", harness.tmp / "killed_log"
+    job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", "--log_dir", str(log_dir),
+                            *TINY_RUN, "--no-jit",
+                            "--tensor-model-parallel-size", "2", "--train-iters", "100000",
+                            "--save", str(save)],
+                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = save / "log" / "rank_0" / "info.log"
+    for _ in range(300):                                        # until the first step is logged
+        if log.exists() and "train: " in log.read_text() or job.poll() is not None:
+            break
+        time.sleep(0.5)
+    if job.poll() is not None:
+        return None, job.communicate()[0], job.returncode, log_dir        # ended before the kill
+    pid = int((log_dir / "pids" / "rank_1.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    console, _ = job.communicate(timeout=180)
+    return pid, console, job.returncode, log_dir
+
+
+# A launch runs fault_worker on its ranks (`python test_all.py fault NAME FOLDER`): steps of a
+# gradient all-reduce on TP2 and a barrier on the world, rank 1 planting the fault. Their
+# collectives wait run.sh's MS_CPU_COMM_OP_TIMEOUT (minutes), so only the recorder's watchdog ends
+# a hang soon; run.sh's MS_NODE_TIMEOUT (msrun's heartbeat limit, and the scheduler's wait after a
+# worker fails) is a sixth of the slow step: a minute asleep, as a compiling peer may take.
+FAULT_STEPS, SLOW_STEP, FAULT_STEP, SLEEP = 5, 1, 3, 60
+FAULTS = {"shape": 2, "slow_then_skip": 2, "order": 4}          # name -> workers
+FAULT_ENV = {"MS_NODE_TIMEOUT": "10", "MS_CPU_COMM_OP_TIMEOUT": "600"}
+
+
+def fault_step(tp, rank, fault, step):
+    """One step of rank `rank`: [4] gradients all-reduced over TP, then a barrier. Rank 1 plants
+    `fault` at FAULT_STEP: shape, [8] gradients; slow_then_skip, no all-reduce (after sleeping
+    SLEEP s at SLOW_STEP, a slow peer); order, the barrier first."""
+    planted = rank == 1 and step == FAULT_STEP
+    if rank == 1 and step == SLOW_STEP and fault == "slow_then_skip":
+        time.sleep(SLEEP)
+    grads = Tensor(np.ones(8 if planted and fault == "shape" else 4, np.float32))
+    if planted and fault == "order":
+        parallel.barrier()
+    if not (planted and fault == "slow_then_skip"):
+        grads = tp.all_reduce(grads)
+    if not (planted and fault == "order"):
+        parallel.barrier()
+    return grads
+
+
+def fault_worker(fault, folder):
+    """One rank of a planted-fault launch: FAULT_STEPS steps of fault_step, its flight record in
+    `folder` (an error in it, as train.py's workers do); rank 1 notes when it plants the fault."""
+    rank, world = int(os.environ["RANK_ID"]), parallel.launched_world_size()
+    tp = parallel.collectives(parallel.initialize_model_parallel(tp=2).tp_group)
+    flight_recorder.start(folder, rank, world)
+    try:
+        for step in range(FAULT_STEPS):
+            if rank == 1 and step == FAULT_STEP:
+                data.write_atomic(os.path.join(folder, "planted"), repr(time.time()))
+            fault_step(tp, rank, fault, step).asnumpy()
+    except Exception as e:
+        flight_recorder.dump(f"error: {e}")
+        raise
+
+
+def call_fault(fault):
+    """The call of a planted fault: its msrun launch, then `bash run.sh diagnose` of its folder:
+    (the launch's exit code, the finished diagnosis, seconds from the fault to the diagnosis's
+    end)."""
+    def call(harness):
+        folder = harness.tmp / f"fault_{fault}"
+        cmd, env = cli.msrun_command(FAULTS[fault], str(folder),
+                                     [os.path.abspath(__file__), "fault", fault, str(folder)])
+        code = harness.run(cmd, {**env, **FAULT_ENV}, harness.tmp / f"fault_{fault}.console",
+                           timeout=300)
+        diagnosis = subprocess.run(["bash", "run.sh", "diagnose", str(folder)], cwd=HERE,
+                                   capture_output=True, text=True, timeout=60)
+        return code, diagnosis, time.time() - float((folder / "planted").read_text())
+    return call
+
+
+for _fault in FAULTS:
+    add(f"fault_{_fault}", 0, "", call=call_fault(_fault), beside="launch")
+add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], beside="launch")
+add("killed_worker", 0, "", call=call_killed_worker, beside="launch")
+
+
+@reading("failing_rank")
+def test_a_failing_rank_names_itself_and_stops_the_job(runs):
+    """Rank 1 alone fails (its shard of a TP2 checkpoint is gone): its own error line reaches the
+    console prefixed by its rank, and the job ends non-zero without a worker's traceback (the
+    alternative: a timeout traceback blaming worker 0 after 65 s)."""
+    damaged, result = runs.result("failing_rank")
+    console = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert (f"[rank 1] error: {damaged}/iter_{STEPS // 2:07d}/mp_rank_01/meta.json is missing"
+            in console), console[-3000:]
+    assert ("error: training failed" not in console
+            and "[rank 0] error" not in console), console[-3000:]
+
+
+@reading("killed_worker")
+def test_a_killed_worker_is_named_by_its_rank(runs):
+    """kill -9 of one worker (as the out-of-memory killer does): it prints nothing and msrun names
+    only its process id; run.sh names its rank from the pid each worker wrote, and the job ends."""
+    pid, console, code, log_dir = runs.result("killed_worker")
+    assert pid is not None, console[-3000:]                          # training, not ended
+    assert code == 1
+    assert (f"error: rank 1 (pid {pid}) was killed by signal 9; its log: "
+            f"{log_dir}/worker_1.log" in console), console[-2000:]
+
+
+def fault_lines():
+    """`test_all.py:N (fault_step)` of fault_step's all-reduce, its planted barrier (order) and
+    its barrier, as the flight recorder names them."""
+    source, first = inspect.getsourcelines(fault_step)
+    at = [f"test_all.py:{first + i} (fault_step)" for i, line in enumerate(source)
+          if "tp.all_reduce(" in line or "parallel.barrier()" in line]
+    return dict(zip(("planted_barrier", "all_reduce", "barrier"), at))
+
+
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=reads(f"fault_{f}")) for f in FAULTS])
+def test_a_planted_fault_is_named_by_the_flight_recorder(runs, fault):
+    """Rank 1 plants a fault at step FAULT_STEP (fault_step): [8] gradients where rank 0 sends
+    [4] (2 workers); no all-reduce, after a step SLEEP s slow (2 workers); the barrier before the
+    all-reduce (4 workers). The job fails and `bash run.sh diagnose` prints one line naming the op,
+    the ranks and both code lines, within 30 s of the fault; the slow step was waited for."""
+    code, diagnosis, since_fault = runs.result(f"fault_{fault}")
+    at = fault_lines()
+    waits = (f"error: rank 1 did not arrive at collective #{FAULT_STEP} of group tp-0-1 (ranks 0, "
+             f"1), where rank 0 all_reduce [4] Float32 at {at['all_reduce']} waits; rank 1 went "
+             f"to barrier [1] Float32 (#{FAULT_STEP} of group world) at ")
+    expected = {"shape": f"error: collective #{FAULT_STEP} of group tp-0-1 (ranks 0, 1) differs: "
+                         f"rank 0 all_reduce [4] Float32 at {at['all_reduce']}; rank 1 "
+                         f"all_reduce [8] Float32 at {at['all_reduce']}",
+                "slow_then_skip": f"{waits}{at['barrier']} instead, which rank 0 has not reached",
+                "order": f"{waits}{at['planted_barrier']} instead, which rank 0 has not reached"}
+    lines = diagnosis.stderr.splitlines()
+    assert code != 0 and diagnosis.returncode == 1, diagnosis.stderr
+    assert lines[0].startswith(expected[fault]), lines
+    assert sum(line.startswith("error:") for line in lines) == 1, lines
+    assert since_fault <= 30, since_fault
+    if fault == "slow_then_skip":            # rank 0 waited SLEEP s in the slow step's all-reduce
+        events = flight_recorder.load(runs.tmp / "fault_slow_then_skip")[0]["events"]
+        joined = {(e["op"], e["at"].get("tp-0-1", e["at"].get("world"))): e["time"]
+                  for e in events}
+        assert (joined[("barrier", SLOW_STEP)] - joined[("all_reduce", SLOW_STEP)]
+                >= SLEEP - 1), joined
+
+
+HELD_LAYOUTS = [name for name, job in JOBS.items() if job.hold]    # rank 1 HELD s late
+
+
+@pytest.mark.parametrize("layout", layout_params(HELD_LAYOUTS))
+def test_a_late_rank_in_a_compiled_graph_of_several_kinds_of_groups_is_waited_for(runs, layout):
+    """A compiled layout whose graph holds collectives on several kinds of groups (each rank its
+    own tp-, cp-, ep- subgroups: tp-0-1's rank 0 in cp-0-2, its rank 1 in cp-1-3), rank 1 HELD s
+    late to step 2: its peers wait in the graph past the watchdog's STALL, and the job trains to
+    its end (the watchdog compares each group's own collectives: it stopped these jobs when it
+    compared the other groups' names too). Their records, read as the watchdog reads them, hold
+    no disagreement that waiting cannot end."""
+    folder = runs.folder(layout)
+    times = [float(re.search(r"Time: (\S+) ms", l).group(1)) for l in train_lines(folder)]
+    assert len(times) == STEPS and times[1] > flight_recorder.STALL * 1e3, times
+    records = flight_recorder.load(str(folder / "log"))
+    assert sorted(records) == [0, 1, 2, 3]
+    kinds = {h["group"].split("-")[0] for e in records[0]["events"] for h in e.get("holds") or []}
+    assert len(kinds) >= 2, kinds
+    assert flight_recorder.diagnose(records, 4, live=True) is None
 
 
 # =========================================================== README and docs (README.md, docs/*.md)
@@ -7534,7 +9363,8 @@ def test_readme_is_a_map_with_short_lines_and_links_that_resolve():
 
 
 # --------------------------------------------------------- the concept selections (pytest.ini)
-# before the msrun tests, so that it runs while the harness's jobs train
+# it reads a forked run only, so it keeps its place among the one-process tests
+# (conftest.pytest_collection_modifyitems) and runs while the harness's jobs train
 CONCEPTS = ["tp", "dp", "pipeline", "cp", "moe", "fp16", "checkpoint", "data"]
 COLLECT = """
 import json, sys, pytest
@@ -7553,6 +9383,9 @@ def call_collected(harness):
     dump = harness.tmp / "items.json"
     return subprocess.run([sys.executable, "-c", COLLECT, str(dump)], cwd=HERE,
                           capture_output=True, text=True, timeout=300), dump
+
+
+add("collected", 0, "", call=call_collected, beside="forked")          # COLLECT
 
 
 @pytest.mark.reads("collected")
@@ -7574,2037 +9407,6 @@ def test_each_concept_selection_starts_only_its_own_jobs(runs):
             assert any(JOBS[name].workers > 1 for name in jobs), concept
 
 
-# =================================================== msrun harness (this file on the msrun workers)
-# The work that needs msrun workers, as jobs (JOBS): checks of parallel.py and of each layout's
-# gradients, trainings of every layout beside one process, resumes, conversions, planted bugs.
-# The session's Harness runs the jobs its selected tests read in a background thread; on the
-# workers this file is the program (`python test_all.py JOBS.json`: run_jobs).
-ATOL = 1e-6
-S, B, H, FFN = 4, 2, 8, 16                 # sequence, micro-batch, hidden, ffn (divisible by 4)
-TOY_VOCAB, TOY_PADDED_VOCAB = 250, 256
-# the families of checks of parallel.py's layers (check_layers); pytest has a test per family and
-# check job (test_msrun_checks[row_parallel_linear-tp2])
-LAYER_FAMILIES = ["column_parallel_linear", "row_parallel_linear", "tensor_parallel_mlp",
-                  "sequence_parallel_mlp", "vocab_parallel_embedding", "mappings",
-                  "vocab_parallel_cross_entropy"]
-
-
-class Checks:
-    """Prints one line per check, `[rank R] PASS job/family: name` (or FAIL, with the detail), and
-    remembers the failures; `family` is set by the caller before each group of checks."""
-
-    def __init__(self, rank, job):
-        self.rank, self.job, self.failed, self.family = rank, job, [], "setup"
-
-    def __call__(self, name, ok, detail=""):
-        print(f"[rank {self.rank}] {'PASS' if ok else 'FAIL'} {self.job}/{self.family}: {name}"
-              + (f": {detail}" if detail and not ok else ""), flush=True)
-        if not ok:
-            self.failed.append(name)
-
-    def close(self, name, got, want):
-        got = got.asnumpy() if isinstance(got, Tensor) else np.asarray(got)
-        if got.shape != want.shape:
-            return self(name, False, f"shape {got.shape} != {want.shape}")
-        err = float(np.abs(got - want).max()) if got.size else 0.0
-        return self(name, err <= ATOL, f"max abs error {err:.2e}")
-
-
-# ----------------------------------------------------------------------------------- process groups
-def check_rank_groups(c):
-    """Megatron's "tp-cp-dp-pp" order for 8 ranks, tp2 cp1 pp2 (so dp2), written out by hand."""
-    c.family = "process_groups"
-    pp = [[0, 4], [1, 5], [2, 6], [3, 7]]
-    expected = {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "cp": [[r] for r in range(8)],
-                "dp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": pp,
-                "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]], "mp": [[0, 1, 4, 5], [2, 3, 6, 7]],
-                "embedding": pp, "pp_pairs": pp, "cp_ulysses": [[r] for r in range(8)],
-                "cp_ring": [[r] for r in range(8)], "tp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-                "ep": [[r] for r in range(8)], "edp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-                "tp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]]}
-    c("rank_groups(8, tp=2, cp=1, pp=2)", rank_groups(8, 2, 1, 2) == expected)
-    # EP carved out of DP x CP = 4 ranks (Megatron's "tp-ep-dp-pp"): adjacent DP ranks
-    experts = rank_groups(8, 2, 1, 1, ep=2)
-    c("rank_groups(8, tp=2, ep=2) ep, edp, tp_ep",
-      (experts["ep"], experts["edp"], experts["tp_ep"])
-      == ([[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]],
-          [[0, 1, 2, 3], [4, 5, 6, 7]]))
-    c("rank_groups(8, tp=2, cp=2, pp=1) dp_cp",
-      rank_groups(8, 2, 2, 1)["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]])
-    c("rank_groups(4, 1, 1, 4) pp_pairs",
-      rank_groups(4, 1, 1, 4)["pp_pairs"] == [[0, 1], [1, 2], [2, 3], [3, 0]])
-    # cp groups [0,2,4,6] and [1,3,5,7]: ulysses 2 x ring 2
-    hybrid = rank_groups(8, 2, 4, 1, ulysses=2)
-    c("rank_groups(8, tp=2, cp=4, ulysses=2) cp_ulysses",
-      hybrid["cp_ulysses"] == [[0, 2], [4, 6], [1, 3], [5, 7]])
-    c("rank_groups(8, tp=2, cp=4, ulysses=2) cp_ring",
-      hybrid["cp_ring"] == [[0, 4], [2, 6], [1, 5], [3, 7]])
-    try:
-        rank_groups(6, 4, 1, 1)
-        c("rank_groups(6, tp=4) raises ValueError", False)
-    except ValueError:
-        c("rank_groups(6, tp=4) raises ValueError", True)
-    c("shard with chunks=2",
-      shard(np.arange(8)[:, None], 0, 1, 2, chunks=2).ravel().tolist() == [2, 3, 6, 7])
-
-
-def check_state(c, state, tp, cp, pp):
-    c.family = "process_groups"
-    r, dp = state.rank, state.world_size // (tp * cp * pp)
-    coords = (state.tp_rank, state.cp_rank, state.dp_rank, state.pp_rank)
-    want = (r % tp, r // tp % cp, r // (tp * cp) % dp, r // (tp * cp * dp))
-    c(f"state coordinates {coords}", coords == want, f"expected {want}")
-    c("state tp group", parallel.group_ranks(state.tp_group) == [r - r % tp + i for i in range(tp)])
-    c("state first/last stage",
-      (state.is_first_stage, state.is_last_stage) == (want[3] == 0, want[3] == pp - 1))
-    c("state embedding group", (state.embedding_group is None) == (pp == 1 or not (
-        state.is_first_stage or state.is_last_stage)))
-    ring = {(want[3] + d) % pp for d in (-1, 1)} if pp > 2 else {want[3] + d for d in (-1, 1)}
-    # wrap: for interleaving
-    peers = sorted(r + (s - want[3]) * tp * cp * dp for s in ring if 0 <= s < pp)
-    c(f"state pair groups {sorted(state.pair_groups)}", sorted(state.pair_groups) == peers)
-
-
-# ------------------------------------------------------------------------------------ communication
-def check_comm(c, state, kind, group):
-    """Each collective on `group` against its definition, inputs unchanged, and the ledger."""
-    c.family = "collectives"
-    ranks = parallel.group_ranks(group)
-    n, i, me = len(ranks), ranks.index(state.rank), state.rank
-    on_group = parallel.collectives(group)                     # the Cell under test
-    x = lambda r, *shape: rand(1000 + r, *shape)               # rank r's input
-    ledger.reset()
-    t = Tensor(x(me, 2, 3, 4))                                 # 96 bytes
-    c.close(f"{kind} all_gather dim 0", on_group.all_gather(t, 0),
-            np.concatenate([x(r, 2, 3, 4) for r in ranks], 0))
-    c.close(f"{kind} all_gather last dim", on_group.all_gather(t, -1),
-            np.concatenate([x(r, 2, 3, 4) for r in ranks], -1))
-    total = sum(x(r, 2 * n, 3, 4) for r in ranks)
-    c.close(f"{kind} reduce_scatter dim 0",
-            on_group.reduce_scatter(Tensor(x(me, 2 * n, 3, 4)), 0), np.split(total, n, 0)[i])
-    total = sum(x(r, 3, 2 * n, 4) for r in ranks)
-    c.close(f"{kind} reduce_scatter dim 1",
-            on_group.reduce_scatter(Tensor(x(me, 3, 2 * n, 4)), 1), np.split(total, n, 1)[i])
-    # rank r's piece i, joined on dim 2
-    pieces = [np.split(x(r, 2 * n, 3, 4), n, 0)[i] for r in ranks]
-    c.close(f"{kind} all_to_all",
-            parallel.collectives(group).all_to_all(Tensor(x(me, 2 * n, 3, 4)), 0, 2),
-            np.concatenate(pieces, 2))
-    c.close(f"{kind} all_reduce sum", on_group.all_reduce(t), sum(x(r, 2, 3, 4) for r in ranks))
-    c.close(f"{kind} all_reduce max", on_group.all_reduce_max(t),
-            np.max([x(r, 2, 3, 4) for r in ranks], 0))
-    c.close(f"{kind} broadcast from {ranks[-1]}", parallel.broadcast(t, ranks[-1], group),
-            x(ranks[-1], 2, 3, 4))
-    c(f"{kind} input unchanged", np.array_equal(t.asnumpy(), x(me, 2, 3, 4)))
-    expected = {(kind, "all_gather"): (2, 2 * 96), (kind, "reduce_scatter"): (2, 2 * n * 96),
-                (kind, "all_reduce"): (2, 2 * 96), (kind, "broadcast"): (1, 96),
-                (kind, "all_to_all"): (1, n * 96)}
-    c(f"{kind} ledger", ledger.counts() == expected, f"{ledger.counts()} != {expected}")
-    if state.rank == ranks[0] and kind == "tp":
-        print(ledger.table(), flush=True)
-
-
-def check_exchange(c, state):
-    c.family = "collectives"
-    ledger.reset()
-    for peer in state.pair_groups:
-        got = parallel.exchange(Tensor(rand(2000 + state.rank, 3, 5)), peer)
-        c.close(f"exchange with rank {peer}", got, rand(2000 + peer, 3, 5))
-    k = len(state.pair_groups)
-    want = {("pp_pair", "exchange"): (k, k * 60)} if k else {}
-    c("exchange ledger", ledger.counts() == want, str(ledger.counts()))
-
-
-# ------------------------------------------------------------------------------------------- layers
-class DenseEmbedding(nn.Cell):
-    def __init__(self, num_embeddings, embedding_dim):
-        super().__init__()
-        self.weight = Parameter(Tensor(np.zeros((num_embeddings, embedding_dim), np.float32)),
-                                name="weight")
-
-    def construct(self, ids):
-        return ops.gather(self.weight, ids, 0)
-
-
-class TwoLayerMLP(nn.Cell):
-    """fc1 -> gelu -> fc2: dense (parallel.Linear) or Column -> Row parallel, same parameter
-    names."""
-
-    def __init__(self, fc1, fc2):
-        super().__init__()
-        self.fc1, self.fc2 = fc1, fc2
-
-    def construct(self, x):
-        return self.fc2(ops.gelu(self.fc1(x)))
-
-
-def load_full_weights(dense, par, state, seed):
-    """Draw each full master weight once; the dense net keeps it, the parallel net its shard."""
-    for (name, pd), (_, pp) in zip(dense.parameters_and_names(), par.parameters_and_names()):
-        full = 0.5 * rand(seed + zlib.crc32(name.encode()), *pd.shape)
-        pd.set_data(Tensor(full))
-        if hasattr(pp, "partition_dim"):
-            full = shard(full, pp.partition_dim, state.tp_rank, state.tp, pp.partition_chunks)
-        pp.set_data(Tensor(full))
-
-
-def check_layer(c, state, label, dense, par, x, in_dim=None, out_dim=None, out_chunks=1,
-                float_input=True, expected=None):
-    """Forward and gradients of `par` against `dense` on loss = sum(out * R). in_dim / out_dim:
-    the dimension along which the parallel input / output is this rank's slice (None = full).
-    expected: ((forward counts), (backward counts)) of parallel.ledger."""
-    tp, r = state.tp, state.tp_rank
-    cut = lambda a, dim, chunks=1: a if dim is None else shard(a, dim, r, tp, chunks)
-    load_full_weights(dense, par, state, seed=7)
-    y_dense = dense(Tensor(x)).asnumpy()
-    weights = np.random.default_rng(8).standard_normal(y_dense.shape).astype(np.float32)
-    x_par = Tensor(cut(x, in_dim))
-    ledger.reset()
-    c.close(f"{label} forward", par(x_par), cut(y_dense, out_dim, out_chunks))
-    forward = ledger.counts()
-    position = 0 if float_input else None
-    dense_loss = lambda inp: (dense(inp) * Tensor(weights)).sum()
-    par_loss = lambda inp: (par(inp) * Tensor(cut(weights, out_dim, out_chunks))).sum()
-    g_dense = ms.grad(dense_loss, position, dense.trainable_params())(Tensor(x))
-    ledger.reset()
-    g_par = ms.grad(par_loss, position, par.trainable_params())(x_par)
-    total = ledger.counts()
-    if float_input:
-        c.close(f"{label} d_input", g_par[0], cut(g_dense[0].asnumpy(), in_dim))
-        g_dense, g_par = g_dense[1], g_par[1]
-    for (name, p), gp, gd in zip(par.parameters_and_names(), g_par, g_dense):
-        if getattr(p, "sequence_parallel", False):        # partial per TP rank under SP
-            gp = parallel.collectives(state.tp_group).all_reduce(gp)
-        want = gd.asnumpy()
-        if hasattr(p, "partition_dim"):
-            want = shard(want, p.partition_dim, r, tp, p.partition_chunks)
-        c.close(f"{label} d_{name}", gp, want)
-    if expected is not None:
-        backward = {k: (v[0] - forward.get(k, (0, 0))[0], v[1] - forward.get(k, (0, 0))[1])
-                    for k, v in total.items() if v != forward.get(k)}
-        c(f"{label} ledger forward {forward}", forward == expected[0], f"expected {expected[0]}")
-        c(f"{label} ledger backward {backward}", backward == expected[1], f"expected {expected[1]}")
-
-
-def check_layers(c, state):
-    tp = state.tp
-    x = rand(11, S, B, H)
-    full, part = S * B * H * 4, S // tp * B * H * 4              # activation bytes, fp32
-    c.family = "column_parallel_linear"
-    check_layer(c, state, "column", parallel.Linear(H, FFN), ColumnParallelLinear(H, FFN), x,
-                out_dim=2,
-                expected=({}, {("tp", "all_reduce"): (1, full)}))
-    check_layer(c, state, "column gather_output", parallel.Linear(H, FFN),
-                ColumnParallelLinear(H, FFN, gather_output=True), x)
-    check_layer(c, state, "column chunks=2", parallel.Linear(H, FFN),
-                ColumnParallelLinear(H, FFN, chunks=2), x, out_dim=2, out_chunks=2)
-    x_wide = rand(12, S, B, FFN)
-    c.family = "row_parallel_linear"
-    check_layer(c, state, "row", parallel.Linear(FFN, H), RowParallelLinear(FFN, H), x_wide,
-                in_dim=2,
-                expected=({("tp", "all_reduce"): (1, full)}, {}))
-    check_layer(c, state, "row input_is_parallel=False", parallel.Linear(FFN, H),
-                RowParallelLinear(FFN, H, input_is_parallel=False), x_wide)
-    c.family = "tensor_parallel_mlp"
-    check_layer(c, state, "mlp", TwoLayerMLP(parallel.Linear(H, FFN), parallel.Linear(FFN, H)),
-                TwoLayerMLP(ColumnParallelLinear(H, FFN), RowParallelLinear(FFN, H)), x,
-                expected=({("tp", "all_reduce"): (1, full)}, {("tp", "all_reduce"): (1, full)}))
-    sp = {("tp", "all_gather"): (1, part), ("tp", "reduce_scatter"): (1, full)}
-    c.family = "sequence_parallel_mlp"
-    for compiled in (False, True):                 # the same Cells op by op and under ms.jit
-        sp_mlp = TwoLayerMLP(ColumnParallelLinear(H, FFN, sequence_parallel=True),
-                     RowParallelLinear(FFN, H, sequence_parallel=True))
-        check_layer(c, state, "mlp sequence parallel" + (" compiled" if compiled else ""),
-                    TwoLayerMLP(parallel.Linear(H, FFN), parallel.Linear(FFN, H)),
-                    gpt.Compiled(sp_mlp) if compiled else sp_mlp, x, in_dim=0, out_dim=0,
-                    expected=(sp, sp))
-    ids = np.random.default_rng(13).integers(0, TOY_VOCAB, (B, S)).astype(np.int32)
-    c.family = "vocab_parallel_embedding"
-    check_layer(c, state, "vocab embedding", DenseEmbedding(TOY_PADDED_VOCAB, H),
-                VocabParallelEmbedding(TOY_PADDED_VOCAB, H), ids, float_input=False,
-                expected=({("tp", "all_reduce"): (1, B * S * H * 4)}, {}))
-    check_mappings(c, state, x)
-    check_cross_entropy(c, state)
-
-
-def check_mappings(c, state, x):
-    """The mappings no layer above uses on its own, against slicing and concatenation."""
-    tp, r, weights = state.tp, state.tp_rank, rand(14, S, B, H)
-    c.family = "mappings"
-    cases = [("scatter_to_tensor_model_parallel_region", None, 2),
-             ("gather_from_tensor_model_parallel_region", 2, None),
-             ("scatter_to_sequence_parallel_region", None, 0),
-             ("gather_from_sequence_parallel_region", 0, None)]
-    for name, in_dim, out_dim in cases:
-        cut = lambda a, dim: a if dim is None else shard(a, dim, r, tp)
-        fn = getattr(parallel, name)()
-        c.close(f"{name} forward", fn(Tensor(cut(x, in_dim))), cut(x, out_dim))
-        # loss = sum over ranks of sum(out * weights): its gradient is weights, cut like the input
-        grad = ms.grad(lambda t: (fn(t) * Tensor(cut(weights, out_dim))).sum())(
-            Tensor(cut(x, in_dim)))
-        c.close(f"{name} backward", grad,
-                cut(weights, in_dim) * (tp if out_dim is None and in_dim == 0 else 1))
-
-
-def dense_cross_entropy(logits, labels):
-    """Megatron's formula in one process: log(sum(exp(z - max))) - (z - max)[label]."""
-    z = logits - ops.stop_gradient(logits.max(axis=-1, keepdims=True))
-    return (ops.log(ops.exp(z).sum(-1))
-            - ops.gather_elements(z, 1, labels.reshape(-1, 1)).reshape(-1))
-
-
-def check_cross_entropy(c, state):
-    """Vocabulary 250 padded to 256 (padding columns exist, labels never point into them)."""
-    c.family = "vocab_parallel_cross_entropy"
-    n = S * B
-    logits = 3.0 * rand(15, n, TOY_PADDED_VOCAB)
-    labels = Tensor(np.random.default_rng(16).integers(0, TOY_VOCAB, n).astype(np.int32))
-    weights = Tensor(rand(17, n))
-    local = Tensor(shard(logits, 1, state.tp_rank, state.tp))
-    ledger.reset()
-    cross_entropy = VocabParallelCrossEntropy()
-    loss = cross_entropy(local, labels)
-    c.close("vocab cross-entropy forward", loss,
-            dense_cross_entropy(Tensor(logits), labels).asnumpy())
-    err = float(np.abs(loss.asnumpy() - gpt.CrossEntropy()(Tensor(logits), labels).asnumpy()).max())
-    c("vocab cross-entropy = gpt.CrossEntropy (log_softmax) to 1e-5", err <= 1e-5, f"{err:.2e}")
-    c("vocab cross-entropy ledger forward",
-      ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)}, str(ledger.counts()))
-    want = ms.grad(lambda z: (dense_cross_entropy(z, labels) * weights).sum())(Tensor(logits))
-    ledger.reset()
-    got = ms.grad(lambda z: (cross_entropy(z, labels) * weights).sum())(local)
-    c.close("vocab cross-entropy d_logits", got, shard(want.asnumpy(), 1, state.tp_rank, state.tp))
-    c("vocab cross-entropy ledger backward (3 forward, none backward)",
-      ledger.counts() == {("tp", "all_reduce"): (3, 3 * n * 4)}, str(ledger.counts()))
-
-
-# --------------------------------------------- the layouts' gradients: one step against one process
-def layouts(world):
-    """(tp, cp, pp) layouts to check: all-TP, TP x PP, and CP x DP and PP4 on 4 or more ranks."""
-    out = [(world, 1, 1)]
-    if world % 2 == 0:
-        out.append((world // 2, 1, 2))
-    if world % 4 == 0:
-        out += [(1, 2, 1), (1, 1, 4)]
-    return out
-
-
-PIPELINE_CHECK_MODEL = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "4",
-                        "--hidden-size", "32", "--ffn-hidden-size", "64",
-                        "--num-attention-heads", "4", "--seq-length", "16",
-                        "--micro-batch-size", "2", "--global-batch-size", "8",
-                        "--init-method-std", "0.05", "model_config.vocab_size=512"]
-TP2, SP, DISTOPT = (["--tensor-model-parallel-size", "2"], ["--sequence-parallel"],
-                    ["--use-distributed-optimizer"])
-PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
-VPP2, UNTIED = (["--virtual-pipeline-model-parallel-size", "2"],
-                ["--untie-embeddings-and-output-weights"])
-UNEVEN = ["parallel_config.num_layer_list=[3,1]"]
-# context parallelism: Megatron's and MindSpeed's flags; models with RoPE and GQA
-# (8 heads, 4 groups)
-CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
-RING, HYBRID2 = (["--cp-comm-type", "p2p"],
-                 ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"])
-ROPE_GQA = ["--use-rotary-position-embeddings", "--num-attention-heads", "8",
-            "--group-query-attention", "--num-query-groups", "4"]
-CP_CHECK = ROPE_GQA + ["--num-layers", "2"]       # gradient checks: 2 layers
-DOCUMENTS = "documents"        # batches of several documents: reset position ids and attention mask
-# experts: 4 of them, top-2, both balancing losses (moe.py); EP carved out of DP x CP
-MOE_CHECK = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
-             "--disable-bias-linear"]
-ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
-EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
-MOE_2 = MOE_CHECK + ["--num-layers", "2"]          # without a pipeline: 2 layers
-# name: (model flags, layout flags, workers, concept): one step of the layout against one process
-GRADIENT_CHECKS = {
-    "tp2_full_recompute": ([], TP2 + RECOMPUTE["full uniform 2"], 2, "tp"),
-    "pp2": ([], PP2, 2, "pipeline"),
-    "pp2_vpp2": ([], PP2 + VPP2, 2, "pipeline"),
-    "pp2_untied": (UNTIED, PP2, 2, "pipeline"),
-    "pp2_num_layer_list": ([], PP2 + UNEVEN, 2, "pipeline"),
-    "dp2": ([], [], 2, "dp"),
-    "dp2_distopt": ([], DISTOPT, 2, "dp"),
-    "cp2_ulysses_documents": (CP_CHECK + [DOCUMENTS], CP2, 2, "cp"),
-    "cp2_ulysses_flash_documents": (CP_CHECK + [DOCUMENTS, "--use-flash-attn"], CP2, 2, "cp"),
-    "cp2_ring_selective_recompute": (CP_CHECK, CP2 + RING + RECOMPUTE["selective"], 2, "cp"),
-    "ep2_alltoall": (MOE_2 + ALLTOALL, EP2, 2, "moe"),
-    "ep2_cp2_ring": (MOE_CHECK + CP_CHECK, EP2 + CP2 + RING, 2, "moe"),
-    "pp4": ([], PP4, 4, "pipeline"),
-    "pp4_vpp2_8_layers": (["--num-layers", "8"], PP4 + VPP2, 4, "pipeline"),
-    "tp2_pp2_sp": ([], TP2 + PP2 + SP, 4, "pipeline"),
-    "cp2_ulysses_tp2_sp_selective_recompute": (CP_CHECK, CP2 + TP2 + SP + RECOMPUTE["selective"],
-                                               4, "cp"),
-    "cp2_ring_pp2_vpp2": (ROPE_GQA, CP2 + RING + PP2 + VPP2, 4, "cp"),
-    "cp4_hybrid_full_recompute": (CP_CHECK, CP4 + HYBRID2 + RECOMPUTE["full uniform 2"], 4, "cp"),
-    "cp2_ring_dp2_untied_full_block_recompute": (CP_CHECK + UNTIED,
-                                                 CP2 + RING + RECOMPUTE["full block 1"], 4, "cp"),
-    "ep2_tp2_sp_allgather": (MOE_2, EP2 + TP2 + SP, 4, "moe"),
-    "ep2_tp2_sp_alltoall": (MOE_2 + ALLTOALL, EP2 + TP2 + SP, 4, "moe"),
-    "ep4_alltoall": (MOE_2 + ALLTOALL, EP4, 4, "moe"),
-    "ep2_dp2": (MOE_2, EP2, 4, "moe"),
-    "ep2_pp2_vpp2": (MOE_CHECK, EP2 + PP2 + VPP2, 4, "moe")}
-
-
-def check_batches(cfg, count, documents):
-    """`count` micro-batches of 2 sequences; the first tokens of each are left out of the loss (so
-    the cp ranks hold different token counts); with `documents`, EOD tokens cut each sequence into
-    documents whose positions restart and which do not see each other (reset_* in Megatron)."""
-    batches = [random_batch(cfg, b=2, seed=i) for i in range(count)]
-    for batch in batches:
-        batch["loss_mask"][0, :3] = 0.0
-        if documents:
-            eod = 0
-            batch["tokens"][:, [5, 11]] = eod
-            parts = [data.get_ltor_masks_and_position_ids(t, eod, True, True, False)
-                     for t in batch["tokens"]]
-            batch["position_ids"] = np.stack([p[1] for p in parts])
-            batch["attention_mask"] = np.stack([p[2] for p in parts])
-    return batches
-
-
-def check_gradients(c, name):
-    """One step of the layout GRADIENT_CHECKS[name] (2 micro-batches, 4 through PP4's schedule,
-    then every reduction of finalize_model_grads) against the one-process model on the
-    same micro-batches: the last stage's losses, each router's choices, and every gradient the
-    optimizer takes on every rank (its TP slice of the full gradient, the last stage's tied output
-    layer that of the word embedding, a distributed optimizer's pieces of the flat buffer),
-    relative difference in norm below 1e-5. Every DP rank takes the same micro-batches, so the DP
-    mean is the one-process gradient (a sum would double it). Some layouts also recompute (the
-    reference does not): recompute changes no gradient."""
-    c.family = "layout_gradients"
-    model_args, layout, world, _ = GRADIENT_CHECKS[name]
-    documents = DOCUMENTS in model_args
-    model_args = [a for a in model_args if a != DOCUMENTS]
-    ref_cfg = load_config(os.path.join(HERE, "config.yaml"), PIPELINE_CHECK_MODEL + model_args,
-                          world)
-    count = 4 if layout[:2] == PP4 else 2
-    ref_losses, ref_grads, ref_maps = reference_gradients(ref_cfg, model_args, count, documents)
-    # op by op: one step needs no compilation (the trainings compile one layout per concept)
-    cfg = load_config(os.path.join(HERE, "config.yaml"),
-                      PIPELINE_CHECK_MODEL + model_args + layout + ["--no-jit"], world)
-    p = cfg.parallel_config
-    state = parallel.initialize_model_parallel(p.tensor_model_parallel_size,
-                                               p.pipeline_model_parallel_size,
-                                               p.context_parallel_size, p.sequence_parallel,
-                                               p.ulysses_degree_in_cp,
-                                               p.expert_model_parallel_size)
-    tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
-    chunks, _ = train.build_model(cfg, tokenizer, state)
-    ddp = distributed.build_data_parallel(cfg, chunks, state)
-    trainer = train.Trainer(cfg, chunks, ddp, *train.optimizer_and_scheduler(cfg, chunks, ddp),
-                            state)
-    maps = record_routing_maps(chunks)
-    losses, grads = trainer.forward_backward(check_batches(ref_cfg, count, documents))
-    check_routing_maps(c, name, maps, ref_maps, state, ref_cfg.model_config.seq_length)
-    grads = distributed.finalize_model_grads(grads, trainer.params, state, ddp)
-    if state.is_last_stage:
-        c(f"{name}: losses", np.allclose(losses, ref_losses, rtol=1e-5),
-          f"{losses} vs {ref_losses}")
-    else:
-        c(f"{name}: no loss before the last stage", losses == [])
-    check_reduced_gradients(c, name, chunks, grads, ref_grads, state, trainer.optimizer)
-
-
-def check_reduced_gradients(c, label, chunks, grads, ref_grads, state, optim):
-    """The gradients finalize_model_grads handed the optimizer `optim`, each against its share of
-    the one-process gradient `ref_grads` {name: array}: one per parameter in model order (a
-    ChainedOptimizer's lists put back in it), or a DistributedOptimizer's pieces of the flat
-    gradient buffer (bucket, parameter, start, end)."""
-    named = checkpoint.named_parameters(chunks)
-    wants = [wanted_gradient(name[len("model."):], param, chunks, ref_grads, state)
-             for name, param in named]
-    if isinstance(optim, optimizer.DistributedOptimizer):
-        for (_, i, lo, hi), g in zip(optim.pieces, grads):
-            start = lo - optim.buffer.offsets[i]
-            close_gradient(c, f"{label}: piece of {named[i][0]}@{start}", g,
-                           wants[i].reshape(-1)[start:start + hi - lo])
-        c(f"{label}: one piece per overlap of a parameter and the shard",
-          len(grads) == len(optim.pieces))
-        return
-    if isinstance(optim, optimizer.ChainedOptimizer):                 # back to model order
-        by_position = dict(zip([i for ps in optim.indices for i in ps], sum(grads, [])))
-        grads = [by_position[i] for i in range(len(by_position))]
-    c(f"{label}: one gradient per parameter", len(grads) == len(named))
-    for (name, _), g, want in zip(named, grads, wants):
-        close_gradient(c, f"{label}: gradient of {name[len('model.'):]}", g, want)
-
-
-def wanted_gradient(name, param, chunks, ref_grads, state):
-    """This rank's share of the one-process gradient of parameter `name`: its TP slice; the
-    word embedding's for the last stage's tied output layer."""
-    want = ref_grads["word_embeddings.weight"
-                     if name == "output_layer.weight" and chunks[0].tied else name]
-    dim = getattr(param, "partition_dim", None)
-    if dim is not None:
-        want = shard(want, dim, state.tp_rank, state.tp, getattr(param, "partition_chunks", 1))
-    return want
-
-
-def close_gradient(c, name, got, want):
-    """A check that `got` is `want` to a relative difference in norm below 1e-5."""
-    got = got.asnumpy().reshape(want.shape)
-    rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)
-    c(name, rel < 1e-5, f"relative difference {rel:.2e}")
-
-
-_REFERENCES = {}
-
-
-def reference_gradients(ref_cfg, model_args, count, documents):
-    """The one-process model's losses of check_batches(count, documents), its gradients {name:
-    array} of their mean loss (micro-batch by micro-batch, as the schedules accumulate them) and
-    its routers' choices; computed once per worker for each model and batch set."""
-    key = (tuple(model_args), count, documents)
-    if key not in _REFERENCES:
-        tokenizer = build_tokenizer("ByteTokenizer", None, None, None)
-        [ref], _ = train.build_model(ref_cfg, tokenizer, parallel.initialize_model_parallel())
-        maps = record_routing_maps([ref])
-        batches = check_batches(ref_cfg, count, documents)
-        names = [n for n, _ in ref.parameters_and_names()]
-        grad_fn = ms.value_and_grad(lambda *inputs: ref(*inputs) / count, None,
-                                    list(ref.get_parameters()))
-        losses, sums = [], {n: 0.0 for n in names}
-        for batch in batches:
-            loss, grads = grad_fn(*train.to_tensors(batch))
-            losses.append(float(loss.asnumpy()) * count)
-            for n, g in zip(names, grads):
-                sums[n] = sums[n] + g.asnumpy()
-        _REFERENCES[key] = losses, sums, maps
-    return _REFERENCES[key]
-
-
-def record_routing_maps(chunks):
-    """{global name of a MoE layer's router: the routing maps [tokens, E] of its forwards, in
-    order}, recorded by forward hooks (op by op) on every router of `chunks`."""
-    maps = {}
-    for chunk in chunks:
-        for name, cell in chunk.cells_and_names():
-            if isinstance(cell, moe.TopKRouter):
-                calls = maps.setdefault(gpt.global_name(chunk, name), [])
-                cell.register_forward_hook(
-                    lambda _, inputs, outputs, calls=calls: calls.append(outputs[1].asnumpy()))
-    return maps
-
-
-def check_routing_maps(c, label, maps, ref_maps, state, seq_length):
-    """Each router of this rank chose the same experts for each of its tokens as the one-process
-    router of that layer, micro-batch by micro-batch: its tokens are the positions its CP rank
-    holds (context_parallel.cp_token_indices), of those its TP rank's slice under sequence
-    parallelism; rows run [s, b] flattened, as the router flattens its input."""
-    positions = context_parallel.cp_token_indices(seq_length, state.cp, state.cp_rank,
-                                                  state.cp_ulysses)
-    if state.sequence_parallel:
-        positions = np.split(positions, state.tp)[state.tp_rank]
-    for name, calls in maps.items():
-        want = [m.reshape(seq_length, -1, m.shape[-1])[positions].reshape(-1, m.shape[-1])
-                for m in ref_maps[name]]
-        same = len(calls) == len(want) and all(np.array_equal(a, b) for a, b in zip(calls, want))
-        c(f"{label}: routing maps of {name}", same,
-          f"{len(calls)} forwards against {len(want)}")
-
-
-def check_groups(c, world):
-    """Process groups and collectives on this launch's `world` ranks: Megatron's grid by hand,
-    then for each layout of layouts(world) this rank's coordinates and groups, every collective
-    on every group of more than one rank, and the pipeline's pair exchanges."""
-    check_rank_groups(c)
-    for tp, cp, pp in layouts(world):
-        state = parallel.initialize_model_parallel(tp=tp, pp=pp, cp=cp)
-        if state.rank == 0:
-            print(parallel.grid_table(world, tp, cp, pp), flush=True)
-        check_state(c, state, tp, cp, pp)
-        for kind in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding"):
-            group = getattr(state, f"{kind}_group")
-            if group is not None and len(parallel.group_ranks(group)) > 1:
-                check_comm(c, state, kind, group)
-        check_exchange(c, state)
-
-
-def check_tensor_parallel_layers(c, world):
-    """parallel.py's layers, mappings and cross-entropy split over all `world` ranks (TP = world)
-    against their dense forms."""
-    check_layers(c, parallel.initialize_model_parallel(tp=world))
-
-
-# A check job of the harness: its checks on every rank of a launch. name: (function, its
-# argument, the families it prints, workers, concept)
-CHECK_JOBS = {f"groups_{w}w": (check_groups, w, ["process_groups", "collectives"], w, "tp")
-              for w in (2, 4)}
-CHECK_JOBS.update({f"layers_tp{w}": (check_tensor_parallel_layers, w, LAYER_FAMILIES, w, "tp")
-                   for w in (2, 4)})
-CHECK_JOBS.update({f"gradients_{name}": (check_gradients, name, ["layout_gradients"], workers,
-                                         concept)
-                   for name, (_, _, workers, concept) in GRADIENT_CHECKS.items()})
-
-
-# ----------------------------------------------------- the trainings: every layout and its proofs
-# The tiny GPT every layout trains (2 layers, hidden 64, sequences of 32 bytes, 8 per step), op by
-# op: its steps cost less than a compilation, and the proofs are about arithmetic. One layout per
-# concept compiles (COMPILED), as production does; the pipeline's is the tour's pp (tour_pp).
-STEPS = 4
-PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hidden-size", "64",
-                "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
-                "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(STEPS),
-                "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3",
-                "--lr-warmup-iters", "2", "training_config.log_comm_ledger=true", "--no-jit"]
-COMPILED = ["training_config.use_jit=true"]
-# pipelines: 4 layers, 2 micro-batches of 2 a step (stage 0: F0 F1 B0 B1, the 1F1B steady state
-# F1 B0 between warm-up and cool-down), evaluated at steps 2 and 4
-PIPELINE_RUN = ["--num-layers", "4", "--micro-batch-size", "2", "--global-batch-size", "4",
-                "--eval-iters", "1", "--eval-interval", "2"]
-# experts: micro-batches of 2 sequences in every layout (DP4 on 4 workers), since the balancing
-# losses are the micro-batch's
-MOE_RUN = MOE_CHECK + ["--micro-batch-size", "2", "--global-batch-size", "8"]
-# without a pipeline or capacity, one MoE layer: its dispatch, combine and expert gradients are
-# a layer's (the pipelines' 4 layers and capacity's 2 keep the per-layer sums proven)
-MOE_LAYER = MOE_RUN + ["--num-layers", "1"]
-FOUR = ["--global-batch-size", "4"]              # one step of 2 micro-batches where DP is 1
-# float16 op by op is slow on this CPU (docs/half-precision.md, Speed): the float16 layouts and
-# their references train one layer, a pipeline of two stages one layer a stage
-HALF = FP16 + ["--num-layers", "1"]
-PIPELINE_HALF = PIPELINE_RUN + FP16 + ["--num-layers", "2"]
-# Megatron's per-rank capacity: ceil(n k / E * 1.0) = n / 2 slots per expert of a rank's n tokens
-CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
-SAVE_HALF = ["--save-interval", str(STEPS // 2)]     # the step resumed and converted runs start at
-DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0"]
-TORCH = ["--ckpt-format", "torch"]
-DIST = ["--ckpt-format", "torch_dist"]
-# a blend of the two shipped texts (mixture_flags; "{data}" is the harness's corpus): the float16
-# reference and its layouts read it, so TP2 + SP, DP2, TP2 x DP2 and a resumed DP2 each equal one
-# process on a mixture
-MIXTURE = ["--data-path", "0.6", "{data}", "0.4", "{alice}"]
-
-
-class Job:
-    """A unit of the harness's background work, run once per session if a selected test reads it
-    (its `reads` mark) or a job it reads needs it (`after`): a training (`flags` after
-    PARALLEL_RUN, or a whole train.py argv from `argv(tmp, prefix)`), a check job (CHECK_JOBS),
-    or a call in the background thread (`call(harness)`, for tests that launch run.sh
-    themselves). `workers`: 1, a one-process run; 2 or 4, the msrun launch of that many workers
-    (the jobs of a launch run one after another on every worker); 0, a call. `concepts`: the
-    pytest marks (pytest.ini) of the tests that may read it. `plant`: a bug planted for the run
-    (PLANTS); `sigterm`: the step during which rank 0 alone gets SIGTERM; `hold`: the step rank 1
-    starts HELD seconds late, its peers waiting in their collectives; `beside`: a call run in
-    a thread of its kind beside the rest: "forked", the forked runs of one-process tests;
-    "launch", a launch whose processes take little of the CPU (idle in a collective, asleep,
-    failing at load, or a few steps of a tiny model on one worker a launch)."""
-
-    def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
-                 sigterm=None, hold=None, call=None, check=None, beside=None):
-        self.name, self.workers, self.concepts = name, workers, set(concepts.split())
-        self.flags, self.argv_of, self.after = list(flags), argv, tuple(after)
-        self.plant, self.sigterm, self.call, self.check = plant, sigterm, call, check
-        self.hold = hold
-        self.beside = beside
-
-    def argv(self, tmp, prefix):
-        """train.py's argv in the harness's folder `tmp` ("{tmp}" in a flag) on data `prefix`."""
-        if self.argv_of is not None:
-            return self.argv_of(tmp, prefix)
-        alice = mixture_flags(tmp)[-1] if "{alice}" in self.flags else None
-        flags = [flag.replace("{tmp}", str(tmp)).replace("{data}", prefix)
-                 .replace("{alice}", str(alice)) for flag in self.flags]
-        return ["--config", os.path.join(HERE, "config.yaml"), "--data-path", prefix,
-                *PARALLEL_RUN, *flags, "--save", str(tmp / self.name)]
-
-
-JOBS = {}          # name -> Job, in an order where every job comes after the jobs it needs
-REFERENCE = {}     # a layout -> the one-process run it equals (float16 against float16)
-
-
-def add(name, workers, concepts, flags=(), **kwargs):
-    JOBS[name] = Job(name, workers, concepts, flags, **kwargs)
-
-
-def layout(name, workers, concepts, flags, reference, **kwargs):
-    """A layout trained beside its one-process reference."""
-    add(name, workers, concepts, flags, **kwargs)
-    REFERENCE[name] = reference
-
-
-def resumed(name, workers, concepts, flags, source, step=STEPS // 2):
-    """A run that resumes from step `step` of the checkpoints of job `source`."""
-    add(name, workers, concepts, [*flags, "--load", "{tmp}/" + source, "--ckpt-step", str(step)],
-        after=[source])
-
-
-def converted(name, concepts, source, layout_flags, step=STEPS // 2):
-    """`bash run.sh convert` of step `step` of job `source` to another layout (one process)."""
-    add(name, 1, concepts, after=[source],
-        argv=lambda tmp, prefix: ["convert", "--load", str(tmp / source), "--save",
-                                  str(tmp / name), "--ckpt-step", str(step), *layout_flags])
-
-
-# the check jobs, first in their launches
-for _check, (_, _, _, _workers, _concept) in CHECK_JOBS.items():
-    add(_check, _workers, _concept, check=_check)
-
-
-# The jobs. The one-process references first (op by op; a compiled layout equals them too).
-ROPE = ROPE_GQA
-add("one", 1, "tp dp checkpoint", SAVE_HALF)
-add("one_fp16", 1, "tp dp fp16", HALF + MIXTURE)
-add("one_pp", 1, "pipeline", PIPELINE_RUN)
-add("one_pp_fp16", 1, "pipeline fp16", PIPELINE_HALF)
-add("one_rope_gqa", 1, "cp checkpoint", ROPE + SAVE_HALF)
-add("one_rope_gqa_fp16", 1, "cp fp16", ROPE + HALF)
-add("one_moe", 1, "moe", MOE_LAYER)
-add("one_moe_capacity", 1, "moe", MOE_RUN + CAPACITY)
-add("one_moe_pp", 1, "moe", PIPELINE_RUN + MOE_RUN)
-add("one_moe_rope_gqa", 1, "moe", ROPE + MOE_LAYER + FOUR)
-# one process's step-2 checkpoints converted to layouts of 4 workers, before their launch
-converted("one_as_tp2_dp2", "checkpoint", "one", ["--nproc", "4", *TP2, *DISTOPT])
-converted("one_as_tp2", "checkpoint", "one", ["--nproc", "2", *TP2])
-converted("one_rope_gqa_as_cp2_dp2", "checkpoint", "one_rope_gqa",
-          ["--nproc", "4", *CP2, *RING, *DISTOPT])
-
-# 4 workers. TP2 x PP2 + SP: the default run's layout. Stopped by SIGTERM on
-# rank 0 alone after step 2 (every rank stops after the same step: one all-reduce of a flag,
-# train.exit_reason) and resumed, both in Megatron's torch format: the losses of the run that
-# never stopped, bit for bit. --exit-interval and --exit-duration-in-mins stop every rank as
-# SIGTERM to one does: tested in one process (test_a_stopped_job_resumes_bit_identical).
-TP2_PP2 = PIPELINE_RUN + TP2 + PP2 + SP
-layout("tp2_pp2_sp", 4, "pipeline checkpoint", TP2_PP2, "one_pp")
-add("tp2_pp2_sp_first", 4, "checkpoint", TP2_PP2 + ["--exit-signal-handler"] + TORCH,
-    sigterm=STEPS // 2)
-add("tp2_pp2_sp_resumed", 4, "checkpoint",
-    TP2_PP2 + TORCH + ["--load", "{tmp}/tp2_pp2_sp_first"], after=["tp2_pp2_sp_first"])
-resumed("one_to_tp2_dp2_distopt", 4, "checkpoint", TP2 + SP + DISTOPT, "one_as_tp2_dp2")
-resumed("one_to_cp2_ring_dp2_distopt", 4, "checkpoint", ROPE + CP2 + RING + DISTOPT,
-        "one_rope_gqa_as_cp2_dp2")
-# the experts (MoE layers in place of the MLPs) with EP carved out of DP x CP
-layout("ep2_pp2_vpp2_distopt", 4, "moe", PIPELINE_RUN + MOE_RUN + EP2 + PP2 + VPP2 + DISTOPT,
-       "one_moe_pp")
-# Compiled graphs holding collectives of several kinds of groups (each rank's own tp-, cp-, ep-
-# subgroups), rank 1 HELD s late to step 2 while its peers wait inside the graph: the flight
-# recorder's watchdog reads the records then, and must wait, as for any slow peer
-layout("ep2_cp2_ulysses_tp2_sp_alltoall", 4, "moe",
-       ROPE + MOE_LAYER + FOUR + EP2 + CP2 + TP2 + SP + ALLTOALL + COMPILED, "one_moe_rope_gqa",
-       hold=2)
-layout("tp2_sp_cp2_ring", 4, "tp cp", ROPE + TP2 + SP + CP2 + RING + COMPILED, "one_rope_gqa",
-       hold=2)
-layout("cp4_hybrid", 4, "cp", ROPE + CP4 + HYBRID2 + COMPILED, "one_rope_gqa", hold=2)
-HELD_LAYOUTS = [name for name, job in JOBS.items() if job.hold]
-layout("ep2_dp2_distopt", 4, "moe", MOE_LAYER + EP2 + DISTOPT, "one_moe")
-layout("ep2_pp2_capacity", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2 + SAVE_HALF,
-       "one_moe_capacity")
-resumed("ep2_pp2_capacity_resumed", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2,
-        "ep2_pp2_capacity")
-layout("ep4_distopt", 4, "moe checkpoint", MOE_LAYER + EP4 + DISTOPT + SAVE_HALF, "one_moe")
-# TP2 x DP2 in float16 on the blend (MIXTURE): each DP rank reads its share of the mixture's
-# global batch as one process reads the whole of it
-layout("tp2_dp2_blend", 4, "tp dp fp16", TP2 + HALF + MIXTURE, "one_fp16")
-
-# their step-2 checkpoints converted, between the launches: TP2 x PP2 to PP2 x VPP2 and to one
-# process; EP4 to one process
-converted("tp2_pp2_as_pp2_vpp2", "checkpoint", "tp2_pp2_sp_first", ["--nproc", "2", *PP2, *VPP2])
-converted("tp2_pp2_as_one", "checkpoint", "tp2_pp2_sp_first", [])
-converted("ep4_as_one", "moe checkpoint", "ep4_distopt", [])
-resumed("tp2_pp2_to_one", 1, "checkpoint", PIPELINE_RUN, "tp2_pp2_as_one")
-resumed("ep4_to_one", 1, "moe checkpoint", MOE_LAYER, "ep4_as_one")
-
-# 2 workers: a layout per parallelism, float16 in some (against a float16 process)
-layout("tp2", 2, "tp", TP2, "one")
-layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + HALF + COMPILED + TORCH + MIXTURE,
-       "one_fp16")
-layout("dp2", 2, "dp", [], "one")
-layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + HALF + SAVE_HALF + MIXTURE, "one_fp16")
-resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + HALF + MIXTURE, "dp2_distopt")
-layout("pp2", 2, "pipeline fp16", PIPELINE_HALF + PP2, "one_pp_fp16")
-layout("pp2_vpp2", 2, "pipeline", PIPELINE_RUN + PP2 + VPP2, "one_pp")
-layout("pp2_afab", 2, "pipeline", PIPELINE_RUN + PP2 + ["parallel_config.pipeline_schedule=afab"],
-       "one_pp")
-# PP2 with dropout, without and with full recompute of each stage's first layer
-PP2_DROPOUT = PIPELINE_RUN + PP2 + DROPOUT + ["--train-iters", "3"]
-add("pp2_dropout", 2, "pipeline", PP2_DROPOUT)
-add("pp2_dropout_recompute", 2, "pipeline", PP2_DROPOUT + RECOMPUTE["full block 1"])
-layout("cp2_ulysses", 2, "cp", ROPE + CP2, "one_rope_gqa")
-layout("cp2_ring", 2, "cp fp16", ROPE + CP2 + RING + HALF + COMPILED, "one_rope_gqa_fp16")
-layout("ep2_alltoall_distopt", 2, "moe", MOE_LAYER + EP2 + ALLTOALL + DISTOPT + COMPILED,
-       "one_moe")
-layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
-resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
-resumed("one_to_cp2_ulysses", 2, "checkpoint", ROPE + CP2, "one_rope_gqa")
-# resumed in another layout straight from the 4 workers' checkpoints, converted on load; TP2 x
-# PP2 as DP2 saved in torch_dist (the distributed optimizer's state gathered per parameter)
-resumed("tp2_pp2_to_dp2_distopt", 2, "checkpoint", PIPELINE_RUN + DISTOPT + DIST,
-        "tp2_pp2_sp_first")
-resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_LAYER + EP2 + DISTOPT, "ep4_distopt")
-# where a converted run resumes: (the run whose checkpoint was converted, what changed)
-CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed optimizer"),
-             "one_to_cp2_ring_dp2_distopt": ("one_rope_gqa", "one process -> CP2 x DP2"),
-             "one_to_cp2_ulysses": ("one_rope_gqa", "one process -> CP2, no conversion"),
-             "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_sp", "TP2 x PP2 -> PP2 with VPP2"),
-             "tp2_pp2_to_one": ("tp2_pp2_sp", "TP2 x PP2 -> one process"),
-             "ep4_to_one": ("ep4_distopt", "EP4 -> one process"),
-             "tp2_pp2_to_dp2_distopt": ("tp2_pp2_sp", "TP2 x PP2 -> DP2, distributed optimizer,"
-                                        " on load"),
-             "ep4_to_ep2": ("ep4_distopt", "EP4 -> EP2, on load")}
-# the converted runs that loaded the other layout's checkpoint itself: (part of the layout their
-# log says they converted from, part of the layout it says they converted to)
-ON_LOAD = {"tp2_pp2_to_dp2_distopt": ({"tp": 2, "pp": 2, "dp": 1, "distributed_optimizer": False},
-                                      {"tp": 1, "pp": 1, "dp": 2, "distributed_optimizer": True}),
-           "ep4_to_ep2": ({"ep": 4, "dp": 4, "distributed_optimizer": True},
-                          {"ep": 2, "dp": 2, "distributed_optimizer": True})}
-
-
-# ---------------------------------------------------------------------------------- planted bugs
-# The bugs a learner is likely to write, each planted in a short run of one layout (its worker
-# program patches the code for that run alone) to prove that the suite's proof of the layout
-# catches it: test_planted_bug_is_caught.
-def plant_sp_norm_unreduced():
-    """Sequence parallelism: the norms' and row biases' gradients (each TP rank's tokens' share)
-    not all-reduced over TP (finalize_model_grads step 1)."""
-    return unmarked_during_finalize("sequence_parallel")
-
-
-def plant_tied_embedding_unreduced():
-    """Pipeline: the tied word embedding's two copies (first and last stage) not all-reduced over
-    the embedding group (finalize_model_grads step 2)."""
-    return unmarked_during_finalize("shared_embedding")
-
-
-def unmarked_during_finalize(mark):
-    """distributed.finalize_model_grads run as if no parameter had the attribute `mark`."""
-    real = distributed.finalize_model_grads
-
-    def finalize(grads, params, *rest):
-        marked = [p for p in params if getattr(p, mark, False)]
-        for p in marked:
-            setattr(p, mark, False)
-        try:
-            return real(grads, params, *rest)
-        finally:
-            for p in marked:
-                setattr(p, mark, True)
-    return [(distributed, "finalize_model_grads", finalize)]
-
-
-def plant_dp_sum():
-    """Data parallelism: the gradients summed over DP, not averaged."""
-    return unscaled_during(distributed.GradBuffer.all_reduce)
-
-
-def plant_dp_sum_distopt():
-    """The distributed optimizer: its reduce-scatter sums over DP, not averages."""
-    return unscaled_during(distributed.GradBuffer.reduce_scatter)
-
-
-def unscaled_during(method):
-    """The GradBuffer `method` run with a gradient_scaling_factor of 1."""
-    def unscaled(self, grads):
-        factor, self.gradient_scaling_factor = self.gradient_scaling_factor, 1.0
-        try:
-            return method(self, grads)
-        finally:
-            self.gradient_scaling_factor = factor
-    return [(distributed.GradBuffer, method.__name__, unscaled)]
-
-
-def plant_dp_same_samples():
-    """Every DP rank reads rank 0's micro-batches."""
-    real = data.MicroBatchIterator.__init__
-
-    def init(self, dataset, micro_batch_size, data_parallel_rank=0, data_parallel_size=1,
-             consumed_samples=0):
-        real(self, dataset, micro_batch_size, 0, data_parallel_size, consumed_samples)
-    return [(data.MicroBatchIterator, "__init__", init)]
-
-
-def plant_ring_causal_case():
-    """Ring attention: the diagonal block (this rank's own keys) attended without the causal
-    mask, so queries see later tokens."""
-    real = context_parallel.RingAttention.block
-    return [(context_parallel.RingAttention, "block",
-             lambda self, q, k, v, bias: real(self, q, k, v, None))]
-
-
-def plant_ulysses_head_split():
-    """Ulysses with GQA: the all-to-alls deal the heads (and the key/value groups) to the cp ranks
-    round-robin (rank r: heads r, r + u, ...) instead of in contiguous blocks, and back: each rank
-    pairs its query heads with key/value groups they do not belong to."""
-    def interleaved(comm, heads):                       # new order -> old head, for u = comm.size
-        return np.array([h for r in range(comm.size) for h in range(r, heads, comm.size)])
-
-    def sequence_to_heads(comm, x, dim):
-        return comm.all_to_all(x[:, :, Tensor(interleaved(comm, x.shape[2]))], 2, 0)
-
-    def heads_to_sequence(comm, x, dim):
-        x = comm.all_to_all(x, 0, 2)
-        return x[:, :, Tensor(np.argsort(interleaved(comm, x.shape[2])))]
-    return [(parallel, "_sequence_to_heads", sequence_to_heads),
-            (parallel, "_heads_to_sequence", heads_to_sequence)]
-
-
-def plant_aux_loss_scaled_twice():
-    """MoE: the aux and z losses' gradients scaled by the main loss' weight (loss scale / m)
-    twice."""
-    real = moe.MoEAuxLossAutoScaler.set_loss_scale
-    return [(moe.MoEAuxLossAutoScaler, "set_loss_scale",
-             staticmethod(lambda scale: real(scale * scale)))]
-
-
-def plant_skipped_last_backward():
-    """Pipeline: the last stage skips the last micro-batch's backward (sending a zero gradient to
-    the stage before, so the exchanges still pair)."""
-    run, backward = pipeline.PipelineRunner._run, pipeline.PipelineRunner._backward
-
-    def _run(self, micro_batches, *rest):
-        self.last_micro_batch = len(micro_batches) - 1
-        return run(self, micro_batches, *rest)
-
-    def _backward(self, args, mb, chunk_id, loss_weight, received, outgoing):
-        vs = chunk_id * self.p + self.rank
-        if vs == self.p * self.v - 1 and mb == self.last_micro_batch:
-            outgoing[("grad", mb, vs - 1)] = ops.zeros_like(args[0])
-            return [ops.zeros(p.shape, self.grad_dtype) for p in self.params[chunk_id]]
-        return backward(self, args, mb, chunk_id, loss_weight, received, outgoing)
-    return [(pipeline.PipelineRunner, "_run", _run),
-            (pipeline.PipelineRunner, "_backward", _backward)]
-
-
-@contextlib.contextmanager
-def planted(name):
-    """The bug PLANTS[name] in the code for the duration of the block (none for None)."""
-    patches = PLANTS[name][0]() if name else []
-    saved = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in patches]
-    for owner, attribute, replacement in patches:
-        setattr(owner, attribute, replacement)
-    try:
-        yield
-    finally:
-        for owner, attribute, value in saved:
-            setattr(owner, attribute, value)
-
-
-# name: (the plant, the layout's flags, its reference, concept, what its proof names when it
-# fails: "loss" or "grad norm"). Each trains PLANTED_STEPS steps on 2 workers, op by op.
-PLANTED_STEPS = 2
-PLANTS = {
-    "sp_norm_unreduced": (plant_sp_norm_unreduced, TP2 + SP, "one", "tp", "grad norm"),
-    "dp_sum": (plant_dp_sum, [], "one", "dp", "grad norm"),
-    "dp_sum_distopt": (plant_dp_sum_distopt, DISTOPT, "one", "dp", "grad norm"),
-    "dp_same_samples": (plant_dp_same_samples, [], "one", "dp", "loss"),
-    "tied_embedding_unreduced": (plant_tied_embedding_unreduced, PIPELINE_RUN + PP2, "one_pp",
-                                 "pipeline", "grad norm"),
-    "skipped_last_backward": (plant_skipped_last_backward, PIPELINE_RUN + PP2, "one_pp",
-                              "pipeline", "grad norm"),
-    "ring_causal_case": (plant_ring_causal_case, ROPE + CP2 + RING, "one_rope_gqa", "cp", "loss"),
-    "ulysses_head_split": (plant_ulysses_head_split, ROPE + CP2, "one_rope_gqa", "cp", "loss"),
-    "aux_loss_scaled_twice": (plant_aux_loss_scaled_twice, MOE_LAYER + EP2 + ALLTOALL, "one_moe",
-                              "moe", "grad norm")}
-for _name, (_, _flags, _reference, _concept, _) in PLANTS.items():
-    layout(f"planted_{_name}", 2, _concept,
-           _flags + ["--train-iters", str(PLANTED_STEPS), "--lr-decay-iters", str(STEPS),
-                     "--eval-iters", "0"], _reference,
-           plant=_name)
-
-
-# each guide file (configs/guides) shrunk by flags appended after it, on the byte-level corpus,
-# in its own precision (bfloat16 -> float16 on this CPU): name: (files, the flags that fit it
-# here, one process's layout, a 2-worker layout with TP or PP)
-GUIDE_STEPS = 2
-GUIDE_SHRINK = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hidden-size", "64",
-                "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
-                "--max-position-embeddings", "32", "--micro-batch-size", "2",
-                "--global-batch-size", "4", "--train-iters", str(GUIDE_STEPS),
-                "--log-interval", "1", "--eval-iters", "0", "--initial-loss-scale", "4096",
-                "--no-jit"]
-TO_FP16 = ["model_config.compute_dtype=float16"]
-ONE_HALF_LAYER = [*TO_FP16, "--num-layers", "1"]           # as HALF: float16 is slow here
-ONE_LAYOUT = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
-GUIDE_RUNS = {
-    "guide_001_gpt2_13b": (["gpt2_13b.yaml"], ["context.device_target=CPU",
-                           "parallel_config.data_parallel_size=null",
-                           "parallel_config.micro_batch_num=2"],
-                           ONE_LAYOUT, ["--tensor-model-parallel-size", "1",
-                                        "--pipeline-model-parallel-size", "2"]),
-    "guide_002_example": (["mindspore_transformers_example.yaml"], ONE_HALF_LAYER, ONE_LAYOUT,
-                          ["--tensor-model-parallel-size", "2"]),
-    "guide_000_pangu_38b": ([os.path.basename(f) for f in PANGU],
-                            [*ONE_HALF_LAYER, "--num-query-groups", "2",
-                             "model_config.vocab_size=null"],
-                            [*ONE_LAYOUT, "parallel_config.sequence_parallel=false"],
-                            ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                             "1"]),
-}
-
-
-def guide_run(name, workers):
-    """The argv of a GUIDE_RUNS entry (its job: `name` on 2 workers, `name`_one in one process):
-    its files, verbatim, then the flags appended after them."""
-    files, fit, one, two = GUIDE_RUNS[name]
-    configs = [a for f in files for a in ("--config", os.path.join(GUIDES, f))]
-    job = name if workers == 2 else f"{name}_one"
-    return lambda tmp, prefix: [*configs, *GUIDE_SHRINK, "--data-path", prefix, *fit,
-                                *(one if workers == 1 else two), "--save", str(tmp / job)]
-
-
-for _guide in GUIDE_RUNS:
-    add(f"{_guide}_one", 1, "", argv=guide_run(_guide, 1))
-    add(_guide, 2, "", argv=guide_run(_guide, 2))
-
-
-# ---------------------------------------------------- the tests that launch run.sh themselves
-# Their launches run in the harness's background thread too, after its own (one msrun job at a
-# time on a machine: two corrupt each other's CPU collectives), while the one-process tests run.
-# run.sh's MS_NODE_TIMEOUT of 10 s, raised as README says for a busy machine: these calls run
-# beside the one-process tests, where a worker can wait longer for a peer that compiles
-BUSY_MACHINE = dict(os.environ, MS_NODE_TIMEOUT="90")
-
-
-def call_tour(harness):
-    """`bash run.sh tour --layouts pp`: (its output folder, the finished process)."""
-    out = harness.tmp / "tour"
-    done = subprocess.run(["bash", "run.sh", "tour", "--layouts", "pp", "--output", str(out)],
-                          cwd=HERE, capture_output=True, text=True, timeout=600)
-    return out, done
-
-
-def call_failing_rank(harness):
-    """TP2 resumed from one process's checkpoint converted to TP2 with rank 1's shard gone: (the
-    damaged folder, the finished run.sh)."""
-    damaged = harness.tmp / "tp2_damaged"
-    shutil.copytree(harness.tmp / "one_as_tp2", damaged)
-    shutil.rmtree(damaged / f"iter_{STEPS // 2:07d}" / "mp_rank_01")
-    result = subprocess.run(["bash", "run.sh", "--nproc", "2", "--log_dir",
-                             str(harness.tmp / "failing_rank_log"), "--config",
-                             os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
-                             *PARALLEL_RUN, *TP2, "--train-iters", str(STEPS + 2),
-                             "--load", str(damaged), "--save", str(damaged)],
-                            cwd=HERE, capture_output=True, text=True, timeout=300)
-    return damaged, result
-
-
-def call_killed_worker(harness):
-    """A TP2 job whose rank 1 gets kill -9 once the first step is logged: (its pid, the console,
-    run.sh's exit code, its msrun log folder)."""
-    save, log_dir = harness.tmp / "killed", harness.tmp / "killed_log"
-    job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", "--log_dir", str(log_dir),
-                            *TINY_RUN, "--no-jit",
-                            "--tensor-model-parallel-size", "2", "--train-iters", "100000",
-                            "--save", str(save)],
-                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = save / "log" / "rank_0" / "info.log"
-    for _ in range(300):                                        # until the first step is logged
-        if log.exists() and "train: " in log.read_text() or job.poll() is not None:
-            break
-        time.sleep(0.5)
-    if job.poll() is not None:
-        return None, job.communicate()[0], job.returncode, log_dir        # ended before the kill
-    pid = int((log_dir / "pids" / "rank_1.pid").read_text())
-    os.kill(pid, signal.SIGKILL)
-    console, _ = job.communicate(timeout=180)
-    return pid, console, job.returncode, log_dir
-
-
-def call_two_nodes(harness):
-    """The multi-node form, as the guides launch it: `bash run.sh` with torchrun's flags on each
-    node, --node_rank 0 and 1, DP2 of one worker each. The second "node" lives in its own network
-    namespace (a veth pair, 10.213.0.1 <-> 10.213.0.2): msrun starts a scheduler wherever
-    --master_addr is a local address, so two launches on one host's 127.0.0.1 would both try to
-    bind it. Returns (the runs' folder, both exit codes, both consoles)."""
-    tmp, pid = harness.tmp, os.getpid()
-    ns, host_if, node_if = f"gptnode{pid}", f"gpta{pid % 100000}", f"gptb{pid % 100000}"
-    inside = ["ip", "netns", "exec", ns]
-    setup = [["ip", "netns", "add", ns],
-             ["ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if],
-             ["ip", "link", "set", node_if, "netns", ns],
-             ["ip", "addr", "add", "10.213.0.1/24", "dev", host_if],
-             ["ip", "link", "set", host_if, "up"],
-             [*inside, "ip", "addr", "add", "10.213.0.2/24", "dev", node_if],
-             [*inside, "ip", "link", "set", node_if, "up"],
-             [*inside, "ip", "link", "set", "lo", "up"]]
-    out = tmp / "two_nodes"
-    args = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
-            *PARALLEL_RUN, "--save", str(out)]
-    port = str(cli.scheduler_port())
-    try:
-        for cmd in setup:
-            subprocess.run(cmd, check=True, capture_output=True)
-        nodes = []
-        for node in (0, 1):
-            cmd = ["bash", os.path.join(HERE, "run.sh"), "--nproc_per_node", "1", "--nnodes", "2",
-                   "--node_rank", str(node), "--master_addr", "10.213.0.1", "--master_port", port,
-                   "--log_dir", str(tmp / f"node{node}"), *args]
-            with open(tmp / f"node{node}.console", "w") as console:
-                nodes.append(subprocess.Popen((inside if node else []) + cmd, stdout=console,
-                                              stderr=subprocess.STDOUT, env=BUSY_MACHINE))
-        codes = [n.wait(timeout=300) for n in nodes]
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-    return out, codes, [(tmp / f"node{n}.console").read_text() for n in (0, 1)]
-
-
-def call_guides_script(harness):
-    """003's pretrain_single.sh as a reader would run it: its paths filled in, GPUS_PER_NODE=2,
-    the guide's "\\ " defect fixed, `torchrun $DISTRIBUTED_ARGS pretrain_gpt.py` replaced by
-    `bash run.sh $DISTRIBUTED_ARGS` (msrun's logs in its folder, not the project's output/), and
-    shrunk by flags appended after its last line: (its checkpoint folder, the finished script)."""
-    folder = harness.tmp / "guides_script"
-    folder.mkdir()
-    script = open(os.path.join(GUIDES, "pretrain_single.sh")).read()
-    ckpt = folder / "ckpt"
-    shrink = " ".join(GUIDE_SHRINK[2:])      # without the byte tokenizer: the script's GPT-2 stays
-    for old, new in (("GPUS_PER_NODE=8", "GPUS_PER_NODE=2"),
-                     ("CHECKPOINT_PATH=./ckpt", f"CHECKPOINT_PATH={ckpt}"),
-                     ("./gpt-tokenizer/gpt2-vocab.json", "data/gpt2-vocab.json"),
-                     ("./gpt-tokenizer/gpt2-merges.txt", "data/gpt2-merges.txt"),
-                     ("./gpt_pretrain_data/alpaca_text_document",
-                      "data/tinyshakespeare_text_document"),
-                     ("--hidden-size 1024 \\ \n", "--hidden-size 1024 \\\n"),
-                     ("torchrun $DISTRIBUTED_ARGS pretrain_gpt.py",
-                      f"bash {HERE}/run.sh $DISTRIBUTED_ARGS --log_dir {folder}/msrun_log"),
-                     ("--ckpt-format torch", f"--ckpt-format torch {shrink}")):
-        assert script.count(old) == 1, old
-        script = script.replace(old, new)
-    (folder / "pretrain_single.sh").write_text(script)
-    return ckpt, subprocess.run(["bash", str(folder / "pretrain_single.sh")], cwd=folder,
-                                capture_output=True, text=True, timeout=600, env=BUSY_MACHINE)
-
-
-# ------------------------------------ planted communication faults, read by the flight recorder
-# A launch runs fault_worker on its ranks (`python test_all.py fault NAME FOLDER`): steps of a
-# gradient all-reduce on TP2 and a barrier on the world, rank 1 planting the fault. Their
-# collectives wait run.sh's MS_CPU_COMM_OP_TIMEOUT (minutes), so only the recorder's watchdog ends
-# a hang soon; run.sh's MS_NODE_TIMEOUT (msrun's heartbeat limit, and the scheduler's wait after a
-# worker fails) is a sixth of the slow step: a minute asleep, as a compiling peer may take.
-FAULT_STEPS, SLOW_STEP, FAULT_STEP, SLEEP = 5, 1, 3, 60
-FAULTS = {"shape": 2, "slow_then_skip": 2, "order": 4}          # name -> workers
-FAULT_ENV = {"MS_NODE_TIMEOUT": "10", "MS_CPU_COMM_OP_TIMEOUT": "600"}
-HELD = flight_recorder.STALL + 3     # Job.hold: how late a rank is, its peers idle past STALL
-
-
-def fault_step(tp, rank, fault, step):
-    """One step of rank `rank`: [4] gradients all-reduced over TP, then a barrier. Rank 1 plants
-    `fault` at FAULT_STEP: shape, [8] gradients; slow_then_skip, no all-reduce (after sleeping
-    SLEEP s at SLOW_STEP, a slow peer); order, the barrier first."""
-    planted = rank == 1 and step == FAULT_STEP
-    if rank == 1 and step == SLOW_STEP and fault == "slow_then_skip":
-        time.sleep(SLEEP)
-    grads = Tensor(np.ones(8 if planted and fault == "shape" else 4, np.float32))
-    if planted and fault == "order":
-        parallel.barrier()
-    if not (planted and fault == "slow_then_skip"):
-        grads = tp.all_reduce(grads)
-    if not (planted and fault == "order"):
-        parallel.barrier()
-    return grads
-
-
-def fault_worker(fault, folder):
-    """One rank of a planted-fault launch: FAULT_STEPS steps of fault_step, its flight record in
-    `folder` (an error in it, as train.py's workers do); rank 1 notes when it plants the fault."""
-    rank, world = int(os.environ["RANK_ID"]), parallel.launched_world_size()
-    tp = parallel.collectives(parallel.initialize_model_parallel(tp=2).tp_group)
-    flight_recorder.start(folder, rank, world)
-    try:
-        for step in range(FAULT_STEPS):
-            if rank == 1 and step == FAULT_STEP:
-                data.write_atomic(os.path.join(folder, "planted"), repr(time.time()))
-            fault_step(tp, rank, fault, step).asnumpy()
-    except Exception as e:
-        flight_recorder.dump(f"error: {e}")
-        raise
-
-
-def call_fault(fault):
-    """The call of a planted fault: its msrun launch, then `bash run.sh diagnose` of its folder:
-    (the launch's exit code, the finished diagnosis, seconds from the fault to the diagnosis's
-    end)."""
-    def call(harness):
-        folder = harness.tmp / f"fault_{fault}"
-        cmd, env = cli.msrun_command(FAULTS[fault], str(folder),
-                                     [os.path.abspath(__file__), "fault", fault, str(folder)])
-        code = harness.run(cmd, {**env, **FAULT_ENV}, harness.tmp / f"fault_{fault}.console",
-                           timeout=300)
-        diagnosis = subprocess.run(["bash", "run.sh", "diagnose", str(folder)], cwd=HERE,
-                                   capture_output=True, text=True, timeout=60)
-        return code, diagnosis, time.time() - float((folder / "planted").read_text())
-    return call
-
-
-# the runs of one-process tests, forked beside the rest
-add("memory_runs", 0, "", call=call_memory_runs, beside="forked")       # MEMORY_RUNS
-add("compiled_runs", 0, "fp16", call=call_compiled_runs, beside="forked")       # COMPILED_RUNS
-add("moe_runs", 0, "moe", call=call_moe_runs, beside="forked")          # MOE_RUNS
-add("collected", 0, "", call=call_collected, beside="forked")          # COLLECT
-for _fault in FAULTS:
-    add(f"fault_{_fault}", 0, "", call=call_fault(_fault), beside="launch")
-add("tour_pp", 0, "pipeline", call=call_tour)        # the compiled pipeline beside one process
-add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], beside="launch")
-add("killed_worker", 0, "", call=call_killed_worker, beside="launch")
-add("two_nodes", 0, "", call=call_two_nodes, after=["one"], beside="launch")
-add("guides_script", 0, "", call=call_guides_script, beside="launch")
-
-
-# ------------------------------------------------------------------------------------ the harness
-def run_jobs(jobs_file):
-    """The worker program (`python test_all.py JOBS.json`, on every msrun worker or in one
-    process): each job of the file, one after another; each writes `ok` or `failed` to
-    <status>/<name>.<rank>. Returns how many failed."""
-    rank = int(os.environ.get("RANK_ID", "0"))
-    failed = 0
-    for spec in json.loads(open(jobs_file).read()):
-        started, cpu = time.time(), time.process_time()
-        try:
-            ok = run_job(spec, rank)
-        except Exception:                          # the next job still runs; the log has it
-            traceback.print_exc()
-            ok = False
-        failed += not ok
-        pathlib.Path(spec["status"], f"{spec['name']}.{rank}").write_text("ok" if ok else "failed")
-        print(f"[rank {rank}] job {spec['name']}: {'ok' if ok else 'FAILED'} in "
-              f"{time.time() - started:.1f} s, {time.process_time() - cpu:.1f} CPU-s", flush=True)
-    return failed
-
-
-def run_job(spec, rank):
-    """One job of run_jobs: its checks, or its training with its bug planted, its SIGTERM and its
-    held rank."""
-    if "check" in spec:
-        function, argument, _, _, _ = CHECK_JOBS[spec["check"]]
-        checks = Checks(rank, spec["name"])
-        function(checks, argument)
-        return not checks.failed
-    step = train.Trainer.train_step
-    train.Trainer.train_step = step_of(spec, rank, step)
-    try:
-        with planted(spec.get("plant")):
-            return train.main(spec["argv"]) == 0
-    finally:
-        train.Trainer.train_step = step
-
-
-def step_of(spec, rank, step):
-    """Trainer.train_step for this rank of the job `spec`: `step`, with SIGTERM to rank 0 alone
-    during step `sigterm`, or rank 1 asleep HELD s before step `hold`."""
-    sigterm = spec.get("sigterm") if rank == 0 else None
-    hold = spec.get("hold") if rank == 1 else None
-    if not (sigterm or hold):
-        return step
-
-    def train_step(self, micro_batches, calls=[]):
-        calls.append(1)
-        if len(calls) == sigterm:
-            signal.raise_signal(signal.SIGTERM)
-        if len(calls) == hold:
-            time.sleep(HELD)
-        return step(self, micro_batches)
-    return train_step
-
-
-def needed_jobs(names):
-    """`names` and every job they need (Job.after), in JOBS' order."""
-    wanted, todo = set(), list(names)
-    while todo:
-        name = todo.pop()
-        if name not in wanted:
-            wanted.add(name)
-            todo += JOBS[name].after
-    return [name for name in JOBS if name in wanted]
-
-
-def needs(job, group):
-    """Whether `job` needs (through Job.after) a job of `group`."""
-    names = {g.name for g in group}
-    return any(n in names for n in needed_jobs(job.after))
-
-
-def needed_by(candidates, group):
-    """The candidates a job of `group` needs."""
-    needed = {n for job in group for n in needed_jobs(job.after)}
-    return [j for j in candidates if j.name in needed]
-
-
-def jobs_read(items):
-    """The jobs the test items read (their `reads` marks)."""
-    return {name for item in items for mark in item.iter_markers("reads") for name in mark.args}
-
-
-# The harness's threads, and what they start, at a lower priority than the pytest process: its
-# own tests are the session's longest stream of work, and once they end the launches left
-# (2 workers) take both cores
-HARNESS_NICE = 10
-
-
-def background_priority():
-    """The calling thread (Linux keeps a nice value per thread) and the processes it starts from
-    now on: HARNESS_NICE."""
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HARNESS_NICE)
-
-
-class Harness:
-    """The session's background work: the jobs its selected tests read, and the jobs they need,
-    run in a background thread as the session starts, so that the one-process tests run while the
-    workers train. Two msrun jobs that compute at once starve each other's collectives on 2
-    cores, so the thread runs them in turn, one launch per worker count:
-      1. the one-process jobs the launch of 4 workers and the calls need (the runs they
-         convert, the conversions), one process;
-      2. the calls that need no launch (the tour, which launches run.sh itself), beside the
-         one-process jobs that need no launch: a call waits for msrun's start and end, which
-         those and the one-process tests fill;
-      3. the launch of 4 workers (its ranks wait in collectives for each other, for longer the
-         more processes share the 2 cores);
-      4. the one-process jobs the launch of 2 workers needs from the first (conversions);
-      5. the launch of 2 workers, beside the remaining one-process jobs;
-      6. the calls that need a launch's jobs.
-    A launch runs this file on its workers (run_jobs); a selection with no job of a step skips
-    it, so `-m pipeline` launches only pipeline runs. Two more threads run the other calls
-    (Job.beside) beside all this, each its kind in turn: the forked runs of one-process tests,
-    and the launches that take little of the CPU (the planted faults, a launch that fails at
-    load, a killed worker, the guide's script, two nodes), each msrun job on its own scheduler
-    port. All of it yields the CPU to the one-process tests (HARNESS_NICE)."""
-
-    def __init__(self, tmp, names):
-        self.tmp, self.names = tmp, needed_jobs(names)
-        self.status = tmp / "status"
-        self.status.mkdir()
-        self.prefix = shakespeare_bytes(tmp) if self.names else None
-        self.done = {name: threading.Event() for name in self.names}
-        self.launches, self.launch_of, self.results = {}, {}, {}
-        self.seconds = {}                  # a launch or call -> its wall time, for the summary
-        self.processes, self.stopped = set(), False
-        self.threads = [threading.Thread(target=self._run_all, daemon=True)] + [
-            threading.Thread(target=self._run_calls_beside, args=(kind,), daemon=True)
-            for kind in ("forked", "launch")]
-        for thread in self.threads:
-            thread.start()
-
-    def steps(self):
-        """The plan above: [(one-process jobs, launch workers or None, its jobs, calls)]."""
-        jobs = [JOBS[n] for n in self.names]
-        four, two = ([j for j in jobs if j.workers == w] for w in (4, 2))
-        ones = [j for j in jobs if j.workers == 1]
-        calls = [j for j in jobs if j.workers == 0 and not j.beside]
-        after_four = [j for j in ones if needs(j, four)]
-        before_four = [j for j in needed_by(ones, four + calls) if j not in after_four]
-        before_two = needed_by(after_four, two)
-        beside_four = [j for j in ones if j not in before_four + after_four]
-        beside_two = [j for j in after_four if j not in before_two]
-        late = [j for j in calls if needs(j, four + two + after_four)]
-        assert not any(needs(j, two) for j in ones + four), "a job needs a later launch"
-        return [(before_four, None, [], []),
-                (beside_four, None, [], [j for j in calls if j not in late]),
-                ([], 4, four, []), (before_two, None, [], []), (beside_two, 2, two, []),
-                ([], None, [], late)]
-
-    def _run_all(self):
-        background_priority()
-        for ones, workers, launched, calls in self.steps():
-            with concurrent.futures.ThreadPoolExecutor(
-                    1, initializer=background_priority) as beside:
-                side = beside.submit(self._launch, ones, None) if ones else None
-                if launched:
-                    self._launch(launched, workers)
-                for job in calls:
-                    self._call(job)
-                if side is not None:
-                    side.result()
-
-    def _run_calls_beside(self, kind):
-        """A thread of the calls beside the rest (Job.beside) of `kind`, in turn, each once the
-        jobs it needs have ended."""
-        background_priority()
-        for job in (JOBS[n] for n in self.names):
-            if job.beside == kind:
-                for name in job.after:
-                    self.done[name].wait()
-                self._call(job)
-
-    def _call(self, job):
-        """Runs the call `job` (its result or error kept for the test that asks)."""
-        if not self.stopped:
-            start = time.monotonic()
-            try:
-                self.results[job.name] = job.call(self)
-            except Exception as error:                   # raised again in the test that asks
-                self.results[job.name] = error
-            self.seconds[job.name] = time.monotonic() - start
-        self.done[job.name].set()
-
-    def _launch(self, jobs, workers):
-        """`jobs` in one process (`workers` None) or one msrun launch; their events set after."""
-        label = f"{workers}w" if workers else f"one_{jobs[0].name}"
-        specs = [{"name": j.name, "status": str(self.status),
-                  **({"check": j.check} if j.check else
-                     {"argv": j.argv(self.tmp, self.prefix), "plant": j.plant,
-                      "sigterm": j.sigterm, "hold": j.hold})} for j in jobs]
-        jobs_file = self.tmp / f"{label}.json"
-        jobs_file.write_text(json.dumps(specs))
-        program = [os.path.abspath(__file__), str(jobs_file)]
-        if workers:
-            cmd, env = cli.msrun_command(workers, str(self.tmp / f"msrun{label}"), program)
-        else:
-            cmd, env = [sys.executable, *program], None
-        start = time.monotonic()
-        try:
-            self.launches[label] = self.run(cmd, env, self.tmp / f"{label}.console")
-        except Exception as error:
-            self.launches[label] = error
-        self.seconds[label] = time.monotonic() - start
-        for job in jobs:
-            self.launch_of[job.name] = label
-            self.done[job.name].set()
-
-    def run(self, cmd, env, console, timeout=1500):
-        """`cmd` in its own process group (so that stop() kills msrun's workers too), its output
-        to the file `console`; returns its exit code."""
-        if self.stopped:
-            raise RuntimeError("the session ended")
-        with open(console, "w") as out:
-            process = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=out,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
-            self.processes.add(process)
-            process.wait(timeout=timeout)
-        self.processes.discard(process)
-        return process.returncode
-
-    def folder(self, name):
-        """Job `name`'s folder once it has ended, every one of its processes having said `ok`
-        (otherwise the test fails here, with its launch's log)."""
-        self.done[name].wait()
-        workers = max(JOBS[name].workers, 1)
-        said = [self.status / f"{name}.{rank}" for rank in range(workers)]
-        if not all(p.exists() and p.read_text() == "ok" for p in said):
-            pytest.fail(f"job {name} did not pass on every rank: {self.log_tail(name)}")
-        return self.tmp / name
-
-    def log_tail(self, name, chars=3000):
-        """The end of the log of job `name`'s launch (its first worker's, or the process's)."""
-        label = self.launch_of.get(name)
-        if isinstance(self.launches.get(label), Exception):
-            return repr(self.launches[label])
-        worker = self.tmp / f"msrun{label}" / "worker_0.log"
-        console = self.tmp / f"{label}.console"
-        log = worker if worker.exists() else console
-        return log.read_text()[-chars:] if log.exists() else f"no log of {label}"
-
-    def result(self, name):
-        """What the call `name` returned, once it has run (its error is raised here)."""
-        self.done[name].wait()
-        if isinstance(self.results.get(name), Exception):
-            raise self.results[name]
-        return self.results[name]
-
-    def wait(self):
-        """Until every job of the session has ended."""
-        for event in self.done.values():
-            event.wait()
-
-    def stop(self):
-        """At the end of the session: a launch still running (the session stopped early) is
-        killed with its workers."""
-        self.stopped = True
-        for process in list(self.processes):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        for thread in self.threads:
-            thread.join()
-
-    def summary(self):
-        """One line: each launch's and call's wall time in the order they ran (`2w` the launch
-        of 2 workers, `one_<job>` a one-process launch beside the others)."""
-        return "msrun harness (s): " + ", ".join(f"{label} {seconds:.0f}"
-                                                 for label, seconds in self.seconds.items())
-
-
-@pytest.fixture(scope="session", autouse=True)
-def runs(request, tmp_path_factory):
-    """The session's Harness: the jobs the selected tests read, started at once in the
-    background (so `-m pipeline` starts only pipeline runs, `-k column` the TP checks)."""
-    harness = Harness(tmp_path_factory.mktemp("runs"), jobs_read(request.session.items))
-    yield harness
-    harness.stop()
-    if harness.seconds:                        # what each launch cost, beside pytest's durations
-        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-            request.config.get_terminal_writer().line("\n" + harness.summary())
-
-
-def reads(*names, concepts=None):
-    """The marks of a test (or a parameter) that reads jobs `names`: `reads` and its concepts
-    (given, or those every job read shares)."""
-    if concepts is None:
-        concepts = set.intersection(*(JOBS[n].concepts for n in names))
-    return [pytest.mark.reads(*names), *(getattr(pytest.mark, c) for c in sorted(concepts))]
-
-
-def reading(*names, concepts=None):
-    """A test's decorator: the marks of reads(*names, concepts=concepts)."""
-    def decorate(test):
-        for mark in reads(*names, concepts=concepts):
-            test = mark(test)
-        return test
-    return decorate
-
-
-# ======================================= msrun tests (parallel.py and the layouts, 2 and 4 workers)
-# Each test reads the jobs of its `reads` marks (the harness runs them in the background).
-def check_lines(harness, job):
-    """Every rank's lines of check job `job`: [rank][line]."""
-    harness.folder(job)
-    label, workers = harness.launch_of[job], JOBS[job].workers
-    return [[line for line in (harness.tmp / f"msrun{label}" / f"worker_{r}.log").read_text()
-             .splitlines() if line.startswith(f"[rank {r}] ") and f" {job}/" in line]
-            for r in range(workers)]
-
-
-def check_params():
-    """(family, check job) of every family of checks each check job prints, with its marks."""
-    return [pytest.param(family, job, id=f"{family}-{job.split('_', 1)[1]}",
-                         marks=reads(job, concepts={concept}))
-            for job, (_, _, families, _, concept) in CHECK_JOBS.items() for family in families]
-
-
-@pytest.mark.parametrize("family,job", check_params())
-def test_msrun_checks(runs, family, job):
-    """One family of checks of one check job on every rank of its launch: process groups and
-    collectives (and their CPU constructions) with the ledger on 2 and 4 workers, each layer and
-    mapping split over TP2 and TP4 against its dense equivalent (forward and gradients, atol
-    1e-6), each layout's one step of gradients against one process (GRADIENT_CHECKS: relative
-    1e-5). `pytest test_all.py -k row_parallel` runs the row-parallel checks alone."""
-    passed = 0
-    for rank, lines in enumerate(check_lines(runs, job)):
-        failed = [l for l in lines if l.startswith(f"[rank {rank}] FAIL {job}/{family}: ")]
-        assert not failed, "\n".join(failed)
-        passed += sum(l.startswith(f"[rank {rank}] PASS {job}/{family}: ") for l in lines)
-    assert passed > 0, f"no {family} check ran"
-
-
-def train_lines(folder, prefix="train: "):
-    """The lines of the lowest rank that logs them (the loss lives on the last pipeline stage)."""
-    for log in sorted((folder / "log").glob("rank_*/info.log"),
-                      key=lambda p: int(p.parent.name[5:])):
-        lines = [l for l in log.read_text().splitlines() if l.startswith(prefix)]
-        if lines:
-            return lines
-    return []
-
-
-def loss_rtol(reference):
-    """How close a layout's losses and gradient norms are to those of the one-process run
-    `reference`: the tour's rule (tour.RTOL), float32 1e-5, float16 3e-5 and 5e-4."""
-    return tour.FLOAT16 if reference.endswith("_fp16") else tour.FLOAT32
-
-
-def assert_trains_like(folder, reference_folder, rtol, steps=None):
-    """The run in `folder` logged the losses and gradient norms of the run in `reference_folder`
-    (of their first `steps` steps) within `rtol` (loss_rtol), else AssertionError naming which
-    differed: the tour's rule (tour.differences, tour.verdict). A gradient off by a constant
-    factor changes the norm, not the losses: Adam and clipping hide it from them."""
-    said = tour.verdict(tour.differences(str(folder), str(reference_folder), steps), rtol)
-    assert said == "equal", f"{pathlib.Path(folder).name} {said}"
-
-
-def layout_params(names):
-    return [pytest.param(name, marks=reads(name, REFERENCE[name],
-                                           concepts=JOBS[name].concepts - {"checkpoint"}))
-            for name in names]
-
-
-@pytest.mark.parametrize("layout", layout_params(
-    name for name in REFERENCE if not name.startswith("planted_")))
-def test_layout_trains_like_one_process(runs, layout):
-    """Each layout's STEPS steps give the one-process losses and gradient norms (loss_rtol:
-    float32 1e-5, float16 3e-5 and 5e-4), and so do the validation and test losses of the pipeline
-    layouts (PIPELINE_RUN: forward-only schedules; the others do not evaluate). A float16 layout's
-    log shows its loss scale; the float16 ones and their reference read a blend (MIXTURE)."""
-    reference = REFERENCE[layout]
-    folder, one = runs.folder(layout), runs.folder(reference)
-    assert len(train_lines(folder)) == len(train_lines(one)) == STEPS
-    blended = [bool(train_lines(f, "data: train blend of 33 samples: ")) for f in (folder, one)]
-    assert blended == [MIXTURE[-1] in JOBS[name].flags for name in (layout, reference)]
-    assert_trains_like(folder, one, loss_rtol(reference))
-    assert ("Loss_scale: 4096.0" in train_lines(folder)[-1]) == reference.endswith("_fp16")
-    evaluated = [train_lines(f, " validation") + train_lines(f, " test") for f in (one, folder)]
-    assert len(evaluated[0]) == len(evaluated[1]) == (3 if "--eval-interval" in
-                                                      JOBS[reference].flags else 0)
-    value = re.compile(r"lm loss value: (\S+) ")
-    np.testing.assert_allclose(*[[float(value.search(l).group(1)) for l in lines]
-                                 for lines in reversed(evaluated)],
-                               rtol=loss_rtol(reference)["loss"])
-
-
-@pytest.mark.parametrize("layout", layout_params(HELD_LAYOUTS))
-def test_a_late_rank_in_a_compiled_graph_of_several_kinds_of_groups_is_waited_for(runs, layout):
-    """A compiled layout whose graph holds collectives on several kinds of groups (each rank its
-    own tp-, cp-, ep- subgroups: tp-0-1's rank 0 in cp-0-2, its rank 1 in cp-1-3), rank 1 HELD s
-    late to step 2: its peers wait in the graph past the watchdog's STALL, and the job trains to
-    its end (the watchdog compares each group's own collectives: it stopped these jobs when it
-    compared the other groups' names too). Their records, read as the watchdog reads them, hold
-    no disagreement that waiting cannot end."""
-    folder = runs.folder(layout)
-    times = [float(re.search(r"Time: (\S+) ms", l).group(1)) for l in train_lines(folder)]
-    assert len(times) == STEPS and times[1] > flight_recorder.STALL * 1e3, times
-    records = flight_recorder.load(str(folder / "log"))
-    assert sorted(records) == [0, 1, 2, 3]
-    kinds = {h["group"].split("-")[0] for e in records[0]["events"] for h in e.get("holds") or []}
-    assert len(kinds) >= 2, kinds
-    assert flight_recorder.diagnose(records, 4, live=True) is None
-
-
-@reading("pp2_dropout", "pp2_dropout_recompute")
-def test_pipeline_recompute_with_dropout_is_bit_identical(runs):
-    """PP2 with dropout: recomputing each stage's first layer (full, block 1) logs the losses and
-    gradient norms of the run without recompute, bit for bit."""
-    plain = train_lines(runs.folder("pp2_dropout"))
-    assert len(plain) == 3
-    assert ([l.split(", Time")[0] for l in train_lines(runs.folder("pp2_dropout_recompute"))]
-            == [l.split(", Time")[0] for l in plain])
-
-
-@pytest.mark.parametrize("full,resumed", [
-    pytest.param("dp2_distopt", "dp2_distopt_resumed", marks=reads(
-        "dp2_distopt", "dp2_distopt_resumed", concepts={"checkpoint", "dp"})),
-    pytest.param("tp2_pp2_sp", "tp2_pp2_sp_resumed", marks=reads(
-        "tp2_pp2_sp", "tp2_pp2_sp_first", "tp2_pp2_sp_resumed", concepts={"checkpoint"})),
-    pytest.param("ep2_pp2_capacity", "ep2_pp2_capacity_resumed", marks=reads(
-        "ep2_pp2_capacity", "ep2_pp2_capacity_resumed", concepts={"checkpoint", "moe"}))])
-def test_parallel_resume_is_bit_exact(runs, full, resumed):
-    """A run resumed from step 2 in the same layout (DP2 with the distributed optimizer and EP2 x
-    PP2 with a capacity factor, from the step-2 checkpoint of the run that went on, --ckpt-step;
-    TP2 x PP2 after a SIGTERM stop) logs the losses and gradient norms of the run that never
-    stopped, and ends with the same weights and optimizer state on every rank, bit for bit."""
-    full, resumed = runs.folder(full), runs.folder(resumed)
-    assert ([l.split(", Time")[0] for l in train_lines(resumed)]
-            == [l.split(", Time")[0] for l in train_lines(full)[STEPS // 2:]])
-    assert_same_checkpoints(full, resumed)
-
-
-def assert_same_checkpoints(a_root, b_root):
-    """The latest checkpoints of the two folders hold the same tensors in every shard folder, bit
-    for bit, whatever format each was saved in (MindSpore ckpt, or Megatron's torch files)."""
-    a_dir = pathlib.Path(checkpoint.iteration_dir(str(a_root),
-                                                  checkpoint.latest_iteration(str(a_root))))
-    b_dir = pathlib.Path(checkpoint.iteration_dir(str(b_root),
-                                                  checkpoint.latest_iteration(str(b_root))))
-    names = sorted(p.name for p in a_dir.iterdir())
-    assert names == sorted(p.name for p in b_dir.iterdir()) and names
-    for shard_name in names:
-        stems = sorted({f.stem for f in (a_dir / shard_name).iterdir()
-                        if f.suffix in (".ckpt", ".pt")})
-        a = checkpoint.load_checkpoint(str(a_root), shard_name, stems=stems)[0]
-        b = checkpoint.load_checkpoint(str(b_root), shard_name, stems=stems)[0]
-        assert sorted(a) == sorted(b) and a
-        for key in a:
-            np.testing.assert_array_equal(a[key], b[key], err_msg=f"{shard_name} {key}")
-
-
-@reading("tp2_pp2_sp", "tp2_pp2_sp_first", "tp2_pp2_sp_resumed", concepts={"checkpoint"})
-def test_parallel_stopped_job_resumes_bit_exact(runs):
-    """TP2 x PP2 stopped by SIGTERM on rank 0 alone during step 2 (every rank stops after the same
-    step) leaves its checkpoint of step 2 and the losses of the run that never stopped; resumed,
-    it logs that run's steps 3 and 4, bit for bit."""
-    full = losses_of(train_lines(runs.folder("tp2_pp2_sp")))
-    first = runs.folder("tp2_pp2_sp_first")
-    assert checkpoint.latest_iteration(str(first)) == STEPS // 2
-    assert losses_of(train_lines(first)) == full[:STEPS // 2]
-    assert losses_of(train_lines(runs.folder("tp2_pp2_sp_resumed"))) == full[STEPS // 2:]
-
-
-TORCH_KEYS = ["args", "checkpoint_version", "iteration", "model", "optimizer",
-              "opt_param_scheduler", "rng_state", "num_floating_point_operations_so_far"]
-
-
-def torch_weights(path):
-    """(a model_optim_rng.pt read with this project's torch reader, its weights by name)."""
-    state = torch_format.load(str(path))
-    assert list(state) == TORCH_KEYS and state["checkpoint_version"] == 3.0
-    return state, {k: w for k, w in state["model"].items() if not k.endswith("_extra_state")}
-
-
-@reading("tp2_pp2_sp_first", concepts={"checkpoint"})
-def test_torch_format_checkpoint_holds_megatrons_names_and_per_rank_shapes(runs):
-    """The TP2 x PP2 run saved with --ckpt-format torch (step 2 of the stop chain) is Megatron's
-    layout, read with this project's torch reader: model_optim_rng.pt per rank with args,
-    checkpoint_version 3.0, iteration, the model under Megatron-core's names (stage-local layer
-    numbers, each rank's TP piece), FP32Optimizer's torch state (a state per weight), the
-    schedule and RNG state; the last stage holds the tied embedding's copy as
-    output_layer.weight."""
-    first = runs.folder("tp2_pp2_sp_first")
-    h, f, v, positions = 64, 128, 384, 32            # PIPELINE_RUN: 4 layers, hidden 64, ffn 128
-    layer = {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
-             "self_attention.linear_proj.weight": (h, h // 2),
-             "self_attention.linear_proj.bias": (h,),
-             "self_attention.linear_qkv.weight": (3 * h // 2, h),
-             "self_attention.linear_qkv.bias": (3 * h // 2,), "pre_mlp_layernorm.weight": (h,),
-             "pre_mlp_layernorm.bias": (h,), "mlp.linear_fc1.weight": (f // 2, h),
-             "mlp.linear_fc1.bias": (f // 2,), "mlp.linear_fc2.weight": (h, f // 2),
-             "mlp.linear_fc2.bias": (h,)}
-    stage = {0: {"embedding.word_embeddings.weight": (v // 2, h),
-                 "embedding.position_embeddings.weight": (positions, h)},
-             1: {"decoder.final_layernorm.weight": (h,), "decoder.final_layernorm.bias": (h,),
-                 "output_layer.weight": (v // 2, h)}}
-    for t in range(2):
-        for p in range(2):
-            state, weights = torch_weights(first / f"iter_{STEPS // 2:07d}"
-                                           / checkpoint.shard_name(t, p, 2) / "model_optim_rng.pt")
-            assert (state["iteration"], state["args"].tensor_model_parallel_size,
-                    state["args"].pipeline_model_parallel_size,
-                    state["args"].fp16) == (STEPS // 2, 2, 2, False)
-            want = {f"decoder.layers.{i}.{k}": shape for i in range(2)
-                    for k, shape in layer.items()}
-            want.update(stage[p])
-            assert {k: w.shape for k, w in weights.items()} == want, (t, p)
-            assert {w.dtype for w in weights.values()} == {np.dtype(np.float32)}
-            assert sorted(state["optimizer"]) == ["param_groups", "state"]
-            assert len(state["optimizer"]["state"]) == len(weights)
-
-
-@reading("tp2_sp", concepts={"fp16", "checkpoint"})
-def test_torch_format_float16_checkpoint_holds_megatrons_float16_optimizer(runs):
-    """TP2 + SP in float16 saved with --ckpt-format torch: each TP rank's model_optim_rng.pt holds
-    its float16 pieces of the weights and Megatron's Float16OptimizerWithFloat16Params state (the
-    torch optimizer, the grad scaler, a float32 main param per weight, each the weight's shape)."""
-    for t in range(2):
-        state, weights = torch_weights(runs.folder("tp2_sp") / f"iter_{STEPS:07d}"
-                                       / checkpoint.shard_name(t, 0, 1) / "model_optim_rng.pt")
-        assert state["args"].fp16 and state["args"].tensor_model_parallel_size == 2
-        assert weights["embedding.word_embeddings.weight"].shape == (384 // 2, 64)
-        assert {w.dtype for w in weights.values()} == {np.dtype(np.float16)}
-        half = state["optimizer"]
-        assert sorted(half) == ["fp32_from_fp16_params", "grad_scaler", "optimizer"]
-        mains = [m for group in half["fp32_from_fp16_params"] for m in group]
-        assert sorted(m.shape for m in mains) == sorted(w.shape for w in weights.values())
-        assert {m.dtype for m in mains} == {np.dtype(np.float32)}
-
-
-@pytest.mark.parametrize("run", [pytest.param(run, marks=reads(
-    run, source, concepts=JOBS[run].concepts)) for run, (source, _) in CONVERTED.items()])
-def test_converted_checkpoint_trains_like_the_original_layout(runs, run):
-    """A step-2 checkpoint converted to another layout (weights, float32 main params and optimizer
-    state), by `convert` or on load (--load of the other layout's checkpoint: ON_LOAD, whose log
-    says from which layout to which), resumes so that steps 3 and 4 give the original layout's
-    losses and gradient norms (loss_rtol): CONVERTED says which."""
-    source, _ = CONVERTED[run]
-    resumed, full = runs.folder(run), runs.folder(source)
-    assert len(train_lines(resumed)) == STEPS // 2 and len(train_lines(full)) == STEPS
-    said = [re.search(r"converted on load from layout (\{.*\}) to this run's layout (\{.*\})$",
-                      line) for line in train_lines(resumed, "checkpoint ")]
-    layouts = [[ast.literal_eval(m.group(i)) for i in (1, 2)] for m in said if m]
-    assert len(layouts) == (run in ON_LOAD), layouts
-    for saved, wanted in zip(layouts[0] if layouts else [], ON_LOAD.get(run, [])):
-        assert {k: saved[k] for k in wanted} == wanted, (saved, wanted)
-    rtol = loss_rtol(REFERENCE.get(source, source))
-    for key, name in tour.COMPARED.items():
-        np.testing.assert_allclose([r[key] for r in tour.train_records(str(resumed))],
-                                   [r[key] for r in tour.train_records(str(full))[STEPS // 2:]],
-                                   rtol=rtol[name], err_msg=name)
-
-
-@pytest.mark.parametrize("run,ep", [
-    pytest.param("ep4_distopt", 4, marks=reads("ep4_distopt", concepts={"moe", "checkpoint"})),
-    pytest.param("ep4_to_ep2", 2, marks=reads("ep4_to_ep2", concepts={"moe", "checkpoint"}))])
-def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(runs, run, ep):
-    """EP4 with the distributed optimizer (4 workers): its checkpoint of step 2, and that of the
-    EP2 run resumed from it (converted on load), have Megatron's expert folders mp_rank_00_EEE,
-    each with its rank's experts and distrib_optim file (both resume in
-    test_converted_checkpoint_trains_like_the_original_layout)."""
-    step = STEPS // 2 if run == "ep4_distopt" else STEPS
-    folder = runs.folder(run) / f"iter_{step:07d}"
-    assert sorted(os.listdir(folder)) == [f"mp_rank_00_{e:03d}" for e in range(ep)]
-    local = 4 // ep                                                 # of the 4 experts
-    for e in range(ep):
-        tensors, _ = checkpoint.load_checkpoint(str(runs.tmp / run), f"mp_rank_00_{e:03d}",
-                                                stems=("model_optim_rng", "distrib_optim_000"),
-                                                step=step)
-        experts = {int(re.search(r"local_experts\.(\d+)\.", k).group(1)) for k in tensors
-                   if "local_experts" in k}
-        assert experts == set(range(e * local, (e + 1) * local)), (e, experts)
-
-
-# Adam moves a weight by about lr whatever its gradient's size, so one whose gradient is near 0
-# moves differently in another layout's order of reduction; a piece out of place is off by about
-# the largest value
-DIST_ATOL = 1e-3
-
-
-@reading("tp2_pp2_to_dp2_distopt", "tp2_pp2_sp", concepts={"checkpoint"})
-def test_distributed_optimizer_saves_torch_dist_per_parameter(runs):
-    """DP2 with the distributed optimizer (two workers, resumed from TP2 x PP2) saved with
-    --ckpt-format torch_dist holds the optimizer state as Megatron's non-distributed optimizer
-    keeps it: each moment sharded as its parameter (optimizer.state.exp_avg.<key>), no float32
-    copies of float32 weights, one writer (the first data-parallel rank). Assembled, its weights
-    and moments of step 4 are those of the TP2 x PP2 run that never stopped (DIST_ATOL of each
-    tensor's largest value): each rank's pieces gathered into their places."""
-    folder = runs.folder("tp2_pp2_to_dp2_distopt") / f"iter_{STEPS:07d}"
-    index, _ = dist_checkpoint.read_index(str(folder))
-    assert {k.split(".")[2] for k in index if k.startswith("optimizer.")} == {"exp_avg",
-                                                                             "exp_avg_sq"}
-    assert [f for f in os.listdir(folder) if f.endswith(".distcp")] == ["__0_0.distcp"]
-    got = checkpoint.full_state(str(runs.tmp / "tp2_pp2_to_dp2_distopt"))[0]
-    want = checkpoint.full_state(str(runs.folder("tp2_pp2_sp")))[0]
-    assert sorted(got) == sorted(want) and any(k.startswith("optimizer.") for k in want)
-    for key, value in want.items():
-        scale = float(np.abs(value).max())
-        np.testing.assert_allclose(got[key], value, rtol=0, atol=DIST_ATOL * scale, err_msg=key)
-
-
-def ledger_of(line):
-    """`comm: Step:N, kind op calls bytes, ...` -> {(kind, op): calls} (tour.ledger_items)."""
-    return {key: calls for key, (calls, _) in tour.ledger_items(line).items()}
-
-
-def layout_config(run):
-    """The config of layout `run` (PARALLEL_RUN and its flags), its vocabulary padded."""
-    cfg = load_config(os.path.join(HERE, "config.yaml"), [*PARALLEL_RUN, *JOBS[run].flags],
-                      max(JOBS[run].workers, 1))
-    cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
-    return cfg
-
-
-def planned_communication(run):
-    """memory.communication of rank 0 (stage 0) for layout `run`'s config."""
-    return memory.communication(layout_config(run), 0)
-
-
-def ledger_formula(run):
-    """{(group, op): calls} of a step of layout `run`: L layers (2; the float16 ones 1) and m = 2
-    micro-batches per rank (test_ledger_counts_match_the_formulas)."""
-    L, m = layout_config(run).model_config.num_layers, 2
-    return {"tp2": {("tp", "all_reduce"): m * (4 * L + 5), ("mp", "all_reduce"): 1},
-            "tp2_sp": {("tp", "all_reduce"): m * 4 + 6 * L + 2,
-                       ("tp", "all_gather"): m * (4 * L + 2),
-                       ("tp", "reduce_scatter"): m * (4 * L + 1), ("mp", "all_reduce"): 1},
-            "dp2": {("dp_cp", "all_reduce"): 2},
-            "dp2_distopt": {("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
-                            ("dp_cp", "all_reduce"): 2}}[run]
-
-
-LEDGER_RUNS = ["tp2", "tp2_sp", "dp2", "dp2_distopt"]
-
-
-@pytest.mark.parametrize("run", [pytest.param(r, marks=reads(r, concepts=JOBS[r].concepts
-                                                             & {"tp", "dp"}))
-                                 for r in LEDGER_RUNS])
-def test_ledger_counts_match_the_formulas(runs, run):
-    """Per step of L layers and m micro-batches. TP: per micro-batch 4L + 5 all-reduces (2 forward
-    and 2 backward per layer, the embedding's forward, the logits' backward, the cross-entropy's
-    three); one more for the gradient norm (mp group). SP: the layers' all-reduces become
-    all-gathers and reduce-scatters (per layer 2 + 2 forward, 2 + 2 backward), plus the
-    embedding scatter and logits gather; the 6L + 2 norm and row-bias gradients are all-reduced.
-    DP2: one bucket and the logged loss all-reduced; with the distributed optimizer the bucket
-    reduce-scattered and the parameters all-gathered, the norm over the shards. Bytes too
-    (float32, and float16 in tp2_sp and dp2_distopt): memory.communication's formula."""
-    line = train_lines(runs.folder(run), "comm: ")[1]
-    assert ledger_of(line) == ledger_formula(run)
-    assert planned_communication(run) == tour.ledger_items(line)
-
-
-@reading("cp2_ulysses", "cp2_ring")
-def test_context_parallel_ledger_matches_the_formulas(runs):
-    """Per step of L layers (Ulysses 2, the float16 ring 1) and m micro-batches, each cp rank
-    holding q and the context [s/cp, b, n, d] and k, v [s/cp, b, g, d]: Ulysses runs 4
-    all-to-alls per layer forward (q, k, v, context) and 4 backward, of the same sizes; the ring
-    all-gathers k and v forward and reduce-scatters their gradients [s, b, g, d] backward; both
-    sum the loss and the token count over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP:
-    the gradient bucket and the logged loss. `bash run.sh plan` (memory.communication) gives the
-    same CP collectives."""
-    m, s, b, n, g, d, cp = 2, 32, 4, 8, 4, 8, 2
-    L = {run: layout_config(run).model_config.num_layers
-         for run in ("cp2_ulysses", "cp2_ring")}
-    # q and k, v bytes: the ring runs in float16
-    q, k = 4 * s // cp * b * n * d, 4 * s // cp * b * g * d
-    kv = 2 * s // cp * b * g * d
-    common = {("cp", "all_reduce"): (2 * m, 2 * m * 4), ("dp_cp", "all_reduce"): (2, None)}
-    ulysses = {("cp", "all_to_all"): (8 * m * L["cp2_ulysses"],
-                                      2 * m * L["cp2_ulysses"] * (2 * q + 2 * k)), **common}
-    ring = {("cp", "all_gather"): (2 * m * L["cp2_ring"], 2 * m * L["cp2_ring"] * kv),
-            ("cp", "reduce_scatter"): (2 * m * L["cp2_ring"], 2 * m * L["cp2_ring"] * cp * kv),
-            **common}
-    for run, want in (("cp2_ulysses", ulysses), ("cp2_ring", ring)):
-        ledger = tour.ledger_items(train_lines(runs.folder(run), "comm: ")[1])
-        got = {key: (calls, nbytes if want.get(key, (0, 0))[1] is not None else None)
-               for key, (calls, nbytes) in ledger.items()}
-        assert got == want, (run, got)
-        planned = {k: v for k, v in planned_communication(run).items() if k[0] == "cp"}
-        assert planned == {key: value for key, value in ledger.items() if key[0] == "cp"}
-
-
-EP_LAYOUTS = [name for name in REFERENCE if name.startswith("ep")]
-
-
-@reading("ep2_alltoall_distopt", *EP_LAYOUTS)
-def test_expert_parallel_ledger_matches_the_formulas(runs):
-    """EP2 alltoall with the distributed optimizer by hand, per step of L = 1 MoE layer and m = 2
-    micro-batches of n = 2 x 32 tokens on a rank, E = 4 experts, h = 64, float32, dropless (C = n
-    slots an expert): 6 L m all-to-alls (tokens [E C, h], probs [E C], output [E C, h], forward
-    and backward), the experts' norm over EP, the routers' losses' sum [3] over DP; over DP the
-    dense gradients' reduce-scatter, the parameters' all-gather, the norm of the shards and the
-    logged loss (the experts' group, EDP, is one rank). Then every EP layout's ledger equals
-    memory.communication, call for call and byte for byte: the alltoall dispatcher under TP +
-    SP and CP, the expert shards of the distributed optimizer over the expert-data-parallel
-    group, capacity, VPP."""
-    L, m, n, E, h = 1, 2, 64, 4, 64
-    ledger = tour.ledger_items(train_lines(runs.folder("ep2_alltoall_distopt"), "comm: ")[1])
-    assert ledger[("ep", "all_to_all")] == (6 * L * m, 2 * L * m * E * n * (2 * h * 4 + 4))
-    assert {k: v[0] for k, v in ledger.items()} == {
-        ("ep", "all_to_all"): 6 * L * m, ("ep", "all_reduce"): 1, ("dp", "all_reduce"): 1,
-        ("dp_cp", "reduce_scatter"): 1, ("dp_cp", "all_gather"): 1,
-        ("dp_cp", "all_reduce"): 2}, ledger
-    for run in EP_LAYOUTS:
-        ledger = tour.ledger_items(train_lines(runs.folder(run), "comm: ")[1])
-        assert planned_communication(run) == ledger, run      # rank 0's: stage 0
-
-
-@pytest.mark.parametrize("layout", [
-    pytest.param(name, marks=reads(name, REFERENCE[name], concepts={concept}))
-    for name, concept in (("tp2", "tp"), ("tp2_pp2_sp", "pipeline"), ("pp2", "pipeline"),
-                          ("pp2_vpp2", "pipeline"), ("ep2_alltoall_distopt", "moe"))])
-def test_parallel_checkpoint_merges_to_the_one_process_model(runs, layout, capsys):
-    """generate unites the pipeline stages' files and merges the mp_rank_TT shards: the merged
-    weights equal the one-process run's after the same steps, to training's rounding: in
-    float32 within 2e-4; in float16 (pp2) within 10% in norm per tensor, since
-    AdamW moves a weight by about lr whatever its gradient's size, so a near-zero float16 gradient
-    whose sign a layout's rounding flips moves it 2 lr apart (a misplaced shard differs by ~100%).
-    The last stage's copy of a tied embedding stayed equal to the first stage's; it generates."""
-    folder, reference = runs.folder(layout), REFERENCE[layout]
-    one, _ = checkpoint.load_checkpoint(str(runs.folder(reference)), step=STEPS)
-    shards, meta = checkpoint.load_shards(str(folder))
-    assert len(shards) == meta["layout"]["tp"]
-    full = {k: v.shape for k, v in one.items() if k.startswith("model.")}
-    merged = megatron_checkpoint.merge_tensor_parallel(shards, full)
-    for name in full:
-        if reference.endswith("_fp16"):
-            a, b = merged[name].astype(np.float64), one[name].astype(np.float64)
-            assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b), name
-        else:
-            np.testing.assert_allclose(merged[name], one[name], atol=2e-4, err_msg=name)
-    if meta["layout"]["pp"] > 1:
-        for shard_tensors in shards:
-            np.testing.assert_allclose(shard_tensors["model.output_layer.weight"],
-                                       shard_tensors["model.word_embeddings.weight"], atol=1e-6)
-    capsys.readouterr()
-    assert train.main(["generate", "--load", str(folder), "--prompt", "ROMEO:",
-                       "--max-new-tokens", "4", "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.startswith("ROMEO:")
-
-
-@reading("failing_rank")
-def test_a_failing_rank_names_itself_and_stops_the_job(runs):
-    """Rank 1 alone fails (its shard of a TP2 checkpoint is gone): its own error line reaches the
-    console prefixed by its rank, and the job ends non-zero without a worker's traceback (the
-    alternative: a timeout traceback blaming worker 0 after 65 s)."""
-    damaged, result = runs.result("failing_rank")
-    console = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert (f"[rank 1] error: {damaged}/iter_{STEPS // 2:07d}/mp_rank_01/meta.json is missing"
-            in console), console[-3000:]
-    assert ("error: training failed" not in console
-            and "[rank 0] error" not in console), console[-3000:]
-
-
-@reading("killed_worker")
-def test_a_killed_worker_is_named_by_its_rank(runs):
-    """kill -9 of one worker (as the out-of-memory killer does): it prints nothing and msrun names
-    only its process id; run.sh names its rank from the pid each worker wrote, and the job ends."""
-    pid, console, code, log_dir = runs.result("killed_worker")
-    assert pid is not None, console[-3000:]                          # training, not ended
-    assert code == 1
-    assert (f"error: rank 1 (pid {pid}) was killed by signal 9; its log: "
-            f"{log_dir}/worker_1.log" in console), console[-2000:]
-
-
-def fault_lines():
-    """`test_all.py:N (fault_step)` of fault_step's all-reduce, its planted barrier (order) and
-    its barrier, as the flight recorder names them."""
-    source, first = inspect.getsourcelines(fault_step)
-    at = [f"test_all.py:{first + i} (fault_step)" for i, line in enumerate(source)
-          if "tp.all_reduce(" in line or "parallel.barrier()" in line]
-    return dict(zip(("planted_barrier", "all_reduce", "barrier"), at))
-
-
-@pytest.mark.parametrize("fault", [pytest.param(f, marks=reads(f"fault_{f}")) for f in FAULTS])
-def test_a_planted_fault_is_named_by_the_flight_recorder(runs, fault):
-    """Rank 1 plants a fault at step FAULT_STEP (fault_step): [8] gradients where rank 0 sends
-    [4] (2 workers); no all-reduce, after a step SLEEP s slow (2 workers); the barrier before the
-    all-reduce (4 workers). The job fails and `bash run.sh diagnose` prints one line naming the op,
-    the ranks and both code lines, within 30 s of the fault; the slow step was waited for."""
-    code, diagnosis, since_fault = runs.result(f"fault_{fault}")
-    at = fault_lines()
-    waits = (f"error: rank 1 did not arrive at collective #{FAULT_STEP} of group tp-0-1 (ranks 0, "
-             f"1), where rank 0 all_reduce [4] Float32 at {at['all_reduce']} waits; rank 1 went "
-             f"to barrier [1] Float32 (#{FAULT_STEP} of group world) at ")
-    expected = {"shape": f"error: collective #{FAULT_STEP} of group tp-0-1 (ranks 0, 1) differs: "
-                         f"rank 0 all_reduce [4] Float32 at {at['all_reduce']}; rank 1 "
-                         f"all_reduce [8] Float32 at {at['all_reduce']}",
-                "slow_then_skip": f"{waits}{at['barrier']} instead, which rank 0 has not reached",
-                "order": f"{waits}{at['planted_barrier']} instead, which rank 0 has not reached"}
-    lines = diagnosis.stderr.splitlines()
-    assert code != 0 and diagnosis.returncode == 1, diagnosis.stderr
-    assert lines[0].startswith(expected[fault]), lines
-    assert sum(line.startswith("error:") for line in lines) == 1, lines
-    assert since_fault <= 30, since_fault
-    if fault == "slow_then_skip":            # rank 0 waited SLEEP s in the slow step's all-reduce
-        events = flight_recorder.load(runs.tmp / "fault_slow_then_skip")[0]["events"]
-        joined = {(e["op"], e["at"].get("tp-0-1", e["at"].get("world"))): e["time"]
-                  for e in events}
-        assert (joined[("barrier", SLOW_STEP)] - joined[("all_reduce", SLOW_STEP)]
-                >= SLEEP - 1), joined
-
-
-@reading("two_nodes", "one")
-def test_two_run_sh_launches_make_one_job(runs):
-    """Two `bash run.sh --nnodes 2` launches, --node_rank 0 and 1, each with one worker in its
-    own network namespace (call_two_nodes), join into one DP2 job whose losses and gradient norms
-    equal one process's."""
-    out, codes, consoles = runs.result("two_nodes")
-    assert codes == [0, 0], [c[-2000:] for c in consoles]
-    assert "1 -> 0, 0, 1, 0" in (out / "log" / "rank_0" / "info.log").read_text()   # dp 2
-    assert_trains_like(out, runs.folder("one"), tour.FLOAT32)
-
-
-@reading("guides_script")
-def test_the_guides_pretrain_script_runs_on_two_workers(runs, tmp_path):
-    """003's pretrain_single.sh as a reader would run it (call_guides_script): two workers train
-    in float16 and save Megatron's torch format, which import-megatron reads back."""
-    ckpt, result = runs.result("guides_script")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    lines = train_lines(ckpt)
-    assert len(lines) == GUIDE_STEPS and all("Loss_scale: 4096.0" in l for l in lines), lines
-    log = (ckpt / "log" / "rank_0" / "info.log").read_text()
-    assert "(tp=1 cp=1 dp=2 pp=1)" in log, log[:2000]
-    assert (ckpt / f"iter_{GUIDE_STEPS:07d}" / "mp_rank_00" / "model_optim_rng.pt").is_file()
-    assert train.main(["import-megatron", str(ckpt), "--save", str(tmp_path / "ours")]) == 0
-
-
-@pytest.mark.parametrize("plant", [pytest.param(name, marks=reads(f"planted_{name}", spec[2]))
-                                   for name, spec in PLANTS.items()])
-def test_planted_bug_is_caught(runs, plant):
-    """Each bug of PLANTS, planted in a short run of its layout, makes that layout's proof
-    (assert_trains_like) fail, naming the quantity that shows it: the loss, or for a bug in a
-    gradient's scale or sum (DP summing instead of averaging, an unreduced sequence-parallel norm
-    or tied embedding, the aux loss scaled twice, a skipped backward) the gradient norm. The
-    proofs can fail."""
-    _, _, reference, _, named = PLANTS[plant]
-    with pytest.raises(AssertionError, match=f"DIFFERS: .*its {named} by"):
-        assert_trains_like(runs.folder(f"planted_{plant}"), runs.folder(reference),
-                           loss_rtol(reference), PLANTED_STEPS)
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=reads(n, f"{n}_one"))
-                                  for n in sorted(GUIDE_RUNS)])
-def test_the_guides_files_train_shrunk(runs, name):
-    """Each guide file, verbatim, shrunk by flags appended after it (GUIDE_RUNS), trains 2 steps
-    in one process and on 2 workers (TP2 or PP2) in its own precision, float16 where the guide
-    says bfloat16 (its loss scale logged): the layouts' losses and gradient norms agree."""
-    one, par = train_lines(runs.folder(f"{name}_one")), train_lines(runs.folder(name))
-    assert len(one) == len(par) == GUIDE_STEPS
-    fp16 = GUIDE_RUNS[name][1][:1] == TO_FP16
-    assert ("Loss_scale: 4096.0" in one[-1]) == ("Loss_scale: 4096.0" in par[-1]) == fp16
-    assert_trains_like(runs.tmp / name, runs.tmp / f"{name}_one",
-                       tour.FLOAT16 if fp16 else tour.FLOAT32)
-
-
-def test_the_harness_launches_end_cleanly(runs):
-    """Every launch of the session's harness (one process, 2 and 4 workers) ended with exit code
-    0: every job on every worker passed (each test reads its own jobs' verdicts too)."""
-    runs.wait()
-    for label, code in runs.launches.items():
-        assert code == 0, (label, runs.tmp, (runs.tmp / f"{label}.console").read_text()[-3000:])
-
-
 # ================================================================ tour (tour.py, bash run.sh tour)
 def test_tour_refuses_an_unknown_layout_in_one_line(tmp_path, capsys):
     """A wrong --layouts is one line naming the choices, exit 2, before anything is written."""
@@ -9624,6 +9426,17 @@ def test_tour_rows_name_code_that_exists():
             assert hasattr(importlib.import_module(MODULES[module]), attribute), dotted
         load_config(os.path.join(HERE, "config.yaml"), [*tour.MODEL, *layout.flags],
                     layout.workers)
+
+
+def call_tour(harness):
+    """`bash run.sh tour --layouts pp`: (its output folder, the finished process)."""
+    out = harness.tmp / "tour"
+    done = subprocess.run(["bash", "run.sh", "tour", "--layouts", "pp", "--output", str(out)],
+                          cwd=HERE, capture_output=True, text=True, timeout=600)
+    return out, done
+
+
+add("tour_pp", 0, "pipeline", call=call_tour)        # the compiled pipeline beside one process
 
 
 @reading("tour_pp")
@@ -9688,7 +9501,19 @@ def test_pipeline_timeline_and_bubble_figures(runs):
     assert "F3' = the same on the stage's second model chunk" in text
 
 
-# The worker program of the harness's launches (Harness, run_jobs): `python test_all.py JOBS.json`.
+# ============================================================= the harness's launches (conftest.py)
+# a `reads` mark naming no job: the test waits for them all, so it runs last
+@pytest.mark.reads
+def test_the_harness_launches_end_cleanly(runs):
+    """Every launch of the session's harness (one process, 2 and 4 workers) ended with exit code
+    0: every job on every worker passed (each test reads its own jobs' verdicts too)."""
+    runs.wait()
+    for label, code in runs.launches.items():
+        assert code == 0, (label, runs.tmp, (runs.tmp / f"{label}.console").read_text()[-3000:])
+
+
+# The worker program of the harness's launches (conftest.py: Harness, run_jobs): `python
+# test_all.py JOBS.json`, this file's import having registered the jobs
 if __name__ == "__main__":
     if sys.argv[1] == "fault":                             # a planted-fault launch's rank
         sys.exit(fault_worker(*sys.argv[2:]))
