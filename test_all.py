@@ -3265,9 +3265,9 @@ def test_cp_msrun_checks(runs, family, job):
     assert_checks_pass(runs, family, job)
 
 
-# the references: RoPE and GQA, float32 (its step-2 checkpoint resumed in other layouts) and
-# float16
-add("one_rope_gqa", 1, "cp checkpoint", ROPE + SAVE_HALF)
+# the references: RoPE and GQA, float32 (its step-2 checkpoint resumed in other layouts; TP2 + SP
+# x the CP2 ring's reference too, so -m tp starts it) and float16
+add("one_rope_gqa", 1, "tp cp checkpoint", ROPE + SAVE_HALF)
 add("one_rope_gqa_fp16", 1, "cp fp16", ROPE + HALF)
 layout("cp2_ulysses", 2, "cp", ROPE + CP2, "one_rope_gqa")
 layout("cp2_ring", 2, "cp fp16", ROPE + CP2 + RING + HALF + COMPILED, "one_rope_gqa_fp16")
