@@ -251,6 +251,46 @@ def test_imports_go_one_way_and_only_at_the_top():
             < order.index("checkpoint") < order.index("train")), order
 
 
+
+# the concept modules: each concept class builds its concept and nothing else
+CONCEPT_MODULES = ("parallel", "distributed", "optimizer", "pipeline", "context_parallel", "moe",
+                   "gpt", "fused")
+LAYER_MODULES = ("parallel", "context_parallel", "moe", "gpt", "fused")
+
+
+def test_the_concepts_hold_their_concept_alone():
+    """What observes a concept does it from outside: the concept modules import nothing of
+    tools/ or formats/ (the ledger and the flight recorder hear the collectives through
+    parallel.observe, the timers time the Trainer's and the pipeline runner's phases through their
+    `phase` hook, a router gives its losses to its `tracker`); the Trainer and the runner keep no
+    clock, ledger, recorder or metric; the optimizers no checkpoint or memory method. A layer's
+    forms are given when it is built (no setattr but gpt.cast_parameters', Megatron's
+    Float16Module replacing parameters), and the layers do not check again what the config
+    checks (no raise but a library's `__main__` refusal)."""
+    for module in CONCEPT_MODULES:
+        tree = ast.parse(open(os.path.join(HERE, module_path(module))).read())
+        imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                    and n.module] + [a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                                     for a in n.names]
+        assert not [m for m in imported if m.split(".")[0] in ("tools", "formats")], module
+        setattrs = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                    for c in ast.walk(f) if isinstance(c, ast.Call)
+                    and getattr(c.func, "id", None) == "setattr"]
+        assert set(setattrs) <= {"cast_parameters", "load_state_dict"}, (module, setattrs)
+        if module in LAYER_MODULES:
+            raised = [n for n in ast.walk(tree) if isinstance(n, ast.Raise)
+                      and not (isinstance(n.exc, ast.Call)
+                               and getattr(n.exc.func, "id", None) == "SystemExit")]
+            assert not raised, (module, [n.lineno for n in raised])
+    for cls in (train.Trainer, pipeline.PipelineRunner):
+        source = inspect.getsource(cls)
+        assert not re.search(r"\btime\.|perf_counter|ledger|LEDGER|flight_recorder|metrics|"
+                             r"seconds|trace", source), cls
+    for cls in (optimizer.MixedPrecisionOptimizer, optimizer.DistributedOptimizer,
+                optimizer.ChainedOptimizer, optimizer.AdamW):
+        assert not {"named_state", "load_named_state", "gathered_state", "state_bytes"} & set(
+            vars(cls)), cls
+
 # ============================================================== config (keys.py, config.py, cli.py)
 def test_megatron_flags_and_dotted_overrides_map_to_yaml_keys():
     cfg = load_config(os.path.join(HERE, "config.yaml"),
@@ -9289,11 +9329,14 @@ DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*
 
 
 def resolve(name):
-    """The object `module.attr.attr` names (`module` one of MODULES), or None."""
+    """The object `module.attr.attr` names (`module` one of MODULES), or None; the function of
+    an `ms.constexpr` (a primitive wrapping it)."""
     module, *chain = name.split(".")
     obj = importlib.import_module(MODULES[module])
     for attr in chain:
         obj = getattr(obj, attr, None)
+    if isinstance(obj, ops.Primitive) and inspect.isfunction(getattr(obj, "fn", None)):
+        return obj.fn
     return obj
 
 
@@ -9307,22 +9350,99 @@ def test_every_named_module_attribute_exists(page):
     assert not missing, f"{page} names what the code does not hold: {missing}"
 
 
-def test_reading_order_is_on_the_first_screen_with_true_lengths():
-    """README's reading order starts on its first screen; every `module.name` (N) in it is
-    code of N lines, give or take a tenth."""
+# README's reading order: the real path of each concept (a learner follows it in the code)
+READING_BUDGETS = {"One process": 600, "Tensor + sequence parallel": 300,
+                   "Data parallel + distributed optimizer": 400,
+                   "Pipeline, 1F1B and interleaved": 300, "Context parallel": 200, "Experts": 400,
+                   "Experts' options": 100, "The optimizer's update": 100}
+READING_ITEM = re.compile(r"^\d+\. \*\*(.+?)\*\* \((\d+) lines\)\.(.*?); proof:", re.M | re.S)
+LISTED = re.compile(r"`(\w+\.[\w.]+)` \((\d+)\)")
+
+
+def reading_order():
+    """({concept: (stated total, [(module.name, stated lines)])}, the primitives' names) of
+    README's "Read it in this order"."""
+    section = read("README.md").split("## Read it in this order")[1].split("\n## ")[0]
+    concepts = {name: (int(total), [(q, int(n)) for q, n in LISTED.findall(" ".join(body.split()))])
+                for name, total, body in READING_ITEM.findall(section)}
+    primitives = re.findall(r"`(\w+\.\w+)`", section.split("Primitives")[1].split("\n\n")[0])
+    return concepts, primitives
+
+
+def definition_node(qualified):
+    """The ast node of `module.Name` or `module.Class.method` (MODULES' module names)."""
+    module, *path = qualified.split(".")
+    node = ast.parse(open(os.path.join(HERE, module_path(module))).read())
+    for name in path:
+        node = next(n for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                    and n.name == name)
+    return module, node
+
+
+def module_names(module):
+    """{a name used in `module`: the project definition or module it stands for}: its own
+    top-level functions and classes ("module.Name"), and what it imports from the project
+    ("module.Name", or a module's name for `import optimizer as opt`)."""
+    tree = ast.parse(open(os.path.join(HERE, module_path(module))).read())
+    names = {n.name: f"{module}.{n.name}" for n in tree.body
+             if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    by_path = {path: name for name, path in MODULES.items()}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names.update({a.asname or a.name: by_path[a.name] for a in node.names
+                          if a.name in by_path})
+        elif isinstance(node, ast.ImportFrom) and node.module in by_path:
+            names.update({a.asname or a.name: f"{by_path[node.module]}.{a.name}"
+                          for a in node.names})
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update({a.asname or a.name: by_path[f"{node.module}.{a.name}"]
+                          for a in node.names if f"{node.module}.{a.name}" in by_path})
+    return names
+
+
+def called_definitions(qualified):
+    """The project functions and classes that `module.Name`'s code calls or builds (a call of a
+    name or of `module.name`; what an attribute of an object holds is not known here; a name
+    bound to a MindSpore operator, `batch_matmul_nt = ops.BatchMatMul(...)`, is not opened)."""
+    module, node = definition_node(qualified)
+    names, found = module_names(module), set()
+    for call in (c.func for c in ast.walk(node) if isinstance(c, ast.Call)):
+        if isinstance(call, ast.Name):
+            target = names.get(call.id)
+        elif isinstance(call, ast.Attribute) and isinstance(call.value, ast.Name):
+            owner = names.get(call.value.id)
+            target = f"{owner}.{call.attr}" if owner in MODULES else None
+        else:
+            target = None
+        definition = resolve(target) if target and target.count(".") == 1 else None
+        if (inspect.isfunction(definition) or inspect.isclass(definition)) \
+                and not qualified.startswith(target + "."):
+            found.add(target)
+    return found - {qualified}
+
+
+def test_reading_order_is_the_real_path():
+    """README's reading order lists, concept by concept, every definition a reader must open to
+    follow it: each project function or class a listed one calls or builds is listed too (in any
+    concept), or is one of the primitives README names (at most 20, each at most 10 lines);
+    each listed length is the code's within 2 lines; each concept's stated total is the sum of
+    its lengths and within its budget (READING_BUDGETS)."""
     readme = read("README.md")
     assert readme[:readme.index("## Read it in this order")].count("\n") < 25
-    section = readme.split("## Read it in this order")[1].split("\n## ")[0]
-    stated = re.findall(r"`(\w+\.[\w.]+)` \((\d+)\)", " ".join(section.split()))
-    assert len(stated) >= 25, stated
-    wrong = []
-    for name, lines in stated:
-        actual = len(inspect.getsourcelines(resolve(name))[0])
-        if abs(actual - int(lines)) > actual / 10:
-            wrong.append(f"{name} ({lines}): {actual} lines")
+    concepts, primitives = reading_order()
+    assert list(concepts) == list(READING_BUDGETS), list(concepts)
+    listed = {q for _, entries in concepts.values() for q, _ in entries}
+    wrong = [f"{q} ({n}): {len(inspect.getsourcelines(resolve(q))[0])} lines"
+             for _, entries in concepts.values() for q, n in entries
+             if abs(len(inspect.getsourcelines(resolve(q))[0]) - n) > 2]
     assert not wrong, f"README's reading order: lengths to correct: {wrong}"
-    names = {name for name, _ in stated}
-    assert not names & set(re.findall(r"`(fused\.\w+)`", section)), "fast forms come later"
+    missing = sorted(f"{r} (called by {q})" for q in listed for r in called_definitions(q)
+                     if r not in listed and r not in primitives)
+    assert not missing, f"README's reading order leaves out: {missing}"
+    assert len(primitives) <= 20 and all(
+        len(inspect.getsourcelines(resolve(p))[0]) <= 10 for p in primitives), primitives
+    for name, (total, entries) in concepts.items():
+        assert total == sum(n for _, n in entries) <= READING_BUDGETS[name], (name, total)
 
 
 def test_every_named_test_exists():

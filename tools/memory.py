@@ -184,10 +184,10 @@ def stage_parameters(cfg, rank):
 def optimizer_bytes(cfg, params, experts=0):
     """Bytes of float32 optimizer state and main params on a rank holding `params` parameters,
     `experts` of them routed experts' (see the module doc). The distributed optimizer
-    (optimizer.get_megatron_optimizer, with several dp x cp ranks) shards the dense parameters over the dp x cp
-    ranks and the experts' over their expert-data-parallel group of dp x cp / ep ranks (as
-    Megatron's expert optimizer does), each shard a float32 copy with its state; a group of one
-    rank still keeps the whole copy."""
+    (optimizer.get_megatron_optimizer, with several dp x cp ranks) shards the dense parameters
+    over the dp x cp ranks and the experts' over their expert-data-parallel group of
+    dp x cp / ep ranks (as Megatron's expert optimizer does), each shard a float32 copy with its
+    state; a group of one rank still keeps the whole copy."""
     optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
     parallel_cfg = cfg.parallel_config
     # float32 state values per parameter: Adam's two moments, SGD's momentum or nothing
@@ -472,19 +472,20 @@ def stage_activations(cfg, rank):
 # ============================================================================ communication
 def communication(cfg, rank):
     """Collectives per step on a rank of pipeline stage `rank`, as tools/ledger.py counts them
-    ({(group kind, op): (calls, bytes of the input tensors)}), by the formulas
-    test_ledger_counts_match_the_formulas checks: per micro-batch, tensor parallelism all-reduces
-    [s, b, h] 4 times a layer, once for the embedding and once for the logits' gradient, plus the
-    cross-entropy's 3 of [s, b]; with sequence parallelism those of the layers and edges become
-    all-gathers of [s/tp, b, h] and reduce-scatters of [s, b, h], and the norms' and row biases'
-    gradients are all-reduced each step. Data parallelism: each gradient bucket all-reduced (or
-    reduce-scattered and all-gathered by the distributed optimizer) and the logged loss; the
-    pipeline: the simulated schedule's exchanges of [s (/tp under SP), b, h], and the tied
-    embedding's gradient between the first and last stage. Context parallelism
-    (context_parallel.py), per layer and micro-batch with a = b s / cp tokens on a rank: Ulysses 4
-    all-to-alls of q, k, v and the context forward and 4 backward; the ring all-gathers k and v
-    [a, g d / tp] forward and reduce-scatters their ring-times-larger gradients backward; the loss
-    and token count are all-reduced over CP. Experts: _expert_collectives."""
+    ({(group kind, op): (calls, bytes of the input tensors)}), by the formulas the suite's
+    test_tp_ledger_counts_match_the_formulas and test_dp_ledger_counts_match_the_formulas check:
+    per micro-batch, tensor parallelism all-reduces [s, b, h] 4 times a layer, once for the
+    embedding and once for the logits' gradient, plus the cross-entropy's 3 of [s, b]; with
+    sequence parallelism those of the layers and edges become all-gathers of [s/tp, b, h] and
+    reduce-scatters of [s, b, h], and the norms' and row biases' gradients are all-reduced each
+    step. Data parallelism: each gradient bucket all-reduced (or reduce-scattered and
+    all-gathered by the distributed optimizer) and the logged loss; the pipeline: the simulated
+    schedule's exchanges of [s (/tp under SP), b, h], and the tied embedding's gradient between
+    the first and last stage. Context parallelism (context_parallel.py), per layer and
+    micro-batch with a = b s / cp tokens on a rank: Ulysses 4 all-to-alls of q, k, v and the
+    context forward and 4 backward; the ring all-gathers k and v [a, g d / tp] forward and
+    reduce-scatters their ring-times-larger gradients backward; the loss and token count are
+    all-reduced over CP. Experts: _expert_collectives."""
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
     chunks = stage_chunks(model_cfg, parallel_cfg)[rank]
     layers = sum(chunk[0] for chunk in chunks)
