@@ -919,7 +919,7 @@ class Compiled(nn.Cell):
 def is_embedding_copy(param):
     """Whether `param` is the last stage's copy of the word embedding, its output layer under
     tied embeddings over pipeline stages (marked `shared` as Megatron marks it:
-    pipeline.tie_embeddings): it starts, loads and saves as the word embedding and counts in the
+    gpt.tie_embeddings): it starts, loads and saves as the word embedding and counts in the
     gradient norm on the first stage only (Megatron's param_is_not_shared)."""
     return getattr(param, "shared", False)
 

@@ -47,7 +47,7 @@ Process groups, the current ParallelState's (parallel.rank_groups; Megatron's pa
                   router's token counts are summed (the TP group when CP = 1)
     edp_group     the expert-data-parallel group (_EXPERT_DATA_PARALLEL_GROUP): the ranks that
                   hold the same experts, over which the trainer sums the experts' gradients
-                  (train.build_data_parallel, optimizer.ChainedOptimizer)
+                  (distributed.build_data_parallel, optimizer.ChainedOptimizer)
 Experts are split over TP as Megatron's default expert_tensor_parallel_size = tp does. Why EP
 sits inside DP x CP: the ranks of an EP group hold different tokens (different data or sequence
 chunks) and different experts, so the dispatcher sends each token to its experts' rank and back;

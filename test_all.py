@@ -2285,7 +2285,7 @@ def check_layer(c, state, label, dense, par, x, in_dim=None, out_dim=None, out_c
                 float_input=True, expected=None):
     """Forward and gradients of `par` against `dense` on loss = sum(out * R). in_dim / out_dim:
     the dimension along which the parallel input / output is this rank's slice (None = full).
-    expected: ((forward counts), (backward counts)) of parallel.ledger."""
+    expected: ((forward counts), (backward counts)) of the ledger (tools/ledger.py)."""
     tp, r = state.tp, state.tp_rank
     cut = lambda a, dim, chunks=1: a if dim is None else shard(a, dim, r, tp, chunks)
     load_full_weights(dense, par, state, seed=7)
