@@ -11,8 +11,11 @@ The dense parameters are reduced over DP x CP, the experts over the expert-data-
 (moe.py), each group through its own buffer (Megatron's buffers and expert_parallel_buffers).
 """
 
+import contextlib
+
 import numpy as np
-from mindspore import ops
+import mindspore as ms
+from mindspore import Tensor, ops
 
 from parallel import collectives, get_state
 
@@ -83,74 +86,221 @@ class GradBuffer:
                     out.append((b, i, lo, hi))
         return out
 
-    def all_reduce(self, grads):
-        """The gradients multiplied by gradient_scaling_factor (1 / DP) and summed over `group`,
-        one all-reduce per bucket, in the gradients' dtype (Megatron's DDP without overlap: it
-        scales before the sum, which keeps a float16 sum in range). Experts with EP = DP x CP
-        have a group of one rank: their gradients are still divided by the DP size."""
-        if self.group_size == 1 and self.gradient_scaling_factor == 1.0:
-            return grads
-        flat = self.flatten(grads) * self.gradient_scaling_factor
-        reduced = [collectives(self.group).all_reduce(flat[b0:b1]) for b0, b1 in self.buckets]
-        return self.unflatten(ops.cat(reduced))
+    def bucket_params(self, b):
+        """The indices of the parameters in bucket b (buckets end on parameter boundaries)."""
+        b0, b1 = self.buckets[b]
+        return [i for i, o in enumerate(self.offsets) if b0 <= o < b1]
 
-    def reduce_scatter(self, grads):
-        """The gradients scaled as all_reduce's and reduce-scattered over `group`: this rank's
-        pieces (`pieces(rank)`), one flat tensor each, in the gradients' dtype."""
-        flat = self.flatten(grads) * self.gradient_scaling_factor
-        shards = [collectives(self.group).reduce_scatter(flat[b0:b1]) for b0, b1 in self.buckets]
-        starts = [s0 for s0, _ in self.shard_ranges(self.rank)]
-        return [shards[b][lo - starts[b]:hi - starts[b]] for b, _, lo, hi in self.pieces(self.rank)]
+    def reduce_bucket(self, b, grads, scatter=False):
+        """Bucket b's gradients (one per bucket_params(b), in the gradients' dtype) multiplied by
+        gradient_scaling_factor (1 / DP) and summed over `group` in one collective (Megatron's
+        DDP scales before the sum, which keeps a float16 sum in range): all-reduced, the new
+        gradients, or with `scatter` reduce-scattered, this rank's pieces of the bucket (those of
+        pieces(rank) in bucket b, one flat tensor each). Experts with EP = DP x CP have a group of
+        one rank: their gradients are still divided by the DP size."""
+        b0, b1 = self.buckets[b]
+        params = self.bucket_params(b)
+        if self.group_size == 1 and self.gradient_scaling_factor == 1.0:
+            flat = ops.cat([g.reshape(-1) for g in grads])
+        else:
+            end = self.offsets[params[-1]] + self.sizes[params[-1]]
+            padding = [ops.zeros(b1 - end, grads[0].dtype)] if b1 > end else []
+            flat = ops.cat([g.reshape(-1) for g in grads] + padding) * self.gradient_scaling_factor
+        if not scatter:
+            flat = collectives(self.group).all_reduce(flat)                      # [b1 - b0]
+            return [flat[self.offsets[i] - b0:self.offsets[i] - b0 + self.sizes[i]]
+                    .reshape(self.shapes[i]).copy() for i in params]
+        shard = collectives(self.group).reduce_scatter(flat)         # [(b1 - b0) / group_size]
+        s0 = self.shard_ranges(self.rank)[b][0]
+        return [shard[lo - s0:hi - s0] for pb, _, lo, hi in self.pieces(self.rank) if pb == b]
 
 
 class DistributedDataParallel:
-    """Megatron's DistributedDataParallel without overlap: `buffers`, one GradBuffer per group
-    of parameters reduced together, each with `positions`, its parameters' places in the model's
-    parameter order (the dense parameters, then the experts'). reduce_grads all-reduces each
-    buffer, or with `reduce_scatter` (the distributed optimizer) reduce-scatters it."""
+    """Megatron's DistributedDataParallel: `buffers`, one GradBuffer per group of parameters
+    reduced together, each with `positions`, its parameters' places in the model's parameter
+    order (the dense parameters, then the experts'). A bucket is all-reduced, or with
+    `reduce_scatter` (the distributed optimizer) reduce-scattered, once every gradient in it is
+    final for the step (register_grad_ready): with `overlap_grad_reduce` at once, during the
+    backward (the pieces of BackwardInPieces, the pipeline's chunks), else all together in
+    finish_grad_sync, after the backward. Either way each bucket is one collective on the same
+    values, so the two give the same gradients. `phase(("R", bucket, buffer))` is a context
+    manager around each bucket's collective, for what observes it (a timeline)."""
 
-    def __init__(self, buffers, positions, reduce_scatter=False):
+    def __init__(self, buffers, positions, reduce_scatter=False, overlap_grad_reduce=False,
+                 phase=contextlib.nullcontext):
         self.buffers, self.positions = buffers, positions
-        self.reduce_scatter = reduce_scatter
+        self.reduce_scatter, self.overlap_grad_reduce = reduce_scatter, overlap_grad_reduce
+        self.phase = phase
+        # model position -> (buffer, parameter index in it)
+        self.place = {p: (k, i) for k, ps in enumerate(positions) for i, p in enumerate(ps)}
+        self.bucket_of = [{i: b for b in range(len(buf.buckets)) for i in buf.bucket_params(b)}
+                          for buf in buffers]
+        self.ready, self.reduced = [{} for _ in buffers], [{} for _ in buffers]
+
+    def is_ready(self, position):
+        k, i = self.place[position]
+        return i in self.ready[k]
+
+    def register_grad_ready(self, position, grad):
+        """Megatron's register_grad_ready: the gradient of the model's parameter `position` is
+        final for this step; with overlap_grad_reduce the bucket it completes starts its
+        collective now (Megatron's start_grad_sync of that bucket)."""
+        k, i = self.place[position]
+        self.ready[k][i] = grad
+        b = self.bucket_of[k][i]
+        if self.overlap_grad_reduce and all(j in self.ready[k]
+                                            for j in self.buffers[k].bucket_params(b)):
+            self._start_bucket(k, b)
+
+    def _start_bucket(self, k, b):
+        buffer = self.buffers[k]
+        grads = [self.ready[k][i] for i in buffer.bucket_params(b)]
+        with self.phase(("R", b, k)):
+            self.reduced[k][b] = buffer.reduce_bucket(b, grads, self.reduce_scatter)
+
+    def finish_grad_sync(self):
+        """Megatron's finish_grad_sync: every bucket not yet reduced is, last bucket first (the
+        backward's order); returns what the optimizer takes: per buffer the reduced gradients of
+        its parameters, or this rank's pieces of them, one list with one buffer, a list per
+        buffer for a ChainedOptimizer. The next step starts afresh."""
+        out = []
+        for k, buffer in enumerate(self.buffers):
+            for b in reversed(range(len(buffer.buckets))):
+                if b not in self.reduced[k]:
+                    self._start_bucket(k, b)
+            out.append([g for b in range(len(buffer.buckets)) for g in self.reduced[k][b]])
+        self.ready, self.reduced = [{} for _ in self.buffers], [{} for _ in self.buffers]
+        return out[0] if len(out) == 1 else out
 
     def reduce_grads(self, grads):
-        """The model's gradients (one per parameter) -> what the optimizer takes: per buffer the
-        reduced gradients of its parameters, or this rank's pieces of them; one list with one
-        buffer, a list per buffer for a ChainedOptimizer."""
-        reduced = []
-        for buffer, positions in zip(self.buffers, self.positions):
-            mine = [grads[i] for i in positions]
-            reduced.append(buffer.reduce_scatter(mine) if self.reduce_scatter
-                           else buffer.all_reduce(mine))
-        return reduced[0] if len(reduced) == 1 else reduced
+        """All the model's gradients (one per parameter) registered, last first, and reduced:
+        finish_grad_sync's result."""
+        for position in reversed(range(len(grads))):
+            self.register_grad_ready(position, grads[position])
+        return self.finish_grad_sync()
+
+
+def reduced_over_model_parallel(grad, param, state, tied=True):
+    """A gradient with what it needs before the data-parallel reduction: summed over TP if its
+    parameter saw only this rank's shard of the sequence (marked `sequence_parallel`: norm
+    weights and row-parallel biases under sequence parallelism), and with `tied` over the
+    embedding group if it is one of the tied embedding's two copies (marked `shared_embedding`:
+    the first stage's word embedding, the last stage's output layer), so both take one step."""
+    if getattr(param, "sequence_parallel", False):
+        grad = collectives(state.tp_group).all_reduce(grad)
+    if tied and getattr(param, "shared_embedding", False):
+        grad = collectives(state.embedding_group).all_reduce(grad)
+    return grad
 
 
 def finalize_model_grads(grads, params, state, ddp):
     """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
-    reduction of a step's gradients, after the last backward, in the gradients' dtype (Megatron's
-    main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32 parameters, else the
-    parameters' half precision):
-      1. sequence parallelism: norm weights and row-parallel biases saw only this rank's shard of
-         the sequence, so their gradients (marked `sequence_parallel`) are all-reduced over TP;
-      2. tied embeddings over pipeline stages: the first stage's word embedding and the last
-         stage's output-layer copy (marked `shared_embedding`) are all-reduced over the embedding
-         group, so both copies take the same step and stay equal;
-      3. data parallelism (`ddp`, DistributedDataParallel.reduce_grads): summed over CP (each cp
-         rank's gradient is its tokens' share of the loss, see gpt.GPTModel) and averaged over
-         DP, one all-reduce over the DP x CP group per bucket of the contiguous buffer, or, with
-         the distributed optimizer, reduce-scattered to this rank's pieces; experts' gradients
-         over the expert-data-parallel group instead.
+    reduction of a step's gradients not yet done, after the last backward, in the gradients'
+    dtype (Megatron's main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32
+    parameters, else the parameters' half precision):
+      1. each gradient not registered during the backward: over TP under sequence parallelism,
+         over the embedding group for the tied embedding's copies (reduced_over_model_parallel),
+         then registered with `ddp`, last parameter first;
+      2. data parallelism (`ddp.finish_grad_sync`): summed over CP (each cp rank's gradient is
+         its tokens' share of the loss, see gpt.GPTModel) and averaged over DP, one all-reduce
+         over the DP x CP group per bucket of the contiguous buffer, or, with the distributed
+         optimizer, reduce-scattered to this rank's pieces; experts' gradients over the
+         expert-data-parallel group instead.
     `state` is the current parallel.ParallelState. Returns the gradients the optimizer takes."""
-    grads = [collectives(state.tp_group).all_reduce(g)
-             if getattr(param, "sequence_parallel", False) else g
-             for g, param in zip(grads, params)]
-    grads = [collectives(state.embedding_group).all_reduce(g)
-             if getattr(param, "shared_embedding", False) else g
-             for g, param in zip(grads, params)]
-    return ddp.reduce_grads(grads)
+    for position in reversed(range(len(grads))):
+        if not ddp.is_ready(position):
+            ddp.register_grad_ready(position, reduced_over_model_parallel(
+                grads[position], params[position], state))
+    return ddp.finish_grad_sync()
 
 
-def build_data_parallel(cfg, model, state=None):
+def register_during_backward(ddp, position, grad, param, state):
+    """A gradient final during the backward (overlap_grad_reduce) handed to `ddp`, reduced over
+    TP first under sequence parallelism. The tied embedding's copies wait for
+    finalize_model_grads: their all-reduce joins the first and the last pipeline stage, which
+    reach the end of their backward at different times, and a blocking collective begun by one
+    of them mid-schedule would wait for a stage that first waits for its hops."""
+    if not getattr(param, "shared_embedding", False):
+        ddp.register_grad_ready(position, reduced_over_model_parallel(grad, param, state,
+                                                                      tied=False))
+
+
+class BackwardInPieces:
+    """A model's forward and backward run piece by piece (`pieces`: gpt.GPTModel.pieces, each
+    run through `compile`, ms.jit's gpt.Compiled or none), each piece's forward recorded and
+    replayed through GradOperation as the pipeline runs a chunk (pipeline.PipelineRunner): a
+    parameter's gradient is final once the backward has passed every piece that uses it, and
+    on the last micro-batch `ready(position, grad)` hears of it then (Megatron's backward
+    hooks, which register it with the DDP). Gradients are summed over micro-batches in
+    `grad_dtype`, each cast by `cast`; positions are in `params`, the model's order.
+    `before_forward(params)` runs before each piece's forward (the distributed optimizer's
+    parameter gather), `phase(("F" or "B", micro-batch, piece))` around each pass."""
+
+    def __init__(self, pieces, params, grad_dtype, cast, compile=lambda piece: piece,
+                 before_forward=None, phase=contextlib.nullcontext):
+        self.pieces = [compile(piece) for piece in pieces]
+        self.piece_params = [piece.params for piece in pieces]
+        self.tied = [piece.tied_weight() for piece in pieces]    # given as an input, or None
+        self.grad_dtype, self.cast, self.phase = grad_dtype, cast, phase
+        self.before_forward = before_forward or (lambda params: None)
+        where = {id(p): i for i, p in enumerate(params)}
+        self.positions = [[where[id(p)] for p in ps] for ps in self.piece_params]
+        for k, tied in enumerate(self.tied):
+            if tied is not None:
+                self.positions[k].append(where[id(tied)])
+        # the parameters final after piece k's backward: used by no earlier piece
+        self.final_after = [sorted(set(ps) - {i for ps0 in self.positions[:k] for i in ps0})
+                            for k, ps in enumerate(self.positions)]
+        self.grad_first = ops.GradOperation(get_by_list=True, sens_param=True)  # token ids
+        self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
+        self.count = len(params)
+        for piece in self.pieces:
+            piece.set_grad(True)            # record each forward, for its backward to replay
+
+    def run(self, micro_batches, loss_weight, ready=None):
+        """micro_batches: per micro-batch the model inputs (tokens, position_ids, attention_mask,
+        labels, loss_mask). Returns (the loss of each, the gradients of loss * loss_weight
+        summed over them, one per parameter)."""
+        losses, grads = [], [None] * self.count
+        for n, inputs in enumerate(micro_batches):
+            saved, x = [], inputs[0]
+            for k, piece in enumerate(self.pieces):
+                self.before_forward(self.piece_params[k])
+                args = (x,) + tuple(inputs[1:3])
+                if k == len(self.pieces) - 1:
+                    args += tuple(inputs[3:]) + (() if self.tied[k] is None
+                                                 else (self.tied[k].value().copy(),))
+                with self.phase(("F", n, k)):
+                    x = piece(*args)
+                saved.append(args)
+            losses.append(float(x.asnumpy()))
+            dout = Tensor(loss_weight, ms.float32)
+            for k in reversed(range(len(self.pieces))):
+                with self.phase(("B", n, k)):
+                    dout = self._backward(k, saved.pop(), dout, grads)
+                for i in self.final_after[k] if ready and n == len(micro_batches) - 1 else ():
+                    ready(i, grads[i])
+        return losses, grads
+
+    def _backward(self, k, args, dout, grads):
+        """Piece k's backward from its saved inputs, seeded by dout; its parameters' gradients
+        (and its tied weight's, an input's) added to `grads`. Returns the gradient of its input
+        x (None for token ids)."""
+        piece, params = self.pieces[k], self.piece_params[k]
+        if k == 0:
+            g_params, g_x = self.grad_first(piece, params)(*args, dout), None
+        else:
+            g_inputs, g_params = self.grad_with_input(piece, params)(*args, dout)
+            g_x = g_inputs[0]
+            if self.tied[k] is not None:
+                g_params = tuple(g_params) + (g_inputs[-1],)
+        for i, g in zip(self.positions[k], g_params):
+            g = self.cast(g, self.grad_dtype)
+            grads[i] = g if grads[i] is None else grads[i] + g
+        return g_x
+
+
+def build_data_parallel(cfg, model, state=None, phase=contextlib.nullcontext):
     """Megatron's DistributedDataParallel for a model or a list of model chunks (their parameters
     in order): the dense parameters' gradients in a buffer reduced over the DP x CP group, the
     experts' (marked `allreduce = False`, Megatron's mark: moe.expert_linear) in one over the
@@ -173,7 +323,7 @@ def build_data_parallel(cfg, model, state=None):
                for positions, group in groups]
     reduce_scatter = cfg.training_config.use_distributed_optimizer and dp_cp > 1
     return DistributedDataParallel(buffers, [positions for positions, _ in groups],
-                                   reduce_scatter)
+                                   reduce_scatter, cfg.training_config.overlap_grad_reduce, phase)
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

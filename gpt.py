@@ -829,15 +829,18 @@ class GPTModel(nn.Cell):
             bias = causal_mask_bias(s)
         return self.mask_layout(bias, batch, self.mask_heads)
 
-    def logits(self, x):
+    def logits(self, x, tied_weight=None):
         """x [s, b, h] ([s/tp, b, h] under SP) -> logits [s, b, V/tp] computed in the compute
         dtype (Megatron's parallel_lm_logits: the input enters the TP region, the vocabulary stays
-        split), returned in float32 for the loss unless fp16_lm_cross_entropy."""
+        split), returned in float32 for the loss unless fp16_lm_cross_entropy. Tied, the output
+        layer is the word embedding, or `tied_weight`, a copy of it given as an input (see
+        ModelPiece)."""
         if not (self.tied and self.pre_process):
             return cast(self.output_layer(x), self.logits_dtype)
         if self.tp > 1:
             x = self.enter_logits(x)                                          # [s, b, h]
-        logits = linear(x, self.word_embeddings.weight, None, matmul=self.output_matmul)
+        weight = self.word_embeddings.weight if tied_weight is None else tied_weight
+        logits = linear(x, weight, None, matmul=self.output_matmul)
         return cast(logits, self.logits_dtype)
 
     def loss(self, logits, labels, loss_mask):
@@ -858,12 +861,74 @@ class GPTModel(nn.Cell):
             x = block(x, rope, bias)
         if not self.post_process:
             return x
-        logits = self.logits(self.final_layernorm(x))                         # [s, b, V/tp]
+        return self.head(x, labels, loss_mask)
+
+    def head(self, x, labels=None, loss_mask=None, tied_weight=None):
+        """The last stage's end: x [s, b, h] ([s/tp, b, h] under SP) -> the final norm, the
+        logits (tied_weight: see logits), and the loss if labels are given, else the logits
+        [b, s, V]."""
+        logits = self.logits(self.final_layernorm(x), tied_weight)            # [s, b, V/tp]
         if labels is not None:
             return self.loss(logits, labels, loss_mask)
         if self.tp > 1:
             logits = self.gather_logits(logits)
         return logits.transpose(1, 0, 2)                                      # [b, s, V]
+
+    def pieces(self, blocks_per_piece=1):
+        """The model's forward cut into ModelPieces of `blocks_per_piece` blocks each, sharing its
+        parameters: what the data-parallel overlap runs one piece at a time
+        (distributed.BackwardInPieces)."""
+        n = len(self.blocks)
+        return [ModelPiece(self, start, min(start + blocks_per_piece, n))
+                for start in range(0, n, blocks_per_piece)]
+
+
+class ModelPiece(nn.Cell):
+    """Blocks [start, end) of a GPTModel `model`, run as GPTModel.construct runs them all: the
+    piece with the first block also embeds (if the model does), the one with the last also
+    ends with the model's head. construct takes GPTModel.construct's inputs, x being token ids
+    or the previous piece's hidden states [s, b, h]; `params`: the model's parameters it uses.
+    It does not own them (auto_prefix=False keeps their names).
+
+    The tied embedding is used by the first piece and the last. PyNative gives a parameter no
+    gradient from a recorded forward after the first that uses it (its later uses count as
+    those of an intermediate), so the last piece takes the output layer's weight as an input,
+    a copy of the word embedding (tied_weight(): the parameter it copies, or None), and its
+    gradient comes back as that input's."""
+
+    def __init__(self, model, start, end):
+        super().__init__(auto_prefix=False)
+        # a tuple: slicing the CellList would make a new one, which renames its cells'
+        # parameters
+        self.model, self.blocks = model, tuple(model.blocks[i] for i in range(start, end))
+        self.embeds = start == 0 and model.pre_process
+        self.ends = end == len(model.blocks) and model.post_process
+        self.copies_tie = self.ends and not self.embeds and model.tied and model.pre_process
+        self.params = [p for block in self.blocks for p in block.get_parameters()]
+        if self.embeds:
+            self.params = list(model.word_embeddings.get_parameters()) + (
+                [model.position_embeddings] if hasattr(model, "position_embeddings") else []
+            ) + self.params
+        if self.ends:                           # the tied weight once: the first piece has it
+            self.params += list(model.final_layernorm.get_parameters()) + (
+                list(model.output_layer.get_parameters()) if hasattr(model, "output_layer")
+                else [] if self.copies_tie or self.embeds else [model.word_embeddings.weight])
+
+    def tied_weight(self):
+        return self.model.word_embeddings.weight if self.copies_tie else None
+
+    def construct(self, x, position_ids, attention_mask=None, labels=None, loss_mask=None,
+                  tied_weight=None):
+        model = self.model
+        if self.embeds:
+            x = model.embed(x, position_ids)                                  # [s, b, h]
+        rope = model.rotary_at(position_ids)
+        bias = model.mask_bias(attention_mask, position_ids, x.shape[1])
+        for block in self.blocks:
+            x = block(x, rope, bias)
+        if not self.ends:
+            return x
+        return model.head(x, labels, loss_mask, tied_weight)
 
 
 def model_provider(cfg, pre_process=True, post_process=True, layer_offset=0, num_layers=None,

@@ -436,6 +436,9 @@ class MixedPrecisionOptimizer:
             if main is not param:
                 main.copy_(param)
 
+    def finish_param_sync(self, params=None):
+        """Nothing waits: the step wrote the params (DistributedOptimizer's may wait)."""
+
 
 class ChainedOptimizer:
     """Megatron's ChainedOptimizer (megatron/core/optimizer/optimizer.py): with experts, the dense
@@ -474,6 +477,10 @@ class ChainedOptimizer:
         for opt in self.optimizers:
             opt.reload_main_params()
 
+    def finish_param_sync(self, params=None):
+        for opt in self.optimizers:
+            opt.finish_param_sync(params)
+
 
 def found_inf_and_norm(norm_sq, scaler):
     """(found_inf, gradient norm) from the reduced squared norm, the loss scaler updated: inf/nan
@@ -495,8 +502,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     weight-decay multipliers still apply."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
-                 norm_groups, counted, buffer, cast=cast):
-        self.buffer = buffer
+                 norm_groups, counted, buffer, cast=cast, overlap_param_gather=False):
+        self.buffer, self.overlap_param_gather = buffer, overlap_param_gather
+        self.bucket_of = {id(params[i]): b for b in range(len(buffer.buckets))
+                          for i in buffer.bucket_params(b)}
+        self.pending = set()                     # buckets whose params wait for their gather
         self.shards = buffer.shard_ranges(buffer.rank)         # this rank's range in each bucket
         self.pieces = buffer.pieces(buffer.rank)               # (bucket, param index, start, end)
         # the norm: this rank's pieces, summed over the shards first
@@ -519,24 +529,42 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for piece, main in zip(self._pieces_of_params(), self.main_params):
             main.copy_(piece.copy())
 
+    def gathered_bucket(self, b, pieces, dtype):
+        """Bucket b of the buffer [b1 - b0] from this rank's flat `pieces` (one per self.pieces)
+        all-gathered in `dtype` over the group, zeros in its padding."""
+        s0, s1 = self.shards[b]
+        mine = [v for (pb, _, _, _), v in zip(self.pieces, pieces) if pb == b]
+        filled = sum(int(v.shape[0]) for v in mine)
+        if filled < s1 - s0:                                   # the bucket's padding
+            mine.append(ops.zeros(s1 - s0 - filled, F32))
+        return collectives(self.buffer.group).all_gather(self.cast(ops.cat(mine), dtype))
+
     def gathered_buckets(self, pieces, dtype):
-        """This rank's flat `pieces` (one per self.pieces) all-gathered in `dtype` over the group:
-        the whole buffer [numel], zeros in the buckets' padding."""
-        buckets = []
-        for b, (s0, s1) in enumerate(self.shards):
-            mine = [v for (pb, _, _, _), v in zip(self.pieces, pieces) if pb == b]
-            filled = sum(int(v.shape[0]) for v in mine)
-            if filled < s1 - s0:                               # the bucket's padding
-                mine.append(ops.zeros(s1 - s0 - filled, F32))
-            shard = self.cast(ops.cat(mine), dtype)
-            buckets.append(collectives(self.buffer.group).all_gather(shard))
-        return ops.cat(buckets)
+        """Every bucket gathered (gathered_bucket): the whole buffer [numel]."""
+        return ops.cat([self.gathered_bucket(b, pieces, dtype) for b in range(len(self.shards))])
 
     def _copy_main_params_to_model_params(self):
-        """All-gather each bucket's updated shards, in the parameters' dtype, into the params."""
-        flat = self.gathered_buckets(self.main_params, self.params[0].dtype)
-        for param, value in zip(self.params, self.buffer.unflatten(flat)):
-            param.copy_(value)
+        """The updated shards go to every rank's params, bucket by bucket: now, or with
+        overlap_param_gather each bucket when the next forward first needs it
+        (finish_param_sync)."""
+        self.pending = set(range(len(self.shards)))
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self, params=None):
+        """Megatron's forward pre-hook with overlap_param_gather: each bucket the last step left
+        pending that holds one of `params` (None: every bucket) all-gathered, in the parameters'
+        dtype, into its parameters, first bucket first (the forward's order)."""
+        wanted = self.pending if params is None else self.pending & {
+            self.bucket_of[id(p)] for p in params if id(p) in self.bucket_of}
+        for b in sorted(wanted):
+            flat = self.gathered_bucket(b, self.main_params, self.params[0].dtype)
+            b0 = self.buffer.buckets[b][0]
+            for i in self.buffer.bucket_params(b):
+                start = self.buffer.offsets[i] - b0
+                value = flat[start:start + self.buffer.sizes[i]].reshape(self.buffer.shapes[i])
+                self.params[i].copy_(value.copy())
+        self.pending -= wanted
 
 
 # ----------------------------------------------------------------------------- from the config
@@ -577,7 +605,8 @@ def _one_optimizer(cfg, named, scaler, counted, norm_groups, sharded_buffer, cas
                   norm_groups=norm_groups, counted=counted, cast=cast)
     params = [param for _, param in named]
     if sharded_buffer is not None:
-        return DistributedOptimizer(make, params, wd_mults, **common, buffer=sharded_buffer)
+        return DistributedOptimizer(make, params, wd_mults, **common, buffer=sharded_buffer,
+                                    overlap_param_gather=optimizer_cfg.overlap_param_gather)
     return MixedPrecisionOptimizer(make, params, wd_mults, **common)
 
 

@@ -194,8 +194,10 @@ class PipelineRunner:
     inside `phase("exchange")` (a context manager: what times them, train.py's timers)."""
 
     def __init__(self, chunks, state, hop_shape, hop_dtype, grad_dtype, compiled=False,
-                 kind="1f1b", cast=parallel.cast, phase=contextlib.nullcontext):
+                 kind="1f1b", cast=parallel.cast, phase=contextlib.nullcontext,
+                 before_forward=None):
         self.kind, self.cast, self.phase = kind, cast, phase    # kind "1f1b" or "afab"
+        self.before_forward = before_forward or (lambda params: None)
         self.chunks = [gpt.Compiled(chunk) for chunk in chunks] if compiled else chunks
         self.state = state
         self.hop_shape, self.hop_dtype, self.grad_dtype = hop_shape, hop_dtype, grad_dtype
@@ -209,24 +211,27 @@ class PipelineRunner:
         for chunk in self.chunks:
             chunk.set_grad(True)            # record each forward, for its backward to replay
 
-    def run(self, micro_batches, loss_weight=1.0, forward_only=False):
+    def run(self, micro_batches, loss_weight=1.0, forward_only=False, ready=None):
         """micro_batches: per micro-batch the model inputs (tokens, position_ids, attention_mask,
         labels, loss_mask). Returns (losses of the last stage, one per micro-batch, else [];
         gradients of every chunk's parameters, of loss * loss_weight, summed over micro-batches,
         each None with forward_only). forward_only (evaluation) records nothing for a backward
-        and is not timed."""
+        and is not timed. `ready(position, grad)` hears of each gradient once its chunk's last
+        backward has run (positions in the chunks' parameters in order): the data-parallel
+        overlap (distributed.register_during_backward). `before_forward(params)` runs before
+        each forward of a chunk with its parameters (the distributed optimizer's gather)."""
         if not forward_only:
-            return self._run(micro_batches, loss_weight, False, self.phase)
+            return self._run(micro_batches, loss_weight, False, self.phase, ready)
         for chunk in self.chunks:
             chunk.set_grad(False)
-        result = self._run(micro_batches, loss_weight, True, contextlib.nullcontext)
+        result = self._run(micro_batches, loss_weight, True, contextlib.nullcontext, None)
         for chunk in self.chunks:
             chunk.set_grad(True)
         return result
 
-    def _run(self, micro_batches, loss_weight, forward_only, phase):
+    def _run(self, micro_batches, loss_weight, forward_only, phase, ready):
         """This rank's steps for len(micro_batches) micro-batches (see simulate), one by one,
-        each in its `phase`."""
+        each in its `phase`; `ready` as run's."""
         m = len(micro_batches)
         key = (m, forward_only)
         if key not in self.steps:
@@ -236,6 +241,7 @@ class PipelineRunner:
         received, outgoing, saved = {}, {}, {}
         losses = []
         grads = [[None] * len(ps) for ps in self.params]
+        backwards = [0] * self.v                                    # backward passes per chunk
         for step in self.steps[key]:
             if step[0] == "X":
                 with phase("exchange"):                    # waiting for the peer included
@@ -253,6 +259,11 @@ class PipelineRunner:
                                           received, outgoing)
                 grads[chunk_id] = [g if a is None else a + g
                                    for a, g in zip(grads[chunk_id], g_params)]
+            backwards[chunk_id] += 1
+            if ready and backwards[chunk_id] == m:             # the chunk's last backward
+                first = sum(len(ps) for ps in self.params[:chunk_id])
+                for i, g in enumerate(grads[chunk_id]):
+                    ready(first + i, g)
         return [float(loss.asnumpy()) for loss in losses], [g for chunk in grads for g in chunk]
 
     def _exchange(self, step, outgoing, received):
@@ -270,6 +281,7 @@ class PipelineRunner:
         virtual stage is the loss. Returns the chunk's inputs (for its backward)."""
         vs, last = chunk_id * self.p + self.rank, self.p * self.v - 1
         tokens, position_ids, mask, labels, loss_mask = inputs
+        self.before_forward(self.params[chunk_id])
         x = tokens if vs == 0 else received.pop(("act", mb, vs))
         args = (x, position_ids, mask) + ((labels, loss_mask) if vs == last else ())
         out = self.chunks[chunk_id](*args)

@@ -2834,25 +2834,87 @@ def test_dp_layouts_train_like_one_process(runs, layout):
     assert_layout_trains_like_one_process(runs, layout)
 
 
+# Megatron's overlap: buckets of about 10,000 elements (several per model, cut at parameters'
+# ends), each reduced as soon as the backward has made its gradients final (--overlap-grad-reduce,
+# the backward run in pieces without a pipeline), the distributed optimizer's parameters gathered
+# bucket by bucket when the next forward needs them (--overlap-param-gather); DP2 compiled and
+# traced (its timeline), with the distributed optimizer in float16 (saved at step 2 and resumed:
+# the checkpoint section), DP2 x PP2 x VPP2 with the reduction delayed on the second stage (2
+# micro-batches of 1 a rank, as interleaving needs; the same mean over the same 4 sequences as
+# one process's 2 of 2), CP2 x DP2; EP2 x DP2 (the experts' buffer) in the MoE section
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "10000"]
+PARAM_GATHER = DISTOPT + ["--overlap-param-gather"]
+layout("dp2_overlap", 2, "dp", OVERLAP + COMPILED + ["training_config.pipeline_trace=true"],
+       "one")
+layout("dp2_distopt_overlap", 2, "dp fp16 checkpoint",
+       PARAM_GATHER + OVERLAP + HALF + SAVE_HALF + MIXTURE, "one_fp16")
+layout("dp2_pp2_vpp2_overlap_delayed", 4, "dp pipeline",
+       PIPELINE_RUN + PP2 + VPP2 + PARAM_GATHER + OVERLAP
+       + ["--delay-grad-reduce", "--micro-batch-size", "1"], "one_pp")
+layout("cp2_dp2_overlap", 4, "dp cp", ROPE + CP2 + OVERLAP + PARAM_GATHER, "one_rope_gqa")
+
+
+@pytest.mark.parametrize("layout", layout_params(["dp2_overlap", "dp2_distopt_overlap",
+                                                  "dp2_pp2_vpp2_overlap_delayed",
+                                                  "cp2_dp2_overlap"]))
+def test_dp_overlapped_layouts_train_like_one_process(runs, layout):
+    """With --overlap-grad-reduce (and --overlap-param-gather with the distributed optimizer):
+    DP2, DP2 in float16, DP2 x PP2 x VPP2 with --delay-grad-reduce, CP2 x DP2 train like one
+    process (assert_layout_trains_like_one_process)."""
+    assert_layout_trains_like_one_process(runs, layout)
+
+
+@pytest.mark.parametrize("overlapped,plain", [
+    pytest.param(a, b, marks=reads(a, b, concepts=JOBS[a].concepts - {"checkpoint"}))
+    for a, b in (("dp2_overlap", "dp2"), ("dp2_distopt_overlap", "dp2_distopt"))])
+def test_dp_overlap_trains_like_the_same_layout_without(runs, overlapped, plain):
+    """The overlapped run logs the losses and gradient norms of the same layout without overlap
+    (relative 1e-5; float16 as its reference: loss_rtol)."""
+    assert_trains_like(runs.folder(overlapped), runs.folder(plain),
+                       loss_rtol(REFERENCE[plain]))
+
+
+@pytest.mark.parametrize("layout", layout_params(["dp2_overlap"]))
+def test_dp_overlap_timeline_shows_buckets_started_during_the_backward(runs, layout):
+    """DP2 with --overlap-grad-reduce and --pipeline-trace: the last step's timeline (text and
+    SVG) has every piece's passes and every bucket's collective, and at least one bucket of
+    several started before the last backward pass ended."""
+    folder = runs.folder(layout)
+    said = train_lines(folder, "data parallel: ")[0]
+    early, total = map(int, re.search(r"(\d+) of (\d+) bucket", said).groups())
+    assert total >= 2 and early >= 1, said
+    text = (folder / "ddp_timeline.txt").read_text()
+    assert len(re.findall(r"^R\d+ ", text, re.M)) == total, text
+    passes = re.findall(r"^([FB])0('*) \d+-\d+ms$", text, re.M)       # 1 micro-batch, 2 pieces
+    assert sorted(passes) == [("B", ""), ("B", "'"), ("F", ""), ("F", "'")], text
+    svg = (folder / "ddp_timeline.svg").read_text()
+    assert svg.count("<rect") == total + len(passes) and "buckets' collectives" in svg
+
+
 def plant_dp_sum():
     """Data parallelism: the gradients summed over DP, not averaged."""
-    return unscaled_during(distributed.GradBuffer.all_reduce)
+    return unscaled_during(scatter=False)
 
 
 def plant_dp_sum_distopt():
     """The distributed optimizer: its reduce-scatter sums over DP, not averages."""
-    return unscaled_during(distributed.GradBuffer.reduce_scatter)
+    return unscaled_during(scatter=True)
 
 
-def unscaled_during(method):
-    """The GradBuffer `method` run with a gradient_scaling_factor of 1."""
-    def unscaled(self, grads):
-        factor, self.gradient_scaling_factor = self.gradient_scaling_factor, 1.0
+def unscaled_during(scatter):
+    """GradBuffer.reduce_bucket run with a gradient_scaling_factor of 1 when it all-reduces
+    (scatter False) or when it reduce-scatters (True)."""
+    real = distributed.GradBuffer.reduce_bucket
+
+    def unscaled(self, b, grads, scattered=False):
+        factor = self.gradient_scaling_factor
+        if scattered == scatter:
+            self.gradient_scaling_factor = 1.0
         try:
-            return method(self, grads)
+            return real(self, b, grads, scattered)
         finally:
             self.gradient_scaling_factor = factor
-    return [(distributed.GradBuffer, method.__name__, unscaled)]
+    return [(distributed.GradBuffer, "reduce_bucket", unscaled)]
 
 
 def plant_dp_same_samples():
@@ -7343,6 +7405,8 @@ resumed("tp2_pp2_to_one", 1, "checkpoint", PIPELINE_RUN, "tp2_pp2_as_one")
 resumed("ep4_to_one", 1, "moe checkpoint", MOE_LAYER, "ep4_as_one")
 # 2 workers: resumed in the same layout, or in another after a conversion
 resumed("dp2_distopt_resumed", 2, "dp checkpoint", DISTOPT + HALF + MIXTURE, "dp2_distopt")
+resumed("dp2_distopt_overlap_resumed", 2, "dp checkpoint",
+        PARAM_GATHER + OVERLAP + HALF + MIXTURE, "dp2_distopt_overlap")
 resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
 resumed("one_to_cp2_ulysses", 2, "checkpoint", ROPE + CP2, "one_rope_gqa")
 # resumed in another layout straight from the 4 workers' checkpoints, converted on load; TP2 x
@@ -7371,6 +7435,8 @@ ON_LOAD = {"tp2_pp2_to_dp2_distopt": ({"tp": 2, "pp": 2, "dp": 1, "distributed_o
 @pytest.mark.parametrize("full,resumed", [
     pytest.param("dp2_distopt", "dp2_distopt_resumed", marks=reads(
         "dp2_distopt", "dp2_distopt_resumed", concepts={"checkpoint", "dp"})),
+    pytest.param("dp2_distopt_overlap", "dp2_distopt_overlap_resumed", marks=reads(
+        "dp2_distopt_overlap", "dp2_distopt_overlap_resumed", concepts={"checkpoint", "dp"})),
     pytest.param("tp2_pp2_sp", "tp2_pp2_sp_resumed", marks=reads(
         "tp2_pp2_sp", "tp2_pp2_sp_first", "tp2_pp2_sp_resumed", concepts={"checkpoint"})),
     pytest.param("ep2_pp2_capacity", "ep2_pp2_capacity_resumed", marks=reads(

@@ -247,7 +247,14 @@ class Trainer:
                                      self.state.tp, self.state.sequence_parallel)
             self.runner = pipeline.PipelineRunner(
                 self.chunks, self.state, hop, hidden_dtype(model_cfg), self.grad_dtype,
-                self.compiled, cfg.parallel_config.pipeline_schedule, self.cast, phase)
+                self.compiled, cfg.parallel_config.pipeline_schedule, self.cast, phase,
+                optimizer.finish_param_sync)
+        self.overlap, self.pieces = overlaps_grad_reduce(cfg, self.state), None
+        if self.overlap and self.runner is None:
+            self.pieces = distributed.BackwardInPieces(
+                self.chunks[0].pieces(), self.params, self.grad_dtype, self.cast,
+                Compiled if self.compiled else lambda piece: piece,
+                optimizer.finish_param_sync, phase)
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
         self.loss_weight = 1.0
         self.has_moe = any(moe_layer_pattern(model_cfg))
@@ -269,9 +276,13 @@ class Trainer:
             # the aux and z losses' gradients get the main loss' weight (Megatron's
             # schedules.py:366 multiplies by cp too: its CP gradients are averaged, ours summed)
             moe.MoEAuxLossAutoScaler.set_loss_scale(self.loss_weight)
+        ready = self.grad_ready if self.overlap else None
         if self.runner is not None:
             return self.runner.run([to_tensors(b, self.state) for b in micro_batches],
-                                   self.loss_weight)
+                                   self.loss_weight, ready=ready)
+        if self.pieces is not None:
+            return self.pieces.run([to_tensors(b, self.state) for b in micro_batches],
+                                   self.loss_weight, ready)
         losses, acc = [], None
         for batch in micro_batches:
             loss, grads = self.grad_fn(*to_tensors(batch, self.state))
@@ -279,6 +290,17 @@ class Trainer:
             grads = [self.cast(g, self.grad_dtype) for g in grads]
             acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
         return losses, acc
+
+    def grad_ready(self, position, grad):
+        """The gradient of parameter `position` is final for the step (overlap_grad_reduce):
+        to the DDP, which starts the bucket it completes."""
+        distributed.register_during_backward(self.ddp, position, grad, self.params[position],
+                                             self.state)
+
+    def finish_param_sync(self):
+        """Every parameter the last step updated written (with overlap_param_gather the
+        distributed optimizer leaves that to the next forward): before evaluating or saving."""
+        self.optimizer.finish_param_sync()
 
     def train_step(self, micro_batches):
         """Megatron's train_step: forward and backward over the micro-batches, the gradients'
@@ -309,6 +331,15 @@ class Trainer:
         return float(total.asnumpy()[0]) / size
 
 
+def overlaps_grad_reduce(cfg, state):
+    """Whether this rank starts its buckets' reductions during the backward: with
+    overlap_grad_reduce, except, with delay_grad_reduce, on pipeline stages after the first,
+    which reduce after the schedule, in the pipeline's bubble (Megatron's grad_sync_func)."""
+    training_cfg = cfg.training_config
+    delayed = training_cfg.delay_grad_reduce and state.pp > 1 and not state.is_first_stage
+    return training_cfg.overlap_grad_reduce and not delayed
+
+
 def data_loader(cfg, dataset, state, consumed):
     """This DP rank's micro-batches of `dataset` from sample `consumed`, as --dataloader-type
     says (Megatron's build_pretraining_data_loader)."""
@@ -322,6 +353,7 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
     """Mean loss of the trainer's forward (the model, maybe compiled) over `iters` global batches
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
     state, runner = trainer.state, trainer.runner
+    trainer.finish_param_sync()
     trainer.set_train(False)
     num_microbatches = cfg.dataset_config.micro_batch_num
     it = data_loader(cfg, dataset, state, consumed)
@@ -378,11 +410,13 @@ def pretrain(cfg, notes=()):
             window.restart_clock()
         reason = exit_reason(training_cfg, iteration, started)
         if reason:
+            trainer.finish_param_sync()
             if last_saved != iteration:
                 checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
             log.info(f"exiting at iteration {iteration}: {reason}; "
                      f"continue with --load {training_cfg.output_dir}")
             return trainer.chunks
+    trainer.finish_param_sync()
     log.info(estimate.measured())
     if iteration > last_saved:                        # at the end, unless nothing was trained
         checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
@@ -409,7 +443,7 @@ def set_up(cfg, tokenizer, notes, phase=contextlib.nullcontext):
         log.info(parallel.grid_table(state.world_size, state.tp, state.cp, state.pp, state.ep))
     model, rng = build_model(cfg, tokenizer, state)
     parallel.observe(LEDGER)
-    ddp = distributed.build_data_parallel(cfg, model, state)
+    ddp = distributed.build_data_parallel(cfg, model, state, phase)
     return Trainer(cfg, model, ddp, *optimizer_and_scheduler(cfg, model, ddp, state), state,
                    phase), rng
 
@@ -434,6 +468,7 @@ def maybe_save(cfg, iteration, consumed, trainer, rng):
     interval = training_cfg.save_interval
     if not interval or iteration % interval or iteration >= training_cfg.training_iters:
         return False
+    trainer.finish_param_sync()
     checkpoint.save_training_state(cfg, iteration, consumed, trainer, rng)
     return True
 

@@ -174,8 +174,20 @@ def finalize(cfg, world_size=1):
     _finalize_parallel(parallel_cfg, model_cfg, dataset_cfg, world_size)
     _finalize_moe(model_cfg, parallel_cfg)
     _finalize_training(training_cfg)
+    _check_overlap(training_cfg, optimizer_cfg)
     _check_torch_format(training_cfg, model_cfg, parallel_cfg)
     return cfg
+
+
+def _check_overlap(training_cfg, optimizer_cfg):
+    """Megatron's rules: the parameter gather overlaps only the distributed optimizer's, and
+    only beside the gradient reduction's overlap."""
+    if optimizer_cfg.overlap_param_gather and not training_cfg.use_distributed_optimizer:
+        raise ConfigError("optimizer_config.overlap_param_gather (--overlap-param-gather) needs "
+                          "the distributed optimizer: add --use-distributed-optimizer")
+    if optimizer_cfg.overlap_param_gather and not training_cfg.overlap_grad_reduce:
+        raise ConfigError("optimizer_config.overlap_param_gather (--overlap-param-gather) needs "
+                          "--overlap-grad-reduce (training_config.overlap_grad_reduce)")
 
 
 # the keys of the fused forms (fused.py), each on by default; model_config.fusions false turns

@@ -108,11 +108,13 @@ class Timers:
     def __call__(self, name):
         start, clock = time.time(), time.perf_counter()
         yield
-        if isinstance(name, tuple):                           # a pipeline pass
+        if isinstance(name, tuple):            # a pipeline pass, a piece's, a bucket's reduction
             if self.trace is not None:
                 if ms.get_context("device_target") != "CPU":  # on CPU ops run in this thread
                     ms.runtime.synchronize()          # PyNative is asynchronous: the real work
                 self.trace.append((*name, start, time.time()))
+            if name[0] == "R":                 # inside forward-backward or grads-reduce: counted
+                return
             name = "passes"
         self.seconds[name] += time.perf_counter() - clock
 
@@ -165,8 +167,8 @@ class LogWindow:
         anew, the profiler sees it, the MoE routers' losses are reported after it; with
         --pipeline-trace the last step's passes are timed and drawn."""
         training_cfg, trainer = self.cfg.training_config, self.trainer
-        traced = (training_cfg.pipeline_trace and trainer.runner is not None
-                  and iteration == training_cfg.training_iters)
+        traced = (training_cfg.pipeline_trace and iteration == training_cfg.training_iters
+                  and (trainer.runner is not None or trainer.pieces is not None))
         self.timers.trace = [] if traced else None
         LEDGER.reset()
         self.profiler.before(iteration)
@@ -177,9 +179,13 @@ class LogWindow:
             self.step_moe_losses = report_router_losses(
                 trainer.chunks, 1 / self.cfg.dataset_config.micro_batch_num, self.num_moe_layers,
                 state.pp_group, state.tp_cp_group, state.dp_group)
-        if traced:
-            report_pipeline_trace(self.cfg, trainer, self.timers.trace)
-            self.timers.trace = None
+        if traced and trainer.runner is not None:
+            report_pipeline_trace(self.cfg, trainer, [t for t in self.timers.trace if t[0] != "R"])
+        elif traced and trainer.state.rank == loss_rank(trainer.state):
+            path = os.path.join(training_cfg.output_dir, "ddp_timeline")
+            log.info(timeline.write_ddp_timeline(self.timers.trace, path))
+            log.info(f"data parallel: timeline written to {path}.svg and {path}.txt")
+        self.timers.trace = None
 
     def add(self, loss, updated):
         self.loss, self.steps, self.timed = self.loss + loss, self.steps + 1, self.timed + 1

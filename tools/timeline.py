@@ -77,6 +77,37 @@ def write_timeline(traces, m, v, kind, path, grid=None):
             f"theory {theory_bubble(p, m, v):.3f}; peak micro-batches in flight per stage {peaks}")
 
 
+def write_ddp_timeline(trace, path):
+    """Write one rank's step without a pipeline, run in pieces with overlap_grad_reduce, to
+    path.txt and path.svg: a row of its passes (("F" or "B", micro-batch, piece, start, end))
+    and a row of its buckets' collectives (("R", bucket, buffer, start, end)); return the line
+    for the log: how many buckets started before the last backward pass ended."""
+    origin = min(s for *_, s, _ in trace)
+    trace = [(k, a, b, s - origin, e - origin) for k, a, b, s, e in trace]
+    passes = [t for t in trace if t[0] != "R"]
+    buckets = [t for t in trace if t[0] == "R"]
+    backward_end = max(e for k, *_, e in passes if k == "B")
+    early = sum(s < backward_end for *_, s, _ in buckets)
+    line = (f"data parallel: {early} of {len(buckets)} bucket(s) started before the backward "
+            f"ended ({backward_end * 1e3:.0f} ms into the step)")
+    text = "\n".join(f"{k}{a}{PRIME * b} {s * 1e3:.0f}-{e * 1e3:.0f}ms" for k, a, b, s, e in trace)
+    with open(path + ".txt", "w") as f:
+        f.write(f"{line}\n{DDP_NOTATION}\n{text}\n")
+    width, rows = 1100.0, [passes, buckets]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="150" '
+           'font-family="monospace" font-size="11">', f'<text x="4" y="14">{line}</text>']
+    _timeline_panel(out, rows, ["passes (pieces)", "buckets' collectives"], 0, width,
+                    "measured: " + DDP_NOTATION, "ms from the first pass", 1e3)
+    out.append("</svg>")
+    with open(path + ".svg", "w") as f:
+        f.write("\n".join(out))
+    return line
+
+
+DDP_NOTATION = ("F0' = forward of micro-batch 0 through piece 1, B the same backward, R3 = bucket "
+                "3's reduction (R3' in the experts' buffer)")
+
+
 def schedule_name(kind, v):
     """The schedule's name for the timeline's title."""
     if kind == "afab":
@@ -127,7 +158,8 @@ def timeline_svg(traces, ticks, title, stages):
     return "\n".join(out)
 
 
-TIMELINE_COLOURS = {"F": ["#9ecae1", "#4292c6", "#08519c"], "B": ["#a1d99b", "#41ab5d", "#006d2c"]}
+TIMELINE_COLOURS = {"F": ["#9ecae1", "#4292c6", "#08519c"], "B": ["#a1d99b", "#41ab5d", "#006d2c"],
+                    "R": ["#fdae6b", "#e6550d", "#a63603"]}
 
 
 def _timeline_panel(out, rows, stages, top, width, heading, unit, per_unit):

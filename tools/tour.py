@@ -76,6 +76,9 @@ PP2, VPP2 = (["--pipeline-model-parallel-size", "2", "training_config.pipeline_t
              ["--virtual-pipeline-model-parallel-size", "2"])
 CP2, RING = ["--context-parallel-size", "2"], ["--cp-comm-type", "p2p"]
 DISTOPT = ["--use-distributed-optimizer"]
+# two buckets (each at least 150000 elements, cut at a parameter's end), drawn in a timeline
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "150000",
+           "training_config.pipeline_trace=true"]
 EP2 = ["--expert-model-parallel-size", "2"]
 Layout = namedtuple("Layout", "title workers flags reference code")
 LAYOUTS = {
@@ -87,6 +90,9 @@ LAYOUTS = {
                  "distributed.GradBuffer, distributed.DistributedDataParallel"),
     "dp_distopt": Layout("DP2 + distributed optimizer", 2, DISTOPT, "one",
                          "optimizer.DistributedOptimizer"),
+    "dp_overlap": Layout("DP2 + distributed optimizer, both overlaps", 2,
+                         DISTOPT + OVERLAP, "one",
+                         "distributed.BackwardInPieces, optimizer.DistributedOptimizer"),
     "pp": Layout("PP2, 1F1B", 2, PP2, "one", "pipeline.schedule, pipeline.PipelineRunner"),
     "pp_vpp": Layout("PP2 x 2 chunks, interleaved 1F1B", 2, PP2 + VPP2, "one",
                      "pipeline.build_chunks, pipeline.schedule"),
@@ -350,7 +356,8 @@ def report(name, folder, output, model_flags=()):
     text, said = row(name, folder, os.path.join(output, layout.reference), model_flags)
     lines = [text, f"    {layout.title}: {layout.code}"]
     if "training_config.pipeline_trace=true" in layout.flags:
-        lines.append(f"    timeline: {shown(folder)}/pipeline_timeline.svg")
+        kind = "pipeline" if "--pipeline-model-parallel-size" in layout.flags else "ddp"
+        lines.append(f"    timeline: {shown(folder)}/{kind}_timeline.svg")
     if said != "equal":
         print("\n".join(lines), flush=True)
         raise RunFailed(f"{name} differs from one process: {said[len('DIFFERS: '):]}: its log "
