@@ -248,9 +248,9 @@ class BackwardInPieces:
         for k, tied in enumerate(self.tied):
             if tied is not None:
                 self.positions[k].append(where[id(tied)])
-        # the parameters final after piece k's backward: used by no earlier piece
-        self.final_after = [sorted(set(ps) - {i for ps0 in self.positions[:k] for i in ps0})
-                            for k, ps in enumerate(self.positions)]
+        # the parameters final after piece k's backward (used by no earlier piece), last first
+        self.final_after = [sorted(set(ps) - {i for ps0 in self.positions[:k] for i in ps0},
+                                   reverse=True) for k, ps in enumerate(self.positions)]
         self.grad_first = ops.GradOperation(get_by_list=True, sens_param=True)  # token ids
         self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
         self.count = len(params)

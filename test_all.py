@@ -2891,6 +2891,130 @@ def test_dp_overlap_timeline_shows_buckets_started_during_the_backward(runs, lay
     assert svg.count("<rect") == total + len(passes) and "buckets' collectives" in svg
 
 
+@pytest.mark.dp
+def test_dp_overlap_keys_follow_megatrons_rules(capsys, tmp_path):
+    """Megatron's flags and the guide's keys are taken; --overlap-param-gather without the
+    distributed optimizer, or without --overlap-grad-reduce, is one line (Megatron's
+    arguments.py asserts both)."""
+    cfg = load_config(os.path.join(HERE, "config.yaml"), [
+        "--overlap-grad-reduce", "--no-delay-grad-reduce", "--use-distributed-optimizer",
+        "--overlap-param-gather"], 2)
+    assert cfg.training_config.overlap_grad_reduce and cfg.optimizer_config.overlap_param_gather
+    assert not cfg.training_config.delay_grad_reduce
+    cfg = load_config(os.path.join(HERE, "config.yaml"), [
+        "training_config.overlap_grad_reduce=true", "training_config.delay_grad_reduce=true"], 2)
+    assert cfg.training_config.delay_grad_reduce
+    save = ["check", "--nproc", "2", "--save", str(tmp_path / "o")]
+    one_line_error(capsys, save + ["--overlap-param-gather", "--overlap-grad-reduce"],
+                   "overlap_param_gather", "--use-distributed-optimizer")
+    one_line_error(capsys, save + ["--overlap-param-gather", "--use-distributed-optimizer"],
+                   "overlap_param_gather", "--overlap-grad-reduce")
+
+
+OVERLAP_MODELS = {"tied, compiled": [], "tied, op by op": ["--no-jit"],
+                  "untied": ["--untie-embeddings-and-output-weights", "--no-jit"],
+                  "one layer: one piece": ["--num-layers", "1", "--no-jit"],
+                  "recomputed blocks": ["--num-layers", "4", "--recompute-granularity", "full",
+                                        "--recompute-method", "uniform",
+                                        "--recompute-num-layers", "2", "--no-jit"]}
+
+
+@pytest.mark.dp
+@pytest.mark.parametrize("variant", OVERLAP_MODELS)
+def test_backward_in_pieces_gives_the_whole_models_gradients(variant):
+    """distributed.BackwardInPieces (the model's blocks as gpt.ModelPieces, the tied output
+    weight given to the last as an input) gives the losses and gradients of the whole model's
+    backward over two micro-batches; on the last, `ready` hears of every parameter once, with
+    its final gradient, the last block's before the first's and the embeddings last."""
+    cfg, model = tiny_model(*OVERLAP_MODELS[variant])
+    batches = [random_batch(cfg, seed=s) for s in (0, 1)]
+    ddp = distributed.build_data_parallel(cfg, model)
+    whole = train.Trainer(cfg, model, ddp, *train.optimizer_and_scheduler(cfg, model, ddp))
+    losses, grads = whole.forward_backward(batches)
+    cfg.training_config.overlap_grad_reduce = True
+    pieces = train.Trainer(cfg, model, ddp, *train.optimizer_and_scheduler(cfg, model, ddp))
+    heard = []
+    pieces.grad_ready = lambda position, grad: heard.append((position, grad))
+    got_losses, got = pieces.forward_backward(batches)
+    np.testing.assert_allclose(got_losses, losses, rtol=1e-6)
+    for name, a, b in zip([n for n, _ in model.parameters_and_names()], got, grads):
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+    positions = [p for p, _ in heard]
+    assert sorted(positions) == list(range(len(grads)))
+    assert all(g is got[p] for p, g in heard)
+    names = [n for n, _ in model.parameters_and_names()]
+    order = [names[p] for p in positions]
+    embedding = [i for i, n in enumerate(order) if "embeddings" in n]
+    assert embedding == list(range(len(order) - len(embedding), len(order))), order
+    last, first = (f"layers.{len(model.layers) - 1}.", "layers.0.")
+    if len(model.blocks) > 1:
+        assert (max(i for i, n in enumerate(order) if n.startswith(last))
+                < min(i for i, n in enumerate(order) if n.startswith(first)))
+
+
+@pytest.mark.dp
+def test_ddp_starts_each_bucket_when_its_gradients_are_final():
+    """DistributedDataParallel with overlap_grad_reduce starts a bucket's collective as the last
+    of its gradients is registered (the backward's order: the last bucket first), and
+    finish_grad_sync gives what reduce_grads gives without overlap."""
+    cfg, model = tiny_model("--ddp-bucket-size", "5000", "--no-jit")
+    grads = [Tensor(np.random.default_rng(i).standard_normal(p.shape).astype(np.float32))
+             for i, p in enumerate(model.get_parameters())]
+    plain = distributed.build_data_parallel(cfg, model).reduce_grads(grads)
+    cfg.training_config.overlap_grad_reduce = True
+    started = []
+    ddp = distributed.build_data_parallel(
+        cfg, model, phase=lambda name: contextlib.nullcontext(started.append(name)))
+    buffer = ddp.buffers[0]
+    assert len(buffer.buckets) >= 3
+    for position in reversed(range(len(grads))):
+        ddp.register_grad_ready(position, grads[position])
+        bucket = ddp.bucket_of[0][position]
+        complete = position == min(buffer.bucket_params(bucket))
+        assert started[-1:] == ([("R", bucket, 0)] if complete else started[-1:]) and \
+            len(started) == len(buffer.buckets) - bucket - (not complete), (position, started)
+    assert started == [("R", b, 0) for b in reversed(range(len(buffer.buckets)))]
+    for a, b in zip(ddp.finish_grad_sync(), plain):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+    assert len(started) == len(buffer.buckets)            # nothing reduced twice
+
+
+@pytest.mark.dp
+def test_overlap_param_gather_writes_each_bucket_when_a_forward_needs_it():
+    """The distributed optimizer with overlap_param_gather leaves its updated shards pending:
+    the params keep their old values until finish_param_sync(params) gathers the buckets that
+    hold them, and the rest with finish_param_sync(); then they equal the optimizer's that
+    gathers at once, bit for bit."""
+    params_of = {}
+    for overlap in (False, True):
+        cfg, model = tiny_model("--no-jit", "--ddp-bucket-size", "5000")
+        params = list(model.get_parameters())
+        buffer = distributed.GradBuffer(params, group_size=1, bucket_size=5000)
+        def make(ps, mults):
+            return optimizer.AdamW(ps, wd_mults=mults)
+        opt = optimizer.DistributedOptimizer(
+            make, params, [1.0] * len(params), optimizer.ConstantGradScaler(1.0),
+            "ClipGlobalNorm", 1.0, [], [True] * len(params), buffer, overlap_param_gather=overlap)
+        before = [p.asnumpy().copy() for p in params]
+        grads = [Tensor(np.full(p.shape, 0.1, np.float32)) for p in params]
+        pieces = buffer.reduce_bucket
+        shards = [s for b in range(len(buffer.buckets))
+                  for s in pieces(b, [grads[i] for i in buffer.bucket_params(b)], True)]
+        opt.step(shards, 1e-2, 0.0)
+        if overlap:
+            assert all((p.asnumpy() == v).all() for p, v in zip(params, before))
+            last = buffer.bucket_params(len(buffer.buckets) - 1)
+            opt.finish_param_sync([params[i] for i in last])
+            assert opt.pending == set(range(len(buffer.buckets) - 1))
+            assert all((params[i].asnumpy() != before[i]).any() for i in last)
+            assert (params[0].asnumpy() == before[0]).all()
+            opt.finish_param_sync()
+            assert not opt.pending
+        params_of[overlap] = [p.asnumpy() for p in params]
+    for a, b in zip(*params_of.values()):
+        np.testing.assert_array_equal(a, b)
+
+
 def plant_dp_sum():
     """Data parallelism: the gradients summed over DP, not averaged."""
     return unscaled_during(scatter=False)
@@ -4698,6 +4822,12 @@ layout("ep2_cp2_ulysses_tp2_sp_alltoall", 4, "moe",
        ROPE + MOE_LAYER + FOUR + EP2 + CP2 + TP2 + SP + ALLTOALL + COMPILED, "one_moe_rope_gqa",
        hold=2)
 layout("ep2_dp2_distopt", 4, "moe", MOE_LAYER + EP2 + DISTOPT, "one_moe")
+# with Megatron's overlap (the DP section's), the experts' buffer's buckets too: two buckets in
+# each buffer (dense: the word embedding's 24,576 elements, then the rest; experts: 3 of their 4
+# weights, then the last), as memory.communication counts them (ceil(elements / bucket size))
+layout("ep2_dp2_distopt_overlap", 4, "moe dp",
+       MOE_LAYER + EP2 + PARAM_GATHER + ["--overlap-grad-reduce", "--ddp-bucket-size", "24000"],
+       "one_moe")
 layout("ep2_pp2_capacity", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2 + SAVE_HALF,
        "one_moe_capacity")
 layout("ep4_distopt", 4, "moe checkpoint", MOE_LAYER + EP4 + DISTOPT + SAVE_HALF, "one_moe")
@@ -4707,9 +4837,19 @@ layout("ep2_alltoall_distopt", 2, "moe", MOE_LAYER + EP2 + ALLTOALL + DISTOPT + 
 layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
 
 
+@pytest.mark.parametrize("overlapped,plain", [
+    pytest.param("ep2_dp2_distopt_overlap", "ep2_dp2_distopt", marks=reads(
+        "ep2_dp2_distopt_overlap", "ep2_dp2_distopt", concepts={"moe", "dp"}))])
+def test_moe_overlap_trains_like_the_same_layout_without(runs, overlapped, plain):
+    """EP2 x DP2 with the experts' buffer's buckets overlapped logs the losses and gradient
+    norms of the same layout without overlap (relative 1e-5)."""
+    assert_trains_like(runs.folder(overlapped), runs.folder(plain), loss_rtol(REFERENCE[plain]))
+
+
 @pytest.mark.parametrize("layout", layout_params([
     "ep2_pp2_vpp2_distopt", "ep2_cp2_ulysses_tp2_sp_alltoall", "ep2_dp2_distopt",
-    "ep2_pp2_capacity", "ep4_distopt", "ep2_alltoall_distopt", "ep2_capacity"]))
+    "ep2_dp2_distopt_overlap", "ep2_pp2_capacity", "ep4_distopt", "ep2_alltoall_distopt",
+    "ep2_capacity"]))
 def test_moe_layouts_train_like_one_process(runs, layout):
     """Each EP layout (both dispatchers, capacity, the distributed optimizer, beside PP2 x VPP2,
     DP2, CP2 x TP2 + SP compiled with a rank late, EP4) trains like one process
