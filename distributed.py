@@ -2,11 +2,14 @@
 between the backward and the optimizer (optimizer.py):
     GradBuffer               ParamAndGradBuffer (param_and_grad_buffer.py): the gradients of a
                              group of parameters in one flat buffer, cut into buckets
-    DistributedDataParallel  distributed_data_parallel.py without overlap: each bucket divided by
-                             the DP size and all-reduced over its data-parallel group, or, for the
+    DistributedDataParallel  distributed_data_parallel.py: each bucket divided by the DP size
+                             and all-reduced over its data-parallel group, or, for the
                              distributed optimizer, reduce-scattered so each rank keeps its shard
     finalize_model_grads     finalize_model_grads.py: every reduction of a step's gradients, in
                              order
+and Megatron's overlap (--overlap-grad-reduce): OverlappedDistributedDataParallel starts each
+bucket's collective once the backward has made its gradients final, which BackwardInPieces and
+the pipeline's runner report as they go (ready_hook).
 The dense parameters are reduced over DP x CP, the experts over the expert-data-parallel group
 (moe.py), each group through its own buffer (Megatron's buffers and expert_parallel_buffers).
 """
@@ -45,28 +48,9 @@ class GradBuffer:
                 end = start + -(-(position - start) // group_size) * group_size
                 self.buckets.append((start, end))
                 start = position = end
-        self.numel, self.sizes, self.group_size = position, sizes, group_size
+        self.sizes, self.group_size = sizes, group_size
         self.group, self.rank = group, rank
         self.gradient_scaling_factor = gradient_scaling_factor
-
-    def flatten(self, tensors):
-        """list of tensors shaped like the params, one dtype -> flat [numel] in it, zeros in the
-        padding."""
-        pieces, position, dtype = [], 0, tensors[0].dtype
-        for t, offset, n in zip(tensors, self.offsets, self.sizes):
-            if offset > position:
-                pieces.append(ops.zeros(offset - position, dtype))
-            pieces.append(t.reshape(-1))
-            position = offset + n
-        if self.numel > position:
-            pieces.append(ops.zeros(self.numel - position, dtype))
-        return ops.cat(pieces)
-
-    def unflatten(self, flat):
-        """flat [numel] -> new tensors shaped like the params. A slice is a view of the whole
-        buffer in MindSpore, which in-place kernels (copy_) refuse once reshaped: copy it."""
-        return [flat[o:o + n].reshape(s).copy()
-                for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
     def shard_ranges(self, rank):
         """The (start, end) ranges of the buffer that `rank` owns: its 1/group_size of every
@@ -92,20 +76,17 @@ class GradBuffer:
         return [i for i, o in enumerate(self.offsets) if b0 <= o < b1]
 
     def reduce_bucket(self, b, grads, scatter=False):
-        """Bucket b's gradients (one per bucket_params(b), in the gradients' dtype) multiplied by
-        gradient_scaling_factor (1 / DP) and summed over `group` in one collective (Megatron's
-        DDP scales before the sum, which keeps a float16 sum in range): all-reduced, the new
-        gradients, or with `scatter` reduce-scattered, this rank's pieces of the bucket (those of
-        pieces(rank) in bucket b, one flat tensor each). Experts with EP = DP x CP have a group of
-        one rank: their gradients are still divided by the DP size."""
-        b0, b1 = self.buckets[b]
-        params = self.bucket_params(b)
-        if self.group_size == 1 and self.gradient_scaling_factor == 1.0:
-            flat = ops.cat([g.reshape(-1) for g in grads])
-        else:
-            end = self.offsets[params[-1]] + self.sizes[params[-1]]
-            padding = [ops.zeros(b1 - end, grads[0].dtype)] if b1 > end else []
-            flat = ops.cat([g.reshape(-1) for g in grads] + padding) * self.gradient_scaling_factor
+        """Bucket b's gradients (one per bucket_params(b)) multiplied by gradient_scaling_factor
+        (1 / DP; before the sum, as Megatron's DDP: a float16 sum stays in range) and summed over
+        `group` in one collective: all-reduced, the new gradients, or with `scatter`
+        reduce-scattered, this rank's pieces of the bucket (pieces(rank) in bucket b, flat).
+        Experts with EP = DP x CP have a group of one rank: still divided by the DP size."""
+        if not scatter and self.group_size == 1 and self.gradient_scaling_factor == 1.0:
+            return grads                                          # one rank: nothing to reduce
+        (b0, b1), params = self.buckets[b], self.bucket_params(b)
+        end = self.offsets[params[-1]] + self.sizes[params[-1]]
+        padding = [ops.zeros(b1 - end, grads[0].dtype)] if b1 > end else []
+        flat = ops.cat([g.reshape(-1) for g in grads] + padding) * self.gradient_scaling_factor
         if not scatter:
             flat = collectives(self.group).all_reduce(flat)                      # [b1 - b0]
             return [flat[self.offsets[i] - b0:self.offsets[i] - b0 + self.sizes[i]]
@@ -118,66 +99,34 @@ class GradBuffer:
 class DistributedDataParallel:
     """Megatron's DistributedDataParallel: `buffers`, one GradBuffer per group of parameters
     reduced together, each with `positions`, its parameters' places in the model's parameter
-    order (the dense parameters, then the experts'). A bucket is all-reduced, or with
-    `reduce_scatter` (the distributed optimizer) reduce-scattered, once every gradient in it is
-    final for the step (register_grad_ready): with `overlap_grad_reduce` at once, during the
-    backward (the pieces of BackwardInPieces, the pipeline's chunks), else all together in
-    finish_grad_sync, after the backward. Either way each bucket is one collective on the same
-    values, so the two give the same gradients. `phase(("R", bucket, buffer))` is a context
-    manager around each bucket's collective, for what observes it (a timeline)."""
+    order (the dense parameters, then the experts'). reduce_grads all-reduces each bucket, or
+    with `reduce_scatter` (the distributed optimizer) reduce-scatters it, last bucket first (the
+    backward's order), each inside `phase(("R", bucket, buffer))` (what observes it: a
+    timeline). OverlappedDistributedDataParallel starts them during the backward."""
 
-    def __init__(self, buffers, positions, reduce_scatter=False, overlap_grad_reduce=False,
-                 phase=contextlib.nullcontext):
+    def __init__(self, buffers, positions, reduce_scatter=False, phase=contextlib.nullcontext):
         self.buffers, self.positions = buffers, positions
-        self.reduce_scatter, self.overlap_grad_reduce = reduce_scatter, overlap_grad_reduce
-        self.phase = phase
-        # model position -> (buffer, parameter index in it)
-        self.place = {p: (k, i) for k, ps in enumerate(positions) for i, p in enumerate(ps)}
-        self.bucket_of = [{i: b for b in range(len(buf.buckets)) for i in buf.bucket_params(b)}
-                          for buf in buffers]
-        self.ready, self.reduced = [{} for _ in buffers], [{} for _ in buffers]
+        self.reduce_scatter, self.phase = reduce_scatter, phase
 
     def is_ready(self, position):
-        k, i = self.place[position]
-        return i in self.ready[k]
-
-    def register_grad_ready(self, position, grad):
-        """Megatron's register_grad_ready: the gradient of the model's parameter `position` is
-        final for this step; with overlap_grad_reduce the bucket it completes starts its
-        collective now (Megatron's start_grad_sync of that bucket)."""
-        k, i = self.place[position]
-        self.ready[k][i] = grad
-        b = self.bucket_of[k][i]
-        if self.overlap_grad_reduce and all(j in self.ready[k]
-                                            for j in self.buffers[k].bucket_params(b)):
-            self._start_bucket(k, b)
-
-    def _start_bucket(self, k, b):
-        buffer = self.buffers[k]
-        grads = [self.ready[k][i] for i in buffer.bucket_params(b)]
-        with self.phase(("R", b, k)):
-            self.reduced[k][b] = buffer.reduce_bucket(b, grads, self.reduce_scatter)
-
-    def finish_grad_sync(self):
-        """Megatron's finish_grad_sync: every bucket not yet reduced is, last bucket first (the
-        backward's order); returns what the optimizer takes: per buffer the reduced gradients of
-        its parameters, or this rank's pieces of them, one list with one buffer, a list per
-        buffer for a ChainedOptimizer. The next step starts afresh."""
-        out = []
-        for k, buffer in enumerate(self.buffers):
-            for b in reversed(range(len(buffer.buckets))):
-                if b not in self.reduced[k]:
-                    self._start_bucket(k, b)
-            out.append([g for b in range(len(buffer.buckets)) for g in self.reduced[k][b]])
-        self.ready, self.reduced = [{} for _ in self.buffers], [{} for _ in self.buffers]
-        return out[0] if len(out) == 1 else out
+        """Whether the gradient of the model's parameter `position` was reduced already."""
+        return False
 
     def reduce_grads(self, grads):
-        """All the model's gradients (one per parameter) registered, last first, and reduced:
-        finish_grad_sync's result."""
-        for position in reversed(range(len(grads))):
-            self.register_grad_ready(position, grads[position])
-        return self.finish_grad_sync()
+        """The model's gradients (one per parameter) -> what the optimizer takes: per buffer the
+        reduced gradients of its parameters, or this rank's pieces of them; one list with one
+        buffer, a list per buffer for a ChainedOptimizer."""
+        reduced = []
+        for k, (buffer, positions) in enumerate(zip(self.buffers, self.positions)):
+            mine = [grads[i] for i in positions]
+            buckets = {b: self._reduce_bucket(k, b, [mine[i] for i in buffer.bucket_params(b)])
+                       for b in reversed(range(len(buffer.buckets)))}
+            reduced.append([g for b in range(len(buffer.buckets)) for g in buckets[b]])
+        return reduced[0] if len(reduced) == 1 else reduced
+
+    def _reduce_bucket(self, k, b, grads):
+        with self.phase(("R", b, k)):
+            return self.buffers[k].reduce_bucket(b, grads, self.reduce_scatter)
 
 
 def reduced_over_model_parallel(grad, param, state, tied=True):
@@ -195,50 +144,99 @@ def reduced_over_model_parallel(grad, param, state, tied=True):
 
 def finalize_model_grads(grads, params, state, ddp):
     """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
-    reduction of a step's gradients not yet done, after the last backward, in the gradients'
-    dtype (Megatron's main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32
+    reduction of a step's gradients not done during the backward, in the gradients' dtype
+    (Megatron's main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32
     parameters, else the parameters' half precision):
-      1. each gradient not registered during the backward: over TP under sequence parallelism,
-         over the embedding group for the tied embedding's copies (reduced_over_model_parallel),
-         then registered with `ddp`, last parameter first;
-      2. data parallelism (`ddp.finish_grad_sync`): summed over CP (each cp rank's gradient is
-         its tokens' share of the loss, see gpt.GPTModel) and averaged over DP, one all-reduce
-         over the DP x CP group per bucket of the contiguous buffer, or, with the distributed
+      1. over TP under sequence parallelism, over the embedding group for the tied embedding's
+         copies (reduced_over_model_parallel);
+      2. data parallelism (`ddp.reduce_grads`): summed over CP (each cp rank's gradient is its
+         tokens' share of the loss, see gpt.GPTModel) and averaged over DP, one all-reduce over
+         the DP x CP group per bucket of the contiguous buffer, or, with the distributed
          optimizer, reduce-scattered to this rank's pieces; experts' gradients over the
          expert-data-parallel group instead.
     `state` is the current parallel.ParallelState. Returns the gradients the optimizer takes."""
-    for position in reversed(range(len(grads))):
-        if not ddp.is_ready(position):
-            ddp.register_grad_ready(position, reduced_over_model_parallel(
-                grads[position], params[position], state))
-    return ddp.finish_grad_sync()
+    grads = [grad if ddp.is_ready(i) else reduced_over_model_parallel(grad, param, state)
+             for i, (grad, param) in enumerate(zip(grads, params))]
+    return ddp.reduce_grads(grads)
 
 
-def register_during_backward(ddp, position, grad, param, state):
-    """A gradient final during the backward (overlap_grad_reduce) handed to `ddp`, reduced over
-    TP first under sequence parallelism. The tied embedding's copies wait for
-    finalize_model_grads: their all-reduce joins the first and the last pipeline stage, which
-    reach the end of their backward at different times, and a blocking collective begun by one
-    of them mid-schedule would wait for a stage that first waits for its hops."""
-    if not getattr(param, "shared_embedding", False):
-        ddp.register_grad_ready(position, reduced_over_model_parallel(grad, param, state,
-                                                                      tied=False))
+# ============================================================================ Megatron's overlap
+# With overlap_grad_reduce a bucket's collective starts as soon as the backward has made its
+# gradients final, while the backward goes on (on a device; this CPU runs collectives in the
+# same queue as computation: docs/parallel.md, Megatron's overlap). The values are the same.
+class OverlappedDistributedDataParallel(DistributedDataParallel):
+    """DistributedDataParallel with overlap_grad_reduce: register_grad_ready (Megatron's, called
+    from its backward hooks, here by the runners: ready_hook) keeps a gradient final for the
+    step and starts the collective of the bucket it completes (Megatron's start_grad_sync of
+    that bucket); reduce_grads (finish_grad_sync) registers the rest, reduces the buckets not
+    started, last first, and returns reduce_grads' result."""
+
+    def __init__(self, buffers, positions, reduce_scatter=False, phase=contextlib.nullcontext):
+        super().__init__(buffers, positions, reduce_scatter, phase)
+        # model position -> (buffer, parameter index in it)
+        self.place = {p: (k, i) for k, ps in enumerate(positions) for i, p in enumerate(ps)}
+        self.bucket_of = [{i: b for b in range(len(buf.buckets)) for i in buf.bucket_params(b)}
+                          for buf in buffers]
+        self.ready, self.reduced = [{} for _ in buffers], [{} for _ in buffers]
+
+    def is_ready(self, position):
+        k, i = self.place[position]
+        return i in self.ready[k]
+
+    def register_grad_ready(self, position, grad):
+        k, i = self.place[position]
+        self.ready[k][i] = grad
+        b = self.bucket_of[k][i]
+        bucket = self.buffers[k].bucket_params(b)
+        if all(j in self.ready[k] for j in bucket):
+            self.reduced[k][b] = self._reduce_bucket(k, b, [self.ready[k][j] for j in bucket])
+
+    def reduce_grads(self, grads):
+        for position in reversed(range(len(grads))):
+            if not self.is_ready(position):
+                self.register_grad_ready(position, grads[position])
+        out = [[g for b in range(len(buffer.buckets)) for g in self.reduced[k][b]]
+               for k, buffer in enumerate(self.buffers)]
+        self.ready, self.reduced = [{} for _ in self.buffers], [{} for _ in self.buffers]
+        return out[0] if len(out) == 1 else out
+
+
+def ready_hook(cfg, ddp, params, state):
+    """What the runners call when a gradient is final during the backward: `ready(position,
+    grad)`, which hands it to `ddp` (reduced over TP first under sequence parallelism), or None
+    where this rank does not overlap: without overlap_grad_reduce, and with delay_grad_reduce on
+    the pipeline stages after the first, which reduce after the schedule, in the pipeline's
+    bubble (Megatron's grad_sync_func). The tied embedding's copies wait for
+    finalize_model_grads: their all-reduce joins the first and the last stage, which end their
+    backward at different times, and a blocking collective begun by one mid-schedule would wait
+    for a stage that first waits for its hops."""
+    training_cfg = cfg.training_config
+    delayed = training_cfg.delay_grad_reduce and state.pp > 1 and not state.is_first_stage
+    if not training_cfg.overlap_grad_reduce or delayed:
+        return None
+
+    def ready(position, grad):
+        param = params[position]
+        if not getattr(param, "shared_embedding", False):
+            ddp.register_grad_ready(position, reduced_over_model_parallel(grad, param, state,
+                                                                          tied=False))
+    return ready
 
 
 class BackwardInPieces:
-    """A model's forward and backward run piece by piece (`pieces`: gpt.GPTModel.pieces, each
-    run through `compile`, ms.jit's gpt.Compiled or none), each piece's forward recorded and
+    """A model's forward and backward run piece by piece (`pieces`: gpt.model_pieces, each run
+    through `compile`, ms.jit's gpt.Compiled or none), each piece's forward recorded and
     replayed through GradOperation as the pipeline runs a chunk (pipeline.PipelineRunner): a
     parameter's gradient is final once the backward has passed every piece that uses it, and
-    on the last micro-batch `ready(position, grad)` hears of it then (Megatron's backward
-    hooks, which register it with the DDP). Gradients are summed over micro-batches in
-    `grad_dtype`, each cast by `cast`; positions are in `params`, the model's order.
+    on the last micro-batch `ready(position, grad)` (ready_hook) hears of it then (Megatron's
+    backward hooks). Gradients are summed over micro-batches in `grad_dtype`, each cast by
+    `cast`; positions are in `params`, the model's order.
     `before_forward(params)` runs before each piece's forward (the distributed optimizer's
     parameter gather), `phase(("F" or "B", micro-batch, piece))` around each pass."""
 
-    def __init__(self, pieces, params, grad_dtype, cast, compile=lambda piece: piece,
-                 before_forward=None, phase=contextlib.nullcontext):
-        self.pieces = [compile(piece) for piece in pieces]
+    def __init__(self, pieces, params, grad_dtype, cast, compile=None, before_forward=None,
+                 phase=contextlib.nullcontext):
+        self.pieces = [compile(piece) if compile else piece for piece in pieces]
         self.piece_params = [piece.params for piece in pieces]
         self.tied = [piece.tied_weight() for piece in pieces]    # given as an input, or None
         self.grad_dtype, self.cast, self.phase = grad_dtype, cast, phase
@@ -306,7 +304,8 @@ def build_data_parallel(cfg, model, state=None, phase=contextlib.nullcontext):
     experts' (marked `allreduce = False`, Megatron's mark: moe.expert_linear) in one over the
     expert-data-parallel group; both divided by the DP size (averaged over DP, summed over CP:
     gpt.GPTModel's loss); reduce-scattered for the distributed optimizer
-    (use_distributed_optimizer with several DP x CP ranks), else all-reduced."""
+    (use_distributed_optimizer with several DP x CP ranks), else all-reduced; with
+    overlap_grad_reduce, during the backward. `phase`: DistributedDataParallel's."""
     state = state or get_state()
     chunks = model if isinstance(model, list) else [model]
     params = [param for chunk in chunks for param in chunk.get_parameters()]
@@ -322,8 +321,9 @@ def build_data_parallel(cfg, model, state=None, phase=contextlib.nullcontext):
                           gradient_scaling_factor=scale, **group)
                for positions, group in groups]
     reduce_scatter = cfg.training_config.use_distributed_optimizer and dp_cp > 1
-    return DistributedDataParallel(buffers, [positions for positions, _ in groups],
-                                   reduce_scatter, cfg.training_config.overlap_grad_reduce, phase)
+    kind = (OverlappedDistributedDataParallel if cfg.training_config.overlap_grad_reduce
+            else DistributedDataParallel)
+    return kind(buffers, [positions for positions, _ in groups], reduce_scatter, phase)
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

@@ -832,9 +832,8 @@ class GPTModel(nn.Cell):
     def logits(self, x, tied_weight=None):
         """x [s, b, h] ([s/tp, b, h] under SP) -> logits [s, b, V/tp] computed in the compute
         dtype (Megatron's parallel_lm_logits: the input enters the TP region, the vocabulary stays
-        split), returned in float32 for the loss unless fp16_lm_cross_entropy. Tied, the output
-        layer is the word embedding, or `tied_weight`, a copy of it given as an input (see
-        ModelPiece)."""
+        split), returned in float32 for the loss unless fp16_lm_cross_entropy. Tied: the word
+        embedding, or `tied_weight`, a copy of it given as an input (ModelPiece)."""
         if not (self.tied and self.pre_process):
             return cast(self.output_layer(x), self.logits_dtype)
         if self.tp > 1:
@@ -864,9 +863,8 @@ class GPTModel(nn.Cell):
         return self.head(x, labels, loss_mask)
 
     def head(self, x, labels=None, loss_mask=None, tied_weight=None):
-        """The last stage's end: x [s, b, h] ([s/tp, b, h] under SP) -> the final norm, the
-        logits (tied_weight: see logits), and the loss if labels are given, else the logits
-        [b, s, V]."""
+        """The last stage's end, x [s, b, h] ([s/tp, b, h] under SP) -> the final norm, the
+        logits (tied_weight: logits'), the loss if labels are given, else the logits [b, s, V]."""
         logits = self.logits(self.final_layernorm(x), tied_weight)            # [s, b, V/tp]
         if labels is not None:
             return self.loss(logits, labels, loss_mask)
@@ -874,13 +872,14 @@ class GPTModel(nn.Cell):
             logits = self.gather_logits(logits)
         return logits.transpose(1, 0, 2)                                      # [b, s, V]
 
-    def pieces(self, blocks_per_piece=1):
-        """The model's forward cut into ModelPieces of `blocks_per_piece` blocks each, sharing its
-        parameters: what the data-parallel overlap runs one piece at a time
-        (distributed.BackwardInPieces)."""
-        n = len(self.blocks)
-        return [ModelPiece(self, start, min(start + blocks_per_piece, n))
-                for start in range(0, n, blocks_per_piece)]
+
+def model_pieces(model, blocks_per_piece=1):
+    """A GPTModel's forward cut into ModelPieces of `blocks_per_piece` blocks each, sharing its
+    parameters: what the data-parallel overlap runs one piece at a time
+    (distributed.BackwardInPieces)."""
+    n = len(model.blocks)
+    return [ModelPiece(model, start, min(start + blocks_per_piece, n))
+            for start in range(0, n, blocks_per_piece)]
 
 
 class ModelPiece(nn.Cell):

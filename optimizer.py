@@ -437,7 +437,7 @@ class MixedPrecisionOptimizer:
                 main.copy_(param)
 
     def finish_param_sync(self, params=None):
-        """Nothing waits: the step wrote the params (DistributedOptimizer's may wait)."""
+        """Nothing waits: the step wrote the params (OverlappedParamGatherOptimizer's wait)."""
 
 
 class ChainedOptimizer:
@@ -502,11 +502,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     weight-decay multipliers still apply."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
-                 norm_groups, counted, buffer, cast=cast, overlap_param_gather=False):
-        self.buffer, self.overlap_param_gather = buffer, overlap_param_gather
-        self.bucket_of = {id(params[i]): b for b in range(len(buffer.buckets))
-                          for i in buffer.bucket_params(b)}
-        self.pending = set()                     # buckets whose params wait for their gather
+                 norm_groups, counted, buffer, cast=cast):
+        self.buffer = buffer
         self.shards = buffer.shard_ranges(buffer.rank)         # this rank's range in each bucket
         self.pieces = buffer.pieces(buffer.rank)               # (bucket, param index, start, end)
         # the norm: this rank's pieces, summed over the shards first
@@ -518,8 +515,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return [piece.copy() for piece in self._pieces_of_params()]      # float32 pieces
 
     def _pieces_of_params(self):
-        flat = self.buffer.flatten([self.cast(param, F32) for param in self.params])
-        return [flat[lo:hi] for _, _, lo, hi in self.pieces]
+        offsets = self.buffer.offsets
+        return [self.cast(self.params[i], F32).reshape(-1)[lo - offsets[i]:hi - offsets[i]]
+                for _, i, lo, hi in self.pieces]
 
     def _main_wd_mults(self, wd_mults):
         return [wd_mults[i] for _, i, _, _ in self.pieces]
@@ -539,31 +537,43 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             mine.append(ops.zeros(s1 - s0 - filled, F32))
         return collectives(self.buffer.group).all_gather(self.cast(ops.cat(mine), dtype))
 
-    def gathered_buckets(self, pieces, dtype):
-        """Every bucket gathered (gathered_bucket): the whole buffer [numel]."""
-        return ops.cat([self.gathered_bucket(b, pieces, dtype) for b in range(len(self.shards))])
+    def _copy_main_params_to_model_params(self):
+        """All-gather each bucket's updated shards, in the parameters' dtype, into the params."""
+        for b in range(len(self.shards)):
+            self._write_bucket(b)
+
+    def _write_bucket(self, b):
+        """Bucket b gathered (gathered_bucket) into its parameters."""
+        flat = self.gathered_bucket(b, self.main_params, self.params[0].dtype)       # [b1 - b0]
+        b0 = self.buffer.buckets[b][0]
+        for i in self.buffer.bucket_params(b):
+            start = self.buffer.offsets[i] - b0
+            value = flat[start:start + self.buffer.sizes[i]].reshape(self.buffer.shapes[i])
+            self.params[i].copy_(value.copy())
+
+
+class OverlappedParamGatherOptimizer(DistributedOptimizer):
+    """The distributed optimizer with overlap_param_gather (Megatron's): a step leaves every
+    bucket pending, and finish_param_sync(params), Megatron's forward pre-hook, which the
+    runners call before each forward of a piece or chunk, gathers those holding `params`, so
+    that on a device a bucket's all-gather runs under the forward of the layers before it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bucket_of = {id(self.params[i]): b for b in range(len(self.shards))
+                          for i in self.buffer.bucket_params(b)}
+        self.pending = set()                     # buckets whose params wait for their gather
 
     def _copy_main_params_to_model_params(self):
-        """The updated shards go to every rank's params, bucket by bucket: now, or with
-        overlap_param_gather each bucket when the next forward first needs it
-        (finish_param_sync)."""
         self.pending = set(range(len(self.shards)))
-        if not self.overlap_param_gather:
-            self.finish_param_sync()
 
     def finish_param_sync(self, params=None):
-        """Megatron's forward pre-hook with overlap_param_gather: each bucket the last step left
-        pending that holds one of `params` (None: every bucket) all-gathered, in the parameters'
-        dtype, into its parameters, first bucket first (the forward's order)."""
+        """Each pending bucket that holds one of `params` (None: every bucket) gathered into its
+        parameters, first bucket first (the forward's order)."""
         wanted = self.pending if params is None else self.pending & {
             self.bucket_of[id(p)] for p in params if id(p) in self.bucket_of}
         for b in sorted(wanted):
-            flat = self.gathered_bucket(b, self.main_params, self.params[0].dtype)
-            b0 = self.buffer.buckets[b][0]
-            for i in self.buffer.bucket_params(b):
-                start = self.buffer.offsets[i] - b0
-                value = flat[start:start + self.buffer.sizes[i]].reshape(self.buffer.shapes[i])
-                self.params[i].copy_(value.copy())
+            self._write_bucket(b)
         self.pending -= wanted
 
 
@@ -605,8 +615,9 @@ def _one_optimizer(cfg, named, scaler, counted, norm_groups, sharded_buffer, cas
                   norm_groups=norm_groups, counted=counted, cast=cast)
     params = [param for _, param in named]
     if sharded_buffer is not None:
-        return DistributedOptimizer(make, params, wd_mults, **common, buffer=sharded_buffer,
-                                    overlap_param_gather=optimizer_cfg.overlap_param_gather)
+        kind = (OverlappedParamGatherOptimizer if optimizer_cfg.overlap_param_gather
+                else DistributedOptimizer)
+        return kind(make, params, wd_mults, **common, buffer=sharded_buffer)
     return MixedPrecisionOptimizer(make, params, wd_mults, **common)
 
 

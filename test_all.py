@@ -2934,7 +2934,7 @@ def test_backward_in_pieces_gives_the_whole_models_gradients(variant):
     cfg.training_config.overlap_grad_reduce = True
     pieces = train.Trainer(cfg, model, ddp, *train.optimizer_and_scheduler(cfg, model, ddp))
     heard = []
-    pieces.grad_ready = lambda position, grad: heard.append((position, grad))
+    pieces.ready = lambda position, grad: heard.append((position, grad))
     got_losses, got = pieces.forward_backward(batches)
     np.testing.assert_allclose(got_losses, losses, rtol=1e-6)
     for name, a, b in zip([n for n, _ in model.parameters_and_names()], got, grads):
@@ -2954,9 +2954,9 @@ def test_backward_in_pieces_gives_the_whole_models_gradients(variant):
 
 @pytest.mark.dp
 def test_ddp_starts_each_bucket_when_its_gradients_are_final():
-    """DistributedDataParallel with overlap_grad_reduce starts a bucket's collective as the last
-    of its gradients is registered (the backward's order: the last bucket first), and
-    finish_grad_sync gives what reduce_grads gives without overlap."""
+    """OverlappedDistributedDataParallel starts a bucket's collective as the last of its
+    gradients is registered (the backward's order: the last bucket first), and its reduce_grads
+    (finish_grad_sync) gives what DistributedDataParallel's gives."""
     cfg, model = tiny_model("--ddp-bucket-size", "5000", "--no-jit")
     grads = [Tensor(np.random.default_rng(i).standard_normal(p.shape).astype(np.float32))
              for i, p in enumerate(model.get_parameters())]
@@ -2974,14 +2974,15 @@ def test_ddp_starts_each_bucket_when_its_gradients_are_final():
         assert started[-1:] == ([("R", bucket, 0)] if complete else started[-1:]) and \
             len(started) == len(buffer.buckets) - bucket - (not complete), (position, started)
     assert started == [("R", b, 0) for b in reversed(range(len(buffer.buckets)))]
-    for a, b in zip(ddp.finish_grad_sync(), plain):
+    for a, b in zip(ddp.reduce_grads(grads), plain):
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
     assert len(started) == len(buffer.buckets)            # nothing reduced twice
 
 
 @pytest.mark.dp
 def test_overlap_param_gather_writes_each_bucket_when_a_forward_needs_it():
-    """The distributed optimizer with overlap_param_gather leaves its updated shards pending:
+    """The distributed optimizer with overlap_param_gather (OverlappedParamGatherOptimizer)
+    leaves its updated shards pending:
     the params keep their old values until finish_param_sync(params) gathers the buckets that
     hold them, and the rest with finish_param_sync(); then they equal the optimizer's that
     gathers at once, bit for bit."""
@@ -2992,9 +2993,10 @@ def test_overlap_param_gather_writes_each_bucket_when_a_forward_needs_it():
         buffer = distributed.GradBuffer(params, group_size=1, bucket_size=5000)
         def make(ps, mults):
             return optimizer.AdamW(ps, wd_mults=mults)
-        opt = optimizer.DistributedOptimizer(
-            make, params, [1.0] * len(params), optimizer.ConstantGradScaler(1.0),
-            "ClipGlobalNorm", 1.0, [], [True] * len(params), buffer, overlap_param_gather=overlap)
+        kind = (optimizer.OverlappedParamGatherOptimizer if overlap
+                else optimizer.DistributedOptimizer)
+        opt = kind(make, params, [1.0] * len(params), optimizer.ConstantGradScaler(1.0),
+                   "ClipGlobalNorm", 1.0, [], [True] * len(params), buffer)
         before = [p.asnumpy().copy() for p in params]
         grads = [Tensor(np.full(p.shape, 0.1, np.float32)) for p in params]
         pieces = buffer.reduce_bucket
@@ -9560,7 +9562,8 @@ def test_every_named_module_attribute_exists(page):
 READING_BUDGETS = {"One process": 600, "Tensor + sequence parallel": 300,
                    "Data parallel + distributed optimizer": 400,
                    "Pipeline, 1F1B and interleaved": 300, "Context parallel": 200, "Experts": 400,
-                   "Experts' options": 100, "The optimizer's update": 100}
+                   "Experts' options": 100, "The optimizer's update": 100,
+                   "Megatron's overlap": 220}
 READING_ITEM = re.compile(r"^\d+\. \*\*(.+?)\*\* \((\d+) lines\)\.(.*?); proof:", re.M | re.S)
 LISTED = re.compile(r"`(\w+\.[\w.]+)` \((\d+)\)")
 

@@ -32,7 +32,8 @@ import optimizer as opt
 import parallel
 import pipeline
 from formats import checkpoint, hf_gpt2
-from gpt import Compiled, DropoutRNG, hidden_dtype, init_weights, layer_spec, model_provider
+from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, layer_spec, model_pieces,
+                 model_provider)
 from settings.cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
                           training_help)
 from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, main_grad_dtype,
@@ -249,12 +250,11 @@ class Trainer:
                 self.chunks, self.state, hop, hidden_dtype(model_cfg), self.grad_dtype,
                 self.compiled, cfg.parallel_config.pipeline_schedule, self.cast, phase,
                 optimizer.finish_param_sync)
-        self.overlap, self.pieces = overlaps_grad_reduce(cfg, self.state), None
-        if self.overlap and self.runner is None:
+        self.ready, self.pieces = distributed.ready_hook(cfg, ddp, self.params, self.state), None
+        if self.ready and self.runner is None:         # the overlap without a pipeline
             self.pieces = distributed.BackwardInPieces(
-                self.chunks[0].pieces(), self.params, self.grad_dtype, self.cast,
-                Compiled if self.compiled else lambda piece: piece,
-                optimizer.finish_param_sync, phase)
+                model_pieces(self.chunks[0]), self.params, self.grad_dtype, self.cast,
+                Compiled if self.compiled else None, optimizer.finish_param_sync, phase)
         self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
         self.loss_weight = 1.0
         self.has_moe = any(moe_layer_pattern(model_cfg))
@@ -276,31 +276,18 @@ class Trainer:
             # the aux and z losses' gradients get the main loss' weight (Megatron's
             # schedules.py:366 multiplies by cp too: its CP gradients are averaged, ours summed)
             moe.MoEAuxLossAutoScaler.set_loss_scale(self.loss_weight)
-        ready = self.grad_ready if self.overlap else None
+        tensors = [to_tensors(b, self.state) for b in micro_batches]
         if self.runner is not None:
-            return self.runner.run([to_tensors(b, self.state) for b in micro_batches],
-                                   self.loss_weight, ready=ready)
+            return self.runner.run(tensors, self.loss_weight, ready=self.ready)
         if self.pieces is not None:
-            return self.pieces.run([to_tensors(b, self.state) for b in micro_batches],
-                                   self.loss_weight, ready)
+            return self.pieces.run(tensors, self.loss_weight, self.ready)
         losses, acc = [], None
-        for batch in micro_batches:
-            loss, grads = self.grad_fn(*to_tensors(batch, self.state))
+        for batch in tensors:
+            loss, grads = self.grad_fn(*batch)
             losses.append(float(loss.asnumpy()) / self.loss_weight)
             grads = [self.cast(g, self.grad_dtype) for g in grads]
             acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
         return losses, acc
-
-    def grad_ready(self, position, grad):
-        """The gradient of parameter `position` is final for the step (overlap_grad_reduce):
-        to the DDP, which starts the bucket it completes."""
-        distributed.register_during_backward(self.ddp, position, grad, self.params[position],
-                                             self.state)
-
-    def finish_param_sync(self):
-        """Every parameter the last step updated written (with overlap_param_gather the
-        distributed optimizer leaves that to the next forward): before evaluating or saving."""
-        self.optimizer.finish_param_sync()
 
     def train_step(self, micro_batches):
         """Megatron's train_step: forward and backward over the micro-batches, the gradients'
@@ -331,15 +318,6 @@ class Trainer:
         return float(total.asnumpy()[0]) / size
 
 
-def overlaps_grad_reduce(cfg, state):
-    """Whether this rank starts its buckets' reductions during the backward: with
-    overlap_grad_reduce, except, with delay_grad_reduce, on pipeline stages after the first,
-    which reduce after the schedule, in the pipeline's bubble (Megatron's grad_sync_func)."""
-    training_cfg = cfg.training_config
-    delayed = training_cfg.delay_grad_reduce and state.pp > 1 and not state.is_first_stage
-    return training_cfg.overlap_grad_reduce and not delayed
-
-
 def data_loader(cfg, dataset, state, consumed):
     """This DP rank's micro-batches of `dataset` from sample `consumed`, as --dataloader-type
     says (Megatron's build_pretraining_data_loader)."""
@@ -353,7 +331,7 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
     """Mean loss of the trainer's forward (the model, maybe compiled) over `iters` global batches
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
     state, runner = trainer.state, trainer.runner
-    trainer.finish_param_sync()
+    trainer.optimizer.finish_param_sync()    # parameters a step left to the next forward, written
     trainer.set_train(False)
     num_microbatches = cfg.dataset_config.micro_batch_num
     it = data_loader(cfg, dataset, state, consumed)
@@ -410,13 +388,13 @@ def pretrain(cfg, notes=()):
             window.restart_clock()
         reason = exit_reason(training_cfg, iteration, started)
         if reason:
-            trainer.finish_param_sync()
+            trainer.optimizer.finish_param_sync()
             if last_saved != iteration:
                 checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
             log.info(f"exiting at iteration {iteration}: {reason}; "
                      f"continue with --load {training_cfg.output_dir}")
             return trainer.chunks
-    trainer.finish_param_sync()
+    trainer.optimizer.finish_param_sync()
     log.info(estimate.measured())
     if iteration > last_saved:                        # at the end, unless nothing was trained
         checkpoint.save_training_state(cfg, iteration, it.consumed_samples, trainer, rng)
@@ -468,7 +446,7 @@ def maybe_save(cfg, iteration, consumed, trainer, rng):
     interval = training_cfg.save_interval
     if not interval or iteration % interval or iteration >= training_cfg.training_iters:
         return False
-    trainer.finish_param_sync()
+    trainer.optimizer.finish_param_sync()
     checkpoint.save_training_state(cfg, iteration, consumed, trainer, rng)
     return True
 

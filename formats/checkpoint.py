@@ -24,7 +24,7 @@ import shutil
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor
+from mindspore import Parameter, Tensor, ops
 
 import moe
 import optimizer as opt
@@ -421,9 +421,18 @@ def _gathered_state_of(optimizer, names):
              **{f"optimizer.{kind}": pieces for kind, pieces in optimizer.inner.state.items()}}
     arrays = {}
     for prefix, pieces in kinds.items():
-        whole = optimizer.buffer.unflatten(optimizer.gathered_buckets(pieces, F32))
+        whole = unflattened(optimizer.buffer, ops.cat([
+            optimizer.gathered_bucket(b, pieces, F32) for b in range(len(optimizer.shards))]))
         arrays.update({f"{prefix}.{name}": t.asnumpy() for name, t in zip(names, whole)})
     return arrays, optimizer.inner.step_count
+
+
+def unflattened(buffer, flat):
+    """A distributed.GradBuffer's flat [numel] -> new tensors shaped like its parameters. A
+    slice is a view of the whole buffer in MindSpore, which in-place kernels (copy_) refuse once
+    reshaped: copied."""
+    return [flat[o:o + n].reshape(s).copy()
+            for o, n, s in zip(buffer.offsets, buffer.sizes, buffer.shapes)]
 
 
 def over_chain(optimizer, names, one):

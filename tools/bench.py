@@ -13,6 +13,10 @@ this machine's speed drifts; the table gives each run's figures per round.
     tp2 / tp2_sp       2 msrun workers: TP2, and TP2 with sequence parallelism
     dp2 / pp2          2 msrun workers: DP2 (micro-batch 4 each); PP2 with 4 micro-batches of 2
                        (1F1B)
+    dp2_buckets, dp2_overlap, dp2_distopt, dp2_distopt_overlap
+                       DP2 with buckets of a million elements, without and with
+                       --overlap-grad-reduce (each against the one before it); the same with the
+                       distributed optimizer, and with --overlap-param-gather too
     cp2 / cp2_ring     2 msrun workers: CP2, Ulysses and ring attention (128 tokens of each
                        sequence each)
                        each against `one` (the same model and global batch)
@@ -70,7 +74,17 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 LAYOUTS.update({"moe": (1, ["--micro-batch-size", "8", *MOE]),
                 "moe_ep2": (2, ["--micro-batch-size", "4", *MOE, "--expert-model-parallel-size",
                                 "2", "--moe-token-dispatcher-type", "alltoall"])})
-BASE = {"moe_ep2": "moe"}                  # the run a layout is compared with, if not `one`
+# Megatron's overlap (docs/parallel.md): buckets of a million elements (5 in this model),
+# with and without it, DP2 and DP2 with the distributed optimizer
+BUCKETS = ["--micro-batch-size", "4", "--ddp-bucket-size", "1000000"]
+OVERLAP = ["--overlap-grad-reduce"]
+DISTOPT = ["--use-distributed-optimizer"]
+LAYOUTS.update({"dp2_buckets": (2, BUCKETS), "dp2_overlap": (2, BUCKETS + OVERLAP),
+                "dp2_distopt": (2, BUCKETS + DISTOPT),
+                "dp2_distopt_overlap": (2, BUCKETS + DISTOPT + OVERLAP
+                                        + ["--overlap-param-gather"])})
+BASE = {"moe_ep2": "moe", "dp2_overlap": "dp2_buckets",   # the run a layout is compared with,
+        "dp2_distopt_overlap": "dp2_distopt"}               # if not `one`
 FP16 = ["--fp16", "--initial-loss-scale", "4096"]
 LAYOUTS.update({f"{name}_fp16": (LAYOUTS[name][0], LAYOUTS[name][1] + FP16)
                 for name in ("one", "tp2_sp", "dp2")})
