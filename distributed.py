@@ -14,6 +14,7 @@ The dense parameters are reduced over DP x CP, the experts over the expert-data-
 import numpy as np
 from mindspore import ops
 
+import moe
 from parallel import collectives, get_state
 
 
@@ -125,7 +126,7 @@ class DistributedDataParallel:
         return reduced[0] if len(reduced) == 1 else reduced
 
 
-def finalize_model_grads(grads, params, state, ddp):
+def finalize_model_grads(grads, params, state, ddp, model=()):
     """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
     reduction of a step's gradients, after the last backward, in the gradients' dtype (Megatron's
     main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32 parameters, else the
@@ -139,7 +140,9 @@ def finalize_model_grads(grads, params, state, ddp):
          rank's gradient is its tokens' share of the loss, see gpt.GPTModel) and averaged over
          DP, one all-reduce over the DP x CP group per bucket of the contiguous buffer, or, with
          the distributed optimizer, reduce-scattered to this rank's pieces; experts' gradients
-         over the expert-data-parallel group instead.
+         over the expert-data-parallel group instead;
+      4. the routers' expert biases of `model` (this rank's model chunks) from the step's tokens
+         per expert (moe.update_expert_bias; no gradient).
     `state` is the current parallel.ParallelState. Returns the gradients the optimizer takes."""
     grads = [collectives(state.tp_group).all_reduce(g)
              if getattr(param, "sequence_parallel", False) else g
@@ -147,6 +150,7 @@ def finalize_model_grads(grads, params, state, ddp):
     grads = [collectives(state.embedding_group).all_reduce(g)
              if getattr(param, "shared_embedding", False) else g
              for g, param in zip(grads, params)]
+    moe.update_expert_bias(model, state)
     return ddp.reduce_grads(grads)
 
 

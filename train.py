@@ -290,7 +290,8 @@ class Trainer:
         with self.phase("forward-backward"):
             losses, grads = self.forward_backward(micro_batches)
         with self.phase("grads-reduce"):
-            grads = distributed.finalize_model_grads(grads, self.params, self.state, self.ddp)
+            grads = distributed.finalize_model_grads(grads, self.params, self.state, self.ddp,
+                                                     self.chunks)
         with self.phase("optimizer"):
             lr = self.scheduler.get_lr()
             updated, grad_norm = self.optimizer.step(grads, lr, self.scheduler.get_wd())
