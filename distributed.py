@@ -20,6 +20,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, ops
 
+import moe
 from parallel import collectives, get_state
 
 
@@ -142,21 +143,21 @@ def reduced_over_model_parallel(grad, param, state, tied=True):
     return grad
 
 
-def finalize_model_grads(grads, params, state, ddp):
+def finalize_model_grads(grads, params, state, ddp, model=()):
     """Megatron's finalize_model_grads (megatron/core/distributed/finalize_model_grads.py): every
     reduction of a step's gradients not done during the backward, in the gradients' dtype
     (Megatron's main_grad: float32 with accumulate_allreduce_grads_in_fp32 or float32
-    parameters, else the parameters' half precision):
-      1. over TP under sequence parallelism, over the embedding group for the tied embedding's
-         copies (reduced_over_model_parallel);
-      2. data parallelism (`ddp.reduce_grads`): summed over CP (each cp rank's gradient is its
-         tokens' share of the loss, see gpt.GPTModel) and averaged over DP, one all-reduce over
-         the DP x CP group per bucket of the contiguous buffer, or, with the distributed
-         optimizer, reduce-scattered to this rank's pieces; experts' gradients over the
-         expert-data-parallel group instead.
-    `state` is the current parallel.ParallelState. Returns the gradients the optimizer takes."""
+    parameters, else the parameters' half precision): 1. over TP under sequence parallelism,
+    over the embedding group for the tied embedding's copies (reduced_over_model_parallel);
+    2. the expert biases of `model`'s routers (this rank's chunks) from the step's tokens per
+    expert (moe.update_expert_bias); 3. data parallelism (`ddp.reduce_grads`): summed over CP
+    (each cp rank's gradient is its tokens' share of the loss, see gpt.GPTModel) and averaged
+    over DP, one all-reduce over the DP x CP group per bucket, or, with the distributed
+    optimizer, reduce-scattered to this rank's pieces; experts' over the expert-data-parallel
+    group. `state` is the current parallel.ParallelState. Returns what the optimizer takes."""
     grads = [grad if ddp.is_ready(i) else reduced_over_model_parallel(grad, param, state)
              for i, (grad, param) in enumerate(zip(grads, params))]
+    moe.update_expert_bias(model, state)
     return ddp.reduce_grads(grads)
 
 

@@ -27,6 +27,8 @@ transformer_config.py at d98e8a64):
     moe_router_pre_softmax (l. 799)              softmax over all E before the top-k
     moe_router_topk_scaling_factor (l. 804)      None or a factor on the final probs
     moe_router_dtype (l. 811)                    None (the input's dtype) | "fp32"
+    moe_router_enable_expert_bias (l. 816)       a bias [E] on the sigmoids chooses the experts
+    moe_router_bias_update_rate (l. 821)         its step (update_expert_bias)
     moe_router_load_balancing_type (l. 743)      "aux_loss" | "seq_aux_loss" | "none"
     moe_aux_loss_coeff (l. 875)                  0 computes no balancing loss
     moe_z_loss_coeff (l. 880)                    None (or 0) computes no z-loss
@@ -45,6 +47,9 @@ Process groups, the current ParallelState's (parallel.rank_groups; Megatron's pa
                   dispatcher's group (the TP group when EP = 1)
     tp_cp_group   TP x CP (_TENSOR_AND_CONTEXT_PARALLEL_GROUP, l. 1319-1331), over which the
                   router's token counts are summed (the TP group when CP = 1)
+    tp_dp_cp_group  TP x DP x CP, a stage's ranks (get_tensor_and_data_parallel_group(
+                  with_context_parallel=True)), over which update_expert_bias sums a step's
+                  tokens per expert
     edp_group     the expert-data-parallel group (_EXPERT_DATA_PARALLEL_GROUP): the ranks that
                   hold the same experts, over which the trainer sums the experts' gradients
                   (distributed.build_data_parallel, optimizer.ChainedOptimizer)
@@ -64,6 +69,14 @@ values to its `tracker` hook, when what logs them has attached one (aux/coeff,
 z/(coeff/|tp_cp|), as router.py:594-601, 702-708 record them; tools/logs.py sums them over a
 step, then reduces and clears them, as Megatron's MoEMetricsTracker.report).
 
+Aux-loss-free balancing (moe_router_enable_expert_bias; router.py:180-201, 733-744,
+finalize_model_grads.py:334-371). A float32 bias [E], no parameter, is added to the sigmoid
+scores only to choose each token's k experts; the probabilities stay the unbiased scores. Each
+forward recorded for a backward counts its routed tokens; after the step's backward
+distributed.finalize_model_grads calls update_expert_bias, which sums the counts over TP x DP x
+CP and moves each bias by rate * sign(mean - count). Checkpoints hold the bias as Megatron's
+state dict does ("...mlp.router.expert_bias": expert_biases).
+
 Parameter names follow Megatron's modules: router.weight|bias, experts.local_experts.J.
 linear_fc1|linear_fc2.weight|bias (J local; `global_expert_name` makes it global),
 shared_experts.linear_fc1|linear_fc2.weight, shared_experts.gate_weight. Initialisation
@@ -74,6 +87,7 @@ tp, tensor_parallel/layers.py:1033-1037, 1090; with EP = 1 their group is DP x C
 their gradients summed over the expert-data-parallel group; they carry `partition_dim` like the
 TP layers; the router's and the gate's `sequence_parallel` as Megatron marks them.
 """
+import itertools
 import math
 import re
 
@@ -89,6 +103,7 @@ from settings.config import fc1_chunks
 
 # Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
 METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+_BUFFER_IDS = itertools.count()     # the routers' buffers' names, unique as a graph needs them
 
 
 @constexpr
@@ -128,20 +143,37 @@ def global_expert_name(name, offset):
         lambda m: f"{m.group(1)}local_experts.{offset + int(m.group(2))}.", name)
 
 
+def expert_biases(cell):
+    """(name, Parameter) of the expert biases of the routers inside `cell`, named as Megatron's
+    state dict names the buffer ("...mlp.router.expert_bias"): what a checkpoint holds beside
+    the parameters, which no optimizer updates."""
+    return [(f"{name}.expert_bias", router.expert_bias[0])
+            for name, router in cell.cells_and_names()
+            if isinstance(router, TopKRouter) and router.expert_bias is not None]
+
+
+def is_expert_bias(name):
+    """A router's expert bias (expert_biases), by its name: no parameter, no optimizer state."""
+    return name.endswith(".expert_bias")
+
+
 # ============================================================================ routing
 def topk_routing_with_score_function(logits, topk, use_pre_softmax, scaling_factor,
-                                     score_function):
+                                     score_function, expert_bias=None):
     """Megatron's topk_routing_with_score_function (moe_utils.py:766-957): logits [n, E] ->
     (routing_probs [n, E], 0 off the top-k; routing_map [n, E] bool). softmax: top-k of the
     logits then a softmax over the k (or, pre-softmax, top-k of the softmax over all E, not
-    renormalised); sigmoid: top-k of the sigmoids, renormalised over the k when k > 1."""
+    renormalised); sigmoid: top-k of the sigmoids, renormalised over the k when k > 1; with an
+    expert_bias [E] (float32) the top-k of sigmoid + bias, each weighted by its own sigmoid."""
     if score_function == "softmax" and use_pre_softmax:
         probs, top_indices = ops.topk(ops.softmax(cast(logits, F32), -1), topk)    # [n, k]
     elif score_function == "softmax":
         scores, top_indices = ops.topk(logits, topk)
         probs = ops.softmax(cast(scores, F32), -1)
     else:
-        probs, top_indices = ops.topk(ops.sigmoid(cast(logits, F32)), topk)
+        scores = ops.sigmoid(cast(logits, F32))                                     # [n, E]
+        top_indices = ops.topk(scores if expert_bias is None else scores + expert_bias, topk)[1]
+        probs = ops.gather_elements(scores, 1, top_indices)     # the bias chooses, not weighs
         if topk > 1:
             probs = probs / (probs.sum(-1, keepdims=True) + 1e-20)
     if scaling_factor:
@@ -258,7 +290,9 @@ class TopKRouter(nn.Cell):
 
     `tracker`: a hook, None or a Cell (index, value) that what logs the losses attaches
     (tools/logs.py): each value Megatron records under the name METRICS[index] is given to it
-    (Megatron's save_to_aux_losses_tracker)."""
+    (Megatron's save_to_aux_losses_tracker). With moe_router_enable_expert_bias, `expert_bias`
+    [E] chooses the experts with the sigmoids, and each forward recorded for a backward adds its
+    routed tokens to `local_tokens_per_expert` [E], for update_expert_bias after the step."""
 
     def __init__(self, cfg, tp_cp_group=None):
         super().__init__()
@@ -276,6 +310,15 @@ class TopKRouter(nn.Cell):
         parallel.mark_sequence_parallel(self.get_parameters(), sequence_parallel)
         self.aux_loss_scaler, self.z_loss_scaler = MoEAuxLossAutoScaler(), MoEAuxLossAutoScaler()
         self.tracker = None
+        # Megatron's float32 buffers expert_bias and local_tokens_per_expert [E] (router.py:
+        # 180-201), each in a 1-tuple: no parameter, so no optimizer or initialisation sees them;
+        # tokens_per_expert: the last update's sums, for the log
+        self.expert_bias = self.local_tokens_per_expert = self.tokens_per_expert = None
+        if cfg.moe_router_enable_expert_bias:
+            self.expert_bias, self.local_tokens_per_expert = (
+                (Parameter(Tensor(np.zeros(cfg.num_moe_experts, np.float32)),
+                           name=f"router_{what}.{next(_BUFFER_IDS)}", requires_grad=False),)
+                for what in ("expert_bias", "tokens"))
 
     def construct(self, hidden):
         """routing() (router.py:746-837); the losses only in training with a backward recorded."""
@@ -285,15 +328,21 @@ class TopKRouter(nn.Cell):
         training = self.training and grad_enabled()
         if training and cfg.moe_z_loss_coeff:
             logits = self.apply_z_loss(logits)                                    # [n, E]
+        bias = None if self.expert_bias is None else self.expert_bias[0]          # [E] or None
         probs, routing_map = topk_routing_with_score_function(
             logits, self.topk, cfg.moe_router_pre_softmax, cfg.moe_router_topk_scaling_factor,
-            cfg.moe_router_score_function)
+            cfg.moe_router_score_function, bias)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
                 probs, routing_map, self.topk, cfg.moe_expert_capacity_factor,
                 cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity)
         if training and self.aux_loss_coeff > 0:
             probs = self.apply_load_balancing_loss(probs, logits, s, b)
+        # Megatron's _apply_expert_bias (router.py:733-744): the kept tokens of each forward
+        # recorded for a backward (no evaluation's), summed over the step's micro-batches
+        if self.expert_bias is not None and grad_enabled():
+            ops.assign_add(self.local_tokens_per_expert[0],
+                           ops.stop_gradient(routing_map.astype(F32).sum(0)))        # [E]
         return probs, routing_map
 
     def apply_z_loss(self, logits):
@@ -327,6 +376,27 @@ class TopKRouter(nn.Cell):
         if self.tracker is not None:
             self.tracker(1 if per_sequence else 0, aux_loss / self.aux_loss_coeff)
         return self.aux_loss_scaler(probs, aux_loss, self.aux_loss_scaler.main_loss_backward_scale)
+
+
+def routers(cells):
+    """The TopKRouter Cells inside `cells` (model chunks, layers or routers), in model order."""
+    return [cell for top in cells for _, cell in top.cells_and_names()
+            if isinstance(cell, TopKRouter)]
+
+
+def update_expert_bias(chunks, state):
+    """Megatron's _update_router_expert_bias (finalize_model_grads.py:334-371): the step's tokens
+    per expert of each training router with a bias, summed over TP x DP x CP (every rank of the
+    stage: all get the same), move its bias by rate * sign(mean - tokens), a busy expert down."""
+    found = [r for r in routers(chunks) if r.expert_bias is not None and r.training]
+    if found:                                         # else no MoE layer on this stage
+        tokens = parallel.collectives(state.tp_dp_cp_group).all_reduce(
+            ops.stack([r.local_tokens_per_expert[0].value() for r in found]))       # [L, E]
+        for router, count in zip(found, tokens):      # moe_utils.py:1199-1229
+            step = ops.sign(count.mean() - count) * router.cfg.moe_router_bias_update_rate
+            ops.assign(router.expert_bias[0], router.expert_bias[0] + step)
+            ops.assign(router.local_tokens_per_expert[0], ops.zeros_like(count))  # count anew
+            router.tokens_per_expert = count.asnumpy()                           # for the log
 
 
 # ============================================================================ experts

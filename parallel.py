@@ -68,7 +68,8 @@ def rank_groups(world_size, tp, cp, pp, ulysses=None, ep=1):
     `ulysses` adjacent cp ranks (default: all of them), "cp_ring" groups the ranks `ulysses`
     apart. Experts (moe.py): "ep" groups `ep` adjacent DP x CP ranks, "edp" the ranks holding
     the same experts, "tp_ep" is TP x EP (the allgather dispatcher's group), "tp_cp" TP x CP
-    (over which a router counts its tokens)."""
+    (over which a router counts its tokens), "tp_dp_cp" TP x DP x CP, a stage's every rank (over
+    which the routers' expert biases count their tokens)."""
     grid, expert_grid = rank_grid(world_size, tp, cp, pp), rank_grid(world_size, tp, cp, pp, ep)
 
     def along(*axes, of=grid):   # groups varying `axes` (of pp=0, dp=1, cp=2, tp=3), the rest fixed
@@ -79,7 +80,7 @@ def rank_groups(world_size, tp, cp, pp, ulysses=None, ep=1):
     groups = {"tp": along(3), "cp": along(2), "dp": along(1), "pp": along(0),
               "dp_cp": along(1, 2), "mp": along(0, 3), "tp_cp": along(2, 3),
               "ep": along(2, of=expert_grid), "edp": along(1, of=expert_grid),
-              "tp_ep": along(2, 3, of=expert_grid)}
+              "tp_ep": along(2, 3, of=expert_grid), "tp_dp_cp": along(1, 2, 3)}
     ulysses = cp if ulysses is None else ulysses
     groups["cp_ulysses"] = [g[i:i + ulysses] for g in groups["cp"] for i in range(0, cp, ulysses)]
     groups["cp_ring"] = [g[i::ulysses] for g in groups["cp"] for i in range(ulysses)]
@@ -122,6 +123,7 @@ class ParallelState:
     edp_group: str = None
     tp_ep_group: str = None
     tp_cp_group: str = None
+    tp_dp_cp_group: str = None
 
     @property
     def dp_cp_rank(self):
@@ -170,9 +172,10 @@ def _use_group(kind, ranks):
 
 
 # a group that holds the same ranks as the one named beside it is that group (no second
-# communicator): a CP subgroup that is all of CP, TP x CP without CP, the expert groups without EP
+# communicator): a CP subgroup that is all of CP, TP x CP without CP, the expert groups without
+# EP, TP x DP x CP without TP
 SAME_RANKS_AS = {"cp_ulysses": "cp", "cp_ring": "cp", "tp_cp": "tp", "edp": "dp_cp",
-                 "tp_ep": "tp"}
+                 "tp_ep": "tp", "tp_dp_cp": "dp_cp"}
 
 
 def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses=None, ep=1):
@@ -201,7 +204,7 @@ def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses
         cp_ulysses_group=names["cp_ulysses"], cp_ring_group=names["cp_ring"],
         ep=ep, ep_rank=mine["ep"].index(rank), edp_rank=mine["edp"].index(rank),
         ep_group=names["ep"], edp_group=names["edp"], tp_ep_group=names["tp_ep"],
-        tp_cp_group=names["tp_cp"])
+        tp_cp_group=names["tp_cp"], tp_dp_cp_group=names["tp_dp_cp"])
     return _STATE
 
 

@@ -583,6 +583,10 @@ def test_recompute_keys_follow_megatrons_rules(args, message, capsys, tmp_path):
 
 
 MOE_FLAGS = ["--num-experts", "4"]
+# aux-loss-free balancing, Megatron's flags: sigmoid scores (which it needs), a bias moving 0.01 a
+# step (Megatron's default 1e-3 would seldom change a choice in a test's 4 steps)
+EXPERT_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+               "--moe-router-bias-update-rate", "0.01"]
 MOE_ERRORS = [
     (MOE_FLAGS + ["--moe-router-topk", "1"],
      "moe_router_topk=1 with softmax needs --moe-router-pre-softmax"),
@@ -612,7 +616,9 @@ MOE_ERRORS = [
     (["--expert-model-parallel-size", "2"],
      "expert_model_parallel_size=2 needs experts: give --num-experts"),
     (MOE_FLAGS + ["--moe-router-enable-expert-bias"],
-     "moe_router_enable_expert_bias=True: only False here: the router has no expert bias"),
+     "moe_router_enable_expert_bias needs --moe-router-score-function sigmoid"),
+    (MOE_FLAGS + ["--moe-router-bias-update-rate", "fast"],
+     "moe_router_bias_update_rate"),
     (MOE_FLAGS + ["--moe-input-jitter-eps", "0.1"],
      "moe_input_jitter_eps=0.1: only None here: the router's input is not jittered"),
     (MOE_FLAGS + ["--moe-permute-fusion"], "moe_permute_fusion=True: only False here"),
@@ -642,8 +648,12 @@ def test_moe_keys_take_megatrons_defaults_and_select_layers():
     m = model(*MOE_FLAGS)
     assert (m.moe_router_topk, m.moe_router_load_balancing_type, m.moe_aux_loss_coeff,
             m.moe_z_loss_coeff, m.moe_token_dispatcher_type, m.moe_token_drop_policy,
-            m.moe_ffn_hidden_size, m.moe_expert_capacity_factor) == \
-        (2, "aux_loss", 0.0, None, "allgather", "probs", m.ffn_hidden_size, None)
+            m.moe_ffn_hidden_size, m.moe_expert_capacity_factor,
+            m.moe_router_enable_expert_bias, m.moe_router_bias_update_rate) == \
+        (2, "aux_loss", 0.0, None, "allgather", "probs", m.ffn_hidden_size, None, False, 1e-3)
+    biased = model(*MOE_FLAGS, *EXPERT_BIAS)
+    assert (biased.moe_router_enable_expert_bias, biased.moe_router_bias_update_rate,
+            biased.moe_router_score_function) == (True, 0.01, "sigmoid")
     assert config.moe_layer_pattern(m) == [1, 1, 1, 1]
     pattern = config.moe_layer_pattern
     assert pattern(model(*MOE_FLAGS, "--moe-layer-freq", "3")) == [1, 0, 0, 1]
@@ -2154,7 +2164,8 @@ def check_rank_groups(c):
                 "embedding": pp, "pp_pairs": pp, "cp_ulysses": [[r] for r in range(8)],
                 "cp_ring": [[r] for r in range(8)], "tp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
                 "ep": [[r] for r in range(8)], "edp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-                "tp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+                "tp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "tp_dp_cp": [[0, 1, 2, 3], [4, 5, 6, 7]]}
     c("rank_groups(8, tp=2, cp=1, pp=2)", rank_groups(8, 2, 1, 2) == expected)
     # EP carved out of DP x CP = 4 ranks (Megatron's "tp-ep-dp-pp"): adjacent DP ranks
     experts = rank_groups(8, 2, 1, 1, ep=2)
@@ -2188,6 +2199,9 @@ def check_state(c, state, tp, cp, pp):
     want = (r % tp, r // tp % cp, r // (tp * cp) % dp, r // (tp * cp * dp))
     c(f"state coordinates {coords}", coords == want, f"expected {want}")
     c("state tp group", parallel.group_ranks(state.tp_group) == [r - r % tp + i for i in range(tp)])
+    stage = tp * cp * dp                               # TP x DP x CP: every rank of r's stage
+    c("state tp_dp_cp group", parallel.group_ranks(state.tp_dp_cp_group)
+      == list(range(want[3] * stage, (want[3] + 1) * stage)))
     c("state first/last stage",
       (state.is_first_stage, state.is_last_stage) == (want[3] == 0, want[3] == pp - 1))
     c("state embedding group", (state.embedding_group is None) == (pp == 1 or not (
@@ -4198,6 +4212,7 @@ def moe_config(**overrides):
                moe_pad_expert_input_to_capacity=False, moe_token_drop_policy="probs",
                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
                moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
+               moe_router_enable_expert_bias=False, moe_router_bias_update_rate=1e-3,
                normalization="LayerNorm", use_flash_attention=False)
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
@@ -4561,6 +4576,101 @@ def test_training_the_router_on_the_aux_loss_evens_the_expert_load():
     assert float(before) == 2.0 and float(after) < 1.25, (float(before), float(after))
 
 
+# aux-loss-free balancing: the expert bias
+@pytest.mark.moe
+def test_expert_bias_chooses_the_experts_not_their_weights():
+    """Megatron's biased top-k (moe_utils.py:919-926): a zero bias routes as none; a bias [E]
+    added to the sigmoids chooses other experts, each weighted by its own sigmoid (renormalised
+    over the k). The bias and the counts are no parameters; a forward recorded for a backward
+    counts its tokens per expert, an evaluation's does not."""
+    cfg = moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     add_bias_linear=True)
+    router = fill_normal(moe.TopKRouter(cfg))
+    assert [p.name for p in router.get_parameters()] == ["weight", "bias"]
+    x = gaussian((6, 3, 8), 1)
+    logits = x.asnumpy().reshape(18, 8) @ router.weight.asnumpy().T + router.bias.asnumpy()
+    scores = 1 / (1 + np.exp(-logits))
+    unbiased = np_route(logits, 2, "sigmoid", False, None)
+    for bias in ([0.0, 0.0, 0.0, 0.0], [0.3, -0.2, 0.1, 0.0]):
+        ops.assign(router.expert_bias[0], Tensor(np.array(bias, np.float32)))
+        probs, routing_map = (t.asnumpy() for t in router(x))
+        top = np.argsort(-(scores + bias), -1)[:, :2]
+        want_map = np.zeros(scores.shape, bool)
+        want_map[np.arange(18)[:, None], top] = True
+        np.testing.assert_array_equal(routing_map, want_map)
+        chosen = scores * want_map
+        np.testing.assert_allclose(probs, chosen / chosen.sum(-1, keepdims=True), rtol=1e-5)
+        assert np.array_equal(routing_map, unbiased[1]) == (not any(bias))
+    assert not router.local_tokens_per_expert[0].asnumpy().any()        # no backward recorded
+    router.set_train(True)
+    ms.grad(lambda x: router(x)[0].sum())(x)
+    np.testing.assert_array_equal(router.local_tokens_per_expert[0].asnumpy(),
+                                  routing_map.sum(0))
+
+
+@pytest.mark.moe
+def test_update_expert_bias_moves_each_bias_against_its_load():
+    """Megatron's get_updated_expert_bias after a step (in one process the sum over TP x DP x CP
+    is the rank's own counts): bias += rate * sign(mean - tokens), 0 at the mean; the counts
+    start again at 0, their sums kept for the log; a router in evaluation mode (Megatron's
+    module.training) keeps its bias and counts."""
+    cfg = moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_router_bias_update_rate=0.5)
+    routers = [moe.TopKRouter(cfg) for _ in range(3)]
+    counts = [[10, 2, 4, 0], [3, 3, 3, 3], [1, 0, 0, 0]]
+    for router, count in zip(routers, counts):
+        router.set_train(True)
+        ops.assign(router.local_tokens_per_expert[0], Tensor(np.array(count, np.float32)))
+    routers[2].set_train(False)
+    for _ in range(2):                            # the second update: no tokens, no change
+        moe.update_expert_bias(routers, parallel.get_state())
+        assert [r.expert_bias[0].asnumpy().tolist() for r in routers] == [
+            [-0.5, 0.5, 0.0, 0.5], [0.0] * 4, [0.0] * 4]
+    assert routers[0].tokens_per_expert.tolist() == [0.0] * 4                # the last step's
+    assert [r.local_tokens_per_expert[0].asnumpy().tolist() for r in routers] == [
+        [0.0] * 4, [0.0] * 4, counts[2]]
+
+
+# test_expert_bias_evens_the_load_of_a_training_run's runs, compiled: a GPT whose first layer is
+# an MoE layer of sigmoid routing, no aux loss, 30 steps at lr 1e-4 (the router's choices drift
+# slower than the bias follows), the bias moving at Megatron's default rate 1e-3 or at 0 (it
+# stays 0: the router chooses as without a bias, and its tokens are counted and logged the same)
+EXPERT_BIAS_RUN = [*MOE_FLAGS, "--moe-layer-freq", "2", "--disable-bias-linear", "--lr", "1e-4",
+                   "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                   "--global-batch-size", "8", "--train-iters", "30"]
+EXPERT_BIAS_RUNS = {"bias": EXPERT_BIAS_RUN,
+                    "no_bias": [*EXPERT_BIAS_RUN, "--moe-router-bias-update-rate", "0"]}
+
+
+def call_expert_bias_runs(harness):
+    """EXPERT_BIAS_RUNS, each a process of its own (FORKED_RUNS), in the harness's background:
+    {name: [exit code, its output]}."""
+    return forked_runs({name: training_argv(harness.tmp / name, harness.prefix, *flags, jit=True)
+                        for name, flags in EXPERT_BIAS_RUNS.items()})
+
+
+add("expert_bias_runs", 0, "moe", call=call_expert_bias_runs, beside="forked")
+
+
+@pytest.mark.moe
+@pytest.mark.reads("expert_bias_runs")
+def test_expert_bias_evens_the_load_of_a_training_run(runs):
+    """The MoE layer's tokens per expert (max / mean over its 4 experts; 1 is even, 2 every
+    token on the same 2 experts) over the last 15 of 30 compiled steps (EXPERT_BIAS_RUNS): under
+    1.25 with the expert bias, above 1.4 without (measured 1.11 and 1.56); every step counts
+    each token's 2 choices, once."""
+    for name, (code, output) in runs.result("expert_bias_runs").items():
+        assert code == 0, (name, output[-3000:])
+    spread = {}
+    for name in EXPERT_BIAS_RUNS:
+        counts = tokens_per_expert(runs.tmp / name)
+        assert sorted(counts) == [(step, "layers.0") for step in range(1, 31)]
+        assert {sum(c) for c in counts.values()} == {8 * 32 * 2}
+        last = np.array([counts[(step, "layers.0")] for step in range(16, 31)])
+        spread[name] = float((last.max(1) / last.mean(1)).mean())
+    assert spread["bias"] < 1.25 and spread["no_bias"] > 1.4, spread
+
+
 # the experts and dispatchers
 @pytest.mark.moe
 @pytest.mark.parametrize("act, bias, dtype", [
@@ -4808,21 +4918,22 @@ def test_moe_msrun_checks(runs, family, job):
 
 
 # the references: one MoE layer, with a capacity factor, a pipeline's 4 layers, RoPE and GQA
-# (where CP2 x TP2 x EP2 leave DP 1: 4 sequences a step)
+# (where CP2 x TP2 x EP2 leave DP 1: 4 sequences a step); the last three with an expert bias,
+# which chooses other experts from step 2 on
 add("one_moe", 1, "moe", MOE_LAYER)
-add("one_moe_capacity", 1, "moe", MOE_RUN + CAPACITY)
-add("one_moe_pp", 1, "moe", PIPELINE_RUN + MOE_RUN)
-add("one_moe_rope_gqa", 1, "moe", ROPE + MOE_LAYER + FOUR)
+add("one_moe_capacity", 1, "moe", MOE_RUN + CAPACITY + EXPERT_BIAS)
+add("one_moe_pp", 1, "moe", PIPELINE_RUN + MOE_RUN + EXPERT_BIAS)
+add("one_moe_rope_gqa", 1, "moe", ROPE + MOE_LAYER + FOUR + EXPERT_BIAS)
 # 4 workers
-layout("ep2_pp2_vpp2_distopt", 4, "moe", PIPELINE_RUN + MOE_RUN + EP2 + PP2 + VPP2 + DISTOPT,
-       "one_moe_pp")
+layout("ep2_pp2_vpp2_distopt", 4, "moe",
+       PIPELINE_RUN + MOE_RUN + EXPERT_BIAS + EP2 + PP2 + VPP2 + DISTOPT, "one_moe_pp")
 # Compiled graphs holding collectives of several kinds of groups (each rank's own tp-, cp-, ep-
 # subgroups), rank 1 HELD s late to step 2 while its peers wait inside the graph: the flight
 # recorder's watchdog reads the records then, and must wait, as for any slow peer (the flight
 # recorder section)
 layout("ep2_cp2_ulysses_tp2_sp_alltoall", 4, "moe",
-       ROPE + MOE_LAYER + FOUR + EP2 + CP2 + TP2 + SP + ALLTOALL + COMPILED, "one_moe_rope_gqa",
-       hold=2)
+       ROPE + MOE_LAYER + FOUR + EXPERT_BIAS + EP2 + CP2 + TP2 + SP + ALLTOALL + COMPILED,
+       "one_moe_rope_gqa", hold=2)
 layout("ep2_dp2_distopt", 4, "moe", MOE_LAYER + EP2 + DISTOPT, "one_moe")
 # with Megatron's overlap (the DP section's), the experts' buffer's buckets too: two buckets in
 # each buffer (dense: the word embedding's 24,576 elements, then the rest; experts: 3 of their 4
@@ -4830,13 +4941,27 @@ layout("ep2_dp2_distopt", 4, "moe", MOE_LAYER + EP2 + DISTOPT, "one_moe")
 layout("ep2_dp2_distopt_overlap", 4, "moe dp",
        MOE_LAYER + EP2 + PARAM_GATHER + ["--overlap-grad-reduce", "--ddp-bucket-size", "24000"],
        "one_moe")
-layout("ep2_pp2_capacity", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2 + SAVE_HALF,
-       "one_moe_capacity")
+layout("ep2_pp2_capacity", 4, "moe checkpoint",
+       MOE_RUN + CAPACITY + EXPERT_BIAS + EP2 + PP2 + SAVE_HALF, "one_moe_capacity")
 layout("ep4_distopt", 4, "moe checkpoint", MOE_LAYER + EP4 + DISTOPT + SAVE_HALF, "one_moe")
 # 2 workers
 layout("ep2_alltoall_distopt", 2, "moe", MOE_LAYER + EP2 + ALLTOALL + DISTOPT + COMPILED,
        "one_moe")
-layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EP2, "one_moe_capacity")
+layout("ep2_capacity", 2, "moe", MOE_RUN + CAPACITY + EXPERT_BIAS + EP2, "one_moe_capacity")
+
+
+def tokens_per_expert(folder):
+    """{(step, layer): tokens per expert} of a run's `moe tokens per expert:` lines, read from
+    every rank's log (a rank logs its stage's layers); every rank of a stage logs the same."""
+    counts = {}
+    for log in pathlib.Path(folder, "log").glob("rank_*/info.log"):
+        for line in log.read_text().splitlines():
+            if line.startswith("moe tokens per expert: "):
+                step = int(re.search(r"Step:(\d+)", line).group(1))
+                for layer, numbers in re.findall(r"(layers\.\d+): ([\d ]+) \(", line):
+                    counts.setdefault((step, layer), set()).add(tuple(map(int, numbers.split())))
+    assert all(len(seen) == 1 for seen in counts.values()), counts
+    return {key: seen.pop() for key, seen in counts.items()}
 
 
 @pytest.mark.parametrize("overlapped,plain", [
@@ -4855,8 +4980,13 @@ def test_moe_overlap_trains_like_the_same_layout_without(runs, overlapped, plain
 def test_moe_layouts_train_like_one_process(runs, layout):
     """Each EP layout (both dispatchers, capacity, the distributed optimizer, beside PP2 x VPP2,
     DP2, CP2 x TP2 + SP compiled with a rank late, EP4) trains like one process
-    (assert_layout_trains_like_one_process)."""
+    (assert_layout_trains_like_one_process). With an expert bias (PP2 x VPP2, CP2 x TP2 + SP,
+    capacity) every rank's tokens per expert, summed over TP x DP x CP, are one process's,
+    layer by layer and step by step: the same biases made the same choices."""
     assert_layout_trains_like_one_process(runs, layout)
+    if "--moe-router-enable-expert-bias" in JOBS[layout].flags:
+        counts, want = (tokens_per_expert(runs.folder(run)) for run in (layout, REFERENCE[layout]))
+        assert counts == want and {step for step, _ in want} == set(range(1, STEPS + 1))
 
 
 def plant_aux_loss_scaled_twice():
@@ -4867,14 +4997,25 @@ def plant_aux_loss_scaled_twice():
              staticmethod(lambda scale: real(scale * scale)))]
 
 
+def plant_expert_bias_tokens_unsummed():
+    """MoE: each rank moves its expert biases by its own tokens per expert, not summed over TP x
+    DP x CP (its TP group, one rank here, in place of the stage's)."""
+    real = moe.update_expert_bias
+    return [(moe, "update_expert_bias", lambda chunks, state: real(
+        chunks, parallel.ParallelState(**{**vars(state), "tp_dp_cp_group": state.tp_group})))]
+
+
 planted_job("aux_loss_scaled_twice", plant_aux_loss_scaled_twice, MOE_LAYER + EP2 + ALLTOALL,
             "one_moe", "moe", "grad norm")
+planted_job("expert_bias_tokens_unsummed", plant_expert_bias_tokens_unsummed,
+            MOE_RUN + CAPACITY + EXPERT_BIAS + EP2, "one_moe_capacity", "moe", "loss")
 
 
 @pytest.mark.parametrize("plant", plant_params("moe"))
 def test_moe_planted_bug_is_caught(runs, plant):
-    """The aux and z losses' gradients scaled twice make EP2's proof fail on the gradient norm
-    (assert_planted_bug_is_caught)."""
+    """The aux and z losses' gradients scaled twice make EP2's proof fail on the gradient norm;
+    expert biases moved by each rank's own tokens make EP2's fail on the loss of step 2, the
+    first routed with the bias (assert_planted_bug_is_caught)."""
     assert_planted_bug_is_caught(runs, plant)
 
 
@@ -6065,20 +6206,23 @@ def test_project_ranks_written_as_megatron_files_read_back(tmp_path):
 
 
 # a tiny MoE model for Megatron's torch format: 4 experts (top-2), a gated shared expert, both
-# balancing losses, SwiGLU (no biases: GeLU would be gelu_tanh); layer 0 dense, layer 1 MoE
+# balancing losses, an expert bias, SwiGLU (no biases: GeLU would be gelu_tanh); layer 0 dense,
+# layer 1 MoE
 TORCH_MOE = ["--num-experts", "4", "--moe-shared-expert-intermediate-size", "64",
              "--moe-shared-expert-gate", "--disable-bias-linear", "--moe-layer-freq", "[0,1]",
-             "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--ckpt-format",
-             "torch", "--micro-batch-size", "2", "--global-batch-size", "4", "--swiglu",
-             "--eval-iters", "0"]
+             "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", *EXPERT_BIAS,
+             "--ckpt-format", "torch", "--micro-batch-size", "2", "--global-batch-size", "4",
+             "--swiglu", "--eval-iters", "0"]
 
 
 def moe_layer_keys(experts):
-    """Megatron-core's state dict keys of an MoE layer (local transformer impl), in order."""
+    """Megatron-core's state dict keys of an MoE layer (local transformer impl), in order: the
+    router's expert_bias buffer after its weight."""
     linear = lambda m: [f"{m}.weight", f"{m}._extra_state"]
     keys = ["input_layernorm.weight", "input_layernorm.bias",
             *linear("self_attention.linear_proj"), *linear("self_attention.linear_qkv"),
-            "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", "mlp.router.weight"]
+            "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", "mlp.router.weight",
+            "mlp.router.expert_bias"]
     for j in experts:
         keys += linear(f"mlp.experts.local_experts.{j}.linear_fc1")
         keys += linear(f"mlp.experts.local_experts.{j}.linear_fc2")
@@ -6101,10 +6245,10 @@ def torch_moe_checkpoint(tmp_path_factory):
 def test_torch_format_moe_run_holds_megatrons_names_and_resumes_bit_for_bit(torch_moe_checkpoint,
                                                                            tmp_path):
     """A one-process MoE run saved with --ckpt-format torch: its model_optim_rng.pt holds
-    Megatron-core's MoE names in its order (router, local_experts.j, shared_experts with
-    gate_weight first), its MoE args, and a ChainedOptimizer's [dense, experts] state dicts (the
-    experts' param_groups is_expert_parallel); resumed after step 2 it logs the losses of the run
-    that never stopped, bit for bit."""
+    Megatron-core's MoE names in its order (router with its moved expert bias, local_experts.j,
+    shared_experts with gate_weight first), its MoE args, and a ChainedOptimizer's [dense,
+    experts] state dicts (the experts' param_groups is_expert_parallel; the bias has no state);
+    resumed after step 2 it logs the losses of the run that never stopped, bit for bit."""
     full = run_training(tmp_path, "full", *TORCH_MOE, "--train-iters", "4")[0]
     resumed = run_training(tmp_path, "resumed", *TORCH_MOE, "--train-iters", "4",
                            "--load", torch_moe_checkpoint)[0]
@@ -6114,17 +6258,21 @@ def test_torch_format_moe_run_holds_megatrons_names_and_resumes_bit_for_bit(torc
     assert keys == moe_layer_keys(range(4))
     assert state["model"]["decoder.layers.1.mlp.router.weight"].shape == (4, 64)
     assert state["model"]["decoder.layers.1.mlp.shared_experts.gate_weight"].shape == (1, 64)
+    assert np.abs(state["model"]["decoder.layers.1.mlp.router.expert_bias"]).max() > 0
     args = vars(state["args"])
     assert {k: args[k] for k in ("num_experts", "moe_router_topk", "moe_layer_freq",
                                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
                                  "moe_aux_loss_coeff", "moe_z_loss_coeff",
                                  "moe_router_load_balancing_type", "moe_token_dispatcher_type",
-                                 "expert_model_parallel_size", "moe_ffn_hidden_size")} == dict(
+                                 "expert_model_parallel_size", "moe_ffn_hidden_size",
+                                 "moe_router_enable_expert_bias",
+                                 "moe_router_bias_update_rate")} == dict(
         num_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1],
         moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True,
         moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
         moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="allgather",
-        expert_model_parallel_size=1, moe_ffn_hidden_size=128)
+        expert_model_parallel_size=1, moe_ffn_hidden_size=128,
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01)
     dense, experts = state["optimizer"]
     assert {g["is_expert_parallel"] for g in dense["param_groups"]} == {False}
     assert [g["is_expert_parallel"] for g in experts["param_groups"]] == [True]
@@ -6172,7 +6320,8 @@ def test_import_megatron_reads_an_ep2_moe_folder(torch_moe_checkpoint, tmp_path)
     """import-megatron of Megatron's EP2 folders (mp_rank_00_000 and _001 read as EP ranks by
     their args, no meta.json, the nargs='+' list form of the balancing type and coefficient,
     Megatron's fused permute and overlap on): the MoE args become this project's keys (how
-    Megatron ran them left out) and the experts of both EP ranks its weights."""
+    Megatron ran them left out) and the experts of both EP ranks and the expert bias its
+    weights."""
     ep2, out = str(tmp_path / "ep2"), str(tmp_path / "out")
     checkpoint.convert_main(["--load", torch_moe_checkpoint, "--save", ep2, "--nproc", "2",
                              "--expert-model-parallel-size", "2"])
@@ -6187,8 +6336,8 @@ def test_import_megatron_reads_an_ep2_moe_folder(torch_moe_checkpoint, tmp_path)
     m = meta["config"]["model_config"]
     assert (m["num_moe_experts"], m["moe_layer_freq"], m["moe_shared_expert_intermediate_size"],
             m["moe_shared_expert_gate"], m["moe_router_load_balancing_type"],
-            m["moe_aux_loss_coeff"], m["moe_z_loss_coeff"]) == (4, [0, 1], 64, True,
-                                                                "seq_aux_loss", 0.02, 0.001)
+            m["moe_aux_loss_coeff"], m["moe_z_loss_coeff"], m["moe_router_enable_expert_bias"]) \
+        == (4, [0, 1], 64, True, "seq_aux_loss", 0.02, 0.001, True)
     want = checkpoint.full_state(torch_moe_checkpoint, optimizer=False)[0]
     assert sorted(tensors) == sorted(want)
     for key in want:
@@ -6210,8 +6359,9 @@ def test_moe_names_both_ways_and_refusals():
     assert megatron_checkpoint.project_name(
         "decoder.layers.0.mlp.experts.linear_fc1.weight3", 0, 4) == \
         "layers.0.mlp.experts.local_experts.7.linear_fc1.weight"
-    assert megatron_checkpoint.project_name("decoder.layers.0.mlp.router.bias") == \
-        "layers.0.mlp.router.bias"
+    for leaf in ("bias", "expert_bias"):                 # a parameter, a persistent buffer
+        assert megatron_checkpoint.project_name(f"decoder.layers.0.mlp.router.{leaf}") == \
+            f"layers.0.mlp.router.{leaf}"
     with pytest.raises(checkpoint.CheckpointError) as e:
         megatron_checkpoint.megatron_name("layers.0.mlp.experts.local_experts.1.linear_fc1.weight",
                                           0, 2)
@@ -6267,10 +6417,8 @@ def change_file(path, **changes):
     torch_format.save(state, path)
 
 
-REFUSED = {"moe_router_enable_expert_bias": ("tp1_gpt2", True,
-                                             "args.moe_router_enable_expert_bias=True (the "
-                                             "router's expert bias"),
-           "qk_layernorm": ("tp1_gpt2", True, "args.qk_layernorm=True (query and key layer norms)"),
+REFUSED = {"qk_layernorm": ("tp1_gpt2", True,
+                            "args.qk_layernorm=True (query and key layer norms)"),
            "rotary_percent": ("tp2_llama_bf16", 0.5,
                               "args.rotary_percent=0.5 (rotary embeddings on part of a head)"),
            "kv_channels": ("tp1_gpt2", 16, "args.kv_channels=16 (heads of another size"),
@@ -7536,8 +7684,8 @@ add("tp2_pp2_sp_resumed", 4, "checkpoint",
 resumed("one_to_tp2_dp2_distopt", 4, "checkpoint", TP2 + SP + DISTOPT, "one_as_tp2_dp2")
 resumed("one_to_cp2_ring_dp2_distopt", 4, "checkpoint", ROPE + CP2 + RING + DISTOPT,
         "one_rope_gqa_as_cp2_dp2")
-resumed("ep2_pp2_capacity_resumed", 4, "moe checkpoint", MOE_RUN + CAPACITY + EP2 + PP2,
-        "ep2_pp2_capacity")
+resumed("ep2_pp2_capacity_resumed", 4, "moe checkpoint",
+        MOE_RUN + CAPACITY + EXPERT_BIAS + EP2 + PP2, "ep2_pp2_capacity")
 # their step-2 checkpoints converted, between the launches: TP2 x PP2 to PP2 x VPP2 and to one
 # process; EP4 to one process
 converted("tp2_pp2_as_pp2_vpp2", "checkpoint", "tp2_pp2_sp_first", ["--nproc", "2", *PP2, *VPP2])

@@ -226,8 +226,7 @@ class Trainer:
     """Megatron's train_step: forward and backward over a step's micro-batches (through the
     pipeline's schedule with pipeline parallelism), the gradients' reductions, the optimizer's
     step, for `model`, a GPTModel or this rank's list of model chunks. `phase(name)`: a context
-    manager around each phase of a step and each pipeline pass, for what observes them
-    (tools/logs.Timers)."""
+    manager around each phase of a step and pass, for what observes them (tools/logs.Timers)."""
 
     def __init__(self, cfg, model, ddp, optimizer, scheduler, state=None,
                  phase=contextlib.nullcontext):
@@ -299,7 +298,8 @@ class Trainer:
         with self.phase("forward-backward"):
             losses, grads = self.forward_backward(micro_batches)
         with self.phase("grads-reduce"):
-            grads = distributed.finalize_model_grads(grads, self.params, self.state, self.ddp)
+            grads = distributed.finalize_model_grads(grads, self.params, self.state, self.ddp,
+                                                     self.chunks)
         with self.phase("optimizer"):
             lr = self.scheduler.get_lr()
             updated, grad_norm = self.optimizer.step(grads, lr, self.scheduler.get_wd())

@@ -133,7 +133,8 @@ ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "untie_embeddings_and_output_weights", "use_sandwich_norm",
                 "attn_post_norm_scale", "ffn_post_norm_scale", "fp32_residual_connection",
                 "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq",
-                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                "moe_router_enable_expert_bias")
 
 
 def saved_config(root, step=None):
@@ -317,21 +318,27 @@ def load_shards(root, optimizer=False, step=None):
 
 
 # ----------------------------------------------------------------------------- training state
+def named_state(cell):
+    """(name, Parameter) of all a checkpoint holds of `cell`: its parameters, then the routers'
+    expert biases (moe.expert_biases, Megatron's buffers: no optimizer state)."""
+    return list(cell.parameters_and_names()) + moe.expert_biases(cell)
+
+
 def named_parameters(chunks):
-    """("model.<global name>", parameter) of this rank's model chunks. Global names tell the
-    chunks of a virtual pipeline apart (their layer numbers differ)."""
+    """("model.<global name>", parameter or buffer) of this rank's model chunks (named_state).
+    Global names tell the chunks of a virtual pipeline apart (their layer numbers differ)."""
     return [(f"model.{global_name(chunk, n)}", param) for chunk in chunks
-            for n, param in chunk.parameters_and_names()]
+            for n, param in named_state(chunk)]
 
 
 def model_tensors(chunks):
-    """name -> value of this rank's parameters, under their global names."""
+    """name -> value of this rank's parameters and buffers, under their global names."""
     return {name: param.asnumpy() for name, param in named_parameters(chunks)}
 
 
 def parameter_names(chunks):
     """The global names of this rank's parameters, in optimizer order."""
-    return [name[len("model."):] for name, _ in named_parameters(chunks)]
+    return [global_name(chunk, n) for chunk in chunks for n, _ in chunk.parameters_and_names()]
 
 
 def layout_of(cfg):
@@ -541,7 +548,7 @@ def _dist_pieces(chunks, tp_rank, tp, values, params_dtype, ep_rank=0):
                                   for kind in kinds}}
     out = []
     for chunk in chunks:
-        for n, param in chunk.parameters_and_names():
+        for n, param in named_state(chunk):
             dim, name = getattr(param, "partition_dim", None), global_name(chunk, n)
             if is_embedding_copy(param) or (dim is None and tp_rank) or \
                     (ep_rank and not moe.is_expert(name)):
@@ -764,7 +771,7 @@ def full_state(root, optimizer=True, step=None):
     if optimizer and any(k.startswith("main.") for k in shards[0]):
         # float32 main params, kept beside half-precision weights
         prefixes.append("main")
-    full_shapes = {}
+    full_shapes = {f"model.{name}": tuple(bias.shape) for name, bias in moe.expert_biases(one)}
     for name, param in one.parameters_and_names():
         full_shapes.update({f"{prefix}.{name}": tuple(param.shape) for prefix in prefixes})
     return megatron_checkpoint.merge_tensor_parallel(
@@ -798,6 +805,10 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
     one-process `tensors`, this TP rank's shard of it (a tied output layer copies the embedding)."""
     names, params, values = [], [], {}
     for chunk in chunks:
+        for n, _ in moe.expert_biases(chunk):    # no optimizer state; a missing one: _restore
+            key = f"model.{global_name(chunk, n)}"
+            if key in tensors:
+                values[key] = tensors[key]
         for n, param in chunk.parameters_and_names():
             name = global_name(chunk, n)
             source = "word_embeddings.weight" if is_embedding_copy(param) else name
@@ -990,7 +1001,7 @@ def _megatron_weights(files, model_cfg, first):
     """One-process float32 tensors of a Megatron checkpoint's rank files, shaped by this project's
     model of `model_cfg` (megatron_checkpoint.read_weights)."""
     [one] = build_rank_chunks(model_cfg, 1, 1)
-    shapes = {f"model.{n}": tuple(param.shape) for n, param in one.parameters_and_names()}
+    shapes = {f"model.{n}": tuple(param.shape) for n, param in named_state(one)}
     return megatron_checkpoint.read_weights(files, shapes, model_cfg, first)
 
 
@@ -998,7 +1009,7 @@ def _dist_weights(folder, index, model_cfg):
     """One-process float32 tensors of the torch_dist checkpoint in `folder` (its .metadata
     `index`), checked against this project's model of `model_cfg`."""
     [one] = build_rank_chunks(model_cfg, 1, 1)
-    shapes = {f"model.{n}": tuple(param.shape) for n, param in one.parameters_and_names()}
+    shapes = {f"model.{n}": tuple(param.shape) for n, param in named_state(one)}
     values = dist_checkpoint.model_tensors(folder, index)
     if not model_cfg.untie_embeddings_and_output_weights:
         values.pop("model.output_layer.weight", None)

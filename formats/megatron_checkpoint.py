@@ -83,13 +83,13 @@ LEGACY_LAYER = {"input_layernorm": "input_layernorm", "input_norm": "input_layer
 LAYERS = {"decoder.layers.": MCORE_LAYER, "language_model.encoder.layers.": LEGACY_LAYER}
 # Megatron-core's MoELayer in place of a layer's MLP (megatron/core/transformer/moe/moe_layer.py:
 # 260, 334, 346 register router, experts, shared_experts in this order), named as this project's
-# moe.py names it: TopKRouter's weight [E, h] and bias (router.py:64-72, no persistent buffer
-# without expert bias, l. 180-201); SequentialMLP's local_experts.j, j local to the EP rank
-# (experts.py:1435-1451), the local transformer impl's experts with --moe-grouped-gemm too
-# (megatron/core/models/backends.py:133-142); SharedExpertMLP's linears and gate_weight [1, h]
-# (shared_experts.py:128-145), no bias (l. 124)
-MOE_PARAMETER = re.compile(r"mlp\.(?:router\.(?:weight|bias)|experts\.local_experts\.\d+\."
-                           r"linear_fc[12]\.(?:weight|bias)|shared_experts\.(?:gate_weight|"
+# moe.py names it: TopKRouter's weight [E, h] and bias (router.py:64-72), and its persistent
+# buffer expert_bias [E] with --moe-router-enable-expert-bias (l. 180-201); SequentialMLP's
+# local_experts.j, j local to the EP rank (experts.py:1435-1451), the local transformer impl's
+# experts with --moe-grouped-gemm too (megatron/core/models/backends.py:133-142);
+# SharedExpertMLP's linears and gate_weight [1, h] (shared_experts.py:128-145), no bias (l. 124)
+MOE_PARAMETER = re.compile(r"mlp\.(?:router\.(?:weight|bias|expert_bias)|experts\.local_experts\."
+                           r"\d+\.linear_fc[12]\.(?:weight|bias)|shared_experts\.(?:gate_weight|"
                            r"linear_fc[12]\.weight))")
 # transformer_engine's TEGroupedMLP (--moe-grouped-gemm, experts.py:183-489): expert j's linear
 # as GroupedLinear's weight<j>/bias<j>, each shaped as SequentialMLP's
@@ -273,7 +273,6 @@ def _single(value):
 # Megatron settings (megatron/training/arguments.py) this project's GPT cannot hold: the args
 # field, the values that are refused, what the setting is
 UNSUPPORTED = (
-    ("moe_router_enable_expert_bias", bool, "the router's expert bias (aux-loss-free balancing)"),
     ("moe_router_score_function", lambda v: v not in (None, "softmax", "sigmoid"),
      "router scores other than softmax and sigmoid"),
     ("moe_router_load_balancing_type",
@@ -792,7 +791,8 @@ def rank_file(cfg, meta, tensors, offsets, ep_rank=0):
              "checkpoint_version": 3.0, "iteration": meta["iteration"],
              **rank_model_state(model, offsets, start)}
     if meta.get("optimizer_step") is not None:
-        names = [k[len("model."):] for k in rank_tensors(state, offsets, start)]
+        names = [k[len("model."):] for k in rank_tensors(state, offsets, start)
+                 if not moe.is_expert_bias(k)]                  # the optimizer's parameters
         shapes = {n: model[f"model.{n}"].shape for n in names}
         state["optimizer"] = megatron_optimizer(tensors, meta["optimizer_step"], names, shapes, cfg,
                                                 meta["grad_scaler"])
@@ -810,7 +810,7 @@ def rank_arrays(state, offsets, ep_rank=0, path="the file"):
     start = moe.first_expert(get("num_experts"), get("expert_model_parallel_size") or 1, ep_rank)
     arrays = rank_tensors(state, offsets, start)
     if "optimizer" in state:
-        names = [k[len("model."):] for k in arrays]
+        names = [k[len("model."):] for k in arrays if not moe.is_expert_bias(k)]
         shapes = {n: arrays[f"model.{n}"].shape for n in names}
         arrays.update(optimizer_arrays(state["optimizer"], names, shapes, path)[0])
     return arrays

@@ -810,6 +810,11 @@ def check_moe_rules(model_cfg, tp, sequence_parallel, ep):
         raise ConfigError("model_config.moe_router_topk=1 with softmax needs "
                           "--moe-router-pre-softmax (a softmax over one expert is 1: the router "
                           "would get no gradient)")
+    if (m.moe_router_enable_expert_bias                     # transformer_config.py:2617-2625
+            and m.moe_router_score_function != "sigmoid"):
+        raise ConfigError("model_config.moe_router_enable_expert_bias needs "
+                          "--moe-router-score-function sigmoid (Megatron adds the expert bias to "
+                          "sigmoid scores, never to a softmax)")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         raise ConfigError("model_config.moe_pad_expert_input_to_capacity needs "
                           "moe_expert_capacity_factor (--moe-expert-capacity-factor)")

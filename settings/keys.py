@@ -332,10 +332,13 @@ MOE = [
     key(_MOE + "moe_token_drop_policy", "probs", str, "--moe-token-drop-policy",
         "over capacity, drop the lowest probabilities or the latest tokens",
         choices=("probs", "position")),
+    key(_MOE + "moe_router_enable_expert_bias", False, bool, None,
+        "aux-loss-free balancing: a per-expert bias on the sigmoid scores chooses the top-k "
+        "(not the weights), moved each step toward even loads",
+        switch={"--moe-router-enable-expert-bias": True}),
+    key(_MOE + "moe_router_bias_update_rate", 1e-3, float, "--moe-router-bias-update-rate",
+        "the expert bias' step: rate * sign(mean tokens - the expert's tokens) per step"),
     # Megatron's MoE options this project does not build (moe.py), each refused in one line
-    fixed(_MOE + "moe_router_enable_expert_bias", False,
-          "the router has no expert bias (aux-loss-free balancing is not built)",
-          switch={"--moe-router-enable-expert-bias": True}),
     fixed(_MOE + "moe_input_jitter_eps", None, "the router's input is not jittered",
           flag="--moe-input-jitter-eps"),
     fixed(_MOE + "moe_permute_fusion", False, _FUSIONS + ": tokens are permuted by gathers",

@@ -20,7 +20,7 @@ from mindspore import Parameter, Tensor, nn, ops
 import data
 import moe
 import parallel
-from gpt import num_floating_point_operations
+from gpt import global_name, num_floating_point_operations
 from moe import METRICS
 from parallel import F32
 from settings.config import moe_layer_pattern, to_dict
@@ -222,6 +222,8 @@ class LogWindow:
                 log.info(train_line(iteration, epoch, updated, scalars, moe_losses))
                 if self.metrics is not None:
                     self.metrics.train(iteration, **scalars, **moe_losses)
+            if self.num_moe_layers and self.cfg.model_config.moe_router_enable_expert_bias:
+                log.info(tokens_per_expert_line(trainer.chunks, iteration))    # this stage's
             log.info(self.timers.line(self.timed, trainer.runner is not None))
             self.reset()
 
@@ -244,6 +246,18 @@ def train_line(iteration, epoch, updated, s, moe_losses=None):
             f"Learning_rate: {s['lr']:.6e}, Time: {s['iteration_time'] * 1000:.2f} ms, "
             f"Tokens/s: {s['tokens_per_s']:.1f}, TFLOP/s: {s['tflops']:.4f}"
             + "".join(f", {name}: {value:.6E}" for name, value in (moe_losses or {}).items()))
+
+
+def tokens_per_expert_line(chunks, iteration):
+    """The tokens each expert took in step `iteration`, per MoE layer of this rank's `chunks`
+    (moe.update_expert_bias's sums over TP x DP x CP), with the layer's max / mean, 1 when the
+    load is even: how well the expert bias balances."""
+    counts = [(global_name(chunk, name).split(".mlp")[0], router.tokens_per_expert)
+              for chunk in chunks for name, router in chunk.cells_and_names()
+              if isinstance(router, moe.TopKRouter) and router.tokens_per_expert is not None]
+    layers = ", ".join(f"{layer}: {' '.join(str(int(n)) for n in c)} "
+                       f"(max/mean {c.max() / c.mean():.3f})" for layer, c in counts)
+    return f"moe tokens per expert: Step:{iteration}, " + (layers or "no MoE layer on this stage")
 
 
 def scale_change(before, scaler):
@@ -320,16 +334,10 @@ class RouterLosses(nn.Cell):
 _TRACKER_IDS = itertools.count()             # unique names for the trackers' Parameters
 
 
-def routers(cells):
-    """The moe.TopKRouter Cells inside `cells` (model chunks, layers or routers)."""
-    return [cell for top in cells for _, cell in top.cells_and_names()
-            if isinstance(cell, moe.TopKRouter)]
-
-
 def track_router_losses(cells):
     """A RouterLosses on every router of `cells` without one (their `tracker` hook), before their
     first forward: what report_router_losses reads."""
-    for router in routers(cells):
+    for router in moe.routers(cells):
         if router.tracker is None:
             router.tracker = RouterLosses()
 
@@ -343,7 +351,7 @@ def report_router_losses(cells, loss_scale, num_moe_layers, pp_group=None, tp_cp
     averaged over DP (dp_group, without CP). Then times loss_scale (1 / micro-batches) and
     divided by num_moe_layers (the model's MoE layers). Groups None: one rank. Returns {name:
     value} for the names this rank's routers record, and clears the sums."""
-    found = routers(cells)
+    found = moe.routers(cells)
     totals = ops.zeros(len(METRICS), F32)
     for router in found:
         totals = totals + router.tracker.sums[0].value()

@@ -642,7 +642,8 @@ def _expert_collectives(cfg, rank, add):
     [n, E] all-gathered over TP x EP, the output [N, h] reduce-scattered, N = n tp ep, and
     backward the reverse of each; moe.MoEAlltoAllTokenDispatcher over EP: tokens, probs and
     output [E C, h], [E C], [E C, h] forward and backward, TP 1); per step the routers' losses' sums
-    [3] over PP, TP x CP and DP, the experts' norm over EP and their gradients over the
+    [3] over PP, TP x CP and DP, with an expert bias the stage's tokens per expert [L, E] over TP x
+    DP x CP (moe.update_expert_bias), the experts' norm over EP and their gradients over the
     expert-data-parallel group."""
     model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
     if not model_cfg.num_moe_experts:
@@ -651,7 +652,8 @@ def _expert_collectives(cfg, rank, add):
                   parallel_cfg.expert_model_parallel_size)
     dp, pp = parallel_cfg.data_parallel_size, parallel_cfg.pipeline_model_parallel_size
     tp_cp = "tp_cp" if cp > 1 else "tp"                            # parallel.SAME_RANKS_AS
-    calls = stage_moe_layers(cfg, rank) * dataset_cfg.micro_batch_num
+    layers = stage_moe_layers(cfg, rank)
+    calls = layers * dataset_cfg.micro_batch_num
     size, experts = collective_bytes(cfg), model_cfg.num_moe_experts
     probs = F32_BYTES if model_cfg.moe_router_dtype == "fp32" else size.compute
     tokens = dataset_cfg.batch_size * model_cfg.seq_length // (cp * tp)     # n, this rank's
@@ -664,6 +666,9 @@ def _expert_collectives(cfg, rank, add):
     for kind, ranks in (("pp", pp), (tp_cp, tp * cp), ("dp", dp)):
         if ranks > 1:
             add(kind, "all_reduce", 1, 3 * F32_BYTES)              # the routers' losses (logs.py)
+    if model_cfg.moe_router_enable_expert_bias and layers and tp * dp * cp > 1:
+        add("tp_dp_cp" if tp > 1 else "dp_cp", "all_reduce", 1,   # parallel.SAME_RANKS_AS
+            layers * experts * F32_BYTES)
     if ep > 1:
         add("ep", "all_reduce", 1, F32_BYTES)                      # the experts' norm
     experts_here = expert_parameters(cfg, rank)

@@ -40,7 +40,7 @@ def load_model(load_dir, tokenizer=None):
         tokenizer = build_tokenizer(dataset_cfg.tokenizer_type, dataset_cfg.vocab_file,
                                     dataset_cfg.merge_file, dataset_cfg.vocab_size)
     [model] = checkpoint.build_rank_chunks(model_cfg, 1, 1)                # one process
-    for name, param in model.parameters_and_names():
+    for name, param in checkpoint.named_state(model):
         param.set_data(ms.Tensor(tensors[f"model.{name}"]))
     return model, tokenizer, model_cfg
 
