@@ -798,7 +798,9 @@ def test_every_row_of_the_guides_tables_and_flags_is_a_key_here(capsys):
         "parallel_config.sequence_parallel": (True, ["--tensor-model-parallel-size", "2"]),
         "parallel_config.num_layer_list": ([3, 1], pp2),
         "parallel_config.select_recompute": (True, []),
-        "parallel_config.expert_model_parallel_size": (2, ["--num-experts", "4"])}
+        "parallel_config.expert_model_parallel_size": (2, ["--num-experts", "4"]),
+        "optimizer_config.overlap_param_gather": (True, ["--use-distributed-optimizer",
+                                                         "--overlap-grad-reduce"])}
     for megatron, path in rows:
         row, _ = cli._row(path)
         if row.kind != "key":
@@ -3509,7 +3511,7 @@ def test_cp_msrun_checks(runs, family, job):
 
 # the references: RoPE and GQA, float32 (its step-2 checkpoint resumed in other layouts; TP2 + SP
 # x the CP2 ring's reference too, so -m tp starts it) and float16
-add("one_rope_gqa", 1, "tp cp checkpoint", ROPE + SAVE_HALF)
+add("one_rope_gqa", 1, "tp cp dp checkpoint", ROPE + SAVE_HALF)
 add("one_rope_gqa_fp16", 1, "cp fp16", ROPE + HALF)
 layout("cp2_ulysses", 2, "cp", ROPE + CP2, "one_rope_gqa")
 layout("cp2_ring", 2, "cp fp16", ROPE + CP2 + RING + HALF + COMPILED, "one_rope_gqa_fp16")
@@ -4920,7 +4922,7 @@ def test_moe_msrun_checks(runs, family, job):
 # the references: one MoE layer, with a capacity factor, a pipeline's 4 layers, RoPE and GQA
 # (where CP2 x TP2 x EP2 leave DP 1: 4 sequences a step); the last three with an expert bias,
 # which chooses other experts from step 2 on
-add("one_moe", 1, "moe", MOE_LAYER)
+add("one_moe", 1, "moe dp", MOE_LAYER)
 add("one_moe_capacity", 1, "moe", MOE_RUN + CAPACITY + EXPERT_BIAS)
 add("one_moe_pp", 1, "moe", PIPELINE_RUN + MOE_RUN + EXPERT_BIAS)
 add("one_moe_rope_gqa", 1, "moe", ROPE + MOE_LAYER + FOUR + EXPERT_BIAS)
@@ -4934,7 +4936,7 @@ layout("ep2_pp2_vpp2_distopt", 4, "moe",
 layout("ep2_cp2_ulysses_tp2_sp_alltoall", 4, "moe",
        ROPE + MOE_LAYER + FOUR + EXPERT_BIAS + EP2 + CP2 + TP2 + SP + ALLTOALL + COMPILED,
        "one_moe_rope_gqa", hold=2)
-layout("ep2_dp2_distopt", 4, "moe", MOE_LAYER + EP2 + DISTOPT, "one_moe")
+layout("ep2_dp2_distopt", 4, "moe dp", MOE_LAYER + EP2 + DISTOPT, "one_moe")
 # with Megatron's overlap (the DP section's), the experts' buffer's buckets too: two buckets in
 # each buffer (dense: the word embedding's 24,576 elements, then the rest; experts: 3 of their 4
 # weights, then the last), as memory.communication counts them (ceil(elements / bucket size))
@@ -5184,7 +5186,7 @@ def test_pipeline_msrun_checks(runs, family, job):
 
 
 # the references, float32 and float16 (PIPELINE_RUN: 4 layers, evaluated)
-add("one_pp", 1, "pipeline", PIPELINE_RUN)
+add("one_pp", 1, "pipeline dp", PIPELINE_RUN)
 add("one_pp_fp16", 1, "pipeline fp16", PIPELINE_HALF)
 # 4 workers: TP2 x PP2 + SP, the default run's layout (stopped and resumed: the checkpoint section)
 TP2_PP2 = PIPELINE_RUN + TP2 + PP2 + SP

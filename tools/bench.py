@@ -38,9 +38,13 @@ python given to --torch.
 (flight_recorder.py) costs a step of each layout: its collectives a step op by op
 (memory.communication, an upper bound: a compiled graph is one event), the time to record one at
 the stack depth of a backward, and its writer's share of a second, against the step's time.
+`bash run.sh bench --collectives [--torch PYTHON]` prints instead each collective's time and bus
+bandwidth on 2 and 4 workers, op by op and compiled, beside gloo's with --torch's python
+(tools/bench_collectives.py, tools/collective_timing.py).
 `python bench.py matmul-peak` measures this machine's fp32 matmul TFLOP/s with MindSpore (all
 cores): the denominator of the model FLOPs utilisation (MFU) the table reports.
 """
+import json
 import os
 import re
 import subprocess
@@ -54,6 +58,7 @@ from settings.cli import (PROJECT, PROJECT_CONFIG, HelpRequested, load_config, m
 from settings.config import ConfigError
 from tools import flight_recorder, memory
 from tools.bench_torch import SHAPE
+from tools.collective_timing import OPS, bus_bandwidth
 
 MODEL = ["--mock-data", "--vocab-size", str(SHAPE["vocab"]), "--num-layers", str(SHAPE["layers"]),
          "--hidden-size", str(SHAPE["hidden"]), "--num-attention-heads", str(SHAPE["heads"]),
@@ -164,7 +169,9 @@ BENCH_FLAGS = {"--repeats": (2, int, "alternating rounds of all runs"),
                "--layouts": (list(LAYOUTS), list, "runs to compare"),
                "--torch": (None, str, "a python with torch installed: adds the PyTorch reference"),
                "--flight-recorder": (None, bool, "the flight recorder's cost per step of each "
-                                                 "layout, instead of the table")}
+                                                 "layout, instead of the table"),
+               "--collectives": (None, bool, "each collective's time and bandwidth on 2 and 4 "
+                                             "workers (with --torch: beside gloo's), instead")}
 
 
 def _report(name, rows, results, peak):
@@ -208,6 +215,8 @@ def main(argv):
     a = SimpleNamespace(**options)
     if a.flight_recorder:
         return recorder_cost(a.layouts, a.steps)
+    if a.collectives:
+        return collectives_table(a.torch)
     runs = a.layouts + (["torch"] if a.torch else [])
     results = {name: [] for name in runs}
     peak_out = subprocess.run([sys.executable, "-m", "tools.bench", "matmul-peak"], check=True,
@@ -273,6 +282,42 @@ def recorder_cost(layouts, steps):
             print(f"{name:8s} {calls} collectives a step, a step {step * 1e3:.0f} ms: recording "
                   f"{cost * 1e3:.2f} ms = {cost / step:.2%} of a step")
     return 0
+
+
+def collectives_table(torch_python):
+    """bash run.sh bench --collectives: tools/bench_collectives.py on 2, then 4 msrun workers,
+    each followed by gloo's same measurements with `torch_python` (if given); one line per
+    worker count, op and size: milliseconds and bus GB/s, op by op and compiled, and gloo's."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "rows.jsonl")
+        for workers in (2, 4):
+            cmd, env = msrun_command(workers, os.path.join(folder, f"msrun{workers}"),
+                                     ["python", "-m", "tools.bench_collectives", out])
+            subprocess.run(cmd, cwd=PROJECT, env=env, check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+            if torch_python:
+                subprocess.run([torch_python, "-m", "tools.collective_timing", out, str(workers)],
+                               cwd=PROJECT, env=torch_environment(), check=True)
+        rows = [json.loads(line) for line in open(out)]
+    print(f"collectives, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores: ms (bus GB/s)")
+    print(f"{'n':>2} {'op':14} {'size':>6}  {'MindSpore':>16} {'compiled':>16} {'gloo':>16}")
+    for workers, op, size in sorted({(r["workers"], r["op"], r["size"]) for r in rows},
+                                    key=lambda k: (k[0], OPS.index(k[1]), k[2])):
+        cells = [_cell(rows, backend, mode, op, size, workers)
+                 for backend, mode in (("mindspore", "op"), ("mindspore", "jit"), ("gloo", "op"))]
+        print(f"{workers:>2} {op:14} {size // 1024:>5}K  " + " ".join(cells))
+    return 0
+
+
+def _cell(rows, backend, mode, op, size, workers):
+    """One measurement's "ms (bus GB/s)", or "-" where there is none."""
+    key = (backend, mode, op, size, workers)
+    found = [r["seconds"] for r in rows
+             if (r["backend"], r["mode"], r["op"], r["size"], r["workers"]) == key]
+    if not found:
+        return f"{'-':>16}"
+    gbps = bus_bandwidth(op, size, workers, found[0]) / 1e9
+    return f"{found[0] * 1e3:8.2f} ({gbps:5.2f})"
 
 
 if __name__ == "__main__":
