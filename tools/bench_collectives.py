@@ -18,7 +18,6 @@ import sys
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn
-from mindspore.communication import create_group
 
 import parallel
 from tools.collective_timing import SIZES, median_seconds, write
@@ -36,13 +35,6 @@ class Graph(nn.Cell):
         return self.op(x)
 
 
-def pair_group(state):
-    """(this rank's pair group for the exchange, its peer): ranks 2i and 2i + 1."""
-    first = state.rank - state.rank % 2
-    create_group(f"bench_pair_{first}", [first, first + 1])
-    return f"bench_pair_{first}", first + 1 if state.rank == first else first
-
-
 def runs(comm, group, peer):
     """(op, mode, function of a tensor) of every measurement."""
     calls = {"all_reduce": comm.all_reduce, "all_gather": comm.all_gather,
@@ -58,9 +50,10 @@ def main(out):
     ms.set_device("CPU")
     ms.runtime.launch_blocking()
     workers = parallel.launched_world_size()
+    peer = parallel.initialize_model_parallel(pp=workers).rank ^ 1     # ranks 2i and 2i + 1
+    pair = parallel.get_state().pair_groups[peer]                      # the pipeline's hop
     state = parallel.initialize_model_parallel(tp=workers)
-    group, peer = pair_group(state)
-    measured = runs(parallel.collectives(state.tp_group), group, peer)
+    measured = runs(parallel.collectives(state.tp_group), pair, peer)
     for size in SIZES:
         one = Tensor(np.ones(size // 4, np.float32))                    # [size / 4]
         whole = Tensor(np.ones(size // 4 * workers, np.float32))        # reduce_scatter's input

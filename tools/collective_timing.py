@@ -13,6 +13,7 @@ import socket
 import statistics
 import sys
 import time
+import warnings
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "exchange")
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)          # bytes of one rank's tensor
@@ -50,10 +51,12 @@ def write(out, row):
 
 # ----------------------------------------------------------------------------- gloo
 def gloo_worker(rank, workers, port, out):
-    """gloo's ops on `workers` processes (torch.multiprocessing), rank 0 writing the rows."""
+    """gloo's ops on `workers` processes (torch.multiprocessing), rank 0 writing the rows; torch
+    is imported here, as the MindSpore side imports this file's timing without it."""
     import torch
     import torch.distributed as dist
 
+    warnings.filterwarnings("ignore", category=FutureWarning)    # reduce_scatter_tensor's name
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=workers)
