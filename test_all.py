@@ -122,8 +122,8 @@ from settings.cli import HelpRequested, load_config
 from settings.config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
 from settings.keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
-from tools import (bench, bench_fusions, flight_recorder, logs, memory, metrics, sample,
-                   timeline, tour)
+from tools import (bench, bench_fusions, collective_timing, flight_recorder, logs, memory,
+                   metrics, sample, timeline, tour)
 from tools.ledger import LEDGER as ledger
 # the msrun harness, which pytest loaded first (this import is that module)
 from conftest import (JOBS, PARALLEL_RUN, REFERENCE, STEPS, add, check_lines, converted,
@@ -5721,6 +5721,37 @@ def test_the_bench_runs_pytorch_in_an_environment_of_its_own(tmp_path, monkeypat
     assert tokens == 123.0 and seen == bench.torch_environment(), seen
     assert seen["PATH"] == "/usr/bin:/bin" and seen["HOME"] == "/home/reader"
     assert "LD_LIBRARY_PATH" not in seen and "environment: PATH, HOME" in description
+
+
+def test_the_collectives_bench_runs_both_sides_and_prints_every_measurement(monkeypatch, capsys):
+    """`bash run.sh bench --collectives --torch PYTHON`: MindSpore's workers (msrun) then gloo's
+    (PYTHON, in torch_environment()) for 2, then 4 workers, alternated; one line per worker
+    count, op and size with each side's milliseconds and bus bandwidth (NCCL's tests' factors),
+    "-" where a side has none (gloo's nothing compiled)."""
+    launched = []
+
+    def run(cmd, cwd=None, env=None, **kwargs):
+        out = cmd[-2] if "tools.collective_timing" in cmd else cmd[-1]
+        backend = "gloo" if "tools.collective_timing" in cmd else "mindspore"
+        workers = int(cmd[-1]) if backend == "gloo" else int(cmd[cmd.index("--worker_num") + 1])
+        launched.append((backend, workers, env == bench.torch_environment()))
+        modes = ("op",) if backend == "gloo" else ("op", "jit")
+        for mode in modes:
+            collective_timing.write(out, dict(backend=backend, mode=mode, op="all_reduce", size=1 << 20,
+                                workers=workers, seconds=0.01 * (mode == "op") + 0.02))
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    assert bench.main(["--collectives", "--torch", "/usr/bin/python3"]) == 0
+    assert launched == [("mindspore", 2, False), ("gloo", 2, True), ("mindspore", 4, False),
+                        ("gloo", 4, True)]
+    lines = capsys.readouterr().out.splitlines()
+    rows = [l.split() for l in lines[2:]]
+    assert [r[:3] for r in rows] == [["2", "all_reduce", "1024K"], ["4", "all_reduce", "1024K"]]
+    # 2 workers: ms, bus GB/s = 2 (n - 1) / n x 1 MiB / seconds: op 0.03 s, compiled 0.02, gloo
+    # (op only) 0.03
+    numbers = re.findall(r"[\d.]+", " ".join(rows[0][3:]))
+    assert numbers == ["30.00", "0.03", "20.00", "0.05", "30.00", "0.03"], lines[2]
+    assert collective_timing.bus_bandwidth("all_gather", 100, 4, 1.0) == 300
+    assert collective_timing.bus_bandwidth("reduce_scatter", 100, 4, 1.0) == 75
 
 
 def test_plan_flops_add_the_recomputed_forward():
