@@ -5737,8 +5737,9 @@ def test_the_collectives_bench_runs_both_sides_and_prints_every_measurement(monk
         launched.append((backend, workers, env == bench.torch_environment()))
         modes = ("op",) if backend == "gloo" else ("op", "jit")
         for mode in modes:
-            collective_timing.write(out, dict(backend=backend, mode=mode, op="all_reduce", size=1 << 20,
-                                workers=workers, seconds=0.01 * (mode == "op") + 0.02))
+            collective_timing.write(out, dict(backend=backend, mode=mode, op="all_reduce",
+                                              size=1 << 20, workers=workers,
+                                              seconds=0.01 * (mode == "op") + 0.02))
     monkeypatch.setattr(bench.subprocess, "run", run)
     assert bench.main(["--collectives", "--torch", "/usr/bin/python3"]) == 0
     assert launched == [("mindspore", 2, False), ("gloo", 2, True), ("mindspore", 4, False),
