@@ -762,6 +762,41 @@ def guide_table_rows():
     return [(r[0], r[1]) for r in rows]
 
 
+_PP2, _FP16 = ["--pipeline-model-parallel-size", "2",
+               "dataset_config.micro_batch_num=2"], ["--fp16"]
+# canonical key: (a value to give, the flags it needs), where doubling will not do
+GUIDE_VALUES = {
+    "model_config.group_query_attention": (True, ["--num-query-groups", "4"]),
+    "model_config.num_query_groups": (4, ["--group-query-attention"]),
+    "model_config.attention_dropout_rate": (0.1, []),
+    "model_config.hidden_dropout_rate": (0.1, []),
+    "model_config.recompute_granularity": ("selective", []),
+    "model_config.recompute_method": ("block", ["--recompute-granularity", "full",
+                                                "--recompute-num-layers", "1"]),
+    "model_config.recompute_num_layers": (1, ["--recompute-granularity", "full",
+                                              "--recompute-method", "block"]),
+    "model_config.fp16_lm_cross_entropy": (True, _FP16),
+    "model_config.params_dtype": ("float32", _FP16),
+    "training_config.resume_training": (True, ["--load", "/tmp"]),
+    "optimizer_config.betas": ([0.8, 0.9], []),
+    "optimizer_config.start_weight_decay": (0.01, ["--weight-decay-incr-style", "linear",
+                                                   "--end-weight-decay", "0.1"]),
+    "optimizer_config.end_weight_decay": (0.01, ["--weight-decay-incr-style", "linear",
+                                                 "--start-weight-decay", "0.1"]),
+    "optimizer_config.weight_decay_incr_style": ("linear", ["--start-weight-decay", "0.01",
+                                                            "--end-weight-decay", "0.1"]),
+    "parallel_config.ulysses_degree_in_cp": (2, ["--context-parallel-size", "4",
+                                                 "--context-parallel-algo", "hybrid_cp_algo"]),
+    "parallel_config.virtual_pipeline_model_parallel_size": (2, _PP2),
+    "parallel_config.num_layers_per_virtual_pipeline_stage": (1, _PP2),
+    "parallel_config.sequence_parallel": (True, ["--tensor-model-parallel-size", "2"]),
+    "parallel_config.num_layer_list": ([3, 1], _PP2),
+    "parallel_config.select_recompute": (True, []),
+    "parallel_config.expert_model_parallel_size": (2, ["--num-experts", "4"]),
+    "optimizer_config.overlap_param_gather": (True, ["--use-distributed-optimizer",
+                                                     "--overlap-grad-reduce"])}
+
+
 def test_every_row_of_the_guides_tables_and_flags_is_a_key_here(capsys):
     """000's five mapping tables (124 rows), 003's script's flags: every YAML path and flag is a
     key here (honoured, fixed at this project's one behaviour, or inert), none unknown; each
@@ -769,38 +804,6 @@ def test_every_row_of_the_guides_tables_and_flags_is_a_key_here(capsys):
     rows = guide_table_rows()
     assert len(rows) == 124
     base = to_dict(load_config("config.yaml", [], 64))
-    pp2, fp16 = ["--pipeline-model-parallel-size", "2",
-                 "dataset_config.micro_batch_num=2"], ["--fp16"]
-    given = {   # canonical key: (a value to give, the flags it needs), where doubling will not do
-        "model_config.group_query_attention": (True, ["--num-query-groups", "4"]),
-        "model_config.num_query_groups": (4, ["--group-query-attention"]),
-        "model_config.attention_dropout_rate": (0.1, []),
-        "model_config.hidden_dropout_rate": (0.1, []),
-        "model_config.recompute_granularity": ("selective", []),
-        "model_config.recompute_method": ("block", ["--recompute-granularity", "full",
-                                                    "--recompute-num-layers", "1"]),
-        "model_config.recompute_num_layers": (1, ["--recompute-granularity", "full",
-                                                  "--recompute-method", "block"]),
-        "model_config.fp16_lm_cross_entropy": (True, fp16),
-        "model_config.params_dtype": ("float32", fp16),
-        "training_config.resume_training": (True, ["--load", "/tmp"]),
-        "optimizer_config.betas": ([0.8, 0.9], []),
-        "optimizer_config.start_weight_decay": (0.01, ["--weight-decay-incr-style", "linear",
-                                                       "--end-weight-decay", "0.1"]),
-        "optimizer_config.end_weight_decay": (0.01, ["--weight-decay-incr-style", "linear",
-                                                     "--start-weight-decay", "0.1"]),
-        "optimizer_config.weight_decay_incr_style": ("linear", ["--start-weight-decay", "0.01",
-                                                                "--end-weight-decay", "0.1"]),
-        "parallel_config.ulysses_degree_in_cp": (2, ["--context-parallel-size", "4",
-                                                     "--context-parallel-algo", "hybrid_cp_algo"]),
-        "parallel_config.virtual_pipeline_model_parallel_size": (2, pp2),
-        "parallel_config.num_layers_per_virtual_pipeline_stage": (1, pp2),
-        "parallel_config.sequence_parallel": (True, ["--tensor-model-parallel-size", "2"]),
-        "parallel_config.num_layer_list": ([3, 1], pp2),
-        "parallel_config.select_recompute": (True, []),
-        "parallel_config.expert_model_parallel_size": (2, ["--num-experts", "4"]),
-        "optimizer_config.overlap_param_gather": (True, ["--use-distributed-optimizer",
-                                                         "--overlap-grad-reduce"])}
     for megatron, path in rows:
         row, _ = cli._row(path)
         if row.kind != "key":
@@ -811,7 +814,7 @@ def test_every_row_of_the_guides_tables_and_flags_is_a_key_here(capsys):
             now = now[name]
         doubled = (not now if isinstance(now, bool) else
                    next((c for c in row.choices or () if c != now), None) or (now or 1) * 2)
-        value, needs = given.get(row.path, (doubled, []))
+        value, needs = GUIDE_VALUES.get(row.path, (doubled, []))
         text = json.dumps(value) if not isinstance(value, str) else value
         cfg = to_dict(load_config("config.yaml", [*needs, f"{path}={text}"], 64))
         try:
