@@ -130,15 +130,15 @@ class DistributedDataParallel:
             return self.buffers[k].reduce_bucket(b, grads, self.reduce_scatter)
 
 
-def reduced_over_model_parallel(grad, param, state, tied=True):
+def reduced_over_model_parallel(grad, param, state):
     """A gradient with what it needs before the data-parallel reduction: summed over TP if its
     parameter saw only this rank's shard of the sequence (marked `sequence_parallel`: norm
-    weights and row-parallel biases under sequence parallelism), and with `tied` over the
-    embedding group if it is one of the tied embedding's two copies (marked `shared_embedding`:
-    the first stage's word embedding, the last stage's output layer), so both take one step."""
+    weights and row-parallel biases under sequence parallelism), and over the embedding group if
+    it is one of the tied embedding's two copies (marked `shared_embedding`: the first stage's
+    word embedding, the last stage's output layer), so both take one step."""
     if getattr(param, "sequence_parallel", False):
         grad = collectives(state.tp_group).all_reduce(grad)
-    if tied and getattr(param, "shared_embedding", False):
+    if getattr(param, "shared_embedding", False):
         grad = collectives(state.embedding_group).all_reduce(grad)
     return grad
 
@@ -219,8 +219,7 @@ def ready_hook(cfg, ddp, params, state):
     def ready(position, grad):
         param = params[position]
         if not getattr(param, "shared_embedding", False):
-            ddp.register_grad_ready(position, reduced_over_model_parallel(grad, param, state,
-                                                                          tied=False))
+            ddp.register_grad_ready(position, reduced_over_model_parallel(grad, param, state))
     return ready
 
 

@@ -2989,9 +2989,10 @@ def test_ddp_starts_each_bucket_when_its_gradients_are_final():
     for position in reversed(range(len(grads))):
         ddp.register_grad_ready(position, grads[position])
         bucket = ddp.bucket_of[0][position]
-        complete = position == min(buffer.bucket_params(bucket))
-        assert started[-1:] == ([("R", bucket, 0)] if complete else started[-1:]) and \
-            len(started) == len(buffer.buckets) - bucket - (not complete), (position, started)
+        complete = position == min(buffer.bucket_params(bucket))    # its bucket's last, backward
+        first_started = bucket if complete else bucket + 1
+        assert started == [("R", b, 0) for b in reversed(range(first_started,
+                                                               len(buffer.buckets)))], position
     assert started == [("R", b, 0) for b in reversed(range(len(buffer.buckets)))]
     for a, b in zip(ddp.reduce_grads(grads), plain):
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
