@@ -27,6 +27,7 @@ import pytest
 from mindspore import Tensor
 
 import data
+import parallel
 import train
 from settings import cli
 from tools import flight_recorder
@@ -178,8 +179,13 @@ def run_jobs(jobs_file):
     process): each job of the file, one after another; each writes `ok` or `failed` to
     <status>/<name>.<rank>. Returns how many failed."""
     rank = int(os.environ.get("RANK_ID", "0"))
+    specs = json.loads(open(jobs_file).read())
+    if not cluster_formed(rank):
+        for spec in specs:
+            pathlib.Path(spec["status"], f"{spec['name']}.{rank}").write_text("failed")
+        return len(specs)
     failed = 0
-    for spec in json.loads(open(jobs_file).read()):
+    for spec in specs:
         started, cpu = time.time(), time.process_time()
         try:
             ok = run_job(spec, rank)
@@ -191,6 +197,22 @@ def run_jobs(jobs_file):
         print(f"[rank {rank}] job {spec['name']}: {'ok' if ok else 'FAILED'} in "
               f"{time.time() - started:.1f} s, {time.process_time() - cpu:.1f} CPU-s", flush=True)
     return failed
+
+
+def cluster_formed(rank):
+    """Whether this process joined msrun's cluster (at once when alone), before its first job: a
+    rank that gave up waiting for a late peer and ran on would run its jobs out of step with the
+    peer's (probed: a second init() then joins), so its launch fails here, every job at once."""
+    started = time.time()
+    try:
+        parallel.world()
+    except Exception:
+        traceback.print_exc()
+        print(f"[rank {rank}] the cluster did not form in {time.time() - started:.0f} s: "
+              "no job runs", flush=True)
+        return False
+    print(f"[rank {rank}] the cluster formed in {time.time() - started:.1f} s", flush=True)
+    return True
 
 
 def run_job(spec, rank):

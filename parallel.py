@@ -151,15 +151,16 @@ def launched_world_size():
     return int(os.environ.get("MS_WORKER_NUM", os.environ.get("RANK_SIZE", "1")))
 
 
-def _world():
-    """(world size, rank) from msrun's environment; init() only when there are several workers."""
-    world = launched_world_size()
-    if world == 1:
+def world():
+    """(world size, rank) from msrun's environment; init() only when there are several workers:
+    it waits until every worker has called it (msrun's --cluster_time_out), once per process."""
+    size = launched_world_size()
+    if size == 1:
         return 1, 0
     if "world" not in _GROUPS:
         init()
-        _GROUPS["world"] = ("world", list(range(world)))
-    return world, get_rank()
+        _GROUPS["world"] = ("world", list(range(size)))
+    return size, get_rank()
 
 
 def _use_group(kind, ranks):
@@ -183,9 +184,9 @@ def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses
     `ulysses` (default cp) is the Ulysses degree within cp (context_parallel.py), `ep` the expert
     parallel size, carved out of dp x cp (moe.py)."""
     global _STATE
-    world, rank = _world()
+    world_size, rank = world()
     ulysses = cp if ulysses is None else ulysses
-    groups = rank_groups(world, tp, cp, pp, ulysses, ep)
+    groups = rank_groups(world_size, tp, cp, pp, ulysses, ep)
     mine = {kind: next((g for g in gs if rank in g), None) for kind, gs in groups.items()
             if kind != "pp_pairs"}
     names = {kind: _use_group(kind, g) for kind, g in mine.items()
@@ -195,7 +196,7 @@ def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses
     pairs = {next(r for r in g if r != rank): _use_group("pp_pair", g)
              for g in groups["pp_pairs"] if rank in g}
     _STATE = ParallelState(
-        world_size=world, rank=rank, tp=tp, cp=cp, dp=len(mine["dp"]), pp=pp,
+        world_size=world_size, rank=rank, tp=tp, cp=cp, dp=len(mine["dp"]), pp=pp,
         tp_rank=mine["tp"].index(rank), cp_rank=mine["cp"].index(rank),
         dp_rank=mine["dp"].index(rank), pp_rank=mine["pp"].index(rank),
         tp_group=names["tp"], cp_group=names["cp"], dp_group=names["dp"], pp_group=names["pp"],

@@ -126,6 +126,7 @@ from tools import (bench, bench_fusions, collective_timing, flight_recorder, log
                    metrics, sample, timeline, tour)
 from tools.ledger import LEDGER as ledger
 # the msrun harness, which pytest loaded first (this import is that module)
+import conftest
 from conftest import (JOBS, PARALLEL_RUN, REFERENCE, STEPS, add, check_lines, converted,
                       layout, mixture_flags, needed_jobs, reading, reads, resumed, run_jobs,
                       shakespeare_bytes)
@@ -10017,6 +10018,22 @@ def test_pipeline_timeline_and_bubble_figures(runs):
 
 
 # ============================================================= the harness's launches (conftest.py)
+def test_a_rank_that_cannot_join_the_cluster_runs_no_job(tmp_path, monkeypatch, capsys):
+    """A worker whose init() fails (a peer later than --cluster_time_out) says so and marks every
+    job of its launch failed without running one: a rank that ran on would run its jobs out of
+    step with its peer's, each waiting in collectives the other never calls."""
+    def refused():
+        raise RuntimeError("Topology build timed out")
+    names = ["layers_tp2", "tp2"]
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps([{"name": n, "status": str(tmp_path)} for n in names]))
+    monkeypatch.setattr(parallel, "world", refused)
+    monkeypatch.setattr(conftest, "run_job", lambda spec, rank: pytest.fail("a job ran"))
+    assert run_jobs(str(jobs)) == len(names)
+    assert [(tmp_path / f"{n}.0").read_text() for n in names] == ["failed"] * len(names)
+    assert "[rank 0] the cluster did not form in 0 s: no job runs" in capsys.readouterr().out
+
+
 # a `reads` mark naming no job: the test waits for them all, so it runs last
 @pytest.mark.reads
 def test_the_harness_launches_end_cleanly(runs):

@@ -322,13 +322,16 @@ def msrun_command(workers, log_dir, program):
     MS_NODE_TIMEOUT is also how long a CPU collective waits for its peers (MindSpore's
     CollectiveOpsImpl reads it): run.sh's 10 s, which ends a job soon after a worker dies, is
     too short for these launches of many runs, where a peer can spend longer compiling its
-    first step on an oversubscribed machine (seen: TP2 x PP2 in float16 with 4 workers)."""
+    first step on an oversubscribed machine (seen: TP2 x PP2 in float16 with 4 workers).
+    --cluster_time_out is how long init() waits for the last worker to start: a worker that yields
+    the CPU to other work (the suite's launches run niced) can import for minutes (seen: a rank
+    over 120 s late on a loaded machine)."""
     bin_dir = os.path.dirname(sys.executable)
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"],
                GLOG_v=os.environ.get("GLOG_v", "3"), MS_NODE_TIMEOUT="90")
     cmd = [os.path.join(bin_dir, "msrun"), "--worker_num", str(workers), "--local_worker_num",
            str(workers), "--master_port", str(scheduler_port()), "--join", "True",
-           "--cluster_time_out", "120", "--log_dir", log_dir, *program]
+           "--cluster_time_out", "600", "--log_dir", log_dir, *program]
     return cmd, env
 
 
