@@ -122,8 +122,8 @@ from settings.cli import HelpRequested, load_config
 from settings.config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
 from settings.keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
-from tools import (bench, bench_fusions, collective_timing, flight_recorder, logs, memory,
-                   metrics, sample, timeline, tour)
+from tools import (bench, bench_fusions, bench_peer, collective_timing, flight_recorder, logs,
+                   memory, metrics, sample, timeline, tour)
 from tools.ledger import LEDGER as ledger
 # the msrun harness, which pytest loaded first (this import is that module)
 import conftest
@@ -156,9 +156,10 @@ MODULES = {"tokenizer": "tokenizer", "data": "data", "parallel": "parallel",
                                                    "dist_checkpoint", "checkpoint", "hf_gpt2")},
            **{name: f"tools.{name}" for name in ("flight_recorder", "ledger", "timeline",
                                                  "memory", "sample", "profiler", "metrics",
-                                                 "logs", "bench_torch", "bench", "bench_fusions",
-                                                 "tour")}}
-ENTRY_POINTS = ("train", "bench", "bench_fusions", "tour", "flight_recorder", "bench_torch")
+                                                 "logs", "bench_torch", "bench_peer", "bench",
+                                                 "bench_fusions", "tour")}}
+ENTRY_POINTS = ("train", "bench", "bench_fusions", "tour", "flight_recorder", "bench_torch",
+                "bench_peer")
 SUITE = ("test_all", "conftest")          # the suite's own files: this one and its msrun harness
 
 
@@ -176,12 +177,15 @@ def test_a_library_module_run_directly_names_the_command(module):
     assert str(stop.value.code).startswith(f"error: {module}.py is a library: run `bash run.sh")
 
 
-def test_the_pytorch_reference_imports_nothing_of_mindspore():
-    """bench_torch.py runs in another interpreter, one with torch, numpy and pyyaml alone
-    (`bash run.sh bench --torch PYTHON`): with MindSpore unimportable it still parses its flags."""
+@pytest.mark.parametrize("module, argv", [("bench_torch", ["torch-reference", "--help"]),
+                                          ("bench_peer", ["--help"])])
+def test_the_pytorch_side_imports_nothing_of_mindspore(module, argv):
+    """bench_torch.py and bench_peer.py run in another interpreter, one with torch (and
+    megatron-core), numpy and pyyaml alone (`bash run.sh bench --torch PYTHON`, `--peer PYTHON`):
+    with MindSpore unimportable each still parses its flags."""
     code = ("import runpy, sys; sys.modules['mindspore'] = None; "
-            "sys.argv = ['bench_torch.py', 'torch-reference', '--help']; "
-            "runpy.run_module('tools.bench_torch', run_name='__main__')")
+            f"sys.argv = ['{module}.py', *{argv!r}]; "
+            f"runpy.run_module('tools.{module}', run_name='__main__')")
     done = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "--steps" in done.stdout, done.stdout + done.stderr
@@ -5758,6 +5762,90 @@ def test_the_collectives_bench_runs_both_sides_and_prints_every_measurement(monk
     assert numbers == ["30.00", "0.03", "20.00", "0.05", "30.00", "0.03"], lines[2]
     assert collective_timing.bus_bandwidth("all_gather", 100, 4, 1.0) == 300
     assert collective_timing.bus_bandwidth("reduce_scatter", 100, 4, 1.0) == 75
+
+
+def fake_python(tmp_path, script):
+    """An executable `python` in tmp_path that runs the shell `script` (sh) whatever it is
+    given."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def test_the_peer_bench_refuses_a_python_without_megatron_core(tmp_path, monkeypatch, capsys):
+    """`bash run.sh bench --peer PYTHON` with a PYTHON that lacks megatron-core, or no PYTHON
+    there: one line naming --peer and the install line, 2, and no run started."""
+    started = []
+    monkeypatch.setattr(bench, "run_layout", lambda *a: started.append(a))
+    monkeypatch.setattr(bench, "run_peer", lambda *a: started.append(a))
+    lacking = fake_python(tmp_path, "echo \"ModuleNotFoundError: No module named 'megatron'\" >&2;"
+                                    " exit 1")
+    for python in (lacking, str(tmp_path / "missing" / "python")):
+        assert bench.main(["--peer", python]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: bench --peer {python}: "), err
+        assert bench_peer.INSTALL in err and "megatron-core==0.16.1" in err, err
+    assert bench.main(["--peer", lacking, "--layouts", "cp2", "moe"]) == 2
+    assert capsys.readouterr().err.startswith("error: bench --peer: megatron-core's bench has none")
+    assert started == []
+
+
+def test_the_peer_bench_alternates_the_sides_layout_by_layout(tmp_path, monkeypatch, capsys):
+    """`bash run.sh bench --peer PYTHON`: in each round, each layout runs here then by
+    megatron-core, before the next layout; the layouts are megatron-core's five, or those of
+    --layouts among them; per layout the rounds' tokens/s of both sides, their ratios and each
+    side's ratios to its own one process."""
+    this = {"one": [2000, 2200], "tp2": [1500, 1320], "pp2": [1800, 1650]}
+    peer = {"one": [4000, 4400], "tp2": [1000, 1200], "pp2": [3000, 2750]}
+    calls = []
+
+    def run_layout(name, steps, folder):
+        calls.append(("this", name, steps))
+        return this[name][sum(c[:2] == ("this", name) for c in calls) - 1], 0.1, "timers", [1.0]
+
+    def run_peer(python, name, steps):
+        calls.append(("peer", name, steps))
+        return peer[name][sum(c[:2] == ("peer", name) for c in calls) - 1]
+    monkeypatch.setattr(bench, "run_layout", run_layout)
+    monkeypatch.setattr(bench, "run_peer", run_peer)
+    python = fake_python(tmp_path, "echo 2.13.0+cpu 0.16.1")
+    assert bench.main(["--peer", python, "--steps", "6", "--layouts", "one", "cp2", "tp2",
+                       "pp2"]) == 0
+    order = [(side, name, 6) for name in ("one", "tp2", "pp2") for side in ("this", "peer")]
+    assert calls == order * 2
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"beside megatron-core 0.16.1 (torch 2.13.0+cpu, {python}): "
+                               "benchmark shape"), lines[0]
+    assert lines[1:] == [
+        "one      tokens/s this 2000/2200, megatron-core 4000/4400: this / megatron-core 0.50/0.50",
+        "tp2      tokens/s this 1500/1320, megatron-core 1000/1200: this / megatron-core 1.50/1.10",
+        "         vs one process: this 0.75/0.60, megatron-core 0.25/0.27",
+        "pp2      tokens/s this 1800/1650, megatron-core 3000/2750: this / megatron-core 0.60/0.60",
+        "         vs one process: this 0.90/0.75, megatron-core 0.75/0.62"]
+    calls.clear()
+    monkeypatch.setattr(bench, "run_layout", lambda name, *a: calls.append(name) or (1, 1, "", []))
+    monkeypatch.setattr(bench, "run_peer", lambda python, name, steps: calls.append(name) or 1)
+    assert bench.main(["--peer", python, "--repeats", "1"]) == 0
+    assert calls == [name for name in bench_peer.LAYOUTS for _ in "ab"], calls
+
+
+def test_the_peer_bench_runs_megatron_core_in_an_environment_of_its_own(tmp_path, monkeypatch):
+    """`bash run.sh bench --peer PYTHON` starts PYTHON, both its check and each megatron-core run
+    (tools/bench_peer.py, one layout), in torch_environment(): none of the variables of this
+    process's MindSpore import and run.sh."""
+    python = fake_python(tmp_path, f"env > {tmp_path}/env.$1\ncase $1 in -c) echo 2.13.0 0.16.1;;"
+                                   " *) echo layout=$4 workers=2 tokens_per_s=321;; esac")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/mindspore/lib/plugin/cpu")
+    monkeypatch.setenv("HOME", "/home/reader")
+    assert bench.peer_versions(python) == ["2.13.0", "0.16.1"]
+    assert bench.run_peer(python, "tp2", 4) == 321.0
+    for argument in ("-c", "-m"):
+        seen = dict(line.split("=", 1)
+                    for line in (tmp_path / f"env.{argument}").read_text().splitlines())
+        seen.pop("PWD", None), seen.pop("SHLVL", None), seen.pop("_", None)    # set by sh itself
+        assert seen == bench.torch_environment() and "LD_LIBRARY_PATH" not in seen, seen
+        assert seen["PATH"] == "/usr/bin:/bin" and seen["HOME"] == "/home/reader"
 
 
 def test_plan_flops_add_the_recomputed_forward():

@@ -1,6 +1,6 @@
 """Training speed of each layout, measured the way docs/performance.md's tables are made:
 
-    bash run.sh bench [--repeats 2] [--steps 12] [--torch PYTHON]
+    bash run.sh bench [--repeats 2] [--steps 12] [--torch PYTHON] [--peer PYTHON]
 
 Every run trains the benchmark shape (PyTorch nanoGPT-style: 4 layers, hidden 256, 8 heads, ffn
 1024, sequence 256, vocabulary 4096, fp32, global batch 8) on mock data, compiled, and reports the
@@ -38,6 +38,12 @@ python given to --torch.
 (flight_recorder.py) costs a step of each layout: its collectives a step op by op
 (memory.communication, an upper bound: a compiled graph is one event), the time to record one at
 the stack depth of a backward, and its writer's share of a second, against the step's time.
+`bash run.sh bench --peer PYTHON [--layouts ...]` prints instead the layouts megatron-core's bench
+has (one, tp2, tp2_sp, dp2, pp2; those of --layouts if given) beside megatron-core's own GPTModel
+in the same layout and shape (tools/bench_peer.py, run by PYTHON, a python with torch and
+megatron-core, in torch_environment()): each round runs a layout here, then megatron-core's, layout
+by layout; per layout each side's tokens/s per round, their ratio (this / megatron-core) and each
+side's ratio to its own one process.
 `bash run.sh bench --collectives [--torch PYTHON]` prints instead each collective's time and bus
 bandwidth on 2 and 4 workers, op by op and compiled, beside gloo's with --torch's python
 (tools/bench_collectives.py, tools/collective_timing.py).
@@ -56,7 +62,7 @@ from types import SimpleNamespace
 from settings.cli import (PROJECT, PROJECT_CONFIG, HelpRequested, load_config, msrun_command,
                           parse_command)
 from settings.config import ConfigError
-from tools import flight_recorder, memory
+from tools import bench_peer, flight_recorder, memory
 from tools.bench_torch import SHAPE
 from tools.collective_timing import OPS, bus_bandwidth
 
@@ -144,6 +150,28 @@ def run_torch(python, steps):
                           + ", ".join(torch_environment())), None
 
 
+def peer_versions(python):
+    """[torch's version, megatron-core's] in `python`, started in torch_environment(); None if it
+    does not start or lacks either."""
+    code = "import torch, megatron.core as m; print(torch.__version__, m.__version__)"
+    try:
+        done = subprocess.run([python, "-c", code], env=torch_environment(),
+                              capture_output=True, text=True)
+    except OSError:                                        # no such file, not executable
+        return None
+    return done.stdout.split()[-2:] if done.returncode == 0 else None
+
+
+def run_peer(python, name, steps):
+    """tokens/s of megatron-core's run of layout `name` (tools/bench_peer.py), run by `python` in
+    torch_environment(): a process that imported MindSpore has variables that halve PyTorch's
+    speed."""
+    out = subprocess.run([python, "-m", "tools.bench_peer", "--layouts", name, "--steps",
+                          str(steps)], cwd=PROJECT, env=torch_environment(), check=True,
+                         stdout=subprocess.PIPE, text=True).stdout
+    return float(re.search(rf"^layout={name} .*tokens_per_s=([\d.]+)", out, re.M).group(1))
+
+
 def matmul_peak(n=1024, reps=20):
     """fp32 TFLOP/s of an n x n x n MatMul, MindSpore on every core (compiled, as the model is)."""
     import numpy as np
@@ -171,7 +199,9 @@ BENCH_FLAGS = {"--repeats": (2, int, "alternating rounds of all runs"),
                "--flight-recorder": (None, bool, "the flight recorder's cost per step of each "
                                                  "layout, instead of the table"),
                "--collectives": (None, bool, "each collective's time and bandwidth on 2 and 4 "
-                                             "workers (with --torch: beside gloo's), instead")}
+                                             "workers (with --torch: beside gloo's), instead"),
+               "--peer": (None, str, "a python with torch and megatron-core: each layout beside "
+                                     "megatron-core's (tools/bench_peer.py), instead")}
 
 
 def _report(name, rows, results, peak):
@@ -217,6 +247,8 @@ def main(argv):
         return recorder_cost(a.layouts, a.steps)
     if a.collectives:
         return collectives_table(a.torch)
+    if a.peer:
+        return peer_table(a.peer, a.layouts, a.repeats, a.steps)
     runs = a.layouts + (["torch"] if a.torch else [])
     results = {name: [] for name in runs}
     peak_out = subprocess.run([sys.executable, "-m", "tools.bench", "matmul-peak"], check=True,
@@ -235,6 +267,46 @@ def main(argv):
     for name in runs:
         for line in _report(name, results[name], results, peak):
             print(line)
+
+
+def peer_table(python, layouts, repeats, steps):
+    """bash run.sh bench --peer PYTHON: those of `layouts` (--layouts, all by default) that
+    megatron-core's bench has, each run here then by megatron-core in each of `repeats` rounds;
+    per layout the tokens/s of both per round, their ratio and each side's to its own `one`. A
+    PYTHON without torch or megatron-core, or no such layout, is one line on stderr and 2 before
+    any run."""
+    layouts = [name for name in layouts if name in bench_peer.LAYOUTS]
+    if not layouts:
+        print(f"error: bench --peer: megatron-core's bench has none of --layouts: choose from "
+              f"{', '.join(bench_peer.LAYOUTS)}", file=sys.stderr)
+        return 2
+    versions = peer_versions(python)
+    if not versions:
+        print(f"error: bench --peer {python}: not a python with torch and megatron-core; make "
+              f"one with `{bench_peer.INSTALL}`", file=sys.stderr)
+        return 2
+    this, peer = {name: [] for name in layouts}, {name: [] for name in layouts}
+    with tempfile.TemporaryDirectory() as folder:
+        for _ in range(repeats):
+            for name in layouts:            # side by side in time: this machine's speed drifts
+                this[name].append(run_layout(name, steps, folder)[0])
+                peer[name].append(run_peer(python, name, steps))
+    print(f"beside megatron-core {versions[1]} (torch {versions[0]}, {python}): benchmark shape "
+          f"{SHAPE}, {repeats} alternating rounds, {time.strftime('%Y-%m-%d')}; "
+          f"{os.cpu_count()} cores")
+    for name in layouts:
+        print(f"{name:8s} tokens/s this {'/'.join(f'{t:.0f}' for t in this[name])}, "
+              f"megatron-core {'/'.join(f'{t:.0f}' for t in peer[name])}: "
+              f"this / megatron-core {_ratios(this[name], peer[name])}")
+        if "one" in layouts and name != "one":
+            print(f"{'':8s} vs one process: this {_ratios(this[name], this['one'])}, "
+                  f"megatron-core {_ratios(peer[name], peer['one'])}")
+    return 0
+
+
+def _ratios(tops, bottoms):
+    """Round by round, tops / bottoms: "1.23/1.19"."""
+    return "/".join(f"{t / b:.2f}" for t, b in zip(tops, bottoms))
 
 
 def record_seconds(events=20000, depth=40):
