@@ -40,6 +40,7 @@ from mindspore.communication import GlobalComm, create_group, get_rank, init
 from mindspore.graph.api import _pynative_executor
 from mindspore.ops import constexpr
 
+from backends import shared_memory
 from settings.config import check_expert_parallel_size, cp_ring_size, data_parallel_size
 
 F32 = ms.float32                                     # the one float32 alias, imported where used
@@ -179,11 +180,14 @@ SAME_RANKS_AS = {"cp_ulysses": "cp", "cp_ring": "cp", "tp_cp": "tp", "edp": "dp_
                  "tp_ep": "tp", "tp_dp_cp": "dp_cp"}
 
 
-def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses=None, ep=1):
+def initialize_model_parallel(tp=1, pp=1, cp=1, sequence_parallel=False, ulysses=None, ep=1,
+                              cpu_collectives="mccl"):
     """Build (or switch to) the layout tp x cp x dp x pp and return this rank's ParallelState;
     `ulysses` (default cp) is the Ulysses degree within cp (context_parallel.py), `ep` the expert
-    parallel size, carved out of dp x cp (moe.py)."""
+    parallel size, carved out of dp x cp (moe.py); `cpu_collectives` the CPU's all-reduce:
+    MindSpore's ("mccl") or through shared memory ("shared_memory", backends/)."""
     global _STATE
+    _BACKEND["cpu_collectives"] = cpu_collectives
     world_size, rank = world()
     ulysses = cp if ulysses is None else ulysses
     groups = rank_groups(world_size, tp, cp, pp, ulysses, ep)
@@ -370,7 +374,8 @@ class Collectives(nn.Cell):
         return self.scatter(src)
 
 
-_COLLECTIVES = {}
+_COLLECTIVES = {}             # (group, CPU backend) -> its Collectives
+_BACKEND = {"cpu_collectives": "mccl"}     # initialize_model_parallel's choice for this layout
 
 
 def collectives(group=None):
@@ -383,10 +388,11 @@ def collectives(group=None):
     kind = CpuCollectives if ms.get_context("device_target") == "CPU" else Collectives
     if group not in _GROUPS:
         return kind(None, state.tp, state.tp_rank, "tp")
-    if group not in _COLLECTIVES:
+    key = (group, _BACKEND["cpu_collectives"])
+    if key not in _COLLECTIVES:
         group_kind, ranks = _GROUPS[group]
-        _COLLECTIVES[group] = kind(group, len(ranks), ranks.index(state.rank), group_kind)
-    return _COLLECTIVES[group]
+        _COLLECTIVES[key] = kind(group, len(ranks), ranks.index(state.rank), group_kind)
+    return _COLLECTIVES[key]
 
 
 def broadcast(t, src_global_rank, group):
@@ -422,10 +428,13 @@ def exchange(t, peer_global_rank):
 # native ones (a sum of zero-padded pieces gathers), at up to n times their traffic.
 class CpuCollectives(Collectives):
     """Collectives whose all-gather is an AllReduce of a zero buffer holding this rank's slice,
-    and whose reduce-scatter, all-to-all and max are built from it."""
+    and whose reduce-scatter, all-to-all and max are built from it. With --cpu-collectives
+    shared_memory the sum is backends/shared_memory.py's, for the workers of one machine."""
 
     def build(self, group, size):
-        """Nothing beside the sum."""
+        """Nothing beside the sum, which may go through shared memory instead."""
+        if _BACKEND["cpu_collectives"] == "shared_memory":
+            self.sum = shared_memory.all_reduce_op(group, size, self.rank)
 
     def _max(self, x):
         return self._gather(x.expand_dims(0), 0).max(axis=0)     # the max of the gathered

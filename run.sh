@@ -194,6 +194,7 @@ fi
 if [ "$workers" -gt 1 ]; then
   # the config, the layout for all the workers and the input files, checked once in one process
   # (one error line, exit 2), and the shipped corpus tokenized, before msrun starts the workers
+  export MS_LOCAL_WORKER_NUM=$per_node           # msrun names no local count: threads, backends
   python train.py check --nproc "$workers" ${args[@]+"${args[@]}"}
   export RUN_SH_PID_DIR=$log_dir/pids            # each worker writes rank_N.pid
   rm -rf "$RUN_SH_PID_DIR" && mkdir -p "$RUN_SH_PID_DIR"

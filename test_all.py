@@ -75,9 +75,11 @@ import importlib
 import inspect
 import json
 import math
+import multiprocessing
 import os
 import pathlib
 import pickle
+import platform
 import random
 import re
 import runpy
@@ -110,6 +112,7 @@ import optimizer
 import parallel
 import pipeline
 import train
+from backends import shared_memory
 from formats import checkpoint, dist_checkpoint, megatron_checkpoint, torch_format
 from gpt import DropoutRNG, generate, init_weights
 from optimizer import (SGD, Adam, AdamW, ConstantGradScaler, DynamicGradScaler,
@@ -1029,6 +1032,7 @@ def test_the_guides_pretrain_script_runs_on_two_workers(runs, tmp_path):
 # The flags of the layouts the concept sections below train on msrun workers (conftest.py's
 # jobs), as Megatron spells them, and what they combine with: compilation, precision, recompute,
 # checkpoint formats, a blend. One-process tests use some of them too.
+MCCL = ["--cpu-collectives", "mccl"]
 TP2, SP, DISTOPT = (["--tensor-model-parallel-size", "2"], ["--sequence-parallel"],
                     ["--use-distributed-optimizer"])
 PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
@@ -2639,13 +2643,80 @@ def test_tp_msrun_checks(runs, family, job):
     assert_checks_pass(runs, family, job)
 
 
+# ------------------------------------------------------ the CPU's all-reduce through shared memory
+def _segment_sums(group, size, index, arrays, out):
+    """A child process: rank `index` of `size` summing each of `arrays` through a Segment of
+    `group`: (index, the sums or the error)."""
+    segment = shared_memory.Segment(group, size, index)
+    try:
+        out.put((index, [segment.all_reduce(a, group) for a in arrays]))
+    except RuntimeError as e:
+        out.put((index, str(e)))
+    finally:
+        segment.close()                 # a forked child ends without its atexit handlers
+
+
+def _segment_run(group, arrays_of_rank):
+    """Each rank's result of _segment_sums, its ranks forked processes."""
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    ranks = [context.Process(target=_segment_sums, args=(group, len(arrays_of_rank), i, a, out))
+             for i, a in enumerate(arrays_of_rank)]
+    for rank in ranks:
+        rank.start()
+    results = dict(out.get(timeout=120) for _ in ranks)
+    for rank in ranks:
+        rank.join()
+    return [results[i] for i in range(len(ranks))]
+
+
+@pytest.mark.tp
+def test_the_shared_memory_all_reduce_sums_in_pieces_and_names_a_size_mismatch():
+    """backends/shared_memory.Segment on 3 processes: tensors larger than a slot (summed in
+    pieces) in float32, float16 and int32, every rank given the same sum, added in rank order;
+    ranks whose tensors differ in size each stop with the sizes named, none left waiting."""
+    rng = np.random.default_rng(0)
+    big = shared_memory.SLOT // 4 * 2 + 123                    # two slots and a part of one
+    arrays = [[rng.standard_normal((big,)).astype(np.float32),
+               rng.standard_normal((3, 5)).astype(np.float16),
+               rng.integers(-9, 9, (7,)).astype(np.int32)] for _ in range(3)]
+    sums = _segment_run(f"test_sum_{os.getpid()}", arrays)
+    for k in range(3):
+        want = (arrays[0][k] + arrays[1][k]) + arrays[2][k]
+        assert all(r[k].dtype == want.dtype and np.array_equal(r[k], want) for r in sums), k
+    sizes = [[np.ones(4, np.float32)], [np.ones(8, np.float32)], [np.ones(4, np.float32)]]
+    errors = _segment_run(f"test_size_{os.getpid()}", sizes)
+    assert errors == [f"shared-memory all-reduce on group test_size_{os.getpid()}: its ranks' "
+                      "tensors differ, [16, 32, 16] bytes"] * 3
+    assert not glob.glob(f"/dev/shm/mgpt_{os.getpid()}_test_*")
+
+
+@pytest.mark.tp
+def test_cpu_collectives_take_shared_memory_where_it_can_run(capsys, tmp_path, monkeypatch):
+    """--cpu-collectives auto (the default) is the shared-memory all-reduce for the workers of one
+    x86 machine on the CPU, MindSpore's own (mccl) on another device, another CPU or several
+    nodes (run.sh's MS_LOCAL_WORKER_NUM); shared_memory asked for there is one line."""
+    def chosen(args, world):
+        return load_config(os.path.join(HERE, "config.yaml"), args, world).training_config \
+            .cpu_collectives
+    assert chosen([], 2) == "shared_memory" and chosen(["--cpu-collectives", "mccl"], 2) == "mccl"
+    assert chosen(["training_config.device_target=GPU"], 2) == "mccl"
+    monkeypatch.setenv("MS_LOCAL_WORKER_NUM", "2")
+    assert chosen([], 2) == "shared_memory" and chosen([], 4) == "mccl"
+    one_line_error(capsys, ["check", "--nproc", "4", "--cpu-collectives", "shared_memory",
+                            "--save", str(tmp_path / "s")], "cpu_collectives", "2 nodes", "mccl")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert chosen([], 2) == "mccl"
+
+
 # ---------------------------------------------------- the trainings: each layout beside one process
 # The one-process references first (op by op; a compiled layout equals them too), here those of
 # TP and DP: float32 (its step-2 checkpoint resumed in other layouts), and float16 on a blend
 add("one", 1, "tp dp checkpoint", SAVE_HALF)
 add("one_fp16", 1, "tp dp fp16", HALF + MIXTURE)
-# 2 workers: TP2, and TP2 + SP in float16, compiled, saved in Megatron's torch format
-layout("tp2", 2, "tp", TP2, "one")
+# 2 workers: TP2 through MindSpore's all-reduce (the others take the shared-memory one, this
+# machine's default: backends/), and TP2 + SP in float16, compiled, saved in Megatron's torch format
+layout("tp2", 2, "tp", TP2 + MCCL, "one")
 layout("tp2_sp", 2, "tp fp16 checkpoint", TP2 + SP + HALF + COMPILED + TORCH + MIXTURE,
        "one_fp16")
 
@@ -2844,7 +2915,7 @@ def test_dp_msrun_checks(runs, family, job):
 
 # 2 workers: DP2, and with the distributed optimizer in float16 on the blend (MIXTURE), its step-2
 # checkpoint resumed (the checkpoint section)
-layout("dp2", 2, "dp", [], "one")
+layout("dp2", 2, "dp", MCCL, "one")
 layout("dp2_distopt", 2, "dp fp16 checkpoint", DISTOPT + HALF + SAVE_HALF + MIXTURE, "one_fp16")
 # TP2 x DP2 in float16 on the blend (MIXTURE): each DP rank reads its share of the mixture's
 # global batch as one process reads the whole of it

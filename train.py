@@ -36,9 +36,9 @@ from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, layer_spec, m
                  model_provider)
 from settings.cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
                           training_help)
-from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, main_grad_dtype,
-                             moe_layer_pattern, padded_vocab_size, parse_blend, recompute_counts,
-                             samples_per_split)
+from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, local_worker_num,
+                             main_grad_dtype, moe_layer_pattern, padded_vocab_size, parse_blend,
+                             recompute_counts, samples_per_split)
 from tokenizer import build_tokenizer
 from tools import flight_recorder, memory, sample
 from tools.ledger import LEDGER
@@ -67,8 +67,7 @@ def setup_mindspore(cfg=None):
         if ms.get_context("device_target") != device:
             raise
     if device == "CPU":
-        local = os.environ.get("MS_LOCAL_WORKER_NUM", os.environ.get("LOCAL_WORKER_NUM", "1"))
-        local = int(local or 1)                      # the workers sharing this machine's cores
+        local = int(local_worker_num() or 1)        # the workers sharing this machine's cores
         threads = ((training_cfg is not None and training_cfg.threads_num)
                    or max(1, (os.cpu_count() or 1) // local))
         ms.device_context.cpu.op_tuning.threads_num(threads)
@@ -412,7 +411,8 @@ def set_up(cfg, tokenizer, notes, phase=contextlib.nullcontext):
     state = parallel.initialize_model_parallel(
         parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size,
         parallel_cfg.context_parallel_size, parallel_cfg.sequence_parallel,
-        parallel_cfg.ulysses_degree_in_cp, parallel_cfg.expert_model_parallel_size)
+        parallel_cfg.ulysses_degree_in_cp, parallel_cfg.expert_model_parallel_size,
+        cfg.training_config.cpu_collectives)
     setup_logging(cfg.training_config.output_dir, state.rank,
                   to_console=state.rank == loss_rank(state))
     for note in notes:

@@ -8,6 +8,7 @@ line and exits non-zero. Reading the YAML files and the command line is cli.py.
 import difflib
 import math
 import os
+import platform
 from types import SimpleNamespace
 
 
@@ -175,6 +176,7 @@ def finalize(cfg, world_size=1):
     _finalize_moe(model_cfg, parallel_cfg)
     _finalize_training(training_cfg)
     _check_overlap(training_cfg, optimizer_cfg)
+    _finalize_cpu_collectives(training_cfg, world_size)
     _check_torch_format(training_cfg, model_cfg, parallel_cfg)
     return cfg
 
@@ -188,6 +190,34 @@ def _check_overlap(training_cfg, optimizer_cfg):
     if optimizer_cfg.overlap_param_gather and not training_cfg.overlap_grad_reduce:
         raise ConfigError("optimizer_config.overlap_param_gather (--overlap-param-gather) needs "
                           "--overlap-grad-reduce (training_config.overlap_grad_reduce)")
+
+
+def local_worker_num():
+    """How many workers share this machine (a string): run.sh's MS_LOCAL_WORKER_NUM, or
+    LOCAL_WORKER_NUM, else all of msrun's (MS_WORKER_NUM: msrun names no local count, and a job
+    of several nodes comes through run.sh); "1" alone."""
+    for name in ("MS_LOCAL_WORKER_NUM", "LOCAL_WORKER_NUM", "MS_WORKER_NUM"):
+        if os.environ.get(name):
+            return os.environ[name]
+    return "1"
+
+
+def _finalize_cpu_collectives(training_cfg, world_size):
+    """The shared-memory all-reduce (backends/shared_memory.py) joins the workers of one machine
+    whose stores others see in program order (x86): a CPU run, every worker on this machine
+    (run.sh names how many, MS_LOCAL_WORKER_NUM). `auto` takes it where it can run, else
+    MindSpore's own (mccl)."""
+    machine = platform.machine().lower()
+    local = int(os.environ.get("MS_LOCAL_WORKER_NUM") or world_size)
+    unfit = ("runs on the CPU only" if training_cfg.device_target != "CPU" else
+             f"needs an x86 CPU (this is {machine})" if machine not in ("x86_64", "amd64") else
+             f"joins the workers of one machine, not {world_size // local} nodes"
+             if local < world_size else None)
+    if training_cfg.cpu_collectives == "auto":
+        training_cfg.cpu_collectives = "mccl" if unfit else "shared_memory"
+    elif training_cfg.cpu_collectives == "shared_memory" and unfit:
+        raise ConfigError(f"training_config.cpu_collectives shared_memory (--cpu-collectives) "
+                          f"{unfit}: use mccl (MindSpore's own) or auto")
 
 
 # the keys of the fused forms (fused.py), each on by default; model_config.fusions false turns

@@ -188,6 +188,10 @@ TRAINING = [
     inert("training_config.prefix",
           "checkpoint files are named as Megatron's (model_optim_rng, the layout's shards)",
           flag="--ckpt-prefix"),
+    key("training_config.cpu_collectives", "auto", str, "--cpu-collectives",
+        "the CPU's all-reduce: MindSpore's (mccl), or through shared memory between the workers "
+        "of one x86 machine (shared_memory, several times faster: backends/); auto: "
+        "shared_memory where it can run", choices=("auto", "mccl", "shared_memory")),
     key("training_config.threads_num", None, int, None,
         "CPU kernel threads per worker; null = cores / workers"),
     key("training_config.use_jit", True, bool, None,
