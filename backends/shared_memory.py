@@ -16,7 +16,9 @@ The second barrier keeps a rank from writing its next piece before every rank ha
 next piece's first barrier keeps the output from being overwritten before every rank has read it.
 Every rank receives the same sum, added in the same order. The op is a MindSpore Custom op of type
 "pyfunc" (a Python function on the CPU, op by op and inside ms.jit), its gradient the same
-all-reduce of the incoming gradient.
+all-reduce of the incoming gradient. The first rank removes the segment's name once every rank
+has attached (past the first barrier): the memory lives on until the last rank unmaps it, so a job
+killed whole leaves nothing in /dev/shm.
 
 The counters are plain stores: another process sees them after the data written before them on
 x86 (its stores are seen in program order), which is why settings/config allows this backend only
@@ -54,6 +56,7 @@ class Segment:
         self.slots = np.ndarray((size + 1, SLOT), np.uint8, self.memory.buf, header)
         if index == 0:
             self.counters[size] = 1                   # ready: the others may attach
+        self.named = index == 0                       # the creator removes the name
         atexit.register(self.close)
 
     def barrier(self, group):
@@ -71,6 +74,9 @@ class Segment:
                 raise RuntimeError(f"shared-memory all-reduce on group {group}: rank(s) "
                                    f"{late} of the group did not arrive within {WAIT:.0f} s")
             time.sleep(NAP)
+        if self.named:                 # every rank has attached: the memory lives on unnamed
+            self.memory.unlink()       # until the last rank unmaps it, at its end or kill
+            self.named = False
 
     def all_reduce(self, x, group):
         """The sum of `x` (a numpy array) over the group's ranks, a new array."""
@@ -101,16 +107,16 @@ class Segment:
             np.add(slots[-1], slots[r], out=slots[-1])
 
     def close(self):
-        """Unmapped at exit; the creator removes the name too."""
+        """Unmapped at exit (and the name removed, if no sum ever ran)."""
         self.counters = self.slots = None
         self.memory.close()
-        if self.index == 0:
+        if self.named:
             self.memory.unlink()
 
 
 def _create(name, nbytes):
-    """A new segment `name`. Segments of launches whose msrun has gone are removed first: a
-    launch killed whole (its creators and their trackers) leaves its segments behind."""
+    """A new segment `name`. Segments of launches whose msrun has gone are removed first: one
+    killed before its first sum leaves its names behind."""
     for path in glob.glob("/dev/shm/mgpt_*_*"):
         if not _alive(int(os.path.basename(path).split("_")[1])):
             with contextlib.suppress(FileNotFoundError):
