@@ -454,10 +454,14 @@ class CpuCollectives(Collectives):
 
 
 def cpu_exchange(t, peer_global_rank, group):
-    """parallel.exchange on the CPU: one all_gather over the pair, the peer's half kept."""
+    """parallel.exchange on the CPU: one all-gather over the pair (mint's, or the pair's
+    CpuCollectives' through shared memory), the peer's half kept."""
+    peer = group_ranks(group).index(peer_global_rank)
+    if _BACKEND["cpu_collectives"] == "shared_memory":
+        return collectives(group)._gather(t.expand_dims(0), 0)[peer]      # [2, ...] -> [...]
     bufs = [mint.zeros(t.shape, dtype=t.dtype) for _ in range(2)]
     dist.all_gather(bufs, t, group=group)
-    return bufs[group_ranks(group).index(peer_global_rank)]
+    return bufs[peer]
 
 
 # ============================================================================ mappings (f, g)

@@ -5804,22 +5804,24 @@ def test_the_bench_runs_pytorch_in_an_environment_of_its_own(tmp_path, monkeypat
 
 
 def test_the_collectives_bench_runs_both_sides_and_prints_every_measurement(monkeypatch, capsys):
-    """`bash run.sh bench --collectives --torch PYTHON`: MindSpore's workers (msrun) then gloo's
-    (PYTHON, in torch_environment()) for 2, then 4 workers, alternated; one line per worker
-    count, op and size with each side's milliseconds and bus bandwidth (NCCL's tests' factors),
-    "-" where a side has none (gloo's nothing compiled)."""
+    """`bash run.sh bench --collectives --torch PYTHON`: MindSpore's workers (msrun, MindSpore's
+    all-reduce and shared memory's) then gloo's (PYTHON, in torch_environment()) for 2, then 4
+    workers, alternated; one line per worker count, op and size with each side's milliseconds and
+    bus bandwidth (NCCL's tests' factors), "-" where a side has none (gloo's nothing compiled)."""
     launched = []
+    seconds = {("mccl", "op"): 0.03, ("mccl", "jit"): 0.02, ("shared_memory", "op"): 0.005,
+               ("shared_memory", "jit"): 0.004, ("gloo", "op"): 0.03}
 
     def run(cmd, cwd=None, env=None, **kwargs):
         out = cmd[-2] if "tools.collective_timing" in cmd else cmd[-1]
-        backend = "gloo" if "tools.collective_timing" in cmd else "mindspore"
-        workers = int(cmd[-1]) if backend == "gloo" else int(cmd[cmd.index("--worker_num") + 1])
-        launched.append((backend, workers, env == bench.torch_environment()))
-        modes = ("op",) if backend == "gloo" else ("op", "jit")
-        for mode in modes:
-            collective_timing.write(out, dict(backend=backend, mode=mode, op="all_reduce",
-                                              size=1 << 20, workers=workers,
-                                              seconds=0.01 * (mode == "op") + 0.02))
+        side = "gloo" if "tools.collective_timing" in cmd else "mindspore"
+        workers = int(cmd[-1]) if side == "gloo" else int(cmd[cmd.index("--worker_num") + 1])
+        launched.append((side, workers, env == bench.torch_environment()))
+        for backend, mode in seconds:
+            if (backend == "gloo") == (side == "gloo"):
+                collective_timing.write(out, dict(backend=backend, mode=mode, op="all_reduce",
+                                                  size=1 << 20, workers=workers,
+                                                  seconds=seconds[backend, mode]))
     monkeypatch.setattr(bench.subprocess, "run", run)
     assert bench.main(["--collectives", "--torch", "/usr/bin/python3"]) == 0
     assert launched == [("mindspore", 2, False), ("gloo", 2, True), ("mindspore", 4, False),
@@ -5827,10 +5829,10 @@ def test_the_collectives_bench_runs_both_sides_and_prints_every_measurement(monk
     lines = capsys.readouterr().out.splitlines()
     rows = [l.split() for l in lines[2:]]
     assert [r[:3] for r in rows] == [["2", "all_reduce", "1024K"], ["4", "all_reduce", "1024K"]]
-    # 2 workers: ms, bus GB/s = 2 (n - 1) / n x 1 MiB / seconds: op 0.03 s, compiled 0.02, gloo
-    # (op only) 0.03
+    # 2 workers: ms, bus GB/s = 2 (n - 1) / n x 1 MiB / seconds, in COLUMNS' order
     numbers = re.findall(r"[\d.]+", " ".join(rows[0][3:]))
-    assert numbers == ["30.00", "0.03", "20.00", "0.05", "30.00", "0.03"], lines[2]
+    assert numbers == ["30.00", "0.03", "20.00", "0.05", "5.00", "0.21", "4.00", "0.26",
+                       "30.00", "0.03"], lines[2]
     assert collective_timing.bus_bandwidth("all_gather", 100, 4, 1.0) == 300
     assert collective_timing.bus_bandwidth("reduce_scatter", 100, 4, 1.0) == 75
 

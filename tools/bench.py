@@ -371,14 +371,20 @@ def collectives_table(torch_python):
                 subprocess.run([torch_python, "-m", "tools.collective_timing", out, str(workers)],
                                cwd=PROJECT, env=torch_environment(), check=True)
         rows = [json.loads(line) for line in open(out)]
-    print(f"collectives, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores: ms (bus GB/s)")
-    print(f"{'n':>2} {'op':14} {'size':>6}  {'MindSpore':>16} {'compiled':>16} {'gloo':>16}")
+    print(f"collectives, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores: ms (bus GB/s); "
+          "MindSpore's all-reduce (mccl) and shared memory (shm), op by op and compiled (jit)")
+    print(f"{'n':>2} {'op':14} {'size':>6} " + "".join(f"{h:>15}" for h in COLUMNS))
     for workers, op, size in sorted({(r["workers"], r["op"], r["size"]) for r in rows},
                                     key=lambda k: (k[0], OPS.index(k[1]), k[2])):
         cells = [_cell(rows, backend, mode, op, size, workers)
-                 for backend, mode in (("mindspore", "op"), ("mindspore", "jit"), ("gloo", "op"))]
-        print(f"{workers:>2} {op:14} {size // 1024:>5}K  " + " ".join(cells))
+                 for backend, mode in COLUMNS.values()]
+        print(f"{workers:>2} {op:14} {size // 1024:>5}K " + "".join(cells))
     return 0
+
+
+COLUMNS = {"mccl": ("mccl", "op"), "mccl jit": ("mccl", "jit"),            # header: (backend,
+           "shm": ("shared_memory", "op"), "shm jit": ("shared_memory", "jit"),   # mode)
+           "gloo": ("gloo", "op")}
 
 
 def _cell(rows, backend, mode, op, size, workers):
@@ -387,9 +393,9 @@ def _cell(rows, backend, mode, op, size, workers):
     found = [r["seconds"] for r in rows
              if (r["backend"], r["mode"], r["op"], r["size"], r["workers"]) == key]
     if not found:
-        return f"{'-':>16}"
+        return f"{'-':>15}"
     gbps = bus_bandwidth(op, size, workers, found[0]) / 1e9
-    return f"{found[0] * 1e3:8.2f} ({gbps:5.2f})"
+    return f"{found[0] * 1e3:8.2f} ({gbps:4.2f})"
 
 
 if __name__ == "__main__":
