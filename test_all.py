@@ -5827,12 +5827,12 @@ def test_the_collectives_bench_runs_both_sides_and_prints_every_measurement(monk
     assert launched == [("mindspore", 2, False), ("gloo", 2, True), ("mindspore", 4, False),
                         ("gloo", 4, True)]
     lines = capsys.readouterr().out.splitlines()
-    rows = [l.split() for l in lines[2:]]
+    rows = [l.split() for l in lines[3:]]
     assert [r[:3] for r in rows] == [["2", "all_reduce", "1024K"], ["4", "all_reduce", "1024K"]]
     # 2 workers: ms, bus GB/s = 2 (n - 1) / n x 1 MiB / seconds, in COLUMNS' order
     numbers = re.findall(r"[\d.]+", " ".join(rows[0][3:]))
     assert numbers == ["30.00", "0.03", "20.00", "0.05", "5.00", "0.21", "4.00", "0.26",
-                       "30.00", "0.03"], lines[2]
+                       "30.00", "0.03"], lines[3]
     assert collective_timing.bus_bandwidth("all_gather", 100, 4, 1.0) == 300
     assert collective_timing.bus_bandwidth("reduce_scatter", 100, 4, 1.0) == 75
 

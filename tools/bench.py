@@ -371,14 +371,14 @@ def collectives_table(torch_python):
                 subprocess.run([torch_python, "-m", "tools.collective_timing", out, str(workers)],
                                cwd=PROJECT, env=torch_environment(), check=True)
         rows = [json.loads(line) for line in open(out)]
-    print(f"collectives, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores: ms (bus GB/s); "
-          "MindSpore's all-reduce (mccl) and shared memory (shm), op by op and compiled (jit)")
-    print(f"{'n':>2} {'op':14} {'size':>6} " + "".join(f"{h:>15}" for h in COLUMNS))
+    print(f"collectives, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores: ms (bus GB/s)")
+    print("MindSpore's all-reduce (mccl) and shared memory's (shm), op by op and compiled (jit)")
+    print(f"{'n':>2} {'op':14} {'size':>6}" + "".join(f"{h:>15}" for h in COLUMNS))
     for workers, op, size in sorted({(r["workers"], r["op"], r["size"]) for r in rows},
                                     key=lambda k: (k[0], OPS.index(k[1]), k[2])):
         cells = [_cell(rows, backend, mode, op, size, workers)
                  for backend, mode in COLUMNS.values()]
-        print(f"{workers:>2} {op:14} {size // 1024:>5}K " + "".join(cells))
+        print(f"{workers:>2} {op:14} {size // 1024:>5}K" + "".join(cells))
     return 0
 
 
