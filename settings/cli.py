@@ -291,6 +291,24 @@ def parse_command(command, argv, flags, positional=(), passthrough=None, about="
     return values, rest
 
 
+def parse_layouts_command(command, argv, flags, layouts, about):
+    """parse_command for a command whose --layouts names keys of `layouts`: (options, None), or
+    (None, the exit code) once its help or one error line is printed."""
+    try:
+        options, _ = parse_command(command, argv, flags, about=about)
+        unknown = [name for name in options["layouts"] if name not in layouts]
+        if unknown:
+            raise ConfigError(f"{command}: unknown layout {unknown[0]!r}: choose from "
+                              f"{', '.join(layouts)}")
+    except HelpRequested as e:
+        print(e)
+        return None, 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None, 2
+    return options, None
+
+
 def _flag_rows():
     """(flag, what it sets, default, meaning) for every flag of the key table."""
     for flag, targets in FLAGS.items():

@@ -59,9 +59,8 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from settings.cli import (PROJECT, PROJECT_CONFIG, HelpRequested, load_config, msrun_command,
-                          parse_command)
-from settings.config import ConfigError
+from settings.cli import (PROJECT, PROJECT_CONFIG, load_config, msrun_command,
+                          parse_layouts_command)
 from tools import bench_peer, flight_recorder, memory
 from tools.bench_torch import SHAPE
 from tools.collective_timing import OPS, bus_bandwidth
@@ -229,19 +228,10 @@ def _report(name, rows, results, peak):
 
 def main(argv):
     """bash run.sh bench: see the module docstring."""
-    try:
-        options, _ = parse_command("bench", argv, BENCH_FLAGS,
-                                   about="Alternating speed benchmark of the layouts.")
-        unknown = [name for name in options["layouts"] if name not in LAYOUTS]
-        if unknown:
-            raise ConfigError(f"bench: unknown layout {unknown[0]!r}: choose from "
-                              f"{', '.join(LAYOUTS)}")
-    except HelpRequested as e:
-        print(e)
-        return 0
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    options, code = parse_layouts_command("bench", argv, BENCH_FLAGS, LAYOUTS,
+                                          about="Alternating speed benchmark of the layouts.")
+    if options is None:
+        return code
     a = SimpleNamespace(**options)
     if a.flight_recorder:
         return recorder_cost(a.layouts, a.steps)

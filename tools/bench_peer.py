@@ -44,8 +44,7 @@ import subprocess
 import sys
 import time
 
-from settings.cli import PROJECT, HelpRequested, parse_command
-from settings.config import ConfigError
+from settings.cli import PROJECT, parse_command, parse_layouts_command
 from tools.bench_torch import SHAPE
 
 # name: (workers, tensor parallel, pipeline parallel, sequence parallel, micro-batch, torch threads
@@ -68,19 +67,11 @@ FLAGS = {"--layouts": (list(LAYOUTS), list, "layouts to run, one after another")
 
 def main(argv):
     """PYTHON -m tools.bench_peer: each layout in turn, its line printed as it ends."""
-    try:
-        options, _ = parse_command("bench_peer", argv, FLAGS,
-                                   about="megatron-core's GPT in each layout (--peer's python)")
-        unknown = [name for name in options["layouts"] if name not in LAYOUTS]
-        if unknown:
-            raise ConfigError(f"bench_peer: unknown layout {unknown[0]!r}: choose from "
-                              f"{', '.join(LAYOUTS)}")
-    except HelpRequested as e:
-        print(e)
-        return 0
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    options, code = parse_layouts_command(
+        "bench_peer", argv, FLAGS, LAYOUTS,
+        about="megatron-core's GPT in each layout (--peer's python)")
+    if options is None:
+        return code
     for name in options["layouts"]:
         launch(name, options["steps"], options["tiny"])
     return 0
