@@ -2694,8 +2694,9 @@ def test_the_shared_memory_all_reduce_sums_in_pieces_and_names_a_size_mismatch()
 @pytest.mark.tp
 def test_cpu_collectives_take_shared_memory_where_it_can_run(capsys, tmp_path, monkeypatch):
     """--cpu-collectives auto (the default) is the shared-memory all-reduce for the workers of one
-    x86 machine on the CPU, MindSpore's own (mccl) on another device, another CPU or several
-    nodes (run.sh's MS_LOCAL_WORKER_NUM); shared_memory asked for there is one line."""
+    x86 machine on the CPU, MindSpore's own (mccl) on another device, another CPU, several nodes
+    (run.sh's MS_LOCAL_WORKER_NUM) or a small /dev/shm; shared_memory asked for there is one
+    line."""
     def chosen(args, world):
         return load_config(os.path.join(HERE, "config.yaml"), args, world).training_config \
             .cpu_collectives
@@ -2707,6 +2708,12 @@ def test_cpu_collectives_take_shared_memory_where_it_can_run(capsys, tmp_path, m
                             "--save", str(tmp_path / "s")], "cpu_collectives", "2 nodes", "mccl")
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     assert chosen([], 2) == "mccl"
+    monkeypatch.undo()
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=64 << 20))
+    assert chosen([], 2) == "mccl"                   # a container's 64 MB of /dev/shm
+    one_line_error(capsys, ["check", "--nproc", "2", "--cpu-collectives", "shared_memory",
+                            "--save", str(tmp_path / "s")], "cpu_collectives", "/dev/shm",
+                   "64 MiB here")
 
 
 # ---------------------------------------------------- the trainings: each layout beside one process
