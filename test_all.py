@@ -9179,6 +9179,17 @@ def test_one_node_keeps_nproc_and_a_random_port(run_sh):
     assert calls == [["python", "train.py", "--lr", "1e-3"]]
 
 
+def test_scheduler_ports_differ_after_the_same_seed():
+    """Launches started beside each other after a training (MindSpore's set_seed seeds Python's
+    `random`) draw different scheduler ports: the same one made the second launch's ranks fail
+    to register ("Repeated registration node")."""
+    ports = set()
+    for _ in range(5):
+        ms.set_seed(1234)
+        ports.add(cli.scheduler_port())
+    assert len(ports) > 1, ports
+
+
 def test_a_taken_scheduler_port_is_refused_before_msrun_starts(run_sh):
     """A scheduler whose port is taken fails, and its workers would register with whatever
     listens there (another job's worker: MindSpore's workers listen from 8118 up) and wait out

@@ -325,9 +325,12 @@ def _flag_rows():
 def scheduler_port():
     """A random free port for msrun's scheduler on this machine, from run.sh's range: MindSpore's
     workers listen from 8118 up (256 ports a rank, servers above them to 16309), and a scheduler
-    that finds its port taken leaves its workers waiting for --cluster_time_out (run.sh)."""
+    that finds its port taken leaves its workers waiting for --cluster_time_out (run.sh). Drawn
+    from the system's entropy: MindSpore's set_seed seeds Python's `random` too, and launches
+    started beside each other after a training had drawn the same port (seen: 27220, every
+    time, in the suite)."""
     while True:
-        port = random.randint(20000, 28999)
+        port = random.SystemRandom().randint(20000, 28999)
         with socket.socket() as probe:
             if probe.connect_ex(("127.0.0.1", port)) != 0:             # no process accepts there
                 return port
@@ -341,15 +344,13 @@ def msrun_command(workers, log_dir, program):
     CollectiveOpsImpl reads it): run.sh's 10 s, which ends a job soon after a worker dies, is
     too short for these launches of many runs, where a peer can spend longer compiling its
     first step on an oversubscribed machine (seen: TP2 x PP2 in float16 with 4 workers).
-    --cluster_time_out is how long init() waits for the last worker to start: a worker that yields
-    the CPU to other work (the suite's launches run niced) can import for minutes (seen: a rank
-    over 120 s late on a loaded machine)."""
+    --cluster_time_out is how long init() waits for the last worker to start."""
     bin_dir = os.path.dirname(sys.executable)
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"],
                GLOG_v=os.environ.get("GLOG_v", "3"), MS_NODE_TIMEOUT="90")
     cmd = [os.path.join(bin_dir, "msrun"), "--worker_num", str(workers), "--local_worker_num",
            str(workers), "--master_port", str(scheduler_port()), "--join", "True",
-           "--cluster_time_out", "600", "--log_dir", log_dir, *program]
+           "--cluster_time_out", "120", "--log_dir", log_dir, *program]
     return cmd, env
 
 
