@@ -129,33 +129,39 @@ def _create(name, nbytes):
 
 
 def _alive(pid):
-    """Whether process `pid` exists."""
+    """Whether process `pid` exists (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:                         # another user's: alive
-        pass
+    except PermissionError:
+        return True
     return True
 
 
 def _attach(name, group, size):
-    """The segment `name` once its creator has marked it ready; not tracked by this process
-    (Python's tracker would remove the creator's segment when this process ends)."""
-    deadline, ready = time.monotonic() + WAIT, slice(8 * size, 8 * size + 8)
-    while True:
-        try:
-            memory = shared_memory.SharedMemory(name)
-            resource_tracker.unregister(memory._name, "shared_memory")
-            if int.from_bytes(memory.buf[ready], "little") == 1:
-                return memory
-            memory.close()
-        except (FileNotFoundError, ValueError):      # not there yet, or not yet sized
-            pass
+    """The segment `name` once its creator has marked it ready."""
+    deadline = time.monotonic() + WAIT
+    while (memory := _ready(name, size)) is None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"shared-memory collectives on group {group}: its first rank "
                                f"made no segment {name} within {WAIT:.0f} s")
         time.sleep(0.01)
+    return memory
+
+
+def _ready(name, size):
+    """The segment `name` if its creator has marked it ready, else None; not tracked by this
+    process (Python's tracker would remove the creator's segment when this process ends)."""
+    try:
+        memory = shared_memory.SharedMemory(name)
+    except (FileNotFoundError, ValueError):            # not there yet, or not yet sized
+        return None
+    resource_tracker.unregister(memory._name, "shared_memory")
+    if int.from_bytes(memory.buf[8 * size:8 * size + 8], "little") == 1:
+        return memory
+    memory.close()
+    return None
 
 
 def all_reduce_op(group, size, index):

@@ -211,7 +211,7 @@ def _report(name, rows, results, peak):
     ratio, against = "", BASE.get(name, "one")
     base = [r[0] for r in results.get(against, [])]
     if base and name != against:
-        ratio = f"  {'/'.join(f'{t / b:.2f}' for t, b in zip(tokens, base))}x {against}"
+        ratio = f"  {_ratios(tokens, base)}x {against}"
     workers = LAYOUTS[name][0] if name in LAYOUTS else 1
     tflops = ""
     if rows[0][1] is not None:
