@@ -106,7 +106,8 @@ def run_layout(name, steps, folder):
     workers, flags = LAYOUTS[name]
     save = os.path.join(folder, f"{name}_{time.time_ns()}")
     args = ["train.py", *MODEL, *flags, "--train-iters", str(steps),
-            "--log-interval", str(steps // 2), "--save", save, "training_config.save_interval=null"]
+            "--log-interval", str(steps // 2), "--save", save,
+            "training_config.save_interval=null"]
     if workers == 1:
         cmd, env = [sys.executable, *args], None
     else:
