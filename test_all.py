@@ -90,6 +90,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 import zlib
@@ -137,9 +138,10 @@ from conftest import (JOBS, PARALLEL_RUN, REFERENCE, STEPS, add, check_lines, co
 # The suite runs its msrun launches beside its one-process tests on a few cores: every process it
 # starts, and this one, takes one thread (train.setup_mindspore divides the cores by
 # LOCAL_WORKER_NUM), as msrun's workers here do; two threads a process cost more CPU time for
-# the same work when every core is busy.
+# the same work when every core is busy. Bound, the launches it runs side by side would each
+# keep their rank i to the same core (train.bind_cores): each process may run on any.
 os.environ.setdefault("LOCAL_WORKER_NUM", str(os.cpu_count() or 1))
-train.setup_mindspore()        # CPU, threads, ops launched in this thread (before any op runs)
+train.setup_mindspore(bind_core=False)     # CPU, threads, ops launched in this thread
 parallel.observe(ledger)       # the collectives' counts, as train.py's runs count them
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -2714,6 +2716,44 @@ def test_cpu_collectives_take_shared_memory_where_it_can_run(capsys, tmp_path, m
     one_line_error(capsys, ["check", "--nproc", "2", "--cpu-collectives", "shared_memory",
                             "--save", str(tmp_path / "s")], "cpu_collectives", "/dev/shm",
                    "64 MiB here")
+
+
+@pytest.mark.tp
+def test_each_worker_keeps_to_cores_of_its_own(monkeypatch):
+    """Several workers msrun started on one machine each keep to an equal share of its cores
+    (msrun's --bind_core), with more workers than cores to one core in turn, so that a TP pair
+    (adjacent ranks) has two; every thread of the worker, those started before and after, keeps
+    to them; on by default, off with --no-bind-core; a process msrun did not start, or alone,
+    keeps to none."""
+    monkeypatch.delenv("RANK_ID", raising=False)
+    assert train.worker_index(True, 2) is None
+    monkeypatch.setenv("RANK_ID", "3")
+    assert train.worker_index(True, 2) == 1 and train.worker_index(True, 4) == 3
+    assert train.worker_index(False, 2) is None and train.worker_index(True, 1) is None
+    assert [train.worker_cores({0, 1}, i, 2) for i in range(2)] == [{0}, {1}]
+    assert [train.worker_cores({0, 1}, i, 4) for i in range(4)] == [{0}, {1}, {0}, {1}]
+    assert train.worker_cores(range(2, 10), 1, 2) == {6, 7, 8, 9}
+    assert train.worker_cores(range(8), 2, 3) == {4, 5}
+    cores = sorted(os.sched_getaffinity(0))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                      # the child: a thread before the binding, one after
+        before = threading.Thread(target=time.sleep, args=(2,))
+        before.start()
+        train.bind_cores(len(cores) - 1, len(cores))
+        after = threading.Thread(target=time.sleep, args=(2,))
+        after.start()
+        seen = {tuple(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+        os.write(write, repr(sorted(seen)).encode())
+        os._exit(0)
+    os.close(write)
+    seen = os.read(read, 4096).decode()
+    os.waitpid(pid, 0)
+    assert seen == repr([(cores[-1],)])
+    training = load_config(os.path.join(HERE, "config.yaml")).training_config
+    assert training.bind_core is True
+    assert load_config(os.path.join(HERE, "config.yaml"), ["--no-bind-core"]) \
+        .training_config.bind_core is False
 
 
 # ---------------------------------------------------- the trainings: each layout beside one process

@@ -194,6 +194,9 @@ TRAINING = [
         "shared_memory where it can run", choices=("auto", "mccl", "shared_memory")),
     key("training_config.threads_num", None, int, None,
         "CPU kernel threads per worker; null = cores / workers"),
+    key("training_config.bind_core", True, bool, None,
+        "keep each of several workers on one machine to its own share of the CPU's cores "
+        "(msrun's --bind_core)", switch={"--no-bind-core": False}),
     key("training_config.use_jit", True, bool, None,
         "compile the model with ms.jit when it has no dropout", switch={"--no-jit": False}),
     key("training_config.log_comm_ledger", False, bool, None,
