@@ -161,9 +161,11 @@ if [ "$nnodes" -eq 1 ] && [ -n "$master_port" ] && listened "$master_port"; then
   error "--master_port $master_port: another process listens there; choose a free port" \
         "or leave the flag out (a random free one)"
 fi
-while [ -z "$master_port" ] || { [ "$nnodes" -eq 1 ] && listened "$master_port"; }; do
+free_port() {   # a random port no process listens on, for one node's scheduler
   master_port=$((20000 + RANDOM % 9000))              # the range cli.scheduler_port picks from
-done
+  while listened "$master_port"; do master_port=$((20000 + RANDOM % 9000)); done
+}
+[ -n "$master_port" ] || free_port
 
 if [ -z "$per_node" ] && [ -n "${ASCEND_RT_VISIBLE_DEVICES:-}" ]; then
   # the MindSpore Transformers guide's script starts one worker per device listed ("0,1,2,3");
@@ -191,39 +193,78 @@ if [ "$default_run" -eq 1 ] && [ -e output/latest_checkpointed_iteration.txt ]; 
   rm -rf output/iter_* output/.iter_* output/latest_checkpointed_iteration.txt
 fi
 
+# "max_restarts save_folder" of the run, which train.py writes there once its config is checked
+RUN_SH_LAUNCH_FILE=$(mktemp "${TMPDIR:-/tmp}/run_sh_launch.XXXXXX")
+export RUN_SH_LAUNCH_FILE
+trap 'rm -f "$RUN_SH_LAUNCH_FILE"' EXIT
 if [ "$workers" -gt 1 ]; then
   # the config, the layout for all the workers and the input files, checked once in one process
   # (one error line, exit 2), and the shipped corpus tokenized, before msrun starts the workers
   export MS_LOCAL_WORKER_NUM=$per_node           # msrun names no local count: threads, backends
   python train.py check --nproc "$workers" ${args[@]+"${args[@]}"}
   export RUN_SH_PID_DIR=$log_dir/pids            # each worker writes rank_N.pid
-  rm -rf "$RUN_SH_PID_DIR" && mkdir -p "$RUN_SH_PID_DIR"
   export FLIGHT_RECORDER_DIR=$log_dir            # each worker writes flight_recorder_rank_N.json
+fi
+
+failure=""      # what named the last failure, its pids left out
+run_workers() {   # the msrun launch; a failure named on the console and in $failure
+  rm -rf "$RUN_SH_PID_DIR" && mkdir -p "$RUN_SH_PID_DIR"
   rm -f "$log_dir"/flight_recorder_rank_*.json
   # msrun relays every worker's console; MindSpore's "[INFO] DISTRIBUTED ... Event base dispatch
   # success!" lines are not news, so they are dropped (pipefail keeps msrun's exit code)
-  if ! msrun --worker_num "$workers" --local_worker_num "$per_node" --node_rank "$node_rank" \
+  if msrun --worker_num "$workers" --local_worker_num "$per_node" --node_rank "$node_rank" \
         --master_addr "$master_addr" --master_port "$master_port" --log_dir "$log_dir" \
-        --join True --cluster_time_out 300 train.py ${args[@]+"${args[@]}"} 2>&1 \
+        --join True --cluster_time_out 300 train.py ${args[@]+"${args[@]}"} \
+        ${resume[@]+"${resume[@]}"} 2>&1 \
         | { grep --line-buffered -v '^\[INFO\] DISTRIBUTED' || true; } | tee "$log_dir/console.log"
   then
-    # a worker killed from outside (kill -9, out of memory) prints nothing: msrun names its pid
-    exited='Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\.'
-    dead=$(sed -n "s/.*$exited.*/\\1 \\2/p" "$log_dir/console.log" | head -1)
-    if [ -n "$dead" ]; then
-      set -- $dead
-      rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null \
-             | sed 's/.*rank_\([0-9]*\)\.pid/\1/' || true)
-      echo "error: rank ${rank:-?} (pid $1) was killed by signal $2;" \
-           "its log: $log_dir/worker_${rank:-N}.log" >&2
-    else                # the first collective where the ranks' flight records disagree
-      python -m tools.flight_recorder "$log_dir" || true
-    fi
-    exit 1
+    return 0
   fi
-else
-  python train.py ${args[@]+"${args[@]}"}
-fi
+  # a worker killed from outside (kill -9, out of memory) prints nothing: msrun names its pid
+  exited='Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\.'
+  dead=$(sed -n "s/.*$exited.*/\\1 \\2/p" "$log_dir/console.log" | head -1)
+  if [ -n "$dead" ]; then
+    set -- $dead
+    rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null \
+           | sed 's/.*rank_\([0-9]*\)\.pid/\1/' || true)
+    failure="rank ${rank:-?} was killed by signal $2"
+    echo "error: rank ${rank:-?} (pid $1) was killed by signal $2;" \
+         "its log: $log_dir/worker_${rank:-N}.log" >&2
+  else                # the first collective where the ranks' flight records disagree
+    failure=$(python -m tools.flight_recorder "$log_dir" 2>&1 || true)
+    echo "$failure"
+  fi
+  return 1
+}
+run_one() {   # one process; a failure named in $failure (exit 2: a bad input, named by train.py)
+  python train.py ${args[@]+"${args[@]}"} ${resume[@]+"${resume[@]}"} && return 0
+  local code=$?
+  failure="exit code $code"
+  [ "$code" -gt 128 ] && failure="the process was killed by signal $((code - 128))" \
+    && echo "error: $failure" >&2
+  return "$code"
+}
+
+# ---- restarts (torchrun's --max-restarts; training_config.max_restarts): a failed job, named,
+# is launched again from the last checkpoint in its --save folder (--load), up to that many
+# times; a bad input (exit 2, named before any work) and the same failure twice from the same
+# checkpoint are not: a restart cannot cure them
+resume=() attempt=0 seen=""
+while true; do
+  if [ "$workers" -gt 1 ]; then run_workers && break; else run_one && break; fi
+  code=$?
+  [ "$code" -ne 2 ] || exit 2
+  read -r max_restarts save < "$RUN_SH_LAUNCH_FILE" || exit "$code"    # failed before its config
+  [ "$attempt" -lt "$max_restarts" ] || exit "$code"
+  from=$(cat "$save/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
+  [ "$failure @ $from" != "$seen" ] || error "the same failure twice from iteration $from" \
+    "($failure): not restarted; fix its cause, then resume with --load $save"
+  seen="$failure @ $from" attempt=$((attempt + 1)) resume=(--load "$save")
+  # a new scheduler: one node's workers, restarted first, would join the old job's, still up
+  # on node 0 while it waits for the lost node; every node's restart k meets at the port + k
+  if [ "$nnodes" -gt 1 ]; then master_port=$((master_port + 1)); else free_port; fi
+  echo "bash run.sh: restart $attempt of $max_restarts, from iteration $from in $save" >&2
+done
 
 if [ "$default_run" -eq 1 ] && [ "$node_rank" -eq 0 ]; then     # once, on node 0
   echo "---- sample from the trained model (bash run.sh generate --load output --prompt ...)"

@@ -515,7 +515,10 @@ def test_repeated_config_files_layer_in_order_and_name_what_they_override(tmp_pa
     (["model_config.transformer_impl=transformer_engine"], "model_config.transformer_impl="
      "'transformer_engine': only 'local' here: the layers are this project's own"),
     (["training_config.resume_training=true"], "resume_training=true needs the checkpoint"),
-], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "resume"])
+    (["--max-restarts", "-1"], "training_config.max_restarts -1 (--max-restarts): give 0"),
+    (["--max-restarts", "1", "--finetune"], "--max-restarts with --finetune: a restart would"),
+], ids=["micro_batch_num", "constant_wd", "linear_wd", "transformer_impl", "resume",
+        "negative_restarts", "restarts_finetune"])
 def test_no_value_is_silently_replaced_or_ignored(args, message, capsys):
     """A value that contradicts another, or that this project cannot do, is one line (Megatron's
     assertions where it has them); micro_batch_num that agrees is taken."""
@@ -9309,14 +9312,15 @@ def test_a_bad_launch_is_one_line_before_anything_starts(run_sh, argv, message):
 
 # The multi-node form on one machine: two run.sh launches joined into one job, in the harness's
 # background (conftest.py) beside the one-process tests
-def call_two_nodes(harness):
-    """The multi-node form, as the guides launch it: `bash run.sh` with torchrun's flags on each
-    node, --node_rank 0 and 1, DP2 of one worker each. The second "node" lives in its own network
-    namespace (a veth pair, 10.213.0.1 <-> 10.213.0.2): msrun starts a scheduler wherever
-    --master_addr is a local address, so two launches on one host's 127.0.0.1 would both try to
-    bind it. Returns (the runs' folder, both exit codes, both consoles)."""
-    tmp, pid = harness.tmp, os.getpid()
-    ns, host_if, node_if = f"gptnode{pid}", f"gpta{pid % 100000}", f"gptb{pid % 100000}"
+@contextlib.contextmanager
+def second_node(tag):
+    """A second "node" on this machine: a network namespace joined to this one by a veth pair
+    (10.213.0.1 <-> 10.213.0.2); yields the prefix that runs a command inside it. msrun starts a
+    scheduler wherever --master_addr is a local address, so two launches on one host's 127.0.0.1
+    would both try to bind it."""
+    pid = os.getpid()
+    ns, host_if, node_if = (f"gptnode{tag}{pid}", f"gpta{tag}{pid % 100000}",
+                            f"gptb{tag}{pid % 100000}")
     inside = ["ip", "netns", "exec", ns]
     setup = [["ip", "netns", "add", ns],
              ["ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if],
@@ -9326,13 +9330,25 @@ def call_two_nodes(harness):
              [*inside, "ip", "addr", "add", "10.213.0.2/24", "dev", node_if],
              [*inside, "ip", "link", "set", node_if, "up"],
              [*inside, "ip", "link", "set", "lo", "up"]]
+    try:
+        for cmd in setup:
+            subprocess.run(cmd, check=True, capture_output=True)
+        yield inside
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+
+
+def call_two_nodes(harness):
+    """The multi-node form, as the guides launch it: `bash run.sh` with torchrun's flags on each
+    node, --node_rank 0 and 1, DP2 of one worker each, the second in its own network namespace
+    (second_node). Returns (the runs' folder, both exit codes, both consoles)."""
+    tmp = harness.tmp
     out = tmp / "two_nodes"
     args = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
             *PARALLEL_RUN, "--save", str(out)]
     port = str(cli.scheduler_port())
-    try:
-        for cmd in setup:
-            subprocess.run(cmd, check=True, capture_output=True)
+    with second_node("a") as inside:
         nodes = []
         for node in (0, 1):
             cmd = ["bash", os.path.join(HERE, "run.sh"), "--nproc_per_node", "1", "--nnodes", "2",
@@ -9342,9 +9358,6 @@ def call_two_nodes(harness):
                 nodes.append(subprocess.Popen((inside if node else []) + cmd, stdout=console,
                                               stderr=subprocess.STDOUT, env=BUSY_MACHINE))
         codes = [n.wait(timeout=300) for n in nodes]
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
     return out, codes, [(tmp / f"node{n}.console").read_text() for n in (0, 1)]
 
 
@@ -9625,6 +9638,164 @@ for _fault in FAULTS:
     add(f"fault_{_fault}", 0, "", call=call_fault(_fault), beside="launch")
 add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], beside="launch")
 add("killed_worker", 0, "", call=call_killed_worker, beside="launch")
+
+
+# ------------------------------------------------------------- restarts (--max-restarts)
+# Each layout trains RESTART_RUN twice through run.sh: straight through, and with its last rank
+# killed once a checkpoint is complete, then restarted from the last one.
+RESTART_RUN = [*TINY_RUN, "--no-jit", "--train-iters", "12", "training_config.save_interval=2"]
+RESTARTED = {"one": 1, "tp2_pp2": 4}                 # a layout: its workers (TP2 x PP2 on 4)
+
+
+def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1):
+    """`bash run.sh` of RESTART_RUN and `flags` on `workers` workers, saving to harness.tmp/name;
+    its last rank (or its one process) gets kill -9 each time `killed_when(save)` holds while it
+    runs, `kills` times at most: (console, exit code, the killed pids)."""
+    save, log_dir = harness.tmp / name, harness.tmp / f"{name}_log"
+    job = subprocess.Popen(["bash", "run.sh", "--nproc", str(workers), "--log_dir", str(log_dir),
+                            *RESTART_RUN, *flags, "--save", str(save)], cwd=HERE,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = []
+    while killed_when and len(killed) < kills and job.poll() is None:
+        pid = training_pid(job.pid, log_dir, workers)
+        if pid and pid not in killed and killed_when(save):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        time.sleep(0.05)
+    return job.communicate(timeout=600)[0], job.returncode, killed
+
+
+def run_sh_two_nodes(harness, name, flags, killed_when=None):
+    """RESTART_RUN and `flags` as a job of two nodes, one worker each (two run.sh, --nnodes 2,
+    the second in its own network namespace: second_node), saving to harness.tmp/name; node 1's
+    worker gets kill -9 once `killed_when(save)` holds: ([console, exit code] of each node, the
+    killed pid or None)."""
+    save, port = harness.tmp / name, str(cli.scheduler_port())
+    pid, pid_file = None, harness.tmp / f"{name}_log1" / "pids" / "rank_1.pid"
+    with second_node("r") as inside:
+        nodes = [subprocess.Popen(
+            [*(inside if node else []), "bash", "run.sh", "--nproc", "1", "--nnodes", "2",
+             "--node_rank", str(node), "--master_addr", "10.213.0.1", "--master_port", port,
+             "--log_dir", str(harness.tmp / f"{name}_log{node}"), *RESTART_RUN, *flags,
+             "--save", str(save)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True) for node in (0, 1)]
+        while killed_when and pid is None and nodes[1].poll() is None:
+            if pid_file.exists() and killed_when(save):
+                pid = int(pid_file.read_text())
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        return [[node.communicate(timeout=600)[0], node.returncode] for node in nodes], pid
+
+
+def training_pid(run_sh, log_dir, workers):
+    """The pid of the last rank of run.sh's job (its pid file), or of its one process (its child
+    `python train.py`, not `train.py check`); None between launches."""
+    if workers > 1:
+        pid_file = log_dir / "pids" / f"rank_{workers - 1}.pid"
+        return int(pid_file.read_text()) if pid_file.exists() else None
+    with contextlib.suppress(OSError, ValueError):
+        for pid in pathlib.Path(f"/proc/{run_sh}/task/{run_sh}/children").read_text().split():
+            command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"train.py" in command and b"check" not in command:
+                return int(pid)
+    return None
+
+
+def checkpointed(save):
+    """Whether the checkpoint of iteration 2 or later is complete in `save`."""
+    latest = save / "latest_checkpointed_iteration.txt"
+    return latest.exists() and int(latest.read_text()) >= 2
+
+
+def call_restarts(harness):
+    """Each layout of RESTARTED straight through, and killed once with --max-restarts 1; one
+    process killed twice once it has a log (its config checked) with --max-restarts 2: {name:
+    run_sh_killed's}."""
+    runs = {}
+    for layout, workers in RESTARTED.items():
+        flags = [] if workers == 1 else ["--tensor-model-parallel-size", "2",
+                                         "--pipeline-model-parallel-size", "2"]
+        runs[f"{layout}_straight"] = run_sh_killed(harness, f"{layout}_straight", workers, flags)
+        runs[f"{layout}_restarted"] = run_sh_killed(
+            harness, f"{layout}_restarted", workers, [*flags, "--max-restarts", "1"],
+            checkpointed)
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    runs["two_nodes_straight"] = run_sh_two_nodes(harness, "two_nodes_straight", pp2)
+    runs["two_nodes_restarted"] = run_sh_two_nodes(harness, "two_nodes_restarted",
+                                                   [*pp2, "--max-restarts", "1"], checkpointed)
+    runs["refused"] = run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"],
+                                    lambda save: (save / "log").exists(), kills=2)
+    return runs
+
+
+add("restarts", 0, "checkpoint", call=call_restarts, beside="launch")
+
+
+@reading("restarts")
+@pytest.mark.parametrize("layout", RESTARTED)
+def test_a_killed_job_restarts_from_its_last_checkpoint_to_the_same_weights(runs, layout):
+    """--max-restarts 1 (torchrun's flag): the killed rank is named, the job launched again from
+    the last complete checkpoint (--load), and it ends as the run that never stopped: every
+    step's loss and gradient norm (a step trained again too) and the final weights of every
+    shard, bit for bit (one process; TP2 x PP2 on 4 workers)."""
+    straight, code, _ = runs.result("restarts")[f"{layout}_straight"]
+    assert code == 0, straight[-3000:]
+    console, code, killed = runs.result("restarts")[f"{layout}_restarted"]
+    assert len(killed) == 1 and code == 0, console[-3000:]
+    pid = killed[0]
+    save = runs.tmp / f"{layout}_restarted"
+    assert re.search(rf"bash run.sh: restart 1 of 1, from iteration \d+ in {save}\n", console)
+    if RESTARTED[layout] > 1:
+        assert f"error: rank 3 (pid {pid}) was killed by signal 9" in console, console[-3000:]
+    else:
+        assert "error: the process was killed by signal 9" in console, console[-3000:]
+    assert_ends_as(runs.tmp / f"{layout}_straight", save)
+
+
+def assert_ends_as(straight, restarted):
+    """The run in folder `restarted` logged each step's loss and gradient norm as the run in
+    `straight` did (its steps logged twice too), and ended with the same weights in every
+    shard, bit for bit."""
+    steps = {re.search(r"Step:(\d+)", line).group(1): line.split(", Time")[0]
+             for line in train_lines(straight)}
+    again = train_lines(restarted)               # before the kill, then from the checkpoint
+    assert {re.search(r"Step:(\d+)", l).group(1) for l in again} == set(steps), again
+    assert all(steps[re.search(r"Step:(\d+)", l).group(1)] == l.split(", Time")[0]
+               for l in again), again
+    last = (straight / "latest_checkpointed_iteration.txt").read_text().strip()
+    for shard in (straight / f"iter_{int(last):07d}").iterdir():
+        want = checkpoint.load_checkpoint(str(straight), shard.name)[0]
+        got = checkpoint.load_checkpoint(str(restarted), shard.name)[0]
+        assert want.keys() == got.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@reading("restarts")
+def test_a_job_of_two_nodes_restarts_in_step(runs):
+    """PP2 over two nodes of one worker each (two run.sh, --nnodes 2), node 1's worker killed:
+    each node's run.sh restarts its own from the last checkpoint, the two meet again at node 0's
+    scheduler, and the job ends as the one that never stopped."""
+    nodes, pid = runs.result("restarts")["two_nodes_restarted"]
+    save = runs.tmp / "two_nodes_restarted"
+    for console, code in nodes:
+        assert pid is not None and code == 0, console[-3000:]
+        assert f"bash run.sh: restart 1 of 1, from iteration " in console, console[-3000:]
+    assert f"error: rank 1 (pid {pid}) was killed by signal 9" in nodes[1][0]
+    assert [code for _, code in runs.result("restarts")["two_nodes_straight"][0]] == [0, 0]
+    assert_ends_as(runs.tmp / "two_nodes_straight", save)
+
+
+@reading("restarts")
+def test_the_same_failure_twice_is_not_restarted(runs):
+    """A job that fails again where it failed before, no checkpoint further, is not launched a
+    third time: one line naming the failure and the folder to resume from, exit 2."""
+    console, code, killed = runs.result("restarts")["refused"]
+    save = runs.tmp / "refused"
+    assert len(killed) == 2 and code == 2, console[-3000:]
+    assert console.count("bash run.sh: restart ") == 1, console[-3000:]
+    assert (f"error: the same failure twice from iteration 0 (the process was killed by signal "
+            f"9): not restarted; fix its cause, then resume with --load {save}") in console
 
 
 @reading("failing_rank")

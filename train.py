@@ -583,6 +583,7 @@ def configure(command, argv):
                 checkpoint.saved_config(load, training.get("ckpt_step")))
     cfg = load_config(options["config"], argv, world, notes, under)
     check_inputs(cfg)
+    record_launch(cfg)
     return cfg, notes
 
 
@@ -593,6 +594,15 @@ def preprocess_main(argv):
 def generate_main(argv):
     setup_mindspore()                             # the device and threads the model runs on
     sample.generate_main(argv)
+
+
+def record_launch(cfg):
+    """Under run.sh, what its restarts need (--max-restarts) in RUN_SH_LAUNCH_FILE, once the
+    config is checked: the run's max_restarts and the folder a restart resumes from."""
+    path = os.environ.get("RUN_SH_LAUNCH_FILE")
+    if path:
+        training_cfg = cfg.training_config
+        data.write_atomic(path, f"{training_cfg.max_restarts} {training_cfg.output_dir}\n")
 
 
 def record_worker_pid():

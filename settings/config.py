@@ -883,6 +883,13 @@ def _finalize_training(training_cfg):
         raise ConfigError("training_config.resume_training=false: MindSpeed then does not read "
                           f"load_checkpoint={training_cfg.load_checkpoint}; remove one of them "
                           "(--finetune loads the weights alone)")
+    if training_cfg.max_restarts < 0:
+        raise ConfigError(f"training_config.max_restarts {training_cfg.max_restarts} "
+                          "(--max-restarts): give 0 (none) or more")
+    if training_cfg.max_restarts and training_cfg.finetune:
+        raise ConfigError("--max-restarts with --finetune: a restart would load the last "
+                          "checkpoint as a new run's weights, at iteration 0 again; finetune "
+                          "first, then resume with --load and --max-restarts")
     for k in ("seed", "training_iters", "log_interval", "eval_interval"):
         if getattr(training_cfg, k) is None:
             raise ConfigError(f"training_config.{k} is null: give a number (the run needs one)")

@@ -119,6 +119,9 @@ TRAINING = [
         "resuming: fresh optimizer state", switch={"--no-load-optim": True}),
     key("training_config.no_load_rng", True, bool, None,
         "resuming: fresh random streams", switch={"--no-load-rng": True}),
+    key("training_config.max_restarts", 0, int, "--max-restarts",
+        "run.sh launches a failed job again from the last checkpoint in output_dir, up to this "
+        "many times (torchrun's --max-restarts)"),
     key("training_config.finetune", False, bool, None,
         "--load takes the weights only: step 0, fresh optimizer", switch={"--finetune": True}),
     key("training_config.exit_interval", None, int, "--exit-interval",
