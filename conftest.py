@@ -326,9 +326,9 @@ class Harness:
     training; a selection with no job of a step skips it, so `-m pipeline` launches only pipeline
     runs. Two more threads run the other calls (Job.beside) beside all this, each its kind in
     turn: the forked runs of one-process tests, and the launches that take little of the CPU (the
-    planted faults, a launch that fails at load, a killed worker, the guide's script, two nodes),
-    each msrun job on its own scheduler port. All of it yields the CPU to the one-process tests
-    (HARNESS_NICE)."""
+    planted faults, a launch that fails at load, a killed worker, the guide's script, two nodes,
+    the jobs killed and launched again), each msrun job on its own scheduler port. All of it
+    yields the CPU to the one-process tests (HARNESS_NICE)."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, needed_jobs(names)

@@ -220,9 +220,14 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
   then
     return 0
   fi
+  # a worker that sent no heartbeat for MS_NODE_TIMEOUT s (stopped, or its node lost): msrun
+  # then stops the others with SIGTERM, and only the scheduler's log names it
+  lost=$(sed -n 's/.*The node: \([0-9]*\) is timed out.*/\1/p' "$log_dir/scheduler.log" \
+         2>/dev/null | head -1)
   # a worker killed from outside (kill -9, out of memory) prints nothing: msrun names its pid
   exited='Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\.'
   dead=$(sed -n "s/.*$exited.*/\\1 \\2/p" "$log_dir/console.log" | head -1)
+  [ -z "$lost" ] || [ "${dead#* }" != 15 ] || dead=""       # msrun's own SIGTERM, not the cause
   if [ -n "$dead" ]; then
     set -- $dead
     rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null \
@@ -230,6 +235,10 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
     failure="rank ${rank:-?} was killed by signal $2"
     echo "error: rank ${rank:-?} (pid $1) was killed by signal $2;" \
          "its log: $log_dir/worker_${rank:-N}.log" >&2
+  elif [ -n "$lost" ]; then
+    failure="rank $lost sent no heartbeat for $MS_NODE_TIMEOUT s"
+    echo "error: $failure (MS_NODE_TIMEOUT): stopped (SIGSTOP, a debugger) or its node lost;" \
+         "msrun stopped the job; its log: $log_dir/worker_$lost.log" >&2
   else                # the first collective where the ranks' flight records disagree
     failure=$(python -m tools.flight_recorder "$log_dir" 2>&1 || true)
     echo "$failure"

@@ -9641,16 +9641,19 @@ add("killed_worker", 0, "", call=call_killed_worker, beside="launch")
 
 
 # ------------------------------------------------------------- restarts (--max-restarts)
-# Each layout trains RESTART_RUN twice through run.sh: straight through, and with its last rank
-# killed once a checkpoint is complete, then restarted from the last one.
+# Each fault of the sweep (docs/when-a-run-hangs.md#restarts) strikes a run.sh job of RESTART_RUN
+# once a checkpoint is complete; the job, restarted from the last one, ends as one that never
+# stopped.
 RESTART_RUN = [*TINY_RUN, "--no-jit", "--train-iters", "12", "training_config.save_interval=2"]
-RESTARTED = {"one": 1, "tp2_pp2": 4}                 # a layout: its workers (TP2 x PP2 on 4)
+STOPPED = 20                  # seconds a worker is stopped: twice run.sh's MS_NODE_TIMEOUT
 
 
-def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1):
+def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1,
+                  sig=signal.SIGKILL):
     """`bash run.sh` of RESTART_RUN and `flags` on `workers` workers, saving to harness.tmp/name;
-    its last rank (or its one process) gets kill -9 each time `killed_when(save)` holds while it
-    runs, `kills` times at most: (console, exit code, the killed pids)."""
+    its last rank (or its one process) gets kill -9 (or `sig`) each time `killed_when(save)`
+    holds while it runs, `kills` times at most; a stopped one (SIGSTOP) is continued STOPPED s
+    later if still there: (console, exit code, the killed pids)."""
     save, log_dir = harness.tmp / name, harness.tmp / f"{name}_log"
     job = subprocess.Popen(["bash", "run.sh", "--nproc", str(workers), "--log_dir", str(log_dir),
                             *RESTART_RUN, *flags, "--save", str(save)], cwd=HERE,
@@ -9659,9 +9662,13 @@ def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1):
     while killed_when and len(killed) < kills and job.poll() is None:
         pid = training_pid(job.pid, log_dir, workers)
         if pid and pid not in killed and killed_when(save):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
             killed.append(pid)
         time.sleep(0.05)
+    if sig == signal.SIGSTOP and killed:
+        time.sleep(STOPPED)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(killed[-1], signal.SIGCONT)
     return job.communicate(timeout=600)[0], job.returncode, killed
 
 
@@ -9707,18 +9714,20 @@ def checkpointed(save):
     return latest.exists() and int(latest.read_text()) >= 2
 
 
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+
+
 def call_restarts(harness):
-    """Each layout of RESTARTED straight through, and killed once with --max-restarts 1; one
-    process killed twice once it has a log (its config checked) with --max-restarts 2: {name:
-    run_sh_killed's}."""
-    runs = {}
-    for layout, workers in RESTARTED.items():
-        flags = [] if workers == 1 else ["--tensor-model-parallel-size", "2",
-                                         "--pipeline-model-parallel-size", "2"]
-        runs[f"{layout}_straight"] = run_sh_killed(harness, f"{layout}_straight", workers, flags)
-        runs[f"{layout}_restarted"] = run_sh_killed(
-            harness, f"{layout}_restarted", workers, [*flags, "--max-restarts", "1"],
-            checkpointed)
+    """TP2 x PP2 straight through, killed once and stopped once with --max-restarts 1; PP2 over
+    two nodes straight through and killed once; one process killed twice once it has a log (its
+    config checked) with --max-restarts 2: {name: what run_sh_killed or run_sh_two_nodes
+    returns}."""
+    runs = {"tp2_pp2_straight": run_sh_killed(harness, "tp2_pp2_straight", 4, TP2_PP2),
+            "tp2_pp2_restarted": run_sh_killed(harness, "tp2_pp2_restarted", 4,
+                                               [*TP2_PP2, "--max-restarts", "1"], checkpointed)}
+    runs["tp2_pp2_stopped"] = run_sh_killed(
+        harness, "tp2_pp2_stopped", 4, [*TP2_PP2, "--max-restarts", "1"], checkpointed,
+        sig=signal.SIGSTOP)
     pp2 = ["--pipeline-model-parallel-size", "2"]
     runs["two_nodes_straight"] = run_sh_two_nodes(harness, "two_nodes_straight", pp2)
     runs["two_nodes_restarted"] = run_sh_two_nodes(harness, "two_nodes_restarted",
@@ -9732,24 +9741,19 @@ add("restarts", 0, "checkpoint", call=call_restarts, beside="launch")
 
 
 @reading("restarts")
-@pytest.mark.parametrize("layout", RESTARTED)
-def test_a_killed_job_restarts_from_its_last_checkpoint_to_the_same_weights(runs, layout):
+def test_a_killed_job_restarts_from_its_last_checkpoint_to_the_same_weights(runs):
     """--max-restarts 1 (torchrun's flag): the killed rank is named, the job launched again from
     the last complete checkpoint (--load), and it ends as the run that never stopped: every
     step's loss and gradient norm (a step trained again too) and the final weights of every
-    shard, bit for bit (one process; TP2 x PP2 on 4 workers)."""
-    straight, code, _ = runs.result("restarts")[f"{layout}_straight"]
+    shard, bit for bit (TP2 x PP2 on 4 workers)."""
+    straight, code, _ = runs.result("restarts")["tp2_pp2_straight"]
     assert code == 0, straight[-3000:]
-    console, code, killed = runs.result("restarts")[f"{layout}_restarted"]
+    console, code, killed = runs.result("restarts")["tp2_pp2_restarted"]
     assert len(killed) == 1 and code == 0, console[-3000:]
-    pid = killed[0]
-    save = runs.tmp / f"{layout}_restarted"
+    save = runs.tmp / "tp2_pp2_restarted"
     assert re.search(rf"bash run.sh: restart 1 of 1, from iteration \d+ in {save}\n", console)
-    if RESTARTED[layout] > 1:
-        assert f"error: rank 3 (pid {pid}) was killed by signal 9" in console, console[-3000:]
-    else:
-        assert "error: the process was killed by signal 9" in console, console[-3000:]
-    assert_ends_as(runs.tmp / f"{layout}_straight", save)
+    assert f"error: rank 3 (pid {killed[0]}) was killed by signal 9" in console, console[-3000:]
+    assert_ends_as(runs.tmp / "tp2_pp2_straight", save)
 
 
 def assert_ends_as(straight, restarted):
@@ -9784,6 +9788,19 @@ def test_a_job_of_two_nodes_restarts_in_step(runs):
     assert f"error: rank 1 (pid {pid}) was killed by signal 9" in nodes[1][0]
     assert [code for _, code in runs.result("restarts")["two_nodes_straight"][0]] == [0, 0]
     assert_ends_as(runs.tmp / "two_nodes_straight", save)
+
+
+@reading("restarts")
+def test_a_stopped_worker_is_named_and_its_job_restarted(runs):
+    """A worker stopped (SIGSTOP) for longer than msrun's heartbeat limit (run.sh's
+    MS_NODE_TIMEOUT) is taken for lost: msrun stops the job with SIGTERM, and run.sh names the
+    stopped rank, not the rank msrun's SIGTERM ended; --max-restarts then resumes the job to the
+    end of the run that never stopped."""
+    console, code, stopped = runs.result("restarts")["tp2_pp2_stopped"]
+    assert len(stopped) == 1 and code == 0, console[-3000:]
+    assert "error: rank 3 sent no heartbeat for 10 s (MS_NODE_TIMEOUT): stopped" in console
+    assert "killed by signal 15" not in console, console[-3000:]
+    assert_ends_as(runs.tmp / "tp2_pp2_straight", runs.tmp / "tp2_pp2_stopped")
 
 
 @reading("restarts")
