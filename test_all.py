@@ -9737,7 +9737,7 @@ def call_restarts(harness):
     return runs
 
 
-add("restarts", 0, "checkpoint", call=call_restarts, beside="launch")
+add("restarts", 0, "", call=call_restarts, beside="launch")
 
 
 @reading("restarts")
