@@ -90,7 +90,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 import zipfile
 import zlib
@@ -2738,20 +2737,18 @@ def test_each_worker_keeps_to_cores_of_its_own(monkeypatch):
     assert train.worker_cores(range(2, 10), 1, 2) == {6, 7, 8, 9}
     assert train.worker_cores(range(8), 2, 3) == {4, 5}
     cores = sorted(os.sched_getaffinity(0))
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:                      # the child: a thread before the binding, one after
-        before = threading.Thread(target=time.sleep, args=(2,))
-        before.start()
-        train.bind_cores(len(cores) - 1, len(cores))
-        after = threading.Thread(target=time.sleep, args=(2,))
-        after.start()
-        seen = {tuple(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
-        os.write(write, repr(sorted(seen)).encode())
-        os._exit(0)
-    os.close(write)
-    seen = os.read(read, 4096).decode()
-    os.waitpid(pid, 0)
+    # in a process of its own (forking this one, whose harness threads start processes, is not
+    # safe): a thread before the binding, one after
+    code = ("import os, threading, time, train\n"
+            "before = threading.Thread(target=time.sleep, args=(2,))\n"
+            "before.start()\n"
+            f"train.bind_cores({len(cores) - 1}, {len(cores)})\n"
+            "after = threading.Thread(target=time.sleep, args=(2,))\n"
+            "after.start()\n"
+            "print(sorted({tuple(os.sched_getaffinity(int(t)))\n"
+            "              for t in os.listdir('/proc/self/task')}))\n")
+    seen = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True,
+                          text=True, timeout=120).stdout.strip().splitlines()[-1]
     assert seen == repr([(cores[-1],)])
     training = load_config(os.path.join(HERE, "config.yaml")).training_config
     assert training.bind_core is True
