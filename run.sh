@@ -265,10 +265,14 @@ while true; do
   [ "$code" -ne 2 ] || exit 2
   read -r max_restarts save < "$RUN_SH_LAUNCH_FILE" || exit "$code"    # failed before its config
   [ "$attempt" -lt "$max_restarts" ] || exit "$code"
+  resume=(--load "$save")
+  # a latest checkpoint damaged since its save is set aside, named, by one process, before the
+  # workers read it
+  python train.py check --nproc "$workers" ${args[@]+"${args[@]}"} "${resume[@]}" || exit 2
   from=$(cat "$save/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
   [ "$failure @ $from" != "$seen" ] || error "the same failure twice from iteration $from" \
     "($failure): not restarted; fix its cause, then resume with --load $save"
-  seen="$failure @ $from" attempt=$((attempt + 1)) resume=(--load "$save")
+  seen="$failure @ $from" attempt=$((attempt + 1))
   # a new scheduler: one node's workers, restarted first, would join the old job's, still up
   # on node 0 while it waits for the lost node; every node's restart k meets at the port + k
   if [ "$nnodes" -gt 1 ]; then master_port=$((master_port + 1)); else free_port; fi

@@ -6540,7 +6540,8 @@ def test_torch_format_moe_converts_to_ep2_expert_folders_and_back_exactly(torch_
                              "--expert-model-parallel-size", "2"])
     one = torch_format.load(rank_file(torch_moe_checkpoint))["model"]
     folder = pathlib.Path(checkpoint.iteration_dir(ep2, 2))
-    assert sorted(p.name for p in folder.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(p.name for p in folder.iterdir()) == ["checksums.json", "mp_rank_00_000",
+                                                        "mp_rank_00_001"]
     for ep_rank in range(2):
         state = torch_format.load(str(folder / checkpoint.shard_name(0, 0, 1, ep_rank, 2)
                                       / "model_optim_rng.pt"))
@@ -7029,8 +7030,8 @@ def test_torch_dist_save_holds_megatrons_index_and_resumes_bit_for_bit(tmp_path)
     assert tiny_run(run, "--train-iters", "2", "--save-interval", "1", "--ckpt-format",
                     "torch_dist", "--hidden-dropout", "0.1") == 0
     folder = os.path.join(str(run), "iter_0000001")
-    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "common.pt",
-                                          "metadata.json"]
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "checksums.json",
+                                          "common.pt", "metadata.json"]
     tensors, objects = dist_checkpoint.read_index(folder)
     shapes = {key: shape for key, (_, shape, _) in tensors.items()}
     assert shapes["decoder.layers.self_attention.linear_qkv.weight"] == (2, 192, 64)
@@ -7049,7 +7050,8 @@ def test_torch_dist_save_holds_megatrons_index_and_resumes_bit_for_bit(tmp_path)
                        "--nproc", "4", "--tensor-model-parallel-size", "2",
                        "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist"]) == 0
     assert sorted(os.listdir(tp2pp2 / "iter_0000001")) == [
-        ".metadata", *[f"__{rank}_0.distcp" for rank in range(4)], "common.pt", "metadata.json"]
+        ".metadata", *[f"__{rank}_0.distcp" for rank in range(4)], "checksums.json", "common.pt",
+        "metadata.json"]
     first, second = checkpoint.full_state(str(run), step=1)[0], checkpoint.full_state(
         str(tp2pp2))[0]
     assert sorted(first) == sorted(second)
@@ -7075,7 +7077,7 @@ def test_torch_dist_with_the_distributed_optimizer_holds_its_state_per_parameter
                        "--ckpt-format", "torch_dist"]) == 0
     folder = wide / "iter_0000002"
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                          "common.pt", "metadata.json"]
+                                          "checksums.json", "common.pt", "metadata.json"]
     index, _ = dist_checkpoint.read_index(str(folder))
     assert index["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"][1] == (2, 256,
                                                                                         64)
@@ -7520,6 +7522,62 @@ def test_a_save_killed_at_any_point_keeps_the_previous_checkpoint(tmp_path, monk
     with pytest.raises(checkpoint.CheckpointError, match="iter_0000004 already exists"):
         checkpoint.save_checkpoint(root, 4, tensors(5.0))
     assert checkpoint.load_checkpoint(root)[0]["w"][0] == 4.0
+
+
+SAVED_DAMAGE = {   # a file damaged since its save (DAMAGES, or lost): how damage() names it
+    "truncated": r"\d+ bytes, saved with \d+ \(truncated or overwritten\)",
+    "overwritten": r"its bytes differ from those saved \(CRC-32\)",
+    "lost": "missing"}
+
+
+def damage_saved(how, path):
+    {**DAMAGES, "lost": pathlib.Path.unlink}[how](path)
+
+
+@pytest.mark.checkpoint
+@pytest.mark.parametrize("how", SAVED_DAMAGE)
+def test_a_damaged_checkpoint_is_named_by_its_checksums(how, tmp_path, two_steps):
+    """Each save lists its files' sizes and CRC-32 (checksums.json, whatever the format); a file
+    truncated, overwritten or lost since is named, the others' checkpoints stay intact."""
+    d = copy_of(two_steps, tmp_path)
+    assert checkpoint.damage(str(d), 2) is None
+    path = d / "iter_0000002" / "mp_rank_00" / "model_optim_rng.ckpt"
+    damage_saved(how, path)
+    assert re.fullmatch(f"{re.escape(str(path))}: {SAVED_DAMAGE[how]}",
+                        checkpoint.damage(str(d), 2))
+    assert checkpoint.newest_intact(str(d), below=2) is None
+
+
+@pytest.mark.checkpoint
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, six_steps_kept_2,
+                                                                     capsys):
+    """The latest checkpoint (6) damaged since its save: a run continuing in its folder names it,
+    sets it aside and trains on from 4 to the same weights at 6, bit for bit; a run loading it into
+    another folder loads 4 and leaves the folder as it is; with no intact one left, or with each
+    of several workers deciding alone, one line and exit 2."""
+    d = copy_of(six_steps_kept_2, tmp_path)
+    damage_saved("truncated", d / "iter_0000006" / "mp_rank_00" / "model_optim_rng.ckpt")
+    capsys.readouterr()
+    assert tiny_run(tmp_path / "other", "--train-iters", "6", "--load", str(d)) == 0
+    assert (f"truncated or overwritten): loading iteration 4, the newest intact checkpoint in {d}"
+            in capsys.readouterr().err and saved(d) == ([4, 6], 6))
+    with pytest.raises(checkpoint.CheckpointError, match="iteration 4 is intact: launch with bash "
+                       "run.sh, which sets the damaged one aside first"):
+        checkpoint.intact_checkpoint(str(d), str(d), alone=False)
+    assert tiny_run(d, "--train-iters", "6", "--save-interval", "2",
+                    "training_config.keep_checkpoint_max=2", "--load", str(d)) == 0
+    err = capsys.readouterr().err
+    assert (err.count("\n") == 1 and re.search(rf"set aside as {d}/damaged_iter_0000006_\d+; "
+                                                "loading iteration 4", err)), err
+    assert "loaded checkpoint of iteration 4" in (d / "log" / "rank_0" / "info.log").read_text()
+    assert saved(d) == ([4, 6], 6) and checkpoint.damage(str(d), 6) is None
+    got, want = (checkpoint.load_checkpoint(str(f))[0] for f in (d, six_steps_kept_2))
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    for it in (4, 6):
+        damage_saved("lost", d / f"iter_{it:07d}" / "mp_rank_00" / "meta.json")
+    assert tiny_run(d, "--train-iters", "8", "--load", str(d)) == 2
+    assert ("meta.json: missing, and " + f"{d} holds no earlier intact checkpoint: restore it from "
+            "a copy") in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ GPT-2 interop
@@ -7996,8 +8054,8 @@ def assert_same_checkpoints(a_root, b_root):
                                                   checkpoint.latest_iteration(str(a_root))))
     b_dir = pathlib.Path(checkpoint.iteration_dir(str(b_root),
                                                   checkpoint.latest_iteration(str(b_root))))
-    names = sorted(p.name for p in a_dir.iterdir())
-    assert names == sorted(p.name for p in b_dir.iterdir()) and names
+    names = sorted(p.name for p in a_dir.iterdir() if p.is_dir())
+    assert names == sorted(p.name for p in b_dir.iterdir() if p.is_dir()) and names
     for shard_name in names:
         stems = sorted({f.stem for f in (a_dir / shard_name).iterdir()
                         if f.suffix in (".ckpt", ".pt")})
@@ -8120,7 +8178,8 @@ def test_expert_parallel_checkpoints_hold_megatrons_expert_folders(runs, run, ep
     test_converted_checkpoint_trains_like_the_original_layout)."""
     step = STEPS // 2 if run == "ep4_distopt" else STEPS
     folder = runs.folder(run) / f"iter_{step:07d}"
-    assert sorted(os.listdir(folder)) == [f"mp_rank_00_{e:03d}" for e in range(ep)]
+    assert sorted(os.listdir(folder)) == ["checksums.json",
+                                          *[f"mp_rank_00_{e:03d}" for e in range(ep)]]
     local = 4 // ep                                                 # of the 4 experts
     for e in range(ep):
         tensors, _ = checkpoint.load_checkpoint(str(runs.tmp / run), f"mp_rank_00_{e:03d}",
@@ -9669,11 +9728,12 @@ def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1,
     return job.communicate(timeout=600)[0], job.returncode, killed
 
 
-def run_sh_two_nodes(harness, name, flags, killed_when=None):
+def run_sh_two_nodes(harness, name, flags, killed_when=None, damaged=False):
     """RESTART_RUN and `flags` as a job of two nodes, one worker each (two run.sh, --nnodes 2,
     the second in its own network namespace: second_node), saving to harness.tmp/name; node 1's
-    worker gets kill -9 once `killed_when(save)` holds: ([console, exit code] of each node, the
-    killed pid or None)."""
+    worker gets kill -9 once `killed_when(save)` holds, its weights file of the latest
+    checkpoint truncated first if `damaged`: ([console, exit code] of each node, the killed pid
+    or None)."""
     save, port = harness.tmp / name, str(cli.scheduler_port())
     pid, pid_file = None, harness.tmp / f"{name}_log1" / "pids" / "rank_1.pid"
     with second_node("r") as inside:
@@ -9685,6 +9745,10 @@ def run_sh_two_nodes(harness, name, flags, killed_when=None):
             text=True) for node in (0, 1)]
         while killed_when and pid is None and nodes[1].poll() is None:
             if pid_file.exists() and killed_when(save):
+                if damaged:
+                    latest = int((save / "latest_checkpointed_iteration.txt").read_text())
+                    damage_saved("truncated", save / f"iter_{latest:07d}" / "mp_rank_00_001" /
+                                 "model_optim_rng.ckpt")
                 pid = int(pid_file.read_text())
                 os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
@@ -9705,10 +9769,10 @@ def training_pid(run_sh, log_dir, workers):
     return None
 
 
-def checkpointed(save):
-    """Whether the checkpoint of iteration 2 or later is complete in `save`."""
+def checkpointed(save, iteration=2):
+    """Whether the checkpoint of `iteration` or a later one is complete in `save`."""
     latest = save / "latest_checkpointed_iteration.txt"
-    return latest.exists() and int(latest.read_text()) >= 2
+    return latest.exists() and int(latest.read_text()) >= iteration
 
 
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -9716,9 +9780,9 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 
 def call_restarts(harness):
     """TP2 x PP2 straight through, killed once and stopped once with --max-restarts 1; PP2 over
-    two nodes straight through and killed once; one process killed twice once it has a log (its
-    config checked) with --max-restarts 2: {name: what run_sh_killed or run_sh_two_nodes
-    returns}."""
+    two nodes straight through, and killed once with its latest checkpoint damaged (one before
+    it intact); one process killed twice once it has a log (its config checked) with
+    --max-restarts 2: {name: what run_sh_killed or run_sh_two_nodes returns}."""
     runs = {"tp2_pp2_straight": run_sh_killed(harness, "tp2_pp2_straight", 4, TP2_PP2),
             "tp2_pp2_restarted": run_sh_killed(harness, "tp2_pp2_restarted", 4,
                                                [*TP2_PP2, "--max-restarts", "1"], checkpointed)}
@@ -9727,8 +9791,9 @@ def call_restarts(harness):
         sig=signal.SIGSTOP)
     pp2 = ["--pipeline-model-parallel-size", "2"]
     runs["two_nodes_straight"] = run_sh_two_nodes(harness, "two_nodes_straight", pp2)
-    runs["two_nodes_restarted"] = run_sh_two_nodes(harness, "two_nodes_restarted",
-                                                   [*pp2, "--max-restarts", "1"], checkpointed)
+    runs["two_nodes_restarted"] = run_sh_two_nodes(
+        harness, "two_nodes_restarted", [*pp2, "--max-restarts", "1"],
+        lambda save: checkpointed(save, 4), damaged=True)
     runs["refused"] = run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"],
                                     lambda save: (save / "log").exists(), kills=2)
     return runs
@@ -9764,7 +9829,7 @@ def assert_ends_as(straight, restarted):
     assert all(steps[re.search(r"Step:(\d+)", l).group(1)] == l.split(", Time")[0]
                for l in again), again
     last = (straight / "latest_checkpointed_iteration.txt").read_text().strip()
-    for shard in (straight / f"iter_{int(last):07d}").iterdir():
+    for shard in (straight / f"iter_{int(last):07d}").glob("mp_rank_*"):
         want = checkpoint.load_checkpoint(str(straight), shard.name)[0]
         got = checkpoint.load_checkpoint(str(restarted), shard.name)[0]
         assert want.keys() == got.keys()
@@ -9774,15 +9839,23 @@ def assert_ends_as(straight, restarted):
 
 @reading("restarts")
 def test_a_job_of_two_nodes_restarts_in_step(runs):
-    """PP2 over two nodes of one worker each (two run.sh, --nnodes 2), node 1's worker killed:
-    each node's run.sh restarts its own from the last checkpoint, the two meet again at node 0's
+    """PP2 over two nodes of one worker each (two run.sh, --nnodes 2), node 1's worker killed
+    and the latest checkpoint damaged: each node's run.sh restarts its own from the last intact
+    checkpoint (the damaged one named and set aside once), the two meet again at node 0's
     scheduler, and the job ends as the one that never stopped."""
     nodes, pid = runs.result("restarts")["two_nodes_restarted"]
     save = runs.tmp / "two_nodes_restarted"
+    both = nodes[0][0] + nodes[1][0]
+    damaged = re.findall(r"mp_rank_00_001/model_optim_rng.ckpt: \d+ bytes, saved with \d+ "
+                         r"\(truncated or overwritten\): set aside as .*; loading iteration "
+                         rf"(\d+), the newest intact checkpoint in {save}\n", both)
+    assert len(damaged) == 1, both[-3000:]
     for console, code in nodes:
         assert pid is not None and code == 0, console[-3000:]
-        assert f"bash run.sh: restart 1 of 1, from iteration " in console, console[-3000:]
+        assert (f"bash run.sh: restart 1 of 1, from iteration {damaged[0]} in {save}\n"
+                in console), console[-3000:]
     assert f"error: rank 1 (pid {pid}) was killed by signal 9" in nodes[1][0]
+    assert len(list(save.glob("damaged_iter_*"))) == 1
     assert [code for _, code in runs.result("restarts")["two_nodes_straight"][0]] == [0, 0]
     assert_ends_as(runs.tmp / "two_nodes_straight", save)
 

@@ -162,6 +162,12 @@ def check_inputs(cfg):
         print(f"warning: no checkpoint in --load {load}: training starts from "
               "scratch", file=sys.stderr)
         training_cfg.load_checkpoint = ""            # Megatron: a new folder means a new run
+    if training_cfg.load_checkpoint and training_cfg.ckpt_step is None:
+        fallback = checkpoint.intact_checkpoint(load, training_cfg.output_dir,
+                                                parallel.launched_world_size() == 1)
+        if fallback:                       # the latest is damaged: the newest intact one
+            training_cfg.ckpt_step, warning = fallback
+            print(warning, file=sys.stderr)
     if training_cfg.load_checkpoint:
         checkpoint.check_fits(cfg, training_cfg.load_checkpoint)
     checkpoint.check_save_folder(training_cfg.output_dir, training_cfg.load_checkpoint,

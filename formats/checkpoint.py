@@ -18,9 +18,11 @@ layout. All ranks write into `.iter_0000100.tmp/`; rank 0 renames it into place,
 """
 import itertools
 import json
+import zlib
 import logging
 import os
 import shutil
+import time
 
 import numpy as np
 import mindspore as ms
@@ -75,6 +77,7 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None,
         try:
             if finish:
                 finish(tmp)
+            write_atomic(os.path.join(tmp, CHECKSUMS), json.dumps(checksums(tmp), indent=1))
         except Exception:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -85,6 +88,60 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None,
                 shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
     barrier()
     return final
+
+
+CHECKSUMS = "checksums.json"   # {file under the iteration folder: [bytes, CRC-32]}
+
+
+def checksums(folder):
+    """Each file under `folder` (relative path) -> [its size, the CRC-32 of its bytes]: what a
+    damaged checkpoint (a file truncated, overwritten or lost since the save) no longer matches,
+    whatever its format."""
+    sums = {}
+    for top, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(top, name)
+            crc = 0
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    crc = zlib.crc32(block, crc)
+            sums[os.path.relpath(path, folder)] = [os.path.getsize(path), crc]
+    sums.pop(CHECKSUMS, None)
+    return sums
+
+
+def damage(root, iteration):
+    """What no longer matches the checksums saved with checkpoint `iteration` ("path: what"), or
+    None when it is intact, or saved without checksums (by Megatron-LM, or by this project before
+    it wrote them)."""
+    folder = iteration_dir(root, iteration)
+    listed = os.path.join(folder, CHECKSUMS)
+    if not os.path.isdir(folder):
+        return f"{folder}: missing"
+    if not os.path.isfile(listed):
+        return None
+    try:
+        saved = json.load(open(listed))
+    except (OSError, ValueError) as e:
+        return f"{listed}: unreadable ({type(e).__name__})"
+    found = checksums(folder)
+    for name, (size, crc) in sorted(saved.items()):
+        path = os.path.join(folder, name)
+        if name not in found:
+            return f"{path}: missing"
+        if found[name][0] != size:
+            return f"{path}: {found[name][0]} bytes, saved with {size} (truncated or overwritten)"
+        if found[name][1] != crc:
+            return f"{path}: its bytes differ from those saved (CRC-32)"
+    return None
+
+
+def newest_intact(root, below):
+    """The newest checkpoint in `root` below iteration `below` that is intact, or None."""
+    for iteration in sorted((i for i in saved_iterations(root) if i < below), reverse=True):
+        if damage(root, iteration) is None:
+            return iteration
+    return None
 
 
 EXTENSIONS = {"ckpt": "ckpt", "safetensors": "safetensors", "torch": "pt"}
@@ -192,6 +249,39 @@ def holds_checkpoint(root):
     if not os.path.isdir(root):
         return False
     return os.path.exists(os.path.join(root, LATEST)) or bool(saved_iterations(root))
+
+
+def intact_checkpoint(load, save, alone):
+    """Before a run loads the latest checkpoint in `load`: None when it is intact; when it is
+    damaged, the newest intact one is loaded instead: returns (the --ckpt-step to load, the
+    warning line naming the damage). Continuing a run in its own folder (`save` is `load`) the
+    damaged one is set aside (damaged_iter_NNNNNNN_TIME) and `latest` points at the intact one
+    (no --ckpt-step needed), so the run saves that iteration again; `alone`: only one process may
+    do that, before the workers start (run.sh's check), not each of them."""
+    latest = latest_iteration(load)
+    why = damage(load, latest)
+    if why is None:
+        return None
+    intact = newest_intact(load, latest)
+    if intact is None:
+        raise CheckpointError(f"{why}, and {load} holds no earlier intact checkpoint: restore it "
+                              "from a copy")
+    loading = f"loading iteration {intact}, the newest intact checkpoint in {load}"
+    if not save or os.path.abspath(save) != os.path.abspath(load):
+        return intact, f"warning: {why}: {loading}"
+    folder = iteration_dir(load, latest)
+    if not alone:
+        raise CheckpointError(f"{why}; iteration {intact} is intact: launch with bash run.sh, "
+                              f"which sets the damaged one aside first, or move {folder} away and "
+                              f"write {intact} into {LATEST}")
+    # a name of its own: an earlier one may hold a damaged copy of the same iteration
+    aside = os.path.join(load, f"damaged_{os.path.basename(folder)}_{time.time_ns()}")
+    try:
+        os.replace(folder, aside)
+    except FileNotFoundError:                 # another node's launcher set it aside first
+        aside = "damaged_iter_* by another node's launcher"
+    write_atomic(os.path.join(load, LATEST), str(intact))
+    return None, f"warning: {why}: set aside as {aside}; {loading}"
 
 
 def check_save_folder(save, load, finetune=False, step=None):
