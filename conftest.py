@@ -11,7 +11,6 @@ the program (`python test_all.py JOBS.json`: its import registers the jobs, then
 them). This file imports nothing of test_all.py: test_all.py imports this one.
 """
 import concurrent.futures
-import contextlib
 import json
 import os
 import pathlib
@@ -30,7 +29,7 @@ import data
 import parallel
 import train
 from settings import cli
-from tools import flight_recorder
+from tools import bugs, flight_recorder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = os.path.join(HERE, "test_all.py")      # the workers' program: its import registers jobs
@@ -251,19 +250,10 @@ def step_of(job, rank, step):
     return train_step
 
 
-@contextlib.contextmanager
 def planted(plant):
     """The bug `plant()` returns (its patches: owner, attribute, replacement) in the code for the
-    duration of the block (none for None)."""
-    patches = plant() if plant else []
-    saved = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in patches]
-    for owner, attribute, replacement in patches:
-        setattr(owner, attribute, replacement)
-    try:
-        yield
-    finally:
-        for owner, attribute, value in saved:
-            setattr(owner, attribute, value)
+    duration of the block (none for None): tools/bugs.planted."""
+    return bugs.planted(plant() if plant else [])
 
 
 # ====================================================================================== the session

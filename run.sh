@@ -207,9 +207,28 @@ if [ "$workers" -gt 1 ]; then
 fi
 
 failure=""      # what named the last failure, its pids left out
+reap_lost() {   # kill -9 of a stopped worker msrun's scheduler took for lost; its pid in "reaped"
+  local lost pid
+  while sleep 1; do
+    lost=$(sed -n 's/.*The node: \([0-9]*\) is timed out.*/\1/p' "$log_dir/scheduler.log" \
+           2>/dev/null | head -1) || true
+    [ -n "$lost" ] && [ -f "$RUN_SH_PID_DIR/rank_$lost.pid" ] || continue
+    pid=$(cat "$RUN_SH_PID_DIR/rank_$lost.pid")
+    # only a stopped one (state T, or t under a debugger): a worker killed from outside is dead
+    # already, and named by its signal
+    case "$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)" in
+      T|t) echo "$pid" > "$RUN_SH_PID_DIR/reaped" && kill -9 "$pid" 2>/dev/null || true ;;
+    esac
+    return
+  done
+}
 run_workers() {   # the msrun launch; a failure named on the console and in $failure
   rm -rf "$RUN_SH_PID_DIR" && mkdir -p "$RUN_SH_PID_DIR"
-  rm -f "$log_dir"/flight_recorder_rank_*.json
+  rm -f "$log_dir"/flight_recorder_rank_*.json "$log_dir/scheduler.log"
+  # msrun ends a job with a lost worker by SIGTERM to each, which a stopped one (SIGSTOP, a
+  # debugger) only takes once continued: the job would wait for it; run.sh kills it instead
+  reap_lost </dev/null >/dev/null 2>&1 &
+  local reaper=$!
   # msrun relays every worker's console; MindSpore's "[INFO] DISTRIBUTED ... Event base dispatch
   # success!" lines are not news, so they are dropped (pipefail keeps msrun's exit code)
   if msrun --worker_num "$workers" --local_worker_num "$per_node" --node_rank "$node_rank" \
@@ -218,16 +237,20 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
         ${resume[@]+"${resume[@]}"} 2>&1 \
         | { grep --line-buffered -v '^\[INFO\] DISTRIBUTED' || true; } | tee "$log_dir/console.log"
   then
+    kill "$reaper" 2>/dev/null || true
     return 0
   fi
+  kill "$reaper" 2>/dev/null || true
   # a worker that sent no heartbeat for MS_NODE_TIMEOUT s (stopped, or its node lost): msrun
   # then stops the others with SIGTERM, and only the scheduler's log names it
   lost=$(sed -n 's/.*The node: \([0-9]*\) is timed out.*/\1/p' "$log_dir/scheduler.log" \
-         2>/dev/null | head -1)
+         2>/dev/null | head -1) || true
   # a worker killed from outside (kill -9, out of memory) prints nothing: msrun names its pid
   exited='Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\.'
   dead=$(sed -n "s/.*$exited.*/\\1 \\2/p" "$log_dir/console.log" | head -1)
-  [ -z "$lost" ] || [ "${dead#* }" != 15 ] || dead=""       # msrun's own SIGTERM, not the cause
+  # msrun's own SIGTERM, or run.sh's kill of the lost worker, is not the cause
+  if [ -n "$lost" ] && { [ "${dead#* }" = 15 ] \
+       || [ "${dead% *}" = "$(cat "$RUN_SH_PID_DIR/reaped" 2>/dev/null)" ]; }; then dead=""; fi
   if [ -n "$dead" ]; then
     set -- $dead
     rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null \
@@ -238,7 +261,7 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
   elif [ -n "$lost" ]; then
     failure="rank $lost sent no heartbeat for $MS_NODE_TIMEOUT s"
     echo "error: $failure (MS_NODE_TIMEOUT): stopped (SIGSTOP, a debugger) or its node lost;" \
-         "msrun stopped the job; its log: $log_dir/worker_$lost.log" >&2
+         "run.sh ended it (kill -9), msrun the job; its log: $log_dir/worker_$lost.log" >&2
   else                # the first collective where the ranks' flight records disagree
     failure=$(python -m tools.flight_recorder "$log_dir" 2>&1 || true)
     echo "$failure"

@@ -90,6 +90,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 import zlib
@@ -125,8 +126,8 @@ from settings.cli import HelpRequested, load_config
 from settings.config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
 from settings.keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
-from tools import (bench, bench_fusions, bench_peer, collective_timing, flight_recorder, logs,
-                   memory, metrics, sample, timeline, tour)
+from tools import (bench, bench_fusions, bench_peer, bugs, collective_timing, flight_recorder,
+                   logs, memory, metrics, sample, timeline, tour)
 from tools.ledger import LEDGER as ledger
 # the msrun harness, which pytest loaded first (this import is that module)
 import conftest
@@ -2846,6 +2847,14 @@ def planted_job(name, plant, flags, reference, concept, named):
                     "--eval-iters", "0"], reference, plant=plant)
 
 
+def catalogued(bug, flags, reference, suffix=""):
+    """planted_job of the catalogue's bug `bug` (tools/bugs.BUGS: its change, concept and the
+    proof it fails), in a short run of the layout `flags`."""
+    spec = bugs.BUGS[bug]
+    planted_job(bug + suffix, lambda: bugs.patches(bug), flags, reference, spec.concept,
+                spec.proof)
+
+
 def plant_params(concept):
     """The plants of `concept`, each with its marks."""
     return [pytest.param(name, marks=reads(f"planted_{name}", spec[2]))
@@ -2864,29 +2873,8 @@ def assert_planted_bug_is_caught(runs, plant):
                            loss_rtol(reference), PLANTED_STEPS)
 
 
-def plant_sp_norm_unreduced():
-    """Sequence parallelism: the norms' and row biases' gradients (each TP rank's tokens' share)
-    not all-reduced over TP (finalize_model_grads step 1)."""
-    return unmarked_during_finalize("sequence_parallel")
-
-
-def unmarked_during_finalize(mark):
-    """distributed.finalize_model_grads run as if no parameter had the attribute `mark`."""
-    real = distributed.finalize_model_grads
-
-    def finalize(grads, params, *rest):
-        marked = [p for p in params if getattr(p, mark, False)]
-        for p in marked:
-            setattr(p, mark, False)
-        try:
-            return real(grads, params, *rest)
-        finally:
-            for p in marked:
-                setattr(p, mark, True)
-    return [(distributed, "finalize_model_grads", finalize)]
-
-
-planted_job("sp_norm_unreduced", plant_sp_norm_unreduced, TP2 + SP, "one", "tp", "grad norm")
+catalogued("tp_row_unreduced", TP2, "one")
+catalogued("sp_norm_unreduced", TP2 + SP, "one")
 
 
 @pytest.mark.parametrize("plant", plant_params("tp"))
@@ -3160,45 +3148,9 @@ def test_overlap_param_gather_writes_each_bucket_when_a_forward_needs_it():
         np.testing.assert_array_equal(a, b)
 
 
-def plant_dp_sum():
-    """Data parallelism: the gradients summed over DP, not averaged."""
-    return unscaled_during(scatter=False)
-
-
-def plant_dp_sum_distopt():
-    """The distributed optimizer: its reduce-scatter sums over DP, not averages."""
-    return unscaled_during(scatter=True)
-
-
-def unscaled_during(scatter):
-    """GradBuffer.reduce_bucket run with a gradient_scaling_factor of 1 when it all-reduces
-    (scatter False) or when it reduce-scatters (True)."""
-    real = distributed.GradBuffer.reduce_bucket
-
-    def unscaled(self, b, grads, scattered=False):
-        factor = self.gradient_scaling_factor
-        if scattered == scatter:
-            self.gradient_scaling_factor = 1.0
-        try:
-            return real(self, b, grads, scattered)
-        finally:
-            self.gradient_scaling_factor = factor
-    return [(distributed.GradBuffer, "reduce_bucket", unscaled)]
-
-
-def plant_dp_same_samples():
-    """Every DP rank reads rank 0's micro-batches."""
-    real = data.MicroBatchIterator.__init__
-
-    def init(self, dataset, micro_batch_size, data_parallel_rank=0, data_parallel_size=1,
-             consumed_samples=0):
-        real(self, dataset, micro_batch_size, 0, data_parallel_size, consumed_samples)
-    return [(data.MicroBatchIterator, "__init__", init)]
-
-
-planted_job("dp_sum", plant_dp_sum, [], "one", "dp", "grad norm")
-planted_job("dp_sum_distopt", plant_dp_sum_distopt, DISTOPT, "one", "dp", "grad norm")
-planted_job("dp_same_samples", plant_dp_same_samples, [], "one", "dp", "loss")
+catalogued("dp_mean_as_sum", [], "one")
+catalogued("dp_mean_as_sum", DISTOPT, "one", "_distopt")
+catalogued("dp_same_samples", [], "one")
 
 
 @pytest.mark.parametrize("plant", plant_params("dp"))
@@ -3660,14 +3612,6 @@ def test_cp_layouts_train_like_one_process(runs, layout):
     assert_layout_trains_like_one_process(runs, layout)
 
 
-def plant_ring_causal_case():
-    """Ring attention: the diagonal block (this rank's own keys) attended without the causal
-    mask, so queries see later tokens."""
-    real = context_parallel.RingAttention.block
-    return [(context_parallel.RingAttention, "block",
-             lambda self, q, k, v, bias: real(self, q, k, v, None))]
-
-
 def plant_ulysses_head_split():
     """Ulysses with GQA: the all-to-alls deal the heads (and the key/value groups) to the cp ranks
     round-robin (rank r: heads r, r + u, ...) instead of in contiguous blocks, and back: each rank
@@ -3685,8 +3629,8 @@ def plant_ulysses_head_split():
             (parallel, "_heads_to_sequence", heads_to_sequence)]
 
 
-planted_job("ring_causal_case", plant_ring_causal_case, ROPE + CP2 + RING, "one_rope_gqa",
-            "cp", "loss")
+catalogued("ring_causal_case", ROPE + CP2 + RING, "one_rope_gqa")
+catalogued("cp_grads_averaged", ROPE + CP2, "one_rope_gqa")
 planted_job("ulysses_head_split", plant_ulysses_head_split, ROPE + CP2, "one_rope_gqa", "cp",
             "loss")
 
@@ -5118,14 +5062,6 @@ def test_moe_layouts_train_like_one_process(runs, layout):
         assert counts == want and {step for step, _ in want} == set(range(1, STEPS + 1))
 
 
-def plant_aux_loss_scaled_twice():
-    """MoE: the aux and z losses' gradients scaled by the main loss' weight (loss scale / m)
-    twice."""
-    real = moe.MoEAuxLossAutoScaler.set_loss_scale
-    return [(moe.MoEAuxLossAutoScaler, "set_loss_scale",
-             staticmethod(lambda scale: real(scale * scale)))]
-
-
 def plant_expert_bias_tokens_unsummed():
     """MoE: each rank moves its expert biases by its own tokens per expert, not summed over TP x
     DP x CP (its TP group, one rank here, in place of the stage's)."""
@@ -5134,8 +5070,7 @@ def plant_expert_bias_tokens_unsummed():
         chunks, parallel.ParallelState(**{**vars(state), "tp_dp_cp_group": state.tp_group})))]
 
 
-planted_job("aux_loss_scaled_twice", plant_aux_loss_scaled_twice, MOE_LAYER + EP2 + ALLTOALL,
-            "one_moe", "moe", "grad norm")
+catalogued("aux_loss_scaled_twice", MOE_LAYER + EP2 + ALLTOALL, "one_moe")
 planted_job("expert_bias_tokens_unsummed", plant_expert_bias_tokens_unsummed,
             MOE_RUN + CAPACITY + EXPERT_BIAS + EP2, "one_moe_capacity", "moe", "loss")
 
@@ -5349,12 +5284,6 @@ def test_pipeline_recompute_with_dropout_is_bit_identical(runs):
             == [l.split(", Time")[0] for l in plain])
 
 
-def plant_tied_embedding_unreduced():
-    """Pipeline: the tied word embedding's two copies (first and last stage) not all-reduced over
-    the embedding group (finalize_model_grads step 2)."""
-    return unmarked_during_finalize("shared_embedding")
-
-
 def plant_skipped_last_backward():
     """Pipeline: the last stage skips the last micro-batch's backward (sending a zero gradient to
     the stage before, so the exchanges still pair)."""
@@ -5374,8 +5303,8 @@ def plant_skipped_last_backward():
             (pipeline.PipelineRunner, "_backward", _backward)]
 
 
-planted_job("tied_embedding_unreduced", plant_tied_embedding_unreduced, PIPELINE_RUN + PP2,
-            "one_pp", "pipeline", "grad norm")
+catalogued("tied_embedding_unreduced", PIPELINE_RUN + PP2, "one_pp")
+catalogued("micro_batch_losses_summed", PIPELINE_RUN + PP2, "one_pp")
 planted_job("skipped_last_backward", plant_skipped_last_backward, PIPELINE_RUN + PP2, "one_pp",
             "pipeline", "grad norm")
 
@@ -9704,20 +9633,46 @@ RESTART_RUN = [*TINY_RUN, "--no-jit", "--train-iters", "12", "training_config.sa
 STOPPED = 20                  # seconds a worker is stopped: twice run.sh's MS_NODE_TIMEOUT
 
 
+class Console:
+    """The lines a job prints, each kept with the time it came (a thread reads them as they
+    come), to measure how long after a fault the job named it."""
+
+    def __init__(self, job):
+        self.job, self.lines = job, []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.job.stdout:
+            self.lines.append((time.time(), line))
+
+    def wait(self):
+        """(all it printed, its exit code) once it ended."""
+        self.job.wait(timeout=600)
+        self.reader.join()
+        return "".join(line for _, line in self.lines), self.job.returncode
+
+    def named_after(self, fault):
+        """Seconds from `fault` (a time) to the first line from then on that starts "error:"."""
+        return next(t for t, line in self.lines if t >= fault and line.startswith("error:")) - fault
+
+
 def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1,
                   sig=signal.SIGKILL):
     """`bash run.sh` of RESTART_RUN and `flags` on `workers` workers, saving to harness.tmp/name;
     its last rank (or its one process) gets kill -9 (or `sig`) each time `killed_when(save)`
     holds while it runs, `kills` times at most; a stopped one (SIGSTOP) is continued STOPPED s
-    later if still there: (console, exit code, the killed pids)."""
+    later if still there: (console, exit code, the killed pids, seconds from the first fault to
+    the line naming it)."""
     save, log_dir = harness.tmp / name, harness.tmp / f"{name}_log"
     job = subprocess.Popen(["bash", "run.sh", "--nproc", str(workers), "--log_dir", str(log_dir),
                             *RESTART_RUN, *flags, "--save", str(save)], cwd=HERE,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killed = []
+    console, killed, struck = Console(job), [], []
     while killed_when and len(killed) < kills and job.poll() is None:
         pid = training_pid(job.pid, log_dir, workers)
         if pid and pid not in killed and killed_when(save):
+            struck.append(time.time())
             os.kill(pid, sig)
             killed.append(pid)
         time.sleep(0.05)
@@ -9725,7 +9680,8 @@ def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1,
         time.sleep(STOPPED)
         with contextlib.suppress(ProcessLookupError):
             os.kill(killed[-1], signal.SIGCONT)
-    return job.communicate(timeout=600)[0], job.returncode, killed
+    printed, code = console.wait()
+    return printed, code, killed, struck and console.named_after(struck[0])
 
 
 def run_sh_two_nodes(harness, name, flags, killed_when=None, damaged=False):
@@ -9733,26 +9689,27 @@ def run_sh_two_nodes(harness, name, flags, killed_when=None, damaged=False):
     the second in its own network namespace: second_node), saving to harness.tmp/name; node 1's
     worker gets kill -9 once `killed_when(save)` holds, its weights file of the latest
     checkpoint truncated first if `damaged`: ([console, exit code] of each node, the killed pid
-    or None)."""
+    or None, seconds from the kill to node 1's line naming it)."""
     save, port = harness.tmp / name, str(cli.scheduler_port())
     pid, pid_file = None, harness.tmp / f"{name}_log1" / "pids" / "rank_1.pid"
     with second_node("r") as inside:
-        nodes = [subprocess.Popen(
+        nodes = [Console(subprocess.Popen(
             [*(inside if node else []), "bash", "run.sh", "--nproc", "1", "--nnodes", "2",
              "--node_rank", str(node), "--master_addr", "10.213.0.1", "--master_port", port,
              "--log_dir", str(harness.tmp / f"{name}_log{node}"), *RESTART_RUN, *flags,
              "--save", str(save)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True) for node in (0, 1)]
-        while killed_when and pid is None and nodes[1].poll() is None:
+            text=True)) for node in (0, 1)]
+        while killed_when and pid is None and nodes[1].job.poll() is None:
             if pid_file.exists() and killed_when(save):
                 if damaged:
                     latest = int((save / "latest_checkpointed_iteration.txt").read_text())
                     damage_saved("truncated", save / f"iter_{latest:07d}" / "mp_rank_00_001" /
                                  "model_optim_rng.ckpt")
-                pid = int(pid_file.read_text())
+                pid, struck = int(pid_file.read_text()), time.time()
                 os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
-        return [[node.communicate(timeout=600)[0], node.returncode] for node in nodes], pid
+        ended = [list(node.wait()) for node in nodes]
+        return ended, pid, pid and nodes[1].named_after(struck)
 
 
 def training_pid(run_sh, log_dir, workers):
@@ -9808,10 +9765,11 @@ def test_a_killed_job_restarts_from_its_last_checkpoint_to_the_same_weights(runs
     the last complete checkpoint (--load), and it ends as the run that never stopped: every
     step's loss and gradient norm (a step trained again too) and the final weights of every
     shard, bit for bit (TP2 x PP2 on 4 workers)."""
-    straight, code, _ = runs.result("restarts")["tp2_pp2_straight"]
+    straight, code, *_ = runs.result("restarts")["tp2_pp2_straight"]
     assert code == 0, straight[-3000:]
-    console, code, killed = runs.result("restarts")["tp2_pp2_restarted"]
+    console, code, killed, named_after = runs.result("restarts")["tp2_pp2_restarted"]
     assert len(killed) == 1 and code == 0, console[-3000:]
+    assert named_after <= 30, named_after
     save = runs.tmp / "tp2_pp2_restarted"
     assert re.search(rf"bash run.sh: restart 1 of 1, from iteration \d+ in {save}\n", console)
     assert f"error: rank 3 (pid {killed[0]}) was killed by signal 9" in console, console[-3000:]
@@ -9843,7 +9801,8 @@ def test_a_job_of_two_nodes_restarts_in_step(runs):
     and the latest checkpoint damaged: each node's run.sh restarts its own from the last intact
     checkpoint (the damaged one named and set aside once), the two meet again at node 0's
     scheduler, and the job ends as the one that never stopped."""
-    nodes, pid = runs.result("restarts")["two_nodes_restarted"]
+    nodes, pid, named_after = runs.result("restarts")["two_nodes_restarted"]
+    assert named_after <= 30, named_after
     save = runs.tmp / "two_nodes_restarted"
     both = nodes[0][0] + nodes[1][0]
     damaged = re.findall(r"mp_rank_00_001/model_optim_rng.ckpt: \d+ bytes, saved with \d+ "
@@ -9863,11 +9822,12 @@ def test_a_job_of_two_nodes_restarts_in_step(runs):
 @reading("restarts")
 def test_a_stopped_worker_is_named_and_its_job_restarted(runs):
     """A worker stopped (SIGSTOP) for longer than msrun's heartbeat limit (run.sh's
-    MS_NODE_TIMEOUT) is taken for lost: msrun stops the job with SIGTERM, and run.sh names the
-    stopped rank, not the rank msrun's SIGTERM ended; --max-restarts then resumes the job to the
-    end of the run that never stopped."""
-    console, code, stopped = runs.result("restarts")["tp2_pp2_stopped"]
+    MS_NODE_TIMEOUT) is taken for lost: run.sh kills it (msrun's SIGTERM would wait for a SIGCONT)
+    and names the stopped rank, not a rank msrun's SIGTERM ended, within 30 s; --max-restarts then
+    resumes the job to the end of the run that never stopped."""
+    console, code, stopped, named_after = runs.result("restarts")["tp2_pp2_stopped"]
     assert len(stopped) == 1 and code == 0, console[-3000:]
+    assert named_after <= 30, named_after
     assert "error: rank 3 sent no heartbeat for 10 s (MS_NODE_TIMEOUT): stopped" in console
     assert "killed by signal 15" not in console, console[-3000:]
     assert_ends_as(runs.tmp / "tp2_pp2_straight", runs.tmp / "tp2_pp2_stopped")
@@ -9877,9 +9837,9 @@ def test_a_stopped_worker_is_named_and_its_job_restarted(runs):
 def test_the_same_failure_twice_is_not_restarted(runs):
     """A job that fails again where it failed before, no checkpoint further, is not launched a
     third time: one line naming the failure and the folder to resume from, exit 2."""
-    console, code, killed = runs.result("restarts")["refused"]
+    console, code, killed, named_after = runs.result("restarts")["refused"]
     save = runs.tmp / "refused"
-    assert len(killed) == 2 and code == 2, console[-3000:]
+    assert len(killed) == 2 and code == 2 and named_after <= 30, (named_after, console[-3000:])
     assert console.count("bash run.sh: restart ") == 1, console[-3000:]
     assert (f"error: the same failure twice from iteration 0 (the process was killed by signal "
             f"9): not restarted; fix its cause, then resume with --load {save}") in console
@@ -10421,6 +10381,62 @@ def test_tour_rows_name_code_that_exists():
             assert hasattr(importlib.import_module(MODULES[module]), attribute), dotted
         load_config(os.path.join(HERE, "config.yaml"), [*tour.MODEL, *layout.flags],
                     layout.workers)
+
+
+def test_every_catalogued_bug_is_planted_by_the_suite_at_its_line(capsys):
+    """tools/bugs.py's catalogue, which `bash run.sh tour --break` and the suite's planted-bug
+    tests read alike: each bug's change is once in its function of the checkout, at the line its
+    explanation names; the function planted is the checkout's with that change, its source
+    where ms.jit reads it (inspect); the suite plants each in a layout of its concept; its tour
+    layouts exist. `--break list` lists every bug; an unknown one is one line, exit 2."""
+    for name, bug in bugs.BUGS.items():
+        file, line = bugs.where(bug)
+        assert bug.before in (pathlib.Path(HERE) / file).read_text().splitlines()[line - 1]
+        assert f"bug {name}: {file}:{line}, in {bug.function}" == bugs.explanation(name)[0]
+        (owner, attribute, replacement), = bugs.patches(name)
+        planted = getattr(replacement, "__func__", replacement)
+        checkout = [l for l in inspect.getsourcelines(getattr(owner, attribute))[0]
+                    if not l.lstrip().startswith("@")]                  # its decorators kept
+        assert inspect.getsource(planted) == "".join(checkout).replace(bug.before, bug.after)
+        assert name in PLANTS and PLANTS[name][3] == bug.concept, name
+        assert bug.layouts and set(bug.layouts) <= set(tour.LAYOUTS), name
+    capsys.readouterr()
+    assert tour.main(["--break", "list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == list(bugs.BUGS)
+    assert tour.main(["--break", "dp_mean"]) == 2
+    assert capsys.readouterr().err.startswith("error: tour: --break dp_mean: choose from list, ")
+
+
+def call_tour_break(harness):
+    """`bash run.sh tour --break dp_mean_as_sum`: (the finished process, the bytes of the file the
+    bug changes before and after)."""
+    path = pathlib.Path(HERE) / bugs.BUGS["dp_mean_as_sum"].file
+    before = path.read_bytes()
+    done = subprocess.run(["bash", "run.sh", "tour", "--break", "dp_mean_as_sum", "--output",
+                           str(harness.tmp / "tour_break")], cwd=HERE, capture_output=True,
+                          text=True, timeout=600)
+    return done, before, path.read_bytes()
+
+
+add("tour_break", 0, "dp", call=call_tour_break)
+
+
+@reading("tour_break")
+def test_a_bug_planted_by_the_tour_is_caught_and_explained(runs):
+    """`bash run.sh tour --break dp_mean_as_sum`: the DP mean planted as a sum in the workers of
+    DP2 (one process runs the checkout's code): its row DIFFERS on the gradient norm, the tour
+    stops there, then what changed (file:line, before, after), the rule and why; exit 1, the
+    checkout unchanged."""
+    done, before, after = runs.result("tour_break")
+    assert done.returncode == 1 and before == after, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    words = next(l.split() for l in lines if l.startswith("dp "))
+    assert words[4] == "DIFFERS", words
+    assert any(l.startswith("tour: stopped: dp differs from one process: its grad norm by")
+               for l in lines), lines
+    said = bugs.explanation("dp_mean_as_sum")
+    assert lines[-len(said):] == said and not [l for l in lines if l.startswith("dp_distopt ")]
 
 
 def call_tour(harness):

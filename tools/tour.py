@@ -1,6 +1,7 @@
 """The tour: every parallelism of the project trained beside one process, a row per layout.
 
     bash run.sh tour [--layouts tp,pp_vpp,...] [--output output/tour] [--no-fusions]
+    bash run.sh tour --break NAME|list     a named bug planted (tools/bugs.py): what catches it
 
 A tiny GPT (MODEL: 4 layers, hidden 64, 4 heads, sequence 64, byte tokens of the shipped
 tinyshakespeare) trains STEPS steps, compiled by ms.jit as in production, in each layout of
@@ -48,7 +49,7 @@ import train
 from settings.cli import (PROJECT, PROJECT_CONFIG, HelpRequested, load_config, msrun_command,
                           parse_command)
 from settings.config import ConfigError
-from tools import memory
+from tools import bugs, memory
 
 SHAKESPEARE = os.path.join(PROJECT, "data", "tinyshakespeare.txt")      # the shipped corpus
 STEPS = 10
@@ -118,22 +119,31 @@ TOUR_FLAGS = {"--layouts": (list(LAYOUTS), list, "the layouts to run, in this or
                             + ", ".join(LAYOUTS) + " (comma- or space-separated)"),
               "--output": (os.path.join("output", "tour"), str,
                            "the folder of every run's log, metrics and timeline"),
+              "--break": (None, str, "plant the bug NAME of tools/bugs.py in the layouts it "
+                          "concerns (not --layouts) and show which proof catches it; `list` "
+                          "lists them"),
               "--no-fusions": (False, bool, "every run, one process's too, with every operator "
                                "in its plain form (model_config.fusions=false)")}
 
 
 def parse(argv):
     """The options of `bash run.sh tour`: (layout names in LAYOUTS' order, output folder, the
-    flags every run adds to MODEL)."""
+    flags every run adds to MODEL, the bug to plant: None, "list" or a name of bugs.BUGS)."""
     options, _ = parse_command("tour", argv, TOUR_FLAGS,
                                about="Every layout of a tiny GPT trained beside one process.")
+    broken = options["break"]
+    if broken not in (None, "list", *bugs.BUGS):
+        raise ConfigError(f"tour: --break {broken}: choose from list, {', '.join(bugs.BUGS)}")
     names = [n for item in options["layouts"] for n in item.split(",") if n]
+    if broken in bugs.BUGS:
+        names = bugs.BUGS[broken].layouts
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown or not names:
         raise ConfigError(f"tour: --layouts {','.join(unknown) or '(none)'}: choose from "
                           f"{', '.join(LAYOUTS)}")
     model_flags = ["--no-fusions"] if options["no_fusions"] else []
-    return [n for n in LAYOUTS if n in names], os.path.abspath(options["output"]), model_flags
+    return ([n for n in LAYOUTS if n in names], os.path.abspath(options["output"]), model_flags,
+            broken)
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -190,12 +200,13 @@ def run_argv(name, flags, prefix, output, model_flags=()):
 
 
 def worker(runs_file):
-    """The program of each worker (or the one process): every [name, argv] of runs_file through
-    train.main, then <save>/tour_done.<rank>; the first failure ends the worker (msrun then stops
-    the others)."""
+    """The program of each worker (or the one process): every [name, argv, bug] of runs_file
+    through train.main, the bug (a name of bugs.BUGS, or None) planted while it runs, then
+    <save>/tour_done.<rank>; the first failure ends the worker (msrun then stops the others)."""
     rank = os.environ.get("RANK_ID", "0")
-    for _, argv in json.loads(open(runs_file).read()):
-        code = train.main(argv)
+    for _, argv, bug in json.loads(open(runs_file).read()):
+        with bugs.planted(bugs.patches(bug) if bug else []):
+            code = train.main(argv)
         if code != 0:
             sys.exit(code)
         open(os.path.join(argv[argv.index("--save") + 1], f"tour_done.{rank}"), "w").close()
@@ -312,20 +323,22 @@ def row(name, folder, reference_folder, model_flags=()):
 
 
 # ----------------------------------------------------------------------------- bash run.sh tour
-def start(workers, names, prefix, output, model_flags):
-    """Launch the runs `names` (references or layouts) on `workers` workers, their folders
-    emptied first."""
+def start(workers, names, prefix, output, model_flags, bug=None):
+    """Launch the runs `names` (references or layouts, the layouts with `bug` planted) on
+    `workers` workers, their folders emptied first."""
     runs = []
     for name in names:
         shutil.rmtree(os.path.join(output, name), ignore_errors=True)
         flags = REFERENCES[name] if name in REFERENCES else LAYOUTS[name].flags
-        runs.append([name, run_argv(name, flags, prefix, output, model_flags)])
+        runs.append([name, run_argv(name, flags, prefix, output, model_flags),
+                     None if name in REFERENCES else bug])
     return Launch(workers, runs, output)
 
 
-def tour(names, output, model_flags=()):
-    """Run the references, then each worker count's layouts in one launch, printing a row per
-    layout as it ends; stop at the first that fails or differs. Returns the exit code."""
+def tour(names, output, model_flags=(), bug=None):
+    """Run the references, then each worker count's layouts in one launch (`bug` planted in
+    them), printing a row per layout as it ends; stop at the first that fails or differs.
+    Returns the exit code."""
     with contextlib.redirect_stdout(io.StringIO()):          # preprocessing's progress lines
         prefix = data.ensure_preprocessed(SHAKESPEARE, os.path.join(output, "data", "shakespeare"),
                                           "ByteTokenizer")
@@ -334,7 +347,7 @@ def tour(names, output, model_flags=()):
                                   for w in sorted({LAYOUTS[n].workers for n in names})]
     print(HEADER, flush=True)
     for workers, group in groups:
-        launch = start(workers, group, prefix, output, model_flags)
+        launch = start(workers, group, prefix, output, model_flags, bug)
         try:
             for name in group:
                 folder = launch.wait(name)
@@ -373,13 +386,18 @@ def shown(path):
 def main(argv):
     """bash run.sh tour: see the module docstring."""
     try:
-        names, output, model_flags = parse(argv)
+        names, output, model_flags, bug = parse(argv)
     except HelpRequested as e:
         print(e)
         return 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if bug == "list":
+        print("\n".join(bugs.catalogue()))
+        return 0
+    if bug:
+        return broken_tour(bug, names, output, model_flags)
     started = time.time()
     os.makedirs(output, exist_ok=True)
     print(f"tour: {len(names)} layout(s) of a tiny GPT, {STEPS} compiled steps each, beside one "
@@ -390,6 +408,21 @@ def main(argv):
         print(f"tour: {len(names)} layout(s), each equal to one process, in {minutes} min "
               f"{seconds} s")
     return code
+
+
+def broken_tour(bug, names, output, model_flags):
+    """`--break NAME`: the tour of the bug's layouts with it planted (in the workers' memory),
+    then what it changed and why the proof caught it. Exit 1 when caught, 3 when every layout
+    still equals one process: a hole in the proofs."""
+    os.makedirs(output, exist_ok=True)
+    print(f"tour: the bug {bug} planted in {', '.join(names)}, beside one process "
+          f"(output: {shown(output)})", flush=True)
+    code = tour(names, output, model_flags, bug)
+    print("\n".join(bugs.explanation(bug)))
+    if code == 0:
+        print(f"tour: the bug {bug} was not caught: a hole in the proofs")
+        return 3
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""Learn by breaking: the catalogue of named bugs, each a small, exact change to the concept code.
+
+    bash run.sh tour --break list          the catalogue
+    bash run.sh tour --break NAME          the bug planted in the layouts it concerns, beside one
+                                           process: the row that catches it, then why
+
+A bug is the text `before` replaced by `after` in one function of one file (BUGS). It is planted
+in memory only, for one run: the function is compiled anew from its file's text with the change
+(linecache holds that text, so ms.jit, which reads a function's source, compiles the changed
+one too) and put in place of the original while the run trains (planted); the checkout is never
+touched. The suite plants each bug in a short run of each layout it concerns
+(test_<concept>_planted_bug_is_caught) and the tour does (--break), from this one list: a bug
+that no proof catches would be a hole in the proofs, and the suite fails for it.
+"""
+import ast
+import contextlib
+import importlib
+import linecache
+import os
+import textwrap
+from collections import namedtuple
+
+from settings.cli import PROJECT
+
+# concept: the suite's concept mark; file, function (Class.method or a module's function):
+# where the change is; before, after: the text changed, once in that function; layouts: the
+# tour's layouts that catch it (tools/tour.LAYOUTS); proof: what differs from one process ("loss"
+# or "grad norm"); breaks: the rule broken; why: why the proof catches it
+Bug = namedtuple("Bug", "concept file function before after layouts proof breaks why")
+
+BUGS = {
+    "tp_row_unreduced": Bug(
+        "tp", "parallel.py", "RowParallelLinear.construct",
+        "y = self.reduce(linear(x, self.weight, None, self.matmul))",
+        "y = linear(x, self.weight, None, self.matmul)", ["tp"], "loss",
+        "the row-parallel linear (Megatron-LM, Shoeybi et al. 2019, section 3): Y = sum_i X_i A_i, "
+        "so each TP rank's partial product X_i A_i is all-reduced (g) before what follows",
+        "each TP rank goes on with its own partial sum: the attention's and the MLP's outputs "
+        "are wrong from the first layer, and so is the first loss"),
+    "sp_norm_unreduced": Bug(
+        "tp", "distributed.py", "reduced_over_model_parallel",
+        "grad = collectives(state.tp_group).all_reduce(grad)", "pass", ["tp_sp"], "grad norm",
+        "sequence parallelism (Korthikanti et al. 2022, section 4.2.2): a norm's weight sees only "
+        "this rank's tokens, so its gradient is a sum over the TP ranks",
+        "each TP rank steps its norms with its own tokens' share of the gradient: the norm of "
+        "the gradient is smaller than one process's"),
+    "dp_mean_as_sum": Bug(
+        "dp", "distributed.py", "GradBuffer.reduce_bucket",
+        "+ padding) * self.gradient_scaling_factor", "+ padding)", ["dp", "dp_distopt"],
+        "grad norm",
+        "data parallelism: the loss is the mean over the global batch, so the gradient is the "
+        "mean of the DP ranks' gradients (Megatron's gradient_scaling_factor = 1 / DP)",
+        "the gradient is DP times one process's: Adam hides a constant factor in the loss, the "
+        "gradient norm shows it"),
+    "dp_same_samples": Bug(
+        "dp", "data.py", "MicroBatchIterator.__init__",
+        "self.rank, self.dp = data_parallel_rank, data_parallel_size",
+        "self.rank, self.dp = 0, data_parallel_size", ["dp"], "loss",
+        "data parallelism: each DP rank reads its own slice of the global batch",
+        "every DP rank trains on rank 0's micro-batches: the loss is another batch's"),
+    "tied_embedding_unreduced": Bug(
+        "pipeline", "distributed.py", "reduced_over_model_parallel",
+        "grad = collectives(state.embedding_group).all_reduce(grad)", "pass", ["pp"],
+        "grad norm",
+        "the tied word embedding (Megatron-LM, Shoeybi et al. 2019): the first stage's input "
+        "embedding and the last stage's output layer are one matrix, so each copy steps with "
+        "the sum of both gradients",
+        "each copy steps with its own half of the gradient: the gradient norm differs, then "
+        "the copies drift apart"),
+    "micro_batch_losses_summed": Bug(
+        "pipeline", "train.py", "Trainer.forward_backward",
+        "self.loss_weight = self.scaler.scale / len(micro_batches)",
+        "self.loss_weight = self.scaler.scale", ["pp"], "grad norm",
+        "gradient accumulation: the global batch's loss is the mean over its m micro-batches, so "
+        "each micro-batch's gradient is weighted 1 / m",
+        "the gradient is m times one process's: Adam hides it in the losses, the gradient norm "
+        "shows it"),
+    "cp_grads_averaged": Bug(
+        "cp", "distributed.py", "build_data_parallel",
+        "bucket_size, scale = cfg.training_config.bucket_size, 1.0 / state.dp",
+        "bucket_size, scale = cfg.training_config.bucket_size, 1.0 / (state.dp * state.cp)",
+        ["cp_ulysses"], "grad norm",
+        "context parallelism: each CP rank's loss is its tokens' share of the sequence's loss "
+        "(gpt.GPTModel), so the CP ranks' gradients are summed and only DP averages (Megatron "
+        "averages both: its rank's loss is the mean over its own tokens)",
+        "the gradient is 1 / CP of one process's: the gradient norm shows it"),
+    "ring_causal_case": Bug(
+        "cp", "context_parallel.py", "RingAttention.construct",
+        "first, second = _halves(self.block(q, k_j, v_j, bias), half)",
+        "first, second = _halves(self.block(q, k_j, v_j, None), half)", ["cp_ring"], "loss",
+        "ring attention (Liu et al. 2023) with causal load balancing: the diagonal block, this "
+        "rank's own keys, needs the causal mask",
+        "queries attend to later tokens of their own chunk, which one process masks: the "
+        "model sees the future, and the loss differs from the first step"),
+    "aux_loss_scaled_twice": Bug(
+        "moe", "moe.py", "MoEAuxLossAutoScaler.set_loss_scale",
+        "Tensor(float(scale), F32)", "Tensor(float(scale) ** 2, F32)", ["ep"], "grad norm",
+        "the load-balancing loss (Switch Transformer, Fedus et al. 2021) takes the main loss's "
+        "weight (loss scale / micro-batches) once",
+        "the aux and z losses' gradients are scaled twice: the gradient norm differs"),
+}
+
+
+def source_of(bug):
+    """(path, the file's text with the bug's change, the changed function's def node) of `bug`;
+    ValueError when `before` is not exactly once in that function."""
+    path = os.path.join(PROJECT, bug.file)
+    text = open(path).read()
+    node = _function_node(ast.parse(text), bug.function)
+    lines = text.splitlines(keepends=True)
+    start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+    body = "".join(lines[start - 1:node.end_lineno])
+    if body.count(bug.before) != 1:
+        raise ValueError(f"{bug.file}: {bug.function} holds {bug.before!r} "
+                         f"{body.count(bug.before)} times, not once")
+    changed = "".join(lines[:start - 1]) + body.replace(bug.before, bug.after) + "".join(
+        lines[node.end_lineno:])
+    return path, changed, node
+
+
+def _function_node(tree, function):
+    """The def node of `function` ("name" or "Class.name") in a module's ast."""
+    scope = tree
+    for name in function.split("."):
+        scope = next(n for n in scope.body if isinstance(
+            n, (ast.ClassDef, ast.FunctionDef)) and n.name == name)
+    return scope
+
+
+def where(bug):
+    """(file, line) of the bug's change in the checkout."""
+    path, _, node = source_of(bug)
+    lines = open(path).read().splitlines()
+    line = next(i for i in range(node.lineno, node.end_lineno + 1)
+                if bug.before in lines[i - 1])
+    return bug.file, line
+
+
+def patches(name):
+    """The bug `name` as conftest-style patches [(owner, attribute, replacement)]: the function
+    compiled from the changed text (under a file name of its own in linecache, its lines where
+    the checkout has them), in the module's globals."""
+    bug = BUGS[name]
+    path, changed, node = source_of(bug)
+    module = importlib.import_module(bug.file[:-3].replace("/", "."))
+    owner = module
+    for part in bug.function.split(".")[:-1]:
+        owner = getattr(owner, part)
+    attribute = bug.function.split(".")[-1]
+    filename = f"{path} (bug {name})"
+    linecache.cache[filename] = (len(changed), None, changed.splitlines(keepends=True), filename)
+    tree = ast.parse(changed)
+    definition = _function_node(tree, bug.function)
+    definition.decorator_list = []
+    code = compile(ast.Module([definition], []), filename, "exec")
+    namespace = {}
+    exec(code, module.__dict__, namespace)                                  # noqa: S102
+    replacement = namespace[attribute]
+    if isinstance(owner.__dict__[attribute], staticmethod):
+        replacement = staticmethod(replacement)
+    return [(owner, attribute, replacement)]
+
+
+@contextlib.contextmanager
+def planted(patch_list):
+    """The patches [(owner, attribute, replacement)] in the code for the duration of the block."""
+    saved = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in patch_list]
+    for owner, attribute, replacement in patch_list:
+        setattr(owner, attribute, replacement)
+    try:
+        yield
+    finally:
+        for owner, attribute, value in saved:
+            setattr(owner, attribute, value)
+
+
+def catalogue():
+    """The lines of `--break list`: each bug's name, concept, layouts, change and proof."""
+    lines = []
+    for name, bug in BUGS.items():
+        file, line = where(bug)
+        lines.append(f"{name:<26} {bug.concept:<9} {', '.join(bug.layouts):<15} "
+                     f"{file}:{line}, caught on the {bug.proof}")
+    return lines
+
+
+def explanation(name):
+    """The lines printed under a broken tour: what changed (file:line, the whole line before and
+    after), the rule it breaks, why the proof caught it; wrapped at 100 characters."""
+    bug = BUGS[name]
+    file, line = where(bug)
+    before = open(os.path.join(PROJECT, file)).read().splitlines()[line - 1].strip()
+    lines = [f"bug {name}: {file}:{line}, in {bug.function}",
+             f"    before: {before}", f"    after:  {before.replace(bug.before, bug.after)}"]
+    for text in (f"it breaks {bug.breaks}", f"caught on the {bug.proof}: {bug.why}"):
+        lines += textwrap.wrap(text, 100, initial_indent="    ", subsequent_indent="      ")
+    return lines
