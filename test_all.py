@@ -2879,8 +2879,9 @@ catalogued("sp_norm_unreduced", TP2 + SP, "one")
 
 @pytest.mark.parametrize("plant", plant_params("tp"))
 def test_tp_planted_bug_is_caught(runs, plant):
-    """Sequence parallelism's norm gradients left unreduced over TP make TP2 + SP's proof fail on
-    the gradient norm (assert_planted_bug_is_caught)."""
+    """The row-parallel linear's output left unreduced makes TP2's proof fail on the loss;
+    sequence parallelism's norm gradients left unreduced over TP make TP2 + SP's fail on the
+    gradient norm (assert_planted_bug_is_caught; tools/bugs.py)."""
     assert_planted_bug_is_caught(runs, plant)
 
 
@@ -3157,7 +3158,7 @@ catalogued("dp_same_samples", [], "one")
 def test_dp_planted_bug_is_caught(runs, plant):
     """DP summing instead of averaging (the all-reduce, or the distributed optimizer's
     reduce-scatter) makes DP2's proof fail on the gradient norm; every DP rank reading rank 0's
-    micro-batches, on the loss (assert_planted_bug_is_caught)."""
+    micro-batches, on the loss (assert_planted_bug_is_caught; tools/bugs.py)."""
     assert_planted_bug_is_caught(runs, plant)
 
 
@@ -3639,7 +3640,8 @@ planted_job("ulysses_head_split", plant_ulysses_head_split, ROPE + CP2, "one_rop
 def test_cp_planted_bug_is_caught(runs, plant):
     """A ring whose diagonal block drops the causal mask, and Ulysses dealing the heads round-robin
     (each rank pairing its query heads with other groups' keys), make their layouts' proofs fail on
-    the loss (assert_planted_bug_is_caught)."""
+    the loss; CP's gradients averaged, not summed, make Ulysses' fail on the gradient norm
+    (assert_planted_bug_is_caught; tools/bugs.py)."""
     assert_planted_bug_is_caught(runs, plant)
 
 
@@ -5071,15 +5073,17 @@ def plant_expert_bias_tokens_unsummed():
 
 
 catalogued("aux_loss_scaled_twice", MOE_LAYER + EP2 + ALLTOALL, "one_moe")
+catalogued("expert_grads_unscaled", MOE_LAYER + EP2 + ALLTOALL, "one_moe")
 planted_job("expert_bias_tokens_unsummed", plant_expert_bias_tokens_unsummed,
             MOE_RUN + CAPACITY + EXPERT_BIAS + EP2, "one_moe_capacity", "moe", "loss")
 
 
 @pytest.mark.parametrize("plant", plant_params("moe"))
 def test_moe_planted_bug_is_caught(runs, plant):
-    """The aux and z losses' gradients scaled twice make EP2's proof fail on the gradient norm;
+    """The aux and z losses' gradients scaled twice, and the experts' gradients left without
+    their 1 / DP (EP = DP: a group of one rank), make EP2's proof fail on the gradient norm;
     expert biases moved by each rank's own tokens make EP2's fail on the loss of step 2, the
-    first routed with the bias (assert_planted_bug_is_caught)."""
+    first routed with the bias (assert_planted_bug_is_caught; tools/bugs.py)."""
     assert_planted_bug_is_caught(runs, plant)
 
 
@@ -5311,9 +5315,9 @@ planted_job("skipped_last_backward", plant_skipped_last_backward, PIPELINE_RUN +
 
 @pytest.mark.parametrize("plant", plant_params("pipeline"))
 def test_pipeline_planted_bug_is_caught(runs, plant):
-    """The tied embedding's two copies left unreduced, and the last stage skipping its last
-    micro-batch's backward, make PP2's proof fail on the gradient norm
-    (assert_planted_bug_is_caught)."""
+    """The tied embedding's two copies left unreduced, the last stage skipping its last
+    micro-batch's backward, and the micro-batches' losses summed, not averaged, make PP2's proof
+    fail on the gradient norm (assert_planted_bug_is_caught; tools/bugs.py)."""
     assert_planted_bug_is_caught(runs, plant)
 
 
@@ -9522,11 +9526,13 @@ def test_run_sh_diagnose_reads_a_folder_of_records(tmp_path):
 # communication faults; and the held layouts of the concept sections, a rank late in a compiled
 # graph
 def call_failing_rank(harness):
-    """TP2 resumed from one process's checkpoint converted to TP2 with rank 1's shard gone: (the
-    damaged folder, the finished run.sh)."""
+    """TP2 resumed from one process's checkpoint converted to TP2 with rank 1's shard gone, and
+    its checksums (which would name the lost shard before the launch: a checkpoint saved without
+    them, as Megatron-LM's): (the damaged folder, the finished run.sh)."""
     damaged = harness.tmp / "tp2_damaged"
     shutil.copytree(harness.tmp / "one_as_tp2", damaged)
     shutil.rmtree(damaged / f"iter_{STEPS // 2:07d}" / "mp_rank_01")
+    (damaged / f"iter_{STEPS // 2:07d}" / checkpoint.CHECKSUMS).unlink()
     result = subprocess.run(["bash", "run.sh", "--nproc", "2", "--log_dir",
                              str(harness.tmp / "failing_rank_log"), "--config",
                              os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,

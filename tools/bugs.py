@@ -98,6 +98,15 @@ BUGS = {
         "the load-balancing loss (Switch Transformer, Fedus et al. 2021) takes the main loss's "
         "weight (loss scale / micro-batches) once",
         "the aux and z losses' gradients are scaled twice: the gradient norm differs"),
+    "expert_grads_unscaled": Bug(
+        "moe", "distributed.py", "GradBuffer.reduce_bucket",
+        "if not scatter and self.group_size == 1 and self.gradient_scaling_factor == 1.0:",
+        "if not scatter and self.group_size == 1:", ["ep"], "grad norm",
+        "expert parallelism: an expert's gradient is the sum over the tokens of every DP rank "
+        "routed to it, and the loss a mean over the global batch, so it too is divided by DP, "
+        "even when its expert-data-parallel group (DP x CP / EP) is one rank",
+        "with EP = DP the experts' group is one rank and the shortcut skips their 1 / DP: their "
+        "gradients are DP times one process's"),
 }
 
 
