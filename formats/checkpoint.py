@@ -18,11 +18,11 @@ layout. All ranks write into `.iter_0000100.tmp/`; rank 0 renames it into place,
 """
 import itertools
 import json
-import zlib
 import logging
 import os
 import shutil
 import time
+import zlib
 
 import numpy as np
 import mindspore as ms
