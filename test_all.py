@@ -5074,6 +5074,7 @@ def plant_expert_bias_tokens_unsummed():
 
 catalogued("aux_loss_scaled_twice", MOE_LAYER + EP2 + ALLTOALL, "one_moe")
 catalogued("expert_grads_unscaled", MOE_LAYER + EP2 + ALLTOALL, "one_moe")
+catalogued("ep_chunks_unsorted", MOE_LAYER + EP2 + ALLTOALL, "one_moe")
 planted_job("expert_bias_tokens_unsummed", plant_expert_bias_tokens_unsummed,
             MOE_RUN + CAPACITY + EXPERT_BIAS + EP2, "one_moe_capacity", "moe", "loss")
 
@@ -5081,9 +5082,10 @@ planted_job("expert_bias_tokens_unsummed", plant_expert_bias_tokens_unsummed,
 @pytest.mark.parametrize("plant", plant_params("moe"))
 def test_moe_planted_bug_is_caught(runs, plant):
     """The aux and z losses' gradients scaled twice, and the experts' gradients left without
-    their 1 / DP (EP = DP: a group of one rank), make EP2's proof fail on the gradient norm;
-    expert biases moved by each rank's own tokens make EP2's fail on the loss of step 2, the
-    first routed with the bias (assert_planted_bug_is_caught; tools/bugs.py)."""
+    their 1 / DP (EP = DP: a group of one rank), make EP2's proof fail on the gradient norm; the
+    all-to-all's blocks left in source-rank order make it fail on the loss; expert biases moved
+    by each rank's own tokens make EP2's fail on the loss of step 2, the first routed with the
+    bias (assert_planted_bug_is_caught; tools/bugs.py)."""
     assert_planted_bug_is_caught(runs, plant)
 
 

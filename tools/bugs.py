@@ -98,6 +98,16 @@ BUGS = {
         "the load-balancing loss (Switch Transformer, Fedus et al. 2021) takes the main loss's "
         "weight (loss scale / micro-batches) once",
         "the aux and z losses' gradients are scaled twice: the gradient norm differs"),
+    "ep_chunks_unsorted": Bug(
+        "moe", "moe.py", "MoEAlltoAllTokenDispatcher.dispatch",
+        "tokens = tokens.transpose(1, 0, 2, 3).reshape(self.num_local_experts, -1, "
+        "tokens.shape[-1])",
+        "tokens = tokens.reshape(self.num_local_experts, -1, tokens.shape[-1])", ["ep"], "loss",
+        "expert parallelism's all-to-all (GShard, Lepikhin et al. 2020): what arrives is in (source "
+        "rank, local expert) order and must be sorted into (local expert, source rank) order "
+        "before the experts run (Megatron's sort_chunks_by_idxs)",
+        "each local expert computes on other experts' tokens, weighted by its own tokens' "
+        "probabilities: the MoE layer's output, and the first loss, differ"),
     "expert_grads_unscaled": Bug(
         "moe", "distributed.py", "GradBuffer.reduce_bucket",
         "if not scatter and self.group_size == 1 and self.gradient_scaling_factor == 1.0:",
