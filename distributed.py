@@ -91,7 +91,7 @@ class GradBuffer:
         if not scatter:
             flat = collectives(self.group).all_reduce(flat)                      # [b1 - b0]
             return [flat[self.offsets[i] - b0:self.offsets[i] - b0 + self.sizes[i]]
-                    .reshape(self.shapes[i]).copy() for i in params]
+                    .reshape(self.shapes[i]) for i in params]
         shard = collectives(self.group).reduce_scatter(flat)         # [(b1 - b0) / group_size]
         s0 = self.shard_ranges(self.rank)[b][0]
         return [shard[lo - s0:hi - s0] for pb, _, lo, hi in self.pieces(self.rank) if pb == b]
