@@ -207,11 +207,14 @@ if [ "$workers" -gt 1 ]; then
 fi
 
 failure=""      # what named the last failure, its pids left out
+timed_out_rank() {   # the rank msrun's scheduler took for lost (no heartbeat for MS_NODE_TIMEOUT s)
+  sed -n 's/.*The node: \([0-9]*\) is timed out.*/\1/p' "$log_dir/scheduler.log" 2>/dev/null \
+    | head -1 || true
+}
 reap_lost() {   # kill -9 of a stopped worker msrun's scheduler took for lost; its pid in "reaped"
   local lost pid
   while sleep 1; do
-    lost=$(sed -n 's/.*The node: \([0-9]*\) is timed out.*/\1/p' "$log_dir/scheduler.log" \
-           2>/dev/null | head -1) || true
+    lost=$(timed_out_rank)
     [ -n "$lost" ] && [ -f "$RUN_SH_PID_DIR/rank_$lost.pid" ] || continue
     pid=$(cat "$RUN_SH_PID_DIR/rank_$lost.pid")
     # only a stopped one (state T, or t under a debugger): a worker killed from outside is dead
@@ -243,8 +246,7 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
   kill "$reaper" 2>/dev/null || true
   # a worker that sent no heartbeat for MS_NODE_TIMEOUT s (stopped, or its node lost): msrun
   # then stops the others with SIGTERM, and only the scheduler's log names it
-  lost=$(sed -n 's/.*The node: \([0-9]*\) is timed out.*/\1/p' "$log_dir/scheduler.log" \
-         2>/dev/null | head -1) || true
+  lost=$(timed_out_rank)
   # a worker killed from outside (kill -9, out of memory) prints nothing: msrun names its pid
   exited='Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\.'
   dead=$(sed -n "s/.*$exited.*/\\1 \\2/p" "$log_dir/console.log" | head -1)

@@ -160,7 +160,7 @@ def patches(name):
     compiled from the changed text (under a file name of its own in linecache, its lines where
     the checkout has them), in the module's globals."""
     bug = BUGS[name]
-    path, changed, node = source_of(bug)
+    path, changed, _ = source_of(bug)
     module = importlib.import_module(bug.file[:-3].replace("/", "."))
     owner = module
     for part in bug.function.split(".")[:-1]:
