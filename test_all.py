@@ -162,7 +162,7 @@ MODULES = {"tokenizer": "tokenizer", "data": "data", "parallel": "parallel",
            **{name: f"tools.{name}" for name in ("flight_recorder", "ledger", "timeline",
                                                  "memory", "sample", "profiler", "metrics",
                                                  "logs", "bench_torch", "bench_peer", "bench",
-                                                 "bench_fusions", "tour")}}
+                                                 "bench_fusions", "tour", "bugs")}}
 ENTRY_POINTS = ("train", "bench", "bench_fusions", "tour", "flight_recorder", "bench_torch",
                 "bench_peer")
 SUITE = ("test_all", "conftest")          # the suite's own files: this one and its msrun harness

@@ -103,9 +103,9 @@ BUGS = {
         "tokens = tokens.transpose(1, 0, 2, 3).reshape(self.num_local_experts, -1, "
         "tokens.shape[-1])",
         "tokens = tokens.reshape(self.num_local_experts, -1, tokens.shape[-1])", ["ep"], "loss",
-        "expert parallelism's all-to-all (GShard, Lepikhin et al. 2020): what arrives is in (source "
-        "rank, local expert) order and must be sorted into (local expert, source rank) order "
-        "before the experts run (Megatron's sort_chunks_by_idxs)",
+        "expert parallelism's all-to-all (GShard, Lepikhin et al. 2020): what arrives is in "
+        "(source rank, local expert) order and must be sorted into (local expert, source "
+        "rank) order before the experts run (Megatron's sort_chunks_by_idxs)",
         "each local expert computes on other experts' tokens, weighted by its own tokens' "
         "probabilities: the MoE layer's output, and the first loss, differ"),
     "expert_grads_unscaled": Bug(
@@ -214,3 +214,8 @@ def explanation(name):
     for text in (f"it breaks {bug.breaks}", f"caught on the {bug.proof}: {bug.why}"):
         lines += textwrap.wrap(text, 100, initial_indent="    ", subsequent_indent="      ")
     return lines
+
+
+if __name__ == "__main__":          # imported by tour.py and the suite, not a script
+    raise SystemExit("error: bugs.py is a library: run `bash run.sh tour --break list` (bash "
+                     "run.sh --help lists the commands)")
