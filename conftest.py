@@ -81,18 +81,19 @@ class Job:
     run; 2 or 4, the msrun launch of that many workers (the jobs of a launch run one after another
     on every worker); 0, a call. `concepts`: the pytest marks (pytest.ini) of the tests that may
     read it. `plant`: a function returning the patches of a bug planted for the run (planted);
-    `sigterm`: the step during which rank 0 alone gets SIGTERM; `hold`: the step rank 1 starts
+    `fails`: the training must fail (a planted deadlock; its failure is the job's verdict, not
+    its launch's); `sigterm`: the step during which rank 0 alone gets SIGTERM; `hold`: the step rank 1 starts
     HELD seconds late, its peers waiting in their collectives; `beside`: a call run in a thread of
     its kind beside the rest: "forked", the forked runs of one-process tests; "launch", a launch
     whose processes take little of the CPU (idle in a collective, asleep, failing at load, or a
     few steps of a tiny model on one worker a launch)."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
-                 sigterm=None, hold=None, call=None, check=None, beside=None):
+                 sigterm=None, hold=None, call=None, check=None, beside=None, fails=False):
         self.name, self.workers, self.concepts = name, workers, set(concepts.split())
         self.flags, self.argv_of, self.after = list(flags), argv, tuple(after)
         self.plant, self.sigterm, self.call, self.check = plant, sigterm, call, check
-        self.hold = hold
+        self.hold, self.fails = hold, fails
         self.beside = beside
 
     def argv(self, tmp, prefix):
@@ -176,9 +177,14 @@ def check_lines(harness, job):
 def run_jobs(jobs_file):
     """The worker program (`python test_all.py JOBS.json`, on every msrun worker or in one
     process): each job of the file, one after another; each writes `ok` or `failed` to
-    <status>/<name>.<rank>. Returns how many failed."""
+    <status>/<name>.<rank>. Returns how many did not end as they must (Job.fails). msrun's
+    scheduler runs this program too and writes nothing: its init() returns only when the
+    cluster ends (raising when a worker ended with an error)."""
     rank = int(os.environ.get("RANK_ID", "0"))
     specs = json.loads(open(jobs_file).read())
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        cluster_formed(rank)
+        return 0
     if not cluster_formed(rank):
         for spec in specs:
             pathlib.Path(spec["status"], f"{spec['name']}.{rank}").write_text("failed")
@@ -191,9 +197,11 @@ def run_jobs(jobs_file):
         except Exception:                          # the next job still runs; the log has it
             traceback.print_exc()
             ok = False
-        failed += not ok
+        expected = JOBS[spec["name"]].fails
+        failed += ok == expected
         pathlib.Path(spec["status"], f"{spec['name']}.{rank}").write_text("ok" if ok else "failed")
-        print(f"[rank {rank}] job {spec['name']}: {'ok' if ok else 'FAILED'} in "
+        said = "ok" if ok else ("failed, as it must" if expected else "FAILED")
+        print(f"[rank {rank}] job {spec['name']}: {said} in "
               f"{time.time() - started:.1f} s, {time.process_time() - cpu:.1f} CPU-s", flush=True)
     return failed
 
@@ -423,14 +431,15 @@ class Harness:
         self.processes.discard(process)
         return process.returncode
 
-    def folder(self, name):
-        """Job `name`'s folder once it has ended, every one of its processes having said `ok`
-        (otherwise the test fails here, with its launch's log)."""
+    def folder(self, name, status="ok"):
+        """Job `name`'s folder once it has ended, every one of its processes having said `status`
+        (`ok`, or `failed` for a job that must fail; otherwise the test fails here, with its
+        launch's log)."""
         self.done[name].wait()
         workers = max(JOBS[name].workers, 1)
         said = [self.status / f"{name}.{rank}" for rank in range(workers)]
-        if not all(p.exists() and p.read_text() == "ok" for p in said):
-            pytest.fail(f"job {name} did not pass on every rank: {self.log_tail(name)}")
+        if not all(p.exists() and p.read_text() == status for p in said):
+            pytest.fail(f"job {name} did not end {status} on every rank: {self.log_tail(name)}")
         return self.tmp / name
 
     def log_tail(self, name, chars=3000):

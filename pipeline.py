@@ -66,9 +66,9 @@ def schedule(p, rank, m, v=1, forward_only=False, kind="1f1b"):
       step, then every backward in the same order. The naive schedule: the same bubble as 1F1B,
       but all m micro-batches are in flight at once, so a stage holds m activations.
 
-    v = 1, 1F1B (PipeDream-Flush): warmup = min(p - rank - 1, m) forwards, then one forward and
-      one backward alternately, then the remaining backwards: at most p - rank micro-batches are
-      ever in flight on this rank (instead of m with all-forward-then-all-backward).
+    v = 1, 1F1B (PipeDream-Flush): p - rank - 1 warmup forwards (at most m), then one forward
+      and one backward alternately, then the remaining backwards: at most p - rank micro-batches
+      are ever in flight on this rank (instead of m with all-forward-then-all-backward).
     v > 1, interleaved: the k-th forward runs chunk (k mod pv) // p on micro-batch
       (k // pv) * p + k mod p, i.e. p micro-batches through chunk 0, the same p through chunk 1,
       ...; backwards go through the chunks in reverse. Warmup = (p - rank - 1) * 2 + (v - 1) * p
@@ -151,7 +151,8 @@ def simulate(p, m, v=1, forward_only=False, kind="1f1b"):
             ticks[r].append((tick, kind, mb, chunk))
             done[r] += 1
         if not sends and not any(t and t[-1][0] == tick for t in ticks):
-            raise RuntimeError(f"pipeline schedule p={p} m={m} v={v} deadlocks at tick {tick}")
+            raise RuntimeError(f"pipeline schedule p={p} m={m} v={v} deadlocks at tick {tick}: "
+                               + "; ".join(_waits(todo, done, p, v)))
         for pair in sorted({tuple(sorted((s, d))) for s, d, _ in sends}):
             for me in pair:
                 peer = pair[1] if me == pair[0] else pair[0]
@@ -162,6 +163,19 @@ def simulate(p, m, v=1, forward_only=False, kind="1f1b"):
             have[dst].add(key)
         tick += 1
     return steps, ticks
+
+
+def _waits(todo, done, p, v):
+    """What each rank left waiting in a deadlocked simulation waits for: "rank 0 waits for the
+    gradient of micro-batch 0 from rank 1" (its next pass's input, which no rank sends)."""
+    said = []
+    for r in range(p):
+        if done[r] < len(todo[r]):
+            kind, mb, chunk = todo[r][done[r]]
+            vs = chunk * p + r
+            what, peer = (("activation", vs - 1) if kind == "F" else ("gradient", vs + 1))
+            said.append(f"rank {r} waits for the {what} of micro-batch {mb} from rank {peer % p}")
+    return said
 
 
 def bubble_fraction(busy, span):

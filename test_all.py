@@ -2840,11 +2840,11 @@ PLANTS = {}
 
 def planted_job(name, plant, flags, reference, concept, named):
     """PLANTS[name]: the bug `plant` (a function returning its patches: conftest.planted) in a
-    short run of the layout `flags`, its job planted_<name>."""
+    short run of the layout `flags`, its job planted_<name> (which must fail for a deadlock)."""
     PLANTS[name] = (plant, flags, reference, concept, named)
     layout(f"planted_{name}", 2, concept,
            flags + ["--train-iters", str(PLANTED_STEPS), "--lr-decay-iters", str(STEPS),
-                    "--eval-iters", "0"], reference, plant=plant)
+                    "--eval-iters", "0"], reference, plant=plant, fails=named == "deadlock")
 
 
 def catalogued(bug, flags, reference, suffix=""):
@@ -2866,8 +2866,18 @@ def assert_planted_bug_is_caught(runs, plant):
     (assert_trains_like) fail, naming the quantity that shows it: the loss, or for a bug in a
     gradient's scale or sum (DP summing instead of averaging, an unreduced sequence-parallel norm
     or tied embedding, the aux loss scaled twice, a skipped backward) the gradient norm. The
-    proofs can fail."""
+    proofs can fail. A schedule that deadlocks stops both ranks at its first step, the
+    deadlock named in each rank's error.log (pipeline.simulate)."""
     _, _, reference, _, named = PLANTS[plant]
+    if named == "deadlock":
+        folder = runs.folder(f"planted_{plant}", status="failed")
+        for rank in range(2):
+            error = (folder / "log" / f"rank_{rank}" / "error.log").read_text()
+            assert re.search(r"RuntimeError: pipeline schedule p=2 m=2 v=1 deadlocks at tick 2: "
+                             r"rank 0 waits for the gradient of micro-batch 0 from rank 1;",
+                             error), error[-2000:]
+            assert not train_lines(folder)
+        return
     with pytest.raises(AssertionError, match=f"DIFFERS: .*its {named} by"):
         assert_trains_like(runs.folder(f"planted_{plant}"), runs.folder(reference),
                            loss_rtol(reference), PLANTED_STEPS)
@@ -5193,6 +5203,23 @@ def test_plan_pairs_every_exchange_and_bubble_matches_theory(v):
 
 
 @pytest.mark.pipeline
+def test_a_schedule_that_deadlocks_is_named_before_any_exchange():
+    """1F1B with its warmup counted from the wrong end (tools/bugs.py: warmup_reversed): the
+    simulation that plans every rank's exchanges finds no rank able to move and names what each
+    waits for; no exchange is planned for a rank that would wait."""
+    with bugs.planted(bugs.patches("warmup_reversed")):
+        with pytest.raises(RuntimeError, match=re.escape(
+                "pipeline schedule p=2 m=4 v=1 deadlocks at tick 2: rank 0 waits for the "
+                "gradient of micro-batch 0 from rank 1; rank 1 waits for the activation of "
+                "micro-batch 1 from rank 0")):
+            pipeline.simulate(2, 4)
+        with pytest.raises(RuntimeError, match="rank 3 waits for the activation of micro-batch "
+                                               "1 from rank 2$"):
+            pipeline.simulate(4, 8)
+    assert pipeline.simulate(2, 4)[0][0][:2] == [("F", 0, 0), ("X", 1, ("act", 0, 1), None)]
+
+
+@pytest.mark.pipeline
 def test_layer_split():
     assert pipeline.layer_split(8, 2) == [(0, 4), (4, 4)]
     # vs = chunk * p + rank
@@ -5311,6 +5338,7 @@ def plant_skipped_last_backward():
 
 catalogued("tied_embedding_unreduced", PIPELINE_RUN + PP2, "one_pp")
 catalogued("micro_batch_losses_summed", PIPELINE_RUN + PP2, "one_pp")
+catalogued("warmup_reversed", PIPELINE_RUN + PP2, "one_pp")
 planted_job("skipped_last_backward", plant_skipped_last_backward, PIPELINE_RUN + PP2, "one_pp",
             "pipeline", "grad norm")
 
@@ -5319,7 +5347,8 @@ planted_job("skipped_last_backward", plant_skipped_last_backward, PIPELINE_RUN +
 def test_pipeline_planted_bug_is_caught(runs, plant):
     """The tied embedding's two copies left unreduced, the last stage skipping its last
     micro-batch's backward, and the micro-batches' losses summed, not averaged, make PP2's proof
-    fail on the gradient norm (assert_planted_bug_is_caught; tools/bugs.py)."""
+    fail on the gradient norm; 1F1B's warmup reversed deadlocks, named
+    (assert_planted_bug_is_caught; tools/bugs.py)."""
     assert_planted_bug_is_caught(runs, plant)
 
 
@@ -10417,34 +10446,44 @@ def test_every_catalogued_bug_is_planted_by_the_suite_at_its_line(capsys):
 
 
 def call_tour_break(harness):
-    """`bash run.sh tour --break dp_mean_as_sum`: (the finished process, the bytes of the file the
-    bug changes before and after)."""
-    path = pathlib.Path(HERE) / bugs.BUGS["dp_mean_as_sum"].file
-    before = path.read_bytes()
-    done = subprocess.run(["bash", "run.sh", "tour", "--break", "dp_mean_as_sum", "--output",
+    """`bash run.sh tour --break all --no-jit`: (the finished process, the bytes of the files the
+    bugs change before, and after)."""
+    paths = [pathlib.Path(HERE) / f for f in sorted({bug.file for bug in bugs.BUGS.values()})]
+    before = [path.read_bytes() for path in paths]
+    done = subprocess.run(["bash", "run.sh", "tour", "--break", "all", "--no-jit", "--output",
                            str(harness.tmp / "tour_break")], cwd=HERE, capture_output=True,
-                          text=True, timeout=600)
-    return done, before, path.read_bytes()
+                          text=True, timeout=900)
+    return done, before, [path.read_bytes() for path in paths]
 
 
-add("tour_break", 0, "dp", call=call_tour_break)
+add("tour_break", 0, "", call=call_tour_break)      # every concept's bugs: the whole suite's
 
 
 @reading("tour_break")
-def test_a_bug_planted_by_the_tour_is_caught_and_explained(runs):
-    """`bash run.sh tour --break dp_mean_as_sum`: the DP mean planted as a sum in the workers of
-    DP2 (one process runs the checkout's code): its row DIFFERS on the gradient norm, the tour
-    stops there, then what changed (file:line, before, after), the rule and why; exit 1, the
-    checkout unchanged."""
+def test_every_bug_planted_by_the_tour_is_caught_and_explained(runs):
+    """`bash run.sh tour --break all --no-jit`: each bug of the catalogue planted in the workers of
+    its layouts (one process runs the checkout's code), their runs sharing the launches: for each,
+    the row of its first layout DIFFERS on what the catalogue names (or the run stops on the
+    deadlock, named), then what changed (file:line, before, after), the rule and why; exit 1,
+    every bug caught, the checkout unchanged."""
     done, before, after = runs.result("tour_break")
     assert done.returncode == 1 and before == after, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    words = next(l.split() for l in lines if l.startswith("dp "))
-    assert words[4] == "DIFFERS", words
-    assert any(l.startswith("tour: stopped: dp differs from one process: its grad norm by")
-               for l in lines), lines
-    said = bugs.explanation("dp_mean_as_sum")
-    assert lines[-len(said):] == said and not [l for l in lines if l.startswith("dp_distopt ")]
+    for name, bug in bugs.BUGS.items():
+        at = next(i for i, l in enumerate(lines) if l.startswith(f"tour: the bug {name} caught: "))
+        said = lines[at][len(f"tour: the bug {name} caught: "):]
+        if bug.proof == "deadlock":
+            assert said.startswith(f"{name}/{bug.layouts[0]} did not finish: rank 0: "
+                                   "RuntimeError: pipeline schedule p=2 m=4 v=1 deadlocks at tick "
+                                   "2: rank 0 waits for the gradient of micro-batch 0"), said
+        else:
+            assert re.match(rf"{bug.layouts[0]} differs from one process: .*its {bug.proof} by",
+                            said), said
+            row = next(l for l in reversed(lines[:at]) if l.startswith(f"{bug.layouts[0]} "))
+            assert row.split()[4] == "DIFFERS", row
+        assert lines[at + 1:at + 1 + len(bugs.explanation(name))] == bugs.explanation(name)
+    assert re.fullmatch(rf"tour: {len(bugs.BUGS)} bugs, each caught, in \d+ min \d+ s",
+                        lines[-1]), lines[-1]
 
 
 def call_tour(harness):

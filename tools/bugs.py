@@ -25,7 +25,8 @@ from settings.cli import PROJECT
 # concept: the suite's concept mark; file, function (Class.method or a module's function):
 # where the change is; before, after: the text changed, once in that function; layouts: the
 # tour's layouts that catch it (tools/tour.LAYOUTS); proof: what differs from one process ("loss"
-# or "grad norm"); breaks: the rule broken; why: why the proof catches it
+# or "grad norm"), or "deadlock" (the run stops, the deadlock named); breaks: the rule broken;
+# why: why the proof catches it
 Bug = namedtuple("Bug", "concept file function before after layouts proof breaks why")
 
 BUGS = {
@@ -75,6 +76,15 @@ BUGS = {
         "each micro-batch's gradient is weighted 1 / m",
         "the gradient is m times one process's: Adam hides it in the losses, the gradient norm "
         "shows it"),
+    "warmup_reversed": Bug(
+        "pipeline", "pipeline.py", "schedule",
+        "warmup = min(p - rank - 1, m)", "warmup = min(rank, m)", ["pp"], "deadlock",
+        "1F1B (PipeDream-Flush; Narayanan et al. 2021, section 2.2): stage r runs p - r - 1 "
+        "warmup forwards before its first backward, the first stage the most, the last none",
+        "the first stage, with no warmup, waits for micro-batch 0's gradient before it sends "
+        "micro-batch 1, which the last stage needs before it can send that gradient: the plan "
+        "of every rank's exchanges (pipeline.simulate) finds no rank able to move and names "
+        "what each waits for, on every rank, before any tensor is sent"),
     "cp_grads_averaged": Bug(
         "cp", "distributed.py", "build_data_parallel",
         "bucket_size, scale = cfg.training_config.bucket_size, 1.0 / state.dp",
@@ -199,8 +209,13 @@ def catalogue():
     for name, bug in BUGS.items():
         file, line = where(bug)
         lines.append(f"{name:<26} {bug.concept:<9} {', '.join(bug.layouts):<15} "
-                     f"{file}:{line}, caught on the {bug.proof}")
+                     f"{file}:{line}, {caught(bug)}")
     return lines
+
+
+def caught(bug):
+    """How the proof catches `bug`: "caught on the loss", "caught as a deadlock"."""
+    return "caught as a deadlock" if bug.proof == "deadlock" else f"caught on the {bug.proof}"
 
 
 def explanation(name):
@@ -211,7 +226,7 @@ def explanation(name):
     before = open(os.path.join(PROJECT, file)).read().splitlines()[line - 1].strip()
     lines = [f"bug {name}: {file}:{line}, in {bug.function}",
              f"    before: {before}", f"    after:  {before.replace(bug.before, bug.after)}"]
-    for text in (f"it breaks {bug.breaks}", f"caught on the {bug.proof}: {bug.why}"):
+    for text in (f"it breaks {bug.breaks}", f"{caught(bug)}: {bug.why}"):
         lines += textwrap.wrap(text, 100, initial_indent="    ", subsequent_indent="      ")
     return lines
 

@@ -1,15 +1,17 @@
 """The tour: every parallelism of the project trained beside one process, a row per layout.
 
-    bash run.sh tour [--layouts tp,pp_vpp,...] [--output output/tour] [--no-fusions]
-    bash run.sh tour --break NAME|list     a named bug planted (tools/bugs.py): what catches it
+    bash run.sh tour [--layouts tp,pp_vpp,...] [--output output/tour] [--no-fusions] [--no-jit]
+    bash run.sh tour --break NAME|all|list   a named bug planted (tools/bugs.py): what catches it
 
 A tiny GPT (MODEL: 4 layers, hidden 64, 4 heads, sequence 64, byte tokens of the shipped
 tinyshakespeare) trains STEPS steps, compiled by ms.jit as in production, in each layout of
 LAYOUTS and in one process, from the same initial weights on the same batches (float32; the
 fp16 row against a float16 process); with --no-fusions every run, the one-process ones too, is
-the plain model (gpt.local_spec). The layouts of one worker count share one msrun launch, its
-workers running them one after another (this file is their program too: `python tour.py --runs
-RUNS.json`, which calls train.main per run); a row is printed as each run ends:
+the plain model (gpt.local_spec), and with --no-jit every run goes op by op. The layouts of one
+worker count share one msrun launch, its workers running them one after another (this file is
+their program too: `python tour.py --runs RUNS.json`, which calls train.main per run; a run that
+fails ends its workers, and the runs after it go on in a new launch); a row is printed as each
+run ends:
 
     vs one        the largest relative difference of the STEPS losses and gradient norms from
                   one process's, then `equal` within RTOL, else `DIFFERS`: the tour stops there,
@@ -120,10 +122,13 @@ TOUR_FLAGS = {"--layouts": (list(LAYOUTS), list, "the layouts to run, in this or
               "--output": (os.path.join("output", "tour"), str,
                            "the folder of every run's log, metrics and timeline"),
               "--break": (None, str, "plant the bug NAME of tools/bugs.py in the layouts it "
-                          "concerns (not --layouts) and show which proof catches it; `list` "
-                          "lists them"),
+                          "concerns (not --layouts) and show which proof catches it; `all`, "
+                          "each bug in turn; `list` lists them"),
               "--no-fusions": (False, bool, "every run, one process's too, with every operator "
-                               "in its plain form (model_config.fusions=false)")}
+                               "in its plain form (model_config.fusions=false)"),
+              "--no-jit": (False, bool, "every run, one process's too, op by op "
+                           "(training_config.use_jit=false): the suite's form, quicker to start "
+                           "on this tiny model")}
 
 
 def parse(argv):
@@ -132,16 +137,19 @@ def parse(argv):
     options, _ = parse_command("tour", argv, TOUR_FLAGS,
                                about="Every layout of a tiny GPT trained beside one process.")
     broken = options["break"]
-    if broken not in (None, "list", *bugs.BUGS):
-        raise ConfigError(f"tour: --break {broken}: choose from list, {', '.join(bugs.BUGS)}")
+    if broken not in (None, "list", "all", *bugs.BUGS):
+        raise ConfigError(f"tour: --break {broken}: choose from list, all, "
+                          f"{', '.join(bugs.BUGS)}")
     names = [n for item in options["layouts"] for n in item.split(",") if n]
-    if broken in bugs.BUGS:
-        names = bugs.BUGS[broken].layouts
+    if broken in ("all", *bugs.BUGS):
+        names = [n for name, bug in bugs.BUGS.items() if broken in ("all", name)
+                 for n in bug.layouts]
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown or not names:
         raise ConfigError(f"tour: --layouts {','.join(unknown) or '(none)'}: choose from "
                           f"{', '.join(LAYOUTS)}")
-    model_flags = ["--no-fusions"] if options["no_fusions"] else []
+    model_flags = ((["--no-fusions"] if options["no_fusions"] else [])
+                   + (["--no-jit"] if options["no_jit"] else []))
     return ([n for n in LAYOUTS if n in names], os.path.abspath(options["output"]), model_flags,
             broken)
 
@@ -150,16 +158,16 @@ def parse(argv):
 class Launch:
     """A group of runs in one process (`workers` 1: no msrun) or one msrun launch, started at
     once; `wait(name)` returns when that run has ended on every worker (each worker writes
-    <folder>/tour_done.<rank> after its train.main) and raises RunFailed if the launch ended
-    first."""
+    <folder>/tour_done.<rank> after its train.main) and raises RunFailed if it failed on a
+    worker (<folder>/tour_failed.<rank>) or the launch ended first."""
 
-    def __init__(self, workers, runs, output):
+    def __init__(self, workers, runs, output, label):
         self.workers, self.output = workers, output
-        runs_file = os.path.join(output, f"runs_{workers}.json")
+        runs_file = os.path.join(output, f"runs_{label}.json")
         data.write_atomic(runs_file, json.dumps(runs))
         # `python -m`: this file is in tools/, its imports are the project's folder's
         program = ["-m", "tools.tour", "--runs", runs_file]
-        self.log_dir = os.path.join(output, f"launch_{workers}")     # console.log, worker logs
+        self.log_dir = os.path.join(output, f"launch_{label}")       # console.log, worker logs
         if workers == 1:
             cmd, env = [sys.executable, *program], None
         else:
@@ -176,9 +184,11 @@ class Launch:
                        for r in range(self.workers))
             if done:
                 return folder
-            if self.process.poll() is not None:
-                raise RunFailed(f"{name} did not finish: see {folder}/log/rank_*/ and "
-                                f"{self.log_dir}/")
+            failed = any(os.path.exists(os.path.join(folder, f"tour_failed.{r}"))
+                         for r in range(self.workers))
+            if failed or self.process.poll() is not None:     # msrun ends a minute later
+                raise RunFailed(f"{name} did not finish{error_of(folder, self.workers)}: see "
+                                f"{folder}/log/rank_*/ and {self.log_dir}/")
             time.sleep(0.2)
 
     def stop(self):
@@ -187,6 +197,18 @@ class Launch:
             os.killpg(self.process.pid, 9)
             self.process.wait()
         self.console.close()
+
+
+def error_of(folder, workers):
+    """": rank R: <the last line of its error>" of the first rank whose error.log has one (a
+    deadlock named, an exception's message), else ""."""
+    for rank in range(workers):
+        path = os.path.join(folder, "log", f"rank_{rank}", "error.log")
+        lines = open(path).read().split("\n") if os.path.exists(path) else []
+        said = [line.strip() for line in lines if line.strip()]
+        if said:
+            return f": rank {rank}: {said[-1]}"
+    return ""
 
 
 class RunFailed(Exception):
@@ -202,14 +224,16 @@ def run_argv(name, flags, prefix, output, model_flags=()):
 def worker(runs_file):
     """The program of each worker (or the one process): every [name, argv, bug] of runs_file
     through train.main, the bug (a name of bugs.BUGS, or None) planted while it runs, then
-    <save>/tour_done.<rank>; the first failure ends the worker (msrun then stops the others)."""
+    <save>/tour_done.<rank>; the first failure ends the worker (<save>/tour_failed.<rank>; msrun
+    then stops the others)."""
     rank = os.environ.get("RANK_ID", "0")
     for _, argv, bug in json.loads(open(runs_file).read()):
         with bugs.planted(bugs.patches(bug) if bug else []):
             code = train.main(argv)
+        save = argv[argv.index("--save") + 1]
+        open(os.path.join(save, f"tour_{'failed' if code else 'done'}.{rank}"), "w").close()
         if code != 0:
             sys.exit(code)
-        open(os.path.join(argv[argv.index("--save") + 1], f"tour_done.{rank}"), "w").close()
 
 
 # ----------------------------------------------------------------------------- the rows
@@ -323,41 +347,83 @@ def row(name, folder, reference_folder, model_flags=()):
 
 
 # ----------------------------------------------------------------------------- bash run.sh tour
-def start(workers, names, prefix, output, model_flags, bug=None):
-    """Launch the runs `names` (references or layouts, the layouts with `bug` planted) on
-    `workers` workers, their folders emptied first."""
-    runs = []
-    for name in names:
-        shutil.rmtree(os.path.join(output, name), ignore_errors=True)
-        flags = REFERENCES[name] if name in REFERENCES else LAYOUTS[name].flags
-        runs.append([name, run_argv(name, flags, prefix, output, model_flags),
-                     None if name in REFERENCES else bug])
-    return Launch(workers, runs, output)
+def start(workers, runs, prefix, output, model_flags, label):
+    """Launch `runs` (Run: references and layouts, each with its bug) on `workers` workers,
+    their folders emptied first; `label` names the launch's folder."""
+    specs = []
+    for run in runs:
+        shutil.rmtree(os.path.join(output, run.name), ignore_errors=True)
+        flags = REFERENCES[run.layout] if run.layout in REFERENCES else LAYOUTS[run.layout].flags
+        specs.append([run.name, run_argv(run.name, flags, prefix, output, model_flags), run.bug])
+    return Launch(workers, specs, output, label)
 
 
-def tour(names, output, model_flags=(), bug=None):
-    """Run the references, then each worker count's layouts in one launch (`bug` planted in
-    them), printing a row per layout as it ends; stop at the first that fails or differs.
-    Returns the exit code."""
+# a run of the tour: its folder under the output (`name`), the layout or reference it trains,
+# the bug planted in it (a name of bugs.BUGS, or None)
+Run = namedtuple("Run", "name layout bug")
+
+
+def launches(runs):
+    """[(workers, [Run])]: the one-process references the layouts of `runs` are compared with,
+    then the runs of each worker count, in order."""
+    references = [Run(r, r, None) for r in REFERENCES
+                  if any(LAYOUTS[run.layout].reference == r for run in runs)]
+    counts = sorted({LAYOUTS[run.layout].workers for run in runs})
+    return [(1, references)] + [(w, [run for run in runs if LAYOUTS[run.layout].workers == w])
+                                for w in counts]
+
+
+def ended(workers, runs, prefix, output, model_flags):
+    """Yield (run, its folder or the RunFailed that ended it) for each of `runs`, in one launch
+    of `workers` workers; a run that fails ends its workers, so the runs after it go on in a new
+    launch. The launch is stopped when the caller stops reading."""
+    left, attempt = list(runs), 0
+    while left:
+        launch = start(workers, left, prefix, output, model_flags,
+                       f"{workers}" + (f"_{attempt}" if attempt else ""))
+        try:
+            for i, run in enumerate(left):
+                try:
+                    folder = launch.wait(run.name)
+                except RunFailed as e:
+                    yield run, e
+                    left, attempt = left[i + 1:], attempt + 1
+                    break
+                yield run, folder
+            else:
+                left = []
+        finally:
+            launch.stop()
+
+
+def tour(runs, output, model_flags=(), on_caught=None):
+    """Run the references, then each worker count's runs in one launch, printing a row per
+    layout as it ends. Without `on_caught` (the plain tour), stop at the first run that fails or
+    differs: 1, else 0. With it (--break), a layout that fails or differs catches its run's bug:
+    on_caught(bug, the RunFailed) says so, the bug's later runs are passed over, and the tour
+    ends when every bug is caught: 0 (1 when a reference fails)."""
     with contextlib.redirect_stdout(io.StringIO()):          # preprocessing's progress lines
         prefix = data.ensure_preprocessed(SHAKESPEARE, os.path.join(output, "data", "shakespeare"),
                                           "ByteTokenizer")
-    references = [r for r in REFERENCES if any(LAYOUTS[n].reference == r for n in names)]
-    groups = [(1, references)] + [(w, [n for n in names if LAYOUTS[n].workers == w])
-                                  for w in sorted({LAYOUTS[n].workers for n in names})]
     print(HEADER, flush=True)
-    for workers, group in groups:
-        launch = start(workers, group, prefix, output, model_flags, bug)
-        try:
-            for name in group:
-                folder = launch.wait(name)
-                if name not in REFERENCES:
-                    print(report(name, folder, output, model_flags), flush=True)
-        except RunFailed as e:
-            print(f"tour: stopped: {e}", flush=True)
-            return 1
-        finally:
-            launch.stop()
+    caught = set()
+    for workers, group in launches(runs):
+        for run, outcome in ended(workers, group, prefix, output, model_flags):
+            if run.bug in caught:
+                continue
+            try:
+                if isinstance(outcome, RunFailed):
+                    raise outcome
+                if run.layout not in REFERENCES:
+                    print(report(run.layout, outcome, output, model_flags), flush=True)
+            except RunFailed as e:
+                if on_caught is None or run.bug is None:
+                    print(f"tour: stopped: {e}", flush=True)
+                    return 1
+                caught.add(run.bug)
+                on_caught(run.bug, e)
+                if caught == {r.bug for r in runs}:
+                    return 0
     return 0
 
 
@@ -397,12 +463,13 @@ def main(argv):
         print("\n".join(bugs.catalogue()))
         return 0
     if bug:
-        return broken_tour(bug, names, output, model_flags)
+        return broken_tour(list(bugs.BUGS) if bug == "all" else [bug], output, model_flags)
     started = time.time()
     os.makedirs(output, exist_ok=True)
-    print(f"tour: {len(names)} layout(s) of a tiny GPT, {STEPS} compiled steps each, beside one "
+    form = "op by op" if "--no-jit" in model_flags else "compiled"
+    print(f"tour: {len(names)} layout(s) of a tiny GPT, {STEPS} {form} steps each, beside one "
           f"process (output: {shown(output)})", flush=True)
-    code = tour(names, output, model_flags)
+    code = tour([Run(name, name, None) for name in names], output, model_flags)
     if code == 0:
         minutes, seconds = divmod(round(time.time() - started), 60)
         print(f"tour: {len(names)} layout(s), each equal to one process, in {minutes} min "
@@ -410,18 +477,38 @@ def main(argv):
     return code
 
 
-def broken_tour(bug, names, output, model_flags):
-    """`--break NAME`: the tour of the bug's layouts with it planted (in the workers' memory),
-    then what it changed and why the proof caught it. Exit 1 when caught, 3 when every layout
-    still equals one process: a hole in the proofs."""
+def broken_tour(names, output, model_flags):
+    """`--break NAME` (names: [NAME]) or `--break all` (every bug): each bug planted (in the
+    workers' memory) in its layouts, the runs sharing launches, beside one process; as each is
+    caught, what it changed and why the proof caught it. Exit 1 when every bug was caught, 3 when
+    one was not (a hole in the proofs, named)."""
+    started = time.time()
     os.makedirs(output, exist_ok=True)
-    print(f"tour: the bug {bug} planted in {', '.join(names)}, beside one process "
-          f"(output: {shown(output)})", flush=True)
-    code = tour(names, output, model_flags, bug)
-    print("\n".join(bugs.explanation(bug)))
-    if code == 0:
+    runs = [Run(layout if len(names) == 1 else f"{bug}/{layout}", layout, bug)
+            for bug in names for layout in bugs.BUGS[bug].layouts]
+    if len(names) == 1:
+        print(f"tour: the bug {names[0]} planted in {', '.join(r.layout for r in runs)}, beside "
+              f"one process (output: {shown(output)})", flush=True)
+    else:
+        print(f"tour: {len(names)} bugs of tools/bugs.py, each planted in its layouts, beside one "
+              f"process (output: {shown(output)})", flush=True)
+    caught = []
+
+    def on_caught(bug, failed):
+        print(f"tour: the bug {bug} caught: {failed}")
+        print("\n".join(bugs.explanation(bug)), flush=True)
+        caught.append(bug)
+    if tour(runs, output, model_flags, on_caught):
+        return 1
+    missed = [bug for bug in names if bug not in caught]
+    for bug in missed:
+        print("\n".join(bugs.explanation(bug)))
         print(f"tour: the bug {bug} was not caught: a hole in the proofs")
+    if missed:
         return 3
+    if len(names) > 1:
+        minutes, seconds = divmod(round(time.time() - started), 60)
+        print(f"tour: {len(names)} bugs, each caught, in {minutes} min {seconds} s")
     return 1
 
 
