@@ -82,11 +82,11 @@ class Job:
     on every worker); 0, a call. `concepts`: the pytest marks (pytest.ini) of the tests that may
     read it. `plant`: a function returning the patches of a bug planted for the run (planted);
     `fails`: the training must fail (a planted deadlock; its failure is the job's verdict, not
-    its launch's); `sigterm`: the step during which rank 0 alone gets SIGTERM; `hold`: the step rank 1 starts
-    HELD seconds late, its peers waiting in their collectives; `beside`: a call run in a thread of
-    its kind beside the rest: "forked", the forked runs of one-process tests; "launch", a launch
-    whose processes take little of the CPU (idle in a collective, asleep, failing at load, or a
-    few steps of a tiny model on one worker a launch)."""
+    its launch's); `sigterm`: the step during which rank 0 alone gets SIGTERM; `hold`: the step
+    rank 1 starts HELD seconds late, its peers waiting in their collectives; `beside`: a call run
+    in a thread of its kind beside the rest: "forked", the forked runs of one-process tests;
+    "launch", a launch whose processes take little of the CPU (idle in a collective, asleep,
+    failing at load, or a few steps of a tiny model on one worker a launch)."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
                  sigterm=None, hold=None, call=None, check=None, beside=None, fails=False):

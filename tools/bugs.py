@@ -85,6 +85,14 @@ BUGS = {
         "micro-batch 1, which the last stage needs before it can send that gradient: the plan "
         "of every rank's exchanges (pipeline.simulate) finds no rank able to move and names "
         "what each waits for, on every rank, before any tensor is sent"),
+    "grads_not_accumulated": Bug(
+        "pipeline", "pipeline.py", "PipelineRunner._run",
+        "grads[chunk_id] = [g if a is None else a + g",
+        "grads[chunk_id] = [g if a is None else g", ["pp"], "grad norm",
+        "gradient accumulation: a step's gradient is the sum of its m micro-batches' gradients "
+        "(each weighted 1 / m), accumulated as the backwards run",
+        "each micro-batch's gradient replaces the one before: the step keeps the last "
+        "micro-batch's alone, and the gradient norm differs"),
     "cp_grads_averaged": Bug(
         "cp", "distributed.py", "build_data_parallel",
         "bucket_size, scale = cfg.training_config.bucket_size, 1.0 / state.dp",
@@ -94,6 +102,17 @@ BUGS = {
         "(gpt.GPTModel), so the CP ranks' gradients are summed and only DP averages (Megatron "
         "averages both: its rank's loss is the mean over its own tokens)",
         "the gradient is 1 / CP of one process's: the gradient norm shows it"),
+    "ulysses_head_split": Bug(
+        "cp", "parallel.py", "_sequence_to_heads",
+        "return comm.all_to_all(x, 2, 0)",
+        "return comm.all_to_all(x.reshape(x.shape[0], x.shape[1], -1, comm.size, x.shape[3])"
+        ".swapaxes(2, 3).reshape(x.shape), 2, 0)", ["cp_ulysses"], "loss",
+        "DeepSpeed-Ulysses (Jacobs et al. 2023): the all-to-all that deals the heads to the CP "
+        "ranks and the one that gathers them back must agree on which heads each rank holds "
+        "(here contiguous blocks)",
+        "the heads are dealt round-robin (rank r: heads r, r + CP, ...) but gathered back in "
+        "blocks: the attention's output reaches the projection with its heads permuted (and "
+        "under GQA a rank's query heads meet other groups' keys), so the loss differs"),
     "ring_causal_case": Bug(
         "cp", "context_parallel.py", "RingAttention.construct",
         "first, second = _halves(self.block(q, k_j, v_j, bias), half)",
@@ -108,6 +127,15 @@ BUGS = {
         "the load-balancing loss (Switch Transformer, Fedus et al. 2021) takes the main loss's "
         "weight (loss scale / micro-batches) once",
         "the aux and z losses' gradients are scaled twice: the gradient norm differs"),
+    "expert_bias_tokens_unsummed": Bug(
+        "moe", "moe.py", "update_expert_bias",
+        "tokens = parallel.collectives(state.tp_dp_cp_group).all_reduce(",
+        "tokens = parallel.collectives(state.tp_group).all_reduce(", ["ep_bias"], "loss",
+        "auxiliary-loss-free balancing (DeepSeek-V3, Liu et al. 2024, section 2.1.2): each "
+        "expert's bias moves by the step's tokens routed to it over the whole batch, summed over "
+        "TP x DP x CP, so every rank moves it alike",
+        "each rank moves its biases by its own tokens: the ranks' biases part, and the routing "
+        "of the next step, hence its loss, differs from one process's"),
     "ep_chunks_unsorted": Bug(
         "moe", "moe.py", "MoEAlltoAllTokenDispatcher.dispatch",
         "tokens = tokens.transpose(1, 0, 2, 3).reshape(self.num_local_experts, -1, "

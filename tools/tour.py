@@ -65,14 +65,19 @@ MODEL = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "4", "--hidden-siz
 # experts (moe.py): 4 of them, top-2, both balancing losses; no biases, as TP needs
 MOE = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
        "--disable-bias-linear"]
-REFERENCES = {"one": [], "one_fp16": ["--fp16", "--initial-loss-scale", "4096"], "one_moe": MOE}
+# the same with sigmoid scores and expert biases moved by the step's tokens (DeepSeek-V3's
+# auxiliary-loss-free balancing)
+MOE_BIAS = MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                  "--moe-router-bias-update-rate", "0.01"]
+REFERENCES = {"one": [], "one_fp16": ["--fp16", "--initial-loss-scale", "4096"], "one_moe": MOE,
+              "one_moe_bias": MOE_BIAS}
 # how far a layout's losses and gradient norms may be from one process's, relative: float32 1e-5
 # both; float16 3e-5 for the loss (a layout reorders float16 sums whose roundings, 2^-11 relative
 # each, mostly cancel in a loss averaged over every token of the batch) and 5e-4 for the gradient
 # norm (the gradients themselves are float16, Megatron's main_grad, summed and reduced in another
 # order: about one float16 rounding, 2^-11 = 4.9e-4): docs/half-precision.md
 FLOAT32, FLOAT16 = {"loss": 1e-5, "grad norm": 1e-5}, {"loss": 3e-5, "grad norm": 5e-4}
-RTOL = {"one": FLOAT32, "one_fp16": FLOAT16, "one_moe": FLOAT32}
+RTOL = {"one": FLOAT32, "one_fp16": FLOAT16, "one_moe": FLOAT32, "one_moe_bias": FLOAT32}
 
 TP2, SP = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"]
 PP2, VPP2 = (["--pipeline-model-parallel-size", "2", "training_config.pipeline_trace=true"],
@@ -107,6 +112,9 @@ LAYOUTS = {
     "ep": Layout("EP2 over DP2, alltoall", 2,
                  MOE + EP2 + ["--moe-token-dispatcher-type", "alltoall"], "one_moe",
                  "moe.MoEAlltoAllTokenDispatcher, optimizer.ChainedOptimizer"),
+    "ep_bias": Layout("EP2 over DP2, alltoall, expert biases", 2,
+                      MOE_BIAS + EP2 + ["--moe-token-dispatcher-type", "alltoall"],
+                      "one_moe_bias", "moe.update_expert_bias"),
     "ep_tp_sp": Layout("EP2 x TP2 + SP, allgather", 4, MOE + EP2 + TP2 + SP, "one_moe",
                        "moe.MoEAllGatherTokenDispatcher, parallel.rank_groups"),
     "cp_hybrid": Layout("CP4 = Ulysses 2 x ring 2", 4,
@@ -486,6 +494,8 @@ def broken_tour(names, output, model_flags):
     os.makedirs(output, exist_ok=True)
     runs = [Run(layout if len(names) == 1 else f"{bug}/{layout}", layout, bug)
             for bug in names for layout in bugs.BUGS[bug].layouts]
+    # a deadlock ends its workers: its runs go last, so that no launch starts again after it
+    runs.sort(key=lambda run: bugs.BUGS[run.bug].proof == "deadlock")
     if len(names) == 1:
         print(f"tour: the bug {names[0]} planted in {', '.join(r.layout for r in runs)}, beside "
               f"one process (output: {shown(output)})", flush=True)
