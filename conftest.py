@@ -86,7 +86,8 @@ class Job:
     rank 1 starts HELD seconds late, its peers waiting in their collectives; `beside`: a call run
     in a thread of its kind beside the rest: "forked", the forked runs of one-process tests;
     "launch", a launch whose processes take little of the CPU (idle in a collective, asleep,
-    failing at load, or a few steps of a tiny model on one worker a launch)."""
+    failing at load, or a few steps of a tiny model on one worker a launch); "restart", the
+    run.sh jobs killed and launched again."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
                  sigterm=None, hold=None, call=None, check=None, beside=None, fails=False):
@@ -322,10 +323,11 @@ class Harness:
       6. the calls that need a launch's jobs.
     A launch runs test_all.py on its workers (run_jobs), its check jobs first, before any
     training; a selection with no job of a step skips it, so `-m pipeline` launches only pipeline
-    runs. Two more threads run the other calls (Job.beside) beside all this, each its kind in
-    turn: the forked runs of one-process tests, and the launches that take little of the CPU (the
-    planted faults, a launch that fails at load, a killed worker, the guide's script, two nodes,
-    the jobs killed and launched again), each msrun job on its own scheduler port. All of it
+    runs. Three more threads run the other calls (Job.beside) beside all this, each its kind in
+    turn: the forked runs of one-process tests, the launches that take little of the CPU (the
+    planted faults, a launch that fails at load, a killed worker, the guide's script, two
+    nodes), and the run.sh jobs killed and launched again, each msrun job on its own scheduler
+    port. All of it
     yields the CPU to the one-process tests (HARNESS_NICE)."""
 
     def __init__(self, tmp, names):
@@ -339,7 +341,7 @@ class Harness:
         self.processes, self.stopped = set(), False
         self.threads = [threading.Thread(target=self._run_all, daemon=True)] + [
             threading.Thread(target=self._run_calls_beside, args=(kind,), daemon=True)
-            for kind in ("forked", "launch")]
+            for kind in ("forked", "launch", "restart")]
         for thread in self.threads:
             thread.start()
 

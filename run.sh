@@ -253,6 +253,11 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
   # msrun's own SIGTERM, or run.sh's kill of the lost worker, is not the cause
   if [ -n "$lost" ] && { [ "${dead#* }" = 15 ] \
        || [ "${dead% *}" = "$(cat "$RUN_SH_PID_DIR/reaped" 2>/dev/null)" ]; }; then dead=""; fi
+  if grep -q 'Worker process [0-9]* exit with exception\. Error code: 2\.' "$log_dir/console.log"
+  then      # a worker named an expected failure itself (a full disk): a restart cannot cure it
+    failure="a worker's own error (exit code 2)"
+    return 2
+  fi
   if [ -n "$dead" ]; then
     set -- $dead
     rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null \

@@ -9684,6 +9684,31 @@ def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1,
     return printed, code, killed, struck and console.named_after(struck[0]), record
 
 
+def run_sh_on_a_full_disk(harness, name, size):
+    """RESTART_RUN under TP2 with --max-restarts 2, saving to a disk of `size` (a tmpfs mounted
+    on harness.tmp/name for the job): two checkpoints fit, the third fills it. (console, exit
+    code, seconds from the first line naming an error to the job's end, the latest iteration,
+    what checkpoint.damage finds in it, the temporary folders left.)"""
+    save, log_dir = harness.tmp / name, harness.tmp / f"{name}_log"
+    save.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(save)],
+                   check=True)
+    try:
+        console = Console(subprocess.Popen(
+            ["bash", "run.sh", "--nproc", "2", "--log_dir", str(log_dir), *RESTART_RUN,
+             "--tensor-model-parallel-size", "2", "--keep-checkpoint-max", "2",
+             "--max-restarts", "2", "--save", str(save)], cwd=HERE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+        printed, code = console.wait()
+        ended = time.time()
+        named = next((t for t, line in console.lines if "error: " in line), ended)
+        latest = checkpoint.latest_iteration(str(save))
+        return (printed, code, ended - named, latest, checkpoint.damage(str(save), latest),
+                sorted(p.name for p in save.glob(".iter_*")))
+    finally:
+        subprocess.run(["umount", str(save)], check=True)
+
+
 def compiling(log_dir, rank):
     """Whether rank `rank`'s flight record (written every second) shows it in its first call of
     a compiled graph: the graph's event holds no group yet, its collectives still being
@@ -9746,15 +9771,16 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 
 
 def call_restarts(harness):
-    """TP2 x PP2 straight through, killed once, stopped once, and killed once in a collective
-    (its TP peer stopped), with --max-restarts 1; PP2 over two nodes straight through, and
+    """TP2 x PP2 straight through, killed once in a collective (its TP peer stopped) and
+    stopped once, with --max-restarts 1; PP2 over two nodes straight through, and
     killed once with its latest checkpoint damaged (one before it intact); one process killed
     twice once it has a log (its config checked) with --max-restarts 2; TP2 compiled straight
-    through, and killed while its first graph compiles: {name: what run_sh_killed or
-    run_sh_two_nodes returns}."""
+    through, and killed while its first graph compiles; TP2 on a disk that fills: {name: what
+    run_sh_killed, run_sh_two_nodes or run_sh_on_a_full_disk returns}."""
     runs = {"tp2_pp2_straight": run_sh_killed(harness, "tp2_pp2_straight", 4, TP2_PP2),
             "tp2_pp2_restarted": run_sh_killed(harness, "tp2_pp2_restarted", 4,
-                                               [*TP2_PP2, "--max-restarts", "1"], checkpointed)}
+                                               [*TP2_PP2, "--max-restarts", "1"], checkpointed,
+                                               held=2)}
     runs["tp2_pp2_stopped"] = run_sh_killed(
         harness, "tp2_pp2_stopped", 4, [*TP2_PP2, "--max-restarts", "1"], checkpointed,
         sig=signal.SIGSTOP)
@@ -9765,9 +9791,6 @@ def call_restarts(harness):
         lambda save: checkpointed(save, 4), damaged=True)
     runs["refused"] = run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"],
                                     lambda save: (save / "log").exists(), kills=2)
-    runs["tp2_pp2_in_collective"] = run_sh_killed(
-        harness, "tp2_pp2_in_collective", 4, [*TP2_PP2, "--max-restarts", "1"], checkpointed,
-        held=2)
     tp2 = ["--tensor-model-parallel-size", "2"]
     runs["tp2_compiled_straight"] = run_sh_killed(harness, "tp2_compiled_straight", 2, tp2,
                                                   run=COMPILED_RUN)
@@ -9775,23 +9798,28 @@ def call_restarts(harness):
     runs["tp2_compiled_restarted"] = run_sh_killed(
         harness, "tp2_compiled_restarted", 2, [*tp2, "--max-restarts", "1"],
         lambda save: compiling(log_dir, 1), run=COMPILED_RUN)
+    runs["disk_full"] = run_sh_on_a_full_disk(harness, "disk_full", "5m")
     return runs
 
 
-add("restarts", 0, "", call=call_restarts, beside="launch")
+add("restarts", 0, "", call=call_restarts, beside="restart")
 
 
 @reading("restarts")
 def test_a_killed_job_restarts_from_its_last_checkpoint_to_the_same_weights(runs):
-    """--max-restarts 1 (torchrun's flag): the killed rank is named, the job launched again from
-    the last complete checkpoint (--load), and it ends as the run that never stopped: every
-    step's loss and gradient norm (a step trained again too) and the final weights of every
-    shard, bit for bit (TP2 x PP2 on 4 workers)."""
+    """--max-restarts 1 (torchrun's flag): rank 3, killed while it waits in a collective (its TP
+    peer, rank 2, stopped 3 s first: rank 3's flight record shows a collective begun over a
+    second before), is named, the job launched again from the last complete checkpoint (--load),
+    and it ends as the run that never stopped: every step's loss and gradient norm (a step
+    trained again too) and the final weights of every shard, bit for bit (TP2 x PP2 on 4
+    workers)."""
     straight, code, *_ = runs.result("restarts")["tp2_pp2_straight"]
     assert code == 0, straight[-3000:]
-    console, code, killed, named_after, _ = runs.result("restarts")["tp2_pp2_restarted"]
+    console, code, killed, named_after, record = runs.result("restarts")["tp2_pp2_restarted"]
     assert len(killed) == 1 and code == 0, console[-3000:]
     assert named_after <= 30, named_after
+    waiting = record["events"][-1]
+    assert waiting["op"] != "graph" and record["written"] - waiting["time"] > 1.0, record
     save = runs.tmp / "tp2_pp2_restarted"
     assert re.search(rf"bash run.sh: restart 1 of 1, from iteration \d+ in {save}\n", console)
     assert f"error: rank 3 (pid {killed[0]}) was killed by signal 9" in console, console[-3000:]
@@ -9842,18 +9870,10 @@ def test_a_job_of_two_nodes_restarts_in_step(runs):
 
 
 @reading("restarts")
-def test_a_worker_killed_in_a_collective_or_compiling_is_restarted(runs):
-    """kill -9 of TP2 x PP2's rank 3 while it waits in a collective (its TP peer, rank 2, stopped
-    3 s: rank 3's flight record shows a collective begun over a second before), and of TP2's
-    rank 1 while its first compiled graph compiles (ms.jit; the graph's event in its flight
-    record holds no group yet): each named within 30 s, each job restarted (the compiled one
-    from iteration 0) to the end of the run that never stopped, bit for bit."""
-    console, code, killed, named_after, record = runs.result("restarts")["tp2_pp2_in_collective"]
-    assert len(killed) == 1 and code == 0 and named_after <= 30, (named_after, console[-3000:])
-    waiting = record["events"][-1]
-    assert waiting["op"] != "graph" and record["written"] - waiting["time"] > 1.0, record
-    assert f"error: rank 3 (pid {killed[0]}) was killed by signal 9" in console, console[-3000:]
-    assert_ends_as(runs.tmp / "tp2_pp2_straight", runs.tmp / "tp2_pp2_in_collective")
+def test_a_worker_killed_compiling_is_restarted(runs):
+    """kill -9 of TP2's rank 1 while its first compiled graph compiles (ms.jit; the graph's event
+    in its flight record holds no group yet): named within 30 s, the job restarted from
+    iteration 0 to the end of the run that never stopped, bit for bit."""
     assert runs.result("restarts")["tp2_compiled_straight"][1] == 0
     console, code, killed, named_after, record = runs.result("restarts")["tp2_compiled_restarted"]
     assert len(killed) == 1 and code == 0 and named_after <= 30, (named_after, console[-3000:])
@@ -9862,6 +9882,21 @@ def test_a_worker_killed_in_a_collective_or_compiling_is_restarted(runs):
     assert f"bash run.sh: restart 1 of 1, from iteration 0 in {save}\n" in console
     assert f"error: rank 1 (pid {killed[0]}) was killed by signal 9" in console, console[-3000:]
     assert_ends_as(runs.tmp / "tp2_compiled_straight", save)
+
+
+@reading("restarts")
+def test_a_disk_that_fills_during_a_save_is_named_and_not_restarted(runs):
+    """A real full disk (a tmpfs of 5 MB holds two checkpoints of TP2's tiny model) during the
+    third save of a 2-worker job: a rank names the file and the fix in one line, the job ends
+    within 30 s of it, exit 2 without a restart (a restart cannot free space), and the previous
+    checkpoint is the latest, intact by its checksums, nothing of the failed save left."""
+    console, code, ended_after, latest, damaged, left = runs.result("restarts")["disk_full"]
+    assert code == 2 and ended_after <= 30, (ended_after, console[-3000:])
+    assert re.search(r"\[rank [01]\] error: \S+/model_optim_rng\.ckpt: writing failed \(.*No "
+                     r"space left on device.*\); free space, fix the permissions or choose "
+                     r"another --save", console), console[-3000:]
+    assert "bash run.sh: restart" not in console, console[-3000:]
+    assert latest == 4 and damaged is None and left == [], (latest, damaged, left)
 
 
 @reading("restarts")

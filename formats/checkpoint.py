@@ -16,6 +16,7 @@ Names are global parameter names (gpt.global_name), so a shard says what it hold
 layout. All ranks write into `.iter_0000100.tmp/`; rank 0 renames it into place, then replaces
 `latest`.
 """
+import contextlib
 import itertools
 import json
 import logging
@@ -161,20 +162,30 @@ def _write_shards(tmp, shards, ckpt_format):
                 continue
             path = os.path.join(tmp, shard, f"{stem}.{EXTENSIONS[ckpt_format]}")
             if ckpt_format == "torch":
-                torch_format.save(content, path)
+                with _named(path):
+                    torch_format.save(content, path)
                 continue
             items = []
             for name, value in content.items():
                 if isinstance(value, np.ndarray):
                     value = Tensor(np.ascontiguousarray(value))
                 items.append({"name": name, "data": Parameter(value, name=name)})
-            try:
+            with _named(path):
                 ms.save_checkpoint(items, path, crc_check=True, format=ckpt_format)
-            except RuntimeError as e:
-                # MindSpore's own error for a full disk or a bad folder
-                raise OSError(None, f"writing failed ({str(e).splitlines()[0]})", path) from None
         if meta is not None:
-            write_atomic(os.path.join(tmp, shard, "meta.json"), json.dumps(meta, indent=1))
+            path = os.path.join(tmp, shard, "meta.json")
+            with _named(path):
+                write_atomic(path, json.dumps(meta, indent=1))
+
+
+@contextlib.contextmanager
+def _named(path):
+    """A failed write of `path` as one OSError that names it: MindSpore raises RuntimeError for a
+    full disk or a bad folder, and a full disk's OSError (ENOSPC) from a write names no file."""
+    try:
+        yield
+    except (RuntimeError, OSError) as e:
+        raise OSError(None, f"writing failed ({str(e).splitlines()[0]})", path) from None
 
 
 def saved_iterations(root):
