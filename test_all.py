@@ -10468,7 +10468,9 @@ def test_every_catalogued_bug_is_planted_by_the_suite_at_its_line(capsys):
     tests read alike: each bug's change is once in its function of the checkout, at the line its
     explanation names; the function planted is the checkout's with that change, its source
     where ms.jit reads it (inspect); the suite plants each in a layout of its concept; its tour
-    layouts exist. `--break list` lists every bug; an unknown one is one line, exit 2."""
+    layouts exist, and `--break NAME` runs them (`--break all`: test_every_bug_planted_by_the_
+    tour_is_caught_and_explained). `--break list` lists every bug; an unknown one is one line,
+    exit 2."""
     for name, bug in bugs.BUGS.items():
         file, line = bugs.where(bug)
         assert bug.before in (pathlib.Path(HERE) / file).read_text().splitlines()[line - 1]
@@ -10480,6 +10482,7 @@ def test_every_catalogued_bug_is_planted_by_the_suite_at_its_line(capsys):
         assert inspect.getsource(planted) == "".join(checkout).replace(bug.before, bug.after)
         assert name in PLANTS and PLANTS[name][3] == bug.concept, name
         assert bug.layouts and set(bug.layouts) <= set(tour.LAYOUTS), name
+        assert tour.parse(["--break", name])[0] == bug.layouts, name       # what --break runs
     capsys.readouterr()
     assert tour.main(["--break", "list"]) == 0
     listed = capsys.readouterr().out.splitlines()

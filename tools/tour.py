@@ -141,7 +141,8 @@ TOUR_FLAGS = {"--layouts": (list(LAYOUTS), list, "the layouts to run, in this or
 
 def parse(argv):
     """The options of `bash run.sh tour`: (layout names in LAYOUTS' order, output folder, the
-    flags every run adds to MODEL, the bug to plant: None, "list" or a name of bugs.BUGS)."""
+    flags every run adds to MODEL, the bug to plant: None, "list", "all" or a name of bugs.BUGS;
+    with a bug, the layouts are its own, with "all" every bug's)."""
     options, _ = parse_command("tour", argv, TOUR_FLAGS,
                                about="Every layout of a tiny GPT trained beside one process.")
     broken = options["break"]
