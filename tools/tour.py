@@ -34,6 +34,7 @@ Under each row, the functions that do that layout's work (module.name, as the co
 Every run's log, metrics.jsonl and loss.svg stay in <output>/<layout>/.
 """
 import contextlib
+import glob
 import io
 import json
 import os
@@ -172,10 +173,12 @@ class Launch:
 
     def __init__(self, workers, runs, output, label):
         self.workers, self.output = workers, output
-        runs_file = os.path.join(output, f"runs_{label}.json")
-        data.write_atomic(runs_file, json.dumps(runs))
+        self.runs_file = os.path.join(output, f"runs_{label}.json")
+        for pid_file in glob.glob(f"{self.runs_file}.pid.*"):      # a launch's before it
+            os.remove(pid_file)
+        data.write_atomic(self.runs_file, json.dumps(runs))
         # `python -m`: this file is in tools/, its imports are the project's folder's
-        program = ["-m", "tools.tour", "--runs", runs_file]
+        program = ["-m", "tools.tour", "--runs", self.runs_file]
         self.log_dir = os.path.join(output, f"launch_{label}")       # console.log, worker logs
         if workers == 1:
             cmd, env = [sys.executable, *program], None
@@ -201,10 +204,14 @@ class Launch:
             time.sleep(0.2)
 
     def stop(self):
-        """Kill the launch if it still runs (its workers are in its process group)."""
+        """Kill the launch if it still runs, and its workers: msrun starts each in a session of
+        its own (out of msrun's process group), which would run the launch's other runs on."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, 9)
             self.process.wait()
+        for pid_file in glob.glob(f"{self.runs_file}.pid.*"):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(open(pid_file).read()), 9)
         self.console.close()
 
 
@@ -234,8 +241,10 @@ def worker(runs_file):
     """The program of each worker (or the one process): every [name, argv, bug] of runs_file
     through train.main, the bug (a name of bugs.BUGS, or None) planted while it runs, then
     <save>/tour_done.<rank>; the first failure ends the worker (<save>/tour_failed.<rank>; msrun
-    then stops the others)."""
+    then stops the others). Its pid goes to RUNS.json.pid.<pid>."""
     rank = os.environ.get("RANK_ID", "0")
+    # for Launch.stop: msrun's scheduler runs this program too, as rank 0
+    data.write_atomic(f"{runs_file}.pid.{os.getpid()}", str(os.getpid()))
     for _, argv, bug in json.loads(open(runs_file).read()):
         with bugs.planted(bugs.patches(bug) if bug else []):
             code = train.main(argv)
@@ -417,22 +426,24 @@ def tour(runs, output, model_flags=(), on_caught=None):
     print(HEADER, flush=True)
     caught = set()
     for workers, group in launches(runs):
-        for run, outcome in ended(workers, group, prefix, output, model_flags):
-            if run.bug in caught:
-                continue
-            try:
-                if isinstance(outcome, RunFailed):
-                    raise outcome
-                if run.layout not in REFERENCES:
-                    print(report(run.layout, outcome, output, model_flags), flush=True)
-            except RunFailed as e:
-                if on_caught is None or run.bug is None:
-                    print(f"tour: stopped: {e}", flush=True)
-                    return 1
-                caught.add(run.bug)
-                on_caught(run.bug, e)
-                if caught == {r.bug for r in runs}:
-                    return 0
+        # closed on a return too, which stops the launch at once
+        with contextlib.closing(ended(workers, group, prefix, output, model_flags)) as outcomes:
+            for run, outcome in outcomes:
+                if run.bug in caught:
+                    continue
+                try:
+                    if isinstance(outcome, RunFailed):
+                        raise outcome
+                    if run.layout not in REFERENCES:
+                        print(report(run.layout, outcome, output, model_flags), flush=True)
+                except RunFailed as e:
+                    if on_caught is None or run.bug is None:
+                        print(f"tour: stopped: {e}", flush=True)
+                        return 1
+                    caught.add(run.bug)
+                    on_caught(run.bug, e)
+                    if caught == {r.bug for r in runs}:
+                        return 0
     return 0
 
 
