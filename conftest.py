@@ -327,8 +327,7 @@ class Harness:
     turn: the forked runs of one-process tests, the launches that take little of the CPU (the
     planted faults, a launch that fails at load, a killed worker, the guide's script, two
     nodes), and the run.sh jobs killed and launched again, each msrun job on its own scheduler
-    port. All of it
-    yields the CPU to the one-process tests (HARNESS_NICE)."""
+    port. All of it yields the CPU to the one-process tests (HARNESS_NICE)."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, needed_jobs(names)
