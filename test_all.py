@@ -9447,6 +9447,26 @@ def test_the_flight_recorder_compares_a_graph_on_each_of_its_groups():
 
 
 @pytest.mark.tp
+def test_a_signal_after_every_rank_ended_is_told_from_a_failure(tmp_path):
+    """run.sh's question when a worker dies by a signal (`python -m tools.flight_recorder --ended
+    N LOG_DIR`): were all N ranks' records written at exit with no error in them (their training
+    returned: the run is done, the signal came in MindSpore's exit), or was one still working,
+    failing, or without a record (a failure, restarted as ever)."""
+    def write(rank, ended=True, reason=None):
+        record = {"rank": rank, "job": "j", "pid": 1, "written": 0.0, "last": 0.0,
+                  "ended": ended, "reason": reason, "events": []}
+        (tmp_path / flight_recorder.FILE.format(rank)).write_text(json.dumps(record))
+    write(0)
+    assert not flight_recorder.ended_cleanly(str(tmp_path), 2)       # rank 1 has no record
+    write(1)
+    assert flight_recorder.ended_cleanly(str(tmp_path), 2)
+    assert flight_recorder.main(["--ended", "2", str(tmp_path)]) == 0
+    for still_working_or_failed in ({"ended": False}, {"reason": "error: training failed"}):
+        write(1, **still_working_or_failed)
+        assert not flight_recorder.ended_cleanly(str(tmp_path), 2), still_working_or_failed
+        assert flight_recorder.main(["--ended", "2", str(tmp_path)]) == 1
+
+
 def test_the_flight_recorder_keeps_the_last_events_and_a_graphs_collectives(tmp_path):
     """The ring buffer keeps the last EVENTS, each with the code line that asked for it; a
     compiled graph's call is one event holding the collectives recorded while it compiled, counted

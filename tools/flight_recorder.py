@@ -222,6 +222,13 @@ def load(folder, job=None):
     return records
 
 
+def ended_cleanly(folder, ranks):
+    """Whether `ranks` records in `folder` were each written at its process's exit with no error
+    in it: every rank's training had returned, its work saved, when a signal ended it."""
+    records = load(folder)
+    return len(records) == ranks and all(r["ended"] and not r["reason"] for r in records.values())
+
+
 def held_on(event, group):
     """The collectives a graph's event holds on `group`, in order."""
     return [h for h in event.get("holds") or [] if h["group"] == group]
@@ -394,7 +401,10 @@ def own_error(reason):
 
 def main(argv):
     """`python flight_recorder.py LOG_DIR`: the diagnosis of the records in LOG_DIR; exit 1 when
-    the ranks disagree, 0 when they agree, 2 when there is nothing to read."""
+    the ranks disagree, 0 when they agree, 2 when there is nothing to read. `--ended N LOG_DIR`
+    (run.sh): exit 0 when N ranks' records ended cleanly (ended_cleanly), else 1."""
+    if len(argv) == 3 and argv[0] == "--ended":
+        return 0 if ended_cleanly(argv[2], int(argv[1])) else 1
     if len(argv) != 1 or not os.path.isdir(argv[0]):
         print("error: usage: bash run.sh diagnose LOG_DIR: give the folder of a job's worker logs "
               "(msrun's --log_dir, output/msrun_log by default)", file=sys.stderr)
