@@ -391,10 +391,17 @@ def launches(runs):
                                 for w in counts]
 
 
-def ended(workers, runs, prefix, output, model_flags):
-    """Yield (run, its folder or the RunFailed that ended it) for each of `runs`, in one launch
-    of `workers` workers; a run that fails ends its workers, so the runs after it go on in a new
-    launch. The launch is stopped when the caller stops reading."""
+def ended(runs, prefix, output, model_flags):
+    """Yield (run, its folder or the RunFailed that ended it) for each of `runs` and the
+    references they need, in one launch per worker count (launches); a run that fails ends its
+    workers, so the runs after it go on in a new launch. The launch is stopped when the caller
+    stops reading."""
+    for workers, group in launches(runs):
+        yield from _ended(workers, group, prefix, output, model_flags)
+
+
+def _ended(workers, runs, prefix, output, model_flags):
+    """ended for the runs of one worker count."""
     left, attempt = list(runs), 0
     while left:
         launch = start(workers, left, prefix, output, model_flags,
@@ -425,25 +432,24 @@ def tour(runs, output, model_flags=(), on_caught=None):
                                           "ByteTokenizer")
     print(HEADER, flush=True)
     caught = set()
-    for workers, group in launches(runs):
-        # closed on a return too, which stops the launch at once
-        with contextlib.closing(ended(workers, group, prefix, output, model_flags)) as outcomes:
-            for run, outcome in outcomes:
-                if run.bug in caught:
-                    continue
-                try:
-                    if isinstance(outcome, RunFailed):
-                        raise outcome
-                    if run.layout not in REFERENCES:
-                        print(report(run.layout, outcome, output, model_flags), flush=True)
-                except RunFailed as e:
-                    if on_caught is None or run.bug is None:
-                        print(f"tour: stopped: {e}", flush=True)
-                        return 1
-                    caught.add(run.bug)
-                    on_caught(run.bug, e)
-                    if caught == {r.bug for r in runs}:
-                        return 0
+    # closed on a return too, which stops the running launch at once
+    with contextlib.closing(ended(runs, prefix, output, model_flags)) as outcomes:
+        for run, outcome in outcomes:
+            if run.bug in caught:
+                continue
+            try:
+                if isinstance(outcome, RunFailed):
+                    raise outcome
+                if run.layout not in REFERENCES:
+                    print(report(run.layout, outcome, output, model_flags), flush=True)
+            except RunFailed as e:
+                if on_caught is None or run.bug is None:
+                    print(f"tour: stopped: {e}", flush=True)
+                    return 1
+                caught.add(run.bug)
+                on_caught(run.bug, e)
+                if caught == {r.bug for r in runs}:
+                    return 0
     return 0
 
 
