@@ -262,9 +262,12 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
     set -- $dead
     rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null \
            | sed 's/.*rank_\([0-9]*\)\.pid/\1/' || true)
-    # a signal after every rank's training returned, its flight record written at exit: the
-    # run is done (seen: SIGSEGV in MindSpore's own exit, after the project's exit handlers)
-    if [ -z "$lost" ] && python -m tools.flight_recorder --ended "$per_node" "$log_dir"; then
+    # a crash's signal after every rank's training returned, its flight record written at exit:
+    # the run is done (seen: SIGSEGV in MindSpore's own exit, after the project's exit handlers).
+    # kill -9 comes from outside (a user, the out-of-memory killer): named at once, not after
+    # the check's seconds of start-up
+    if [ -z "$lost" ] && [ "$2" != 9 ] \
+         && python -m tools.flight_recorder --ended "$per_node" "$log_dir"; then
       echo "warning: rank ${rank:-?} (pid $1) was killed by signal $2 after its training" \
            "ended (every rank's flight record written at exit, no error): the run is complete;" \
            "its log: $log_dir/worker_${rank:-N}.log" >&2
