@@ -4,9 +4,11 @@ tokenizer -> tools/preprocess_data.py (.bin/.idx indexed dataset) -> GPTDataset
 (document/sample/shuffle indices) -> BlendedDataset of several corpora (blending indices) ->
 MegatronPretrainingSampler or MegatronPretrainingRandomSampler (micro-batches per dp rank).
 """
+import collections
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing
@@ -168,7 +170,7 @@ _worker_tokenizer = None
 
 
 def _init_worker(tokenizer_kwargs):
-    """Pool initializer: each worker builds its own tokenizer (Megatron's Encoder.initializer)."""
+    """A worker's tokenizer, built in the worker (Megatron's Encoder.initializer)."""
     global _worker_tokenizer
     _worker_tokenizer = build_tokenizer(**tokenizer_kwargs)
 
@@ -287,11 +289,65 @@ def preprocess_main(argv):
     return written
 
 
-def _init_pool_worker(tokenizer_kwargs):
-    """Ctrl-C reaches the whole process group; only the parent may act on it: a worker stopped
-    while sending a result dies holding the result queue's lock, and pool.terminate() hangs."""
+def _tokenizing_worker(pipe, tokenizer_kwargs, append_eod):
+    """One preprocess worker: lists of documents in, their [(ids, bytes)] out, until None.
+    Ctrl-C reaches the whole process group; only the parent acts on it (it ends the workers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _init_worker(tokenizer_kwargs)
+    for chunk in iter(pipe.recv, None):
+        try:
+            pipe.send([_encode_document(document, append_eod) for document in chunk])
+        except Exception as e:                    # raised in the parent, as Pool.imap does
+            pipe.send(e)
+
+
+class TokenizingWorkers:
+    """`n` tokenizing processes, each with a pipe of its own: chunk k of the documents goes to
+    worker k % n and the results come back in order.
+
+    No lock is shared between processes, so the workers can be killed at any point (Ctrl-C, a bad
+    line). multiprocessing.Pool cannot be: its terminate() hangs when it stops a worker that holds
+    the result queue's lock. One chunk in flight per worker: the parent sends to a worker only
+    after reading its result, so neither can wait on the other behind a full pipe.
+    """
+
+    def __init__(self, n, tokenizer_kwargs, append_eod):
+        self.processes, self.pipes = [], []
+        for _ in range(n):
+            pipe, worker_end = multiprocessing.Pipe()
+            process = multiprocessing.Process(target=_tokenizing_worker, daemon=True,
+                                              args=(worker_end, tokenizer_kwargs, append_eod))
+            process.start()
+            worker_end.close()
+            self.processes.append(process)
+            self.pipes.append(pipe)
+
+    def encode(self, documents, chunk_size=32):
+        """Yield (ids per key, bytes read) for each of `documents`, in their order."""
+        chunks = iter(lambda: list(itertools.islice(documents, chunk_size)), [])
+        busy = collections.deque()                # the pipes of the workers holding a chunk
+        for pipe, chunk in zip(self.pipes, chunks):
+            pipe.send(chunk)
+            busy.append(pipe)
+        while busy:
+            pipe = busy.popleft()
+            results = pipe.recv()
+            if isinstance(results, Exception):
+                raise results
+            chunk = next(chunks, None)
+            if chunk is not None:                 # its next chunk, to the back of the line
+                pipe.send(chunk)
+                busy.append(pipe)
+            yield from results
+
+    def close(self):
+        """Kill and reap every worker: each waits for a chunk or works on one no longer needed."""
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            process.join()
+        for pipe in self.pipes:
+            pipe.close()
 
 
 def _tokenize(args, path, output_prefix, keys, prefixes):
@@ -304,14 +360,14 @@ def _tokenize(args, path, output_prefix, keys, prefixes):
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     docs = _read_documents(path, keys)
     encode = functools.partial(_encode_document, append_eod=args.append_eod)
-    pool, builders = None, []
+    workers, builders = None, []
     t0, total_bytes, n = time.time(), 0, 0
     try:
         if args.workers > 1:
-            pool = multiprocessing.Pool(args.workers, _init_pool_worker, (tok_kwargs,))
+            workers = TokenizingWorkers(args.workers, tok_kwargs, args.append_eod)
         for pre in prefixes:
             builders.append(IndexedDatasetBuilder(pre + ".bin", dtype))
-        results = pool.imap(encode, docs, chunksize=32) if pool else map(encode, docs)
+        results = workers.encode(docs) if workers else map(encode, docs)
         for n, (doc_ids, n_bytes) in enumerate(results, 1):
             total_bytes += n_bytes
             for builder, ids in zip(builders, doc_ids):
@@ -323,18 +379,15 @@ def _tokenize(args, path, output_prefix, keys, prefixes):
         if n == 0:
             raise ConfigError(f"{path}: no documents: give jsonl (one JSON object per line) "
                               "or text (documents separated by blank lines)")
-        if pool:
-            pool.close()
-            pool.join()
         for builder, pre in zip(builders, prefixes):
             builder.finalize(pre + ".idx")
-    except BaseException:
-        # a bad line, Ctrl-C: stop the workers (they may be reading ahead), keep no half file
-        if pool:
-            pool.terminate()
+    except BaseException:                         # a bad line, Ctrl-C: keep no half file
         for builder in builders:
             builder.discard()
         raise
+    finally:
+        if workers:
+            workers.close()
 
 
 def _sha256(path):

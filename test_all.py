@@ -1602,6 +1602,22 @@ def test_preprocess_ctrl_c_is_one_line_exit_130_and_leaves_nothing(tmp_path, wor
 
 
 @pytest.mark.data
+def test_preprocess_workers_are_ended_even_while_sending_a_result():
+    """The parent stops reading while a worker sends a result larger than any pipe: close()
+    still ends every worker (multiprocessing.Pool's terminate() can hang there, on the result
+    queue's lock that worker holds, so Ctrl-C would never return)."""
+    workers = data.TokenizingWorkers(2, dict(tokenizer_type="ByteTokenizer"), append_eod=False)
+    documents = iter([("doc:1", ["x" * 2**20])] * 6)       # 1 MiB each: its ids fill the pipe
+    next(workers.encode(documents, chunk_size=1))
+    time.sleep(1)                                           # both workers blocked in send
+    closing = threading.Thread(target=workers.close, daemon=True)
+    closing.start()
+    closing.join(timeout=30)
+    assert not closing.is_alive(), "close() hangs on a worker blocked in send"
+    assert not any(process.is_alive() for process in workers.processes)
+
+
+@pytest.mark.data
 @pytest.mark.parametrize("at", [1, 2, 3, 4])
 def test_preprocess_interrupted_while_placing_files_takes_them_back(tmp_path, monkeypatch, at):
     """Two keys, four renames (.bin and .idx of each): Ctrl-C at any of them leaves no pair
