@@ -170,7 +170,8 @@ _worker_tokenizer = None
 
 
 def _init_worker(tokenizer_kwargs):
-    """A worker's tokenizer, built in the worker (Megatron's Encoder.initializer)."""
+    """This process's tokenizer: the parent's, or a worker's, built in the worker (Megatron's
+    Encoder.initializer)."""
     global _worker_tokenizer
     _worker_tokenizer = build_tokenizer(**tokenizer_kwargs)
 
