@@ -11,6 +11,7 @@ the program (`python test_all.py JOBS.json`: its import registers the jobs, then
 them). This file imports nothing of test_all.py: test_all.py imports this one.
 """
 import concurrent.futures
+import contextlib
 import json
 import os
 import pathlib
@@ -83,18 +84,20 @@ class Job:
     read it. `plant`: a function returning the patches of a bug planted for the run (planted);
     `fails`: the training must fail (a planted deadlock; its failure is the job's verdict, not
     its launch's); `sigterm`: the step during which rank 0 alone gets SIGTERM; `hold`: the step
-    rank 1 starts HELD seconds late, its peers waiting in their collectives; `beside`: a call run
+    rank 1 starts HELD seconds late, its peers waiting in their collectives; `busy`: how many
+    CPU-bound processes rank 0 runs beside the training (busy_beside); `beside`: a call run
     in a thread of its kind beside the rest: "forked", the forked runs of one-process tests;
     "launch", a launch whose processes take little of the CPU (idle in a collective, asleep,
     failing at load, or a few steps of a tiny model on one worker a launch); "restart", the
     run.sh jobs killed and launched again."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
-                 sigterm=None, hold=None, call=None, check=None, beside=None, fails=False):
+                 sigterm=None, hold=None, busy=0, call=None, check=None, beside=None,
+                 fails=False):
         self.name, self.workers, self.concepts = name, workers, set(concepts.split())
         self.flags, self.argv_of, self.after = list(flags), argv, tuple(after)
         self.plant, self.sigterm, self.call, self.check = plant, sigterm, call, check
-        self.hold, self.fails = hold, fails
+        self.hold, self.busy, self.fails = hold, busy, fails
         self.beside = beside
 
     def argv(self, tmp, prefix):
@@ -225,7 +228,8 @@ def cluster_formed(rank):
 
 def run_job(spec, rank):
     """One job of run_jobs (JOBS[name], registered as the program imported test_all.py): its
-    checks, or its training (`argv`) with its bug planted, its SIGTERM and its held rank."""
+    checks, or its training (`argv`) with its bug planted, its SIGTERM, its held rank and the
+    busy processes beside it."""
     job = JOBS[spec["name"]]
     if job.check:
         function, argument = job.check
@@ -234,11 +238,44 @@ def run_job(spec, rank):
         return not checks.failed
     step = train.Trainer.train_step
     train.Trainer.train_step = step_of(job, rank, step)
+    busy = job.busy if rank == 0 else 0
     try:
-        with planted(job.plant):
+        with planted(job.plant), busy_beside(busy, pathlib.Path(spec["status"], f"{job.name}.busy")):
             return train.main(spec["argv"]) == 0
     finally:
         train.Trainer.train_step = step
+
+
+# A CPU-bound loop that ends with the process that started it (a worker killed leaves none)
+BUSY_LOOP = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass"
+
+
+@contextlib.contextmanager
+def busy_beside(count, record):
+    """`count` CPU-bound processes (BUSY_LOOP, at this worker's priority) for the block's
+    duration; the file `record` then holds each one's [seconds of the block, CPU-seconds it got]
+    (Harness.busy)."""
+    if not count:
+        yield
+        return
+    started = time.monotonic()
+    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        seconds = time.monotonic() - started
+        used = [cpu_seconds(loop.pid) for loop in loops]
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+        record.write_text(json.dumps([[seconds, cpu] for cpu in used]))
+
+
+def cpu_seconds(pid):
+    """The user and system CPU-seconds process `pid` has used (/proc/<pid>/stat's utime, stime:
+    the fields 14 and 15, counted after the command's closing parenthesis)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def step_of(job, rank, step):
@@ -442,6 +479,12 @@ class Harness:
         if not all(p.exists() and p.read_text() == status for p in said):
             pytest.fail(f"job {name} did not end {status} on every rank: {self.log_tail(name)}")
         return self.tmp / name
+
+    def busy(self, name):
+        """[seconds, CPU-seconds] of each busy process beside job `name` (Job.busy), once it ended
+        ok."""
+        self.folder(name)
+        return json.loads((self.status / f"{name}.busy").read_text())
 
     def log_tail(self, name, chars=3000):
         """The end of the log of job `name`'s launch (its first worker's, or the process's)."""

@@ -122,7 +122,7 @@ from optimizer import (SGD, Adam, AdamW, ConstantGradScaler, DynamicGradScaler,
 from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy,
                       VocabParallelEmbedding, rank_groups, shard)
 from settings import cli, config
-from settings.cli import HelpRequested, load_config
+from settings.cli import HelpRequested, load_config, raw_config
 from settings.config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
 from settings.keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
@@ -3624,7 +3624,7 @@ layout("cp2_ring", 2, "cp fp16", ROPE + CP2 + RING + HALF + COMPILED, "one_rope_
 # recorder section)
 layout("tp2_sp_cp2_ring", 4, "tp cp", ROPE + TP2 + SP + CP2 + RING + COMPILED, "one_rope_gqa",
        hold=2)
-layout("cp4_hybrid", 4, "cp", ROPE + CP4 + HYBRID2 + COMPILED, "one_rope_gqa", hold=2)
+layout("cp4_hybrid", 4, "cp", ROPE + CP4 + HYBRID2 + COMPILED, "one_rope_gqa", hold=2, busy=2)
 
 
 @pytest.mark.parametrize("layout", layout_params(["cp2_ulysses", "cp2_ring", "tp2_sp_cp2_ring",
@@ -5024,6 +5024,8 @@ layout("ep2_dp2_distopt_overlap", 4, "moe dp",
 layout("ep2_pp2_capacity", 4, "moe checkpoint",
        MOE_RUN + CAPACITY + EXPERT_BIAS + EP2 + PP2 + SAVE_HALF, "one_moe_capacity")
 layout("ep4_distopt", 4, "moe checkpoint", MOE_LAYER + EP4 + DISTOPT + SAVE_HALF, "one_moe")
+# the tour's ep_tp_sp, beside two CPU-bound processes (the tour section)
+layout("ep2_tp2_sp", 4, "moe", MOE_LAYER + EP2 + TP2 + SP, "one_moe", busy=2)
 # 2 workers
 layout("ep2_alltoall_distopt", 2, "moe", MOE_LAYER + EP2 + ALLTOALL + DISTOPT + COMPILED,
        "one_moe")
@@ -5055,8 +5057,8 @@ def test_moe_overlap_trains_like_the_same_layout_without(runs, overlapped, plain
 
 @pytest.mark.parametrize("layout", layout_params([
     "ep2_pp2_vpp2_distopt", "ep2_cp2_ulysses_tp2_sp_alltoall", "ep2_dp2_distopt",
-    "ep2_dp2_distopt_overlap", "ep2_pp2_capacity", "ep4_distopt", "ep2_alltoall_distopt",
-    "ep2_capacity"]))
+    "ep2_dp2_distopt_overlap", "ep2_pp2_capacity", "ep4_distopt", "ep2_tp2_sp",
+    "ep2_alltoall_distopt", "ep2_capacity"]))
 def test_moe_layouts_train_like_one_process(runs, layout):
     """Each EP layout (both dispatchers, capacity, the distributed optimizer, beside PP2 x VPP2,
     DP2, CP2 x TP2 + SP compiled with a rank late, EP4) trains like one process
@@ -10605,6 +10607,30 @@ def test_tour_runs_layouts_beside_one_process(runs, tmp_path):
         (moved / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         with pytest.raises(tour.RunFailed, match=rf"^pp differs from one process: {named}"):
             tour.report("pp", str(out / "pp"), str(moved.parent))
+
+
+# The tour's layouts of 4 workers or more but 16, each as a suite job holding its flags, trained
+# with two CPU-bound processes beside it on the 2 cores (Job.busy): it must finish equal to one
+# process though its ranks wait in collectives for peers the busy processes slow down
+BUSY_TOUR = {"ep_tp_sp": "ep2_tp2_sp", "cp_hybrid": "cp4_hybrid"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=reads(job, REFERENCE[job]))
+                                  for n, job in BUSY_TOUR.items()])
+def test_a_4_worker_layout_of_the_tour_finishes_beside_two_busy_processes(runs, name):
+    """Each 4- or 8-worker layout of the tour (tools/tour.py), its flags within its suite job's,
+    trains like one process (assert_layout_trains_like_one_process) beside two busy processes
+    that each took some of the CPU for the whole training."""
+    assert set(BUSY_TOUR) == {n for n, lay in tour.LAYOUTS.items() if lay.workers in (4, 8)}
+    job = BUSY_TOUR[name]
+    tree, tour_tree = (raw_config([], flags, []) for flags in (JOBS[job].flags,
+                                                               tour.LAYOUTS[name].flags))
+    assert tree["parallel_config"] == tour_tree["parallel_config"]
+    for key in ("num_moe_experts", "moe_token_dispatcher_type"):    # the experts' layout
+        assert tree["model_config"].get(key) == tour_tree["model_config"].get(key), key
+    assert_layout_trains_like_one_process(runs, job)
+    busy = runs.busy(job)
+    assert len(busy) == 2 and all(cpu >= 0.05 * seconds for seconds, cpu in busy), busy
 
 
 @reading("tour_pp")
