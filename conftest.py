@@ -239,8 +239,9 @@ def run_job(spec, rank):
     step = train.Trainer.train_step
     train.Trainer.train_step = step_of(job, rank, step)
     busy = job.busy if rank == 0 else 0
+    record = pathlib.Path(spec["status"], f"{job.name}.busy")
     try:
-        with planted(job.plant), busy_beside(busy, pathlib.Path(spec["status"], f"{job.name}.busy")):
+        with planted(job.plant), busy_beside(busy, record):
             return train.main(spec["argv"]) == 0
     finally:
         train.Trainer.train_step = step
