@@ -9809,31 +9809,34 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 
 
 def call_restarts(harness):
-    """TP2 x PP2 straight through, killed once in a collective (its TP peer stopped) and
-    stopped once, with --max-restarts 1: {name: what run_sh_killed returns}."""
+    """Each job straight through, then killed and restarted (--max-restarts 1) to end as it:
+    TP2 x PP2 killed once in a collective (its TP peer stopped) and stopped once; PP2 over two
+    nodes killed once with its latest checkpoint damaged (one before it intact); one process
+    killed once after a checkpoint: {name: what run_sh_killed or run_sh_two_nodes returns}."""
+    restarts = [*TP2_PP2, "--max-restarts", "1"]
     runs = {"tp2_pp2_straight": run_sh_killed(harness, "tp2_pp2_straight", 4, TP2_PP2),
-            "tp2_pp2_restarted": run_sh_killed(harness, "tp2_pp2_restarted", 4,
-                                               [*TP2_PP2, "--max-restarts", "1"], checkpointed,
-                                               held=2)}
-    runs["tp2_pp2_stopped"] = run_sh_killed(
-        harness, "tp2_pp2_stopped", 4, [*TP2_PP2, "--max-restarts", "1"], checkpointed,
-        sig=signal.SIGSTOP)
-    return runs
-
-
-def call_restarts_small(harness):
-    """PP2 over two nodes straight through, and killed once with its latest checkpoint damaged
-    (one before it intact); one process killed twice once it has a log (its config checked) with
-    --max-restarts 2; TP2 compiled straight through, killed while its first graph compiles, and
-    killed while it writes a checkpoint (one complete before it); TP2 on a disk that fills:
-    {name: what run_sh_killed, run_sh_two_nodes or run_sh_on_a_full_disk returns}."""
+            "tp2_pp2_restarted": run_sh_killed(harness, "tp2_pp2_restarted", 4, restarts,
+                                               checkpointed, held=2),
+            "tp2_pp2_stopped": run_sh_killed(harness, "tp2_pp2_stopped", 4, restarts,
+                                             checkpointed, sig=signal.SIGSTOP)}
     pp2 = ["--pipeline-model-parallel-size", "2"]
-    runs = {"two_nodes_straight": run_sh_two_nodes(harness, "two_nodes_straight", pp2)}
+    runs["two_nodes_straight"] = run_sh_two_nodes(harness, "two_nodes_straight", pp2)
     runs["two_nodes_restarted"] = run_sh_two_nodes(
         harness, "two_nodes_restarted", [*pp2, "--max-restarts", "1"],
         lambda save: checkpointed(save, 4), damaged=True)
-    runs["refused"] = run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"],
-                                    lambda save: (save / "log").exists(), kills=2)
+    runs["one_straight"] = run_sh_killed(harness, "one_straight", 1, [])
+    runs["one_restarted"] = run_sh_killed(harness, "one_restarted", 1, ["--max-restarts", "1"],
+                                          checkpointed)
+    return runs
+
+
+def call_restart_faults(harness):
+    """One process killed twice once it has a log (its config checked) with --max-restarts 2;
+    TP2 compiled straight through, killed while its first graph compiles, and killed while it
+    writes a checkpoint (one complete before it); TP2 on a disk that fills: {name: what
+    run_sh_killed or run_sh_on_a_full_disk returns}."""
+    runs = {"refused": run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"],
+                                     lambda save: (save / "log").exists(), kills=2)}
     tp2 = ["--tensor-model-parallel-size", "2", "--max-restarts", "1"]
     runs["tp2_compiled_straight"] = run_sh_killed(harness, "tp2_compiled_straight", 2, tp2[:2],
                                                   run=COMPILED_RUN)
@@ -9860,7 +9863,7 @@ def saving(save, written):
 
 
 add("restarts", 0, "", call=call_restarts, beside="restart")
-add("restarts_small", 0, "", call=call_restarts_small, beside="restart_small")
+add("restart_faults", 0, "", call=call_restart_faults, beside="restart_faults")
 
 
 @reading("restarts")
@@ -9903,13 +9906,28 @@ def assert_ends_as(straight, restarted):
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-@reading("restarts_small")
+@reading("restarts")
+def test_a_killed_process_restarts_from_its_last_checkpoint_to_the_same_weights(runs):
+    """One process (run.sh without msrun), --max-restarts 1, killed once a checkpoint is
+    complete: named within 30 s, restarted from the last complete checkpoint, and it ends as the
+    run that never stopped, every step's loss and gradient norm and the weights bit for bit."""
+    done = runs.result("restarts")
+    assert done["one_straight"][1] == 0, done["one_straight"][0][-3000:]
+    console, code, killed, named_after, _ = done["one_restarted"]
+    assert len(killed) == 1 and code == 0 and named_after <= 30, (named_after, console[-3000:])
+    save = runs.tmp / "one_restarted"
+    assert re.search(rf"bash run.sh: restart 1 of 1, from iteration \d+ in {save}\n", console)
+    assert "error: the process was killed by signal 9" in console, console[-3000:]
+    assert_ends_as(runs.tmp / "one_straight", save)
+
+
+@reading("restarts")
 def test_a_job_of_two_nodes_restarts_in_step(runs):
     """PP2 over two nodes of one worker each (two run.sh, --nnodes 2), node 1's worker killed
     and the latest checkpoint damaged: each node's run.sh restarts its own from the last intact
     checkpoint (the damaged one named and set aside once), the two meet again at node 0's
     scheduler, and the job ends as the one that never stopped."""
-    nodes, pid, named_after = runs.result("restarts_small")["two_nodes_restarted"]
+    nodes, pid, named_after = runs.result("restarts")["two_nodes_restarted"]
     assert named_after <= 30, named_after
     save = runs.tmp / "two_nodes_restarted"
     both = nodes[0][0] + nodes[1][0]
@@ -9923,16 +9941,16 @@ def test_a_job_of_two_nodes_restarts_in_step(runs):
                 in console), console[-3000:]
     assert f"error: rank 1 (pid {pid}) was killed by signal 9" in nodes[1][0]
     assert len(list(save.glob("damaged_iter_*"))) == 1
-    assert [code for _, code in runs.result("restarts_small")["two_nodes_straight"][0]] == [0, 0]
+    assert [code for _, code in runs.result("restarts")["two_nodes_straight"][0]] == [0, 0]
     assert_ends_as(runs.tmp / "two_nodes_straight", save)
 
 
-@reading("restarts_small")
+@reading("restart_faults")
 def test_a_worker_killed_compiling_is_restarted(runs):
     """kill -9 of TP2's rank 1 while its first compiled graph compiles (ms.jit; the graph's event
     in its flight record holds no group yet): named within 30 s, the job restarted from
     iteration 0 to the end of the run that never stopped, bit for bit."""
-    done = runs.result("restarts_small")
+    done = runs.result("restart_faults")
     assert done["tp2_compiled_straight"][1] == 0
     console, code, killed, named_after, record = done["tp2_compiled_restarted"]
     assert len(killed) == 1 and code == 0 and named_after <= 30, (named_after, console[-3000:])
@@ -9943,14 +9961,14 @@ def test_a_worker_killed_compiling_is_restarted(runs):
     assert_ends_as(runs.tmp / "tp2_compiled_straight", save)
 
 
-@reading("restarts_small")
+@reading("restart_faults")
 def test_a_worker_killed_while_a_checkpoint_is_written_is_restarted(runs):
     """kill -9 of TP2's rank 1 while a checkpoint is written (its temporary folder there, one
     checkpoint complete before it): named within 30 s, the job restarted from the newest complete
     checkpoint (the one being written only if every rank had written its files), to the end of
     the run that never stopped, bit for bit; every checkpoint left intact by its checksums, no
     temporary folder left."""
-    console, code, killed, named_after, _, written = runs.result("restarts_small")[
+    console, code, killed, named_after, _, written = runs.result("restart_faults")[
         "tp2_compiled_saving"]
     assert len(killed) == 1 and code == 0 and named_after <= 30, (named_after, console[-3000:])
     assert f"error: rank 1 (pid {killed[0]}) was killed by signal 9" in console, console[-3000:]
@@ -9965,13 +9983,13 @@ def test_a_worker_killed_while_a_checkpoint_is_written_is_restarted(runs):
     assert kept and all(checkpoint.damage(str(save), i) is None for i in kept), kept
 
 
-@reading("restarts_small")
+@reading("restart_faults")
 def test_a_disk_that_fills_during_a_save_is_named_and_not_restarted(runs):
     """A real full disk (a tmpfs of 5 MB holds two checkpoints of TP2's tiny model) during the
     third save of a 2-worker job: a rank names the file and the fix in one line, the job ends
     within 30 s of it, exit 2 without a restart (a restart cannot free space), and the previous
     checkpoint is the latest, intact by its checksums, nothing of the failed save left."""
-    done = runs.result("restarts_small")
+    done = runs.result("restart_faults")
     console, code, ended_after, latest, damaged, left = done["disk_full"]
     assert code == 2 and ended_after <= 30, (ended_after, console[-3000:])
     assert re.search(r"\[rank [01]\] error: \S+/model_optim_rng\.ckpt: writing failed \(.*No "
@@ -9995,11 +10013,11 @@ def test_a_stopped_worker_is_named_and_its_job_restarted(runs):
     assert_ends_as(runs.tmp / "tp2_pp2_straight", runs.tmp / "tp2_pp2_stopped")
 
 
-@reading("restarts_small")
+@reading("restart_faults")
 def test_the_same_failure_twice_is_not_restarted(runs):
     """A job that fails again where it failed before, no checkpoint further, is not launched a
     third time: one line naming the failure and the folder to resume from, exit 2."""
-    console, code, killed, named_after, _ = runs.result("restarts_small")["refused"]
+    console, code, killed, named_after, _ = runs.result("restart_faults")["refused"]
     save = runs.tmp / "refused"
     assert len(killed) == 2 and code == 2 and named_after <= 30, (named_after, console[-3000:])
     assert console.count("bash run.sh: restart ") == 1, console[-3000:]
