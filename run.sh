@@ -47,6 +47,8 @@ export MS_NODE_TIMEOUT="${MS_NODE_TIMEOUT:-10}"
 # so that a peer only slow (compiling, sharing the CPU) is waited for; a collective that can never
 # complete is named by the flight recorder's watchdog within seconds (docs/when-a-run-hangs.md)
 export MS_CPU_COMM_OP_TIMEOUT="${MS_CPU_COMM_OP_TIMEOUT:-600}"
+# A crash (SIGSEGV, SIGABRT) first prints every thread's Python stack to the worker's log
+export PYTHONFAULTHANDLER="${PYTHONFAULTHANDLER:-1}"
 
 case "${1:-}" in
   test)
@@ -263,11 +265,11 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
     rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null \
            | sed 's/.*rank_\([0-9]*\)\.pid/\1/' || true)
     # a crash's signal after every rank's training returned, its flight record written at exit:
-    # the run is done (seen: SIGSEGV in MindSpore's own exit, after the project's exit handlers).
+    # the run is done (seen: SIGSEGV in MindSpore's own exit, after the project's exit handlers;
+    # the scheduler may then time out a rank that exited, so a lost rank does not matter here).
     # kill -9 comes from outside (a user, the out-of-memory killer): named at once, not after
     # the check's seconds of start-up
-    if [ -z "$lost" ] && [ "$2" != 9 ] \
-         && python -m tools.flight_recorder --ended "$per_node" "$log_dir"; then
+    if [ "$2" != 9 ] && python -m tools.flight_recorder --ended "$per_node" "$log_dir"; then
       echo "warning: rank ${rank:-?} (pid $1) was killed by signal $2 after its training" \
            "ended (every rank's flight record written at exit, no error): the run is complete;" \
            "its log: $log_dir/worker_${rank:-N}.log" >&2

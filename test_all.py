@@ -9692,7 +9692,7 @@ def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1,
     while it runs, `kills` times at most; with `held` (a rank), that rank is stopped HELD_PEER s
     first, so the killed one waits for it in a collective, and continued after; a stopped one
     (SIGSTOP) is continued STOPPED s later if still there: (console, exit code, the killed pids,
-    seconds from the first fault to the line naming it, the killed rank's flight record just
+    the most seconds from a fault to the line naming it, the killed rank's flight record just
     before its first kill, or None with one worker)."""
     save, log_dir = harness.tmp / name, harness.tmp / f"{name}_log"
     job = subprocess.Popen(["bash", "run.sh", "--nproc", str(workers), "--log_dir", str(log_dir),
@@ -9719,7 +9719,7 @@ def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1,
         with contextlib.suppress(ProcessLookupError):
             os.kill(killed[-1], signal.SIGCONT)
     printed, code = console.wait()
-    return printed, code, killed, struck and console.named_after(struck[0]), record
+    return printed, code, killed, struck and max(map(console.named_after, struck)), record
 
 
 def run_sh_on_a_full_disk(harness, name, size):
@@ -9832,24 +9832,35 @@ def call_restarts(harness):
 
 def call_restart_faults(harness):
     """One process killed twice once it has a log (its config checked) with --max-restarts 2;
-    TP2 compiled straight through, killed while its first graph compiles, and killed while it
-    writes a checkpoint (one complete before it); TP2 on a disk that fills: {name: what
-    run_sh_killed or run_sh_on_a_full_disk returns}."""
+    TP2 compiled straight through, and with --max-restarts 2 killed while its first graph
+    compiles, then while it writes a checkpoint (one complete before it); TP2 on a disk that
+    fills: {name: what run_sh_killed or run_sh_on_a_full_disk returns}."""
     runs = {"refused": run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"],
                                      lambda save: (save / "log").exists(), kills=2)}
-    tp2 = ["--tensor-model-parallel-size", "2", "--max-restarts", "1"]
-    runs["tp2_compiled_straight"] = run_sh_killed(harness, "tp2_compiled_straight", 2, tp2[:2],
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    runs["tp2_compiled_straight"] = run_sh_killed(harness, "tp2_compiled_straight", 2, tp2,
                                                   run=COMPILED_RUN)
-    log_dir = harness.tmp / "tp2_compiled_restarted_log"
-    runs["tp2_compiled_restarted"] = run_sh_killed(
-        harness, "tp2_compiled_restarted", 2, tp2, lambda save: compiling(log_dir, 1),
-        run=COMPILED_RUN)
-    written = []
-    runs["tp2_compiled_saving"] = (*run_sh_killed(harness, "tp2_compiled_saving", 2, tp2,
-                                                  lambda save: saving(save, written),
-                                                  run=COMPILED_RUN), written)
+    log_dir, written = harness.tmp / "tp2_compiled_restarted_log", []
+    runs["tp2_compiled_restarted"] = (*run_sh_killed(
+        harness, "tp2_compiled_restarted", 2, [*tp2, "--max-restarts", "2"],
+        compiling_then_saving(log_dir, written), kills=2, run=COMPILED_RUN), written)
     runs["disk_full"] = run_sh_on_a_full_disk(harness, "disk_full", "5m")
     return runs
+
+
+def compiling_then_saving(log_dir, written):
+    """run_sh_killed's killed_when: rank 1 compiling its first graph (compiling), once; then a
+    checkpoint being written after a complete one (saving, which appends to `written`)."""
+    compiled = []
+
+    def strike(save):
+        if compiled:
+            return saving(save, written)
+        if compiling(log_dir, 1):
+            compiled.append(True)
+            return True
+        return False
+    return strike
 
 
 def saving(save, written):
@@ -9952,11 +9963,11 @@ def test_a_worker_killed_compiling_is_restarted(runs):
     iteration 0 to the end of the run that never stopped, bit for bit."""
     done = runs.result("restart_faults")
     assert done["tp2_compiled_straight"][1] == 0
-    console, code, killed, named_after, record = done["tp2_compiled_restarted"]
-    assert len(killed) == 1 and code == 0 and named_after <= 30, (named_after, console[-3000:])
+    console, code, killed, named_after, record, _ = done["tp2_compiled_restarted"]
+    assert len(killed) == 2 and code == 0 and named_after <= 30, (named_after, console[-3000:])
     assert record["events"][-1]["op"] == "graph" and not record["events"][-1]["ranks"], record
     save = runs.tmp / "tp2_compiled_restarted"
-    assert f"bash run.sh: restart 1 of 1, from iteration 0 in {save}\n" in console
+    assert f"bash run.sh: restart 1 of 2, from iteration 0 in {save}\n" in console
     assert f"error: rank 1 (pid {killed[0]}) was killed by signal 9" in console, console[-3000:]
     assert_ends_as(runs.tmp / "tp2_compiled_straight", save)
 
@@ -9964,17 +9975,17 @@ def test_a_worker_killed_compiling_is_restarted(runs):
 @reading("restart_faults")
 def test_a_worker_killed_while_a_checkpoint_is_written_is_restarted(runs):
     """kill -9 of TP2's rank 1 while a checkpoint is written (its temporary folder there, one
-    checkpoint complete before it): named within 30 s, the job restarted from the newest complete
-    checkpoint (the one being written only if every rank had written its files), to the end of
-    the run that never stopped, bit for bit; every checkpoint left intact by its checksums, no
-    temporary folder left."""
+    checkpoint complete before it; the job restarted once already, from a kill while compiling):
+    named within 30 s, the job restarted from the newest complete checkpoint (the one being
+    written only if every rank had written its files), to the end of the run that never stopped,
+    bit for bit; every checkpoint left intact by its checksums, no temporary folder left."""
     console, code, killed, named_after, _, written = runs.result("restart_faults")[
-        "tp2_compiled_saving"]
-    assert len(killed) == 1 and code == 0 and named_after <= 30, (named_after, console[-3000:])
-    assert f"error: rank 1 (pid {killed[0]}) was killed by signal 9" in console, console[-3000:]
-    save = runs.tmp / "tp2_compiled_saving"
+        "tp2_compiled_restarted"]
+    assert len(killed) == 2 and code == 0 and named_after <= 30, (named_after, console[-3000:])
+    assert f"error: rank 1 (pid {killed[1]}) was killed by signal 9" in console, console[-3000:]
+    save = runs.tmp / "tp2_compiled_restarted"
     writing = int(re.fullmatch(r"\.iter_(\d+)\.tmp", written[0]).group(1))
-    resumed = int(re.search(rf"bash run.sh: restart 1 of 1, from iteration (\d+) in {save}\n",
+    resumed = int(re.search(rf"bash run.sh: restart 2 of 2, from iteration (\d+) in {save}\n",
                             console).group(1))
     assert 2 <= writing - 2 <= resumed <= writing, (written, resumed)
     assert_ends_as(runs.tmp / "tp2_compiled_straight", save)
