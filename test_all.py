@@ -9810,20 +9810,14 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 
 def call_restarts(harness):
     """Each job straight through, then killed and restarted (--max-restarts 1) to end as it:
-    TP2 x PP2 killed once in a collective (its TP peer stopped) and stopped once; PP2 over two
-    nodes killed once with its latest checkpoint damaged (one before it intact); one process
-    killed once after a checkpoint: {name: what run_sh_killed or run_sh_two_nodes returns}."""
+    TP2 x PP2 killed once in a collective (its TP peer stopped) and stopped once; one process
+    killed once after a checkpoint: {name: what run_sh_killed returns}."""
     restarts = [*TP2_PP2, "--max-restarts", "1"]
     runs = {"tp2_pp2_straight": run_sh_killed(harness, "tp2_pp2_straight", 4, TP2_PP2),
             "tp2_pp2_restarted": run_sh_killed(harness, "tp2_pp2_restarted", 4, restarts,
                                                checkpointed, held=2),
             "tp2_pp2_stopped": run_sh_killed(harness, "tp2_pp2_stopped", 4, restarts,
                                              checkpointed, sig=signal.SIGSTOP)}
-    pp2 = ["--pipeline-model-parallel-size", "2"]
-    runs["two_nodes_straight"] = run_sh_two_nodes(harness, "two_nodes_straight", pp2)
-    runs["two_nodes_restarted"] = run_sh_two_nodes(
-        harness, "two_nodes_restarted", [*pp2, "--max-restarts", "1"],
-        lambda save: checkpointed(save, 4), damaged=True)
     runs["one_straight"] = run_sh_killed(harness, "one_straight", 1, [])
     runs["one_restarted"] = run_sh_killed(harness, "one_restarted", 1, ["--max-restarts", "1"],
                                           checkpointed)
@@ -9831,12 +9825,19 @@ def call_restarts(harness):
 
 
 def call_restart_faults(harness):
-    """One process killed twice once it has a log (its config checked) with --max-restarts 2;
-    TP2 compiled straight through, and with --max-restarts 2 killed while its first graph
-    compiles, then while it writes a checkpoint (one complete before it); TP2 on a disk that
-    fills: {name: what run_sh_killed or run_sh_on_a_full_disk returns}."""
-    runs = {"refused": run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"],
-                                     lambda save: (save / "log").exists(), kills=2)}
+    """PP2 over two nodes straight through, and killed once with its latest checkpoint damaged
+    (one before it intact), with --max-restarts 1; one process killed twice once it has a log
+    (its config checked) with --max-restarts 2; TP2 compiled straight through, and with
+    --max-restarts 2 killed while its first graph compiles, then while it writes a checkpoint
+    (one complete before it); TP2 on a disk that fills: {name: what run_sh_two_nodes,
+    run_sh_killed or run_sh_on_a_full_disk returns}."""
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    runs = {"two_nodes_straight": run_sh_two_nodes(harness, "two_nodes_straight", pp2)}
+    runs["two_nodes_restarted"] = run_sh_two_nodes(
+        harness, "two_nodes_restarted", [*pp2, "--max-restarts", "1"],
+        lambda save: checkpointed(save, 4), damaged=True)
+    runs["refused"] = run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"],
+                                    lambda save: (save / "log").exists(), kills=2)
     tp2 = ["--tensor-model-parallel-size", "2"]
     runs["tp2_compiled_straight"] = run_sh_killed(harness, "tp2_compiled_straight", 2, tp2,
                                                   run=COMPILED_RUN)
@@ -9932,13 +9933,13 @@ def test_a_killed_process_restarts_from_its_last_checkpoint_to_the_same_weights(
     assert_ends_as(runs.tmp / "one_straight", save)
 
 
-@reading("restarts")
+@reading("restart_faults")
 def test_a_job_of_two_nodes_restarts_in_step(runs):
     """PP2 over two nodes of one worker each (two run.sh, --nnodes 2), node 1's worker killed
     and the latest checkpoint damaged: each node's run.sh restarts its own from the last intact
     checkpoint (the damaged one named and set aside once), the two meet again at node 0's
     scheduler, and the job ends as the one that never stopped."""
-    nodes, pid, named_after = runs.result("restarts")["two_nodes_restarted"]
+    nodes, pid, named_after = runs.result("restart_faults")["two_nodes_restarted"]
     assert named_after <= 30, named_after
     save = runs.tmp / "two_nodes_restarted"
     both = nodes[0][0] + nodes[1][0]
@@ -9952,7 +9953,7 @@ def test_a_job_of_two_nodes_restarts_in_step(runs):
                 in console), console[-3000:]
     assert f"error: rank 1 (pid {pid}) was killed by signal 9" in nodes[1][0]
     assert len(list(save.glob("damaged_iter_*"))) == 1
-    assert [code for _, code in runs.result("restarts")["two_nodes_straight"][0]] == [0, 0]
+    assert [code for _, code in runs.result("restart_faults")["two_nodes_straight"][0]] == [0, 0]
     assert_ends_as(runs.tmp / "two_nodes_straight", save)
 
 
