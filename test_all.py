@@ -10683,17 +10683,18 @@ def test_tour_runs_layouts_beside_one_process(runs, tmp_path):
             tour.report("pp", str(out / "pp"), str(moved.parent))
 
 
-# The tour's layouts of 4 workers or more but 16, each as a suite job holding its flags, trained
-# with two CPU-bound processes beside it on the 2 cores (Job.busy): it must finish equal to one
-# process though its ranks wait in collectives for peers the busy processes slow down
+# The tour's layouts of 4 or 8 workers (its 16-worker one: a probe by hand, docs/when-a-run-
+# hangs.md), each as a suite job of its layout, trained with two CPU-bound processes beside it on
+# the 2 cores (Job.busy): it must finish equal to one process though its ranks wait in
+# collectives for peers the busy processes slow down
 BUSY_TOUR = {"ep_tp_sp": "ep2_tp2_sp", "cp_hybrid": "cp4_hybrid"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=reads(job, REFERENCE[job]))
                                   for n, job in BUSY_TOUR.items()])
 def test_a_4_worker_layout_of_the_tour_finishes_beside_two_busy_processes(runs, name):
-    """Each 4- or 8-worker layout of the tour (tools/tour.py), its flags within its suite job's,
-    trains like one process (assert_layout_trains_like_one_process) beside two busy processes
+    """Each 4- or 8-worker layout of the tour (tools/tour.py), as a suite job of the same
+    parallel layout, trains like one process (assert_layout_trains_like_one_process) beside two busy processes
     that each took some of the CPU for the whole training."""
     assert set(BUSY_TOUR) == {n for n, lay in tour.LAYOUTS.items() if lay.workers in (4, 8)}
     job = BUSY_TOUR[name]
