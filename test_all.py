@@ -10694,8 +10694,8 @@ BUSY_TOUR = {"ep_tp_sp": "ep2_tp2_sp", "cp_hybrid": "cp4_hybrid"}
                                   for n, job in BUSY_TOUR.items()])
 def test_a_4_worker_layout_of_the_tour_finishes_beside_two_busy_processes(runs, name):
     """Each 4- or 8-worker layout of the tour (tools/tour.py), as a suite job of the same
-    parallel layout, trains like one process (assert_layout_trains_like_one_process) beside two busy processes
-    that each took some of the CPU for the whole training."""
+    parallel layout, trains like one process (assert_layout_trains_like_one_process) beside two
+    busy processes that each took some of the CPU for the whole training."""
     assert set(BUSY_TOUR) == {n for n, lay in tour.LAYOUTS.items() if lay.workers in (4, 8)}
     job = BUSY_TOUR[name]
     tree, tour_tree = (raw_config([], flags, []) for flags in (JOBS[job].flags,
