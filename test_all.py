@@ -9685,11 +9685,12 @@ class Console:
         return next(t for t, line in self.lines if t >= fault and line.startswith("error:")) - fault
 
 
-def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1,
-                  sig=signal.SIGKILL, held=None, run=RESTART_RUN):
+def run_sh_killed(harness, name, workers, flags, faults=(), sig=signal.SIGKILL, held=None,
+                  run=RESTART_RUN):
     """`bash run.sh` of `run` and `flags` on `workers` workers, saving to harness.tmp/name; its
-    last rank (or its one process) gets kill -9 (or `sig`) each time `killed_when(save)` holds
-    while it runs, `kills` times at most; with `held` (a rank), that rank is stopped HELD_PEER s
+    last rank (or its one process) gets kill -9 (or `sig`) once `faults[0](save)` holds while it
+    runs, then, a process later, once `faults[1](save)` does, and so on; with `held` (a rank),
+    that rank is stopped HELD_PEER s
     first, so the killed one waits for it in a collective, and continued after; a stopped one
     (SIGSTOP) is continued STOPPED s later if still there: (console, exit code, the killed pids,
     the most seconds from a fault to the line naming it, the killed rank's flight record just
@@ -9699,9 +9700,9 @@ def run_sh_killed(harness, name, workers, flags, killed_when=None, kills=1,
                             *run, *flags, "--save", str(save)], cwd=HERE,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     console, killed, struck, record = Console(job), [], [], None
-    while killed_when and len(killed) < kills and job.poll() is None:
+    while len(killed) < len(faults) and job.poll() is None:
         pid = training_pid(job.pid, log_dir, workers)
-        if pid and pid not in killed and killed_when(save):
+        if pid and pid not in killed and faults[len(killed)](save):
             peer = held is not None and int((log_dir / "pids" / f"rank_{held}.pid").read_text())
             if peer:
                 os.kill(peer, signal.SIGSTOP)
@@ -9799,6 +9800,11 @@ def training_pid(run_sh, log_dir, workers):
     return None
 
 
+def logged(save):
+    """Whether the run in `save` has written its log folder (its config checked)."""
+    return (save / "log").exists()
+
+
 def checkpointed(save, iteration=2):
     """Whether the checkpoint of `iteration` or a later one is complete in `save`."""
     latest = save / "latest_checkpointed_iteration.txt"
@@ -9815,12 +9821,12 @@ def call_restarts(harness):
     restarts = [*TP2_PP2, "--max-restarts", "1"]
     runs = {"tp2_pp2_straight": run_sh_killed(harness, "tp2_pp2_straight", 4, TP2_PP2),
             "tp2_pp2_restarted": run_sh_killed(harness, "tp2_pp2_restarted", 4, restarts,
-                                               checkpointed, held=2),
+                                               [checkpointed], held=2),
             "tp2_pp2_stopped": run_sh_killed(harness, "tp2_pp2_stopped", 4, restarts,
-                                             checkpointed, sig=signal.SIGSTOP)}
+                                             [checkpointed], sig=signal.SIGSTOP)}
     runs["one_straight"] = run_sh_killed(harness, "one_straight", 1, [])
     runs["one_restarted"] = run_sh_killed(harness, "one_restarted", 1, ["--max-restarts", "1"],
-                                          checkpointed)
+                                          [checkpointed])
     return runs
 
 
@@ -9837,31 +9843,17 @@ def call_restart_faults(harness):
         harness, "two_nodes_restarted", [*pp2, "--max-restarts", "1"],
         lambda save: checkpointed(save, 4), damaged=True)
     runs["refused"] = run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"],
-                                    lambda save: (save / "log").exists(), kills=2)
+                                    [logged, logged])
     tp2 = ["--tensor-model-parallel-size", "2"]
     runs["tp2_compiled_straight"] = run_sh_killed(harness, "tp2_compiled_straight", 2, tp2,
                                                   run=COMPILED_RUN)
     log_dir, written = harness.tmp / "tp2_compiled_restarted_log", []
     runs["tp2_compiled_restarted"] = (*run_sh_killed(
         harness, "tp2_compiled_restarted", 2, [*tp2, "--max-restarts", "2"],
-        compiling_then_saving(log_dir, written), kills=2, run=COMPILED_RUN), written)
+        [lambda save: compiling(log_dir, 1), lambda save: saving(save, written)],
+        run=COMPILED_RUN), written)
     runs["disk_full"] = run_sh_on_a_full_disk(harness, "disk_full", "5m")
     return runs
-
-
-def compiling_then_saving(log_dir, written):
-    """run_sh_killed's killed_when: rank 1 compiling its first graph (compiling), once; then a
-    checkpoint being written after a complete one (saving, which appends to `written`)."""
-    compiled = []
-
-    def strike(save):
-        if compiled:
-            return saving(save, written)
-        if compiling(log_dir, 1):
-            compiled.append(True)
-            return True
-        return False
-    return strike
 
 
 def saving(save, written):
