@@ -9858,12 +9858,14 @@ def call_restart_faults(harness):
 
 def saving(save, written):
     """Whether a checkpoint is being written in `save` (its temporary folder there) after a first
-    one is complete; its folder's name is appended to `written` then."""
-    folders = sorted(save.glob(".iter_*.tmp"))
-    if folders and checkpointed(save):
+    one is complete; its folder's name is appended to `written` then. The latest complete one is
+    read first: a folder seen before it may be the one just completed."""
+    latest = save / "latest_checkpointed_iteration.txt"
+    complete = int(latest.read_text()) if latest.exists() else 0
+    folders = [f for f in sorted(save.glob(".iter_*.tmp")) if int(f.name[6:13]) > complete > 0]
+    if folders:
         written.append(folders[-1].name)
-        return True
-    return False
+    return bool(folders)
 
 
 add("restarts", 0, "", call=call_restarts, beside="restart")
