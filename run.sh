@@ -18,8 +18,9 @@
 #                                 (tools/bench.py)
 #   bash run.sh diagnose LOG_DIR  the first collective where a failed job's ranks disagree, from
 #                                 their flight records (tools/flight_recorder.py)
-#   bash run.sh plan ...          --world-size N [--config FILE] [--memory-per-device GB]: memory,
-#                                 communication and FLOPs per rank, nothing allocated (tools/memory.py)
+#   bash run.sh plan ...          --world-size N [--config FILE] [--memory-per-device GB]:
+#                                 memory, communication and FLOPs per rank, nothing allocated
+#                                 (tools/memory.py)
 #   bash run.sh --nproc 1         the same model and data in one process (about 6 minutes)
 #   bash run.sh [FILE.yaml] [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]
 #                                 train (FILE.yaml: --config FILE.yaml)
