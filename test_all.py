@@ -9485,6 +9485,7 @@ def test_a_signal_after_every_rank_ended_is_told_from_a_failure(tmp_path):
         assert flight_recorder.main(["--ended", "2", str(tmp_path)]) == 1
 
 
+@pytest.mark.tp
 def test_the_flight_recorder_keeps_the_last_events_and_a_graphs_collectives(tmp_path):
     """The ring buffer keeps the last EVENTS, each with the code line that asked for it; a
     compiled graph's call is one event holding the collectives recorded while it compiled, counted
@@ -9690,11 +9691,10 @@ def run_sh_killed(harness, name, workers, flags, faults=(), sig=signal.SIGKILL, 
     """`bash run.sh` of `run` and `flags` on `workers` workers, saving to harness.tmp/name; its
     last rank (or its one process) gets kill -9 (or `sig`) once `faults[0](save)` holds while it
     runs, then, a process later, once `faults[1](save)` does, and so on; with `held` (a rank),
-    that rank is stopped HELD_PEER s
-    first, so the killed one waits for it in a collective, and continued after; a stopped one
-    (SIGSTOP) is continued STOPPED s later if still there: (console, exit code, the killed pids,
-    the most seconds from a fault to the line naming it, the killed rank's flight record just
-    before its first kill, or None with one worker)."""
+    that rank is stopped HELD_PEER s first, so the killed one waits for it in a collective, and
+    continued after; a stopped one (SIGSTOP) is continued STOPPED s later if still there:
+    (console, exit code, the killed pids, the most seconds from a fault to the line naming it,
+    the killed rank's flight record just before its first kill, or None with one worker)."""
     save, log_dir = harness.tmp / name, harness.tmp / f"{name}_log"
     job = subprocess.Popen(["bash", "run.sh", "--nproc", str(workers), "--log_dir", str(log_dir),
                             *run, *flags, "--save", str(save)], cwd=HERE,
