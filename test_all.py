@@ -9862,7 +9862,8 @@ def saving(save, written):
     read first: a folder seen before it may be the one just completed."""
     latest = save / "latest_checkpointed_iteration.txt"
     complete = int(latest.read_text()) if latest.exists() else 0
-    folders = [f for f in sorted(save.glob(".iter_*.tmp")) if int(f.name[6:13]) > complete > 0]
+    folders = [f for f in sorted(save.glob(".iter_*.tmp"))
+               if int(f.name.removeprefix(".iter_").removesuffix(".tmp")) > complete > 0]
     if folders:
         written.append(folders[-1].name)
     return bool(folders)
