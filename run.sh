@@ -214,18 +214,54 @@ timed_out_rank() {   # the rank msrun's scheduler took for lost (no heartbeat fo
   sed -n 's/.*The node: \([0-9]*\) is timed out.*/\1/p' "$log_dir/scheduler.log" 2>/dev/null \
     | head -1 || true
 }
-reap_lost() {   # kill -9 of a stopped worker msrun's scheduler took for lost; its pid in "reaped"
-  local lost pid
+no_heartbeat() {   # what failed when msrun's scheduler took rank $1 for lost
+  echo "rank $1 sent no heartbeat for $MS_NODE_TIMEOUT s"
+}
+name_lost() {   # the line naming rank $1, lost; $2: what ended it
+  echo "error: $(no_heartbeat "$1") (MS_NODE_TIMEOUT): stopped (SIGSTOP, a debugger) or its node" \
+       "lost; $2; its log: $log_dir/worker_$1.log" >&2
+}
+rank_of() {   # the rank of worker pid $1 (its pid file), or nothing
+  grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null | sed 's/.*rank_\([0-9]*\)\.pid/\1/' \
+    || true
+}
+killed() {   # what failed when worker pid $1 was killed by signal $2
+  local rank
+  rank=$(rank_of "$1")
+  echo "rank ${rank:-?} was killed by signal $2"
+}
+name_killed() {   # the line naming worker pid $1, killed by signal $2
+  local rank
+  rank=$(rank_of "$1")
+  echo "error: rank ${rank:-?} (pid $1) was killed by signal $2;" \
+       "its log: $log_dir/worker_${rank:-N}.log" >&2
+}
+first_dead() {   # "PID SIGNAL" of the first worker msrun saw end by a signal (it prints nothing)
+  local exited='Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\.'
+  sed -n "s/.*$exited.*/\\1 \\2/p" "$log_dir/console.log" 2>/dev/null | head -1
+}
+watch_workers() {   # while msrun runs, each second; what it names, named at once (msrun ends the
+  # job seconds later: its scheduler waits for the lost worker, then a SIGTERM to each other)
+  local lost pid dead
   while sleep 1; do
+    # kill -9 from outside (a user, the out-of-memory killer): its pid in "named", once named
+    # (this loop ended between the two, run_workers names it again rather than never)
+    dead=$(first_dead)
+    if [ "${dead#* }" = 9 ] && [ ! -f "$RUN_SH_PID_DIR/named" ] \
+         && [ "${dead% *}" != "$(cat "$RUN_SH_PID_DIR/reaped" 2>/dev/null)" ]; then
+      name_killed $dead
+      echo "${dead% *}" > "$RUN_SH_PID_DIR/named"
+    fi
+    # a stopped worker msrun's scheduler took for lost: kill -9, its pid in "reaped". Only a
+    # stopped one (state T, or t under a debugger): a worker killed from outside is dead already
     lost=$(timed_out_rank)
-    [ -n "$lost" ] && [ -f "$RUN_SH_PID_DIR/rank_$lost.pid" ] || continue
+    [ -n "$lost" ] && [ -f "$RUN_SH_PID_DIR/rank_$lost.pid" ] \
+      && [ ! -f "$RUN_SH_PID_DIR/reaped" ] || continue
     pid=$(cat "$RUN_SH_PID_DIR/rank_$lost.pid")
-    # only a stopped one (state T, or t under a debugger): a worker killed from outside is dead
-    # already, and named by its signal
     case "$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)" in
-      T|t) echo "$pid" > "$RUN_SH_PID_DIR/reaped" && kill -9 "$pid" 2>/dev/null || true ;;
+      T|t) echo "$pid" > "$RUN_SH_PID_DIR/reaped" && kill -9 "$pid" 2>/dev/null \
+             && name_lost "$lost" "run.sh ended it (kill -9), msrun ends the job" || true ;;
     esac
-    return
   done
 }
 run_workers() {   # the msrun launch; a failure named on the console and in $failure
@@ -233,8 +269,8 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
   rm -f "$log_dir"/flight_recorder_rank_*.json "$log_dir/scheduler.log"
   # msrun ends a job with a lost worker by SIGTERM to each, which a stopped one (SIGSTOP, a
   # debugger) only takes once continued: the job would wait for it; run.sh kills it instead
-  reap_lost </dev/null >/dev/null 2>&1 &
-  local reaper=$!
+  watch_workers </dev/null >/dev/null &
+  local watcher=$!
   # msrun relays every worker's console; MindSpore's "[INFO] DISTRIBUTED ... Event base dispatch
   # success!" lines are not news, so they are dropped (pipefail keeps msrun's exit code)
   if msrun --worker_num "$workers" --local_worker_num "$per_node" --node_rank "$node_rank" \
@@ -243,16 +279,14 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
         ${resume[@]+"${resume[@]}"} 2>&1 \
         | { grep --line-buffered -v '^\[INFO\] DISTRIBUTED' || true; } | tee "$log_dir/console.log"
   then
-    kill "$reaper" 2>/dev/null || true
+    kill "$watcher" 2>/dev/null || true
     return 0
   fi
-  kill "$reaper" 2>/dev/null || true
+  kill "$watcher" 2>/dev/null || true
   # a worker that sent no heartbeat for MS_NODE_TIMEOUT s (stopped, or its node lost): msrun
   # then stops the others with SIGTERM, and only the scheduler's log names it
   lost=$(timed_out_rank)
-  # a worker killed from outside (kill -9, out of memory) prints nothing: msrun names its pid
-  exited='Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\.'
-  dead=$(sed -n "s/.*$exited.*/\\1 \\2/p" "$log_dir/console.log" | head -1)
+  dead=$(first_dead)
   # msrun's own SIGTERM, or run.sh's kill of the lost worker, is not the cause
   if [ -n "$lost" ] && { [ "${dead#* }" = 15 ] \
        || [ "${dead% *}" = "$(cat "$RUN_SH_PID_DIR/reaped" 2>/dev/null)" ]; }; then dead=""; fi
@@ -263,26 +297,23 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
   fi
   if [ -n "$dead" ]; then
     set -- $dead
-    rank=$(grep -lx "$1" "$RUN_SH_PID_DIR"/rank_*.pid 2>/dev/null \
-           | sed 's/.*rank_\([0-9]*\)\.pid/\1/' || true)
     # a crash's signal after every rank's training returned, its flight record written at exit:
     # the run is done (seen: SIGSEGV in MindSpore's own exit, after the project's exit handlers;
     # the scheduler may then time out a rank that exited, so a lost rank does not matter here).
-    # kill -9 comes from outside (a user, the out-of-memory killer): named at once, not after
-    # the check's seconds of start-up
+    # kill -9 comes from outside (a user, the out-of-memory killer), never from a crash
     if [ "$2" != 9 ] && python -m tools.flight_recorder --ended "$per_node" "$log_dir"; then
+      rank=$(rank_of "$1")
       echo "warning: rank ${rank:-?} (pid $1) was killed by signal $2 after its training" \
            "ended (every rank's flight record written at exit, no error): the run is complete;" \
            "its log: $log_dir/worker_${rank:-N}.log" >&2
       return 0
     fi
-    failure="rank ${rank:-?} was killed by signal $2"
-    echo "error: rank ${rank:-?} (pid $1) was killed by signal $2;" \
-         "its log: $log_dir/worker_${rank:-N}.log" >&2
+    failure=$(killed "$1" "$2")
+    [ "$1" = "$(cat "$RUN_SH_PID_DIR/named" 2>/dev/null)" ] || name_killed "$1" "$2"
   elif [ -n "$lost" ]; then
-    failure="rank $lost sent no heartbeat for $MS_NODE_TIMEOUT s"
-    echo "error: $failure (MS_NODE_TIMEOUT): stopped (SIGSTOP, a debugger) or its node lost;" \
-         "run.sh ended it (kill -9), msrun the job; its log: $log_dir/worker_$lost.log" >&2
+    failure=$(no_heartbeat "$lost")
+    # a stopped worker of this node was named when run.sh killed it (watch_workers)
+    [ -f "$RUN_SH_PID_DIR/reaped" ] || name_lost "$lost" "msrun ended the job"
   else                # the first collective where the ranks' flight records disagree
     failure=$(python -m tools.flight_recorder "$log_dir" 2>&1 || true)
     echo "$failure"

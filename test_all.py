@@ -9486,6 +9486,22 @@ def test_a_signal_after_every_rank_ended_is_told_from_a_failure(tmp_path):
 
 
 @pytest.mark.tp
+def test_the_flight_recorder_thread_ends_before_the_interpreter(tmp_path):
+    """At exit the writer thread is stopped and joined before the record's last write: a daemon
+    thread still running while the interpreter and MindSpore's libraries are torn down can crash
+    the exit (cpython#84058; seen: SIGSEGV after the last write, the writer asleep in _watch)."""
+    script = ("import atexit, threading\n"
+              # atexit runs its calls last first: this one after the recorder's
+              "atexit.register(lambda: print(len(threading.enumerate())))\n"
+              "from tools import flight_recorder\n"
+              f"flight_recorder.start({str(tmp_path)!r}, 0, 2)\n")
+    env = {k: v for k, v in os.environ.items() if k != "MS_ROLE"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=HERE, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["1"], (done.stdout, done.stderr)
+    assert json.loads((tmp_path / flight_recorder.FILE.format(0)).read_text())["ended"]
+
+@pytest.mark.tp
 def test_the_flight_recorder_keeps_the_last_events_and_a_graphs_collectives(tmp_path):
     """The ring buffer keeps the last EVENTS, each with the code line that asked for it; a
     compiled graph's call is one event holding the collectives recorded while it compiled, counted

@@ -180,19 +180,32 @@ def start(folder, rank, world):
     if not first:
         return
     parallel.observe(sys.modules[__name__])          # collective() and graph_call() above
-    threading.Thread(target=_watch, args=(world,), daemon=True).start()
-    atexit.register(dump, ended=True)
+    watcher = threading.Thread(target=_watch, args=(world,), daemon=True)
+    watcher.start()
+    atexit.register(_end, watcher)
     if threading.current_thread() is threading.main_thread():
         # SIGTERM keeps its default, an exit at once even in a collective's wait (a Python
         # handler would run only after it): the writer's record is at most WRITE_EVERY s old
         signal.signal(signal.SIGUSR1, lambda signum, frame: dump())
 
 
+ENDING = threading.Event()    # set at exit: the writer thread returns
+
+
+def _end(watcher):
+    """At exit: the writer thread ended and joined, then the last write. A daemon thread still
+    running (or waking) while the interpreter and MindSpore's libraries are torn down could crash
+    the exit (a SIGSEGV after the last write was seen, its stack: the writer asleep in _watch)."""
+    ENDING.set()
+    watcher.join(timeout=2 * WRITE_EVERY)
+    dump(ended=True)
+
+
 def _watch(world):
-    """The thread: the record written every WRITE_EVERY seconds; after STALL seconds without a
-    new collective, a fault that waiting cannot end (definite) stops this worker with one line."""
-    while True:
-        time.sleep(WRITE_EVERY)
+    """The thread: the record written every WRITE_EVERY seconds until ENDING; after STALL seconds
+    without a new collective, a fault that waiting cannot end (definite) stops this worker with
+    one line."""
+    while not ENDING.wait(WRITE_EVERY):
         try:
             dump()
         except (RuntimeError, OSError):       # an event changed while written: the next write
