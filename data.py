@@ -166,22 +166,14 @@ class IndexedDataset:
 
 # ----------------------------------------------------------------------------- preprocessing
 
-_worker_tokenizer = None
-
-
-def _init_worker(tokenizer_kwargs):
-    """This process's tokenizer: the parent's, or a worker's, built in the worker (Megatron's
-    Encoder.initializer)."""
-    global _worker_tokenizer
-    _worker_tokenizer = build_tokenizer(**tokenizer_kwargs)
-
-
-def _encode_document(document, append_eod):
-    """("path:line", one string per json key) -> one token list per key, and the bytes read."""
+def _encode_document(tokenizer, document, append_eod):
+    """("path:line", one string per json key) -> one token list per key, and the bytes read.
+    The tokenizer is the run's own, never the module's: two runs at once in one process (the
+    suite's threads) would encode with each other's."""
     where, texts = document
-    eod = [_worker_tokenizer.eod] if append_eod else []
+    eod = [tokenizer.eod] if append_eod else []
     try:
-        ids = [_worker_tokenizer.encode(text) + eod for text in texts]
+        ids = [tokenizer.encode(text) + eod for text in texts]
         return ids, sum(len(t.encode("utf-8")) for t in texts)
     except ValueError as e:
         # NullTokenizer: a word that is not an integer id
@@ -294,10 +286,10 @@ def _tokenizing_worker(pipe, tokenizer_kwargs, append_eod):
     """One preprocess worker: lists of documents in, their [(ids, bytes)] out, until None.
     Ctrl-C reaches the whole process group; only the parent acts on it (it ends the workers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _init_worker(tokenizer_kwargs)
+    tokenizer = build_tokenizer(**tokenizer_kwargs)      # Megatron's Encoder.initializer
     for chunk in iter(pipe.recv, None):
         try:
-            pipe.send([_encode_document(document, append_eod) for document in chunk])
+            pipe.send([_encode_document(tokenizer, document, append_eod) for document in chunk])
         except Exception as e:                    # raised in the parent, as Pool.imap does
             pipe.send(e)
 
@@ -356,11 +348,11 @@ def _tokenize(args, path, output_prefix, keys, prefixes):
     of them."""
     tok_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, vocab_size=args.vocab_size)
-    _init_worker(tok_kwargs)
-    dtype = optimal_dtype(_worker_tokenizer.vocab_size)
+    tokenizer = build_tokenizer(**tok_kwargs)
+    dtype = optimal_dtype(tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     docs = _read_documents(path, keys)
-    encode = functools.partial(_encode_document, append_eod=args.append_eod)
+    encode = functools.partial(_encode_document, tokenizer, append_eod=args.append_eod)
     workers, builders = None, []
     t0, total_bytes, n = time.time(), 0, 0
     try:

@@ -67,6 +67,7 @@ CPU; float32, and float16 where a test says so.
 import argparse
 import ast
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import glob
@@ -1599,6 +1600,33 @@ def test_preprocess_ctrl_c_is_one_line_exit_130_and_leaves_nothing(tmp_path, wor
     assert stderr.splitlines() == [_interrupted_line(out / "p_text")], stderr
     assert "Traceback" not in stdout
     assert os.listdir(out) == []
+
+
+@pytest.mark.data
+def test_preprocess_runs_at_once_in_one_process_keep_their_own_tokenizers(tmp_path):
+    """Preprocess runs at once in threads of one process (the suite's harness and its tests do
+    it): GPT-2's BPE on one text while the byte tokenizer runs on another again and again; each
+    run writes what it writes alone (a tokenizer held by the module once gave a byte-tokenized
+    corpus GPT-2's ids)."""
+    runs = {"gpt2": ["tinyshakespeare.txt", "--tokenizer-type", "GPT2BPETokenizer",
+                     "--vocab-file", VOCAB, "--merge-file", MERGES],
+            "byte": ["alice_in_wonderland.txt", "--tokenizer-type", "ByteTokenizer"]}
+
+    def preprocess(name, folder):
+        text, *flags = runs[name]
+        (prefix,) = data.preprocess_main(["--input", os.path.join(HERE, "data", text),
+                                          "--output-prefix", str(folder / name), "--workers",
+                                          "1", "--append-eod", *flags])
+        return open(prefix + ".bin", "rb").read(), open(prefix + ".idx", "rb").read()
+    alone = {name: preprocess(name, tmp_path / "alone") for name in runs}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        gpt2 = pool.submit(preprocess, "gpt2", tmp_path / "together")
+        byte_runs = 0
+        while not gpt2.done():         # the byte runs start and end while GPT-2's tokenizes
+            assert preprocess("byte", tmp_path / "together") == alone["byte"], byte_runs
+            byte_runs += 1
+        assert gpt2.result() == alone["gpt2"], byte_runs
+        assert byte_runs >= 2, byte_runs
 
 
 @pytest.mark.data
