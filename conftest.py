@@ -47,18 +47,21 @@ PARALLEL_RUN = ["--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--hid
                 "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3",
                 "--lr-warmup-iters", "2", "training_config.log_comm_ledger=true", "--no-jit"]
 HELD = flight_recorder.STALL + 3     # Job.hold: how late a rank is, its peers idle past STALL
-_BYTES = {}
+_BYTES, _BYTES_LOCK = {}, threading.Lock()
 
 
 def byte_tokenized(tmp_path, name, text):
     """The shipped text data/`text` preprocessed with the byte tokenizer to the prefix `name`
-    (once per session)."""
-    if name not in _BYTES:
+    (once per session: the harness's threads and the tests ask at once, and two writes of one
+    prefix in one process would share its temporary files)."""
+    with _BYTES_LOCK:
+        if name in _BYTES:
+            return _BYTES[name]
         folder = tmp_path.parent / "bytes"
         folder.mkdir(exist_ok=True)
         _BYTES[name] = data.ensure_preprocessed(os.path.join(HERE, "data", text),
                                                 str(folder / name), "ByteTokenizer")
-    return _BYTES[name]
+        return _BYTES[name]
 
 
 def shakespeare_bytes(tmp_path):

@@ -451,6 +451,16 @@ def one_line_error(capsys, argv, *names):
     assert all(name in err for name in names) and out == "", (err, out)
 
 
+def this_thread_only(replacement, original):
+    """`replacement` in the calling thread, `original` in the others: a test's patch of a function
+    of the whole process (os, shutil) is not met by the harness's threads."""
+    caller = threading.current_thread()
+
+    def call(*a, **k):
+        return (replacement if threading.current_thread() is caller else original)(*a, **k)
+    return call
+
+
 BAD_CONFIG_FILES = {"directory": (None, "is a directory"), "missing": (None, "not found"),
                     "list": ("- a\n- b\n", "expected a mapping of the sections"),
                     "scalar_section": ("model_config: 3\n",
@@ -1660,7 +1670,7 @@ def test_preprocess_interrupted_while_placing_files_takes_them_back(tmp_path, mo
         if len(renames) == at:
             raise KeyboardInterrupt
         replace(a, b)
-    monkeypatch.setattr(os, "replace", interrupted_replace)
+    monkeypatch.setattr(os, "replace", this_thread_only(interrupted_replace, replace))
     prefix = str(tmp_path / "out" / "p")
     with pytest.raises(data.Interrupted) as e:
         data.preprocess_main(["--input", str(src), "--output-prefix", prefix,
@@ -1730,7 +1740,7 @@ def test_damaged_index_cache_that_cannot_be_rebuilt_is_one_error(tmp_path, monke
 
     def read_only(target, write):
         raise PermissionError(13, "Permission denied", target)
-    monkeypatch.setattr(data, "write_atomic", read_only)
+    monkeypatch.setattr(data, "write_atomic", this_thread_only(read_only, data.write_atomic))
     with pytest.raises(ConfigError) as e:
         build()
     assert str(e.value) == (f"{path}: damaged GPTDataset index cache (No data left in file) that "
@@ -2758,7 +2768,8 @@ def test_cpu_collectives_take_shared_memory_where_it_can_run(capsys, tmp_path, m
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     assert chosen([], 2) == "mccl"
     monkeypatch.undo()
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=64 << 20))
+    monkeypatch.setattr(shutil, "disk_usage", this_thread_only(
+        lambda path: SimpleNamespace(free=64 << 20), shutil.disk_usage))
     assert chosen([], 2) == "mccl"                   # a container's 64 MB of /dev/shm
     one_line_error(capsys, ["check", "--nproc", "2", "--cpu-collectives", "shared_memory",
                             "--save", str(tmp_path / "s")], "cpu_collectives", "/dev/shm",
@@ -7299,7 +7310,7 @@ def test_a_save_folder_another_rank_creates_meanwhile_is_no_file(tmp_path, monke
         save.mkdir(exist_ok=True)                       # another rank, between two calls
         return exists(path)
 
-    monkeypatch.setattr(os.path, "exists", created_meanwhile)
+    monkeypatch.setattr(os.path, "exists", this_thread_only(created_meanwhile, exists))
     checkpoint.check_save_folder(str(save), None)
     (tmp_path / "file").write_text("x")
     with pytest.raises(checkpoint.CheckpointError, match="is a file: give a folder for --save"):
@@ -7465,7 +7476,8 @@ def test_a_save_killed_at_any_point_keeps_the_previous_checkpoint(tmp_path, monk
             return op
         with monkeypatch.context() as m:
             for module, name in ops:
-                m.setattr(module, name, counting(getattr(module, name)))
+                original = getattr(module, name)
+                m.setattr(module, name, this_thread_only(counting(original), original))
             try:
                 checkpoint.save_checkpoint(root, 4, tensors(4.0), keep_max=1)
                 finished = True
