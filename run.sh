@@ -196,6 +196,93 @@ if [ "$default_run" -eq 1 ] && [ -e output/latest_checkpointed_iteration.txt ]; 
   rm -rf output/iter_* output/.iter_* output/latest_checkpointed_iteration.txt
 fi
 
+# ---- stopping: SIGINT (Ctrl-C), SIGTERM or SIGHUP to run.sh stops what it started, then it
+# exits 128 + the signal's number (130, 143, 129). What runs is launched in the background and
+# waited for, since bash runs a trap only once a foreground command has ended; each launch is a
+# process group of its own, so that a terminal's Ctrl-C reaches it once, through run.sh
+GRACE=10        # seconds what is stopped has to end (--exit-signal-handler saves), then kill -9
+running="" launched=""      # the process group of the launch running, its command
+launch() {   # COMMAND...: run as a launch; its exit code
+  set -m
+  "$@" </dev/null &
+  set +m
+  waited_for $! "${*:1:2}"
+}
+waited_for() {   # PID WHAT: the launch of PID (its pipeline's last command) waited for
+  local code=0
+  stat_of "$1" && running=${fields[2]} launched=$2
+  wait "$1" || code=$?
+  running="" launched=""
+  return "$code"
+}
+stat_of() {   # PID: its /proc/PID/stat after "PID (COMMAND) " in $fields (state ppid pgrp ...);
+  # false once it is gone
+  local line
+  { read -r line < "/proc/$1/stat"; } 2>/dev/null || return 1
+  fields=(${line##*) })
+}
+running() {   # PID: whether it has not ended (a zombie has), its stat in $fields
+  stat_of "$1" && [ "${fields[0]}" != Z ]
+}
+alive() {   # PGID...: the processes of these process groups that have not ended
+  local stat
+  for stat in /proc/[0-9]*/stat; do
+    stat=${stat#/proc/} && stat=${stat%/stat}
+    running "$stat" && [[ " $* " == *" ${fields[2]} "* ]] && echo "$stat"
+  done
+  return 0
+}
+ended() {   # SIGNAL PGID...: each process group signalled (SIGNAL 0: none), waited for, and
+  # killed (kill -9) once GRACE s have passed
+  local sig=$1 waited=0
+  shift
+  for group; do kill -"$sig" -- -"$group" 2>/dev/null || true; done
+  while [ -n "$(alive "$@")" ]; do
+    [ "$waited" -lt $((GRACE * 5)) ] || { kill -9 $(alive "$@") 2>/dev/null || true; return; }
+    sleep 0.2
+    waited=$((waited + 1))
+  done
+}
+stop_msrun() {   # the job of the msrun launch running: its workers (each leads a process group)
+  # get SIGTERM, as msrun's own stop of a failed job does and --exit-signal-handler saves on;
+  # then msrun SIGINT, its Ctrl-C, which ends its scheduler and log readers (SIGTERM ends msrun
+  # alone: probed). Prints what was stopped
+  local msrun pid workers=""
+  if ! msrun=$(cat "$RUN_SH_PID_DIR/msrun.pid" 2>/dev/null); then
+    ended TERM "$running"
+    echo "msrun's launch (pid $running), before msrun started"
+    return
+  fi
+  # the pid files, and msrun's children: a worker still starting has written no pid file
+  for pid in $(cat "$RUN_SH_PID_DIR"/rank_*.pid /proc/"$msrun"/task/*/children 2>/dev/null \
+               | tr ' ' '\n' | sort -un); do
+    if stat_of "$pid" && [ "${fields[2]}" = "$pid" ]; then workers+=" $pid"; fi
+  done
+  ended TERM $workers
+  kill -INT "$msrun" 2>/dev/null || true
+  ended 0 "$running"
+  echo "msrun (pid $msrun) and its workers (pids${workers:- none})"
+}
+stop() {   # SIGNAL: the trap: what runs stopped, named in one line, exit 128 + the signal's number
+  local code=$((128 + $(kill -l "$1"))) what="nothing running"
+  trap '' INT TERM HUP                            # stopping already
+  [ -z "${watcher:-}" ] || kill -- -"$watcher" 2>/dev/null || true
+  if [ "$launched" = msrun ]; then
+    what=$(stop_msrun)
+  elif [ -n "$running" ]; then
+    what="$launched (pid $running)"
+    ended "$1" "$running"
+  fi
+  echo "bash run.sh: SIG$1: stopped $what; exit code $code" >&2
+  exit "$code"
+}
+trap 'stop INT' INT
+trap 'stop TERM' TERM
+trap 'stop HUP' HUP
+# kill -9 of run.sh cannot be trapped: train.py's processes end with it (SIGTERM), and msrun
+# (SIGINT) with it, its workers with msrun (PR_SET_PDEATHSIG)
+export RUN_SH_PARENT=$$
+
 # "max_restarts save_folder" of the run, which train.py writes there once its config is checked
 RUN_SH_LAUNCH_FILE=$(mktemp "${TMPDIR:-/tmp}/run_sh_launch.XXXXXX")
 export RUN_SH_LAUNCH_FILE
@@ -204,7 +291,7 @@ if [ "$workers" -gt 1 ]; then
   # the config, the layout for all the workers and the input files, checked once in one process
   # (one error line, exit 2), and the shipped corpus tokenized, before msrun starts the workers
   export MS_LOCAL_WORKER_NUM=$per_node           # msrun names no local count: threads, backends
-  python train.py check --nproc "$workers" ${args[@]+"${args[@]}"}
+  launch python train.py check --nproc "$workers" ${args[@]+"${args[@]}"}
   export RUN_SH_PID_DIR=$log_dir/pids            # each worker writes rank_N.pid
   export FLIGHT_RECORDER_DIR=$log_dir            # each worker writes flight_recorder_rank_N.json
 fi
@@ -240,10 +327,22 @@ first_dead() {   # "PID SIGNAL" of the first worker msrun saw end by a signal (i
   local exited='Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\.'
   sed -n "s/.*$exited.*/\\1 \\2/p" "$log_dir/console.log" 2>/dev/null | head -1
 }
+parent_is_run_sh() {   # whether this subshell's parent is still run.sh
+  stat_of "$BASHPID" && [ "${fields[1]}" = $$ ]
+}
 watch_workers() {   # while msrun runs, each second; what it names, named at once (msrun ends the
   # job seconds later: its scheduler waits for the lost worker, then a SIGTERM to each other)
-  local lost pid dead
+  local lost pid dead msrun
   while sleep 1; do
+    parent_is_run_sh || exit 0                     # run.sh killed (kill -9): nothing to watch
+    # msrun killed (kill -9; its workers end with it): its log readers (tail -f, in its process
+    # group) would hold the console's pipe, and run.sh, for ever. msrun ends them as it exits
+    msrun=$(cat "$RUN_SH_PID_DIR/msrun.pid" 2>/dev/null || true)
+    if [ -n "$msrun" ] && ! running "$msrun"; then
+      for pid in $(alive "$msrun"); do
+        [ "$(cat "/proc/$pid/comm" 2>/dev/null)" != tail ] || kill "$pid" 2>/dev/null || true
+      done
+    fi
     # kill -9 from outside (a user, the out-of-memory killer): its pid in "named", once named
     # (this loop ended between the two, run_workers names it again rather than never)
     dead=$(first_dead)
@@ -258,31 +357,43 @@ watch_workers() {   # while msrun runs, each second; what it names, named at onc
     [ -n "$lost" ] && [ -f "$RUN_SH_PID_DIR/rank_$lost.pid" ] \
       && [ ! -f "$RUN_SH_PID_DIR/reaped" ] || continue
     pid=$(cat "$RUN_SH_PID_DIR/rank_$lost.pid")
-    case "$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)" in
+    stat_of "$pid" || continue
+    case "${fields[0]}" in
       T|t) echo "$pid" > "$RUN_SH_PID_DIR/reaped" && kill -9 "$pid" 2>/dev/null \
              && name_lost "$lost" "run.sh ended it (kill -9), msrun ends the job" || true ;;
     esac
   done
+}
+start_msrun() {   # msrun, its pid in msrun.pid and RUN_SH_PARENT (its workers end with it); it
+  # gets SIGINT (its Ctrl-C: it ends its workers) when run.sh ends, however
+  echo "$BASHPID" > "$RUN_SH_PID_DIR/msrun.pid"
+  RUN_SH_PARENT=$BASHPID exec setpriv --pdeathsig INT \
+    msrun --worker_num "$workers" --local_worker_num "$per_node" --node_rank "$node_rank" \
+    --master_addr "$master_addr" --master_port "$master_port" --log_dir "$log_dir" \
+    --join True --cluster_time_out 300 train.py ${args[@]+"${args[@]}"} \
+    ${resume[@]+"${resume[@]}"}
 }
 run_workers() {   # the msrun launch; a failure named on the console and in $failure
   rm -rf "$RUN_SH_PID_DIR" && mkdir -p "$RUN_SH_PID_DIR"
   rm -f "$log_dir"/flight_recorder_rank_*.json "$log_dir/scheduler.log"
   # msrun ends a job with a lost worker by SIGTERM to each, which a stopped one (SIGSTOP, a
   # debugger) only takes once continued: the job would wait for it; run.sh kills it instead
+  set -m                                # a process group: ended with its sleep (which holds stderr)
   watch_workers </dev/null >/dev/null &
-  local watcher=$!
+  set +m
+  watcher=$!
   # msrun relays every worker's console; MindSpore's "[INFO] DISTRIBUTED ... Event base dispatch
-  # success!" lines are not news, so they are dropped (pipefail keeps msrun's exit code)
-  if msrun --worker_num "$workers" --local_worker_num "$per_node" --node_rank "$node_rank" \
-        --master_addr "$master_addr" --master_port "$master_port" --log_dir "$log_dir" \
-        --join True --cluster_time_out 300 train.py ${args[@]+"${args[@]}"} \
-        ${resume[@]+"${resume[@]}"} 2>&1 \
-        | { grep --line-buffered -v '^\[INFO\] DISTRIBUTED' || true; } | tee "$log_dir/console.log"
-  then
-    kill "$watcher" 2>/dev/null || true
-    return 0
-  fi
-  kill "$watcher" 2>/dev/null || true
+  # success!" lines are not news, so they are dropped (pipefail keeps msrun's exit code). A launch
+  # (see launch), each command run.sh's child: msrun ends with run.sh
+  local code=0
+  set -m
+  start_msrun 2>&1 </dev/null \
+    | { grep --line-buffered -v '^\[INFO\] DISTRIBUTED' || true; } | tee "$log_dir/console.log" &
+  set +m
+  waited_for $! msrun || code=$?
+  kill -- -"$watcher" 2>/dev/null || true
+  watcher=""
+  [ "$code" -ne 0 ] || return 0
   # a worker that sent no heartbeat for MS_NODE_TIMEOUT s (stopped, or its node lost): msrun
   # then stops the others with SIGTERM, and only the scheduler's log names it
   lost=$(timed_out_rank)
@@ -321,7 +432,7 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
   return 1
 }
 run_one() {   # one process; a failure named in $failure (exit 2: a bad input, named by train.py)
-  python train.py ${args[@]+"${args[@]}"} ${resume[@]+"${resume[@]}"} && return 0
+  launch python train.py ${args[@]+"${args[@]}"} ${resume[@]+"${resume[@]}"} && return 0
   local code=$?
   failure="exit code $code"
   [ "$code" -gt 128 ] && failure="the process was killed by signal $((code - 128))" \
@@ -343,7 +454,7 @@ while true; do
   resume=(--load "$save")
   # a latest checkpoint damaged since its save is set aside, named, by one process, before the
   # workers read it
-  python train.py check --nproc "$workers" ${args[@]+"${args[@]}"} "${resume[@]}" || exit 2
+  launch python train.py check --nproc "$workers" ${args[@]+"${args[@]}"} "${resume[@]}" || exit 2
   from=$(cat "$save/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
   [ "$failure @ $from" != "$seen" ] || error "the same failure twice from iteration $from" \
     "($failure): not restarted; fix its cause, then resume with --load $save"
@@ -356,6 +467,6 @@ done
 
 if [ "$default_run" -eq 1 ] && [ "$node_rank" -eq 0 ]; then     # once, on node 0
   echo "---- sample from the trained model (bash run.sh generate --load output --prompt ...)"
-  python train.py generate --load output --prompt "ROMEO:" --max-new-tokens 80 --temperature 0.8 \
-    --top-k 40
+  launch python train.py generate --load output --prompt "ROMEO:" --max-new-tokens 80 \
+    --temperature 0.8 --top-k 40
 fi

@@ -9172,6 +9172,62 @@ def test_run_sh_checks_the_config_once_before_msrun(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def forked_under(parent_named):
+    """A process (the child of a fork of this one, the middle) after train.end_with_parent with
+    RUN_SH_PARENT naming the middle (`parent_named`) or pid 1, as if its parent had ended before
+    the call; each sleeps 30 s unless ended: (its pid, the middle's pid)."""
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        try:
+            if os.fork() == 0:
+                os.environ["RUN_SH_PARENT"] = str(os.getppid() if parent_named else 1)
+                train.end_with_parent()
+                os.write(write, f"{os.getpid()}\n".encode())
+            os.close(write)                           # the pipe ends with the process's pid
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        line = pipe.readline()
+    return int(line) if line else None, middle
+
+
+def ended_within(pid, seconds):
+    """Whether process `pid` has ended (or is a zombie) within `seconds`."""
+    for _ in range(int(seconds * 20)):
+        with contextlib.suppress(FileNotFoundError):
+            if pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z":
+                time.sleep(0.05)
+                continue
+        return True
+    return False
+
+
+def test_a_process_under_run_sh_ends_with_its_parent():
+    """train.py's processes under run.sh (RUN_SH_PARENT: run.sh, or msrun for its workers) get
+    SIGTERM when that parent ends, by kill -9 too, which no trap sees (PR_SET_PDEATHSIG), and at
+    once when it ended before they asked (they are another's child by then): none is left
+    running without the run.sh or msrun that started it."""
+    pid, middle = forked_under(parent_named=True)
+    try:
+        assert not ended_within(pid, 0.2)
+        os.kill(middle, signal.SIGKILL)
+        assert ended_within(pid, 5)
+    finally:
+        for process in (pid, middle):
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(process, signal.SIGKILL)
+        os.waitpid(middle, 0)
+    pid, middle = forked_under(parent_named=False)
+    try:
+        assert pid is None or ended_within(pid, 5)          # it ended before telling its pid
+    finally:
+        os.kill(middle, signal.SIGKILL)
+        os.waitpid(middle, 0)
+
+
 # ---- run.sh's launch flags, seen through a stand-in folder: a copy of run.sh whose .venv holds a
 # `python` and an `msrun` that only record their arguments (run.sh puts .venv/bin first on PATH),
 # so nothing trains and each case takes milliseconds
@@ -9337,6 +9393,85 @@ BAD_LAUNCHES = [
 def test_a_bad_launch_is_one_line_before_anything_starts(run_sh, argv, message):
     result, calls = run_sh(*argv)
     assert (result.returncode, result.stderr.splitlines(), calls) == (2, [message], [])
+
+
+# A stand-in `python` that records its arguments and pid, writes the launch file as `train.py
+# check` does (--max-restarts $MAX_RESTARTS, 1 unset), and sleeps at its call number $SLEEP_AT (a
+# signal finds it there); a stand-in `msrun` that exits $MSRUN_EXIT, or with $MSRUN_READS
+# sleeps beside its log reader (msrun's `tail -f` of a worker's log)
+SLEEPER = r'''#!/bin/sh
+calls="$(dirname "$0")/../../calls"
+printf '%s\t' "$(basename "$0")" "$$" "$@" >> "$calls"
+echo >> "$calls"
+case "$*" in *"train.py check"*) echo "${MAX_RESTARTS:-1} out" > "$RUN_SH_LAUNCH_FILE" ;; esac
+if [ "$(basename "$0")" = msrun ]; then
+  [ -z "${MSRUN_READS:-}" ] || { tail -f "$calls" & exec sleep 60; }
+  exit "${MSRUN_EXIT:-0}"
+fi
+[ "$(grep -c '^python' "$calls")" != "${SLEEP_AT:-0}" ] || exec sleep 60
+'''
+
+
+@pytest.mark.parametrize("stage, argv, msrun_exit, sleep_at", [
+    ("the check before msrun", ["--nproc", "2", "--lr", "1e-3"], 0, 1),
+    ("one process training", ["--nproc", "1", "--lr", "1e-3"], 0, 1),
+    ("a restart's check", ["--nproc", "2", "--lr", "1e-3"], 1, 3),   # check, diagnose, check
+    ("the default run's sample", [], 0, 2)])                           # check, generate
+def test_a_signal_to_run_sh_stops_what_it_runs_in_one_process(run_sh, stage, argv, msrun_exit,
+                                                               sleep_at):
+    """SIGTERM to run.sh (a user's kill: run.sh alone) while it runs a command of one process,
+    whose end a trap would wait for were it run in the foreground: that process is stopped with
+    it at once, and run.sh exits 143 with one line naming it."""
+    for program in ("python", "msrun"):
+        (run_sh.folder / ".venv" / "bin" / program).write_text(SLEEPER)
+    job = subprocess.Popen(["bash", str(run_sh.folder / "run.sh"), *argv],
+                           env={**os.environ, "SLEEP_AT": str(sleep_at),
+                                "MSRUN_EXIT": str(msrun_exit)},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    calls, started = run_sh.folder / "calls", time.time()
+    while not (calls.exists() and calls.read_text().count("python\t") >= sleep_at):
+        assert job.poll() is None and time.time() - started < 30, job.communicate()
+        time.sleep(0.01)
+    time.sleep(0.2)                                             # the stand-in asleep by now
+    sleeper = int([line for line in calls.read_text().splitlines()
+                   if line.startswith("python")][-1].split("\t")[1])
+    os.kill(job.pid, signal.SIGTERM)
+    try:
+        _, err = job.communicate(timeout=20)
+        stopped = ended_within(sleeper, 1)
+    finally:
+        for pid in (job.pid, sleeper):                      # run.sh, its stand-in: no leftover
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert job.returncode == 143 and err.splitlines()[-1] == (
+        f"bash run.sh: SIGTERM: stopped python train.py (pid {sleeper}); exit code 143"), err
+    assert stopped, stage
+
+
+def test_a_killed_msrun_leaves_no_log_reader_and_run_sh_ends(run_sh):
+    """kill -9 of msrun (its workers end with it: PR_SET_PDEATHSIG): the `tail -f` it started for
+    each worker's log would hold the console's pipe open, and run.sh waiting, for ever; run.sh's
+    watcher ends them within seconds, and run.sh fails as for any failed job."""
+    for program in ("python", "msrun"):
+        (run_sh.folder / ".venv" / "bin" / program).write_text(SLEEPER)
+    job = subprocess.Popen(["bash", str(run_sh.folder / "run.sh"), "--nproc", "2"],
+                           env={**os.environ, "MSRUN_READS": "1", "MAX_RESTARTS": "0",
+                                "RUN_SH_TEST_JOB": "msrun_killed"},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    calls, started = run_sh.folder / "calls", time.time()
+    while "tail" not in " ".join(job_processes("RUN_SH_TEST_JOB=msrun_killed").values()):
+        assert job.poll() is None and time.time() - started < 30, job.communicate()
+        time.sleep(0.05)
+    msrun = int([line for line in calls.read_text().splitlines()
+                 if line.startswith("msrun")][0].split("\t")[1])
+    os.kill(msrun, signal.SIGKILL)
+    try:
+        job.communicate(timeout=10)
+    finally:
+        left = still_running("msrun_killed", time.time())[0]
+        with contextlib.suppress(ProcessLookupError):
+            job.kill()
+    assert job.returncode == 1 and not left, (job.returncode, left)
 
 
 # The multi-node form on one machine: two run.sh launches joined into one job, in the harness's
@@ -9597,6 +9732,120 @@ def test_run_sh_diagnose_reads_a_folder_of_records(tmp_path):
                                                              "diagnose LOG_DIR"), empty.stderr
 
 
+@pytest.mark.tp
+def test_sigusr1_during_a_dump_is_written_after_it_by_the_writer_thread(tmp_path, monkeypatch):
+    """SIGUSR1 ("dump now") while the main thread writes its record (an error's dump, the
+    exit's): its handler runs in that thread between two bytecodes, here inside the write, and
+    only wakes the writer thread, which writes next; a write inside the first would start over
+    the file the first is writing."""
+    writes, depth = [], [0]
+
+    def write(path, content):                         # the handler runs in the middle of it
+        depth[0] += 1
+        writes.append(depth[0])
+        if len(writes) == 1:
+            signal.getsignal(signal.SIGUSR1)(signal.SIGUSR1, None)
+        depth[0] -= 1
+    monkeypatch.setattr(flight_recorder, "write_atomic", write)
+    monkeypatch.setattr(flight_recorder, "RECORDER", flight_recorder.Recorder())
+    flight_recorder.RECORDER.path = str(tmp_path / flight_recorder.FILE.format(0))
+    flight_recorder.WAKE.clear()
+    previous = signal.signal(signal.SIGUSR1, flight_recorder.dump_soon)   # as start() does
+    try:
+        flight_recorder.dump("error: a failure")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert writes == [1] and flight_recorder.WAKE.is_set(), writes
+    flight_recorder.WAKE.clear()
+
+
+def replaced(record, path, *value):
+    """A copy of `record` with `value` in place of its value at `path` (keys and indices), or
+    without it when no value is given."""
+    changed = json.loads(json.dumps(record))
+    *outer, last = path
+    inner = functools.reduce(lambda inner, key: inner[key], outer, changed)
+    if value:
+        inner[last] = value[0]
+    else:
+        del inner[last]
+    return changed
+
+
+def crafted_records(good):
+    """The texts of record files: `good` (a record) truncated, and crafted with a value of
+    another type."""
+    text = json.dumps(good)
+    return [text[:len(text) // 2], json.dumps([good]),
+            json.dumps(replaced(good, ["written"], "12.5")),
+            json.dumps(replaced(good, ["events", 0, "at"], [0])),
+            json.dumps(replaced(good, ["events", 0, "ranks"], {})),
+            json.dumps(replaced(good, ["events", 0, "ranks", "tp-0-1"], "0,1"))]
+
+
+@pytest.mark.tp
+def test_a_malformed_flight_record_is_named_and_skipped(tmp_path, capsys, monkeypatch):
+    """A peer's record that is not JSON (truncated) or not as the recorder writes it (crafted:
+    a list where an object is, a string where a number is, a group counted without its ranks)
+    is named in one warning line, once, and skipped: the watchdog's turn reads the others and
+    goes on (a record it could not read ended the writer thread). A record with any one value
+    replaced by any JSON type, or removed, is read, or named and skipped: never an error."""
+    good = flight_records({0: [AR, BAR], 1: [AR, BAR]})
+    monkeypatch.setattr(flight_recorder, "RECORDER", flight_recorder.Recorder())
+    monkeypatch.setattr(flight_recorder, "WARNED", set())
+    flight_recorder.RECORDER.path = str(tmp_path / flight_recorder.FILE.format(0))
+    flight_recorder.RECORDER.last -= flight_recorder.STALL + 1         # idle: peers read
+    for n, text in enumerate(crafted_records(good[1])):
+        (tmp_path / flight_recorder.FILE.format(n + 1)).write_text(text)
+    for _ in range(2):
+        flight_recorder.watchdog(2)
+    assert json.loads(pathlib.Path(flight_recorder.RECORDER.path).read_text())["rank"] == 0
+    warned = capsys.readouterr().err.splitlines()
+    named = [f"warning: flight record {tmp_path}/{flight_recorder.FILE.format(n)}: " for n in
+             range(1, 7)]
+    assert [line[:len(start)] for line, start in zip(sorted(warned), named)] == named, warned
+    assert sorted(warned)[1:] == [
+        f"{named[1]}the record is a list, not an object; skipped",
+        f"{named[2]}the record['written'] is a str; skipped",
+        f"{named[3]}events[0]['at'] is a list; skipped",
+        f"{named[4]}events[0]['at']['tp-0-1'] is not an index in a group of its 'ranks'; "
+        "skipped",
+        f"{named[5]}events[0]['ranks']['tp-0-1'] is not a list of ranks; skipped"], warned
+    assert sorted(warned)[0].startswith(f"{named[0]}not JSON (")
+    ahead = flight_records({0: [AR, BAR, AR], 1: [AR, BAR]})        # rank 0 a collective ahead
+    for rank, other in ((0, 1), (1, 0)):
+        for record in every_value_replaced(ahead[rank]):
+            records = {**({} if flight_recorder.malformed(record) else {rank: record}),
+                       other: ahead[other]}
+            for live in (True, False):
+                flight_recorder.diagnose(records, 2, live=live)
+    # a crafted rank 10**12 makes `bash run.sh diagnose` take the world for that large: only
+    # the first rank without a record is looked for
+    asked = collections.Counter()
+
+    class Records(dict):
+        def __contains__(self, rank):
+            asked[rank] += 1
+            assert sum(asked.values()) < 100, "every rank of the world looked for"
+            return super().__contains__(rank)
+    assert flight_recorder.diagnose(Records(flight_records({0: []})), 10**12) == (
+        "rank 1 left no flight record (it ended before a collective)", True)
+
+
+def every_value_replaced(record):
+    """`record` with each of its values (at any depth), in turn, replaced by each JSON type."""
+    def paths(value, path):
+        yield path
+        keys = (value if isinstance(value, dict) else
+                range(len(value)) if isinstance(value, list) else ())
+        for key in keys:
+            yield from paths(value[key], (*path, key))
+    for path in list(paths(record, ()))[1:]:
+        yield replaced(record, path)
+        for other in (None, True, -1, 2.5, "x", [], [1], {}, {"x": 1}):
+            yield replaced(record, path, other)
+
+
 # ------------------------------------------------------------------------ failures on msrun workers
 # Launches that fail on purpose, in the harness's background (conftest.py) beside the trainings,
 # since their processes take little of the CPU: a rank that fails at load, a worker killed, planted
@@ -9621,24 +9870,91 @@ def call_failing_rank(harness):
 
 def call_killed_worker(harness):
     """A TP2 job whose rank 1 gets kill -9 once the first step is logged: (its pid, the console,
-    run.sh's exit code, its msrun log folder)."""
+    run.sh's exit code, its msrun log folder, the job's processes running 30 s after run.sh
+    ended)."""
     save, log_dir = harness.tmp / "killed", harness.tmp / "killed_log"
     job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", "--log_dir", str(log_dir),
                             *TINY_RUN, "--no-jit",
                             "--tensor-model-parallel-size", "2", "--train-iters", "100000",
                             "--save", str(save)],
-                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           cwd=HERE, env={**os.environ, "RUN_SH_TEST_JOB": "killed"},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = save / "log" / "rank_0" / "info.log"
     for _ in range(300):                                        # until the first step is logged
         if log.exists() and "train: " in log.read_text() or job.poll() is not None:
             break
         time.sleep(0.5)
-    if job.poll() is not None:
-        return None, job.communicate()[0], job.returncode, log_dir        # ended before the kill
+    if job.poll() is not None:                                  # ended before the kill
+        return None, job.communicate()[0], job.returncode, log_dir, None
     pid = int((log_dir / "pids" / "rank_1.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     console, _ = job.communicate(timeout=180)
-    return pid, console, job.returncode, log_dir
+    return pid, console, job.returncode, log_dir, still_running("killed", time.time())[0]
+
+
+def program_of(command):
+    """The program a command line runs: its first word's file name, or its script's for a
+    Python interpreter (`python train.py ...`: train.py)."""
+    words = [os.path.basename(word) for word in command.split()]
+    return words[1] if words[0].startswith("python") and len(words) > 1 else words[0]
+
+
+def job_processes(marker):
+    """{pid: command line} of the processes running (zombies left out) whose environment holds
+    `marker` (NAME=VALUE): all that a run.sh given it started, msrun's workers and theirs too."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            proc = pathlib.Path("/proc", pid)
+            if (marker.encode() in proc.joinpath("environ").read_bytes().split(b"\0")
+                    and proc.joinpath("stat").read_text().rsplit(") ", 1)[1][0] != "Z"):
+                found[int(pid)] = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ")
+    return {pid: command.decode() for pid, command in found.items()}
+
+
+def run_sh_stopped(harness, name, sig, group=False):
+    """A run.sh job of 2 workers (DP2, TINY_RUN for ever) that gets `sig` once its first step is
+    logged: run.sh alone (a user's kill), or with `group` its process group (a terminal's
+    Ctrl-C). (Its console, exit code, {pid: command line} of its processes just before, those
+    still running 30 s after, the seconds until none was, the workers' pids from their pid
+    files.) What is left running is killed."""
+    save, log_dir = harness.tmp / name, harness.tmp / f"{name}_log"
+    job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", "--log_dir", str(log_dir),
+                            *TINY_RUN, "--no-jit", "--train-iters", "100000", "--save", str(save)],
+                           cwd=HERE, env={**os.environ, "RUN_SH_TEST_JOB": name},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    console, log = Console(job), save / "log" / "rank_0" / "info.log"
+    for _ in range(1500):                                       # until the first step is logged
+        if log.exists() and "train: " in log.read_text() or job.poll() is not None:
+            break
+        time.sleep(0.2)
+    workers = [int(p.read_text()) for p in sorted((log_dir / "pids").glob("rank_*.pid"))]
+    before, struck = job_processes(f"RUN_SH_TEST_JOB={name}"), time.time()
+    (os.killpg if group else os.kill)(job.pid, sig)
+    return (*console.wait(), before, *still_running(name, struck), workers)
+
+
+def still_running(name, since):
+    """The processes of the run.sh job given RUN_SH_TEST_JOB=`name` still running 30 s after
+    `since` (a time; polled until none is), and the seconds until none was; those are killed."""
+    left = job_processes(f"RUN_SH_TEST_JOB={name}")
+    while left and time.time() - since < 30:
+        time.sleep(0.2)
+        left = job_processes(f"RUN_SH_TEST_JOB={name}")
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left, time.time() - since
+
+
+STOPS = {"SIGTERM": (signal.SIGTERM, False), "Ctrl-C": (signal.SIGINT, True),
+         "kill -9": (signal.SIGKILL, False)}
+
+
+def call_stopped(stop):
+    """The call of a run.sh job stopped by `stop` (STOPS)."""
+    return lambda harness: run_sh_stopped(harness, f"stopped_{STOPS[stop][0].name}", *STOPS[stop])
 
 
 # A launch runs fault_worker on its ranks (`python test_all.py fault NAME FOLDER`): steps of a
@@ -9706,6 +10022,9 @@ for _fault in FAULTS:
     add(f"fault_{_fault}", 0, "", call=call_fault(_fault), beside="launch")
 add("failing_rank", 0, "", call=call_failing_rank, after=["one_as_tp2"], beside="launch")
 add("killed_worker", 0, "", call=call_killed_worker, beside="launch")
+add("stopped_SIGTERM", 0, "", call=call_stopped("SIGTERM"), beside="launch")
+add("stopped_SIGINT", 0, "", call=call_stopped("Ctrl-C"), beside="launch")
+add("stopped_SIGKILL", 0, "", call=call_stopped("kill -9"), beside="restart")
 
 
 # ------------------------------------------------------------- restarts (--max-restarts)
@@ -10105,12 +10424,36 @@ def test_a_failing_rank_names_itself_and_stops_the_job(runs):
 @reading("killed_worker")
 def test_a_killed_worker_is_named_by_its_rank(runs):
     """kill -9 of one worker (as the out-of-memory killer does): it prints nothing and msrun names
-    only its process id; run.sh names its rank from the pid each worker wrote, and the job ends."""
-    pid, console, code, log_dir = runs.result("killed_worker")
+    only its process id; run.sh names its rank from the pid each worker wrote, and the job ends,
+    nothing of it left running."""
+    pid, console, code, log_dir, left = runs.result("killed_worker")
     assert pid is not None, console[-3000:]                          # training, not ended
-    assert code == 1
+    assert code == 1 and not left, left
     assert (f"error: rank 1 (pid {pid}) was killed by signal 9; its log: "
             f"{log_dir}/worker_1.log" in console), console[-2000:]
+
+
+@pytest.mark.parametrize("stop", [pytest.param(stop, marks=reads(f"stopped_{sig.name}"))
+                                  for stop, (sig, _) in STOPS.items()])
+def test_a_stopped_run_sh_leaves_nothing_running(runs, stop):
+    """SIGTERM to run.sh (a user's kill, a scheduler's), SIGINT to its process group (a
+    terminal's Ctrl-C), or kill -9 (which no trap sees) while its 2 workers train: every process
+    of the job (msrun, its scheduler and log readers, the workers named by their pid files, the
+    watcher and its sleep, the console's grep and tee) has ended within 30 s, and run.sh, when
+    it could, exits 128 + the signal's number with one line naming what it stopped. Before,
+    6 ran on after SIGTERM, the watcher for ever."""
+    sig = STOPS[stop][0]
+    console, code, before, left, seconds, workers = runs.result(f"stopped_{sig.name}")
+    assert len(workers) == 2 and set(workers) <= set(before), (workers, before, console[-3000:])
+    programs = collections.Counter(program_of(command) for command in before.values())
+    assert programs["bash"] >= 3, before              # run.sh, its watcher, grep's subshell
+    assert {"msrun", "train.py", "tail", "grep", "tee"} <= set(programs), before
+    assert not left and seconds <= 30, (seconds, left, console[-3000:])
+    if sig != signal.SIGKILL:
+        stopped = re.search(rf"bash run.sh: {sig.name}: stopped msrun \(pid \d+\) and its "
+                            rf"workers \(pids ([\d ]+)\); exit code {128 + sig}\n", console)
+        assert stopped and code == 128 + sig, (code, console[-3000:])
+        assert sorted(map(int, stopped.group(1).split())) == sorted(workers)
 
 
 def fault_lines():

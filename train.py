@@ -15,6 +15,7 @@ One training step (Megatron's train_step, one process):
   (tools/logs.py).
 """
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -517,6 +518,7 @@ def main(argv):
     """Run one command (COMMANDS; `train` when the first argument is a flag or key=value) and
     return its exit code: the command's (None: 0), 2 with one `error: ` line for a wrong command
     line, config or checkpoint, 130 for Ctrl-C in preprocess."""
+    end_with_parent()
     argv = list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") and "=" not in argv[0] else "train"
     if command != "train":
@@ -609,6 +611,21 @@ def record_launch(cfg):
     if path:
         training_cfg = cfg.training_config
         data.write_atomic(path, f"{training_cfg.max_restarts} {training_cfg.output_dir}\n")
+
+
+PR_SET_PDEATHSIG = 1        # linux/prctl.h
+
+
+def end_with_parent():
+    """Under run.sh (RUN_SH_PARENT: run.sh's pid, msrun's for msrun's workers and scheduler):
+    SIGTERM to this process when that parent ends, however it ends (kill -9 included), rather
+    than a process left running without it (Linux's PR_SET_PDEATHSIG). A parent that ended
+    before the call (this process is another's child by then) is the check after it."""
+    parent = os.environ.get("RUN_SH_PARENT")
+    if parent:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != int(parent):
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def record_worker_pid():

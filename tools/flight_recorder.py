@@ -152,7 +152,7 @@ def _hold(graph, key, event):
         RECORDER.counts[group] += 1
 
 
-WRITING = threading.RLock()   # one write at a time: the writer thread, errors, SIGUSR1, exit
+WRITING = threading.Lock()    # one write at a time: the writer thread, errors, exit
 
 
 def dump(reason=None, ended=False):
@@ -186,10 +186,18 @@ def start(folder, rank, world):
     if threading.current_thread() is threading.main_thread():
         # SIGTERM keeps its default, an exit at once even in a collective's wait (a Python
         # handler would run only after it): the writer's record is at most WRITE_EVERY s old
-        signal.signal(signal.SIGUSR1, lambda signum, frame: dump())
+        signal.signal(signal.SIGUSR1, dump_soon)
 
 
+WAKE = threading.Event()      # SIGUSR1 ("dump now") or the exit: the writer thread wakes at once
 ENDING = threading.Event()    # set at exit: the writer thread returns
+
+
+def dump_soon(signum, frame):
+    """SIGUSR1's handler: the writer thread writes the record at once. A handler runs in the main
+    thread between two bytecodes, maybe in the middle of that thread's own dump (an error's, the
+    exit's): a write here would start the file that dump is writing over."""
+    WAKE.set()
 
 
 def _end(watcher):
@@ -197,49 +205,127 @@ def _end(watcher):
     running (or waking) while the interpreter and MindSpore's libraries are torn down could crash
     the exit (a SIGSEGV after the last write was seen, its stack: the writer asleep in _watch)."""
     ENDING.set()
+    WAKE.set()
     watcher.join(timeout=2 * WRITE_EVERY)
     dump(ended=True)
 
 
 def _watch(world):
-    """The thread: the record written every WRITE_EVERY seconds until ENDING; after STALL seconds
-    without a new collective, a fault that waiting cannot end (definite) stops this worker with
-    one line."""
-    while not ENDING.wait(WRITE_EVERY):
-        try:
-            dump()
-        except (RuntimeError, OSError):       # an event changed while written: the next write
-            continue
-        if time.time() - RECORDER.last < STALL or RECORDER.reason or RECORDER.ended:
-            continue                   # busy, or failed itself: msrun ends the job as it exits
-        finding = diagnose(load(os.path.dirname(RECORDER.path), JOB), world, live=True)
-        if finding is not None and finding[1]:
-            message = f"error: {finding[0]}{WATCHDOG}"
-            dump(message)
-            print(f"[rank {RECORDER.rank}] {message}", file=sys.stderr, flush=True)
-            os._exit(1)
+    """The thread: the record written every WRITE_EVERY seconds (at once on SIGUSR1) until
+    ENDING, and the watchdog."""
+    while True:
+        WAKE.wait(WRITE_EVERY)
+        WAKE.clear()
+        if ENDING.is_set():
+            return
+        watchdog(world)
+
+
+def watchdog(world):
+    """One turn of the writer thread: the record written; after STALL seconds without a new
+    collective, a fault that waiting cannot end (definite) in the peers' records stops this
+    worker with one line."""
+    try:
+        dump()
+    except (RuntimeError, OSError):           # an event changed while written: the next write
+        return
+    if time.time() - RECORDER.last < STALL or RECORDER.reason or RECORDER.ended:
+        return                         # busy, or failed itself: msrun ends the job as it exits
+    finding = diagnose(load(os.path.dirname(RECORDER.path), JOB), world, live=True)
+    if finding is not None and finding[1]:
+        message = f"error: {finding[0]}{WATCHDOG}"
+        dump(message)
+        print(f"[rank {RECORDER.rank}] {message}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def load(folder, job=None):
-    """{rank: record} of the records in `folder` (unreadable ones skipped: being replaced), of
-    the launch `job` only when given (an earlier job's records may lie in the same folder)."""
+    """{rank: record} of the records in `folder`, of the launch `job` only when given (an earlier
+    job's records may lie in the same folder). A record is written whole (write_atomic): one that
+    is not JSON, or not as this module writes it (malformed), was truncated or crafted: named in
+    one warning line (once per file) and skipped. One gone since listed (a new launch's) too."""
     records = {}
     for path in glob.glob(os.path.join(folder, FILE.format("*"))):
         try:
             with open(path) as f:
                 record_ = json.load(f)
-        except (OSError, ValueError):
+        except OSError:
             continue
-        if job is None or record_["job"] == job:
+        except ValueError as e:
+            warn_once(path, f"not JSON ({e})")
+            continue
+        problem = malformed(record_)
+        if problem:
+            warn_once(path, problem)
+        elif job is None or record_["job"] == job:
             records[record_["rank"]] = record_
     return records
 
 
-def ended_cleanly(folder, ranks):
-    """Whether `ranks` records in `folder` were each written at its process's exit with no error
-    in it: every rank's training had returned, its work saved, when a signal ended it."""
-    records = load(folder)
-    return len(records) == ranks and all(r["ended"] and not r["reason"] for r in records.values())
+WARNED = set()            # the records named by warn_once (the watchdog reads them every second)
+
+
+def warn_once(path, problem):
+    """One line naming the record at `path` and what is wrong with it, skipped (once a file)."""
+    if path not in WARNED:
+        WARNED.add(path)
+        print(f"warning: flight record {path}: {problem}; skipped", file=sys.stderr, flush=True)
+
+
+# The fields of a record, of each of its events and of each collective a graph's event holds,
+# with their JSON types: diagnose reads only records that have them
+NUMBER = (int, float)
+RECORD = {"rank": int, "job": str, "pid": int, "written": NUMBER, "last": NUMBER, "ended": bool,
+          "reason": (str, type(None)), "events": list}
+EVENT = {"seq": int, "op": str, "at": dict, "ranks": dict, "time": NUMBER, "code": str}
+EVENT_OPTIONAL = {"shape": list, "dtype": str, "holds": list}
+HELD = {"op": str, "group": str, "ranks": list, "shape": list, "dtype": str}
+
+
+def malformed(record_):
+    """What makes `record_` (parsed JSON) unlike the records this module writes, named; or None."""
+    problem = wrong_fields(record_, RECORD, "the record")
+    if problem:
+        return problem
+    for n, event in enumerate(record_["events"]):
+        problem = wrong_event(event, f"events[{n}]")
+        if problem:
+            return problem
+    return None
+
+
+def wrong_event(event, where):
+    """What makes `event` unlike an event of Recorder.add, named; or None."""
+    problem = (wrong_fields(event, EVENT, where)
+               or wrong_fields(event, EVENT_OPTIONAL, where, optional=True))
+    if problem:
+        return problem
+    if ("shape" in event) != ("dtype" in event):
+        return f"{where} has a 'shape' without a 'dtype', or a 'dtype' without a 'shape'"
+    for group, ranks in event["ranks"].items():
+        if not isinstance(ranks, list) or not all(isinstance(r, int) for r in ranks):
+            return f"{where}['ranks'][{group!r}] is not a list of ranks"
+    for group, index in event["at"].items():
+        if not isinstance(index, int) or group not in event["ranks"]:
+            return f"{where}['at'][{group!r}] is not an index in a group of its 'ranks'"
+    for k, held in enumerate(event.get("holds", [])):
+        problem = wrong_fields(held, HELD, f"{where}['holds'][{k}]")
+        if problem:
+            return problem
+    return None
+
+
+def wrong_fields(value, fields, where, optional=False):
+    """The first of `fields` (name: type) that `value` lacks or holds with another type, named;
+    or None (`optional`: only the fields it has are checked)."""
+    if not isinstance(value, dict):
+        return f"{where} is a {type(value).__name__}, not an object"
+    for name, kind in fields.items():
+        if name not in value and not optional:
+            return f"{where} has no {name!r}"
+        if name in value and not isinstance(value[name], kind):
+            return f"{where}[{name!r}] is a {type(value[name]).__name__}"
+    return None
 
 
 def held_on(event, group):
@@ -296,7 +382,8 @@ def findings(records):
     found = []
     for group, (ranks, seen) in by_group(records).items():
         last = {r: reached(r, seen, records) for r in ranks}
-        for index in sorted({i for events in seen.values() for i in events}):
+        # the indices its ranks reached (a crafted record may name other ranks for the group)
+        for index in sorted({i for r in ranks for i in seen.get(r, {})}):
             here = {r: seen[r][index] for r in ranks if index in seen.get(r, {})}
             missing = [r for r in ranks if r not in here and last[r] is not None
                        and last[r] < index]
@@ -342,9 +429,10 @@ def diagnose(records, world, live=False):
     that waiting cannot end, where a rank without a record may still be starting and a wait
     counts only between ranks idle for STALL seconds."""
     found = lowest_rank_first_on_a_cycle(findings(records), records)
-    absent = [r for r in range(world) if r not in records]
-    if not found and absent and not live:
-        return f"rank {absent[0]} left no flight record (it ended before a collective)", True
+    # the first rank without a record (`world` comes from the records' ranks, maybe crafted)
+    absent = next((r for r in range(world) if r not in records), None)
+    if not found and absent is not None and not live:
+        return f"rank {absent} left no flight record (it ended before a collective)", True
     idle = {r for r, rec in records.items() if rec["written"] - rec["last"] >= STALL}
     for finding in found:
         message, definite = explain(finding, found, records, idle if live else set(records))
