@@ -327,6 +327,14 @@ first_dead() {   # "PID SIGNAL" of the first worker msrun saw end by a signal (i
   local exited='Worker process \([0-9]*\) exit with exception\. Error code: -\([0-9]*\)\.'
   sed -n "s/.*$exited.*/\\1 \\2/p" "$log_dir/console.log" 2>/dev/null | head -1
 }
+end_readers() {   # MSRUN (its pid, its launch's process group), ended: the `tail -f` it started
+  # for each worker's log would hold the console's pipe, and run.sh, for ever. msrun ends them as
+  # it exits; killed (kill -9, or SIGINT before its handler is set: probed), it does not
+  local pid
+  for pid in $(alive "$1"); do
+    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" != tail ] || kill "$pid" 2>/dev/null || true
+  done
+}
 parent_is_run_sh() {   # whether this subshell's parent is still run.sh
   stat_of "$BASHPID" && [ "${fields[1]}" = $$ ]
 }
@@ -334,15 +342,12 @@ watch_workers() {   # while msrun runs, each second; what it names, named at onc
   # job seconds later: its scheduler waits for the lost worker, then a SIGTERM to each other)
   local lost pid dead msrun
   while sleep 1; do
-    parent_is_run_sh || exit 0                     # run.sh killed (kill -9): nothing to watch
-    # msrun killed (kill -9; its workers end with it): its log readers (tail -f, in its process
-    # group) would hold the console's pipe, and run.sh, for ever. msrun ends them as it exits
     msrun=$(cat "$RUN_SH_PID_DIR/msrun.pid" 2>/dev/null || true)
-    if [ -n "$msrun" ] && ! running "$msrun"; then
-      for pid in $(alive "$msrun"); do
-        [ "$(cat "/proc/$pid/comm" 2>/dev/null)" != tail ] || kill "$pid" 2>/dev/null || true
-      done
+    if ! parent_is_run_sh; then         # run.sh killed (kill -9): msrun ends with it (SIGINT);
+      [ -z "$msrun" ] || ended 0 "$msrun"         # what is left of its launch, GRACE s on
+      exit 0
     fi
+    [ -z "$msrun" ] || running "$msrun" || end_readers "$msrun"
     # kill -9 from outside (a user, the out-of-memory killer): its pid in "named", once named
     # (this loop ended between the two, run_workers names it again rather than never)
     dead=$(first_dead)
