@@ -9412,16 +9412,18 @@ fi
 '''
 
 
-@pytest.mark.parametrize("stage, argv, msrun_exit, sleep_at", [
-    ("the check before msrun", ["--nproc", "2", "--lr", "1e-3"], 0, 1),
-    ("one process training", ["--nproc", "1", "--lr", "1e-3"], 0, 1),
-    ("a restart's check", ["--nproc", "2", "--lr", "1e-3"], 1, 3),   # check, diagnose, check
-    ("the default run's sample", [], 0, 2)])                           # check, generate
+@pytest.mark.parametrize("stage, argv, msrun_exit, sleep_at, sig", [
+    ("the check before msrun", ["--nproc", "2", "--lr", "1e-3"], 0, 1, signal.SIGTERM),
+    ("one process training", ["--nproc", "1", "--lr", "1e-3"], 0, 1, signal.SIGINT),
+    ("a restart's check", ["--nproc", "2", "--lr", "1e-3"], 1, 3,      # check, diagnose, check
+     signal.SIGHUP),
+    ("the default run's sample", [], 0, 2, signal.SIGTERM)])           # check, generate
 def test_a_signal_to_run_sh_stops_what_it_runs_in_one_process(run_sh, stage, argv, msrun_exit,
-                                                               sleep_at):
-    """SIGTERM to run.sh (a user's kill: run.sh alone) while it runs a command of one process,
-    whose end a trap would wait for were it run in the foreground: that process is stopped with
-    it at once, and run.sh exits 143 with one line naming it."""
+                                                               sleep_at, sig):
+    """SIGTERM, SIGINT or SIGHUP to run.sh alone (a user's kill) while it runs a command of one
+    process, whose end a trap would wait for were it run in the foreground: that process is
+    stopped with it at once, and run.sh exits 128 + the signal's number with one line naming
+    it."""
     for program in ("python", "msrun"):
         (run_sh.folder / ".venv" / "bin" / program).write_text(SLEEPER)
     job = subprocess.Popen(["bash", str(run_sh.folder / "run.sh"), *argv],
@@ -9435,7 +9437,7 @@ def test_a_signal_to_run_sh_stops_what_it_runs_in_one_process(run_sh, stage, arg
     time.sleep(0.2)                                             # the stand-in asleep by now
     sleeper = int([line for line in calls.read_text().splitlines()
                    if line.startswith("python")][-1].split("\t")[1])
-    os.kill(job.pid, signal.SIGTERM)
+    os.kill(job.pid, sig)
     try:
         _, err = job.communicate(timeout=20)
         stopped = ended_within(sleeper, 1)
@@ -9443,8 +9445,9 @@ def test_a_signal_to_run_sh_stops_what_it_runs_in_one_process(run_sh, stage, arg
         for pid in (job.pid, sleeper):                      # run.sh, its stand-in: no leftover
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    assert job.returncode == 143 and err.splitlines()[-1] == (
-        f"bash run.sh: SIGTERM: stopped python train.py (pid {sleeper}); exit code 143"), err
+    assert job.returncode == 128 + sig and err.splitlines()[-1] == (
+        f"bash run.sh: {sig.name}: stopped python train.py (pid {sleeper}); exit code "
+        f"{128 + sig}"), err
     assert stopped, stage
 
 
