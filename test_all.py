@@ -9172,26 +9172,17 @@ def test_run_sh_checks_the_config_once_before_msrun(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def forked_under(parent_named):
-    """A process (the child of a fork of this one, the middle) after train.end_with_parent with
-    RUN_SH_PARENT naming the middle (`parent_named`) or pid 1, as if its parent had ended before
-    the call; each sleeps 30 s unless ended: (its pid, the middle's pid)."""
-    read, write = os.pipe()
-    middle = os.fork()
-    if middle == 0:
-        try:
-            if os.fork() == 0:
-                os.environ["RUN_SH_PARENT"] = str(os.getppid() if parent_named else 1)
-                train.end_with_parent()
-                os.write(write, f"{os.getpid()}\n".encode())
-            os.close(write)                           # the pipe ends with the process's pid
-            time.sleep(30)
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        line = pipe.readline()
-    return int(line) if line else None, middle
+# A process under run.sh (its RUN_SH_PARENT) that prints its pid once it has asked to end with
+# its parent, then sleeps; started by a shell (its parent) that waits for it and prints its exit
+# code. `parent` names the shell ($$) or pid 1, a parent that ended before the call
+UNDER_RUN_SH = """RUN_SH_PARENT={parent} "{python}" -c 'import os, time
+from settings.cli import end_with_parent
+end_with_parent()
+print(os.getpid(), flush=True)
+time.sleep(30)' &
+wait $!
+echo "ended $?"
+"""
 
 
 def ended_within(pid, seconds):
@@ -9210,22 +9201,20 @@ def test_a_process_under_run_sh_ends_with_its_parent():
     SIGTERM when that parent ends, by kill -9 too, which no trap sees (PR_SET_PDEATHSIG), and at
     once when it ended before they asked (they are another's child by then): none is left
     running without the run.sh or msrun that started it."""
-    pid, middle = forked_under(parent_named=True)
+    shell = subprocess.Popen(["sh", "-c", UNDER_RUN_SH.format(parent="$$", python=sys.executable)],
+                             cwd=HERE, stdout=subprocess.PIPE, text=True)
+    pid = int(shell.stdout.readline())
     try:
         assert not ended_within(pid, 0.2)
-        os.kill(middle, signal.SIGKILL)
+        shell.kill()                                          # kill -9 of its parent
         assert ended_within(pid, 5)
     finally:
-        for process in (pid, middle):
-            with contextlib.suppress(ProcessLookupError, TypeError):
-                os.kill(process, signal.SIGKILL)
-        os.waitpid(middle, 0)
-    pid, middle = forked_under(parent_named=False)
-    try:
-        assert pid is None or ended_within(pid, 5)          # it ended before telling its pid
-    finally:
-        os.kill(middle, signal.SIGKILL)
-        os.waitpid(middle, 0)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        shell.wait()
+    orphan = subprocess.run(["sh", "-c", UNDER_RUN_SH.format(parent=1, python=sys.executable)],
+                            cwd=HERE, capture_output=True, text=True, timeout=30)
+    assert orphan.stdout == "ended 143\n", orphan
 
 
 # ---- run.sh's launch flags, seen through a stand-in folder: a copy of run.sh whose .venv holds a

@@ -15,7 +15,6 @@ One training step (Megatron's train_step, one process):
   (tools/logs.py).
 """
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -35,8 +34,8 @@ import pipeline
 from formats import checkpoint, hf_gpt2
 from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, layer_spec, model_pieces,
                  model_provider)
-from settings.cli import (CONFIG_FLAG, HelpRequested, load_config, parse_command, raw_config,
-                          training_help)
+from settings.cli import (CONFIG_FLAG, HelpRequested, end_with_parent, load_config, parse_command,
+                          raw_config, training_help)
 from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, local_worker_num,
                              main_grad_dtype, moe_layer_pattern, padded_vocab_size, parse_blend,
                              recompute_counts, samples_per_split)
@@ -611,21 +610,6 @@ def record_launch(cfg):
     if path:
         training_cfg = cfg.training_config
         data.write_atomic(path, f"{training_cfg.max_restarts} {training_cfg.output_dir}\n")
-
-
-PR_SET_PDEATHSIG = 1        # linux/prctl.h
-
-
-def end_with_parent():
-    """Under run.sh (RUN_SH_PARENT: run.sh's pid, msrun's for msrun's workers and scheduler):
-    SIGTERM to this process when that parent ends, however it ends (kill -9 included), rather
-    than a process left running without it (Linux's PR_SET_PDEATHSIG). A parent that ended
-    before the call (this process is another's child by then) is the check after it."""
-    parent = os.environ.get("RUN_SH_PARENT")
-    if parent:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != int(parent):
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def record_worker_pid():

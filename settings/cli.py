@@ -7,8 +7,10 @@ Every bad flag, key or value raises ConfigError with one line naming it and the 
 guide's spelling became, and what an inert key does not do, is collected in `notes`, which
 training logs once at start.
 """
+import ctypes
 import os
 import random
+import signal
 import socket
 import sys
 
@@ -334,6 +336,21 @@ def scheduler_port():
         with socket.socket() as probe:
             if probe.connect_ex(("127.0.0.1", port)) != 0:             # no process accepts there
                 return port
+
+
+PR_SET_PDEATHSIG = 1        # linux/prctl.h
+
+
+def end_with_parent():
+    """Under run.sh (RUN_SH_PARENT: run.sh's pid, msrun's for msrun's workers and scheduler):
+    SIGTERM to this process when that parent ends, however it ends (kill -9 included), rather
+    than a process left running without it (Linux's PR_SET_PDEATHSIG). A parent that ended
+    before the call (this process is another's child by then) is the check after it."""
+    parent = os.environ.get("RUN_SH_PARENT")
+    if parent:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != int(parent):
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def msrun_command(workers, log_dir, program):
