@@ -9448,10 +9448,10 @@ def test_a_killed_msrun_leaves_no_log_reader_and_run_sh_ends(run_sh):
         (run_sh.folder / ".venv" / "bin" / program).write_text(SLEEPER)
     job = subprocess.Popen(["bash", str(run_sh.folder / "run.sh"), "--nproc", "2"],
                            env={**os.environ, "MSRUN_READS": "1", "MAX_RESTARTS": "0",
-                                "RUN_SH_TEST_JOB": "msrun_killed"},
+                                "RUN_SH_TEST_JOB": str(run_sh.folder)},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     calls, started = run_sh.folder / "calls", time.time()
-    while "tail" not in " ".join(job_processes("RUN_SH_TEST_JOB=msrun_killed").values()):
+    while "tail" not in " ".join(job_processes(f"RUN_SH_TEST_JOB={run_sh.folder}").values()):
         assert job.poll() is None and time.time() - started < 30, job.communicate()
         time.sleep(0.05)
     msrun = int([line for line in calls.read_text().splitlines()
@@ -9460,7 +9460,7 @@ def test_a_killed_msrun_leaves_no_log_reader_and_run_sh_ends(run_sh):
     try:
         job.communicate(timeout=10)
     finally:
-        left = still_running("msrun_killed", time.time())[0]
+        left = still_running(run_sh.folder, time.time())[0]
         with contextlib.suppress(ProcessLookupError):
             job.kill()
     assert job.returncode == 1 and not left, (job.returncode, left)
@@ -9869,7 +9869,7 @@ def call_killed_worker(harness):
                             *TINY_RUN, "--no-jit",
                             "--tensor-model-parallel-size", "2", "--train-iters", "100000",
                             "--save", str(save)],
-                           cwd=HERE, env={**os.environ, "RUN_SH_TEST_JOB": "killed"},
+                           cwd=HERE, env={**os.environ, "RUN_SH_TEST_JOB": str(save)},
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = save / "log" / "rank_0" / "info.log"
     for _ in range(300):                                        # until the first step is logged
@@ -9881,7 +9881,7 @@ def call_killed_worker(harness):
     pid = int((log_dir / "pids" / "rank_1.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     console, _ = job.communicate(timeout=180)
-    return pid, console, job.returncode, log_dir, still_running("killed", time.time())[0]
+    return pid, console, job.returncode, log_dir, still_running(save, time.time())[0]
 
 
 def program_of(command):
@@ -9913,7 +9913,7 @@ def run_sh_stopped(harness, name, sig, group=False):
     save, log_dir = harness.tmp / name, harness.tmp / f"{name}_log"
     job = subprocess.Popen(["bash", "run.sh", "--nproc", "2", "--log_dir", str(log_dir),
                             *TINY_RUN, "--no-jit", "--train-iters", "100000", "--save", str(save)],
-                           cwd=HERE, env={**os.environ, "RUN_SH_TEST_JOB": name},
+                           cwd=HERE, env={**os.environ, "RUN_SH_TEST_JOB": str(save)},
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
     console, log = Console(job), save / "log" / "rank_0" / "info.log"
@@ -9922,18 +9922,19 @@ def run_sh_stopped(harness, name, sig, group=False):
             break
         time.sleep(0.2)
     workers = [int(p.read_text()) for p in sorted((log_dir / "pids").glob("rank_*.pid"))]
-    before, struck = job_processes(f"RUN_SH_TEST_JOB={name}"), time.time()
+    before, struck = job_processes(f"RUN_SH_TEST_JOB={save}"), time.time()
     (os.killpg if group else os.kill)(job.pid, sig)
-    return (*console.wait(), before, *still_running(name, struck), workers)
+    return (*console.wait(), before, *still_running(save, struck), workers)
 
 
-def still_running(name, since):
-    """The processes of the run.sh job given RUN_SH_TEST_JOB=`name` still running 30 s after
-    `since` (a time; polled until none is), and the seconds until none was; those are killed."""
-    left = job_processes(f"RUN_SH_TEST_JOB={name}")
+def still_running(folder, since):
+    """The processes of the run.sh job given RUN_SH_TEST_JOB=`folder` (its own: no other
+    session's) still running 30 s after `since` (a time; polled until none is), and the seconds
+    until none was; those are killed."""
+    left = job_processes(f"RUN_SH_TEST_JOB={folder}")
     while left and time.time() - since < 30:
         time.sleep(0.2)
-        left = job_processes(f"RUN_SH_TEST_JOB={name}")
+        left = job_processes(f"RUN_SH_TEST_JOB={folder}")
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
