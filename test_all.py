@@ -93,6 +93,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 import zipfile
 import zlib
 from types import SimpleNamespace
@@ -6202,6 +6203,174 @@ def test_torch_format_refuses_a_missing_file_and_a_folder(tmp_path):
         one_line(e, path, "not found (or not a file)")
 
 
+# ---- crafted files, written opcode by opcode as a hostile file is: each is one error line, reads
+# nothing outside its storages and takes at most about its own size
+def op_str(text):
+    data = text.encode()
+    return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
+
+
+def op_int(n):
+    return pickle.BININT + struct.pack("<i", n)
+
+
+def op_global(module, name):
+    return pickle.GLOBAL + f"{module}\n{name}\n".encode()
+
+
+def op_tuple(*parts):
+    return pickle.MARK + b"".join(parts) + pickle.TUPLE
+
+
+def op_storage(numel):
+    """The persistent id of the storage data/0, `numel` float32 elements."""
+    return (pickle.MARK + op_str("storage") + op_global("torch", "FloatStorage") + op_str("0")
+            + op_str("cpu") + op_int(numel) + pickle.TUPLE + pickle.BINPERSID)
+
+
+def op_tensor(storage, size, stride):
+    """torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, {})"""
+    return (op_global("torch._utils", "_rebuild_tensor_v2")
+            + op_tuple(storage, op_int(0), op_tuple(*map(op_int, size)),
+                       op_tuple(*map(op_int, stride)), pickle.NEWFALSE, pickle.EMPTY_DICT)
+            + pickle.REDUCE)
+
+
+def wide_view(n):
+    """numpy.ndarray((n,), "f4", <4 bytes>, 0, (0,)): n floats over a buffer of one."""
+    return (op_global("numpy", "ndarray")
+            + op_tuple(op_tuple(op_int(n)), op_str("f4"), pickle.SHORT_BINBYTES + b"\x04\0\0\x80?",
+                       op_int(0), op_tuple(op_int(0)))
+            + pickle.REDUCE)
+
+
+def swapped(n, array):
+    """A tensor of n floats on the storage data/0 whose array a BUILD swapped for `array`."""
+    storage = (op_storage(1) + pickle.EMPTY_DICT + op_str("array") + array + pickle.SETITEM
+               + pickle.BUILD)
+    return op_tensor(storage, (n,), (1,))
+
+
+def repeated(func, args, times):
+    """A list of func(*args) made `times` over, each a few opcodes: the memo's func and args
+    (BINGET) and REDUCE."""
+    return (func + pickle.BINPUT + b"\0" + pickle.POP + args + pickle.BINPUT + b"\1" + pickle.POP
+            + pickle.MARK + (pickle.BINGET + b"\0" + pickle.BINGET + b"\1" + pickle.REDUCE) * times
+            + pickle.LIST)
+
+
+def numpy_pickle(value):
+    """numpy's own pickle of `value` (protocol 2), without its PROTO and STOP."""
+    return pickle.dumps(value, protocol=2)[2:-1]
+
+
+def crafted(path, body, storage=4, compression=zipfile.ZIP_STORED):
+    """A torch.save archive at `path` whose data.pkl is `body` (opcodes) and data/0 `storage`
+    zero bytes."""
+    with zipfile.ZipFile(path, "w", compression) as a:
+        a.writestr("x/data.pkl", pickle.PROTO + b"\x02" + body + pickle.STOP)
+        a.writestr("x/data/0", bytes(storage))
+        a.writestr("x/version", "3\n")
+    return str(path)
+
+
+NUMBERS = b"".join(op_int(i) for i in range(1000))
+CRAFTED = {   # data.pkl's opcodes, data/0's size in bytes, what the error line says
+    "storage_swapped_for_a_wider_buffer": (swapped(64, wide_view(64)), 4,
+                                           "its pickle calls numpy.ndarray"),
+    "storage_swapped_for_an_array": (swapped(64, numpy_pickle(np.ones(1, np.float32))), 4,
+                                     "its pickle sets the state of <_Storage>"),
+    "stride_0_giant": (op_tensor(op_storage(1), (1 << 26,), (0,)), 4,
+                       "of size (67108864,) (stride (0,)) holds 67108864 elements, more than the "
+                       "1 of its storage"),
+    "negative_stride": (op_tensor(op_storage(2), (2,), (-1,)), 8,
+                        "the stride of a tensor of x/data/0 is (-1,), not non-negative"),
+    "one_storage_copied_300_times": (
+        repeated(op_global("torch._utils", "_rebuild_tensor_v2"),
+                 op_tuple(op_storage(1024), op_int(0), op_tuple(op_int(1024)),
+                          op_tuple(op_int(1)), pickle.NEWFALSE, pickle.EMPTY_DICT), 300),
+        4096, "a tensor of x/data/0 of size (1024,) (4096 bytes) would pass the"),
+    "one_list_copied_300_times": (
+        repeated(op_global("builtins", "frozenset"),
+                 op_tuple(pickle.EMPTY_LIST + pickle.MARK + NUMBERS + pickle.APPENDS), 300),
+        0, "a frozenset of 1000 items would pass the"),
+    "object_array": (numpy_pickle(np.array([None], object)), 0,
+                     "a numpy dtype 'O8' with the state (3, '|', None"),
+    "zip_bomb": (op_tensor(op_storage(1), (1,), (1,)), 16 << 20,
+                 "the archive's entry x/data/0 of 16777216 bytes would pass the"),
+}
+
+
+@pytest.mark.checkpoint
+@pytest.mark.parametrize("kind", CRAFTED)
+def test_torch_format_refuses_a_crafted_file_before_it_reads_or_allocates(kind, tmp_path):
+    """Each crafted file is one line naming it and what is wrong, and the load's allocations
+    (Python's and numpy's, tracemalloc) peak below twice the file's size and 512 KiB: a
+    storage's array swapped (by a numpy.ndarray called over a 4-byte buffer: the reader copied
+    64 floats of the heap; by BUILD), a stride-0 tensor of 2**26 elements over one, a negative
+    stride, one storage or list copied 300 times by a few opcodes each, numpy's object arrays,
+    a 16 MiB deflated entry in a 17 KiB file."""
+    body, storage, message = CRAFTED[kind]
+    compression = zipfile.ZIP_DEFLATED if kind == "zip_bomb" else zipfile.ZIP_STORED
+    path = crafted(tmp_path / "x.pt", body, storage, compression)
+    tracemalloc.start()
+    try:
+        with pytest.raises(torch_format.TorchFormatError) as e:
+            torch_format.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    one_line(e, path, message)
+    assert peak < 2 * os.path.getsize(path) + (512 << 10), peak
+
+
+CHILD_LOADS = """import sys
+from formats import torch_format
+for path in sys.argv[1:]:
+    try:
+        torch_format.load(path)
+    except torch_format.TorchFormatError as e:
+        print(f"error: {e}")
+"""
+
+
+@pytest.mark.checkpoint
+def test_torch_format_crafted_files_are_one_line_not_a_crash(tmp_path):
+    """In a child process, which a trusting reader ends with SIGSEGV: a storage swapped for a
+    buffer of 50 million floats over 4 bytes, and a dict key nested 400,000 tuples deep (Python
+    hashes it by recursion in C); one error line each."""
+    wide = crafted(tmp_path / "wide.pt", swapped(50_000_000, wide_view(50_000_000)))
+    deep = crafted(tmp_path / "deep.pt", pickle.EMPTY_DICT + pickle.EMPTY_TUPLE
+                   + pickle.TUPLE1 * 400_000 + pickle.NONE + pickle.SETITEM)
+    child = subprocess.run([sys.executable, "-c", CHILD_LOADS, wide, deep], cwd=HERE,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and child.stderr == "", (child.returncode, child.stderr)
+    assert child.stdout.splitlines() == [
+        f"error: {wide}: its pickle calls numpy.ndarray: not a function torch.save writes",
+        f"error: {deep}: its pickle uses a key of more than 64 items nested in tuples: no "
+        "checkpoint's key"]
+
+
+@pytest.mark.checkpoint
+def test_torch_format_reads_numpy_and_python_2_names_as_torch_writes_them(tmp_path):
+    """numpy's arrays (C and Fortran order, big-endian), dtypes and scalars, and sets under
+    protocol 2's Python 2 name __builtin__ come back as they were pickled."""
+    values = {"c": np.arange(6, dtype=np.int16).reshape(2, 3),
+              "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+              "big": np.arange(3, dtype=">u4"), "scalar": np.float32(1.5), "bool": np.bool_(True),
+              "set": {1, 2}, "frozen": frozenset({"x"})}
+    archive(tmp_path / "x.pt", pickle.dumps(values, protocol=2))
+    back = torch_format.load(str(tmp_path / "x.pt"))
+    for key, value in values.items():
+        assert type(back[key]) is type(value), key
+        if isinstance(value, np.ndarray):
+            assert back[key].dtype == value.dtype and back[key].flags.c_contiguous, key
+            np.testing.assert_array_equal(back[key], value)
+        else:
+            assert back[key] == value, key
+    assert b"__builtin__\nset" in pickle.dumps(values, protocol=2)
+
+
 @pytest.mark.checkpoint
 def test_torch_format_save_is_atomic(tmp_path, monkeypatch):
     """An object that does not pickle, or a failure while writing, leaves the old file as it
@@ -6728,6 +6897,31 @@ def test_import_refuses_a_broken_megatron_folder_in_one_line(kind, tmp_path):
 
 
 @pytest.mark.checkpoint
+def test_a_crafted_torch_checkpoint_is_one_line_for_import_and_load(tmp_path, capsys):
+    """import-megatron of a Megatron-LM folder whose rank file is crafted (its storage swapped
+    for a buffer wider than itself, out of which a trusting reader copies the heap), and --load
+    of this project's torch checkpoint so crafted, each end in one error line naming the file,
+    exit code 2, no checkpoint written."""
+    root, out = copied("tp1_gpt2", tmp_path), str(tmp_path / "out")
+    rank = crafted(rank_file(root), swapped(64, wide_view(64)))
+    one_line_error(capsys, ["import-megatron", root, "--save", out], rank,
+                   "its pickle calls numpy.ndarray")
+    assert not os.path.exists(out)
+    own = tmp_path / "own"
+    checkpoint.import_megatron_main([fixture("tp1_gpt2"), "--save", str(own), "--ckpt-format",
+                                     "torch"])
+    capsys.readouterr()
+    rank = crafted(own / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt",
+                   swapped(64, wide_view(64)))
+    os.remove(own / "iter_0000010" / checkpoint.CHECKSUMS)   # a crafted file's would match it
+    one_line_error(capsys, ["--config", os.path.join(HERE, "config.yaml"), "--load", str(own),
+                            "--save", str(tmp_path / "run"), "--mock-data",
+                            "--use-checkpoint-args", "--vocab-size", "250"],
+                   rank, "its pickle calls numpy.ndarray")
+    assert not glob.glob(str(tmp_path / "run" / "iter_*"))
+
+
+@pytest.mark.checkpoint
 def test_import_reads_a_release_checkpoint(tmp_path, capsys):
     root = copied("tp1_gpt2", tmp_path)
     os.rename(os.path.join(root, "iter_0000010"), os.path.join(root, "release"))
@@ -7112,6 +7306,36 @@ def _break_dist(root, kind):
             if index.state["fqn"] == old:
                 index.state["fqn"] = old + "1"
         open(path, "wb").write(torch_format.dump_pickle(metadata))
+    elif kind in CRAFTED_INDEX:
+        path = os.path.join(folder, ".metadata")
+        metadata = torch_format.load_pickle(open(path, "rb").read(), path)
+        CRAFTED_INDEX[kind](metadata.state["state_dict_metadata"], metadata.state["storage_data"])
+        open(path, "wb").write(torch_format.dump_pickle(metadata))
+
+
+def _sized(entries, key, size):
+    """The index entry `key` of one chunk made `size`, its chunk too."""
+    entries[key].state["size"] = entries[key].state["chunks"][0].state["sizes"] = size
+
+
+def _same_range(storage):
+    """Every piece stored in __0_1.distcp placed at the largest one's bytes."""
+    infos = [info.state for info in storage.values() if info.state["relative_path"] ==
+             "__0_1.distcp"]
+    largest = max(infos, key=lambda info: info["length"])
+    for info in infos:
+        info.update(offset=largest["offset"], length=largest["length"])
+
+
+# a crafted .metadata of megatron-core's TP1 checkpoint: each changes (entries, storage_data)
+CRAFTED_INDEX = {
+    "huge_shape": lambda entries, storage: entries["embedding.word_embeddings.weight"].state.update(
+        size=(10 ** 12, 32)),
+    "piece_past_its_bytes": lambda entries, storage: _sized(
+        entries, "embedding.position_embeddings.weight", (16, 3200)),
+    "piece_outside_the_folder": lambda entries, storage: next(iter(storage.values())).state.update(
+        relative_path="../../../../etc/passwd"),
+    "overlapping_pieces": lambda entries, storage: _same_range(storage)}
 
 
 DIST_BREAKS = {
@@ -7122,14 +7346,23 @@ DIST_BREAKS = {
     "newer_version": ("has checkpoint_version 4.0, this reader knows 3.0",
                       "a Megatron-LM newer or older than its names"),
     "unknown_name": ("decoder.layers.0.mlp.linear_fc1.weight1 has no place in this project's GPT",
-                     "a torch_dist checkpoint of a Megatron-LM newer or older")}
+                     "a torch_dist checkpoint of a Megatron-LM newer or older"),
+    "huge_shape": ("the pieces of embedding.word_embeddings.weight in",
+                   "of the 32000000000000 elements of its shape (1000000000000, 32)"),
+    "piece_past_its_bytes": ("embedding.position_embeddings.weight at (0, 0) of sizes (16, 3200) "
+                             "takes 204800 bytes of float32, more than the 3625 of its piece", ""),
+    "piece_outside_the_folder": ("in '../../../../etc/passwd' at byte",
+                                 "not a file of its folder"),
+    "overlapping_pieces": ("__0_1.distcp: its .metadata places", "pieces overlap")}
 
 
 @pytest.mark.checkpoint
 @pytest.mark.parametrize("kind", DIST_BREAKS)
 def test_a_broken_torch_dist_folder_is_one_line(kind, tmp_path, capsys):
     """A truncated .distcp, a .metadata naming a missing file, a damaged index, a folder of a
-    newer Megatron (backend version, checkpoint_version, a name this project does not know):
+    newer Megatron (backend version, checkpoint_version, a name this project does not know), a
+    crafted index (a global shape of 10**12 rows, allocated whole by a trusting reader; a piece
+    larger than its bytes; a piece outside the folder; pieces sharing their bytes):
     import-megatron and --load each end in one error line naming it, before any work."""
     root = copied("dist_tp1_gpt2", tmp_path)
     _break_dist(root, kind)
@@ -7745,6 +7978,7 @@ def test_export_hf_refuses_a_file_and_writes_the_tokenizer(tmp_path, tiny_checkp
     assert "no tokenizer files: ByteTokenizer" in capsys.readouterr().out
     assert (sorted(p.name for p in (tmp_path / "bytes").iterdir())
             == ["config.json", "model.safetensors"])
+
 
 
 def safetensors_header(path):
