@@ -7980,6 +7980,37 @@ def test_export_hf_refuses_a_file_and_writes_the_tokenizer(tmp_path, tiny_checkp
             == ["config.json", "model.safetensors"])
 
 
+@pytest.mark.checkpoint
+def test_export_hf_copies_only_files_of_the_checkpoint_or_its_command_line(tmp_path, capsys):
+    """A checkpoint whose meta names /etc/passwd, or a vocab.json outside its folder, as its
+    GPT-2 files is refused by export-hf in one line naming the file and the flag to give, before
+    anything is written; the file named on the command line (--vocab-file) is copied, and so is
+    one inside the checkpoint's folder."""
+    tiny_hf_gpt2(tmp_path / "hf", layers=1, hidden=16, heads=2, positions=16)
+    ckpt = tmp_path / "ckpt"
+    assert train.main(["import-hf", str(tmp_path / "hf"), "--save", str(ckpt)]) == 0
+    os.remove(ckpt / "iter_0000000" / checkpoint.CHECKSUMS)   # a crafted meta's would match it
+    (tmp_path / "elsewhere").mkdir()
+    outside, inside = tmp_path / "elsewhere" / "vocab.json", ckpt / "vocab.json"
+    for copy in (outside, inside):
+        shutil.copyfile(VOCAB, copy)
+    meta_path = ckpt / "iter_0000000" / "mp_rank_00" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for vocab in ("/etc/passwd", str(outside)):
+        meta["config"]["dataset_config"]["vocab_file"] = vocab
+        meta_path.write_text(json.dumps(meta))
+        capsys.readouterr()
+        one_line_error(capsys, ["export-hf", "--load", str(ckpt), "--save", str(tmp_path / "hf2")],
+                       f"dataset_config.vocab_file={vocab} is outside --load",
+                       f"give --vocab-file {vocab}")
+        assert not (tmp_path / "hf2").exists()
+    for vocab, flags in ((str(outside), ["--vocab-file", str(outside)]), (str(inside), [])):
+        meta["config"]["dataset_config"]["vocab_file"] = vocab
+        meta_path.write_text(json.dumps(meta))
+        out = tmp_path / f"hf_{len(flags)}"
+        assert train.main(["export-hf", "--load", str(ckpt), "--save", str(out), *flags]) == 0
+        assert (out / "vocab.json").read_bytes() == open(VOCAB, "rb").read()
+
 
 def safetensors_header(path):
     """The JSON header of a .safetensors file, read by its specification: an 8-byte little-endian
