@@ -6353,9 +6353,12 @@ def test_torch_format_crafted_files_are_one_line_not_a_crash(tmp_path):
 
 @pytest.mark.checkpoint
 def test_torch_format_reads_numpy_and_python_2_names_as_torch_writes_them(tmp_path):
-    """numpy's arrays (C and Fortran order, big-endian), dtypes and scalars, and sets under
-    protocol 2's Python 2 name __builtin__ come back as they were pickled."""
+    """numpy's arrays (C and Fortran order, big-endian; 40 KB of random bytes, written as
+    latin-1 text, which UTF-8 makes some 1.5 times as long: not refused as outgrowing the file),
+    dtypes and scalars, and sets under protocol 2's Python 2 name __builtin__ come back as they
+    were pickled."""
     values = {"c": np.arange(6, dtype=np.int16).reshape(2, 3),
+              "random": np.random.default_rng(0).integers(0, 2 ** 32, 10_000, dtype=np.uint32),
               "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
               "big": np.arange(3, dtype=">u4"), "scalar": np.float32(1.5), "bool": np.bool_(True),
               "set": {1, 2}, "frozen": frozenset({"x"})}

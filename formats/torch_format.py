@@ -161,9 +161,9 @@ NDARRAY = Global("numpy", "ndarray")       # a name _reconstruct takes, never ca
 class _Budget:
     """The file's size, as what may be read or built from it: the zip entries' declared sizes
     (_Archive), or what the pickle builds out of what the file already holds (_Unpickler: an
-    array's or bytes' size, a container's items, one each, as each took a byte of the pickle at
-    least). Each is charged before it is allocated, so a pickle naming one storage, bytes or list
-    again and again (a few opcodes each) is refused once its copies outgrow the file."""
+    array's size, a container's items, one each, as each took a byte of the pickle at least).
+    Each is charged before it is allocated, so a pickle naming one storage, bytes or list again
+    and again (a few opcodes each) is refused once its copies outgrow the file."""
 
     def __init__(self, size):
         self.size, self.left = size, size
@@ -357,9 +357,9 @@ class _Unpickler(pickle._Unpickler):
     tuple of arguments; NEWOBJ makes only Foreign objects and Namespaces; BUILD sets the state of
     Foreign objects, the attributes of Namespaces and OrderedDicts, and completes numpy's pending
     dtypes and arrays; items go into lists, dicts and sets only, under keys that hash safely.
-    Whatever is built from another object's contents (a tensor from a storage, arrays and bytes
-    from the pickle's, containers from its lists, a call's arguments) is charged to a budget of
-    the file's size. Storages come from `archive` (an _Archive); torch's storage classes and
+    Whatever is built from another object's contents (a tensor from a storage, an array from
+    bytes, containers from the pickle's lists, a call's arguments) is charged to a budget of the
+    file's size. Storages come from `archive` (an _Archive); torch's storage classes and
     dtypes, numpy.ndarray are names; any other global is a Foreign placeholder class. The
     pure-Python unpickler, whose opcodes can be replaced."""
 
@@ -367,7 +367,8 @@ class _Unpickler(pickle._Unpickler):
 
     def __init__(self, file, size, archive=None):
         super().__init__(file)
-        self.memo, self.budget, self.archive, self.foreign = _Memo(), _Budget(size), archive, {}
+        self.memo, self.budget, self.archive = _Memo(), _Budget(size), archive
+        self.foreign, self.encoded = {}, {}
         self.safe = {
             "torch._utils._rebuild_tensor_v2": self._tensor,
             "torch._utils._rebuild_tensor": self._tensor,
@@ -567,12 +568,15 @@ class _Unpickler(pickle._Unpickler):
         return _Pending(lambda state: _array_of(state, self.budget))
 
     def _latin1(self, text, encoding="latin1"):
-        """_codecs.encode as numpy's protocol-2 pickles use it (bytes written as latin-1 text)."""
+        """_codecs.encode as numpy's protocol-2 pickles use it (bytes written as latin-1 text):
+        each string of the pickle encoded once (named again, the same bytes), so together no
+        more than the pickle's own characters."""
         if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
             raise TorchFormatError(f"_codecs.encode called with {_brief(encoding)}: not "
                                    "numpy's bytes")
-        self.budget.take(len(text), f"bytes of {len(text)} characters")
-        return text.encode("latin1")
+        if id(text) not in self.encoded:              # the string kept: its id stays its own
+            self.encoded[id(text)] = text, text.encode("latin1")
+        return self.encoded[id(text)][1]
 
     def _items(self, kind, items):
         if type(items) not in (list, tuple):
