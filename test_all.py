@@ -6284,7 +6284,9 @@ CRAFTED = {   # data.pkl's opcodes, data/0's size in bytes, what the error line 
                        "of size (67108864,) (stride (0,)) holds 67108864 elements, more than the "
                        "1 of its storage"),
     "negative_stride": (op_tensor(op_storage(2), (2,), (-1,)), 8,
-                        "the stride of a tensor of x/data/0 is (-1,), not non-negative"),
+                        "the stride of a tensor of x/data/0 is (-1,), not up to 32 non-negative"),
+    "33_dimensions": (op_tensor(op_storage(1), (1,) * 33, (1,) * 33), 4,
+                      "the size of a tensor of x/data/0 is (1, 1, 1, 1, 1, 1, ...), not up to 32"),
     "one_storage_copied_300_times": (
         repeated(op_global("torch._utils", "_rebuild_tensor_v2"),
                  op_tuple(op_storage(1024), op_int(0), op_tuple(op_int(1024)),
@@ -6306,10 +6308,11 @@ CRAFTED = {   # data.pkl's opcodes, data/0's size in bytes, what the error line 
 def test_torch_format_refuses_a_crafted_file_before_it_reads_or_allocates(kind, tmp_path):
     """Each crafted file is one line naming it and what is wrong, and the load's allocations
     (Python's and numpy's, tracemalloc) peak below twice the file's size and 512 KiB: a
-    storage's array swapped (by a numpy.ndarray called over a 4-byte buffer: the reader copied
-    64 floats of the heap; by BUILD), a stride-0 tensor of 2**26 elements over one, a negative
-    stride, one storage or list copied 300 times by a few opcodes each, numpy's object arrays,
-    a 16 MiB deflated entry in a 17 KiB file."""
+    storage's array swapped (by a numpy.ndarray called over a 4-byte buffer, out of which a
+    trusting reader copies 64 floats of the heap; by BUILD), a stride-0 tensor of 2**26 elements
+    over one, a negative stride, 33 dimensions (numpy holds 32 at most), one storage or list
+    copied 300 times by a few opcodes each, numpy's object arrays, a 16 MiB deflated entry in a
+    17 KiB file."""
     body, storage, message = CRAFTED[kind]
     compression = zipfile.ZIP_DEFLATED if kind == "zip_bomb" else zipfile.ZIP_STORED
     path = crafted(tmp_path / "x.pt", body, storage, compression)

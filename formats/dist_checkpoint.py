@@ -121,12 +121,12 @@ def _parse_index(metadata, path):
 
 
 def _dims(values, what, path):
-    """`values` (torch.Size, a tuple) as a tuple of non-negative ints, or one line naming
-    `what`."""
+    """`values` (torch.Size, a tuple) as a tuple of at most MAX_DIMS non-negative ints, or one
+    line naming `what`."""
     values = tuple(values)
-    if not all(type(v) is int and v >= 0 for v in values):
-        raise CheckpointError(f"{path}: {what} are {values!r:.80}, not whole numbers: the index "
-                              "is damaged")
+    if len(values) > torch_format.MAX_DIMS or not all(type(v) is int and v >= 0 for v in values):
+        raise CheckpointError(f"{path}: {what} are {values!r:.80}, not up to "
+                              f"{torch_format.MAX_DIMS} whole numbers: the index is damaged")
     return values
 
 

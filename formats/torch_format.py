@@ -153,6 +153,7 @@ DTYPE_NAMES = ("float32", "float", "float16", "half", "bfloat16", "float64", "do
 # a tuple by recursion in C: a key nested 200,000 deep overflows an 8 MiB stack)
 NUMPY_KINDS = "biufc"
 KEY_ITEMS = 64
+MAX_DIMS = 32                           # numpy's most dimensions (NPY_MAXDIMS of numpy 1)
 # numpy's dtype state after its version and byte order: no fields, no sizes of its own
 DTYPE_STATE = (None, None, None, -1, -1, 0)
 NDARRAY = Global("numpy", "ndarray")       # a name _reconstruct takes, never called
@@ -196,11 +197,12 @@ _brief = _Brief().repr
 
 
 def _whole(values, what):
-    """`values` (a tuple or list of non-negative Python ints) as a tuple, or one line naming
-    `what`."""
-    if not isinstance(values, (tuple, list)) or not all(type(v) is int and v >= 0
-                                                        for v in values):
-        raise TorchFormatError(f"{what} is {_brief(values)}, not non-negative whole numbers")
+    """`values` (a tuple or list of at most MAX_DIMS non-negative Python ints) as a tuple, or one
+    line naming `what`."""
+    if not isinstance(values, (tuple, list)) or len(values) > MAX_DIMS or not all(
+            type(v) is int and v >= 0 for v in values):
+        raise TorchFormatError(f"{what} is {_brief(values)}, not up to {MAX_DIMS} non-negative "
+                               "whole numbers")
     return tuple(values)
 
 
