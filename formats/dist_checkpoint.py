@@ -225,7 +225,8 @@ def covered_rows(folder, key, dtype, shape, pieces):
         raise CheckpointError(f"{key} in {folder} is {dtype}, not a floating-point tensor")
     itemsize = np.dtype(DTYPES[dtype]).itemsize
     total = sum(length for *_, length in pieces)
-    if max(shape[1:], default=0) > total:               # each index's whole holds a dimension
+    # each covered index holds the dimensions past the first whole: none beyond its bytes
+    if max(shape[1:], default=0) > total:
         raise CheckpointError(f"{key} in {folder} has the shape {shape}, larger than the {total} "
                               "bytes of its pieces: the index is damaged")
     covered = collections.Counter()
