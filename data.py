@@ -5,6 +5,7 @@ tokenizer -> tools/preprocess_data.py (.bin/.idx indexed dataset) -> GPTDataset
 MegatronPretrainingSampler or MegatronPretrainingRandomSampler (micro-batches per dp rank).
 """
 import collections
+import contextlib
 import functools
 import glob
 import hashlib
@@ -15,8 +16,11 @@ import multiprocessing
 import os
 import re
 import signal
+import stat
 import struct
 import sys
+import tempfile
+import threading
 import time
 from types import SimpleNamespace
 
@@ -27,22 +31,69 @@ from settings.config import PER_SPLIT_PATHS, ConfigError, parse_blend, parse_spl
 from tokenizer import build_tokenizer, read_lines
 
 
-def _tmp_path(path):
-    """Where `path` is written before os.replace moves it into place (per process: ranks race)."""
-    return f"{path}.tmp{os.getpid()}"
+PROC_STATUS = "/proc/self/status"     # "Umask:", read without setting it (proc(5): Linux 4.7 on)
+_UMASK = threading.Lock()             # two threads setting it at once could leave it set
+
+
+def _new_file_mode():
+    """The mode open() gives a new file: 0o666 less the umask. os.umask reads the umask only by
+    setting it, for the whole process; where /proc does not tell it, it is set to 0o077 for that
+    moment, so a file another thread creates meanwhile is more private, never less."""
+    try:
+        with open(PROC_STATUS) as f:
+            masks = [line.split()[1] for line in f if line.startswith("Umask:")]
+    except OSError:
+        masks = []
+    if masks:
+        return 0o666 & ~int(masks[0], 8)
+    with _UMASK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _open_temporary(path):
+    """(binary file open for writing, its name): a new file beside `path` that os.replace moves
+    over it, named `<path>.tmp<random>` by tempfile.mkstemp: O_EXCL, so never a file or symlink
+    planted there, and one name per call, so threads and processes writing `path` at once each
+    have their own. Its mode is that of the file at `path`, or a new file's."""
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = _new_file_mode()
+    fd, tmp = tempfile.mkstemp(prefix=name + ".tmp", dir=folder)     # mode 0600
+    try:
+        os.fchmod(fd, mode)
+        return os.fdopen(fd, "wb"), tmp
+    except BaseException:
+        os.close(fd)
+        os.remove(tmp)
+        raise
+
+
+def fsync_folder(folder):
+    """A folder's entries to disk: a file created, renamed or removed in it survives a power loss
+    only once its folder is synced (fsync of the file keeps its bytes, not its name)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path, content):
     """Write `path` whole or not at all, the project's one way to write a file in place (data
     caches, checkpoints, torch_format, Hugging Face files): `content`, a str (UTF-8), bytes, or a
-    function that writes to a binary file, goes to a temporary file beside it, which is flushed to
-    disk and renamed over `path` (os.replace). Readers never see a half-written file, a crash
-    leaves the old one, and a failed write leaves nothing behind."""
+    function that writes to a binary file, goes to a temporary file beside it (_open_temporary),
+    which is synced to disk and renamed over `path` (os.replace), then the folder is synced.
+    Readers never see a half-written file, a crash or a power loss leaves the old one or the new
+    one, and a failed write leaves nothing behind."""
     if isinstance(content, str):
         content = content.encode()
-    tmp = _tmp_path(path)
+    f, tmp = _open_temporary(path)
     try:
-        with open(tmp, "wb") as f:
+        with f:
             if isinstance(content, bytes):
                 f.write(content)
             else:
@@ -50,9 +101,11 @@ def write_atomic(path, content):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        raise
+    fsync_folder(os.path.dirname(os.path.abspath(path)))
 
 
 # ----------------------------------------------------------------------------- indexed dataset
@@ -71,14 +124,15 @@ def optimal_dtype(vocab_size):
 class IndexedDatasetBuilder:
     """Megatron's IndexedDatasetBuilder: appends token arrays to .bin, writes the .idx at finalize.
 
-    Both files are written under temporary names and moved into place by finalize(); discard()
-    removes them instead, or takes back what finalize placed.
+    Both files are written under temporary names (_open_temporary) and moved into place by
+    finalize(), synced to disk first (ensure_preprocessed's sidecar, written after them, says
+    they are complete); discard() removes them instead, or takes back what finalize placed.
     """
 
     def __init__(self, bin_path, dtype=np.uint16):
         self.bin_path, self.dtype = bin_path, np.dtype(dtype)
-        self._bin_tmp, self._idx_tmp = _tmp_path(bin_path), None
-        self._bin = open(self._bin_tmp, "wb")
+        self._bin, self._bin_tmp = _open_temporary(bin_path)
+        self._idx_tmp = None
         self.sequence_lengths, self.document_indices = [], [0]
         self._placed = []
 
@@ -90,6 +144,8 @@ class IndexedDatasetBuilder:
         self.document_indices.append(len(self.sequence_lengths))
 
     def finalize(self, idx_path):
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
         self._bin.close()
         lengths = np.asarray(self.sequence_lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)  # byte offset of each sequence in .bin
@@ -98,14 +154,17 @@ class IndexedDatasetBuilder:
         header = _INDEX_HEADER + struct.pack("<QBQQ", 1, _CODES[self.dtype], len(lengths),
                                              len(self.document_indices))
         documents = np.asarray(self.document_indices, dtype=np.int64)
-        self._idx_tmp = _tmp_path(idx_path)
-        with open(self._idx_tmp, "wb") as f:
+        f, self._idx_tmp = _open_temporary(idx_path)
+        with f:
             f.write(header + lengths.tobytes() + pointers.tobytes() + documents.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
         # both files complete before either moves, so the window for a .bin without its .idx
         # is two renames; noted before each, so discard() can take back a pair left incomplete
         for tmp, path in ((self._bin_tmp, self.bin_path), (self._idx_tmp, idx_path)):
             self._placed.append(path)
             os.replace(tmp, path)
+        fsync_folder(os.path.dirname(os.path.abspath(idx_path)))
 
     def discard(self):
         self._bin.close()

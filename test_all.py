@@ -91,6 +91,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zipfile
@@ -1272,6 +1273,63 @@ def test_failed_data_writes_leave_no_temporary_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.data
+def test_write_atomic_never_writes_through_a_planted_symlink(tmp_path, monkeypatch):
+    """The temporary file is new (O_EXCL, tempfile.mkstemp): a symlink planted at the old
+    predictable name `<path>.tmp<pid>`, or at whatever name is drawn first, is passed over; the
+    target is written and the symlink's target is left as it was."""
+    victim, target = tmp_path / "victim", tmp_path / "x.json"
+    victim.write_text("theirs")
+    os.symlink(victim, f"{target}.tmp{os.getpid()}")
+    data.write_atomic(str(target), "ours")
+    assert target.read_text() == "ours" and not target.is_symlink()
+    os.symlink(victim, f"{target}.tmpplanted")
+    names = iter(["planted", "fresh"])           # mkstemp's draws, this thread's
+    monkeypatch.setattr(tempfile, "_get_candidate_names",
+                        this_thread_only(lambda: names, tempfile._get_candidate_names))
+    data.write_atomic(str(target), "ours again")
+    assert target.read_text() == "ours again" and not target.is_symlink()
+    assert victim.read_text() == "theirs"
+    assert sorted(os.listdir(tmp_path)) == ["victim", "x.json", f"x.json.tmp{os.getpid()}",
+                                            "x.json.tmpplanted"]
+
+
+@pytest.mark.data
+def test_write_atomic_keeps_the_mode_of_the_file_it_replaces(tmp_path, monkeypatch):
+    """run.sh's launch file is made private (mktemp, 0600) and train.py rewrites it: it stays
+    0600, as a 0640 file stays 0640; a new file has the mode open() gives (0666 less the umask),
+    also where /proc does not tell the umask."""
+    mode = lambda path: os.stat(path).st_mode & 0o7777
+    for kept in (0o600, 0o640):
+        path = tmp_path / f"kept_{kept:o}"
+        path.write_text("old")
+        path.chmod(kept)
+        data.write_atomic(str(path), "new")
+        assert mode(path) == kept and path.read_text() == "new"
+    open(tmp_path / "by_open", "w").close()
+    data.write_atomic(str(tmp_path / "new"), "new")
+    monkeypatch.setattr(data, "PROC_STATUS", str(tmp_path / "no_proc"))
+    data.write_atomic(str(tmp_path / "new_without_proc"), "new")
+    assert mode(tmp_path / "new") == mode(tmp_path / "new_without_proc") == mode(
+        tmp_path / "by_open")
+
+
+@pytest.mark.data
+def test_write_atomic_from_threads_at_once(tmp_path):
+    """Threads writing one file at once each write their own temporary file: the file ends whole,
+    one thread's, and nothing else is left (one temporary name per process once made them write
+    over and move each other's)."""
+    path = tmp_path / "x"
+    contents = [bytes([65 + k]) * 200_000 for k in range(4)]
+
+    def write(content):
+        for _ in range(10):
+            data.write_atomic(str(path), content)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, contents))
+    assert path.read_bytes() in contents and os.listdir(tmp_path) == ["x"]
+
+
 # ------------------------------------------------------------------------------------ preprocessing
 
 
@@ -1351,7 +1409,7 @@ def test_preprocess_bad_input_names_file_and_line_and_leaves_nothing(tmp_path, c
             str(workers), *flags]
     with pytest.raises(ConfigError, match="^" + re.escape(str(src) + message)):
         data.preprocess_main(argv)
-    assert os.listdir(tmp_path / "out") == []  # no .bin.tmp<pid>, no half .idx
+    assert os.listdir(tmp_path / "out") == []  # no temporary .bin, no half .idx
 
 
 @pytest.mark.data
@@ -1593,10 +1651,13 @@ def test_preprocess_ctrl_c_is_one_line_exit_130_and_leaves_nothing(tmp_path, wor
                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    partial = out / f"p_text_document.bin.tmp{job.pid}"
+    def writing():                                  # tokens on their way to the temporary .bin
+        partial = glob.glob(str(out / "p_text_document.bin.tmp*"))
+        return partial and os.path.getsize(partial[0]) > 0
+
     try:
         deadline = time.time() + 60
-        while not (partial.exists() and partial.stat().st_size > 0):  # tokens on their way
+        while not writing():
             assert job.poll() is None and time.time() < deadline, "preprocess did not start"
             time.sleep(0.01)
         os.killpg(job.pid, signal.SIGINT)
