@@ -7558,6 +7558,50 @@ def test_a_save_killed_at_any_point_keeps_the_previous_checkpoint(tmp_path, monk
     assert checkpoint.load_checkpoint(root)[0]["w"][0] == 4.0
 
 
+@pytest.mark.checkpoint
+def test_a_save_is_on_disk_step_by_step_before_the_older_checkpoint_goes(tmp_path, monkeypatch):
+    """A power loss keeps what was fsynced: each file of the new checkpoint is synced, then its
+    folders, then it is renamed into place and root is synced, then `latest` is written, synced
+    and renamed and root synced again; only then is the older checkpoint pruned (with
+    keep_checkpoint_max=1 it was the only other one). Seen through a recording os.fsync and
+    os.replace (this thread's calls only)."""
+    root = tmp_path / "run"
+    shards = {"mp_rank_00": ({"model_optim_rng": {"w": np.ones(4, np.float32)}},
+                             {"iteration": 1})}
+    checkpoint.save_checkpoint(str(root), 1, shards, keep_max=1)
+    events, fsync, replace, rmtree = [], os.fsync, os.replace, shutil.rmtree
+
+    def name(path):             # relative to root, a temporary file's random part as *
+        return re.sub(r"\.tmp\w+$", ".tmp*", os.path.relpath(path, root))
+
+    def recorded(kind, fn, paths):
+        def call(*a, **k):
+            events.append((kind, *map(name, paths(*a))))
+            return fn(*a, **k)
+        return this_thread_only(call, fn)
+    monkeypatch.setattr(os, "fsync", recorded("fsync", fsync,
+                                              lambda fd: [os.readlink(f"/proc/self/fd/{fd}")]))
+    monkeypatch.setattr(os, "replace", recorded("replace", replace, lambda a, b: [a, b]))
+    monkeypatch.setattr(shutil, "rmtree", recorded("rmtree", rmtree, lambda p, **k: [p]))
+    checkpoint.save_checkpoint(str(root), 2, shards, keep_max=1)
+    monkeypatch.undo()
+    tmp, latest = ".iter_0000002.tmp", checkpoint.LATEST
+    moved = events.index(("replace", tmp, "iter_0000002"))
+    assert events[moved:] == [
+        ("replace", tmp, "iter_0000002"), ("fsync", "."),
+        ("fsync", f"{latest}.tmp*"), ("replace", f"{latest}.tmp*", latest), ("fsync", "."),
+        ("rmtree", "iter_0000001")]
+    assert events[moved - 1] == ("fsync", tmp)
+    last = {path: i for i, (kind, path, *_) in enumerate(events[:moved]) if kind == "fsync"}
+    files = sorted(os.path.relpath(p, root / "iter_0000002") for p in
+                   glob.glob(str(root / "iter_0000002" / "**"), recursive=True)
+                   if os.path.isfile(p))
+    assert files == ["checksums.json", "mp_rank_00/meta.json", "mp_rank_00/model_optim_rng.ckpt"]
+    for f in files:                       # each file synced after it was written, then its folder
+        folder = os.path.dirname(f"{tmp}/{f}")
+        assert last[f"{tmp}/{f}"] < last[folder] <= last[tmp], f
+
+
 SAVED_DAMAGE = {   # a file damaged since its save (DAMAGES, or lost): how damage() names it
     "truncated": r"\d+ bytes, saved with \d+ \(truncated or overwritten\)",
     "overwritten": r"its bytes differ from those saved \(CRC-32\)",
