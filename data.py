@@ -173,6 +173,66 @@ class IndexedDatasetBuilder:
                 os.remove(path)
 
 
+CHUNK = 1 << 20   # index entries checked at once: 8 MB per temporary array, whatever the corpus
+
+
+def _check_sequences(lengths, pointers, itemsize, where):
+    """Each sequence's length and pointer as Megatron's _IndexWriter writes them: lengths
+    [n_seq] int32 not negative, pointers [n_seq] int64 back to back (pointer 0 is 0, each next
+    one is the last plus its length * itemsize), the last ending within the .bin. Checked in
+    chunks, vectorised: the first wrong sequence is one ConfigError. Returns the byte after the
+    last sequence."""
+    end = 0                                   # where the next sequence starts
+    for start in range(0, len(lengths), CHUNK):
+        n = lengths[start:start + CHUNK].astype(np.int64) * itemsize     # [chunk] bytes
+        ends = end + np.cumsum(n)             # no overflow: |n| < 2**34, end <= the .bin's size
+        starts = np.concatenate([[end], ends[:-1]])
+        bad = (n < 0) | (pointers[start:start + CHUNK] != starts) | (ends > where.size)
+        if bad.any():
+            k = int(np.argmax(bad))
+            i = start + k
+            raise ConfigError(_sequence_error(i, int(lengths[i]), int(pointers[i]),
+                                              int(starts[k]), int(ends[k]), where))
+        end = int(ends[-1])
+    return end
+
+
+def _sequence_error(i, length, pointer, start, end, where):
+    """The line for sequence i, the first that is wrong (those before it are right)."""
+    if length < 0:
+        return f"{where.idx}: sequence {i} has a negative length, {length}: {where.fix}"
+    if pointer != start:
+        after = f"where sequence {i - 1} ends" if i else "the start of the file"
+        return (f"{where.idx}: sequence {i} starts at byte {pointer} of {where.bin}, not at "
+                f"byte {start}, {after} (Megatron writes them back to back): {where.fix}")
+    return (f"{where.bin}: truncated, {where.size} bytes, but sequence {i} of {where.idx} ends "
+            f"at byte {end}: {where.fix}")
+
+
+def _check_documents(documents, n_seq, where):
+    """The document index [n_doc] int64 as Megatron writes it: 0, then the sequence each document
+    ends before, never going back nor past the n_seq sequences; and no more documents than
+    sequences: GPTDataset reads document k as sequence k (preprocess writes one sequence per
+    document)."""
+    if len(documents) == 0 or documents[0] != 0:
+        first = documents[0] if len(documents) else "missing"
+        raise ConfigError(f"{where.idx}: the document index starts at {first}, not 0: "
+                          f"{where.fix}")
+    for start in range(1, len(documents), CHUNK):
+        ends = documents[start:start + CHUNK]
+        before = documents[start - 1:start - 1 + len(ends)]
+        bad = (ends < before) | (ends > n_seq)
+        if bad.any():
+            k = int(np.argmax(bad))
+            wrong = (f"before its start, sequence {before[k]}" if ends[k] < before[k]
+                     else f"past the {n_seq} sequences")
+            raise ConfigError(f"{where.idx}: document {start + k - 1} ends at sequence "
+                              f"{ends[k]}, {wrong}: {where.fix}")
+    if len(documents) - 1 > n_seq:
+        raise ConfigError(f"{where.idx}: {len(documents) - 1} documents in {n_seq} sequences; "
+                          f"this reader takes one sequence per document: {where.fix}")
+
+
 class IndexedDataset:
     """Megatron's (mmap) IndexedDataset read from `<path_prefix>.bin` and `<path_prefix>.idx`."""
 
@@ -202,16 +262,33 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(idx, dtype=np.int64, count=n_doc,
                                               offset=34 + n_seq * 12)
         bin_size = os.path.getsize(bin_path)
-        if n_seq:
-            # the byte after the last sequence
-            end = self.sequence_pointers[-1] + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-            if end > bin_size:
-                raise ConfigError(f"{bin_path}: truncated, {bin_size} bytes is shorter than the "
-                                  f"index says: {fix}")
+        where = SimpleNamespace(idx=idx_path, bin=bin_path, size=bin_size, fix=fix)
+        # the byte after the last sequence: every length and pointer is trusted from here on
+        self.end = _check_sequences(self.sequence_lengths, self.sequence_pointers,
+                                    self.dtype.itemsize, where)
+        _check_documents(self.document_indices, n_seq, where)
         self._bin = np.memmap(bin_path, mode="r", order="C") if bin_size else np.zeros(0, np.uint8)
 
     def __len__(self):
         return len(self.sequence_lengths)
+
+    def check_token_ids(self, vocab_size, tokenizer):
+        """Every token id of the sequences below `vocab_size`, the vocabulary of `tokenizer` (its
+        name), and not negative: one pass over the .bin, chunked (docs/training.md gives its
+        cost). A corpus tokenized with another tokenizer is one ConfigError naming the largest
+        id, not an embedding lookup failing deep in MindSpore."""
+        tokens = np.frombuffer(self._bin, dtype=self.dtype, count=self.end // self.dtype.itemsize)
+        low, high = 0, -1
+        for start in range(0, len(tokens), 64 * CHUNK):
+            chunk = tokens[start:start + 64 * CHUNK]
+            high = max(high, int(chunk.max()))
+            if self.dtype.kind != "u":
+                low = min(low, int(chunk.min()))
+        if high >= vocab_size or low < 0:
+            which = f"{high}, the largest," if high >= vocab_size else f"{low}, the smallest,"
+            raise ConfigError(f"{self.path_prefix}.bin: token id {which} is outside the "
+                              f"vocabulary of {tokenizer}, {vocab_size} ids: preprocess the "
+                              f"corpus with {tokenizer}, or train with the tokenizer that made it")
 
     def get(self, i, offset=0, length=None):
         """Tokens of sequence i from `offset`, `length` of them (default: to the end)."""
