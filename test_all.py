@@ -91,6 +91,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -1260,6 +1261,95 @@ def test_damaged_indexed_dataset_names_the_file_and_the_fix(tmp_path):
         data.IndexedDataset(str(tmp_path / "missing"))
 
 
+def _hostile_idx(lengths, pointers=None, documents=None, code=8, n_seq=None):
+    """.idx bytes with the lengths, pointers and document index given as they are (pointers
+    default to Megatron's back to back ones, documents to one per sequence)."""
+    lengths = np.asarray(lengths, dtype=np.int32)
+    if pointers is None:
+        pointers = np.concatenate([[0], np.cumsum(lengths[:-1].astype(np.int64) * 2)])
+    documents = np.arange(len(lengths) + 1) if documents is None else documents
+    header = struct.pack("<QBQQ", 1, code, len(lengths) if n_seq is None else n_seq,
+                         len(documents))
+    return (b"MMIDIDX\x00\x00" + header + lengths.tobytes()
+            + np.asarray(pointers, dtype=np.int64).tobytes()
+            + np.asarray(documents, dtype=np.int64).tobytes())
+
+
+BIG = 1 << 20   # data.CHUNK: a sequence in the second chunk
+HOSTILE_INDICES = {  # name: (lengths, pointers, documents, the line after "<tmp_path>/")
+    # the last sequence is right, so only the whole check sees these
+    "middle pointer past the end": ([3, 2, 1], [0, 600, 10], None,
+                                    "d.idx: sequence 1 starts at byte 600 of {bin}, not at byte "
+                                    "6, where sequence 0 ends"),
+    "negative length": ([3, -2, 1], [0, 6, 2], None, "d.idx: sequence 1 has a negative length, -2"),
+    # build_sample_index would allocate for 2**31 tokens
+    "length sum past the file": ([3, 2**31 - 1, 1], [0, 6, 10], None,
+                                 f"d.bin: truncated, 12 bytes, but sequence 1 of {{idx}} ends at "
+                                 f"byte {6 + 2 * (2**31 - 1)}"),
+    # the old check's pointer + length * 2 wrapped below 0
+    "last pointer wrapping": ([3, 2, 1], [0, 6, 2**63 - 1], None,
+                              f"d.idx: sequence 2 starts at byte {2**63 - 1} of {{bin}}, not at "
+                              f"byte 10, where sequence 1 ends"),
+    "first pointer": ([3, 2, 1], [2, 8, 12], None,
+                      "d.idx: sequence 0 starts at byte 2 of {bin}, not at byte 0, the start of "
+                      "the file"),
+    "second chunk": (np.r_[np.zeros(BIG), 3, 2, 1], np.r_[np.zeros(BIG), 0, 6, 99], None,
+                     f"d.idx: sequence {BIG + 2} starts at byte 99 of {{bin}}, not at byte 10, "
+                     f"where sequence {BIG + 1} ends"),
+    "documents not from 0": ([3, 2, 1], None, [1, 2, 3], "d.idx: the document index starts at 1, "
+                                                         "not 0"),
+    "documents going back": ([3, 2, 1], None, [0, 2, 1, 3],
+                             "d.idx: document 1 ends at sequence 1, before its start, sequence 2"),
+    "documents past the sequences": ([3, 2, 1], None, [0, 1, 4],
+                                     "d.idx: document 1 ends at sequence 4, past the 3 sequences"),
+    "more documents than sequences": ([3, 2, 1], None, [0, 1, 1, 2, 3],
+                                      "d.idx: 4 documents in 3 sequences; this reader takes one "
+                                      "sequence per document"),
+}
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("case", HOSTILE_INDICES)
+def test_hostile_index_is_one_line_naming_the_first_wrong_entry(tmp_path, case):
+    """Every length, pointer and document index entry of a .idx is checked against its .bin,
+    vectorised, before anything trusts them: a middle pointer past the end once trained on
+    garbage with exit 0, and a huge or negative length reached build_sample_index's allocation.
+    The first wrong entry is named, with the fix."""
+    lengths, pointers, documents, line = HOSTILE_INDICES[case]
+    (tmp_path / "d.bin").write_bytes(np.arange(6, dtype=np.uint16).tobytes())  # 12 bytes
+    (tmp_path / "d.idx").write_bytes(_hostile_idx(lengths, pointers, documents))
+    where = dict(bin=tmp_path / "d.bin", idx=tmp_path / "d.idx")
+    fix = f": re-run preprocess to rebuild {tmp_path / 'd'}.bin/.idx"
+    with pytest.raises(ConfigError) as e:
+        data.IndexedDataset(str(tmp_path / "d"))
+    assert str(e.value) == f"{tmp_path}/{line.format(**where)}" + (
+        " (Megatron writes them back to back)" if "starts at byte" in line else "") + fix
+
+
+@pytest.mark.data
+def test_token_ids_past_the_vocabulary_are_one_line(tmp_path):
+    """A corpus holding ids its tokenizer does not have (made with another one) is one line
+    naming the .bin, the largest id and the vocabulary, not MindSpore's Gather failing in the
+    first step; negative ids of a signed dtype too; ids up to the vocabulary's last pass."""
+    def corpus(name, ids, dtype):
+        b = data.IndexedDatasetBuilder(str(tmp_path / f"{name}.bin"), dtype=dtype)
+        b.add_document(ids)
+        b.add_document([0])
+        b.finalize(str(tmp_path / f"{name}.idx"))
+        return data.IndexedDataset(str(tmp_path / name))
+
+    gpt2_ids = corpus("gpt2", [15496, 1858, 995], np.uint16)
+    with pytest.raises(ConfigError) as e:
+        gpt2_ids.check_token_ids(257, "ByteTokenizer")
+    assert str(e.value) == (f"{tmp_path / 'gpt2'}.bin: token id 15496, the largest, is outside "
+                            "the vocabulary of ByteTokenizer, 257 ids: preprocess the corpus "
+                            "with ByteTokenizer, or train with the tokenizer that made it")
+    gpt2_ids.check_token_ids(15497, "a tokenizer")
+    with pytest.raises(ConfigError, match=r"signed\.bin: token id -3, the smallest, is outside"):
+        corpus("signed", [5, -3, 7], np.int32).check_token_ids(10, "NullTokenizer")
+    corpus("empty", [], np.uint16).check_token_ids(1, "NullTokenizer")
+
+
 @pytest.mark.data
 def test_failed_data_writes_leave_no_temporary_file(tmp_path):
     def fail(f):
@@ -1271,6 +1361,63 @@ def test_failed_data_writes_leave_no_temporary_file(tmp_path):
     b.add_document([1, 2])
     b.discard()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.data
+def test_write_atomic_never_writes_through_a_planted_symlink(tmp_path, monkeypatch):
+    """The temporary file is new (O_EXCL, tempfile.mkstemp): a symlink planted at the old
+    predictable name `<path>.tmp<pid>`, or at whatever name is drawn first, is passed over; the
+    target is written and the symlink's target is left as it was."""
+    victim, target = tmp_path / "victim", tmp_path / "x.json"
+    victim.write_text("theirs")
+    os.symlink(victim, f"{target}.tmp{os.getpid()}")
+    data.write_atomic(str(target), "ours")
+    assert target.read_text() == "ours" and not target.is_symlink()
+    os.symlink(victim, f"{target}.tmpplanted")
+    names = iter(["planted", "fresh"])           # mkstemp's draws, this thread's
+    monkeypatch.setattr(tempfile, "_get_candidate_names",
+                        this_thread_only(lambda: names, tempfile._get_candidate_names))
+    data.write_atomic(str(target), "ours again")
+    assert target.read_text() == "ours again" and not target.is_symlink()
+    assert victim.read_text() == "theirs"
+    assert sorted(os.listdir(tmp_path)) == ["victim", "x.json", f"x.json.tmp{os.getpid()}",
+                                            "x.json.tmpplanted"]
+
+
+@pytest.mark.data
+def test_write_atomic_keeps_the_mode_of_the_file_it_replaces(tmp_path, monkeypatch):
+    """run.sh's launch file is made private (mktemp, 0600) and train.py rewrites it: it stays
+    0600, as a 0640 file stays 0640; a new file has the mode open() gives (0666 less the umask),
+    also where /proc does not tell the umask."""
+    mode = lambda path: os.stat(path).st_mode & 0o7777
+    for kept in (0o600, 0o640):
+        path = tmp_path / f"kept_{kept:o}"
+        path.write_text("old")
+        path.chmod(kept)
+        data.write_atomic(str(path), "new")
+        assert mode(path) == kept and path.read_text() == "new"
+    open(tmp_path / "by_open", "w").close()
+    data.write_atomic(str(tmp_path / "new"), "new")
+    monkeypatch.setattr(data, "PROC_STATUS", str(tmp_path / "no_proc"))
+    data.write_atomic(str(tmp_path / "new_without_proc"), "new")
+    assert mode(tmp_path / "new") == mode(tmp_path / "new_without_proc") == mode(
+        tmp_path / "by_open")
+
+
+@pytest.mark.data
+def test_write_atomic_from_threads_at_once(tmp_path):
+    """Threads writing one file at once each write their own temporary file: the file ends whole,
+    one thread's, and nothing else is left (one temporary name per process once made them write
+    over and move each other's)."""
+    path = tmp_path / "x"
+    contents = [bytes([65 + k]) * 200_000 for k in range(4)]
+
+    def write(content):
+        for _ in range(10):
+            data.write_atomic(str(path), content)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, contents))
+    assert path.read_bytes() in contents and os.listdir(tmp_path) == ["x"]
 
 
 # ------------------------------------------------------------------------------------ preprocessing
@@ -1337,6 +1484,10 @@ BAD_INPUTS = {  # file name, bytes, extra flags, the message after "<tmp_path>/<
     "not an id": ("in.txt", b"1 2\n\n3\n4 x\n",
                   ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
                   ":3: invalid literal for int() with base 10: 'x'"),
+    # uint16 in the .bin: 65541 would be written as 5
+    "id past the vocabulary": ("in.txt", b"1 2\n\n3 65541\n",
+                               ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
+                               ":3: id 65541 is not in 0..10"),
 }
 
 
@@ -1352,7 +1503,7 @@ def test_preprocess_bad_input_names_file_and_line_and_leaves_nothing(tmp_path, c
             str(workers), *flags]
     with pytest.raises(ConfigError, match="^" + re.escape(str(src) + message)):
         data.preprocess_main(argv)
-    assert os.listdir(tmp_path / "out") == []  # no .bin.tmp<pid>, no half .idx
+    assert os.listdir(tmp_path / "out") == []  # no temporary .bin, no half .idx
 
 
 @pytest.mark.data
@@ -1594,10 +1745,13 @@ def test_preprocess_ctrl_c_is_one_line_exit_130_and_leaves_nothing(tmp_path, wor
                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    partial = out / f"p_text_document.bin.tmp{job.pid}"
+    def writing():                                  # tokens on their way to the temporary .bin
+        partial = glob.glob(str(out / "p_text_document.bin.tmp*"))
+        return partial and os.path.getsize(partial[0]) > 0
+
     try:
         deadline = time.time() + 60
-        while not (partial.exists() and partial.stat().st_size > 0):  # tokens on their way
+        while not writing():
             assert job.poll() is None and time.time() < deadline, "preprocess did not start"
             time.sleep(0.01)
         os.killpg(job.pid, signal.SIGINT)
@@ -2101,24 +2255,30 @@ def test_bad_blends_are_one_line_exit_2(tmp_path, case, capfd):
     flags, expected = BAD_BLENDS[case]
     fill = lambda text: text.format(tmp=tmp_path, a=os.path.join(BLENDS, "a"))
     code = train.main([*map(fill, flags), "--seq-length", "8", "--tokenizer-type",
-                       "ByteTokenizer", "--save", str(tmp_path / "out"), "--data-cache-path",
-                       str(tmp_path / "cache")])
+                       "NullTokenizer", "--vocab-size", "50257", "--save", str(tmp_path / "out"),
+                       "--data-cache-path", str(tmp_path / "cache")])   # GPT-2's ids in {a}
     out, err = capfd.readouterr()
     assert code == 2 and "Traceback" not in out + err
     assert len(err.splitlines()) == 1 and err.startswith("error: " + fill(expected)), err
 
 
 @pytest.mark.data
-@pytest.mark.parametrize("case", ["vocab", "idx", "no documents", "few tokens"])
+@pytest.mark.parametrize("case", ["vocab", "idx", "no documents", "few tokens", "middle pointer",
+                                  "token ids", "token ids at check"])
 def test_training_data_errors_are_one_line_exit_2(tmp_path, case, capfd):
     """Errors found while training builds its tokenizer and datasets: one line naming the file,
     exit code 2, no traceback (in this process: train.py's __main__ gives main's code as the
-    exit code, test_bad_config_exit_code_from_the_command_line)."""
+    exit code, test_bad_config_exit_code_from_the_command_line). A middle pointer past the .bin
+    once trained with exit 0; ids past the vocabulary failed in MindSpore's Gather (`bash run.sh
+    check` finds them too, before msrun starts any worker)."""
     b = data.IndexedDatasetBuilder(str(tmp_path / "d.bin"))
-    for doc in {"no documents": [], "few tokens": [[1, 2, 3]]}.get(case, [list(range(200))] * 3):
+    docs = {"no documents": [], "few tokens": [[1, 2, 3]],
+            "token ids": [[1858, *range(199)]] * 3}
+    for doc in docs.get(case.replace(" at check", ""), [list(range(200))] * 3):
         b.add_document(doc)
     b.finalize(str(tmp_path / "d.idx"))
     flags = ["--tokenizer-type", "ByteTokenizer"]
+    command = ["check"] if case.endswith("at check") else []
     if case == "vocab":
         (tmp_path / "vocab.json").write_text('{"a": 0}')
         flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
@@ -2127,10 +2287,16 @@ def test_training_data_errors_are_one_line_exit_2(tmp_path, case, capfd):
     elif case == "idx":
         (tmp_path / "d.idx").write_bytes((tmp_path / "d.idx").read_bytes()[:-8])
         expected = f"{tmp_path / 'd.idx'}: truncated"
+    elif case == "middle pointer":
+        (tmp_path / "d.idx").write_bytes(_hostile_idx([200] * 3, [0, 4000, 800]))
+        expected = f"{tmp_path / 'd.idx'}: sequence 1 starts at byte 4000 of {tmp_path / 'd.bin'}"
+    elif case.startswith("token ids"):
+        expected = (f"{tmp_path / 'd.bin'}: token id 1858, the largest, is outside the vocabulary "
+                    "of dataset_config.tokenizer_type=ByteTokenizer, 257 ids")
     else:
         expected = (f"{tmp_path / 'd.bin'}: the train split has "
                     f"{0 if case == 'no documents' else 3} tokens")
-    code = train.main(["--data-path", str(tmp_path / "d"), "--seq-length", "64",
+    code = train.main([*command, "--data-path", str(tmp_path / "d"), "--seq-length", "64",
                        "--save", str(tmp_path / "out"), *flags])
     out, err = capfd.readouterr()
     assert code == 2 and "Traceback" not in out + err
@@ -7736,6 +7902,50 @@ def test_a_save_killed_at_any_point_keeps_the_previous_checkpoint(tmp_path, monk
     assert checkpoint.load_checkpoint(root)[0]["w"][0] == 4.0
 
 
+@pytest.mark.checkpoint
+def test_a_save_is_on_disk_step_by_step_before_the_older_checkpoint_goes(tmp_path, monkeypatch):
+    """A power loss keeps what was fsynced: each file of the new checkpoint is synced, then its
+    folders, then it is renamed into place and root is synced, then `latest` is written, synced
+    and renamed and root synced again; only then is the older checkpoint pruned (with
+    keep_checkpoint_max=1 it was the only other one). Seen through a recording os.fsync and
+    os.replace (this thread's calls only)."""
+    root = tmp_path / "run"
+    shards = {"mp_rank_00": ({"model_optim_rng": {"w": np.ones(4, np.float32)}},
+                             {"iteration": 1})}
+    checkpoint.save_checkpoint(str(root), 1, shards, keep_max=1)
+    events, fsync, replace, rmtree = [], os.fsync, os.replace, shutil.rmtree
+
+    def name(path):             # relative to root, a temporary file's random part as *
+        return re.sub(r"\.tmp\w+$", ".tmp*", os.path.relpath(path, root))
+
+    def recorded(kind, fn, paths):
+        def call(*a, **k):
+            events.append((kind, *map(name, paths(*a))))
+            return fn(*a, **k)
+        return this_thread_only(call, fn)
+    monkeypatch.setattr(os, "fsync", recorded("fsync", fsync,
+                                              lambda fd: [os.readlink(f"/proc/self/fd/{fd}")]))
+    monkeypatch.setattr(os, "replace", recorded("replace", replace, lambda a, b: [a, b]))
+    monkeypatch.setattr(shutil, "rmtree", recorded("rmtree", rmtree, lambda p, **k: [p]))
+    checkpoint.save_checkpoint(str(root), 2, shards, keep_max=1)
+    monkeypatch.undo()
+    tmp, latest = ".iter_0000002.tmp", checkpoint.LATEST
+    moved = events.index(("replace", tmp, "iter_0000002"))
+    assert events[moved:] == [
+        ("replace", tmp, "iter_0000002"), ("fsync", "."),
+        ("fsync", f"{latest}.tmp*"), ("replace", f"{latest}.tmp*", latest), ("fsync", "."),
+        ("rmtree", "iter_0000001")]
+    assert events[moved - 1] == ("fsync", tmp)
+    last = {path: i for i, (kind, path, *_) in enumerate(events[:moved]) if kind == "fsync"}
+    files = sorted(os.path.relpath(p, root / "iter_0000002") for p in
+                   glob.glob(str(root / "iter_0000002" / "**"), recursive=True)
+                   if os.path.isfile(p))
+    assert files == ["checksums.json", "mp_rank_00/meta.json", "mp_rank_00/model_optim_rng.ckpt"]
+    for f in files:                       # each file synced after it was written, then its folder
+        folder = os.path.dirname(f"{tmp}/{f}")
+        assert last[f"{tmp}/{f}"] < last[folder] <= last[tmp], f
+
+
 SAVED_DAMAGE = {   # a file damaged since its save (DAMAGES, or lost): how damage() names it
     "truncated": r"\d+ bytes, saved with \d+ \(truncated or overwritten\)",
     "overwritten": r"its bytes differ from those saved \(CRC-32\)",
@@ -10459,9 +10669,9 @@ def test_a_late_rank_in_a_compiled_graph_of_several_kinds_of_groups_is_waited_fo
 #   `bench`'s flags and layouts parse; `test` passes its arguments to pytest. The checks run in a
 #   scratch copy of the project's inputs (configs/, data/; no output/), so a run elsewhere cannot
 #   make a command look taken; in it:
-#     * the shipped corpus's tokenized files are empty stand-ins (check looks for them; it does not
-#       read them), and a `preprocess` command's output files exist for the commands after it on
-#       its page, as though it had run;
+#     * the shipped corpus's tokenized files are stand-ins, a corpus of no sequences (check reads
+#       its index and its tokens), and a `preprocess` command's output files exist for the
+#       commands after it on its page, as such stand-ins, as though it had run;
 #     * a command that sets `device_target=Ascend` (or GPU) is for that device: the device is
 #       taken as present, the rest is checked;
 #     * a synopsis, a command with a placeholder word in capitals (DIR, N, FILE.yaml, COMMAND), a
@@ -10531,10 +10741,16 @@ def scratch(tmp_path, monkeypatch):
     for entry in os.listdir(os.path.join(HERE, "data")):
         if not entry.endswith((".bin", ".idx")) and entry != "cache":
             os.symlink(os.path.join(HERE, "data", entry), tmp_path / "data" / entry)
-    for ext in (".bin", ".idx"):
-        (tmp_path / "data" / f"tinyshakespeare_text_document{ext}").write_bytes(b"")
+    empty_corpus(tmp_path / "data" / "tinyshakespeare_text_document")
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def empty_corpus(prefix):
+    """`prefix`.bin/.idx of no sequences: a corpus check reads in no time."""
+    open(f"{prefix}.bin", "wb").close()
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(_megatron_idx_bytes(8, [], 2, [0]))
 
 
 def training_check(words):
@@ -10667,9 +10883,9 @@ def test_every_printed_command_is_valid(page, scratch, capsys, monkeypatch):
         except AssertionError as e:
             raise AssertionError(f"{page}: bash run.sh {shlex.join(words)}: {e}") from None
         if words[:1] == ["preprocess"] and "--output-prefix" in words:
-            for name in written_outputs(words):
+            for name in written_outputs(words)[::2]:                   # each .bin/.idx pair
                 os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
-                open(name, "wb").close()
+                empty_corpus(name[:-len(".bin")])
     assert kinds.count("synopsis") <= 3, (page, kinds)
 
 
