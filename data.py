@@ -82,13 +82,15 @@ def fsync_folder(folder):
         os.close(fd)
 
 
-def write_atomic(path, content):
+def write_atomic(path, content, durable=True):
     """Write `path` whole or not at all, the project's one way to write a file in place (data
     caches, checkpoints, torch_format, Hugging Face files): `content`, a str (UTF-8), bytes, or a
     function that writes to a binary file, goes to a temporary file beside it (_open_temporary),
     which is synced to disk and renamed over `path` (os.replace), then the folder is synced.
     Readers never see a half-written file, a crash or a power loss leaves the old one or the new
-    one, and a failed write leaves nothing behind."""
+    one, and a failed write leaves nothing behind. Not `durable` (what a run rewrites as it goes
+    and only watches it with: the curves, the flight records), nothing is synced: a crash of the
+    process still leaves the old file or the new one, a power loss may leave neither."""
     if isinstance(content, str):
         content = content.encode()
     f, tmp = _open_temporary(path)
@@ -99,13 +101,15 @@ def write_atomic(path, content):
             else:
                 content(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    fsync_folder(os.path.dirname(os.path.abspath(path)))
+    if durable:
+        fsync_folder(os.path.dirname(os.path.abspath(path)))
 
 
 # ----------------------------------------------------------------------------- indexed dataset

@@ -1420,6 +1420,23 @@ def test_write_atomic_from_threads_at_once(tmp_path):
     assert path.read_bytes() in contents and os.listdir(tmp_path) == ["x"]
 
 
+@pytest.mark.data
+def test_what_a_run_only_watches_with_is_written_whole_but_not_synced(tmp_path, monkeypatch):
+    """write_atomic syncs the file and its folder (two fsyncs); a file a run rewrites as it goes
+    (durable=False: loss.svg and metrics.jsonl on every train line, the flight records every
+    second) is still whole, with nothing synced: a sync takes milliseconds, about a tiny step's."""
+    synced = []
+    monkeypatch.setattr(os, "fsync", this_thread_only(synced.append, os.fsync))
+    data.write_atomic(str(tmp_path / "kept"), "kept")
+    assert len(synced) == 2
+    data.write_atomic(str(tmp_path / "watched"), "watched", durable=False)
+    assert len(synced) == 2 and (tmp_path / "watched").read_text() == "watched"
+    synced.clear()
+    records = metrics.Metrics(str(tmp_path / "run"))
+    records.train(1, loss=2.0)
+    assert synced == [] and os.listdir(tmp_path / "run") != []
+
+
 # ------------------------------------------------------------------------------------ preprocessing
 
 
