@@ -2720,7 +2720,8 @@ def _segment_sums(group, size, index, steps, out, handler=False):
     try:
         segment = shared_memory.Segment(group, size, index)
     except RuntimeError as e:
-        return out.put((index, str(e)))
+        out.put((index, str(e)))
+        return
     try:
         out.put((index, [s() if callable(s) else segment.all_reduce(s, group) for s in steps]))
     except RuntimeError as e:
@@ -2771,6 +2772,13 @@ def _squat(path, uid=None, mode=0o644, data=b""):
     return path
 
 
+def _remove(paths):
+    """The files or links at `paths` that are still there, removed."""
+    for path in paths:
+        if os.path.lexists(path):
+            os.unlink(path)
+
+
 @pytest.mark.tp
 def test_the_shared_memory_all_reduce_sums_in_pieces_and_empty_tensors_keep_step(monkeypatch):
     """backends/shared_memory.Segment on 3 processes: tensors larger than a slot (summed in
@@ -2815,24 +2823,24 @@ def test_the_shared_memory_all_reduce_names_ranks_whose_tensors_differ(monkeypat
 @pytest.mark.tp
 def test_shared_memory_segments_are_named_by_a_secret_and_squatters_stop_nothing(monkeypatch):
     """A segment's name is a digest of the launch's secret: files at the names another user could
-    guess (msrun's pid and the group, a name of another launch, an empty mgpt_x_y), this user's
+    guess (msrun's pid and the group, a name of another launch, an empty mgpt_x_PID), this user's
     or another's, neither stop a sum nor are touched. A file at the secret name itself (someone
     who knows the secret) is not this launch's: the first rank does not replace it, the others do
     not map it (another user's, or a mode other than 0600), each stops at once with one line."""
     group = f"test_squat_{os.getpid()}"
     path = _segment_path(monkeypatch, group)
-    other = "0123456789abcdef" * 2                                     # another launch's name
+    other = hashlib.sha256(group.encode()).hexdigest()[:32]           # another launch's name
     squatters = [_squat(f"/dev/shm/mgpt_{os.getpid()}_{group}"),        # msrun's pid, the group
                  _squat(f"/dev/shm/mgpt_1_{group}", NOBODY, data=b"\1" * 64),
-                 _squat("/dev/shm/mgpt_x_y"),
+                 _squat(f"/dev/shm/mgpt_x_{os.getpid()}"),
                  _squat(f"/dev/shm/mgpt_{other}", NOBODY, 0o600, (1).to_bytes(8, "little"))]
     try:
-        x = [np.arange(5, dtype=np.float32)]
-        sums = _segment_run(group, [x, x])
-        assert all(np.array_equal(r[0], 2 * x[0]) for r in sums) and not os.path.exists(path)
+        steps = [np.arange(5, dtype=np.float32)]
+        sums = _segment_run(group, [steps, steps])
+        assert all(np.array_equal(r[0], 2 * steps[0]) for r in sums) and not os.path.exists(path)
         assert all(os.path.exists(p) for p in squatters)
         squatters.append(_squat(path, NOBODY, 0o600))
-        first, second = _segment_run(group, [x, x])
+        first, second = _segment_run(group, [steps, steps])
         assert first == (f"shared-memory segment {path} exists already (owner uid {NOBODY}): "
                          "made by someone who knows this launch's MGPT_SHM_TOKEN, it is not "
                          "removed; launch again")
@@ -2842,12 +2850,11 @@ def test_shared_memory_segments_are_named_by_a_secret_and_squatters_stop_nothing
                           "bytes)") and os.stat(path).st_uid == NOBODY
         os.unlink(path)
         _squat(path, None, 0o644, b"\0" * nbytes)
-        assert _segment_run(group, [x, x], ranks=[1]) == [
+        assert _segment_run(group, [steps, steps], ranks=[1]) == [
             f"shared-memory segment {path} (owner uid {os.getuid()}, mode 644, {nbytes} bytes) "
             f"refused: not this launch's (uid {os.getuid()}, mode 600, {nbytes} bytes)"]
     finally:
-        for p in squatters:
-            os.unlink(p)
+        _remove(squatters)
 
 
 @pytest.mark.tp
@@ -2874,9 +2881,7 @@ def test_the_sweep_removes_only_this_users_segments_that_no_process_holds(tmp_pa
         assert (tmp_path / "target").exists()
     finally:
         os.close(held)
-        for p in [*files, names["link"]]:
-            if os.path.lexists(p):
-                os.unlink(p)
+        _remove([*files, names["link"]])
 
 
 @pytest.mark.tp
