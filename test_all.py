@@ -2895,8 +2895,8 @@ def test_a_rank_late_to_a_shared_memory_barrier_is_named_with_its_state(monkeypa
     rank, error = out.get(timeout=30)
     for process in processes:
         process.join()
-    assert (rank, error) == (0, f"shared-memory all-reduce on group {group}: rank 1 (pid "
-                                f"{processes[1].pid}, ended) did not arrive within 1 s")
+    assert (rank, error) == (0, f"shared-memory all-reduce on group {group}: rank 1 of the group "
+                                f"(pid {processes[1].pid}, ended) did not arrive within 1 s")
 
 
 def _state_of(pid):
@@ -2920,7 +2920,7 @@ def test_sigterm_ends_a_shared_memory_wait_for_a_rank_that_cannot_arrive(monkeyp
         time.sleep(0.2)                                    # rank 0 waits in its first barrier
         os.kill(processes[0].pid, signal.SIGTERM)
         assert out.get(timeout=10) == (0, f"shared-memory all-reduce on group {group}: SIGTERM "
-                                          f"received while waiting for rank 1 (pid "
+                                          f"received while waiting for rank 1 of the group (pid "
                                           f"{processes[1].pid}, stopped), which cannot arrive")
     finally:
         processes[1].kill()

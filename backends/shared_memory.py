@@ -115,8 +115,8 @@ class Segment:
             return
         late = [(r, self.pids[r], _state(self.pids[r]))
                 for r in range(self.size) if self.arrived[r] < self.arrivals]
-        named = ", ".join(f"rank {r} (pid {pid}, {state})" if pid else f"rank {r} ({state})"
-                          for r, pid, state in late)
+        named = ", ".join(f"rank {r} of the group (pid {pid}, {state})" if pid
+                          else f"rank {r} of the group ({state})" for r, pid, state in late)
         if past:
             raise SegmentError(f"shared-memory all-reduce on group {group}: {named} did not "
                                f"arrive within {WAIT:.0f} s")
