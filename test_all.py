@@ -69,6 +69,7 @@ import ast
 import collections
 import concurrent.futures
 import contextlib
+import fcntl
 import functools
 import glob
 import hashlib
@@ -2887,59 +2888,259 @@ def test_tp_msrun_checks(runs, family, job):
 
 
 # ------------------------------------------------------ the CPU's all-reduce through shared memory
-def _segment_sums(group, size, index, arrays, out):
-    """A child process: rank `index` of `size` summing each of `arrays` through a Segment of
-    `group`: (index, the sums or the error)."""
-    segment = shared_memory.Segment(group, size, index)
+SHM_SECRET = "5ec7e7" * 5 + "00"          # the launch secret of the segments these tests make
+NOBODY = 65534                            # another user's uid: the suite runs as root here
+
+
+def _segment_sums(group, size, index, steps, out, handler=False):
+    """A child process: rank `index` of `size` with the tests' launch secret, through a Segment of
+    `group`: each of `steps` summed (an array) or called (a function), then (index, the results
+    or the error's line); with `handler`, SIGTERM is noted as train.py's --exit-signal-handler
+    notes it."""
+    os.environ[config.SHM_TOKEN] = SHM_SECRET
+    if handler:
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        shared_memory.watch_sigterm()
     try:
-        out.put((index, [segment.all_reduce(a, group) for a in arrays]))
+        segment = shared_memory.Segment(group, size, index)
+    except RuntimeError as e:
+        out.put((index, str(e)))
+        return
+    try:
+        out.put((index, [s() if callable(s) else segment.all_reduce(s, group) for s in steps]))
     except RuntimeError as e:
         out.put((index, str(e)))
     finally:
         segment.close()                 # a forked child ends without its atexit handlers
 
 
-def _segment_run(group, arrays_of_rank):
-    """Each rank's result of _segment_sums, its ranks forked processes."""
+def _segment_ranks(group, steps_of_rank, ranks=None, handler=()):
+    """Forked processes of _segment_sums, one for each of `ranks` (default all) of a group of
+    len(steps_of_rank) ranks, started: (their processes, the queue of their results)."""
     context = multiprocessing.get_context("fork")
     out = context.Queue()
-    ranks = [context.Process(target=_segment_sums, args=(group, len(arrays_of_rank), i, a, out))
-             for i, a in enumerate(arrays_of_rank)]
-    for rank in ranks:
-        rank.start()
-    results = dict(out.get(timeout=120) for _ in ranks)
-    for rank in ranks:
-        rank.join()
-    return [results[i] for i in range(len(ranks))]
+    size = len(steps_of_rank)
+    processes = [context.Process(target=_segment_sums,
+                                 args=(group, size, i, steps_of_rank[i], out, i in handler))
+                 for i in (range(size) if ranks is None else ranks)]
+    for process in processes:
+        process.start()
+    return processes, out
+
+
+def _segment_run(group, steps_of_rank, ranks=None):
+    """Each started rank's result of _segment_sums, in rank order."""
+    processes, out = _segment_ranks(group, steps_of_rank, ranks)
+    results = dict(out.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join()
+    return [results[i] for i in sorted(results)]
+
+
+def _segment_path(monkeypatch, group):
+    """The path of `group`'s segment as the ranks _segment_run forks (this process's children)
+    name it."""
+    with monkeypatch.context() as patch:
+        patch.setenv(config.SHM_TOKEN, SHM_SECRET)
+        patch.setattr(os, "getppid", this_thread_only(os.getpid, os.getppid))
+        return os.path.join(shared_memory.FOLDER, shared_memory.segment_name(group))
+
+
+def _squat(path, uid=None, mode=0o644, data=b""):
+    """A file at `path` of user `uid` (default this one)."""
+    with open(path, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)
+    if uid is not None:
+        os.chown(path, uid, uid)
+    return path
+
+
+def _remove(paths):
+    """The files or links at `paths` that are still there, removed."""
+    for path in paths:
+        if os.path.lexists(path):
+            os.unlink(path)
 
 
 @pytest.mark.tp
-def test_the_shared_memory_all_reduce_sums_in_pieces_and_names_a_size_mismatch():
+def test_the_shared_memory_all_reduce_sums_in_pieces_and_empty_tensors_keep_step(monkeypatch):
     """backends/shared_memory.Segment on 3 processes: tensors larger than a slot (summed in
-    pieces) in float32, float16 and int32, every rank given the same sum, added in rank order;
-    ranks whose tensors differ in size each stop with the sizes named, none left waiting."""
+    pieces) in float32, float16 and int32, every rank given the same sum, added in rank order; an
+    empty tensor on every rank is summed too (each rank runs its barriers), the next sum in
+    step."""
     rng = np.random.default_rng(0)
     big = shared_memory.SLOT // 4 * 2 + 123                    # two slots and a part of one
     arrays = [[rng.standard_normal((big,)).astype(np.float32),
                rng.standard_normal((3, 5)).astype(np.float16),
+               np.zeros((0, 4), np.float32),
                rng.integers(-9, 9, (7,)).astype(np.int32)] for _ in range(3)]
-    sums = _segment_run(f"test_sum_{os.getpid()}", arrays)
-    for k in range(3):
+    group = f"test_sum_{os.getpid()}"
+    sums = _segment_run(group, arrays)
+    for k in range(4):
         want = (arrays[0][k] + arrays[1][k]) + arrays[2][k]
-        assert all(r[k].dtype == want.dtype and np.array_equal(r[k], want) for r in sums), k
-    sizes = [[np.ones(4, np.float32)], [np.ones(8, np.float32)], [np.ones(4, np.float32)]]
-    errors = _segment_run(f"test_size_{os.getpid()}", sizes)
-    assert errors == [f"shared-memory all-reduce on group test_size_{os.getpid()}: its ranks' "
-                      "tensors differ, [16, 32, 16] bytes"] * 3
-    assert not glob.glob(f"/dev/shm/mgpt_{os.getpid()}_test_*")
+        assert all(r[k].dtype == want.dtype and r[k].shape == want.shape
+                   and np.array_equal(r[k], want) for r in sums), k
+    assert not os.path.exists(_segment_path(monkeypatch, group))
+
+
+@pytest.mark.tp
+def test_the_shared_memory_all_reduce_names_ranks_whose_tensors_differ(monkeypatch):
+    """Ranks whose tensors differ in elements, in dtype (the same bytes: 4 float32, 2 float64) or
+    that hold an empty tensor beside a full one each stop at the first barrier with every rank's
+    elements and dtype named, none left waiting; the segment's name is gone."""
+    monkeypatch.setattr(shared_memory, "WAIT", 20.0)     # a rank left waiting: named, not hung
+    cases = {"elements": ([np.ones(4, np.float32)], [np.ones(8, np.float32)],
+                          [np.ones(4, np.float32)]),
+             "dtype": ([np.ones(4, np.float32)], [np.ones(2, np.float64)]),
+             "empty": ([np.ones(0, np.float32)], [np.ones(4, np.float32)])}
+    named = {"elements": "4 float32, 8 float32, 4 float32", "dtype": "4 float32, 2 float64",
+             "empty": "0 float32, 4 float32"}
+    for case, arrays in cases.items():
+        group = f"test_{case}_{os.getpid()}"
+        errors = _segment_run(group, arrays)
+        assert errors == [f"shared-memory all-reduce on group {group}: its ranks' tensors differ "
+                          f"(each rank's elements and dtype): {named[case]}"] * len(arrays)
+        assert not os.path.exists(_segment_path(monkeypatch, group))
+
+
+@pytest.mark.tp
+def test_shared_memory_segments_are_named_by_a_secret_and_squatters_stop_nothing(monkeypatch):
+    """A segment's name is a digest of the launch's secret: files at the names another user could
+    guess (msrun's pid and the group, a name of another launch, an empty mgpt_x_PID), this user's
+    or another's, neither stop a sum nor are touched. A file at the secret name itself (someone
+    who knows the secret) is not this launch's: the first rank does not replace it, the others do
+    not map it (another user's, or a mode other than 0600), each stops at once with one line."""
+    group = f"test_squat_{os.getpid()}"
+    path = _segment_path(monkeypatch, group)
+    other = hashlib.sha256(group.encode()).hexdigest()[:32]           # another launch's name
+    squatters = [_squat(f"/dev/shm/mgpt_{os.getpid()}_{group}"),        # msrun's pid, the group
+                 _squat(f"/dev/shm/mgpt_1_{group}", NOBODY, data=b"\1" * 64),
+                 _squat(f"/dev/shm/mgpt_x_{os.getpid()}"),
+                 _squat(f"/dev/shm/mgpt_{other}", NOBODY, 0o600, (1).to_bytes(8, "little"))]
+    try:
+        steps = [np.arange(5, dtype=np.float32)]
+        sums = _segment_run(group, [steps, steps])
+        assert all(np.array_equal(r[0], 2 * steps[0]) for r in sums) and not os.path.exists(path)
+        assert all(os.path.exists(p) for p in squatters)
+        squatters.append(_squat(path, NOBODY, 0o600))
+        first, second = _segment_run(group, [steps, steps])
+        assert first == (f"shared-memory segment {path} exists already (owner uid {NOBODY}): "
+                         "made by someone who knows this launch's MGPT_SHM_TOKEN, it is not "
+                         "removed; launch again")
+        nbytes = 8 * 9 + 3 * shared_memory.SLOT
+        assert second == (f"shared-memory segment {path} (owner uid {NOBODY}, mode 600, 0 bytes) "
+                          f"refused: not this launch's (uid {os.getuid()}, mode 600, {nbytes} "
+                          "bytes)") and os.stat(path).st_uid == NOBODY
+        os.unlink(path)
+        _squat(path, None, 0o644, b"\0" * nbytes)
+        assert _segment_run(group, [steps, steps], ranks=[1]) == [
+            f"shared-memory segment {path} (owner uid {os.getuid()}, mode 644, {nbytes} bytes) "
+            f"refused: not this launch's (uid {os.getuid()}, mode 600, {nbytes} bytes)"]
+    finally:
+        _remove(squatters)
+
+
+@pytest.mark.tp
+def test_the_sweep_removes_only_this_users_segments_that_no_process_holds(tmp_path):
+    """A launch killed before a group's first sum leaves its segment's name: the next launch's
+    first rank removes this user's segments of the secret names' form that are set up and held
+    by no live process; a held one (its creator lives), one not yet set up, another user's, a
+    link and names of another form stay."""
+    ready = (shared_memory.READY).to_bytes(8, "little") + b"\0" * 56
+    digests = {kind: hashlib.sha256(f"{kind}{os.getpid()}".encode()).hexdigest()
+               for kind in ("stale", "held", "unready", "foreign", "link")}
+    names = {kind: f"/dev/shm/mgpt_{digest[:32]}" for kind, digest in digests.items()}
+    files = [_squat(names["stale"], None, 0o600, ready), _squat(names["held"], None, 0o600, ready),
+             _squat(names["unready"], None, 0o600), _squat(names["foreign"], NOBODY, 0o600, ready),
+             _squat(f"/dev/shm/mgpt_x_{os.getpid()}", None, 0o600, ready),
+             _squat(f"/dev/shm/mgpt_{os.getpid()}_tp-0-1", None, 0o600, ready)]
+    _squat(tmp_path / "target", None, 0o600, ready)
+    os.symlink(tmp_path / "target", names["link"])
+    held = os.open(names["held"], os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_SH)
+        shared_memory.sweep()
+        assert [os.path.lexists(p) for p in [*files, names["link"]]] == [False] + [True] * 6
+        assert (tmp_path / "target").exists()
+    finally:
+        os.close(held)
+        _remove([*files, names["link"]])
+
+
+@pytest.mark.tp
+def test_a_rank_late_to_a_shared_memory_barrier_is_named_with_its_state(monkeypatch):
+    """A rank that ended without arriving at a barrier is named by its peers once the wait is
+    over (MS_CPU_COMM_OP_TIMEOUT, here 1 s): its rank, pid and state."""
+    monkeypatch.setattr(shared_memory, "WAIT", 1.0)
+    group = f"test_late_{os.getpid()}"
+    x = np.ones(4, np.float32)
+    processes, out = _segment_ranks(group, [[x], [lambda: os._exit(0)]])
+    rank, error = out.get(timeout=30)
+    for process in processes:
+        process.join()
+    assert (rank, error) == (0, f"shared-memory all-reduce on group {group}: rank 1 of the group "
+                                f"(pid {processes[1].pid}, ended) did not arrive within 1 s")
+
+
+def _state_of(pid):
+    return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.tp
+def test_sigterm_ends_a_shared_memory_wait_for_a_rank_that_cannot_arrive(monkeypatch):
+    """With --exit-signal-handler, SIGTERM is noted by a Python handler, which runs only once the
+    op's wait returns: the barrier sees the signal itself, and ends at once a wait for a stopped
+    (or ended) rank with one line naming it. A wait for a rank that runs goes on: it arrives,
+    and the step ends as the handler asks."""
+    monkeypatch.setattr(shared_memory, "WAIT", 60.0)
+    group, x = f"test_sigterm_{os.getpid()}", np.ones(4, np.float32)
+    processes, out = _segment_ranks(
+        group, [[x], [lambda: os.kill(os.getpid(), signal.SIGSTOP), x]], handler={0})
+    try:
+        deadline = time.monotonic() + 30
+        while _state_of(processes[1].pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)                                    # rank 0 waits in its first barrier
+        os.kill(processes[0].pid, signal.SIGTERM)
+        assert out.get(timeout=10) == (0, f"shared-memory all-reduce on group {group}: SIGTERM "
+                                          f"received while waiting for rank 1 of the group (pid "
+                                          f"{processes[1].pid}, stopped), which cannot arrive")
+    finally:
+        processes[1].kill()
+        for process in processes:
+            process.join()
+    group = f"test_sigterm_running_{os.getpid()}"
+    processes, out = _segment_ranks(group, [[x], [lambda: time.sleep(0.6), x]], handler={0})
+    path = _segment_path(monkeypatch, group)
+    while not os.path.exists(path):                        # rank 0 has its handler
+        time.sleep(0.01)
+    time.sleep(0.2)
+    os.kill(processes[0].pid, signal.SIGTERM)
+    results = dict(out.get(timeout=30) for _ in processes)
+    for process in processes:
+        process.join()
+    assert np.array_equal(results[0][0], 2 * x) and np.array_equal(results[1][1], 2 * x)
+
+
+@pytest.mark.tp
+def test_every_launch_gets_a_secret_of_its_own_for_its_segments(run_sh):
+    """run.sh and settings.cli.msrun_command (the suite's, tour's and bench's launches) give every
+    launch a new random MGPT_SHM_TOKEN, which the shared-memory segments' names hide."""
+    tokens = [cli.msrun_command(2, "log", ["train.py"])[1][config.SHM_TOKEN] for _ in range(2)]
+    msrun = run_sh.folder / ".venv" / "bin" / "msrun"
+    msrun.write_text('#!/bin/sh\necho "$MGPT_SHM_TOKEN" >> "$(dirname "$0")/../../tokens"\n')
+    assert run_sh("--nproc", "2")[0].returncode == 0
+    tokens += (run_sh.folder / "tokens").read_text().split()
+    assert len(set(tokens)) == 3 and all(re.fullmatch("[0-9a-f]{32}", t) for t in tokens), tokens
 
 
 @pytest.mark.tp
 def test_cpu_collectives_take_shared_memory_where_it_can_run(capsys, tmp_path, monkeypatch):
     """--cpu-collectives auto (the default) is the shared-memory all-reduce for the workers of one
     x86 machine on the CPU, MindSpore's own (mccl) on another device, another CPU, several nodes
-    (run.sh's MS_LOCAL_WORKER_NUM) or a small /dev/shm; shared_memory asked for there is one
-    line."""
+    (run.sh's MS_LOCAL_WORKER_NUM), a small /dev/shm or an msrun worker not given its launch's
+    secret (MGPT_SHM_TOKEN); shared_memory asked for there is one line."""
     def chosen(args, world):
         return load_config(os.path.join(HERE, "config.yaml"), args, world).training_config \
             .cpu_collectives
@@ -2958,6 +3159,24 @@ def test_cpu_collectives_take_shared_memory_where_it_can_run(capsys, tmp_path, m
     one_line_error(capsys, ["check", "--nproc", "2", "--cpu-collectives", "shared_memory",
                             "--save", str(tmp_path / "s")], "cpu_collectives", "/dev/shm",
                    "64 MiB here")
+    monkeypatch.undo()
+    monkeypatch.setenv("MS_ROLE", "MS_WORKER")
+    monkeypatch.delenv(config.SHM_TOKEN, raising=False)
+    assert chosen([], 2) == "mccl"
+    one_line_error(capsys, ["check", "--nproc", "2", "--cpu-collectives", "shared_memory",
+                            "--save", str(tmp_path / "s")], "cpu_collectives", "MGPT_SHM_TOKEN",
+                   "bash run.sh")
+    monkeypatch.setenv(config.SHM_TOKEN, SHM_SECRET)
+    assert chosen([], 2) == "shared_memory"
+
+
+@reading("tp2_sp", concepts={"tp"})
+def test_the_suites_workers_sum_through_shared_memory(runs):
+    """The suite's layouts other than tp2 and dp2 take the shared-memory all-reduce, as run.sh's
+    do: their launch (settings.cli.msrun_command) gives their workers its secret."""
+    config_file = runs.folder("tp2_sp") / "effective_config.yaml"
+    assert yaml.safe_load(config_file.read_text())["training_config"]["cpu_collectives"] \
+        == "shared_memory"
 
 
 @pytest.mark.tp

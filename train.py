@@ -31,6 +31,7 @@ import moe
 import optimizer as opt
 import parallel
 import pipeline
+from backends import shared_memory
 from formats import checkpoint, hf_gpt2
 from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, layer_spec, model_pieces,
                  model_provider)
@@ -429,6 +430,7 @@ def pretrain(cfg, notes=()):
     if training_cfg.exit_signal_handler:              # noted here, acted on between steps
         _SIGTERM.clear()
         signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.append(signum))
+        shared_memory.watch_sigterm()                 # seen at once in a shared-memory wait
     estimate = log_start(cfg, trainer, train_ds, valid_ds, test_ds)
     state = trainer.state
     it = data_loader(cfg, train_ds, state, consumed)
@@ -568,7 +570,8 @@ def train_main(argv):
                           int(os.environ.get("RANK_ID", "0")), parallel.launched_world_size())
     try:
         pretrain(cfg, notes)
-    except (ConfigError, checkpoint.CheckpointError, OSError) as e:    # one line, the fix in it
+    except (ConfigError, checkpoint.CheckpointError, OSError,     # one line, the fix in it
+            shared_memory.SegmentError) as e:
         fail(expected_message(e))
         return 2
     except Exception:                                                  # a bug: its traceback, once
