@@ -52,8 +52,8 @@ _BYTES, _BYTES_LOCK = {}, threading.Lock()
 
 def byte_tokenized(tmp_path, name, text):
     """The shipped text data/`text` preprocessed with the byte tokenizer to the prefix `name`
-    (once per session: the harness's threads and the tests ask at once, and two writes of one
-    prefix in one process would share its temporary files)."""
+    (once per session: the harness's threads and the tests ask at once, and one of them
+    tokenizes it)."""
     with _BYTES_LOCK:
         if name in _BYTES:
             return _BYTES[name]

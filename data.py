@@ -5,6 +5,7 @@ tokenizer -> tools/preprocess_data.py (.bin/.idx indexed dataset) -> GPTDataset
 MegatronPretrainingSampler or MegatronPretrainingRandomSampler (micro-batches per dp rank).
 """
 import collections
+import contextlib
 import functools
 import glob
 import hashlib
@@ -15,8 +16,11 @@ import multiprocessing
 import os
 import re
 import signal
+import stat
 import struct
 import sys
+import tempfile
+import threading
 import time
 from types import SimpleNamespace
 
@@ -27,32 +31,85 @@ from settings.config import PER_SPLIT_PATHS, ConfigError, parse_blend, parse_spl
 from tokenizer import build_tokenizer, read_lines
 
 
-def _tmp_path(path):
-    """Where `path` is written before os.replace moves it into place (per process: ranks race)."""
-    return f"{path}.tmp{os.getpid()}"
+PROC_STATUS = "/proc/self/status"     # "Umask:", read without setting it (proc(5): Linux 4.7 on)
+_UMASK = threading.Lock()             # two threads setting it at once could leave it set
 
 
-def write_atomic(path, content):
+def _new_file_mode():
+    """The mode open() gives a new file: 0o666 less the umask. os.umask reads the umask only by
+    setting it, for the whole process; where /proc does not tell it, it is set to 0o077 for that
+    moment, so a file another thread creates meanwhile is more private, never less."""
+    try:
+        with open(PROC_STATUS) as f:
+            masks = [line.split()[1] for line in f if line.startswith("Umask:")]
+    except OSError:
+        masks = []
+    if masks:
+        return 0o666 & ~int(masks[0], 8)
+    with _UMASK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _open_temporary(path):
+    """(binary file open for writing, its name): a new file beside `path` that os.replace moves
+    over it, named `<path>.tmp<random>` by tempfile.mkstemp: O_EXCL, so never a file or symlink
+    planted there, and one name per call, so threads and processes writing `path` at once each
+    have their own. Its mode is that of the file at `path`, or a new file's."""
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = _new_file_mode()
+    fd, tmp = tempfile.mkstemp(prefix=name + ".tmp", dir=folder)     # mode 0600
+    try:
+        os.fchmod(fd, mode)
+        return os.fdopen(fd, "wb"), tmp
+    except BaseException:
+        os.close(fd)
+        os.remove(tmp)
+        raise
+
+
+def fsync_folder(folder):
+    """A folder's entries to disk: a file created, renamed or removed in it survives a power loss
+    only once its folder is synced (fsync of the file keeps its bytes, not its name)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path, content, durable=True):
     """Write `path` whole or not at all, the project's one way to write a file in place (data
     caches, checkpoints, torch_format, Hugging Face files): `content`, a str (UTF-8), bytes, or a
-    function that writes to a binary file, goes to a temporary file beside it, which is flushed to
-    disk and renamed over `path` (os.replace). Readers never see a half-written file, a crash
-    leaves the old one, and a failed write leaves nothing behind."""
+    function that writes to a binary file, goes to a temporary file beside it (_open_temporary),
+    which is synced to disk and renamed over `path` (os.replace), then the folder is synced.
+    Readers never see a half-written file, a crash or a power loss leaves the old one or the new
+    one, and a failed write leaves nothing behind. Not `durable` (what a run rewrites as it goes
+    and only watches it with: the curves, the flight records), nothing is synced: a crash of the
+    process still leaves the old file or the new one, a power loss may leave neither."""
     if isinstance(content, str):
         content = content.encode()
-    tmp = _tmp_path(path)
+    f, tmp = _open_temporary(path)
     try:
-        with open(tmp, "wb") as f:
+        with f:
             if isinstance(content, bytes):
                 f.write(content)
             else:
                 content(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        raise
+    if durable:
+        fsync_folder(os.path.dirname(os.path.abspath(path)))
 
 
 # ----------------------------------------------------------------------------- indexed dataset
@@ -71,14 +128,15 @@ def optimal_dtype(vocab_size):
 class IndexedDatasetBuilder:
     """Megatron's IndexedDatasetBuilder: appends token arrays to .bin, writes the .idx at finalize.
 
-    Both files are written under temporary names and moved into place by finalize(); discard()
-    removes them instead, or takes back what finalize placed.
+    Both files are written under temporary names (_open_temporary) and moved into place by
+    finalize(), synced to disk first (ensure_preprocessed's sidecar, written after them, says
+    they are complete); discard() removes them instead, or takes back what finalize placed.
     """
 
     def __init__(self, bin_path, dtype=np.uint16):
         self.bin_path, self.dtype = bin_path, np.dtype(dtype)
-        self._bin_tmp, self._idx_tmp = _tmp_path(bin_path), None
-        self._bin = open(self._bin_tmp, "wb")
+        self._bin, self._bin_tmp = _open_temporary(bin_path)
+        self._idx_tmp = None
         self.sequence_lengths, self.document_indices = [], [0]
         self._placed = []
 
@@ -90,6 +148,8 @@ class IndexedDatasetBuilder:
         self.document_indices.append(len(self.sequence_lengths))
 
     def finalize(self, idx_path):
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
         self._bin.close()
         lengths = np.asarray(self.sequence_lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)  # byte offset of each sequence in .bin
@@ -98,20 +158,83 @@ class IndexedDatasetBuilder:
         header = _INDEX_HEADER + struct.pack("<QBQQ", 1, _CODES[self.dtype], len(lengths),
                                              len(self.document_indices))
         documents = np.asarray(self.document_indices, dtype=np.int64)
-        self._idx_tmp = _tmp_path(idx_path)
-        with open(self._idx_tmp, "wb") as f:
+        f, self._idx_tmp = _open_temporary(idx_path)
+        with f:
             f.write(header + lengths.tobytes() + pointers.tobytes() + documents.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
         # both files complete before either moves, so the window for a .bin without its .idx
         # is two renames; noted before each, so discard() can take back a pair left incomplete
         for tmp, path in ((self._bin_tmp, self.bin_path), (self._idx_tmp, idx_path)):
             self._placed.append(path)
             os.replace(tmp, path)
+        fsync_folder(os.path.dirname(os.path.abspath(idx_path)))
 
     def discard(self):
         self._bin.close()
         for path in [self._bin_tmp, self._idx_tmp, *self._placed]:
             if path and os.path.exists(path):
                 os.remove(path)
+
+
+CHUNK = 1 << 20   # index entries checked at once: 8 MB per temporary array, whatever the corpus
+
+
+def _check_sequences(lengths, pointers, itemsize, where):
+    """Each sequence's length and pointer as Megatron's _IndexWriter writes them: lengths
+    [n_seq] int32 not negative, pointers [n_seq] int64 back to back (pointer 0 is 0, each next
+    one is the last plus its length * itemsize), the last ending within the .bin. Checked in
+    chunks, vectorised: the first wrong sequence is one ConfigError. Returns the byte after the
+    last sequence."""
+    end = 0                                   # where the next sequence starts
+    for start in range(0, len(lengths), CHUNK):
+        n = lengths[start:start + CHUNK].astype(np.int64) * itemsize     # [chunk] bytes
+        ends = end + np.cumsum(n)             # no overflow: |n| < 2**34, end <= the .bin's size
+        starts = np.concatenate([[end], ends[:-1]])
+        bad = (n < 0) | (pointers[start:start + CHUNK] != starts) | (ends > where.size)
+        if bad.any():
+            k = int(np.argmax(bad))
+            i = start + k
+            raise ConfigError(_sequence_error(i, int(lengths[i]), int(pointers[i]),
+                                              int(starts[k]), int(ends[k]), where))
+        end = int(ends[-1])
+    return end
+
+
+def _sequence_error(i, length, pointer, start, end, where):
+    """The line for sequence i, the first that is wrong (those before it are right)."""
+    if length < 0:
+        return f"{where.idx}: sequence {i} has a negative length, {length}: {where.fix}"
+    if pointer != start:
+        after = f"where sequence {i - 1} ends" if i else "the start of the file"
+        return (f"{where.idx}: sequence {i} starts at byte {pointer} of {where.bin}, not at "
+                f"byte {start}, {after} (Megatron writes them back to back): {where.fix}")
+    return (f"{where.bin}: truncated, {where.size} bytes, but sequence {i} of {where.idx} ends "
+            f"at byte {end}: {where.fix}")
+
+
+def _check_documents(documents, n_seq, where):
+    """The document index [n_doc] int64 as Megatron writes it: 0, then the sequence each document
+    ends before, never going back nor past the n_seq sequences; and no more documents than
+    sequences: GPTDataset reads document k as sequence k (preprocess writes one sequence per
+    document)."""
+    if len(documents) == 0 or documents[0] != 0:
+        first = documents[0] if len(documents) else "missing"
+        raise ConfigError(f"{where.idx}: the document index starts at {first}, not 0: "
+                          f"{where.fix}")
+    for start in range(1, len(documents), CHUNK):
+        ends = documents[start:start + CHUNK]
+        before = documents[start - 1:start - 1 + len(ends)]
+        bad = (ends < before) | (ends > n_seq)
+        if bad.any():
+            k = int(np.argmax(bad))
+            wrong = (f"before its start, sequence {before[k]}" if ends[k] < before[k]
+                     else f"past the {n_seq} sequences")
+            raise ConfigError(f"{where.idx}: document {start + k - 1} ends at sequence "
+                              f"{ends[k]}, {wrong}: {where.fix}")
+    if len(documents) - 1 > n_seq:
+        raise ConfigError(f"{where.idx}: {len(documents) - 1} documents in {n_seq} sequences; "
+                          f"this reader takes one sequence per document: {where.fix}")
 
 
 class IndexedDataset:
@@ -143,16 +266,33 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(idx, dtype=np.int64, count=n_doc,
                                               offset=34 + n_seq * 12)
         bin_size = os.path.getsize(bin_path)
-        if n_seq:
-            # the byte after the last sequence
-            end = self.sequence_pointers[-1] + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-            if end > bin_size:
-                raise ConfigError(f"{bin_path}: truncated, {bin_size} bytes is shorter than the "
-                                  f"index says: {fix}")
+        where = SimpleNamespace(idx=idx_path, bin=bin_path, size=bin_size, fix=fix)
+        # the byte after the last sequence: every length and pointer is trusted from here on
+        self.end = _check_sequences(self.sequence_lengths, self.sequence_pointers,
+                                    self.dtype.itemsize, where)
+        _check_documents(self.document_indices, n_seq, where)
         self._bin = np.memmap(bin_path, mode="r", order="C") if bin_size else np.zeros(0, np.uint8)
 
     def __len__(self):
         return len(self.sequence_lengths)
+
+    def check_token_ids(self, vocab_size, tokenizer):
+        """Every token id of the sequences below `vocab_size`, the vocabulary of `tokenizer` (its
+        name), and not negative: one pass over the .bin, chunked (docs/training.md gives its
+        cost). A corpus tokenized with another tokenizer is one ConfigError naming the largest
+        id, not an embedding lookup failing deep in MindSpore."""
+        tokens = np.frombuffer(self._bin, dtype=self.dtype, count=self.end // self.dtype.itemsize)
+        low, high = 0, -1
+        for start in range(0, len(tokens), 64 * CHUNK):
+            chunk = tokens[start:start + 64 * CHUNK]
+            high = max(high, int(chunk.max()))
+            if self.dtype.kind != "u":
+                low = min(low, int(chunk.min()))
+        if high >= vocab_size or low < 0:
+            which = f"{high}, the largest," if high >= vocab_size else f"{low}, the smallest,"
+            raise ConfigError(f"{self.path_prefix}.bin: token id {which} is outside the "
+                              f"vocabulary of {tokenizer}, {vocab_size} ids: preprocess the "
+                              f"corpus with {tokenizer}, or train with the tokenizer that made it")
 
     def get(self, i, offset=0, length=None):
         """Tokens of sequence i from `offset`, `length` of them (default: to the end)."""

@@ -294,6 +294,8 @@ if [ "$workers" -gt 1 ]; then
   launch python train.py check --nproc "$workers" ${args[@]+"${args[@]}"}
   export RUN_SH_PID_DIR=$log_dir/pids            # each worker writes rank_N.pid
   export FLIGHT_RECORDER_DIR=$log_dir            # each worker writes flight_recorder_rank_N.json
+  # a secret of this launch, which names its shared-memory segments (backends/shared_memory.py)
+  export MGPT_SHM_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 fi
 
 failure=""      # what named the last failure, its pids left out

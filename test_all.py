@@ -69,6 +69,7 @@ import ast
 import collections
 import concurrent.futures
 import contextlib
+import fcntl
 import functools
 import glob
 import hashlib
@@ -91,8 +92,10 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import tracemalloc
 import zipfile
 import zlib
 from types import SimpleNamespace
@@ -1259,6 +1262,95 @@ def test_damaged_indexed_dataset_names_the_file_and_the_fix(tmp_path):
         data.IndexedDataset(str(tmp_path / "missing"))
 
 
+def _hostile_idx(lengths, pointers=None, documents=None, code=8, n_seq=None):
+    """.idx bytes with the lengths, pointers and document index given as they are (pointers
+    default to Megatron's back to back ones, documents to one per sequence)."""
+    lengths = np.asarray(lengths, dtype=np.int32)
+    if pointers is None:
+        pointers = np.concatenate([[0], np.cumsum(lengths[:-1].astype(np.int64) * 2)])
+    documents = np.arange(len(lengths) + 1) if documents is None else documents
+    header = struct.pack("<QBQQ", 1, code, len(lengths) if n_seq is None else n_seq,
+                         len(documents))
+    return (b"MMIDIDX\x00\x00" + header + lengths.tobytes()
+            + np.asarray(pointers, dtype=np.int64).tobytes()
+            + np.asarray(documents, dtype=np.int64).tobytes())
+
+
+BIG = 1 << 20   # data.CHUNK: a sequence in the second chunk
+HOSTILE_INDICES = {  # name: (lengths, pointers, documents, the line after "<tmp_path>/")
+    # the last sequence is right, so only the whole check sees these
+    "middle pointer past the end": ([3, 2, 1], [0, 600, 10], None,
+                                    "d.idx: sequence 1 starts at byte 600 of {bin}, not at byte "
+                                    "6, where sequence 0 ends"),
+    "negative length": ([3, -2, 1], [0, 6, 2], None, "d.idx: sequence 1 has a negative length, -2"),
+    # build_sample_index would allocate for 2**31 tokens
+    "length sum past the file": ([3, 2**31 - 1, 1], [0, 6, 10], None,
+                                 f"d.bin: truncated, 12 bytes, but sequence 1 of {{idx}} ends at "
+                                 f"byte {6 + 2 * (2**31 - 1)}"),
+    # the old check's pointer + length * 2 wrapped below 0
+    "last pointer wrapping": ([3, 2, 1], [0, 6, 2**63 - 1], None,
+                              f"d.idx: sequence 2 starts at byte {2**63 - 1} of {{bin}}, not at "
+                              f"byte 10, where sequence 1 ends"),
+    "first pointer": ([3, 2, 1], [2, 8, 12], None,
+                      "d.idx: sequence 0 starts at byte 2 of {bin}, not at byte 0, the start of "
+                      "the file"),
+    "second chunk": (np.r_[np.zeros(BIG), 3, 2, 1], np.r_[np.zeros(BIG), 0, 6, 99], None,
+                     f"d.idx: sequence {BIG + 2} starts at byte 99 of {{bin}}, not at byte 10, "
+                     f"where sequence {BIG + 1} ends"),
+    "documents not from 0": ([3, 2, 1], None, [1, 2, 3], "d.idx: the document index starts at 1, "
+                                                         "not 0"),
+    "documents going back": ([3, 2, 1], None, [0, 2, 1, 3],
+                             "d.idx: document 1 ends at sequence 1, before its start, sequence 2"),
+    "documents past the sequences": ([3, 2, 1], None, [0, 1, 4],
+                                     "d.idx: document 1 ends at sequence 4, past the 3 sequences"),
+    "more documents than sequences": ([3, 2, 1], None, [0, 1, 1, 2, 3],
+                                      "d.idx: 4 documents in 3 sequences; this reader takes one "
+                                      "sequence per document"),
+}
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("case", HOSTILE_INDICES)
+def test_hostile_index_is_one_line_naming_the_first_wrong_entry(tmp_path, case):
+    """Every length, pointer and document index entry of a .idx is checked against its .bin,
+    vectorised, before anything trusts them: a middle pointer past the end once trained on
+    garbage with exit 0, and a huge or negative length reached build_sample_index's allocation.
+    The first wrong entry is named, with the fix."""
+    lengths, pointers, documents, line = HOSTILE_INDICES[case]
+    (tmp_path / "d.bin").write_bytes(np.arange(6, dtype=np.uint16).tobytes())  # 12 bytes
+    (tmp_path / "d.idx").write_bytes(_hostile_idx(lengths, pointers, documents))
+    where = dict(bin=tmp_path / "d.bin", idx=tmp_path / "d.idx")
+    fix = f": re-run preprocess to rebuild {tmp_path / 'd'}.bin/.idx"
+    with pytest.raises(ConfigError) as e:
+        data.IndexedDataset(str(tmp_path / "d"))
+    assert str(e.value) == f"{tmp_path}/{line.format(**where)}" + (
+        " (Megatron writes them back to back)" if "starts at byte" in line else "") + fix
+
+
+@pytest.mark.data
+def test_token_ids_past_the_vocabulary_are_one_line(tmp_path):
+    """A corpus holding ids its tokenizer does not have (made with another one) is one line
+    naming the .bin, the largest id and the vocabulary, not MindSpore's Gather failing in the
+    first step; negative ids of a signed dtype too; ids up to the vocabulary's last pass."""
+    def corpus(name, ids, dtype):
+        b = data.IndexedDatasetBuilder(str(tmp_path / f"{name}.bin"), dtype=dtype)
+        b.add_document(ids)
+        b.add_document([0])
+        b.finalize(str(tmp_path / f"{name}.idx"))
+        return data.IndexedDataset(str(tmp_path / name))
+
+    gpt2_ids = corpus("gpt2", [15496, 1858, 995], np.uint16)
+    with pytest.raises(ConfigError) as e:
+        gpt2_ids.check_token_ids(257, "ByteTokenizer")
+    assert str(e.value) == (f"{tmp_path / 'gpt2'}.bin: token id 15496, the largest, is outside "
+                            "the vocabulary of ByteTokenizer, 257 ids: preprocess the corpus "
+                            "with ByteTokenizer, or train with the tokenizer that made it")
+    gpt2_ids.check_token_ids(15497, "a tokenizer")
+    with pytest.raises(ConfigError, match=r"signed\.bin: token id -3, the smallest, is outside"):
+        corpus("signed", [5, -3, 7], np.int32).check_token_ids(10, "NullTokenizer")
+    corpus("empty", [], np.uint16).check_token_ids(1, "NullTokenizer")
+
+
 @pytest.mark.data
 def test_failed_data_writes_leave_no_temporary_file(tmp_path):
     def fail(f):
@@ -1270,6 +1362,80 @@ def test_failed_data_writes_leave_no_temporary_file(tmp_path):
     b.add_document([1, 2])
     b.discard()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.data
+def test_write_atomic_never_writes_through_a_planted_symlink(tmp_path, monkeypatch):
+    """The temporary file is new (O_EXCL, tempfile.mkstemp): a symlink planted at the old
+    predictable name `<path>.tmp<pid>`, or at whatever name is drawn first, is passed over; the
+    target is written and the symlink's target is left as it was."""
+    victim, target = tmp_path / "victim", tmp_path / "x.json"
+    victim.write_text("theirs")
+    os.symlink(victim, f"{target}.tmp{os.getpid()}")
+    data.write_atomic(str(target), "ours")
+    assert target.read_text() == "ours" and not target.is_symlink()
+    os.symlink(victim, f"{target}.tmpplanted")
+    names = iter(["planted", "fresh"])           # mkstemp's draws, this thread's
+    monkeypatch.setattr(tempfile, "_get_candidate_names",
+                        this_thread_only(lambda: names, tempfile._get_candidate_names))
+    data.write_atomic(str(target), "ours again")
+    assert target.read_text() == "ours again" and not target.is_symlink()
+    assert victim.read_text() == "theirs"
+    assert sorted(os.listdir(tmp_path)) == ["victim", "x.json", f"x.json.tmp{os.getpid()}",
+                                            "x.json.tmpplanted"]
+
+
+@pytest.mark.data
+def test_write_atomic_keeps_the_mode_of_the_file_it_replaces(tmp_path, monkeypatch):
+    """run.sh's launch file is made private (mktemp, 0600) and train.py rewrites it: it stays
+    0600, as a 0640 file stays 0640; a new file has the mode open() gives (0666 less the umask),
+    also where /proc does not tell the umask."""
+    mode = lambda path: os.stat(path).st_mode & 0o7777
+    for kept in (0o600, 0o640):
+        path = tmp_path / f"kept_{kept:o}"
+        path.write_text("old")
+        path.chmod(kept)
+        data.write_atomic(str(path), "new")
+        assert mode(path) == kept and path.read_text() == "new"
+    open(tmp_path / "by_open", "w").close()
+    data.write_atomic(str(tmp_path / "new"), "new")
+    monkeypatch.setattr(data, "PROC_STATUS", str(tmp_path / "no_proc"))
+    data.write_atomic(str(tmp_path / "new_without_proc"), "new")
+    assert mode(tmp_path / "new") == mode(tmp_path / "new_without_proc") == mode(
+        tmp_path / "by_open")
+
+
+@pytest.mark.data
+def test_write_atomic_from_threads_at_once(tmp_path):
+    """Threads writing one file at once each write their own temporary file: the file ends whole,
+    one thread's, and nothing else is left (one temporary name per process once made them write
+    over and move each other's)."""
+    path = tmp_path / "x"
+    contents = [bytes([65 + k]) * 200_000 for k in range(4)]
+
+    def write(content):
+        for _ in range(10):
+            data.write_atomic(str(path), content)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, contents))
+    assert path.read_bytes() in contents and os.listdir(tmp_path) == ["x"]
+
+
+@pytest.mark.data
+def test_what_a_run_only_watches_with_is_written_whole_but_not_synced(tmp_path, monkeypatch):
+    """write_atomic syncs the file and its folder (two fsyncs); a file a run rewrites as it goes
+    (durable=False: loss.svg and metrics.jsonl on every train line, the flight records every
+    second) is still whole, with nothing synced: a sync takes milliseconds, about a tiny step's."""
+    synced = []
+    monkeypatch.setattr(os, "fsync", this_thread_only(synced.append, os.fsync))
+    data.write_atomic(str(tmp_path / "kept"), "kept")
+    assert len(synced) == 2
+    data.write_atomic(str(tmp_path / "watched"), "watched", durable=False)
+    assert len(synced) == 2 and (tmp_path / "watched").read_text() == "watched"
+    synced.clear()
+    records = metrics.Metrics(str(tmp_path / "run"))
+    records.train(1, loss=2.0)
+    assert synced == [] and os.listdir(tmp_path / "run") != []
 
 
 # ------------------------------------------------------------------------------------ preprocessing
@@ -1336,6 +1502,10 @@ BAD_INPUTS = {  # file name, bytes, extra flags, the message after "<tmp_path>/<
     "not an id": ("in.txt", b"1 2\n\n3\n4 x\n",
                   ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
                   ":3: invalid literal for int() with base 10: 'x'"),
+    # uint16 in the .bin: 65541 would be written as 5
+    "id past the vocabulary": ("in.txt", b"1 2\n\n3 65541\n",
+                               ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"],
+                               ":3: id 65541 is not in 0..10"),
 }
 
 
@@ -1351,7 +1521,7 @@ def test_preprocess_bad_input_names_file_and_line_and_leaves_nothing(tmp_path, c
             str(workers), *flags]
     with pytest.raises(ConfigError, match="^" + re.escape(str(src) + message)):
         data.preprocess_main(argv)
-    assert os.listdir(tmp_path / "out") == []  # no .bin.tmp<pid>, no half .idx
+    assert os.listdir(tmp_path / "out") == []  # no temporary .bin, no half .idx
 
 
 @pytest.mark.data
@@ -1593,10 +1763,13 @@ def test_preprocess_ctrl_c_is_one_line_exit_130_and_leaves_nothing(tmp_path, wor
                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    partial = out / f"p_text_document.bin.tmp{job.pid}"
+    def writing():                                  # tokens on their way to the temporary .bin
+        partial = glob.glob(str(out / "p_text_document.bin.tmp*"))
+        return partial and os.path.getsize(partial[0]) > 0
+
     try:
         deadline = time.time() + 60
-        while not (partial.exists() and partial.stat().st_size > 0):  # tokens on their way
+        while not writing():
             assert job.poll() is None and time.time() < deadline, "preprocess did not start"
             time.sleep(0.01)
         os.killpg(job.pid, signal.SIGINT)
@@ -2100,24 +2273,30 @@ def test_bad_blends_are_one_line_exit_2(tmp_path, case, capfd):
     flags, expected = BAD_BLENDS[case]
     fill = lambda text: text.format(tmp=tmp_path, a=os.path.join(BLENDS, "a"))
     code = train.main([*map(fill, flags), "--seq-length", "8", "--tokenizer-type",
-                       "ByteTokenizer", "--save", str(tmp_path / "out"), "--data-cache-path",
-                       str(tmp_path / "cache")])
+                       "NullTokenizer", "--vocab-size", "50257", "--save", str(tmp_path / "out"),
+                       "--data-cache-path", str(tmp_path / "cache")])   # GPT-2's ids in {a}
     out, err = capfd.readouterr()
     assert code == 2 and "Traceback" not in out + err
     assert len(err.splitlines()) == 1 and err.startswith("error: " + fill(expected)), err
 
 
 @pytest.mark.data
-@pytest.mark.parametrize("case", ["vocab", "idx", "no documents", "few tokens"])
+@pytest.mark.parametrize("case", ["vocab", "idx", "no documents", "few tokens", "middle pointer",
+                                  "token ids", "token ids at check"])
 def test_training_data_errors_are_one_line_exit_2(tmp_path, case, capfd):
     """Errors found while training builds its tokenizer and datasets: one line naming the file,
     exit code 2, no traceback (in this process: train.py's __main__ gives main's code as the
-    exit code, test_bad_config_exit_code_from_the_command_line)."""
+    exit code, test_bad_config_exit_code_from_the_command_line). A middle pointer past the .bin
+    once trained with exit 0; ids past the vocabulary failed in MindSpore's Gather (`bash run.sh
+    check` finds them too, before msrun starts any worker)."""
     b = data.IndexedDatasetBuilder(str(tmp_path / "d.bin"))
-    for doc in {"no documents": [], "few tokens": [[1, 2, 3]]}.get(case, [list(range(200))] * 3):
+    docs = {"no documents": [], "few tokens": [[1, 2, 3]],
+            "token ids": [[1858, *range(199)]] * 3}
+    for doc in docs.get(case.replace(" at check", ""), [list(range(200))] * 3):
         b.add_document(doc)
     b.finalize(str(tmp_path / "d.idx"))
     flags = ["--tokenizer-type", "ByteTokenizer"]
+    command = ["check"] if case.endswith("at check") else []
     if case == "vocab":
         (tmp_path / "vocab.json").write_text('{"a": 0}')
         flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
@@ -2126,10 +2305,16 @@ def test_training_data_errors_are_one_line_exit_2(tmp_path, case, capfd):
     elif case == "idx":
         (tmp_path / "d.idx").write_bytes((tmp_path / "d.idx").read_bytes()[:-8])
         expected = f"{tmp_path / 'd.idx'}: truncated"
+    elif case == "middle pointer":
+        (tmp_path / "d.idx").write_bytes(_hostile_idx([200] * 3, [0, 4000, 800]))
+        expected = f"{tmp_path / 'd.idx'}: sequence 1 starts at byte 4000 of {tmp_path / 'd.bin'}"
+    elif case.startswith("token ids"):
+        expected = (f"{tmp_path / 'd.bin'}: token id 1858, the largest, is outside the vocabulary "
+                    "of dataset_config.tokenizer_type=ByteTokenizer, 257 ids")
     else:
         expected = (f"{tmp_path / 'd.bin'}: the train split has "
                     f"{0 if case == 'no documents' else 3} tokens")
-    code = train.main(["--data-path", str(tmp_path / "d"), "--seq-length", "64",
+    code = train.main([*command, "--data-path", str(tmp_path / "d"), "--seq-length", "64",
                        "--save", str(tmp_path / "out"), *flags])
     out, err = capfd.readouterr()
     assert code == 2 and "Traceback" not in out + err
@@ -2703,59 +2888,259 @@ def test_tp_msrun_checks(runs, family, job):
 
 
 # ------------------------------------------------------ the CPU's all-reduce through shared memory
-def _segment_sums(group, size, index, arrays, out):
-    """A child process: rank `index` of `size` summing each of `arrays` through a Segment of
-    `group`: (index, the sums or the error)."""
-    segment = shared_memory.Segment(group, size, index)
+SHM_SECRET = "5ec7e7" * 5 + "00"          # the launch secret of the segments these tests make
+NOBODY = 65534                            # another user's uid: the suite runs as root here
+
+
+def _segment_sums(group, size, index, steps, out, handler=False):
+    """A child process: rank `index` of `size` with the tests' launch secret, through a Segment of
+    `group`: each of `steps` summed (an array) or called (a function), then (index, the results
+    or the error's line); with `handler`, SIGTERM is noted as train.py's --exit-signal-handler
+    notes it."""
+    os.environ[config.SHM_TOKEN] = SHM_SECRET
+    if handler:
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        shared_memory.watch_sigterm()
     try:
-        out.put((index, [segment.all_reduce(a, group) for a in arrays]))
+        segment = shared_memory.Segment(group, size, index)
+    except RuntimeError as e:
+        out.put((index, str(e)))
+        return
+    try:
+        out.put((index, [s() if callable(s) else segment.all_reduce(s, group) for s in steps]))
     except RuntimeError as e:
         out.put((index, str(e)))
     finally:
         segment.close()                 # a forked child ends without its atexit handlers
 
 
-def _segment_run(group, arrays_of_rank):
-    """Each rank's result of _segment_sums, its ranks forked processes."""
+def _segment_ranks(group, steps_of_rank, ranks=None, handler=()):
+    """Forked processes of _segment_sums, one for each of `ranks` (default all) of a group of
+    len(steps_of_rank) ranks, started: (their processes, the queue of their results)."""
     context = multiprocessing.get_context("fork")
     out = context.Queue()
-    ranks = [context.Process(target=_segment_sums, args=(group, len(arrays_of_rank), i, a, out))
-             for i, a in enumerate(arrays_of_rank)]
-    for rank in ranks:
-        rank.start()
-    results = dict(out.get(timeout=120) for _ in ranks)
-    for rank in ranks:
-        rank.join()
-    return [results[i] for i in range(len(ranks))]
+    size = len(steps_of_rank)
+    processes = [context.Process(target=_segment_sums,
+                                 args=(group, size, i, steps_of_rank[i], out, i in handler))
+                 for i in (range(size) if ranks is None else ranks)]
+    for process in processes:
+        process.start()
+    return processes, out
+
+
+def _segment_run(group, steps_of_rank, ranks=None):
+    """Each started rank's result of _segment_sums, in rank order."""
+    processes, out = _segment_ranks(group, steps_of_rank, ranks)
+    results = dict(out.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join()
+    return [results[i] for i in sorted(results)]
+
+
+def _segment_path(monkeypatch, group):
+    """The path of `group`'s segment as the ranks _segment_run forks (this process's children)
+    name it."""
+    with monkeypatch.context() as patch:
+        patch.setenv(config.SHM_TOKEN, SHM_SECRET)
+        patch.setattr(os, "getppid", this_thread_only(os.getpid, os.getppid))
+        return os.path.join(shared_memory.FOLDER, shared_memory.segment_name(group))
+
+
+def _squat(path, uid=None, mode=0o644, data=b""):
+    """A file at `path` of user `uid` (default this one)."""
+    with open(path, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)
+    if uid is not None:
+        os.chown(path, uid, uid)
+    return path
+
+
+def _remove(paths):
+    """The files or links at `paths` that are still there, removed."""
+    for path in paths:
+        if os.path.lexists(path):
+            os.unlink(path)
 
 
 @pytest.mark.tp
-def test_the_shared_memory_all_reduce_sums_in_pieces_and_names_a_size_mismatch():
+def test_the_shared_memory_all_reduce_sums_in_pieces_and_empty_tensors_keep_step(monkeypatch):
     """backends/shared_memory.Segment on 3 processes: tensors larger than a slot (summed in
-    pieces) in float32, float16 and int32, every rank given the same sum, added in rank order;
-    ranks whose tensors differ in size each stop with the sizes named, none left waiting."""
+    pieces) in float32, float16 and int32, every rank given the same sum, added in rank order; an
+    empty tensor on every rank is summed too (each rank runs its barriers), the next sum in
+    step."""
     rng = np.random.default_rng(0)
     big = shared_memory.SLOT // 4 * 2 + 123                    # two slots and a part of one
     arrays = [[rng.standard_normal((big,)).astype(np.float32),
                rng.standard_normal((3, 5)).astype(np.float16),
+               np.zeros((0, 4), np.float32),
                rng.integers(-9, 9, (7,)).astype(np.int32)] for _ in range(3)]
-    sums = _segment_run(f"test_sum_{os.getpid()}", arrays)
-    for k in range(3):
+    group = f"test_sum_{os.getpid()}"
+    sums = _segment_run(group, arrays)
+    for k in range(4):
         want = (arrays[0][k] + arrays[1][k]) + arrays[2][k]
-        assert all(r[k].dtype == want.dtype and np.array_equal(r[k], want) for r in sums), k
-    sizes = [[np.ones(4, np.float32)], [np.ones(8, np.float32)], [np.ones(4, np.float32)]]
-    errors = _segment_run(f"test_size_{os.getpid()}", sizes)
-    assert errors == [f"shared-memory all-reduce on group test_size_{os.getpid()}: its ranks' "
-                      "tensors differ, [16, 32, 16] bytes"] * 3
-    assert not glob.glob(f"/dev/shm/mgpt_{os.getpid()}_test_*")
+        assert all(r[k].dtype == want.dtype and r[k].shape == want.shape
+                   and np.array_equal(r[k], want) for r in sums), k
+    assert not os.path.exists(_segment_path(monkeypatch, group))
+
+
+@pytest.mark.tp
+def test_the_shared_memory_all_reduce_names_ranks_whose_tensors_differ(monkeypatch):
+    """Ranks whose tensors differ in elements, in dtype (the same bytes: 4 float32, 2 float64) or
+    that hold an empty tensor beside a full one each stop at the first barrier with every rank's
+    elements and dtype named, none left waiting; the segment's name is gone."""
+    monkeypatch.setattr(shared_memory, "WAIT", 20.0)     # a rank left waiting: named, not hung
+    cases = {"elements": ([np.ones(4, np.float32)], [np.ones(8, np.float32)],
+                          [np.ones(4, np.float32)]),
+             "dtype": ([np.ones(4, np.float32)], [np.ones(2, np.float64)]),
+             "empty": ([np.ones(0, np.float32)], [np.ones(4, np.float32)])}
+    named = {"elements": "4 float32, 8 float32, 4 float32", "dtype": "4 float32, 2 float64",
+             "empty": "0 float32, 4 float32"}
+    for case, arrays in cases.items():
+        group = f"test_{case}_{os.getpid()}"
+        errors = _segment_run(group, arrays)
+        assert errors == [f"shared-memory all-reduce on group {group}: its ranks' tensors differ "
+                          f"(each rank's elements and dtype): {named[case]}"] * len(arrays)
+        assert not os.path.exists(_segment_path(monkeypatch, group))
+
+
+@pytest.mark.tp
+def test_shared_memory_segments_are_named_by_a_secret_and_squatters_stop_nothing(monkeypatch):
+    """A segment's name is a digest of the launch's secret: files at the names another user could
+    guess (msrun's pid and the group, a name of another launch, an empty mgpt_x_PID), this user's
+    or another's, neither stop a sum nor are touched. A file at the secret name itself (someone
+    who knows the secret) is not this launch's: the first rank does not replace it, the others do
+    not map it (another user's, or a mode other than 0600), each stops at once with one line."""
+    group = f"test_squat_{os.getpid()}"
+    path = _segment_path(monkeypatch, group)
+    other = hashlib.sha256(group.encode()).hexdigest()[:32]           # another launch's name
+    squatters = [_squat(f"/dev/shm/mgpt_{os.getpid()}_{group}"),        # msrun's pid, the group
+                 _squat(f"/dev/shm/mgpt_1_{group}", NOBODY, data=b"\1" * 64),
+                 _squat(f"/dev/shm/mgpt_x_{os.getpid()}"),
+                 _squat(f"/dev/shm/mgpt_{other}", NOBODY, 0o600, (1).to_bytes(8, "little"))]
+    try:
+        steps = [np.arange(5, dtype=np.float32)]
+        sums = _segment_run(group, [steps, steps])
+        assert all(np.array_equal(r[0], 2 * steps[0]) for r in sums) and not os.path.exists(path)
+        assert all(os.path.exists(p) for p in squatters)
+        squatters.append(_squat(path, NOBODY, 0o600))
+        first, second = _segment_run(group, [steps, steps])
+        assert first == (f"shared-memory segment {path} exists already (owner uid {NOBODY}): "
+                         "made by someone who knows this launch's MGPT_SHM_TOKEN, it is not "
+                         "removed; launch again")
+        nbytes = 8 * 9 + 3 * shared_memory.SLOT
+        assert second == (f"shared-memory segment {path} (owner uid {NOBODY}, mode 600, 0 bytes) "
+                          f"refused: not this launch's (uid {os.getuid()}, mode 600, {nbytes} "
+                          "bytes)") and os.stat(path).st_uid == NOBODY
+        os.unlink(path)
+        _squat(path, None, 0o644, b"\0" * nbytes)
+        assert _segment_run(group, [steps, steps], ranks=[1]) == [
+            f"shared-memory segment {path} (owner uid {os.getuid()}, mode 644, {nbytes} bytes) "
+            f"refused: not this launch's (uid {os.getuid()}, mode 600, {nbytes} bytes)"]
+    finally:
+        _remove(squatters)
+
+
+@pytest.mark.tp
+def test_the_sweep_removes_only_this_users_segments_that_no_process_holds(tmp_path):
+    """A launch killed before a group's first sum leaves its segment's name: the next launch's
+    first rank removes this user's segments of the secret names' form that are set up and held
+    by no live process; a held one (its creator lives), one not yet set up, another user's, a
+    link and names of another form stay."""
+    ready = (shared_memory.READY).to_bytes(8, "little") + b"\0" * 56
+    digests = {kind: hashlib.sha256(f"{kind}{os.getpid()}".encode()).hexdigest()
+               for kind in ("stale", "held", "unready", "foreign", "link")}
+    names = {kind: f"/dev/shm/mgpt_{digest[:32]}" for kind, digest in digests.items()}
+    files = [_squat(names["stale"], None, 0o600, ready), _squat(names["held"], None, 0o600, ready),
+             _squat(names["unready"], None, 0o600), _squat(names["foreign"], NOBODY, 0o600, ready),
+             _squat(f"/dev/shm/mgpt_x_{os.getpid()}", None, 0o600, ready),
+             _squat(f"/dev/shm/mgpt_{os.getpid()}_tp-0-1", None, 0o600, ready)]
+    _squat(tmp_path / "target", None, 0o600, ready)
+    os.symlink(tmp_path / "target", names["link"])
+    held = os.open(names["held"], os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_SH)
+        shared_memory.sweep()
+        assert [os.path.lexists(p) for p in [*files, names["link"]]] == [False] + [True] * 6
+        assert (tmp_path / "target").exists()
+    finally:
+        os.close(held)
+        _remove([*files, names["link"]])
+
+
+@pytest.mark.tp
+def test_a_rank_late_to_a_shared_memory_barrier_is_named_with_its_state(monkeypatch):
+    """A rank that ended without arriving at a barrier is named by its peers once the wait is
+    over (MS_CPU_COMM_OP_TIMEOUT, here 1 s): its rank, pid and state."""
+    monkeypatch.setattr(shared_memory, "WAIT", 1.0)
+    group = f"test_late_{os.getpid()}"
+    x = np.ones(4, np.float32)
+    processes, out = _segment_ranks(group, [[x], [lambda: os._exit(0)]])
+    rank, error = out.get(timeout=30)
+    for process in processes:
+        process.join()
+    assert (rank, error) == (0, f"shared-memory all-reduce on group {group}: rank 1 of the group "
+                                f"(pid {processes[1].pid}, ended) did not arrive within 1 s")
+
+
+def _state_of(pid):
+    return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.tp
+def test_sigterm_ends_a_shared_memory_wait_for_a_rank_that_cannot_arrive(monkeypatch):
+    """With --exit-signal-handler, SIGTERM is noted by a Python handler, which runs only once the
+    op's wait returns: the barrier sees the signal itself, and ends at once a wait for a stopped
+    (or ended) rank with one line naming it. A wait for a rank that runs goes on: it arrives,
+    and the step ends as the handler asks."""
+    monkeypatch.setattr(shared_memory, "WAIT", 60.0)
+    group, x = f"test_sigterm_{os.getpid()}", np.ones(4, np.float32)
+    processes, out = _segment_ranks(
+        group, [[x], [lambda: os.kill(os.getpid(), signal.SIGSTOP), x]], handler={0})
+    try:
+        deadline = time.monotonic() + 30
+        while _state_of(processes[1].pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)                                    # rank 0 waits in its first barrier
+        os.kill(processes[0].pid, signal.SIGTERM)
+        assert out.get(timeout=10) == (0, f"shared-memory all-reduce on group {group}: SIGTERM "
+                                          f"received while waiting for rank 1 of the group (pid "
+                                          f"{processes[1].pid}, stopped), which cannot arrive")
+    finally:
+        processes[1].kill()
+        for process in processes:
+            process.join()
+    group = f"test_sigterm_running_{os.getpid()}"
+    processes, out = _segment_ranks(group, [[x], [lambda: time.sleep(0.6), x]], handler={0})
+    path = _segment_path(monkeypatch, group)
+    while not os.path.exists(path):                        # rank 0 has its handler
+        time.sleep(0.01)
+    time.sleep(0.2)
+    os.kill(processes[0].pid, signal.SIGTERM)
+    results = dict(out.get(timeout=30) for _ in processes)
+    for process in processes:
+        process.join()
+    assert np.array_equal(results[0][0], 2 * x) and np.array_equal(results[1][1], 2 * x)
+
+
+@pytest.mark.tp
+def test_every_launch_gets_a_secret_of_its_own_for_its_segments(run_sh):
+    """run.sh and settings.cli.msrun_command (the suite's, tour's and bench's launches) give every
+    launch a new random MGPT_SHM_TOKEN, which the shared-memory segments' names hide."""
+    tokens = [cli.msrun_command(2, "log", ["train.py"])[1][config.SHM_TOKEN] for _ in range(2)]
+    msrun = run_sh.folder / ".venv" / "bin" / "msrun"
+    msrun.write_text('#!/bin/sh\necho "$MGPT_SHM_TOKEN" >> "$(dirname "$0")/../../tokens"\n')
+    assert run_sh("--nproc", "2")[0].returncode == 0
+    tokens += (run_sh.folder / "tokens").read_text().split()
+    assert len(set(tokens)) == 3 and all(re.fullmatch("[0-9a-f]{32}", t) for t in tokens), tokens
 
 
 @pytest.mark.tp
 def test_cpu_collectives_take_shared_memory_where_it_can_run(capsys, tmp_path, monkeypatch):
     """--cpu-collectives auto (the default) is the shared-memory all-reduce for the workers of one
     x86 machine on the CPU, MindSpore's own (mccl) on another device, another CPU, several nodes
-    (run.sh's MS_LOCAL_WORKER_NUM) or a small /dev/shm; shared_memory asked for there is one
-    line."""
+    (run.sh's MS_LOCAL_WORKER_NUM), a small /dev/shm or an msrun worker not given its launch's
+    secret (MGPT_SHM_TOKEN); shared_memory asked for there is one line."""
     def chosen(args, world):
         return load_config(os.path.join(HERE, "config.yaml"), args, world).training_config \
             .cpu_collectives
@@ -2774,6 +3159,24 @@ def test_cpu_collectives_take_shared_memory_where_it_can_run(capsys, tmp_path, m
     one_line_error(capsys, ["check", "--nproc", "2", "--cpu-collectives", "shared_memory",
                             "--save", str(tmp_path / "s")], "cpu_collectives", "/dev/shm",
                    "64 MiB here")
+    monkeypatch.undo()
+    monkeypatch.setenv("MS_ROLE", "MS_WORKER")
+    monkeypatch.delenv(config.SHM_TOKEN, raising=False)
+    assert chosen([], 2) == "mccl"
+    one_line_error(capsys, ["check", "--nproc", "2", "--cpu-collectives", "shared_memory",
+                            "--save", str(tmp_path / "s")], "cpu_collectives", "MGPT_SHM_TOKEN",
+                   "bash run.sh")
+    monkeypatch.setenv(config.SHM_TOKEN, SHM_SECRET)
+    assert chosen([], 2) == "shared_memory"
+
+
+@reading("tp2_sp", concepts={"tp"})
+def test_the_suites_workers_sum_through_shared_memory(runs):
+    """The suite's layouts other than tp2 and dp2 take the shared-memory all-reduce, as run.sh's
+    do: their launch (settings.cli.msrun_command) gives their workers its secret."""
+    config_file = runs.folder("tp2_sp") / "effective_config.yaml"
+    assert yaml.safe_load(config_file.read_text())["training_config"]["cpu_collectives"] \
+        == "shared_memory"
 
 
 @pytest.mark.tp
@@ -6202,6 +6605,180 @@ def test_torch_format_refuses_a_missing_file_and_a_folder(tmp_path):
         one_line(e, path, "not found (or not a file)")
 
 
+# ---- crafted files, written opcode by opcode as a hostile file is: each is one error line, reads
+# nothing outside its storages and takes at most about its own size
+def op_str(text):
+    data = text.encode()
+    return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
+
+
+def op_int(n):
+    return pickle.BININT + struct.pack("<i", n)
+
+
+def op_global(module, name):
+    return pickle.GLOBAL + f"{module}\n{name}\n".encode()
+
+
+def op_tuple(*parts):
+    return pickle.MARK + b"".join(parts) + pickle.TUPLE
+
+
+def op_storage(numel):
+    """The persistent id of the storage data/0, `numel` float32 elements."""
+    return (pickle.MARK + op_str("storage") + op_global("torch", "FloatStorage") + op_str("0")
+            + op_str("cpu") + op_int(numel) + pickle.TUPLE + pickle.BINPERSID)
+
+
+def op_tensor(storage, size, stride):
+    """torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, {})"""
+    return (op_global("torch._utils", "_rebuild_tensor_v2")
+            + op_tuple(storage, op_int(0), op_tuple(*map(op_int, size)),
+                       op_tuple(*map(op_int, stride)), pickle.NEWFALSE, pickle.EMPTY_DICT)
+            + pickle.REDUCE)
+
+
+def wide_view(n):
+    """numpy.ndarray((n,), "f4", <4 bytes>, 0, (0,)): n floats over a buffer of one."""
+    return (op_global("numpy", "ndarray")
+            + op_tuple(op_tuple(op_int(n)), op_str("f4"), pickle.SHORT_BINBYTES + b"\x04\0\0\x80?",
+                       op_int(0), op_tuple(op_int(0)))
+            + pickle.REDUCE)
+
+
+def swapped(n, array):
+    """A tensor of n floats on the storage data/0 whose array a BUILD swapped for `array`."""
+    storage = (op_storage(1) + pickle.EMPTY_DICT + op_str("array") + array + pickle.SETITEM
+               + pickle.BUILD)
+    return op_tensor(storage, (n,), (1,))
+
+
+def repeated(func, args, times):
+    """A list of func(*args) made `times` over, each a few opcodes: the memo's func and args
+    (BINGET) and REDUCE."""
+    return (func + pickle.BINPUT + b"\0" + pickle.POP + args + pickle.BINPUT + b"\1" + pickle.POP
+            + pickle.MARK + (pickle.BINGET + b"\0" + pickle.BINGET + b"\1" + pickle.REDUCE) * times
+            + pickle.LIST)
+
+
+def numpy_pickle(value):
+    """numpy's own pickle of `value` (protocol 2), without its PROTO and STOP."""
+    return pickle.dumps(value, protocol=2)[2:-1]
+
+
+def crafted(path, body, storage=4, compression=zipfile.ZIP_STORED):
+    """A torch.save archive at `path` whose data.pkl is `body` (opcodes) and data/0 `storage`
+    zero bytes."""
+    with zipfile.ZipFile(path, "w", compression) as a:
+        a.writestr("x/data.pkl", pickle.PROTO + b"\x02" + body + pickle.STOP)
+        a.writestr("x/data/0", bytes(storage))
+        a.writestr("x/version", "3\n")
+    return str(path)
+
+
+NUMBERS = b"".join(op_int(i) for i in range(1000))
+CRAFTED = {   # data.pkl's opcodes, data/0's size in bytes, what the error line says
+    "storage_swapped_for_a_wider_buffer": (swapped(64, wide_view(64)), 4,
+                                           "its pickle calls numpy.ndarray"),
+    "storage_swapped_for_an_array": (swapped(64, numpy_pickle(np.ones(1, np.float32))), 4,
+                                     "its pickle sets the state of <_Storage>"),
+    "stride_0_giant": (op_tensor(op_storage(1), (1 << 26,), (0,)), 4,
+                       "of size (67108864,) (stride (0,)) holds 67108864 elements, more than the "
+                       "1 of its storage"),
+    "negative_stride": (op_tensor(op_storage(2), (2,), (-1,)), 8,
+                        "the stride of a tensor of x/data/0 is (-1,), not up to 32 non-negative"),
+    "33_dimensions": (op_tensor(op_storage(1), (1,) * 33, (1,) * 33), 4,
+                      "the size of a tensor of x/data/0 is (1, 1, 1, 1, 1, 1, ...), not up to 32"),
+    "one_storage_copied_300_times": (
+        repeated(op_global("torch._utils", "_rebuild_tensor_v2"),
+                 op_tuple(op_storage(1024), op_int(0), op_tuple(op_int(1024)),
+                          op_tuple(op_int(1)), pickle.NEWFALSE, pickle.EMPTY_DICT), 300),
+        4096, "a tensor of x/data/0 of size (1024,) (4096 bytes) would pass the"),
+    "one_list_copied_300_times": (
+        repeated(op_global("builtins", "frozenset"),
+                 op_tuple(pickle.EMPTY_LIST + pickle.MARK + NUMBERS + pickle.APPENDS), 300),
+        0, "a frozenset of 1000 items would pass the"),
+    "object_array": (numpy_pickle(np.array([None], object)), 0,
+                     "a numpy dtype 'O8' with the state (3, '|', None"),
+    "zip_bomb": (op_tensor(op_storage(1), (1,), (1,)), 16 << 20,
+                 "the archive's entry x/data/0 of 16777216 bytes would pass the"),
+}
+
+
+@pytest.mark.checkpoint
+@pytest.mark.parametrize("kind", CRAFTED)
+def test_torch_format_refuses_a_crafted_file_before_it_reads_or_allocates(kind, tmp_path):
+    """Each crafted file is one line naming it and what is wrong, and the load's allocations
+    (Python's and numpy's, tracemalloc) peak below twice the file's size and 512 KiB: a
+    storage's array swapped (by a numpy.ndarray called over a 4-byte buffer, out of which a
+    trusting reader copies 64 floats of the heap; by BUILD), a stride-0 tensor of 2**26 elements
+    over one, a negative stride, 33 dimensions (numpy holds 32 at most), one storage or list
+    copied 300 times by a few opcodes each, numpy's object arrays, a 16 MiB deflated entry in a
+    17 KiB file."""
+    body, storage, message = CRAFTED[kind]
+    compression = zipfile.ZIP_DEFLATED if kind == "zip_bomb" else zipfile.ZIP_STORED
+    path = crafted(tmp_path / "x.pt", body, storage, compression)
+    tracemalloc.start()
+    try:
+        with pytest.raises(torch_format.TorchFormatError) as e:
+            torch_format.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    one_line(e, path, message)
+    assert peak < 2 * os.path.getsize(path) + (512 << 10), peak
+
+
+CHILD_LOADS = """import sys
+from formats import torch_format
+for path in sys.argv[1:]:
+    try:
+        torch_format.load(path)
+    except torch_format.TorchFormatError as e:
+        print(f"error: {e}")
+"""
+
+
+@pytest.mark.checkpoint
+def test_torch_format_crafted_files_are_one_line_not_a_crash(tmp_path):
+    """In a child process, which a trusting reader ends with SIGSEGV: a storage swapped for a
+    buffer of 50 million floats over 4 bytes, and a dict key nested 400,000 tuples deep (Python
+    hashes it by recursion in C); one error line each."""
+    wide = crafted(tmp_path / "wide.pt", swapped(50_000_000, wide_view(50_000_000)))
+    deep = crafted(tmp_path / "deep.pt", pickle.EMPTY_DICT + pickle.EMPTY_TUPLE
+                   + pickle.TUPLE1 * 400_000 + pickle.NONE + pickle.SETITEM)
+    child = subprocess.run([sys.executable, "-c", CHILD_LOADS, wide, deep], cwd=HERE,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and child.stderr == "", (child.returncode, child.stderr)
+    assert child.stdout.splitlines() == [
+        f"error: {wide}: its pickle calls numpy.ndarray: not a function torch.save writes",
+        f"error: {deep}: its pickle uses a key of more than 64 items nested in tuples: no "
+        "checkpoint's key"]
+
+
+@pytest.mark.checkpoint
+def test_torch_format_reads_numpy_and_python_2_names_as_torch_writes_them(tmp_path):
+    """numpy's arrays (C and Fortran order, big-endian; 40 KB of random bytes, written as
+    latin-1 text, which UTF-8 makes some 1.5 times as long: not refused as outgrowing the file),
+    dtypes and scalars, and sets under protocol 2's Python 2 name __builtin__ come back as they
+    were pickled."""
+    values = {"c": np.arange(6, dtype=np.int16).reshape(2, 3),
+              "random": np.random.default_rng(0).integers(0, 2 ** 32, 10_000, dtype=np.uint32),
+              "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+              "big": np.arange(3, dtype=">u4"), "scalar": np.float32(1.5), "bool": np.bool_(True),
+              "set": {1, 2}, "frozen": frozenset({"x"})}
+    archive(tmp_path / "x.pt", pickle.dumps(values, protocol=2))
+    back = torch_format.load(str(tmp_path / "x.pt"))
+    for key, value in values.items():
+        assert type(back[key]) is type(value), key
+        if isinstance(value, np.ndarray):
+            assert back[key].dtype == value.dtype and back[key].flags.c_contiguous, key
+            np.testing.assert_array_equal(back[key], value)
+        else:
+            assert back[key] == value, key
+    assert b"__builtin__\nset" in pickle.dumps(values, protocol=2)
+
+
 @pytest.mark.checkpoint
 def test_torch_format_save_is_atomic(tmp_path, monkeypatch):
     """An object that does not pickle, or a failure while writing, leaves the old file as it
@@ -6728,6 +7305,31 @@ def test_import_refuses_a_broken_megatron_folder_in_one_line(kind, tmp_path):
 
 
 @pytest.mark.checkpoint
+def test_a_crafted_torch_checkpoint_is_one_line_for_import_and_load(tmp_path, capsys):
+    """import-megatron of a Megatron-LM folder whose rank file is crafted (its storage swapped
+    for a buffer wider than itself, out of which a trusting reader copies the heap), and --load
+    of this project's torch checkpoint so crafted, each end in one error line naming the file,
+    exit code 2, no checkpoint written."""
+    root, out = copied("tp1_gpt2", tmp_path), str(tmp_path / "out")
+    rank = crafted(rank_file(root), swapped(64, wide_view(64)))
+    one_line_error(capsys, ["import-megatron", root, "--save", out], rank,
+                   "its pickle calls numpy.ndarray")
+    assert not os.path.exists(out)
+    own = tmp_path / "own"
+    checkpoint.import_megatron_main([fixture("tp1_gpt2"), "--save", str(own), "--ckpt-format",
+                                     "torch"])
+    capsys.readouterr()
+    rank = crafted(own / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt",
+                   swapped(64, wide_view(64)))
+    os.remove(own / "iter_0000010" / checkpoint.CHECKSUMS)   # a crafted file's would match it
+    one_line_error(capsys, ["--config", os.path.join(HERE, "config.yaml"), "--load", str(own),
+                            "--save", str(tmp_path / "run"), "--mock-data",
+                            "--use-checkpoint-args", "--vocab-size", "250"],
+                   rank, "its pickle calls numpy.ndarray")
+    assert not glob.glob(str(tmp_path / "run" / "iter_*"))
+
+
+@pytest.mark.checkpoint
 def test_import_reads_a_release_checkpoint(tmp_path, capsys):
     root = copied("tp1_gpt2", tmp_path)
     os.rename(os.path.join(root, "iter_0000010"), os.path.join(root, "release"))
@@ -7112,6 +7714,36 @@ def _break_dist(root, kind):
             if index.state["fqn"] == old:
                 index.state["fqn"] = old + "1"
         open(path, "wb").write(torch_format.dump_pickle(metadata))
+    elif kind in CRAFTED_INDEX:
+        path = os.path.join(folder, ".metadata")
+        metadata = torch_format.load_pickle(open(path, "rb").read(), path)
+        CRAFTED_INDEX[kind](metadata.state["state_dict_metadata"], metadata.state["storage_data"])
+        open(path, "wb").write(torch_format.dump_pickle(metadata))
+
+
+def _sized(entries, key, size):
+    """The index entry `key` of one chunk made `size`, its chunk too."""
+    entries[key].state["size"] = entries[key].state["chunks"][0].state["sizes"] = size
+
+
+def _same_range(storage):
+    """Every piece stored in __0_1.distcp placed at the largest one's bytes."""
+    infos = [info.state for info in storage.values() if info.state["relative_path"] ==
+             "__0_1.distcp"]
+    largest = max(infos, key=lambda info: info["length"])
+    for info in infos:
+        info.update(offset=largest["offset"], length=largest["length"])
+
+
+# a crafted .metadata of megatron-core's TP1 checkpoint: each changes (entries, storage_data)
+CRAFTED_INDEX = {
+    "huge_shape": lambda entries, storage: entries["embedding.word_embeddings.weight"].state.update(
+        size=(10 ** 12, 32)),
+    "piece_past_its_bytes": lambda entries, storage: _sized(
+        entries, "embedding.position_embeddings.weight", (16, 3200)),
+    "piece_outside_the_folder": lambda entries, storage: next(iter(storage.values())).state.update(
+        relative_path="../../../../etc/passwd"),
+    "overlapping_pieces": lambda entries, storage: _same_range(storage)}
 
 
 DIST_BREAKS = {
@@ -7122,14 +7754,23 @@ DIST_BREAKS = {
     "newer_version": ("has checkpoint_version 4.0, this reader knows 3.0",
                       "a Megatron-LM newer or older than its names"),
     "unknown_name": ("decoder.layers.0.mlp.linear_fc1.weight1 has no place in this project's GPT",
-                     "a torch_dist checkpoint of a Megatron-LM newer or older")}
+                     "a torch_dist checkpoint of a Megatron-LM newer or older"),
+    "huge_shape": ("the pieces of embedding.word_embeddings.weight in",
+                   "of the 32000000000000 elements of its shape (1000000000000, 32)"),
+    "piece_past_its_bytes": ("embedding.position_embeddings.weight at (0, 0) of sizes (16, 3200) "
+                             "takes 204800 bytes of float32, more than the 3625 of its piece", ""),
+    "piece_outside_the_folder": ("in '../../../../etc/passwd' at byte",
+                                 "not a file of its folder"),
+    "overlapping_pieces": ("__0_1.distcp: its .metadata places", "pieces overlap")}
 
 
 @pytest.mark.checkpoint
 @pytest.mark.parametrize("kind", DIST_BREAKS)
 def test_a_broken_torch_dist_folder_is_one_line(kind, tmp_path, capsys):
     """A truncated .distcp, a .metadata naming a missing file, a damaged index, a folder of a
-    newer Megatron (backend version, checkpoint_version, a name this project does not know):
+    newer Megatron (backend version, checkpoint_version, a name this project does not know), a
+    crafted index (a global shape of 10**12 rows, allocated whole by a trusting reader; a piece
+    larger than its bytes; a piece outside the folder; pieces sharing their bytes):
     import-megatron and --load each end in one error line naming it, before any work."""
     root = copied("dist_tp1_gpt2", tmp_path)
     _break_dist(root, kind)
@@ -7497,6 +8138,50 @@ def test_a_save_killed_at_any_point_keeps_the_previous_checkpoint(tmp_path, monk
     assert checkpoint.load_checkpoint(root)[0]["w"][0] == 4.0
 
 
+@pytest.mark.checkpoint
+def test_a_save_is_on_disk_step_by_step_before_the_older_checkpoint_goes(tmp_path, monkeypatch):
+    """A power loss keeps what was fsynced: each file of the new checkpoint is synced, then its
+    folders, then it is renamed into place and root is synced, then `latest` is written, synced
+    and renamed and root synced again; only then is the older checkpoint pruned (with
+    keep_checkpoint_max=1 it was the only other one). Seen through a recording os.fsync and
+    os.replace (this thread's calls only)."""
+    root = tmp_path / "run"
+    shards = {"mp_rank_00": ({"model_optim_rng": {"w": np.ones(4, np.float32)}},
+                             {"iteration": 1})}
+    checkpoint.save_checkpoint(str(root), 1, shards, keep_max=1)
+    events, fsync, replace, rmtree = [], os.fsync, os.replace, shutil.rmtree
+
+    def name(path):             # relative to root, a temporary file's random part as *
+        return re.sub(r"\.tmp\w+$", ".tmp*", os.path.relpath(path, root))
+
+    def recorded(kind, fn, paths):
+        def call(*a, **k):
+            events.append((kind, *map(name, paths(*a))))
+            return fn(*a, **k)
+        return this_thread_only(call, fn)
+    monkeypatch.setattr(os, "fsync", recorded("fsync", fsync,
+                                              lambda fd: [os.readlink(f"/proc/self/fd/{fd}")]))
+    monkeypatch.setattr(os, "replace", recorded("replace", replace, lambda a, b: [a, b]))
+    monkeypatch.setattr(shutil, "rmtree", recorded("rmtree", rmtree, lambda p, **k: [p]))
+    checkpoint.save_checkpoint(str(root), 2, shards, keep_max=1)
+    monkeypatch.undo()
+    tmp, latest = ".iter_0000002.tmp", checkpoint.LATEST
+    moved = events.index(("replace", tmp, "iter_0000002"))
+    assert events[moved:] == [
+        ("replace", tmp, "iter_0000002"), ("fsync", "."),
+        ("fsync", f"{latest}.tmp*"), ("replace", f"{latest}.tmp*", latest), ("fsync", "."),
+        ("rmtree", "iter_0000001")]
+    assert events[moved - 1] == ("fsync", tmp)
+    last = {path: i for i, (kind, path, *_) in enumerate(events[:moved]) if kind == "fsync"}
+    files = sorted(os.path.relpath(p, root / "iter_0000002") for p in
+                   glob.glob(str(root / "iter_0000002" / "**"), recursive=True)
+                   if os.path.isfile(p))
+    assert files == ["checksums.json", "mp_rank_00/meta.json", "mp_rank_00/model_optim_rng.ckpt"]
+    for f in files:                       # each file synced after it was written, then its folder
+        folder = os.path.dirname(f"{tmp}/{f}")
+        assert last[f"{tmp}/{f}"] < last[folder] <= last[tmp], f
+
+
 SAVED_DAMAGE = {   # a file damaged since its save (DAMAGES, or lost): how damage() names it
     "truncated": r"\d+ bytes, saved with \d+ \(truncated or overwritten\)",
     "overwritten": r"its bytes differ from those saved \(CRC-32\)",
@@ -7745,6 +8430,38 @@ def test_export_hf_refuses_a_file_and_writes_the_tokenizer(tmp_path, tiny_checkp
     assert "no tokenizer files: ByteTokenizer" in capsys.readouterr().out
     assert (sorted(p.name for p in (tmp_path / "bytes").iterdir())
             == ["config.json", "model.safetensors"])
+
+
+@pytest.mark.checkpoint
+def test_export_hf_copies_only_files_of_the_checkpoint_or_its_command_line(tmp_path, capsys):
+    """A checkpoint whose meta names /etc/passwd, or a vocab.json outside its folder, as its
+    GPT-2 files is refused by export-hf in one line naming the file and the flag to give, before
+    anything is written; the file named on the command line (--vocab-file) is copied, and so is
+    one inside the checkpoint's folder."""
+    tiny_hf_gpt2(tmp_path / "hf", layers=1, hidden=16, heads=2, positions=16)
+    ckpt = tmp_path / "ckpt"
+    assert train.main(["import-hf", str(tmp_path / "hf"), "--save", str(ckpt)]) == 0
+    os.remove(ckpt / "iter_0000000" / checkpoint.CHECKSUMS)   # a crafted meta's would match it
+    (tmp_path / "elsewhere").mkdir()
+    outside, inside = tmp_path / "elsewhere" / "vocab.json", ckpt / "vocab.json"
+    for copy in (outside, inside):
+        shutil.copyfile(VOCAB, copy)
+    meta_path = ckpt / "iter_0000000" / "mp_rank_00" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for vocab in ("/etc/passwd", str(outside)):
+        meta["config"]["dataset_config"]["vocab_file"] = vocab
+        meta_path.write_text(json.dumps(meta))
+        capsys.readouterr()
+        one_line_error(capsys, ["export-hf", "--load", str(ckpt), "--save", str(tmp_path / "hf2")],
+                       f"dataset_config.vocab_file={vocab} is outside --load",
+                       f"give --vocab-file {vocab}")
+        assert not (tmp_path / "hf2").exists()
+    for vocab, flags in ((str(outside), ["--vocab-file", str(outside)]), (str(inside), [])):
+        meta["config"]["dataset_config"]["vocab_file"] = vocab
+        meta_path.write_text(json.dumps(meta))
+        out = tmp_path / f"hf_{len(flags)}"
+        assert train.main(["export-hf", "--load", str(ckpt), "--save", str(out), *flags]) == 0
+        assert (out / "vocab.json").read_bytes() == open(VOCAB, "rb").read()
 
 
 def safetensors_header(path):
@@ -10524,9 +11241,9 @@ def test_a_late_rank_in_a_compiled_graph_of_several_kinds_of_groups_is_waited_fo
 #   `bench`'s flags and layouts parse; `test` passes its arguments to pytest. The checks run in a
 #   scratch copy of the project's inputs (configs/, data/; no output/), so a run elsewhere cannot
 #   make a command look taken; in it:
-#     * the shipped corpus's tokenized files are empty stand-ins (check looks for them; it does not
-#       read them), and a `preprocess` command's output files exist for the commands after it on
-#       its page, as though it had run;
+#     * the shipped corpus's tokenized files are stand-ins, a corpus of no sequences (check reads
+#       its index and its tokens), and a `preprocess` command's output files exist for the
+#       commands after it on its page, as such stand-ins, as though it had run;
 #     * a command that sets `device_target=Ascend` (or GPU) is for that device: the device is
 #       taken as present, the rest is checked;
 #     * a synopsis, a command with a placeholder word in capitals (DIR, N, FILE.yaml, COMMAND), a
@@ -10596,10 +11313,16 @@ def scratch(tmp_path, monkeypatch):
     for entry in os.listdir(os.path.join(HERE, "data")):
         if not entry.endswith((".bin", ".idx")) and entry != "cache":
             os.symlink(os.path.join(HERE, "data", entry), tmp_path / "data" / entry)
-    for ext in (".bin", ".idx"):
-        (tmp_path / "data" / f"tinyshakespeare_text_document{ext}").write_bytes(b"")
+    empty_corpus(tmp_path / "data" / "tinyshakespeare_text_document")
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def empty_corpus(prefix):
+    """`prefix`.bin/.idx of no sequences: a corpus check reads in no time."""
+    open(f"{prefix}.bin", "wb").close()
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(_megatron_idx_bytes(8, [], 2, [0]))
 
 
 def training_check(words):
@@ -10732,9 +11455,9 @@ def test_every_printed_command_is_valid(page, scratch, capsys, monkeypatch):
         except AssertionError as e:
             raise AssertionError(f"{page}: bash run.sh {shlex.join(words)}: {e}") from None
         if words[:1] == ["preprocess"] and "--output-prefix" in words:
-            for name in written_outputs(words):
+            for name in written_outputs(words)[::2]:                   # each .bin/.idx pair
                 os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
-                open(name, "wb").close()
+                empty_corpus(name[:-len(".bin")])
     assert kinds.count("synopsis") <= 3, (page, kinds)
 
 

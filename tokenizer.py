@@ -118,7 +118,13 @@ class NullTokenizer:
         self.vocab_size = int(vocab_size) + 1
 
     def encode(self, text):
-        return [int(x) for x in text.split()]
+        """Space-separated ids -> ids, each below vocab_size (the .bin's dtype holds no other:
+        data.optimal_dtype)."""
+        ids = [int(x) for x in text.split()]
+        wrong = [i for i in ids if not 0 <= i < self.vocab_size]
+        if wrong:
+            raise ValueError(f"id {wrong[0]} is not in 0..{self.vocab_size - 1}")
+        return ids
 
     def decode(self, ids):
         return " ".join(str(int(i)) for i in ids)

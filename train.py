@@ -31,6 +31,7 @@ import moe
 import optimizer as opt
 import parallel
 import pipeline
+from backends import shared_memory
 from formats import checkpoint, hf_gpt2
 from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, layer_spec, model_pieces,
                  model_provider)
@@ -195,8 +196,27 @@ def resolve_corpora(words, key):
                     raise ConfigError(f"dataset_config.{key}={corpus}: {corpus}{ext} not found; "
                                       "run `bash run.sh preprocess ...` (or `bash run.sh` for "
                                       "the shipped corpus) or use --mock-data")
+            data.IndexedDataset(corpus)           # its .idx checked against its .bin
         resolved += ([words[2 * k]] if weights is not None else []) + found
     return resolved[0] if len(resolved) == 1 else resolved
+
+
+def check_token_ids(dataset_cfg, tokenizer=None):
+    """Each corpus's token ids below the tokenizer's vocabulary: one pass over its .bin
+    (docs/training.md gives the cost), so once a launch, in one process: run.sh's `check` before
+    msrun starts the workers, or a run alone. Without `tokenizer`, the run's is built here, once a
+    corpus holds tokens."""
+    blend, per_split = data.data_blends(dataset_cfg)
+    blends = [blend] if per_split is None else [b for b in per_split if b]
+    for prefix in dict.fromkeys(p for prefixes, _ in blends for p in prefixes):
+        indexed = data.IndexedDataset(prefix)
+        if indexed.end:                           # no tokens, no wrong one
+            tokenizer = tokenizer or build_tokenizer(dataset_cfg.tokenizer_type,
+                                                     dataset_cfg.vocab_file,
+                                                     dataset_cfg.merge_file,
+                                                     dataset_cfg.vocab_size)
+            indexed.check_token_ids(tokenizer.vocab_size, "dataset_config.tokenizer_type="
+                                    + dataset_cfg.tokenizer_type)
 
 
 def build_data(cfg, tokenizer):
@@ -206,6 +226,8 @@ def build_data(cfg, tokenizer):
         vocab = dataset_cfg.vocab_size or tokenizer.vocab_size
         return tuple(data.MockGPTDataset(n, seq_length, vocab, training_cfg.seed + i) if n else None
                      for i, n in enumerate(num_samples))
+    if parallel.launched_world_size() == 1:       # several workers: run.sh's check did it
+        check_token_ids(dataset_cfg, tokenizer)
     blend, per_split = data.data_blends(dataset_cfg)
     first = (blend or per_split[0])[0][0]
     cache = dataset_cfg.data_cache_path or os.path.join(os.path.dirname(first) or ".", "cache")
@@ -408,6 +430,7 @@ def pretrain(cfg, notes=()):
     if training_cfg.exit_signal_handler:              # noted here, acted on between steps
         _SIGTERM.clear()
         signal.signal(signal.SIGTERM, lambda signum, frame: _SIGTERM.append(signum))
+        shared_memory.watch_sigterm()                 # seen at once in a shared-memory wait
     estimate = log_start(cfg, trainer, train_ds, valid_ds, test_ds)
     state = trainer.state
     it = data_loader(cfg, train_ds, state, consumed)
@@ -548,7 +571,8 @@ def train_main(argv):
                           int(os.environ.get("RANK_ID", "0")), parallel.launched_world_size())
     try:
         pretrain(cfg, notes)
-    except (ConfigError, checkpoint.CheckpointError, OSError) as e:    # one line, the fix in it
+    except (ConfigError, checkpoint.CheckpointError, OSError,     # one line, the fix in it
+            shared_memory.SegmentError) as e:
         fail(expected_message(e))
         return 2
     except Exception:                                                  # a bug: its traceback, once
@@ -559,8 +583,10 @@ def train_main(argv):
 
 def check_main(argv):
     """What run.sh runs before msrun: the training command for --nproc workers, checked in one
-    process (config, layout, input files)."""
-    configure("check", argv)
+    process (config, layout, input files, the corpora's token ids)."""
+    dataset_cfg = configure("check", argv)[0].dataset_config
+    if not dataset_cfg.mock_data:
+        check_token_ids(dataset_cfg)
 
 
 def configure(command, argv):

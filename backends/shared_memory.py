@@ -4,9 +4,10 @@ its cluster's TCP messages, several times slower than the same bytes copied thro
 (docs/performance.md, Collectives). parallel.CpuCollectives builds every collective from one
 all-reduce, so this one op carries them all.
 
-A process group holds one segment of /dev/shm: n arrival counters, a ready flag and each rank's
-tensor size (int64), then n input slots and one output slot of SLOT bytes each. An all-reduce goes
-SLOT bytes at a time (ranks whose tensors differ in size stop at the first barrier, named):
+A process group holds one segment of /dev/shm: a header (int64: a ready word, then each rank's
+arrivals, its tensor's elements and dtype, its pid), then n input slots and one output slot of SLOT
+bytes each. An all-reduce goes SLOT bytes at a time, at least once (an empty tensor too, so every
+rank keeps step; ranks whose tensors differ in elements or dtype stop at the first barrier, named):
 
     every rank copies its piece into its slot            then all arrive (a barrier)
     rank i sums part i (of n) of the slots into the output, in rank order   all arrive
@@ -20,82 +21,134 @@ all-reduce of the incoming gradient. The first rank removes the segment's name o
 has attached (past the first barrier): the memory lives on until the last rank unmaps it, so a job
 killed whole leaves nothing in /dev/shm.
 
+Another user of the machine can neither read nor stop a job's sums: a segment's name is a digest
+of the launch's secret (MGPT_SHM_TOKEN: run.sh and settings.cli.msrun_command draw one per launch)
+and of its group, so it can be neither guessed nor derived from another group's name; its first
+rank creates it exclusively, mode 0600, and the others map only a file of this user with that mode
+and size. A name that exists already was made by someone who knows the secret: the job stops with
+one line, it is not removed. Names left by a killed launch are removed by the next launch's first
+rank: only this user's, of this form, that no live process holds (the creator holds a lock on its
+segment while the name lives).
+
 The counters are plain stores: another process sees them after the data written before them on
 x86 (its stores are seen in program order), which is why settings/config allows this backend only
 there, and only when every worker runs on this machine.
 """
 import atexit
 import contextlib
-import glob
+import fcntl
+import hashlib
+import mmap
 import os
+import re
+import signal
+import stat
 import time
 
 import numpy as np
-from multiprocessing import resource_tracker, shared_memory
 from mindspore import ops
+
+from settings.config import SHM_TOKEN
 
 SLOT = 4 << 20              # bytes of each rank's slot: a larger tensor goes through in pieces
 SPINS = 200                 # sched_yield turns before a waiting rank sleeps between looks
 NAP = 1e-4                  # seconds of each such sleep
 WAIT = float(os.environ.get("MS_CPU_COMM_OP_TIMEOUT", "600"))  # seconds before a peer is late
+FOLDER = "/dev/shm"                          # Linux's POSIX shared memory (shm_open's names)
+NAME = re.compile(r"mgpt_[0-9a-f]{32}")      # a segment's name (segment_name)
+READY = 1                   # the header's first word once the creator has set the segment up
+GONE = ("stopped", "ended")  # the states of a late rank that will not arrive by itself
+
+
+class SegmentError(RuntimeError):
+    """A segment this rank must not use, or a wait that cannot end: one line naming the cause
+    (train.py reports it as an expected failure, not a bug)."""
 
 
 class Segment:
-    """One group's shared memory, named after msrun's process (the workers' parent) and the
-    group: the group's first rank creates it, the others attach once it is ready."""
+    """One group's shared memory (segment_name): the group's first rank creates it, the others
+    attach once it is ready."""
 
     def __init__(self, group, size, index):
         self.size, self.index, self.arrivals = size, index, 0
-        name = f"mgpt_{os.getppid()}_{group}"
-        header = 8 * (2 * size + 1)                   # counters, ready flag, sizes
+        self.path = os.path.join(FOLDER, segment_name(group))
+        header = 8 * (4 * size + 1)
+        nbytes = header + (size + 1) * SLOT
         if index == 0:
-            self.memory = _create(name, header + (size + 1) * SLOT)
+            self.fd, self.memory = _create(self.path, nbytes)
         else:
-            self.memory = _attach(name, group, size)
-        self.counters = np.ndarray((2 * size + 1,), np.int64, self.memory.buf)
-        self.slots = np.ndarray((size + 1, SLOT), np.uint8, self.memory.buf, header)
+            self.fd, self.memory = _attach(self.path, nbytes, group)
+        words = np.ndarray((4 * size + 1,), np.int64, self.memory)
+        self.ready = words[:1]
+        self.arrived, self.counts, self.dtypes, self.pids = words[1:].reshape(4, size)
+        self.slots = np.ndarray((size + 1, SLOT), np.uint8, self.memory, header)
+        self.pids[index] = os.getpid()
         if index == 0:
-            self.counters[size] = 1                   # ready: the others may attach
+            self.ready[0] = READY                     # the others may attach
         self.named = index == 0                       # the creator removes the name
         atexit.register(self.close)
 
     def barrier(self, group):
         """Until every rank of the group has arrived as often as this one."""
         self.arrivals += 1
-        self.counters[self.index] = self.arrivals
+        self.arrived[self.index] = self.arrivals
         turns, deadline = 0, time.monotonic() + WAIT
-        while self.counters[:self.size].min() < self.arrivals:
+        while self.arrived.min() < self.arrivals:
             turns += 1
             if turns < SPINS:
                 os.sched_yield()
                 continue
-            if time.monotonic() > deadline:
-                late = [r for r in range(self.size) if self.counters[r] < self.arrivals]
-                raise RuntimeError(f"shared-memory all-reduce on group {group}: rank(s) "
-                                   f"{late} of the group did not arrive within {WAIT:.0f} s")
+            if turns % SPINS == 0:
+                self._check_wait(group, deadline)
             time.sleep(NAP)
         if self.named:                 # every rank has attached: the memory lives on unnamed
-            self.memory.unlink()       # until the last rank unmaps it, at its end or kill
+            os.unlink(self.path)       # until the last rank unmaps it, at its end or kill
             self.named = False
+
+    def _check_wait(self, group, deadline):
+        """Raises for a wait that cannot end: past the deadline, or SIGTERM received (a Python
+        handler's, which runs only after the wait: --exit-signal-handler) while a late rank is
+        stopped or has ended. A late rank that runs is waited for: it arrives, and the step ends
+        as the handler asks."""
+        past = time.monotonic() > deadline
+        if not (past or sigterm_received()):
+            return
+        late = [(r, self.pids[r], _state(self.pids[r]))
+                for r in range(self.size) if self.arrived[r] < self.arrivals]
+        named = ", ".join(f"rank {r} of the group (pid {pid}, {state})" if pid
+                          else f"rank {r} of the group ({state})" for r, pid, state in late)
+        if past:
+            raise SegmentError(f"shared-memory all-reduce on group {group}: {named} did not "
+                               f"arrive within {WAIT:.0f} s")
+        if any(state in GONE for _, _, state in late):
+            raise SegmentError(f"shared-memory all-reduce on group {group}: SIGTERM received "
+                               f"while waiting for {named}, which cannot arrive")
 
     def all_reduce(self, x, group):
         """The sum of `x` (a numpy array) over the group's ranks, a new array."""
         flat, out = x.reshape(-1).view(np.uint8), np.empty_like(x)
         whole = out.reshape(-1).view(np.uint8)
         step = SLOT - SLOT % x.itemsize
-        sizes = self.counters[self.size + 1:]
-        sizes[self.index] = flat.size
-        for start in range(0, flat.size, step):
+        self.counts[self.index], self.dtypes[self.index] = x.size, ord(x.dtype.char)
+        for start in range(0, max(flat.size, 1), step):      # empty: one round, barriers kept
             piece = flat[start:start + step]
             self.slots[self.index, :piece.size] = piece
             self.barrier(group)
-            if start == 0 and sizes.min() != sizes.max():
-                raise RuntimeError(f"shared-memory all-reduce on group {group}: its ranks' "
-                                   f"tensors differ, {list(sizes)} bytes")
+            if start == 0:
+                self._check_alike(group)
             self._sum_part(piece.size, x.dtype)
             self.barrier(group)
             whole[start:start + piece.size] = self.slots[self.size, :piece.size]
         return out
+
+    def _check_alike(self, group):
+        """Every rank's tensor has the same elements and dtype (each wrote its own before the
+        first barrier, so every rank reads the same and all stop here together)."""
+        if len(set(self.counts)) > 1 or len(set(self.dtypes)) > 1:
+            each = ", ".join(f"{count} {np.dtype(chr(code)).name}"
+                             for count, code in zip(self.counts, self.dtypes))
+            raise RuntimeError(f"shared-memory all-reduce on group {group}: its ranks' tensors "
+                               f"differ (each rank's elements and dtype): {each}")
 
     def _sum_part(self, nbytes, dtype):
         """Part `index` of n of the slots' first `nbytes`, summed in rank order into the output."""
@@ -107,61 +160,149 @@ class Segment:
             np.add(slots[-1], slots[r], out=slots[-1])
 
     def close(self):
-        """Unmapped at exit (and the name removed, if no sum ever ran)."""
-        self.counters = self.slots = None
-        self.memory.close()
+        """Unmapped at exit (and the name removed, if no sum ever ran); the lock let go."""
+        if self.memory.closed:
+            return
         if self.named:
-            self.memory.unlink()
+            os.unlink(self.path)
+        self.ready = self.arrived = self.counts = self.dtypes = self.pids = self.slots = None
+        self.memory.close()
+        os.close(self.fd)
 
 
-def _create(name, nbytes):
-    """A new segment `name`. Segments of launches whose msrun has gone are removed first: one
-    killed before its first sum leaves its names behind."""
-    for path in glob.glob("/dev/shm/mgpt_*_*"):
-        if not _alive(int(os.path.basename(path).split("_")[1])):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+def segment_name(group):
+    """The name of `group`'s segment in this launch: a digest of the launch's secret, its msrun
+    process (every worker's parent; a restart's is another) and the group."""
+    token = os.environ.get(SHM_TOKEN)
+    if not token:
+        raise SegmentError(f"shared-memory all-reduce on group {group}: no {SHM_TOKEN}, the "
+                           "launch's secret that names its segments: launch with bash run.sh, "
+                           "or use --cpu-collectives mccl")
+    digest = hashlib.sha256(f"{token}/{os.getppid()}/{group}".encode()).hexdigest()
+    return f"mgpt_{digest[:32]}"
+
+
+def _create(path, nbytes):
+    """(fd, mapping) of a new segment at `path`, this user's alone (mode 0600 whatever the
+    umask), locked by this process while it lives (sweep passes it by)."""
+    sweep()
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return shared_memory.SharedMemory(name, create=True, size=nbytes)
+        fd = os.open(path, flags, 0o600)
     except FileExistsError:
-        shared_memory.SharedMemory(name).unlink()
-        return shared_memory.SharedMemory(name, create=True, size=nbytes)
+        raise SegmentError(f"shared-memory segment {path} exists already (owner uid "
+                           f"{os.lstat(path).st_uid}): made by someone who knows this launch's "
+                           f"{SHM_TOKEN}, it is not removed; launch again") from None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    os.fchmod(fd, 0o600)
+    os.ftruncate(fd, nbytes)
+    return fd, mmap.mmap(fd, nbytes)
 
 
-def _alive(pid):
-    """Whether process `pid` exists (another user's counts)."""
+def sweep():
+    """Remove the segments a killed launch left (its first rank died before a group's first sum):
+    this user's regular files of segment_name's form that no live process holds. Anything else
+    in /dev/shm is not ours to judge, and is left alone."""
+    for name in os.listdir(FOLDER):
+        if NAME.fullmatch(name):
+            with contextlib.suppress(OSError):   # gone, another's, a link, or held: left alone
+                _remove_if_stale(os.path.join(FOLDER, name))
+
+
+def _remove_if_stale(path):
+    """Remove the segment at `path` if it is this user's and no process holds it (OSError
+    otherwise: BlockingIOError for one held by its live creator)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if int.from_bytes(os.pread(fd, 8, 0), "little") == READY:    # set up, then left
+                os.unlink(path)
+    finally:
+        os.close(fd)
 
 
-def _attach(name, group, size):
-    """The segment `name` once its creator has marked it ready."""
+def _attach(path, nbytes, group):
+    """(fd, mapping) of the segment at `path` once its creator has marked it ready."""
     deadline = time.monotonic() + WAIT
-    while (memory := _ready(name, size)) is None:
+    while (opened := _open_ready(path, nbytes)) is None:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"shared-memory collectives on group {group}: its first rank "
-                               f"made no segment {name} within {WAIT:.0f} s")
+            raise SegmentError(f"shared-memory collectives on group {group}: its first rank "
+                               f"made no segment {path} within {WAIT:.0f} s")
         time.sleep(0.01)
-    return memory
+    return opened
 
 
-def _ready(name, size):
-    """The segment `name` if its creator has marked it ready, else None; not tracked by this
-    process (Python's tracker would remove the creator's segment when this process ends)."""
+def _open_ready(path, nbytes):
+    """(fd, mapping) of the segment at `path` if its creator has marked it ready, else None (not
+    there yet, or not yet sized). A file this launch did not make is refused at once: a link,
+    another user's file, or one whose mode or size a creator never gives."""
     try:
-        memory = shared_memory.SharedMemory(name)
-    except (FileNotFoundError, ValueError):            # not there yet, or not yet sized
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
         return None
-    resource_tracker.unregister(memory._name, "shared_memory")
-    if int.from_bytes(memory.buf[8 * size:8 * size + 8], "little") == 1:
-        return memory
+    except OSError as e:
+        raise SegmentError(f"shared-memory segment {path}: {e.strerror}, refused: not this "
+                           "launch's") from None
+    info = os.fstat(fd)
+    mode = stat.S_IMODE(info.st_mode)
+    ours = info.st_uid == os.getuid()
+    if ours and info.st_size == 0:                    # created, not yet sized (nor its mode set)
+        os.close(fd)
+        return None
+    if not (ours and stat.S_ISREG(info.st_mode) and mode == 0o600 and info.st_size == nbytes):
+        os.close(fd)
+        raise SegmentError(f"shared-memory segment {path} (owner uid {info.st_uid}, mode "
+                           f"{mode:o}, {info.st_size} bytes) refused: not this launch's (uid "
+                           f"{os.getuid()}, mode 600, {nbytes} bytes)")
+    memory = mmap.mmap(fd, nbytes)
+    if int.from_bytes(memory[:8], "little") == READY:
+        return fd, memory
     memory.close()
+    os.close(fd)
     return None
+
+
+def _state(pid):
+    """What the process `pid` (a rank of this machine) does: running, stopped or ended; a rank
+    that has not attached yet has no pid."""
+    if not pid:
+        return "not attached"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]      # the field after the command
+    except FileNotFoundError:
+        return "ended"
+    return {"T": "stopped", "t": "stopped", "Z": "ended", "X": "ended"}.get(state, "running")
+
+
+# A Python signal handler runs in the main thread only, which waits in MindSpore for the op while
+# the op's Python runs on another thread: the handler would run after the wait. Python's C-level
+# handler writes the number of every signal it handles to the wakeup fd at once.
+_WAKEUP = {"fd": None, "sigterm": False}
+
+
+def watch_sigterm():
+    """Let a barrier's wait see a SIGTERM that a Python handler will take (train.py's with
+    --exit-signal-handler): call from the main thread, once the handler is installed."""
+    read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    old = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    if _WAKEUP["fd"] is not None:
+        os.close(_WAKEUP["fd"])
+        os.close(old)
+    _WAKEUP.update(fd=read, sigterm=False)
+
+
+def sigterm_received():
+    """Whether a SIGTERM came since watch_sigterm (other signals' numbers are passed over)."""
+    while _WAKEUP["fd"] is not None and not _WAKEUP["sigterm"]:
+        try:
+            numbers = os.read(_WAKEUP["fd"], 64)
+        except BlockingIOError:
+            break
+        _WAKEUP["sigterm"] = signal.SIGTERM in numbers
+    return _WAKEUP["sigterm"]
 
 
 def all_reduce_op(group, size, index):

@@ -32,7 +32,7 @@ from mindspore import Parameter, Tensor, ops
 import moe
 import optimizer as opt
 import parallel
-from data import write_atomic
+from data import fsync_folder, write_atomic
 from distributed import GradBuffer
 from formats import dist_checkpoint, megatron_checkpoint, torch_format
 from formats.megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
@@ -79,16 +79,34 @@ def save_checkpoint(root, iteration, shards, ckpt_format="ckpt", keep_max=None,
             if finish:
                 finish(tmp)
             write_atomic(os.path.join(tmp, CHECKSUMS), json.dumps(checksums(tmp), indent=1))
+            _sync_tree(tmp)
         except Exception:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        # each step on disk before the next (docs/checkpoints.md): the folder's files, its
+        # name in root, then `latest` (write_atomic syncs it and root), and only then the pruning
         os.replace(tmp, final)
+        fsync_folder(root)
         write_atomic(os.path.join(root, LATEST), str(iteration))
         if keep_max:                          # the oldest go, never the one just written
             for old in sorted(i for i in saved_iterations(root) if i <= iteration)[:-keep_max]:
                 shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
     barrier()
     return final
+
+
+def _sync_tree(folder):
+    """Every file under `folder` to disk, then each folder below it, `folder` last: what the
+    ranks wrote (MindSpore's save_checkpoint syncs nothing) is on disk before it is renamed into
+    place. fsync writes the file's data whichever descriptor names it (man 2 fsync)."""
+    for top, _, names in os.walk(folder, topdown=False):
+        for name in names:
+            fd = os.open(os.path.join(top, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_folder(top)
 
 
 CHECKSUMS = "checksums.json"   # {file under the iteration folder: [bytes, CRC-32]}

@@ -25,6 +25,7 @@ one-process tensor, whatever layout saved it: what makes the format layout-free.
 """
 import collections
 import json
+import math
 import os
 import re
 
@@ -86,10 +87,12 @@ def read_index(folder):
     except torch_format.TorchFormatError as e:
         raise CheckpointError(str(e)) from None
     try:
-        return _parse_index(metadata, path)
+        tensors, objects = _parse_index(metadata, path)
     except (AttributeError, TypeError, IndexError, ValueError) as e:
         raise CheckpointError(f"{path} holds no index of PyTorch Distributed Checkpoint "
                               f"({type(e).__name__}: {e}): the file is damaged") from None
+    _check_ranges(folder, tensors, objects)
+    return tensors, objects
 
 
 def _parse_index(metadata, path):
@@ -100,21 +103,43 @@ def _parse_index(metadata, path):
                               f"knows {DCP_VERSION}: a checkpoint of a newer or older torch")
     where = {}
     for index, info in _state(metadata, "storage_data").items():
-        fields = {k: _state(info, k) for k in ("relative_path", "offset", "length")}
         offsets = getattr(index, "state", {}).get("offset")
-        where[_state(index, "fqn"), offsets and tuple(offsets)] = (
-            fields["relative_path"], fields["offset"], fields["length"])
+        key = _state(index, "fqn"), offsets and tuple(offsets)
+        where[key] = _stored(info, key, path)
     tensors, objects = {}, {}
     for key, entry in _state(metadata, "state_dict_metadata").items():
         if not isinstance(entry.state, dict) or "chunks" not in entry.state:
             objects[key] = _located(where, key, None, path)
             continue
         dtype = getattr(entry.state["properties"].state[0], "name", "?")
-        pieces = [(tuple(_state(c, "offsets")), tuple(_state(c, "sizes")))
+        pieces = [(_dims(_state(c, "offsets"), f"{key}'s offsets", path),
+                   _dims(_state(c, "sizes"), f"{key}'s sizes", path))
                   for c in entry.state["chunks"]]
-        tensors[key] = (dtype, tuple(entry.state["size"]),
+        tensors[key] = (dtype, _dims(entry.state["size"], f"{key}'s shape", path),
                         [(o, s, *_located(where, key, o, path)) for o, s in pieces])
     return tensors, objects
+
+
+def _dims(values, what, path):
+    """`values` (torch.Size, a tuple) as a tuple of at most MAX_DIMS non-negative ints, or one
+    line naming `what`."""
+    values = tuple(values)
+    if len(values) > torch_format.MAX_DIMS or not all(type(v) is int and v >= 0 for v in values):
+        raise CheckpointError(f"{path}: {what} are {values!r:.80}, not up to "
+                              f"{torch_format.MAX_DIMS} whole numbers: the index is damaged")
+    return values
+
+
+def _stored(info, key, path):
+    """(file, byte offset, length) of a _StorageInfo: a file of the folder itself, a range of
+    whole numbers."""
+    file, offset, length = (_state(info, k) for k in ("relative_path", "offset", "length"))
+    if not (isinstance(file, str) and file == os.path.basename(file) and file not in ("", "..")
+            and type(offset) is int and type(length) is int and min(offset, length) >= 0):
+        raise CheckpointError(f"{path} stores {key[0]!r:.80} in {file!r:.80} at byte "
+                              f"{offset!r:.20}, length {length!r:.20}: not a file of its folder "
+                              "and a range of its bytes; the index is damaged")
+    return file, offset, length
 
 
 def _located(where, key, offsets, path):
@@ -122,6 +147,31 @@ def _located(where, key, offsets, path):
         raise CheckpointError(f"{path} lists {key} at {offsets} but not where it is stored: the "
                               "index is damaged")
     return where[key, offsets]
+
+
+def _check_ranges(folder, tensors, objects):
+    """Each file of the folder holds the byte ranges the index places in it, and they take no
+    more than its bytes together (no piece is read twice: what is built from the pieces is
+    bounded by the files). A file missing is left for read_piece to name with what it holds."""
+    ranges = collections.defaultdict(list)
+    for key, (_, _, pieces) in tensors.items():
+        for offsets, _, file, offset, length in pieces:
+            ranges[file].append((offset, length, f"{key} at {offsets}"))
+    for key, (file, offset, length) in objects.items():
+        ranges[file].append((offset, length, key))
+    for file, spans in ranges.items():
+        path = os.path.join(folder, file)
+        if not os.path.isfile(path):
+            continue
+        size = os.path.getsize(path)
+        for offset, length, what in spans:
+            if offset + length > size:
+                raise CheckpointError(f"{path} holds {size} bytes, {what} ends at byte "
+                                      f"{offset + length}: the file is truncated")
+        total = sum(length for _, length, _ in spans)
+        if total > size:
+            raise CheckpointError(f"{path}: its {METADATA} places {len(spans)} pieces of {total} "
+                                  f"bytes in its {size}: pieces overlap, the index is damaged")
 
 
 def _check_backend(folder):
@@ -147,9 +197,6 @@ def read_piece(folder, file, offset, length, what):
     with open(path, "rb") as f:
         f.seek(offset)
         raw = f.read(length)
-    if len(raw) < length:
-        raise CheckpointError(f"{path} holds {os.path.getsize(path)} bytes, {what} ends at byte "
-                              f"{offset + length}: the file is truncated")
     try:
         return torch_format.loads(raw, f"{path} at byte {offset} ({what})")
     except torch_format.TorchFormatError as e:
@@ -168,15 +215,48 @@ def read_object(folder, key):
     return read_piece(folder, *objects[key], key) if key in objects else None
 
 
-def read_tensor(folder, key, dtype, shape, pieces):
-    """(the global tensor `key` assembled from its pieces, the set of its first axis's indices
-    they cover): float32 (bfloat16 widened exactly), float16 and float64 as stored. A stacked
-    key may skip layers (experts in every other layer: --moe-layer-freq); every index present is
-    covered whole."""
+def covered_rows(folder, key, dtype, shape, pieces):
+    """The indices along the first axis of `key` (global `shape`) that its pieces cover, sorted
+    ([0] for a 0-d tensor), checked from the index alone, before anything is allocated: each
+    piece inside the shape, its sizes and elements of `dtype` within the bytes of its piece;
+    each index covered whole; every index, unless the key is stacked on layers (which may skip
+    some: experts in every other layer, --moe-layer-freq)."""
     if dtype not in DTYPES:
         raise CheckpointError(f"{key} in {folder} is {dtype}, not a floating-point tensor")
-    out = np.zeros(shape, DTYPES[dtype] if dtype != "bfloat16" else np.float32)
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    total = sum(length for *_, length in pieces)
+    # each covered index holds the dimensions past the first whole: none beyond its bytes
+    if max(shape[1:], default=0) > total:
+        raise CheckpointError(f"{key} in {folder} has the shape {shape}, larger than the {total} "
+                              "bytes of its pieces: the index is damaged")
     covered = collections.Counter()
+    for offsets, sizes, file, _, length in pieces:
+        where = f"{folder}/{file}: {key} at {offsets} of sizes {sizes}"
+        if not len(offsets) == len(sizes) == len(shape) or any(
+                o + s > n for o, s, n in zip(offsets, sizes, shape)):
+            raise CheckpointError(f"{where} lies outside its shape {shape}: the index is damaged")
+        if max(math.prod(sizes) * itemsize, *sizes, 0) > length:
+            raise CheckpointError(f"{where} takes {math.prod(sizes) * itemsize} bytes of {dtype}, "
+                                  f"more than the {length} of its piece: the index is damaged")
+        for first in range(offsets[0], offsets[0] + sizes[0]) if shape else [0]:
+            covered[first] += math.prod(sizes[1:])
+    whole = math.prod(shape[1:])
+    if any(n != whole for n in covered.values()) or (
+            not key.startswith(LAYERS) and len(covered) != (shape[0] if shape else 1)):
+        raise CheckpointError(f"the pieces of {key} in {folder} cover {sum(covered.values())} of "
+                              f"the {math.prod(shape)} elements of its shape {shape}: a rank's "
+                              "file is missing from the index, or the index is damaged")
+    return sorted(covered)
+
+
+def read_tensor(folder, key, dtype, shape, pieces):
+    """(the rows of the global tensor `key` that its pieces cover, assembled, their indices along
+    its first axis: covered_rows): float32 (bfloat16 widened exactly), float16 and float64 as
+    stored. Only the rows covered are allocated: what the pieces' bytes hold."""
+    rows = covered_rows(folder, key, dtype, shape, pieces)
+    out = np.zeros((len(rows), *shape[1:]) if shape else (),
+                   DTYPES[dtype] if dtype != "bfloat16" else np.float32)
+    row = {first: r for r, first in enumerate(rows)}
     for offsets, sizes, file, offset, length in pieces:
         value = read_piece(folder, file, offset, length, f"{key} at {offsets}")
         value = value.float32() if isinstance(value, torch_format.BFloat16) else value
@@ -184,15 +264,13 @@ def read_tensor(folder, key, dtype, shape, pieces):
             raise CheckpointError(f"{folder}/{file}: {key} at {offsets} holds "
                                   f"{getattr(value, 'shape', type(value).__name__)}, its index "
                                   f"says {sizes}: the file is damaged")
-        out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = value
-        for first in range(offsets[0], offsets[0] + sizes[0]) if shape else [0]:
-            covered[first] += int(np.prod(sizes[1:]))
-    whole = int(np.prod(shape[1:])) if shape else 1
-    if any(n != whole for n in covered.values()) or (
-            not key.startswith(LAYERS) and len(covered) != (shape[0] if shape else 1)):
-        raise CheckpointError(f"the pieces of {key} in {folder} cover {sum(covered.values())} of "
-                              f"its {out.size} elements: a rank's file is missing from the index")
-    return out, set(covered)
+        if shape:
+            start = row.get(offsets[0], 0)            # a piece's indices are consecutive rows
+            out[(slice(start, start + sizes[0]),
+                 *(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:])))] = value
+        else:
+            out[()] = value
+    return out, rows
 
 
 def read_common(folder):
@@ -214,19 +292,19 @@ def read_common(folder):
     return common
 
 
-def _split(key, shape, folder):
+def _split(key, shape, rows, folder):
     """[(index into the global tensor of `key`, this project's global name)] of a sharded key:
-    a layer of a stacked key, and of routed experts' (decoder.layers.mlp.experts.experts.*,
-    [num_layers, num_experts, ...]: experts.py SequentialMLP.sharded_state_dict) each expert,
-    by Megatron's per-layer name (project_name); None for what holds no weight."""
+    a layer of a stacked key (of its `rows`, the layers its pieces hold), and of routed experts'
+    (decoder.layers.mlp.experts.experts.*, [num_layers, num_experts, ...]: experts.py
+    SequentialMLP.sharded_state_dict) each expert, by Megatron's per-layer name (project_name);
+    None for what holds no weight."""
     try:
         if key.startswith(EXPERTS):
             rest = key[len(EXPERTS):]
             return [((i, j), project_name(f"{LAYERS}{i}.mlp.experts.local_experts.{j}.{rest}"))
-                    for i in range(shape[0]) for j in range(shape[1])]
+                    for i in rows for j in range(shape[1])]
         if key.startswith(LAYERS):
-            return [((i,), project_name(f"{LAYERS}{i}.{key[len(LAYERS):]}"))
-                    for i in range(shape[0])]
+            return [((i,), project_name(f"{LAYERS}{i}.{key[len(LAYERS):]}")) for i in rows]
         return [((), project_name(key))]
     except CheckpointError as e:
         raise CheckpointError(f"{folder}: {e}; a torch_dist checkpoint of a Megatron-LM newer or "
@@ -237,13 +315,13 @@ def _named(folder, key, entry, param_key):
     """{global name: array} of the index entry `key` (its parameter's sharded key `param_key`):
     the layers (and experts) its pieces hold."""
     dtype, shape, pieces = entry
-    names = _split(param_key, shape, folder)
+    names = _split(param_key, shape, covered_rows(folder, key, dtype, shape, pieces), folder)
     if all(name is None for _, name in names):
         return {}
-    value, present = read_tensor(folder, key, dtype, shape, pieces)
-    stacked = param_key.startswith(LAYERS)
-    return {name: value[index] for index, name in names
-            if name is not None and (not stacked or index[0] in present)}
+    value, rows = read_tensor(folder, key, dtype, shape, pieces)
+    row = {first: r for r, first in enumerate(rows)}
+    return {name: value[(row[index[0]], *index[1:])] if index else value
+            for index, name in names if name is not None}
 
 
 def model_tensors(folder, tensors):

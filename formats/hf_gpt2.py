@@ -193,17 +193,44 @@ def import_main(argv):
           f"layout {layout_of(cfg)}")
 
 
-def gpt2_tokenizer_files(dataset_cfg):
-    """{name in a Hugging Face folder: file} of the GPT-2 BPE files a checkpoint was trained with:
-    its dataset_config's, or the project's copies when those paths do not resolve from here."""
+# the GPT-2 BPE files: dataset_config's key, the command line's flag, the name in a HF folder
+GPT2_FILES = (("vocab_file", "--vocab-file", "vocab.json"),
+              ("merge_file", "--merge-file", "merges.txt"))
+
+
+def _inside(path, folder):
+    """`path` resolves (symbolic links followed) to a file inside `folder`."""
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([real, root]) == root
+
+
+def gpt2_tokenizer_files(dataset_cfg, load, options):
+    """{name in a Hugging Face folder: file} of the GPT-2 BPE files to copy: those `options`
+    names (the command line's --vocab-file, --merge-file), else the checkpoint's dataset_config's
+    when they are inside its folder `load` or are the project's copies, else the project's copies
+    when those paths do not resolve from here. A checkpoint naming a file elsewhere is refused:
+    its meta is the checkpoint's word, and a crafted one could name any readable file."""
     files = {}
-    for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
-        candidates = (getattr(dataset_cfg, key), os.path.join(PROJECT, "data", "gpt2-" + name))
-        found = [f for f in candidates if f and os.path.isfile(f)]
-        if not found:
-            raise ConfigError(f"export-hf: dataset_config.{key}={getattr(dataset_cfg, key)} not "
-                              f"found, nor the project's data/gpt2-{name}")
-        files[name] = found[0]
+    for key, flag, name in GPT2_FILES:
+        own = os.path.join(PROJECT, "data", "gpt2-" + name)
+        given, saved = options[key], getattr(dataset_cfg, key)
+        found = isinstance(saved, str) and os.path.isfile(saved)
+        if given and not os.path.isfile(given):
+            raise ConfigError(f"export-hf: {flag} {given} not found: give GPT-2's {name}")
+        if given:
+            files[name] = given
+        elif found and (_inside(saved, load) or os.path.realpath(saved) == os.path.realpath(own)):
+            files[name] = saved
+        elif found:
+            raise ConfigError(f"export-hf: the checkpoint's dataset_config.{key}={saved} is "
+                              f"outside --load {load}; export-hf copies only files in the "
+                              f"checkpoint's folder, the project's or named on its command line: "
+                              f"give {flag} {saved} to copy it")
+        elif os.path.isfile(own):
+            files[name] = own
+        else:
+            raise ConfigError(f"export-hf: dataset_config.{key}={saved} not found, nor the "
+                              f"project's data/gpt2-{name}")
     return files
 
 
@@ -257,7 +284,11 @@ def export_main(argv):
     GPT-2's BPE."""
     options, _ = parse_command("export-hf", argv,
                                {"--load": (REQUIRED, str, "checkpoint folder (any layout)"),
-                                "--save": (REQUIRED, str, "folder for the Hugging Face files")},
+                                "--save": (REQUIRED, str, "folder for the Hugging Face files"),
+                                "--vocab-file": (None, str, "GPT-2's vocab.json to copy (else "
+                                                 "the checkpoint's, if in --load)"),
+                                "--merge-file": (None, str, "GPT-2's merges.txt to copy (else "
+                                                 "the checkpoint's, if in --load)")},
                                about="The latest checkpoint of --load as a Hugging Face GPT-2 "
                                      "folder.")
     load, save = options["load"], options["save"]
@@ -271,7 +302,7 @@ def export_main(argv):
     if differences:
         raise ConfigError(f"export-hf: GPT-2 cannot hold this model ({', '.join(differences)})")
     gpt2_bpe = dataset_cfg.tokenizer_type == "GPT2BPETokenizer"
-    tokenizer_files = gpt2_tokenizer_files(dataset_cfg) if gpt2_bpe else {}
+    tokenizer_files = gpt2_tokenizer_files(dataset_cfg, load, options) if gpt2_bpe else {}
     # GPT-2's 50,257 tokens, without this project's padding rows
     vocab = 50257 if gpt2_bpe else model_cfg.padded_vocab_size
     tensors, meta = full_state(load, optimizer=False)

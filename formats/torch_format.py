@@ -15,21 +15,28 @@ This module follows torch/serialization.py (`_save`, `_load`) and torch/_utils.p
 
 Tensors come back as numpy arrays (bfloat16 ones as `BFloat16`, numpy having no such type); torch
 dtype objects as `TorchDtype`. Loading imports and runs nothing: `find_class` hands out only the
-torch, numpy, collections and argparse names a checkpoint needs, and any other global becomes an
-inert `Foreign` placeholder naming itself and recording its arguments (Megatron's enums, say).
+reader's own builders of what a checkpoint holds (tensors, numpy's arrays, dtypes and scalars,
+torch.Size, OrderedDict, Namespace, sets), each checking its arguments, and any other global
+becomes an inert `Foreign` placeholder naming itself and recording its arguments (Megatron's
+enums, say). A crafted file reads no memory outside its storages and allocates no more than its
+own size: the opcodes that call or change objects accept only what torch.save writes
+(_Unpickler), every zip entry's declared size is charged to the file's size before it is read
+(_Archive), and a tensor lies inside its storage and holds no more elements than it.
 """
+import _compat_pickle
 import argparse
 import collections
 import copyreg
 import io
+import math
 import os
 import pickle
+import reprlib
 import types
 import zipfile
 import zlib
 
 import numpy as np
-from numpy.core import multiarray
 
 from data import write_atomic
 
@@ -141,33 +148,199 @@ DTYPE_NAMES = ("float32", "float", "float16", "half", "bfloat16", "float64", "do
 
 
 # ----------------------------------------------------------------------------- reading
+# What a file may make the reader build: numpy values of these kinds (bool, signed and unsigned
+# integers, floats, complex); keys whose nested tuples hold this many items in all (Python hashes
+# a tuple by recursion in C: a key nested 200,000 deep overflows an 8 MiB stack)
+NUMPY_KINDS = "biufc"
+KEY_ITEMS = 64
+MAX_DIMS = 32                           # numpy's most dimensions (NPY_MAXDIMS of numpy 1)
+# numpy's dtype state after its version and byte order: no fields, no sizes of its own
+DTYPE_STATE = (None, None, None, -1, -1, 0)
+NDARRAY = Global("numpy", "ndarray")       # a name _reconstruct takes, never called
+
+
+class _Budget:
+    """The file's size, as what may be read or built from it: the zip entries' declared sizes
+    (_Archive), or what the pickle builds out of what the file already holds (_Unpickler: an
+    array's size, a container's items, one each, as each took a byte of the pickle at least).
+    Each is charged before it is allocated, so a pickle naming one storage, bytes or list again
+    and again (a few opcodes each) is refused once its copies outgrow the file."""
+
+    def __init__(self, size):
+        self.size, self.left = size, size
+
+    def take(self, amount, what):
+        if amount > self.left:
+            raise TorchFormatError(f"{what} would pass the {self.size} bytes of the file "
+                                   f"({self.size - self.left} built before): a crafted or "
+                                   "damaged file")
+        self.left -= amount
+
+
+class _Brief(reprlib.Repr):
+    """Plain data in an error line, cut short; a global name as itself, a function or class by
+    its name, any other object by its type's (its own repr may be as large as the file)."""
+
+    def repr_instance(self, obj, level):
+        if obj is None or isinstance(obj, (bool, float, complex)):
+            return repr(obj)
+        if isinstance(obj, Global):
+            return repr(obj)[:self.maxother]
+        if _is_foreign(obj):
+            return obj.dotted()[:self.maxother]
+        if callable(obj) and hasattr(obj, "__qualname__"):
+            return obj.__qualname__
+        return f"<{type(obj).__name__}>"
+
+
+_brief = _Brief().repr
+
+
+def _whole(values, what):
+    """`values` (a tuple or list of at most MAX_DIMS non-negative Python ints) as a tuple, or one
+    line naming `what`."""
+    if not isinstance(values, (tuple, list)) or len(values) > MAX_DIMS or not all(
+            type(v) is int and v >= 0 for v in values):
+        raise TorchFormatError(f"{what} is {_brief(values)}, not up to {MAX_DIMS} non-negative "
+                               "whole numbers")
+    return tuple(values)
+
+
+def _key(key):
+    """`key`, checked to hash safely: the tuples and frozensets inside it hold KEY_ITEMS items
+    in all."""
+    todo, items = [key], 0
+    while todo:
+        item = todo.pop()
+        if isinstance(item, (tuple, frozenset)):
+            items += len(item)
+            if items > KEY_ITEMS:
+                raise TorchFormatError(f"its pickle uses a key of more than {KEY_ITEMS} items "
+                                       "nested in tuples: no checkpoint's key")
+            todo.extend(item)
+    return key
+
+
+def _is_foreign(cls):
+    return isinstance(cls, type) and issubclass(cls, Foreign)
+
+
 class _Storage:
-    """One storage of the archive: its elements (bfloat16 as uint16 bits) and its entry name."""
+    """One storage of the archive: its elements (bfloat16 as uint16 bits) in an array of the
+    reader's own (C-contiguous, owning its data) and its entry name. No pickle reaches it but as
+    a tensor's storage (BUILD is refused on it; slots: it has no other attributes)."""
+
+    __slots__ = ("array", "bf16", "name")
 
     def __init__(self, array, bf16, name):
         self.array, self.bf16, self.name = array, bf16, name
 
 
-def _rebuild_tensor(storage, offset, size, stride, *_):
-    """torch._utils._rebuild_tensor_v2 (and _rebuild_tensor): the view of `storage` starting at
-    element `offset` with `size` and `stride` (in elements), copied out of it."""
-    if not isinstance(storage, _Storage):
-        raise TorchFormatError(f"a tensor's storage is {type(storage).__name__}, not a storage")
-    size, stride = tuple(size), tuple(stride)
-    array = storage.array
-    if len(size) != len(stride):
-        raise TorchFormatError(f"a tensor of {storage.name} has size {size} but stride {stride}")
-    if 0 in size:
-        values = np.zeros(size, array.dtype)
-    else:
-        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-        if offset < 0 or any(s < 0 for s in stride) or last >= array.size:
-            raise TorchFormatError(f"storage {storage.name} holds {array.size} elements, a tensor "
-                                   f"reaches element {last}: the file is truncated or damaged")
-        item = array.itemsize
-        values = np.lib.stride_tricks.as_strided(array[offset:], size, [s * item for s in stride])
-        values = values.copy()
-    return BFloat16(values) if storage.bf16 else values
+class _Archive:
+    """A torch.save zip archive as the reader takes it: its data.pkl's folder (`prefix`), its
+    byte order, each storage read once; every entry's declared size charged to the file's size
+    before a byte of it is read or inflated (a deflated entry declaring more is a zip bomb)."""
+
+    def __init__(self, archive, size):
+        self.archive, self.budget, self.storages = archive, _Budget(size), {}
+        names = archive.namelist()
+        pickles = [n for n in names if n.split("/")[-1] == "data.pkl" and n.count("/") <= 1]
+        if not pickles:
+            raise TorchFormatError("a zip archive without data.pkl: not a file of torch.save")
+        self.prefix = pickles[0][:-len("data.pkl")]
+        self.byteorder = "little"
+        if self.prefix + "byteorder" in names:
+            self.byteorder = self.read("byteorder").decode("ascii", "replace").strip()
+        if self.byteorder not in ("little", "big"):
+            raise TorchFormatError(f"{self.prefix}byteorder holds {self.byteorder!r:.20}, not "
+                                   "little or big")
+
+    def read(self, entry):
+        """The bytes of the archive's `entry` (under its prefix); KeyError if it has none."""
+        info = self.archive.getinfo(self.prefix + entry)
+        self.budget.take(info.file_size, f"the archive's entry {info.filename} of "
+                         f"{info.file_size} bytes")
+        with self.archive.open(info) as f:
+            return f.read(info.file_size)
+
+    def storage(self, kind, key, numel):
+        """The storage `key` of torch's storage class `kind`, its first `numel` elements."""
+        name = f"{self.prefix}data/{key}"
+        if name in self.storages:
+            return self.storages[name]
+        try:
+            raw = self.read(f"data/{key}")
+        except KeyError:
+            raise TorchFormatError(f"the archive lacks {name}, a storage its tensors use") from None
+        dtype = np.dtype(STORAGES[kind]).newbyteorder("<" if self.byteorder == "little" else ">")
+        if len(raw) < numel * dtype.itemsize:
+            raise TorchFormatError(f"storage {name} holds {len(raw)} bytes, fewer than its {numel} "
+                                   f"elements of {dtype.itemsize} bytes: the file is truncated")
+        array = np.frombuffer(raw, dtype, numel).astype(dtype.newbyteorder("="))
+        self.storages[name] = _Storage(array, kind == "BFloat16Storage", name)
+        return self.storages[name]
+
+
+class _Pending:
+    """numpy's dtype or array as its pickle makes it in two steps: REDUCE gives this inert
+    object, BUILD its state, which `finish` checks and builds the object from (kept in `built`
+    for the memo's later references). numpy's constructors and __setstate__ never see the file."""
+
+    def __init__(self, finish):
+        self.finish, self.built = finish, None
+
+
+class _Memo(dict):
+    """The unpickler's memo: a _Pending built since it was stored reads as what it built."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        return value.built if isinstance(value, _Pending) and value.built is not None else value
+
+
+def _dtype(spec, align=False, copy=True):
+    """numpy.dtype(spec, align, copy) as numpy's pickle calls it: pending until its BUILD."""
+    return _Pending(lambda state: _dtype_of(spec, state))
+
+
+def _dtype_of(spec, state):
+    """The dtype of numpy's pickle: `spec` a type code ('u4', 'f8', 'b1'), `state` (3, byte
+    order, None, None, None, -1, -1, 0); NUMPY_KINDS only."""
+    if not (isinstance(spec, str) and len(spec) <= 4 and isinstance(state, tuple)
+            and len(state) == 8 and state[0] == 3 and state[1] in ("<", ">", "|", "=")
+            and state[2:] == DTYPE_STATE):
+        raise TorchFormatError(f"a numpy dtype {_brief(spec)} with the state {_brief(state)}: "
+                               "not numpy's pickle of a type of numbers")
+    dtype = np.dtype(spec)
+    if dtype.kind not in NUMPY_KINDS:
+        raise TorchFormatError(f"a numpy dtype {dtype}: not a type of numbers")
+    return dtype.newbyteorder(state[1]) if state[1] in ("<", ">") else dtype
+
+
+def _array_of(state, budget):
+    """The array of numpy's pickle's state (1, shape, dtype, is_fortran, raw bytes): a C-contiguous
+    copy of the bytes, owning its data, its bytes charged to `budget`."""
+    if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1):
+        raise TorchFormatError(f"a numpy array's state is {_brief(state)}: not numpy's pickle")
+    _, shape, dtype, fortran, raw = state
+    shape = _whole(shape, "a numpy array's shape")
+    if not (isinstance(dtype, np.dtype) and type(fortran) is bool and type(raw) is bytes):
+        raise TorchFormatError(f"a numpy array's state holds {_brief(state[2:])}, not a dtype, "
+                               "its order and its bytes")
+    if len(raw) != math.prod(shape) * dtype.itemsize:
+        raise TorchFormatError(f"a numpy array of shape {shape} and dtype {dtype} holds "
+                               f"{len(raw)} bytes, not {math.prod(shape) * dtype.itemsize}")
+    budget.take(len(raw), f"a numpy array of shape {shape} ({len(raw)} bytes)")
+    flat = np.frombuffer(raw, dtype)
+    return np.array(flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape), order="C")
+
+
+def _scalar(dtype, raw):
+    """numpy.core.multiarray.scalar as numpy's pickle calls it: a number of `dtype` from its
+    bytes."""
+    if not (isinstance(dtype, np.dtype) and type(raw) is bytes and len(raw) == dtype.itemsize):
+        raise TorchFormatError(f"a numpy scalar of {_brief(dtype)} from {_brief(raw)}")
+    return np.frombuffer(raw, dtype)[0]
 
 
 def _parameter_data(data, *_):
@@ -175,63 +348,53 @@ def _parameter_data(data, *_):
     return data
 
 
-def _rebuild_from_type(func, _tensor_type, args, _state=None):
-    """torch._tensor._rebuild_from_type_v2: a tensor subclass (or one with Python state) is its
-    tensor here."""
-    return func(*args)
-
-
-def _latin1(text, encoding="latin1"):
-    """_codecs.encode as numpy's protocol-2 pickles use it (bytes written as latin-1 text)."""
-    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
-        raise TorchFormatError(f"_codecs.encode called with {encoding!r}: not numpy's bytes")
-    return text.encode("latin1")
-
-
-# The globals a checkpoint may name that are handed out as what they are
-SAFE = {"torch._utils._rebuild_tensor_v2": _rebuild_tensor,
-        "torch._utils._rebuild_tensor": _rebuild_tensor,
-        "torch._utils._rebuild_parameter": _parameter_data,
-        "torch._utils._rebuild_parameter_with_state": _parameter_data,
-        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type,
-        "torch.Size": tuple,
-        "collections.OrderedDict": collections.OrderedDict,
-        "argparse.Namespace": argparse.Namespace,
-        "numpy.core.multiarray._reconstruct": multiarray._reconstruct,
-        "numpy._core.multiarray._reconstruct": multiarray._reconstruct,
-        "numpy.core.multiarray.scalar": multiarray.scalar,
-        "numpy._core.multiarray.scalar": multiarray.scalar,
-        "numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype,
-        "_codecs.encode": _latin1,
-        "builtins.set": set, "builtins.frozenset": frozenset, "builtins.slice": slice,
-        "builtins.complex": complex}
+def _ordered_dict():
+    """collections.OrderedDict as its pickle calls it (its items set after, by SETITEMS)."""
+    return collections.OrderedDict()
 
 
 class _Unpickler(pickle._Unpickler):
-    """data.pkl's reader: storages from the archive's data/ entries, globals from SAFE, torch's
-    storage classes and dtypes as names, everything else a Foreign placeholder class. The
-    pure-Python unpickler, so that BUILD can be kept off the shared classes and functions."""
+    """data.pkl's reader: pickle's machine with the opcodes that call or change objects checked.
+    REDUCE (INST, OBJ) calls only the builders of `safe` and Foreign placeholder classes, with a
+    tuple of arguments; NEWOBJ makes only Foreign objects and Namespaces; BUILD sets the state of
+    Foreign objects, the attributes of Namespaces and OrderedDicts, and completes numpy's pending
+    dtypes and arrays; items go into lists, dicts and sets only, under keys that hash safely.
+    Whatever is built from another object's contents (a tensor from a storage, an array from
+    bytes, containers from the pickle's lists, a call's arguments) is charged to a budget of the
+    file's size. Storages come from `archive` (an _Archive); torch's storage classes and
+    dtypes, numpy.ndarray are names; any other global is a Foreign placeholder class. The
+    pure-Python unpickler, whose opcodes can be replaced."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def load_build(self):
-        """BUILD sets an object's state: refused on a class or function (SAFE's are shared by
-        every load; a file could otherwise change them)."""
-        target = self.stack[-2]
-        if isinstance(target, (type, types.FunctionType, types.BuiltinFunctionType)):
-            raise TorchFormatError(f"its pickle sets the state of {target!r:.60}, not of an object")
-        super().load_build()
-    dispatch[pickle.BUILD[0]] = load_build
-
-    def __init__(self, file, archive=None, prefix="", byteorder="little"):
+    def __init__(self, file, size, archive=None):
         super().__init__(file)
-        self.archive, self.prefix, self.byteorder = archive, prefix, byteorder
-        self.storages, self.foreign = {}, {}
+        self.memo, self.budget, self.archive = _Memo(), _Budget(size), archive
+        self.foreign, self.encoded = {}, {}
+        self.safe = {
+            "torch._utils._rebuild_tensor_v2": self._tensor,
+            "torch._utils._rebuild_tensor": self._tensor,
+            "torch._utils._rebuild_parameter": _parameter_data,
+            "torch._utils._rebuild_parameter_with_state": _parameter_data,
+            "torch._tensor._rebuild_from_type_v2": self._from_type,
+            "torch.Size": self._size, "collections.OrderedDict": _ordered_dict,
+            "argparse.Namespace": argparse.Namespace,
+            "numpy.core.multiarray._reconstruct": self._reconstruct,
+            "numpy._core.multiarray._reconstruct": self._reconstruct,
+            "numpy.core.multiarray.scalar": _scalar, "numpy._core.multiarray.scalar": _scalar,
+            "numpy.dtype": _dtype, "_codecs.encode": self._latin1,
+            "builtins.set": self._set, "builtins.frozenset": self._frozenset,
+            "builtins.slice": slice, "builtins.complex": complex}
 
     def find_class(self, module, name):
+        if self.proto < 3:            # Python 2's names, as protocol 2 writes them (__builtin__)
+            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         dotted = f"{module}.{name}"
-        if dotted in SAFE:
-            return SAFE[dotted]
+        if dotted in self.safe:
+            return self.safe[dotted]
+        if dotted == "numpy.ndarray":
+            return NDARRAY
         if module == "torch" and name in STORAGES:
             return Global(module, name)
         if module == "torch" and name in DTYPE_NAMES:
@@ -242,43 +405,196 @@ class _Unpickler(pickle._Unpickler):
 
     def persistent_load(self, pid):
         if self.archive is None:
-            raise TorchFormatError(f"a bare pickle names the storage {pid!r:.60}")
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise TorchFormatError(f"unknown persistent id {pid!r:.60}")
+            raise TorchFormatError(f"a bare pickle names the storage {_brief(pid)}")
+        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
+            raise TorchFormatError(f"unknown persistent id {_brief(pid)}")
         _, kind, key, _, numel = pid
         if not (isinstance(kind, Global) and kind.module == "torch" and kind.name in STORAGES):
-            raise TorchFormatError(f"storage {key} has the unknown type {kind!r:.60}")
-        if key not in self.storages:
-            self.storages[key] = self._read_storage(kind.name, str(key), int(numel))
-        return self.storages[key]
+            raise TorchFormatError(f"storage {_brief(key)} has the unknown type {_brief(kind)}")
+        if type(key) is not str or type(numel) is not int or numel < 0:
+            raise TorchFormatError(f"storage {_brief(key)} of {_brief(numel)} elements: not a "
+                                   "storage of torch.save")
+        return self.archive.storage(kind.name, key, numel)
 
-    def _read_storage(self, kind, key, numel):
-        name = f"{self.prefix}data/{key}"
-        try:
-            raw = self.archive.read(name)
-        except KeyError:
-            raise TorchFormatError(f"the archive lacks {name}, a storage its tensors use") from None
-        dtype = np.dtype(STORAGES[kind]).newbyteorder("<" if self.byteorder == "little" else ">")
-        if len(raw) < numel * dtype.itemsize:
-            raise TorchFormatError(f"storage {name} holds {len(raw)} bytes, fewer than its {numel} "
-                                   f"elements of {dtype.itemsize} bytes: the file is truncated")
-        array = np.frombuffer(raw, dtype, numel).astype(dtype.newbyteorder("="))
-        return _Storage(array, kind == "BFloat16Storage", name)
+    # ------------------------------------------------------------ the opcodes that call
+    def _call(self, func, args):
+        """func(*args) for REDUCE, INST and OBJ: `func` a builder of `safe` or a Foreign class,
+        `args` a tuple (its items charged: a pickle may pass one tuple again and again)."""
+        if not (any(func is f for f in self.safe.values()) or _is_foreign(func)):
+            raise TorchFormatError(f"its pickle calls {_brief(func)}: not a function torch.save "
+                                   "writes")
+        if type(args) is not tuple:
+            raise TorchFormatError(f"its pickle calls {_brief(func)} with {type(args).__name__} "
+                                   "arguments, not a tuple")
+        self.budget.take(len(args), f"a call with {len(args)} arguments")
+        return func(*args)
+
+    def load_reduce(self):
+        args = self.stack.pop()
+        self.stack[-1] = self._call(self.stack[-1], args)
+    dispatch[pickle.REDUCE[0]] = load_reduce
+
+    def _instantiate(self, klass, args):
+        self.append(self._call(klass, tuple(args)))
+
+    def load_newobj(self):
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not (cls is argparse.Namespace or _is_foreign(cls)) or type(args) is not tuple:
+            raise TorchFormatError(f"its pickle makes a {_brief(cls)} object (NEWOBJ): "
+                                   "torch.save makes only Namespaces and its own classes so")
+        self.budget.take(len(args), f"a call with {len(args)} arguments")
+        self.append(cls.__new__(cls, *args))
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+
+    def load_newobj_ex(self):
+        raise TorchFormatError("its pickle makes an object with keyword arguments (NEWOBJ_EX): "
+                               "torch.save writes pickle's protocol 2, which has none")
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+
+    # ------------------------------------------------------------ the opcodes that change
+    def load_build(self):
+        """BUILD sets an object's state: a Foreign object's, a Namespace's or OrderedDict's
+        attributes (a dict of names), a pending numpy dtype or array's (replaced by what it
+        builds); on anything else (a class, a storage, an array, a shared function) refused."""
+        state = self.stack.pop()
+        target = self.stack[-1]
+        if isinstance(target, _Pending) and target.built is None:
+            self.stack[-1] = target.built = target.finish(state)
+        elif isinstance(target, Foreign):
+            target.__setstate__(state)
+        elif type(target) in (argparse.Namespace, collections.OrderedDict):
+            if type(state) is not dict or not all(type(k) is str for k in state):
+                raise TorchFormatError(f"its pickle sets {_brief(state)} as the attributes of "
+                                       f"a {type(target).__name__}: not a dict of names")
+            self.budget.take(len(state), f"{len(state)} attributes")
+            vars(target).update(state)
+        else:
+            raise TorchFormatError(f"its pickle sets the state of {_brief(target)}: not an "
+                                   "object torch.save gives a state")
+    dispatch[pickle.BUILD[0]] = load_build
+
+    def _into(self, kind):
+        """The object on the stack that items go into, checked to be a `kind`."""
+        target = self.stack[-1]
+        if not isinstance(target, kind):
+            raise TorchFormatError(f"its pickle puts items into {_brief(target)}, not a "
+                                   f"{kind.__name__}")
+        return target
+
+    def load_append(self):
+        value = self.stack.pop()
+        self._into(list).append(value)
+    dispatch[pickle.APPEND[0]] = load_append
+
+    def load_appends(self):
+        items = self.pop_mark()
+        self._into(list).extend(items)
+    dispatch[pickle.APPENDS[0]] = load_appends
+
+    def load_setitem(self):
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._into(dict)[_key(key)] = value
+    dispatch[pickle.SETITEM[0]] = load_setitem
+
+    def load_setitems(self):
+        items = self.pop_mark()
+        target = self._into(dict)
+        for i in range(0, len(items), 2):
+            target[_key(items[i])] = items[i + 1]
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+
+    def load_dict(self):
+        items = self.pop_mark()
+        self.append({_key(items[i]): items[i + 1] for i in range(0, len(items), 2)})
+    dispatch[pickle.DICT[0]] = load_dict
+
+    def load_additems(self):
+        items = self.pop_mark()
+        self._into(set).update(_key(item) for item in items)
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+
+    def load_frozenset(self):
+        self.append(frozenset(_key(item) for item in self.pop_mark()))
+    dispatch[pickle.FROZENSET[0]] = load_frozenset
+
+    # ------------------------------------------------------------ the builders
+    def _tensor(self, storage, offset, size, stride, *_):
+        """torch._utils._rebuild_tensor_v2 (and _rebuild_tensor): the view of `storage` starting
+        at element `offset` with `size` and `stride` (in elements), copied out of it: inside the
+        storage's elements, no more elements than it holds (a stride-0 tensor larger than its
+        storage is refused), its bytes charged before the copy."""
+        if not isinstance(storage, _Storage):
+            raise TorchFormatError(f"a tensor's storage is {_brief(storage)}, not a storage")
+        [offset] = _whole([offset], f"the offset of a tensor of {storage.name}")
+        size = _whole(size, f"the size of a tensor of {storage.name}")
+        stride = _whole(stride, f"the stride of a tensor of {storage.name}")
+        array = storage.array
+        if len(size) != len(stride):
+            raise TorchFormatError(f"a tensor of {storage.name} has size {size} but stride "
+                                   f"{stride}")
+        count = math.prod(size)
+        if count > array.size:
+            raise TorchFormatError(f"a tensor of {storage.name} of size {size} (stride {stride}) "
+                                   f"holds {count} elements, more than the {array.size} of its "
+                                   "storage")
+        if count == 0:
+            return _tensor_of(np.zeros(size, array.dtype), storage)
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+        if last >= array.size:
+            raise TorchFormatError(f"storage {storage.name} holds {array.size} elements, a tensor "
+                                   f"reaches element {last}: the file is truncated or damaged")
+        self.budget.take(count * array.itemsize, f"a tensor of {storage.name} of size {size} "
+                         f"({count * array.itemsize} bytes)")
+        strides = [s * array.itemsize if n > 1 else 0 for n, s in zip(size, stride)]
+        view = np.lib.stride_tricks.as_strided(array[offset:], size, strides, writeable=False)
+        return _tensor_of(view.copy(), storage)
+
+    def _from_type(self, func, _tensor_type, args, _state=None):
+        """torch._tensor._rebuild_from_type_v2: a tensor subclass (or one with Python state) is
+        its tensor here."""
+        return self._call(func, args)
+
+    def _size(self, dims):
+        """torch.Size(dims): a tuple of whole numbers."""
+        dims = _whole(dims, "a torch.Size")
+        self.budget.take(len(dims), f"a torch.Size of {len(dims)} dimensions")
+        return dims
+
+    def _reconstruct(self, cls, shape, typecode):
+        """numpy.core.multiarray._reconstruct(ndarray, (0,), b'b') as numpy's pickle calls it:
+        an array pending until its BUILD."""
+        if cls is not NDARRAY:
+            raise TorchFormatError(f"numpy's _reconstruct of {_brief(cls)}, not of an ndarray")
+        return _Pending(lambda state: _array_of(state, self.budget))
+
+    def _latin1(self, text, encoding="latin1"):
+        """_codecs.encode as numpy's protocol-2 pickles use it (bytes written as latin-1 text):
+        each string of the pickle encoded once (named again, the same bytes), so together no
+        more than the pickle's own characters."""
+        if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+            raise TorchFormatError(f"_codecs.encode called with {_brief(encoding)}: not "
+                                   "numpy's bytes")
+        if id(text) not in self.encoded:              # the string kept: its id stays its own
+            self.encoded[id(text)] = text, text.encode("latin1")
+        return self.encoded[id(text)][1]
+
+    def _items(self, kind, items):
+        if type(items) not in (list, tuple):
+            raise TorchFormatError(f"a {kind.__name__} of {_brief(items)}, not of a list")
+        self.budget.take(len(items), f"a {kind.__name__} of {len(items)} items")
+        return kind(_key(item) for item in items)
+
+    def _set(self, items=()):
+        return self._items(set, items)
+
+    def _frozenset(self, items=()):
+        return self._items(frozenset, items)
 
 
-def _load_archive(archive):
-    names = archive.namelist()
-    pickles = [n for n in names if n.split("/")[-1] == "data.pkl" and n.count("/") <= 1]
-    if not pickles:
-        raise TorchFormatError("a zip archive without data.pkl: not a file of torch.save")
-    prefix = pickles[0][:-len("data.pkl")]
-    byteorder = "little"
-    if prefix + "byteorder" in names:
-        byteorder = archive.read(prefix + "byteorder").decode("ascii", "replace").strip()
-    if byteorder not in ("little", "big"):
-        raise TorchFormatError(f"{prefix}byteorder holds {byteorder!r:.20}, not little or big")
-    return _Unpickler(io.BytesIO(archive.read(prefix + "data.pkl")), archive, prefix,
-                      byteorder).load()
+def _tensor_of(values, storage):
+    return BFloat16(values) if storage.bf16 else values
 
 
 def _one_line(name, e):
@@ -294,7 +610,13 @@ def _one_line(name, e):
 
 PICKLE_ERRORS = (TorchFormatError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError,
                  zlib.error, KeyError, TypeError, AttributeError, IndexError, ValueError,
-                 MemoryError)
+                 MemoryError, OverflowError, RecursionError)
+
+
+def _load_archive(archive, size):
+    """The object of the torch.save archive `archive`, a file of `size` bytes."""
+    entries = _Archive(archive, size)
+    return _Unpickler(io.BytesIO(entries.read("data.pkl")), size, entries).load()
 
 
 def loads(raw, name):
@@ -302,7 +624,7 @@ def loads(raw, name):
     errors), as `load` reads a file."""
     try:
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
-            return _load_archive(archive)
+            return _load_archive(archive, len(raw))
     except PICKLE_ERRORS as e:
         raise _one_line(name, e) from None
 
@@ -311,7 +633,7 @@ def load_pickle(raw, name):
     """A bare pickle's object (torch.distributed.checkpoint's .metadata), its classes mapped by
     name as in `load`: torch.Size a tuple, dtypes TorchDtype, the rest Foreign placeholders."""
     try:
-        return _Unpickler(io.BytesIO(raw)).load()
+        return _Unpickler(io.BytesIO(raw), len(raw)).load()
     except PICKLE_ERRORS as e:
         raise _one_line(name, e) from None
 
@@ -320,8 +642,9 @@ def load(path):
     """The object torch.save wrote to `path`: tensors as numpy arrays (bfloat16 ones as
     BFloat16), views and shared storages with their exact values, torch dtypes as TorchDtype,
     numpy's own pickles (np.random.get_state()) as numpy objects, any other class as a Foreign
-    placeholder. Nothing is imported or run. A file that is not one, truncated or unreadable
-    raises TorchFormatError, one line naming it."""
+    placeholder. Nothing is imported or run, and the arrays, bytes and containers built take at
+    most the file's size beyond the storages (_Unpickler). A file that is not one, truncated,
+    unreadable or crafted raises TorchFormatError, one line naming it."""
     if not os.path.isfile(path):
         raise TorchFormatError(f"{path} not found (or not a file)")
     try:
@@ -331,7 +654,7 @@ def load(path):
             raise TorchFormatError("torch's format of before 1.6 (a bare pickle) is not read: load "
                                    "and save it again with a newer torch")
         with zipfile.ZipFile(path) as archive:
-            return _load_archive(archive)
+            return _load_archive(archive, os.path.getsize(path))
     except OSError as e:
         raise TorchFormatError(f"{path} cannot be read ({e.strerror or e})") from None
     except PICKLE_ERRORS as e:

@@ -10,13 +10,14 @@ training logs once at start.
 import ctypes
 import os
 import random
+import secrets
 import signal
 import socket
 import sys
 
 import yaml
 
-from settings.config import ConfigError, finalize, merge, suggest, to_namespace
+from settings.config import SHM_TOKEN, ConfigError, finalize, merge, suggest, to_namespace
 from settings.keys import ALIASES, FLAGS, KEYS, SCHEMA, SECTIONS, VALUE
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))    # the project's folder
@@ -361,10 +362,12 @@ def msrun_command(workers, log_dir, program):
     CollectiveOpsImpl reads it): run.sh's 10 s, which ends a job soon after a worker dies, is
     too short for these launches of many runs, where a peer can spend longer compiling its
     first step on an oversubscribed machine (seen: TP2 x PP2 in float16 with 4 workers).
-    --cluster_time_out is how long init() waits for the last worker to start."""
+    --cluster_time_out is how long init() waits for the last worker to start. Each launch gets
+    a secret of its own, SHM_TOKEN, which names its shared-memory segments (backends/)."""
     bin_dir = os.path.dirname(sys.executable)
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"],
                GLOG_v=os.environ.get("GLOG_v", "3"), MS_NODE_TIMEOUT="90")
+    env[SHM_TOKEN] = secrets.token_hex(16)
     cmd = [os.path.join(bin_dir, "msrun"), "--worker_num", str(workers), "--local_worker_num",
            str(workers), "--master_port", str(scheduler_port()), "--join", "True",
            "--cluster_time_out", "120", "--log_dir", log_dir, *program]

@@ -205,22 +205,27 @@ def local_worker_num():
 
 SHARED_MEMORY = 1 << 30     # bytes of /dev/shm the shared-memory all-reduce may map: its groups'
                             # segments, (ranks + 1) x 4 MB each (a container's default is 64 MB)
+SHM_TOKEN = "MGPT_SHM_TOKEN"    # a launch's secret, which names its segments (run.sh and
+                                # cli.msrun_command draw one for each launch)
 
 
 def _finalize_cpu_collectives(training_cfg, world_size):
     """The shared-memory all-reduce (backends/shared_memory.py) joins the workers of one machine
     whose stores others see in program order (x86): a CPU run, every worker on this machine
-    (run.sh names how many, MS_LOCAL_WORKER_NUM). `auto` takes it where it can run, else
-    MindSpore's own (mccl)."""
+    (run.sh names how many, MS_LOCAL_WORKER_NUM), an msrun worker given its launch's secret.
+    `auto` takes it where it can run, else MindSpore's own (mccl)."""
     machine = platform.machine().lower()
     local = int(os.environ.get("MS_LOCAL_WORKER_NUM") or world_size)
     free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+    secretless = os.environ.get("MS_ROLE") == "MS_WORKER" and not os.environ.get(SHM_TOKEN)
     unfit = ("runs on the CPU only" if training_cfg.device_target != "CPU" else
              f"needs an x86 CPU (this is {machine})" if machine not in ("x86_64", "amd64") else
              f"joins the workers of one machine, not {world_size // local} nodes"
              if local < world_size else
              f"needs {SHARED_MEMORY >> 20} MiB free in /dev/shm ({free >> 20} MiB here)"
-             if free < SHARED_MEMORY else None)
+             if free < SHARED_MEMORY else
+             f"needs the launch's secret {SHM_TOKEN}, which bash run.sh gives every launch"
+             if secretless else None)
     if training_cfg.cpu_collectives == "auto":
         training_cfg.cpu_collectives = "mccl" if unfit else "shared_memory"
     elif training_cfg.cpu_collectives == "shared_memory" and unfit:

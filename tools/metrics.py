@@ -73,8 +73,8 @@ class Metrics:
         self.jsonl, self.svg = os.path.join(save_dir, JSONL), os.path.join(save_dir, SVG)
         kept = read_records(self.jsonl) if resume_step else []    # a fresh run starts over
         self.records = [r for r in kept if r["step"] <= resume_step]
-        write_atomic(self.jsonl, "".join(_line(r) for r in self.records))
-        write_atomic(self.svg, loss_svg(self.records))
+        write_atomic(self.jsonl, "".join(_line(r) for r in self.records), durable=False)
+        write_atomic(self.svg, loss_svg(self.records), durable=False)
         self.events = None
         if tensorboard_dir is not None:
             self.events = EventFile(tensorboard_dir, resume_step + 1)
@@ -106,7 +106,7 @@ class Metrics:
             os.close(fd)
         if self.events is not None:
             self.events.scalars(record["step"], scalars)
-        write_atomic(self.svg, loss_svg(self.records))
+        write_atomic(self.svg, loss_svg(self.records), durable=False)
 
 
 def read_records(path):
