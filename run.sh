@@ -372,9 +372,12 @@ watch_workers() {   # while msrun runs, each second; what it names, named at onc
   done
 }
 start_msrun() {   # msrun, its pid in msrun.pid and RUN_SH_PARENT (its workers end with it); it
-  # gets SIGINT (its Ctrl-C: it ends its workers) when run.sh ends, however
+  # gets SIGINT (its Ctrl-C: it ends its workers) when run.sh ends, however (util-linux's
+  # setpriv; without it, kill -9 of run.sh leaves msrun's job running)
   echo "$BASHPID" > "$RUN_SH_PID_DIR/msrun.pid"
-  RUN_SH_PARENT=$BASHPID exec setpriv --pdeathsig INT \
+  local pdeathsig=(setpriv --pdeathsig INT)
+  command -v setpriv >/dev/null || pdeathsig=()
+  RUN_SH_PARENT=$BASHPID exec ${pdeathsig[@]+"${pdeathsig[@]}"} \
     msrun --worker_num "$workers" --local_worker_num "$per_node" --node_rank "$node_rank" \
     --master_addr "$master_addr" --master_port "$master_port" --log_dir "$log_dir" \
     --join True --cluster_time_out 300 train.py ${args[@]+"${args[@]}"} \

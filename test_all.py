@@ -1436,6 +1436,11 @@ def test_what_a_run_only_watches_with_is_written_whole_but_not_synced(tmp_path, 
     records = metrics.Metrics(str(tmp_path / "run"))
     records.train(1, loss=2.0)
     assert synced == [] and os.listdir(tmp_path / "run") != []
+    monkeypatch.setattr(flight_recorder.RECORDER, "path", str(tmp_path / "record.json"))
+    monkeypatch.setattr(flight_recorder.RECORDER, "ended", False)
+    flight_recorder.dump()
+    assert synced == [] and json.loads((tmp_path / "record.json").read_text())["pid"] == \
+        os.getpid()
 
 
 # ------------------------------------------------------------------------------------ preprocessing

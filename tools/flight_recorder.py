@@ -162,7 +162,7 @@ def dump(reason=None, ended=False):
         RECORDER.reason = reason or RECORDER.reason
         if RECORDER.path and not RECORDER.ended:
             RECORDER.ended = ended
-            write_atomic(RECORDER.path, json.dumps(RECORDER.state()))
+            write_atomic(RECORDER.path, json.dumps(RECORDER.state()), durable=False)
 
 
 def start(folder, rank, world):
