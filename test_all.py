@@ -10454,7 +10454,7 @@ def test_sigusr1_during_a_dump_is_written_after_it_by_the_writer_thread(tmp_path
     the file the first is writing."""
     writes, depth = [], [0]
 
-    def write(path, content):                         # the handler runs in the middle of it
+    def write(path, content, durable=True):           # the handler runs in the middle of it
         depth[0] += 1
         writes.append(depth[0])
         if len(writes) == 1:

@@ -262,6 +262,13 @@ def load(folder, job=None):
     return records
 
 
+def ended_cleanly(folder, ranks):
+    """Whether `ranks` records in `folder` were each written at its process's exit with no error
+    in it: every rank's training had returned, its work saved, when a signal ended it."""
+    records = load(folder)
+    return len(records) == ranks and all(r["ended"] and not r["reason"] for r in records.values())
+
+
 WARNED = set()            # the records named by warn_once (the watchdog reads them every second)
 
 
