@@ -54,15 +54,17 @@ def _new_file_mode():
 
 def _open_temporary(path):
     """(binary file open for writing, its name): a new file beside `path` that os.replace moves
-    over it, named `<path>.tmp<random>` by tempfile.mkstemp: O_EXCL, so never a file or symlink
-    planted there, and one name per call, so threads and processes writing `path` at once each
-    have their own. Its mode is that of the file at `path`, or a new file's."""
+    over it, named `<path>.tmp<pid>.<random>` by tempfile.mkstemp: O_EXCL, so never a file or
+    symlink planted there, and one name per call, so threads and processes writing `path` at once
+    each have their own. Its mode is that of the file at `path`, or a new file's. The temporary
+    files of this user's writes of `path` that a kill cut short (their process gone) go first."""
     folder, name = os.path.split(os.path.abspath(path))
+    _remove_cut_writes(folder, name)
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
         mode = _new_file_mode()
-    fd, tmp = tempfile.mkstemp(prefix=name + ".tmp", dir=folder)     # mode 0600
+    fd, tmp = tempfile.mkstemp(prefix=f"{name}.tmp{os.getpid()}.", dir=folder)     # mode 0600
     try:
         os.fchmod(fd, mode)
         return os.fdopen(fd, "wb"), tmp
@@ -70,6 +72,24 @@ def _open_temporary(path):
         os.close(fd)
         os.remove(tmp)
         raise
+
+
+def _remove_cut_writes(folder, name):
+    """Remove `folder`/`name`.tmp<pid>.<random>, the temporary file of a write whose process was
+    killed before its rename (kill -9, SIGTERM's default), when it is this user's regular file and
+    process <pid> has ended; anything else of that name is left alone."""
+    for path in glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".tmp*.*")):
+        pid = os.path.basename(path)[len(name) + 4:].split(".")[0]
+        try:
+            info = os.lstat(path)
+            if not (pid.isdigit() and stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()):
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        except (FileNotFoundError, PermissionError):
+            continue
 
 
 def fsync_folder(folder):

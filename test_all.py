@@ -1374,7 +1374,7 @@ def test_write_atomic_never_writes_through_a_planted_symlink(tmp_path, monkeypat
     os.symlink(victim, f"{target}.tmp{os.getpid()}")
     data.write_atomic(str(target), "ours")
     assert target.read_text() == "ours" and not target.is_symlink()
-    os.symlink(victim, f"{target}.tmpplanted")
+    os.symlink(victim, f"{target}.tmp{os.getpid()}.planted")
     names = iter(["planted", "fresh"])           # mkstemp's draws, this thread's
     monkeypatch.setattr(tempfile, "_get_candidate_names",
                         this_thread_only(lambda: names, tempfile._get_candidate_names))
@@ -1382,7 +1382,26 @@ def test_write_atomic_never_writes_through_a_planted_symlink(tmp_path, monkeypat
     assert target.read_text() == "ours again" and not target.is_symlink()
     assert victim.read_text() == "theirs"
     assert sorted(os.listdir(tmp_path)) == ["victim", "x.json", f"x.json.tmp{os.getpid()}",
-                                            "x.json.tmpplanted"]
+                                            f"x.json.tmp{os.getpid()}.planted"]
+
+
+@pytest.mark.data
+def test_a_write_cut_by_a_kill_leaves_its_temporary_file_to_the_next_write(tmp_path):
+    """A process killed inside write_atomic (kill -9, or SIGTERM's default) leaves its temporary
+    file `<path>.tmp<pid>.<random>`; the next write of the same file removes it, its process
+    gone, and leaves a live process's, another file's and anything not a regular file."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    path = tmp_path / "x.json"
+    cut, live = tmp_path / f"x.json.tmp{gone.pid}.cut", tmp_path / f"x.json.tmp{os.getpid()}.now"
+    other = tmp_path / f"y.json.tmp{gone.pid}.cut"
+    for file in (cut, live, other):
+        file.write_text("half")
+    os.symlink(tmp_path / "nowhere", tmp_path / f"x.json.tmp{gone.pid}.link")
+    data.write_atomic(str(path), "whole")
+    assert path.read_text() == "whole"
+    assert sorted(os.listdir(tmp_path)) == sorted(["x.json", live.name, other.name,
+                                                   f"x.json.tmp{gone.pid}.link"])
 
 
 @pytest.mark.data
