@@ -8176,7 +8176,7 @@ def test_a_save_is_on_disk_step_by_step_before_the_older_checkpoint_goes(tmp_pat
     events, fsync, replace, rmtree = [], os.fsync, os.replace, shutil.rmtree
 
     def name(path):             # relative to root, a temporary file's random part as *
-        return re.sub(r"\.tmp\w+$", ".tmp*", os.path.relpath(path, root))
+        return re.sub(r"\.tmp[\w.]+$", ".tmp*", os.path.relpath(path, root))
 
     def recorded(kind, fn, paths):
         def call(*a, **k):
