@@ -8,8 +8,8 @@ between the backward and the optimizer (optimizer.py):
     finalize_model_grads     finalize_model_grads.py: every reduction of a step's gradients, in
                              order
 and Megatron's overlap (--overlap-grad-reduce): OverlappedDistributedDataParallel starts each
-bucket's collective once the backward has made its gradients final, which BackwardInPieces and
-the pipeline's runner report as they go (ready_hook).
+bucket's collective once the backward has made its gradients final, which the schedule
+(pipeline.ForwardBackward) reports piece by piece (grad_sync_func).
 The dense parameters are reduced over DP x CP, the experts over the expert-data-parallel group
 (moe.py), each group through its own buffer (Megatron's buffers and expert_parallel_buffers).
 """
@@ -17,8 +17,7 @@ The dense parameters are reduced over DP x CP, the experts over the expert-data-
 import contextlib
 
 import numpy as np
-import mindspore as ms
-from mindspore import Tensor, ops
+from mindspore import ops
 
 import moe
 from parallel import collectives, get_state
@@ -167,7 +166,7 @@ def finalize_model_grads(grads, params, state, ddp, model=()):
 # same queue as computation: docs/parallel.md, Megatron's overlap). The values are the same.
 class OverlappedDistributedDataParallel(DistributedDataParallel):
     """DistributedDataParallel with overlap_grad_reduce: register_grad_ready (Megatron's, called
-    from its backward hooks, here by the runners: ready_hook) keeps a gradient final for the
+    from its backward hooks, here by the schedule: grad_sync_func) keeps a gradient final for the
     step and starts the collective of the bucket it completes (Megatron's start_grad_sync of
     that bucket); reduce_grads (finish_grad_sync) registers the rest, reduces the buckets not
     started, last first, and returns reduce_grads' result."""
@@ -202,100 +201,28 @@ class OverlappedDistributedDataParallel(DistributedDataParallel):
         return out[0] if len(out) == 1 else out
 
 
-def ready_hook(cfg, ddp, params, state):
-    """What the runners call when a gradient is final during the backward: `ready(position,
-    grad)`, which hands it to `ddp` (reduced over TP first under sequence parallelism), or None
-    where this rank does not overlap: without overlap_grad_reduce, and with delay_grad_reduce on
-    the pipeline stages after the first, which reduce after the schedule, in the pipeline's
-    bubble (Megatron's grad_sync_func). The tied embedding's copies wait for
-    finalize_model_grads: their all-reduce joins the first and the last stage, which end their
-    backward at different times, and a blocking collective begun by one mid-schedule would wait
-    for a stage that first waits for its hops."""
+def grad_sync_func(cfg, ddp, params, state):
+    """Megatron's grad_sync_func, which the schedule (pipeline.ForwardBackward) calls after a
+    piece's last backward with [(position, gradient)] of the parameters it made final: each
+    handed to `ddp` (reduced over TP first under sequence parallelism), whose buckets start as
+    they complete. None where this rank does not overlap: without overlap_grad_reduce, and with
+    delay_grad_reduce on the pipeline stages after the first, which reduce after the schedule,
+    in the pipeline's bubble. The tied embedding's copies wait for finalize_model_grads: their
+    all-reduce joins the first and the last stage, which end their backward at different times,
+    and a blocking collective begun by one mid-schedule would wait for a stage that first waits
+    for its hops."""
     training_cfg = cfg.training_config
     delayed = training_cfg.delay_grad_reduce and state.pp > 1 and not state.is_first_stage
     if not training_cfg.overlap_grad_reduce or delayed:
         return None
 
-    def ready(position, grad):
-        param = params[position]
-        if not getattr(param, "shared_embedding", False):
-            ddp.register_grad_ready(position, reduced_over_model_parallel(grad, param, state))
-    return ready
-
-
-class BackwardInPieces:
-    """A model's forward and backward run piece by piece (`pieces`: gpt.model_pieces, each run
-    through `compile`, ms.jit's gpt.Compiled or none), each piece's forward recorded and
-    replayed through GradOperation as the pipeline runs a chunk (pipeline.PipelineRunner): a
-    parameter's gradient is final once the backward has passed every piece that uses it, and
-    on the last micro-batch `ready(position, grad)` (ready_hook) hears of it then (Megatron's
-    backward hooks). Gradients are summed over micro-batches in `grad_dtype`, each cast by
-    `cast`; positions are in `params`, the model's order.
-    `before_forward(params)` runs before each piece's forward (the distributed optimizer's
-    parameter gather), `phase(("F" or "B", micro-batch, piece))` around each pass."""
-
-    def __init__(self, pieces, params, grad_dtype, cast, compile=None, before_forward=None,
-                 phase=contextlib.nullcontext):
-        self.pieces = [compile(piece) if compile else piece for piece in pieces]
-        self.piece_params = [piece.params for piece in pieces]
-        self.tied = [piece.tied_weight() for piece in pieces]    # given as an input, or None
-        self.grad_dtype, self.cast, self.phase = grad_dtype, cast, phase
-        self.before_forward = before_forward or (lambda params: None)
-        where = {id(p): i for i, p in enumerate(params)}
-        self.positions = [[where[id(p)] for p in ps] for ps in self.piece_params]
-        for k, tied in enumerate(self.tied):
-            if tied is not None:
-                self.positions[k].append(where[id(tied)])
-        # the parameters final after piece k's backward (used by no earlier piece), last first
-        self.final_after = [sorted(set(ps) - {i for ps0 in self.positions[:k] for i in ps0},
-                                   reverse=True) for k, ps in enumerate(self.positions)]
-        self.grad_first = ops.GradOperation(get_by_list=True, sens_param=True)  # token ids
-        self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
-        self.count = len(params)
-        for piece in self.pieces:
-            piece.set_grad(True)            # record each forward, for its backward to replay
-
-    def run(self, micro_batches, loss_weight, ready=None):
-        """micro_batches: per micro-batch the model inputs (tokens, position_ids, attention_mask,
-        labels, loss_mask). Returns (the loss of each, the gradients of loss * loss_weight
-        summed over them, one per parameter)."""
-        losses, grads = [], [None] * self.count
-        for n, inputs in enumerate(micro_batches):
-            saved, x = [], inputs[0]
-            for k, piece in enumerate(self.pieces):
-                self.before_forward(self.piece_params[k])
-                args = (x,) + tuple(inputs[1:3])
-                if k == len(self.pieces) - 1:
-                    args += tuple(inputs[3:]) + (() if self.tied[k] is None
-                                                 else (self.tied[k].value().copy(),))
-                with self.phase(("F", n, k)):
-                    x = piece(*args)
-                saved.append(args)
-            losses.append(float(x.asnumpy()))
-            dout = Tensor(loss_weight, ms.float32)
-            for k in reversed(range(len(self.pieces))):
-                with self.phase(("B", n, k)):
-                    dout = self._backward(k, saved.pop(), dout, grads)
-                for i in self.final_after[k] if ready and n == len(micro_batches) - 1 else ():
-                    ready(i, grads[i])
-        return losses, grads
-
-    def _backward(self, k, args, dout, grads):
-        """Piece k's backward from its saved inputs, seeded by dout; its parameters' gradients
-        (and its tied weight's, an input's) added to `grads`. Returns the gradient of its input
-        x (None for token ids)."""
-        piece, params = self.pieces[k], self.piece_params[k]
-        if k == 0:
-            g_params, g_x = self.grad_first(piece, params)(*args, dout), None
-        else:
-            g_inputs, g_params = self.grad_with_input(piece, params)(*args, dout)
-            g_x = g_inputs[0]
-            if self.tied[k] is not None:
-                g_params = tuple(g_params) + (g_inputs[-1],)
-        for i, g in zip(self.positions[k], g_params):
-            g = self.cast(g, self.grad_dtype)
-            grads[i] = g if grads[i] is None else grads[i] + g
-        return g_x
+    def sync(final):
+        for position, grad in final:
+            param = params[position]
+            if not getattr(param, "shared_embedding", False):
+                ddp.register_grad_ready(position,
+                                        reduced_over_model_parallel(grad, param, state))
+    return sync
 
 
 def build_data_parallel(cfg, model, state=None, phase=contextlib.nullcontext):

@@ -873,13 +873,13 @@ class GPTModel(nn.Cell):
         return logits.transpose(1, 0, 2)                                      # [b, s, V]
 
 
-def model_pieces(model, blocks_per_piece=1):
-    """A GPTModel's forward cut into ModelPieces of `blocks_per_piece` blocks each, sharing its
-    parameters: what the data-parallel overlap runs one piece at a time
-    (distributed.BackwardInPieces)."""
+def model_pieces(model, blocks_per_piece=None):
+    """A GPTModel's forward as the ModelPieces the schedule runs (pipeline.ForwardBackward), which
+    share its parameters: one piece, the whole model, or with Megatron's overlap pieces of
+    `blocks_per_piece` blocks each, whose gradients are final one piece at a time."""
     n = len(model.blocks)
-    return [ModelPiece(model, start, min(start + blocks_per_piece, n))
-            for start in range(0, n, blocks_per_piece)]
+    size = blocks_per_piece or max(n, 1)
+    return [ModelPiece(model, start, min(start + size, n)) for start in range(0, max(n, 1), size)]
 
 
 class ModelPiece(nn.Cell):

@@ -13,10 +13,12 @@ Three layers, each readable on its own:
                            exchanges they need. Every exchange is a rendezvous of two ranks, and
                            every rank meets its exchanges in one global order (tick, rank pair), so
                            no schedule can deadlock, whatever the communication backend;
-  PipelineRunner.run       executes this rank's steps with MindSpore: each F records the chunk's
+  ForwardBackward.run      executes this rank's steps with MindSpore: each F records the chunk's
                            forward (set_grad), each B replays it through GradOperation with the
                            received output gradient (sens), oldest micro-batch first per chunk.
 A hop carries the hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism).
+Without pipeline parallelism the same runner runs the schedule of one stage (p = 1): every
+training step's forward and backward go through ForwardBackward.run.
 """
 import contextlib
 
@@ -122,7 +124,7 @@ def simulate(p, m, v=1, forward_only=False, kind="1f1b"):
         trades with in that tick, in increasing (min rank, max rank) order. Keys name tensors:
         ("act", mb, vs) is the input of virtual stage vs, ("grad", mb, vs) the gradient of its
         output;
-      ticks[rank]: (tick, kind, micro-batch, chunk) of each pass, the unit-time timeline.
+      ticks[rank]: (tick, "F" or "B", micro-batch, chunk) of each pass, the unit-time timeline.
     A pass waits for its input; if no rank can move, the schedule is wrong and this raises."""
     last = p * v - 1
     todo = [schedule(p, r, m, v, forward_only, kind) for r in range(p)]
@@ -135,9 +137,9 @@ def simulate(p, m, v=1, forward_only=False, kind="1f1b"):
         for r in range(p):
             if done[r] == len(todo[r]):
                 continue
-            kind, mb, chunk = todo[r][done[r]]
+            f_or_b, mb, chunk = todo[r][done[r]]
             vs = chunk * p + r
-            if kind == "F":
+            if f_or_b == "F":
                 if vs > 0 and ("act", mb, vs) not in have[r]:
                     continue
                 if vs < last:
@@ -147,13 +149,14 @@ def simulate(p, m, v=1, forward_only=False, kind="1f1b"):
                     continue
                 if vs > 0:
                     sends.append((r, (vs - 1) % p, ("grad", mb, vs - 1)))
-            steps[r].append((kind, mb, chunk))
-            ticks[r].append((tick, kind, mb, chunk))
+            steps[r].append((f_or_b, mb, chunk))
+            ticks[r].append((tick, f_or_b, mb, chunk))
             done[r] += 1
         if not sends and not any(t and t[-1][0] == tick for t in ticks):
             raise RuntimeError(f"pipeline schedule p={p} m={m} v={v} deadlocks at tick {tick}: "
                                + "; ".join(_waits(todo, done, p, v)))
-        for pair in sorted({tuple(sorted((s, d))) for s, d, _ in sends}):
+        # a hop to this rank's own next piece (one stage: p = 1) needs no exchange
+        for pair in sorted({tuple(sorted((s, d))) for s, d, _ in sends if s != d}):
             for me in pair:
                 peer = pair[1] if me == pair[0] else pair[0]
                 out = next((k for s, d, k in sends if s == me and d == peer), None)
@@ -198,126 +201,157 @@ def hop_shape(model_cfg, micro_batch_size, cp=1, tp=1, sequence_parallel=False):
     return (model_cfg.seq_length // cp // shard, micro_batch_size, model_cfg.hidden_size)
 
 
-class PipelineRunner:
-    """Runs one step's passes for this rank's model chunks (a list of gpt.GPTModel, chunk i being
-    virtual stage i * pp + pp_rank), each compiled by ms.jit if `compiled`: a training step, or
-    with forward_only an evaluation. A hop is `hop_shape` (see hop_shape) in `hop_dtype`
-    (gpt.hidden_dtype); the gradients are summed over micro-batches in `grad_dtype`, each cast
-    to it by `cast` (parallel.cast, or the layer spec's fast form: gpt.layer_spec). A training
-    step runs each pass inside `phase(("F" or "B", micro-batch, chunk))` and each exchange
-    inside `phase("exchange")` (a context manager: what times them, train.py's timers)."""
+class ForwardBackward:
+    """Megatron's forward_backward_func (pipeline_parallel/schedules.py), the one that runs every
+    step's forward and backward passes in every layout: this rank's passes of its `pieces`
+    (gpt.ModelPiece: a model chunk, or with Megatron's overlap a few blocks of one), piece i
+    being virtual stage i * pp + pp_rank, each compiled by ms.jit if `compiled`.
+    - Pipeline parallelism: the pieces are this rank's model chunks and the passes follow
+      `schedule` (1F1B, interleaved or AFAB, `kind`) through `simulate`'s exchanges.
+    - One stage (pp = 1): the schedule of p = 1, Megatron's forward_backward_no_pipelining: each
+      micro-batch's forward, then its backward; with the overlap's v pieces, the interleaved
+      schedule of p = 1, whose hops stay on this rank.
+    A hop is a tensor of shape `hop` (hop_shape's) in `hop_dtype` (gpt.hidden_dtype). The gradients of `params` (the
+    model's parameters, in its order) are summed over micro-batches in `grad_dtype`, each cast
+    by `cast` (parallel.cast, or the layer spec's fast form). Data parallelism enters through
+    Megatron's callbacks: `param_sync_func(params)` before a piece's forward (the distributed
+    optimizer's gather of its parameters), `grad_sync_func(final)` after a piece's last backward,
+    with [(position in params, gradient)] of what it made final (the overlap; the earlier
+    micro-batches run without it, Megatron's no_sync_func), and after the schedule the
+    Trainer's finalize_model_grads. A training step runs each pass inside `phase(("F" or "B",
+    micro-batch, piece))` and each exchange inside `phase("exchange")` (what times them)."""
 
-    def __init__(self, chunks, state, hop_shape, hop_dtype, grad_dtype, compiled=False,
+    def __init__(self, pieces, params, state, hop, hop_dtype, grad_dtype, compiled=False,
                  kind="1f1b", cast=parallel.cast, phase=contextlib.nullcontext,
-                 before_forward=None):
+                 param_sync_func=None, grad_sync_func=None):
         self.kind, self.cast, self.phase = kind, cast, phase    # kind "1f1b" or "afab"
-        self.before_forward = before_forward or (lambda params: None)
-        self.chunks = [gpt.Compiled(chunk) for chunk in chunks] if compiled else chunks
-        self.state = state
-        self.hop_shape, self.hop_dtype, self.grad_dtype = hop_shape, hop_dtype, grad_dtype
-        self.p, self.v, self.rank = state.pp, len(chunks), state.pp_rank
-        self.params = [list(chunk.get_parameters()) for chunk in chunks]
+        self.param_sync_func, self.grad_sync_func = param_sync_func, grad_sync_func
+        self.pieces = [gpt.Compiled(piece) for piece in pieces] if compiled else pieces
+        self.hop, self.hop_dtype, self.grad_dtype = hop, hop_dtype, grad_dtype
+        self.p, self.v, self.rank = state.pp, len(pieces), state.pp_rank
+        self.params = [piece.params for piece in pieces]
+        self.tied = [piece.tied_weight() for piece in pieces]     # an input's copy, or None
+        # where each piece's parameters, and its tied weight's gradient, go in `params`
+        self.positions, self.tied_at = piece_positions(pieces, params)
+        self.count = len(params)
         self.peers = parallel.group_ranks(state.pp_group)          # pp rank -> global rank
         self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
         # the first virtual stage takes token ids, which have no gradient
         self.grad_params_only = ops.GradOperation(get_by_list=True, sens_param=True)
         self.steps = {}                     # (m, forward_only) -> this rank's simulated steps
-        for chunk in self.chunks:
-            chunk.set_grad(True)            # record each forward, for its backward to replay
+        for piece in self.pieces:
+            piece.set_grad(True)            # record each forward, for its backward to replay
 
-    def run(self, micro_batches, loss_weight=1.0, forward_only=False, ready=None):
+    def run(self, micro_batches, loss_weight=1.0, forward_only=False):
         """micro_batches: per micro-batch the model inputs (tokens, position_ids, attention_mask,
         labels, loss_mask). Returns (losses of the last stage, one per micro-batch, else [];
-        gradients of every chunk's parameters, of loss * loss_weight, summed over micro-batches,
-        each None with forward_only). forward_only (evaluation) records nothing for a backward
-        and is not timed. `ready(position, grad)` hears of each gradient once its chunk's last
-        backward has run (positions in the chunks' parameters in order): the data-parallel
-        overlap (distributed.register_during_backward). `before_forward(params)` runs before
-        each forward of a chunk with its parameters (the distributed optimizer's gather)."""
+        gradients of `params`, of loss * loss_weight, summed over micro-batches, each None with
+        forward_only). forward_only (evaluation) records nothing for a backward, is not timed
+        and calls no grad_sync_func."""
         if not forward_only:
-            return self._run(micro_batches, loss_weight, False, self.phase, ready)
-        for chunk in self.chunks:
-            chunk.set_grad(False)
-        result = self._run(micro_batches, loss_weight, True, contextlib.nullcontext, None)
-        for chunk in self.chunks:
-            chunk.set_grad(True)
+            return self._run(micro_batches, loss_weight, False, self.phase)
+        for piece in self.pieces:
+            piece.set_grad(False)
+        result = self._run(micro_batches, loss_weight, True, contextlib.nullcontext)
+        for piece in self.pieces:
+            piece.set_grad(True)
         return result
 
-    def _run(self, micro_batches, loss_weight, forward_only, phase, ready):
+    def _run(self, micro_batches, loss_weight, forward_only, phase):
         """This rank's steps for len(micro_batches) micro-batches (see simulate), one by one,
-        each in its `phase`; `ready` as run's."""
+        each in its `phase`."""
         m = len(micro_batches)
         key = (m, forward_only)
         if key not in self.steps:
             self.steps[key] = simulate(self.p, m, self.v, forward_only, self.kind)[0][self.rank]
         # hops keyed ("act" or "grad", micro-batch, virtual stage); a forward's inputs by
-        # (micro-batch, chunk), kept for its backward
+        # (micro-batch, piece), kept for its backward
         received, outgoing, saved = {}, {}, {}
-        losses = []
-        grads = [[None] * len(ps) for ps in self.params]
-        backwards = [0] * self.v                                    # backward passes per chunk
+        losses, grads = [], [None] * self.count
+        backwards = [0] * self.v                                    # backward passes per piece
         for step in self.steps[key]:
             if step[0] == "X":
                 with phase("exchange"):                    # waiting for the peer included
                     self._exchange(step, outgoing, received)
                 continue
-            kind, mb, chunk_id = step
+            kind, mb, piece = step
             with phase(step):
                 if kind == "F":
-                    args = self._forward(micro_batches[mb], mb, chunk_id, received, outgoing,
+                    args = self._forward(micro_batches[mb], mb, piece, received, outgoing,
                                          losses)
                     if not forward_only:
-                        saved[(mb, chunk_id)] = args
+                        saved[(mb, piece)] = args
                     continue
-                g_params = self._backward(saved.pop((mb, chunk_id)), mb, chunk_id, loss_weight,
-                                          received, outgoing)
-                grads[chunk_id] = [g if a is None else a + g
-                                   for a, g in zip(grads[chunk_id], g_params)]
-            backwards[chunk_id] += 1
-            if ready and backwards[chunk_id] == m:             # the chunk's last backward
-                first = sum(len(ps) for ps in self.params[:chunk_id])
-                for i, g in enumerate(grads[chunk_id]):
-                    ready(first + i, g)
-        return [float(loss.asnumpy()) for loss in losses], [g for chunk in grads for g in chunk]
+                self._backward(saved.pop((mb, piece)), mb, piece, loss_weight, received,
+                               outgoing, grads)
+            backwards[piece] += 1
+            if self.grad_sync_func and backwards[piece] == m:     # the piece's last backward
+                self.grad_sync_func([(i, grads[i]) for i in reversed(self.positions[piece])])
+        return [float(loss.asnumpy()) for loss in losses], grads
+
+    def _send(self, key, tensor, received, outgoing):
+        """A hop to virtual stage key[2]: kept here if this rank holds it (one stage), else
+        held for the exchange with its rank."""
+        (received if key[2] % self.p == self.rank else outgoing)[key] = tensor
 
     def _exchange(self, step, outgoing, received):
         """One rendezvous with a neighbour: send this rank's hop, receive the peer's."""
         _, peer, out_key, in_key = step
         # the exchange is symmetric: a rank with nothing to send sends zeros
         send = (outgoing.pop(out_key) if out_key
-                else mint.zeros(self.hop_shape, dtype=self.hop_dtype))
+                else mint.zeros(self.hop, dtype=self.hop_dtype))
         got = parallel.exchange(send, self.peers[peer])        # the sent output is freed here
         if in_key:
             received[in_key] = got
 
-    def _forward(self, inputs, mb, chunk_id, received, outgoing, losses):
-        """Chunk chunk_id's forward of micro-batch mb: its output goes out as a hop, or on the last
-        virtual stage is the loss. Returns the chunk's inputs (for its backward)."""
-        vs, last = chunk_id * self.p + self.rank, self.p * self.v - 1
+    def _forward(self, inputs, mb, piece, received, outgoing, losses):
+        """Piece `piece`'s forward of micro-batch mb: its output goes out as a hop, or on the
+        last virtual stage is the loss. Returns the piece's inputs (for its backward)."""
+        vs, last = piece * self.p + self.rank, self.p * self.v - 1
         tokens, position_ids, mask, labels, loss_mask = inputs
-        self.before_forward(self.params[chunk_id])
+        if self.param_sync_func:
+            self.param_sync_func(self.params[piece])
         x = tokens if vs == 0 else received.pop(("act", mb, vs))
         args = (x, position_ids, mask) + ((labels, loss_mask) if vs == last else ())
-        out = self.chunks[chunk_id](*args)
+        if self.tied[piece] is not None:
+            args += (self.tied[piece].value().copy(),)
+        out = self.pieces[piece](*args)
         if vs == last:
             losses.append(out)
         else:
-            outgoing[("act", mb, vs + 1)] = out
+            self._send(("act", mb, vs + 1), out, received, outgoing)
         return args
 
-    def _backward(self, args, mb, chunk_id, loss_weight, received, outgoing):
-        """Chunk chunk_id's backward of micro-batch mb from its saved inputs `args`, seeded by
+    def _backward(self, args, mb, piece, loss_weight, received, outgoing, grads):
+        """Piece `piece`'s backward of micro-batch mb from its saved inputs `args`, seeded by
         loss_weight on the last virtual stage, else by the received output gradient; the input
-        gradient goes out as a hop. Returns the parameters' gradients in grad_dtype."""
-        vs, last = chunk_id * self.p + self.rank, self.p * self.v - 1
+        gradient goes out as a hop. Adds the parameters' gradients, in grad_dtype, to `grads`
+        (a tied weight's, the gradient of its copy, to the parameter's)."""
+        vs, last = piece * self.p + self.rank, self.p * self.v - 1
         dout = Tensor(loss_weight, ms.float32) if vs == last else received.pop(("grad", mb, vs))
-        chunk, params = self.chunks[chunk_id], self.params[chunk_id]
+        cell, params = self.pieces[piece], self.params[piece]
         if vs == 0:
-            g_params = self.grad_params_only(chunk, params)(*args, dout)
+            g_params = self.grad_params_only(cell, params)(*args, dout)
         else:
-            g_inputs, g_params = self.grad_with_input(chunk, params)(*args, dout)
-            outgoing[("grad", mb, vs - 1)] = g_inputs[0]
-        return [self.cast(g, self.grad_dtype) for g in g_params]
+            g_inputs, g_params = self.grad_with_input(cell, params)(*args, dout)
+            self._send(("grad", mb, vs - 1), g_inputs[0], received, outgoing)
+            if self.tied[piece] is not None:
+                g_params = tuple(g_params) + (g_inputs[-1],)
+        for i, g in zip(self.positions[piece] + self.tied_at[piece], g_params):
+            g = self.cast(g, self.grad_dtype)
+            grads[i] = g if grads[i] is None else grads[i] + g
+
+
+def piece_positions(pieces, params):
+    """(per piece the positions in `params` of its parameters, per piece [the position of its
+    tied weight] or []: the parameter whose copy it takes as an input). Every parameter belongs
+    to one piece."""
+    where = {id(param): i for i, param in enumerate(params)}
+    positions = [[where[id(param)] for param in piece.params] for piece in pieces]
+    if sorted(i for ps in positions for i in ps) != list(range(len(params))):
+        raise ValueError("the pieces do not hold each of the model's parameters once")
+    tied = [piece.tied_weight() for piece in pieces]
+    return positions, [[] if t is None else [where[id(t)]] for t in tied]
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

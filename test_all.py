@@ -296,7 +296,7 @@ def test_the_concepts_hold_their_concept_alone():
                       and not (isinstance(n.exc, ast.Call)
                                and getattr(n.exc.func, "id", None) == "SystemExit")]
             assert not raised, (module, [n.lineno for n in raised])
-    for cls in (train.Trainer, pipeline.PipelineRunner):
+    for cls in (train.Trainer, pipeline.ForwardBackward):
         source = inspect.getsource(cls)
         assert not re.search(r"\btime\.|perf_counter|ledger|LEDGER|flight_recorder|metrics|"
                              r"seconds|trace", source), cls
@@ -3541,20 +3541,23 @@ OVERLAP_MODELS = {"tied, compiled": [], "tied, op by op": ["--no-jit"],
 
 @pytest.mark.dp
 @pytest.mark.parametrize("variant", OVERLAP_MODELS)
-def test_backward_in_pieces_gives_the_whole_models_gradients(variant):
-    """distributed.BackwardInPieces (the model's blocks as gpt.ModelPieces, the tied output
-    weight given to the last as an input) gives the losses and gradients of the whole model's
-    backward over two micro-batches; on the last, `ready` hears of every parameter once, with
-    its final gradient, the last block's before the first's and the embeddings last."""
+def test_the_overlaps_pieces_give_the_whole_models_gradients(variant):
+    """The schedule of one stage run over the overlap's pieces (gpt.model_pieces: a block each,
+    the tied output weight given to the last as an input) gives the losses and gradients of the
+    whole model's backward over two micro-batches; on the last, grad_sync_func hears of every
+    parameter once, with its final gradient, the last block's before the first's and the
+    embeddings last."""
     cfg, model = tiny_model(*OVERLAP_MODELS[variant])
     batches = [random_batch(cfg, seed=s) for s in (0, 1)]
     ddp = distributed.build_data_parallel(cfg, model)
     whole = train.Trainer(cfg, model, ddp, *train.optimizer_and_scheduler(cfg, model, ddp))
+    assert len(whole.schedule.pieces) == 1
     losses, grads = whole.forward_backward(batches)
     cfg.training_config.overlap_grad_reduce = True
     pieces = train.Trainer(cfg, model, ddp, *train.optimizer_and_scheduler(cfg, model, ddp))
+    assert len(pieces.schedule.pieces) == len(model.blocks)
     heard = []
-    pieces.ready = lambda position, grad: heard.append((position, grad))
+    pieces.schedule.grad_sync_func = heard.extend
     got_losses, got = pieces.forward_backward(batches)
     np.testing.assert_allclose(got_losses, losses, rtol=1e-6)
     for name, a, b in zip([n for n, _ in model.parameters_and_names()], got, grads):

@@ -33,7 +33,7 @@ import parallel
 import pipeline
 from backends import shared_memory
 from formats import checkpoint, hf_gpt2
-from gpt import (Compiled, DropoutRNG, hidden_dtype, init_weights, layer_spec, model_pieces,
+from gpt import (DropoutRNG, hidden_dtype, init_weights, layer_spec, model_pieces,
                  model_provider)
 from settings.cli import (CONFIG_FLAG, HelpRequested, end_with_parent, load_config, parse_command,
                           raw_config, training_help)
@@ -287,52 +287,43 @@ def to_tensors(batch, state=None):
 
 
 class Trainer:
-    """Megatron's train_step: forward and backward over a step's micro-batches (through the
-    pipeline's schedule with pipeline parallelism), the gradients' reductions, the optimizer's
-    step, for `model`, a GPTModel or this rank's list of model chunks. `phase(name)`: a context
-    manager around each phase of a step and pass, for what observes them (tools/logs.Timers)."""
+    """Megatron's train_step for `model`, a GPTModel or this rank's list of model chunks: the
+    schedule's forward and backward over a step's micro-batches (pipeline.ForwardBackward, with
+    data parallelism's callbacks), the gradients' reductions, the optimizer's step.
+    `phase(name)`: a context manager around each phase of a step and pass, for what observes
+    them (tools/logs.Timers)."""
 
     def __init__(self, cfg, model, ddp, optimizer, scheduler, state=None,
                  phase=contextlib.nullcontext):
         self.cfg, self.ddp, self.optimizer, self.scheduler = cfg, ddp, optimizer, scheduler
         self.phase, self.scaler = phase, optimizer.scaler
         self.chunks = model if isinstance(model, list) else [model]
-        self.state = state or parallel.get_state()
+        self.state = state = state or parallel.get_state()
         self.params = [param for chunk in self.chunks for param in chunk.get_parameters()]
-        model_cfg = cfg.model_config
-        self.grad_dtype = parallel.DTYPES[main_grad_dtype(cfg)]   # micro-batches' gradients' sum
-        self.cast = optimizer.cast              # the gradients' cast to grad_dtype: the spec's
+        model_cfg, training_cfg = cfg.model_config, cfg.training_config
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
         dropout = model_cfg.hidden_dropout_rate or model_cfg.attention_dropout_rate
-        self.compiled = cfg.training_config.use_jit and not dropout
-        self.runner = None
-        if self.state.pp > 1:
-            hop = pipeline.hop_shape(model_cfg, cfg.dataset_config.batch_size, self.state.cp,
-                                     self.state.tp, self.state.sequence_parallel)
-            self.runner = pipeline.PipelineRunner(
-                self.chunks, self.state, hop, hidden_dtype(model_cfg), self.grad_dtype,
-                self.compiled, cfg.parallel_config.pipeline_schedule, self.cast, phase,
-                optimizer.finish_param_sync)
-        self.ready, self.pieces = distributed.ready_hook(cfg, ddp, self.params, self.state), None
-        if self.ready and self.runner is None:         # the overlap without a pipeline
-            self.pieces = distributed.BackwardInPieces(
-                model_pieces(self.chunks[0]), self.params, self.grad_dtype, self.cast,
-                Compiled if self.compiled else None, optimizer.finish_param_sync, phase)
-        self.forward = Compiled(self.chunks[0]) if self.compiled else self.chunks[0]
-        self.loss_weight = 1.0
+        self.compiled = training_cfg.use_jit and not dropout
+        # one stage with the overlap: its blocks one piece each, whose gradients are final in turn
+        blocks = 1 if training_cfg.overlap_grad_reduce and state.pp == 1 else None
+        pieces = [piece for chunk in self.chunks for piece in model_pieces(chunk, blocks)]
+        hop = pipeline.hop_shape(model_cfg, cfg.dataset_config.batch_size, state.cp, state.tp,
+                                 state.sequence_parallel)
+        self.schedule = pipeline.ForwardBackward(
+            pieces, self.params, state, hop, hidden_dtype(model_cfg),
+            parallel.DTYPES[main_grad_dtype(cfg)], self.compiled,
+            cfg.parallel_config.pipeline_schedule, optimizer.cast, phase,
+            param_sync_func=optimizer.finish_param_sync,
+            grad_sync_func=distributed.grad_sync_func(cfg, ddp, self.params, state))
         self.has_moe = any(moe_layer_pattern(model_cfg))
-        self.grad_fn = ms.value_and_grad(self._weighted_loss, None, self.params)
 
     def set_train(self, mode):
         for chunk in self.chunks:
             chunk.set_train(mode)
 
-    def _weighted_loss(self, *inputs):
-        return self.forward(*inputs) * self.loss_weight
-
     def forward_backward(self, micro_batches):
         """(loss of each micro-batch, gradients of sum(loss) * scale / m summed over them in
-        grad_dtype); with pipeline parallelism through the schedule, the losses only on the last
+        the main gradients' dtype); with pipeline parallelism the losses only on the last
         stage."""
         self.loss_weight = self.scaler.scale / len(micro_batches)
         if self.has_moe:
@@ -340,17 +331,7 @@ class Trainer:
             # schedules.py:366 multiplies by cp too: its CP gradients are averaged, ours summed)
             moe.MoEAuxLossAutoScaler.set_loss_scale(self.loss_weight)
         tensors = [to_tensors(b, self.state) for b in micro_batches]
-        if self.runner is not None:
-            return self.runner.run(tensors, self.loss_weight, ready=self.ready)
-        if self.pieces is not None:
-            return self.pieces.run(tensors, self.loss_weight, self.ready)
-        losses, acc = [], None
-        for batch in tensors:
-            loss, grads = self.grad_fn(*batch)
-            losses.append(float(loss.asnumpy()) / self.loss_weight)
-            grads = [self.cast(g, self.grad_dtype) for g in grads]
-            acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
-        return losses, acc
+        return self.schedule.run(tensors, self.loss_weight)
 
     def train_step(self, micro_batches):
         """Megatron's train_step: forward and backward over the micro-batches, the gradients'
@@ -394,7 +375,7 @@ def data_loader(cfg, dataset, state, consumed):
 def evaluate(trainer, dataset, consumed, iters, cfg):
     """Mean loss of the trainer's forward (the model, maybe compiled) over `iters` global batches
     of `dataset` starting at sample `consumed`, this DP rank's part, averaged over DP."""
-    state, runner = trainer.state, trainer.runner
+    state = trainer.state
     trainer.optimizer.finish_param_sync()    # parameters a step left to the next forward, written
     trainer.set_train(False)
     num_microbatches = cfg.dataset_config.micro_batch_num
@@ -402,10 +383,9 @@ def evaluate(trainer, dataset, consumed, iters, cfg):
     losses = []
     for _ in range(iters):
         batches = [to_tensors(b, state) for _, b in zip(range(num_microbatches), it)]
-        if runner is None:
-            losses += [float(trainer.forward(*batch).asnumpy()) for batch in batches]
-        elif len(batches) == num_microbatches:        # a pipeline runs whole global batches
-            losses += runner.run(batches, forward_only=True)[0]
+        if batches and (state.pp == 1 or len(batches) == num_microbatches):
+            # a pipeline runs whole global batches
+            losses += trainer.schedule.run(batches, forward_only=True)[0]
     trainer.set_train(True)
     if state.pp > 1 and not state.is_last_stage:       # only the last stage has losses
         trainer.dp_mean(0.0)

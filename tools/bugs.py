@@ -86,9 +86,9 @@ BUGS = {
         "of every rank's exchanges (pipeline.simulate) finds no rank able to move and names "
         "what each waits for, on every rank, before any tensor is sent"),
     "grads_not_accumulated": Bug(
-        "pipeline", "pipeline.py", "PipelineRunner._run",
-        "grads[chunk_id] = [g if a is None else a + g",
-        "grads[chunk_id] = [g if a is None else g", ["pp"], "grad norm",
+        "pipeline", "pipeline.py", "ForwardBackward._backward",
+        "grads[i] = g if grads[i] is None else grads[i] + g",
+        "grads[i] = g", ["pp"], "grad norm",
         "gradient accumulation: a step's gradient is the sum of its m micro-batches' gradients "
         "(each weighted 1 / m), accumulated as the backwards run",
         "each micro-batch's gradient replaces the one before: the step keeps the last "

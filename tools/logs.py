@@ -87,7 +87,7 @@ def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
     log.info(estimate.startup(trainer.compiled))
     log.info("model compiled with ms.jit" if trainer.compiled else "model runs op by op (PyNative)"
              + (": dropout inside" if training_cfg.use_jit else ""))
-    if trainer.runner is not None:
+    if state.pp > 1:
         log.info(f"pipeline stage {state.pp_rank}: " + ", ".join(
             f"chunk {chunk_id} = layers {ch.layer_offset}..{ch.layer_offset + len(ch.layers) - 1}"
             for chunk_id, ch in enumerate(trainer.chunks)))
@@ -168,7 +168,7 @@ class LogWindow:
         --pipeline-trace the last step's passes are timed and drawn."""
         training_cfg, trainer = self.cfg.training_config, self.trainer
         traced = (training_cfg.pipeline_trace and iteration == training_cfg.training_iters
-                  and (trainer.runner is not None or trainer.pieces is not None))
+                  and (trainer.state.pp > 1 or training_cfg.overlap_grad_reduce))
         self.timers.trace = [] if traced else None
         LEDGER.reset()
         self.profiler.before(iteration)
@@ -179,7 +179,7 @@ class LogWindow:
             self.step_moe_losses = report_router_losses(
                 trainer.chunks, 1 / self.cfg.dataset_config.micro_batch_num, self.num_moe_layers,
                 state.pp_group, state.tp_cp_group, state.dp_group)
-        if traced and trainer.runner is not None:
+        if traced and trainer.state.pp > 1:
             report_pipeline_trace(self.cfg, trainer, [t for t in self.timers.trace if t[0] != "R"])
         elif traced and trainer.state.rank == loss_rank(trainer.state):
             path = os.path.join(training_cfg.output_dir, "ddp_timeline")
@@ -224,7 +224,7 @@ class LogWindow:
                     self.metrics.train(iteration, **scalars, **moe_losses)
             if self.num_moe_layers and self.cfg.model_config.moe_router_enable_expert_bias:
                 log.info(tokens_per_expert_line(trainer.chunks, iteration))    # this stage's
-            log.info(self.timers.line(self.timed, trainer.runner is not None))
+            log.info(self.timers.line(self.timed, trainer.state.pp > 1))
             self.reset()
 
     def scalars(self, grad_norm, lr):
