@@ -186,6 +186,13 @@ class ContextParallelAttention(nn.Cell):
         return context
 
 
+def attended_length(length, state):
+    """The tokens a core attention attends over, from this rank's share `length` of the
+    sequence: Ulysses' all-to-all gives it its group's tokens (length x ulysses degree); the
+    ring keeps its share and passes the keys and values round (RingAttention)."""
+    return length * state.cp_ulysses
+
+
 class LossOverCP(nn.Cell):
     """Megatron's loss_func under context parallelism: each cp rank holds part of every
     sequence's tokens, so the loss sum (forward all-reduce, backward identity: g over the CP

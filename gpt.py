@@ -27,7 +27,7 @@ import moe
 import parallel
 from context_parallel import attention_block, attention_scores, merge_partial_attention
 from data import causal_mask
-from parallel import DTYPES, F32, activation, batch_matmul_nt, cast, linear
+from parallel import DTYPES, F32, activation, batch_matmul_nt, cast
 from settings.config import fc1_chunks, moe_layer_pattern
 
 FLASH_BLOCK = 128       # FlashAttention's default block (tokens), memory.py's estimate's too
@@ -48,20 +48,22 @@ def _zeros(*shape):
     return Tensor(np.zeros(shape, np.float32))
 
 
-def make_linear(cfg, spec, in_features, out_features, bias, kind, chunks=1, skip_bias_add=False):
+def make_linear(cfg, spec, in_features, out_features, bias, kind, chunks=1, skip_bias_add=False,
+                own_weight=True):
     """The model's linears, their matmul and bias add the spec's forms computing in the compute
     dtype (linear_forms). `kind` is Megatron's role: "column" (qkv, fc1, output layer: the
     output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the
     input dim is split). One TP rank: a plain linear. The layout comes from parallel.get_state().
     skip_bias_add: the linear returns (output, bias or None), the bias added by what follows (the
-    activation, the residual's bias-dropout-add)."""
+    activation, the residual's bias-dropout-add). Without `own_weight` a column linear has no
+    weight of its own and is called with one (the tied output layer's)."""
     state, forms = parallel.get_state(), linear_forms(cfg, spec)
     if state.tp == 1:
-        return parallel.Linear(in_features, out_features, bias, skip_bias_add, forms)
+        return parallel.Linear(in_features, out_features, bias, skip_bias_add, forms, own_weight)
     if kind == "column":
         return parallel.ColumnParallelLinear(
             in_features, out_features, bias, sequence_parallel=state.sequence_parallel,
-            chunks=chunks, skip_bias_add=skip_bias_add, forms=forms)
+            chunks=chunks, skip_bias_add=skip_bias_add, forms=forms, own_weight=own_weight)
     return parallel.RowParallelLinear(in_features, out_features, bias,
                                       sequence_parallel=state.sequence_parallel,
                                       skip_bias_add=skip_bias_add, forms=forms)
@@ -560,8 +562,6 @@ class SelfAttention(nn.Cell):
         if state.cp > 1:
             self.core_attention = context_parallel.ContextParallelAttention(
                 self.core_attention, state)
-        # heads in a core attention (fewer under Ulysses, which spreads them over its ranks)
-        self.core_heads = self.local_heads // state.cp_ulysses
 
     def construct(self, x, rope, mask_bias):
         """x [s, b, h] ([s/tp, b, h] with sequence parallelism; s is this cp rank's share); rope
@@ -718,10 +718,85 @@ class CrossEntropy(nn.Cell):
         return -ops.gather_elements(log_probs, 1, labels.reshape(-1, 1)).reshape(-1)
 
 
+def make_embedding(num_embeddings, embedding_dim):
+    """The word embedding: a table [V, h], or split over the vocabulary under TP."""
+    if parallel.get_state().tp == 1:
+        return Embedding(num_embeddings, embedding_dim)
+    return parallel.VocabParallelEmbedding(num_embeddings, embedding_dim)
+
+
+class RotaryEmbedding(nn.Cell):
+    """RoPE's tables (rotary_tables) and their rows at the positions [b, s] -> (cos, sin)
+    [s, b, 1, d] each, in the compute dtype (Megatron's RotaryEmbedding)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cos, self.sin = rotary_tables(cfg.max_position_embeddings,
+                                           cfg.hidden_size // cfg.num_attention_heads,
+                                           cfg.rotary_base)
+        self.dtype = DTYPES[cfg.compute_dtype]
+
+    def construct(self, position_ids):
+        return tuple(cast(ops.gather(t, position_ids, 0), self.dtype)
+                     .transpose(1, 0, 2).expand_dims(2) for t in (self.cos, self.sin))
+
+
+def core_heads(cfg, state):
+    """The heads in one core attention: this TP rank's (whole query groups: config.py checks
+    that TP divides them), fewer under Ulysses, which spreads them over its ranks."""
+    return cfg.num_attention_heads // state.tp // state.cp_ulysses
+
+
+class AttentionMask(nn.Cell):
+    """The additive mask bias the core attentions add, in the spec's layout (the fast forms tile
+    it to a core attention's heads): from the document mask (bool [b, 1, s, s], True = masked)
+    or the causal one, over the tokens a core attention sees (context_parallel.attended_length:
+    the sequence, or with context parallelism what this rank's attention spans)."""
+
+    def __init__(self, cfg, spec):
+        super().__init__()
+        self.state = parallel.get_state()
+        local = cfg.seq_length // self.state.cp
+        self.causal_bias = causal_mask_bias(context_parallel.attended_length(local, self.state))
+        self.layout, self.heads = spec.mask_layout, core_heads(cfg, self.state)
+
+    def construct(self, attention_mask, position_ids, batch):
+        s = context_parallel.attended_length(position_ids.shape[1], self.state)
+        if attention_mask is not None:
+            bias = ops.masked_fill(ops.zeros(attention_mask.shape, F32), attention_mask, MASKED)
+        elif s == self.causal_bias.shape[-1]:
+            bias = self.causal_bias
+        else:
+            bias = causal_mask_bias(s)
+        return self.layout(bias, batch, self.heads)
+
+
+class LanguageModelLoss(nn.Cell):
+    """Megatron's loss (compute_language_model_loss, then pretrain_gpt's loss_func): the mean
+    cross-entropy over the tokens loss_mask keeps, summed over the context-parallel ranks first
+    (context_parallel.LossOverCP); per token the spec's cross-entropy, or under TP the
+    vocab-parallel one. (logits [s, b, V/tp], labels and loss_mask [b, s]) -> loss []."""
+
+    def __init__(self, spec):
+        super().__init__()
+        state = parallel.get_state()
+        self.cross_entropy = (parallel.VocabParallelCrossEntropy() if state.tp > 1
+                              else spec.cross_entropy())
+        self.loss_over_cp = context_parallel.LossOverCP(state)
+
+    def construct(self, logits, labels, loss_mask):
+        losses = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
+        mask = loss_mask.T.reshape(-1).astype(F32)
+        total, count = (cast(losses, F32) * mask).sum().reshape(1), mask.sum().reshape(1)
+        total, count = self.loss_over_cp(total, count)
+        return (total / ops.maximum(count, 1.0)).reshape(())
+
+
 class GPTModel(nn.Cell):
-    """Megatron's GPTModel: the embedding, the layers [layer_offset, layer_offset + num_layers),
-    the final norm and the output layer, with the layer spec's forms; the whole model, or one
-    pipeline stage (`pre_process`: it embeds, `post_process`: it ends with the loss).
+    """Megatron's GPTModel: the embedding (`pre_process`: this stage embeds), the layers
+    [layer_offset, layer_offset + num_layers), the final norm and the output layer
+    (`post_process`: this stage ends with the loss), with the layer spec's forms; the whole
+    model, or one pipeline stage.
 
     construct(x, position_ids, attention_mask, labels, loss_mask):
       x: token ids [b, s] if pre_process, else hidden states [s, b, h] from the previous stage;
@@ -734,10 +809,8 @@ class GPTModel(nn.Cell):
         super().__init__()
         self.cfg, self.pre_process, self.post_process = cfg, pre_process, post_process
         self.layer_offset, self.rng = layer_offset, rng or DropoutRNG(0)
-        state = parallel.get_state()
-        self.tp, self.sequence_parallel = state.tp, state.sequence_parallel
         self.tied = not cfg.untie_embeddings_and_output_weights
-        self.dtype, self.hidden_dtype = DTYPES[cfg.compute_dtype], hidden_dtype(cfg)
+        self.hidden_dtype = hidden_dtype(cfg)
         if pre_process:
             self._build_embeddings(cfg)
         n = cfg.num_layers if num_layers is None else num_layers
@@ -746,58 +819,33 @@ class GPTModel(nn.Cell):
         self.blocks = self.layers          # what construct runs: recompute_blocks may group them
         if post_process:
             self._build_output_layer(cfg, spec)
-        self.rope = None
-        if cfg.position_embedding_type == "rope":
-            self.rope = rotary_tables(cfg.max_position_embeddings,
-                                      cfg.hidden_size // cfg.num_attention_heads, cfg.rotary_base)
-        self._build_edge_mappings(state)
-        # the tokens a core attention sees: the sequence, or with context parallelism what this
-        # rank's share attends over (Ulysses: its group's tokens; the ring: its share)
-        self.cp_ulysses = state.cp_ulysses
-        self.causal_bias = causal_mask_bias(cfg.seq_length // state.cp_ring)
-        self.mask_layout = spec.mask_layout
-        # heads in a core attention, to which the mask may be tiled
-        self.mask_heads = self.layers[0].self_attention.core_heads if n else 1
+        self.rotary_pos_emb = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" \
+            else None
+        self.attention_mask = AttentionMask(cfg, spec)
 
     def _build_embeddings(self, cfg):
         """The first stage's word embedding (split over the vocabulary under TP), its absolute
-        position embeddings and the embeddings' dropout."""
+        position embeddings, the embeddings' dropout."""
         h, vocab = cfg.hidden_size, cfg.padded_vocab_size
-        if self.tp == 1:
-            self.word_embeddings = Embedding(vocab, h)
-        else:
-            self.word_embeddings = parallel.VocabParallelEmbedding(vocab, h)
+        self.word_embeddings = make_embedding(vocab, h)
         if cfg.position_embedding_type == "absolute":
             self.position_embeddings = Parameter(_zeros(cfg.max_position_embeddings, h),
                                                  name="position_embeddings")
+        self.enter_sequence_parallel = parallel.sequence_parallel_scatter()
         self.embedding_dropout = hidden_dropout(cfg, self.rng)
 
     def _build_output_layer(self, cfg, spec):
-        """The last stage's final norm, its output layer (tied to the word embedding on a stage
-        that has it: its weight, this matmul) and the loss's cross-entropy, computed in float32
-        unless fp16_lm_cross_entropy."""
+        """The last stage's final norm, its output layer (a column-parallel linear whose weight,
+        tied, is the word embedding's on a stage that has it: Megatron's
+        skip_weight_param_allocation), the logits' dtype (float32 for the loss unless
+        fp16_lm_cross_entropy) and the loss."""
         self.final_layernorm = make_norm(cfg, spec)
-        if self.tied and self.pre_process:
-            self.output_matmul = linear_forms(cfg, spec)[0]
-        else:
-            self.output_layer = make_linear(cfg, spec, cfg.hidden_size, cfg.padded_vocab_size,
-                                            False, "column")
-        self.cross_entropy = parallel.VocabParallelCrossEntropy() if self.tp > 1 else \
-            spec.cross_entropy()
-        self.logits_dtype = self.dtype if cfg.fp16_lm_cross_entropy else F32
-        self.loss_over_cp = context_parallel.LossOverCP(parallel.get_state())
-
-    def _build_edge_mappings(self, state):
-        """Megatron's tensor-parallel mappings at the model's edges (the layers hold their own):
-        the sequence scattered after the embedding, the logits' input entering the TP region,
-        the logits gathered."""
-        if self.tp > 1:
-            self.scatter_sequence = parallel.scatter_to_sequence_parallel_region()
-            if self.sequence_parallel:
-                self.enter_logits = parallel.gather_from_sequence_parallel_region()
-            else:
-                self.enter_logits = parallel.copy_to_tensor_model_parallel_region()
-            self.gather_logits = parallel.gather_from_tensor_model_parallel_region()
+        self.shares_weight = self.tied and self.pre_process
+        self.output_layer = make_linear(cfg, spec, cfg.hidden_size, cfg.padded_vocab_size,
+                                        False, "column", own_weight=not self.shares_weight)
+        self.gather_logits = parallel.tensor_parallel_gather()
+        self.logits_dtype = DTYPES[cfg.compute_dtype] if cfg.fp16_lm_cross_entropy else F32
+        self.loss = LanguageModelLoss(spec)
 
     def embed(self, tokens, position_ids):
         """tokens [b, s] -> the hidden states [s, b, h] ([s/tp, b, h] under SP) in hidden_dtype:
@@ -806,71 +854,38 @@ class GPTModel(nn.Cell):
         if self.cfg.position_embedding_type == "absolute":
             x = x + ops.gather(self.position_embeddings, position_ids, 0)
         x = cast(x, self.hidden_dtype).transpose(1, 0, 2)                     # [s, b, h]
-        if self.sequence_parallel:
-            x = self.scatter_sequence(x)                                      # [s/tp, b, h]
-        return self.embedding_dropout(x)
+        return self.embedding_dropout(self.enter_sequence_parallel(x))        # [s/tp, b, h]
 
-    def rotary_at(self, position_ids):
-        """RoPE's (cos, sin) at the positions [b, s] -> [s, b, 1, d] each, or None."""
-        if self.rope is None:
-            return None
-        rope = tuple(cast(ops.gather(t, position_ids, 0), self.dtype) for t in self.rope)
-        return tuple(t.transpose(1, 0, 2).expand_dims(2) for t in rope)
-
-    def mask_bias(self, attention_mask, position_ids, batch):
-        """The additive mask the core attentions add, in the spec's layout: the document mask
-        (bool [b, 1, s, s]) or the causal one, for the tokens a core attention sees."""
-        s = position_ids.shape[1] * self.cp_ulysses
-        if attention_mask is not None:
-            bias = ops.masked_fill(ops.zeros(attention_mask.shape, F32), attention_mask, MASKED)
-        elif s == self.causal_bias.shape[-1]:
-            bias = self.causal_bias
-        else:
-            bias = causal_mask_bias(s)
-        return self.mask_layout(bias, batch, self.mask_heads)
-
-    def logits(self, x, tied_weight=None):
-        """x [s, b, h] ([s/tp, b, h] under SP) -> logits [s, b, V/tp] computed in the compute
-        dtype (Megatron's parallel_lm_logits: the input enters the TP region, the vocabulary stays
-        split), returned in float32 for the loss unless fp16_lm_cross_entropy. Tied: the word
-        embedding, or `tied_weight`, a copy of it given as an input (ModelPiece)."""
-        if not (self.tied and self.pre_process):
-            return cast(self.output_layer(x), self.logits_dtype)
-        if self.tp > 1:
-            x = self.enter_logits(x)                                          # [s, b, h]
-        weight = self.word_embeddings.weight if tied_weight is None else tied_weight
-        logits = linear(x, weight, None, matmul=self.output_matmul)
-        return cast(logits, self.logits_dtype)
-
-    def loss(self, logits, labels, loss_mask):
-        """The mean cross-entropy over the tokens loss_mask keeps: logits [s, b, V/tp], labels
-        and loss_mask [b, s]; summed over the context-parallel ranks first (LossOverCP)."""
-        losses = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
-        mask = loss_mask.T.reshape(-1).astype(F32)
-        total, count = (cast(losses, F32) * mask).sum().reshape(1), mask.sum().reshape(1)
-        total, count = self.loss_over_cp(total, count)
-        return (total / ops.maximum(count, 1.0)).reshape(())
+    def decode(self, x, position_ids, attention_mask, blocks):
+        """x [s, b, h] ([s/tp, b, h] under SP) through `blocks` (the layers, or recomputed
+        groups of them), with RoPE's tables and the mask bias at these positions."""
+        rope = None if self.rotary_pos_emb is None else self.rotary_pos_emb(position_ids)
+        bias = self.attention_mask(attention_mask, position_ids, x.shape[1])
+        for block in blocks:
+            x = block(x, rope, bias)
+        return x
 
     def construct(self, x, position_ids, attention_mask=None, labels=None, loss_mask=None):
         if self.pre_process:
             x = self.embed(x, position_ids)                                   # [s, b, h]
-        rope = self.rotary_at(position_ids)
-        bias = self.mask_bias(attention_mask, position_ids, x.shape[1])
-        for block in self.blocks:              # the layers, or recomputed groups of them
-            x = block(x, rope, bias)
+        x = self.decode(x, position_ids, attention_mask, self.blocks)
         if not self.post_process:
             return x
         return self.head(x, labels, loss_mask)
 
     def head(self, x, labels=None, loss_mask=None, tied_weight=None):
-        """The last stage's end, x [s, b, h] ([s/tp, b, h] under SP) -> the final norm, the
-        logits (tied_weight: logits'), the loss if labels are given, else the logits [b, s, V]."""
-        logits = self.logits(self.final_layernorm(x), tied_weight)            # [s, b, V/tp]
+        """The last stage's end, x [s, b, h] ([s/tp, b, h] under SP) -> the final norm and the
+        logits [s, b, V/tp] (Megatron's parallel_lm_logits, computed in the compute dtype),
+        then the loss if labels are given, else the logits gathered, [b, s, V]. A tied output
+        layer multiplies by the word embedding, or by `tied_weight`, a copy of it given as an
+        input (ModelPiece)."""
+        weight = None
+        if self.shares_weight:
+            weight = self.word_embeddings.weight if tied_weight is None else tied_weight
+        logits = cast(self.output_layer(self.final_layernorm(x), weight), self.logits_dtype)
         if labels is not None:
             return self.loss(logits, labels, loss_mask)
-        if self.tp > 1:
-            logits = self.gather_logits(logits)
-        return logits.transpose(1, 0, 2)                                      # [b, s, V]
+        return self.gather_logits(logits).transpose(1, 0, 2)                  # [b, s, V]
 
 
 def model_pieces(model, blocks_per_piece=None):
@@ -908,10 +923,9 @@ class ModelPiece(nn.Cell):
             self.params = list(model.word_embeddings.get_parameters()) + (
                 [model.position_embeddings] if hasattr(model, "position_embeddings") else []
             ) + self.params
-        if self.ends:                           # the tied weight once: the first piece has it
-            self.params += list(model.final_layernorm.get_parameters()) + (
-                list(model.output_layer.get_parameters()) if hasattr(model, "output_layer")
-                else [] if self.copies_tie or self.embeds else [model.word_embeddings.weight])
+        if self.ends:              # a shared output weight is the first piece's, or an input
+            self.params += (list(model.final_layernorm.get_parameters())
+                            + list(model.output_layer.get_parameters()))
 
     def tied_weight(self):
         return self.model.word_embeddings.weight if self.copies_tie else None
@@ -921,10 +935,7 @@ class ModelPiece(nn.Cell):
         model = self.model
         if self.embeds:
             x = model.embed(x, position_ids)                                  # [s, b, h]
-        rope = model.rotary_at(position_ids)
-        bias = model.mask_bias(attention_mask, position_ids, x.shape[1])
-        for block in self.blocks:
-            x = block(x, rope, bias)
+        x = model.decode(x, position_ids, attention_mask, self.blocks)
         if not self.ends:
             return x
         return model.head(x, labels, loss_mask, tied_weight)
@@ -1036,7 +1047,7 @@ def init_weights(model, seed):
     master weight and keeps this rank's slice, so every layout starts from the same model. The
     output layer of a stage without the embedding starts as a copy of the word embedding when
     the two are tied."""
-    tp_rank = parallel.get_state().tp_rank if model.tp > 1 else 0
+    state = parallel.get_state()
     for name, param in model.parameters_and_names():
         gname = global_name(model, name)
         if is_embedding_copy(param):
@@ -1046,9 +1057,9 @@ def init_weights(model, seed):
             value = init_value(gname, param.shape, model.cfg, seed)
         else:
             full = list(param.shape)
-            full[dim] *= model.tp
-            value = parallel.shard(init_value(gname, tuple(full), model.cfg, seed), dim, tp_rank,
-                                   model.tp, getattr(param, "partition_chunks", 1))
+            full[dim] *= state.tp
+            value = parallel.shard(init_value(gname, tuple(full), model.cfg, seed), dim,
+                                   state.tp_rank, state.tp, getattr(param, "partition_chunks", 1))
         param.set_data(Tensor(value))
 
 

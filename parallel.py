@@ -550,6 +550,19 @@ def reduce_scatter_to_sequence_parallel_region(group=None):
     return Mapping(_reduce_scatter, _all_gather, 0, group)
 
 
+# the model's edges (gpt.GPTModel): a mapping where the layout needs it, else the identity
+def sequence_parallel_scatter():
+    """The embedding's output [s, b, h] -> this rank's [s/tp, b, h] under sequence parallelism
+    (Megatron's LanguageModelEmbedding scatters it), unchanged without."""
+    return scatter_to_sequence_parallel_region() if get_state().sequence_parallel else nn.Identity()
+
+
+def tensor_parallel_gather():
+    """The logits [s, b, V/tp] of inference -> [s, b, V], gathered over TP; one rank's as
+    they are."""
+    return gather_from_tensor_model_parallel_region() if get_state().tp > 1 else nn.Identity()
+
+
 # DeepSpeed-Ulysses (context_parallel.py): each all-to-all's backward is the other one
 def all_to_all_sequence_to_heads(group=None):
     """Forward [s/n, b, heads, d] -> [s, b, heads/n, d], backward the inverse all-to-all."""
@@ -626,20 +639,23 @@ def scaled_masked_softmax(scores, mask_bias, scale):
 class Linear(nn.Cell):
     """y = x W^T + b with W [out, in], the layout of torch and Megatron: the linear of one TP
     rank. skip_bias_add (Megatron's): (y without the bias, the bias or None), for what follows
-    to add it. `forms`: its (matmul, bias_add), plain_forms' unless given."""
+    to add it. `forms`: its (matmul, bias_add), plain_forms' unless given. Without `own_weight`
+    (Megatron's skip_weight_param_allocation) it is called with the weight to use."""
 
-    def __init__(self, in_features, out_features, bias=True, skip_bias_add=False, forms=None):
+    def __init__(self, in_features, out_features, bias=True, skip_bias_add=False, forms=None,
+                 own_weight=True):
         super().__init__()
-        self.weight = _param((out_features, in_features), "weight")
+        self.weight = _param((out_features, in_features), "weight") if own_weight else None
         self.bias = _param((out_features,), "bias") if bias else None
         self.skip_bias_add = skip_bias_add
         self.matmul, self.bias_add = forms or plain_forms()
 
-    def construct(self, x):
+    def construct(self, x, weight=None):
         """x [..., in] -> [..., out]"""
+        weight = self.weight if weight is None else weight
         if self.skip_bias_add:
-            return linear(x, self.weight, None, self.matmul), self.bias
-        return linear(x, self.weight, self.bias, self.matmul, self.bias_add)
+            return linear(x, weight, None, self.matmul), self.bias
+        return linear(x, weight, self.bias, self.matmul, self.bias_add)
 
 
 def mark_sequence_parallel(params, sequence_parallel):
@@ -670,10 +686,12 @@ class ColumnParallelLinear(nn.Cell):
     Weight [out/tp, in]; input [s, b, in] through f (or [s/tp, b, in] through f~ with sequence
     parallelism); output [s, b, out/tp], or [s, b, out] with gather_output. skip_bias_add
     (Megatron's): (output without the bias, the bias or None), for what follows to add it.
-    `forms`: its (matmul, bias_add), plain_forms' unless given."""
+    `forms`: its (matmul, bias_add), plain_forms' unless given. Without `own_weight`
+    (Megatron's skip_weight_param_allocation) it is called with the weight to use."""
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
-                 sequence_parallel=False, chunks=1, skip_bias_add=False, forms=None):
+                 sequence_parallel=False, chunks=1, skip_bias_add=False, forms=None,
+                 own_weight=True):
         super().__init__()
         state = get_state()
         self.skip_bias_add = skip_bias_add
@@ -684,14 +702,17 @@ class ColumnParallelLinear(nn.Cell):
         self.gather_output = None
         if gather_output:
             self.gather_output = gather_from_tensor_model_parallel_region()
-        self.weight = _param((out_features // state.tp, in_features), "weight", 0, chunks)
+        self.weight = None
+        if own_weight:
+            self.weight = _param((out_features // state.tp, in_features), "weight", 0, chunks)
         self.bias = _param((out_features // state.tp,), "bias", 0, chunks) if bias else None
         self.matmul, self.bias_add = forms or plain_forms()
 
-    def construct(self, x):
+    def construct(self, x, weight=None):
         x = self.enter(x)                                                # [s, b, in]
+        weight = self.weight if weight is None else weight               # [out/tp, in]
         bias = None if self.skip_bias_add else self.bias
-        y = linear(x, self.weight, bias, self.matmul, self.bias_add)     # [s, b, out/tp]
+        y = linear(x, weight, bias, self.matmul, self.bias_add)          # [s, b, out/tp]
         if self.gather_output is not None:
             y = self.gather_output(y)                                    # [s, b, out]
         return (y, self.bias) if self.skip_bias_add else y
