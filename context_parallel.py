@@ -34,8 +34,9 @@ true ring holds two blocks, and no transfer overlaps compute.
 import numpy as np
 from mindspore import nn, ops
 
+from layers import batch_matmul_nt, cast
 from parallel import (F32, all_to_all_heads_to_sequence, all_to_all_sequence_to_heads,
-                      batch_matmul_nt, cast, collectives, gather_from_sequence_parallel_region,
+                      collectives, gather_from_sequence_parallel_region,
                       reduce_from_tensor_model_parallel_region)
 from settings.config import cp_ring_size
 

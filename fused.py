@@ -1,4 +1,4 @@
-"""Fast forms of the model's small operators, each equal to a plain form in gpt.py or parallel.py
+"""Fast forms of the model's small operators, each equal to a plain form in gpt.py or layers.py
 (values and gradients: test_fused_form_equals_its_plain_form). The layer spec (gpt.layer_spec) puts
 them in place at model build, each chosen by its config key, none with model_config.fusions
 false (--no-fusions: the plain model), as Megatron-core's layer specs put Transformer
@@ -32,8 +32,9 @@ as their plain forms do.
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
-import parallel
-from parallel import F32, GELU_TANH_C, GELU_TANH_K, cast
+import layers
+from layers import GELU_TANH_C, GELU_TANH_K, cast
+from parallel import F32
 
 _matmul_nt = ops.MatMul(transpose_b=True)          # x [n, in] @ W[out, in]^T, no transpose copy
 _matmul_tn = ops.MatMul(transpose_a=True)          # a [n, p]^T @ b [n, q] -> [p, q]
@@ -109,7 +110,7 @@ class LinearMatMul(nn.Cell):
 
 
 def linear_forms():
-    """A linear's (matmul, bias_add) in their fast forms (parallel.plain_forms' plain ones): the
+    """A linear's (matmul, bias_add) in their fast forms (layers.plain_forms' plain ones): the
     layer spec's `linear_forms` (gpt.layer_spec) when fusions are on."""
     return LinearMatMul(), BiasAdd()
 
@@ -167,11 +168,11 @@ def forms_in(forms, dtype):
 
 def eager_cast(t, dtype):
     """t in `dtype` op by op (the main params and grads of half-precision training), the fast
-    form of parallel.cast there (the layer spec's `cast`, which train.py hands to the optimizer
+    form of layers.cast there (the layer spec's `cast`, which train.py hands to the optimizer
     and the pipeline): t's values copied into a new tensor, rounded to nearest as by
     the Cast kernel (test_eager_cast_equals_cast). Op by op MindSpore 2.10's CPU Cast costs about
     ten times this copy whatever the size, and an --fp16 step casts every gradient and parameter
-    (docs/half-precision.md). Compiled code casts with parallel.cast."""
+    (docs/half-precision.md). Compiled code casts with layers.cast."""
     if t is None or t.dtype == dtype:
         return t
     return mint.empty(t.shape, dtype=dtype).copy_(t)
@@ -284,7 +285,7 @@ class _BiasGeluKernel(nn.Cell):
     its backward needs, so the backward is one product and the Cell keeps one [n, f] tensor
     (the slope) besides its output, where keeping x and the tanh took two and the slope's
     formula ran after the forward anyway: 13 elementwise passes over [n, f] in all, where
-    parallel.gelu_tanh and its autodiff take 22. The tanh form as a sigmoid:
+    layers.gelu_tanh and its autodiff take 22. The tanh form as a sigmoid:
         (1 + tanh(u)) / 2 = sigmoid(2u),  gelu(x) = x s,  s = sigmoid(x (a + b x^2)),
         gelu'(x) = s + x s (1 - s) (a + 3 b x^2),  a = 2k, b = 2kc;
     the exact form gelu(x) = x Phi(x), gelu'(x) = Phi(x) + x phi(x)."""
@@ -315,7 +316,7 @@ class _BiasGeluKernel(nn.Cell):
 
 
 class BiasGelu(nn.Cell):
-    """gpt.BiasActivation of a GELU, gelu(y + bias) (parallel.gelu_tanh, or the exact ops.gelu),
+    """gpt.BiasActivation of a GELU, gelu(y + bias) (layers.gelu_tanh, or the exact ops.gelu),
     as one Cell with a hand backward (Megatron's bias_gelu fusion, --no-bias-gelu-fusion;
     model_config.bias_gelu_fusion)."""
 
@@ -398,7 +399,7 @@ class FusedScaleMaskSoftmax(nn.Cell):
         self.scale = scale
 
     def construct(self, scores, mask_bias):
-        return parallel.scaled_masked_softmax(scores, mask_bias, self.scale)
+        return layers.scaled_masked_softmax(scores, mask_bias, self.scale)
 
     def bprop(self, scores, mask_bias, out, dout):
         return FusedScaleMaskSoftmax.backward(self, mask_bias, out, dout)

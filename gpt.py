@@ -23,11 +23,13 @@ from mindspore import Parameter, Tensor, nn, ops
 
 import context_parallel
 import fused
+import layers
 import moe
 import parallel
 from context_parallel import attention_block, attention_scores, merge_partial_attention
 from data import causal_mask
-from parallel import DTYPES, F32, activation, batch_matmul_nt, cast
+from layers import activation, batch_matmul_nt, cast
+from parallel import DTYPES, F32
 from settings.config import fc1_chunks, moe_layer_pattern
 
 FLASH_BLOCK = 128       # FlashAttention's default block (tokens), memory.py's estimate's too
@@ -59,7 +61,7 @@ def make_linear(cfg, spec, in_features, out_features, bias, kind, chunks=1, skip
     weight of its own and is called with one (the tied output layer's)."""
     state, forms = parallel.get_state(), linear_forms(cfg, spec)
     if state.tp == 1:
-        return parallel.Linear(in_features, out_features, bias, skip_bias_add, forms, own_weight)
+        return layers.Linear(in_features, out_features, bias, skip_bias_add, forms, own_weight)
     if kind == "column":
         return parallel.ColumnParallelLinear(
             in_features, out_features, bias, sequence_parallel=state.sequence_parallel,
@@ -230,7 +232,7 @@ class ScaledMaskedSoftmax(nn.Cell):
         self.scale = scale
 
     def construct(self, scores, mask_bias):
-        return parallel.scaled_masked_softmax(scores, mask_bias, self.scale)
+        return layers.scaled_masked_softmax(scores, mask_bias, self.scale)
 
 
 class SplitLastDim(nn.Cell):
@@ -246,7 +248,7 @@ class SplitLastDim(nn.Cell):
 
 
 class BiasActivation(nn.Cell):
-    """An MLP's activation (parallel.activation) of fc1's output y plus its bias."""
+    """An MLP's activation (layers.activation) of fc1's output y plus its bias."""
 
     def __init__(self, act):
         super().__init__()
@@ -290,7 +292,7 @@ class LayerSpec:
     Engine's fused ones in their place, the layers' code the same. Each builder makes one Cell
     per call site. Beside the layers' operators, the training step's cast (train.py hands it to
     the optimizer and the pipeline)."""
-    linear_forms: object            # (): a linear's (matmul, bias_add), parallel.Linear's `forms`
+    linear_forms: object            # (): a linear's (matmul, bias_add), layers.Linear's `forms`
     core_attention: type            # CoreAttention's arguments: softmax(q k^T / sqrt(d)) v
     norm: type                      # (hidden, eps): x [..., h] -> [..., h]
     split: type                     # (sizes): x [..., sum(sizes)] -> pieces
@@ -306,7 +308,7 @@ class LayerSpec:
 def local_spec(cfg):
     """Every operator in its plain form (written in this file and parallel.py), what a learner
     reads: model_config.fusions false, --no-fusions."""
-    return LayerSpec(linear_forms=parallel.plain_forms,
+    return LayerSpec(linear_forms=layers.plain_forms,
                      core_attention=FlashAttention if cfg.use_flash_attention else CoreAttention,
                      norm=RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm,
                      split=SplitLastDim, rotary=Rotary, softmax=ScaledMaskedSoftmax,

@@ -97,8 +97,10 @@ from mindspore.graph.api import _pynative_executor
 from mindspore.ops import constexpr
 
 import fused
+import layers
 import parallel
-from parallel import DTYPES, F32, activation, batch_matmul_nt, cast, linear
+from layers import activation, batch_matmul_nt, cast, linear
+from parallel import DTYPES, F32
 from settings.config import fc1_chunks
 
 # Megatron's logged names (router.py:437, 494, 704), the order of TopKRouter.metrics
@@ -420,7 +422,7 @@ def broadcast_like(bias, y):
 
 def expert_linear(cfg, spec, in_features, out_features, partition_dim, tp, chunks=1,
                   skip_bias_add=False):
-    """One expert's linear, a one-rank parallel.Linear with the spec's forms computing in the
+    """One expert's linear, a one-rank layers.Linear with the spec's forms computing in the
     compute dtype (as a dense layer's at TP1): weight [out/tp, in] (fc1, partition_dim 0, fc1's
     [gate; up] split in `chunks` blocks) or [out, in/tp] (fc2, partition_dim 1), marked so, and
     `allreduce = False` (Megatron's mark: gradients summed over the expert-data-parallel group,
@@ -429,7 +431,7 @@ def expert_linear(cfg, spec, in_features, out_features, partition_dim, tp, chunk
     out_local, in_local = (out_features // tp, in_features) if partition_dim == 0 else \
         (out_features, in_features // tp)
     forms = fused.forms_in(spec.linear_forms(), DTYPES[cfg.compute_dtype])
-    layer = parallel.Linear(in_local, out_local, cfg.add_bias_linear, skip_bias_add, forms)
+    layer = layers.Linear(in_local, out_local, cfg.add_bias_linear, skip_bias_add, forms)
     split = [layer.weight] + ([layer.bias] if layer.bias is not None and partition_dim == 0
                               else [])
     for param in split:
@@ -534,7 +536,7 @@ class SharedExpertMLP(nn.Cell):
         self.linear_fc2 = parallel.RowParallelLinear(
             size, cfg.hidden_size, False, sequence_parallel=sp,
             forms=fused.forms_in(spec.linear_forms(), dtype))
-        self.gate_matmul = fused.in_compute_dtype(parallel.plain_forms()[0], dtype)
+        self.gate_matmul = fused.in_compute_dtype(layers.plain_forms()[0], dtype)
         self.gate_weight = None
         if cfg.moe_shared_expert_gate:
             self.gate_weight = Parameter(Tensor(np.zeros((1, cfg.hidden_size), np.float32)),

@@ -20,7 +20,8 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from gpt import is_embedding_copy
-from parallel import F32, cast, collectives, get_state
+from layers import cast
+from parallel import F32, collectives, get_state
 from settings.keys import LR_DECAY_STYLES, WD_INCR_STYLES
 
 
@@ -352,7 +353,7 @@ class MixedPrecisionOptimizer:
          params.
     `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
     Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all).
-    `cast(t, dtype)`: the layer spec's (parallel.cast or its fast form, fused.eager_cast)."""
+    `cast(t, dtype)`: the layer spec's (layers.cast or its fast form, fused.eager_cast)."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                  norm_groups, counted, cast=cast):

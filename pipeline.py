@@ -27,6 +27,7 @@ import mindspore as ms
 from mindspore import Tensor, mint, ops
 
 import gpt
+import layers
 import parallel
 from settings.config import stage_layer_counts
 
@@ -211,18 +212,19 @@ class ForwardBackward:
     - One stage (pp = 1): the schedule of p = 1, Megatron's forward_backward_no_pipelining: each
       micro-batch's forward, then its backward; with the overlap's v pieces, the interleaved
       schedule of p = 1, whose hops stay on this rank.
-    A hop is a tensor of shape `hop` (hop_shape's) in `hop_dtype` (gpt.hidden_dtype). The gradients of `params` (the
-    model's parameters, in its order) are summed over micro-batches in `grad_dtype`, each cast
-    by `cast` (parallel.cast, or the layer spec's fast form). Data parallelism enters through
-    Megatron's callbacks: `param_sync_func(params)` before a piece's forward (the distributed
-    optimizer's gather of its parameters), `grad_sync_func(final)` after a piece's last backward,
-    with [(position in params, gradient)] of what it made final (the overlap; the earlier
-    micro-batches run without it, Megatron's no_sync_func), and after the schedule the
-    Trainer's finalize_model_grads. A training step runs each pass inside `phase(("F" or "B",
-    micro-batch, piece))` and each exchange inside `phase("exchange")` (what times them)."""
+    A hop is a tensor of shape `hop` (hop_shape's) in `hop_dtype` (gpt.hidden_dtype). The
+    gradients of `params` (the model's parameters, in its order) are summed over micro-batches
+    in `grad_dtype`, each cast by `cast` (layers.cast, or the layer spec's fast form). Data
+    parallelism enters through Megatron's callbacks: `param_sync_func(params)` before a piece's
+    forward (the distributed optimizer's gather of its parameters), `grad_sync_func(final)` after
+    a piece's last backward with [(position in params, gradient)] of what it made final (the
+    overlap; the earlier micro-batches run without it, Megatron's no_sync_func), and after the
+    schedule the Trainer's finalize_model_grads. A training step runs each pass inside
+    `phase(("F" or "B", micro-batch, piece))` and each exchange inside `phase("exchange")` (what
+    times them)."""
 
     def __init__(self, pieces, params, state, hop, hop_dtype, grad_dtype, compiled=False,
-                 kind="1f1b", cast=parallel.cast, phase=contextlib.nullcontext,
+                 kind="1f1b", cast=layers.cast, phase=contextlib.nullcontext,
                  param_sync_func=None, grad_sync_func=None):
         self.kind, self.cast, self.phase = kind, cast, phase    # kind "1f1b" or "afab"
         self.param_sync_func, self.grad_sync_func = param_sync_func, grad_sync_func

@@ -112,6 +112,7 @@ import data
 import distributed
 import fused
 import gpt
+import layers
 import moe
 import optimizer
 import parallel
@@ -156,7 +157,7 @@ SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
 
 # ======================================================================================== structure
 # the project's modules: name -> its import path (the concepts at the top, the rest in folders)
-MODULES = {"tokenizer": "tokenizer", "data": "data", "parallel": "parallel",
+MODULES = {"tokenizer": "tokenizer", "data": "data", "layers": "layers", "parallel": "parallel",
            "distributed": "distributed", "optimizer": "optimizer",
            "context_parallel": "context_parallel", "moe": "moe", "fused": "fused", "gpt": "gpt",
            "pipeline": "pipeline", "train": "train",
@@ -267,9 +268,9 @@ def test_imports_go_one_way_and_only_at_the_top():
 
 
 # the concept modules: each concept class builds its concept and nothing else
-CONCEPT_MODULES = ("parallel", "distributed", "optimizer", "pipeline", "context_parallel", "moe",
-                   "gpt", "fused")
-LAYER_MODULES = ("parallel", "context_parallel", "moe", "gpt", "fused")
+CONCEPT_MODULES = ("layers", "parallel", "distributed", "optimizer", "pipeline", "context_parallel",
+                   "moe", "gpt", "fused")
+LAYER_MODULES = ("layers", "parallel", "context_parallel", "moe", "gpt", "fused")
 
 
 def test_the_concepts_hold_their_concept_alone():
@@ -2556,7 +2557,7 @@ class DenseEmbedding(nn.Cell):
 
 
 class TwoLayerMLP(nn.Cell):
-    """fc1 -> gelu -> fc2: dense (parallel.Linear) or Column -> Row parallel, same parameter
+    """fc1 -> gelu -> fc2: dense (layers.Linear) or Column -> Row parallel, same parameter
     names."""
 
     def __init__(self, fc1, fc2):
@@ -2620,22 +2621,22 @@ def check_layers(c, state):
     x = rand(11, S, B, H)
     full, part = S * B * H * 4, S // tp * B * H * 4              # activation bytes, fp32
     c.family = "column_parallel_linear"
-    check_layer(c, state, "column", parallel.Linear(H, FFN), ColumnParallelLinear(H, FFN), x,
+    check_layer(c, state, "column", layers.Linear(H, FFN), ColumnParallelLinear(H, FFN), x,
                 out_dim=2,
                 expected=({}, {("tp", "all_reduce"): (1, full)}))
-    check_layer(c, state, "column gather_output", parallel.Linear(H, FFN),
+    check_layer(c, state, "column gather_output", layers.Linear(H, FFN),
                 ColumnParallelLinear(H, FFN, gather_output=True), x)
-    check_layer(c, state, "column chunks=2", parallel.Linear(H, FFN),
+    check_layer(c, state, "column chunks=2", layers.Linear(H, FFN),
                 ColumnParallelLinear(H, FFN, chunks=2), x, out_dim=2, out_chunks=2)
     x_wide = rand(12, S, B, FFN)
     c.family = "row_parallel_linear"
-    check_layer(c, state, "row", parallel.Linear(FFN, H), RowParallelLinear(FFN, H), x_wide,
+    check_layer(c, state, "row", layers.Linear(FFN, H), RowParallelLinear(FFN, H), x_wide,
                 in_dim=2,
                 expected=({("tp", "all_reduce"): (1, full)}, {}))
-    check_layer(c, state, "row input_is_parallel=False", parallel.Linear(FFN, H),
+    check_layer(c, state, "row input_is_parallel=False", layers.Linear(FFN, H),
                 RowParallelLinear(FFN, H, input_is_parallel=False), x_wide)
     c.family = "tensor_parallel_mlp"
-    check_layer(c, state, "mlp", TwoLayerMLP(parallel.Linear(H, FFN), parallel.Linear(FFN, H)),
+    check_layer(c, state, "mlp", TwoLayerMLP(layers.Linear(H, FFN), layers.Linear(FFN, H)),
                 TwoLayerMLP(ColumnParallelLinear(H, FFN), RowParallelLinear(FFN, H)), x,
                 expected=({("tp", "all_reduce"): (1, full)}, {("tp", "all_reduce"): (1, full)}))
     sp = {("tp", "all_gather"): (1, part), ("tp", "reduce_scatter"): (1, full)}
@@ -2644,7 +2645,7 @@ def check_layers(c, state):
         sp_mlp = TwoLayerMLP(ColumnParallelLinear(H, FFN, sequence_parallel=True),
                      RowParallelLinear(FFN, H, sequence_parallel=True))
         check_layer(c, state, "mlp sequence parallel" + (" compiled" if compiled else ""),
-                    TwoLayerMLP(parallel.Linear(H, FFN), parallel.Linear(FFN, H)),
+                    TwoLayerMLP(layers.Linear(H, FFN), layers.Linear(FFN, H)),
                     gpt.Compiled(sp_mlp) if compiled else sp_mlp, x, in_dim=0, out_dim=0,
                     expected=(sp, sp))
     ids = np.random.default_rng(13).integers(0, TOY_VOCAB, (B, S)).astype(np.int32)
@@ -3539,6 +3540,30 @@ OVERLAP_MODELS = {"tied, compiled": [], "tied, op by op": ["--no-jit"],
                                         "--recompute-num-layers", "2", "--no-jit"]}
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "jit"])
+def test_a_step_of_one_stage_is_autodiffs_over_its_micro_batches(compiled):
+    """The step every layout is held to: pipeline.ForwardBackward with one stage (the schedule
+    of p = 1: each micro-batch's forward, then its backward) gives the losses of the model's
+    forward and the gradients of their mean, summed over the micro-batches, that
+    ms.value_and_grad gives the model alone, op by op or compiled."""
+    cfg, model = tiny_model() if compiled else tiny_model("--no-jit")
+    batches = [random_batch(cfg, seed=s) for s in range(3)]
+    ddp = distributed.build_data_parallel(cfg, model)
+    trainer = train.Trainer(cfg, model, ddp, *train.optimizer_and_scheduler(cfg, model, ddp))
+    assert trainer.compiled == compiled and trainer.scaler.scale == 1.0
+    losses, grads = trainer.forward_backward(batches)
+    params = list(model.get_parameters())
+    grad_fn = ms.value_and_grad(lambda *inputs: model(*inputs) / len(batches), None, params)
+    want_losses, want = [], [np.zeros(p.shape, np.float32) for p in params]
+    for batch in batches:
+        loss, step = grad_fn(*train.to_tensors(batch))
+        want_losses.append(float(loss.asnumpy()) * len(batches))
+        want = [w + g.asnumpy() for w, g in zip(want, step)]
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for name, got, expected in zip([p.name for p in params], grads, want):
+        np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.dp
 @pytest.mark.parametrize("variant", OVERLAP_MODELS)
 def test_the_overlaps_pieces_give_the_whole_models_gradients(variant):
@@ -4404,11 +4429,11 @@ class WithLabels(nn.Cell):
 
 
 def _linears(out_features, in_features):
-    """parallel.Linear with its plain forms and with its fast ones (fused.linear_forms), the same
+    """layers.Linear with its plain forms and with its fast ones (fused.linear_forms), the same
     weight and bias."""
     weight = np.cos(np.arange(out_features * in_features)).reshape(out_features, -1)
-    linears = (parallel.Linear(in_features, out_features),
-               parallel.Linear(in_features, out_features, forms=fused.linear_forms()))
+    linears = (layers.Linear(in_features, out_features),
+               layers.Linear(in_features, out_features, forms=fused.linear_forms()))
     for linear in linears:
         linear.weight.set_data(Tensor(weight.astype(np.float32)))
         linear.bias.set_data(Tensor(np.linspace(-1, 1, out_features).astype(np.float32)))
@@ -4532,7 +4557,7 @@ def test_fused_form_equals_its_plain_form(form, dtype, compiled):
 
 
 # MindSpore 2.10's CPU Tanh kernel is off by up to 1.0e-4 (against numpy's tanh, in [-6, 6]):
-# parallel.gelu_tanh carries that error, fused.BiasGelu's sigmoid form does not
+# layers.gelu_tanh carries that error, fused.BiasGelu's sigmoid form does not
 TANH_KERNEL_ERROR = 2e-4
 
 
@@ -4608,7 +4633,7 @@ def test_no_fusions_builds_the_local_spec(model):
     """--no-fusions (model_config.fusions false) turns every fused form's key off
     (config.FUSION_KEYS, bench_fusions.FUSIONS' keys) and builds a model of plain forms only: no
     Cell of fused.py in it, the mask kept [1, 1, s, s], the training step casting (the optimizer's
-    main params and grads, the gradients' sum) with parallel.cast; the default build has a fused
+    main params and grads, the gradients' sum) with layers.cast; the default build has a fused
     form for every field of the spec that the model uses, and casts with fused.eager_cast."""
     flags = LLAMA if model == "llama" else ["--add-bias-linear"]
     assert set(config.FUSION_KEYS) == set(bench_fusions.FUSIONS)
@@ -4619,7 +4644,7 @@ def test_no_fusions_builds_the_local_spec(model):
                 if type(cell).__module__ == "fused"]
     assert plain.mask_layout is gpt.keep_mask
     fused_cfg, model_ = tiny_model(*flags)
-    for cfg, built, cast in ((plain_cfg, plain, parallel.cast),
+    for cfg, built, cast in ((plain_cfg, plain, layers.cast),
                              (fused_cfg, model_, fused.eager_cast)):
         ddp = distributed.build_data_parallel(cfg, built)
         optim, scheduler = train.optimizer_and_scheduler(cfg, built, ddp)
@@ -5257,7 +5282,7 @@ def test_experts_linears_are_the_layer_specs(overrides):
     local = gpt.local_spec(cfg)
     fast = gpt.LayerSpec(**{**vars(local), "linear_forms": fused.linear_forms})
     plain, fused_layer = (fill_normal(moe.MoELayer(cfg, spec)) for spec in (local, fast))
-    linears = [c for _, c in fused_layer.cells_and_names() if isinstance(c, parallel.Linear)]
+    linears = [c for _, c in fused_layer.cells_and_names() if isinstance(c, layers.Linear)]
     assert len(linears) == 2 * cfg.num_moe_experts and all(
         type(c.matmul) is fused.LinearMatMul for c in linears)
     if fused_layer.shared_experts is not None:
@@ -5276,12 +5301,12 @@ def dense_reference(layer, x):
     out = 0.0
     for e, expert in enumerate(layer.experts.local_experts):
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-        y = parallel.activation(parallel.linear(tokens, fc1.weight, fc1.bias), act)
-        out = out + probs[:, e:e + 1] * parallel.linear(y, fc2.weight, fc2.bias)
+        y = layers.activation(layers.linear(tokens, fc1.weight, fc1.bias), act)
+        out = out + probs[:, e:e + 1] * layers.linear(y, fc2.weight, fc2.bias)
     out = out.reshape(s, b, h)
     shared = layer.shared_experts
     if shared is not None:
-        y = parallel.activation(ops.matmul(x, shared.linear_fc1.weight.T), act)
+        y = layers.activation(ops.matmul(x, shared.linear_fc1.weight.T), act)
         y = ops.matmul(y, shared.linear_fc2.weight.T)
         if shared.gate_weight is not None:
             y = y * ops.sigmoid(ops.matmul(x, shared.gate_weight.T))
@@ -11514,7 +11539,8 @@ def test_every_named_module_attribute_exists(page):
 
 
 # README's reading order: the real path of each concept (a learner follows it in the code)
-READING_BUDGETS = {"One process": 600, "Tensor + sequence parallel": 300,
+READING_BUDGETS = {"The model, one process": 500, "A training step, one process": 450,
+                   "Tensor + sequence parallel": 300,
                    "Data parallel + distributed optimizer": 400,
                    "Pipeline, 1F1B and interleaved": 300, "Context parallel": 200, "Experts": 400,
                    "Experts' options": 100, "The optimizer's update": 100,

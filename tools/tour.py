@@ -101,7 +101,7 @@ LAYOUTS = {
                          "optimizer.DistributedOptimizer"),
     "dp_overlap": Layout("DP2 + distributed optimizer, overlapped", 2, DISTOPT + OVERLAP, "one",
                          "distributed.OverlappedDistributedDataParallel"),
-    "pp": Layout("PP2, 1F1B", 2, PP2, "one", "pipeline.schedule, pipeline.PipelineRunner"),
+    "pp": Layout("PP2, 1F1B", 2, PP2, "one", "pipeline.schedule, pipeline.ForwardBackward"),
     "pp_vpp": Layout("PP2 x 2 chunks, interleaved 1F1B", 2, PP2 + VPP2, "one",
                      "pipeline.build_chunks, pipeline.schedule"),
     "cp_ulysses": Layout("CP2, Ulysses", 2, CP2, "one",
