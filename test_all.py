@@ -11541,6 +11541,30 @@ def test_reading_order_is_the_real_path():
         assert total == sum(n for _, n in entries), (name, total)
 
 
+def test_the_reading_follows_what_python_follows():
+    """tools.reading.reached opens what a reader meets: a function handed as a value (f's
+    halves to Mapping), both classes of `A if c else B` (called at once or through a name), a
+    base class, the plain and fast forms of a layer spec's field, a primitive's callees through
+    it; a skip rule for the fast forms and the folders; the roots reach the groups and the
+    model's building."""
+    reached = tools.reading.reached
+    assert {"parallel.Mapping", "parallel._identity", "parallel._all_reduce"} <= reached(
+        "parallel.copy_to_tensor_model_parallel_region")
+    assert {"moe.GroupedMLP", "moe.SequentialMLP"} <= reached("moe.make_experts")
+    assert {"parallel.CpuCollectives", "parallel.Collectives"} <= reached("parallel.collectives")
+    assert "optimizer._Optimizer" in reached("optimizer.AdamW")
+    assert {"gpt.Rotary", "fused.FusedRotary", "gpt.CoreAttention", "gpt.FlashAttention"} <= (
+        reached("gpt.SelfAttention"))
+    assert "parallel.initialize_model_parallel" in tools.reading.through_primitives(
+        "gpt.make_linear", ["parallel.get_state"])
+    assert tools.reading.skipped_by("fused.FusedRotary") == "the fast forms"
+    assert tools.reading.skipped_by("checkpoint.save_training_state") == "formats/"
+    assert tools.reading.skipped_by("gpt.Rotary") is None
+    roots = tools.reading.placement({}, [])["the roots"]
+    assert {"train.pretrain", "train.set_up", "train.build_model", "gpt.model_provider",
+            "gpt.init_weights", "parallel.initialize_model_parallel"} <= set(roots)
+
+
 @pytest.mark.xfail(strict=True, reason="one process, TP, the experts and the optimizer's update "
                    "are over their budgets; one process reaches the pipeline's, DP's, TP's, CP's "
                    "and the experts' code, DP the experts' and the overlap's, the experts their "
