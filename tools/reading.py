@@ -1,14 +1,16 @@
 """README's "Read it in this order" against the code, followed as Python follows it.
 
-    python -m tools.reading        per concept: the lines README lists, the lines a reader must
-                                   open, the definitions reached but listed nowhere
+    python -m tools.reading        per concept: its budget, the lines README lists, the lines a
+                                   reader must open, what it reaches that a later concept lists
+                                   or no concept lists; then where each unlisted one goes
 
 A reader follows each listed definition one level into every project definition it names: a
 call or a build (`f(...)`, `module.f(...)`), a class or function handed as a value (an argument,
 a default, `A if c else B`), a base class (what `self.x` and `super()` run), a layer spec's field
-(`spec.norm`: what gpt.local_spec puts there). A primitive (README's list, at most 10 lines) is
-not listed, but what it names is followed as if its caller named it. Skipped by rule: the fast
-forms (what gpt.layer_spec puts in the spec beyond the local spec) and the folders a first
+(`spec.norm`: what gpt.local_spec and gpt.layer_spec put there). A primitive (README's list, at
+most 10 lines) is not listed, but what it names is followed as if its caller named it. The roots
+(ROOTS) are what a run starts from. Skipped by rule: the fast forms (what gpt.layer_spec puts in
+the spec beyond the local spec), the data pipeline (DATA_PIPELINE) and the folders a first
 reading skips (SKIPPED_FOLDERS). test_reading_order_is_the_real_path holds README to this.
 Reads the files only (ast): nothing of the project is imported.
 """
@@ -16,14 +18,13 @@ import ast
 import functools
 import os
 import re
-import sys
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIPPED_FOLDERS = ("settings", "formats", "backends", "tools", "instruments")
 DATA_PIPELINE = ("data", "tokenizer")   # its own walkthrough: docs/training.md
 SPEC_BUILDERS = ("gpt.local_spec", "gpt.layer_spec")    # the plain forms; the fast ones
 ROOTS = ("train.pretrain",)          # what `bash run.sh` runs after reading its flags: the loop
-# the budget of each concept, README's order (issue: a reader opens at most ~15% beyond)
+# each concept's budget in lines, README's order (a reader should open at most ~15% beyond)
 BUDGETS = {"One process": 600, "Tensor + sequence parallel": 300,
            "Data parallel + distributed optimizer": 400,
            "Pipeline, 1F1B and interleaved": 300, "Context parallel": 200, "Experts": 400,
@@ -265,4 +266,4 @@ def report(concepts, primitives):
 
 
 if __name__ == "__main__":
-    sys.exit(print(report(*reading_order())))
+    print(report(*reading_order()))
