@@ -119,11 +119,18 @@ def _halves(part, half):
 
 
 class RingAttention(nn.Cell):
-    """Ring attention over the zig-zag split. This rank (ring rank r) holds queries, keys and values
-    of chunks r and 2R-1-r (S/2 tokens each); ring rank j holds chunks j and 2R-1-j. Causally,
-    chunk a attends chunk b fully if b < a, with the causal mask if b == a, not at all if b > a,
-    so against rank j's block:
-      j == r: both local chunks, the local causal mask;
+    """Ring attention over the zig-zag split, in its all-gather form (Megatron-core's
+    cp_comm_type=all_gather; why, in the module's docstring). First the keys and values of every
+    rank of the ring group are all-gathered, so that each rank holds the whole sequence's K and V
+    (the backward reduce-scatters their gradients). Then this rank's queries meet them one rank's
+    block at a time, in the order a ring would pass them, and the partial results are merged by
+    their log-sum-exp (merge_partial_attention) into the attention over the whole sequence.
+
+    Which blocks are computed: this rank (ring rank r of R) holds the queries, keys and values of
+    chunks r and 2R-1-r (S/2 tokens each); ring rank j holds chunks j and 2R-1-j. Under the
+    causal mask chunk a attends to chunk b fully if b < a, with the causal mask if b == a, and
+    not at all if b > a, so against rank j's block:
+      j == r: both local chunks, with the local causal mask;
       j <  r: both local chunks against chunk j only (S x S/2 scores);
       j >  r: only local chunk 2R-1-r, against both of rank j's chunks (S/2 x S).
     Every rank computes the same number of scores; blocks that would be masked out are skipped."""

@@ -1,7 +1,7 @@
 """Data parallelism as Megatron-core's megatron/core/distributed/ does it, the side of a step
 between the backward and the optimizer (optimizer.py):
-    GradBuffer               ParamAndGradBuffer (param_and_grad_buffer.py): the gradients of a
-                             group of parameters in one flat buffer, cut into buckets
+    BucketLayout             ParamAndGradBuffer (param_and_grad_buffer.py): where the gradients
+                             of a group of parameters lie in one flat buffer, cut into buckets
     DistributedDataParallel  distributed_data_parallel.py: each bucket divided by the DP size
                              and all-reduced over its data-parallel group, or, for the
                              distributed optimizer, reduce-scattered so each rank keeps its shard
@@ -15,6 +15,7 @@ The dense parameters are reduced over DP x CP, the experts over the expert-data-
 """
 
 import contextlib
+from typing import NamedTuple
 
 import numpy as np
 from mindspore import ops
@@ -23,16 +24,28 @@ import moe
 from parallel import collectives, get_state
 
 
-class GradBuffer:
-    """Megatron's ParamAndGradBuffer, rebuilt each step from the accumulated gradients.
+class ShardPiece(NamedTuple):
+    """The overlap of one parameter with one rank's shard of one bucket: what a distributed
+    optimizer updates as one flat tensor."""
+    bucket: int             # the bucket's index in the layout
+    param: int              # the parameter's index in the layout's parameters
+    start: int              # where the overlap starts in the flat buffer
+    end: int                # where it ends (exclusive)
 
-    Parameter i owns elements [offsets[i], offsets[i] + numel_i) of one flat buffer, in order.
+
+class BucketLayout:
+    """The layout of Megatron's ParamAndGradBuffer for a group of parameters: where each
+    parameter's gradient lies in one flat buffer, the buffer's buckets, and each rank's shard of
+    them. The layout holds no buffer: reduce_bucket builds a bucket's flat gradients from the
+    step's accumulated gradients when it reduces them.
+
+    Parameter i owns elements [offsets[i], offsets[i] + numel_i) of the flat buffer, in order.
     The buffer is cut into buckets of about `bucket_size` elements along parameter boundaries,
     each padded to a multiple of `group_size` so that it splits into equal shards, one per rank
     of the data-parallel `group` that reduces it (DP x CP ranks for the dense parameters, the
     expert-data-parallel group for experts): the shard a distributed optimizer owns on each rank.
-    `rank` is this process' place in `group`; checkpoint conversion builds buffers of other
-    layouts without a group, only to read their shards."""
+    `rank` is this process' place in `group`; checkpoint conversion builds layouts for other
+    data-parallel sizes without a group, only to read their shards."""
 
     def __init__(self, params, group_size, bucket_size=None, group=None, rank=0,
                  gradient_scaling_factor=1.0):
@@ -60,14 +73,14 @@ class GradBuffer:
                 for b0, b1 in self.buckets]
 
     def pieces(self, rank):
-        """(bucket, param index, start, end) of each overlap of a parameter with `rank`'s shard
-        of a bucket, start and end in the buffer: what a distributed optimizer updates."""
+        """The ShardPieces of `rank`: each overlap of a parameter with its shard of a bucket,
+        bucket by bucket, in the parameters' order."""
         out = []
         for b, (s0, s1) in enumerate(self.shard_ranges(rank)):
             for i, (o, n) in enumerate(zip(self.offsets, self.sizes)):
-                lo, hi = max(s0, o), min(s1, o + n)
-                if lo < hi:
-                    out.append((b, i, lo, hi))
+                start, end = max(s0, o), min(s1, o + n)
+                if start < end:
+                    out.append(ShardPiece(b, i, start, end))
         return out
 
     def bucket_params(self, b):
@@ -93,16 +106,18 @@ class GradBuffer:
                     .reshape(self.shapes[i]) for i in params]
         shard = collectives(self.group).reduce_scatter(flat)         # [(b1 - b0) / group_size]
         s0 = self.shard_ranges(self.rank)[b][0]
-        return [shard[lo - s0:hi - s0] for pb, _, lo, hi in self.pieces(self.rank) if pb == b]
+        return [shard[piece.start - s0:piece.end - s0] for piece in self.pieces(self.rank)
+                if piece.bucket == b]
 
 
 class DistributedDataParallel:
-    """Megatron's DistributedDataParallel: `buffers`, one GradBuffer per group of parameters
-    reduced together, each with `positions`, its parameters' places in the model's parameter
-    order (the dense parameters, then the experts'). reduce_grads all-reduces each bucket, or
-    with `reduce_scatter` (the distributed optimizer) reduce-scatters it, last bucket first (the
-    backward's order), each inside `phase(("R", bucket, buffer))` (what observes it: a
-    timeline). OverlappedDistributedDataParallel starts them during the backward."""
+    """Megatron's DistributedDataParallel: `buffers` (Megatron's name), one BucketLayout per
+    group of parameters reduced together, each with `positions`, its parameters' places in the
+    model's parameter order (the dense parameters, then the experts'). reduce_grads all-reduces
+    each bucket, or with `reduce_scatter` (the distributed optimizer) reduce-scatters it, last
+    bucket first (the backward's order), each inside `phase(("R", bucket, buffer))` (what
+    observes it: a timeline). OverlappedDistributedDataParallel starts them during the
+    backward."""
 
     def __init__(self, buffers, positions, reduce_scatter=False, phase=contextlib.nullcontext):
         self.buffers, self.positions = buffers, positions
@@ -113,16 +128,16 @@ class DistributedDataParallel:
         return False
 
     def reduce_grads(self, grads):
-        """The model's gradients (one per parameter) -> what the optimizer takes: per buffer the
-        reduced gradients of its parameters, or this rank's pieces of them; one list with one
-        buffer, a list per buffer for a ChainedOptimizer."""
+        """The model's gradients (one per parameter) -> what the optimizer takes: one list per
+        buffer (a ChainedOptimizer's optimizer each), the reduced gradients of its parameters,
+        or with `reduce_scatter` this rank's pieces of them (its ShardPieces)."""
         reduced = []
         for k, (buffer, positions) in enumerate(zip(self.buffers, self.positions)):
             mine = [grads[i] for i in positions]
             buckets = {b: self._reduce_bucket(k, b, [mine[i] for i in buffer.bucket_params(b)])
                        for b in reversed(range(len(buffer.buckets)))}
             reduced.append([g for b in range(len(buffer.buckets)) for g in buckets[b]])
-        return reduced[0] if len(reduced) == 1 else reduced
+        return reduced
 
     def _reduce_bucket(self, k, b, grads):
         with self.phase(("R", b, k)):
@@ -153,7 +168,8 @@ def finalize_model_grads(grads, params, state, ddp, model=()):
     (each cp rank's gradient is its tokens' share of the loss, see gpt.GPTModel) and averaged
     over DP, one all-reduce over the DP x CP group per bucket, or, with the distributed
     optimizer, reduce-scattered to this rank's pieces; experts' over the expert-data-parallel
-    group. `state` is the current parallel.ParallelState. Returns what the optimizer takes."""
+    group. `state` is the current parallel.ParallelState. Returns what the optimizer takes: one
+    list of gradients per buffer of `ddp`."""
     grads = [grad if ddp.is_ready(i) else reduced_over_model_parallel(grad, param, state)
              for i, (grad, param) in enumerate(zip(grads, params))]
     moe.update_expert_bias(model, state)
@@ -198,7 +214,7 @@ class OverlappedDistributedDataParallel(DistributedDataParallel):
         out = [[g for b in range(len(buffer.buckets)) for g in self.reduced[k][b]]
                for k, buffer in enumerate(self.buffers)]
         self.ready, self.reduced = [{} for _ in self.buffers], [{} for _ in self.buffers]
-        return out[0] if len(out) == 1 else out
+        return out
 
 
 def grad_sync_func(cfg, ddp, params, state):
@@ -244,8 +260,8 @@ def build_data_parallel(cfg, model, state=None, phase=contextlib.nullcontext):
               (expert, dict(group=state.edp_group, group_size=dp_cp // state.ep,
                             rank=state.edp_rank))]
     groups = [(positions, group) for positions, group in groups if positions]
-    buffers = [GradBuffer([params[i] for i in positions], bucket_size=bucket_size,
-                          gradient_scaling_factor=scale, **group)
+    buffers = [BucketLayout([params[i] for i in positions], bucket_size=bucket_size,
+                            gradient_scaling_factor=scale, **group)
                for positions, group in groups]
     reduce_scatter = cfg.training_config.use_distributed_optimizer and dp_cp > 1
     kind = (OverlappedDistributedDataParallel if cfg.training_config.overlap_grad_reduce

@@ -109,9 +109,9 @@ class LinearMatMul(nn.Cell):
         return ops.matmul(dout, weight), d_weight
 
 
-def linear_forms():
-    """A linear's (matmul, bias_add) in their fast forms (layers.plain_forms' plain ones): the
-    layer spec's `linear_forms` (gpt.layer_spec) when fusions are on."""
+def fast_linear_forms():
+    """A linear's (matmul, bias_add) in their fast forms, in place of layers.plain_forms' plain
+    ones: the layer spec's `linear_forms` when fusions are on (gpt.layer_spec)."""
     return LinearMatMul(), BiasAdd()
 
 
@@ -161,8 +161,8 @@ def in_compute_dtype(form, dtype):
 
 
 def forms_in(forms, dtype):
-    """Each of `forms` (a linear's matmul and bias add, the layer spec's linear_forms())
-    computing in `dtype`."""
+    """Each of `forms` (a linear's matmul and bias add, what the layer spec's `linear_forms`
+    makes) computing in `dtype`."""
     return tuple(in_compute_dtype(form, dtype) for form in forms)
 
 

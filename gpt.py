@@ -53,13 +53,13 @@ def _zeros(*shape):
 def make_linear(cfg, spec, in_features, out_features, bias, kind, chunks=1, skip_bias_add=False,
                 own_weight=True):
     """The model's linears, their matmul and bias add the spec's forms computing in the compute
-    dtype (linear_forms). `kind` is Megatron's role: "column" (qkv, fc1, output layer: the
+    dtype (make_linear_forms). `kind` is Megatron's role: "column" (qkv, fc1, output layer: the
     output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the
     input dim is split). One TP rank: a plain linear. The layout comes from parallel.get_state().
     skip_bias_add: the linear returns (output, bias or None), the bias added by what follows (the
     activation, the residual's bias-dropout-add). Without `own_weight` a column linear has no
     weight of its own and is called with one (the tied output layer's)."""
-    state, forms = parallel.get_state(), linear_forms(cfg, spec)
+    state, forms = parallel.get_state(), make_linear_forms(cfg, spec)
     if state.tp == 1:
         return layers.Linear(in_features, out_features, bias, skip_bias_add, forms, own_weight)
     if kind == "column":
@@ -71,8 +71,8 @@ def make_linear(cfg, spec, in_features, out_features, bias, kind, chunks=1, skip
                                       skip_bias_add=skip_bias_add, forms=forms)
 
 
-def linear_forms(cfg, spec):
-    """A linear's (matmul, bias_add): the spec's forms, computing in the compute dtype."""
+def make_linear_forms(cfg, spec):
+    """A linear's (matmul, bias_add): the spec's linear_forms, computing in the compute dtype."""
     return fused.forms_in(spec.linear_forms(), DTYPES[cfg.compute_dtype])
 
 
@@ -290,8 +290,10 @@ class LayerSpec:
     layer_spec: Megatron-core's layer specs (megatron/core/models/gpt/gpt_layer_specs.py), whose
     local spec builds Megatron's own layers and whose transformer_engine spec puts Transformer
     Engine's fused ones in their place, the layers' code the same. Each builder makes one Cell
-    per call site. Beside the layers' operators, the training step's cast (train.py hands it to
-    the optimizer and the pipeline)."""
+    per call site; each field's comment gives what the builder takes, then what the operator it
+    builds computes. Besides the layers' operators, the spec holds the cast that the training
+    step uses on gradients and main params (`cast`: train.py hands it to the optimizer and the
+    pipeline)."""
     linear_forms: object            # (): a linear's (matmul, bias_add), layers.Linear's `forms`
     core_attention: type            # CoreAttention's arguments: softmax(q k^T / sqrt(d)) v
     norm: type                      # (hidden, eps): x [..., h] -> [..., h]
@@ -328,7 +330,7 @@ def layer_spec(cfg):
     rms = cfg.normalization == "RMSNorm"
     fused_norm = cfg.use_fused_rmsnorm if rms else cfg.persist_layer_norm
     return dataclasses.replace(
-        local, linear_forms=fused.linear_forms, split=fused.FusedSplitLastDim,
+        local, linear_forms=fused.fast_linear_forms, split=fused.FusedSplitLastDim,
         norm=(fused.FusedRMSNorm if rms else fused.FusedLayerNorm) if fused_norm else local.norm,
         rotary=fused.FusedRotary if cfg.apply_rope_fusion else local.rotary,
         softmax=fused.FusedScaleMaskSoftmax if cfg.masked_softmax_fusion else local.softmax,

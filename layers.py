@@ -31,8 +31,8 @@ def linear(x, weight, bias=None, matmul=_matmul_nt, bias_add=ops.bias_add):
 
 def plain_forms():
     """A linear's (matmul, bias_add): x [n, in] @ W [out, in]^T and y [n, out] + b [out] with
-    autodiff's backward; the linears' `forms` unless given (fused.linear_forms gives this CPU's
-    fast ones; the layer spec, gpt.layer_spec, chooses)."""
+    autodiff's backward; the linears' `forms` unless given (fused.fast_linear_forms gives this
+    CPU's fast ones; the layer spec, gpt.layer_spec, chooses)."""
     return ops.MatMul(transpose_b=True), ops.bias_add
 
 

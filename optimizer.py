@@ -353,32 +353,34 @@ class MixedPrecisionOptimizer:
          params.
     `counted[i]`: gradient i counts in the norm (a parameter replicated over TP counts on one rank,
     Megatron's param_is_not_tensor_parallel_duplicate; the tied output layer copy not at all).
-    `cast(t, dtype)`: the layer spec's (layers.cast or its fast form, fused.eager_cast)."""
+    `main_params`: by default one per parameter, the parameter itself if float32, else a float32
+    copy; the distributed optimizer gives its own (float32 copies of its pieces), with
+    `wd_mults` and `counted` one per main param.
+    `cast(t, dtype)` casts one tensor: the cast of the layer spec (gpt.layer_spec), which is
+    layers.cast, or its fast form fused.eager_cast when fusions are on."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
-                 norm_groups, counted, cast=cast):
+                 norm_groups, counted, cast=cast, main_params=None):
         self.params, self.cast = list(params), cast
         self.scaler, self.clip_type, self.clip_value = scaler, clip_type, clip_value
         self.norm_groups, self.counted = [g for g in norm_groups if g is not None], list(counted)
-        self.main_params = self._main_params()
-        self.inner = make_optimizer(self.main_params, self._main_wd_mults(wd_mults))
-
-    def _main_params(self):
-        """float32 parameters are their own main params; half ones get a float32 copy."""
-        return [self.cast(param, F32) for param in self.params]
-
-    def _main_wd_mults(self, wd_mults):
-        return wd_mults
+        if main_params is None:
+            main_params = [cast(param, F32) for param in self.params]
+        self.main_params = main_params
+        self.inner = make_optimizer(self.main_params, wd_mults)
 
     @property
     def step_count(self):
         return self.inner.step_count
 
-    def step(self, grads, lr, wd):
-        """Megatron's optimizer.step() from the step's reduced gradients (model dtype or float32,
-        still scaled): prepare_grads, then on overflow nothing more, else clip_grad_norm and
-        step_with_ready_grads. Returns (update_successful, grad_norm): the norm is inf or nan on
-        overflow (the train line shows it)."""
+    def step(self, grads_per_buffer, lr, wd):
+        """Megatron's optimizer.step() from the step's reduced gradients as
+        distributed.finalize_model_grads returns them, one list per data-parallel buffer: here
+        one, this optimizer's (model dtype or float32, still scaled). prepare_grads, then on
+        overflow nothing more, else clip_grad_norm and step_with_ready_grads. Returns
+        (update_successful, grad_norm): the norm is inf or nan on overflow (the train line shows
+        it)."""
+        (grads,) = grads_per_buffer                 # one buffer (a ChainedOptimizer: several)
         found_inf, main_grads, grad_norm = self.prepare_grads(grads)
         if found_inf:                               # weights, state and schedule untouched
             return False, grad_norm
@@ -462,10 +464,11 @@ class ChainedOptimizer:
     def step_count(self):
         return self.optimizers[0].step_count
 
-    def step(self, grads, lr, wd):
+    def step(self, grads_per_buffer, lr, wd):
         """MixedPrecisionOptimizer.step over the chain, from one list of reduced gradients per
-        optimizer: the norm is the square root of the optimizers' squared norms summed."""
-        main_grads = [opt.main_grads(gs) for opt, gs in zip(self.optimizers, grads)]
+        buffer of the data-parallel reduction (distributed.finalize_model_grads), buffer k's for
+        optimizer k: the norm is the square root of the optimizers' squared norms summed."""
+        main_grads = [opt.main_grads(gs) for opt, gs in zip(self.optimizers, grads_per_buffer)]
         norm_sq = sum(opt.global_norm_sq(gs) for opt, gs in zip(self.optimizers, main_grads))
         found_inf, grad_norm = found_inf_and_norm(norm_sq, self.scaler)
         if found_inf:
@@ -491,48 +494,51 @@ def found_inf_and_norm(norm_sq, scaler):
     return found_inf, math.sqrt(norm_sq)
 
 
+def params_in_pieces(params, buffer, pieces, cast):
+    """Each of `pieces` (distributed.ShardPieces of `buffer`, a BucketLayout) cut from its
+    parameter, flat, in float32: [end - start] each."""
+    out = []
+    for piece in pieces:
+        offset = buffer.offsets[piece.param]           # where the parameter starts in the buffer
+        flat = cast(params[piece.param], F32).reshape(-1)
+        out.append(flat[piece.start - offset:piece.end - offset])
+    return out
+
+
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """Megatron's distributed optimizer (ZeRO stage 1, Rajbhandari et al. 2020): each rank of a
     data-parallel group keeps float32 main params and optimizer state for only its shard of
-    every bucket of the group's gradient buffer (`buffer`, a distributed.GradBuffer).
+    every bucket of the group's flat gradient buffer (`buffer`: its layout, a
+    distributed.BucketLayout).
 
-    It takes this rank's pieces of the gradients, which the buffer reduce-scattered
-    (distributed.finalize_model_grads); step() updates them with the inner optimizer and
-    all-gathers the updated shards, in the model's dtype, into every rank's params. The inner
-    optimizer sees one flat tensor per (parameter, shard) overlap, a "piece", so per-parameter
+    It takes this rank's pieces of the gradients, which distributed.finalize_model_grads
+    reduce-scattered; step() updates them with the inner optimizer and all-gathers the updated
+    shards, in the model's dtype, into every rank's params. The inner optimizer sees one flat
+    tensor per (parameter, shard) overlap, a piece (distributed.ShardPiece), so per-parameter
     weight-decay multipliers still apply."""
 
     def __init__(self, make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
                  norm_groups, counted, buffer, cast=cast):
-        self.buffer = buffer
-        self.shards = buffer.shard_ranges(buffer.rank)         # this rank's range in each bucket
-        self.pieces = buffer.pieces(buffer.rank)               # (bucket, param index, start, end)
+        pieces = buffer.pieces(buffer.rank)
+        main_params = [piece.copy() for piece in params_in_pieces(params, buffer, pieces, cast)]
         # the norm: this rank's pieces, summed over the shards first
-        super().__init__(make_optimizer, params, wd_mults, scaler, clip_type, clip_value,
-                         [buffer.group] + list(norm_groups),
-                         [counted[i] for _, i, _, _ in self.pieces], cast)
-
-    def _main_params(self):
-        return [piece.copy() for piece in self._pieces_of_params()]      # float32 pieces
-
-    def _pieces_of_params(self):
-        offsets = self.buffer.offsets
-        return [self.cast(self.params[i], F32).reshape(-1)[lo - offsets[i]:hi - offsets[i]]
-                for _, i, lo, hi in self.pieces]
-
-    def _main_wd_mults(self, wd_mults):
-        return [wd_mults[i] for _, i, _, _ in self.pieces]
+        super().__init__(make_optimizer, params, [wd_mults[p.param] for p in pieces], scaler,
+                         clip_type, clip_value, [buffer.group] + list(norm_groups),
+                         [counted[p.param] for p in pieces], cast, main_params)
+        self.buffer, self.pieces = buffer, pieces
+        self.shards = buffer.shard_ranges(buffer.rank)         # this rank's range in each bucket
 
     def reload_main_params(self):
         """The float32 pieces from the model's parameters (after loading weights)."""
-        for piece, main in zip(self._pieces_of_params(), self.main_params):
+        pieces = params_in_pieces(self.params, self.buffer, self.pieces, self.cast)
+        for piece, main in zip(pieces, self.main_params):
             main.copy_(piece.copy())
 
     def gathered_bucket(self, b, pieces, dtype):
         """Bucket b of the buffer [b1 - b0] from this rank's flat `pieces` (one per self.pieces)
         all-gathered in `dtype` over the group, zeros in its padding."""
         s0, s1 = self.shards[b]
-        mine = [v for (pb, _, _, _), v in zip(self.pieces, pieces) if pb == b]
+        mine = [v for piece, v in zip(self.pieces, pieces) if piece.bucket == b]
         filled = sum(int(v.shape[0]) for v in mine)
         if filled < s1 - s0:                                   # the bucket's padding
             mine.append(ops.zeros(s1 - s0 - filled, F32))
@@ -585,7 +591,7 @@ def get_megatron_optimizer(cfg, model, ddp, scaler, state=None, cast=cast):
     AdamW/Adam/SGD (MixedPrecisionOptimizer), or, where ddp reduce-scatters, the
     DistributedOptimizer over each buffer's shards; one per buffer of ddp (the dense parameters,
     the experts'), chained (ChainedOptimizer) when there are two, sharing the loss `scaler`
-    (build_scaler). `cast`: the layer spec's."""
+    (build_scaler). `cast`: the layer spec's cast of one tensor (MixedPrecisionOptimizer)."""
     state = state or get_state()
     chunks = model if isinstance(model, list) else [model]
     named = [item for chunk in chunks for item in chunk.parameters_and_names()]
@@ -602,7 +608,7 @@ def get_megatron_optimizer(cfg, model, ddp, scaler, state=None, cast=cast):
 
 def _one_optimizer(cfg, named, scaler, counted, norm_groups, sharded_buffer, cast):
     """The optimizer of parameters `named` ([(name, param)]), its gradient norm reduced over
-    `norm_groups`; with `sharded_buffer` (their distributed.GradBuffer) the
+    `norm_groups`; with `sharded_buffer` (their buffer's distributed.BucketLayout) the
     DistributedOptimizer over its shards."""
     optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
     wd_mults = [0.0 if no_weight_decay(n, param.shape) else 1.0 for n, param in named]

@@ -2832,25 +2832,29 @@ def check_gradients(c, name):
     check_reduced_gradients(c, name, chunks, grads, ref_grads, state, trainer.optimizer)
 
 
-def check_reduced_gradients(c, label, chunks, grads, ref_grads, state, optim):
-    """The gradients finalize_model_grads handed the optimizer `optim`, each against its share of
-    the one-process gradient `ref_grads` {name: array}: one per parameter in model order (a
-    ChainedOptimizer's lists put back in it), or a DistributedOptimizer's pieces of the flat
-    gradient buffer (bucket, parameter, start, end)."""
+def check_reduced_gradients(c, label, chunks, grads_per_buffer, ref_grads, state, optim):
+    """The gradients finalize_model_grads handed the optimizer `optim` (one list per buffer),
+    each against its share of the one-process gradient `ref_grads` {name: array}: one per
+    parameter in model order (a ChainedOptimizer's lists put back in it), or a
+    DistributedOptimizer's pieces of the flat gradient buffer (distributed.ShardPiece)."""
     named = checkpoint.named_parameters(chunks)
     wants = [wanted_gradient(name[len("model."):], param, chunks, ref_grads, state)
              for name, param in named]
     if isinstance(optim, optimizer.DistributedOptimizer):
-        for (_, i, lo, hi), g in zip(optim.pieces, grads):
-            start = lo - optim.buffer.offsets[i]
-            close_gradient(c, f"{label}: piece of {named[i][0]}@{start}", g,
-                           wants[i].reshape(-1)[start:start + hi - lo])
+        (grads,) = grads_per_buffer
+        for piece, g in zip(optim.pieces, grads):
+            start = piece.start - optim.buffer.offsets[piece.param]
+            close_gradient(c, f"{label}: piece of {named[piece.param][0]}@{start}", g,
+                           wants[piece.param].reshape(-1)[start:start + piece.end - piece.start])
         c(f"{label}: one piece per overlap of a parameter and the shard",
           len(grads) == len(optim.pieces))
         return
     if isinstance(optim, optimizer.ChainedOptimizer):                 # back to model order
-        by_position = dict(zip([i for ps in optim.indices for i in ps], sum(grads, [])))
+        by_position = dict(zip([i for ps in optim.indices for i in ps],
+                               sum(grads_per_buffer, [])))
         grads = [by_position[i] for i in range(len(by_position))]
+    else:
+        (grads,) = grads_per_buffer
     c(f"{label}: one gradient per parameter", len(grads) == len(named))
     for (name, _), g, want in zip(named, grads, wants):
         close_gradient(c, f"{label}: gradient of {name[len('model.'):]}", g, want)
@@ -3624,7 +3628,8 @@ def test_ddp_starts_each_bucket_when_its_gradients_are_final():
         assert started == [("R", b, 0) for b in reversed(range(first_started,
                                                                len(buffer.buckets)))], position
     assert started == [("R", b, 0) for b in reversed(range(len(buffer.buckets)))]
-    for a, b in zip(ddp.reduce_grads(grads), plain):
+    (overlapped,), (plain,) = ddp.reduce_grads(grads), plain        # one buffer: no experts
+    for a, b in zip(overlapped, plain):
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
     assert len(started) == len(buffer.buckets)            # nothing reduced twice
 
@@ -3640,7 +3645,7 @@ def test_overlap_param_gather_writes_each_bucket_when_a_forward_needs_it():
     for overlap in (False, True):
         cfg, model = tiny_model("--no-jit", "--ddp-bucket-size", "5000")
         params = list(model.get_parameters())
-        buffer = distributed.GradBuffer(params, group_size=1, bucket_size=5000)
+        buffer = distributed.BucketLayout(params, group_size=1, bucket_size=5000)
         def make(ps, mults):
             return optimizer.AdamW(ps, wd_mults=mults)
         kind = (optimizer.OverlappedParamGatherOptimizer if overlap
@@ -3652,7 +3657,7 @@ def test_overlap_param_gather_writes_each_bucket_when_a_forward_needs_it():
         pieces = buffer.reduce_bucket
         shards = [s for b in range(len(buffer.buckets))
                   for s in pieces(b, [grads[i] for i in buffer.bucket_params(b)], True)]
-        opt.step(shards, 1e-2, 0.0)
+        opt.step([shards], 1e-2, 0.0)
         if overlap:
             assert all((p.asnumpy() == v).all() for p, v in zip(params, before))
             last = buffer.bucket_params(len(buffer.buckets) - 1)
@@ -4430,11 +4435,11 @@ class WithLabels(nn.Cell):
 
 
 def _linears(out_features, in_features):
-    """layers.Linear with its plain forms and with its fast ones (fused.linear_forms), the same
+    """layers.Linear with its plain forms and with its fast ones (fused.fast_linear_forms), the same
     weight and bias."""
     weight = np.cos(np.arange(out_features * in_features)).reshape(out_features, -1)
     linears = (layers.Linear(in_features, out_features),
-               layers.Linear(in_features, out_features, forms=fused.linear_forms()))
+               layers.Linear(in_features, out_features, forms=fused.fast_linear_forms()))
     for linear in linears:
         linear.weight.set_data(Tensor(weight.astype(np.float32)))
         linear.bias.set_data(Tensor(np.linspace(-1, 1, out_features).astype(np.float32)))
@@ -5277,11 +5282,11 @@ def test_grouped_mlp_equals_sequential_mlp(act, bias, dtype):
                          ids=["biases", "swiglu-shared"])
 def test_experts_linears_are_the_layer_specs(overrides):
     """The routed and the shared experts' linears take the layer spec's forms (Megatron's MoE
-    submodules): built with the fast ones (fused.linear_forms), the layer gives the plain
+    submodules): built with the fast ones (fused.fast_linear_forms), the layer gives the plain
     spec's output and gradients."""
     cfg = moe_config(**overrides)
     local = gpt.local_spec(cfg)
-    fast = gpt.LayerSpec(**{**vars(local), "linear_forms": fused.linear_forms})
+    fast = gpt.LayerSpec(**{**vars(local), "linear_forms": fused.fast_linear_forms})
     plain, fused_layer = (fill_normal(moe.MoELayer(cfg, spec)) for spec in (local, fast))
     linears = [c for _, c in fused_layer.cells_and_names() if isinstance(c, layers.Linear)]
     assert len(linears) == 2 * cfg.num_moe_experts and all(

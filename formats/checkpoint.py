@@ -33,7 +33,7 @@ import moe
 import optimizer as opt
 import parallel
 from data import fsync_folder, write_atomic
-from distributed import GradBuffer
+from distributed import BucketLayout
 from formats import dist_checkpoint, megatron_checkpoint, torch_format
 from formats.megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
 from gpt import global_name, is_embedding_copy, model_provider
@@ -528,10 +528,11 @@ def _main_copies(optimizer, names):
 
 
 def piece_names(buffer, rank, names):
-    """One name per piece of `rank`'s shard of `buffer` (a distributed.GradBuffer; `names`: one
-    per parameter), "<name>@<first element>": what a distributed optimizer updates, so that the
-    pieces of every rank of the group together cover each parameter and join back."""
-    return [f"{names[i]}@{lo - buffer.offsets[i]}" for _, i, lo, _ in buffer.pieces(rank)]
+    """One name per piece of `rank`'s shard of `buffer` (a distributed.BucketLayout; `names`:
+    one per parameter), "<name>@<first element>": what a distributed optimizer updates, so that
+    the pieces of every rank of the group together cover each parameter and join back."""
+    return [f"{names[piece.param]}@{piece.start - buffer.offsets[piece.param]}"
+            for piece in buffer.pieces(rank)]
 
 
 def gathered_optimizer_state(optimizer, names):
@@ -554,7 +555,7 @@ def _gathered_state_of(optimizer, names):
 
 
 def unflattened(buffer, flat):
-    """A distributed.GradBuffer's flat [numel] -> new tensors shaped like its parameters. A
+    """A distributed.BucketLayout's flat [numel] -> new tensors shaped like its parameters. A
     slice is a view of the whole buffer in MindSpore, which in-place kernels (copy_) refuse once
     reshaped: copied."""
     return [flat[o:o + n].reshape(s).copy()
@@ -813,12 +814,11 @@ def _optimizer_pieces(optimizer, names, values, prefixes):
         if not isinstance(part, opt.DistributedOptimizer):
             return {}, None
         out = {}
-        for (_, i, lo, hi), piece in zip(part.pieces,
-                                         piece_names(part.buffer, part.buffer.rank, some)):
-            start = lo - part.buffer.offsets[i]
+        for piece, key in zip(part.pieces, piece_names(part.buffer, part.buffer.rank, some)):
+            start = piece.start - part.buffer.offsets[piece.param]
             for prefix in prefixes:
-                flat = values[f"{prefix}.{some[i]}"].reshape(-1)
-                out[f"{prefix}.{piece}"] = flat[start:start + hi - lo]
+                flat = values[f"{prefix}.{some[piece.param]}"].reshape(-1)
+                out[f"{prefix}.{key}"] = flat[start:start + piece.end - piece.start]
         return out, None
     return over_chain(optimizer, names, pieces_of)[0]
 
@@ -956,12 +956,13 @@ def _distrib_optim_files(values, names, params, dp_cp, bucket_size, kinds, ep=1,
         pieces = {}
         for positions, size, shard_of in groups:
             some = [names[i] for i in positions]
-            buffer, rank = GradBuffer([params[i] for i in positions], size, bucket_size), \
-                shard_of(edp_rank)
-            for (_, i, lo, hi), key in zip(buffer.pieces(rank), piece_names(buffer, rank, some)):
-                start, end = lo - buffer.offsets[i], hi - buffer.offsets[i]
+            buffer = BucketLayout([params[i] for i in positions], size, bucket_size)
+            rank = shard_of(edp_rank)
+            for piece, key in zip(buffer.pieces(rank), piece_names(buffer, rank, some)):
+                offset = buffer.offsets[piece.param]
                 for prefix in ["main"] + [f"optimizer.{kind}" for kind in kinds]:
-                    pieces[f"{prefix}.{key}"] = values[f"{prefix}.{some[i]}"].reshape(-1)[start:end]
+                    flat = values[f"{prefix}.{some[piece.param]}"].reshape(-1)
+                    pieces[f"{prefix}.{key}"] = flat[piece.start - offset:piece.end - offset]
         files[f"distrib_optim_{edp_rank:03d}"] = pieces
     return files
 

@@ -182,7 +182,7 @@ TRAINING = [
     fixed("training_config.new_dataset", False,
           "resuming continues the data where it stopped (consumed samples)"),
     inert("training_config.wrap_with_ddp",
-          "data parallelism always reduces gradients through distributed.GradBuffer",
+          "data parallelism always reduces gradients by buckets (distributed.BucketLayout)",
           aliases={_MS_TRAIN + "wrap_with_ddp": None}),
     inert("training_config.distributed_backend",
           "msrun's workers talk through MindSpore's own collectives on CPU (HCCL on Ascend)",

@@ -46,7 +46,7 @@ BUGS = {
         "each TP rank steps its norms with its own tokens' share of the gradient: the norm of "
         "the gradient is smaller than one process's"),
     "dp_mean_as_sum": Bug(
-        "dp", "distributed.py", "GradBuffer.reduce_bucket",
+        "dp", "distributed.py", "BucketLayout.reduce_bucket",
         "+ padding) * self.gradient_scaling_factor", "+ padding)", ["dp", "dp_distopt"],
         "grad norm",
         "data parallelism: the loss is the mean over the global batch, so the gradient is the "
@@ -147,7 +147,7 @@ BUGS = {
         "each local expert computes on other experts' tokens, weighted by its own tokens' "
         "probabilities: the MoE layer's output, and the first loss, differ"),
     "expert_grads_unscaled": Bug(
-        "moe", "distributed.py", "GradBuffer.reduce_bucket",
+        "moe", "distributed.py", "BucketLayout.reduce_bucket",
         "if not scatter and self.group_size == 1 and self.gradient_scaling_factor == 1.0:",
         "if not scatter and self.group_size == 1:", ["ep"], "grad norm",
         "expert parallelism: an expert's gradient is the sum over the tokens of every DP rank "

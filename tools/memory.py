@@ -757,7 +757,8 @@ def stage_memory(cfg, rank):
     holds three times the gradients while a micro-batch's are added to the sum (old sum, new, sum),
     or in the optimizer step the gradients, the float32 main grads made of them (divided by the
     loss scale; none when that is 1 and they are float32) and the copy clipping makes. The
-    data-parallel reduction's flat buffers (distributed.GradBuffer) are not counted."""
+    data-parallel buckets' flat copies (distributed.BucketLayout.reduce_bucket) are not
+    counted."""
     params = stage_parameters(cfg, rank)
     weights = params * DTYPE_BYTES[cfg.model_config.params_dtype]
     grads = params * DTYPE_BYTES[main_grad_dtype(cfg)]

@@ -96,7 +96,7 @@ LAYOUTS = {
     "tp_sp": Layout("TP2 + sequence parallel", 2, TP2 + SP, "one",
                     "parallel.reduce_scatter_to_sequence_parallel_region"),
     "dp": Layout("DP2", 2, [], "one",
-                 "distributed.GradBuffer, distributed.DistributedDataParallel"),
+                 "distributed.BucketLayout, distributed.DistributedDataParallel"),
     "dp_distopt": Layout("DP2 + distributed optimizer", 2, DISTOPT, "one",
                          "optimizer.DistributedOptimizer"),
     "dp_overlap": Layout("DP2 + distributed optimizer, overlapped", 2, DISTOPT + OVERLAP, "one",
