@@ -277,8 +277,8 @@ LAYER_MODULES = ("layers", "parallel", "context_parallel", "moe", "gpt", "fused"
 def test_the_concepts_hold_their_concept_alone():
     """What observes a concept does it from outside: the concept modules import nothing of
     tools/ or formats/ (the ledger and the flight recorder hear the collectives through
-    parallel.observe, the timers time the Trainer's and the pipeline runner's phases through their
-    `phase` hook, a router gives its losses to its `tracker`); the Trainer and the runner keep no
+    parallel.observe, the timers time the Trainer's and the schedule's phases through their
+    `phase` hook, a router gives its losses to its `tracker`); the Trainer and the schedule keep no
     clock, ledger, recorder or metric; the optimizers no checkpoint or memory method. A layer's
     forms are given when it is built (no setattr but gpt.cast_parameters', Megatron's
     Float16Module replacing parameters), and the layers do not check again what the config

@@ -96,8 +96,8 @@ def log_start(cfg, trainer, train_ds, valid_ds, test_ds):
 
 class Timers:
     """Megatron's timers, from outside the Trainer: the seconds of each phase of a step (the
-    Trainer's and the pipeline runner's `phase` hook: TIMERS, each pipeline pass ("F" or "B",
-    micro-batch, chunk) as "passes", its exchanges as "exchange"), since the last line; with
+    Trainer's and the schedule's `phase` hook: TIMERS, each pass ("F" or "B", micro-batch,
+    piece) as "passes", a pipeline's exchanges as "exchange"), since the last line; with
     `trace` a list, each pass appended as (kind, micro-batch, chunk, start, end)."""
 
     def __init__(self):
