@@ -1,2 +1,2 @@
-"""The tools around training: the tour, the benchmarks, the planner (memory.py), the flight
-recorder, metrics and profiling, sampling. Skip on a first reading."""
+"""The programs that drive training, above train.py: the tour, the benchmarks, the planted bugs,
+the probes. Nothing below them imports them. Skip on a first reading."""
