@@ -282,13 +282,13 @@ LAYER_MODULES = ("parallel", "context_parallel", "moe", "gpt", "fused")
 
 def test_the_concepts_hold_their_concept_alone():
     """What observes a concept does it from outside: the concept modules import nothing of
-    instruments/, tools/ or formats/ (the ledger and the flight recorder hear the collectives through
-    parallel.observe, the timers time the Trainer's and the pipeline runner's phases through their
-    `phase` hook, a router gives its losses to its `tracker`); the Trainer and the runner keep no
-    clock, ledger, recorder or metric; the optimizers no checkpoint or memory method. A layer's
-    forms are given when it is built (no setattr but gpt.cast_parameters', Megatron's
-    Float16Module replacing parameters), and the layers do not check again what the config
-    checks (no raise but a library's `__main__` refusal)."""
+    instruments/, tools/ or formats/ (the ledger and the flight recorder hear the collectives
+    through parallel.observe, the timers time the Trainer's and the pipeline runner's phases through
+    their `phase` hook, a router gives its losses to its `tracker`); the Trainer and the runner keep
+    no clock, ledger, recorder or metric; the optimizers no checkpoint or memory method. A layer's
+    forms are given when it is built (no setattr but gpt.cast_parameters', Megatron's Float16Module
+    replacing parameters), and the layers do not check again what the config checks (no raise but a
+    library's `__main__` refusal)."""
     for module in CONCEPT_MODULES:
         tree = ast.parse(open(os.path.join(HERE, module_path(module))).read())
         imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
