@@ -29,8 +29,9 @@ from mindspore import Tensor
 import data
 import parallel
 import train
+from instruments import flight_recorder
 from settings import cli
-from tools import bugs, flight_recorder
+from tools import bugs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROGRAM = os.path.join(HERE, "test_all.py")      # the workers' program: its import registers jobs

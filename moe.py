@@ -66,7 +66,7 @@ returned loss: MoEAuxLossAutoScaler adds scale * d(loss)/d(theta) in the backwar
 CP; this project sums over CP). They are computed only in training while a backward is recorded
 (Megatron's `self.training and torch.is_grad_enabled()`), and then each router gives their
 values to its `tracker` hook, when what logs them has attached one (aux/coeff,
-z/(coeff/|tp_cp|), as router.py:594-601, 702-708 record them; tools/logs.py sums them over a
+z/(coeff/|tp_cp|), as router.py:594-601, 702-708 record them; instruments/logs.py sums them over a
 step, then reduces and clears them, as Megatron's MoEMetricsTracker.report).
 
 Aux-loss-free balancing (moe_router_enable_expert_bias; router.py:180-201, 733-744,
@@ -291,7 +291,7 @@ class TopKRouter(nn.Cell):
     [s, b, h]) -> (probs [n, E], routing_map [n, E] bool), n = s*b.
 
     `tracker`: a hook, None or a Cell (index, value) that what logs the losses attaches
-    (tools/logs.py): each value Megatron records under the name METRICS[index] is given to it
+    (instruments/logs.py): each value Megatron records under the name METRICS[index] is given to it
     (Megatron's save_to_aux_losses_tracker). With moe_router_enable_expert_bias, `expert_bias`
     [E] chooses the experts with the sigmoids, and each forward recorded for a backward adds its
     routed tokens to `local_tokens_per_expert` [E], for update_expert_bias after the step."""

@@ -269,8 +269,9 @@ def group_ranks(group):
 
 # ============================================================================ communication
 # Every collective passes one recording point, `_record`, which tells the observers what ran (the
-# ledger of a step's bytes, tools/ledger.py; the flight recorder, tools/flight_recorder.py): op by
-# op as it runs, inside ms.jit once, while the graph compiles. A compiled graph's call goes
+# ledger of a step's bytes, instruments/ledger.py; the flight recorder,
+# instruments/flight_recorder.py): op by op as it runs, inside ms.jit once, while the graph
+# compiles. A compiled graph's call goes
 # through `compiled_call`, which each observer wraps, knowing from the compilation what it holds.
 OBSERVERS = []
 

@@ -17,10 +17,10 @@
 #   bash run.sh bench ...         tokens/s of one process and the 2-worker layouts, alternating
 #                                 (tools/bench.py)
 #   bash run.sh diagnose LOG_DIR  the first collective where a failed job's ranks disagree, from
-#                                 their flight records (tools/flight_recorder.py)
+#                                 their flight records (instruments/flight_recorder.py)
 #   bash run.sh plan ...          --world-size N [--config FILE] [--memory-per-device GB]:
 #                                 memory, communication and FLOPs per rank, nothing allocated
-#                                 (tools/memory.py)
+#                                 (instruments/memory.py)
 #   bash run.sh --nproc 1         the same model and data in one process (about 6 minutes)
 #   bash run.sh [FILE.yaml] [--nproc N] [--config FILE] [Megatron flags | section.key=value ...]
 #                                 train (FILE.yaml: --config FILE.yaml)
@@ -65,7 +65,7 @@ case "${1:-}" in
     ;;
   diagnose)
     shift
-    exec python -m tools.flight_recorder "$@"
+    exec python -m instruments.flight_recorder "$@"
     ;;
   tour)
     shift
@@ -422,7 +422,7 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
     # the run is done (seen: SIGSEGV in MindSpore's own exit, after the project's exit handlers;
     # the scheduler may then time out a rank that exited, so a lost rank does not matter here).
     # kill -9 comes from outside (a user, the out-of-memory killer), never from a crash
-    if [ "$2" != 9 ] && python -m tools.flight_recorder --ended "$per_node" "$log_dir"; then
+    if [ "$2" != 9 ] && python -m instruments.flight_recorder --ended "$per_node" "$log_dir"; then
       rank=$(rank_of "$1")
       echo "warning: rank ${rank:-?} (pid $1) was killed by signal $2 after its training" \
            "ended (every rank's flight record written at exit, no error): the run is complete;" \
@@ -436,7 +436,7 @@ run_workers() {   # the msrun launch; a failure named on the console and in $fai
     # a stopped worker of this node was named when run.sh killed it (watch_workers)
     [ -f "$RUN_SH_PID_DIR/reaped" ] || name_lost "$lost" "msrun ended the job"
   else                # the first collective where the ranks' flight records disagree
-    failure=$(python -m tools.flight_recorder "$log_dir" 2>&1 || true)
+    failure=$(python -m instruments.flight_recorder "$log_dir" 2>&1 || true)
     echo "$failure"
   fi
   return 1

@@ -121,6 +121,8 @@ import train
 from backends import shared_memory
 from formats import checkpoint, dist_checkpoint, megatron_checkpoint, torch_format
 from gpt import DropoutRNG, generate, init_weights
+from instruments import flight_recorder, logs, memory, metrics, sample, timeline
+from instruments.ledger import LEDGER as ledger
 from optimizer import (SGD, Adam, AdamW, ConstantGradScaler, DynamicGradScaler,
                        OptimizerParamScheduler, base_optimizer, clip_grad_norm,
                        clip_grads_by_global_norm, clip_grads_by_value, grad_norm_sq)
@@ -131,9 +133,7 @@ from settings.cli import HelpRequested, load_config, raw_config
 from settings.config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
 from settings.keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
-from tools import (bench, bench_fusions, bench_peer, bugs, collective_timing, flight_recorder,
-                   logs, memory, metrics, sample, timeline, tour)
-from tools.ledger import LEDGER as ledger
+from tools import bench, bench_fusions, bench_peer, bugs, collective_timing, tour
 import tools.reading
 # the msrun harness, which pytest loaded first (this import is that module)
 import conftest
@@ -165,9 +165,10 @@ MODULES = {"tokenizer": "tokenizer", "data": "data", "layers": "layers", "parall
            **{name: f"settings.{name}" for name in ("keys", "config", "cli")},
            **{name: f"formats.{name}" for name in ("torch_format", "megatron_checkpoint",
                                                    "dist_checkpoint", "checkpoint", "hf_gpt2")},
-           **{name: f"tools.{name}" for name in ("flight_recorder", "ledger", "timeline",
-                                                 "memory", "sample", "profiler", "metrics",
-                                                 "logs", "bench_torch", "bench_peer", "bench",
+           **{name: f"instruments.{name}" for name in ("flight_recorder", "ledger", "timeline",
+                                                       "memory", "sample", "profiler", "metrics",
+                                                       "logs")},
+           **{name: f"tools.{name}" for name in ("bench_torch", "bench_peer", "bench",
                                                  "bench_fusions", "tour", "bugs", "reading")}}
 ENTRY_POINTS = ("train", "bench", "bench_fusions", "tour", "flight_recorder", "bench_torch",
                 "bench_peer", "reading")
@@ -237,23 +238,30 @@ def test_imports_go_one_way_and_only_at_the_top():
     """Every project import is at a module's top level (none inside a function, where ms.jit
     cannot compile them and a reader does not look), and the import graph has no cycle: layers
     config, data -> parallel -> distributed, optimizer, gpt -> pipeline -> checkpoint -> hf_gpt2
-    -> train."""
-    edges, by_path = {}, {path: name for name, path in MODULES.items()}
+    -> train. instruments/ is below train (train imports it), tools/ above it: no module outside
+    tools/ imports tools/ or train."""
+    edges, by_path, upward = {}, {path: name for name, path in MODULES.items()}, []
     for module in MODULES:
         tree = ast.parse(open(os.path.join(HERE, module_path(module))).read())
         top = set(tree.body)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = [by_path.get(a.name) for a in node.names]
+                raw = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                # `from settings.config import X`, or `from tools import memory, sample`
+                # `from settings.config import X`, or `from instruments import memory, sample`
                 names = [by_path.get(node.module)] + [by_path.get(f"{node.module}.{a.name}")
                                                       for a in node.names]
+                raw = [node.module]
             else:
                 continue
             for name in set(names) & set(MODULES) - {module}:
                 assert node in top, f"{module}.py:{node.lineno} imports {name} inside a function"
                 edges.setdefault(module, set()).add(name)
+            if not MODULES[module].startswith("tools."):
+                upward += [f"{module}.py:{node.lineno} imports {imported}" for imported in raw
+                           if imported == "train" or imported.split(".")[0] == "tools"]
+    assert not upward, f"imports that run back up: {upward}"
     order = []                                       # depth-first topological sort, cycles fail
     def visit(module, path=()):
         assert module not in path, "import cycle: " + " -> ".join(path + (module,))
@@ -276,11 +284,11 @@ LAYER_MODULES = ("layers", "parallel", "context_parallel", "moe", "gpt", "fused"
 
 def test_the_concepts_hold_their_concept_alone():
     """What observes a concept does it from outside: the concept modules import nothing of
-    tools/ or formats/ (the ledger and the flight recorder hear the collectives through
-    parallel.observe, the timers time the Trainer's and the schedule's phases through their
-    `phase` hook, a router gives its losses to its `tracker`); the Trainer and the schedule keep no
-    clock, ledger, recorder or metric; the optimizers no checkpoint or memory method. A layer's
-    forms are given when it is built (no setattr but gpt.cast_parameters', Megatron's
+    instruments/, tools/ or formats/ (the ledger and the flight recorder hear the collectives
+    through parallel.observe, the timers time the Trainer's and the schedule's phases through
+    their `phase` hook, a router gives its losses to its `tracker`); the Trainer and the schedule
+    keep no clock, ledger, recorder or metric; the optimizers no checkpoint or memory method. A
+    layer's forms are given when it is built (no setattr but gpt.cast_parameters', Megatron's
     Float16Module replacing parameters), and the layers do not check again what the config
     checks (no raise but a library's `__main__` refusal)."""
     for module in CONCEPT_MODULES:
@@ -288,7 +296,8 @@ def test_the_concepts_hold_their_concept_alone():
         imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                     and n.module] + [a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
                                      for a in n.names]
-        assert not [m for m in imported if m.split(".")[0] in ("tools", "formats")], module
+        assert not [m for m in imported
+                    if m.split(".")[0] in ("instruments", "tools", "formats")], module
         setattrs = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
                     for c in ast.walk(f) if isinstance(c, ast.Call)
                     and getattr(c.func, "id", None) == "setattr"]
@@ -2583,7 +2592,7 @@ def check_layer(c, state, label, dense, par, x, in_dim=None, out_dim=None, out_c
                 float_input=True, expected=None):
     """Forward and gradients of `par` against `dense` on loss = sum(out * R). in_dim / out_dim:
     the dimension along which the parallel input / output is this rank's slice (None = full).
-    expected: ((forward counts), (backward counts)) of the ledger (tools/ledger.py)."""
+    expected: ((forward counts), (backward counts)) of the ledger (instruments/ledger.py)."""
     tp, r = state.tp, state.tp_rank
     cut = lambda a, dim, chunks=1: a if dim is None else shard(a, dim, r, tp, chunks)
     load_full_weights(dense, par, state, seed=7)
@@ -6163,7 +6172,7 @@ def test_plan_allocates_nothing_and_prints_the_docs_output(tmp_path, capsys):
     """`plan` of PanGu 38B on 128 ranks builds no model and no process group, and its process stays
     small (MindSpore imported, nothing allocated: well under one stage's 4.9 GiB of weights). Its
     output is docs/memory.md's, line for line."""
-    script = ("import sys, gpt, parallel, train\nfrom tools import memory\n"
+    script = ("import sys, gpt, parallel, train\nfrom instruments import memory\n"
               "def refuse(*a, **k): raise AssertionError('plan built a model or process groups')\n"
               "gpt.GPTModel.__init__ = parallel.initialize_model_parallel = refuse\n"
               "code = train.main(['plan', '--config', 'configs/pangu_38b.yaml',"
@@ -10408,10 +10417,10 @@ def test_the_flight_recorder_compares_a_graph_on_each_of_its_groups():
 
 @pytest.mark.tp
 def test_a_signal_after_every_rank_ended_is_told_from_a_failure(tmp_path):
-    """run.sh's question when a worker dies by a signal (`python -m tools.flight_recorder --ended
-    N LOG_DIR`): were all N ranks' records written at exit with no error in them (their training
-    returned: the run is done, the signal came in MindSpore's exit), or was one still working,
-    failing, or without a record (a failure, restarted as ever)."""
+    """run.sh's question when a worker dies by a signal (`python -m instruments.flight_recorder
+    --ended N LOG_DIR`): were all N ranks' records written at exit with no error in them (their
+    training returned: the run is done, the signal came in MindSpore's exit), or was one still
+    working, failing, or without a record (a failure, restarted as ever)."""
     def write(rank, ended=True, reason=None):
         record = {"rank": rank, "job": "j", "pid": 1, "written": 0.0, "last": 0.0,
                   "ended": ended, "reason": reason, "events": []}
@@ -10435,7 +10444,7 @@ def test_the_flight_recorder_thread_ends_before_the_interpreter(tmp_path):
     script = ("import atexit, threading\n"
               # atexit runs its calls last first: this one after the recorder's
               "atexit.register(lambda: print(len(threading.enumerate())))\n"
-              "from tools import flight_recorder\n"
+              "from instruments import flight_recorder\n"
               f"flight_recorder.start({str(tmp_path)!r}, 0, 2)\n")
     env = {k: v for k, v in os.environ.items() if k != "MS_ROLE"}
     done = subprocess.run([sys.executable, "-c", script], cwd=HERE, env=env, capture_output=True,

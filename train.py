@@ -3,16 +3,16 @@
 
 Also `python train.py preprocess <Megatron preprocess_data.py flags>`, `check --nproc N [flags]`
 (what run.sh runs before msrun: the config, the layout for N workers and the input files, checked
-in one process), `generate --load DIR --prompt TEXT` (tools/sample.py), and the checkpoint
+in one process), `generate --load DIR --prompt TEXT` (instruments/sample.py), and the checkpoint
 commands `convert`, `import-hf`, `export-hf`, `import-megatron` (formats/), and `plan --world-size
-N` (tools/memory.py): the table COMMANDS.
+N` (instruments/memory.py): the table COMMANDS.
 
 One training step (Megatron's train_step, one process):
   for each of micro_batch_num micro-batches: loss_i * loss_scale / micro_batch_num, backward,
   gradients summed; then their data-parallel reduction (distributed.py) and optimizer.step()
   (optimizer.py): unscale, check inf/nan (skip the step if found), clip, update with the
   scheduler's lr and weight decay. What a run prints and records watches the steps from outside
-  (tools/logs.py).
+  (instruments/logs.py).
 """
 import contextlib
 import os
@@ -35,16 +35,16 @@ from backends import shared_memory
 from formats import checkpoint, hf_gpt2
 from gpt import (DropoutRNG, hidden_dtype, init_weights, layer_spec, model_pieces,
                  model_provider)
+from instruments import flight_recorder, memory, sample
+from instruments.ledger import LEDGER
+from instruments.logs import (LogWindow, Timers, log, log_eval_loss, log_start, loss_rank,
+                              open_metrics, setup_logging)
 from settings.cli import (CONFIG_FLAG, HelpRequested, end_with_parent, load_config, parse_command,
                           raw_config, training_help)
 from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, local_worker_num,
                              main_grad_dtype, moe_layer_pattern, padded_vocab_size, parse_blend,
                              recompute_counts, samples_per_split)
 from tokenizer import build_tokenizer
-from tools import flight_recorder, memory, sample
-from tools.ledger import LEDGER
-from tools.logs import (LogWindow, Timers, log, log_eval_loss, log_start, loss_rank, open_metrics,
-                        setup_logging)
 
 
 _MINDSPORE_READY = []
@@ -291,7 +291,7 @@ class Trainer:
     schedule's forward and backward over a step's micro-batches (pipeline.ForwardBackward, with
     data parallelism's callbacks), the gradients' reductions, the optimizer's step.
     `phase(name)`: a context manager around each phase of a step and pass, for what observes
-    them (tools/logs.Timers)."""
+    them (instruments/logs.Timers)."""
 
     def __init__(self, cfg, model, ddp, optimizer, scheduler, state=None,
                  phase=contextlib.nullcontext):

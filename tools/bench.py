@@ -59,9 +59,10 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+from instruments import flight_recorder, memory
 from settings.cli import (PROJECT, PROJECT_CONFIG, load_config, msrun_command,
                           parse_layouts_command)
-from tools import bench_peer, flight_recorder, memory
+from tools import bench_peer
 from tools.bench_torch import SHAPE
 from tools.collective_timing import OPS, bus_bandwidth
 

@@ -19,9 +19,9 @@ run ends:
                   a DP sum instead of a mean makes it, moves the norm; Adam and clipping keep
                   the losses within 1e-7)
     comm MiB      what a step hands to collectives on the busiest rank, from the ledger
-                  (tools/ledger.py, training_config.log_comm_ledger) beside memory.communication's
-                  formula for that rank; "=" when every rank's ledger equals its formula, call
-                  for call and byte for byte
+                  (instruments/ledger.py, training_config.log_comm_ledger) beside
+                  memory.communication's formula for that rank; "=" when every rank's ledger
+                  equals its formula, call for call and byte for byte
     bubble        the pipeline's measured idle / busy time (timeline.write_timeline) beside
                   (p - 1) / (v m); each pipeline row leaves its timeline SVG in its folder
     peak MiB      the largest resident-memory growth of a rank during training (memory.RankReport)
@@ -49,10 +49,11 @@ import numpy as np
 import data
 import parallel
 import train
+from instruments import memory
 from settings.cli import (PROJECT, PROJECT_CONFIG, HelpRequested, load_config, msrun_command,
                           parse_command)
 from settings.config import ConfigError
-from tools import bugs, memory
+from tools import bugs
 
 SHAKESPEARE = os.path.join(PROJECT, "data", "tinyshakespeare.txt")      # the shipped corpus
 STEPS = 10

@@ -1,7 +1,8 @@
 """The run's scalars for people to watch: a JSON Lines log, a loss plot, TensorBoard event files.
 
-The rank that logs the loss (tools/logs.open_metrics) writes them through `Metrics`, into the run's
-save folder (`--save`, ./output by default: every run has one, as it has its log folder there):
+The rank that logs the loss (instruments/logs.open_metrics) writes them through `Metrics`, into the
+run's save folder (`--save`, ./output by default: every run has one, as it has its log folder
+there):
 - `<save>/metrics.jsonl`, JSON Lines (https://jsonlines.org): one object per line, appended
   as the run goes. A train record per log interval: `step`, `split: "train"`, `time` (unix
   seconds) and the scalars the run measured (`TRAIN_TAGS`'s keys; a key is absent when not

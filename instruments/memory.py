@@ -471,8 +471,8 @@ def stage_activations(cfg, rank):
 
 # ============================================================================ communication
 def communication(cfg, rank):
-    """Collectives per step on a rank of pipeline stage `rank`, as tools/ledger.py counts them
-    ({(group kind, op): (calls, bytes of the input tensors)}), by the formulas the suite's
+    """Collectives per step on a rank of pipeline stage `rank`, as instruments/ledger.py counts
+    them ({(group kind, op): (calls, bytes of the input tensors)}), by the formulas the suite's
     test_tp_ledger_counts_match_the_formulas and test_dp_ledger_counts_match_the_formulas check:
     per micro-batch, tensor parallelism all-reduces [s, b, h] 4 times a layer, once for the
     embedding and once for the logits' gradient, plus the cross-entropy's 3 of [s, b]; with

@@ -2,7 +2,7 @@
 (output/log/rank_N/), the opening lines, a train line every log_interval steps (Megatron's
 training_log) with the timers of a step's phases, the ledger's `comm:` line, the evaluation
 lines, the pipeline's timeline and bubble, and the same numbers in metrics.jsonl, loss.svg and
-TensorBoard files (tools/metrics.py) on the rank that logs the loss."""
+TensorBoard files (instruments/metrics.py) on the rank that logs the loss."""
 import collections
 import contextlib
 import itertools
@@ -21,13 +21,13 @@ import data
 import moe
 import parallel
 from gpt import global_name, num_floating_point_operations
+from instruments import memory, timeline
+from instruments.ledger import LEDGER
+from instruments.metrics import Metrics
+from instruments.profiler import StepProfiler
 from moe import METRICS
 from parallel import F32
 from settings.config import moe_layer_pattern, to_dict
-from tools import memory, timeline
-from tools.ledger import LEDGER
-from tools.metrics import Metrics
-from tools.profiler import StepProfiler
 
 log = logging.getLogger("train")
 

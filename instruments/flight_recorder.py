@@ -39,7 +39,8 @@ EVENTS = 128              # the ring buffer: enough for a step's collectives of 
 WRITE_EVERY = 1.0         # seconds between writes of the record
 STALL = 5.0               # seconds without a new collective before the peers' records are read
 # the project's code: the files of its folder and of its folders of modules
-CODE = {PROJECT, *(os.path.join(PROJECT, folder) for folder in ("settings", "formats", "tools"))}
+CODE = {PROJECT, *(os.path.join(PROJECT, folder)
+                   for folder in ("settings", "formats", "instruments", "tools"))}
 NOT_CALLERS = (os.path.join(PROJECT, "parallel.py"), os.path.abspath(__file__))
 FILE = "flight_recorder_rank_{}.json"
 # a launch: msrun's scheduler port and the msrun process that started the worker (one node's)

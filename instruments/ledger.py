@@ -1,7 +1,7 @@
 """The ledger: calls and payload bytes of a step's collectives, per (group kind, op), as an
 observer of parallel.py's collectives (parallel.observe). The log's `comm:` line
 (training_config.log_comm_ledger), the tour's comm column and the suite's checks read it;
-tools/memory.py's `communication` is its formula, from the config alone.
+instruments/memory.py's `communication` is its formula, from the config alone.
 
 Op by op a collective is counted as it runs. Inside ms.jit it is seen once, while MindSpore
 compiles the graph (shapes are known then): the ledger keeps what each graph holds and counts it
