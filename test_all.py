@@ -4657,13 +4657,13 @@ def test_no_fusions_builds_the_local_spec(model):
     assert gpt.layer_spec(plain_cfg.model_config) == gpt.local_spec(plain_cfg.model_config)
     assert not [name for name, cell in plain.cells_and_names()
                 if type(cell).__module__ == "fused"]
-    assert plain.mask_layout is gpt.keep_mask
+    assert plain.attention_mask.layout is gpt.keep_mask
     fused_cfg, model_ = tiny_model(*flags)
     for cfg, built, cast in ((plain_cfg, plain, layers.cast),
                              (fused_cfg, model_, fused.eager_cast)):
         ddp = distributed.build_data_parallel(cfg, built)
         optim, scheduler = train.optimizer_and_scheduler(cfg, built, ddp)
-        assert train.Trainer(cfg, built, ddp, optim, scheduler).cast is optim.cast is cast
+        assert train.Trainer(cfg, built, ddp, optim, scheduler).schedule.cast is optim.cast is cast
     kinds = {type(cell).__name__ for _, cell in model_.cells_and_names()
              if type(cell).__module__ == "fused"}
     norm = "FusedRMSNorm" if model == "llama" else "FusedLayerNorm"
@@ -4672,7 +4672,7 @@ def test_no_fusions_builds_the_local_spec(model):
     linears = {"LinearMatMul", "BiasAdd", "FusedSplitLastDim", "FusedScaleMaskSoftmax",
                "FusedBiasDropoutAdd", "FusedCrossEntropy"}
     assert linears | {norm, activation} | rotary <= kinds, kinds
-    assert model_.mask_layout is fused.tile_mask
+    assert model_.attention_mask.layout is fused.tile_mask
 
 
 def test_fusion_flags_round_trip():
@@ -10207,12 +10207,14 @@ def test_a_signal_to_run_sh_stops_what_it_runs_in_one_process(run_sh, stage, arg
     while not (calls.exists() and calls.read_text().count("python\t") >= sleep_at):
         assert job.poll() is None and time.time() - started < 30, job.communicate()
         time.sleep(0.01)
-    time.sleep(0.2)                                             # the stand-in asleep by now
     sleeper = int([line for line in calls.read_text().splitlines()
                    if line.startswith("python")][-1].split("\t")[1])
+    while not pathlib.Path(f"/proc/{sleeper}/cmdline").read_bytes().startswith(b"sleep"):
+        assert time.time() - started < 30, "the stand-in never went to sleep"   # it exec's sleep
+        time.sleep(0.01)
     os.kill(job.pid, sig)
     try:
-        _, err = job.communicate(timeout=20)
+        _, err = job.communicate(timeout=60)
         stopped = ended_within(sleeper, 1)
     finally:
         for pid in (job.pid, sleeper):                      # run.sh, its stand-in: no leftover
