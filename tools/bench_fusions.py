@@ -6,15 +6,16 @@
 
 One process times a compiled forward + backward of bench.py's model (micro-batch 8), and of it
 LLaMA-style (RoPE, SwiGLU, RMSNorm, no biases), under --fusions with every keyed fused form
-(fused.py) off, each one alone, and all on, the runs alternated step by step (this machine's
-speed drifts): the median ms of each and its gain over all off (which keeps the forms with no
-key of their own: the linears', the q/k/v split's, the tiled mask). `broadcast` times an elementwise product whose second
-operand is a column [n, 1] or a row [h] broadcast by the op itself, against the same operand
-made full-size first by a MatMul with a ones vector (fused.broadcast_column, broadcast_row),
-the reason the fused forms do the latter. `layernorm` times 9 chained LayerNorms on [2048, 256],
-forward and backward, as the ops.LayerNorm kernel (gpt.LayerNorm) and as fused.FusedLayerNorm, and
-with --torch as PyTorch's kernels (`PYTHON bench_torch.py torch-layernorm`). Not part of bench.py,
-whose PyTorch reference runs under a python without MindSpore.
+(fused.py) off, each one alone, and all on, the runs alternated step by step (this machine's speed
+drifts): the median ms of each and its gain over all off (which keeps the forms with no key of
+their own: the linears', the q/k/v split's, the tiled mask). `broadcast` times an elementwise
+product whose second operand is a column [n, 1] or a row [h] broadcast by the op itself, against
+the same operand made full-size first by a MatMul with a ones vector (fused.broadcast_column,
+broadcast_row), the reason the fused forms do the latter. `layernorm` times 9 chained LayerNorms on
+[2048, 256], forward and backward, as the ops.LayerNorm kernel (gpt.LayerNorm) and as
+fused.FusedLayerNorm, and with --torch as PyTorch's kernels
+(`PYTHON bench_torch.py torch-layernorm`). Not part of bench.py, whose PyTorch reference runs
+under a python without MindSpore.
 """
 import subprocess
 import sys

@@ -4,14 +4,13 @@
     bash run.sh tour --break NAME|all|list   a named bug planted (tools/bugs.py): what catches it
 
 A tiny GPT (MODEL: 4 layers, hidden 64, 4 heads, sequence 64, byte tokens of the shipped
-tinyshakespeare) trains STEPS steps, compiled by ms.jit as in production, in each layout of
-LAYOUTS and in one process, from the same initial weights on the same batches (float32; the
-fp16 row against a float16 process); with --fusions every run, the one-process ones too, has
-the fast forms of fused.py (gpt.layer_spec), and with --no-jit every run goes op by op. The layouts of one
-worker count share one msrun launch, its workers running them one after another (this file is
-their program too: `python tour.py --runs RUNS.json`, which calls train.main per run; a run that
-fails ends its workers, and the runs after it go on in a new launch); a row is printed as each
-run ends:
+tinyshakespeare) trains STEPS steps, compiled by ms.jit as in production, in each layout of LAYOUTS
+and in one process, from the same initial weights on the same batches (float32; the fp16 row
+against a float16 process); with --fusions every run, the one-process ones too, has the fast forms
+of fused.py (gpt.layer_spec), and with --no-jit every run goes op by op. The layouts of one worker
+count share one msrun launch, its workers running them one after another (this file is their
+program too: `python tour.py --runs RUNS.json`, which calls train.main per run; a run that fails
+ends its workers, and the runs after it go on in a new launch); a row is printed as each run ends:
 
     vs one        the largest relative difference of the STEPS losses and gradient norms from
                   one process's, then `equal` within RTOL, else `DIFFERS`: the tour stops there,
