@@ -820,6 +820,8 @@ GUIDE_VALUES = {
     "parallel_config.num_layer_list": ([3, 1], _PP2),
     "parallel_config.select_recompute": (True, []),
     "parallel_config.expert_model_parallel_size": (2, ["--num-experts", "4"]),
+    # a fused form's key acts under --fusions only (the plain forms are the default)
+    **{f"model_config.{key}": (False, ["--fusions"]) for key in config.FUSION_KEYS},
     "optimizer_config.overlap_param_gather": (True, ["--use-distributed-optimizer",
                                                      "--overlap-grad-reduce"])}
 
@@ -7496,7 +7498,8 @@ def test_megatron_core_torch_dist_checkpoint_imports_and_generates_its_tokens(na
     """Each torch_dist checkpoint megatron-core saved (make_dist_fixtures.py: TP1 GPT-2 style in
     float32; TP2 Llama style in bfloat16, RoPE, SwiGLU, RMSNorm, GQA, untied; four experts,
     top-2, stacked on the layer and expert axes) imports without torch: its logits after the
-    prompt are megatron-core's forward's (1e-5) and greedy decoding gives its tokens; imported
+    prompt are megatron-core's forward's (1e-4: the plain tanh GELU carries MindSpore's Tanh
+    kernel error, TANH_KERNEL_ERROR; 5e-5 here) and greedy decoding gives its tokens; imported
     into another layout it holds the same weights; `generate --load` of Megatron's folder
     itself prints the same tokens."""
     want, root = expected(name), fixture(name)
@@ -7505,7 +7508,7 @@ def test_megatron_core_torch_dist_checkpoint_imports_and_generates_its_tokens(na
     assert f"torch_dist, {want['dtype']} weights" in capsys.readouterr().out
     model, tokenizer, _ = sample.load_model(one)
     np.testing.assert_allclose(logits_after(model, want["prompt"])[: want["vocab"]],
-                               want["prompt_logits"], atol=1e-5)
+                               want["prompt_logits"], atol=1e-4)
     assert generate(model, want["prompt"], len(want["greedy"]), temperature=0,
                     vocab_size=want["vocab"]) == want["greedy"]
     checkpoint.import_megatron_main([root, "--save", other, *DIST_OTHER_LAYOUT[name]])
