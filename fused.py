@@ -1,7 +1,7 @@
 """Fast forms of the model's small operators, each equal to a plain form in gpt.py or layers.py
 (values and gradients: test_fused_form_equals_its_plain_form). The layer spec (gpt.layer_spec) puts
-them in place at model build, each chosen by its config key, none with model_config.fusions
-false (--no-fusions: the plain model), as Megatron-core's layer specs put Transformer
+them in place at model build with model_config.fusions (--fusions), each chosen by its config key;
+none without it (the default: the plain model), as Megatron-core's layer specs put Transformer
 Engine's layers in place of its local ones (docs/performance.md#fusions). Beside them, the one
 half-precision form, ComputeIn: a form with its inputs cast to the compute dtype first, chosen at
 build by in_compute_dtype (a linear's matmul and bias add, what adds a linear's skipped bias, an

@@ -309,7 +309,7 @@ class LayerSpec:
 
 def local_spec(cfg):
     """Every operator in its plain form (written in this file and parallel.py), what a learner
-    reads: model_config.fusions false, --no-fusions."""
+    reads and the default build runs (model_config.fusions false)."""
     return LayerSpec(linear_forms=layers.plain_forms,
                      core_attention=FlashAttention if cfg.use_flash_attention else CoreAttention,
                      norm=RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm,
@@ -319,7 +319,7 @@ def local_spec(cfg):
 
 
 def layer_spec(cfg):
-    """The spec a model is built with: the local spec, with model_config.fusions (the default)
+    """The spec a model is built with: the local spec; with model_config.fusions (--fusions)
     the fast forms of fused.py in place of the plain ones, each where its own key asks for it
     (config.py turns every such key off without fusions); each tested equal to its plain
     form (test_fused_form_equals_its_plain_form). The linears' matmul and bias add, the q/k/v

@@ -831,6 +831,8 @@ GUIDE_VALUES = {
     "parallel_config.num_layer_list": ([3, 1], _PP2),
     "parallel_config.select_recompute": (True, []),
     "parallel_config.expert_model_parallel_size": (2, ["--num-experts", "4"]),
+    # a fused form's key acts under --fusions only (the plain forms are the default)
+    **{f"model_config.{key}": (False, ["--fusions"]) for key in config.FUSION_KEYS},
     "optimizer_config.overlap_param_gather": (True, ["--use-distributed-optimizer",
                                                      "--overlap-grad-reduce"])}
 
@@ -4604,6 +4606,7 @@ def test_fused_gelu_is_accurate(tanh):
 
 
 UNFUSED = ["--no-fusions"]            # every fused form off: the plain model (gpt.local_spec)
+FUSED = ["--fusions"]                 # the fast forms of fused.py, each where its key asks
 LLAMA = [*VARIANTS["gqa"], *VARIANTS["rope"], *VARIANTS["swiglu"], *VARIANTS["rmsnorm"]]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
@@ -4619,8 +4622,8 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
          "llama-compiled-selective recompute",
          "gpt2-dropout", "gpt2-fp16"])
 def test_fused_model_equals_the_plain_model(model, mode, extra):
-    """A tiny model with every fused form on (the defaults) gives the plain model's
-    (--no-fusions) loss and every parameter gradient (relative 1e-5; float16 2e-3): GPT-2 style
+    """A tiny model with every fused form on (--fusions) gives the plain model's (the default)
+    loss and every parameter gradient (relative 1e-5; float16 2e-3): GPT-2 style
     (LayerNorm, tanh GELU, biases) and LLaMA style (GQA, RoPE, SwiGLU, RMSNorm); op by op and
     compiled (against the plain model op by op: one compilation a case, of one layer); inside
     full and selective recompute (the fused softmax in the recomputed core attention); with
@@ -4628,9 +4631,9 @@ def test_fused_model_equals_the_plain_model(model, mode, extra):
     layers = ["--num-layers", "1"] if mode == "compiled" else []
     flags = (LLAMA if model == "llama" else []) + extra + layers
     results = []
-    for unfused in (UNFUSED, []):
-        cfg, model_ = tiny_model(*flags, *unfused)
-        net = gpt.Compiled(model_) if mode == "compiled" and not unfused else model_
+    for fusions in ([], FUSED):
+        cfg, model_ = tiny_model(*flags, *fusions)
+        net = gpt.Compiled(model_) if mode == "compiled" and fusions else model_
         grad_fn = ms.value_and_grad(net, None, model_.trainable_params())
         loss, grads = grad_fn(*train.to_tensors(random_batch(cfg)))
         results.append([loss.asnumpy()] + [g.asnumpy().astype(np.float32) for g in grads])
@@ -4644,21 +4647,23 @@ def test_fused_model_equals_the_plain_model(model, mode, extra):
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
-def test_no_fusions_builds_the_local_spec(model):
-    """--no-fusions (model_config.fusions false) turns every fused form's key off
-    (config.FUSION_KEYS, bench_fusions.FUSIONS' keys) and builds a model of plain forms only: no
-    Cell of fused.py in it, the mask kept [1, 1, s, s], the training step casting (the optimizer's
-    main params and grads, the gradients' sum) with layers.cast; the default build has a fused
-    form for every field of the spec that the model uses, and casts with fused.eager_cast."""
+def test_the_default_builds_the_local_spec(model):
+    """The default (model_config.fusions false; --no-fusions says it too) turns every fused
+    form's key off (config.FUSION_KEYS, bench_fusions.FUSIONS' keys) and builds a model of plain
+    forms only: no Cell of fused.py in it, the mask kept [1, 1, s, s], the training step casting
+    (the optimizer's main params and grads, the gradients' sum) with layers.cast; --fusions
+    builds a fused form for every field of the spec that the model uses, and casts with
+    fused.eager_cast."""
     flags = LLAMA if model == "llama" else ["--add-bias-linear"]
     assert set(config.FUSION_KEYS) == set(bench_fusions.FUSIONS)
-    plain_cfg, plain = tiny_model(*flags, "--no-fusions")
+    plain_cfg, plain = tiny_model(*flags)
+    assert plain_cfg.model_config == tiny_cfg(*flags, *UNFUSED).model_config
     assert not any(getattr(plain_cfg.model_config, key) for key in config.FUSION_KEYS)
     assert gpt.layer_spec(plain_cfg.model_config) == gpt.local_spec(plain_cfg.model_config)
     assert not [name for name, cell in plain.cells_and_names()
                 if type(cell).__module__ == "fused"]
     assert plain.attention_mask.layout is gpt.keep_mask
-    fused_cfg, model_ = tiny_model(*flags)
+    fused_cfg, model_ = tiny_model(*flags, *FUSED)
     for cfg, built, cast in ((plain_cfg, plain, layers.cast),
                              (fused_cfg, model_, fused.eager_cast)):
         ddp = distributed.build_data_parallel(cfg, built)
@@ -4676,20 +4681,25 @@ def test_no_fusions_builds_the_local_spec(model):
 
 
 def test_fusion_flags_round_trip():
-    """Each fused form is on by default (Megatron's default; the loss fusion, off in Megatron,
+    """No fused form by default (the plain forms the reading order lists); with --fusions (or
+    model_config.fusions=true) each is on (Megatron's default; the loss fusion, off in Megatron,
     because it measured faster here); its Megatron or MindSpeed flag and its YAML key turn it
     off or on (bench_fusions.FUSIONS names the flag that turns each off)."""
-    model = load_config("config.yaml", []).model_config
-    assert all(getattr(model, key) is True for key in bench_fusions.FUSIONS)
+    plain = load_config("config.yaml", []).model_config
+    assert plain.fusions is False
+    assert not any(getattr(plain, key) for key in bench_fusions.FUSIONS)
+    for on in (FUSED, ["model_config.fusions=true"]):
+        model = load_config("config.yaml", on).model_config
+        assert all(getattr(model, key) is True for key in bench_fusions.FUSIONS), on
     for key, off in bench_fusions.FUSIONS.items():
-        assert getattr(load_config("config.yaml", [off]).model_config, key) is False, off
-        assert getattr(load_config("config.yaml", [f"model_config.{key}=false"]).model_config,
-                       key) is False
+        assert getattr(load_config("config.yaml", [*FUSED, off]).model_config, key) is False, off
+        assert getattr(load_config("config.yaml", [*FUSED, f"model_config.{key}=false"])
+                       .model_config, key) is False
     for flag, key in [("--use-fused-swiglu", "apply_swiglu_fusion"),
                       ("--apply-rope-fusion", "apply_rope_fusion"),
                       ("--use-fused-rmsnorm", "use_fused_rmsnorm"),
                       ("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion")]:
-        on = load_config("config.yaml", [bench_fusions.FUSIONS[key], flag]).model_config
+        on = load_config("config.yaml", [*FUSED, bench_fusions.FUSIONS[key], flag]).model_config
         assert getattr(on, key) is True, flag
 
 
@@ -7531,7 +7541,8 @@ def test_megatron_core_torch_dist_checkpoint_imports_and_generates_its_tokens(na
     """Each torch_dist checkpoint megatron-core saved (make_dist_fixtures.py: TP1 GPT-2 style in
     float32; TP2 Llama style in bfloat16, RoPE, SwiGLU, RMSNorm, GQA, untied; four experts,
     top-2, stacked on the layer and expert axes) imports without torch: its logits after the
-    prompt are megatron-core's forward's (1e-5) and greedy decoding gives its tokens; imported
+    prompt are megatron-core's forward's (1e-4: the plain tanh GELU carries MindSpore's Tanh
+    kernel error, TANH_KERNEL_ERROR; 5e-5 here) and greedy decoding gives its tokens; imported
     into another layout it holds the same weights; `generate --load` of Megatron's folder
     itself prints the same tokens."""
     want, root = expected(name), fixture(name)
@@ -7540,7 +7551,7 @@ def test_megatron_core_torch_dist_checkpoint_imports_and_generates_its_tokens(na
     assert f"torch_dist, {want['dtype']} weights" in capsys.readouterr().out
     model, tokenizer, _ = sample.load_model(one)
     np.testing.assert_allclose(logits_after(model, want["prompt"])[: want["vocab"]],
-                               want["prompt_logits"], atol=1e-5)
+                               want["prompt_logits"], atol=1e-4)
     assert generate(model, want["prompt"], len(want["greedy"]), temperature=0,
                     vocab_size=want["vocab"]) == want["greedy"]
     checkpoint.import_megatron_main([root, "--save", other, *DIST_OTHER_LAYOUT[name]])
@@ -9628,12 +9639,12 @@ def test_finetune_no_load_optim_and_no_load_rng(tmp_path, stopped_runs):
 FP32_RUN = ["--train-iters", "20", "--lr", "3e-3", "--global-batch-size", "8", "--num-layers", "1"]
 
 
-def test_the_plain_model_trains_as_the_default_build(tmp_path):
-    """--no-fusions (every operator in its plain form, gpt.local_spec) trains as the default
-    build with every fast form: 4 steps with MLP biases (bias-GeLU, bias-dropout-add), their
+def test_the_fused_model_trains_as_the_default_build(tmp_path):
+    """--fusions (every fast form of fused.py) trains as the default build, every operator in
+    its plain form (gpt.local_spec): 4 steps with MLP biases (bias-GeLU, bias-dropout-add), their
     losses and gradient norms within the tour's float32 tolerance of a layout (tour.RTOL)."""
     runs = [run_training(tmp_path, name, "--train-iters", "4", "--add-bias-linear", *flags)[0]
-            for name, flags in (("fused", []), ("plain", ["--no-fusions"]))]
+            for name, flags in (("fused", FUSED), ("plain", []))]
     for values, key in ((losses_of, "loss"), (grad_norms_of, "grad norm")):
         fused_values, plain_values = (np.array(values(lines)) for lines in runs)
         assert len(fused_values) == 4

@@ -233,8 +233,8 @@ def _finalize_cpu_collectives(training_cfg, world_size):
                           f"{unfit}: use mccl (MindSpore's own) or auto")
 
 
-# the keys of the fused forms (fused.py), each on by default; model_config.fusions false turns
-# them all off (gpt.layer_spec: the plain model)
+# the keys of the fused forms (fused.py), each on by default; model_config.fusions false (the
+# default; --fusions sets it) turns them all off (gpt.layer_spec: the plain model)
 FUSION_KEYS = ("apply_swiglu_fusion", "apply_rope_fusion", "use_fused_rmsnorm",
                "persist_layer_norm", "bias_gelu_fusion", "masked_softmax_fusion",
                "bias_dropout_fusion", "cross_entropy_loss_fusion")

@@ -483,10 +483,14 @@ MODEL = [
     inert("model_config.fa_config.pre_tokens", _FUSED_FA, flag="--pre-tockens"),
     inert("model_config.fa_config.next_tokens", _FUSED_FA, flag="--next-tockens"),
     inert("model_config.fa_config.input_layout", _FUSED_FA, flag="--shape-order"),
-    # the fused forms (fused.py), on by default as Megatron's fusions are
-    key("model_config.fusions", True, bool, None,
+    # the fused forms (fused.py): off by default, so that what runs is the plain forms the
+    # reading order lists (docs/performance.md#fusions: what they gain here); --fusions opts in,
+    # as Megatron's transformer_engine spec against its local one, and each form's key below
+    # (on, as Megatron's fusions are) then picks that form
+    key("model_config.fusions", False, bool, None,
         "the fast forms of fused.py where their keys below ask (gpt.layer_spec); false: every "
-        "operator in its plain form, those keys too", switch={"--no-fusions": False}),
+        "operator in its plain form, those keys too",
+        switch={"--fusions": True, "--no-fusions": False}),
     key("model_config.apply_swiglu_fusion", True, bool, None,
         "SwiGLU with a hand backward reusing its sigmoid (fused.SwiGLU)",
         switch={"--use-fused-swiglu": True, "--no-bias-swiglu-fusion": False}),

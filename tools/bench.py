@@ -25,6 +25,9 @@ this machine's speed drifts; the table gives each run's figures per round.
     one_fp16, tp2_sp_fp16, dp2_fp16
                        the same in float16 (Megatron's --fp16, loss scale 4096 so that no step
                        is skipped)
+    one_fused, tp2_fused
+                       one process and TP2 with the fast forms of fused.py (--fusions), each
+                       against the same layout in the plain forms, the default
     torch              the same GPT in PyTorch eager (`--torch /path/to/python-with-torch`;
                        torch is not a dependency:
                        `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch numpy pyyaml`),
@@ -99,6 +102,9 @@ BASE = {"moe_ep2": "moe", "dp2_overlap": "dp2_buckets",   # the run a layout is 
 FP16 = ["--fp16", "--initial-loss-scale", "4096"]
 LAYOUTS.update({f"{name}_fp16": (LAYOUTS[name][0], LAYOUTS[name][1] + FP16)
                 for name in ("one", "tp2_sp", "dp2")})
+LAYOUTS.update({f"{name}_fused": (LAYOUTS[name][0], LAYOUTS[name][1] + ["--fusions"])
+                for name in ("one", "tp2")})
+BASE.update({"one_fused": "one", "tp2_fused": "tp2"})
 
 
 def run_layout(name, steps, folder):

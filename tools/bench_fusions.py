@@ -5,15 +5,17 @@
     .venv/bin/python bench_fusions.py layernorm [--torch PYTHON]
 
 One process times a compiled forward + backward of bench.py's model (micro-batch 8), and of it
-LLaMA-style (RoPE, SwiGLU, RMSNorm, no biases), with every fused form (fused.py) off, each one
-alone, and all on, the runs alternated step by step (this machine's speed drifts): the median
-ms of each and its gain over all off. `broadcast` times an elementwise product whose second
-operand is a column [n, 1] or a row [h] broadcast by the op itself, against the same operand
-made full-size first by a MatMul with a ones vector (fused.broadcast_column, broadcast_row),
-the reason the fused forms do the latter. `layernorm` times 9 chained LayerNorms on [2048, 256],
-forward and backward, as the ops.LayerNorm kernel (gpt.LayerNorm) and as fused.FusedLayerNorm, and
-with --torch as PyTorch's kernels (`PYTHON bench_torch.py torch-layernorm`). Not part of bench.py,
-whose PyTorch reference runs under a python without MindSpore.
+LLaMA-style (RoPE, SwiGLU, RMSNorm, no biases), under --fusions with every keyed fused form
+(fused.py) off, each one alone, and all on, the runs alternated step by step (this machine's speed
+drifts): the median ms of each and its gain over all off (which keeps the forms with no key of
+their own: the linears', the q/k/v split's, the tiled mask). `broadcast` times an elementwise
+product whose second operand is a column [n, 1] or a row [h] broadcast by the op itself, against
+the same operand made full-size first by a MatMul with a ones vector (fused.broadcast_column,
+broadcast_row), the reason the fused forms do the latter. `layernorm` times 9 chained LayerNorms on
+[2048, 256], forward and backward, as the ops.LayerNorm kernel (gpt.LayerNorm) and as
+fused.FusedLayerNorm, and with --torch as PyTorch's kernels
+(`PYTHON bench_torch.py torch-layernorm`). Not part of bench.py, whose PyTorch reference runs
+under a python without MindSpore.
 """
 import subprocess
 import sys
@@ -32,7 +34,7 @@ from settings.config import padded_vocab_size
 from tools.bench import MODEL, torch_environment
 from tools.bench_torch import SHAPE
 
-# each fused form's key and its flag that turns it off (a plain model: all of them)
+# each fused form's key and its flag that turns it off under --fusions
 FUSIONS = {"bias_gelu_fusion": "--no-bias-gelu-fusion",
            "masked_softmax_fusion": "--no-masked-softmax-fusion",
            "bias_dropout_fusion": "--no-bias-dropout-fusion",
@@ -47,9 +49,9 @@ FUSION_MODELS = {"gpt2": [], "llama": ["--position-embedding-type", "rope", "--s
 
 
 def fused_step(flags):
-    """A compiled forward + backward of the benchmark model with `flags`: a function of no
-    arguments, compiled and run twice (warm)."""
-    cfg = load_config([], [*MODEL, "--micro-batch-size", "8", *flags])
+    """A compiled forward + backward of the benchmark model with --fusions and `flags`: a
+    function of no arguments, compiled and run twice (warm)."""
+    cfg = load_config([], [*MODEL, "--micro-batch-size", "8", "--fusions", *flags])
     cfg.model_config.padded_vocab_size = padded_vocab_size(cfg.model_config, SHAPE["vocab"])
     model = gpt.model_provider(cfg.model_config)
     gpt.init_weights(model, 0)

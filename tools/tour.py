@@ -1,17 +1,16 @@
 """The tour: every parallelism of the project trained beside one process, a row per layout.
 
-    bash run.sh tour [--layouts tp,pp_vpp,...] [--output output/tour] [--no-fusions] [--no-jit]
+    bash run.sh tour [--layouts tp,pp_vpp,...] [--output output/tour] [--fusions] [--no-jit]
     bash run.sh tour --break NAME|all|list   a named bug planted (tools/bugs.py): what catches it
 
 A tiny GPT (MODEL: 4 layers, hidden 64, 4 heads, sequence 64, byte tokens of the shipped
-tinyshakespeare) trains STEPS steps, compiled by ms.jit as in production, in each layout of
-LAYOUTS and in one process, from the same initial weights on the same batches (float32; the
-fp16 row against a float16 process); with --no-fusions every run, the one-process ones too, is
-the plain model (gpt.local_spec), and with --no-jit every run goes op by op. The layouts of one
-worker count share one msrun launch, its workers running them one after another (this file is
-their program too: `python tour.py --runs RUNS.json`, which calls train.main per run; a run that
-fails ends its workers, and the runs after it go on in a new launch); a row is printed as each
-run ends:
+tinyshakespeare) trains STEPS steps, compiled by ms.jit as in production, in each layout of LAYOUTS
+and in one process, from the same initial weights on the same batches (float32; the fp16 row
+against a float16 process); with --fusions every run, the one-process ones too, has the fast forms
+of fused.py (gpt.layer_spec), and with --no-jit every run goes op by op. The layouts of one worker
+count share one msrun launch, its workers running them one after another (this file is their
+program too: `python tour.py --runs RUNS.json`, which calls train.main per run; a run that fails
+ends its workers, and the runs after it go on in a new launch); a row is printed as each run ends:
 
     vs one        the largest relative difference of the STEPS losses and gradient norms from
                   one process's, then `equal` within RTOL, else `DIFFERS`: the tour stops there,
@@ -134,8 +133,8 @@ TOUR_FLAGS = {"--layouts": (list(LAYOUTS), list, "the layouts to run, in this or
               "--break": (None, str, "plant the bug NAME of tools/bugs.py in the layouts it "
                           "concerns (not --layouts) and show which proof catches it; `all`, "
                           "each bug in turn; `list` lists them"),
-              "--no-fusions": (False, bool, "every run, one process's too, with every operator "
-                               "in its plain form (model_config.fusions=false)"),
+              "--fusions": (False, bool, "every run, one process's too, with the fast forms of "
+                            "fused.py (model_config.fusions=true)"),
               "--no-jit": (False, bool, "every run, one process's too, op by op "
                            "(training_config.use_jit=false): the suite's form, quicker to start "
                            "on this tiny model")}
@@ -159,7 +158,7 @@ def parse(argv):
     if unknown or not names:
         raise ConfigError(f"tour: --layouts {','.join(unknown) or '(none)'}: choose from "
                           f"{', '.join(LAYOUTS)}")
-    model_flags = ((["--no-fusions"] if options["no_fusions"] else [])
+    model_flags = ((["--fusions"] if options["fusions"] else [])
                    + (["--no-jit"] if options["no_jit"] else []))
     return ([n for n in LAYOUTS if n in names], os.path.abspath(options["output"]), model_flags,
             broken)
