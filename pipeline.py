@@ -234,7 +234,7 @@ class ForwardBackward:
         self.params = [piece.params for piece in pieces]
         self.tied = [piece.tied_weight() for piece in pieces]     # an input's copy, or None
         # where each piece's parameters, and its tied weight's gradient, go in `params`
-        self.positions, self.tied_at = piece_positions(pieces, params)
+        self.positions, self.tied_at = piece_positions(pieces, params, self.tied)
         self.count = len(params)
         self.peers = parallel.group_ranks(state.pp_group)          # pp rank -> global rank
         self.grad_with_input = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
@@ -344,15 +344,14 @@ class ForwardBackward:
             grads[i] = g if grads[i] is None else grads[i] + g
 
 
-def piece_positions(pieces, params):
+def piece_positions(pieces, params, tied):
     """(per piece the positions in `params` of its parameters, per piece [the position of its
-    tied weight] or []: the parameter whose copy it takes as an input). Every parameter belongs
-    to one piece."""
+    tied weight] or []: `tied`, per piece the parameter whose copy it takes as an input, or
+    None). Every parameter belongs to one piece."""
     where = {id(param): i for i, param in enumerate(params)}
     positions = [[where[id(param)] for param in piece.params] for piece in pieces]
     if sorted(i for ps in positions for i in ps) != list(range(len(params))):
         raise ValueError("the pieces do not hold each of the model's parameters once")
-    tied = [piece.tied_weight() for piece in pieces]
     return positions, [[] if t is None else [where[id(t)]] for t in tied]
 
 
