@@ -31,6 +31,8 @@ compiled by ms.jit, while an all-gather can (an AllReduce on CPU) and its backwa
 reduce-scatter. The price: each rank holds the whole sequence's K and V during a layer, where a
 true ring holds two blocks, and no transfer overlaps compute.
 """
+import dataclasses
+
 import numpy as np
 from mindspore import nn, ops
 
@@ -192,6 +194,14 @@ class ContextParallelAttention(nn.Cell):
         if self.ulysses > 1:
             context = self.gather_context(context)                             # [s/cp, b, n, d]
         return context
+
+
+def context_parallel_spec(spec, state):
+    """A layer spec (gpt.LayerSpec) whose core attention runs across the cp ranks: the spec's
+    one-sequence core attention inside ContextParallelAttention."""
+    def core_attention(*args):
+        return ContextParallelAttention(spec.core_attention(*args), state)
+    return dataclasses.replace(spec, core_attention=core_attention)
 
 
 def attended_length(length, state):

@@ -5,9 +5,10 @@ later split dim 0. A model may be one pipeline stage: `pre_process` builds the e
 token ids [b, s]), `post_process` the final norm, output layer and loss (input is hidden [s, b, h]).
 
 Every small operator (the linears' matmul and bias add, the norms, activations, softmax, loss) is
-the plain form written here or in parallel.py, unless the layer spec (`layer_spec`, chosen once at
-model build) puts its fast form from fused.py in its place; every linear is built by `make_linear`,
-a one-rank linear or its column- or row-parallel version. Initial weights come from numpy, seeded
+the plain form written here or in layers.py, unless the layer spec (`layer_spec`, chosen once at
+model build) puts its fast form from fused.py in its place; the layers that a layout splits (the
+linears, the embedding, the cross-entropy, the core attention under CP) are the spec's too, one
+rank's in the local spec, each layout's own in their place. Initial weights come from numpy, seeded
 by the seed and the parameter's *global* name (`init_weights`), so a model's start is identical
 whatever the layout.
 """
@@ -50,25 +51,16 @@ def _zeros(*shape):
     return Tensor(np.zeros(shape, np.float32))
 
 
-def make_linear(cfg, spec, in_features, out_features, bias, kind, chunks=1, skip_bias_add=False,
-                own_weight=True):
-    """The model's linears, their matmul and bias add the spec's forms computing in the compute
-    dtype (make_linear_forms). `kind` is Megatron's role: "column" (qkv, fc1, output layer: the
-    output dim is split over TP; fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: the
-    input dim is split). One TP rank: a plain linear. The layout comes from parallel.get_state().
-    skip_bias_add: the linear returns (output, bias or None), the bias added by what follows (the
-    activation, the residual's bias-dropout-add). Without `own_weight` a column linear has no
-    weight of its own and is called with one (the tied output layer's)."""
-    state, forms = parallel.get_state(), make_linear_forms(cfg, spec)
-    if state.tp == 1:
-        return layers.Linear(in_features, out_features, bias, skip_bias_add, forms, own_weight)
-    if kind == "column":
-        return parallel.ColumnParallelLinear(
-            in_features, out_features, bias, sequence_parallel=state.sequence_parallel,
-            chunks=chunks, skip_bias_add=skip_bias_add, forms=forms, own_weight=own_weight)
-    return parallel.RowParallelLinear(in_features, out_features, bias,
-                                      sequence_parallel=state.sequence_parallel,
-                                      skip_bias_add=skip_bias_add, forms=forms)
+def make_linear(cfg, spec, in_features, out_features, bias, kind, **options):
+    """A linear of the spec's class for its role (Megatron's): "column" (qkv, fc1, the output
+    layer: a layout may split its output dim over TP, fc1's [gate; up] in `chunks`=2 blocks) or
+    "row" (proj, fc2: its input dim), with the spec's matmul and bias add computing in the
+    compute dtype (make_linear_forms). options: skip_bias_add (the linear returns (output, bias
+    or None), the bias added by what follows: the activation, the residual's
+    bias-dropout-add), chunks (a column's), own_weight (a column's: without, it is called with
+    a weight, the tied output layer's)."""
+    build = spec.column_linear if kind == "column" else spec.row_linear
+    return build(in_features, out_features, bias, forms=make_linear_forms(cfg, spec), **options)
 
 
 def make_linear_forms(cfg, spec):
@@ -157,11 +149,8 @@ class RMSNorm(nn.Cell):
 
 
 def make_norm(cfg, spec):
-    """A norm of the spec's class. Norms are replicated over TP; with sequence parallelism each TP
-    rank normalises its own sequence shard (parallel.mark_sequence_parallel)."""
-    norm = spec.norm(cfg.hidden_size, cfg.norm_epsilon)
-    parallel.mark_sequence_parallel(norm.get_parameters(), parallel.get_state().sequence_parallel)
-    return norm
+    """A norm of the spec's class over the hidden size."""
+    return spec.norm(cfg.hidden_size, cfg.norm_epsilon)
 
 
 class DropoutRNG:
@@ -286,47 +275,67 @@ def keep_mask(mask_bias, batch, heads):
 # ============================================================================ the layer spec
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """The class (or builder) of each small operator a model is built with, chosen once by
-    layer_spec: Megatron-core's layer specs (megatron/core/models/gpt/gpt_layer_specs.py), whose
-    local spec builds Megatron's own layers and whose transformer_engine spec puts Transformer
-    Engine's fused ones in their place, the layers' code the same. Each builder makes one Cell
-    per call site; each field's comment gives what the builder takes, then what the operator it
-    builds computes. Besides the layers' operators, the spec holds the cast that the training
-    step uses on gradients and main params (`cast`: train.py hands it to the optimizer and the
-    pipeline)."""
+    """The class (or builder) of each layer and small operator a model is built with, chosen
+    once by layer_spec: Megatron-core's layer specs (megatron/core/models/gpt/gpt_layer_specs.py),
+    whose local spec builds Megatron's own layers and whose transformer_engine spec puts
+    Transformer Engine's fused ones in their place, the layers' code the same. The local spec
+    holds one rank's layers; a layout puts its own in their place (layer_spec). Each builder
+    makes one Cell per call site; each field's comment gives what the builder takes, then what
+    the operator it builds computes. Besides the layers, the spec holds the cast that the
+    training step uses on gradients and main params (`cast`: train.py hands it to the
+    optimizer and the pipeline)."""
+    column_linear: type             # (in, out, bias, forms, ...): x [..., in] -> [..., out]
+    row_linear: type                # (in, out, bias, forms, ...): x [..., in] -> [..., out]
     linear_forms: object            # (): a linear's (matmul, bias_add), layers.Linear's `forms`
-    core_attention: type            # CoreAttention's arguments: softmax(q k^T / sqrt(d)) v
-    norm: type                      # (hidden, eps): x [..., h] -> [..., h]
+    embedding: type                 # (vocab, h): ids [b, s] -> [b, s, h]
+    core_attention: object          # CoreAttention's arguments: softmax(q k^T / sqrt(d)) v
+    moe_layer: object               # (cfg, spec): [s, b, h] -> [s, b, h]; None: no experts
+    norm: object                    # (hidden, eps): x [..., h] -> [..., h]
     split: type                     # (sizes): x [..., sum(sizes)] -> pieces
     rotary: type                    # (): (x [s, b, n, d], cos, sin [s, b, 1, d]) -> x rotated
     softmax: type                   # (scale): (scores, mask_bias) -> probabilities
     activation: object              # (act): (fc1's y, bias or None) -> act(y + bias)
     bias_dropout_add: type          # (dropout): (y, bias or None, residual) -> residual + ...
-    cross_entropy: type             # (): (logits [n, V], labels [n]) -> loss [n] (one TP rank)
+    cross_entropy: type             # (): (logits [n, V], labels [n]) -> loss [n]
     mask_layout: object             # (mask_bias, batch, heads) -> the mask bias the layers add
     cast: object                    # (t, dtype) -> t in dtype, op by op: gradients, main params
 
 
 def local_spec(cfg):
-    """Every operator in its plain form (written in this file and parallel.py), what a learner
-    reads and the default build runs (model_config.fusions false)."""
-    return LayerSpec(linear_forms=layers.plain_forms,
+    """One rank's layers, every operator in its plain form (written in this file and
+    layers.py): what a learner reads first and the default build runs."""
+    return LayerSpec(column_linear=layers.Linear, row_linear=layers.Linear,
+                     linear_forms=layers.plain_forms, embedding=Embedding,
                      core_attention=FlashAttention if cfg.use_flash_attention else CoreAttention,
-                     norm=RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm,
+                     moe_layer=None, norm=RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm,
                      split=SplitLastDim, rotary=Rotary, softmax=ScaledMaskedSoftmax,
                      activation=BiasActivation, bias_dropout_add=BiasDropoutAdd,
                      cross_entropy=CrossEntropy, mask_layout=keep_mask, cast=cast)
 
 
 def layer_spec(cfg):
-    """The spec a model is built with: the local spec; with model_config.fusions (--fusions)
-    the fast forms of fused.py in place of the plain ones, each where its own key asks for it
-    (config.py turns every such key off without fusions); each tested equal to its plain
-    form (test_fused_form_equals_its_plain_form). The linears' matmul and bias add, the q/k/v
-    split, the tiled mask and the step's cast have no key of their own."""
+    """The spec a model is built with: the local spec, or with model_config.fusions
+    (--fusions) its fast forms (fast_spec); then the layout's layers in place of one rank's:
+    TP's linears, embedding, cross-entropy and sequence-parallel norms
+    (parallel.tensor_parallel_spec), CP's core attention (context_parallel.context_parallel_spec),
+    and with experts the MoE layer (moe.MoELayer) for the layers moe_layer_freq picks."""
+    spec = fast_spec(cfg) if cfg.fusions else local_spec(cfg)
+    state = parallel.get_state()
+    if state.tp > 1:
+        spec = parallel.tensor_parallel_spec(spec, state.sequence_parallel)
+    if state.cp > 1:
+        spec = context_parallel.context_parallel_spec(spec, state)
+    if cfg.num_moe_experts:
+        spec = dataclasses.replace(spec, moe_layer=moe.MoELayer)
+    return spec
+
+
+def fast_spec(cfg):
+    """The local spec with the fast forms of fused.py in place of the plain ones, each where its
+    own key asks for it (config.py turns every such key off without fusions); each tested equal
+    to its plain form (test_fused_form_equals_its_plain_form). The linears' matmul and bias add,
+    the q/k/v split, the tiled mask and the step's cast have no key of their own."""
     local = local_spec(cfg)
-    if not cfg.fusions:
-        return local
     rms = cfg.normalization == "RMSNorm"
     fused_norm = cfg.use_fused_rmsnorm if rms else cfg.persist_layer_norm
     return dataclasses.replace(
@@ -562,10 +571,6 @@ class SelfAttention(nn.Cell):
         self.local_groups = self.linear_qkv.weight.shape[0] // group_width
         self.local_heads = self.local_groups * self.per_group
         self.core_attention = spec.core_attention(cfg, spec, rng, self.per_group, layer_number)
-        state = parallel.get_state()
-        if state.cp > 1:
-            self.core_attention = context_parallel.ContextParallelAttention(
-                self.core_attention, state)
 
     def construct(self, x, rope, mask_bias):
         """x [s, b, h] ([s/tp, b, h] with sequence parallelism; s is this cp rank's share); rope
@@ -593,7 +598,8 @@ class MLP(nn.Cell):
         super().__init__()
         chunks = fc1_chunks(cfg)
         self.linear_fc1 = make_linear(cfg, spec, cfg.hidden_size, cfg.ffn_hidden_size * chunks,
-                                      cfg.add_bias_linear, "column", chunks, skip_bias_add=True)
+                                      cfg.add_bias_linear, "column", chunks=chunks,
+                                      skip_bias_add=True)
         self.activation = make_activation(cfg, spec)
         self.linear_fc2 = make_linear(cfg, spec, cfg.ffn_hidden_size, cfg.hidden_size,
                                       cfg.add_bias_linear, "row",
@@ -680,7 +686,7 @@ def recompute_blocks(cfg, layers, rng, rebuilt):
 class TransformerLayer(nn.Cell):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))). With sandwich norm
     each sub-layer's output is normed again before the residual add (CogView, PanGu). The MLP is
-    an MoE layer (moe.MoELayer, same input and output) on the layers moe_layer_freq selects
+    the spec's MoE layer (same input and output) on the layers moe_layer_freq selects
     (Megatron's gpt_layer_specs: layer_number is 1-based and global)."""
 
     def __init__(self, cfg, spec, rng, layer_number=1):
@@ -689,7 +695,7 @@ class TransformerLayer(nn.Cell):
         self.self_attention = SelfAttention(cfg, spec, rng, layer_number)
         self.pre_mlp_layernorm = make_norm(cfg, spec)
         self.moe = moe_layer_pattern(cfg)[layer_number - 1]
-        self.mlp = moe.MoELayer(cfg, spec) if self.moe else MLP(cfg, spec)
+        self.mlp = spec.moe_layer(cfg, spec) if self.moe else MLP(cfg, spec)
         self.sandwich = cfg.use_sandwich_norm
         if self.sandwich:
             self.post_attention_norm = make_norm(cfg, spec)
@@ -720,13 +726,6 @@ class CrossEntropy(nn.Cell):
         """Per-token loss [n] from logits [n, V] and labels [n]: -log_softmax(z)[label]."""
         log_probs = ops.log_softmax(logits, -1)                             # [n, V]
         return -ops.gather_elements(log_probs, 1, labels.reshape(-1, 1)).reshape(-1)
-
-
-def make_embedding(num_embeddings, embedding_dim):
-    """The word embedding: a table [V, h], or split over the vocabulary under TP."""
-    if parallel.get_state().tp == 1:
-        return Embedding(num_embeddings, embedding_dim)
-    return parallel.VocabParallelEmbedding(num_embeddings, embedding_dim)
 
 
 class RotaryEmbedding(nn.Cell):
@@ -778,15 +777,13 @@ class AttentionMask(nn.Cell):
 class LanguageModelLoss(nn.Cell):
     """Megatron's loss (compute_language_model_loss, then pretrain_gpt's loss_func): the mean
     cross-entropy over the tokens loss_mask keeps, summed over the context-parallel ranks first
-    (context_parallel.LossOverCP); per token the spec's cross-entropy, or under TP the
-    vocab-parallel one. (logits [s, b, V/tp], labels and loss_mask [b, s]) -> loss []."""
+    (context_parallel.LossOverCP); per token the spec's cross-entropy.
+    (logits [s, b, V/tp], labels and loss_mask [b, s]) -> loss []."""
 
     def __init__(self, spec):
         super().__init__()
-        state = parallel.get_state()
-        self.cross_entropy = (parallel.VocabParallelCrossEntropy() if state.tp > 1
-                              else spec.cross_entropy())
-        self.loss_over_cp = context_parallel.LossOverCP(state)
+        self.cross_entropy = spec.cross_entropy()
+        self.loss_over_cp = context_parallel.LossOverCP(parallel.get_state())
 
     def construct(self, logits, labels, loss_mask):
         losses = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.T.reshape(-1))
@@ -816,7 +813,7 @@ class GPTModel(nn.Cell):
         self.tied = not cfg.untie_embeddings_and_output_weights
         self.hidden_dtype = hidden_dtype(cfg)
         if pre_process:
-            self._build_embeddings(cfg)
+            self._build_embeddings(cfg, spec)
         n = cfg.num_layers if num_layers is None else num_layers
         self.layers = nn.CellList([TransformerLayer(cfg, spec, self.rng, layer_offset + i + 1)
                                    for i in range(n)])
@@ -827,11 +824,11 @@ class GPTModel(nn.Cell):
             else None
         self.attention_mask = AttentionMask(cfg, spec)
 
-    def _build_embeddings(self, cfg):
-        """The first stage's word embedding (split over the vocabulary under TP), its absolute
-        position embeddings, the embeddings' dropout."""
+    def _build_embeddings(self, cfg, spec):
+        """The first stage's word embedding (the spec's), its absolute position embeddings, the
+        embeddings' dropout."""
         h, vocab = cfg.hidden_size, cfg.padded_vocab_size
-        self.word_embeddings = make_embedding(vocab, h)
+        self.word_embeddings = spec.embedding(vocab, h)
         if cfg.position_embedding_type == "absolute":
             self.position_embeddings = Parameter(_zeros(cfg.max_position_embeddings, h),
                                                  name="position_embeddings")

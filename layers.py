@@ -72,10 +72,13 @@ class Linear(nn.Cell):
     """y = x W^T + b with W [out, in], the layout of torch and Megatron: the linear of one TP
     rank. skip_bias_add (Megatron's): (y without the bias, the bias or None), for what follows
     to add it. `forms`: its (matmul, bias_add), plain_forms' unless given. Without `own_weight`
-    (Megatron's skip_weight_param_allocation) it is called with the weight to use."""
+    (Megatron's skip_weight_param_allocation) it is called with the weight to use. `chunks`:
+    the blocks of the output (fc1's [gate; up]) that a split over TP keeps whole
+    (parallel.ColumnParallelLinear's, which a layer spec puts in its place); one rank keeps
+    the output whole."""
 
     def __init__(self, in_features, out_features, bias=True, skip_bias_add=False, forms=None,
-                 own_weight=True):
+                 own_weight=True, chunks=1):
         super().__init__()
         self.weight = zero_param((out_features, in_features), "weight") if own_weight else None
         self.bias = zero_param((out_features,), "bias") if bias else None

@@ -30,7 +30,7 @@ pipeline's point-to-point `exchange`.
 """
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import mindspore as ms
@@ -719,6 +719,30 @@ class VocabParallelCrossEntropy(nn.Cell):
         predicted = predicted * (~outside).astype(z.dtype)
         return ops.log(self.reduce_sum_exp(ops.exp(z).sum(-1))) - self.reduce_target(predicted)
 
+
+
+def tensor_parallel_spec(spec, sequence_parallel):
+    """A layer spec (gpt.LayerSpec) with TP's layers in place of one rank's: the column- and
+    row-parallel linears (f and g, or f~ and g~ with sequence parallelism), the embedding split
+    over the vocabulary and its cross-entropy, and with sequence parallelism the norms marked
+    (sequence_parallel_norm). Megatron's local spec holds these layers at any TP size."""
+    return replace(
+        spec, column_linear=functools.partial(ColumnParallelLinear,
+                                              sequence_parallel=sequence_parallel),
+        row_linear=functools.partial(RowParallelLinear, sequence_parallel=sequence_parallel),
+        embedding=VocabParallelEmbedding, cross_entropy=VocabParallelCrossEntropy,
+        norm=sequence_parallel_norm(spec.norm) if sequence_parallel else spec.norm)
+
+
+def sequence_parallel_norm(norm):
+    """A builder of `norm`'s norms, their parameters marked: norms are replicated over TP, and
+    under sequence parallelism each rank normalises its own sequence shard [s/tp, b, h], so its
+    gradient is a partial sum (mark_sequence_parallel)."""
+    def build(*args):
+        built = norm(*args)
+        mark_sequence_parallel(built.get_parameters(), True)
+        return built
+    return build
 
 if __name__ == "__main__":          # imported by train.py, not a script
     raise SystemExit("error: parallel.py is a library: run `bash run.sh` (bash run.sh --help "

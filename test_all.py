@@ -11608,9 +11608,9 @@ def test_reading_order_is_the_real_path():
 def test_the_reading_follows_what_python_follows():
     """tools.reading.reached opens what a reader meets: a function handed as a value (f's
     halves to Mapping), both classes of `A if c else B` (called at once or through a name), a
-    base class, the plain and fast forms of a layer spec's field, a primitive's callees through
-    it; a skip rule for the fast forms and the folders; the roots reach the groups and the
-    model's building."""
+    base class, the plain and fast forms of a layer spec's field (not a layout's layers), a
+    primitive's callees through it; a skip rule for the fast forms and the folders; the roots
+    reach the groups and the model's building."""
     reached = tools.reading.reached
     assert {"parallel.Mapping", "parallel._identity", "parallel._all_reduce"} <= reached(
         "parallel.copy_to_tensor_model_parallel_region")
@@ -11620,7 +11620,10 @@ def test_the_reading_follows_what_python_follows():
     assert {"gpt.Rotary", "fused.FusedRotary", "gpt.CoreAttention", "gpt.FlashAttention"} <= (
         reached("gpt.SelfAttention"))
     assert "parallel.initialize_model_parallel" in tools.reading.through_primitives(
-        "gpt.make_linear", ["parallel.get_state"])
+        "gpt.AttentionMask", ["parallel.get_state"])
+    # a layer spec's field: one rank's layer (the local spec), not the layout's in its place
+    assert "layers.Linear" in reached("gpt.make_linear")
+    assert "parallel.ColumnParallelLinear" not in reached("gpt.make_linear")
     assert tools.reading.skipped_by("fused.FusedRotary") == "the fast forms"
     assert tools.reading.skipped_by("checkpoint.save_training_state") == "formats/"
     assert tools.reading.skipped_by("gpt.Rotary") is None

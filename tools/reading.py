@@ -7,9 +7,10 @@
 A reader follows each listed definition one level into every project definition it names: a
 call or a build (`f(...)`, `module.f(...)`), a class or function handed as a value (an argument,
 a default, `A if c else B`), a base class (what `self.x` and `super()` run), a layer spec's field
-(`spec.norm`: what gpt.local_spec and gpt.layer_spec put there). A primitive (README's list, at
+(`spec.norm`: what gpt.local_spec and gpt.fast_spec put there; what a layout puts there, TP's
+and CP's spec functions, is listed in that layout's concept). A primitive (README's list, at
 most 10 lines) is not listed, but what it names is followed as if its caller named it. The roots
-(ROOTS) are what a run starts from. Skipped by rule: the fast forms (what gpt.layer_spec puts in
+(ROOTS) are what a run starts from. Skipped by rule: the fast forms (what gpt.fast_spec puts in
 the spec beyond the local spec), the data pipeline (DATA_PIPELINE) and the folders a first
 reading skips (SKIPPED_FOLDERS). test_reading_order_is_the_real_path holds README to this.
 Reads the files only (ast): nothing of the project is imported.
@@ -22,11 +23,11 @@ import re
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIPPED_FOLDERS = ("settings", "formats", "backends", "tools", "instruments")
 DATA_PIPELINE = ("data", "tokenizer")   # its own walkthrough: docs/training.md
-SPEC_BUILDERS = ("gpt.local_spec", "gpt.layer_spec")    # the plain forms; the fast ones
+SPEC_BUILDERS = ("gpt.local_spec", "gpt.fast_spec")     # the plain forms; the fast ones
 ROOTS = ("train.pretrain",)          # what `bash run.sh` runs after reading its flags: the loop
 # each concept's budget in lines, README's order (a reader should open at most ~15% beyond)
-BUDGETS = {"The model, one process": 550, "Flash attention": 150,
-           "A training step, one process": 450, "Process groups": 150,
+BUDGETS = {"The model, one process": 550, "Flash attention": 170,
+           "A training step, one process": 450, "Process groups and collectives": 260,
            "Tensor + sequence parallel": 300, "Data parallel + distributed optimizer": 400,
            "Pipeline, 1F1B and interleaved": 300, "Context parallel": 200, "Experts": 400,
            "Experts' options": 100, "The optimizer's update": 100,
@@ -138,7 +139,7 @@ def named_definitions(node, module):
 
 @functools.lru_cache(maxsize=None)
 def spec_fields():
-    """{a layer spec field: ({what gpt.local_spec puts there}, {what gpt.layer_spec adds})}."""
+    """{a layer spec field: ({what gpt.local_spec puts there}, {what gpt.fast_spec adds})}."""
     put = []
     for builder in SPEC_BUILDERS:
         node, module = definition_node(builder), builder.split(".")[0]
@@ -154,7 +155,7 @@ def spec_fields():
 
 
 def fast_forms():
-    """What gpt.layer_spec puts in the spec in place of the plain forms: skipped."""
+    """What gpt.fast_spec puts in the spec in place of the plain forms: skipped."""
     return {q for _, fast in spec_fields().values() for q in fast}
 
 
