@@ -284,8 +284,8 @@ class LayerSpec:
     the operator it builds computes. Besides the layers, the spec holds the cast that the
     training step uses on gradients and main params (`cast`: train.py hands it to the
     optimizer and the pipeline)."""
-    column_linear: type             # (in, out, bias, forms, ...): x [..., in] -> [..., out]
-    row_linear: type                # (in, out, bias, forms, ...): x [..., in] -> [..., out]
+    column_linear: object           # (in, out, bias, forms, ...): x [..., in] -> [..., out]
+    row_linear: object              # (in, out, bias, forms, ...): x [..., in] -> [..., out]
     linear_forms: object            # (): a linear's (matmul, bias_add), layers.Linear's `forms`
     embedding: type                 # (vocab, h): ids [b, s] -> [b, s, h]
     core_attention: object          # CoreAttention's arguments: softmax(q k^T / sqrt(d)) v
