@@ -52,13 +52,13 @@ def _zeros(*shape):
 
 
 def make_linear(cfg, spec, in_features, out_features, bias, kind, **options):
-    """A linear of the spec's class for its role (Megatron's): "column" (qkv, fc1, the output
-    layer: a layout may split its output dim over TP, fc1's [gate; up] in `chunks`=2 blocks) or
-    "row" (proj, fc2: its input dim), with the spec's matmul and bias add computing in the
-    compute dtype (make_linear_forms). options: skip_bias_add (the linear returns (output, bias
-    or None), the bias added by what follows: the activation, the residual's
-    bias-dropout-add), chunks (a column's), own_weight (a column's: without, it is called with
-    a weight, the tied output layer's)."""
+    """A linear of the spec's class for its role (Megatron's; one rank's: layers.Linear, the
+    local spec's): "column" (qkv, fc1, the output layer: a layout may split its output dim over
+    TP, fc1's [gate; up] in `chunks`=2 blocks) or "row" (proj, fc2: its input dim), with the
+    spec's matmul and bias add computing in the compute dtype (make_linear_forms). options:
+    skip_bias_add (the linear returns (output, bias or None), the bias added by what follows:
+    the activation, the residual's bias-dropout-add), chunks (a column's), own_weight (a
+    column's: without, it is called with a weight, the tied output layer's)."""
     build = spec.column_linear if kind == "column" else spec.row_linear
     return build(in_features, out_features, bias, forms=make_linear_forms(cfg, spec), **options)
 

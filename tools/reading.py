@@ -27,7 +27,7 @@ SPEC_BUILDERS = ("gpt.local_spec", "gpt.fast_spec")     # the plain forms; the f
 ROOTS = ("train.pretrain",)          # what `bash run.sh` runs after reading its flags: the loop
 # each concept's budget in lines, README's order (a reader should open at most ~15% beyond)
 BUDGETS = {"The model, one process": 550, "Flash attention": 170,
-           "A training step, one process": 450, "Process groups and collectives": 260,
+           "A training step, one process": 450, "Process groups and collectives": 270,
            "Tensor + sequence parallel": 300, "Data parallel + distributed optimizer": 400,
            "Pipeline, 1F1B and interleaved": 300, "Context parallel": 200, "Experts": 400,
            "Experts' options": 100, "The optimizer's update": 100,
