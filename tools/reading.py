@@ -31,7 +31,7 @@ BUDGETS = {"The model, one process": 550, "Flash attention": 150,
            "Data parallel + distributed optimizer": 400, "Pipeline, 1F1B and interleaved": 300,
            "Context parallel": 200, "Routing tokens to experts": 250, "Experts": 400,
            "Megatron's overlap": 220, "Building and the loop": 700}
-ITEM = re.compile(r"^\d+\. \*\*(.+?)\*\* \((\d+) lines\)\.(.*?); proof:", re.M | re.S)
+ITEM = re.compile(r"^\d+\. \*\*(.+?)\*\* \((\d+) lines\)\.(.*?);\s+proof:", re.M | re.S)
 LISTED = re.compile(r"`(\w+\.[\w.]+)` \((\d+)\)")
 
 
