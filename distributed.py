@@ -241,14 +241,16 @@ def grad_sync_func(cfg, ddp, params, state):
     return sync
 
 
-def build_data_parallel(cfg, model, state=None, phase=contextlib.nullcontext):
+def build_data_parallel(cfg, model, state=None, phase=contextlib.nullcontext,
+                        ddp_class=DistributedDataParallel):
     """Megatron's DistributedDataParallel for a model or a list of model chunks (their parameters
-    in order): the dense parameters' gradients in a buffer reduced over the DP x CP group, the
-    experts' (marked `allreduce = False`, Megatron's mark: moe.expert_linear) in one over the
+    in order), of `ddp_class` (Megatron's get_model chooses it: train.set_up): the dense
+    parameters' gradients in a buffer reduced over the DP x CP group, the experts' (marked
+    `allreduce = False`, Megatron's mark: moe.expert_linear) in one over the
     expert-data-parallel group; both divided by the DP size (averaged over DP, summed over CP:
     gpt.GPTModel's loss); reduce-scattered for the distributed optimizer
-    (use_distributed_optimizer with several DP x CP ranks), else all-reduced; with
-    overlap_grad_reduce, during the backward. `phase`: DistributedDataParallel's."""
+    (use_distributed_optimizer with several DP x CP ranks), else all-reduced. `phase`:
+    DistributedDataParallel's."""
     state = state or get_state()
     chunks = model if isinstance(model, list) else [model]
     params = [param for chunk in chunks for param in chunk.get_parameters()]
@@ -264,9 +266,7 @@ def build_data_parallel(cfg, model, state=None, phase=contextlib.nullcontext):
                             gradient_scaling_factor=scale, **group)
                for positions, group in groups]
     reduce_scatter = cfg.training_config.use_distributed_optimizer and dp_cp > 1
-    kind = (OverlappedDistributedDataParallel if cfg.training_config.overlap_grad_reduce
-            else DistributedDataParallel)
-    return kind(buffers, [positions for positions, _ in groups], reduce_scatter, phase)
+    return ddp_class(buffers, [positions for positions, _ in groups], reduce_scatter, phase)
 
 
 if __name__ == "__main__":          # imported by train.py, not a script

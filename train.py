@@ -288,17 +288,22 @@ def to_tensors(batch, state=None):
 
 class Trainer:
     """Megatron's train_step for `model`, a GPTModel or this rank's list of model chunks: the
-    schedule's forward and backward over a step's micro-batches (pipeline.ForwardBackward, with
-    data parallelism's callbacks), the gradients' reductions, the optimizer's step.
-    `phase(name)`: a context manager around each phase of a step and pass, for what observes
-    them (instruments/logs.Timers)."""
+    schedule's forward and backward over a step's micro-batches (pipeline.ForwardBackward), the
+    gradients' reductions, the optimizer's step. What data parallelism and the experts do in a
+    step comes as values, handed by build_trainer as Megatron's training.py sets them in its
+    config: `finalize_model_grads_func(grads, params, state, ddp, chunks)` (every reduction of
+    the gradients after the schedule), `grad_sync_func` (the schedule's, during the backward, or
+    None) and `aux_loss_scale_func(loss weight)` (the experts' auxiliary losses' backward scale,
+    or None without experts). `phase(name)`: a context manager around each phase of a step and
+    pass, for what observes them (instruments/logs.Timers)."""
 
-    def __init__(self, cfg, model, ddp, optimizer, scheduler, state=None,
-                 phase=contextlib.nullcontext):
+    def __init__(self, cfg, model, ddp, optimizer, scheduler, state, phase,
+                 finalize_model_grads_func, grad_sync_func=None, aux_loss_scale_func=None):
         self.cfg, self.ddp, self.optimizer, self.scheduler = cfg, ddp, optimizer, scheduler
-        self.phase, self.scaler = phase, optimizer.scaler
+        self.phase, self.scaler, self.state = phase, optimizer.scaler, state
+        self.finalize_model_grads_func = finalize_model_grads_func
+        self.aux_loss_scale_func = aux_loss_scale_func
         self.chunks = model if isinstance(model, list) else [model]
-        self.state = state = state or parallel.get_state()
         self.params = [param for chunk in self.chunks for param in chunk.get_parameters()]
         model_cfg, training_cfg = cfg.model_config, cfg.training_config
         # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
@@ -313,9 +318,7 @@ class Trainer:
             pieces, self.params, state, hop, hidden_dtype(model_cfg),
             parallel.DTYPES[main_grad_dtype(cfg)], self.compiled,
             cfg.parallel_config.pipeline_schedule, optimizer.cast, phase,
-            param_sync_func=optimizer.finish_param_sync,
-            grad_sync_func=distributed.grad_sync_func(cfg, ddp, self.params, state))
-        self.has_moe = any(moe_layer_pattern(model_cfg))
+            param_sync_func=optimizer.finish_param_sync, grad_sync_func=grad_sync_func)
 
     def set_train(self, mode):
         for chunk in self.chunks:
@@ -326,16 +329,16 @@ class Trainer:
         the main gradients' dtype); with pipeline parallelism the losses only on the last
         stage."""
         self.loss_weight = self.scaler.scale / len(micro_batches)
-        if self.has_moe:
+        if self.aux_loss_scale_func:
             # the aux and z losses' gradients get the main loss' weight (Megatron's
             # schedules.py:366 multiplies by cp too: its CP gradients are averaged, ours summed)
-            moe.MoEAuxLossAutoScaler.set_loss_scale(self.loss_weight)
+            self.aux_loss_scale_func(self.loss_weight)
         tensors = [to_tensors(b, self.state) for b in micro_batches]
         return self.schedule.run(tensors, self.loss_weight)
 
     def train_step(self, micro_batches):
         """Megatron's train_step: forward and backward over the micro-batches, the gradients'
-        reductions (distributed.finalize_model_grads), then optimizer.step(), called once (prepare
+        reductions (finalize_model_grads_func), then optimizer.step(), called once (prepare
         the grads: unscale, inf/nan check, and on overflow nothing more; clip; update), then the
         scheduler's step if it updated. Returns (mean loss over the micro-batches,
         updated, gradient norm, lr used)."""
@@ -343,8 +346,8 @@ class Trainer:
         with self.phase("forward-backward"):
             losses, grads = self.forward_backward(micro_batches)
         with self.phase("grads-reduce"):
-            grads = distributed.finalize_model_grads(grads, self.params, self.state, self.ddp,
-                                                     self.chunks)
+            grads = self.finalize_model_grads_func(grads, self.params, self.state, self.ddp,
+                                                   self.chunks)
         with self.phase("optimizer"):
             lr = self.scheduler.get_lr()
             updated, grad_norm = self.optimizer.step(grads, lr, self.scheduler.get_wd())
@@ -468,9 +471,31 @@ def set_up(cfg, tokenizer, notes, phase=contextlib.nullcontext):
         log.info(f"CPU cores {sorted(os.sched_getaffinity(0))} of {os.cpu_count()}")
     model, rng = build_model(cfg, tokenizer, state)
     parallel.observe(LEDGER)
-    ddp = distributed.build_data_parallel(cfg, model, state, phase)
-    return Trainer(cfg, model, ddp, *optimizer_and_scheduler(cfg, model, ddp, state), state,
-                   phase), rng
+    # Megatron's get_model wraps the model in its DDP class: with the overlap, the one whose
+    # buckets start their collectives during the backward
+    ddp_class = (distributed.OverlappedDistributedDataParallel
+                 if cfg.training_config.overlap_grad_reduce
+                 else distributed.DistributedDataParallel)
+    ddp = distributed.build_data_parallel(cfg, model, state, phase, ddp_class)
+    return build_trainer(cfg, model, ddp, *optimizer_and_scheduler(cfg, model, ddp, state), state,
+                         phase), rng
+
+
+def build_trainer(cfg, model, ddp, optimizer, scheduler, state=None,
+                  phase=contextlib.nullcontext):
+    """The Trainer of `model` (a GPTModel or this rank's chunks) handed the callbacks Megatron's
+    training.py sets in its config before the loop: finalize_model_grads_func
+    (distributed.finalize_model_grads), grad_sync_func (distributed.grad_sync_func's: `ddp`'s
+    buckets started during the backward, with the overlap; else None) and, with experts, the
+    scale of their auxiliary losses' gradients (moe.MoEAuxLossAutoScaler.set_loss_scale)."""
+    state = state or parallel.get_state()
+    chunks = model if isinstance(model, list) else [model]
+    params = [param for chunk in chunks for param in chunk.get_parameters()]
+    has_moe = any(moe_layer_pattern(cfg.model_config))
+    return Trainer(cfg, model, ddp, optimizer, scheduler, state, phase,
+                   distributed.finalize_model_grads,
+                   distributed.grad_sync_func(cfg, ddp, params, state),
+                   moe.MoEAuxLossAutoScaler.set_loss_scale if has_moe else None)
 
 
 def maybe_evaluate(cfg, trainer, dataset, iteration, metrics):
