@@ -92,7 +92,8 @@ class Job:
     CPU-bound processes rank 0 runs beside the training (busy_beside); `beside`: a call run
     in a thread of its kind beside the rest: "forked", the forked runs of one-process tests;
     "launch", a launch whose processes take little of the CPU (idle in a collective, asleep,
-    failing at load, or a few steps of a tiny model on one worker a launch); "restart" and
+    failing at load, killed as they start, or a few steps of a tiny model on one worker a
+    launch); "restart" and
     "restart_faults", the run.sh jobs killed and launched again (two lists, side by side)."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
@@ -367,10 +368,10 @@ class Harness:
     training; a selection with no job of a step skips it, so `-m pipeline` launches only pipeline
     runs. Four more threads run the other calls (Job.beside) beside all this, each its kind in
     turn: the forked runs of one-process tests, the launches that take little of the CPU (the
-    planted faults, a launch that fails at load, a killed worker, the guide's script, two
-    nodes), and the run.sh jobs killed and launched again (two threads: call_restarts and
-    call_restart_faults), each msrun job on its own scheduler port. All of it yields the CPU to
-    the one-process tests (HARNESS_NICE)."""
+    planted faults, a launch that fails at load, a killed worker, the guide's script, a run
+    killed twice as it starts), and the run.sh jobs killed and launched again (two threads:
+    call_restarts and call_restart_faults), each msrun job on its own scheduler port. All of it
+    yields the CPU to the one-process tests (HARNESS_NICE)."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, needed_jobs(names)

@@ -44,10 +44,11 @@ concept's section holds its one-process tests and its proofs on msrun workers:
       run's own files, a killed run resumed
   training (train.py, run.sh)
       log line, FLOPs, profiler, loss, accumulation, resume, half precision, run.sh's launch
-      flags, two run.sh launches as one job
+      flags
   flight recorder (flight_recorder.py)
       the records, the watchdog and the diagnosis; on workers a failing rank, a killed worker,
-      planted communication faults, a late rank in a compiled graph
+      planted communication faults, a late rank in a compiled graph; restarts (--max-restarts),
+      two run.sh launches as one job
   README and docs (README.md, docs/*.md)
       every printed command valid, every named `module.name` and test exists, links resolve;
       each concept's selection starts only its own jobs
@@ -10306,42 +10307,6 @@ def second_node(tag):
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
 
 
-def call_two_nodes(harness):
-    """The multi-node form, as the guides launch it: `bash run.sh` with torchrun's flags on each
-    node, --node_rank 0 and 1, DP2 of one worker each, the second in its own network namespace
-    (second_node). Returns (the runs' folder, both exit codes, both consoles)."""
-    tmp = harness.tmp
-    out = tmp / "two_nodes"
-    args = ["--config", os.path.join(HERE, "config.yaml"), "--data-path", harness.prefix,
-            *PARALLEL_RUN, "--save", str(out)]
-    port = str(cli.scheduler_port())
-    with second_node("a") as inside:
-        nodes = []
-        for node in (0, 1):
-            cmd = ["bash", os.path.join(HERE, "run.sh"), "--nproc_per_node", "1", "--nnodes", "2",
-                   "--node_rank", str(node), "--master_addr", "10.213.0.1", "--master_port", port,
-                   "--log_dir", str(tmp / f"node{node}"), *args]
-            with open(tmp / f"node{node}.console", "w") as console:
-                nodes.append(subprocess.Popen((inside if node else []) + cmd, stdout=console,
-                                              stderr=subprocess.STDOUT, env=BUSY_MACHINE))
-        codes = [n.wait(timeout=300) for n in nodes]
-    return out, codes, [(tmp / f"node{n}.console").read_text() for n in (0, 1)]
-
-
-add("two_nodes", 0, "", call=call_two_nodes, after=["one"], beside="launch")
-
-
-@reading("two_nodes", "one")
-def test_two_run_sh_launches_make_one_job(runs):
-    """Two `bash run.sh --nnodes 2` launches, --node_rank 0 and 1, each with one worker in its
-    own network namespace (call_two_nodes), join into one DP2 job whose losses and gradient norms
-    equal one process's."""
-    out, codes, consoles = runs.result("two_nodes")
-    assert codes == [0, 0], [c[-2000:] for c in consoles]
-    assert "1 -> 0, 0, 1, 0" in (out / "log" / "rank_0" / "info.log").read_text()   # dp 2
-    assert_trains_like(out, runs.folder("one"), tour.FLOAT32)
-
-
 # ============================================================= flight recorder (flight_recorder.py)
 def flight_records(events_of, idle=flight_recorder.STALL + 1, reasons=None):
     """{rank: record} as each rank would write it: {rank: [(op, group, ranks, shape)]} recorded in
@@ -10868,12 +10833,14 @@ class Console:
 def run_sh_killed(harness, name, workers, flags, faults=(), sig=signal.SIGKILL, held=None,
                   run=RESTART_RUN):
     """`bash run.sh` of `run` and `flags` on `workers` workers, saving to harness.tmp/name; its
-    last rank (or its one process) gets kill -9 (or `sig`) once `faults[0](save)` holds while it
-    runs, then, a process later, once `faults[1](save)` does, and so on; with `held` (a rank),
-    that rank is stopped HELD_PEER s first, so the killed one waits for it in a collective, and
-    continued after; a stopped one (SIGSTOP) is continued STOPPED s later if still there:
-    (console, exit code, the killed pids, the most seconds from a fault to the line naming it,
-    the killed rank's flight record just before its first kill, or None with one worker)."""
+    last rank (or its one process) gets kill -9 (or `sig`; a list: a signal a fault) once
+    `faults[0](save)` holds while it runs, then, a process later, once `faults[1](save)` does,
+    and so on; with `held` (a rank), that rank is stopped HELD_PEER s before the first fault, so
+    the killed one waits for it in a collective, and continued after; a stopped one (SIGSTOP, the
+    last fault) is continued STOPPED s later if still there: (console, exit code, the struck
+    pids, the most seconds from a fault to the line naming it, the struck rank's flight record
+    just before its first fault, or None with one worker)."""
+    sigs = sig if isinstance(sig, list) else [sig] * len(faults)
     save, log_dir = harness.tmp / name, harness.tmp / f"{name}_log"
     job = subprocess.Popen(["bash", "run.sh", "--nproc", str(workers), "--log_dir", str(log_dir),
                             *run, *flags, "--save", str(save)], cwd=HERE,
@@ -10882,19 +10849,20 @@ def run_sh_killed(harness, name, workers, flags, faults=(), sig=signal.SIGKILL, 
     while len(killed) < len(faults) and job.poll() is None:
         pid = training_pid(job.pid, log_dir, workers)
         if pid and pid not in killed and faults[len(killed)](save):
-            peer = held is not None and int((log_dir / "pids" / f"rank_{held}.pid").read_text())
+            peer = (held is not None and not killed
+                    and int((log_dir / "pids" / f"rank_{held}.pid").read_text()))
             if peer:
                 os.kill(peer, signal.SIGSTOP)
                 time.sleep(HELD_PEER)
             recorded = log_dir / flight_recorder.FILE.format(workers - 1)
             record = record or (json.loads(recorded.read_text()) if workers > 1 else None)
             struck.append(time.time())
-            os.kill(pid, sig)
+            os.kill(pid, sigs[len(killed)])
             killed.append(pid)
             if peer:
                 os.kill(peer, signal.SIGCONT)
         time.sleep(0.05)
-    if sig == signal.SIGSTOP and killed:
+    if killed and sigs[len(killed) - 1] == signal.SIGSTOP:
         time.sleep(STOPPED)
         with contextlib.suppress(ProcessLookupError):
             os.kill(killed[-1], signal.SIGCONT)
@@ -10938,20 +10906,21 @@ def compiling(log_dir, rank):
 
 
 def run_sh_two_nodes(harness, name, flags, killed_when=None, damaged=False):
-    """RESTART_RUN and `flags` as a job of two nodes, one worker each (two run.sh, --nnodes 2,
-    the second in its own network namespace: second_node), saving to harness.tmp/name; node 1's
-    worker gets kill -9 once `killed_when(save)` holds, its weights file of the latest
+    """RESTART_RUN and `flags` as a job of two nodes, one worker each, launched as the guides
+    launch it (two run.sh with torchrun's flags: --nproc_per_node 1, --nnodes 2, --node_rank 0
+    and 1, the second in its own network namespace: second_node), saving to harness.tmp/name;
+    node 1's worker gets kill -9 once `killed_when(save)` holds, its weights file of the latest
     checkpoint truncated first if `damaged`: ([console, exit code] of each node, the killed pid
     or None, seconds from the kill to node 1's line naming it)."""
     save, port = harness.tmp / name, str(cli.scheduler_port())
     pid, pid_file = None, harness.tmp / f"{name}_log1" / "pids" / "rank_1.pid"
     with second_node("r") as inside:
         nodes = [Console(subprocess.Popen(
-            [*(inside if node else []), "bash", "run.sh", "--nproc", "1", "--nnodes", "2",
-             "--node_rank", str(node), "--master_addr", "10.213.0.1", "--master_port", port,
-             "--log_dir", str(harness.tmp / f"{name}_log{node}"), *RESTART_RUN, *flags,
-             "--save", str(save)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)) for node in (0, 1)]
+            [*(inside if node else []), "bash", "run.sh", "--nproc_per_node", "1",
+             "--nnodes", "2", "--node_rank", str(node), "--master_addr", "10.213.0.1",
+             "--master_port", port, "--log_dir", str(harness.tmp / f"{name}_log{node}"),
+             *RESTART_RUN, *flags, "--save", str(save)], cwd=HERE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)) for node in (0, 1)]
         while killed_when and pid is None and nodes[1].job.poll() is None:
             if pid_file.exists() and killed_when(save):
                 if damaged:
@@ -10994,15 +10963,17 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 
 
 def call_restarts(harness):
-    """Each job straight through, then killed and restarted (--max-restarts 1) to end as it:
-    TP2 x PP2 killed once in a collective (its TP peer stopped) and stopped once; one process
-    killed once after a checkpoint: {name: what run_sh_killed returns}."""
-    restarts = [*TP2_PP2, "--max-restarts", "1"]
+    """Each job straight through, then struck and restarted to end as it: TP2 x PP2 with
+    --max-restarts 2 killed once in a collective (its TP peer stopped) after a checkpoint, then,
+    restarted, stopped (SIGSTOP) after a later one (one launch for both faults of the layout);
+    one process with --max-restarts 1 killed once after a checkpoint: {name: what run_sh_killed
+    returns}."""
+    restarts = [*TP2_PP2, "--max-restarts", "2"]
     runs = {"tp2_pp2_straight": run_sh_killed(harness, "tp2_pp2_straight", 4, TP2_PP2),
-            "tp2_pp2_restarted": run_sh_killed(harness, "tp2_pp2_restarted", 4, restarts,
-                                               [checkpointed], held=2),
-            "tp2_pp2_stopped": run_sh_killed(harness, "tp2_pp2_stopped", 4, restarts,
-                                             [checkpointed], sig=signal.SIGSTOP)}
+            "tp2_pp2_restarted": run_sh_killed(
+                harness, "tp2_pp2_restarted", 4, restarts,
+                [checkpointed, lambda save: checkpointed(save, 6)],
+                sig=[signal.SIGKILL, signal.SIGSTOP], held=2)}
     runs["one_straight"] = run_sh_killed(harness, "one_straight", 1, [])
     runs["one_restarted"] = run_sh_killed(harness, "one_restarted", 1, ["--max-restarts", "1"],
                                           [checkpointed])
@@ -11011,8 +10982,7 @@ def call_restarts(harness):
 
 def call_restart_faults(harness):
     """PP2 over two nodes straight through, and killed once with its latest checkpoint damaged
-    (one before it intact), with --max-restarts 1; one process killed twice once it has a log
-    (its config checked) with --max-restarts 2; TP2 compiled straight through, and with
+    (one before it intact), with --max-restarts 1; TP2 compiled straight through, and with
     --max-restarts 2 killed while its first graph compiles, then while it writes a checkpoint
     (one complete before it); TP2 on a disk that fills: {name: what run_sh_two_nodes,
     run_sh_killed or run_sh_on_a_full_disk returns}."""
@@ -11021,8 +10991,6 @@ def call_restart_faults(harness):
     runs["two_nodes_restarted"] = run_sh_two_nodes(
         harness, "two_nodes_restarted", [*pp2, "--max-restarts", "1"],
         lambda save: checkpointed(save, 4), damaged=True)
-    runs["refused"] = run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"],
-                                    [logged, logged])
     tp2 = ["--tensor-model-parallel-size", "2"]
     runs["tp2_compiled_straight"] = run_sh_killed(harness, "tp2_compiled_straight", 2, tp2,
                                                   run=COMPILED_RUN)
@@ -11048,27 +11016,36 @@ def saving(save, written):
     return bool(folders)
 
 
+def call_restart_refused(harness):
+    """One process killed twice once it has a log (its config checked) with --max-restarts 2:
+    what run_sh_killed returns. Its processes end as they start: it runs beside the launches
+    that take little of the CPU."""
+    return run_sh_killed(harness, "refused", 1, ["--max-restarts", "2"], [logged, logged])
+
+
 add("restarts", 0, "", call=call_restarts, beside="restart")
 add("restart_faults", 0, "", call=call_restart_faults, beside="restart_faults")
+add("restart_refused", 0, "", call=call_restart_refused, beside="launch")
 
 
 @reading("restarts")
 def test_a_killed_job_restarts_from_its_last_checkpoint_to_the_same_weights(runs):
-    """--max-restarts 1 (torchrun's flag): rank 3, killed while it waits in a collective (its TP
+    """--max-restarts 2 (torchrun's flag): rank 3, killed while it waits in a collective (its TP
     peer, rank 2, stopped 3 s first: rank 3's flight record shows a collective begun over a
     second before), is named, the job launched again from the last complete checkpoint (--load),
     and it ends as the run that never stopped: every step's loss and gradient norm (a step
     trained again too) and the final weights of every shard, bit for bit (TP2 x PP2 on 4
-    workers)."""
+    workers; the launch restarted is stopped once more: test_a_stopped_worker_is_named_and_its_
+    job_restarted)."""
     straight, code, *_ = runs.result("restarts")["tp2_pp2_straight"]
     assert code == 0, straight[-3000:]
     console, code, killed, named_after, record = runs.result("restarts")["tp2_pp2_restarted"]
-    assert len(killed) == 1 and code == 0, console[-3000:]
+    assert len(killed) == 2 and code == 0, console[-3000:]
     assert named_after <= 30, named_after
     waiting = record["events"][-1]
     assert waiting["op"] != "graph" and record["written"] - waiting["time"] > 1.0, record
     save = runs.tmp / "tp2_pp2_restarted"
-    assert re.search(rf"bash run.sh: restart 1 of 1, from iteration \d+ in {save}\n", console)
+    assert re.search(rf"bash run.sh: restart 1 of 2, from iteration \d+ in {save}\n", console)
     assert f"error: rank 3 (pid {killed[0]}) was killed by signal 9" in console, console[-3000:]
     assert_ends_as(runs.tmp / "tp2_pp2_straight", save)
 
@@ -11131,6 +11108,20 @@ def test_a_job_of_two_nodes_restarts_in_step(runs):
     assert_ends_as(runs.tmp / "two_nodes_straight", save)
 
 
+@reading("restart_faults", "restarts")
+def test_two_run_sh_launches_make_one_job(runs):
+    """Two `bash run.sh --nnodes 2` launches with torchrun's flags, --node_rank 0 and 1, each with
+    one worker, the second in its own network namespace (run_sh_two_nodes: the restart test's run
+    that never stopped), join into one PP2 job whose losses and gradient norms equal one
+    process's (the one-process restart test's run that never stopped)."""
+    nodes, _, _ = runs.result("restart_faults")["two_nodes_straight"]
+    assert [code for _, code in nodes] == [0, 0], [console[-2000:] for console, _ in nodes]
+    out = runs.tmp / "two_nodes_straight"
+    assert "1 -> 0, 0, 0, 1" in (out / "log" / "rank_0" / "info.log").read_text()   # pp 2
+    assert runs.result("restarts")["one_straight"][1] == 0
+    assert_trains_like(out, runs.tmp / "one_straight", tour.FLOAT32)
+
+
 @reading("restart_faults")
 def test_a_worker_killed_compiling_is_restarted(runs):
     """kill -9 of TP2's rank 1 while its first compiled graph compiles (ms.jit; the graph's event
@@ -11190,20 +11181,24 @@ def test_a_stopped_worker_is_named_and_its_job_restarted(runs):
     """A worker stopped (SIGSTOP) for longer than msrun's heartbeat limit (run.sh's
     MS_NODE_TIMEOUT) is taken for lost: run.sh kills it (msrun's SIGTERM would wait for a SIGCONT)
     and names the stopped rank, not a rank msrun's SIGTERM ended, within 30 s; --max-restarts then
-    resumes the job to the end of the run that never stopped."""
-    console, code, stopped, named_after, _ = runs.result("restarts")["tp2_pp2_stopped"]
-    assert len(stopped) == 1 and code == 0, console[-3000:]
+    resumes the job to the end of the run that never stopped (TP2 x PP2, stopped in the launch
+    that restarted it from a kill: test_a_killed_job_restarts_from_its_last_checkpoint_to_the_
+    same_weights)."""
+    console, code, struck, named_after, _ = runs.result("restarts")["tp2_pp2_restarted"]
+    assert len(struck) == 2 and code == 0, console[-3000:]
     assert named_after <= 30, named_after
+    save = runs.tmp / "tp2_pp2_restarted"
+    assert re.search(rf"bash run.sh: restart 2 of 2, from iteration \d+ in {save}\n", console)
     assert "error: rank 3 sent no heartbeat for 10 s (MS_NODE_TIMEOUT): stopped" in console
     assert "killed by signal 15" not in console, console[-3000:]
-    assert_ends_as(runs.tmp / "tp2_pp2_straight", runs.tmp / "tp2_pp2_stopped")
+    assert_ends_as(runs.tmp / "tp2_pp2_straight", save)
 
 
-@reading("restart_faults")
+@reading("restart_refused")
 def test_the_same_failure_twice_is_not_restarted(runs):
     """A job that fails again where it failed before, no checkpoint further, is not launched a
     third time: one line naming the failure and the folder to resume from, exit 2."""
-    console, code, killed, named_after, _ = runs.result("restart_faults")["refused"]
+    console, code, killed, named_after, _ = runs.result("restart_refused")
     save = runs.tmp / "refused"
     assert len(killed) == 2 and code == 2 and named_after <= 30, (named_after, console[-3000:])
     assert console.count("bash run.sh: restart ") == 1, console[-3000:]
