@@ -177,7 +177,9 @@ def _named(key, value=None):
 
 
 def _given(parallel_cfg, keys):
-    return [k for k in keys if getattr(parallel_cfg, k) not in (None, False)]
+    """The keys of `keys` set: a count (0 too, refused later) or a switch on."""
+    return [k for k in keys if getattr(parallel_cfg, k) is not None
+            and getattr(parallel_cfg, k) is not False]
 
 
 def _accounted(parallel_cfg):
