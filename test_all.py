@@ -2197,6 +2197,128 @@ def test_invalid_pipeline_layouts_are_refused(world, args, message):
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+# Megatron's split flags (settings/config.megatron_layer_counts). Each case's counts are written
+# from Megatron's own code: the uneven flags and the accounted embedding / loss from
+# transformer_block.get_num_layers_to_build (the layer order with chunks from
+# transformer_layer.get_transformer_layer_offset: chunk-major, as pipeline.layer_split deals
+# them), the layout string from pipeline_parallel_layer_layout.py (its 1D-to-2D mapping
+# layout[chunk * pp + stage]). The flags only write num_layer_list, so no run of their own: PP2
+# [3, 1] trains equal to one process as num_layer_list already (gradient_checks'
+# pp2_num_layer_list), and every other count goes through the same layer_split.
+MEGATRON_SPLITS = {
+    "first_3": (2, 4, ["--decoder-first-pipeline-num-layers", "3"], [3, 1]),
+    "last_1": (2, 4, ["--decoder-last-pipeline-num-layers", "1"], [3, 1]),
+    "pp4_first_last_1": (4, 8, ["--decoder-first-pipeline-num-layers", "1",
+                                "--decoder-last-pipeline-num-layers", "1"], [1, 3, 3, 1]),
+    "pp4_first_4": (4, 10, ["--decoder-first-pipeline-num-layers", "4"], [4, 2, 2, 2]),
+    "pp4_vpp2_first_last_2": (4, 12, ["--decoder-first-pipeline-num-layers", "2",
+                                      "--decoder-last-pipeline-num-layers", "2",
+                                      "--virtual-pipeline-model-parallel-size", "2"],
+                              [[1, 1], [2, 2], [2, 2], [1, 1]]),
+    "embedding": (2, 5, ["--account-for-embedding-in-pipeline-split"], [2, 3]),
+    "loss": (2, 5, ["--account-for-loss-in-pipeline-split"], [3, 2]),
+    "pp4_both": (4, 6, ["--account-for-embedding-in-pipeline-split",
+                        "--account-for-loss-in-pipeline-split"], [1, 2, 2, 1]),
+    "vpp2_both": (2, 6, ["--account-for-embedding-in-pipeline-split",
+                         "--account-for-loss-in-pipeline-split",
+                         "--virtual-pipeline-model-parallel-size", "2"], [[1, 2], [2, 1]]),
+    "per_chunk_both": (2, 6, ["--account-for-embedding-in-pipeline-split",
+                              "--account-for-loss-in-pipeline-split",
+                              "--num-layers-per-virtual-pipeline-stage", "2"], [[1, 2], [2, 1]]),
+    "layout": (2, 4, ["--pipeline-model-parallel-layout", "Ettt|tL"], [3, 1]),
+    "layout_x_n": (2, 4, ["--pipeline-model-parallel-layout", "Et*3|t,L"], [3, 1]),
+    "layout_vpp2": (2, 6, ["--pipeline-model-parallel-layout", "Et|(tt|)*2,tL"],
+                    [[1, 2], [2, 1]]),
+    "layout_pp4": (4, 5, ["--pipeline-model-parallel-layout", "Et|tt|t|tL"], [1, 2, 1, 1])}
+
+
+@pytest.mark.pipeline
+@pytest.mark.parametrize("case", sorted(MEGATRON_SPLITS))
+def test_megatron_split_flags_give_megatrons_counts(case):
+    """Each flag's per-stage (per-chunk) counts as Megatron's get_num_layers_to_build and
+    PipelineParallelLayerLayout give them, written as num_layer_list, its chunks as vpp."""
+    pp, layers, flags, counts = MEGATRON_SPLITS[case]
+    cfg = load_config(os.path.join(HERE, "config.yaml"),
+                      ["--pipeline-model-parallel-size", str(pp), "--num-layers", str(layers),
+                       "--micro-batch-size", "1", "--global-batch-size", "8", *flags], pp)
+    p = cfg.parallel_config
+    assert p.num_layer_list == counts
+    assert p.virtual_pipeline_model_parallel_size == (len(counts[0]) if
+                                                      isinstance(counts[0], list) else 1)
+
+
+@pytest.mark.pipeline
+@pytest.mark.parametrize("text,stages", [
+    ("Et|(tt|)*2,tL", ["Et", "tt", "tt", "tL"]),
+    ("Ettt|(tt|)*29,m|L", ["Ettt"] + ["tt"] * 29 + ["m", "L"]),  # parse_str_to_list's example
+    ("E|(tt|)*2,(t|)*4,mL", ["E", "tt", "tt", "t", "t", "t", "t", "mL"]),  # TransformerConfig's
+    ("Et*3|t,L", ["Ettt", "tL"])])
+def test_megatron_layout_string_parses_as_megatrons(text, stages):
+    """config.parse_layout follows PipelineParallelLayerLayout.parse_str_to_list: commas dropped,
+    (..)*n and x*n unrolled, split at |."""
+    assert config.parse_layout(text) == stages
+
+
+_LAYOUT = "--pipeline-model-parallel-layout"
+MEGATRON_SPLIT_ERRORS = {
+    "layout_and_first": (2, 4, [_LAYOUT, "Ettt|tL", "--decoder-first-pipeline-num-layers", "3"],
+                         "cannot be set with other pipeline layout arguments"),
+    "first_and_account": (2, 4, ["--decoder-first-pipeline-num-layers", "3",
+                                 "--account-for-loss-in-pipeline-split"],
+                          "cannot be set at the same time with"),
+    "first_and_num_layer_list": (2, 4, ["--decoder-first-pipeline-num-layers", "3",
+                                        "parallel_config.num_layer_list=[3,1]"],
+                                 "both split the layers: give one"),
+    "layout_and_per_chunk": (2, 4, [_LAYOUT, "Ett|t|t|tL",
+                                    "--num-layers-per-virtual-pipeline-stage", "1"],
+                             "the layout gives the chunks"),
+    "first_and_per_chunk": (2, 4, ["--decoder-first-pipeline-num-layers", "2",
+                                   "--num-layers-per-virtual-pipeline-stage", "1"],
+                            "give the chunks by --virtual-pipeline-model-parallel-size"),
+    "first_0": (2, 4, ["--decoder-first-pipeline-num-layers", "0"], "must be larger than 0"),
+    "first_by_vpp": (2, 4, ["--decoder-first-pipeline-num-layers", "3",
+                            "--virtual-pipeline-model-parallel-size", "2"],
+                     "must be divisible by virtual pipeline parallel degree 2"),
+    "first_last_mismatch": (2, 4, ["--decoder-first-pipeline-num-layers", "2",
+                                   "--decoder-last-pipeline-num-layers", "1"],
+                            "mismatch: 1 middle layers remaining but 0 middle PP stages"),
+    "middle_not_divisible": (4, 6, ["--decoder-first-pipeline-num-layers", "2"],
+                             "middle stage: 4 must be divisible by the middle pipeline model "
+                             "parallel size 3"),
+    "accounted_not_divisible": (2, 4, ["--account-for-embedding-in-pipeline-split"],
+                                "= 5 must be divisible by pipeline_model_parallel_size 2"),
+    "no_decoder_layer": (4, 2, ["--account-for-embedding-in-pipeline-split",
+                                "--account-for-loss-in-pipeline-split"],
+                         "leaves stage 0 chunk 0 with no decoder layer: not run here"),
+    "layout_empty_stage": (2, 4, [_LAYOUT, "E|ttttL"], "stage 0 chunk 0 with no decoder layer"),
+    "layout_no_loss": (2, 4, [_LAYOUT, "Ettt|t"], "the last layer must be loss (L)"),
+    "layout_embedding_late": (2, 4, [_LAYOUT, "tEtt|tL"], "the first layer must be embedding"),
+    "layout_decoders": (2, 4, [_LAYOUT, "Ett|tL"],
+                        "number of decoder layers 3 must match model_config.num_layers 4"),
+    "layout_stages": (2, 4, [_LAYOUT, "Ett|t|tL"],
+                      "its 3 stages must be divisible by pipeline_model_parallel_size 2"),
+    "layout_vpp": (2, 4, [_LAYOUT, "Ettt|tL", "--virtual-pipeline-model-parallel-size", "2"],
+                   "conflicts with parallel_config.virtual_pipeline_model_parallel_size=2"),
+    "layout_mtp": (2, 4, [_LAYOUT, "Ett|tmL"], "m (multi-token prediction) is not built here"),
+    "layout_character": (2, 4, [_LAYOUT, "Ett|tx|L"], "invalid layer character 'x'")}
+
+
+@pytest.mark.pipeline
+@pytest.mark.parametrize("case", sorted(MEGATRON_SPLIT_ERRORS))
+def test_megatron_split_flags_are_refused_as_megatron_refuses(case):
+    """The combinations and values Megatron refuses (TransformerConfig.__post_init__,
+    training/arguments.py, validate_layer_layout), m (MTP, not built), and a stage or chunk with
+    no decoder layer (a PP2 run of one fails at its start): one line naming the flag."""
+    pp, layers, flags, message = MEGATRON_SPLIT_ERRORS[case]
+    with pytest.raises(ConfigError) as e:
+        load_config(os.path.join(HERE, "config.yaml"),
+                    ["--pipeline-model-parallel-size", str(pp), "--num-layers", str(layers),
+                     "--micro-batch-size", "1", "--global-batch-size", "8", *flags], pp)
+    flag = next(f for f in flags if f.startswith("--") and f in config.SPLIT_FLAGS.values())
+    assert message in str(e.value) and flag in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
 # ----------------------------------------------------------------------- pipelines on msrun workers
 # The pipeline layouts (1F1B, interleaved, all-forward-all-backward; beside TP2 + SP) across msrun
 # workers: each layout's step of gradients against one process, its training beside one process,

@@ -9,6 +9,7 @@ import difflib
 import math
 import os
 import platform
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -80,46 +81,28 @@ def _positive(cfg_section, name, keys):
 
 
 def _check_pipeline(parallel_cfg, model_cfg):
-    """Pipeline and virtual-pipeline sizes against the layers; sets
+    """Pipeline and virtual-pipeline sizes against the layers; Megatron's split flags written as
+    the num_layer_list they give (megatron_layer_counts); sets
     parallel_cfg.virtual_pipeline_model_parallel_size (1 without interleaving)."""
     pp, layers = parallel_cfg.pipeline_model_parallel_size, model_cfg.num_layers
     where = "parallel_config"
     vpp = parallel_cfg.virtual_pipeline_model_parallel_size
     _positive(parallel_cfg, where, ["virtual_pipeline_model_parallel_size",
                                     "num_layers_per_virtual_pipeline_stage"])
+    _check_split_combinations(parallel_cfg)
     if parallel_cfg.num_layers_per_virtual_pipeline_stage is not None:
-        per = parallel_cfg.num_layers_per_virtual_pipeline_stage
-        if layers % (pp * per):
-            raise ConfigError(f"{where}.num_layers_per_virtual_pipeline_stage={per}: "
-                              f"model_config.num_layers={layers} is not divisible by "
-                              f"pipeline size {pp} x {per}")
-        if vpp is not None and vpp != layers // (pp * per):
-            raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} disagrees with "
-                              f"num_layers_per_virtual_pipeline_stage={per} "
-                              f"({layers // (pp * per)} chunks): give one")
-        vpp = layers // (pp * per)
-    lst = parallel_cfg.num_layer_list
-    if lst is not None:
-        nested = all(isinstance(c, list) for c in lst)
-        counts = [n for c in lst for n in (c if nested else [c])]
-        if (len(lst) != pp or not all(isinstance(n, int) and n >= 1 for n in counts)
-                or (nested and len({len(c) for c in lst}) != 1)):
-            raise ConfigError(f"{where}.num_layer_list={lst}: give {pp} layer counts, one per "
-                              "pipeline stage (e.g. [3, 1]), or per stage one per virtual chunk "
-                              "(e.g. [[2, 1], [1, 2]]), each >= 1")
-        if sum(counts) != layers:
-            raise ConfigError(f"{where}.num_layer_list={lst} sums to {sum(counts)}, not "
-                              f"model_config.num_layers={layers}")
-        chunks = len(lst[0]) if nested else 1
-        if vpp is not None and vpp != chunks:
-            raise ConfigError(f"{where}.num_layer_list={lst} gives {chunks} chunk(s) per stage but "
-                              f"virtual_pipeline_model_parallel_size is {vpp}: make them agree")
-        vpp = chunks
+        vpp = _chunks_of_layers_per_stage(parallel_cfg, layers, vpp)
+    counts = megatron_layer_counts(parallel_cfg, layers, vpp)
+    if counts is not None:
+        parallel_cfg.num_layer_list = counts
+    if parallel_cfg.num_layer_list is not None:
+        vpp = _check_num_layer_list(parallel_cfg, layers, vpp)
     vpp = vpp or 1
     if vpp > 1 and pp == 1:
         raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} needs "
                           "pipeline_model_parallel_size > 1")
     per = -(-layers // pp)                           # MindSpeed's automatic cut: [16, 16, 16, 14]
+    lst = parallel_cfg.num_layer_list
     if lst is None and vpp == 1 and layers % pp and layers - per * (pp - 1) >= 1:
         parallel_cfg.num_layer_list = [per] * (pp - 1) + [layers - per * (pp - 1)]
     elif lst is None and layers % (pp * vpp):
@@ -128,6 +111,225 @@ def _check_pipeline(parallel_cfg, model_cfg):
                           f"pipeline_model_parallel_size={pp}{chunks}: change num_layers or give "
                           "parallel_config.num_layer_list")
     parallel_cfg.virtual_pipeline_model_parallel_size = vpp
+
+
+def _chunks_of_layers_per_stage(parallel_cfg, layers, vpp):
+    """The chunks per stage num_layers_per_virtual_pipeline_stage gives (Megatron's
+    arguments.py: the layers, with an accounted embedding and loss one each, over pp x it)."""
+    where, pp = "parallel_config", parallel_cfg.pipeline_model_parallel_size
+    per = parallel_cfg.num_layers_per_virtual_pipeline_stage
+    accounted = _accounted(parallel_cfg)
+    counted = layers + accounted
+    plus = f" + {accounted} (the accounted embedding / loss)" if accounted else ""
+    if counted % (pp * per):
+        raise ConfigError(f"{where}.num_layers_per_virtual_pipeline_stage={per}: "
+                          f"model_config.num_layers={layers}{plus} is not divisible by "
+                          f"pipeline size {pp} x {per}")
+    if vpp is not None and vpp != counted // (pp * per):
+        raise ConfigError(f"{where}.virtual_pipeline_model_parallel_size={vpp} disagrees with "
+                          f"num_layers_per_virtual_pipeline_stage={per} "
+                          f"({counted // (pp * per)} chunks): give one")
+    return counted // (pp * per)
+
+
+def _check_num_layer_list(parallel_cfg, layers, vpp):
+    """num_layer_list (MindSpeed's) against the pipeline size, the layers and vpp; returns the
+    chunks per stage it gives."""
+    where, pp, lst = "parallel_config", parallel_cfg.pipeline_model_parallel_size, \
+        parallel_cfg.num_layer_list
+    nested = all(isinstance(c, list) for c in lst)
+    counts = [n for c in lst for n in (c if nested else [c])]
+    if (len(lst) != pp or not all(isinstance(n, int) and n >= 1 for n in counts)
+            or (nested and len({len(c) for c in lst}) != 1)):
+        raise ConfigError(f"{where}.num_layer_list={lst}: give {pp} layer counts, one per "
+                          "pipeline stage (e.g. [3, 1]), or per stage one per virtual chunk "
+                          "(e.g. [[2, 1], [1, 2]]), each >= 1")
+    if sum(counts) != layers:
+        raise ConfigError(f"{where}.num_layer_list={lst} sums to {sum(counts)}, not "
+                          f"model_config.num_layers={layers}")
+    chunks = len(lst[0]) if nested else 1
+    if vpp is not None and vpp != chunks:
+        raise ConfigError(f"{where}.num_layer_list={lst} gives {chunks} chunk(s) per stage but "
+                          f"virtual_pipeline_model_parallel_size is {vpp}: make them agree")
+    return chunks
+
+
+# ------------------------------------------------------------ Megatron's pipeline split flags
+# Each key of parallel_config that Megatron splits the layers by, with its flag.
+SPLIT_FLAGS = {
+    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
+    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
+    "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
+    "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
+    "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout"}
+_UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+_ACCOUNT = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+# A stage or chunk of no decoder layer: a PP2 run of num_layer_list [0, 2] (the >= 1 rule lifted)
+# fails at its start, in instruments/memory.stage_activations, so none is made here.
+_NO_EMPTY_STAGE = ("not run here (a PP2 probe with a stage of 0 layers fails at its start, in "
+                   "instruments/memory.stage_activations)")
+
+
+def _named(key, value=None):
+    """A split key as an error names it: parallel_config.key=value (--flag)."""
+    shown = "" if value is None else f"={value}"
+    return f"parallel_config.{key}{shown} ({SPLIT_FLAGS[key]})"
+
+
+def _given(parallel_cfg, keys):
+    """The keys of `keys` set: a count (0 too, refused later) or a switch on."""
+    return [k for k in keys if getattr(parallel_cfg, k) is not None
+            and getattr(parallel_cfg, k) is not False]
+
+
+def _accounted(parallel_cfg):
+    """How many of the embedding and the loss count as layers in the even split."""
+    return len(_given(parallel_cfg, _ACCOUNT))
+
+
+def _check_split_combinations(parallel_cfg):
+    """The split flags Megatron refuses together (TransformerConfig.__post_init__,
+    training/arguments.py), and any of them beside num_layer_list (MindSpeed's)."""
+    uneven, account = _given(parallel_cfg, _UNEVEN), _given(parallel_cfg, _ACCOUNT)
+    layout = _given(parallel_cfg, ("pipeline_model_parallel_layout",))
+    if layout and (uneven or account):
+        raise ConfigError(f"{_named(layout[0])} cannot be set with other pipeline layout "
+                          f"arguments ({_named((uneven + account)[0])}): give one")
+    if uneven and account:
+        raise ConfigError(f"{_named(uneven[0])} cannot be set at the same time with "
+                          f"{_named(account[0])}: give one")
+    given = layout + uneven + account
+    if given and parallel_cfg.num_layer_list is not None:
+        raise ConfigError(f"{_named(given[0])} and parallel_config.num_layer_list "
+                          "(--num-layer-list) both split the layers: give one")
+    per = parallel_cfg.num_layers_per_virtual_pipeline_stage
+    if per is not None and (layout or uneven):
+        fix = ("the layout gives the chunks" if layout else
+               "give the chunks by --virtual-pipeline-model-parallel-size")
+        raise ConfigError(f"{_named((layout + uneven)[0])} with "
+                          f"parallel_config.num_layers_per_virtual_pipeline_stage={per} "
+                          f"(--num-layers-per-virtual-pipeline-stage): {fix}")
+
+
+def megatron_layer_counts(parallel_cfg, layers, vpp=None):
+    """num_layer_list as Megatron's split flags give it (None without them): per stage ([3, 1]),
+    or with virtual chunks per stage and chunk ([[2, 1], [1, 2]]), so that stage_layer_counts
+    and pipeline.layer_split deal them out as any other num_layer_list. A stage or chunk left
+    with no decoder layer is refused (_NO_EMPTY_STAGE)."""
+    pp = parallel_cfg.pipeline_model_parallel_size
+    if parallel_cfg.pipeline_model_parallel_layout is not None:
+        key = "pipeline_model_parallel_layout"
+        counts = layout_counts(parallel_cfg.pipeline_model_parallel_layout, layers, pp, vpp)
+    elif _given(parallel_cfg, _UNEVEN):
+        key = _given(parallel_cfg, _UNEVEN)[0]
+        counts = uneven_counts(layers, pp, vpp or 1,
+                               parallel_cfg.decoder_first_pipeline_num_layers,
+                               parallel_cfg.decoder_last_pipeline_num_layers)
+    elif _given(parallel_cfg, _ACCOUNT):
+        key = _given(parallel_cfg, _ACCOUNT)[0]
+        counts = accounted_counts(layers, pp, vpp or 1,
+                                  parallel_cfg.account_for_embedding_in_pipeline_split,
+                                  parallel_cfg.account_for_loss_in_pipeline_split)
+    else:
+        return None
+    for stage, chunks in enumerate(counts):
+        for chunk, n in enumerate(chunks):
+            if n == 0:
+                raise ConfigError(f"{_named(key, getattr(parallel_cfg, key))} leaves stage "
+                                  f"{stage} chunk {chunk} with no decoder layer: "
+                                  f"{_NO_EMPTY_STAGE}; change the split")
+    return counts if len(counts[0]) > 1 else [c[0] for c in counts]
+
+
+def uneven_counts(layers, pp, vpp, first, last):
+    """Per stage, per chunk: Megatron's uneven split (transformer_block.get_num_layers_to_build,
+    its checks in TransformerConfig.__post_init__): the first / last stage `first` / `last`
+    layers (each > 0, divisible by vpp), the rest split evenly over the other (middle) stages,
+    which must divide them, each stage's layers even over its vpp chunks."""
+    for key, n in zip(_UNEVEN, (first, last)):
+        if n is not None and n <= 0:
+            raise ConfigError(f"{_named(key, n)} must be larger than 0")
+        if n is not None and n % vpp:
+            raise ConfigError(f"{_named(key, n)} must be divisible by virtual pipeline parallel "
+                              f"degree {vpp}")
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = layers - (first or 0) - (last or 0)
+    named = _named(_UNEVEN[0] if first is not None else _UNEVEN[1], first or last)
+    if middle_stages < 0 or middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+        raise ConfigError(f"{named}: mismatch: {middle_layers} middle layers remaining but "
+                          f"{max(middle_stages, 0)} middle PP stages available (num_layers="
+                          f"{layers}, pipeline_model_parallel_size={pp}): change the counts")
+    per = middle_layers // middle_stages if middle_stages else 0
+    if middle_stages and (middle_layers % middle_stages or per % vpp):
+        raise ConfigError(f"{named}: number of layers at middle stage: {middle_layers} must be "
+                          f"divisible by the middle pipeline model parallel size {middle_stages}"
+                          f" x virtual pipeline parallel degree {vpp}")
+    stages = [per] * pp
+    if first is not None:
+        stages[0] = first
+    if last is not None:
+        stages[-1] = last
+    return [[n // vpp] * vpp for n in stages]
+
+
+def accounted_counts(layers, pp, vpp, embedding, loss):
+    """Per stage, per chunk: Megatron's split with the embedding and / or the loss counted as a
+    layer (transformer_block.get_num_layers_to_build): layers + 1 for each, split evenly over
+    pp x vpp chunks, then the first chunk of the first stage one decoder layer fewer (embedding)
+    and the last chunk of the last stage one fewer (loss)."""
+    counted = layers + bool(embedding) + bool(loss)
+    named = _named(_ACCOUNT[0] if embedding else _ACCOUNT[1])
+    if counted % pp or (counted // pp) % vpp:
+        raise ConfigError(f"{named}: num_layers {layers} + {counted - layers} (the accounted "
+                          f"embedding / loss) = {counted} must be divisible by "
+                          f"pipeline_model_parallel_size {pp} x virtual chunks {vpp}")
+    counts = [[counted // (pp * vpp)] * vpp for _ in range(pp)]
+    counts[0][0] -= bool(embedding)
+    counts[-1][-1] -= bool(loss)
+    return counts
+
+
+def parse_layout(text):
+    """Megatron's layout string -> its virtual stages, in order (PipelineParallelLayerLayout.
+    parse_str_to_list): commas dropped, "(..)*n" then "x*n" unrolled, split at "|"; e.g.
+    "Et|(tt|)*2,tL" -> ["Et", "tt", "tt", "tL"]."""
+    text = text.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    unknown = sorted(set(text) - set("ELtm|"))
+    if unknown:
+        raise ConfigError(f"{_named('pipeline_model_parallel_layout', text)}: invalid layer "
+                          f"character {unknown[0]!r}: known E (embedding), t (decoder layer), "
+                          "L (loss), m (MTP), | between stages")
+    return text.split("|")
+
+
+def layout_counts(text, layers, pp, vpp=None):
+    """Per stage, per chunk, the decoder layers of Megatron's layout string (pipeline_parallel_
+    layer_layout.py): virtual stage i = chunk * pp + stage (its 1D-to-2D mapping), so its stages
+    divide by pp and give the chunks; validate_layer_layout's rules: E first and once, L last and
+    once, num_layers t's. m (MTP) is not built here."""
+    named = _named("pipeline_model_parallel_layout", text)
+    stages = parse_layout(text)
+    flat = "".join(stages)
+    if "m" in flat:
+        raise ConfigError(f"{named}: m (multi-token prediction) is not built here: remove it")
+    if len(stages) % pp:
+        raise ConfigError(f"{named}: its {len(stages)} stages must be divisible by "
+                          f"pipeline_model_parallel_size {pp}")
+    chunks = len(stages) // pp
+    if vpp is not None and vpp != chunks:
+        raise ConfigError(f"{named} gives {chunks} chunk(s) per stage: it conflicts with "
+                          f"parallel_config.virtual_pipeline_model_parallel_size={vpp}")
+    if not flat.startswith("E") or flat.count("E") != 1:
+        raise ConfigError(f"{named}: the first layer must be embedding (E), given exactly once")
+    if not flat.endswith("L") or flat.count("L") != 1:
+        raise ConfigError(f"{named}: the last layer must be loss (L), given exactly once")
+    if flat.count("t") != layers:
+        raise ConfigError(f"{named}: number of decoder layers {flat.count('t')} must match "
+                          f"model_config.num_layers {layers}")
+    return [[stages[chunk * pp + stage].count("t") for chunk in range(chunks)]
+            for stage in range(pp)]
 
 
 def _check_profile(training_cfg):
@@ -634,9 +836,9 @@ def per_stage_and_chunk(values):
 
 def stage_layer_counts(num_layers, pp, vpp=1, num_layer_list=None):
     """Per pipeline stage, the layers of each of its vpp model chunks, the one place they are
-    worked out (pipeline.layer_split deals them out): num_layer_list as given (after
-    _check_pipeline), else num_layers / (pp * vpp) each; e.g. [[2, 2], [2, 2]] for 8 layers, pp 2,
-    vpp 2; [[3], [1]] for num_layer_list [3, 1]."""
+    worked out (pipeline.layer_split deals them out): num_layer_list as given or as Megatron's
+    split flags gave it (_check_pipeline, megatron_layer_counts), else num_layers / (pp * vpp)
+    each; e.g. [[2, 2], [2, 2]] for 8 layers, pp 2, vpp 2; [[3], [1]] for num_layer_list [3, 1]."""
     if num_layer_list is None:
         return [[num_layers // (pp * vpp)] * vpp for _ in range(pp)]
     return per_stage_and_chunk(num_layer_list)
