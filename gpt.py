@@ -1068,22 +1068,31 @@ def num_floating_point_operations(cfg, batch_size):
     """Megatron's num_floating_point_operations (megatron/training/training.py): matmul FLOPs of
     one training iteration of `batch_size` sequences, forward and backward (3 GEMMs per weight:
     forward, data gradient, weight gradient; 2 FLOPs per multiply-add; Narayanan et al. 2021,
-    appendix). Counts GQA's smaller key/value projections, SwiGLU's third matrix, the full s x s
-    attention scores, the output layer and, in MoE layers, the experts each token goes to."""
-    h, layers = cfg.hidden_size, cfg.num_layers
+    appendix): the sum of its terms (flops_terms) over the layers, dense and MoE, plus the
+    output layer."""
+    dense, moe_layer, output = flops_terms(cfg, batch_size)
+    moe_layers = sum(moe_layer_pattern(cfg))
+    return (cfg.num_layers - moe_layers) * dense + moe_layers * moe_layer + output
+
+
+def flops_terms(cfg, batch_size):
+    """The terms num_floating_point_operations sums: (a dense layer's, an MoE layer's, the
+    output layer's) FLOPs, each Megatron's 12 b s h^2 times its part of the formula's bracket.
+    Counts GQA's smaller key/value projections, SwiGLU's third matrix, the full s x s attention
+    scores and, in MoE layers, the experts each token goes to; the embedding lookup is no
+    matmul."""
+    h = cfg.hidden_size
     head_dim = h // cfg.num_attention_heads
     query_to_hidden = head_dim * cfg.num_attention_heads / h
     gated = 1.5 if cfg.hidden_act == "swiglu" else 1.0
     attention = ((1 + cfg.num_query_groups / cfg.num_attention_heads + cfg.seq_length / h)
                  * query_to_hidden)
-    # MoE layers: k routed experts and the shared one per token (the router's GEMM not counted)
-    moe_layers = sum(moe_layer_pattern(cfg))
-    moe_ffn = 0 if not moe_layers else (cfg.moe_ffn_hidden_size * cfg.moe_router_topk
-                                        + (cfg.moe_shared_expert_intermediate_size or 0))
-    mlp = (layers - moe_layers) * cfg.ffn_hidden_size + moe_layers * moe_ffn
-    mlp = mlp / (layers * h) * gated
-    logit = cfg.padded_vocab_size / (2 * layers * h)
-    return 12 * batch_size * cfg.seq_length * layers * h * h * (attention + mlp + logit)
+    # an MoE layer: k routed experts and the shared one per token (the router's GEMM not counted)
+    moe_ffn = 0 if not cfg.num_moe_experts else (cfg.moe_ffn_hidden_size * cfg.moe_router_topk
+                                                 + (cfg.moe_shared_expert_intermediate_size or 0))
+    unit = 12 * batch_size * cfg.seq_length * h * h
+    return (unit * (attention + cfg.ffn_hidden_size / h * gated),
+            unit * (attention + moe_ffn / h * gated), unit * cfg.padded_vocab_size / (2 * h))
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=0, vocab_size=None,

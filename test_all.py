@@ -7370,6 +7370,36 @@ def test_plan_flops_add_the_recomputed_forward():
     assert flops("parallel_config.select_recompute=true")[0][1] == 4 * 4 * 8 * 16 * 16 * 8
 
 
+@pytest.mark.pipeline
+def test_plan_suggests_the_megatron_split_that_balances_the_flops(capsys):
+    """The bench's PP2 model (4 layers, h 256, ffn 1024, s 256, vocabulary 4096, batch 8): each
+    stage's FLOPs counted by hand, the output layer's 6 B s h V on the last stage (61% of the
+    step, more than its 2 layers); the suggestion, the first stage 3 layers, lowers the largest
+    stage to 58%, is what Megatron's flag gives, and `plan` prints it, then calls it balanced."""
+    flags = [*bench.MODEL, *bench.LAYOUTS["pp2"][1]]
+    cfg = load_config(os.path.join(HERE, "config.yaml"), flags, 2)
+    cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
+    b, s, h, f, v = 8, 256, 256, 1024, 4096
+    layer = 3 * 2 * b * s * (3 * h * h + 2 * s * h + h * h + 2 * h * f)     # qkv, scores, proj, MLP
+    flops = memory.stage_flops(cfg)
+    assert flops == pytest.approx([2 * layer, 2 * layer + 6 * b * s * h * v], rel=1e-12)
+    assert sum(flops) == pytest.approx(gpt.num_floating_point_operations(cfg.model_config, b),
+                                       rel=1e-12)
+    suggested, counts, largest = memory.balanced_split(cfg)
+    assert (suggested, counts) == ("--decoder-first-pipeline-num-layers 3", [3, 1])
+    assert largest == pytest.approx(3 * layer / sum(flops)) and largest < max(flops) / sum(flops)
+    balanced = load_config(os.path.join(HERE, "config.yaml"), flags + suggested.split(), 2)
+    assert balanced.parallel_config.num_layer_list == counts
+    out = plan_lines(capsys, *flags, "--world-size", "2")
+    assert out[-3:] == ["plan: stage 0 FLOPs: layers [2], 38.9% of the model FLOPs",
+                        "plan: stage 1 FLOPs: layers [2] and the output layer, 61.1% of the "
+                        "model FLOPs",
+                        "plan: a balanced split: --decoder-first-pipeline-num-layers 3, layers "
+                        "[3, 1] (largest stage 58.3% of the FLOPs, now 61.1%)"]
+    out = plan_lines(capsys, *flags, *suggested.split(), "--world-size", "2")
+    assert out[-1].startswith("plan: a balanced split: this one (largest stage 58.3% of the")
+
+
 # world size, parameters: Hugging Face's published counts plus the padded rows (50,257 -> 50,304)
 PRESETS = {
     "gpt2_124m": (8, 124_439_808 + 47 * 768), "gpt2_355m": (8, 354_823_168 + 47 * 1024),

@@ -37,9 +37,9 @@ import optimizer as opt
 import pipeline
 from settings.cli import CONFIG_FLAG, REQUIRED, load_config, parse_command
 from parallel import DTYPES
-from settings.config import (ConfigError, cp_ring_size, fc1_chunks, main_grad_dtype,
-                             moe_layer_pattern, padded_vocab_size, recompute_counts,
-                             samples_per_split)
+from settings.config import (SPLIT_FLAGS, ConfigError, cp_ring_size, fc1_chunks,
+                             main_grad_dtype, megatron_layer_counts, moe_layer_pattern,
+                             padded_vocab_size, recompute_counts, samples_per_split)
 from tokenizer import build_tokenizer
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}   # config's dtype names
@@ -734,19 +734,106 @@ def collective_bytes(cfg):
 def flops_per_iteration(cfg):
     """(model FLOPs, recompute FLOPs) of one iteration of the global batch: Megatron's
     num_floating_point_operations (gpt.py), and the forward passes recompute adds: full, one
-    forward (a third of forward + backward) of every recomputed layer; selective, the core
-    attention's two batched matmuls, 2 x 2 b s^2 n (h/n) per layer and sequence."""
+    forward (a third of forward + backward) of every recomputed layer, at the layers' mean;
+    selective, the core attention's two batched matmuls, 2 x 2 b s^2 n (h/n) per layer and
+    sequence."""
     model_cfg, parallel_cfg, dataset_cfg = cfg.model_config, cfg.parallel_config, cfg.dataset_config
     batch = dataset_cfg.global_batch_size
     model = gpt.num_floating_point_operations(model_cfg, batch)
-    # one layer's FLOPs: the formula's layer term is linear in num_layers, its output layer is not
-    one_more = SimpleNamespace(**{**vars(model_cfg), "num_layers": model_cfg.num_layers + 1})
-    per_layer = gpt.num_floating_point_operations(one_more, batch) - model
+    per_layer = (model - gpt.flops_terms(model_cfg, batch)[2]) / model_cfg.num_layers
     if model_cfg.recompute_granularity == "selective":
         attention = 4 * batch * model_cfg.seq_length ** 2 * model_cfg.hidden_size
         return model, model_cfg.num_layers * attention
     recomputed = sum(sum(chunks) for chunks in recompute_counts(parallel_cfg, model_cfg))
     return model, recomputed * per_layer / 3
+
+
+def stage_flops(cfg):
+    """Per pipeline stage, its part of the iteration's model FLOPs (gpt.flops_terms, summing to
+    flops_per_iteration's): its decoder layers, dense or MoE, and on the stage holding the loss
+    the output layer and the loss; the embedding lookup is no matmul. Forward and backward scale
+    every term alike (3 GEMMs per weight), so a stage's share of these is its forward's share."""
+    model_cfg = cfg.model_config
+    dense, moe_layer, output = gpt.flops_terms(model_cfg, cfg.dataset_config.global_batch_size)
+    flops = []
+    for rank, chunks in enumerate(stage_chunks(model_cfg, cfg.parallel_config)):
+        layers = sum(moe_layer if moe else dense for moe in stage_layer_kinds(cfg, rank))
+        flops.append(layers + output * any(has_loss for _, _, has_loss in chunks))
+    return flops
+
+
+def with_split(cfg, num_layer_list):
+    """A copy of cfg whose pipeline stages hold `num_layer_list` (cfg itself untouched)."""
+    parallel_cfg = SimpleNamespace(**{**vars(cfg.parallel_config),
+                                      "num_layer_list": num_layer_list})
+    return SimpleNamespace(**{**vars(cfg), "parallel_config": parallel_cfg})
+
+
+def split_candidates(layers, pp):
+    """(flags, num_layer_list) of every split by Megatron's split flags, without virtual chunks,
+    that Megatron allows and this project runs (config.megatron_layer_counts applies both's
+    rules: every stage at least one decoder layer), fewest flags first, each split once: the
+    even split (layers divisible by pp, Megatron's rule without flags), the first and / or the
+    last stage's count, the embedding and / or the loss accounted as a layer."""
+    found = {}
+    if layers % pp == 0:
+        found[(layers // pp,) * pp] = "the even split (no split flag)"
+    first, last = "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"
+    embedding = "account_for_embedding_in_pipeline_split"
+    loss = "account_for_loss_in_pipeline_split"
+    options = ([{first: n} for n in range(1, layers)] + [{last: n} for n in range(1, layers)]
+               + [{embedding: True}, {loss: True}, {embedding: True, loss: True}]
+               + [{first: n, last: m} for n in range(1, layers) for m in range(1, layers - n + 1)])
+    for flags in options:
+        parallel_cfg = SimpleNamespace(**{**dict.fromkeys(SPLIT_FLAGS), **flags},
+                                       pipeline_model_parallel_size=pp)
+        try:
+            counts = megatron_layer_counts(parallel_cfg, layers)
+        except ConfigError:
+            continue                   # Megatron refuses it, or it leaves a stage no layer
+        found.setdefault(tuple(counts), " ".join(
+            SPLIT_FLAGS[key] if value is True else f"{SPLIT_FLAGS[key]} {value}"
+            for key, value in flags.items()))
+    return [(flags, list(counts)) for counts, flags in found.items()]
+
+
+def balanced_split(cfg):
+    """(flags, num_layer_list, largest stage's share of the model FLOPs) of the split_candidates
+    whose largest stage (stage_flops) is smallest, the first of equals, for a config without
+    virtual chunks; None if none is smaller than the config's own split's."""
+    now = stage_flops(cfg)
+    best = None
+    for flags, counts in split_candidates(cfg.model_config.num_layers,
+                                          cfg.parallel_config.pipeline_model_parallel_size):
+        largest = max(stage_flops(with_split(cfg, counts)))
+        # equal up to rounding (the same layers summed in another order) is not smaller
+        if largest < max(now) * (1 - 1e-9) and (best is None or largest < best[2]):
+            best = (flags, counts, largest)
+    return None if best is None else (best[0], best[1], best[2] / sum(now))
+
+
+def balance_lines(cfg):
+    """The plan's lines on the pipeline's balance: each stage's layers and share of the model
+    FLOPs, then the Megatron split that balances them best (balanced_split)."""
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    flops = stage_flops(cfg)
+    lines = []
+    for rank, chunks in enumerate(stage_chunks(model_cfg, parallel_cfg)):
+        output = " and the output layer" if any(loss for _, _, loss in chunks) else ""
+        lines.append(f"plan: stage {rank} FLOPs: layers {[layers for layers, _, _ in chunks]}"
+                     f"{output}, {flops[rank] / sum(flops):.1%} of the model FLOPs")
+    largest = f"{max(flops) / sum(flops):.1%}"
+    if parallel_cfg.virtual_pipeline_model_parallel_size > 1:
+        return lines + ["plan: a balanced split: not searched with virtual pipeline chunks "
+                        "(Megatron's split flags are searched without them)"]
+    best = balanced_split(cfg)
+    if best is None:
+        lines.append(f"plan: a balanced split: this one (largest stage {largest} of the FLOPs; "
+                     "no split by Megatron's flags has a smaller largest stage)")
+    else:
+        lines.append(f"plan: a balanced split: {best[0]}, layers {best[1]} (largest stage "
+                     f"{best[2]:.1%} of the FLOPs, now {largest})")
+    return lines
 
 
 # ============================================================================ per rank
@@ -951,7 +1038,7 @@ def plan_lines(cfg, world):
     model, extra = flops_per_iteration(cfg)
     lines.append(f"plan: FLOPs per iteration {model:.3e} (Megatron's model FLOPs) + recompute "
                  f"{extra:.3e}; per rank {(model + extra) / world:.3e}")
-    return lines
+    return lines + (balance_lines(cfg) if pp > 1 else [])
 
 
 def layer_text(cfg, rank):
