@@ -11260,8 +11260,7 @@ def call_restart_faults(harness):
     """PP2 over two nodes straight through, and killed once with its latest checkpoint damaged
     (one before it intact), with --max-restarts 1; TP2 compiled straight through, and with
     --max-restarts 2 killed while its first graph compiles, then while it writes a checkpoint
-    (one complete before it); TP2 on a disk that fills: {name: what run_sh_two_nodes,
-    run_sh_killed or run_sh_on_a_full_disk returns}."""
+    (one complete before it): {name: what run_sh_two_nodes or run_sh_killed returns}."""
     pp2 = ["--pipeline-model-parallel-size", "2"]
     runs = {"two_nodes_straight": run_sh_two_nodes(harness, "two_nodes_straight", pp2)}
     runs["two_nodes_restarted"] = run_sh_two_nodes(
@@ -11275,7 +11274,6 @@ def call_restart_faults(harness):
         harness, "tp2_compiled_restarted", 2, [*tp2, "--max-restarts", "2"],
         [lambda save: compiling(log_dir, 1), lambda save: saving(save, written)],
         run=COMPILED_RUN), written)
-    runs["disk_full"] = run_sh_on_a_full_disk(harness, "disk_full", "5m")
     return runs
 
 
@@ -11302,6 +11300,9 @@ def call_restart_refused(harness):
 add("restarts", 0, "", call=call_restarts, beside="restart")
 add("restart_faults", 0, "", call=call_restart_faults, beside="restart_faults")
 add("restart_refused", 0, "", call=call_restart_refused, beside="launch")
+# TP2 on a disk that fills (run_sh_on_a_full_disk), beside the forked runs
+add("disk_full", 0, "", call=lambda harness: run_sh_on_a_full_disk(harness, "disk_full", "5m"),
+    beside="forked")
 
 
 @reading("restarts")
@@ -11436,14 +11437,13 @@ def test_a_worker_killed_while_a_checkpoint_is_written_is_restarted(runs):
     assert kept and all(checkpoint.damage(str(save), i) is None for i in kept), kept
 
 
-@reading("restart_faults")
+@reading("disk_full")
 def test_a_disk_that_fills_during_a_save_is_named_and_not_restarted(runs):
     """A real full disk (a tmpfs of 5 MB holds two checkpoints of TP2's tiny model) during the
     third save of a 2-worker job: a rank names the file and the fix in one line, the job ends
     within 30 s of it, exit 2 without a restart (a restart cannot free space), and the previous
     checkpoint is the latest, intact by its checksums, nothing of the failed save left."""
-    done = runs.result("restart_faults")
-    console, code, ended_after, latest, damaged, left = done["disk_full"]
+    console, code, ended_after, latest, damaged, left = runs.result("disk_full")
     assert code == 2 and ended_after <= 30, (ended_after, console[-3000:])
     assert re.search(r"\[rank [01]\] error: \S+/model_optim_rng\.ckpt: writing failed \(.*No "
                      r"space left on device.*\); free space, fix the permissions or choose "
