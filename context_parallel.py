@@ -114,6 +114,28 @@ def merge_partial_attention(a, b):
     return cast(ops.exp(lse_a - lse) * out_a + ops.exp(lse_b - lse) * out_b, out_a.dtype), lse
 
 
+def attention_block_grads(query, k, v, bias, softmax_scale=1.0):
+    """Gradients of one block from its probabilities recomputed (FlashAttention-2's backward):
+    P = exp(S - LSE), dV = P^T dO, dP = dO V^T, dS = P * (dP - D), dQ = dS K, dK = dS^T Q.
+    query: its q (scaled by 1/sqrt(d)) and dO [b, n, sq, d], LSE and D = rowsum(dO * O)
+    [b, n, sq, 1]; k, v [b, n, sk, d]; bias None or broadcasting to [b, n, sq, sk] ->
+    (dq of the scaled q [b, n, sq, d], dk, dv [b, n, sk, d]): the ring's blocks and
+    gpt.FlashKernel's."""
+    q, do, lse, d = query
+    p = ops.exp(attention_scores(q, k, bias, softmax_scale) - lse)            # [b, n, sq, sk]
+    d_scores = p * (batch_matmul_nt(do, v).astype(F32) - d)
+    d_scores = cast(d_scores * softmax_scale, q.dtype)                        # d(q k^T)
+    return (ops.bmm(d_scores, k), ops.bmm(d_scores.swapaxes(-1, -2), q),
+            ops.bmm(cast(p, q.dtype).swapaxes(-1, -2), do))
+
+
+def sum_head_groups(grad, per_group):
+    """A gradient [b, n, s, d] over the query heads -> [s, b, g, d]: each key/value group's
+    gradient is the sum over the per_group query heads it served (GQA)."""
+    b, n, s, d = grad.shape
+    return grad.reshape(b, n // per_group, per_group, s, d).sum(2).transpose(2, 0, 1, 3)
+
+
 def _halves(part, half):
     """(out, lse) of 2 * half queries -> the same of the first half and of the last half."""
     out, lse = part
@@ -121,12 +143,10 @@ def _halves(part, half):
 
 
 class RingAttention(nn.Cell):
-    """Ring attention over the zig-zag split, in its all-gather form (Megatron-core's
-    cp_comm_type=all_gather; why, in the module's docstring). First the keys and values of every
-    rank of the ring group are all-gathered, so that each rank holds the whole sequence's K and V
-    (the backward reduce-scatters their gradients). Then this rank's queries meet them one rank's
-    block at a time, in the order a ring would pass them, and the partial results are merged by
-    their log-sum-exp (merge_partial_attention) into the attention over the whole sequence.
+    """Ring attention (Megatron-core's cp_comm_type=p2p, its AttnFuncWithCPAndKVP2P): this
+    rank's queries stay; the keys and values travel round the ring group one block at a time,
+    and the partial results are merged by their log-sum-exp (merge_partial_attention). A rank
+    holds two K/V blocks, the one in hand and the one arriving (RingKernel).
 
     Which blocks are computed: this rank (ring rank r of R) holds the queries, keys and values of
     chunks r and 2R-1-r (S/2 tokens each); ring rank j holds chunks j and 2R-1-j. Under the
@@ -139,14 +159,136 @@ class RingAttention(nn.Cell):
 
     def __init__(self, core, state):
         super().__init__()
+        self.kernel = RingKernel(core, state)
+
+    def construct(self, q, k, v, bias):
+        """q [S, b, n, d], k, v [S, b, g, d] (S local tokens), bias [b, n, S, S] the causal
+        mask of the local tokens -> context [S, b, n, d]."""
+        return self.kernel(q, k, v, bias)[0]
+
+
+class RingKernel(nn.Cell):
+    """(context [S, b, n, d], log-sum-exp [b, n, S, 1]) of RingAttention, with its backward.
+    Forward: R steps; at step i the block of ring rank r - i is in hand and the next one is
+    already on its way (send_recv to rank r + 1 issued before the block is computed, as Megatron
+    issues its isend/irecv; on this CPU the transfer is synchronous, so nothing overlaps). The
+    backward keeps only q, k, v, the output and the log-sum-exp, as FlashAttention's, and goes
+    round the other way (Megatron's order): the blocks in reverse, each block's keys and values
+    sent to rank r - 1 with the partial sums of their gradients, which reach the block's owner at
+    the last step. Each way R - 1 steps of two blocks: a rank holds two K/V blocks, not the
+    sequence's (the attention dropout that a replay would need is refused, settings/config.py)."""
+
+    def __init__(self, core, state):
+        super().__init__()
+        self.ring, self.rank = state.cp_ring, state.cp_rank // state.cp_ulysses
+        self.comm = collectives(state.cp_ring_group)
+        self.scale, self.softmax_scale = core.scale, core.softmax_scale
+        self.per_group, self.to_heads = core.per_group, core.to_heads
+
+    def construct(self, q, k, v, bias):
+        qh = self.to_heads(q * self.scale, 1)                                 # [b, n, S, d]
+        block, parts = (k, v), None        # parts: (out, lse) of local chunks r and 2R-1-r
+        for step in range(self.ring):
+            coming = block
+            if step < self.ring - 1:       # the next block travels while this one is computed
+                coming = (self.comm.send_recv(block[0]), self.comm.send_recv(block[1]))
+            parts = self.attend(qh, block, (self.rank - step) % self.ring, bias, parts)
+            block = coming
+        (first, lse_first), (second, lse_second) = parts
+        return (ops.cat((first, second), 2).transpose(2, 0, 1, 3),           # [S, b, n, d]
+                ops.cat((lse_first, lse_second), 2))                          # [b, n, S, 1]
+
+    def attend(self, qh, block, j, bias, parts):
+        """parts (None at the first step) merged with the attention over rank j's block
+        (k, v [S, b, g, d]), in the case the class docstring gives for j."""
+        half = qh.shape[2] // 2
+        k, v = self.to_heads(block[0], self.per_group), self.to_heads(block[1], self.per_group)
+        if j == self.rank:
+            return _halves(self.block(qh, k, v, bias), half)
+        first, second = parts
+        if j < self.rank:
+            a, b = _halves(self.block(qh, k[:, :, :half], v[:, :, :half], None), half)
+            return merge_partial_attention(first, a), merge_partial_attention(second, b)
+        return first, merge_partial_attention(second, self.block(qh[:, :, half:], k, v, None))
+
+    def block(self, q, k, v, bias):
+        return attention_block(q, k, v, bias, no_dropout, self.softmax_scale)
+
+    def bprop(self, q, k, v, bias, out, dout):
+        # a plain function call, as gpt.FlashKernel's (ms.jit compiles it so)
+        return RingKernel.backward(self, q, k, v, bias, out, dout)
+
+    def backward(self, q, k, v, bias, out, dout):
+        """At step i the block of ring rank r + 1 + i is in hand (the local one last), with the
+        partial sums of its dK and dV from the ranks that held it before."""
+        qh = self.to_heads(q * self.scale, 1)                                 # [b, n, S, d]
+        o, do = out[0].transpose(1, 2, 0, 3), dout[0].transpose(1, 2, 0, 3)   # [b, n, S, d]
+        rows_d = (cast(do, F32) * cast(o, F32)).sum(-1, keepdims=True)       # D [b, n, S, 1]
+        query, dq = (qh, do, out[1], rows_d), ops.zeros_like(qh)
+        block, grads = (self.comm.send_recv(k, -1), self.comm.send_recv(v, -1)), None
+        for step in range(self.ring):
+            j = (self.rank + 1 + step) % self.ring
+            coming = (k, v)                              # the last block is this rank's own
+            if step < self.ring - 2:
+                coming = (self.comm.send_recv(block[0], -1), self.comm.send_recv(block[1], -1))
+            dq_j, dk_j, dv_j = self.block_grads(query, block, j, bias)
+            dq = dq + dq_j
+            if grads is not None:                        # the partial sums that came with it
+                dk_j, dv_j = dk_j + grads[0], dv_j + grads[1]
+            grads = (dk_j, dv_j)
+            if step < self.ring - 1:
+                grads = (self.comm.send_recv(dk_j, -1), self.comm.send_recv(dv_j, -1))
+                block = coming
+        return (cast((dq * self.scale).transpose(2, 0, 1, 3), q.dtype),
+                cast(grads[0], k.dtype), cast(grads[1], v.dtype), ops.zeros_like(bias))
+
+    def block_grads(self, query, block, j, bias):
+        """(dq [b, n, S, d], dk, dv [S, b, g, d]) of this rank's queries against rank j's block,
+        the forward's case for j (zeros where it computed nothing)."""
+        half = query[0].shape[2] // 2
+        k, v = self.to_heads(block[0], self.per_group), self.to_heads(block[1], self.per_group)
+        if j == self.rank:
+            dq, dk, dv = attention_block_grads(query, k, v, bias, self.softmax_scale)
+        elif j < self.rank:            # both local chunks against chunk j: dk, dv of its half
+            dq, dk, dv = attention_block_grads(query, k[:, :, :half], v[:, :, :half], None,
+                                               self.softmax_scale)
+            dk, dv = _pad_halves(dk, dv, first=True)
+        else:                          # local chunk 2R-1-r against both: dq of its half
+            later = tuple(t[:, :, half:] for t in query)
+            dq, dk, dv = attention_block_grads(later, k, v, None, self.softmax_scale)
+            dq = _pad_halves(dq, first=False)[0]
+        return dq, sum_head_groups(dk, self.per_group), sum_head_groups(dv, self.per_group)
+
+
+def _pad_halves(*grads, first):
+    """Gradients [b, n, S/2, d] of one half of a block's S tokens -> [b, n, S, d], zero in the
+    other half (`first`: they are the first half's)."""
+    return tuple(ops.cat((g, ops.zeros_like(g)) if first else (ops.zeros_like(g), g), 2)
+                 for g in grads)
+
+
+def no_dropout(x):
+    """The identity in a dropout's place: blocks whose backward recomputes them (the ring's,
+    gpt.FlashKernel's)."""
+    return x
+
+
+class AllGatherAttention(nn.Cell):
+    """Ring attention's blocks after an all-gather (Megatron-core's cp_comm_type=all_gather):
+    the keys and values of every rank of the ring group are all-gathered first, so each rank
+    holds the whole sequence's K and V (the backward reduce-scatters their gradients); then this
+    rank's queries meet them one rank's block at a time, the blocks RingAttention computes, and
+    autograd keeps what their backward needs."""
+
+    def __init__(self, core, state):
+        super().__init__()
         self.core, self.ring, self.rank = core, state.cp_ring, state.cp_rank // state.cp_ulysses
         # keys and values of the whole ring, rank order; backward: reduce-scatter of their gradients
         self.gather_keys = gather_from_sequence_parallel_region(state.cp_ring_group)
         self.gather_values = gather_from_sequence_parallel_region(state.cp_ring_group)
 
     def construct(self, q, k, v, bias):
-        """q [S, b, n, d], k, v [S, b, g, d] (S local tokens), bias [b, n, S, S] the causal
-        mask of the local tokens -> context [S, b, n, d]."""
+        """As RingAttention."""
         core, S = self.core, q.shape[0]
         half = S // 2
         keys, values = self.gather_keys(k), self.gather_values(v)             # [R*S, b, g, d]
@@ -175,7 +317,7 @@ class ContextParallelAttention(nn.Cell):
     (if ring > 1) or around `core`, the one-sequence attention of gpt.py.
     q [s/cp, b, n, d], k, v [s/cp, b, g, d] -> [s/cp, b, n, d] (n, g: this TP rank's heads)."""
 
-    def __init__(self, core, state):
+    def __init__(self, core, state, comm_type="a2a"):
         super().__init__()
         self.ulysses = state.cp_ulysses
         if self.ulysses > 1:
@@ -183,7 +325,12 @@ class ContextParallelAttention(nn.Cell):
             self.scatter_q, self.scatter_k, self.scatter_v = (
                 all_to_all_sequence_to_heads(group) for _ in range(3))
             self.gather_context = all_to_all_heads_to_sequence(group)
-        self.attend = RingAttention(core, state) if state.cp_ring > 1 else core
+        if state.cp_ring == 1:
+            self.attend = core
+        elif comm_type == "all_gather":
+            self.attend = AllGatherAttention(core, state)
+        else:
+            self.attend = RingAttention(core, state)
 
     def construct(self, q, k, v, bias):
         if self.ulysses > 1:
@@ -196,11 +343,12 @@ class ContextParallelAttention(nn.Cell):
         return context
 
 
-def context_parallel_spec(spec, state):
+def context_parallel_spec(spec, state, comm_type):
     """A layer spec (gpt.LayerSpec) whose core attention runs across the cp ranks: the spec's
-    one-sequence core attention inside ContextParallelAttention."""
+    one-sequence core attention inside ContextParallelAttention, the ring's blocks passed as
+    `comm_type` (model_config.cp_comm_type) says."""
     def core_attention(*args):
-        return ContextParallelAttention(spec.core_attention(*args), state)
+        return ContextParallelAttention(spec.core_attention(*args), state, comm_type)
     return dataclasses.replace(spec, core_attention=core_attention)
 
 

@@ -27,7 +27,8 @@ import fused
 import layers
 import moe
 import parallel
-from context_parallel import attention_block, attention_scores, merge_partial_attention
+from context_parallel import (attention_block, attention_block_grads, merge_partial_attention,
+                              no_dropout, sum_head_groups)
 from data import causal_mask
 from layers import activation, batch_matmul_nt, cast
 from parallel import DTYPES, F32
@@ -324,7 +325,7 @@ def layer_spec(cfg):
     if state.tp > 1:
         spec = parallel.tensor_parallel_spec(spec, state.sequence_parallel)
     if state.cp > 1:
-        spec = context_parallel.context_parallel_spec(spec, state)
+        spec = context_parallel.context_parallel_spec(spec, state, cfg.cp_comm_type)
     if cfg.num_moe_experts:
         spec = dataclasses.replace(spec, moe_layer=moe.MoELayer)
     return spec
@@ -475,7 +476,7 @@ class FlashKernel(nn.Cell):
         """(out, lse) of query block q_i [b, n, B, d] (its mask rows mask_i [.., B, s]) over the
         keys at positions `cols` [B]."""
         return attention_block(q_i, ops.gather(k, cols, 2), ops.gather(v, cols, 2),
-                               ops.gather(mask_i, cols, 3), _no_dropout, self.softmax_scale)
+                               ops.gather(mask_i, cols, 3), no_dropout, self.softmax_scale)
 
     def bprop(self, q, k, v, mask_bias, out, dout):
         # a plain function call: ms.jit (MindSpore 2.10) fails to compile this backward written
@@ -513,7 +514,7 @@ class FlashKernel(nn.Cell):
             dq = _put(dq, rows, dq_i)
             i = i + 1
         dq = dq * self.scale                                                 # [b, n, s, d]
-        dk, dv = self._sum_groups(dk), self._sum_groups(dv)
+        dk, dv = sum_head_groups(dk, self.per_group), sum_head_groups(dv, self.per_group)
         return (cast(dq.transpose(2, 0, 1, 3), dtype), cast(dk, k.dtype), cast(dv, v.dtype),
                 ops.zeros_like(mask_bias))
 
@@ -521,25 +522,9 @@ class FlashKernel(nn.Cell):
         """Gradients of a query block over the key block at positions `cols` [B]: dq (of the
         scaled q) [b, n, B, d], dk, dv [b, n, B, d]. `query`: its q, dO [b, n, B, d], LSE and D
         [b, n, B, 1] and mask rows [.., B, s]; k, v [b, n, s, d]."""
-        q_i, do_i, lse_i, d_i, mask_i = query
-        k_j, v_j, dtype = ops.gather(k, cols, 2), ops.gather(v, cols, 2), q_i.dtype
-        p = ops.exp(attention_scores(q_i, k_j, ops.gather(mask_i, cols, 3), self.softmax_scale)
-                    - lse_i)                                                 # [b, n, B, B]
-        d_scores = p * (batch_matmul_nt(do_i, v_j).astype(F32) - d_i)
-        d_scores = cast(d_scores * self.softmax_scale, dtype)             # d(q k^T)
-        return (ops.bmm(d_scores, k_j), ops.bmm(d_scores.swapaxes(-1, -2), q_i),
-                ops.bmm(cast(p, dtype).swapaxes(-1, -2), do_i))
-
-    def _sum_groups(self, grad):
-        """[b, n, s, d] over the repeated heads -> [s, b, g, d]: each group's per_group heads
-        summed."""
-        b, n, s, d = grad.shape
-        grad = grad.reshape(b, n // self.per_group, self.per_group, s, d).sum(2)
-        return grad.transpose(2, 0, 1, 3)
-
-
-def _no_dropout(x):
-    return x
+        *rows, mask_i = query
+        return attention_block_grads(tuple(rows), ops.gather(k, cols, 2), ops.gather(v, cols, 2),
+                                     ops.gather(mask_i, cols, 3), self.softmax_scale)
 
 
 class SelfAttention(nn.Cell):

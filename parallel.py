@@ -361,12 +361,26 @@ class Collectives(nn.Cell):
         _record(self.kind, "reduce_scatter", x.shape, x.dtype, self.group)
         return self._reduce_scatter(x, dim % x.ndim)
 
+    def send_recv(self, x, step=1):
+        """One step of a ring: x [..] goes to the rank `step` places on in the group (rank
+        i -> i + step mod n) and the rank `step` places back sends its x [..] here (Megatron's
+        ring attention passes its key and value blocks so; context_parallel.RingKernel)."""
+        if self.size == 1:
+            return x
+        _record(self.kind, "send_recv", x.shape, x.dtype, self.group)
+        return self._send_recv(x, step)
+
     def _max(self, x):
         return self.max(x)
 
     def _gather(self, x, dim):
         out = self.gather(x)                                            # [n*d, ..]
         return out if dim == 0 else ops.cat(ops.chunk(out, self.size, 0), dim)
+
+    def _send_recv(self, x, step):
+        """From an all-gather, the rank `step` places back kept: what compiles on every device
+        here (a device's send/recv would move one block, not n)."""
+        return self._gather(x.expand_dims(0), 0)[(self.rank - step) % self.size]
 
     def _all_to_all(self, x, scatter_dim, gather_dim):
         return self.alltoall[(scatter_dim, gather_dim)](x)
@@ -434,9 +448,20 @@ class CpuCollectives(Collectives):
     shared_memory the sum is backends/shared_memory.py's, for the workers of one machine."""
 
     def build(self, group, size):
-        """Nothing beside the sum, which may go through shared memory instead."""
-        if _BACKEND["cpu_collectives"] == "shared_memory":
+        """Nothing beside the sum, which may go through shared memory instead, with the ring's
+        steps one block each way."""
+        self.shared = _BACKEND["cpu_collectives"] == "shared_memory"
+        if self.shared:
             self.sum = shared_memory.all_reduce_op(group, size, self.rank)
+            self.step_on = shared_memory.send_recv_op(group, size, self.rank, 1)
+            self.step_back = shared_memory.send_recv_op(group, size, self.rank, -1)
+
+    def _send_recv(self, x, step):
+        """Through shared memory, one block moved; with MindSpore's all-reduce, an all-gather
+        (Collectives._send_recv)."""
+        if self.shared:
+            return self.step_on(x) if step == 1 else self.step_back(x)
+        return Collectives._send_recv(self, x, step)
 
     def _max(self, x):
         return self._gather(x.expand_dims(0), 0).max(axis=0)     # the max of the gathered

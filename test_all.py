@@ -265,8 +265,8 @@ VPP2, UNTIED = (["--virtual-pipeline-model-parallel-size", "2"],
 # context parallelism: Megatron's and MindSpeed's flags; models with RoPE and GQA
 # (8 heads, 4 groups)
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
-RING, HYBRID2 = (["--cp-comm-type", "p2p"],
-                 ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"])
+RING, ALL_GATHER = ["--cp-comm-type", "p2p"], ["--cp-comm-type", "all_gather"]
+HYBRID2 = ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"]
 ROPE_GQA = ["--use-rotary-position-embeddings", "--num-attention-heads", "8",
             "--group-query-attention", "--num-query-groups", "4"]
 ROPE = ROPE_GQA
@@ -2468,11 +2468,12 @@ CP_CHECK = ROPE_GQA + ["--num-layers", "2"]       # gradient checks: 2 layers
 gradient_checks({
     "cp2_ulysses_documents": (CP_CHECK + [DOCUMENTS], CP2, 2, "cp"),
     "cp2_ulysses_flash_documents": (CP_CHECK + [DOCUMENTS, "--use-flash-attn"], CP2, 2, "cp"),
-    "cp2_ring_selective_recompute": (CP_CHECK, CP2 + RING + RECOMPUTE["selective"], 2, "cp"),
+    "cp2_all_gather_selective_recompute": (CP_CHECK, CP2 + ALL_GATHER + RECOMPUTE["selective"],
+                                           2, "cp"),
     "cp2_ulysses_tp2_sp_selective_recompute": (CP_CHECK, CP2 + TP2 + SP + RECOMPUTE["selective"],
                                                4, "cp"),
     "cp2_ring_pp2_vpp2": (ROPE_GQA, CP2 + RING + PP2 + VPP2, 4, "cp"),
-    "cp4_hybrid_full_recompute": (CP_CHECK, CP4 + HYBRID2 + RECOMPUTE["full uniform 2"], 4, "cp"),
+    "cp4_ring_full_recompute": (CP_CHECK, CP4 + RING + RECOMPUTE["full uniform 2"], 4, "cp"),
     "cp2_ring_dp2_untied_full_block_recompute": (CP_CHECK + UNTIED,
                                                  CP2 + RING + RECOMPUTE["full block 1"], 4, "cp")})
 
@@ -2532,8 +2533,7 @@ def test_context_parallel_ledger_matches_the_formulas(runs):
     """Per step of L layers (Ulysses 2, the float16 ring 1) and m micro-batches, each cp rank
     holding q and the context [s/cp, b, n, d] and k, v [s/cp, b, g, d]: Ulysses runs 4
     all-to-alls per layer forward (q, k, v, context) and 4 backward, of the same sizes; the ring
-    all-gathers k and v forward and reduce-scatters their gradients [s, b, g, d] backward; both
-    sum the loss and the token count over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP:
+    of 2 passes k and v once forward, then once backward with their gradients; both sum the loss and the token count over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP:
     the gradient bucket and the logged loss. `bash run.sh plan` (memory.communication) gives the
     same CP collectives."""
     m, s, b, n, g, d, cp = 2, 32, 4, 8, 4, 8, 2
@@ -2545,9 +2545,7 @@ def test_context_parallel_ledger_matches_the_formulas(runs):
     common = {("cp", "all_reduce"): (2 * m, 2 * m * 4), ("dp_cp", "all_reduce"): (2, None)}
     ulysses = {("cp", "all_to_all"): (8 * m * L["cp2_ulysses"],
                                       2 * m * L["cp2_ulysses"] * (2 * q + 2 * k)), **common}
-    ring = {("cp", "all_gather"): (2 * m * L["cp2_ring"], 2 * m * L["cp2_ring"] * kv),
-            ("cp", "reduce_scatter"): (2 * m * L["cp2_ring"], 2 * m * L["cp2_ring"] * cp * kv),
-            **common}
+    ring = {("cp", "send_recv"): (6 * m * L["cp2_ring"], 6 * m * L["cp2_ring"] * kv), **common}
     for run, want in (("cp2_ulysses", ulysses), ("cp2_ring", ring)):
         ledger = tour.ledger_items(train_lines(runs.folder(run), "comm: ")[1])
         got = {key: (calls, nbytes if want.get(key, (0, 0))[1] is not None else None)
@@ -4325,8 +4323,17 @@ BAD_CONFIGS = [
     (["--ulysses-degree-in-cp", "2"],
      "parallel_config.ulysses_degree_in_cp=2 is for context_parallel_algo=hybrid_cp_algo"),
     (["--context-parallel-size", "2", "--cp-comm-type", "ring"],
-     "context_parallel_algo: 'ring' is not one of ulysses_cp_algo, megatron_cp_algo, "
-     "hybrid_cp_algo, p2p, all_gather, a2a, a2a+p2p"),
+     "model_config.cp_comm_type: 'ring' is not one of p2p, all_gather, a2a, a2a+p2p"),
+    (["--context-parallel-size", "2", "--context-parallel-algo", "hybrid_cp_algo",
+      "--cp-comm-type", "p2p"],
+     "model_config.cp_comm_type=p2p (--cp-comm-type) runs megatron_cp_algo, not "
+     "parallel_config.context_parallel_algo=hybrid_cp_algo: give one of the two"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--attention-dropout", "0.1"],
+     "model_config.attention_dropout_rate=0.1 with ring attention: its backward recomputes the "
+     "blocks without dropout; set --attention-dropout 0, or --cp-comm-type all_gather"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--recompute-activations"],
+     "model_config.recompute_granularity=selective with ring attention: its backward already "
+     "recomputes its blocks; remove --recompute-activations, or --cp-comm-type all_gather"),
     (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--reset-attention-mask"],
      "dataset_config.reset_attention_mask does not work with ring attention (megatron_cp_algo)"),
     (["--profile", "--profile-step-start", "4", "--profile-step-end", "3"],

@@ -141,6 +141,24 @@ class Segment:
             whole[start:start + piece.size] = self.slots[self.size, :piece.size]
         return out
 
+    def send_recv(self, x, source, group):
+        """One step of a ring: `x` (a numpy array) written for the rank that reads this one's
+        slot, rank `source`'s array read back, a new array; SLOT bytes at a time, each piece
+        between two barriers (written before the first, read before the second)."""
+        flat, out = x.reshape(-1).view(np.uint8), np.empty_like(x)
+        whole = out.reshape(-1).view(np.uint8)
+        step = SLOT - SLOT % x.itemsize
+        self.counts[self.index], self.dtypes[self.index] = x.size, ord(x.dtype.char)
+        for start in range(0, max(flat.size, 1), step):
+            piece = flat[start:start + step]
+            self.slots[self.index, :piece.size] = piece
+            self.barrier(group)
+            if start == 0:
+                self._check_alike(group)
+            whole[start:start + piece.size] = self.slots[source, :piece.size]
+            self.barrier(group)
+        return out
+
     def _check_alike(self, group):
         """Every rank's tensor has the same elements and dtype (each wrote its own before the
         first barrier, so every rank reads the same and all stop here together)."""
@@ -305,18 +323,35 @@ def sigterm_received():
     return _WAKEUP["sigterm"]
 
 
+_SEGMENTS = {}               # group -> its Segment in this process, made at its first use
+
+
+def _segment(group, size, index):
+    if group not in _SEGMENTS:
+        _SEGMENTS[group] = Segment(group, size, index)
+    return _SEGMENTS[group]
+
+
 def all_reduce_op(group, size, index):
     """The Custom op summing a tensor over the group (this process is its rank `index` of
-    `size`), with the same op as its gradient. The segment is made at the first sum, which every
-    rank of the group calls."""
-    segment = []
-
+    `size`), with the same op as its gradient. The segment is made at the group's first
+    collective, which every rank of the group calls."""
     def run(x):
-        if not segment:
-            segment.append(Segment(group, size, index))
-        return segment[0].all_reduce(np.ascontiguousarray(x), group)
+        return _segment(group, size, index).all_reduce(np.ascontiguousarray(x), group)
 
     def bprop(x, out, dout):
         return (op(dout),)
     op = ops.Custom(run, lambda shape: shape, lambda dtype: dtype, "pyfunc", bprop=bprop)
     return op
+
+
+def send_recv_op(group, size, index, step):
+    """The Custom op of one ring step over the group: a tensor to the rank `step` places on
+    (index + step mod size), the one from `step` places back returned; it shares the group's
+    segment with the sum. No gradient of its own: context_parallel.RingKernel, its user, passes
+    the gradients round the ring in its own backward."""
+    source = (index - step) % size
+
+    def run(x):
+        return _segment(group, size, index).send_recv(np.ascontiguousarray(x), source, group)
+    return ops.Custom(run, lambda shape: shape, lambda dtype: dtype, "pyfunc")

@@ -97,6 +97,13 @@ def cp_split(parallel_cfg):
     return cp, ulysses, cp_ring_size(cp, ulysses)
 
 
+def ring_passes_blocks(model_cfg, parallel_cfg):
+    """Whether the ring passes key/value blocks (context_parallel.RingAttention, cp_comm_type
+    p2p or a2a+p2p), which keeps and recomputes as flash attention does, rather than
+    all-gathering them."""
+    return cp_split(parallel_cfg)[2] > 1 and model_cfg.cp_comm_type != "all_gather"
+
+
 def stage_chunks(model_cfg, parallel_cfg):
     """Per pipeline rank, its model chunks as (layers, embeds, has the loss), from
     pipeline.layer_split: chunk c of rank r is virtual stage c * pp + r."""
@@ -236,9 +243,10 @@ def layer_activations(model_cfg, parallel_cfg, micro_batch_size, moe=False):
     of qkv and fc1 are all-gathered to [s, b, h], and their matmuls keep the gathered copy (Megatron
     keeps the shard and gathers again in the backward). The core attention's scores on a rank are
     [b, n/tp, s, s] / cp whatever the algorithm: Ulysses attends over the whole sequence with
-    n/(tp cp) heads, the ring over its s/cp queries and every key (the whole sequence's K and V
-    all-gathered: ring x the Ulysses shapes). Selective recompute keeps the core attention's inputs
-    (q, k, v) instead of its inside."""
+    n/(tp cp) heads, the ring over its s/cp queries and every key (cp_comm_type all_gather: the
+    whole sequence's K and V all-gathered, ring x the Ulysses shapes; a ring passing blocks keeps
+    what flash attention keeps). Selective recompute keeps the core attention's inputs (q, k, v)
+    instead of its inside."""
     h, n, g = model_cfg.hidden_size, model_cfg.num_attention_heads, model_cfg.num_query_groups
     s, tp = model_cfg.seq_length, parallel_cfg.tensor_model_parallel_size
     cp, _, ring = cp_split(parallel_cfg)
@@ -259,11 +267,12 @@ def layer_activations(model_cfg, parallel_cfg, micro_batch_size, moe=False):
         # fused.FusedScaleMaskSoftmax's custom backward keeps its input, the scores, too
         core.append(("softmax input, kept by the fused softmax [b, n/tp, s, s]",
                      softmax * scores, True))
-    if model_cfg.use_flash_attention:
-        # gpt.FlashKernel's bprop keeps its inputs, its output and the log-sum-exp
-        core = [("flash attention: q, k, v [s, b, n + 2g, h/n] and output [s, b, n/tp, h/n]",
-                 c * (2 * n + 2 * g) * x // (n * tp), True),
-                ("flash attention: log-sum-exp [b, n/tp, s, 1], float32",
+    if model_cfg.use_flash_attention or ring_passes_blocks(model_cfg, parallel_cfg):
+        # gpt.FlashKernel's bprop, and context_parallel.RingKernel's, keeps its inputs, its
+        # output and the log-sum-exp
+        core = [("flash or ring attention: q, k, v [s, b, n + 2g, h/n] and output "
+                 "[s, b, n/tp, h/n]", c * (2 * n + 2 * g) * x // (n * tp), True),
+                ("flash or ring attention: log-sum-exp [b, n/tp, s, 1], float32",
                  F32_BYTES * scores // s, True)]
     rows = [("norm inputs [s/tp (SP), b, h]",
              F32_BYTES * (2 + 2 * model_cfg.use_sandwich_norm) * norm * x // sp, False),
@@ -461,6 +470,8 @@ def stage_activations(cfg, rank):
     if model_cfg.use_flash_attention:
         mask, scores, flash_gradients = flash_transients(cfg, tp)
         gradients += flash_gradients
+    elif ring_passes_blocks(model_cfg, parallel_cfg):
+        scores //= ring                 # one block's [b, n/(tp u), s/r, s/r] at a time
     temporaries = FUSED_CORE_TEMPORARIES if model_cfg.masked_softmax_fusion else CORE_TEMPORARIES
     layer = softmax * temporaries * scores + gradients + max(w for _, w in chunks)
     logits = 0
@@ -485,8 +496,10 @@ def communication(cfg, rank):
     schedule's exchanges of [s (/tp under SP), b, h], and the tied embedding's gradient between
     the first and last stage. Context parallelism (context_parallel.py), per layer and
     micro-batch with a = b s / cp tokens on a rank: Ulysses 4 all-to-alls of q, k, v and the
-    context forward and 4 backward; the ring all-gathers k and v [a, g d / tp] forward and
-    reduce-scatters their ring-times-larger gradients backward; the loss and token count are
+    context forward and 4 backward; the ring passes k and v [a, g d / tp] ring - 1 times forward
+    and backward, and their gradients ring - 1 times (cp_comm_type all_gather: k and v
+    all-gathered forward, their ring-times-larger gradients reduce-scattered backward); the loss
+    and token count are
     all-reduced over CP. Experts: _expert_collectives."""
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
     chunks = stage_chunks(model_cfg, parallel_cfg)[rank]
@@ -574,8 +587,11 @@ def _context_parallel_collectives(cfg, layers, last, add):
     if ulysses > 1:
         kind = "cp" if ring == 1 else "cp_ulysses"
         add(kind, "all_to_all", 8 * mb * layers, 2 * mb * layers * (2 * q + 2 * kv))
-    if ring > 1:
-        kind = "cp" if ulysses == 1 else "cp_ring"
+    kind = "cp" if ulysses == 1 else "cp_ring"
+    if ring_passes_blocks(model_cfg, parallel_cfg):
+        # k and v passed ring - 1 times forward; backward, again, and their gradients
+        add(kind, "send_recv", 6 * (ring - 1) * mb * layers, 6 * (ring - 1) * mb * layers * kv)
+    elif ring > 1:
         add(kind, "all_gather", 2 * mb * layers, 2 * mb * layers * kv)
         add(kind, "reduce_scatter", 2 * mb * layers, 2 * mb * layers * ring * kv)
     # the loss and the token count (float32)

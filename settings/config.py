@@ -757,8 +757,30 @@ def cp_ring_size(cp, ulysses):
     return cp // ulysses
 
 
+# Megatron's --cp-comm-type -> the algorithm (MindSpeed's name) it runs
+CP_COMM_TYPES = {"a2a": "ulysses_cp_algo", "p2p": "megatron_cp_algo",
+                 "all_gather": "megatron_cp_algo", "a2a+p2p": "hybrid_cp_algo"}
+ALGO_COMM_TYPES = {"ulysses_cp_algo": "a2a", "megatron_cp_algo": "p2p", "hybrid_cp_algo": "a2a+p2p"}
+
+
+def _resolve_cp_comm_type(parallel_cfg, model_cfg):
+    """context_parallel_algo (MindSpeed's) and cp_comm_type (Megatron's) made to agree: one
+    given decides the other; the algorithm's default gives way to a comm type."""
+    algo, comm = parallel_cfg.context_parallel_algo, model_cfg.cp_comm_type
+    if comm is None:
+        model_cfg.cp_comm_type = ALGO_COMM_TYPES[algo]
+    elif algo in ("ulysses_cp_algo", CP_COMM_TYPES[comm]):
+        parallel_cfg.context_parallel_algo = CP_COMM_TYPES[comm]
+    else:
+        raise ConfigError(f"model_config.cp_comm_type={comm} (--cp-comm-type) runs "
+                          f"{CP_COMM_TYPES[comm]}, not parallel_config.context_parallel_algo="
+                          f"{algo}: give one of the two")
+
+
 def _check_context_parallel(parallel_cfg, model_cfg, dataset_cfg):
-    """Context parallelism (context_parallel.py): cp = ring x ulysses; sets ulysses_degree_in_cp."""
+    """Context parallelism (context_parallel.py): cp = ring x ulysses; sets ulysses_degree_in_cp
+    and the comm type."""
+    _resolve_cp_comm_type(parallel_cfg, model_cfg)
     cp, tp = parallel_cfg.context_parallel_size, parallel_cfg.tensor_model_parallel_size
     algo, u = parallel_cfg.context_parallel_algo, parallel_cfg.ulysses_degree_in_cp
     if algo == "hybrid_cp_algo" and (u is None or u < 1 or cp % u):
@@ -793,10 +815,27 @@ def _check_context_parallel(parallel_cfg, model_cfg, dataset_cfg):
         raise ConfigError(f"model_config.seq_length={model_cfg.seq_length}: a cp rank's "
                           f"{model_cfg.seq_length // cp} tokens are not divisible by "
                           f"tensor_model_parallel_size={tp}, as sequence_parallel needs")
+    if ring > 1 and model_cfg.cp_comm_type != "all_gather":
+        _check_ring(model_cfg)
     if ring > 1 and dataset_cfg.reset_attention_mask:
         raise ConfigError("dataset_config.reset_attention_mask does not work with ring attention "
                           f"({algo}): use context_parallel_algo=ulysses_cp_algo, or "
                           "reset_position_ids alone")
+
+
+def _check_ring(model_cfg):
+    """What context_parallel.RingAttention (a ring passing blocks) does not build, refused: like
+    flash attention its backward recomputes each block's probabilities, so it has no attention
+    dropout (the masks would have to be replayed) and needs no selective recompute."""
+    fix = f"or --cp-comm-type all_gather (model_config.cp_comm_type={model_cfg.cp_comm_type})"
+    if model_cfg.attention_dropout_rate > 0:
+        raise ConfigError("model_config.attention_dropout_rate="
+                          f"{model_cfg.attention_dropout_rate} with ring attention: its backward "
+                          f"recomputes the blocks without dropout; set --attention-dropout 0, {fix}")
+    if model_cfg.recompute_granularity == "selective":
+        raise ConfigError("model_config.recompute_granularity=selective with ring attention: its "
+                          "backward already recomputes its blocks; remove --recompute-activations, "
+                          + fix)
 
 
 def _check_flash_attention(model_cfg, parallel_cfg):
