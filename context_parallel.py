@@ -8,8 +8,9 @@ MindSpeed names them (parallel_config.context_parallel_algo):
                     sequence with 1/cp of the heads; a second all-to-all swaps back.
   megatron_cp_algo  ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers";
                     Megatron-core's context parallelism): each rank keeps its queries and meets the
-                    keys and values of every rank block by block; the partial softmaxes are merged
-                    by their log-sum-exp (online softmax, Milakov & Gimelshein 2018).
+                    keys and values of every rank block by block, passed round the ring; the partial
+                    softmaxes are merged by their log-sum-exp (online softmax, Milakov &
+                    Gimelshein 2018).
   hybrid_cp_algo    USP (Fang & Zhao 2024, "A Unified Sequence Parallelism Approach"): Ulysses
                     inside groups of ulysses_degree_in_cp adjacent cp ranks, the ring across them.
 One description covers all three: cp = ring x ulysses,
@@ -24,12 +25,13 @@ the first; the zig-zag pairs an early chunk with a late one and every rank does 
 Ulysses all-to-all gives back the ring rank's two chunks in order. Positions (absolute embeddings
 and RoPE) follow the tokens: position_ids are sliced with them.
 
-The ring, here: keys and values are all-gathered over the ring group (Megatron-core's
-cp_comm_type=all_gather) and then processed block by block, as a ring would receive them. On the
-CPU there is no send/recv and the pipeline's pairwise exchange (mint.distributed) cannot be
-compiled by ms.jit, while an all-gather can (an AllReduce on CPU) and its backward is a
-reduce-scatter. The price: each rank holds the whole sequence's K and V during a layer, where a
-true ring holds two blocks, and no transfer overlaps compute.
+The ring, here (cp_comm_type p2p, Megatron's default): each step passes a block of keys and
+values to the next ring rank (Collectives.send_recv: through shared memory, one block moved; with
+MindSpore's CPU all-reduce, which has no send/recv, an all-gather of which the previous rank's part
+is kept), so a rank holds two blocks, and the backward recomputes each block's probabilities as
+FlashAttention does and passes the gradients back round. cp_comm_type all_gather gathers every
+rank's keys and values first (Megatron-core's other form; AllGatherAttention), holding the whole
+sequence's K and V, and lets autograd keep each block's probabilities.
 """
 import dataclasses
 

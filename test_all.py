@@ -1457,7 +1457,8 @@ NOBODY = 65534                            # another user's uid: the suite runs a
 
 def _segment_sums(group, size, index, steps, out, handler=False):
     """A child process: rank `index` of `size` with the tests' launch secret, through a Segment of
-    `group`: each of `steps` summed (an array) or called (a function), then (index, the results
+    `group`: each of `steps` summed (an array), received from a rank (a pair: the array sent,
+    the rank whose array comes back) or called (a function), then (index, the results
     or the error's line); with `handler`, SIGTERM is noted as train.py's --exit-signal-handler
     notes it."""
     os.environ[config.SHM_TOKEN] = SHM_SECRET
@@ -1469,8 +1470,14 @@ def _segment_sums(group, size, index, steps, out, handler=False):
     except RuntimeError as e:
         out.put((index, str(e)))
         return
+    def run(step):              # a function, (an array, the rank it comes from), or an array
+        if callable(step):
+            return step()
+        if isinstance(step, tuple):
+            return segment.send_recv(*step, group)
+        return segment.all_reduce(step, group)
     try:
-        out.put((index, [s() if callable(s) else segment.all_reduce(s, group) for s in steps]))
+        out.put((index, [run(s) for s in steps]))
     except RuntimeError as e:
         out.put((index, str(e)))
     finally:
@@ -1544,6 +1551,26 @@ def test_the_shared_memory_all_reduce_sums_in_pieces_and_empty_tensors_keep_step
         want = (arrays[0][k] + arrays[1][k]) + arrays[2][k]
         assert all(r[k].dtype == want.dtype and r[k].shape == want.shape
                    and np.array_equal(r[k], want) for r in sums), k
+    assert not os.path.exists(_segment_path(monkeypatch, group))
+
+
+@pytest.mark.cp
+def test_the_shared_memory_ring_step_brings_each_rank_its_neighbours_tensor(monkeypatch):
+    """Segment.send_recv (the ring's step, Collectives.send_recv) on 3 processes: each rank
+    receives the previous rank's tensor (larger than a slot: in pieces), then, after a sum on the
+    same segment, the next rank's float16 one, bit for bit; the name is gone at the end."""
+    rng = np.random.default_rng(1)
+    big = shared_memory.SLOT // 4 * 2 + 123
+    arrays = [[rng.standard_normal((big,)).astype(np.float32),
+               rng.standard_normal((3, 5)).astype(np.float16)] for _ in range(3)]
+    group = f"test_ring_{os.getpid()}"
+    got = _segment_run(group, [[(arrays[r][0], (r - 1) % 3), arrays[r][1],
+                                (arrays[r][1], (r + 1) % 3)] for r in range(3)])
+    total = (arrays[0][1] + arrays[1][1]) + arrays[2][1]
+    for r in range(3):
+        assert np.array_equal(got[r][0], arrays[(r - 1) % 3][0])
+        assert np.array_equal(got[r][1], total)
+        assert got[r][2].dtype == np.float16 and np.array_equal(got[r][2], arrays[(r + 1) % 3][1])
     assert not os.path.exists(_segment_path(monkeypatch, group))
 
 
@@ -2474,16 +2501,17 @@ gradient_checks({
                                                4, "cp"),
     "cp2_ring_pp2_vpp2": (ROPE_GQA, CP2 + RING + PP2 + VPP2, 4, "cp"),
     "cp4_ring_full_recompute": (CP_CHECK, CP4 + RING + RECOMPUTE["full uniform 2"], 4, "cp"),
-    "cp2_ring_dp2_untied_full_block_recompute": (CP_CHECK + UNTIED,
-                                                 CP2 + RING + RECOMPUTE["full block 1"], 4, "cp")})
+    "cp2_ring_dp2_untied_full_block_recompute_mccl": (
+        CP_CHECK + UNTIED, CP2 + RING + RECOMPUTE["full block 1"] + MCCL, 4, "cp")})
 
 
 @pytest.mark.cp
 @pytest.mark.parametrize("family,job", check_params("cp"))
 def test_cp_msrun_checks(runs, family, job):
     """Each CP layout's one step of gradients against one process (check_gradients: relative
-    1e-5): Ulysses and the ring on batches of several documents, with flash attention, beside
-    TP2 + SP, PP2 x VPP2 and DP2, the hybrid of 4, with recompute."""
+    1e-5): Ulysses on batches of several documents, with flash attention, beside TP2 + SP; the
+    ring passing blocks beside PP2 x VPP2, in a ring of 4, and beside DP2 with MindSpore's
+    all-reduce (its step built from an all-gather); the all-gather form; with recompute."""
     assert_checks_pass(runs, family, job)
 
 
