@@ -2561,8 +2561,9 @@ def test_context_parallel_ledger_matches_the_formulas(runs):
     """Per step of L layers (Ulysses 2, the float16 ring 1) and m micro-batches, each cp rank
     holding q and the context [s/cp, b, n, d] and k, v [s/cp, b, g, d]: Ulysses runs 4
     all-to-alls per layer forward (q, k, v, context) and 4 backward, of the same sizes; the ring
-    of 2 passes k and v once forward, then once backward with their gradients; both sum the loss and the token count over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP:
-    the gradient bucket and the logged loss. `bash run.sh plan` (memory.communication) gives the
+    of 2 passes k and v once forward, then once backward with their gradients; both sum the
+    loss and the token count over CP (2 all-reduces of 4 bytes per micro-batch). DP x CP: the
+    gradient bucket and the logged loss. `bash run.sh plan` (memory.communication) gives the
     same CP collectives."""
     m, s, b, n, g, d, cp = 2, 32, 4, 8, 4, 8, 2
     L = {run: layout_config(run).model_config.num_layers
@@ -2573,7 +2574,8 @@ def test_context_parallel_ledger_matches_the_formulas(runs):
     common = {("cp", "all_reduce"): (2 * m, 2 * m * 4), ("dp_cp", "all_reduce"): (2, None)}
     ulysses = {("cp", "all_to_all"): (8 * m * L["cp2_ulysses"],
                                       2 * m * L["cp2_ulysses"] * (2 * q + 2 * k)), **common}
-    ring = {("cp", "send_recv"): (6 * m * L["cp2_ring"], 6 * m * L["cp2_ring"] * kv), **common}
+    ring = {("cp", "send_recv"): (6 * m * L["cp2_ring"], 6 * m * L["cp2_ring"] * kv),
+            **common}
     for run, want in (("cp2_ulysses", ulysses), ("cp2_ring", ring)):
         ledger = tour.ledger_items(train_lines(runs.folder(run), "comm: ")[1])
         got = {key: (calls, nbytes if want.get(key, (0, 0))[1] is not None else None)

@@ -831,7 +831,8 @@ def _check_ring(model_cfg):
     if model_cfg.attention_dropout_rate > 0:
         raise ConfigError("model_config.attention_dropout_rate="
                           f"{model_cfg.attention_dropout_rate} with ring attention: its backward "
-                          f"recomputes the blocks without dropout; set --attention-dropout 0, {fix}")
+                          "recomputes the blocks without dropout; set --attention-dropout 0, "
+                          + fix)
     if model_cfg.recompute_granularity == "selective":
         raise ConfigError("model_config.recompute_granularity=selective with ring attention: its "
                           "backward already recomputes its blocks; remove --recompute-activations, "

@@ -27,10 +27,10 @@ SPEC_BUILDERS = ("gpt.local_spec", "gpt.fast_spec")     # the plain forms; the f
 ROOTS = ("train.pretrain",)          # what `bash run.sh` runs after reading its flags: the loop
 # each concept's budget in lines, README's order (a reader should open at most ~15% beyond)
 BUDGETS = {"The model, one process": 550, "Flash attention": 170,
-           "A training step, one process": 450, "Process groups and collectives": 270,
+           "A training step, one process": 450, "Process groups and collectives": 290,
            "Tensor + sequence parallel": 300, "The optimizer's update": 300,
            "Data parallel + distributed optimizer": 400, "Pipeline, 1F1B and interleaved": 300,
-           "Context parallel": 200, "Routing tokens to experts": 250, "Experts": 400,
+           "Context parallel": 250, "Routing tokens to experts": 250, "Experts": 400,
            "Megatron's overlap": 220, "Building and the loop": 700}
 ITEM = re.compile(r"^\d+\. \*\*(.+?)\*\* \((\d+) lines\)\.(.*?);\s+proof:", re.M | re.S)
 LISTED = re.compile(r"`(\w+\.[\w.]+)` \((\d+)\)")

@@ -106,8 +106,11 @@ LAYOUTS = {
                      "pipeline.build_chunks, pipeline.schedule"),
     "cp_ulysses": Layout("CP2, Ulysses", 2, CP2, "one",
                          "parallel.all_to_all_sequence_to_heads"),
-    "cp_ring": Layout("CP2, ring attention", 2, CP2 + RING, "one",
+    "cp_ring": Layout("CP2, ring attention passing K/V blocks", 2, CP2 + RING, "one",
                       "context_parallel.RingAttention"),
+    "cp_all_gather": Layout("CP2, ring attention after an all-gather", 2,
+                            CP2 + ["--cp-comm-type", "all_gather"], "one",
+                            "context_parallel.AllGatherAttention"),
     "fp16": Layout("float16 (--fp16), DP2 + distributed optimizer", 2,
                    DISTOPT + REFERENCES["one_fp16"], "one_fp16", "optimizer.DynamicGradScaler"),
     "ep": Layout("EP2 over DP2, alltoall", 2,
@@ -357,7 +360,7 @@ def row(name, folder, reference_folder, model_flags=()):
     pipe = bubble(folder, cfg, layout.workers)
     pipe = f"{pipe[0]:5.3f} {pipe[1]:5.3f}" if pipe else f"{'-':>5} {'-':>5}"
     measured, estimate = peak_memory(folder, layout.workers)
-    text = (f"{name:<11} {layout.workers:>4}  {found['loss']:7.1e} {found['grad norm']:7.1e} "
+    text = (f"{name:<13} {layout.workers:>2}  {found['loss']:7.1e} {found['grad norm']:7.1e} "
             f"{said[:7]:<7}  "
             f"{ledger:7.3f} {'=' if same else '!='} {formula:7.3f}  {pipe}  "
             f"{measured:6.0f} {estimate:5.1f}  {tokens_per_s(folder):7.0f}")
