@@ -134,8 +134,8 @@ TOUR_FLAGS = {"--layouts": (list(LAYOUTS), list, "the layouts to run, in this or
               "--output": (os.path.join("output", "tour"), str,
                            "the folder of every run's log, metrics and timeline"),
               "--break": (None, str, "plant the bug NAME of tools/bugs.py in the layouts it "
-                          "concerns (not --layouts) and show which proof catches it; `all`, "
-                          "each bug in turn; `list` lists them"),
+                          "concerns (not --layouts) and show which proof catches it; NAME,NAME "
+                          "or `all`, each bug in turn; `list` lists them"),
               "--fusions": (False, bool, "every run, one process's too, with the fast forms of "
                             "fused.py (model_config.fusions=true)"),
               "--no-jit": (False, bool, "every run, one process's too, op by op "
@@ -145,18 +145,20 @@ TOUR_FLAGS = {"--layouts": (list(LAYOUTS), list, "the layouts to run, in this or
 
 def parse(argv):
     """The options of `bash run.sh tour`: (layout names in LAYOUTS' order, output folder, the
-    flags every run adds to MODEL, the bug to plant: None, "list", "all" or a name of bugs.BUGS;
-    with a bug, the layouts are its own, with "all" every bug's)."""
+    flags every run adds to MODEL, the bugs to plant: None, "list" or names of bugs.BUGS ("all":
+    every one); with bugs, the layouts are theirs)."""
     options, _ = parse_command("tour", argv, TOUR_FLAGS,
                                about="Every layout of a tiny GPT trained beside one process.")
     broken = options["break"]
-    if broken not in (None, "list", "all", *bugs.BUGS):
-        raise ConfigError(f"tour: --break {broken}: choose from list, all, "
-                          f"{', '.join(bugs.BUGS)}")
+    if broken not in (None, "list"):
+        broken = list(bugs.BUGS) if broken == "all" else broken.split(",")
+        unknown = [name for name in broken if name not in bugs.BUGS]
+        if unknown or not broken:
+            raise ConfigError(f"tour: --break {','.join(unknown)}: choose from list, all, "
+                              f"{', '.join(bugs.BUGS)}")
     names = [n for item in options["layouts"] for n in item.split(",") if n]
-    if broken in ("all", *bugs.BUGS):
-        names = [n for name, bug in bugs.BUGS.items() if broken in ("all", name)
-                 for n in bug.layouts]
+    if broken not in (None, "list"):
+        names = [n for name in broken for n in bugs.BUGS[name].layouts]
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown or not names:
         raise ConfigError(f"tour: --layouts {','.join(unknown) or '(none)'}: choose from "
@@ -492,7 +494,7 @@ def main(argv):
         print("\n".join(bugs.catalogue()))
         return 0
     if bug:
-        return broken_tour(list(bugs.BUGS) if bug == "all" else [bug], output, model_flags)
+        return broken_tour(bug, output, model_flags)
     started = time.time()
     os.makedirs(output, exist_ok=True)
     form = "op by op" if "--no-jit" in model_flags else "compiled"
@@ -507,10 +509,10 @@ def main(argv):
 
 
 def broken_tour(names, output, model_flags):
-    """`--break NAME` (names: [NAME]) or `--break all` (every bug): each bug planted (in the
-    workers' memory) in its layouts, the runs sharing launches, beside one process; as each is
-    caught, what it changed and why the proof caught it. Exit 1 when every bug was caught, 3 when
-    one was not (a hole in the proofs, named)."""
+    """`--break NAME` (names: [NAME]), `--break NAME,NAME` or `--break all` (every bug): each bug
+    planted (in the workers' memory) in its layouts, the runs sharing launches, beside one
+    process; as each is caught, what it changed and why the proof caught it. Exit 1 when every
+    bug was caught, 3 when one was not (a hole in the proofs, named)."""
     started = time.time()
     os.makedirs(output, exist_ok=True)
     runs = [Run(layout if len(names) == 1 else f"{bug}/{layout}", layout, bug)
