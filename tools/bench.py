@@ -83,7 +83,12 @@ LAYOUTS = {  # name: (workers, flags)
     "cp2": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2"]),
     "cp2_ring": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2",
                      "--cp-comm-type", "p2p"]),
+    "cp2_all_gather": (2, ["--micro-batch-size", "8", "--context-parallel-size", "2",
+                           "--cp-comm-type", "all_gather"]),
 }
+# PP2 with the split `plan` suggests for this model (Megatron's flag): 3 layers on the first
+# stage, 1 beside the output layer on the last
+LAYOUTS["pp2_balanced"] = (2, LAYOUTS["pp2"][1] + ["--decoder-first-pipeline-num-layers", "3"])
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 LAYOUTS.update({"moe": (1, ["--micro-batch-size", "8", *MOE]),
                 "moe_ep2": (2, ["--micro-batch-size", "4", *MOE, "--expert-model-parallel-size",
