@@ -7013,9 +7013,12 @@ def test_memory_activations_per_layer_by_hand():
     m.recompute_granularity = m.recompute_method = m.recompute_num_layers = None
     p.context_parallel_size = p.ulysses_degree_in_cp = 2  # Ulysses: every term halves
     assert sum(e for _, e, _ in memory.layer_activations(m, p, 2)) == B * layer // 2
-    p.ulysses_degree_in_cp = 1                            # the ring: k and v of the whole sequence
+    p.ulysses_degree_in_cp, m.cp_comm_type = 1, "all_gather"  # k and v of the whole sequence
     assert (sum(e for _, e, _ in memory.layer_activations(m, p, 2))
             == B * (layer // 2 + 2 * (x // 2) // 2))
+    m.cp_comm_type = "p2p"                 # the ring passing blocks keeps what flash keeps
+    assert (sum(e for _, e, _ in memory.layer_activations(m, p, 2))
+            == B * ((layer - core) // 2 + 4 * (x // 2) // 2 + scores // 2 // 16))
     pp2 = load_config(os.path.join(HERE, "config.yaml"),
                       [*PLAN_TINY, "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
                        "--global-batch-size", "8"], 2)
