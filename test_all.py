@@ -2541,6 +2541,7 @@ def test_cp_layouts_train_like_one_process(runs, layout):
 
 
 catalogued("ring_causal_case", ROPE + CP2 + RING, "one_rope_gqa")
+catalogued("ring_grads_not_carried", ROPE + CP2 + RING, "one_rope_gqa")
 catalogued("cp_grads_averaged", ROPE + CP2, "one_rope_gqa")
 catalogued("ulysses_head_split", ROPE + CP2, "one_rope_gqa")
 

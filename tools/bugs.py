@@ -121,6 +121,16 @@ BUGS = {
         "rank's own keys, needs the causal mask",
         "queries attend to later tokens of their own chunk, which one process masks: the "
         "model sees the future, and the loss differs from the first step"),
+    "ring_grads_not_carried": Bug(
+        "cp", "context_parallel.py", "RingKernel.backward",
+        "dk_j, dv_j = dk_j + grads[0], dv_j + grads[1]", "dk_j, dv_j = dk_j, dv_j", ["cp_ring"],
+        "grad norm",
+        "ring attention's backward (Megatron's AttnFuncWithCPAndKVP2P): a key/value block's "
+        "gradient is the sum over every rank whose queries met it, carried round the ring with "
+        "the block and added to at each rank",
+        "each rank passes on only its own share of the block's dK and dV, dropping what came "
+        "with it: the owner's key and value gradients miss the other ranks' queries, so the "
+        "gradient norm differs (the first loss does not)"),
     "aux_loss_scaled_twice": Bug(
         "moe", "moe.py", "MoEAuxLossAutoScaler.set_loss_scale",
         "Tensor(float(scale), F32)", "Tensor(float(scale) ** 2, F32)", ["ep"], "grad norm",
