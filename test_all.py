@@ -4048,6 +4048,60 @@ def test_lr_decay_styles_closed_form():
         assert lr_at(sched(style), 10_000) == 1e-4
 
 
+def megatron_lr_and_wd(samples, args):
+    """Megatron's learning rate and weight decay after `samples` samples, transcribed from its
+    get_optimizer_param_scheduler (megatron/training/training.py, iteration-based training:
+    every count in samples) and OptimizerParamScheduler.get_lr and get_wd
+    (megatron/core/optimizer_param_scheduler.py). args: Megatron's argument names."""
+    gbs, decay_iters = args["global_batch_size"], args["lr_decay_iters"] or args["train_iters"]
+    decay, wd_incr = decay_iters * gbs, args["train_iters"] * gbs
+    warmup = (args["lr_warmup_fraction"] * decay if args["lr_warmup_fraction"] is not None
+              else args["lr_warmup_iters"] * gbs)
+    max_lr, min_lr = args["lr"], args["min_lr"]
+    if warmup > 0 and samples <= warmup:
+        lr = max_lr * float(samples) / float(warmup)
+    elif samples > decay:
+        lr = min_lr
+    else:
+        ratio = float(samples - warmup) / float(decay - warmup)
+        coeff = (1.0 - ratio if args["lr_decay_style"] == "linear"
+                 else 0.5 * (math.cos(math.pi * ratio) + 1.0))
+        lr = min_lr + coeff * (max_lr - min_lr)
+    start, end = args["start_weight_decay"], args["end_weight_decay"]
+    ratio = min(float(samples) / float(wd_incr), 1.0)
+    return lr, start + 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0) * (end - start)
+
+
+@pytest.mark.dp
+@pytest.mark.parametrize("flags", [
+    ["--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine"],
+    ["--lr-warmup-fraction", "0.15", "--lr-decay-iters", "20", "--lr-decay-style", "linear",
+     "--micro-batch-size", "4", "--global-batch-size", "12"],
+    ["--lr-warmup-fraction", "0.07", "--lr-decay-style", "cosine", "--min-lr", "1e-5"],
+    ["--lr-warmup-iters", "3", "--lr-decay-style", "linear"]],
+    ids=["fraction_0.1_cosine", "fraction_0.15_linear_decay_20", "fraction_0.07", "iters_3"])
+def test_learning_rate_of_every_step_is_megatrons_counted_in_samples(flags):
+    """The learning rate and weight decay of every step (train.get_optimizer_param_scheduler,
+    stepped once an iteration as Trainer steps it) equal Megatron's after that many global
+    batches of samples (megatron_lr_and_wd), fractional warmups unrounded: lr_warmup_fraction
+    0.1 of 24 iterations is a warmup of 2.4 iterations, 19.2 samples of 8 a step, not 2."""
+    cfg = load_config(os.path.join(HERE, "config.yaml"),
+                      ["--train-iters", "24", "--lr", "3e-4", "--weight-decay-incr-style", "cosine",
+                       "--start-weight-decay", "0.0", "--end-weight-decay", "0.1", *flags])
+    schedule = cfg.optimizer_config.learning_rate_scheduler_kwargs
+    args = {"global_batch_size": cfg.dataset_config.global_batch_size, "train_iters": 24,
+            "lr_decay_iters": schedule.lr_decay_iters, "lr_warmup_iters": schedule.lr_warmup_iters,
+            "lr_warmup_fraction": schedule.lr_warmup_fraction, "lr": 3e-4,
+            "min_lr": schedule.min_lr, "lr_decay_style": schedule.lr_decay_style,
+            "start_weight_decay": 0.0, "end_weight_decay": 0.1}
+    scheduler = train.get_optimizer_param_scheduler(cfg)
+    for iteration in range(25):
+        want = megatron_lr_and_wd(iteration * args["global_batch_size"], args)
+        assert (scheduler.get_lr(), scheduler.get_wd()) == pytest.approx(want, rel=1e-12), \
+            iteration
+        scheduler.step(1)
+
+
 @pytest.mark.dp
 def test_step_counts_iterations():
     s = sched("linear")
@@ -9096,17 +9150,19 @@ def test_resumed_learning_rate_schedule_follows_megatrons_rules(tmp_path, two_st
     d = copy_of(two_steps, tmp_path)
     assert tiny_run(d, "--train-iters", "4", "--load", str(d)) == 0
     info = (d / "log" / "rank_0" / "info.log").read_text()
-    assert ("learning-rate schedule: the checkpoint's values kept: lr_decay_steps (checkpoint 2, "
-            "this run 4)" in info)
+    assert ("learning-rate schedule: the checkpoint's values kept: lr_warmup_steps (checkpoint "
+            "0.2, this run 0.4), lr_decay_steps (checkpoint 2, this run 4)" in info)
     assert tiny_run(d, "--train-iters", "6", "--load", str(d),
                     "--override-opt_param-scheduler") == 0
-    assert ("this run's values kept: lr_decay_steps (checkpoint 2, this run 6)"
+    assert ("this run's values kept: lr_warmup_steps (checkpoint 0.2, this run 0.6), "
+            "lr_decay_steps (checkpoint 2, this run 6)"
             in (d / "log" / "rank_0" / "info.log").read_text())
     capsys.readouterr()
     assert tiny_run(d, "--train-iters", "8", "--load", str(d),
                     "optimizer_config.use_checkpoint_opt_param_scheduler=false") == 2
-    assert ("the learning-rate schedule differs from the checkpoint's: lr_decay_steps (checkpoint "
-            "6, this run 8)" in capsys.readouterr().err)
+    assert ("the learning-rate schedule differs from the checkpoint's: lr_warmup_steps (checkpoint "
+            "0.6, this run 0.8), lr_decay_steps (checkpoint 6, this run 8)"
+            in capsys.readouterr().err)
 
 
 class Killed(Exception):

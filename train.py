@@ -42,8 +42,8 @@ from instruments.logs import (LogWindow, Timers, log, log_eval_loss, log_start, 
 from settings.cli import (CONFIG_FLAG, HelpRequested, end_with_parent, load_config, parse_command,
                           raw_config, training_help)
 from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, local_worker_num,
-                             main_grad_dtype, moe_layer_pattern, padded_vocab_size, parse_blend,
-                             recompute_counts, samples_per_split)
+                             lr_schedule_steps, main_grad_dtype, moe_layer_pattern,
+                             padded_vocab_size, parse_blend, recompute_counts, samples_per_split)
 from tokenizer import build_tokenizer
 
 
@@ -261,17 +261,22 @@ def optimizer_and_scheduler(cfg, model, ddp, state=None):
     """(optimizer, scheduler) of a model or a list of model chunks and its
     DistributedDataParallel `ddp`: Megatron's get_megatron_optimizer (optimizer.py), casting
     with the layer spec's cast, and its get_optimizer_param_scheduler."""
-    optimizer_cfg, training_cfg = cfg.optimizer_config, cfg.training_config
     optimizer = opt.get_megatron_optimizer(cfg, model, ddp, opt.build_scaler(cfg), state,
                                            layer_spec(cfg.model_config).cast)
+    return optimizer, get_optimizer_param_scheduler(cfg)
+
+
+def get_optimizer_param_scheduler(cfg):
+    """Megatron's: the learning-rate and weight-decay schedules of the config, their steps
+    counted as config.lr_schedule_steps gives them."""
+    optimizer_cfg = cfg.optimizer_config
     schedule = optimizer_cfg.learning_rate_scheduler_kwargs
-    scheduler = opt.OptimizerParamScheduler(
-        max_lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr,
-        lr_warmup_steps=schedule.lr_warmup_iters, lr_decay_steps=schedule.lr_decay_iters,
-        lr_decay_style=schedule.lr_decay_style, start_wd=optimizer_cfg.start_weight_decay,
-        end_wd=optimizer_cfg.end_weight_decay, wd_incr_steps=training_cfg.training_iters,
-        wd_incr_style=optimizer_cfg.weight_decay_incr_style)
-    return optimizer, scheduler
+    warmup, decay, wd_incr = lr_schedule_steps(schedule, cfg.training_config.training_iters)
+    return opt.OptimizerParamScheduler(
+        max_lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=decay, lr_decay_style=schedule.lr_decay_style,
+        start_wd=optimizer_cfg.start_weight_decay, end_wd=optimizer_cfg.end_weight_decay,
+        wd_incr_steps=wd_incr, wd_incr_style=optimizer_cfg.weight_decay_incr_style)
 
 
 # ----------------------------------------------------------------------------- one step

@@ -847,7 +847,9 @@ def _load_scheduler(optimizer_cfg, scheduler, saved, iteration):
 
 def _pairs(differ):
     """The differing schedule values, each as "key (checkpoint a, this run b)"."""
-    return ", ".join(f"{k} (checkpoint {a}, this run {b})" for k, a, b in differ)
+    def shown(value):                  # a warmup from a fraction: 0.6, not 0.6000000000000001
+        return f"{value:g}" if isinstance(value, float) else value
+    return ", ".join(f"{k} (checkpoint {shown(a)}, this run {shown(b)})" for k, a, b in differ)
 
 
 # ----------------------------------------------------------------------------- layout conversion

@@ -209,8 +209,8 @@ def from_saved(saved, args=(), world_size=1):
     raw["dataset_config"].pop("micro_batch_num", None)  # derived from the global batch and DP
     if not raw["model_config"].get("group_query_attention"):
         raw["model_config"].pop("num_query_groups", None)       # derived: one group per head
-    if _schedule(raw).get("lr_warmup_fraction") is not None:   # lr_warmup_iters was derived from it
-        _schedule(raw).pop("lr_warmup_iters", None)
+    if _schedule(raw).get("lr_warmup_fraction") is not None:   # a saved config may hold both:
+        _schedule(raw).pop("lr_warmup_iters", None)            # the fraction is what ran
     tree = {s: merge(SCHEMA[s], raw.get(s), s) for s in SCHEMA}
     raw = parse_overrides(list(args), tree, [])
     cfg = to_namespace({s: merge(SCHEMA[s], raw.get(s), s) for s in SCHEMA})

@@ -633,7 +633,8 @@ OPTIMIZER = [
     key(_LR + "lr_warmup_iters", 0, int, "--lr-warmup-iters", "steps of linear warmup",
         aliases={"optimizer_config.lr_warmup_iters": None, _LR + "warmup_steps": None}),
     key(_LR + "lr_warmup_fraction", None, float, "--lr-warmup-fraction",
-        "warmup as a fraction of lr_decay_iters (instead of lr_warmup_iters)"),
+        "warmup as a fraction of lr_decay_iters, unrounded as Megatron's (instead of "
+        "lr_warmup_iters)"),
     key(_LR + "lr_decay_iters", None, int, "--lr-decay-iters",
         "steps over which the learning rate decays; null = training_iters",
         aliases={"optimizer_config.lr_decay_iters": None, _LR + "decay_steps": None}),
