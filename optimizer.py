@@ -32,11 +32,15 @@ class OptimizerParamScheduler:
     `num_steps` counts optimizer iterations. The lr rises linearly from `init_lr` to `max_lr`
     while num_steps <= lr_warmup_steps, then follows `lr_decay_style` down to `min_lr`
     (cosine annealing: Loshchilov & Hutter, SGDR), reaching `min_lr` after lr_decay_steps.
-    The weight decay goes from `start_wd` to `end_wd` over `wd_incr_steps`.
+    WSD (warmup, stable, decay) holds max_lr until its last `wsd_decay_steps`, then decays in
+    `lr_wsd_decay_style`. The weight decay goes from `start_wd` to `end_wd` over `wd_incr_steps`.
     """
 
     def __init__(self, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style,
-                 start_wd, end_wd, wd_incr_steps, wd_incr_style, init_lr=0.0):
+                 start_wd, end_wd, wd_incr_steps, wd_incr_style, init_lr=0.0,
+                 wsd_decay_steps=None, lr_wsd_decay_style="exponential"):
+        if lr_decay_style == "WSD" and not wsd_decay_steps:
+            raise ValueError("lr_decay_style 'WSD' needs wsd_decay_steps")
         if lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style must be one of {LR_DECAY_STYLES}, "
                              f"got {lr_decay_style!r}")
@@ -56,6 +60,7 @@ class OptimizerParamScheduler:
         self.init_lr, self.max_lr, self.min_lr = float(init_lr), float(max_lr), float(min_lr)
         self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
         self.lr_decay_style = lr_decay_style
+        self.wsd_decay_steps, self.lr_wsd_decay_style = wsd_decay_steps, lr_wsd_decay_style
         self.start_wd, self.end_wd = float(start_wd), float(end_wd)
         self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
         self.num_steps = 0
@@ -73,11 +78,24 @@ class OptimizerParamScheduler:
             lr = self.max_lr * max(self.lr_warmup_steps, 1) ** 0.5 / max(n, 1) ** 0.5
             return max(self.min_lr, lr)
         decay_ratio = (n - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
-        if self.lr_decay_style == "linear":
+        if self.lr_decay_style == "WSD":
+            coeff = self._wsd_coeff(n)
+        elif self.lr_decay_style == "linear":
             coeff = 1.0 - decay_ratio
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def _wsd_coeff(self, n):
+        """WSD's share of (max_lr - min_lr) at step n: 1 until the last wsd_decay_steps, then
+        down to 0 in lr_wsd_decay_style (Megatron's)."""
+        anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+        if n <= anneal_start:
+            return 1.0
+        ratio = (n - anneal_start) / self.wsd_decay_steps
+        return {"linear": 1.0 - ratio, "cosine": 0.5 * (math.cos(math.pi * ratio) + 1.0),
+                "exponential": 2.0 * math.pow(0.5, ratio) - 1.0,
+                "minus_sqrt": 1.0 - math.sqrt(ratio)}[self.lr_wsd_decay_style]
 
     def get_wd(self):
         """Weight decay at `num_steps` (Megatron get_wd)."""
@@ -96,7 +114,8 @@ class OptimizerParamScheduler:
     def state_dict(self):
         return {k: getattr(self, k) for k in (
             "max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
-            "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style", "num_steps")}
+            "wsd_decay_steps", "lr_wsd_decay_style", "start_wd", "end_wd", "wd_incr_steps",
+            "wd_incr_style", "num_steps")}
 
     def differences(self, d):
         """[(key, checkpoint value, this run's)] of the schedule's values (not the step count)."""

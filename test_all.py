@@ -4057,19 +4057,38 @@ def megatron_lr_and_wd(samples, args):
     decay, wd_incr = decay_iters * gbs, args["train_iters"] * gbs
     warmup = (args["lr_warmup_fraction"] * decay if args["lr_warmup_fraction"] is not None
               else args["lr_warmup_iters"] * gbs)
-    max_lr, min_lr = args["lr"], args["min_lr"]
+    max_lr, min_lr, init_lr = args["lr"], args["min_lr"], args["lr_warmup_init"]
     if warmup > 0 and samples <= warmup:
-        lr = max_lr * float(samples) / float(warmup)
+        lr = init_lr + (max_lr - init_lr) * float(samples) / float(warmup)
     elif samples > decay:
         lr = min_lr
     else:
-        ratio = float(samples - warmup) / float(decay - warmup)
-        coeff = (1.0 - ratio if args["lr_decay_style"] == "linear"
-                 else 0.5 * (math.cos(math.pi * ratio) + 1.0))
-        lr = min_lr + coeff * (max_lr - min_lr)
+        lr = min_lr + megatron_decay_coeff(samples, warmup, decay, args) * (max_lr - min_lr)
     start, end = args["start_weight_decay"], args["end_weight_decay"]
     ratio = min(float(samples) / float(wd_incr), 1.0)
     return lr, start + 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0) * (end - start)
+
+
+def megatron_decay_coeff(samples, warmup, decay, args):
+    """OptimizerParamScheduler.get_lr's coefficient of (max_lr - min_lr) after the warmup,
+    transcribed (linear, cosine, WSD with its four last-decay styles)."""
+    ratio = float(samples - warmup) / float(decay - warmup)
+    if args["lr_decay_style"] == "linear":
+        return 1.0 - ratio
+    if args["lr_decay_style"] == "cosine":
+        return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    wsd_decay_steps = args["lr_wsd_decay_iters"] * args["global_batch_size"]
+    wsd_anneal_start_ = decay - wsd_decay_steps
+    if samples <= wsd_anneal_start_:
+        return 1.0
+    wsd_decay_ratio = float(samples - wsd_anneal_start_) / float(wsd_decay_steps)
+    return {"linear": 1.0 - wsd_decay_ratio,
+            "cosine": 0.5 * (math.cos(math.pi * wsd_decay_ratio) + 1.0),
+            "exponential": (2.0 * math.pow(0.5, wsd_decay_ratio)) - 1.0,
+            "minus_sqrt": 1.0 - math.sqrt(wsd_decay_ratio)}[args["lr_wsd_decay_style"]]
+
+
+WSD = ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "7", "--min-lr", "3e-5"]
 
 
 @pytest.mark.dp
@@ -4078,13 +4097,17 @@ def megatron_lr_and_wd(samples, args):
     ["--lr-warmup-fraction", "0.15", "--lr-decay-iters", "20", "--lr-decay-style", "linear",
      "--micro-batch-size", "4", "--global-batch-size", "12"],
     ["--lr-warmup-fraction", "0.07", "--lr-decay-style", "cosine", "--min-lr", "1e-5"],
-    ["--lr-warmup-iters", "3", "--lr-decay-style", "linear"]],
-    ids=["fraction_0.1_cosine", "fraction_0.15_linear_decay_20", "fraction_0.07", "iters_3"])
+    ["--lr-warmup-iters", "3", "--lr-decay-style", "linear", "--lr-warmup-init", "1e-5"],
+    *[["--lr-warmup-fraction", "0.1", *WSD, "--lr-wsd-decay-style", style]
+      for style in ("exponential", "linear", "cosine", "minus_sqrt")]],
+    ids=["fraction_0.1_cosine", "fraction_0.15_linear_decay_20", "fraction_0.07",
+         "iters_3_init", "wsd_exponential", "wsd_linear", "wsd_cosine", "wsd_minus_sqrt"])
 def test_learning_rate_of_every_step_is_megatrons_counted_in_samples(flags):
     """The learning rate and weight decay of every step (train.get_optimizer_param_scheduler,
     stepped once an iteration as Trainer steps it) equal Megatron's after that many global
     batches of samples (megatron_lr_and_wd), fractional warmups unrounded: lr_warmup_fraction
-    0.1 of 24 iterations is a warmup of 2.4 iterations, 19.2 samples of 8 a step, not 2."""
+    0.1 of 24 iterations is a warmup of 2.4 iterations, 19.2 samples of 8 a step, not 2; a
+    warmup from lr_warmup_init; WSD in each of its last-decay styles."""
     cfg = load_config(os.path.join(HERE, "config.yaml"),
                       ["--train-iters", "24", "--lr", "3e-4", "--weight-decay-incr-style", "cosine",
                        "--start-weight-decay", "0.0", "--end-weight-decay", "0.1", *flags])
@@ -4093,6 +4116,9 @@ def test_learning_rate_of_every_step_is_megatrons_counted_in_samples(flags):
             "lr_decay_iters": schedule.lr_decay_iters, "lr_warmup_iters": schedule.lr_warmup_iters,
             "lr_warmup_fraction": schedule.lr_warmup_fraction, "lr": 3e-4,
             "min_lr": schedule.min_lr, "lr_decay_style": schedule.lr_decay_style,
+            "lr_warmup_init": schedule.lr_warmup_init,
+            "lr_wsd_decay_iters": schedule.lr_wsd_decay_iters,
+            "lr_wsd_decay_style": schedule.lr_wsd_decay_style,
             "start_weight_decay": 0.0, "end_weight_decay": 0.1}
     scheduler = train.get_optimizer_param_scheduler(cfg)
     for iteration in range(25):
@@ -4146,7 +4172,7 @@ def test_scheduler_state_dict_round_trip():
     s = sched("cosine", start_wd=0.0, end_wd=0.1, wd_incr_style="linear")
     s.step(42)
     d = s.state_dict()
-    assert all(isinstance(v, (int, float, str)) for v in d.values())
+    assert all(v is None or isinstance(v, (int, float, str)) for v in d.values())
     t = sched("linear")
     t.load_state_dict(d)
     assert (t.num_steps, t.get_lr(), t.get_wd()) == (42, s.get_lr(), s.get_wd())
@@ -4367,6 +4393,12 @@ BAD_CONFIGS = [
      "model_config.apply_query_key_layer_scaling scales the scores back inside a float32 softmax"),
     (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.2"],
      "set only one of lr_warmup_iters and lr_warmup_fraction"),
+    (["--lr-warmup-fraction", "1.0", "--train-iters", "24"],
+     "lr_warmup_fraction=1.0 (a warmup of 24 iterations) must be at least 0 and below "
+     "lr_decay_iters=24"),
+    (["--lr-decay-style", "WSD"], "lr_wsd_decay_iters=None: lr_decay_style=WSD needs its last "
+     "decay's iterations"),
+    (["--lr-warmup-init", "0.5"], "lr_warmup_init=0.5 must be from 0 to learning_rate="),
     (["--global-batch-size", "12"], "dataset_config.global_batch_size=12 must be a multiple of"),
     (["--split", "90,x"], "dataset_config.split='90,x'"),
     (["--tokenizer-type", "NullTokenizer"], "needs dataset_config.vocab_size (--vocab-size)"),

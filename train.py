@@ -271,12 +271,14 @@ def get_optimizer_param_scheduler(cfg):
     counted as config.lr_schedule_steps gives them."""
     optimizer_cfg = cfg.optimizer_config
     schedule = optimizer_cfg.learning_rate_scheduler_kwargs
-    warmup, decay, wd_incr = lr_schedule_steps(schedule, cfg.training_config.training_iters)
+    warmup, decay, wd_incr, wsd = lr_schedule_steps(schedule, cfg.training_config.training_iters)
     return opt.OptimizerParamScheduler(
         max_lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=decay, lr_decay_style=schedule.lr_decay_style,
         start_wd=optimizer_cfg.start_weight_decay, end_wd=optimizer_cfg.end_weight_decay,
-        wd_incr_steps=wd_incr, wd_incr_style=optimizer_cfg.weight_decay_incr_style)
+        wd_incr_steps=wd_incr, wd_incr_style=optimizer_cfg.weight_decay_incr_style,
+        init_lr=schedule.lr_warmup_init, wsd_decay_steps=wsd,
+        lr_wsd_decay_style=schedule.lr_wsd_decay_style)
 
 
 # ----------------------------------------------------------------------------- one step

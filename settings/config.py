@@ -533,28 +533,36 @@ def _finalize_optimizer(optimizer_cfg, training_cfg):
         if not 0.0 <= schedule.lr_warmup_fraction <= 1.0:
             raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs."
                               "lr_warmup_fraction must be in [0, 1]")
-    warmup, decay, _ = lr_schedule_steps(schedule, training_cfg.training_iters)
+    warmup, decay, _, wsd = lr_schedule_steps(schedule, training_cfg.training_iters)
     if warmup < 0 or warmup >= decay:
         given = (f"lr_warmup_fraction={schedule.lr_warmup_fraction} (a warmup of {warmup:g} "
                  "iterations)" if schedule.lr_warmup_fraction is not None
                  else f"lr_warmup_iters={warmup}")
         raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.{given} must be at "
                           f"least 0 and below lr_decay_iters={decay}")
+    if schedule.lr_decay_style == "WSD" and not (wsd and 0 < wsd <= decay):
+        raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.lr_wsd_decay_iters="
+                          f"{wsd}: lr_decay_style=WSD needs its last decay's iterations, from 1 "
+                          f"to lr_decay_iters={decay} (--lr-wsd-decay-iters)")
+    if not 0.0 <= schedule.lr_warmup_init <= optimizer_cfg.learning_rate:
+        raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs.lr_warmup_init="
+                          f"{schedule.lr_warmup_init} must be from 0 to learning_rate="
+                          f"{optimizer_cfg.learning_rate}")
     if schedule.min_lr > optimizer_cfg.learning_rate:
         raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs.min_lr="
                           f"{schedule.min_lr} exceeds learning_rate={optimizer_cfg.learning_rate}")
 
 
 def lr_schedule_steps(schedule, training_iters):
-    """(lr_warmup_steps, lr_decay_steps, wd_incr_steps) of the learning-rate and weight-decay
-    schedules, counted in iterations: Megatron's get_optimizer_param_scheduler counts samples,
-    an iteration being global_batch_size of them, and keeps a fractional warmup unrounded
-    (lr_warmup_fraction x lr_decay_steps); with a constant global batch its learning rate and
-    weight decay at every step are those of these counts (the same ratios)."""
-    decay = schedule.lr_decay_iters
+    """(lr_warmup_steps, lr_decay_steps, wd_incr_steps, wsd_decay_steps) of the learning-rate and
+    weight-decay schedules, counted in iterations: Megatron's get_optimizer_param_scheduler
+    counts samples, an iteration being global_batch_size of them, and keeps a fractional warmup
+    unrounded (lr_warmup_fraction x lr_decay_steps); with a constant global batch its learning
+    rate and weight decay at every step are those of these counts (the same ratios)."""
+    decay, wsd = schedule.lr_decay_iters, schedule.lr_wsd_decay_iters
     if schedule.lr_warmup_fraction is not None:
-        return schedule.lr_warmup_fraction * decay, decay, training_iters
-    return schedule.lr_warmup_iters, decay, training_iters
+        return schedule.lr_warmup_fraction * decay, decay, training_iters, wsd
+    return schedule.lr_warmup_iters, decay, training_iters, wsd
 
 
 def _finalize_weight_decay(optimizer_cfg):

@@ -70,7 +70,8 @@ def _gqa(attention_type):
 
 # The learning-rate decay and weight-decay increment styles, written once: the choices of their
 # keys below and what optimizer.OptimizerParamScheduler accepts.
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 _LR = "optimizer_config.learning_rate_scheduler_kwargs."
 _ACC = "accelerate_config.parallelization."
@@ -627,7 +628,7 @@ OPTIMIZER = [
         "the distributed optimizer gathers each bucket's parameters when the next forward "
         "needs them", switch={"--overlap-param-gather": True}),
     key(_LR + "lr_decay_style", "constant", str, "--lr-decay-style",
-        "constant, linear, cosine or inverse-square-root",
+        "constant, linear, cosine, inverse-square-root or WSD (warmup, stable, decay)",
         choices=LR_DECAY_STYLES,
         aliases={"optimizer_config.lr_decay_style": None, _LR + "use_cosine": _cosine}),
     key(_LR + "lr_warmup_iters", 0, int, "--lr-warmup-iters", "steps of linear warmup",
@@ -638,6 +639,12 @@ OPTIMIZER = [
     key(_LR + "lr_decay_iters", None, int, "--lr-decay-iters",
         "steps over which the learning rate decays; null = training_iters",
         aliases={"optimizer_config.lr_decay_iters": None, _LR + "decay_steps": None}),
+    key(_LR + "lr_wsd_decay_style", "exponential", str, "--lr-wsd-decay-style",
+        "WSD: the shape of its last decay", choices=LR_WSD_DECAY_STYLES),
+    key(_LR + "lr_wsd_decay_iters", None, int, "--lr-wsd-decay-iters",
+        "WSD: the iterations of its last decay, ending at lr_decay_iters"),
+    key(_LR + "lr_warmup_init", 0.0, float, "--lr-warmup-init",
+        "the learning rate the warmup starts from"),
     key(_LR + "min_lr", 0.0, float, "--min-lr", "the learning rate's floor",
         aliases={"optimizer_config.min_lr": None, _LR + "end_learning_rate": None}),
 ]
