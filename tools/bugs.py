@@ -156,6 +156,14 @@ BUGS = {
         "rank) order before the experts run (Megatron's sort_chunks_by_idxs)",
         "each local expert computes on other experts' tokens, weighted by its own tokens' "
         "probabilities: the MoE layer's output, and the first loss, differ"),
+    "fp16_grads_left_scaled": Bug(
+        "fp16", "optimizer.py", "MixedPrecisionOptimizer.main_grads",
+        "inv_scale = self.scaler.inv_scale", "inv_scale = 1.0", ["fp16"], "grad norm",
+        "mixed precision (Micikevicius et al. 2018): the loss is multiplied by the loss scale so "
+        "that small float16 gradients survive, and the gradients are divided by it before the "
+        "norm, clipping and the update",
+        "the gradients stay loss-scale times too large (4096 here): Adam's update hides the "
+        "factor, the gradient norm does not"),
     "expert_grads_unscaled": Bug(
         "moe", "distributed.py", "BucketLayout.reduce_bucket",
         "if not scatter and self.group_size == 1 and self.gradient_scaling_factor == 1.0:",
