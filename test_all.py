@@ -9232,6 +9232,34 @@ class Killed(Exception):
 
 
 @pytest.mark.checkpoint
+def test_a_seed_checkpoint_holds_the_initial_weights_every_layout_loads(tmp_path, capsys):
+    """--save-initial-checkpoint writes iteration 0 before the first step: a run loading it
+    (--ckpt-step 0) trains as the run that wrote it, every step's loss and gradient norm bit for
+    bit (with dropout: the generators' states are the seed's too); converted to TP2 x PP2 in
+    Megatron's torch_dist it holds the same tensors; with --load it is refused in one line."""
+    run = tmp_path / "run"
+    assert tiny_run(run, "--train-iters", "3", "--hidden-dropout", "0.1",
+                    "--save-initial-checkpoint") == 0
+    assert (run / "iter_0000000").is_dir() and (run / "iter_0000003").is_dir()
+    assert tiny_run(tmp_path / "from_seed", "--train-iters", "3", "--hidden-dropout", "0.1",
+                    "--load", str(run), "--ckpt-step", "0") == 0
+    assert train_records(tmp_path / "from_seed") == train_records(run)
+    tp2pp2 = tmp_path / "tp2pp2"
+    assert train.main(["convert", "--load", str(run), "--ckpt-step", "0", "--save", str(tp2pp2),
+                       "--nproc", "4", "--tensor-model-parallel-size", "2",
+                       "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist"]) == 0
+    seed, converted = (checkpoint.full_state(str(run), step=0)[0],
+                       checkpoint.full_state(str(tp2pp2))[0])
+    assert sorted(seed) == sorted(converted)
+    for key in seed:
+        np.testing.assert_array_equal(seed[key], converted[key], err_msg=key)
+    capsys.readouterr()
+    assert tiny_run(tmp_path / "again", "--save-initial-checkpoint", "--load", str(run)) == 2
+    assert ("training_config.save_initial_checkpoint (--save-initial-checkpoint) writes "
+            "iteration 0 of a new run" in capsys.readouterr().err)
+
+
+@pytest.mark.checkpoint
 def test_a_save_killed_at_any_point_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """kill -9 during a save, simulated at each file operation in turn (folder made or removed,
     tensor file, meta.json, rename, tracker): `latest` always names a whole checkpoint, the old

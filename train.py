@@ -427,6 +427,8 @@ def pretrain(cfg, notes=()):
     metrics = open_metrics(cfg, state, iteration)
     window = LogWindow(cfg, trainer, iteration + 1, metrics, timers)
     last_saved = iteration
+    if training_cfg.save_initial_checkpoint:          # a seed: every layout loads it
+        checkpoint.save_training_state(cfg, 0, 0, trainer, rng)
     estimate.begin()                                  # the measured peak counts from here
     while iteration < training_cfg.training_iters:
         epoch = it.epoch
