@@ -9863,8 +9863,8 @@ def test_torch_format_checkpoint_holds_megatrons_names_and_per_rank_shapes(runs)
     layout, read with this project's torch reader: model_optim_rng.pt per rank with args,
     checkpoint_version 3.0, iteration, the model under Megatron-core's names (stage-local layer
     numbers, each rank's TP piece), FP32Optimizer's torch state (a state per weight), the
-    schedule and RNG state; the last stage holds the tied embedding's copy as
-    output_layer.weight."""
+    schedule (its steps in samples, as Megatron counts them) and RNG state; the last stage holds
+    the tied embedding's copy as output_layer.weight."""
     first = runs.folder("tp2_pp2_sp_first")
     h, f, v, positions = 64, 128, 384, 32            # PIPELINE_RUN: 4 layers, hidden 64, ffn 128
     layer = {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
@@ -9886,6 +9886,10 @@ def test_torch_format_checkpoint_holds_megatrons_names_and_per_rank_shapes(runs)
             assert (state["iteration"], state["args"].tensor_model_parallel_size,
                     state["args"].pipeline_model_parallel_size,
                     state["args"].fp16) == (STEPS // 2, 2, 2, False)
+            samples = STEPS // 2 * state["args"].global_batch_size   # Megatron counts samples
+            assert (state["opt_param_scheduler"]["num_steps"],
+                    state["opt_param_scheduler"]["lr_decay_steps"]) == (
+                        samples, state["args"].lr_decay_iters * state["args"].global_batch_size)
             want = {f"decoder.layers.{i}.{k}": shape for i in range(2)
                     for k, shape in layer.items()}
             want.update(stage[p])

@@ -798,10 +798,20 @@ def rank_file(cfg, meta, tensors, offsets, ep_rank=0):
         shapes = {n: model[f"model.{n}"].shape for n in names}
         state["optimizer"] = megatron_optimizer(tensors, meta["optimizer_step"], names, shapes, cfg,
                                                 meta["grad_scaler"])
-        state["opt_param_scheduler"] = meta["opt_param_scheduler"]
+        state["opt_param_scheduler"] = megatron_scheduler_state(
+            meta["opt_param_scheduler"], cfg.dataset_config.global_batch_size)
         state["rng_state"] = [{"rng_tracker_states": meta["rng_state"]}]
     state["num_floating_point_operations_so_far"] = 0
     return state
+
+
+def megatron_scheduler_state(state, global_batch_size):
+    """The schedule's state as Megatron's OptimizerParamScheduler.state_dict holds it: its step
+    counts in samples, an iteration being global_batch_size of them (this project counts
+    iterations: config.lr_schedule_steps)."""
+    steps = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
+    return {k: v * global_batch_size if k in steps and v is not None else v
+            for k, v in state.items()}
 
 
 def rank_arrays(state, offsets, ep_rank=0, path="the file"):
