@@ -2528,15 +2528,16 @@ layout("cp2_ring", 2, "cp fp16", ROPE + CP2 + RING + HALF + COMPILED, "one_rope_
 layout("tp2_sp_cp2_ring", 4, "tp cp", ROPE + TP2 + SP + CP2 + RING + COMPILED, "one_rope_gqa",
        hold=2)
 layout("cp4_hybrid", 4, "cp", ROPE + CP4 + HYBRID2 + COMPILED, "one_rope_gqa", hold=2, busy=2)
+layout("cp4_ring", 4, "cp", ROPE + CP4 + RING + COMPILED, "one_rope_gqa")
 
 
 @pytest.mark.cp
 @pytest.mark.parametrize("layout", layout_params(["cp2_ulysses", "cp2_ring", "tp2_sp_cp2_ring",
-                                                  "cp4_hybrid"]))
+                                                  "cp4_hybrid", "cp4_ring"]))
 def test_cp_layouts_train_like_one_process(runs, layout):
     """CP2 Ulysses, the CP2 ring in float16 and compiled, TP2 + SP x the CP2 ring and the hybrid
-    CP4 (both compiled, a rank late) train like one process
-    (assert_layout_trains_like_one_process)."""
+    CP4 (both compiled, a rank late), and a ring of 4 compiled, its blocks passed 3 times each
+    way, train like one process (assert_layout_trains_like_one_process)."""
     assert_layout_trains_like_one_process(runs, layout)
 
 
