@@ -138,6 +138,20 @@ def sum_head_groups(grad, per_group):
     return grad.reshape(b, n // per_group, per_group, s, d).sum(2).transpose(2, 0, 1, 3)
 
 
+def ring_step(parts, qh, k, v, j, rank, bias, block):
+    """parts, the (out, lse) of local chunks r and 2R-1-r so far (None before rank r's own
+    block, the first), merged with the attention over ring rank j's block: k, v [b, n, S, d],
+    the case RingAttention's docstring gives for j; block(q, k, v, bias) -> (out, lse)."""
+    half = qh.shape[2] // 2
+    if j == rank:
+        return _halves(block(qh, k, v, bias), half)
+    first, second = parts
+    if j < rank:
+        a, b = _halves(block(qh, k[:, :, :half], v[:, :, :half], None), half)
+        return merge_partial_attention(first, a), merge_partial_attention(second, b)
+    return first, merge_partial_attention(second, block(qh[:, :, half:], k, v, None))
+
+
 def _halves(part, half):
     """(out, lse) of 2 * half queries -> the same of the first half and of the last half."""
     out, lse = part
@@ -201,17 +215,9 @@ class RingKernel(nn.Cell):
                 ops.cat((lse_first, lse_second), 2))                          # [b, n, S, 1]
 
     def attend(self, qh, block, j, bias, parts):
-        """parts (None at the first step) merged with the attention over rank j's block
-        (k, v [S, b, g, d]), in the case the class docstring gives for j."""
-        half = qh.shape[2] // 2
+        """ring_step with rank j's block (k, v [S, b, g, d])."""
         k, v = self.to_heads(block[0], self.per_group), self.to_heads(block[1], self.per_group)
-        if j == self.rank:
-            return _halves(self.block(qh, k, v, bias), half)
-        first, second = parts
-        if j < self.rank:
-            a, b = _halves(self.block(qh, k[:, :, :half], v[:, :, :half], None), half)
-            return merge_partial_attention(first, a), merge_partial_attention(second, b)
-        return first, merge_partial_attention(second, self.block(qh[:, :, half:], k, v, None))
+        return ring_step(parts, qh, k, v, j, self.rank, bias, self.block)
 
     def block(self, q, k, v, bias):
         return attention_block(q, k, v, bias, no_dropout, self.softmax_scale)
@@ -292,23 +298,14 @@ class AllGatherAttention(nn.Cell):
     def construct(self, q, k, v, bias):
         """As RingAttention."""
         core, S = self.core, q.shape[0]
-        half = S // 2
         keys, values = self.gather_keys(k), self.gather_values(v)             # [R*S, b, g, d]
         q = core.to_heads(q * core.scale, 1)                                   # [b, n, S, d]
-        first = second = None                        # (out, lse) of local chunks r and 2R-1-r
+        parts = None                                 # (out, lse) of local chunks r and 2R-1-r
         for j in [self.rank] + [j for j in range(self.ring) if j != self.rank]:
             k_j = core.to_heads(keys[j * S:(j + 1) * S], core.per_group)     # [b, n, S, d]
             v_j = core.to_heads(values[j * S:(j + 1) * S], core.per_group)
-            if j == self.rank:
-                first, second = _halves(self.block(q, k_j, v_j, bias), half)
-            elif j < self.rank:
-                a, b = _halves(self.block(q, k_j[:, :, :half], v_j[:, :, :half], None), half)
-                first = merge_partial_attention(first, a)
-                second = merge_partial_attention(second, b)
-            else:
-                later = self.block(q[:, :, half:], k_j, v_j, None)      # chunk 2R-1-r only
-                second = merge_partial_attention(second, later)
-        return ops.cat((first[0], second[0]), 2).transpose(2, 0, 1, 3)         # [S, b, n, d]
+            parts = ring_step(parts, q, k_j, v_j, j, self.rank, bias, self.block)
+        return ops.cat((parts[0][0], parts[1][0]), 2).transpose(2, 0, 1, 3)   # [S, b, n, d]
 
     def block(self, q, k, v, bias):
         return attention_block(q, k, v, bias, self.core.dropout, self.core.softmax_scale)

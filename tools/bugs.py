@@ -114,9 +114,9 @@ BUGS = {
         "blocks: the attention's output reaches the projection with its heads permuted (and "
         "under GQA a rank's query heads meet other groups' keys), so the loss differs"),
     "ring_causal_case": Bug(
-        "cp", "context_parallel.py", "RingKernel.attend",
-        "return _halves(self.block(qh, k, v, bias), half)",
-        "return _halves(self.block(qh, k, v, None), half)", ["cp_ring"], "loss",
+        "cp", "context_parallel.py", "ring_step",
+        "return _halves(block(qh, k, v, bias), half)",
+        "return _halves(block(qh, k, v, None), half)", ["cp_ring"], "loss",
         "ring attention (Liu et al. 2023) with causal load balancing: the diagonal block, this "
         "rank's own keys, needs the causal mask",
         "queries attend to later tokens of their own chunk, which one process masks: the "
