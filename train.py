@@ -427,8 +427,8 @@ def pretrain(cfg, notes=()):
     metrics = open_metrics(cfg, state, iteration)
     window = LogWindow(cfg, trainer, iteration + 1, metrics, timers)
     last_saved = iteration
-    if training_cfg.save_initial_checkpoint:          # a seed: every layout loads it
-        checkpoint.save_training_state(cfg, 0, 0, trainer, rng)
+    if training_cfg.save_initial_checkpoint and not training_cfg.load_checkpoint:
+        checkpoint.save_training_state(cfg, 0, 0, trainer, rng)   # a seed (a restart loads)
     estimate.begin()                                  # the measured peak counts from here
     while iteration < training_cfg.training_iters:
         epoch = it.epoch

@@ -1155,10 +1155,6 @@ def _finalize_training(training_cfg):
     if training_cfg.max_restarts < 0:
         raise ConfigError(f"training_config.max_restarts {training_cfg.max_restarts} "
                           "(--max-restarts): give 0 (none) or more")
-    if training_cfg.save_initial_checkpoint and training_cfg.load_checkpoint:
-        raise ConfigError("training_config.save_initial_checkpoint (--save-initial-checkpoint) "
-                          "writes iteration 0 of a new run, before its first step: remove --load "
-                          f"{training_cfg.load_checkpoint}, or the flag")
     if training_cfg.max_restarts and training_cfg.finetune:
         raise ConfigError("--max-restarts with --finetune: a restart would load the last "
                           "checkpoint as a new run's weights, at iteration 0 again; finetune "

@@ -104,7 +104,8 @@ TRAINING = [
     key("training_config.save_interval", None, int, "--save-interval",
         "steps between checkpoints; null or 0 = only at the end"),
     key("training_config.save_initial_checkpoint", False, bool, None,
-        "write iteration 0 (the initial weights: a seed checkpoint) before the first step",
+        "write iteration 0 (the initial weights: a seed checkpoint) before the first step of "
+        "a run that does not --load",
         switch={"--save-initial-checkpoint": True}),
     key("training_config.keep_checkpoint_max", 5, int, "--keep-checkpoint-max",
         "iter_* folders kept (the oldest are deleted)"),
