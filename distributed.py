@@ -20,8 +20,10 @@ from typing import NamedTuple
 import numpy as np
 from mindspore import ops
 
+import gpt
 import moe
 from parallel import collectives, get_state
+from settings.config import sharded_by_fsdp
 
 
 class ShardPiece(NamedTuple):
@@ -45,19 +47,26 @@ class BucketLayout:
     of the data-parallel `group` that reduces it (DP x CP ranks for the dense parameters, the
     expert-data-parallel group for experts): the shard a distributed optimizer owns on each rank.
     `rank` is this process' place in `group`; checkpoint conversion builds layouts for other
-    data-parallel sizes without a group, only to read their shards."""
+    data-parallel sizes without a group, only to read their shards. Megatron-FSDP cuts the
+    buffer by its units instead (`units`: how many parameters each holds, in order; fsdp_units):
+    one bucket per unit, gathered and reduce-scattered alone."""
 
     def __init__(self, params, group_size, bucket_size=None, group=None, rank=0,
-                 gradient_scaling_factor=1.0):
+                 gradient_scaling_factor=1.0, units=None):
         self.shapes = [tuple(param.shape) for param in params]
         sizes = [int(np.prod(s)) for s in self.shapes]
+        unit_ends = set(np.cumsum(units).tolist()) if units else set()
         self.offsets, self.buckets = [], []            # buckets: (start, end) in the buffer
         start = position = 0
         for i, n in enumerate(sizes):
             self.offsets.append(position)
             position += n
             last = i == len(sizes) - 1
-            if last or (bucket_size and position - start >= bucket_size):
+            if units:
+                full = i + 1 in unit_ends
+            else:
+                full = bucket_size and position - start >= bucket_size
+            if last or full:
                 end = start + -(-(position - start) // group_size) * group_size
                 self.buckets.append((start, end))
                 start = position = end
@@ -118,6 +127,8 @@ class DistributedDataParallel:
     bucket first (the backward's order), each inside `phase(("R", bucket, buffer))` (what
     observes it: a timeline). OverlappedDistributedDataParallel starts them during the
     backward."""
+
+    every_backward = False          # Megatron-FSDP's: each micro-batch's gradients handed over
 
     def __init__(self, buffers, positions, reduce_scatter=False, phase=contextlib.nullcontext):
         self.buffers, self.positions = buffers, positions
@@ -219,26 +230,99 @@ class OverlappedDistributedDataParallel(DistributedDataParallel):
 
 def grad_sync_func(cfg, ddp, params, state):
     """Megatron's grad_sync_func, which the schedule (pipeline.ForwardBackward) calls after a
-    piece's last backward with [(position, gradient)] of the parameters it made final: each
-    handed to `ddp` (reduced over TP first under sequence parallelism), whose buckets start as
-    they complete. None where this rank does not overlap: without overlap_grad_reduce, and with
-    delay_grad_reduce on the pipeline stages after the first, which reduce after the schedule,
-    in the pipeline's bubble. The tied embedding's copies wait for finalize_model_grads: their
-    all-reduce joins the first and the last stage, which end their backward at different times,
-    and a blocking collective begun by one mid-schedule would wait for a stage that first waits
-    for its hops."""
+    piece's last backward with [(position, gradient)] of the parameters it made final, or with
+    Megatron-FSDP's ZeRO-2/3 (ddp.every_backward) after each of its backwards with that
+    micro-batch's: each handed to `ddp` (reduced over TP first under sequence parallelism),
+    whose buckets start as they complete; it returns the positions handed. None where this rank
+    does not overlap: without overlap_grad_reduce, and with delay_grad_reduce on the pipeline
+    stages after the first, which reduce after the schedule, in the pipeline's bubble. The tied
+    embedding's copies wait for finalize_model_grads: their all-reduce joins the first and the
+    last stage, which end their backward at different times, and a blocking collective begun by
+    one mid-schedule would wait for a stage that first waits for its hops."""
     training_cfg = cfg.training_config
     delayed = training_cfg.delay_grad_reduce and state.pp > 1 and not state.is_first_stage
-    if not training_cfg.overlap_grad_reduce or delayed:
+    if not ddp.every_backward and (not training_cfg.overlap_grad_reduce or delayed):
         return None
 
     def sync(final):
+        handed = []
         for position, grad in final:
             param = params[position]
             if not getattr(param, "shared_embedding", False):
                 ddp.register_grad_ready(position,
                                         reduced_over_model_parallel(grad, param, state))
+                handed.append(position)
+        return handed
     return sync
+
+
+# ============================================================================ Megatron-FSDP
+# ZeRO-2 (Rajbhandari et al. 2020; Megatron-FSDP's optim_grads, and optim_grads_params, whose
+# parameters optimizer.ShardedParamOptimizer shards): a unit's gradients of each micro-batch are
+# reduce-scattered as soon as its backward has made them, and only this rank's shard is summed
+# over the micro-batches: no rank keeps a whole model's gradients between two backwards.
+class ShardedGradDataParallel(OverlappedDistributedDataParallel):
+    """Megatron-FSDP's gradient side: the schedule hands each backward's gradients of a piece to
+    register_grad_ready (grad_sync_func, every micro-batch) and keeps none; a bucket (one FSDP
+    unit: fsdp_units) complete for the micro-batch is reduce-scattered at once and its shard
+    added to this rank's sum. reduce_grads, after the schedule, reduces what was not handed (the
+    tied embedding's copies under pipeline parallelism, summed over the embedding group first
+    by finalize_model_grads) and returns the summed shards."""
+
+    every_backward = True
+
+    def __init__(self, buffers, positions, reduce_scatter=True, phase=contextlib.nullcontext):
+        super().__init__(buffers, positions, reduce_scatter, phase)
+        self.handed = set()                  # positions whose gradients were handed this step
+
+    def is_ready(self, position):
+        return position in self.handed
+
+    def register_grad_ready(self, position, grad):
+        self.handed.add(position)
+        k, i = self.place[position]
+        self.ready[k][i] = grad
+        b = self.bucket_of[k][i]
+        bucket = self.buffers[k].bucket_params(b)
+        if all(j in self.ready[k] for j in bucket):
+            shard = self._reduce_bucket(k, b, [self.ready[k].pop(j) for j in bucket])
+            summed = self.reduced[k].get(b)
+            self.reduced[k][b] = (shard if summed is None
+                                  else [a + g for a, g in zip(summed, shard)])
+
+    def reduce_grads(self, grads):
+        out = super().reduce_grads(grads)
+        self.handed = set()
+        return out
+
+
+def blocks_per_piece(training_cfg, pp):
+    """How many blocks a piece of the schedule holds (gpt.model_pieces) on a rank of `pp` stages:
+    on one stage, one with Megatron's overlap (gradients final block by block) or with
+    Megatron-FSDP's ZeRO-2/3 (a block is its unit, Megatron's fsdp_unit_modules); else None, the
+    whole chunk (a pipeline's pieces are its chunks)."""
+    one_by_one = training_cfg.overlap_grad_reduce or any(sharded_by_fsdp(training_cfg))
+    return 1 if pp == 1 and one_by_one else None
+
+
+def fsdp_units(chunks, training_cfg, pp, params, positions):
+    """Megatron-FSDP's units of one buffer, as BucketLayout takes them: the parameters at
+    `positions` of `params` (the chunks' parameters) in runs that belong to one piece of the
+    schedule (blocks_per_piece), a copy of the tied embedding (marked shared_embedding, reduced
+    over the embedding group) a unit of its own. Returns each unit's parameter count, in order."""
+    pieces = [piece for chunk in chunks
+              for piece in gpt.model_pieces(chunk, blocks_per_piece(training_cfg, pp))]
+    piece_of = {id(param): k for k, piece in enumerate(pieces) for param in piece.params}
+    units, last = [], None
+    for i in positions:
+        unit = ("tie", i) if getattr(params[i], "shared_embedding", False) else piece_of[
+            id(params[i])]
+        if units and unit == last:
+            units[-1] += 1
+        else:
+            units.append(1)
+        last = unit
+    return units
 
 
 def build_data_parallel(cfg, model, state=None, phase=contextlib.nullcontext,
@@ -262,10 +346,13 @@ def build_data_parallel(cfg, model, state=None, phase=contextlib.nullcontext,
               (expert, dict(group=state.edp_group, group_size=dp_cp // state.ep,
                             rank=state.edp_rank))]
     groups = [(positions, group) for positions, group in groups if positions]
-    buffers = [BucketLayout([params[i] for i in positions], bucket_size=bucket_size,
-                            gradient_scaling_factor=scale, **group)
-               for positions, group in groups]
     reduce_scatter = cfg.training_config.use_distributed_optimizer and dp_cp > 1
+    by_units = reduce_scatter and any(sharded_by_fsdp(cfg.training_config))
+    buffers = [BucketLayout([params[i] for i in positions], bucket_size=bucket_size,
+                            gradient_scaling_factor=scale, **group,
+                            units=fsdp_units(chunks, cfg.training_config, state.pp, params,
+                                             positions) if by_units else None)
+               for positions, group in groups]
     return ddp_class(buffers, [positions for positions, _ in groups], reduce_scatter, phase)
 
 

@@ -22,6 +22,7 @@ from mindspore import Tensor, ops
 from gpt import is_embedding_copy
 from layers import cast
 from parallel import F32, collectives, get_state
+from settings.config import sharded_by_fsdp
 from settings.keys import LR_DECAY_STYLES, WD_INCR_STYLES
 
 
@@ -461,6 +462,9 @@ class MixedPrecisionOptimizer:
     def finish_param_sync(self, params=None):
         """Nothing waits: the step wrote the params (OverlappedParamGatherOptimizer's wait)."""
 
+    def release_params(self, params):
+        """Nothing is let go: every rank keeps its whole parameters (ShardedParamOptimizer's)."""
+
 
 class ChainedOptimizer:
     """Megatron's ChainedOptimizer (megatron/core/optimizer/optimizer.py): with experts, the dense
@@ -503,6 +507,10 @@ class ChainedOptimizer:
     def finish_param_sync(self, params=None):
         for opt in self.optimizers:
             opt.finish_param_sync(params)
+
+    def release_params(self, params):
+        for opt in self.optimizers:
+            opt.release_params(params)
 
 
 def found_inf_and_norm(norm_sq, scaler):
@@ -575,7 +583,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for i in self.buffer.bucket_params(b):
             start = self.buffer.offsets[i] - b0
             value = flat[start:start + self.buffer.sizes[i]].reshape(self.buffer.shapes[i])
-            self.params[i].copy_(value.copy())
+            self._write(self.params[i], value.copy())
+
+    def _write(self, param, value):
+        param.copy_(value)
 
 
 class OverlappedParamGatherOptimizer(DistributedOptimizer):
@@ -601,6 +612,30 @@ class OverlappedParamGatherOptimizer(DistributedOptimizer):
         for b in sorted(wanted):
             self._write_bucket(b)
         self.pending -= wanted
+
+
+class ShardedParamOptimizer(OverlappedParamGatherOptimizer):
+    """ZeRO-3 (Megatron-FSDP's optim_grads_params): the distributed optimizer whose model
+    parameters are whole only while a pass reads them. After each pass release_params lets a
+    bucket's parameters go (a one-element placeholder in their place); before the next pass
+    that reads them finish_param_sync gathers the bucket again from every rank's shard (the
+    float32 main pieces, cast to the model's dtype). The buckets are Megatron-FSDP's units, one
+    block each on one stage (distributed.fsdp_units). A rank holds its shards, the parameters of
+    the pass in hand, and what PyNative's record of each forward keeps for its backward (part of
+    the weights: tools/probe_zero3.py). A gather sets each parameter's data anew (set_data): an
+    ms.jit graph keeps reading the storage it was compiled with (the same probe), so ZeRO-3 runs
+    op by op (train.Trainer)."""
+
+    def _write(self, param, value):
+        param.set_data(value, slice_shape=True)
+
+    def release_params(self, params):
+        """Each bucket holding one of `params` let go, to be gathered before its next use."""
+        buckets = {self.bucket_of[id(p)] for p in params if id(p) in self.bucket_of}
+        for b in buckets - self.pending:
+            for i in self.buffer.bucket_params(b):
+                self.params[i].set_data(ops.zeros(1, self.params[i].dtype), slice_shape=True)
+        self.pending |= buckets
 
 
 # ----------------------------------------------------------------------------- from the config
@@ -641,8 +676,12 @@ def _one_optimizer(cfg, named, scaler, counted, norm_groups, sharded_buffer, cas
                   norm_groups=norm_groups, counted=counted, cast=cast)
     params = [param for _, param in named]
     if sharded_buffer is not None:
-        kind = (OverlappedParamGatherOptimizer if optimizer_cfg.overlap_param_gather
-                else DistributedOptimizer)
+        if sharded_by_fsdp(training_cfg)[1]:
+            kind = ShardedParamOptimizer
+        elif optimizer_cfg.overlap_param_gather:
+            kind = OverlappedParamGatherOptimizer
+        else:
+            kind = DistributedOptimizer
         return kind(make, params, wd_mults, **common, buffer=sharded_buffer)
     return MixedPrecisionOptimizer(make, params, wd_mults, **common)
 

@@ -215,24 +215,31 @@ class ForwardBackward:
     A hop is a tensor of shape `hop` (hop_shape's) in `hop_dtype` (gpt.hidden_dtype). The
     gradients of `params` (the model's parameters, in its order) are summed over micro-batches
     in `grad_dtype`, each cast by `cast` (layers.cast, or the layer spec's fast form). Data
-    parallelism enters through Megatron's callbacks: `param_sync_func(params)` before a piece's
-    forward (the distributed optimizer's gather of its parameters), `grad_sync_func(final)` after
-    a piece's last backward with [(position in params, gradient)] of what it made final (the
-    overlap; the earlier micro-batches run without it, Megatron's no_sync_func), and after the
-    schedule the Trainer's finalize_model_grads. A training step runs each pass inside
+    parallelism enters through Megatron's callbacks: `param_sync_func(params)` before each pass
+    of a piece (the distributed optimizer's gather of its parameters, `params` those the pass
+    reads), `param_release_func(params)` after it (ZeRO-3 lets them go again),
+    `grad_sync_func(final)` after a piece's last backward with [(position in params, gradient)]
+    of what it made final (the overlap; the earlier micro-batches run without it, Megatron's
+    no_sync_func), or with `shard_grads` (ZeRO-2) after each of its backwards, the gradients it
+    takes then kept no longer; and after the schedule the Trainer's finalize_model_grads. A
+    training step runs each pass inside
     `phase(("F" or "B", micro-batch, piece))` and each exchange inside `phase("exchange")` (what
     times them)."""
 
     def __init__(self, pieces, params, state, hop, hop_dtype, grad_dtype, compiled=False,
                  kind="1f1b", cast=layers.cast, phase=contextlib.nullcontext,
-                 param_sync_func=None, grad_sync_func=None):
+                 param_sync_func=None, grad_sync_func=None, param_release_func=None,
+                 shard_grads=False):
         self.kind, self.cast, self.phase = kind, cast, phase    # kind "1f1b" or "afab"
         self.param_sync_func, self.grad_sync_func = param_sync_func, grad_sync_func
+        self.param_release_func, self.shard_grads = param_release_func, shard_grads
         self.pieces = [gpt.Compiled(piece) for piece in pieces] if compiled else pieces
         self.hop, self.hop_dtype, self.grad_dtype = hop, hop_dtype, grad_dtype
         self.p, self.v, self.rank = state.pp, len(pieces), state.pp_rank
         self.params = [piece.params for piece in pieces]
         self.tied = [piece.tied_weight() for piece in pieces]     # an input's copy, or None
+        # what a forward of each piece reads: its parameters and the tied weight it copies
+        self.reads = [ps + ([] if t is None else [t]) for ps, t in zip(self.params, self.tied)]
         # where each piece's parameters, and its tied weight's gradient, go in `params`
         self.positions, self.tied_at = piece_positions(pieces, params, self.tied)
         self.count = len(params)
@@ -287,9 +294,22 @@ class ForwardBackward:
                 self._backward(saved.pop((mb, piece)), mb, piece, loss_weight, received,
                                outgoing, grads)
             backwards[piece] += 1
-            if self.grad_sync_func and backwards[piece] == m:     # the piece's last backward
-                self.grad_sync_func([(i, grads[i]) for i in reversed(self.positions[piece])])
+            if self.grad_sync_func and (self.shard_grads or backwards[piece] == m):
+                handed = self.grad_sync_func([(i, grads[i])
+                                              for i in reversed(self.positions[piece])])
+                for i in handed if self.shard_grads else ():    # they live on in the shards
+                    grads[i] = None
         return [float(loss.asnumpy()) for loss in losses], grads
+
+    @contextlib.contextmanager
+    def _gathered(self, params):
+        """Around a pass: the `params` it reads gathered before, released after (the
+        callbacks')."""
+        if self.param_sync_func:
+            self.param_sync_func(params)
+        yield
+        if self.param_release_func:
+            self.param_release_func(params)
 
     def _send(self, key, tensor, received, outgoing):
         """A hop to virtual stage key[2]: kept here if this rank holds it (one stage), else
@@ -311,13 +331,12 @@ class ForwardBackward:
         last virtual stage is the loss. Returns the piece's inputs (for its backward)."""
         vs, last = piece * self.p + self.rank, self.p * self.v - 1
         tokens, position_ids, mask, labels, loss_mask = inputs
-        if self.param_sync_func:
-            self.param_sync_func(self.params[piece])
         x = tokens if vs == 0 else received.pop(("act", mb, vs))
         args = (x, position_ids, mask) + ((labels, loss_mask) if vs == last else ())
-        if self.tied[piece] is not None:
-            args += (self.tied[piece].value().copy(),)
-        out = self.pieces[piece](*args)
+        with self._gathered(self.reads[piece]):
+            if self.tied[piece] is not None:
+                args += (self.tied[piece].value().copy(),)
+            out = self.pieces[piece](*args)
         if vs == last:
             losses.append(out)
         else:
@@ -332,10 +351,12 @@ class ForwardBackward:
         vs, last = piece * self.p + self.rank, self.p * self.v - 1
         dout = Tensor(loss_weight, ms.float32) if vs == last else received.pop(("grad", mb, vs))
         cell, params = self.pieces[piece], self.params[piece]
-        if vs == 0:
-            g_params = self.grad_params_only(cell, params)(*args, dout)
-        else:
-            g_inputs, g_params = self.grad_with_input(cell, params)(*args, dout)
+        with self._gathered(params):
+            if vs == 0:
+                g_params = self.grad_params_only(cell, params)(*args, dout)
+            else:
+                g_inputs, g_params = self.grad_with_input(cell, params)(*args, dout)
+        if vs > 0:
             self._send(("grad", mb, vs - 1), g_inputs[0], received, outgoing)
             if self.tied[piece] is not None:
                 g_params = tuple(g_params) + (g_inputs[-1],)

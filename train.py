@@ -43,7 +43,8 @@ from settings.cli import (CONFIG_FLAG, HelpRequested, end_with_parent, load_conf
                           raw_config, training_help)
 from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, local_worker_num,
                              lr_schedule_steps, main_grad_dtype, moe_layer_pattern,
-                             padded_vocab_size, parse_blend, recompute_counts, samples_per_split)
+                             padded_vocab_size, parse_blend, recompute_counts, samples_per_split,
+                             sharded_by_fsdp)
 from tokenizer import build_tokenizer
 
 
@@ -313,11 +314,12 @@ class Trainer:
         self.chunks = model if isinstance(model, list) else [model]
         self.params = [param for chunk in self.chunks for param in chunk.get_parameters()]
         model_cfg, training_cfg = cfg.model_config, cfg.training_config
-        # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams).
+        # ms.jit cannot compile host RNG calls (dropout masks come from numpy streams), nor see
+        # ZeRO-3's parameters set anew (optimizer.ShardedParamOptimizer)
         dropout = model_cfg.hidden_dropout_rate or model_cfg.attention_dropout_rate
-        self.compiled = training_cfg.use_jit and not dropout
-        # one stage with the overlap: its blocks one piece each, whose gradients are final in turn
-        blocks = 1 if training_cfg.overlap_grad_reduce and state.pp == 1 else None
+        zero3 = ddp.reduce_scatter and sharded_by_fsdp(training_cfg)[1]
+        self.compiled = training_cfg.use_jit and not dropout and not zero3
+        blocks = distributed.blocks_per_piece(training_cfg, state.pp)
         pieces = [piece for chunk in self.chunks for piece in model_pieces(chunk, blocks)]
         hop = pipeline.hop_shape(model_cfg, cfg.dataset_config.batch_size, state.cp, state.tp,
                                  state.sequence_parallel)
@@ -325,7 +327,8 @@ class Trainer:
             pieces, self.params, state, hop, hidden_dtype(model_cfg),
             parallel.DTYPES[main_grad_dtype(cfg)], self.compiled,
             cfg.parallel_config.pipeline_schedule, optimizer.cast, phase,
-            param_sync_func=optimizer.finish_param_sync, grad_sync_func=grad_sync_func)
+            param_sync_func=optimizer.finish_param_sync, grad_sync_func=grad_sync_func,
+            param_release_func=optimizer.release_params, shard_grads=ddp.every_backward)
 
     def set_train(self, mode):
         for chunk in self.chunks:
@@ -482,9 +485,11 @@ def set_up(cfg, tokenizer, notes, phase=contextlib.nullcontext):
     parallel.observe(LEDGER)
     # Megatron's get_model wraps the model in its DDP class: with the overlap, the one whose
     # buckets start their collectives during the backward
-    ddp_class = (distributed.OverlappedDistributedDataParallel
-                 if cfg.training_config.overlap_grad_reduce
-                 else distributed.DistributedDataParallel)
+    ddp_class = distributed.DistributedDataParallel
+    if cfg.training_config.overlap_grad_reduce:
+        ddp_class = distributed.OverlappedDistributedDataParallel
+    if any(sharded_by_fsdp(cfg.training_config)) and state.dp * state.cp > 1:
+        ddp_class = distributed.ShardedGradDataParallel        # Megatron-FSDP's ZeRO-2 and 3
     ddp = distributed.build_data_parallel(cfg, model, state, phase, ddp_class)
     return build_trainer(cfg, model, ddp, *optimizer_and_scheduler(cfg, model, ddp, state), state,
                          phase), rng

@@ -39,7 +39,8 @@ from settings.cli import CONFIG_FLAG, REQUIRED, load_config, parse_command
 from parallel import DTYPES
 from settings.config import (SPLIT_FLAGS, ConfigError, cp_ring_size, fc1_chunks,
                              main_grad_dtype, megatron_layer_counts, moe_layer_pattern,
-                             padded_vocab_size, recompute_counts, samples_per_split)
+                             padded_vocab_size, recompute_counts, samples_per_split,
+                             sharded_by_fsdp)
 from tokenizer import build_tokenizer
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}   # config's dtype names
@@ -558,12 +559,14 @@ def _tensor_parallel_collectives(cfg, layers, first, last, add, moe_layers=0):
         norm = 2 if model_cfg.normalization == "LayerNorm" else 1
         per_layer = ((2 + 2 * model_cfg.use_sandwich_norm) * norm + model_cfg.out_proj_has_bias
                      + model_cfg.add_bias_linear)
+        # (every micro-batch's under Megatron-FSDP's ZeRO-2/3, before its reduce-scatter)
+        times = mb if fsdp_shards(cfg)[0] else 1
         marked = layers * per_layer + last * norm
-        add("tp", "all_reduce", marked, marked * size.grad * model_cfg.hidden_size)
+        add("tp", "all_reduce", times * marked, times * marked * size.grad * model_cfg.hidden_size)
         if moe_layers:               # the routers' [E, h] and the shared experts' gates [1, h]
             gates = moe_layers * model_cfg.moe_shared_expert_gate
-            add("tp", "all_reduce", moe_layers + gates, size.grad * model_cfg.hidden_size
-                * (moe_layers * model_cfg.num_moe_experts + gates))
+            add("tp", "all_reduce", times * (moe_layers + gates), times * size.grad
+                * model_cfg.hidden_size * (moe_layers * model_cfg.num_moe_experts + gates))
     if last:
         # the vocabulary-parallel cross-entropy's max, sum of exp and target logit, [s, b] each
         tokens = dataset_cfg.batch_size * model_cfg.seq_length // parallel_cfg.context_parallel_size
@@ -607,24 +610,48 @@ def _data_parallel_collectives(cfg, rank, add):
     if shards == 1:
         return
     dense = stage_parameters(cfg, rank) - expert_parameters(cfg, rank)
-    _gradient_buffer(cfg, "dp_cp", shards, dense, add)
+    _gradient_buffer(cfg, "dp_cp", shards, dense, add,
+                     [unit for unit, _ in fsdp_units(cfg, rank)])
     add("dp_cp", "all_reduce", 1, F32_BYTES)                  # the logged loss
 
 
-def _gradient_buffer(cfg, kind, shards, params, add):
+def _gradient_buffer(cfg, kind, shards, params, add, units=()):
     """One optimizer's gradient reduction over `shards` ranks (group `kind`) of `params`
     parameters: each bucket all-reduced, or reduce-scattered and the parameters all-gathered
-    and the norm summed over the shards by the distributed optimizer."""
+    and the norm summed over the shards by the distributed optimizer; under Megatron-FSDP's
+    ZeRO-2/3 per unit (`units`: the buffer's units' parameter counts), _fsdp_buffer."""
     training_cfg, size = cfg.training_config, collective_bytes(cfg)
     if shards == 1:
         return
     buckets = math.ceil(params / training_cfg.bucket_size) if training_cfg.bucket_size else 1
-    if training_cfg.use_distributed_optimizer:
+    if units and fsdp_shards(cfg)[0]:
+        _fsdp_buffer(cfg, kind, shards, units, add)
+    elif training_cfg.use_distributed_optimizer:
         add(kind, "reduce_scatter", buckets, size.grad * params)
         add(kind, "all_gather", buckets, size.params * params // shards)
-        add(kind, "all_reduce", 1, F32_BYTES)                 # the norm over the shards
     else:
         add(kind, "all_reduce", buckets, size.grad * params)
+        return
+    add(kind, "all_reduce", 1, F32_BYTES)                     # the norm over the shards
+
+
+def _fsdp_buffer(cfg, kind, shards, units, add):
+    """Megatron-FSDP's reductions of one buffer of `units` (parameter counts, each padded to a
+    multiple of `shards`: distributed.BucketLayout) per step: each unit's gradients
+    reduce-scattered per micro-batch; with ZeRO-2 each unit's parameters all-gathered after the
+    step, with ZeRO-3 before each forward and each backward of it, and on one stage the first
+    unit once more per micro-batch for the tied output layer's copy of the word embedding."""
+    size, mb = collective_bytes(cfg), cfg.dataset_config.micro_batch_num
+    padded = [-(-unit // shards) * shards for unit in units]
+    add(kind, "reduce_scatter", mb * len(units), mb * size.grad * sum(padded))
+    if not fsdp_shards(cfg)[1]:
+        add(kind, "all_gather", len(units), size.params * sum(padded) // shards)
+        return
+    model_cfg = cfg.model_config
+    tie = (kind == "dp_cp" and cfg.parallel_config.pipeline_model_parallel_size == 1
+           and not model_cfg.untie_embeddings_and_output_weights and model_cfg.num_layers > 1)
+    add(kind, "all_gather", mb * (2 * len(units) + tie),
+        mb * size.params * (2 * sum(padded) + tie * padded[0]) // shards)
 
 
 def expert_parameters(cfg, rank):
@@ -690,7 +717,8 @@ def _expert_collectives(cfg, rank, add):
     if ep > 1:
         add("ep", "all_reduce", 1, F32_BYTES)                      # the experts' norm
     experts_here = expert_parameters(cfg, rank)
-    _gradient_buffer(cfg, "edp" if ep > 1 else "dp_cp", dp * cp // ep, experts_here, add)
+    _gradient_buffer(cfg, "edp" if ep > 1 else "dp_cp", dp * cp // ep, experts_here, add,
+                     [unit for _, unit in fsdp_units(cfg, rank) if unit])
 
 
 def _dispatcher_collectives(model_cfg, tp, ep, n, calls, compute, probs, add):
@@ -853,6 +881,52 @@ def balance_lines(cfg):
 
 
 # ============================================================================ per rank
+def fsdp_shards(cfg):
+    """(gradients sharded, weights sharded, over how many ranks): Megatron-FSDP's ZeRO-2 and
+    ZeRO-3 over the dp x cp ranks (config.sharded_by_fsdp; nothing with one rank)."""
+    parallel_cfg, training_cfg = cfg.parallel_config, cfg.training_config
+    shards = parallel_cfg.data_parallel_size * parallel_cfg.context_parallel_size
+    grads, weights = sharded_by_fsdp(training_cfg) if shards > 1 else (False, False)
+    return grads, weights, shards
+
+
+def fsdp_units(cfg, rank):
+    """Megatron-FSDP's units on a rank of pipeline stage `rank` (distributed.fsdp_units), each
+    as (dense parameters, routed experts' parameters): a layer with what its piece adds (the
+    embedding on the first, the final norm and output layer on the last) on one stage; a model
+    chunk under pipeline parallelism, whose schedule runs chunks whole, the tied embedding's
+    copy there a unit of its own."""
+    model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
+    tp, ep = parallel_cfg.tensor_model_parallel_size, parallel_cfg.expert_model_parallel_size
+    pattern = moe_layer_pattern(model_cfg)
+    experts = 0
+    if model_cfg.num_moe_experts:
+        experts = model_cfg.num_moe_experts // ep * mlp_parameters(
+            model_cfg, model_cfg.moe_ffn_hidden_size, tp)
+    if parallel_cfg.pipeline_model_parallel_size == 1:
+        n = model_cfg.num_layers
+        chunks = [(1, i == 0, i == n - 1, i) for i in range(n)]
+    else:
+        chunks = [(*chunk, first) for chunk, first in zip(
+            stage_chunks(model_cfg, parallel_cfg)[rank],
+            chunk_first_layers(model_cfg, parallel_cfg)[rank])]
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    table = model_cfg.padded_vocab_size * model_cfg.hidden_size // tp    # the word embedding
+    units = []
+    for layers, embeds, has_loss, first in chunks:
+        moe = experts * sum(pattern[first:first + layers])
+        units.append([chunk_parameters(model_cfg, tp, layers, embeds, has_loss, first, ep) - moe,
+                      moe])
+        if not tied or not (embeds or has_loss) or (embeds and has_loss):
+            continue
+        if parallel_cfg.pipeline_model_parallel_size > 1:      # a copy: a unit of its own
+            units[-1][0] -= table
+            units.append([table, 0])
+        elif has_loss:                            # the output layer is the first unit's table
+            units[-1][0] -= table
+    return [tuple(unit) for unit in units]
+
+
 def stage_memory(cfg, rank):
     """Bytes on a rank of pipeline stage `rank`: a namespace of parameters (a count), weights,
     gradients, optimizer, activations (kept), transient (see stage_activations), in_flight,
@@ -863,10 +937,21 @@ def stage_memory(cfg, rank):
     or in the optimizer step the gradients, the float32 main grads made of them (divided by the
     loss scale; none when that is 1 and they are float32) and the copy clipping makes. The
     data-parallel buckets' flat copies (distributed.BucketLayout.reduce_bucket) are not
-    counted."""
+    counted. Megatron-FSDP (fsdp_shards): ZeRO-2 keeps 1/(dp x cp) of the gradients summed over
+    the micro-batches, and one unit's whole (fsdp_unit_parameters) in its backward; ZeRO-3
+    1/(dp x cp) of the weights, and one unit gathered whole (ZeRO's formulas, Rajbhandari et al.
+    2020, section 5)."""
     params = stage_parameters(cfg, rank)
     weights = params * DTYPE_BYTES[cfg.model_config.params_dtype]
     grads = params * DTYPE_BYTES[main_grad_dtype(cfg)]
+    unit_grads = 0
+    sharded_grads, sharded_weights, shards = fsdp_shards(cfg)
+    unit = max(sum(unit) for unit in fsdp_units(cfg, rank))
+    if sharded_weights:
+        weights = (math.ceil(params / shards) + unit) * DTYPE_BYTES[cfg.model_config.params_dtype]
+    if sharded_grads:
+        grads = math.ceil(params / shards) * DTYPE_BYTES[main_grad_dtype(cfg)]
+        unit_grads = unit * DTYPE_BYTES[main_grad_dtype(cfg)]
     kept, transient, count = stage_activations(cfg, rank)
     optim = optimizer_bytes(cfg, params, expert_parameters(cfg, rank))
     several = cfg.dataset_config.micro_batch_num > 1
@@ -877,7 +962,7 @@ def stage_memory(cfg, rank):
     scaled = cfg.model_config.compute_dtype == "float16" or loss_scale not in (None, 1.0)
     main_grads = F32_BYTES * params if scaled or grads != F32_BYTES * params else 0
     update = max(3 * grads if several else grads, grads + main_grads + clip * F32_BYTES * params)
-    dynamic = max((2 if several else 1) * grads + kept + transient, update)
+    dynamic = max((2 if several else 1) * grads + unit_grads + kept + transient, update)
     return SimpleNamespace(parameters=params, weights=weights, gradients=grads, optimizer=optim,
                            activations=kept, transient=transient, in_flight=count,
                            dynamic=dynamic, peak=weights + optim + dynamic)
@@ -1021,6 +1106,8 @@ def plan_lines(cfg, world):
     virtual = f" (VPP{vpp})" if vpp > 1 else ""
     sequence = "sequence parallel; " if parallel_cfg.sequence_parallel else ""
     distributed = "distributed optimizer; " if cfg.training_config.use_distributed_optimizer else ""
+    if cfg.training_config.use_megatron_fsdp:
+        distributed = f"Megatron-FSDP {cfg.training_config.data_parallel_sharding_strategy}; "
     micro_batch_size = dataset_cfg.batch_size
     moe_layers = sum(moe_layer_pattern(model_cfg))
     experts = f", {moe_layers} of them MoE, {layer_parameters(model_cfg, 1, True)} each" \

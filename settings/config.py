@@ -378,10 +378,35 @@ def finalize(cfg, world_size=1):
     _finalize_parallel(parallel_cfg, model_cfg, dataset_cfg, world_size)
     _finalize_moe(model_cfg, parallel_cfg)
     _finalize_training(training_cfg)
+    _resolve_fsdp(training_cfg)
     _check_overlap(training_cfg, optimizer_cfg)
     _finalize_cpu_collectives(training_cfg, world_size)
     _check_torch_format(training_cfg, model_cfg, parallel_cfg)
     return cfg
+
+
+def _resolve_fsdp(training_cfg):
+    """Megatron-FSDP's rules: its sharding strategy (optim_grads_params unless given) takes effect
+    with use_megatron_fsdp only; every strategy but no_shard runs the distributed optimizer
+    (Megatron sets it, warning)."""
+    strategy = training_cfg.data_parallel_sharding_strategy
+    if not training_cfg.use_megatron_fsdp:
+        if strategy is not None:
+            raise ConfigError(f"training_config.data_parallel_sharding_strategy={strategy} "
+                              "(--data-parallel-sharding-strategy) takes effect with "
+                              "Megatron-FSDP only: add --use-megatron-fsdp "
+                              "(training_config.use_megatron_fsdp)")
+        return
+    strategy = strategy or "optim_grads_params"
+    training_cfg.data_parallel_sharding_strategy = strategy
+    training_cfg.use_distributed_optimizer = strategy != "no_shard"
+
+
+def sharded_by_fsdp(training_cfg):
+    """What Megatron-FSDP shards beyond the distributed optimizer's state: (gradients,
+    parameters), each a bool."""
+    strategy = training_cfg.use_megatron_fsdp and training_cfg.data_parallel_sharding_strategy
+    return strategy in ("optim_grads", "optim_grads_params"), strategy == "optim_grads_params"
 
 
 def _check_overlap(training_cfg, optimizer_cfg):

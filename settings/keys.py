@@ -73,6 +73,8 @@ def _gqa(attention_type):
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
+# Megatron-FSDP's sharding strategies (--data-parallel-sharding-strategy), ZeRO's stages 0-3.
+FSDP_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _LR = "optimizer_config.learning_rate_scheduler_kwargs."
 _ACC = "accelerate_config.parallelization."
 _PRECISION = "accelerate_config.precision."
@@ -172,6 +174,20 @@ TRAINING = [
         switch={"--use-distributed-optimizer": True},
         aliases={_ACC + "use_distributed_optimizer": None, "parallel.enable_parallel_optimizer":
                  None, "parallel_config.optimizer_shard": None}),
+    key("training_config.use_megatron_fsdp", False, bool, None,
+        "Megatron-FSDP: data parallelism sharding what data_parallel_sharding_strategy names",
+        switch={"--use-megatron-fsdp": True}),
+    key("training_config.data_parallel_sharding_strategy", None, str,
+        "--data-parallel-sharding-strategy",
+        "with use_megatron_fsdp, what is sharded over DP: optimizer state (optim, ZeRO-1), and "
+        "gradients (optim_grads, ZeRO-2), and parameters (optim_grads_params, ZeRO-3, the "
+        "default); no_shard: none", choices=FSDP_STRATEGIES,
+        aliases={"parallel.parallel_optimizer_config.optimizer_level": None},
+        values={"level1": "optim", "level2": "optim_grads", "level3": "optim_grads_params"}),
+    fixed("training_config.optimizer_weight_shard_size", -1,
+          "the distributed optimizer and FSDP shard over every DP x CP rank (-1); a smaller "
+          "group (MindSpore's, hybrid sharding) is not built",
+          aliases={"parallel.parallel_optimizer_config.optimizer_weight_shard_size": None}),
     key("training_config.bucket_size", None, int, ("--ddp-bucket-size", "--bucket-size"),
         "gradient buffer bucket in elements; null = one bucket",
         aliases={_MS_TRAIN + "bucket_size": None}),
