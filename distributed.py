@@ -296,6 +296,18 @@ class ShardedGradDataParallel(OverlappedDistributedDataParallel):
         return out
 
 
+def data_parallel_class(training_cfg, dp_cp):
+    """The DDP class Megatron's get_model wraps the model in (`dp_cp`: DP x CP ranks): with
+    Megatron-FSDP's ZeRO-2/3 over several ranks ShardedGradDataParallel; with the overlap
+    OverlappedDistributedDataParallel, whose buckets start during the backward; else
+    DistributedDataParallel."""
+    if any(sharded_by_fsdp(training_cfg)) and dp_cp > 1:
+        return ShardedGradDataParallel
+    if training_cfg.overlap_grad_reduce:
+        return OverlappedDistributedDataParallel
+    return DistributedDataParallel
+
+
 def blocks_per_piece(training_cfg, pp):
     """How many blocks a piece of the schedule holds (gpt.model_pieces) on a rank of `pp` stages:
     on one stage, one with Megatron's overlap (gradients final block by block) or with

@@ -1,7 +1,7 @@
 """The test suite: `bash run.sh test` (or `pytest test_all.py` in the activated venv).
 
 Sections, in README's reading order ("Read it in this order"), each under a banner
-`# #### name` below: the shared proof helpers, README's 13 concepts (each with its proof;
+`# #### name` below: the shared proof helpers, README's 14 concepts (each with its proof;
 the one-process proof first), then the rest; in them, the modules' sections under their
 banners `# ==== name` (described here) and `# ---- name`:
 the shared proof helpers: every concept's proofs on msrun workers use them: a layout against one
@@ -46,7 +46,11 @@ the shared proof helpers: every concept's proofs on msrun workers use them: a la
       a dense reference, shared experts, compiled equal to op by op, Megatron's names; the EP
       layouts on workers: gradients and routing, training, a planted bug, the ledger
 12. Megatron's overlap: proof: test_dp_overlap_trains_like_the_same_layout_without
-13. building and the loop: proofs: test_init_is_megatron_and_layout_independent,
+13. FSDP (ZeRO-2 and ZeRO-3): proof: test_fsdp_layouts_train_like_one_process[dp2_fsdp_zero3]
+  Megatron-FSDP (distributed.py, optimizer.py)
+      units, a step's shards and placeholders in one process; ZeRO-2 and 3 on workers with TP,
+      PP x VPP, EP, DP4 beside one process; the planted bug, the ledger, ZeRO's memory
+14. building and the loop: proofs: test_init_is_megatron_and_layout_independent,
     test_a_stopped_job_resumes_bit_identical
   training (train.py, run.sh)
       log line, FLOPs, profiler, loss, accumulation, resume, compiled and MoE runs
@@ -3622,7 +3626,187 @@ def test_overlap_param_gather_writes_each_bucket_when_a_forward_needs_it():
         np.testing.assert_array_equal(a, b)
 
 
-# ######################################################################## 13. building and the loop
+# ############################################################################ 13. FSDP (ZeRO-2, 3)
+# proof: test_fsdp_layouts_train_like_one_process[dp2_fsdp_zero3]
+# ================================================ Megatron-FSDP (distributed.py, optimizer.py)
+# ZeRO-2 (--data-parallel-sharding-strategy optim_grads) and ZeRO-3 (optim_grads_params, the
+# default of --use-megatron-fsdp): the units and their buckets, a micro-batch's gradients
+# reduce-scattered and summed in the shard, parameters let go between passes, in one process;
+# on workers DP2 of each (2 micro-batches a rank, the shards summed over them; ZeRO-2 compiled),
+# ZeRO-3 with TP2 + SP and with PP2 x VPP2, ZeRO-2 over DP4 with EP2, beside one process; a
+# ZeRO-3 run resumed bit for bit, loaded into TP2 x PP2 and back; the planted bug; the ledger.
+FSDP = ["--use-megatron-fsdp"]                              # ZeRO-3: optim_grads_params
+ZERO2 = FSDP + ["--data-parallel-sharding-strategy", "optim_grads"]
+TWO_MICRO = ["--micro-batch-size", "2"]                     # DP2: 2 micro-batches of 2 a rank
+
+
+@pytest.mark.dp
+def test_fsdp_keys_follow_megatrons_rules(capsys, tmp_path):
+    """--use-megatron-fsdp shards optim_grads_params unless told, and runs the distributed
+    optimizer for every strategy but no_shard (Megatron sets it); a strategy without
+    --use-megatron-fsdp, or MindSpore's optimizer_weight_shard_size below all ranks, is one
+    line; MindSpore's optimizer_level names the same strategies."""
+    def training(*args):
+        return load_config(os.path.join(HERE, "config.yaml"), list(args), 2).training_config
+    cfg = training(*FSDP)
+    assert (cfg.data_parallel_sharding_strategy, cfg.use_distributed_optimizer) == (
+        "optim_grads_params", True)
+    assert not training(*FSDP, "--data-parallel-sharding-strategy",
+                        "no_shard").use_distributed_optimizer
+    assert training(*FSDP, "parallel.parallel_optimizer_config.optimizer_level=level2"
+                    ).data_parallel_sharding_strategy == "optim_grads"
+    save = ["check", "--nproc", "2", "--save", str(tmp_path / "f")]
+    one_line_error(capsys, save + ["--data-parallel-sharding-strategy", "optim"],
+                   "data_parallel_sharding_strategy", "--use-megatron-fsdp")
+    one_line_error(capsys, save + FSDP + [
+        "parallel.parallel_optimizer_config.optimizer_weight_shard_size=2"],
+        "optimizer_weight_shard_size")
+    one_line_error(capsys, save + FSDP + ["--data-parallel-sharding-strategy", "zero3"],
+                   "data_parallel_sharding_strategy", "optim_grads_params")
+
+
+@pytest.mark.dp
+@pytest.mark.parametrize("flags", [[], ["--untie-embeddings-and-output-weights"],
+                                   ["--num-layers", "1"]], ids=["tied", "untied", "one layer"])
+def test_fsdp_units_are_the_schedules_pieces(flags):
+    """Megatron-FSDP's units (distributed.fsdp_units) on one stage: one per block with what its
+    piece adds (the embeddings, the final norm and output layer), in the parameters' order; a
+    BucketLayout cut by them has a bucket per unit, each padded to the group's multiple."""
+    cfg, model = tiny_model("--no-jit", *FSDP, *flags)
+    params = list(model.get_parameters())
+    units = distributed.fsdp_units([model], cfg.training_config, 1, params, range(len(params)))
+    pieces = gpt.model_pieces(model, distributed.blocks_per_piece(cfg.training_config, 1))
+    assert units == [len(piece.params) for piece in pieces] and len(units) == len(model.blocks)
+    buffer = distributed.BucketLayout(params, 4, bucket_size=100, units=units)
+    assert [len(buffer.bucket_params(b)) for b in range(len(buffer.buckets))] == units
+    assert all((end - start) % 4 == 0 for start, end in buffer.buckets)
+
+
+def one_rank_fsdp(cfg, model):
+    """The Trainer of `model` with Megatron-FSDP's ZeRO-2 data parallelism and its optimizer
+    over a group of one rank (as build_data_parallel builds them over several)."""
+    params = list(model.get_parameters())
+    units = distributed.fsdp_units([model], cfg.training_config, 1, params, range(len(params)))
+    ddp = distributed.ShardedGradDataParallel(
+        [distributed.BucketLayout(params, 1, units=units)], [list(range(len(params)))])
+    return train.build_trainer(cfg, model, ddp, *train.optimizer_and_scheduler(cfg, model, ddp))
+
+
+@pytest.mark.dp
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_fsdp_step_is_the_plain_step_with_parameters_let_go(strategy):
+    """A step of ZeRO-2 and ZeRO-3 over 2 micro-batches (one rank's group) gives the plain
+    step's loss, gradient norm and updated weights. Every micro-batch's gradients go to the
+    shards as each unit's backward ends, none kept by the schedule; under ZeRO-3 the parameters
+    are one-element placeholders after every pass, whole again once gathered
+    (finish_param_sync), and the model runs op by op though compiling was asked."""
+    zero3 = strategy == "optim_grads_params"
+    flags = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy,
+             *([] if zero3 else ["--no-jit"])]
+    batches = [random_batch(tiny_cfg(), seed=s) for s in (0, 1)]
+    cfg, model = tiny_model(*flags)
+    assert cfg.training_config.use_jit == zero3
+    sharded = one_rank_fsdp(cfg, model)
+    assert not sharded.compiled and sharded.schedule.shard_grads
+    _, grads = sharded.forward_backward(batches)
+    assert all(g is None for g in grads)                   # all in the shards
+    assert all((p.shape == (1,)) == zero3 for p in model.get_parameters())
+    plain_cfg, plain_model = tiny_model("--no-jit")
+    ddp = distributed.build_data_parallel(plain_cfg, plain_model)
+    plain = train.build_trainer(plain_cfg, plain_model, ddp,
+                                *train.optimizer_and_scheduler(plain_cfg, plain_model, ddp))
+    model = tiny_model(*flags)[1]
+    sharded = one_rank_fsdp(cfg, model)
+    got, want = (trainer.train_step(batches) for trainer in (sharded, plain))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)          # the loss
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)          # the gradient norm
+    sharded.optimizer.finish_param_sync()
+    for a, b in zip(model.get_parameters(), plain_model.get_parameters()):
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-7)
+
+
+# 2 workers: DP2 of ZeRO-2 compiled and of ZeRO-3 (op by op: optimizer.ShardedParamOptimizer),
+# 2 micro-batches a rank. 4 workers: ZeRO-3 with TP2 + SP and with PP2 x VPP2 (beside two busy
+# processes: the tour's 4-worker rows), ZeRO-2 over DP4 with EP2 (the experts' buffer over their
+# expert-data-parallel group of 2). The ZeRO-3 runs of DP2 and TP2 x DP2 save at step 2 (the
+# checkpoint section resumes them)
+layout("dp2_fsdp_zero2", 2, "dp", ZERO2 + TWO_MICRO + COMPILED, "one")
+layout("dp2_fsdp_zero3", 2, "dp checkpoint", FSDP + TWO_MICRO + SAVE_HALF, "one")
+layout("tp2_sp_dp2_fsdp_zero3", 4, "dp tp checkpoint", FSDP + TP2 + SP + TWO_MICRO + SAVE_HALF,
+       "one", busy=2)
+layout("pp2_vpp2_dp2_fsdp_zero3", 4, "dp pipeline",
+       PIPELINE_RUN + PP2 + VPP2 + FSDP + ["--micro-batch-size", "1"], "one_pp", busy=2)
+layout("ep2_dp4_fsdp_zero2", 4, "dp moe", MOE_LAYER + EP2 + ZERO2 + ["--micro-batch-size", "1"],
+       "one_moe")
+FSDP_LAYOUTS = ["dp2_fsdp_zero2", "dp2_fsdp_zero3", "tp2_sp_dp2_fsdp_zero3",
+                "pp2_vpp2_dp2_fsdp_zero3", "ep2_dp4_fsdp_zero2"]
+
+
+@pytest.mark.dp
+@pytest.mark.parametrize("layout", layout_params(FSDP_LAYOUTS))
+def test_fsdp_layouts_train_like_one_process(runs, layout):
+    """Megatron-FSDP's ZeRO-2 (compiled) and ZeRO-3 over DP2, ZeRO-3 with TP2 + SP and with
+    PP2 x VPP2 (interleaved), ZeRO-2 over DP4 with EP2, train like one process
+    (assert_layout_trains_like_one_process)."""
+    assert_layout_trains_like_one_process(runs, layout)
+
+
+catalogued("fsdp_shard_from_wrong_rank", FSDP, "one")
+
+
+@pytest.mark.dp
+@pytest.mark.parametrize("plant", [p for p in plant_params("dp")
+                                   if p.values[0].startswith("fsdp_")])
+def test_fsdp_planted_bug_is_caught(runs, plant):
+    """ZeRO-3's shards gathered into each other's places make DP2's proof fail on the first
+    gradient norm (assert_planted_bug_is_caught; tools/bugs.py)."""
+    assert_planted_bug_is_caught(runs, plant)
+
+# {(group, op): calls} of a step (test_fsdp_ledger_counts_match_the_formulas): per unit (2 a
+# rank) and micro-batch (2) a reduce-scatter; ZeRO-2 gathers each unit once after the step,
+# ZeRO-3 before each forward and backward, and the first unit again for the tied output
+# layer's copy of the word embedding; under SP the norms' gradients over TP each micro-batch
+FSDP_LEDGER = {"dp2_fsdp_zero2": {("dp_cp", "reduce_scatter"): 4, ("dp_cp", "all_gather"): 2,
+                                  ("dp_cp", "all_reduce"): 2},
+               "dp2_fsdp_zero3": {("dp_cp", "reduce_scatter"): 4, ("dp_cp", "all_gather"): 10,
+                                  ("dp_cp", "all_reduce"): 2}}
+
+
+@pytest.mark.dp
+@pytest.mark.parametrize("run", [pytest.param(r, marks=reads(r, concepts={"dp"}))
+                                 for r in [*FSDP_LEDGER, "tp2_sp_dp2_fsdp_zero3"]])
+def test_fsdp_ledger_counts_match_the_formulas(runs, run):
+    """Per step, the calls and bytes memory.communication plans (ZeRO's per unit and
+    micro-batch), and for DP2 the calls counted by hand (FSDP_LEDGER)."""
+    line = train_lines(runs.folder(run), "comm: ")[1]
+    if run in FSDP_LEDGER:
+        assert ledger_of(line) == FSDP_LEDGER[run]
+    assert planned_communication(run) == tour.ledger_items(line)
+
+
+@pytest.mark.dp
+def test_fsdp_memory_follows_zeros_formulas():
+    """memory.stage_memory of DP4 (ZeRO's section 5): the distributed optimizer's state a
+    quarter; ZeRO-2 the gradients a quarter, plus one unit's; ZeRO-3 the weights too, plus the
+    unit gathered in hand."""
+    def mem(*flags):
+        cfg = load_config(os.path.join(HERE, "config.yaml"),
+                          [*PARALLEL_RUN, "--micro-batch-size", "2", *flags], 4)
+        cfg.model_config.padded_vocab_size = memory.vocab_rows(cfg)
+        return cfg, memory.stage_memory(cfg, 0)
+    cfg, plain = mem()
+    _, zero1 = mem(*FSDP, "--data-parallel-sharding-strategy", "optim")
+    _, zero2 = mem(*ZERO2)
+    _, zero3 = mem(*FSDP)
+    params, unit = plain.parameters, max(map(sum, memory.fsdp_units(cfg, 0)))
+    assert zero1.weights == zero2.weights == plain.weights == 4 * params
+    assert zero1.optimizer == zero2.optimizer == zero3.optimizer == 4 * 3 * params // 4
+    assert zero2.gradients == zero3.gradients == 4 * -(-params // 4)
+    assert zero3.weights == 4 * (-(-params // 4) + unit)
+    assert plain.peak > zero1.peak > zero2.peak > zero3.peak
+
+
+# ####################################################################### 14. building and the loop
 # proofs: test_init_is_megatron_and_layout_independent, test_a_stopped_job_resumes_bit_identical
 def test_init_is_megatron_and_layout_independent():
     cfg, model = tiny_model()
@@ -9776,6 +9960,11 @@ resumed("one_to_cp2_ulysses", 2, "checkpoint", ROPE + CP2, "one_rope_gqa")
 resumed("tp2_pp2_to_dp2_distopt", 2, "checkpoint", PIPELINE_RUN + DISTOPT + DIST,
         "tp2_pp2_sp_first")
 resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_LAYER + EP2 + DISTOPT, "ep4_distopt")
+# Megatron-FSDP's ZeRO-3: resumed in its layout; loaded into TP2 x PP2, and TP2 x PP2's into it
+resumed("dp2_fsdp_zero3_resumed", 2, "dp checkpoint", FSDP + TWO_MICRO, "dp2_fsdp_zero3")
+resumed("tp2_pp2_to_dp2_fsdp_zero3", 2, "dp checkpoint", PIPELINE_RUN + FSDP,
+        "tp2_pp2_sp_first")
+resumed("fsdp_zero3_to_tp2_pp2", 4, "dp checkpoint", TP2 + PP2, "tp2_sp_dp2_fsdp_zero3")
 # where a converted run resumes: (the run whose checkpoint was converted, what changed)
 CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed optimizer"),
              "one_to_cp2_ring_dp2_distopt": ("one_rope_gqa", "one process -> CP2 x DP2"),
@@ -9785,13 +9974,20 @@ CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed op
              "ep4_to_one": ("ep4_distopt", "EP4 -> one process"),
              "tp2_pp2_to_dp2_distopt": ("tp2_pp2_sp", "TP2 x PP2 -> DP2, distributed optimizer,"
                                         " on load"),
-             "ep4_to_ep2": ("ep4_distopt", "EP4 -> EP2, on load")}
+             "ep4_to_ep2": ("ep4_distopt", "EP4 -> EP2, on load"),
+             "tp2_pp2_to_dp2_fsdp_zero3": ("tp2_pp2_sp", "TP2 x PP2 -> DP2 ZeRO-3, on load"),
+             "fsdp_zero3_to_tp2_pp2": ("tp2_sp_dp2_fsdp_zero3",
+                                       "TP2 x DP2 ZeRO-3 -> TP2 x PP2, on load")}
 # the converted runs that loaded the other layout's checkpoint itself: (part of the layout their
 # log says they converted from, part of the layout it says they converted to)
 ON_LOAD = {"tp2_pp2_to_dp2_distopt": ({"tp": 2, "pp": 2, "dp": 1, "distributed_optimizer": False},
                                       {"tp": 1, "pp": 1, "dp": 2, "distributed_optimizer": True}),
            "ep4_to_ep2": ({"ep": 4, "dp": 4, "distributed_optimizer": True},
-                          {"ep": 2, "dp": 2, "distributed_optimizer": True})}
+                          {"ep": 2, "dp": 2, "distributed_optimizer": True}),
+           "tp2_pp2_to_dp2_fsdp_zero3": ({"tp": 2, "pp": 2, "fsdp_units": False},
+                                         {"tp": 1, "pp": 1, "dp": 2, "fsdp_units": True}),
+           "fsdp_zero3_to_tp2_pp2": ({"tp": 2, "pp": 1, "dp": 2, "fsdp_units": True},
+                                     {"tp": 2, "pp": 2, "dp": 1, "fsdp_units": False})}
 
 
 @pytest.mark.checkpoint
@@ -9803,12 +9999,15 @@ ON_LOAD = {"tp2_pp2_to_dp2_distopt": ({"tp": 2, "pp": 2, "dp": 1, "distributed_o
     pytest.param("tp2_pp2_sp", "tp2_pp2_sp_resumed", marks=reads(
         "tp2_pp2_sp", "tp2_pp2_sp_first", "tp2_pp2_sp_resumed", concepts={"checkpoint"})),
     pytest.param("ep2_pp2_capacity", "ep2_pp2_capacity_resumed", marks=reads(
-        "ep2_pp2_capacity", "ep2_pp2_capacity_resumed", concepts={"checkpoint", "moe"}))])
+        "ep2_pp2_capacity", "ep2_pp2_capacity_resumed", concepts={"checkpoint", "moe"})),
+    pytest.param("dp2_fsdp_zero3", "dp2_fsdp_zero3_resumed", marks=reads(
+        "dp2_fsdp_zero3", "dp2_fsdp_zero3_resumed", concepts={"checkpoint", "dp"}))])
 def test_parallel_resume_is_bit_exact(runs, full, resumed):
-    """A run resumed from step 2 in the same layout (DP2 with the distributed optimizer and EP2 x
-    PP2 with a capacity factor, from the step-2 checkpoint of the run that went on, --ckpt-step;
-    TP2 x PP2 after a SIGTERM stop) logs the losses and gradient norms of the run that never
-    stopped, and ends with the same weights and optimizer state on every rank, bit for bit."""
+    """A run resumed from step 2 in the same layout (DP2 with the distributed optimizer, EP2 x
+    PP2 with a capacity factor and DP2 of Megatron-FSDP's ZeRO-3, from the step-2 checkpoint of
+    the run that went on, --ckpt-step; TP2 x PP2 after a SIGTERM stop) logs the losses and
+    gradient norms of the run that never stopped, and ends with the same weights and optimizer
+    state on every rank, bit for bit."""
     full, resumed = runs.folder(full), runs.folder(resumed)
     assert ([l.split(", Time")[0] for l in train_lines(resumed)]
             == [l.split(", Time")[0] for l in train_lines(full)[STEPS // 2:]])
@@ -12339,7 +12538,9 @@ def test_tour_runs_layouts_beside_one_process(runs, tmp_path):
 # hangs.md), each as a suite job of its layout, trained with two CPU-bound processes beside it on
 # the 2 cores (Job.busy): it must finish equal to one process though its ranks wait in
 # collectives for peers the busy processes slow down
-BUSY_TOUR = {"ep_tp_sp": "ep2_tp2_sp", "cp_hybrid": "cp4_hybrid"}
+BUSY_TOUR = {"ep_tp_sp": "ep2_tp2_sp", "cp_hybrid": "cp4_hybrid",
+             "fsdp_zero3_tp_sp": "tp2_sp_dp2_fsdp_zero3",
+             "fsdp_zero3_pp": "pp2_vpp2_dp2_fsdp_zero3"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=reads(job, REFERENCE[job]))

@@ -483,13 +483,8 @@ def set_up(cfg, tokenizer, notes, phase=contextlib.nullcontext):
         log.info(f"CPU cores {sorted(os.sched_getaffinity(0))} of {os.cpu_count()}")
     model, rng = build_model(cfg, tokenizer, state)
     parallel.observe(LEDGER)
-    # Megatron's get_model wraps the model in its DDP class: with the overlap, the one whose
-    # buckets start their collectives during the backward
-    ddp_class = distributed.DistributedDataParallel
-    if cfg.training_config.overlap_grad_reduce:
-        ddp_class = distributed.OverlappedDistributedDataParallel
-    if any(sharded_by_fsdp(cfg.training_config)) and state.dp * state.cp > 1:
-        ddp_class = distributed.ShardedGradDataParallel        # Megatron-FSDP's ZeRO-2 and 3
+    # Megatron's get_model wraps the model in its DDP class
+    ddp_class = distributed.data_parallel_class(cfg.training_config, state.dp * state.cp)
     ddp = distributed.build_data_parallel(cfg, model, state, phase, ddp_class)
     return build_trainer(cfg, model, ddp, *optimizer_and_scheduler(cfg, model, ddp, state), state,
                          phase), rng

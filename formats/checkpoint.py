@@ -17,6 +17,7 @@ layout. All ranks write into `.iter_0000100.tmp/`; rank 0 renames it into place,
 `latest`.
 """
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -33,14 +34,14 @@ import moe
 import optimizer as opt
 import parallel
 from data import fsync_folder, write_atomic
-from distributed import BucketLayout
+from distributed import BucketLayout, fsdp_units
 from formats import dist_checkpoint, megatron_checkpoint, torch_format
 from formats.megatron_checkpoint import LATEST, WEIGHTS, CheckpointError, iteration_dir, shard_name
 from gpt import global_name, is_embedding_copy, model_provider
 from parallel import F32
 from pipeline import build_chunks, layer_split
 from settings.cli import PROJECT_CONFIG, REQUIRED, from_saved, load_config, parse_command
-from settings.config import ConfigError, to_dict, to_namespace
+from settings.config import ConfigError, sharded_by_fsdp, to_dict, to_namespace
 from tokenizer import build_tokenizer
 
 log = logging.getLogger("train")
@@ -472,7 +473,9 @@ def layout_of(cfg):
             "num_layer_list": parallel_cfg.num_layer_list,
             "cp": parallel_cfg.context_parallel_size, "dp": parallel_cfg.data_parallel_size,
             "distributed_optimizer": bool(training_cfg.use_distributed_optimizer and shards > 1),
-            "bucket_size": training_cfg.bucket_size}
+            "bucket_size": training_cfg.bucket_size,
+            # Megatron-FSDP's ZeRO-2/3 cut the buffer by units, not bucket_size
+            "fsdp_units": bool(shards > 1 and any(sharded_by_fsdp(training_cfg)))}
 
 
 def _meta(cfg, iteration, consumed, step, scheduler_state, scaler_state, rng_state):
@@ -716,7 +719,7 @@ def load_training_state(cfg, trainer, rng):
     weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
     layout = layout_of(cfg)
     # checkpoints written before expert parallelism have no "ep"
-    saved_layout = meta.get("layout") and {"ep": 1, **meta["layout"]}
+    saved_layout = meta.get("layout") and {"ep": 1, "fsdp_units": False, **meta["layout"]}
     same_model_split = saved_layout and all(saved_layout.get(k) == layout[k]
                                             for k in ("tp", "ep", "pp", "vpp", "num_layer_list"))
     # Without the distributed optimizer's shards every DP and CP rank holds the same state (as
@@ -945,11 +948,13 @@ def _rank_values(tensors, chunks, tp_rank, tp, prefixes):
     return names, params, values
 
 
-def _distrib_optim_files(values, names, params, dp_cp, bucket_size, kinds, ep=1, ep_rank=0):
+def _distrib_optim_files(values, names, params, dp_cp, bucket_size, kinds, ep=1, ep_rank=0,
+                         units_of=None):
     """{distrib_optim_DDD: the pieces of the float32 main params and the state that the rank of
     expert-data-parallel rank DDD in EP rank `ep_rank` holds}: of the dense parameters its DP x
     CP rank's (ep_rank + ep * DDD) shard over the `dp_cp` DP x CP ranks, of the experts its shard
-    over the dp_cp / ep ranks that hold them (distributed.build_data_parallel's two buffers)."""
+    over the dp_cp / ep ranks that hold them (distributed.build_data_parallel's two buffers),
+    cut by bucket_size or, with `units_of(positions)`, Megatron-FSDP's units."""
     expert = [moe.is_expert(name) for name in names]
     groups = [([i for i, e in enumerate(expert) if not e], dp_cp, lambda d: ep_rank + ep * d),
               ([i for i, e in enumerate(expert) if e], dp_cp // ep, lambda d: d)]
@@ -958,7 +963,8 @@ def _distrib_optim_files(values, names, params, dp_cp, bucket_size, kinds, ep=1,
         pieces = {}
         for positions, size, shard_of in groups:
             some = [names[i] for i in positions]
-            buffer = BucketLayout([params[i] for i in positions], size, bucket_size)
+            buffer = BucketLayout([params[i] for i in positions], size, bucket_size,
+                                  units=units_of and units_of(positions))
             rank = shard_of(edp_rank)
             for piece, key in zip(buffer.pieces(rank), piece_names(buffer, rank, some)):
                 offset = buffer.offsets[piece.param]
@@ -1023,8 +1029,12 @@ def write_layout(root, tensors, meta, cfg):
             files[WEIGHTS] = megatron_checkpoint.rank_file(
                 cfg, meta, files[WEIGHTS], [chunk.layer_offset for chunk in chunks], ep_rank)
         if distributed:
+            units_of = None
+            if layout["fsdp_units"]:
+                units_of = functools.partial(fsdp_units, chunks, cfg.training_config, pp, params)
             files.update(_distrib_optim_files(values, names, params, dp_cp,
-                                              layout["bucket_size"], kinds, ep, ep_rank))
+                                              layout["bucket_size"], kinds, ep, ep_rank,
+                                              units_of))
         shard_meta = dict(meta, layout=layout, config=to_dict(cfg),
                           ckpt_format=cfg.training_config.ckpt_format)
         shards[shard_name(tp_rank, pp_rank, pp, ep_rank, ep)] = (files, shard_meta)

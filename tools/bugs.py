@@ -156,6 +156,18 @@ BUGS = {
         "rank) order before the experts run (Megatron's sort_chunks_by_idxs)",
         "each local expert computes on other experts' tokens, weighted by its own tokens' "
         "probabilities: the MoE layer's output, and the first loss, differ"),
+    "fsdp_shard_from_wrong_rank": Bug(
+        "dp", "optimizer.py", "DistributedOptimizer.gathered_bucket",
+        "return collectives(self.buffer.group).all_gather(self.cast(ops.cat(mine), dtype))",
+        "return ops.flip(collectives(self.buffer.group).all_gather(self.cast(ops.cat(mine), "
+        "dtype)).reshape(self.buffer.group_size, -1), (0,)).reshape(-1)",
+        ["fsdp_zero3"], "grad norm",
+        "ZeRO-3 (Rajbhandari et al. 2020, section 5.3; Megatron-FSDP's optim_grads_params): "
+        "before a unit's forward and backward each rank's shard of it is all-gathered, rank r's "
+        "into the r-th slice of the whole",
+        "the shards land in each other's places (rank 1's where rank 0's belongs): the backward "
+        "of the first step already runs on the regathered, scrambled weights, so the first "
+        "gradient norm differs"),
     "fp16_grads_left_scaled": Bug(
         "fp16", "optimizer.py", "MixedPrecisionOptimizer.main_grads",
         "inv_scale = self.scaler.inv_scale", "inv_scale = 1.0", ["fp16"], "grad norm",

@@ -89,6 +89,9 @@ DISTOPT = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "150000",
            "training_config.pipeline_trace=true"]
 EP2 = ["--expert-model-parallel-size", "2"]
+# Megatron-FSDP: ZeRO-3 (its default strategy) and ZeRO-2
+FSDP = ["--use-megatron-fsdp"]
+ZERO2 = FSDP + ["--data-parallel-sharding-strategy", "optim_grads"]
 Layout = namedtuple("Layout", "title workers flags reference code")
 LAYOUTS = {
     "tp": Layout("TP2", 2, TP2, "one",
@@ -111,6 +114,10 @@ LAYOUTS = {
     "cp_all_gather": Layout("CP2, ring attention after an all-gather", 2,
                             CP2 + ["--cp-comm-type", "all_gather"], "one",
                             "context_parallel.AllGatherAttention"),
+    "fsdp_zero2": Layout("DP2, Megatron-FSDP ZeRO-2 (optim_grads)", 2, ZERO2, "one",
+                         "distributed.ShardedGradDataParallel"),
+    "fsdp_zero3": Layout("DP2, Megatron-FSDP ZeRO-3 (optim_grads_params)", 2, FSDP, "one",
+                         "optimizer.ShardedParamOptimizer"),
     "fp16": Layout("float16 (--fp16), DP2 + distributed optimizer", 2,
                    DISTOPT + REFERENCES["one_fp16"], "one_fp16", "optimizer.DynamicGradScaler"),
     "ep": Layout("EP2 over DP2, alltoall", 2,
@@ -121,6 +128,10 @@ LAYOUTS = {
                       "one_moe_bias", "moe.update_expert_bias"),
     "ep_tp_sp": Layout("EP2 x TP2 + SP, allgather", 4, MOE + EP2 + TP2 + SP, "one_moe",
                        "moe.MoEAllGatherTokenDispatcher, parallel.rank_groups"),
+    "fsdp_zero3_tp_sp": Layout("ZeRO-3 over DP2 x TP2 + SP", 4, FSDP + TP2 + SP, "one",
+                               "distributed.fsdp_units"),
+    "fsdp_zero3_pp": Layout("ZeRO-3 over DP2 x PP2 x 2 chunks", 4, FSDP + PP2 + VPP2, "one",
+                            "distributed.fsdp_units, pipeline.ForwardBackward"),
     "cp_hybrid": Layout("CP4 = Ulysses 2 x ring 2", 4,
                         ["--context-parallel-size", "4", "--context-parallel-algo",
                          "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"], "one",
