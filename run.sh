@@ -16,6 +16,8 @@
 #                                                 in any layout
 #   bash run.sh bench ...         tokens/s of one process and the 2-worker layouts, alternating
 #                                 (tools/bench.py)
+#   bash run.sh parity --peer PYTHON [flags]   this project's run beside megatron-core's, step
+#                                 by step (tools/parity.py)
 #   bash run.sh diagnose LOG_DIR  the first collective where a failed job's ranks disagree, from
 #                                 their flight records (instruments/flight_recorder.py)
 #   bash run.sh plan ...          --world-size N [--config FILE] [--memory-per-device GB]:
@@ -70,6 +72,10 @@ case "${1:-}" in
   tour)
     shift
     exec python -m tools.tour "$@"
+    ;;
+  parity)
+    shift
+    exec python -m tools.parity "$@"
     ;;
 esac
 

@@ -49,7 +49,7 @@ the shared proof helpers: every concept's proofs on msrun workers use them: a la
 13. FSDP (ZeRO-2 and ZeRO-3): proof: test_fsdp_layouts_train_like_one_process[dp2_fsdp_zero3]
   Megatron-FSDP (distributed.py, optimizer.py)
       units, a step's shards and placeholders in one process; ZeRO-2 and 3 on workers with TP,
-      PP x VPP, EP, DP4 beside one process; the planted bug, the ledger, ZeRO's memory
+      PP x VPP, CP, EP, DP4 beside one process; the planted bug, the ledger, ZeRO's memory
 14. building and the loop: proofs: test_init_is_megatron_and_layout_independent,
     test_a_stopped_job_resumes_bit_identical
   training (train.py, run.sh)
@@ -174,10 +174,12 @@ from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCros
                       VocabParallelEmbedding, rank_groups, shard)
 from settings import cli, config
 from settings.cli import HelpRequested, load_config, raw_config
-from settings.config import ConfigError, padded_vocab_size, recompute_counts, to_dict, to_namespace
+from settings.config import (ConfigError, lr_schedule_steps, padded_vocab_size, recompute_counts,
+                             to_dict, to_namespace)
 from settings.keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
-from tools import bench, bench_fusions, bench_peer, bugs, collective_timing, tour
+from tools import (bench, bench_fusions, bench_peer, bugs, collective_timing, parity, parity_peer,
+                   tour)
 import tools.reading
 # the msrun harness, which pytest loaded first (this import is that module)
 import conftest
@@ -3633,8 +3635,9 @@ def test_overlap_param_gather_writes_each_bucket_when_a_forward_needs_it():
 # default of --use-megatron-fsdp): the units and their buckets, a micro-batch's gradients
 # reduce-scattered and summed in the shard, parameters let go between passes, in one process;
 # on workers DP2 of each (2 micro-batches a rank, the shards summed over them; ZeRO-2 compiled),
-# ZeRO-3 with TP2 + SP and with PP2 x VPP2, ZeRO-2 over DP4 with EP2, beside one process; a
-# ZeRO-3 run resumed bit for bit, loaded into TP2 x PP2 and back; the planted bug; the ledger.
+# ZeRO-3 with TP2 + SP, with PP2 x VPP2 and over DP4 with EP2, ZeRO-2 over CP2 x DP2, beside one
+# process; both resumed bit for bit, ZeRO-3 loaded into TP2 x PP2 and back; the planted bug; the
+# ledger.
 FSDP = ["--use-megatron-fsdp"]                              # ZeRO-3: optim_grads_params
 ZERO2 = FSDP + ["--data-parallel-sharding-strategy", "optim_grads"]
 TWO_MICRO = ["--micro-batch-size", "2"]                     # DP2: 2 micro-batches of 2 a rank
@@ -3727,27 +3730,28 @@ def test_fsdp_step_is_the_plain_step_with_parameters_let_go(strategy):
 
 # 2 workers: DP2 of ZeRO-2 compiled and of ZeRO-3 (op by op: optimizer.ShardedParamOptimizer),
 # 2 micro-batches a rank. 4 workers: ZeRO-3 with TP2 + SP and with PP2 x VPP2 (beside two busy
-# processes: the tour's 4-worker rows), ZeRO-2 over DP4 with EP2 (the experts' buffer over their
-# expert-data-parallel group of 2). The ZeRO-3 runs of DP2 and TP2 x DP2 save at step 2 (the
-# checkpoint section resumes them)
-layout("dp2_fsdp_zero2", 2, "dp", ZERO2 + TWO_MICRO + COMPILED, "one")
+# processes: the tour's 4-worker rows), ZeRO-3 over DP4 with EP2 (the experts' buffer over their
+# expert-data-parallel group of 2), ZeRO-2 over CP2 x DP2 (4 shards: FSDP shards over DP x CP).
+# DP2's and TP2 x DP2's save at step 2 (the checkpoint section resumes them)
+layout("dp2_fsdp_zero2", 2, "dp checkpoint", ZERO2 + TWO_MICRO + COMPILED + SAVE_HALF, "one")
 layout("dp2_fsdp_zero3", 2, "dp checkpoint", FSDP + TWO_MICRO + SAVE_HALF, "one")
 layout("tp2_sp_dp2_fsdp_zero3", 4, "dp tp checkpoint", FSDP + TP2 + SP + TWO_MICRO + SAVE_HALF,
        "one", busy=2)
 layout("pp2_vpp2_dp2_fsdp_zero3", 4, "dp pipeline",
        PIPELINE_RUN + PP2 + VPP2 + FSDP + ["--micro-batch-size", "1"], "one_pp", busy=2)
-layout("ep2_dp4_fsdp_zero2", 4, "dp moe", MOE_LAYER + EP2 + ZERO2 + ["--micro-batch-size", "1"],
+layout("ep2_dp4_fsdp_zero3", 4, "dp moe", MOE_LAYER + EP2 + FSDP + ["--micro-batch-size", "1"],
        "one_moe")
+layout("cp2_dp2_fsdp_zero2", 4, "dp cp", ROPE + CP2 + RING + ZERO2, "one_rope_gqa")
 FSDP_LAYOUTS = ["dp2_fsdp_zero2", "dp2_fsdp_zero3", "tp2_sp_dp2_fsdp_zero3",
-                "pp2_vpp2_dp2_fsdp_zero3", "ep2_dp4_fsdp_zero2"]
+                "pp2_vpp2_dp2_fsdp_zero3", "ep2_dp4_fsdp_zero3", "cp2_dp2_fsdp_zero2"]
 
 
 @pytest.mark.dp
 @pytest.mark.parametrize("layout", layout_params(FSDP_LAYOUTS))
 def test_fsdp_layouts_train_like_one_process(runs, layout):
-    """Megatron-FSDP's ZeRO-2 (compiled) and ZeRO-3 over DP2, ZeRO-3 with TP2 + SP and with
-    PP2 x VPP2 (interleaved), ZeRO-2 over DP4 with EP2, train like one process
-    (assert_layout_trains_like_one_process)."""
+    """Megatron-FSDP's ZeRO-2 (compiled) and ZeRO-3 over DP2, ZeRO-3 with TP2 + SP, with PP2 x
+    VPP2 (interleaved) and over DP4 with EP2, ZeRO-2 over CP2 x DP2 (the ring), train like one
+    process (assert_layout_trains_like_one_process)."""
     assert_layout_trains_like_one_process(runs, layout)
 
 
@@ -3798,7 +3802,8 @@ def test_fsdp_memory_follows_zeros_formulas():
     _, zero1 = mem(*FSDP, "--data-parallel-sharding-strategy", "optim")
     _, zero2 = mem(*ZERO2)
     _, zero3 = mem(*FSDP)
-    params, unit = plain.parameters, max(map(sum, memory.fsdp_units(cfg, 0)))
+    params = plain.parameters
+    unit = max(dense + experts for dense, experts, _ in memory.fsdp_units(cfg, 0))
     assert zero1.weights == zero2.weights == plain.weights == 4 * params
     assert zero1.optimizer == zero2.optimizer == zero3.optimizer == 4 * 3 * params // 4
     assert zero2.gradients == zero3.gradients == 4 * -(-params // 4)
@@ -7693,6 +7698,83 @@ def test_the_peer_bench_runs_megatron_core_in_an_environment_of_its_own(tmp_path
         assert seen["PATH"] == "/usr/bin:/bin" and seen["HOME"] == "/home/reader"
 
 
+# ------------------------------------------- parity: this project's training beside megatron-core's
+# (the runs themselves need torch: not in the suite; README's Results show one of each style)
+PARITY_REFUSED = [(["--fp16"], "--fp16/--bf16: the peer trains float32"),
+                  (["--hidden-dropout", "0.1"], "dropout"),
+                  (["--num-experts", "4"], "--num-experts"), (["--mock-data"], "--mock-data"),
+                  (["--data-path", "0.6", "data/tinyshakespeare_text_document", "0.4",
+                    "data/tinyshakespeare_text_document"], "a blend"),
+                  (["--use-sandwich-norm"], "sandwich norms"),
+                  (["--load", "output"], "--load: parity starts both sides from a seed"),
+                  (["--nproc", "3", "--tensor-model-parallel-size", "2"], "world size 3")]
+
+
+@pytest.mark.parametrize("flags,said", PARITY_REFUSED, ids=[f[0] for f, _ in PARITY_REFUSED])
+def test_parity_refuses_what_megatron_cores_side_cannot_train_before_any_run(
+        tmp_path, monkeypatch, capsys, flags, said):
+    """`bash run.sh parity --peer PYTHON`: what megatron-core's side cannot train as this
+    project does (float16, dropout, experts, mock data, a blend, sandwich norms, a --load), or a
+    layout this side refuses: one line naming it, exit 2, no run started, nothing written."""
+    started = []
+    monkeypatch.setattr(parity, "run_project", lambda *a: started.append(a))
+    monkeypatch.setattr(parity, "run_peer", lambda *a: started.append(a))
+    python = fake_python(tmp_path, "echo 2.13.0+cpu 0.16.1")
+    out = tmp_path / "parity"
+    assert parity.main(["--peer", python, "--output", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
+    assert started == [] and not out.exists()
+
+
+def test_parity_needs_a_peer_with_megatron_core(tmp_path, monkeypatch, capsys):
+    """No --peer, or a PYTHON without megatron-core (or none there): one line, 2, no run."""
+    started = []
+    monkeypatch.setattr(parity, "run_project", lambda *a: started.append(a))
+    assert parity.main([]) == 2
+    assert capsys.readouterr().err.startswith("error: parity needs --peer")
+    lacking = fake_python(tmp_path, "exit 1")
+    for python in (lacking, str(tmp_path / "missing" / "python")):
+        assert parity.main(["--peer", python, "--output", str(tmp_path / "p")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: parity --peer {python}: ")
+        assert bench_peer.INSTALL in err
+    assert started == []
+
+
+def test_parity_report_names_what_parts_beyond_rtol(capsys):
+    """parity's table: a line a step with both sides' loss, gradient norm and learning rate and
+    their relative difference; `equal` within --rtol (exit 0), else `DIFFER` naming the
+    quantity (exit 1), as a gradient off by 1e-3 makes it."""
+    this = [{"step": 1, "loss": 5.0, "grad_norm": 2.0, "lr": 0.0},
+            {"step": 2, "loss": 4.9, "grad_norm": 1.9, "lr": 1e-3}]
+    peer = [dict(r) for r in this]
+    peer[0]["loss"] *= 1 + 1e-7
+    assert parity.report(this, peer, 1e-4) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and lines[-1].endswith("equal within rtol 0.0001"), lines
+    peer[1]["grad_norm"] *= 1.001
+    assert parity.report(this, peer, 1e-4) == 1
+    assert "DIFFER (grad norm)" in capsys.readouterr().out.splitlines()[-1]
+    assert parity.report(this, peer[:1], 1e-4) == 1               # a step missing
+
+
+def test_parity_peer_counts_the_schedule_in_samples_as_megatron():
+    """What megatron-core's OptimizerParamScheduler is given by the peer
+    (tools/parity_peer.schedule_samples: warmup, decay, weight-decay increment, WSD decay in
+    samples) is this project's schedule (config.lr_schedule_steps, in iterations) times the
+    global batch: a fractional warmup unrounded, WSD's last iterations."""
+    for flags in (["--lr-warmup-fraction", "0.15"],
+                  ["--lr-warmup-iters", "3", "--lr-decay-iters", "20", "--lr-decay-style", "WSD",
+                   "--lr-wsd-decay-iters", "8"]):
+        cfg = load_config(os.path.join(HERE, "config.yaml"),
+                          [*flags, "--train-iters", "24", "--global-batch-size", "8"])
+        steps = lr_schedule_steps(cfg.optimizer_config.learning_rate_scheduler_kwargs,
+                                  cfg.training_config.training_iters)
+        assert parity_peer.schedule_samples(to_dict(cfg)) == tuple(
+            (x or 0) * 8 for x in steps), flags
+
+
 def test_plan_flops_add_the_recomputed_forward():
     """Recompute adds forward passes: full, a third of each recomputed layer's forward + backward
     (the model's FLOPs without the output layer's 6 B s h V, over 3, per recomputed layer share);
@@ -9962,6 +10044,8 @@ resumed("tp2_pp2_to_dp2_distopt", 2, "checkpoint", PIPELINE_RUN + DISTOPT + DIST
 resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_LAYER + EP2 + DISTOPT, "ep4_distopt")
 # Megatron-FSDP's ZeRO-3: resumed in its layout; loaded into TP2 x PP2, and TP2 x PP2's into it
 resumed("dp2_fsdp_zero3_resumed", 2, "dp checkpoint", FSDP + TWO_MICRO, "dp2_fsdp_zero3")
+resumed("dp2_fsdp_zero2_resumed", 2, "dp checkpoint", ZERO2 + TWO_MICRO + COMPILED,
+        "dp2_fsdp_zero2")
 resumed("tp2_pp2_to_dp2_fsdp_zero3", 2, "dp checkpoint", PIPELINE_RUN + FSDP,
         "tp2_pp2_sp_first")
 resumed("fsdp_zero3_to_tp2_pp2", 4, "dp checkpoint", TP2 + PP2, "tp2_sp_dp2_fsdp_zero3")
@@ -10001,10 +10085,12 @@ ON_LOAD = {"tp2_pp2_to_dp2_distopt": ({"tp": 2, "pp": 2, "dp": 1, "distributed_o
     pytest.param("ep2_pp2_capacity", "ep2_pp2_capacity_resumed", marks=reads(
         "ep2_pp2_capacity", "ep2_pp2_capacity_resumed", concepts={"checkpoint", "moe"})),
     pytest.param("dp2_fsdp_zero3", "dp2_fsdp_zero3_resumed", marks=reads(
-        "dp2_fsdp_zero3", "dp2_fsdp_zero3_resumed", concepts={"checkpoint", "dp"}))])
+        "dp2_fsdp_zero3", "dp2_fsdp_zero3_resumed", concepts={"checkpoint", "dp"})),
+    pytest.param("dp2_fsdp_zero2", "dp2_fsdp_zero2_resumed", marks=reads(
+        "dp2_fsdp_zero2", "dp2_fsdp_zero2_resumed", concepts={"checkpoint", "dp"}))])
 def test_parallel_resume_is_bit_exact(runs, full, resumed):
     """A run resumed from step 2 in the same layout (DP2 with the distributed optimizer, EP2 x
-    PP2 with a capacity factor and DP2 of Megatron-FSDP's ZeRO-3, from the step-2 checkpoint of
+    PP2 with a capacity factor, DP2 of Megatron-FSDP's ZeRO-3 and 2, from the step-2 checkpoint of
     the run that went on, --ckpt-step; TP2 x PP2 after a SIGTERM stop) logs the losses and
     gradient norms of the run that never stopped, and ends with the same weights and optimizer
     state on every rank, bit for bit."""

@@ -611,7 +611,7 @@ def _data_parallel_collectives(cfg, rank, add):
         return
     dense = stage_parameters(cfg, rank) - expert_parameters(cfg, rank)
     _gradient_buffer(cfg, "dp_cp", shards, dense, add,
-                     [unit for unit, _ in fsdp_units(cfg, rank)])
+                     [(dense, once) for dense, _, once in fsdp_units(cfg, rank)])
     add("dp_cp", "all_reduce", 1, F32_BYTES)                  # the logged loss
 
 
@@ -636,14 +636,17 @@ def _gradient_buffer(cfg, kind, shards, params, add, units=()):
 
 
 def _fsdp_buffer(cfg, kind, shards, units, add):
-    """Megatron-FSDP's reductions of one buffer of `units` (parameter counts, each padded to a
-    multiple of `shards`: distributed.BucketLayout) per step: each unit's gradients
-    reduce-scattered per micro-batch; with ZeRO-2 each unit's parameters all-gathered after the
-    step, with ZeRO-3 before each forward and each backward of it, and on one stage the first
-    unit once more per micro-batch for the tied output layer's copy of the word embedding."""
+    """Megatron-FSDP's reductions of one buffer of `units` ((parameter count, reduced once a
+    step) each, the count padded to a multiple of `shards`: distributed.BucketLayout) per step:
+    each unit's gradients reduce-scattered per micro-batch (the tied embedding's copy once);
+    with ZeRO-2 each unit's parameters all-gathered after the step, with ZeRO-3 before each
+    forward and each backward of it, and on one stage the first unit once more per micro-batch
+    for the tied output layer's copy of the word embedding."""
     size, mb = collective_bytes(cfg), cfg.dataset_config.micro_batch_num
-    padded = [-(-unit // shards) * shards for unit in units]
-    add(kind, "reduce_scatter", mb * len(units), mb * size.grad * sum(padded))
+    padded = [-(-unit // shards) * shards for unit, _ in units]
+    times = [1 if once else mb for _, once in units]
+    add(kind, "reduce_scatter", sum(times),
+        size.grad * sum(t * n for t, n in zip(times, padded)))
     if not fsdp_shards(cfg)[1]:
         add(kind, "all_gather", len(units), size.params * sum(padded) // shards)
         return
@@ -718,7 +721,7 @@ def _expert_collectives(cfg, rank, add):
         add("ep", "all_reduce", 1, F32_BYTES)                      # the experts' norm
     experts_here = expert_parameters(cfg, rank)
     _gradient_buffer(cfg, "edp" if ep > 1 else "dp_cp", dp * cp // ep, experts_here, add,
-                     [unit for _, unit in fsdp_units(cfg, rank) if unit])
+                     [(experts, False) for _, experts, _ in fsdp_units(cfg, rank) if experts])
 
 
 def _dispatcher_collectives(model_cfg, tp, ep, n, calls, compute, probs, add):
@@ -892,10 +895,11 @@ def fsdp_shards(cfg):
 
 def fsdp_units(cfg, rank):
     """Megatron-FSDP's units on a rank of pipeline stage `rank` (distributed.fsdp_units), each
-    as (dense parameters, routed experts' parameters): a layer with what its piece adds (the
-    embedding on the first, the final norm and output layer on the last) on one stage; a model
-    chunk under pipeline parallelism, whose schedule runs chunks whole, the tied embedding's
-    copy there a unit of its own."""
+    as (dense parameters, routed experts' parameters, reduced once a step): a layer with what
+    its piece adds (the embedding on the first, the final norm and output layer on the last) on
+    one stage; a model chunk under pipeline parallelism, whose schedule runs chunks whole, the
+    tied embedding's copy there a unit of its own, reduced after the schedule
+    (distributed.grad_sync_func) rather than every micro-batch."""
     model_cfg, parallel_cfg = cfg.model_config, cfg.parallel_config
     tp, ep = parallel_cfg.tensor_model_parallel_size, parallel_cfg.expert_model_parallel_size
     pattern = moe_layer_pattern(model_cfg)
@@ -916,12 +920,12 @@ def fsdp_units(cfg, rank):
     for layers, embeds, has_loss, first in chunks:
         moe = experts * sum(pattern[first:first + layers])
         units.append([chunk_parameters(model_cfg, tp, layers, embeds, has_loss, first, ep) - moe,
-                      moe])
+                      moe, False])
         if not tied or not (embeds or has_loss) or (embeds and has_loss):
             continue
         if parallel_cfg.pipeline_model_parallel_size > 1:      # a copy: a unit of its own
             units[-1][0] -= table
-            units.append([table, 0])
+            units.append([table, 0, True])
         elif has_loss:                            # the output layer is the first unit's table
             units[-1][0] -= table
     return [tuple(unit) for unit in units]
@@ -946,7 +950,7 @@ def stage_memory(cfg, rank):
     grads = params * DTYPE_BYTES[main_grad_dtype(cfg)]
     unit_grads = 0
     sharded_grads, sharded_weights, shards = fsdp_shards(cfg)
-    unit = max(sum(unit) for unit in fsdp_units(cfg, rank))
+    unit = max(dense + experts for dense, experts, _ in fsdp_units(cfg, rank))
     if sharded_weights:
         weights = (math.ceil(params / shards) + unit) * DTYPE_BYTES[cfg.model_config.params_dtype]
     if sharded_grads:
