@@ -12229,6 +12229,11 @@ def check_valid_command(words, output, capsys):
     if command == "tour":
         tour.parse(words[1:])                     # a wrong layout or flag raises ConfigError
         return "tour"
+    if command == "parity":                       # its training flags, checked as parity does
+        values, flags = cli.parse_command("parity", words[1:], parity.FLAGS,
+                                          passthrough="training flags")
+        assert train.main(["check", *flags, *parity.run_flags(values["steps"])]) == 0
+        return "parity"
     if command == "diagnose":                     # a job's folder of worker logs
         assert len(words) == 2 and not words[1].startswith("-"), words
         return "diagnose"
