@@ -174,8 +174,8 @@ from parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelCros
                       VocabParallelEmbedding, rank_groups, shard)
 from settings import cli, config
 from settings.cli import HelpRequested, load_config, raw_config
-from settings.config import (ConfigError, lr_schedule_steps, padded_vocab_size, recompute_counts,
-                             to_dict, to_namespace)
+from settings.config import (ConfigError, global_batch_size_at, lr_schedule_steps,
+                             padded_vocab_size, recompute_counts, to_dict, to_namespace)
 from settings.keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
 from tools import (bench, bench_fusions, bench_peer, bugs, collective_timing, parity, parity_peer,
@@ -3893,6 +3893,31 @@ def test_a_stopped_job_resumes_bit_identical(how, whole_run, tmp_path, monkeypat
     assert train_records(d) == train_records(whole_run)
 
 
+# sample-based training with a ramp-up: global batches 2, 2, 4, 6, then 8 (--rampup-batch-size 2 2 12
+# to 8: an increment each 4 samples), 8 steps in all for 48 samples (Megatron's update_train_iters)
+RAMP_RUN = ["--train-samples", "48", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--rampup-batch-size", "2", "2", "12"]
+
+
+def test_a_ramp_up_run_grows_its_batch_and_resumes_mid_ramp(tmp_path):
+    """Sample-based training with --rampup-batch-size in one process: each step's global batch
+    (metrics.jsonl) is the ramp's, the run takes the iterations its samples make and saves the
+    samples it consumed; stopped mid-ramp (--exit-interval 3) and resumed, it logs the losses
+    and gradient norms of the run that never stopped, bit for bit: the ramp's place comes back
+    with the consumed samples."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert tiny_run(whole, *RAMP_RUN) == 0
+    records = [r for r in metrics.read_records(str(whole / metrics.JSONL)) if r["split"] == "train"]
+    assert [r["batch_size"] for r in records] == [2, 2, 4, 6, 8, 8, 8, 8]
+    meta = json.loads(next((whole / "iter_0000008").rglob("meta.json")).read_text())
+    assert meta["consumed_train_samples"] == 46
+    assert tiny_run(stopped, *RAMP_RUN, "--exit-interval", "3") == 0
+    assert saved(stopped) == ([3], 3)
+    assert tiny_run(stopped, *RAMP_RUN, "--load", str(stopped)) == 0
+    assert tiny_losses(stopped) == tiny_losses(whole)
+    assert train_records(stopped) == train_records(whole)
+
+
 # ====================================================================== training (train.py, run.sh)
 def training_argv(out, prefix, *args, jit=False):
     """train.py's argv of run_training: the tiny model on the byte-level corpus `prefix`, saved in
@@ -4244,23 +4269,30 @@ def megatron_lr_and_wd(samples, args):
     get_optimizer_param_scheduler (megatron/training/training.py, iteration-based training:
     every count in samples) and OptimizerParamScheduler.get_lr and get_wd
     (megatron/core/optimizer_param_scheduler.py). args: Megatron's argument names."""
-    gbs, decay_iters = args["global_batch_size"], args["lr_decay_iters"] or args["train_iters"]
-    decay, wd_incr = decay_iters * gbs, args["train_iters"] * gbs
-    warmup = (args["lr_warmup_fraction"] * decay if args["lr_warmup_fraction"] is not None
-              else args["lr_warmup_iters"] * gbs)
+    gbs = args["global_batch_size"]
+    if args.get("train_samples"):                           # sample-based training
+        decay = args["lr_decay_samples"] or args["train_samples"]
+        wd_incr, warmup = args["train_samples"], args["lr_warmup_samples"]
+        wsd = args["lr_wsd_decay_samples"]
+    else:
+        decay = (args["lr_decay_iters"] or args["train_iters"]) * gbs
+        wd_incr, warmup = args["train_iters"] * gbs, args["lr_warmup_iters"] * gbs
+        wsd = (args["lr_wsd_decay_iters"] or 0) * gbs
+    if args["lr_warmup_fraction"] is not None:
+        warmup = args["lr_warmup_fraction"] * decay
     max_lr, min_lr, init_lr = args["lr"], args["min_lr"], args["lr_warmup_init"]
     if warmup > 0 and samples <= warmup:
         lr = init_lr + (max_lr - init_lr) * float(samples) / float(warmup)
     elif samples > decay:
         lr = min_lr
     else:
-        lr = min_lr + megatron_decay_coeff(samples, warmup, decay, args) * (max_lr - min_lr)
+        lr = min_lr + megatron_decay_coeff(samples, warmup, decay, wsd, args) * (max_lr - min_lr)
     start, end = args["start_weight_decay"], args["end_weight_decay"]
     ratio = min(float(samples) / float(wd_incr), 1.0)
     return lr, start + 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0) * (end - start)
 
 
-def megatron_decay_coeff(samples, warmup, decay, args):
+def megatron_decay_coeff(samples, warmup, decay, wsd_decay_steps, args):
     """OptimizerParamScheduler.get_lr's coefficient of (max_lr - min_lr) after the warmup,
     transcribed (linear, cosine, WSD with its four last-decay styles)."""
     ratio = float(samples - warmup) / float(decay - warmup)
@@ -4268,7 +4300,6 @@ def megatron_decay_coeff(samples, warmup, decay, args):
         return 1.0 - ratio
     if args["lr_decay_style"] == "cosine":
         return 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    wsd_decay_steps = args["lr_wsd_decay_iters"] * args["global_batch_size"]
     wsd_anneal_start_ = decay - wsd_decay_steps
     if samples <= wsd_anneal_start_:
         return 1.0
@@ -4317,6 +4348,69 @@ def test_learning_rate_of_every_step_is_megatrons_counted_in_samples(flags):
         assert (scheduler.get_lr(), scheduler.get_wd()) == pytest.approx(want, rel=1e-12), \
             iteration
         scheduler.step(1)
+
+
+def megatron_rampup_batch(consumed, args):
+    """The global batch after `consumed` samples: RampupBatchsizeNumMicroBatchesCalculator.update
+    (megatron/core/num_microbatches_calculator.py, 0.16), transcribed."""
+    start, increment, ramup_samples = args["rampup_batch_size"]
+    if consumed > ramup_samples:
+        return args["global_batch_size"]
+    num_increments = (args["global_batch_size"] - start) // increment
+    rampup_samples_per_increment = ramup_samples / num_increments
+    return start + int(consumed / rampup_samples_per_increment) * increment
+
+
+def megatron_train_iters(args):
+    """update_train_iters of sample-based training with a ramp-up (megatron/training/training.py
+    before the step schedules replaced it), transcribed."""
+    iterations = consumed_samples = 0
+    while (consumed_samples <= args["rampup_batch_size"][2]
+           and consumed_samples <= args["train_samples"]):
+        consumed_samples += megatron_rampup_batch(consumed_samples, args)
+        iterations += 1
+    if args["train_samples"] > consumed_samples:
+        iterations += (args["train_samples"] - consumed_samples) // args["global_batch_size"]
+    return iterations
+
+
+@pytest.mark.dp
+@pytest.mark.parametrize("flags", [
+    ["--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine"],
+    ["optimizer_config.learning_rate_scheduler_kwargs.lr_warmup_fraction=null",
+     "--lr-warmup-samples", "30", "--lr-decay-samples", "180", "--lr-decay-style", "WSD",
+     "--lr-wsd-decay-samples", "50", "--lr-wsd-decay-style", "cosine", "--min-lr", "3e-5"]],
+    ids=["fraction_cosine", "samples_wsd"])
+def test_sample_based_training_ramps_the_batch_and_its_schedule_up_as_megatron(flags):
+    """--train-samples with --rampup-batch-size 4 4 48 to a global batch of 12: each step's
+    global batch (config.global_batch_size_at), the run's iterations (config.train_iterations)
+    and every step's learning rate and weight decay, the scheduler stepped by each step's
+    samples as Trainer steps it, equal Megatron's: its calculator, update_train_iters and
+    get_optimizer_param_scheduler in samples (transcribed: megatron_rampup_batch, ...)."""
+    cfg = load_config(os.path.join(HERE, "config.yaml"), [
+        "--train-samples", "200", "--global-batch-size", "12", "--micro-batch-size", "2",
+        "--rampup-batch-size", "4", "4", "48", "--lr", "3e-4", "--weight-decay-incr-style",
+        "cosine", "--start-weight-decay", "0.0", "--end-weight-decay", "0.1", *flags])
+    schedule, dataset_cfg = cfg.optimizer_config.learning_rate_scheduler_kwargs, cfg.dataset_config
+    args = {"global_batch_size": 12, "train_samples": 200, "rampup_batch_size": [4, 4, 48],
+            "lr_decay_samples": None if "--lr-decay-samples" not in flags else 180,
+            "lr_warmup_samples": schedule.lr_warmup_samples,
+            "lr_warmup_fraction": schedule.lr_warmup_fraction, "lr": 3e-4,
+            "min_lr": schedule.min_lr, "lr_decay_style": schedule.lr_decay_style,
+            "lr_warmup_init": schedule.lr_warmup_init,
+            "lr_wsd_decay_samples": schedule.lr_wsd_decay_samples,
+            "lr_wsd_decay_style": schedule.lr_wsd_decay_style,
+            "start_weight_decay": 0.0, "end_weight_decay": 0.1}
+    assert cfg.training_config.training_iters == megatron_train_iters(args) == 21
+    scheduler, consumed, batches = train.get_optimizer_param_scheduler(cfg), 0, []
+    for iteration in range(cfg.training_config.training_iters):
+        batch = global_batch_size_at(consumed, 12, dataset_cfg.rampup_batch_size)
+        assert batch == megatron_rampup_batch(consumed, args), iteration
+        assert (scheduler.get_lr(), scheduler.get_wd()) == pytest.approx(
+            megatron_lr_and_wd(consumed, args), rel=1e-12), iteration
+        scheduler.step(batch)
+        consumed, batches = consumed + batch, batches + [batch]
+    assert batches == [4] * 6 + [8] * 3 + [12] * 12, batches
 
 
 @pytest.mark.dp
@@ -4650,6 +4744,19 @@ BAD_CONFIGS = [
      "training_config.profile_step_end=9 is past the last step (training_iters=5)"),
     (["--profile", "--profile-ranks", "x"],
      "training_config.profile_ranks=['x']: give a list of global ranks"),
+    # sample-based training (Megatron's --train-samples) and its batch-size ramp-up
+    (["--rampup-batch-size", "4", "4", "48"],
+     "dataset_config.rampup_batch_size counts samples: give --train-samples"),
+    (["--lr-warmup-samples", "16"], "lr_warmup_samples counts samples: give --train-samples"),
+    (["--train-samples", "100", "--lr-decay-iters", "10"],
+     "lr_decay_iters counts iterations: with --train-samples give --lr-decay-samples"),
+    (["--train-samples", "200", "--global-batch-size", "8", "--micro-batch-size", "2",
+      "--rampup-batch-size", "8", "2", "48"], "START from 1 to below global_batch_size=8"),
+    (["--train-samples", "200", "--global-batch-size", "12", "--micro-batch-size", "4",
+      "--rampup-batch-size", "2", "2", "48"], "a global batch of 2 is not a multiple of 4"),
+    (["--train-samples", "200", "--global-batch-size", "8", "--micro-batch-size", "2",
+      "--rampup-batch-size", "4", "4"], "three whole numbers"),
+    (["--train-samples", "4", "--global-batch-size", "8"], "less than one global batch"),
 ]
 
 
@@ -7743,11 +7850,11 @@ def test_parity_needs_a_peer_with_megatron_core(tmp_path, monkeypatch, capsys):
 
 
 def test_parity_report_names_what_parts_beyond_rtol(capsys):
-    """parity's table: a line a step with both sides' loss, gradient norm and learning rate and
-    their relative difference; `equal` within --rtol (exit 0), else `DIFFER` naming the
+    """parity's table: a line a step with both sides' loss, gradient norm, learning rate and
+    global batch and their relative difference; `equal` within --rtol (exit 0), else `DIFFER` naming the
     quantity (exit 1), as a gradient off by 1e-3 makes it."""
-    this = [{"step": 1, "loss": 5.0, "grad_norm": 2.0, "lr": 0.0},
-            {"step": 2, "loss": 4.9, "grad_norm": 1.9, "lr": 1e-3}]
+    this = [{"step": 1, "loss": 5.0, "grad_norm": 2.0, "lr": 0.0, "batch_size": 4},
+            {"step": 2, "loss": 4.9, "grad_norm": 1.9, "lr": 1e-3, "batch_size": 8}]
     peer = [dict(r) for r in this]
     peer[0]["loss"] *= 1 + 1e-7
     assert parity.report(this, peer, 1e-4) == 0
@@ -7762,17 +7869,21 @@ def test_parity_report_names_what_parts_beyond_rtol(capsys):
 def test_parity_peer_counts_the_schedule_in_samples_as_megatron():
     """What megatron-core's OptimizerParamScheduler is given by the peer
     (tools/parity_peer.schedule_samples: warmup, decay, weight-decay increment, WSD decay in
-    samples) is this project's schedule (config.lr_schedule_steps, in iterations) times the
-    global batch: a fractional warmup unrounded, WSD's last iterations."""
-    for flags in (["--lr-warmup-fraction", "0.15"],
+    samples) is this project's schedule (config.lr_schedule_steps): in iterations times the
+    global batch, a fractional warmup unrounded, WSD's last iterations; in sample-based training
+    its samples."""
+    for flags in (["--lr-warmup-fraction", "0.15", "--train-iters", "24"],
                   ["--lr-warmup-iters", "3", "--lr-decay-iters", "20", "--lr-decay-style", "WSD",
-                   "--lr-wsd-decay-iters", "8"]):
-        cfg = load_config(os.path.join(HERE, "config.yaml"),
-                          [*flags, "--train-iters", "24", "--global-batch-size", "8"])
+                   "--lr-wsd-decay-iters", "8", "--train-iters", "24"],
+                  ["--train-samples", "200", "--lr-warmup-fraction", "0.1", "--lr-decay-style",
+                   "WSD", "--lr-wsd-decay-samples", "40", "--rampup-batch-size", "2", "2", "48",
+                   "--micro-batch-size", "2"]):
+        cfg = load_config(os.path.join(HERE, "config.yaml"), [*flags, "--global-batch-size", "8"])
         steps = lr_schedule_steps(cfg.optimizer_config.learning_rate_scheduler_kwargs,
-                                  cfg.training_config.training_iters)
+                                  cfg.training_config)
+        per_step = 1 if "--train-samples" in flags else 8          # samples already
         assert parity_peer.schedule_samples(to_dict(cfg)) == tuple(
-            (x or 0) * 8 for x in steps), flags
+            (x or 0) * per_step for x in steps), flags
 
 
 def test_plan_flops_add_the_recomputed_forward():

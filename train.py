@@ -44,7 +44,7 @@ from settings.cli import (CONFIG_FLAG, HelpRequested, end_with_parent, load_conf
 from settings.config import (PER_SPLIT_PATHS, SHIPPED_CORPUS, ConfigError, local_worker_num,
                              lr_schedule_steps, main_grad_dtype, moe_layer_pattern,
                              padded_vocab_size, parse_blend, recompute_counts, samples_per_split,
-                             sharded_by_fsdp)
+                             global_batch_size_at, sample_based, sharded_by_fsdp)
 from tokenizer import build_tokenizer
 
 
@@ -269,10 +269,10 @@ def optimizer_and_scheduler(cfg, model, ddp, state=None):
 
 def get_optimizer_param_scheduler(cfg):
     """Megatron's: the learning-rate and weight-decay schedules of the config, their steps
-    counted as config.lr_schedule_steps gives them."""
+    counted as config.lr_schedule_steps gives them (iterations, or samples)."""
     optimizer_cfg = cfg.optimizer_config
     schedule = optimizer_cfg.learning_rate_scheduler_kwargs
-    warmup, decay, wd_incr, wsd = lr_schedule_steps(schedule, cfg.training_config.training_iters)
+    warmup, decay, wd_incr, wsd = lr_schedule_steps(schedule, cfg.training_config)
     return opt.OptimizerParamScheduler(
         max_lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=decay, lr_decay_style=schedule.lr_decay_style,
@@ -362,7 +362,9 @@ class Trainer:
             lr = self.scheduler.get_lr()
             updated, grad_norm = self.optimizer.step(grads, lr, self.scheduler.get_wd())
             if updated:                              # Megatron: a skipped step does not count
-                self.scheduler.step(1)
+                # sample-based training counts its schedules in samples (Megatron: always)
+                samples = len(micro_batches) * self.cfg.dataset_config.batch_size * self.state.dp
+                self.scheduler.step(samples if sample_based(self.cfg.training_config) else 1)
         loss = sum(losses) / len(micro_batches) if losses else 0.0   # none before the last stage
         return self.dp_mean(loss), updated, grad_norm, lr
 
@@ -437,7 +439,11 @@ def pretrain(cfg, notes=()):
         epoch = it.epoch
         scale = trainer.scaler.scale                  # the step may change it
         iteration += 1
-        batches = [next(it) for _ in range(dataset_cfg.micro_batch_num)]
+        # Megatron's update_num_microbatches: the ramp-up's global batch, else the whole one
+        batch_size = global_batch_size_at(it.consumed_samples, dataset_cfg.global_batch_size,
+                                          dataset_cfg.rampup_batch_size)
+        window.set_batch_size(batch_size)
+        batches = [next(it) for _ in range(batch_size // (dataset_cfg.batch_size * state.dp))]
         with window.step(iteration):
             step = trainer.train_step(batches)
         window.log(iteration, epoch, scale, *step)

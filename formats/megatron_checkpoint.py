@@ -29,7 +29,7 @@ from formats import torch_format
 from optimizer import no_weight_decay
 from settings import keys
 from settings.cli import PROJECT
-from settings.config import ConfigError, fc1_chunks
+from settings.config import ConfigError, fc1_chunks, sample_based
 
 LATEST = "latest_checkpointed_iteration.txt"
 WEIGHTS = "model_optim_rng"                     # a rank's file: weights, optimizer state, RNG
@@ -670,6 +670,10 @@ def _megatron_run_args(cfg, iteration, consumed):
     return dict(
         micro_batch_size=dataset_cfg.batch_size, global_batch_size=dataset_cfg.global_batch_size,
         seed=training_cfg.seed, train_iters=training_cfg.training_iters,
+        train_samples=training_cfg.train_samples,
+        rampup_batch_size=dataset_cfg.rampup_batch_size,
+        lr_warmup_samples=schedule.lr_warmup_samples, lr_decay_samples=schedule.lr_decay_samples,
+        lr_wsd_decay_samples=schedule.lr_wsd_decay_samples,
         lr=optimizer_cfg.learning_rate, min_lr=schedule.min_lr,
         lr_decay_style=schedule.lr_decay_style, lr_warmup_iters=schedule.lr_warmup_iters,
         lr_warmup_fraction=schedule.lr_warmup_fraction, lr_decay_iters=schedule.lr_decay_iters,
@@ -799,7 +803,8 @@ def rank_file(cfg, meta, tensors, offsets, ep_rank=0):
         state["optimizer"] = megatron_optimizer(tensors, meta["optimizer_step"], names, shapes, cfg,
                                                 meta["grad_scaler"])
         state["opt_param_scheduler"] = megatron_scheduler_state(
-            meta["opt_param_scheduler"], cfg.dataset_config.global_batch_size)
+            meta["opt_param_scheduler"],
+            1 if sample_based(cfg.training_config) else cfg.dataset_config.global_batch_size)
         state["rng_state"] = [{"rng_tracker_states": meta["rng_state"]}]
     state["num_floating_point_operations_so_far"] = 0
     return state
@@ -808,7 +813,8 @@ def rank_file(cfg, meta, tensors, offsets, ep_rank=0):
 def megatron_scheduler_state(state, global_batch_size):
     """The schedule's state as Megatron's OptimizerParamScheduler.state_dict holds it: its step
     counts in samples, an iteration being global_batch_size of them (this project counts
-    iterations: config.lr_schedule_steps)."""
+    iterations but in sample-based training, where `global_batch_size` is 1:
+    config.lr_schedule_steps)."""
     steps = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
     return {k: v * global_batch_size if k in steps and v is not None else v
             for k, v in state.items()}

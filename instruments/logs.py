@@ -144,14 +144,19 @@ class LogWindow:
         self.cfg, self.trainer, self.first_iteration = cfg, trainer, first_iteration
         self.metrics, self.timers = metrics, timers
         self.profiler = StepProfiler(cfg, trainer.state.rank)
-        dataset_cfg, model_cfg = cfg.dataset_config, cfg.model_config
-        self.batch_size = dataset_cfg.global_batch_size
-        self.tokens_per_step = self.batch_size * model_cfg.seq_length
-        self.flops_per_step = num_floating_point_operations(model_cfg, self.batch_size)
+        model_cfg = cfg.model_config
+        self.set_batch_size(cfg.dataset_config.global_batch_size)
         self.num_moe_layers = sum(moe_layer_pattern(model_cfg))
         track_router_losses(trainer.chunks)
         self.step_moe_losses = {}
         self.reset()
+
+    def set_batch_size(self, batch_size):
+        """The global batch the next train line reports (it grows under --rampup-batch-size)."""
+        model_cfg = self.cfg.model_config
+        self.batch_size = batch_size
+        self.tokens_per_step = batch_size * model_cfg.seq_length
+        self.flops_per_step = num_floating_point_operations(model_cfg, batch_size)
 
     def reset(self):
         self.loss, self.steps, self.skipped = 0.0, 0, 0

@@ -373,9 +373,11 @@ def finalize(cfg, world_size=1):
                           f"got {training_cfg.save_interval}")
     _finalize_model(model_cfg)
     _finalize_precision(model_cfg, training_cfg)
-    _finalize_optimizer(optimizer_cfg, training_cfg)
     _finalize_dataset(dataset_cfg)
     _finalize_parallel(parallel_cfg, model_cfg, dataset_cfg, world_size)
+    _finalize_samples(training_cfg, dataset_cfg, optimizer_cfg.learning_rate_scheduler_kwargs,
+                      parallel_cfg)
+    _finalize_optimizer(optimizer_cfg, training_cfg)
     _finalize_moe(model_cfg, parallel_cfg)
     _finalize_training(training_cfg)
     _resolve_fsdp(training_cfg)
@@ -549,26 +551,28 @@ def _finalize_optimizer(optimizer_cfg, training_cfg):
                               f"got {getattr(optimizer_cfg, k)}")
     _finalize_weight_decay(optimizer_cfg)
     schedule = optimizer_cfg.learning_rate_scheduler_kwargs
-    if schedule.lr_decay_iters is None:
+    unit = "samples" if sample_based(training_cfg) else "iters"         # the keys' suffix
+    words = "samples" if unit == "samples" else "iterations"
+    if schedule.lr_decay_iters is None and unit == "iters":
         schedule.lr_decay_iters = training_cfg.training_iters
     if schedule.lr_warmup_fraction is not None:
-        if schedule.lr_warmup_iters:
-            raise ConfigError("set only one of lr_warmup_iters and lr_warmup_fraction "
+        if getattr(schedule, f"lr_warmup_{unit}"):
+            raise ConfigError(f"set only one of lr_warmup_{unit} and lr_warmup_fraction "
                               "(optimizer_config.learning_rate_scheduler_kwargs)")
         if not 0.0 <= schedule.lr_warmup_fraction <= 1.0:
             raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs."
                               "lr_warmup_fraction must be in [0, 1]")
-    warmup, decay, _, wsd = lr_schedule_steps(schedule, training_cfg.training_iters)
+    warmup, decay, _, wsd = lr_schedule_steps(schedule, training_cfg)
     if warmup < 0 or warmup >= decay:
         given = (f"lr_warmup_fraction={schedule.lr_warmup_fraction} (a warmup of {warmup:g} "
-                 "iterations)" if schedule.lr_warmup_fraction is not None
-                 else f"lr_warmup_iters={warmup}")
+                 f"{words})" if schedule.lr_warmup_fraction is not None
+                 else f"lr_warmup_{unit}={warmup}")
         raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.{given} must be at "
-                          f"least 0 and below lr_decay_iters={decay}")
+                          f"least 0 and below lr_decay_{unit}={decay}")
     if schedule.lr_decay_style == "WSD" and not (wsd and 0 < wsd <= decay):
-        raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.lr_wsd_decay_iters="
-                          f"{wsd}: lr_decay_style=WSD needs its last decay's iterations, from 1 "
-                          f"to lr_decay_iters={decay} (--lr-wsd-decay-iters)")
+        raise ConfigError(f"optimizer_config.learning_rate_scheduler_kwargs.lr_wsd_decay_{unit}="
+                          f"{wsd}: lr_decay_style=WSD needs its last decay's {words}, from 1 "
+                          f"to lr_decay_{unit}={decay} (--lr-wsd-decay-{unit})")
     if not 0.0 <= schedule.lr_warmup_init <= optimizer_cfg.learning_rate:
         raise ConfigError("optimizer_config.learning_rate_scheduler_kwargs.lr_warmup_init="
                           f"{schedule.lr_warmup_init} must be from 0 to learning_rate="
@@ -578,16 +582,113 @@ def _finalize_optimizer(optimizer_cfg, training_cfg):
                           f"{schedule.min_lr} exceeds learning_rate={optimizer_cfg.learning_rate}")
 
 
-def lr_schedule_steps(schedule, training_iters):
+def lr_schedule_steps(schedule, training_cfg):
     """(lr_warmup_steps, lr_decay_steps, wd_incr_steps, wsd_decay_steps) of the learning-rate and
-    weight-decay schedules, counted in iterations: Megatron's get_optimizer_param_scheduler
-    counts samples, an iteration being global_batch_size of them, and keeps a fractional warmup
-    unrounded (lr_warmup_fraction x lr_decay_steps); with a constant global batch its learning
-    rate and weight decay at every step are those of these counts (the same ratios)."""
-    decay, wsd = schedule.lr_decay_iters, schedule.lr_wsd_decay_iters
+    weight-decay schedules, as Megatron's get_optimizer_param_scheduler counts them, a
+    fractional warmup unrounded (lr_warmup_fraction x lr_decay_steps): in samples with
+    train_samples (sample-based training; the scheduler steps by each step's samples), else in
+    iterations. Megatron counts samples there too, an iteration being global_batch_size of
+    them: with a constant global batch the learning rate and weight decay at every step are
+    those of these counts (the same ratios)."""
+    if sample_based(training_cfg):
+        decay, wsd = schedule.lr_decay_samples, schedule.lr_wsd_decay_samples
+        warmup, total = schedule.lr_warmup_samples, training_cfg.train_samples
+    else:
+        decay, wsd = schedule.lr_decay_iters, schedule.lr_wsd_decay_iters
+        warmup, total = schedule.lr_warmup_iters, training_cfg.training_iters
     if schedule.lr_warmup_fraction is not None:
-        return schedule.lr_warmup_fraction * decay, decay, training_iters, wsd
-    return schedule.lr_warmup_iters, decay, training_iters, wsd
+        warmup = schedule.lr_warmup_fraction * decay
+    return warmup, decay, total, wsd
+
+
+# ============================================================================ counting samples
+def sample_based(training_cfg):
+    """Whether training counts samples (Megatron's --train-samples), not iterations."""
+    return training_cfg.train_samples is not None
+
+
+def _finalize_samples(training_cfg, dataset_cfg, schedule, parallel_cfg):
+    """Megatron's two ways of counting a run (arguments.py): iterations (--train-iters), the
+    schedules in iterations; or samples (--train-samples), the schedules and the batch-size
+    ramp-up in samples, the iterations following (update_train_iters)."""
+    where = "optimizer_config.learning_rate_scheduler_kwargs."
+    ramp = dataset_cfg.rampup_batch_size
+    if not sample_based(training_cfg):
+        given = [where + k for k in ("lr_warmup_samples", "lr_decay_samples",
+                                     "lr_wsd_decay_samples") if getattr(schedule, k)]
+        given += ["dataset_config.rampup_batch_size"] if ramp else []
+        if given:
+            raise ConfigError(f"{given[0]} counts samples: give --train-samples (sample-based "
+                              "training), as Megatron asks")
+        return
+    if training_cfg.train_samples < 1:
+        raise ConfigError("training_config.train_samples must be positive, got "
+                          f"{training_cfg.train_samples}")
+    given = [k for k in ("lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters")
+             if getattr(schedule, k)]
+    if given:
+        raise ConfigError(f"{where}{given[0]} counts iterations: with --train-samples give "
+                          f"--{given[0].replace('_', '-').replace('iters', 'samples')}, "
+                          "as Megatron asks")
+    if schedule.lr_decay_samples is None:
+        schedule.lr_decay_samples = training_cfg.train_samples
+    if ramp is not None:
+        _check_rampup(ramp, dataset_cfg, parallel_cfg)
+    training_cfg.training_iters = train_iterations(training_cfg.train_samples,
+                                                   dataset_cfg.global_batch_size, ramp)
+    if training_cfg.training_iters < 1:
+        raise ConfigError(f"training_config.train_samples={training_cfg.train_samples} is less "
+                          "than one global batch: nothing to train")
+
+
+def global_batch_size_at(consumed, global_batch_size, rampup):
+    """The global batch after `consumed` samples: Megatron's
+    RampupBatchsizeNumMicroBatchesCalculator.update, from rampup = [start, increment, samples]
+    (start + increment x the increments those samples allow, then global_batch_size), or
+    global_batch_size without a ramp-up."""
+    if rampup is None or consumed > rampup[2]:
+        return global_batch_size
+    start, increment, samples = rampup
+    per_increment = samples / ((global_batch_size - start) // increment)
+    return start + int(consumed / per_increment) * increment
+
+
+def train_iterations(train_samples, global_batch_size, rampup):
+    """The iterations of sample-based training: Megatron's update_train_iters (the ramp-up's
+    steps while its samples last, then whole global batches; a partial last one dropped)."""
+    if rampup is None:
+        return train_samples // global_batch_size
+    iterations = consumed = 0
+    while consumed <= rampup[2] and consumed <= train_samples:
+        consumed += global_batch_size_at(consumed, global_batch_size, rampup)
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // global_batch_size
+    return iterations
+
+
+def _check_rampup(ramp, dataset_cfg, parallel_cfg):
+    """Megatron's rules of --rampup-batch-size START INCREMENT SAMPLES: three numbers, START
+    below the global batch by a multiple of INCREMENT, and every batch of the ramp a whole
+    number of micro-batches on each DP rank (its consistency check; the interleaved schedule
+    also needs them a multiple of PP)."""
+    gbs, per_step = dataset_cfg.global_batch_size, dataset_cfg.batch_size * (
+        parallel_cfg.data_parallel_size)
+    flag = "dataset_config.rampup_batch_size (--rampup-batch-size START INCREMENT SAMPLES)"
+    if len(ramp) != 3 or not all(isinstance(v, int) for v in ramp):
+        raise ConfigError(f"{flag}: three whole numbers, got {ramp}")
+    start, increment, samples = ramp
+    if not (0 < start < gbs and increment > 0 and samples >= 0 and (gbs - start) % increment == 0):
+        raise ConfigError(f"{flag}={ramp}: START from 1 to below global_batch_size={gbs}, which "
+                          "it reaches by INCREMENTs, and SAMPLES >= 0")
+    pp = parallel_cfg.pipeline_model_parallel_size
+    whole = per_step * (pp if parallel_cfg.virtual_pipeline_model_parallel_size > 1 else 1)
+    odd = [b for b in range(start, gbs, increment) if b % whole]
+    if odd:
+        raise ConfigError(f"{flag}={ramp}: a global batch of {odd[0]} is not a multiple of "
+                          f"{whole} (batch_size x data-parallel size"
+                          + (" x pipeline stages, interleaved" if whole != per_step else "")
+                          + "): choose START and INCREMENT multiples of it")
 
 
 def _finalize_weight_decay(optimizer_cfg):
@@ -671,7 +772,8 @@ def samples_per_split(cfg):
     each evaluation and at the end, and eval_iters batches of test."""
     training_cfg, gbs = cfg.training_config, cfg.dataset_config.global_batch_size
     iters, eval_iters = training_cfg.training_iters, training_cfg.eval_iters
-    return (iters * gbs, (iters // training_cfg.eval_interval + 1) * eval_iters * gbs,
+    train = training_cfg.train_samples if sample_based(training_cfg) else iters * gbs
+    return (train, (iters // training_cfg.eval_interval + 1) * eval_iters * gbs,
             eval_iters * gbs)
 
 

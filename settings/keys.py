@@ -96,6 +96,9 @@ TRAINING = [
     key("training_config.output_dir", "./output", str, "--save",
         "checkpoints, logs (output_dir/log/rank_N), metrics.jsonl, loss.svg"),
     key("training_config.training_iters", 200, int, "--train-iters", "optimizer steps to train"),
+    key("training_config.train_samples", None, int, "--train-samples",
+        "sample-based training: samples to train on (training_iters follows, Megatron's "
+        "update_train_iters; schedules in samples)"),
     key("training_config.log_interval", 10, int, "--log-interval",
         "steps between train lines (the loss is their mean)"),
     key("training_config.tensorboard_dir", None, str, "--tensorboard-dir",
@@ -606,6 +609,9 @@ DATASET = [
         aliases={"parallel_config.micro_batch_num": None}),
     key("dataset_config.global_batch_size", None, int, "--global-batch-size",
         "sequences per step; null = batch_size x micro_batch_num x dp"),
+    key("dataset_config.rampup_batch_size", None, list, "--rampup-batch-size",
+        "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT over SAMPLES "
+        "samples (sample-based training)"),
     key("dataset_config.reset_position_ids", False, bool, None,
         "positions restart after each end-of-document", switch={"--reset-position-ids": True}),
     key("dataset_config.reset_attention_mask", False, bool, None,
@@ -659,6 +665,13 @@ OPTIMIZER = [
     key(_LR + "lr_decay_iters", None, int, "--lr-decay-iters",
         "steps over which the learning rate decays; null = training_iters",
         aliases={"optimizer_config.lr_decay_iters": None, _LR + "decay_steps": None}),
+    key(_LR + "lr_warmup_samples", 0, int, "--lr-warmup-samples",
+        "sample-based training: samples of linear warmup"),
+    key(_LR + "lr_decay_samples", None, int, "--lr-decay-samples",
+        "sample-based training: samples over which the learning rate decays; null = "
+        "train_samples"),
+    key(_LR + "lr_wsd_decay_samples", None, int, "--lr-wsd-decay-samples",
+        "WSD, sample-based training: the samples of its last decay"),
     key(_LR + "lr_wsd_decay_style", "exponential", str, "--lr-wsd-decay-style",
         "WSD: the shape of its last decay", choices=LR_WSD_DECAY_STYLES),
     key(_LR + "lr_wsd_decay_iters", None, int, "--lr-wsd-decay-iters",

@@ -32,14 +32,15 @@ import train
 from tools import bench, bench_peer, tour
 
 FLAGS = {"--peer": (REQUIRED, str, "a python with torch and megatron-core"),
-         "--steps": (24, int, "training steps of both sides"),
+         "--steps": (24, int, "training steps of both sides (with --train-samples, the "
+                              "iterations its samples make)"),
          "--rtol": (1e-4, float, "the largest relative difference of a step's loss, gradient "
                                  "norm or learning rate taken as equal"),
          "--output": (os.path.join("output", "parity"), str,
                       "the folder of the project's run, the seed and the peer's log")}
 # the values parity compares: metrics.jsonl's key, the peer's key, what the table calls it
 COMPARED = [("loss", "loss", "loss"), ("grad_norm", "grad_norm", "grad norm"),
-            ("lr", "lr", "lr")]
+            ("lr", "lr", "lr"), ("batch_size", "batch_size", "batch")]
 
 
 def main(argv):
@@ -65,7 +66,7 @@ def main(argv):
         return 2
     out = os.path.abspath(options["output"])
     this = run_project(flags, options["steps"], out)
-    peer = run_peer(options["peer"], out, options["steps"])
+    peer = run_peer(options["peer"], out, len(this))     # --train-samples: its iterations
     print(f"parity: this project ({' '.join(flags) or 'config.yaml'}) beside megatron-core "
           f"{versions[1]} (torch {versions[0]}, one process), {options['steps']} steps")
     return report(this, peer, options["rtol"])

@@ -134,16 +134,22 @@ def load_seed(model, folder):
 
 def schedule_samples(cfg):
     """(warmup, decay, weight-decay increment, WSD decay) in samples, as megatron/training's
-    get_optimizer_param_scheduler counts them from iterations and fractions."""
+    get_optimizer_param_scheduler counts them: from the samples of sample-based training
+    (train_samples), else from iterations, and from fractions."""
     training, dataset = cfg["training_config"], cfg["dataset_config"]
     lr = cfg["optimizer_config"]["learning_rate_scheduler_kwargs"]
-    gbs = dataset["global_batch_size"]
-    decay_iters = lr["lr_decay_iters"] or training["training_iters"]
-    decay = decay_iters * gbs
-    warmup = (lr["lr_warmup_fraction"] * decay if lr["lr_warmup_fraction"] is not None
-              else lr["lr_warmup_iters"] * gbs)
-    wsd = (lr["lr_wsd_decay_iters"] or 0) * gbs
-    return warmup, decay, training["training_iters"] * gbs, wsd
+    if training["train_samples"] is not None:
+        total = training["train_samples"]
+        decay, warmup = lr["lr_decay_samples"] or total, lr["lr_warmup_samples"]
+        wsd = lr["lr_wsd_decay_samples"] or 0
+    else:
+        gbs = dataset["global_batch_size"]
+        decay = (lr["lr_decay_iters"] or training["training_iters"]) * gbs
+        warmup, wsd = lr["lr_warmup_iters"] * gbs, (lr["lr_wsd_decay_iters"] or 0) * gbs
+        total = training["training_iters"] * gbs
+    if lr["lr_warmup_fraction"] is not None:
+        warmup = lr["lr_warmup_fraction"] * decay
+    return warmup, decay, total, wsd
 
 
 def wrap(model, config, cfg):
@@ -205,18 +211,22 @@ def train_dataset(cfg, cache):
         reset_attention_mask=dataset["reset_attention_mask"],
         eod_mask_loss=dataset["eod_mask_loss"], create_attention_mask=False,
         path_to_cache=cache)
-    samples = training["training_iters"] * dataset["global_batch_size"]
+    samples = training["train_samples"] or training["training_iters"] * dataset[
+        "global_batch_size"]
     return BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True,
                                          config).build()[0]
 
 
 def train(model, optimizer, scheduler, dataset, cfg, steps):
-    """`steps` steps as megatron training runs them, one line printed a step."""
+    """`steps` steps as megatron training runs them, the batch-size ramp-up's number of
+    micro-batches from megatron-core's own calculator; one line printed a step."""
     import torch
+    from megatron.core import num_microbatches_calculator as calculator
     from megatron.core.pipeline_parallel import get_forward_backward_func
     dataset_cfg = cfg["dataset_config"]
-    micro, gbs = dataset_cfg["batch_size"], dataset_cfg["global_batch_size"]
-    seq = cfg["model_config"]["seq_length"]
+    micro, seq = dataset_cfg["batch_size"], cfg["model_config"]["seq_length"]
+    calculator.init_num_microbatches_calculator(0, dataset_cfg["rampup_batch_size"],
+                                                dataset_cfg["global_batch_size"], micro, 1)
     forward_backward = get_forward_backward_func()
 
     def forward_step(data, model):
@@ -229,9 +239,13 @@ def train(model, optimizer, scheduler, dataset, cfg, steps):
         count = mask.sum().to(torch.int)
         return loss, count, {"lm loss": torch.stack([loss.detach(), count.float()])}
 
+    consumed = 0
     for step in range(steps):
-        batches = [collate([dataset[step * gbs + m * micro + i] for i in range(micro)])
+        calculator.update_num_microbatches(consumed, consistency_check=True)
+        gbs = calculator.get_current_global_batch_size()
+        batches = [collate([dataset[consumed + m * micro + i] for i in range(micro)])
                    for m in range(gbs // micro)]
+        consumed += gbs
         model.zero_grad_buffer()
         optimizer.zero_grad()
         lr = optimizer.param_groups[0]["lr"]
@@ -244,7 +258,7 @@ def train(model, optimizer, scheduler, dataset, cfg, steps):
             scheduler.step(increment=gbs)
         total = torch.stack([r["lm loss"] for r in reduced]).double().sum(0)
         print(f"step={step + 1} loss={float(total[0] / total[1]):.9g} "
-              f"grad_norm={float(grad_norm):.9g} lr={lr:.9g}", flush=True)
+              f"grad_norm={float(grad_norm):.9g} lr={lr:.9g} batch_size={gbs}", flush=True)
 
 
 def collate(samples):
