@@ -3893,8 +3893,8 @@ def test_a_stopped_job_resumes_bit_identical(how, whole_run, tmp_path, monkeypat
     assert train_records(d) == train_records(whole_run)
 
 
-# sample-based training with a ramp-up: global batches 2, 2, 4, 6, then 8 (--rampup-batch-size 2 2 12
-# to 8: an increment each 4 samples), 8 steps in all for 48 samples (Megatron's update_train_iters)
+# sample-based training with a ramp-up: global batches 2, 2, 4, 6, then 8 (--rampup-batch-size
+# 2 2 12 to 8: an increment each 4 samples), 8 steps in all for 48 samples (update_train_iters)
 RAMP_RUN = ["--train-samples", "48", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--rampup-batch-size", "2", "2", "12"]
 
@@ -7851,8 +7851,8 @@ def test_parity_needs_a_peer_with_megatron_core(tmp_path, monkeypatch, capsys):
 
 def test_parity_report_names_what_parts_beyond_rtol(capsys):
     """parity's table: a line a step with both sides' loss, gradient norm, learning rate and
-    global batch and their relative difference; `equal` within --rtol (exit 0), else `DIFFER` naming the
-    quantity (exit 1), as a gradient off by 1e-3 makes it."""
+    global batch and their relative difference; `equal` within --rtol (exit 0), else
+    `DIFFER` naming the quantity (exit 1), as a gradient off by 1e-3 makes it."""
     this = [{"step": 1, "loss": 5.0, "grad_norm": 2.0, "lr": 0.0, "batch_size": 4},
             {"step": 2, "loss": 4.9, "grad_norm": 1.9, "lr": 1e-3, "batch_size": 8}]
     peer = [dict(r) for r in this]
