@@ -10157,8 +10157,7 @@ resumed("ep4_to_ep2", 2, "moe checkpoint", MOE_LAYER + EP2 + DISTOPT, "ep4_disto
 resumed("dp2_fsdp_zero3_resumed", 2, "dp checkpoint", FSDP + TWO_MICRO, "dp2_fsdp_zero3")
 resumed("dp2_fsdp_zero2_resumed", 2, "dp checkpoint", ZERO2 + TWO_MICRO + COMPILED,
         "dp2_fsdp_zero2")
-resumed("tp2_pp2_to_dp2_fsdp_zero3", 2, "dp checkpoint", PIPELINE_RUN + FSDP,
-        "tp2_pp2_sp_first")
+resumed("tp2_pp2_to_dp2_fsdp_zero3", 2, "checkpoint", PIPELINE_RUN + FSDP, "tp2_pp2_sp_first")
 resumed("fsdp_zero3_to_tp2_pp2", 4, "dp checkpoint", TP2 + PP2, "tp2_sp_dp2_fsdp_zero3")
 # where a converted run resumes: (the run whose checkpoint was converted, what changed)
 CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed optimizer"),

@@ -719,7 +719,9 @@ def load_training_state(cfg, trainer, rng):
     weights_only = training_cfg.finetune or meta.get("optimizer_step") is None
     layout = layout_of(cfg)
     # checkpoints written before expert parallelism have no "ep"
-    saved_layout = meta.get("layout") and {"ep": 1, "fsdp_units": False, **meta["layout"]}
+    saved_layout = meta.get("layout") and {"ep": 1, **meta["layout"]}
+    if saved_layout:                            # nor before Megatron-FSDP: buckets by size
+        saved_layout.setdefault("fsdp_units", False)
     same_model_split = saved_layout and all(saved_layout.get(k) == layout[k]
                                             for k in ("tp", "ep", "pp", "vpp", "num_layer_list"))
     # Without the distributed optimizer's shards every DP and CP rank holds the same state (as
