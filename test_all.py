@@ -11846,17 +11846,22 @@ def call_restarts(harness):
 
 def call_restart_faults(harness):
     """PP2 over two nodes straight through, and killed once with its latest checkpoint damaged
-    (one before it intact), with --max-restarts 1; TP2 compiled straight through, and with
-    --max-restarts 2 killed while its first graph compiles, then while it writes a checkpoint
-    (one complete before it): {name: what run_sh_two_nodes or run_sh_killed returns}."""
+    (one before it intact), with --max-restarts 1: {name: what run_sh_two_nodes returns}."""
     pp2 = ["--pipeline-model-parallel-size", "2"]
     runs = {"two_nodes_straight": run_sh_two_nodes(harness, "two_nodes_straight", pp2)}
     runs["two_nodes_restarted"] = run_sh_two_nodes(
         harness, "two_nodes_restarted", [*pp2, "--max-restarts", "1"],
         lambda save: checkpointed(save, 4), damaged=True)
+    return runs
+
+
+def call_restart_compiled(harness):
+    """TP2 compiled straight through, and with --max-restarts 2 killed while its first graph
+    compiles, then while it writes a checkpoint (one complete before it): {name: what
+    run_sh_killed returns}."""
     tp2 = ["--tensor-model-parallel-size", "2"]
-    runs["tp2_compiled_straight"] = run_sh_killed(harness, "tp2_compiled_straight", 2, tp2,
-                                                  run=COMPILED_RUN)
+    runs = {"tp2_compiled_straight": run_sh_killed(harness, "tp2_compiled_straight", 2, tp2,
+                                                   run=COMPILED_RUN)}
     log_dir, written = harness.tmp / "tp2_compiled_restarted_log", []
     runs["tp2_compiled_restarted"] = (*run_sh_killed(
         harness, "tp2_compiled_restarted", 2, [*tp2, "--max-restarts", "2"],
@@ -11887,6 +11892,7 @@ def call_restart_refused(harness):
 
 add("restarts", 0, "", call=call_restarts, beside="restart")
 add("restart_faults", 0, "", call=call_restart_faults, beside="restart_faults")
+add("restart_compiled", 0, "", call=call_restart_compiled, beside="restart_compiled")
 add("restart_refused", 0, "", call=call_restart_refused, beside="launch")
 # TP2 on a disk that fills (run_sh_on_a_full_disk), beside the forked runs
 add("disk_full", 0, "", call=lambda harness: run_sh_on_a_full_disk(harness, "disk_full", "5m"),
@@ -11987,12 +11993,12 @@ def test_two_run_sh_launches_make_one_job(runs):
     assert_trains_like(out, runs.tmp / "one_straight", tour.FLOAT32)
 
 
-@reading("restart_faults")
+@reading("restart_compiled")
 def test_a_worker_killed_compiling_is_restarted(runs):
     """kill -9 of TP2's rank 1 while its first compiled graph compiles (ms.jit; the graph's event
     in its flight record holds no group yet): named within 30 s, the job restarted from
     iteration 0 to the end of the run that never stopped, bit for bit."""
-    done = runs.result("restart_faults")
+    done = runs.result("restart_compiled")
     assert done["tp2_compiled_straight"][1] == 0
     console, code, killed, named_after, record, _ = done["tp2_compiled_restarted"]
     assert len(killed) == 2 and code == 0 and named_after <= 30, (named_after, console[-3000:])
@@ -12003,14 +12009,14 @@ def test_a_worker_killed_compiling_is_restarted(runs):
     assert_ends_as(runs.tmp / "tp2_compiled_straight", save)
 
 
-@reading("restart_faults")
+@reading("restart_compiled")
 def test_a_worker_killed_while_a_checkpoint_is_written_is_restarted(runs):
     """kill -9 of TP2's rank 1 while a checkpoint is written (its temporary folder there, one
     checkpoint complete before it; the job restarted once already, from a kill while compiling):
     named within 30 s, the job restarted from the newest complete checkpoint (the one being
     written only if every rank had written its files), to the end of the run that never stopped,
     bit for bit; every checkpoint left intact by its checksums, no temporary folder left."""
-    console, code, killed, named_after, _, written = runs.result("restart_faults")[
+    console, code, killed, named_after, _, written = runs.result("restart_compiled")[
         "tp2_compiled_restarted"]
     assert len(killed) == 2 and code == 0 and named_after <= 30, (named_after, console[-3000:])
     assert f"error: rank 1 (pid {killed[1]}) was killed by signal 9" in console, console[-3000:]
