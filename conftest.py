@@ -93,8 +93,8 @@ class Job:
     in a thread of its kind beside the rest: "forked", the forked runs of one-process tests;
     "launch", a launch whose processes take little of the CPU (idle in a collective, asleep,
     failing at load, killed as they start, or a few steps of a tiny model on one worker a
-    launch); "restart", "restart_faults" and "restart_compiled", the run.sh jobs killed and
-    launched again (three lists, side by side)."""
+    launch); "restart", "restart_one", "restart_faults" and "restart_compiled", the run.sh jobs
+    killed and launched again (four lists, side by side)."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
                  sigterm=None, hold=None, busy=0, call=None, check=None, beside=None,
@@ -366,12 +366,12 @@ class Harness:
       6. the calls that need a launch's jobs.
     A launch runs test_all.py on its workers (run_jobs), its check jobs first, before any
     training; a selection with no job of a step skips it, so `-m pipeline` launches only pipeline
-    runs. Five more threads run the other calls (Job.beside) beside all this, each its kind in
+    runs. Six more threads run the other calls (Job.beside) beside all this, each its kind in
     turn: the forked runs of one-process tests, the launches that take little of the CPU (the
     planted faults, a launch that fails at load, a killed worker, the guide's script, a run
-    killed twice as it starts), and the run.sh jobs killed and launched again (three threads:
-    call_restarts, call_restart_faults and call_restart_compiled), each msrun job on its own
-    scheduler port. All of it yields the CPU to the one-process tests (HARNESS_NICE)."""
+    killed twice as it starts), and the run.sh jobs killed and launched again (four threads:
+    call_restarts, call_restart_one, call_restart_faults and call_restart_compiled), each
+    msrun job on its own scheduler port. All of it yields the CPU to the one-process tests (HARNESS_NICE)."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, needed_jobs(names)
@@ -384,7 +384,8 @@ class Harness:
         self.processes, self.stopped = set(), False
         self.threads = [threading.Thread(target=self._run_all, daemon=True)] + [
             threading.Thread(target=self._run_calls_beside, args=(kind,), daemon=True)
-            for kind in ("forked", "launch", "restart", "restart_faults", "restart_compiled")]
+            for kind in ("forked", "launch", "restart", "restart_one", "restart_faults",
+                         "restart_compiled")]
         for thread in self.threads:
             thread.start()
 

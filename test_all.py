@@ -11827,18 +11827,22 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 
 
 def call_restarts(harness):
-    """Each job straight through, then struck and restarted to end as it: TP2 x PP2 with
+    """The job straight through, then struck and restarted to end as it: TP2 x PP2 with
     --max-restarts 2 killed once in a collective (its TP peer stopped) after a checkpoint, then,
-    restarted, stopped (SIGSTOP) after a later one (one launch for both faults of the layout);
-    one process with --max-restarts 1 killed once after a checkpoint: {name: what run_sh_killed
-    returns}."""
+    restarted, stopped (SIGSTOP) after a later one (one launch for both faults of the layout):
+    {name: what run_sh_killed returns}."""
     restarts = [*TP2_PP2, "--max-restarts", "2"]
-    runs = {"tp2_pp2_straight": run_sh_killed(harness, "tp2_pp2_straight", 4, TP2_PP2),
+    return {"tp2_pp2_straight": run_sh_killed(harness, "tp2_pp2_straight", 4, TP2_PP2),
             "tp2_pp2_restarted": run_sh_killed(
                 harness, "tp2_pp2_restarted", 4, restarts,
                 [checkpointed, lambda save: checkpointed(save, 6)],
                 sig=[signal.SIGKILL, signal.SIGSTOP], held=2)}
-    runs["one_straight"] = run_sh_killed(harness, "one_straight", 1, [])
+
+
+def call_restart_one(harness):
+    """One process straight through, then with --max-restarts 1 killed once after a checkpoint:
+    {name: what run_sh_killed returns}."""
+    runs = {"one_straight": run_sh_killed(harness, "one_straight", 1, [])}
     runs["one_restarted"] = run_sh_killed(harness, "one_restarted", 1, ["--max-restarts", "1"],
                                           [checkpointed])
     return runs
@@ -11891,6 +11895,7 @@ def call_restart_refused(harness):
 
 
 add("restarts", 0, "", call=call_restarts, beside="restart")
+add("restart_one", 0, "", call=call_restart_one, beside="restart_one")
 add("restart_faults", 0, "", call=call_restart_faults, beside="restart_faults")
 add("restart_compiled", 0, "", call=call_restart_compiled, beside="restart_compiled")
 add("restart_refused", 0, "", call=call_restart_refused, beside="launch")
@@ -11940,12 +11945,12 @@ def assert_ends_as(straight, restarted):
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-@reading("restarts")
+@reading("restart_one")
 def test_a_killed_process_restarts_from_its_last_checkpoint_to_the_same_weights(runs):
     """One process (run.sh without msrun), --max-restarts 1, killed once a checkpoint is
     complete: named within 30 s, restarted from the last complete checkpoint, and it ends as the
     run that never stopped, every step's loss and gradient norm and the weights bit for bit."""
-    done = runs.result("restarts")
+    done = runs.result("restart_one")
     assert done["one_straight"][1] == 0, done["one_straight"][0][-3000:]
     console, code, killed, named_after, _ = done["one_restarted"]
     assert len(killed) == 1 and code == 0 and named_after <= 30, (named_after, console[-3000:])
@@ -11979,7 +11984,7 @@ def test_a_job_of_two_nodes_restarts_in_step(runs):
     assert_ends_as(runs.tmp / "two_nodes_straight", save)
 
 
-@reading("restart_faults", "restarts")
+@reading("restart_faults", "restart_one")
 def test_two_run_sh_launches_make_one_job(runs):
     """Two `bash run.sh --nnodes 2` launches with torchrun's flags, --node_rank 0 and 1, each with
     one worker, the second in its own network namespace (run_sh_two_nodes: the restart test's run
@@ -11989,7 +11994,7 @@ def test_two_run_sh_launches_make_one_job(runs):
     assert [code for _, code in nodes] == [0, 0], [console[-2000:] for console, _ in nodes]
     out = runs.tmp / "two_nodes_straight"
     assert "1 -> 0, 0, 0, 1" in (out / "log" / "rank_0" / "info.log").read_text()   # pp 2
-    assert runs.result("restarts")["one_straight"][1] == 0
+    assert runs.result("restart_one")["one_straight"][1] == 0
     assert_trains_like(out, runs.tmp / "one_straight", tour.FLOAT32)
 
 
