@@ -371,7 +371,8 @@ class Harness:
     planted faults, a launch that fails at load, a killed worker, the guide's script, a run
     killed twice as it starts), and the run.sh jobs killed and launched again (four threads:
     call_restarts, call_restart_one, call_restart_faults and call_restart_compiled), each
-    msrun job on its own scheduler port. All of it yields the CPU to the one-process tests (HARNESS_NICE)."""
+    msrun job on its own scheduler port. All of it yields the CPU to the one-process tests
+    (HARNESS_NICE)."""
 
     def __init__(self, tmp, names):
         self.tmp, self.names = tmp, needed_jobs(names)

@@ -3728,15 +3728,16 @@ def test_fsdp_step_is_the_plain_step_with_parameters_let_go(strategy):
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-7)
 
 
-# 2 workers: DP2 of ZeRO-2 compiled and of ZeRO-3 (op by op: optimizer.ShardedParamOptimizer),
-# 2 micro-batches a rank. 4 workers: ZeRO-3 with TP2 + SP and with PP2 x VPP2 (beside two busy
-# processes: the tour's 4-worker rows), ZeRO-3 over DP4 with EP2 (the experts' buffer over their
-# expert-data-parallel group of 2), ZeRO-2 over CP2 x DP2 (4 shards: FSDP shards over DP x CP).
-# DP2's and TP2 x DP2's save at step 2 (the checkpoint section resumes them)
+# 2 workers: DP2 of ZeRO-2 compiled and of ZeRO-3 (op by op: optimizer.ShardedParamOptimizer), 2
+# micro-batches a rank. 4 workers: ZeRO-3 with TP2 + SP (a micro-batch a rank) and with PP2 x VPP2
+# (2 a rank; both beside two busy processes: the tour's 4-worker rows), ZeRO-3 over DP4 with EP2
+# (the experts' buffer over their expert-data-parallel group of 2), ZeRO-2 over CP2 x DP2 (4
+# shards: FSDP shards over DP x CP). DP2's and TP2 x DP2's save at step 2 (the checkpoint section
+# resumes them)
 layout("dp2_fsdp_zero2", 2, "dp checkpoint", ZERO2 + TWO_MICRO + COMPILED + SAVE_HALF, "one")
 layout("dp2_fsdp_zero3", 2, "dp checkpoint", FSDP + TWO_MICRO + SAVE_HALF, "one")
-layout("tp2_sp_dp2_fsdp_zero3", 4, "dp tp checkpoint", FSDP + TP2 + SP + TWO_MICRO + SAVE_HALF,
-       "one", busy=2)
+layout("tp2_sp_dp2_fsdp_zero3", 4, "dp tp checkpoint", FSDP + TP2 + SP + SAVE_HALF, "one",
+       busy=2)
 layout("pp2_vpp2_dp2_fsdp_zero3", 4, "dp pipeline",
        PIPELINE_RUN + PP2 + VPP2 + FSDP + ["--micro-batch-size", "1"], "one_pp", busy=2)
 layout("ep2_dp4_fsdp_zero3", 4, "dp moe", MOE_LAYER + EP2 + FSDP + ["--micro-batch-size", "1"],
