@@ -5,6 +5,8 @@
 #   bash run.sh test              set up, then the test suite
 #   bash run.sh tour [--layouts a,b]   every layout of a tiny GPT trained beside one process, a
 #                                 row per layout (tools/tour.py)
+#   bash run.sh exercise list|NAME [--check|--hint|--solution]   a concept's key lines blanked in a
+#                                 copy, the proofs grade yours (tools/exercises.py)
 #   bash run.sh check ...         the config, layout (--nproc N) and inputs checked, nothing run
 #   bash run.sh preprocess ...    Megatron tools/preprocess_data.py flags ->
 #                                 <prefix>_text_document.bin/.idx
@@ -76,6 +78,10 @@ case "${1:-}" in
   parity)
     shift
     exec python -m tools.parity "$@"
+    ;;
+  exercise)
+    shift
+    exec python -m tools.exercises "$@"
     ;;
 esac
 

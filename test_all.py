@@ -178,8 +178,8 @@ from settings.config import (ConfigError, global_batch_size_at, lr_schedule_step
                              padded_vocab_size, recompute_counts, to_dict, to_namespace)
 from settings.keys import FLAGS, KEYS
 from tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
-from tools import (bench, bench_fusions, bench_peer, bugs, collective_timing, parity, parity_peer,
-                   tour)
+from tools import (bench, bench_fusions, bench_peer, bugs, collective_timing, exercises, parity,
+                   parity_peer, tour)
 import tools.reading
 # the msrun harness, which pytest loaded first (this import is that module)
 import conftest
@@ -4478,9 +4478,10 @@ MODULES = {"tokenizer": "tokenizer", "data": "data", "layers": "layers", "parall
                                                        "memory", "sample", "profiler", "metrics",
                                                        "logs")},
            **{name: f"tools.{name}" for name in ("bench_torch", "bench_peer", "bench",
-                                                 "bench_fusions", "tour", "bugs", "reading")}}
-ENTRY_POINTS = ("train", "bench", "bench_fusions", "tour", "flight_recorder", "bench_torch",
-                "bench_peer", "reading")
+                                                 "bench_fusions", "tour", "bugs", "exercises",
+                                                 "reading")}}
+ENTRY_POINTS = ("train", "bench", "bench_fusions", "tour", "exercises", "flight_recorder",
+                "bench_torch", "bench_peer", "reading")
 SUITE = ("test_all", "conftest")          # the suite's own files: this one and its msrun harness
 
 
@@ -10149,6 +10150,7 @@ resumed("dp2_distopt_overlap_resumed", 2, "dp checkpoint",
         PARAM_GATHER + OVERLAP + HALF + MIXTURE, "dp2_distopt_overlap")
 resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
 resumed("one_to_cp2_ulysses", 2, "checkpoint", ROPE + CP2, "one_rope_gqa")
+resumed("one_to_cp2_all_gather", 2, "checkpoint", ROPE + CP2 + ALL_GATHER, "one_rope_gqa")
 # resumed in another layout straight from the 4 workers' checkpoints, converted on load; TP2 x
 # PP2 as DP2 saved in torch_dist (the distributed optimizer's state gathered per parameter)
 resumed("tp2_pp2_to_dp2_distopt", 2, "checkpoint", PIPELINE_RUN + DISTOPT + DIST,
@@ -10164,6 +10166,7 @@ resumed("fsdp_zero3_to_tp2_pp2", 4, "dp checkpoint", TP2 + PP2, "tp2_sp_dp2_fsdp
 CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed optimizer"),
              "one_to_cp2_ring_dp2_distopt": ("one_rope_gqa", "one process -> CP2 x DP2"),
              "one_to_cp2_ulysses": ("one_rope_gqa", "one process -> CP2, no conversion"),
+             "one_to_cp2_all_gather": ("one_rope_gqa", "one process -> CP2 all_gather"),
              "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_sp", "TP2 x PP2 -> PP2 with VPP2"),
              "tp2_pp2_to_one": ("tp2_pp2_sp", "TP2 x PP2 -> one process"),
              "ep4_to_one": ("ep4_distopt", "EP4 -> one process"),
@@ -12356,6 +12359,9 @@ def check_valid_command(words, output, capsys):
                                           passthrough="training flags")
         assert train.main(["check", *flags, *parity.run_flags(values["steps"])]) == 0
         return "parity"
+    if command == "exercise":                     # a wrong name or flag raises ConfigError
+        exercises.parse(words[1:])
+        return "exercise"
     if command == "diagnose":                     # a job's folder of worker logs
         assert len(words) == 2 and not words[1].startswith("-"), words
         return "diagnose"
@@ -12807,6 +12813,141 @@ def test_pipeline_timeline_and_bubble_figures(runs):
     text = (out / "pp" / "pipeline_timeline.txt").read_text()
     assert "stage 0: F0   F1   .    B0   F2   B1   F3   B2   .    B3" in text and "measured" in text
     assert "F3' = the same on the stage's second model chunk" in text
+
+
+# ###################################################################################### exercises
+# ================================================ exercises (tools/exercises.py, run.sh exercise)
+def test_every_exercise_blanks_its_bugs_lines_and_its_solution_is_the_checkout(tmp_path, capsys):
+    """Each exercise of tools/exercises.py: its key lines are once in its function of the
+    checkout and hold the change of the catalogue's bug beside it (a wrong answer the suite's
+    planted-bug test shows its layouts catch: test_<concept>_planted_bug_is_caught), its layouts
+    hold that bug's; its copy's file parses and that function raises NotImplementedError under
+    the task (shapes, collective, rule, how to check), the key lines gone; the solution written
+    in their place gives the checkout's file byte for byte, and `--solution` prints them. At
+    least 10 exercises over TP, SP, DP, the distributed optimizer, the pipeline, both kinds of CP
+    and the experts, listed in that order with their time; bad calls are one line, exit 2."""
+    assert len(exercises.EXERCISES) >= 10
+    concepts = [bugs.BUGS[e.bug].concept for e in exercises.EXERCISES.values()]
+    assert concepts == sorted(concepts, key=["tp", "dp", "pipeline", "cp", "moe", "fp16"].index)
+    for name, exercise in exercises.EXERCISES.items():
+        bug = bugs.BUGS[exercise.bug]
+        file, first, key = exercises.key_lines(name)
+        assert bug.before in "".join(key) and set(bug.layouts) <= set(exercise.layouts), name
+        assert set(exercise.layouts) <= set(tour.LAYOUTS), name
+        assert all(callable(globals().get(test)) for test in exercise.units), name
+        checkout = (pathlib.Path(HERE) / file).read_text()
+        _, text = exercises.blanked(name)
+        node = bugs.function_node(ast.parse(text), bug.function)
+        body = "".join(text.splitlines(keepends=True)[node.lineno - 1:node.end_lineno])
+        assert f'raise NotImplementedError("exercise {name}: ' in body, name
+        assert key[0] not in body and f"# Exercise {name}: " in body, name
+        assert all(w in body for w in ("# In and out: ", "# Call: ", "# The rule: ")), name
+        assert text.replace("".join(exercises.blank(name)), "".join(key)) == checkout, name
+        assert exercises.solution(name)[1:] == [line.rstrip("\n") for line in key], name
+        assert exercises.solution(name)[0].startswith(f"{file}:{first}-"), name
+    capsys.readouterr()
+    assert exercises.main(["list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed if not line.startswith(" ")] == list(
+        exercises.EXERCISES)
+    assert all(re.search(r"check ~\d+ s$", line) for line in listed if not line.startswith(" "))
+    for argv, said in ((["tp_rows"], "exercise tp_rows: choose from list, tp_row_parallel, "),
+                       (["ring_step", "--hint", "--solution"], "exercise: one of --check, "),
+                       (["ring_step", "--check", str(tmp_path)],
+                        f"exercise ring_step: {tmp_path} is not an exercise's copy: make one "),
+                       (["ring_step", "--dir", str(tmp_path)],
+                        f"exercise ring_step: {tmp_path} exists: check it (bash run.sh ")):
+        assert exercises.main(argv) == 2, argv
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {said}"), err
+
+
+def rewrite(copy, name, old, new):
+    """In the copy `copy`, exercise `name`'s file with the lines `old` replaced by `new`."""
+    path = copy / exercises.key_lines(name)[0]
+    text = path.read_text()
+    assert text.count("".join(old)) == 1
+    path.write_text(text.replace("".join(old), "".join(new)))
+
+
+def checkout_bytes():
+    """{path: bytes} of the checkout's files that a copy takes (exercises.SKIPPED left out)."""
+    found = {}
+    for folder, dirs, files in os.walk(HERE):
+        dirs[:] = [d for d in dirs if d not in exercises.SKIPPED]
+        for file in files:
+            if not file.endswith((".pyc", ".bin", ".idx")):
+                path = os.path.join(folder, file)
+                found[os.path.relpath(path, HERE)] = pathlib.Path(path).read_bytes()
+    return found
+
+
+EXERCISE = "ulysses_all_to_all"          # the exercise the suite does from end to end
+
+
+def call_exercise(harness):
+    """`bash run.sh exercise EXERCISE --dir COPY`, then `--check COPY` on the blank and on the
+    catalogue's bug written in its place, and `--check` in the copy on the solution
+    (`--solution`'s lines): (the checkout's files before and after, the copy, the copy's files,
+    each finished process)."""
+    before, copy = checkout_bytes(), harness.tmp / "exercise"
+    run = lambda *argv, cwd=HERE: subprocess.run(["bash", "run.sh", "exercise", EXERCISE, *argv],
+                                                 cwd=cwd, capture_output=True, text=True,
+                                                 timeout=600)
+    done = {"made": run("--dir", str(copy))}
+    copied = {path: (copy / path).read_bytes() for path in checkout_bytes()
+              if (copy / path).exists()}
+    done["blank"] = run("--check", str(copy))
+    _, _, key = exercises.key_lines(EXERCISE)
+    bug = bugs.BUGS[exercises.EXERCISES[EXERCISE].bug]
+    wrong = [line.replace(bug.before, bug.after) for line in key]
+    rewrite(copy, EXERCISE, exercises.blank(EXERCISE), wrong)
+    done["bug"] = run("--check", str(copy))
+    rewrite(copy, EXERCISE, wrong, [line + "\n" for line in
+                                    run("--solution").stdout.splitlines()[1:]])
+    done["solved"] = run("--check", cwd=copy)           # its run.sh hands it to the checkout's
+    copied["parallel.py solved"] = (copy / "parallel.py").read_bytes()
+    return before, checkout_bytes(), copy, copied, done
+
+
+add("exercise", 0, "", call=call_exercise)
+
+
+@reading("exercise")
+def test_an_exercise_blank_fails_its_check_a_wrong_answer_too_and_the_solution_passes(runs):
+    """`bash run.sh exercise ulysses_all_to_all` (EXERCISE): a copy of the checkout, the one file
+    blanked, .venv linked, its record; the checkout never changes. `--check` on the blank fails
+    on the first layout, naming the proof, the NotImplementedError and the hint for it; with the
+    catalogue's bug written there it fails on the loss from the first step; with `--solution`'s
+    lines (the checkout's file again), checked from the copy, it passes op by op and compiled;
+    exit 1, 1, 0."""
+    before, after, copy, copied, done = runs.result("exercise")
+    assert before == after
+    made = done["made"]
+    assert made.returncode == 0 and made.stdout.startswith(f"exercise {EXERCISE}: your task is "
+                                                           f"at {copy}/parallel.py, line "), made
+    assert copied.pop("parallel.py solved") == before["parallel.py"]
+    assert set(copied) == set(before) and json.loads((copy / ".exercise").read_text()) == {
+        "exercise": EXERCISE, "checkout": HERE}
+    assert [p for p in before if copied[p] != before[p]] == ["parallel.py"]
+    assert (copy / ".venv").resolve() == pathlib.Path(HERE, ".venv").resolve()
+    fails = f"exercise {EXERCISE}: op by op cp_ulysses fails (a second hint: bash run.sh "
+    for case, said, hint in (
+            ("blank", "did not finish: rank [01]: NotImplementedError: exercise "
+                      f"{EXERCISE}: write the lines", "the blank still raises: write your "),
+            ("bug", r"CP2, Ulysses: DIFFERS: its loss by \S+ \(more than 1e-05\)",
+             "the loss differs from the first step: ")):
+        lines = done[case].stdout.splitlines()
+        assert done[case].returncode == 1 and lines[-1].startswith(fails), lines[-6:]
+        assert re.fullmatch(rf"  FAIL  op by op cp_ulysses +{said}.*", lines[-3]), lines[-3]
+        assert lines[-2].startswith(f"hint: {hint}"), lines[-2]
+    lines = done["solved"].stdout.splitlines()
+    assert done["solved"].returncode == 0, lines[-8:] + done["solved"].stderr.splitlines()[-5:]
+    assert [" ".join(l.split()) for l in lines if re.match(r"  (pass|FAIL|-) ", l)] == [
+        f"pass {form} cp_ulysses CP2, Ulysses: equal to one process"
+        for form in ("op by op", "compiled")]
+    assert re.fullmatch(rf"exercise {EXERCISE}: every proof passes \(2, in \d+ s\): your lines "
+                        "do what one process does", lines[-1]), lines[-1]
 
 
 # ########################################################################### the harness's launches

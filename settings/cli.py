@@ -8,6 +8,7 @@ guide's spelling became, and what an inert key does not do, is collected in `not
 training logs once at start.
 """
 import ctypes
+import functools
 import os
 import random
 import secrets
@@ -226,6 +227,22 @@ class HelpRequested(Exception):
     """--help or -h: the message is the command's usage; the caller prints it and exits 0."""
 
 
+def answered(main):
+    """A command's main(argv) -> exit code, answering --help and a refused command line as every
+    command does: HelpRequested, its usage printed, 0; ConfigError, one `error:` line, 2."""
+    @functools.wraps(main)
+    def command(argv):
+        try:
+            return main(argv)
+        except HelpRequested as e:
+            print(e)
+            return 0
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return command
+
+
 def _usage(command, flags, positional, passthrough, about):
     """A command's --help: the usage line, what the command does, then one line per flag."""
     required = [f"{f} VALUE" for f, spec in flags.items() if spec[0] is REQUIRED]
@@ -381,8 +398,9 @@ def training_help():
              "[section.key=VALUE ...]   train",
              "       bash run.sh COMMAND [flags]   COMMAND: test, tour, bench, check, preprocess, "
              "generate, convert,",
-             "                                     import-hf, export-hf, import-megatron, plan "
-             "(bash run.sh COMMAND --help)",
+             "                                     import-hf, export-hf, import-megatron, plan, "
+             "parity,",
+             "                                     exercise (bash run.sh COMMAND --help)",
              "Each --config FILE is layered over the project's config.yaml and the files before "
              "it; the defaults",
              "below are the key table's (keys.py), which config.yaml overrides; every key can "

@@ -193,7 +193,7 @@ def source_of(bug):
     ValueError when `before` is not exactly once in that function."""
     path = os.path.join(PROJECT, bug.file)
     text = open(path).read()
-    node = _function_node(ast.parse(text), bug.function)
+    node = function_node(ast.parse(text), bug.function)
     lines = text.splitlines(keepends=True)
     start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
     body = "".join(lines[start - 1:node.end_lineno])
@@ -205,7 +205,7 @@ def source_of(bug):
     return path, changed, node
 
 
-def _function_node(tree, function):
+def function_node(tree, function):
     """The def node of `function` ("name" or "Class.name") in a module's ast."""
     scope = tree
     for name in function.split("."):
@@ -223,21 +223,30 @@ def where(bug):
     return bug.file, line
 
 
-def patches(name):
-    """The bug `name` as conftest-style patches [(owner, attribute, replacement)]: the function
-    compiled from the changed text (under a file name of its own in linecache, its lines where
-    the checkout has them), in the module's globals."""
-    bug = BUGS[name]
+def patches(plant):
+    """The patches [(owner, attribute, replacement)] of `plant`: the bug of that name (BUGS), or
+    "COPY::FILE::FUNCTION", the function as a learner wrote it in FILE of the project's copy
+    COPY (an exercise: tools/exercises.py), in place of the checkout's."""
+    if "::" in plant:
+        copy, file, function = plant.split("::")
+        path = os.path.join(copy, file)
+        return compiled(file, function, open(path).read(), path)
+    bug = BUGS[plant]
     path, changed, _ = source_of(bug)
-    module = importlib.import_module(bug.file[:-3].replace("/", "."))
+    return compiled(bug.file, bug.function, changed, f"{path} (bug {plant})")
+
+
+def compiled(file, function, text, filename):
+    """[(owner, attribute, replacement)]: `function` of the checkout's module `file` compiled
+    from `text`, a whole file's text (under `filename` in linecache, so that ms.jit, which reads
+    a function's source, reads this one), in the module's globals."""
+    module = importlib.import_module(file[:-3].replace("/", "."))
     owner = module
-    for part in bug.function.split(".")[:-1]:
+    for part in function.split(".")[:-1]:
         owner = getattr(owner, part)
-    attribute = bug.function.split(".")[-1]
-    filename = f"{path} (bug {name})"
-    linecache.cache[filename] = (len(changed), None, changed.splitlines(keepends=True), filename)
-    tree = ast.parse(changed)
-    definition = _function_node(tree, bug.function)
+    attribute = function.split(".")[-1]
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    definition = function_node(ast.parse(text), function)
     definition.decorator_list = []
     code = compile(ast.Module([definition], []), filename, "exec")
     namespace = {}

@@ -26,7 +26,7 @@ import os
 import subprocess
 import sys
 
-from settings.cli import PROJECT, REQUIRED, HelpRequested, load_config, parse_command
+from settings.cli import PROJECT, REQUIRED, answered, load_config, parse_command
 from settings.config import ConfigError
 import train
 from tools import bench, bench_peer, tour
@@ -43,19 +43,13 @@ COMPARED = [("loss", "loss", "loss"), ("grad_norm", "grad_norm", "grad norm"),
             ("lr", "lr", "lr"), ("batch_size", "batch_size", "batch")]
 
 
+@answered
 def main(argv):
     """`bash run.sh parity`: 0 equal, 1 differing, 2 a refused command line."""
-    try:
-        options, flags = parse_command("parity", argv, FLAGS, passthrough="training flags")
-        workers = nproc(flags)
-        training = [f for i, f in enumerate(flags) if "--nproc" not in flags[max(i - 1, 0):i + 1]]
-        refuse(load_config([], [*training, "--train-iters", str(options["steps"])], workers))
-    except HelpRequested as e:
-        print(e)
-        return 0
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    options, flags = parse_command("parity", argv, FLAGS, passthrough="training flags")
+    workers = nproc(flags)
+    training = [f for i, f in enumerate(flags) if "--nproc" not in flags[max(i - 1, 0):i + 1]]
+    refuse(load_config([], [*training, "--train-iters", str(options["steps"])], workers))
     # this side's command checked as run.sh checks it (config, layout, corpus): one line, 2
     if train.main(["check", "--nproc", str(workers), *training, *run_flags(options["steps"])]):
         return 2

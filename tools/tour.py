@@ -49,7 +49,7 @@ import data
 import parallel
 import train
 from instruments import memory
-from settings.cli import (PROJECT, PROJECT_CONFIG, HelpRequested, load_config, msrun_command,
+from settings.cli import (PROJECT, PROJECT_CONFIG, answered, load_config, msrun_command,
                           parse_command)
 from settings.config import ConfigError
 from tools import bugs
@@ -255,7 +255,8 @@ def run_argv(name, flags, prefix, output, model_flags=()):
 
 def worker(runs_file):
     """The program of each worker (or the one process): every [name, argv, bug] of runs_file
-    through train.main, the bug (a name of bugs.BUGS, or None) planted while it runs, then
+    through train.main, the bug (bugs.patches: a bug's name or an exercise's function; or None)
+    planted while it runs, then
     <save>/tour_done.<rank>; the first failure ends the worker (<save>/tour_failed.<rank>; msrun
     then stops the others). Its pid goes to RUNS.json.pid.<pid>."""
     rank = os.environ.get("RANK_ID", "0")
@@ -393,7 +394,8 @@ def start(workers, runs, prefix, output, model_flags, label):
 
 
 # a run of the tour: its folder under the output (`name`), the layout or reference it trains,
-# the bug planted in it (a name of bugs.BUGS, or None)
+# the bug planted in it (what bugs.patches takes: a name of bugs.BUGS, or a learner's function
+# from an exercise's copy; or None)
 Run = namedtuple("Run", "name layout bug")
 
 
@@ -491,16 +493,10 @@ def shown(path):
     return path if relative.startswith("..") else relative
 
 
+@answered
 def main(argv):
     """bash run.sh tour: see the module docstring."""
-    try:
-        names, output, model_flags, bug = parse(argv)
-    except HelpRequested as e:
-        print(e)
-        return 0
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    names, output, model_flags, bug = parse(argv)
     if bug == "list":
         print("\n".join(bugs.catalogue()))
         return 0
