@@ -94,7 +94,8 @@ class Job:
     "launch", a launch whose processes take little of the CPU (idle in a collective, asleep,
     failing at load, killed as they start, or a few steps of a tiny model on one worker a
     launch); "restart", "restart_one", "restart_faults" and "restart_compiled", the run.sh jobs
-    killed and launched again (four lists, side by side)."""
+    killed and launched again (four lists, side by side); "exercise", an exercise's checks (the
+    tour's layouts of a tiny model, with the learner's function)."""
 
     def __init__(self, name, workers, concepts, flags=(), argv=None, after=(), plant=None,
                  sigterm=None, hold=None, busy=0, call=None, check=None, beside=None,
@@ -366,12 +367,13 @@ class Harness:
       6. the calls that need a launch's jobs.
     A launch runs test_all.py on its workers (run_jobs), its check jobs first, before any
     training; a selection with no job of a step skips it, so `-m pipeline` launches only pipeline
-    runs. Six more threads run the other calls (Job.beside) beside all this, each its kind in
+    runs. Seven more threads run the other calls (Job.beside) beside all this, each its kind in
     turn: the forked runs of one-process tests, the launches that take little of the CPU (the
     planted faults, a launch that fails at load, a killed worker, the guide's script, a run
-    killed twice as it starts), and the run.sh jobs killed and launched again (four threads:
-    call_restarts, call_restart_one, call_restart_faults and call_restart_compiled), each
-    msrun job on its own scheduler port. All of it yields the CPU to the one-process tests
+    killed twice as it starts), the run.sh jobs killed and launched again (four threads:
+    call_restarts, call_restart_one, call_restart_faults and call_restart_compiled), and an
+    exercise's checks (call_exercise: three short launches of a tiny model), each msrun job on
+    its own scheduler port. All of it yields the CPU to the one-process tests
     (HARNESS_NICE)."""
 
     def __init__(self, tmp, names):
@@ -386,7 +388,7 @@ class Harness:
         self.threads = [threading.Thread(target=self._run_all, daemon=True)] + [
             threading.Thread(target=self._run_calls_beside, args=(kind,), daemon=True)
             for kind in ("forked", "launch", "restart", "restart_one", "restart_faults",
-                         "restart_compiled")]
+                         "restart_compiled", "exercise")]
         for thread in self.threads:
             thread.start()
 

@@ -12910,7 +12910,7 @@ def call_exercise(harness):
     return before, checkout_bytes(), copy, copied, done
 
 
-add("exercise", 0, "", call=call_exercise)
+add("exercise", 0, "", call=call_exercise, beside="exercise")
 
 
 @reading("exercise")
