@@ -12871,14 +12871,14 @@ def rewrite(copy, name, old, new):
 
 
 def checkout_bytes():
-    """{path: bytes} of the checkout's files that a copy takes (exercises.SKIPPED left out)."""
+    """{path: bytes} of the checkout's files that a copy takes (exercises.skipped left out: what
+    the suite's other jobs write beside this one is among them)."""
     found = {}
     for folder, dirs, files in os.walk(HERE):
-        dirs[:] = [d for d in dirs if d not in exercises.SKIPPED]
-        for file in files:
-            if not file.endswith((".pyc", ".bin", ".idx")):
-                path = os.path.join(folder, file)
-                found[os.path.relpath(path, HERE)] = pathlib.Path(path).read_bytes()
+        dirs[:] = [d for d in dirs if not exercises.skipped([d])]
+        for file in set(files) - set(exercises.skipped(files)):
+            path = os.path.join(folder, file)
+            found[os.path.relpath(path, HERE)] = pathlib.Path(path).read_bytes()
     return found
 
 

@@ -189,9 +189,11 @@ EXERCISES = {
         [], ["fp16"]),
 }
 MARK = ".exercise"                   # a copy's record: {"exercise": NAME, "checkout": folder}
-# the checkout's files a copy leaves out: history, outputs, caches (data/'s tokenized corpora and
-# GPTDataset's indices are made again where needed); .venv becomes a link
+# the checkout's files a copy leaves out: history, outputs, caches, what runs generate (data/'s
+# tokenized corpora with their sidecars, GPTDataset's indices: made again where needed); .venv
+# becomes a link
 SKIPPED = {".git", ".venv", "output", "exercises", "__pycache__", ".pytest_cache", "cache"}
+SKIPPED_ENDINGS = (".pyc", ".bin", ".idx", ".src.json")
 # rough seconds of a check's parts here (2 cores): pytest with the unit tests; for each one-process
 # reference a form runs, that reference's run and each of its layouts' (per 2 workers): float16
 # runs slowly on this CPU, the experts' runs route and exchange tokens
@@ -273,14 +275,13 @@ def solution(name):
 
 # ----------------------------------------------------------------------------- the copy
 def make_copy(name, folder):
-    """The learner's copy of the project in `folder` (a new folder): the checkout's files but
-    SKIPPED, the exercise's file blanked, .venv linked to the checkout's, MARK written; made in
-    a sibling folder first and renamed, so that nothing half-made is left."""
+    """The learner's copy of the project in `folder` (a new folder): the checkout's files but the
+    skipped ones, the exercise's file blanked, .venv linked to the checkout's, MARK written; made
+    in a sibling folder first and renamed, so that nothing half-made is left."""
     partial = f"{folder}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        shutil.copytree(PROJECT, partial, ignore=lambda _, names: [
-            n for n in names if n in SKIPPED or n.endswith((".pyc", ".bin", ".idx"))])
+        shutil.copytree(PROJECT, partial, ignore=lambda _, names: skipped(names))
         file, text = blanked(name)
         with open(os.path.join(partial, file), "w") as f:
             f.write(text)
@@ -291,6 +292,13 @@ def make_copy(name, folder):
         os.rename(partial, folder)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def skipped(names):
+    """Of a folder's entries `names`, those a copy leaves out (SKIPPED, SKIPPED_ENDINGS, and a
+    rank's folder of MindSpore's files, rank_*)."""
+    return [n for n in names
+            if n in SKIPPED or n.endswith(SKIPPED_ENDINGS) or n.startswith("rank_")]
 
 
 def copy_of(name, folder):
