@@ -2526,7 +2526,11 @@ def test_cp_msrun_checks(runs, family, job):
 add("one_rope_gqa", 1, "tp cp dp checkpoint", ROPE + SAVE_HALF)
 add("one_rope_gqa_fp16", 1, "cp fp16", ROPE + HALF)
 layout("cp2_ulysses", 2, "cp", ROPE + CP2, "one_rope_gqa")
-layout("cp2_ring", 2, "cp fp16", ROPE + CP2 + RING + HALF + COMPILED, "one_rope_gqa_fp16")
+# the ring and its all-gather form save at step 2: resumed there bit for bit (the checkpoint
+# section)
+layout("cp2_ring", 2, "cp fp16 checkpoint", ROPE + CP2 + RING + HALF + COMPILED + SAVE_HALF,
+       "one_rope_gqa_fp16")
+layout("cp2_all_gather", 2, "cp checkpoint", ROPE + CP2 + ALL_GATHER + SAVE_HALF, "one_rope_gqa")
 # Compiled graphs holding collectives of several kinds of groups (each rank's own tp- and cp-
 # subgroups), rank 1 HELD s late to step 2 while its peers wait inside the graph: the flight
 # recorder's watchdog reads the records then, and must wait, as for any slow peer (the flight
@@ -2538,10 +2542,11 @@ layout("cp4_ring", 4, "cp", ROPE + CP4 + RING + COMPILED, "one_rope_gqa")
 
 
 @pytest.mark.cp
-@pytest.mark.parametrize("layout", layout_params(["cp2_ulysses", "cp2_ring", "tp2_sp_cp2_ring",
-                                                  "cp4_hybrid", "cp4_ring"]))
+@pytest.mark.parametrize("layout", layout_params(["cp2_ulysses", "cp2_ring", "cp2_all_gather",
+                                                  "tp2_sp_cp2_ring", "cp4_hybrid", "cp4_ring"]))
 def test_cp_layouts_train_like_one_process(runs, layout):
-    """CP2 Ulysses, the CP2 ring in float16 and compiled, TP2 + SP x the CP2 ring and the hybrid
+    """CP2 Ulysses, the CP2 ring in float16 and compiled, its all-gather form (--cp-comm-type
+    all_gather), TP2 + SP x the CP2 ring and the hybrid
     CP4 (both compiled, a rank late), and a ring of 4 compiled, its blocks passed 3 times each
     way, train like one process (assert_layout_trains_like_one_process)."""
     assert_layout_trains_like_one_process(runs, layout)
@@ -10150,7 +10155,8 @@ resumed("dp2_distopt_overlap_resumed", 2, "dp checkpoint",
         PARAM_GATHER + OVERLAP + HALF + MIXTURE, "dp2_distopt_overlap")
 resumed("tp2_pp2_to_pp2_vpp2", 2, "checkpoint", PIPELINE_RUN + PP2 + VPP2, "tp2_pp2_as_pp2_vpp2")
 resumed("one_to_cp2_ulysses", 2, "checkpoint", ROPE + CP2, "one_rope_gqa")
-resumed("one_to_cp2_all_gather", 2, "checkpoint", ROPE + CP2 + ALL_GATHER, "one_rope_gqa")
+resumed("cp2_ring_resumed", 2, "cp checkpoint", ROPE + CP2 + RING + HALF + COMPILED, "cp2_ring")
+resumed("cp2_all_gather_resumed", 2, "cp checkpoint", ROPE + CP2 + ALL_GATHER, "cp2_all_gather")
 # resumed in another layout straight from the 4 workers' checkpoints, converted on load; TP2 x
 # PP2 as DP2 saved in torch_dist (the distributed optimizer's state gathered per parameter)
 resumed("tp2_pp2_to_dp2_distopt", 2, "checkpoint", PIPELINE_RUN + DISTOPT + DIST,
@@ -10166,7 +10172,6 @@ resumed("fsdp_zero3_to_tp2_pp2", 4, "dp checkpoint", TP2 + PP2, "tp2_sp_dp2_fsdp
 CONVERTED = {"one_to_tp2_dp2_distopt": ("one", "TP1 -> TP2 x DP2, distributed optimizer"),
              "one_to_cp2_ring_dp2_distopt": ("one_rope_gqa", "one process -> CP2 x DP2"),
              "one_to_cp2_ulysses": ("one_rope_gqa", "one process -> CP2, no conversion"),
-             "one_to_cp2_all_gather": ("one_rope_gqa", "one process -> CP2 all_gather"),
              "tp2_pp2_to_pp2_vpp2": ("tp2_pp2_sp", "TP2 x PP2 -> PP2 with VPP2"),
              "tp2_pp2_to_one": ("tp2_pp2_sp", "TP2 x PP2 -> one process"),
              "ep4_to_one": ("ep4_distopt", "EP4 -> one process"),
@@ -10201,13 +10206,18 @@ ON_LOAD = {"tp2_pp2_to_dp2_distopt": ({"tp": 2, "pp": 2, "dp": 1, "distributed_o
     pytest.param("dp2_fsdp_zero3", "dp2_fsdp_zero3_resumed", marks=reads(
         "dp2_fsdp_zero3", "dp2_fsdp_zero3_resumed", concepts={"checkpoint", "dp"})),
     pytest.param("dp2_fsdp_zero2", "dp2_fsdp_zero2_resumed", marks=reads(
-        "dp2_fsdp_zero2", "dp2_fsdp_zero2_resumed", concepts={"checkpoint", "dp"}))])
+        "dp2_fsdp_zero2", "dp2_fsdp_zero2_resumed", concepts={"checkpoint", "dp"})),
+    pytest.param("cp2_ring", "cp2_ring_resumed", marks=reads(
+        "cp2_ring", "cp2_ring_resumed", concepts={"checkpoint", "cp"})),
+    pytest.param("cp2_all_gather", "cp2_all_gather_resumed", marks=reads(
+        "cp2_all_gather", "cp2_all_gather_resumed", concepts={"checkpoint", "cp"}))])
 def test_parallel_resume_is_bit_exact(runs, full, resumed):
     """A run resumed from step 2 in the same layout (DP2 with the distributed optimizer, EP2 x
-    PP2 with a capacity factor, DP2 of Megatron-FSDP's ZeRO-3 and 2, from the step-2 checkpoint of
-    the run that went on, --ckpt-step; TP2 x PP2 after a SIGTERM stop) logs the losses and
-    gradient norms of the run that never stopped, and ends with the same weights and optimizer
-    state on every rank, bit for bit."""
+    PP2 with a capacity factor, DP2 of Megatron-FSDP's ZeRO-3 and 2, the CP2 ring passing K/V
+    blocks (float16, compiled) and its all-gather form, from the step-2 checkpoint of the run
+    that went on, --ckpt-step; TP2 x PP2 after a SIGTERM stop) logs the losses and gradient norms
+    of the run that never stopped, and ends with the same weights and optimizer state on every
+    rank, bit for bit."""
     full, resumed = runs.folder(full), runs.folder(resumed)
     assert ([l.split(", Time")[0] for l in train_lines(resumed)]
             == [l.split(", Time")[0] for l in train_lines(full)[STEPS // 2:]])
