@@ -295,10 +295,11 @@ def make_copy(name, folder):
 
 
 def skipped(names):
-    """Of a folder's entries `names`, those a copy leaves out (SKIPPED, SKIPPED_ENDINGS, and a
-    rank's folder of MindSpore's files, rank_*)."""
-    return [n for n in names
-            if n in SKIPPED or n.endswith(SKIPPED_ENDINGS) or n.startswith("rank_")]
+    """Of a folder's entries `names`, those a copy leaves out (SKIPPED, SKIPPED_ENDINGS, a
+    rank's folder of MindSpore's files, rank_*, and a file being written: data's temporary
+    files, NAME.tmp<pid>.<random>)."""
+    return [n for n in names if n in SKIPPED or n.endswith(SKIPPED_ENDINGS)
+            or n.startswith("rank_") or ".tmp" in n]
 
 
 def copy_of(name, folder):
