@@ -12835,7 +12835,8 @@ def test_every_exercise_blanks_its_bugs_lines_and_its_solution_is_the_checkout(t
     the task (shapes, collective, rule, how to check), the key lines gone; the solution written
     in their place gives the checkout's file byte for byte, and `--solution` prints them. At
     least 10 exercises over TP, SP, DP, the distributed optimizer, the pipeline, both kinds of CP
-    and the experts, listed in that order with their time; bad calls are one line, exit 2."""
+    and the experts, listed in that order with their time; bad calls (a damaged copy's record
+    too) are one line, exit 2."""
     assert len(exercises.EXERCISES) >= 10
     concepts = [bugs.BUGS[e.bug].concept for e in exercises.EXERCISES.values()]
     assert concepts == sorted(concepts, key=["tp", "dp", "pipeline", "cp", "moe", "fp16"].index)
@@ -12870,6 +12871,11 @@ def test_every_exercise_blanks_its_bugs_lines_and_its_solution_is_the_checkout(t
         assert exercises.main(argv) == 2, argv
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {said}"), err
+    (tmp_path / ".exercise").write_text('["ring_step"]')         # a damaged copy's record
+    assert exercises.main(["ring_step", "--check", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: exercise ring_step: {tmp_path / '.exercise'} "
+                                       "names no checkout with a run.sh: make a new copy with "
+                                       "bash run.sh exercise ring_step\n")
 
 
 def rewrite(copy, name, old, new):

@@ -308,14 +308,18 @@ def copy_of(name, folder):
     path = os.path.join(folder, MARK)
     try:
         mark = json.loads(open(path).read())
-    except (OSError, ValueError):
+    except (OSError, ValueError):                     # no record, or not JSON (UTF-8 included)
         raise ConfigError(f"exercise {name}: {folder} is not an exercise's copy: make one with "
                           f"bash run.sh exercise {name}") from None
+    checkout = mark.get("checkout") if isinstance(mark, dict) else None
+    if not isinstance(checkout, str) or not os.path.isfile(os.path.join(checkout, "run.sh")):
+        raise ConfigError(f"exercise {name}: {path} names no checkout with a run.sh: make a new "
+                          f"copy with bash run.sh exercise {name}")
     if mark.get("exercise") != name:
         raise ConfigError(f"exercise {name}: {folder} is the copy of exercise "
                           f"{mark.get('exercise')}: check it with bash run.sh exercise "
                           f"{mark.get('exercise')} --check {folder}")
-    return mark["checkout"]
+    return checkout
 
 
 # ----------------------------------------------------------------------------- the check
@@ -473,6 +477,8 @@ def parse_proofs(name, folder):
         bugs.function_node(ast.parse(open(path).read(), path), bug.function)
     except SyntaxError as e:
         return [Proof("parse", "FAIL", f"{bug.file}:{e.lineno}: {e.msg}", "fix the syntax")]
+    except ValueError as e:                   # not UTF-8, or a null byte (Python 3.11's ast)
+        return [Proof("parse", "FAIL", f"{bug.file}: {e}", "save it as UTF-8 text")]
     except (OSError, StopIteration):
         return [Proof("parse", "FAIL", f"{bug.file} has no {bug.function}",
                       f"the function {bug.function} must stay in {bug.file}")]
